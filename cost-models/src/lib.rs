@@ -1,0 +1,1 @@
+//! Cost models: compute, communication and memory of a plan on a hardware profile.

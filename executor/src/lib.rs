@@ -1,0 +1,1 @@
+//! Runs a plan: tensor ops, collectives and pipeline schedules.

@@ -1,0 +1,1 @@
+//! Cluster description types, TOML profile loader with validation, built-in presets.

@@ -1,0 +1,1 @@
+//! Search over parallel layouts, ranking, reports and exports.

@@ -1,0 +1,1 @@
+//! Event-driven simulator of one training step.
