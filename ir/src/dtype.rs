@@ -95,7 +95,9 @@ impl FromStr for Precision {
         Precision::ALL
             .into_iter()
             .find(|p| p.name() == s.to_ascii_lowercase())
-            .ok_or_else(|| format!("unknown precision '{s}' (expected fp32, tf32, fp16, bf16 or fp8)"))
+            .ok_or_else(|| {
+                format!("unknown precision '{s}' (expected fp32, tf32, fp16, bf16 or fp8)")
+            })
     }
 }
 

@@ -6,3 +6,14 @@ pub mod units;
 
 pub use dtype::{DType, Precision};
 pub use units::{Bytes, BytesPerSec, Flops, Seconds, GIB};
+pub mod axes;
+pub mod op;
+pub mod shape;
+
+pub use axes::{AxesMapping, AxisInfo, AxisRole, Split, SplitError, TensorDegrees};
+pub use op::{ComputeClass, OpKind, Saved, ShapeError, Work};
+pub use shape::Shape;
+pub mod graph;
+pub use graph::{
+    Graph, GraphBuilder, GraphError, Node, NodeId, Segment, Tensor, TensorId, TensorRole,
+};

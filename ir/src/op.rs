@@ -1,0 +1,1398 @@
+//! The closed set of ops, their shape rules, axes mappings and work.
+//!
+//! Every op sees its inputs in a fixed order: data inputs first, then its weights (created as
+//! separate weight tensors by the graph builder, so tied weights are simply shared tensors).
+//! Work is computed from shapes alone, so the work of a shard is the op's work on the shard's
+//! shapes: that is what lets the planner cost any split the axes mapping derives.
+//!
+//! FLOP conventions: a multiply-add is 2 FLOPs; attention counts the full `s × t` score matrix
+//! even when causal (the "model FLOPs" convention of Megatron-LM and PaLM, which MFU uses; a cost
+//! model may discount the masked half of a fused causal kernel); backward of a matmul is twice its
+//! forward, split into input-gradient and weight-gradient halves.
+
+use crate::axes::{AxesMapping, AxisRole};
+use crate::shape::Shape;
+use crate::units::{Bytes, Flops};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Embedding lookup: `[ids(...), table(vocab, dim)] -> [..., dim]`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct EmbeddingAttrs {
+    pub vocab: u64,
+    pub dim: u64,
+}
+
+/// Fully connected layer: `[x(..., in), w(in, out), bias(out)?] -> [..., out]`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LinearAttrs {
+    pub out_features: u64,
+    pub bias: bool,
+}
+
+/// Matrix product: `[a(..., m, k), b(k, n) | b(..., k, n)] -> [..., m, n]`; with `transpose_b`
+/// the second operand is `(n, k)` (a tied LM head reads the `(vocab, hidden)` embedding table).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MatMulAttrs {
+    pub transpose_b: bool,
+}
+
+/// Scaled dot-product attention core: `[q(b, s, heads, d), k(b, t, kv_heads, d),
+/// v(b, t, kv_heads, d)] -> [b, s, heads, d]`. `heads == kv_heads` is MHA, `kv_heads == 1` MQA,
+/// anything dividing `heads` GQA. Projections are separate Linear ops.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct AttentionAttrs {
+    pub causal: bool,
+    /// A fused (flash) kernel: scores are never materialized, backward recomputes them.
+    pub fused: bool,
+    /// Dropout on the attention probabilities (unfused kernels keep its mask for backward).
+    pub dropout: bool,
+}
+
+/// Elementwise nonlinearity kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    Gelu,
+    Relu,
+    SquaredRelu,
+    Silu,
+    Sigmoid,
+    Tanh,
+}
+
+/// An elementwise nonlinearity: `[x] -> [x]`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ActivationAttrs {
+    pub kind: Activation,
+}
+
+/// Softmax over one axis (negative counts from the end).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct SoftmaxAttrs {
+    pub axis: i64,
+}
+
+/// Dropout with rate `rate_permille / 1000`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct DropoutAttrs {
+    pub rate_permille: u32,
+}
+
+/// Mixture of experts layer (router + experts, top-k routing):
+/// `[x(..., h), router(h, E), w_in(E, h, f), w_out(E, f, h), w_gate(E, h, f)?] -> [..., h]`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MoeAttrs {
+    pub experts: u64,
+    pub top_k: u64,
+    pub ffn_hidden: u64,
+    /// Gated (SwiGLU) experts, with a third weight.
+    pub gated: bool,
+}
+
+/// 2-D convolution, NCHW: `[x(n, c, h, w), w(o, c/groups, kh, kw), bias(o)?] -> [n, o, oh, ow]`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Conv2dAttrs {
+    pub out_channels: u64,
+    pub kernel: [u64; 2],
+    pub stride: [u64; 2],
+    pub padding: [u64; 2],
+    pub dilation: [u64; 2],
+    pub groups: u64,
+    pub bias: bool,
+}
+
+/// Pooling kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolKind {
+    Max,
+    Avg,
+}
+
+/// Windowed 2-D pooling, NCHW.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Pool2dAttrs {
+    pub kind: PoolKind,
+    pub kernel: [u64; 2],
+    pub stride: [u64; 2],
+    pub padding: [u64; 2],
+}
+
+/// An axis argument (negative counts from the end).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct AxisAttrs {
+    pub axis: i64,
+}
+
+/// Split one axis into pieces of the given sizes.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct SplitAttrs {
+    pub axis: i64,
+    pub sizes: Vec<u64>,
+}
+
+/// Reshape to a fixed shape with the same element count.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ReshapeAttrs {
+    pub shape: Vec<u64>,
+}
+
+/// Permute dimensions: output dim `i` is input dim `perm[i]`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TransposeAttrs {
+    pub perm: Vec<usize>,
+}
+
+/// One recurrent layer, batch first: `[x(b, s, i), w_ih(i, G·h), w_hh(h, G·h), bias(G·h)] ->
+/// [b, s, h]` with G = 4 gates for LSTM and 3 for GRU.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RnnAttrs {
+    pub hidden: u64,
+}
+
+/// The closed set of ops.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum OpKind {
+    Embedding(EmbeddingAttrs),
+    Linear(LinearAttrs),
+    MatMul(MatMulAttrs),
+    Attention(AttentionAttrs),
+    /// `[x(..., c), gamma(c), beta(c)] -> [x]`.
+    LayerNorm,
+    /// `[x(..., c), gamma(c)] -> [x]`.
+    RmsNorm,
+    Activation(ActivationAttrs),
+    /// Gated linear unit with SiLU: `[gate, up] -> [silu(gate) · up]`.
+    SwiGlu,
+    /// Elementwise sum with numpy broadcasting (residual connections).
+    Add,
+    /// Elementwise product with numpy broadcasting.
+    Mul,
+    Softmax(SoftmaxAttrs),
+    Dropout(DropoutAttrs),
+    /// Mean token cross-entropy: `[logits(..., vocab), labels(...)] -> []`.
+    CrossEntropy,
+    Moe(MoeAttrs),
+    Conv2d(Conv2dAttrs),
+    /// `[x(n, c, ...), gamma(c), beta(c)] -> [x]`.
+    BatchNorm,
+    Pool2d(Pool2dAttrs),
+    /// `[x(n, c, h, w)] -> [n, c, 1, 1]`.
+    GlobalAvgPool,
+    Concat(AxisAttrs),
+    Split(SplitAttrs),
+    Reshape(ReshapeAttrs),
+    Transpose(TransposeAttrs),
+    /// Flatten to 2-D at `axis`: `[d0..da, da..] -> [prod(d0..da), prod(da..)]`.
+    Flatten(AxisAttrs),
+    Lstm(RnnAttrs),
+    Gru(RnnAttrs),
+    /// Rotary position embedding on `[b, s, heads, d]`.
+    Rope,
+}
+
+/// How an op's time is best estimated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ComputeClass {
+    /// Dense matrix products on tensor cores.
+    Gemm,
+    /// Attention core (fused or a chain of batched matmuls and a softmax).
+    Attention,
+    /// Bandwidth-bound elementwise / normalization / reduction kernels.
+    MemoryBound,
+    /// Metadata-only (reshape, flatten): no kernel.
+    View,
+}
+
+/// Hardware-independent work of one op.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Work {
+    pub fwd_flops: Flops,
+    /// FLOPs to compute the gradient of the inputs.
+    pub bwd_input_flops: Flops,
+    /// FLOPs to compute the gradient of the weights.
+    pub bwd_weight_flops: Flops,
+    /// Bytes read by the forward kernel(s).
+    pub bytes_read: Bytes,
+    /// Bytes written by the forward kernel(s).
+    pub bytes_written: Bytes,
+    /// Weight elements this op reads (a tied weight counts for each op that reads it).
+    pub params: u64,
+    /// Bytes this op keeps for its backward pass, counted locally (a graph de-duplicates
+    /// tensors that several ops keep).
+    pub saved_bytes: Bytes,
+}
+
+impl Work {
+    /// Forward plus backward FLOPs.
+    pub fn train_flops(&self) -> Flops {
+        self.fwd_flops + self.bwd_input_flops + self.bwd_weight_flops
+    }
+}
+
+impl std::ops::Add for Work {
+    type Output = Work;
+    fn add(self, o: Work) -> Work {
+        Work {
+            fwd_flops: self.fwd_flops + o.fwd_flops,
+            bwd_input_flops: self.bwd_input_flops + o.bwd_input_flops,
+            bwd_weight_flops: self.bwd_weight_flops + o.bwd_weight_flops,
+            bytes_read: self.bytes_read + o.bytes_read,
+            bytes_written: self.bytes_written + o.bytes_written,
+            params: self.params + o.params,
+            saved_bytes: self.saved_bytes + o.saved_bytes,
+        }
+    }
+}
+
+/// What an op keeps for backward: whole tensors (inputs / outputs by index) and extra state.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Saved {
+    pub inputs: Vec<usize>,
+    pub outputs: Vec<usize>,
+    /// Extra floating-point elements (statistics, gates, probabilities) at activation precision.
+    pub extra_elems: u64,
+    /// Extra bytes of fixed size (dropout masks, fp32 statistics, routing indices).
+    pub extra_bytes: u64,
+}
+
+/// A shape rule violation.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum ShapeError {
+    #[error("{op} takes {expected} inputs, got {got}")]
+    Arity {
+        op: &'static str,
+        expected: String,
+        got: usize,
+    },
+    #[error("{op}: input {input} must have rank {expected}, got {got}")]
+    Rank {
+        op: &'static str,
+        input: usize,
+        expected: String,
+        got: Shape,
+    },
+    #[error("{op}: {what}: {lhs} vs {rhs}")]
+    Mismatch {
+        op: &'static str,
+        what: &'static str,
+        lhs: Shape,
+        rhs: Shape,
+    },
+    #[error("{op}: {reason}")]
+    Invalid { op: &'static str, reason: String },
+}
+
+fn arity(op: &'static str, ins: &[Shape], lo: usize, hi: usize) -> Result<(), ShapeError> {
+    if ins.len() < lo || ins.len() > hi {
+        return Err(ShapeError::Arity {
+            op,
+            expected: if lo == hi {
+                lo.to_string()
+            } else {
+                format!("{lo} to {hi}")
+            },
+            got: ins.len(),
+        });
+    }
+    Ok(())
+}
+
+fn rank(op: &'static str, ins: &[Shape], i: usize, r: usize) -> Result<(), ShapeError> {
+    if ins[i].rank() != r {
+        return Err(ShapeError::Rank {
+            op,
+            input: i,
+            expected: r.to_string(),
+            got: ins[i].clone(),
+        });
+    }
+    Ok(())
+}
+
+fn min_rank(op: &'static str, ins: &[Shape], i: usize, r: usize) -> Result<(), ShapeError> {
+    if ins[i].rank() < r {
+        return Err(ShapeError::Rank {
+            op,
+            input: i,
+            expected: format!("at least {r}"),
+            got: ins[i].clone(),
+        });
+    }
+    Ok(())
+}
+
+fn same(op: &'static str, what: &'static str, a: &Shape, b: &Shape) -> Result<(), ShapeError> {
+    if a != b {
+        return Err(ShapeError::Mismatch {
+            op,
+            what,
+            lhs: a.clone(),
+            rhs: b.clone(),
+        });
+    }
+    Ok(())
+}
+
+fn invalid(op: &'static str, reason: impl Into<String>) -> ShapeError {
+    ShapeError::Invalid {
+        op,
+        reason: reason.into(),
+    }
+}
+
+fn norm_axis(op: &'static str, axis: i64, r: usize) -> Result<usize, ShapeError> {
+    let a = if axis < 0 { axis + r as i64 } else { axis };
+    if a < 0 || a >= r as i64 {
+        return Err(invalid(
+            op,
+            format!("axis {axis} out of range for rank {r}"),
+        ));
+    }
+    Ok(a as usize)
+}
+
+/// Output size of a windowed op along one spatial dimension.
+fn window_out(
+    op: &'static str,
+    size: u64,
+    kernel: u64,
+    stride: u64,
+    pad: u64,
+    dilation: u64,
+) -> Result<u64, ShapeError> {
+    if kernel == 0 || stride == 0 || dilation == 0 {
+        return Err(invalid(op, "kernel, stride and dilation must be positive"));
+    }
+    let span = dilation * (kernel - 1) + 1;
+    if size + 2 * pad < span {
+        return Err(invalid(
+            op,
+            format!("window {span} larger than padded input {}", size + 2 * pad),
+        ));
+    }
+    Ok((size + 2 * pad - span) / stride + 1)
+}
+
+/// Numpy broadcasting of two shapes.
+fn broadcast(op: &'static str, a: &Shape, b: &Shape) -> Result<Shape, ShapeError> {
+    let r = a.rank().max(b.rank());
+    let mut out = vec![0; r];
+    for (i, o) in out.iter_mut().enumerate() {
+        let da = if i + a.rank() >= r {
+            a.0[i + a.rank() - r]
+        } else {
+            1
+        };
+        let db = if i + b.rank() >= r {
+            b.0[i + b.rank() - r]
+        } else {
+            1
+        };
+        *o = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => {
+                return Err(ShapeError::Mismatch {
+                    op,
+                    what: "shapes do not broadcast",
+                    lhs: a.clone(),
+                    rhs: b.clone(),
+                })
+            }
+        };
+    }
+    Ok(Shape(out))
+}
+
+/// FLOPs per element of an activation's forward and backward.
+fn activation_flops(kind: Activation) -> (f64, f64) {
+    match kind {
+        Activation::Relu => (1.0, 1.0),
+        Activation::SquaredRelu => (2.0, 2.0),
+        // tanh-approximate GeLU: ~8 arithmetic ops forward, ~2x backward.
+        Activation::Gelu => (8.0, 16.0),
+        Activation::Silu | Activation::Sigmoid | Activation::Tanh => (4.0, 8.0),
+    }
+}
+
+impl OpKind {
+    /// Short name of the op kind (histograms, errors).
+    pub fn name(&self) -> &'static str {
+        match self {
+            OpKind::Embedding(_) => "embedding",
+            OpKind::Linear(_) => "linear",
+            OpKind::MatMul(_) => "matmul",
+            OpKind::Attention(_) => "attention",
+            OpKind::LayerNorm => "layer_norm",
+            OpKind::RmsNorm => "rms_norm",
+            OpKind::Activation(a) => match a.kind {
+                Activation::Gelu => "gelu",
+                Activation::Relu => "relu",
+                Activation::SquaredRelu => "squared_relu",
+                Activation::Silu => "silu",
+                Activation::Sigmoid => "sigmoid",
+                Activation::Tanh => "tanh",
+            },
+            OpKind::SwiGlu => "swiglu",
+            OpKind::Add => "add",
+            OpKind::Mul => "mul",
+            OpKind::Softmax(_) => "softmax",
+            OpKind::Dropout(_) => "dropout",
+            OpKind::CrossEntropy => "cross_entropy",
+            OpKind::Moe(_) => "moe",
+            OpKind::Conv2d(_) => "conv2d",
+            OpKind::BatchNorm => "batch_norm",
+            OpKind::Pool2d(p) => match p.kind {
+                PoolKind::Max => "max_pool2d",
+                PoolKind::Avg => "avg_pool2d",
+            },
+            OpKind::GlobalAvgPool => "global_avg_pool",
+            OpKind::Concat(_) => "concat",
+            OpKind::Split(_) => "split",
+            OpKind::Reshape(_) => "reshape",
+            OpKind::Transpose(_) => "transpose",
+            OpKind::Flatten(_) => "flatten",
+            OpKind::Lstm(_) => "lstm",
+            OpKind::Gru(_) => "gru",
+            OpKind::Rope => "rope",
+        }
+    }
+
+    /// How the op's time is best estimated.
+    pub fn compute_class(&self) -> ComputeClass {
+        match self {
+            OpKind::Linear(_)
+            | OpKind::MatMul(_)
+            | OpKind::Moe(_)
+            | OpKind::Conv2d(_)
+            | OpKind::Lstm(_)
+            | OpKind::Gru(_) => ComputeClass::Gemm,
+            OpKind::Attention(_) => ComputeClass::Attention,
+            OpKind::Reshape(_) | OpKind::Flatten(_) => ComputeClass::View,
+            _ => ComputeClass::MemoryBound,
+        }
+    }
+
+    /// Whether the output aliases the input (no copy, nothing extra to save).
+    pub fn is_view(&self) -> bool {
+        self.compute_class() == ComputeClass::View
+    }
+
+    /// Output shapes for the given input shapes.
+    pub fn infer(&self, ins: &[Shape]) -> Result<Vec<Shape>, ShapeError> {
+        let op = self.name();
+        match self {
+            OpKind::Embedding(a) => {
+                arity(op, ins, 2, 2)?;
+                same(op, "table", &ins[1], &Shape::new([a.vocab, a.dim]))?;
+                let mut d = ins[0].0.clone();
+                d.push(a.dim);
+                Ok(vec![Shape(d)])
+            }
+            OpKind::Linear(a) => {
+                arity(op, ins, 2, 3)?;
+                min_rank(op, ins, 0, 1)?;
+                rank(op, ins, 1, 2)?;
+                let k = ins[0].last();
+                same(op, "weight", &ins[1], &Shape::new([k, a.out_features]))?;
+                if a.bias != (ins.len() == 3) {
+                    return Err(invalid(op, "bias flag and inputs disagree"));
+                }
+                if a.bias {
+                    same(op, "bias", &ins[2], &Shape::new([a.out_features]))?;
+                }
+                Ok(vec![ins[0].with_last(a.out_features)])
+            }
+            OpKind::MatMul(a) => {
+                arity(op, ins, 2, 2)?;
+                min_rank(op, ins, 0, 2)?;
+                min_rank(op, ins, 1, 2)?;
+                let (x, y) = (&ins[0], &ins[1]);
+                let yr = y.rank();
+                let (k2, n) = if a.transpose_b {
+                    (y.0[yr - 1], y.0[yr - 2])
+                } else {
+                    (y.0[yr - 2], y.0[yr - 1])
+                };
+                if x.last() != k2 {
+                    return Err(ShapeError::Mismatch {
+                        op,
+                        what: "contracted dimensions differ",
+                        lhs: x.clone(),
+                        rhs: y.clone(),
+                    });
+                }
+                if yr > 2 && (yr != x.rank() || x.0[..yr - 2] != y.0[..yr - 2]) {
+                    return Err(ShapeError::Mismatch {
+                        op,
+                        what: "batch dimensions differ",
+                        lhs: x.clone(),
+                        rhs: y.clone(),
+                    });
+                }
+                Ok(vec![x.with_last(n)])
+            }
+            OpKind::Attention(_) => {
+                arity(op, ins, 3, 3)?;
+                for i in 0..3 {
+                    rank(op, ins, i, 4)?;
+                }
+                let (q, k, v) = (&ins[0], &ins[1], &ins[2]);
+                same(op, "key and value", k, v)?;
+                if q.0[0] != k.0[0] || q.0[3] != k.0[3] {
+                    return Err(ShapeError::Mismatch {
+                        op,
+                        what: "batch or head size of query and key",
+                        lhs: q.clone(),
+                        rhs: k.clone(),
+                    });
+                }
+                if k.0[2] == 0 || q.0[2] % k.0[2] != 0 {
+                    return Err(invalid(
+                        op,
+                        format!(
+                            "{} query heads are not a multiple of {} key/value heads",
+                            q.0[2], k.0[2]
+                        ),
+                    ));
+                }
+                Ok(vec![q.clone()])
+            }
+            OpKind::LayerNorm | OpKind::RmsNorm => {
+                let n = if matches!(self, OpKind::LayerNorm) {
+                    3
+                } else {
+                    2
+                };
+                arity(op, ins, n, n)?;
+                min_rank(op, ins, 0, 1)?;
+                let c = Shape::new([ins[0].last()]);
+                for w in &ins[1..] {
+                    same(op, "scale/shift", w, &c)?;
+                }
+                Ok(vec![ins[0].clone()])
+            }
+            OpKind::Activation(_) | OpKind::Dropout(_) => {
+                arity(op, ins, 1, 1)?;
+                Ok(vec![ins[0].clone()])
+            }
+            OpKind::Softmax(a) => {
+                arity(op, ins, 1, 1)?;
+                norm_axis(op, a.axis, ins[0].rank())?;
+                Ok(vec![ins[0].clone()])
+            }
+            OpKind::SwiGlu => {
+                arity(op, ins, 2, 2)?;
+                same(op, "gate and up", &ins[0], &ins[1])?;
+                Ok(vec![ins[0].clone()])
+            }
+            OpKind::Add | OpKind::Mul => {
+                arity(op, ins, 2, 2)?;
+                Ok(vec![broadcast(op, &ins[0], &ins[1])?])
+            }
+            OpKind::CrossEntropy => {
+                arity(op, ins, 2, 2)?;
+                min_rank(op, ins, 0, 1)?;
+                let lead = Shape(ins[0].0[..ins[0].rank() - 1].to_vec());
+                same(op, "labels", &ins[1], &lead)?;
+                Ok(vec![Shape::scalar()])
+            }
+            OpKind::Moe(a) => {
+                let n = if a.gated { 5 } else { 4 };
+                arity(op, ins, n, n)?;
+                min_rank(op, ins, 0, 1)?;
+                let h = ins[0].last();
+                if a.top_k == 0 || a.top_k > a.experts {
+                    return Err(invalid(
+                        op,
+                        format!("top_k {} must be in 1..={}", a.top_k, a.experts),
+                    ));
+                }
+                same(op, "router", &ins[1], &Shape::new([h, a.experts]))?;
+                let up = Shape::new([a.experts, h, a.ffn_hidden]);
+                same(op, "w_in", &ins[2], &up)?;
+                same(
+                    op,
+                    "w_out",
+                    &ins[3],
+                    &Shape::new([a.experts, a.ffn_hidden, h]),
+                )?;
+                if a.gated {
+                    same(op, "w_gate", &ins[4], &up)?;
+                }
+                Ok(vec![ins[0].clone()])
+            }
+            OpKind::Conv2d(a) => {
+                arity(op, ins, 2, 3)?;
+                rank(op, ins, 0, 4)?;
+                let x = &ins[0];
+                let c = x.0[1];
+                if a.groups == 0 || c % a.groups != 0 || a.out_channels % a.groups != 0 {
+                    return Err(invalid(
+                        op,
+                        format!(
+                            "groups {} must divide in channels {c} and out channels {}",
+                            a.groups, a.out_channels
+                        ),
+                    ));
+                }
+                same(
+                    op,
+                    "weight",
+                    &ins[1],
+                    &Shape::new([a.out_channels, c / a.groups, a.kernel[0], a.kernel[1]]),
+                )?;
+                if a.bias != (ins.len() == 3) {
+                    return Err(invalid(op, "bias flag and inputs disagree"));
+                }
+                if a.bias {
+                    same(op, "bias", &ins[2], &Shape::new([a.out_channels]))?;
+                }
+                let oh = window_out(
+                    op,
+                    x.0[2],
+                    a.kernel[0],
+                    a.stride[0],
+                    a.padding[0],
+                    a.dilation[0],
+                )?;
+                let ow = window_out(
+                    op,
+                    x.0[3],
+                    a.kernel[1],
+                    a.stride[1],
+                    a.padding[1],
+                    a.dilation[1],
+                )?;
+                Ok(vec![Shape::new([x.0[0], a.out_channels, oh, ow])])
+            }
+            OpKind::BatchNorm => {
+                arity(op, ins, 3, 3)?;
+                min_rank(op, ins, 0, 2)?;
+                let c = Shape::new([ins[0].0[1]]);
+                same(op, "scale", &ins[1], &c)?;
+                same(op, "shift", &ins[2], &c)?;
+                Ok(vec![ins[0].clone()])
+            }
+            OpKind::Pool2d(a) => {
+                arity(op, ins, 1, 1)?;
+                rank(op, ins, 0, 4)?;
+                let x = &ins[0];
+                let oh = window_out(op, x.0[2], a.kernel[0], a.stride[0], a.padding[0], 1)?;
+                let ow = window_out(op, x.0[3], a.kernel[1], a.stride[1], a.padding[1], 1)?;
+                Ok(vec![Shape::new([x.0[0], x.0[1], oh, ow])])
+            }
+            OpKind::GlobalAvgPool => {
+                arity(op, ins, 1, 1)?;
+                rank(op, ins, 0, 4)?;
+                Ok(vec![Shape::new([ins[0].0[0], ins[0].0[1], 1, 1])])
+            }
+            OpKind::Concat(a) => {
+                if ins.is_empty() {
+                    return Err(invalid(op, "needs at least one input"));
+                }
+                let ax = norm_axis(op, a.axis, ins[0].rank())?;
+                let mut out = ins[0].clone();
+                for s in &ins[1..] {
+                    if s.rank() != out.rank()
+                        || s.0
+                            .iter()
+                            .enumerate()
+                            .any(|(i, d)| i != ax && *d != out.0[i])
+                    {
+                        return Err(ShapeError::Mismatch {
+                            op,
+                            what: "inputs differ off the concat axis",
+                            lhs: ins[0].clone(),
+                            rhs: s.clone(),
+                        });
+                    }
+                    out.0[ax] += s.0[ax];
+                }
+                Ok(vec![out])
+            }
+            OpKind::Split(a) => {
+                arity(op, ins, 1, 1)?;
+                let ax = norm_axis(op, a.axis, ins[0].rank())?;
+                if a.sizes.iter().sum::<u64>() != ins[0].0[ax] || a.sizes.contains(&0) {
+                    return Err(invalid(
+                        op,
+                        format!(
+                            "sizes {:?} do not partition dimension {} of size {}",
+                            a.sizes, ax, ins[0].0[ax]
+                        ),
+                    ));
+                }
+                Ok(a.sizes
+                    .iter()
+                    .map(|s| {
+                        let mut d = ins[0].0.clone();
+                        d[ax] = *s;
+                        Shape(d)
+                    })
+                    .collect())
+            }
+            OpKind::Reshape(a) => {
+                arity(op, ins, 1, 1)?;
+                let to = Shape(a.shape.clone());
+                if to.elems() != ins[0].elems() {
+                    return Err(ShapeError::Mismatch {
+                        op,
+                        what: "element counts differ",
+                        lhs: ins[0].clone(),
+                        rhs: to,
+                    });
+                }
+                Ok(vec![to])
+            }
+            OpKind::Transpose(a) => {
+                arity(op, ins, 1, 1)?;
+                let r = ins[0].rank();
+                let mut seen = vec![false; r];
+                if a.perm.len() != r
+                    || a.perm
+                        .iter()
+                        .any(|&p| p >= r || std::mem::replace(&mut seen[p], true))
+                {
+                    return Err(invalid(
+                        op,
+                        format!("{:?} is not a permutation of rank {r}", a.perm),
+                    ));
+                }
+                Ok(vec![Shape(a.perm.iter().map(|&p| ins[0].0[p]).collect())])
+            }
+            OpKind::Flatten(a) => {
+                arity(op, ins, 1, 1)?;
+                let r = ins[0].rank();
+                let ax = if a.axis == r as i64 {
+                    r
+                } else {
+                    norm_axis(op, a.axis, r)?
+                };
+                let d = &ins[0].0;
+                Ok(vec![Shape::new([
+                    d[..ax].iter().product::<u64>(),
+                    d[ax..].iter().product::<u64>(),
+                ])])
+            }
+            OpKind::Lstm(a) | OpKind::Gru(a) => {
+                arity(op, ins, 4, 4)?;
+                rank(op, ins, 0, 3)?;
+                let g = self.rnn_gates() * a.hidden;
+                let i = ins[0].0[2];
+                same(op, "input weight", &ins[1], &Shape::new([i, g]))?;
+                same(op, "recurrent weight", &ins[2], &Shape::new([a.hidden, g]))?;
+                same(op, "bias", &ins[3], &Shape::new([g]))?;
+                Ok(vec![Shape::new([ins[0].0[0], ins[0].0[1], a.hidden])])
+            }
+            OpKind::Rope => {
+                arity(op, ins, 1, 1)?;
+                rank(op, ins, 0, 4)?;
+                if ins[0].0[3] % 2 != 0 {
+                    return Err(invalid(op, "head size must be even"));
+                }
+                Ok(vec![ins[0].clone()])
+            }
+        }
+    }
+
+    fn rnn_gates(&self) -> u64 {
+        match self {
+            OpKind::Gru(_) => 3,
+            _ => 4,
+        }
+    }
+
+    /// The einsum-style axes mapping of this op for these shapes.
+    pub fn axes(&self, ins: &[Shape], outs: &[Shape]) -> AxesMapping {
+        use AxisRole::*;
+        let mut b = MappingBuilder::default();
+        match self {
+            OpKind::Embedding(_) => {
+                let lead = b.lead(ins[0].rank());
+                b.param('v', true).param('d', true);
+                b.input(&lead).input("vd").output_with(&lead, "d");
+            }
+            OpKind::Linear(a) => {
+                let lead = b.lead(ins[0].rank() - 1);
+                b.param('k', true).param('n', true);
+                b.input_with(&lead, "k").input("kn");
+                if a.bias {
+                    b.input("n");
+                }
+                b.output_with(&lead, "n");
+            }
+            OpKind::MatMul(a) => {
+                let wb = if a.transpose_b { "nk" } else { "kn" };
+                b.param('k', true).param('n', true);
+                if ins[1].rank() == 2 {
+                    let lead = b.lead(ins[0].rank() - 1);
+                    b.input_with(&lead, "k").input(wb).output_with(&lead, "n");
+                } else {
+                    let lead = b.lead(ins[0].rank() - 2);
+                    b.axis('m', Attribute, true);
+                    b.input_with(&lead, "mk")
+                        .input_with(&lead, wb)
+                        .output_with(&lead, "mn");
+                }
+            }
+            OpKind::Attention(_) => {
+                b.axis('b', Sample, true)
+                    .axis('s', Attribute, true)
+                    .axis('t', Attribute, false)
+                    .param('h', true)
+                    .param('d', false);
+                b.input("bshd").input("bthd").input("bthd").output("bshd");
+            }
+            OpKind::LayerNorm | OpKind::RmsNorm => {
+                let lead = b.lead(ins[0].rank() - 1);
+                b.param('c', false);
+                b.input_with(&lead, "c");
+                for _ in 1..ins.len() {
+                    b.input("c");
+                }
+                b.output_with(&lead, "c");
+            }
+            OpKind::Activation(_) | OpKind::Dropout(_) | OpKind::SwiGlu | OpKind::Rope => {
+                let r = ins[0].rank();
+                let lead = b.lead(r.saturating_sub(1));
+                let last = if matches!(self, OpKind::Rope) {
+                    b.param('d', false);
+                    "d"
+                } else {
+                    b.param('c', true);
+                    "c"
+                };
+                let labels = if r == 0 {
+                    String::new()
+                } else {
+                    format!("{lead}{last}")
+                };
+                for _ in ins {
+                    b.input(&labels);
+                }
+                b.output(&labels);
+            }
+            OpKind::Softmax(a) => {
+                let r = ins[0].rank();
+                let ax = norm_axis("softmax", a.axis, r).unwrap_or(r.saturating_sub(1));
+                let lead: Vec<char> = b.lead(r).chars().collect();
+                let labels: String = lead
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| if i == ax { 'c' } else { *c })
+                    .collect();
+                b.param('c', false);
+                b.input(&labels).output(&labels);
+            }
+            OpKind::Add | OpKind::Mul => {
+                let out = &outs[0];
+                let labels: Vec<char> = b.lead(out.rank()).chars().collect();
+                for s in ins {
+                    let off = out.rank() - s.rank();
+                    let l: String =
+                        s.0.iter()
+                            .enumerate()
+                            .map(|(i, d)| {
+                                if *d == out.0[off + i] {
+                                    labels[off + i]
+                                } else {
+                                    b.fresh_fixed()
+                                }
+                            })
+                            .collect();
+                    b.input(&l);
+                }
+                b.output(&labels.iter().collect::<String>());
+            }
+            OpKind::CrossEntropy => {
+                let lead = b.lead(ins[0].rank() - 1);
+                b.param('v', true);
+                b.input_with(&lead, "v").input(&lead).output("");
+            }
+            OpKind::Moe(a) => {
+                let lead = b.lead(ins[0].rank() - 1);
+                b.param('h', false).param('e', true).param('f', true);
+                b.input_with(&lead, "h")
+                    .input("he")
+                    .input("ehf")
+                    .input("efh");
+                if a.gated {
+                    b.input("ehf");
+                }
+                b.output_with(&lead, "h");
+            }
+            OpKind::Conv2d(a) => {
+                let c = ins[0].0[1];
+                let depthwise = a.groups > 1 && a.groups == c && a.out_channels == c;
+                b.axis('n', Sample, true)
+                    .axis('h', Attribute, true)
+                    .axis('w', Attribute, true)
+                    .param('o', true)
+                    .param('i', false)
+                    .param('j', false);
+                if depthwise {
+                    let one = b.fresh_fixed();
+                    b.input("nohw").input(&format!("o{one}ij"));
+                } else {
+                    b.param('c', a.groups == 1);
+                    b.input("nchw").input("ocij");
+                }
+                if a.bias {
+                    b.input("o");
+                }
+                b.output("nohw");
+            }
+            OpKind::BatchNorm => {
+                let r = ins[0].rank();
+                b.axis('n', Sample, true).param('c', true);
+                let spatial: String = (0..r - 2).map(|_| b.fresh_fixed()).collect();
+                b.input(&format!("nc{spatial}")).input("c").input("c");
+                b.output(&format!("nc{spatial}"));
+            }
+            OpKind::Pool2d(_) => {
+                b.axis('n', Sample, true)
+                    .param('c', true)
+                    .axis('h', Attribute, true)
+                    .axis('w', Attribute, true);
+                b.input("nchw").output("nchw");
+            }
+            OpKind::GlobalAvgPool => {
+                b.axis('n', Sample, true)
+                    .param('c', true)
+                    .axis('h', Attribute, true)
+                    .axis('w', Attribute, true);
+                let (x, y) = (b.fresh_fixed(), b.fresh_fixed());
+                b.input("nchw").output(&format!("nc{x}{y}"));
+            }
+            OpKind::Concat(a) => {
+                let r = ins[0].rank();
+                let ax = norm_axis("concat", a.axis, r).unwrap_or(0);
+                let lead: Vec<char> = b.lead(r).chars().collect();
+                for _ in ins {
+                    let own = b.fresh_fixed();
+                    b.input(&with_at(&lead, ax, own));
+                }
+                let own = b.fresh_fixed();
+                b.output(&with_at(&lead, ax, own));
+            }
+            OpKind::Split(a) => {
+                let r = ins[0].rank();
+                let ax = norm_axis("split", a.axis, r).unwrap_or(0);
+                let lead: Vec<char> = b.lead(r).chars().collect();
+                let own = b.fresh_fixed();
+                b.input(&with_at(&lead, ax, own));
+                for _ in outs {
+                    let own = b.fresh_fixed();
+                    b.output(&with_at(&lead, ax, own));
+                }
+            }
+            OpKind::Transpose(a) => {
+                let lead: Vec<char> = b.lead(ins[0].rank()).chars().collect();
+                b.input(&lead.iter().collect::<String>());
+                b.output(&a.perm.iter().map(|&p| lead[p]).collect::<String>());
+            }
+            OpKind::Reshape(_) | OpKind::Flatten(_) => {
+                let (x, y) = reshape_labels(&mut b, &ins[0], &outs[0]);
+                b.input(&x).output(&y);
+            }
+            OpKind::Lstm(_) | OpKind::Gru(_) => {
+                b.axis('b', Sample, true)
+                    .axis('s', Attribute, false)
+                    .param('i', false)
+                    .param('h', false)
+                    .param('g', false);
+                b.input("bsi")
+                    .input("ig")
+                    .input("hg")
+                    .input("g")
+                    .output("bsh");
+            }
+        }
+        b.build()
+    }
+
+    /// Work of the op for these shapes; `float_bytes` is the size of a floating-point element
+    /// at the training precision, `weights` flags which inputs are weights.
+    pub fn work(&self, ins: &[Shape], outs: &[Shape], weights: &[bool], float_bytes: u64) -> Work {
+        let is_w = |i: usize| weights.get(i).copied().unwrap_or(false);
+        let elems_out: f64 = outs.iter().map(|s| s.elems() as f64).sum();
+        let elems_in0 = ins.first().map(|s| s.elems() as f64).unwrap_or(0.0);
+        // (forward, input-gradient, weight-gradient) FLOPs.
+        let (f, bi, bw) = match self {
+            OpKind::Embedding(_) => (0.0, 0.0, elems_out),
+            OpKind::Linear(a) => {
+                let (m, k, n) = (
+                    ins[0].leading_elems() as f64,
+                    ins[0].last() as f64,
+                    a.out_features as f64,
+                );
+                let bias = if a.bias { m * n } else { 0.0 };
+                (
+                    2.0 * m * k * n + bias,
+                    2.0 * m * k * n,
+                    2.0 * m * k * n + bias,
+                )
+            }
+            OpKind::MatMul(_) => {
+                let k = ins[0].last() as f64;
+                let mm = 2.0 * elems_out * k;
+                match (is_w(0), is_w(1)) {
+                    (false, true) | (true, false) => (mm, mm, mm),
+                    (true, true) => (mm, 0.0, 2.0 * mm),
+                    (false, false) => (mm, 2.0 * mm, 0.0),
+                }
+            }
+            OpKind::Attention(_) => {
+                let (q, k) = (&ins[0], &ins[1]);
+                let (b, s, h, d, t) = (
+                    q.0[0] as f64,
+                    q.0[1] as f64,
+                    q.0[2] as f64,
+                    q.0[3] as f64,
+                    k.0[1] as f64,
+                );
+                let scores = b * h * s * t;
+                // QK^T and PV: 2 matmuls of 2·d FLOPs per score; softmax ~5 FLOPs per score.
+                (
+                    4.0 * scores * d + 5.0 * scores,
+                    8.0 * scores * d + 5.0 * scores,
+                    0.0,
+                )
+            }
+            OpKind::LayerNorm => (8.0 * elems_in0, 16.0 * elems_in0, 2.0 * elems_in0),
+            OpKind::RmsNorm => (5.0 * elems_in0, 10.0 * elems_in0, elems_in0),
+            OpKind::BatchNorm => (8.0 * elems_in0, 16.0 * elems_in0, 2.0 * elems_in0),
+            OpKind::Activation(a) => {
+                let (fw, bwd) = activation_flops(a.kind);
+                (fw * elems_in0, bwd * elems_in0, 0.0)
+            }
+            OpKind::SwiGlu => (5.0 * elems_out, 10.0 * elems_out, 0.0),
+            OpKind::Add => (elems_out, 0.0, 0.0),
+            OpKind::Mul => (elems_out, 2.0 * elems_out, 0.0),
+            OpKind::Softmax(_) => (5.0 * elems_in0, 4.0 * elems_in0, 0.0),
+            OpKind::Dropout(_) => (elems_in0, elems_in0, 0.0),
+            OpKind::CrossEntropy => (6.0 * elems_in0, 2.0 * elems_in0, 0.0),
+            OpKind::Rope => (3.0 * elems_in0, 3.0 * elems_in0, 0.0),
+            OpKind::Moe(a) => {
+                let (t, h, e, fh, k) = (
+                    ins[0].leading_elems() as f64,
+                    ins[0].last() as f64,
+                    ins[1].last() as f64,
+                    ins[2].last() as f64,
+                    a.top_k as f64,
+                );
+                // `e` is the local expert count (a shard holds a slice of experts): each token's
+                // k expert visits are spread evenly over experts, so a shard sees k·e/E of them.
+                let visits = t * k * e / a.experts as f64;
+                let mats = if a.gated { 3.0 } else { 2.0 };
+                let expert = 2.0 * visits * h * fh * mats;
+                let router = 2.0 * t * h * e;
+                (expert + router, expert + router, expert + router)
+            }
+            OpKind::Conv2d(a) => {
+                let w = &ins[1];
+                let mm = 2.0 * elems_out * (w.0[1] * w.0[2] * w.0[3]) as f64;
+                let bias = if a.bias { elems_out } else { 0.0 };
+                (mm + bias, mm, mm + bias)
+            }
+            OpKind::Pool2d(a) => {
+                let win = (a.kernel[0] * a.kernel[1]) as f64;
+                (win * elems_out, elems_in0, 0.0)
+            }
+            OpKind::GlobalAvgPool => (elems_in0, elems_in0, 0.0),
+            OpKind::Concat(_)
+            | OpKind::Split(_)
+            | OpKind::Reshape(_)
+            | OpKind::Transpose(_)
+            | OpKind::Flatten(_) => (0.0, 0.0, 0.0),
+            OpKind::Lstm(a) | OpKind::Gru(a) => {
+                let x = &ins[0];
+                let (bs, i, h, g) = (
+                    (x.0[0] * x.0[1]) as f64,
+                    x.0[2] as f64,
+                    a.hidden as f64,
+                    self.rnn_gates() as f64,
+                );
+                let mm = 2.0 * bs * (i + h) * g * h;
+                // Gate nonlinearities and state updates: ~10 FLOPs per hidden unit per step.
+                let ew = 10.0 * bs * h;
+                (mm + ew, mm + 2.0 * ew, mm)
+            }
+        };
+        let tensor_bytes = |s: &Shape| s.elems() * float_bytes;
+        let (read, written) = if self.is_view() {
+            (0, 0)
+        } else {
+            (
+                ins.iter().map(tensor_bytes).sum::<u64>(),
+                outs.iter().map(tensor_bytes).sum::<u64>(),
+            )
+        };
+        let params = ins
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| is_w(*i))
+            .map(|(_, s)| s.elems())
+            .sum();
+        let saved = self.saves(ins, weights);
+        let saved_bytes = saved
+            .inputs
+            .iter()
+            .map(|&i| tensor_bytes(&ins[i]))
+            .sum::<u64>()
+            + saved
+                .outputs
+                .iter()
+                .map(|&i| tensor_bytes(&outs[i]))
+                .sum::<u64>()
+            + saved.extra_elems * float_bytes
+            + saved.extra_bytes;
+        Work {
+            fwd_flops: Flops(f),
+            bwd_input_flops: Flops(bi),
+            bwd_weight_flops: Flops(bw),
+            bytes_read: Bytes(read),
+            bytes_written: Bytes(written),
+            params,
+            saved_bytes: Bytes(saved_bytes),
+        }
+    }
+
+    /// What the op keeps for its backward pass (weights are never listed: they are parameters).
+    pub fn saves(&self, ins: &[Shape], weights: &[bool]) -> Saved {
+        let data = |idx: &[usize]| -> Vec<usize> {
+            idx.iter()
+                .copied()
+                .filter(|i| *i < ins.len() && !weights.get(*i).copied().unwrap_or(false))
+                .collect()
+        };
+        let rows = |s: &Shape| s.leading_elems();
+        match self {
+            OpKind::Embedding(_) => Saved {
+                // Token ids, kept as 8-byte integers.
+                extra_bytes: ins[0].elems() * 8,
+                ..Saved::default()
+            },
+            OpKind::Linear(_) | OpKind::Conv2d(_) => Saved {
+                inputs: data(&[0]),
+                ..Saved::default()
+            },
+            OpKind::MatMul(_) | OpKind::SwiGlu | OpKind::Mul => Saved {
+                inputs: data(&[0, 1]),
+                ..Saved::default()
+            },
+            OpKind::Attention(a) => {
+                let (q, k) = (&ins[0], &ins[1]);
+                let scores = q.0[0] * q.0[2] * q.0[1] * k.0[1];
+                if a.fused {
+                    // Flash attention keeps q, k, v, the output and an fp32 log-sum-exp per row.
+                    Saved {
+                        inputs: data(&[0, 1, 2]),
+                        outputs: vec![0],
+                        extra_bytes: q.0[0] * q.0[2] * q.0[1] * 4,
+                        ..Saved::default()
+                    }
+                } else {
+                    // Korthikanti et al. 2022 §4.1: softmax output, and with dropout its mask
+                    // (1 byte) and output.
+                    Saved {
+                        inputs: data(&[0, 1, 2]),
+                        extra_elems: scores * if a.dropout { 2 } else { 1 },
+                        extra_bytes: if a.dropout { scores } else { 0 },
+                        ..Saved::default()
+                    }
+                }
+            }
+            OpKind::LayerNorm | OpKind::RmsNorm | OpKind::BatchNorm => Saved {
+                inputs: data(&[0]),
+                // fp32 mean and reciprocal std per normalized row (per channel for BatchNorm).
+                extra_bytes: 8 * if matches!(self, OpKind::BatchNorm) {
+                    ins[0].0.get(1).copied().unwrap_or(1)
+                } else {
+                    rows(&ins[0])
+                },
+                ..Saved::default()
+            },
+            OpKind::Activation(_) => Saved {
+                inputs: data(&[0]),
+                ..Saved::default()
+            },
+            OpKind::Softmax(_) => Saved {
+                outputs: vec![0],
+                ..Saved::default()
+            },
+            OpKind::Dropout(d) if d.rate_permille > 0 => Saved {
+                extra_bytes: ins[0].elems(),
+                ..Saved::default()
+            },
+            OpKind::CrossEntropy => Saved {
+                inputs: data(&[0]),
+                ..Saved::default()
+            },
+            OpKind::Moe(a) => {
+                let t = ins[0].leading_elems();
+                let visits = t * a.top_k * ins[1].last() / a.experts.max(1);
+                let per_visit = ins[0].last() + a.ffn_hidden * if a.gated { 3 } else { 2 };
+                Saved {
+                    inputs: data(&[0]),
+                    extra_elems: visits * per_visit,
+                    // Routing: expert index (8 B) and gate weight (4 B) per visit.
+                    extra_bytes: t * a.top_k * 12,
+                    ..Saved::default()
+                }
+            }
+            OpKind::Pool2d(p) if p.kind == PoolKind::Max => Saved {
+                inputs: data(&[0]),
+                ..Saved::default()
+            },
+            OpKind::Lstm(a) | OpKind::Gru(a) => {
+                let bs = ins[0].0[0] * ins[0].0[1];
+                Saved {
+                    inputs: data(&[0]),
+                    // Gate activations plus hidden and cell state for every step.
+                    extra_elems: bs * a.hidden * (self.rnn_gates() + 2),
+                    ..Saved::default()
+                }
+            }
+            _ => Saved::default(),
+        }
+    }
+}
+
+fn with_at(lead: &[char], at: usize, c: char) -> String {
+    lead.iter()
+        .enumerate()
+        .map(|(i, l)| if i == at { c } else { *l })
+        .collect()
+}
+
+/// Labels for a reshape: dimensions are grouped into runs with equal products; within a group the
+/// outermost input and output dimensions share a splittable label (splitting a merged dimension
+/// in blocks is splitting its outermost factor), the rest are fixed.
+fn reshape_labels(b: &mut MappingBuilder, x: &Shape, y: &Shape) -> (String, String) {
+    let (mut lx, mut ly) = (String::new(), String::new());
+    let (mut i, mut j) = (0, 0);
+    let mut first = true;
+    while i < x.rank() || j < y.rank() {
+        // Size-1 dimensions stand alone.
+        if i < x.rank() && x.0[i] == 1 {
+            lx.push(b.fresh_fixed());
+            i += 1;
+            continue;
+        }
+        if j < y.rank() && y.0[j] == 1 {
+            ly.push(b.fresh_fixed());
+            j += 1;
+            continue;
+        }
+        if i >= x.rank() || j >= y.rank() {
+            // Element counts agree, so only size-1 dims can be left; guard anyway.
+            while i < x.rank() {
+                lx.push(b.fresh_fixed());
+                i += 1;
+            }
+            while j < y.rank() {
+                ly.push(b.fresh_fixed());
+                j += 1;
+            }
+            break;
+        }
+        let (gi, gj) = (i, j);
+        let (mut px, mut py) = (x.0[i], y.0[j]);
+        i += 1;
+        j += 1;
+        while px != py {
+            if px < py && i < x.rank() {
+                px *= x.0[i];
+                i += 1;
+            } else if j < y.rank() {
+                py *= y.0[j];
+                j += 1;
+            } else {
+                break;
+            }
+        }
+        let role = if first {
+            AxisRole::Sample
+        } else {
+            AxisRole::Attribute
+        };
+        first = false;
+        let shared = b.fresh(role, true);
+        lx.push(shared);
+        ly.push(shared);
+        for _ in gi + 1..i {
+            lx.push(b.fresh_fixed());
+        }
+        for _ in gj + 1..j {
+            ly.push(b.fresh_fixed());
+        }
+    }
+    (lx, ly)
+}
+
+/// Assembles an [`AxesMapping`] with generated labels for variable-rank ops.
+#[derive(Default)]
+struct MappingBuilder {
+    m: AxesMapping,
+    next: u32,
+}
+
+impl MappingBuilder {
+    fn axis(&mut self, c: char, role: AxisRole, splittable: bool) -> &mut Self {
+        self.m
+            .axes
+            .insert(c, crate::axes::AxisInfo { role, splittable });
+        self
+    }
+    fn param(&mut self, c: char, splittable: bool) -> &mut Self {
+        self.axis(c, AxisRole::Parameter, splittable)
+    }
+    /// A fresh label; private-use code points never clash with the letters ops use by name.
+    fn fresh(&mut self, role: AxisRole, splittable: bool) -> char {
+        let c = char::from_u32(0xE000 + self.next).unwrap_or('?');
+        self.next += 1;
+        self.axis(c, role, splittable);
+        c
+    }
+    /// A fresh label that may not be split.
+    fn fresh_fixed(&mut self) -> char {
+        self.fresh(AxisRole::Attribute, false)
+    }
+    /// Labels for `n` leading dimensions: the first is the batch, the rest positions.
+    fn lead(&mut self, n: usize) -> String {
+        (0..n)
+            .map(|i| {
+                let role = if i == 0 {
+                    AxisRole::Sample
+                } else {
+                    AxisRole::Attribute
+                };
+                self.fresh(role, true)
+            })
+            .collect()
+    }
+    fn input(&mut self, l: &str) -> &mut Self {
+        self.m.inputs.push(l.chars().collect());
+        self
+    }
+    fn input_with(&mut self, lead: &str, tail: &str) -> &mut Self {
+        self.input(&format!("{lead}{tail}"))
+    }
+    fn output(&mut self, l: &str) -> &mut Self {
+        self.m.outputs.push(l.chars().collect());
+        self
+    }
+    fn output_with(&mut self, lead: &str, tail: &str) -> &mut Self {
+        self.output(&format!("{lead}{tail}"))
+    }
+    fn build(self) -> AxesMapping {
+        self.m
+    }
+}
