@@ -17,3 +17,4 @@ pub mod graph;
 pub use graph::{
     Graph, GraphBuilder, GraphError, Node, NodeId, Segment, Tensor, TensorId, TensorRole,
 };
+pub mod models;

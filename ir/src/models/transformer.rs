@@ -1,0 +1,502 @@
+//! Decoder and encoder transformers as graphs: GPT (LayerNorm, GeLU, learned positions), Llama
+//! (RMSNorm, SwiGLU, RoPE, GQA), Mixtral (Llama with MoE MLPs), BERT (post-norm encoder).
+
+use crate::dtype::DType;
+use crate::graph::{Graph, GraphBuilder, GraphError, Segment, TensorId};
+use crate::op::{
+    Activation, AttentionAttrs, MatMulAttrs, MoeAttrs, OpKind, ReshapeAttrs, SplitAttrs,
+};
+use serde::{Deserialize, Serialize};
+
+/// MLP kind of a transformer block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mlp {
+    /// `fc(h→f) → GeLU → fc(f→h)`.
+    Gelu,
+    /// `fc(h→f) → ReLU → fc(f→h)`.
+    Relu,
+    /// `fc(h→f) → ReLU² → fc(f→h)` (Primer, Nemotron).
+    SquaredRelu,
+    /// `down(silu(gate(x)) · up(x))` (Llama).
+    Swiglu,
+}
+
+/// Normalization of a transformer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Norm {
+    LayerNorm,
+    RmsNorm,
+}
+
+/// How positions are encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Position {
+    /// A learned `(max_seq, hidden)` table added to the token embeddings.
+    Learned,
+    /// Rotary embeddings applied to queries and keys.
+    Rope,
+}
+
+/// Mixture-of-experts MLP settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoeConfig {
+    pub experts: u64,
+    pub top_k: u64,
+}
+
+/// Dimensions and flavour of a transformer language model.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransformerConfig {
+    pub layers: u32,
+    pub hidden: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    pub ffn_hidden: u64,
+    pub vocab: u64,
+    /// Longest sequence the model is built for (learned-position table size).
+    pub max_seq: u64,
+    pub mlp: Mlp,
+    pub norm: Norm,
+    pub position: Position,
+    /// Biases on linear layers.
+    pub bias: bool,
+    /// LM head shares the embedding table.
+    pub tied_embeddings: bool,
+    /// Dropout after attention and MLP (and on attention probabilities when unfused).
+    pub dropout: bool,
+    /// Causal (decoder) attention; false for encoders.
+    pub causal: bool,
+    /// Post-norm blocks with an embedding norm and pooler / MLM head (BERT).
+    pub bert: bool,
+    pub moe: Option<MoeConfig>,
+}
+
+/// Options for building a transformer graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BuildOptions {
+    pub batch: u64,
+    pub seq: u64,
+    /// Use a fused (flash) attention kernel.
+    pub fused_attention: bool,
+}
+
+impl TransformerConfig {
+    /// A GPT-style model (LayerNorm, GeLU, learned positions, biases, tied head, dropout).
+    pub fn gpt(
+        layers: u32,
+        hidden: u64,
+        heads: u64,
+        ffn_hidden: u64,
+        vocab: u64,
+        max_seq: u64,
+    ) -> Self {
+        TransformerConfig {
+            layers,
+            hidden,
+            heads,
+            kv_heads: heads,
+            head_dim: hidden / heads,
+            ffn_hidden,
+            vocab,
+            max_seq,
+            mlp: Mlp::Gelu,
+            norm: Norm::LayerNorm,
+            position: Position::Learned,
+            bias: true,
+            tied_embeddings: true,
+            dropout: true,
+            causal: true,
+            bert: false,
+            moe: None,
+        }
+    }
+
+    /// A Llama-style model (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied head, no dropout).
+    pub fn llama(
+        layers: u32,
+        hidden: u64,
+        heads: u64,
+        kv_heads: u64,
+        ffn_hidden: u64,
+        vocab: u64,
+        max_seq: u64,
+    ) -> Self {
+        TransformerConfig {
+            layers,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim: hidden / heads,
+            ffn_hidden,
+            vocab,
+            max_seq,
+            mlp: Mlp::Swiglu,
+            norm: Norm::RmsNorm,
+            position: Position::Rope,
+            bias: false,
+            tied_embeddings: false,
+            dropout: false,
+            causal: true,
+            bert: false,
+            moe: None,
+        }
+    }
+
+    /// Checks the dimensions: one line per problem, naming the field.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("layers", u64::from(self.layers)),
+            ("hidden", self.hidden),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("ffn_hidden", self.ffn_hidden),
+            ("vocab", self.vocab),
+            ("max_seq", self.max_seq),
+        ];
+        if let Some((k, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("{k} must be positive"));
+        }
+        if self.heads % self.kv_heads != 0 {
+            return Err(format!(
+                "heads ({}) must be a multiple of kv_heads ({})",
+                self.heads, self.kv_heads
+            ));
+        }
+        if let Some(m) = self.moe {
+            if m.experts == 0 || m.top_k == 0 || m.top_k > m.experts {
+                return Err(format!(
+                    "moe: top_k ({}) must be between 1 and experts ({})",
+                    m.top_k, m.experts
+                ));
+            }
+        }
+        if self.position == Position::Rope && self.head_dim % 2 != 0 {
+            return Err(format!(
+                "head_dim ({}) must be even for rotary embeddings",
+                self.head_dim
+            ));
+        }
+        Ok(())
+    }
+
+    /// Parameters of one block, computed in closed form (equals the graph's count).
+    pub fn block_params(&self) -> u64 {
+        let (h, q, kv, f) = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.ffn_hidden,
+        );
+        let b = u64::from(self.bias);
+        let attn = h * (q + 2 * kv) + q * h + b * (q + 2 * kv + h);
+        let norms = if self.norm == Norm::LayerNorm {
+            4 * h
+        } else {
+            2 * h
+        };
+        let mats = if self.mlp == Mlp::Swiglu { 3 } else { 2 };
+        let mlp = match self.moe {
+            Some(m) => h * m.experts + m.experts * mats * h * f,
+            None => mats * h * f + b * (f + h),
+        };
+        attn + norms + mlp
+    }
+
+    /// Builds the training graph for `opts.batch` sequences of `opts.seq` tokens, ending in the
+    /// loss. Blocks are `Segment::Block(i)`; embeddings `Pre`; final norm, head and loss `Post`.
+    pub fn build(&self, name: &str, opts: BuildOptions) -> Result<Graph, GraphError> {
+        let (bsz, s, h) = (opts.batch, opts.seq, self.hidden);
+        let mut g = GraphBuilder::new(name);
+        let ids = g.input("tokens", [bsz, s], DType::I64);
+        let labels = g.input("labels", [bsz, s], DType::I64);
+        let (mut x, table) = g.embedding("embed", ids, self.vocab, h)?;
+        if self.position == Position::Learned {
+            let pos = g.input("positions", [bsz, s], DType::I64);
+            let (p, _) = g.embedding("pos_embed", pos, self.max_seq, h)?;
+            x = g.op1("embed_add", OpKind::Add, &[x, p])?;
+        }
+        if self.bert {
+            let tt = g.input("token_types", [bsz, s], DType::I64);
+            let (t, _) = g.embedding("type_embed", tt, 2, h)?;
+            x = g.op1("embed_add_type", OpKind::Add, &[x, t])?;
+            x = g.layer_norm("embed_norm", x)?;
+        }
+        if self.dropout {
+            x = g.dropout("embed_drop", x, 100)?;
+        }
+        for i in 0..self.layers {
+            g.segment(Segment::Block(i));
+            x = self.block(&mut g, &format!("layers.{i}"), x, opts)?;
+        }
+        g.segment(Segment::Post);
+        let (logits_in, head_table) = if self.bert {
+            // Pooler (dense + tanh) and next-sentence head read the first token only.
+            let first = if s > 1 {
+                g.op(
+                    "first_token",
+                    OpKind::Split(SplitAttrs {
+                        axis: 1,
+                        sizes: vec![1, s - 1],
+                    }),
+                    &[x],
+                )?[0]
+            } else {
+                x
+            };
+            let pooled = g.linear("pooler", first, h, true)?;
+            let pooled = g.activation("pooler_act", Activation::Tanh, pooled)?;
+            let _nsp = g.linear("nsp_head", pooled, 2, true)?;
+            // MLM transform: dense + GeLU + LayerNorm, then the tied decoder.
+            let t = g.linear("mlm.dense", x, h, true)?;
+            let t = g.activation("mlm.act", Activation::Gelu, t)?;
+            (g.layer_norm("mlm.norm", t)?, table)
+        } else {
+            let y = self.norm(&mut g, "final_norm", x)?;
+            let head = if self.tied_embeddings {
+                table
+            } else {
+                g.weight("lm_head.weight", [self.vocab, h])
+            };
+            (y, head)
+        };
+        let mut logits = g.op1(
+            "lm_head",
+            OpKind::MatMul(MatMulAttrs { transpose_b: true }),
+            &[logits_in, head_table],
+        )?;
+        if self.bert {
+            let bias = g.weight("mlm.bias", [self.vocab]);
+            logits = g.op1("mlm.bias_add", OpKind::Add, &[logits, bias])?;
+        }
+        let loss = g.op1("loss", OpKind::CrossEntropy, &[logits, labels])?;
+        g.finish(&[loss])
+    }
+
+    fn norm(&self, g: &mut GraphBuilder, name: &str, x: TensorId) -> Result<TensorId, GraphError> {
+        match self.norm {
+            Norm::LayerNorm => g.layer_norm(name, x),
+            Norm::RmsNorm => g.rms_norm(name, x),
+        }
+    }
+
+    fn block(
+        &self,
+        g: &mut GraphBuilder,
+        p: &str,
+        x: TensorId,
+        opts: BuildOptions,
+    ) -> Result<TensorId, GraphError> {
+        let (bsz, s, h, d) = (opts.batch, opts.seq, self.hidden, self.head_dim);
+        let pre = !self.bert;
+        let a_in = if pre {
+            self.norm(g, &format!("{p}.attn_norm"), x)?
+        } else {
+            x
+        };
+        let q = g.linear(&format!("{p}.attn.q"), a_in, self.heads * d, self.bias)?;
+        let k = g.linear(&format!("{p}.attn.k"), a_in, self.kv_heads * d, self.bias)?;
+        let v = g.linear(&format!("{p}.attn.v"), a_in, self.kv_heads * d, self.bias)?;
+        let split = |g: &mut GraphBuilder, t: TensorId, n: u64, name: &str| {
+            g.op1(
+                format!("{p}.attn.{name}_heads"),
+                OpKind::Reshape(ReshapeAttrs {
+                    shape: vec![bsz, s, n, d],
+                }),
+                &[t],
+            )
+        };
+        let mut q = split(g, q, self.heads, "q")?;
+        let mut k = split(g, k, self.kv_heads, "k")?;
+        let v = split(g, v, self.kv_heads, "v")?;
+        if self.position == Position::Rope {
+            q = g.op1(format!("{p}.attn.q_rope"), OpKind::Rope, &[q])?;
+            k = g.op1(format!("{p}.attn.k_rope"), OpKind::Rope, &[k])?;
+        }
+        let o = g.attention(
+            &format!("{p}.attn.core"),
+            q,
+            k,
+            v,
+            AttentionAttrs {
+                causal: self.causal,
+                fused: opts.fused_attention,
+                dropout: self.dropout && !opts.fused_attention,
+            },
+        )?;
+        let o = g.op1(
+            format!("{p}.attn.merge_heads"),
+            OpKind::Reshape(ReshapeAttrs {
+                shape: vec![bsz, s, self.heads * d],
+            }),
+            &[o],
+        )?;
+        let mut o = g.linear(&format!("{p}.attn.out"), o, h, self.bias)?;
+        if self.dropout {
+            o = g.dropout(&format!("{p}.attn.drop"), o, 100)?;
+        }
+        let mut x = g.op1(format!("{p}.attn.residual"), OpKind::Add, &[x, o])?;
+        if !pre {
+            x = self.norm(g, &format!("{p}.attn_norm"), x)?;
+        }
+        let m_in = if pre {
+            self.norm(g, &format!("{p}.mlp_norm"), x)?
+        } else {
+            x
+        };
+        let mut m = match self.moe {
+            Some(moe) => {
+                let gated = self.mlp == Mlp::Swiglu;
+                let router = g.weight(format!("{p}.moe.router"), [h, moe.experts]);
+                let w_in = g.weight(format!("{p}.moe.w_in"), [moe.experts, h, self.ffn_hidden]);
+                let w_out = g.weight(format!("{p}.moe.w_out"), [moe.experts, self.ffn_hidden, h]);
+                let mut ins = vec![m_in, router, w_in, w_out];
+                if gated {
+                    ins.push(
+                        g.weight(format!("{p}.moe.w_gate"), [moe.experts, h, self.ffn_hidden]),
+                    );
+                }
+                g.op1(
+                    format!("{p}.moe"),
+                    OpKind::Moe(MoeAttrs {
+                        experts: moe.experts,
+                        top_k: moe.top_k,
+                        ffn_hidden: self.ffn_hidden,
+                        gated,
+                    }),
+                    &ins,
+                )?
+            }
+            None => self.mlp(g, p, m_in)?,
+        };
+        if self.dropout {
+            m = g.dropout(&format!("{p}.mlp.drop"), m, 100)?;
+        }
+        let mut x = g.op1(format!("{p}.mlp.residual"), OpKind::Add, &[x, m])?;
+        if !pre {
+            x = self.norm(g, &format!("{p}.mlp_norm"), x)?;
+        }
+        Ok(x)
+    }
+
+    fn mlp(&self, g: &mut GraphBuilder, p: &str, x: TensorId) -> Result<TensorId, GraphError> {
+        let (h, f) = (self.hidden, self.ffn_hidden);
+        let act = match self.mlp {
+            Mlp::Swiglu => {
+                let gate = g.linear(&format!("{p}.mlp.gate"), x, f, self.bias)?;
+                let up = g.linear(&format!("{p}.mlp.up"), x, f, self.bias)?;
+                g.op1(format!("{p}.mlp.swiglu"), OpKind::SwiGlu, &[gate, up])?
+            }
+            kind => {
+                let up = g.linear(&format!("{p}.mlp.up"), x, f, self.bias)?;
+                let a = match kind {
+                    Mlp::Relu => Activation::Relu,
+                    Mlp::SquaredRelu => Activation::SquaredRelu,
+                    _ => Activation::Gelu,
+                };
+                g.activation(&format!("{p}.mlp.act"), a, up)?
+            }
+        };
+        g.linear(&format!("{p}.mlp.down"), act, h, self.bias)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(seq: u64) -> BuildOptions {
+        BuildOptions {
+            batch: 1,
+            seq,
+            fused_attention: true,
+        }
+    }
+
+    #[test]
+    fn graph_params_equal_the_closed_form() {
+        for cfg in [
+            TransformerConfig::gpt(2, 64, 4, 256, 100, 32),
+            TransformerConfig::llama(2, 64, 8, 2, 160, 100, 32),
+            TransformerConfig {
+                moe: Some(MoeConfig {
+                    experts: 4,
+                    top_k: 2,
+                }),
+                ..TransformerConfig::llama(2, 64, 8, 2, 96, 100, 32)
+            },
+        ] {
+            let g = cfg.build("t", opts(16)).unwrap();
+            let emb = cfg.vocab * cfg.hidden
+                + if cfg.position == Position::Learned {
+                    cfg.max_seq * cfg.hidden
+                } else {
+                    0
+                };
+            let head = if cfg.tied_embeddings {
+                0
+            } else {
+                cfg.vocab * cfg.hidden
+            };
+            let final_norm = if cfg.norm == Norm::LayerNorm { 2 } else { 1 } * cfg.hidden;
+            assert_eq!(
+                g.param_count(),
+                emb + head + final_norm + u64::from(cfg.layers) * cfg.block_params(),
+                "{cfg:?}"
+            );
+            assert_eq!(g.num_blocks(), cfg.layers);
+        }
+    }
+
+    #[test]
+    fn korthikanti_activation_memory_per_layer() {
+        // Korthikanti et al. 2022 eq. 1: a GPT layer keeps s·b·h·(34 + 5·a·s/h) bytes in 16-bit
+        // without recompute (unfused attention with dropout). Ours also keeps fp32 LayerNorm
+        // statistics (2 × 8 bytes per token), which the paper leaves out.
+        let cfg = TransformerConfig::gpt(1, 256, 8, 1024, 100, 64);
+        let (s, b, h, a) = (64u64, 1u64, 256u64, 8u64);
+        let g = cfg
+            .build(
+                "t",
+                BuildOptions {
+                    batch: b,
+                    seq: s,
+                    fused_attention: false,
+                },
+            )
+            .unwrap();
+        let got = g.activation_bytes(2, |n| n.segment == Segment::Block(0)).0;
+        let paper = s * b * h * 34 + 5 * a * s * s * b;
+        assert_eq!(got, paper + 2 * 8 * s * b);
+    }
+
+    #[test]
+    fn training_flops_match_6n_plus_attention() {
+        // Narayanan et al. 2021: per token, 6·N + 12·l·h·s (full attention matrix, no causal
+        // discount) counts matmuls only; elementwise work adds well under 1 %.
+        let cfg = TransformerConfig::gpt(4, 512, 8, 2048, 1000, 256);
+        let g = cfg.build("t", opts(256)).unwrap();
+        let per_token = g.total_work(2).train_flops().0 / 256.0;
+        let n = g.param_count() as f64;
+        let expect = 6.0 * n + 12.0 * 4.0 * 512.0 * 256.0;
+        assert!(
+            (per_token / expect - 1.0).abs() < 0.02,
+            "{per_token} vs {expect}"
+        );
+    }
+
+    #[test]
+    fn invalid_dimensions_name_the_field() {
+        let mut c = TransformerConfig::llama(2, 64, 8, 3, 96, 100, 32);
+        assert!(c.validate().unwrap_err().contains("kv_heads"));
+        c.kv_heads = 2;
+        c.vocab = 0;
+        assert!(c.validate().unwrap_err().contains("vocab"));
+    }
+}

@@ -1,0 +1,323 @@
+//! The built-in model zoo: every entry with its published parameter count and where that count
+//! was published.
+
+use super::transformer::{MoeConfig, TransformerConfig};
+use crate::graph::{Graph, GraphError};
+
+/// How a zoo model is defined.
+#[derive(Clone, Debug)]
+pub enum ZooDef {
+    /// A transformer built from its dimensions at any batch and sequence length.
+    Transformer(TransformerConfig),
+    /// A fixed-architecture network built for a batch size (CNNs, ViT).
+    Batched(fn(u64) -> Result<Graph, GraphError>),
+    /// A sequence model built for a batch size and sequence length.
+    Sequence(fn(u64, u64) -> Result<Graph, GraphError>),
+}
+
+/// One zoo entry.
+#[derive(Clone, Debug)]
+pub struct ZooEntry {
+    pub name: &'static str,
+    pub family: &'static str,
+    /// Parameter count as published (rounded where the source rounds).
+    pub published_params: f64,
+    /// Relative precision of the published figure (0.05 / 1.3 for "1.3B").
+    pub published_precision: f64,
+    /// Where the published count comes from.
+    pub source: &'static str,
+    pub def: ZooDef,
+}
+
+/// GPT-3 family dims: Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1.
+fn gpt3(layers: u32, hidden: u64, heads: u64) -> ZooDef {
+    ZooDef::Transformer(TransformerConfig::gpt(
+        layers,
+        hidden,
+        heads,
+        4 * hidden,
+        50257,
+        2048,
+    ))
+}
+
+/// Megatron weak-scaling family: Narayanan et al. 2021, Table 1 (vocab 51200, seq 2048).
+fn megatron(layers: u32, hidden: u64, heads: u64) -> ZooDef {
+    ZooDef::Transformer(TransformerConfig::gpt(
+        layers,
+        hidden,
+        heads,
+        4 * hidden,
+        51200,
+        2048,
+    ))
+}
+
+fn gpt2(layers: u32, hidden: u64, heads: u64) -> ZooDef {
+    ZooDef::Transformer(TransformerConfig::gpt(
+        layers,
+        hidden,
+        heads,
+        4 * hidden,
+        50257,
+        1024,
+    ))
+}
+
+fn llama(layers: u32, hidden: u64, heads: u64, kv: u64, ffn: u64, vocab: u64, seq: u64) -> ZooDef {
+    ZooDef::Transformer(TransformerConfig::llama(
+        layers, hidden, heads, kv, ffn, vocab, seq,
+    ))
+}
+
+/// Relative precision of a figure published to `digits` significant digits after the point
+/// of its unit (e.g. 1.3B → 0.05 / 1.3).
+fn rounded(value: f64, half_unit: f64) -> f64 {
+    half_unit / value
+}
+
+const BROWN: &str = "Brown et al. 2020, GPT-3 paper, Table 2.1";
+const NARAYANAN: &str = "Narayanan et al. 2021 (Megatron-LM PTD-P), Table 1";
+const HF_GPT2: &str = "HuggingFace transformers GPT2LMHeadModel.num_parameters() (tied head), openai-community model cards";
+
+/// Every built-in model.
+pub fn entries() -> Vec<ZooEntry> {
+    let e = |name, family, published_params: f64, precision: f64, source, def| ZooEntry {
+        name,
+        family,
+        published_params,
+        published_precision: precision,
+        source,
+        def,
+    };
+    let exact = 0.0;
+    let b = 1e9;
+    let mut v = vec![
+        e("gpt2", "gpt2", 124_439_808.0, exact, HF_GPT2, gpt2(12, 768, 12)),
+        e("gpt2-medium", "gpt2", 354_823_168.0, exact, HF_GPT2, gpt2(24, 1024, 16)),
+        e("gpt2-large", "gpt2", 774_030_080.0, exact, HF_GPT2, gpt2(36, 1280, 20)),
+        e("gpt2-xl", "gpt2", 1_557_611_200.0, exact, HF_GPT2, gpt2(48, 1600, 25)),
+        e("gpt3-1.3b", "gpt3", 1.3 * b, rounded(1.3, 0.05), BROWN, gpt3(24, 2048, 16)),
+        e("gpt3-6.7b", "gpt3", 6.7 * b, rounded(6.7, 0.05), BROWN, gpt3(32, 4096, 32)),
+        e("gpt3-13b", "gpt3", 13.0 * b, rounded(13.0, 0.05), BROWN, gpt3(40, 5140, 40)),
+        e("gpt3-175b", "gpt3", 175.0 * b, rounded(175.0, 0.05), BROWN, gpt3(96, 12288, 96)),
+        e("megatron-1.7b", "megatron", 1.7 * b, rounded(1.7, 0.05), NARAYANAN, megatron(24, 2304, 24)),
+        e("megatron-3.6b", "megatron", 3.6 * b, rounded(3.6, 0.05), NARAYANAN, megatron(30, 3072, 32)),
+        e("megatron-7.5b", "megatron", 7.5 * b, rounded(7.5, 0.05), NARAYANAN, megatron(36, 4096, 32)),
+        e("megatron-18.4b", "megatron", 18.4 * b, rounded(18.4, 0.05), NARAYANAN, megatron(40, 6144, 48)),
+        e("megatron-39.1b", "megatron", 39.1 * b, rounded(39.1, 0.05), NARAYANAN, megatron(48, 8192, 64)),
+        e("megatron-76.1b", "megatron", 76.1 * b, rounded(76.1, 0.05), NARAYANAN, megatron(60, 10240, 80)),
+        e("megatron-145.6b", "megatron", 145.6 * b, rounded(145.6, 0.05), NARAYANAN, megatron(80, 12288, 96)),
+        e("megatron-310.1b", "megatron", 310.1 * b, rounded(310.1, 0.05), NARAYANAN, megatron(96, 16384, 128)),
+        e("megatron-529.6b", "megatron", 529.6 * b, rounded(529.6, 0.05), NARAYANAN, megatron(105, 20480, 128)),
+        e("megatron-1t", "megatron", 1008.0 * b, rounded(1008.0, 0.05), NARAYANAN, megatron(128, 25600, 160)),
+        e(
+            "llama2-7b",
+            "llama2",
+            6_738_415_616.0,
+            exact,
+            "HuggingFace meta-llama/Llama-2-7b-hf LlamaForCausalLM.num_parameters(); Touvron et al. 2023 round it to 7B",
+            llama(32, 4096, 32, 32, 11008, 32000, 4096),
+        ),
+        e(
+            "llama2-13b",
+            "llama2",
+            13_015_864_320.0,
+            exact,
+            "HuggingFace meta-llama/Llama-2-13b-hf LlamaForCausalLM.num_parameters()",
+            llama(40, 5120, 40, 40, 13824, 32000, 4096),
+        ),
+        e(
+            "llama2-70b",
+            "llama2",
+            68_976_648_192.0,
+            exact,
+            "HuggingFace meta-llama/Llama-2-70b-hf LlamaForCausalLM.num_parameters() (GQA, 8 KV heads)",
+            llama(80, 8192, 64, 8, 28672, 32000, 4096),
+        ),
+        e(
+            "llama3-8b",
+            "llama3",
+            8_030_261_248.0,
+            exact,
+            "HuggingFace meta-llama/Meta-Llama-3-8B model card (8.03B safetensors parameters)",
+            llama(32, 4096, 32, 8, 14336, 128256, 8192),
+        ),
+        e(
+            "llama3-70b",
+            "llama3",
+            70_553_706_496.0,
+            exact,
+            "HuggingFace meta-llama/Meta-Llama-3-70B model card (70.6B safetensors parameters)",
+            llama(80, 8192, 64, 8, 28672, 128256, 8192),
+        ),
+        e(
+            "llama3-405b",
+            "llama3",
+            405.0 * b,
+            rounded(405.0, 0.5),
+            "Llama Team 2024, 'The Llama 3 Herd of Models', Table 3 (405B: 126 layers, 16384 model dim, 53248 FFN dim, 128 heads, 8 KV heads)",
+            llama(126, 16384, 128, 8, 53248, 128256, 8192),
+        ),
+        e(
+            "mixtral-8x7b",
+            "mixtral",
+            46_702_792_704.0,
+            exact,
+            "HuggingFace mistralai/Mixtral-8x7B-v0.1 MixtralForCausalLM.num_parameters() (Jiang et al. 2024 quote 47B)",
+            ZooDef::Transformer(TransformerConfig {
+                moe: Some(MoeConfig { experts: 8, top_k: 2 }),
+                ..TransformerConfig::llama(32, 4096, 32, 8, 14336, 32000, 32768)
+            }),
+        ),
+        e(
+            "bert-large",
+            "bert",
+            336_226_108.0,
+            exact,
+            "HuggingFace google-bert/bert-large-uncased BertForPreTraining.num_parameters(): BertModel 335,141,888 incl. pooler, MLM transform and output bias, NSP head (Devlin et al. 2019 round it to 340M)",
+            ZooDef::Transformer(TransformerConfig {
+                causal: false,
+                bert: true,
+                max_seq: 512,
+                ..TransformerConfig::gpt(24, 1024, 16, 4096, 30522, 512)
+            }),
+        ),
+        e(
+            "gpt-tiny",
+            "tiny",
+            3_290_624.0,
+            exact,
+            "parallax's own CPU model: 12·l·h² + 13·l·h + (V + s)·h + 2h with l=4, h=256, V=256 (bytes), s=256",
+            ZooDef::Transformer(TransformerConfig::gpt(4, 256, 4, 1024, 256, 256)),
+        ),
+        e(
+            "llama-tiny",
+            "tiny",
+            3_033_344.0,
+            exact,
+            "parallax's own CPU model: Llama layout with l=4, h=256, 8 heads, 4 KV heads, FFN 688, V=256 (bytes), untied",
+            llama(4, 256, 8, 4, 688, 256, 256),
+        ),
+    ];
+    v.extend(extra_entries());
+    v
+}
+
+/// Non-transformer entries (CNNs, ViT, LSTM), registered once their builders exist.
+fn extra_entries() -> Vec<ZooEntry> {
+    Vec::new()
+}
+
+/// The zoo entry called `name` (case-insensitive).
+pub fn find(name: &str) -> Option<ZooEntry> {
+    entries()
+        .into_iter()
+        .find(|e| e.name.eq_ignore_ascii_case(name))
+}
+
+/// Names of all entries, comma-separated (for error messages).
+pub fn names() -> String {
+    entries()
+        .iter()
+        .map(|e| e.name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::BuildOptions;
+
+    /// Builds the entry's graph at batch 1 and a short sequence and counts its parameters.
+    fn params(e: &ZooEntry) -> u64 {
+        match &e.def {
+            ZooDef::Transformer(cfg) => {
+                // Closed form for the giants (a 405B graph is cheap, but 1T-scale tests stay
+                // fast this way); checked against the graph for every model below 20B.
+                let emb = cfg.vocab * cfg.hidden
+                    + match cfg.position {
+                        crate::models::Position::Learned => cfg.max_seq * cfg.hidden,
+                        crate::models::Position::Rope => 0,
+                    };
+                let closed =
+                    emb + if cfg.tied_embeddings {
+                        0
+                    } else {
+                        cfg.vocab * cfg.hidden
+                    } + u64::from(cfg.layers) * cfg.block_params()
+                        + if cfg.norm == crate::models::Norm::LayerNorm {
+                            2
+                        } else {
+                            1
+                        } * cfg.hidden;
+                if closed < 20_000_000_000 && !cfg.bert {
+                    let g = cfg
+                        .build(
+                            e.name,
+                            BuildOptions {
+                                batch: 1,
+                                seq: 8,
+                                fused_attention: true,
+                            },
+                        )
+                        .unwrap();
+                    assert_eq!(g.param_count(), closed, "{}", e.name);
+                }
+                if cfg.bert {
+                    let g = cfg
+                        .build(
+                            e.name,
+                            BuildOptions {
+                                batch: 1,
+                                seq: 8,
+                                fused_attention: true,
+                            },
+                        )
+                        .unwrap();
+                    return g.param_count();
+                }
+                closed
+            }
+            ZooDef::Batched(f) => f(1).unwrap().param_count(),
+            ZooDef::Sequence(f) => f(1, 8).unwrap().param_count(),
+        }
+    }
+
+    #[test]
+    fn parameter_counts_match_published_within_one_percent() {
+        let mut table = String::new();
+        for e in entries() {
+            let ours = params(&e) as f64;
+            let err = (ours - e.published_params).abs() / e.published_params;
+            // Within 1 %, or within the rounding of the published figure.
+            let allowed = 0.01f64.max(e.published_precision);
+            table.push_str(&format!(
+                "{:<16} {:>18.0} {:>18.0} {:>7.3}%\n",
+                e.name,
+                ours,
+                e.published_params,
+                err * 100.0
+            ));
+            assert!(
+                err <= allowed,
+                "{}: {ours} vs published {} ({})",
+                e.name,
+                e.published_params,
+                e.source
+            );
+        }
+        println!("{table}");
+    }
+
+    #[test]
+    fn names_are_unique_and_findable() {
+        let all = entries();
+        for e in &all {
+            assert_eq!(all.iter().filter(|x| x.name == e.name).count(), 1);
+            assert!(find(&e.name.to_uppercase()).is_some());
+        }
+        assert!(find("gpt5").is_none());
+    }
+}
