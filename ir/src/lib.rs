@@ -18,3 +18,5 @@ pub use graph::{
     Graph, GraphBuilder, GraphError, Node, NodeId, Segment, Tensor, TensorId, TensorRole,
 };
 pub mod models;
+pub mod plan;
+pub use plan::{Layout, PartialLayout, Plan, Recompute, Schedule, StageRange, PLAN_SCHEMA};

@@ -1,0 +1,557 @@
+//! The `Plan`: a parallel layout of one model on one cluster, as JSON (`parallax-plan/1`).
+
+use crate::dtype::Precision;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// Schema tag of plan files.
+pub const PLAN_SCHEMA: &str = "parallax-plan/1";
+
+/// Activation recomputation policy.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep every activation.
+    #[default]
+    None,
+    /// Recompute the attention core only (Korthikanti et al. 2022).
+    Selective,
+    /// Keep only each layer's input; recompute the whole layer in backward.
+    Full,
+}
+
+/// Pipeline schedule.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+pub enum Schedule {
+    /// No pipeline (pp = 1).
+    #[default]
+    #[serde(rename = "none")]
+    None,
+    /// All forwards, then all backwards (Huang et al. 2019).
+    #[serde(rename = "gpipe")]
+    GPipe,
+    /// One-forward-one-backward (PipeDream-Flush, Narayanan et al. 2021).
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    /// Interleaved 1F1B over `interleave` virtual stages per device (Narayanan et al. 2021).
+    #[serde(rename = "interleaved-1f1b")]
+    Interleaved1F1B,
+    /// Zero-bubble ZB-H1 (Qi et al. 2023): weight gradients fill the bubbles.
+    #[serde(rename = "zb-h1")]
+    ZeroBubbleH1,
+}
+
+impl Schedule {
+    /// All schedules.
+    pub const ALL: [Schedule; 5] = [
+        Schedule::None,
+        Schedule::GPipe,
+        Schedule::OneFOneB,
+        Schedule::Interleaved1F1B,
+        Schedule::ZeroBubbleH1,
+    ];
+    /// Name as written in plans and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Schedule::None => "none",
+            Schedule::GPipe => "gpipe",
+            Schedule::OneFOneB => "1f1b",
+            Schedule::Interleaved1F1B => "interleaved-1f1b",
+            Schedule::ZeroBubbleH1 => "zb-h1",
+        }
+    }
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Schedule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.to_ascii_lowercase();
+        Schedule::ALL
+            .into_iter()
+            .find(|x| x.name() == s || (s == "interleaved" && *x == Schedule::Interleaved1F1B) || (s == "zero-bubble" && *x == Schedule::ZeroBubbleH1))
+            .ok_or_else(|| format!("unknown schedule '{s}' (expected none, gpipe, 1f1b, interleaved-1f1b or zb-h1)"))
+    }
+}
+
+impl fmt::Display for Recompute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        })
+    }
+}
+
+impl FromStr for Recompute {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "none" | "no" | "off" => Ok(Recompute::None),
+            "selective" => Ok(Recompute::Selective),
+            "full" => Ok(Recompute::Full),
+            _ => Err(format!(
+                "unknown recompute '{s}' (expected none, selective or full)"
+            )),
+        }
+    }
+}
+
+/// Layers held by one pipeline stage (per virtual chunk when interleaved, in order).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageRange {
+    /// First block index.
+    pub first_layer: u32,
+    /// One past the last block index.
+    pub end_layer: u32,
+    /// Holds the embeddings.
+    #[serde(default)]
+    pub embedding: bool,
+    /// Holds the final norm, LM head and loss.
+    #[serde(default)]
+    pub head: bool,
+}
+
+/// A parallel layout: degrees and settings of the structured (transformer) space.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Layout {
+    pub dp: u32,
+    pub tp: u32,
+    pub pp: u32,
+    pub cp: u32,
+    /// Expert parallelism, carved out of the data-parallel group (ep divides dp).
+    pub ep: u32,
+    /// 0 plain data parallel, 1 optimizer states sharded, 2 + gradients, 3 + parameters.
+    pub zero_stage: u8,
+    /// Sequences per micro-batch per data-parallel rank.
+    pub micro_batch: u64,
+    pub recompute: Recompute,
+    pub sequence_parallel: bool,
+    pub schedule: Schedule,
+    /// Virtual stages per device (interleaved 1F1B); 1 otherwise.
+    pub interleave: u32,
+    /// Stage → layer ranges; `pp × interleave` entries in pipeline order, or empty for an even
+    /// split chosen by the tool.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<StageRange>,
+}
+
+impl Default for Layout {
+    fn default() -> Self {
+        Layout {
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            cp: 1,
+            ep: 1,
+            zero_stage: 0,
+            micro_batch: 1,
+            recompute: Recompute::None,
+            sequence_parallel: false,
+            schedule: Schedule::None,
+            interleave: 1,
+            stages: Vec::new(),
+        }
+    }
+}
+
+impl Layout {
+    /// Devices the layout occupies: dp × tp × pp × cp.
+    pub fn devices(&self) -> u64 {
+        u64::from(self.dp) * u64::from(self.tp) * u64::from(self.pp) * u64::from(self.cp)
+    }
+
+    /// Micro-batches per step per pipeline for a global batch.
+    pub fn micro_batches(&self, global_batch: u64) -> u64 {
+        global_batch / (u64::from(self.dp) * self.micro_batch.max(1))
+    }
+
+    /// Checks internal consistency for a global batch; one line naming the field.
+    pub fn validate(&self, global_batch: u64, layers: Option<u32>) -> Result<(), String> {
+        for (k, v) in [
+            ("dp", self.dp),
+            ("tp", self.tp),
+            ("pp", self.pp),
+            ("cp", self.cp),
+            ("ep", self.ep),
+            ("interleave", self.interleave),
+        ] {
+            if v == 0 {
+                return Err(format!("layout.{k} must be at least 1"));
+            }
+        }
+        if self.micro_batch == 0 {
+            return Err("layout.micro_batch must be at least 1".into());
+        }
+        if self.zero_stage > 3 {
+            return Err(format!(
+                "layout.zero_stage {} must be 0..=3",
+                self.zero_stage
+            ));
+        }
+        if self.dp % self.ep != 0 {
+            return Err(format!("layout.ep {} must divide dp {}", self.ep, self.dp));
+        }
+        let per_step = u64::from(self.dp) * self.micro_batch;
+        if global_batch % per_step != 0 {
+            return Err(format!(
+                "global batch {global_batch} is not a multiple of dp × micro_batch = {per_step}"
+            ));
+        }
+        if self.pp == 1 && !matches!(self.schedule, Schedule::None) && self.interleave > 1 {
+            return Err("layout.interleave > 1 needs pp > 1".into());
+        }
+        if self.pp > 1 && self.schedule == Schedule::None {
+            return Err("layout.schedule must name a pipeline schedule when pp > 1".into());
+        }
+        if self.interleave > 1 && self.schedule != Schedule::Interleaved1F1B {
+            return Err(format!(
+                "layout.interleave {} needs schedule interleaved-1f1b, not {}",
+                self.interleave, self.schedule
+            ));
+        }
+        if let Some(l) = layers {
+            let chunks = self.pp * self.interleave;
+            if chunks > l {
+                return Err(format!(
+                    "pp × interleave = {chunks} exceeds the model's {l} layers"
+                ));
+            }
+            if !self.stages.is_empty() {
+                if self.stages.len() as u32 != chunks {
+                    return Err(format!(
+                        "layout.stages has {} entries, pp × interleave = {chunks}",
+                        self.stages.len()
+                    ));
+                }
+                let mut next = 0;
+                for (i, s) in self.stages.iter().enumerate() {
+                    if s.first_layer != next || s.end_layer <= s.first_layer {
+                        return Err(format!(
+                            "layout.stages[{i}] covers {}..{}, expected to start at {next} and be non-empty",
+                            s.first_layer, s.end_layer
+                        ));
+                    }
+                    next = s.end_layer;
+                }
+                if next != l {
+                    return Err(format!(
+                        "layout.stages end at layer {next}, the model has {l}"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Per-op configuration for general (non-transformer) graphs: one degree per label of the op's
+/// axes mapping, in label order, and the devices it runs on.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpConfig {
+    pub node: String,
+    pub degrees: Vec<u32>,
+    pub devices: Vec<u32>,
+}
+
+/// Which model a plan is for.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelRef {
+    /// A zoo name, or the path of the file the model was read from.
+    pub name: String,
+}
+
+/// Which cluster a plan is for.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterRef {
+    /// `PRESET:gpus=N` or a profile path.
+    pub spec: String,
+    pub gpus: u32,
+}
+
+/// Training settings.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Training {
+    /// Sequences per optimizer step.
+    pub global_batch: u64,
+    pub seq_len: u64,
+    pub precision: Precision,
+}
+
+/// A prediction attached to a plan.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Prediction {
+    pub step_time_s: f64,
+    pub step_time_s_low: f64,
+    pub step_time_s_high: f64,
+    pub tokens_per_s: f64,
+    pub mfu: f64,
+    pub peak_memory_gib: f64,
+    pub fits: bool,
+}
+
+/// A complete plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Plan {
+    pub schema: String,
+    pub model: ModelRef,
+    pub cluster: ClusterRef,
+    pub training: Training,
+    pub layout: Layout,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub op_configs: Vec<OpConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prediction: Option<Prediction>,
+}
+
+impl Plan {
+    /// Parses a plan document; `origin` names the file in errors.
+    pub fn from_json(text: &str, origin: &str) -> Result<Plan, String> {
+        let plan: Plan = serde_json::from_str(text).map_err(|e| {
+            format!(
+                "{origin}: line {} column {}: {}",
+                e.line(),
+                e.column(),
+                strip_position(&e.to_string())
+            )
+        })?;
+        if plan.schema != PLAN_SCHEMA {
+            return Err(format!(
+                "{origin}: schema: expected \"{PLAN_SCHEMA}\", found \"{}\"",
+                plan.schema
+            ));
+        }
+        plan.layout
+            .validate(plan.training.global_batch, None)
+            .map_err(|e| format!("{origin}: {e}"))?;
+        if plan.layout.devices() != u64::from(plan.cluster.gpus) {
+            return Err(format!(
+                "{origin}: layout uses dp×tp×pp×cp = {} devices but cluster.gpus is {}",
+                plan.layout.devices(),
+                plan.cluster.gpus
+            ));
+        }
+        Ok(plan)
+    }
+
+    /// Pretty JSON; deterministic (fields in declaration order).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+/// serde_json appends " at line L column C"; we print the position ourselves.
+fn strip_position(msg: &str) -> String {
+    match msg.rfind(" at line ") {
+        Some(i) => msg[..i].to_string(),
+        None => msg.to_string(),
+    }
+}
+
+/// A layout given inline (`tp=8,pp=8,dp=16,zero=1,mb=1,recompute=selective,sp=true,
+/// schedule=interleaved-1f1b,v=2`); keys left out are `None`, for the tool to choose.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PartialLayout {
+    pub dp: Option<u32>,
+    pub tp: Option<u32>,
+    pub pp: Option<u32>,
+    pub cp: Option<u32>,
+    pub ep: Option<u32>,
+    pub zero_stage: Option<u8>,
+    pub micro_batch: Option<u64>,
+    pub recompute: Option<Recompute>,
+    pub sequence_parallel: Option<bool>,
+    pub schedule: Option<Schedule>,
+    pub interleave: Option<u32>,
+}
+
+impl PartialLayout {
+    /// Parses the inline form. Errors name the key.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let mut p = PartialLayout::default();
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (k, v) = item
+                .split_once('=')
+                .ok_or_else(|| format!("'{item}' is not key=value"))?;
+            let (k, v) = (k.trim().to_ascii_lowercase(), v.trim());
+            let num = |what: &str| -> Result<u64, String> {
+                let n: u64 = v
+                    .parse()
+                    .map_err(|_| format!("{what}: '{v}' is not a positive integer"))?;
+                if n == 0 {
+                    return Err(format!("{what}: must be at least 1"));
+                }
+                Ok(n)
+            };
+            let small = |what: &str| -> Result<u32, String> {
+                u32::try_from(num(what)?).map_err(|_| format!("{what}: '{v}' is too large"))
+            };
+            match k.as_str() {
+                "dp" => p.dp = Some(small("dp")?),
+                "tp" => p.tp = Some(small("tp")?),
+                "pp" => p.pp = Some(small("pp")?),
+                "cp" => p.cp = Some(small("cp")?),
+                "ep" => p.ep = Some(small("ep")?),
+                "v" | "interleave" | "vp" => p.interleave = Some(small("interleave")?),
+                "mb" | "micro_batch" => p.micro_batch = Some(num("micro_batch")?),
+                "zero" | "zero_stage" => {
+                    let z: u8 = v
+                        .parse()
+                        .ok()
+                        .filter(|z| *z <= 3)
+                        .ok_or_else(|| format!("zero: '{v}' must be 0, 1, 2 or 3"))?;
+                    p.zero_stage = Some(z);
+                }
+                "recompute" => p.recompute = Some(v.parse()?),
+                "sp" | "sequence_parallel" => {
+                    p.sequence_parallel = Some(match v.to_ascii_lowercase().as_str() {
+                        "true" | "1" | "yes" | "on" => true,
+                        "false" | "0" | "no" | "off" => false,
+                        _ => return Err(format!("sp: '{v}' is not true or false")),
+                    })
+                }
+                "schedule" => p.schedule = Some(v.parse()?),
+                _ => {
+                    return Err(format!(
+                        "unknown key '{k}' (expected dp, tp, pp, cp, ep, zero, mb, recompute, sp, schedule, v)"
+                    ))
+                }
+            }
+        }
+        Ok(p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan() -> Plan {
+        Plan {
+            schema: PLAN_SCHEMA.into(),
+            model: ModelRef {
+                name: "gpt3-175b".into(),
+            },
+            cluster: ClusterRef {
+                spec: "dgx-a100-80gb:gpus=1024".into(),
+                gpus: 1024,
+            },
+            training: Training {
+                global_batch: 1536,
+                seq_len: 2048,
+                precision: Precision::Bf16,
+            },
+            layout: Layout {
+                dp: 16,
+                tp: 8,
+                pp: 8,
+                micro_batch: 1,
+                recompute: Recompute::Selective,
+                sequence_parallel: true,
+                schedule: Schedule::Interleaved1F1B,
+                interleave: 2,
+                stages: (0..16)
+                    .map(|i| StageRange {
+                        first_layer: i * 6,
+                        end_layer: i * 6 + 6,
+                        embedding: i == 0,
+                        head: i == 15,
+                    })
+                    .collect(),
+                ..Layout::default()
+            },
+            op_configs: vec![OpConfig {
+                node: "fc1".into(),
+                degrees: vec![2, 1, 4],
+                devices: (0..8).collect(),
+            }],
+            prediction: Some(Prediction {
+                step_time_s: 12.5,
+                step_time_s_low: 12.0,
+                step_time_s_high: 13.1,
+                tokens_per_s: 251_658.24,
+                mfu: 0.52,
+                peak_memory_gib: 61.2,
+                fits: true,
+            }),
+        }
+    }
+
+    #[test]
+    fn plan_round_trips_through_json() {
+        let p = plan();
+        let text = p.to_json();
+        assert!(text.contains("\"schema\": \"parallax-plan/1\""));
+        assert!(text.contains("\"schedule\": \"interleaved-1f1b\""));
+        let back = Plan::from_json(&text, "p.json").unwrap();
+        assert_eq!(back, p);
+        assert_eq!(back.to_json(), text);
+        back.layout.validate(1536, Some(96)).unwrap();
+    }
+
+    #[test]
+    fn bad_plans_name_the_problem() {
+        let mut p = plan();
+        p.schema = "other/2".into();
+        assert!(Plan::from_json(&p.to_json(), "x.json")
+            .unwrap_err()
+            .contains("schema"));
+        let mut p = plan();
+        p.cluster.gpus = 512;
+        assert!(Plan::from_json(&p.to_json(), "x.json")
+            .unwrap_err()
+            .contains("cluster.gpus"));
+        let text = plan()
+            .to_json()
+            .replace("\"tp\": 8", "\"tp\": 8, \"tensor\": 2");
+        let e = Plan::from_json(&text, "x.json").unwrap_err();
+        assert!(e.starts_with("x.json: line") && e.contains("tensor"), "{e}");
+        let mut l = plan().layout;
+        l.stages[3].end_layer += 1;
+        assert!(l
+            .validate(1536, Some(96))
+            .unwrap_err()
+            .contains("stages[4]"));
+        assert!(l.validate(1000, None).unwrap_err().contains("multiple"));
+    }
+
+    #[test]
+    fn inline_layouts_parse_and_reject_nonsense() {
+        let p = PartialLayout::parse("tp=8,pp=8,dp=16,cp=1,zero=1,mb=1,recompute=selective,sp=true,schedule=interleaved-1f1b,v=2").unwrap();
+        assert_eq!(p.tp, Some(8));
+        assert_eq!(p.schedule, Some(Schedule::Interleaved1F1B));
+        assert_eq!(p.interleave, Some(2));
+        assert_eq!(p.ep, None);
+        for bad in [
+            "tp=0",
+            "tp=x",
+            "zero=4",
+            "foo=1",
+            "tp",
+            "sp=maybe",
+            "schedule=fast",
+            "recompute=half",
+        ] {
+            assert!(PartialLayout::parse(bad).is_err(), "{bad}");
+        }
+    }
+}
