@@ -1,1 +1,82 @@
-fn main() {}
+//! `parallax`: plan, simulate, validate and run parallel training layouts.
+
+mod clusters;
+mod fmt;
+mod inspect;
+mod models;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// An automatic parallelization planner and simulator for distributed deep-learning training.
+#[derive(Debug, Parser)]
+#[command(name = "parallax", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// List the built-in model zoo.
+    Models(models::Args),
+    /// List the built-in hardware presets.
+    Clusters(clusters::Args),
+    /// Parameters, FLOPs per token, layers, op histogram and activation memory of a model.
+    Inspect(inspect::Args),
+}
+
+/// An error caused by what the user gave us (exit status 2).
+#[derive(Debug)]
+pub struct UserError(pub String);
+
+impl std::fmt::Display for UserError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UserError {}
+
+/// Wraps any displayable error as a user error.
+pub fn user(e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::Error::new(UserError(e.to_string()))
+}
+
+fn main() -> ExitCode {
+    // Never show a backtrace to a user: one line, and a non-zero status distinct from 2.
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        eprintln!("error: internal error (please report): {msg}");
+    }));
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("PARALLAX_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Models(a) => models::run(a),
+        Command::Clusters(a) => clusters::run(a),
+        Command::Inspect(a) => inspect::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let line = format!("{e:#}").replace('\n', " ");
+            eprintln!("error: {line}");
+            if e.downcast_ref::<UserError>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::from(1)
+            }
+        }
+    }
+}

@@ -20,3 +20,6 @@ pub use graph::{
 pub mod models;
 pub mod plan;
 pub use plan::{Layout, PartialLayout, Plan, Recompute, Schedule, StageRange, PLAN_SCHEMA};
+pub mod load;
+pub use load::{load_model, Model, ModelError, ModelKind};
+pub mod import;

@@ -1,0 +1,78 @@
+//! Human-readable numbers.
+
+/// `1234567` → `1.23 M`, with SI prefixes up to P.
+pub fn si(x: f64) -> String {
+    let units = [(1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")];
+    for (scale, unit) in units {
+        if x.abs() >= scale {
+            return format!("{:.2} {unit}", x / scale);
+        }
+    }
+    format!("{x:.0} ")
+}
+
+/// Bytes as KiB / MiB / GiB.
+pub fn bytes(b: f64) -> String {
+    let units = [
+        (1u64 << 40, "TiB"),
+        (1 << 30, "GiB"),
+        (1 << 20, "MiB"),
+        (1 << 10, "KiB"),
+    ];
+    for (scale, unit) in units {
+        if b >= scale as f64 {
+            return format!("{:.2} {unit}", b / scale as f64);
+        }
+    }
+    format!("{b:.0} B")
+}
+
+/// A plain text table with left-aligned first column and right-aligned others.
+pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let n = header.len();
+    let mut w: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate().take(n) {
+            w[i] = w[i].max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| -> String {
+        cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                if i == 0 {
+                    format!("{c:<width$}", width = w[i])
+                } else {
+                    format!("{c:>width$}", width = w[i])
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("  ")
+            .trim_end()
+            .to_string()
+    };
+    let mut out = line(header.iter().map(|s| s.to_string()).collect());
+    out.push('\n');
+    out.push_str(&line(w.iter().map(|x| "-".repeat(*x)).collect()));
+    out.push('\n');
+    for r in rows {
+        out.push_str(&line(r.clone()));
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_read_well() {
+        assert_eq!(si(174_604_259_328.0), "174.60 G");
+        assert_eq!(si(12.0), "12 ");
+        assert_eq!(bytes(3.0 * 1024.0 * 1024.0), "3.00 MiB");
+        let t = table(&["a", "bb"], &[vec!["x".into(), "1".into()]]);
+        assert_eq!(t, "a  bb\n-  --\nx   1\n");
+    }
+}

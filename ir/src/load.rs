@@ -1,0 +1,510 @@
+//! Resolving a `--model` argument: a zoo name, a HuggingFace `config.json`, an `.onnx` file or a
+//! parallax graph JSON.
+
+use crate::graph::{Graph, GraphError};
+use crate::import::ImportError;
+use crate::models::zoo::{self, ZooDef};
+use crate::models::{BuildOptions, Mlp, MoeConfig, Norm, Position, TransformerConfig};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::path::Path;
+use thiserror::Error;
+
+/// Schema tag of parallax graph files.
+pub const GRAPH_SCHEMA: &str = "parallax-graph/1";
+
+/// HuggingFace `model_type`s the importer understands.
+pub const SUPPORTED_HF_TYPES: &[&str] = &["gpt2", "llama", "mistral", "mixtral", "bert"];
+
+/// Why a model could not be loaded. Every message is one line naming the file or name.
+#[derive(Debug, Error)]
+pub enum ModelError {
+    #[error("unknown model '{name}': not a zoo name (see `parallax models`: {available}) and not a .json or .onnx file")]
+    UnknownModel { name: String, available: String },
+    #[error("{file}: cannot read: {source}")]
+    Io {
+        file: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{file}: line {line} column {column}: {message}")]
+    Json {
+        file: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    #[error("{file}: {field}: {message}")]
+    Field {
+        file: String,
+        field: String,
+        message: String,
+    },
+    #[error("{file}: model_type '{model_type}' is not supported (supported: {})", SUPPORTED_HF_TYPES.join(", "))]
+    UnsupportedHfType { file: String, model_type: String },
+    #[error("{file}: neither a HuggingFace config (no \"model_type\") nor a parallax graph (no \"schema\": \"{GRAPH_SCHEMA}\")")]
+    NotAModel { file: String },
+    #[error("{file}: {source}")]
+    Graph {
+        file: String,
+        #[source]
+        source: GraphError,
+    },
+    #[error(transparent)]
+    Import(#[from] ImportError),
+}
+
+/// How a loaded model produces graphs.
+#[derive(Clone, Debug)]
+pub enum ModelKind {
+    /// A transformer from its dimensions (zoo or HuggingFace config).
+    Transformer(TransformerConfig),
+    /// A fixed architecture built for a batch size.
+    Batched(fn(u64) -> Result<Graph, GraphError>),
+    /// A sequence model built for a batch size and sequence length.
+    Sequence(fn(u64, u64) -> Result<Graph, GraphError>),
+    /// A graph read from a file, at the batch it was saved with.
+    Fixed(Graph),
+}
+
+/// A model ready to be turned into graphs.
+#[derive(Clone, Debug)]
+pub struct Model {
+    /// Zoo name, or the file stem.
+    pub name: String,
+    /// Where it came from: `zoo`, or the path.
+    pub origin: String,
+    pub kind: ModelKind,
+}
+
+/// Default sequence length of sequence models that have no table limiting it (PTB-style BPTT).
+const DEFAULT_RNN_SEQ: u64 = 35;
+
+impl Model {
+    /// The transformer dimensions, when the model is one.
+    pub fn transformer(&self) -> Option<&TransformerConfig> {
+        match &self.kind {
+            ModelKind::Transformer(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// Sequence length used when none is given.
+    pub fn default_seq(&self) -> u64 {
+        match &self.kind {
+            ModelKind::Transformer(c) => c.max_seq,
+            ModelKind::Sequence(_) => DEFAULT_RNN_SEQ,
+            _ => 1,
+        }
+    }
+
+    /// The training graph for `batch` samples of `seq` tokens (ignored by fixed graphs and
+    /// image models).
+    pub fn graph(&self, batch: u64, seq: u64, fused_attention: bool) -> Result<Graph, ModelError> {
+        // Zoo models are named by their name, file models by their path.
+        let file = if self.origin == "zoo" {
+            &self.name
+        } else {
+            &self.origin
+        };
+        let err = |field: &str, message: String| ModelError::Field {
+            file: file.clone(),
+            field: field.into(),
+            message,
+        };
+        if batch == 0 {
+            return Err(err("batch", "must be at least 1".into()));
+        }
+        if seq == 0 {
+            return Err(err("seq", "must be at least 1".into()));
+        }
+        let graph_err = |source| ModelError::Graph {
+            file: file.clone(),
+            source,
+        };
+        match &self.kind {
+            ModelKind::Transformer(c) => {
+                if c.position == Position::Learned && seq > c.max_seq {
+                    return Err(err(
+                        "seq",
+                        format!("{seq} exceeds the model's {} learned positions", c.max_seq),
+                    ));
+                }
+                c.build(
+                    &self.name,
+                    BuildOptions {
+                        batch,
+                        seq,
+                        fused_attention,
+                    },
+                )
+                .map_err(graph_err)
+            }
+            ModelKind::Batched(f) => f(batch).map_err(graph_err),
+            ModelKind::Sequence(f) => f(batch, seq).map_err(graph_err),
+            ModelKind::Fixed(g) => Ok(g.clone()),
+        }
+    }
+}
+
+/// Resolves `spec`: a zoo name, or a path to `.json` (HuggingFace config or parallax graph) or
+/// `.onnx`.
+pub fn load_model(spec: &str) -> Result<Model, ModelError> {
+    if let Some(e) = zoo::find(spec) {
+        let kind = match e.def {
+            ZooDef::Transformer(c) => ModelKind::Transformer(c),
+            ZooDef::Batched(f) => ModelKind::Batched(f),
+            ZooDef::Sequence(f) => ModelKind::Sequence(f),
+        };
+        return Ok(Model {
+            name: e.name.into(),
+            origin: "zoo".into(),
+            kind,
+        });
+    }
+    let path = Path::new(spec);
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    let name = path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or(spec)
+        .to_string();
+    match ext.as_deref() {
+        Some("onnx") => {
+            let g = crate::import::onnx::import_onnx(path)?;
+            Ok(Model {
+                name,
+                origin: spec.into(),
+                kind: ModelKind::Fixed(g),
+            })
+        }
+        Some("json") => {
+            let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+                file: spec.into(),
+                source,
+            })?;
+            load_json(&text, spec, name)
+        }
+        _ => Err(ModelError::UnknownModel {
+            name: spec.into(),
+            available: zoo::names(),
+        }),
+    }
+}
+
+/// Parses a JSON model document (HuggingFace config or parallax graph); `file` names it in errors.
+pub fn load_json(text: &str, file: &str, name: String) -> Result<Model, ModelError> {
+    let v: Value = serde_json::from_str(text).map_err(|e| json_error(file, &e))?;
+    if v.get("model_type").is_some() {
+        let cfg = hf_config(&v, file)?;
+        let name = if name == "config" {
+            v.get("_name_or_path")
+                .and_then(Value::as_str)
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+                .unwrap_or(name)
+        } else {
+            name
+        };
+        return Ok(Model {
+            name,
+            origin: file.into(),
+            kind: ModelKind::Transformer(cfg),
+        });
+    }
+    match v.get("schema").and_then(Value::as_str) {
+        Some(GRAPH_SCHEMA) => {
+            let doc: GraphDoc = serde_json::from_str(text).map_err(|e| json_error(file, &e))?;
+            let mut g = doc.graph;
+            g.validate().map_err(|source| ModelError::Graph {
+                file: file.into(),
+                source,
+            })?;
+            Ok(Model {
+                name: g.name.clone(),
+                origin: file.into(),
+                kind: ModelKind::Fixed(g),
+            })
+        }
+        Some(other) => Err(ModelError::Field {
+            file: file.into(),
+            field: "schema".into(),
+            message: format!("expected \"{GRAPH_SCHEMA}\", found \"{other}\""),
+        }),
+        None => Err(ModelError::NotAModel { file: file.into() }),
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GraphDoc {
+    schema: String,
+    graph: Graph,
+}
+
+/// A graph as a parallax graph JSON document (import reproduces it exactly).
+pub fn graph_to_json(g: &Graph) -> String {
+    serde_json::to_string(&GraphDoc {
+        schema: GRAPH_SCHEMA.into(),
+        graph: g.clone(),
+    })
+    .unwrap_or_default()
+}
+
+fn json_error(file: &str, e: &serde_json::Error) -> ModelError {
+    let msg = e.to_string();
+    let message = match msg.rfind(" at line ") {
+        Some(i) => msg[..i].to_string(),
+        None => msg,
+    };
+    ModelError::Json {
+        file: file.into(),
+        line: e.line(),
+        column: e.column(),
+        message,
+    }
+}
+
+/// Maps a HuggingFace `config.json` onto transformer dimensions.
+pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError> {
+    let field_err = |field: &str, message: String| ModelError::Field {
+        file: file.into(),
+        field: field.into(),
+        message,
+    };
+    let model_type = v
+        .get("model_type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| field_err("model_type", "must be a string".into()))?;
+    // A positive integer field; `alt` are older spellings.
+    let int = |keys: &[&str], default: Option<u64>| -> Result<u64, ModelError> {
+        for k in keys {
+            match v.get(*k) {
+                None | Some(Value::Null) => continue,
+                Some(x) => {
+                    return match x.as_u64() {
+                        Some(0) => Err(field_err(k, "must be positive".into())),
+                        Some(n) => Ok(n),
+                        None => Err(field_err(
+                            k,
+                            format!("expected a positive integer, found {x}"),
+                        )),
+                    }
+                }
+            }
+        }
+        default.ok_or_else(|| field_err(keys[0], "missing".into()))
+    };
+    let flag = |k: &str, default: bool| -> Result<bool, ModelError> {
+        match v.get(k) {
+            None | Some(Value::Null) => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(x) => Err(field_err(k, format!("expected true or false, found {x}"))),
+        }
+    };
+    let cfg = match model_type {
+        "gpt2" => {
+            let h = int(&["n_embd", "hidden_size"], None)?;
+            let layers = int(&["n_layer", "num_hidden_layers"], None)?;
+            let heads = int(&["n_head", "num_attention_heads"], None)?;
+            let ffn = int(&["n_inner"], Some(4 * h))?;
+            TransformerConfig {
+                tied_embeddings: flag("tie_word_embeddings", true)?,
+                ..TransformerConfig::gpt(
+                    to_u32(layers, "n_layer", file)?,
+                    h,
+                    heads,
+                    ffn,
+                    int(&["vocab_size"], None)?,
+                    int(
+                        &["n_positions", "n_ctx", "max_position_embeddings"],
+                        Some(1024),
+                    )?,
+                )
+            }
+        }
+        "llama" | "mistral" | "mixtral" => {
+            let h = int(&["hidden_size"], None)?;
+            let heads = int(&["num_attention_heads"], None)?;
+            let mut c = TransformerConfig::llama(
+                to_u32(
+                    int(&["num_hidden_layers"], None)?,
+                    "num_hidden_layers",
+                    file,
+                )?,
+                h,
+                heads,
+                int(&["num_key_value_heads"], Some(heads))?,
+                int(&["intermediate_size"], None)?,
+                int(&["vocab_size"], None)?,
+                int(&["max_position_embeddings"], Some(4096))?,
+            );
+            c.head_dim = int(&["head_dim"], Some(h / heads))?;
+            c.tied_embeddings = flag("tie_word_embeddings", false)?;
+            c.bias = flag("attention_bias", false)?;
+            if model_type == "mixtral" {
+                c.moe = Some(MoeConfig {
+                    experts: int(&["num_local_experts"], None)?,
+                    top_k: int(&["num_experts_per_tok"], Some(2))?,
+                });
+            }
+            c
+        }
+        "bert" => {
+            let h = int(&["hidden_size"], None)?;
+            let mut c = TransformerConfig::gpt(
+                to_u32(
+                    int(&["num_hidden_layers"], None)?,
+                    "num_hidden_layers",
+                    file,
+                )?,
+                h,
+                int(&["num_attention_heads"], None)?,
+                int(&["intermediate_size"], Some(4 * h))?,
+                int(&["vocab_size"], None)?,
+                int(&["max_position_embeddings"], Some(512))?,
+            );
+            c.causal = false;
+            c.bert = true;
+            c.mlp = match v.get("hidden_act").and_then(Value::as_str) {
+                Some("relu") => Mlp::Relu,
+                _ => Mlp::Gelu,
+            };
+            c
+        }
+        other => {
+            return Err(ModelError::UnsupportedHfType {
+                file: file.into(),
+                model_type: other.into(),
+            })
+        }
+    };
+    debug_assert!(cfg.norm == Norm::LayerNorm || cfg.norm == Norm::RmsNorm);
+    cfg.validate().map_err(|m| field_err("config", m))?;
+    if cfg.hidden % cfg.heads != 0 && v.get("head_dim").is_none() {
+        return Err(field_err(
+            "hidden_size",
+            format!(
+                "{} is not a multiple of the {} attention heads",
+                cfg.hidden, cfg.heads
+            ),
+        ));
+    }
+    Ok(cfg)
+}
+
+fn to_u32(n: u64, field: &str, file: &str) -> Result<u32, ModelError> {
+    u32::try_from(n).map_err(|_| ModelError::Field {
+        file: file.into(),
+        field: field.into(),
+        message: format!("{n} is too large"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> Result<Model, ModelError> {
+        load_json(text, "config.json", "config".into())
+    }
+
+    #[test]
+    fn hf_configs_reproduce_the_zoo() {
+        // Field values from the HuggingFace Hub config.json of each model.
+        let cases = [
+            (
+                r#"{"model_type":"gpt2","n_embd":768,"n_layer":12,"n_head":12,"vocab_size":50257,"n_positions":1024,"n_inner":null}"#,
+                "gpt2",
+            ),
+            (
+                r#"{"model_type":"llama","hidden_size":4096,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":14336,"vocab_size":128256,"max_position_embeddings":8192,"tie_word_embeddings":false}"#,
+                "llama3-8b",
+            ),
+            (
+                r#"{"model_type":"mixtral","hidden_size":4096,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":14336,"vocab_size":32000,"max_position_embeddings":32768,"num_local_experts":8,"num_experts_per_tok":2}"#,
+                "mixtral-8x7b",
+            ),
+            (
+                r#"{"model_type":"bert","hidden_size":1024,"num_hidden_layers":24,"num_attention_heads":16,"intermediate_size":4096,"vocab_size":30522,"max_position_embeddings":512,"hidden_act":"gelu"}"#,
+                "bert-large",
+            ),
+        ];
+        for (text, zoo_name) in cases {
+            let m = load(text).unwrap();
+            let z = load_model(zoo_name).unwrap();
+            assert_eq!(m.transformer(), z.transformer(), "{zoo_name}");
+        }
+        let mistral = load(r#"{"model_type":"mistral","hidden_size":4096,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":14336,"vocab_size":32000}"#).unwrap();
+        let g = mistral.graph(1, 16, true).unwrap();
+        assert_eq!(g.param_count(), 7_241_732_096); // Mistral-7B-v0.1, HF num_parameters()
+    }
+
+    #[test]
+    fn hf_errors_name_file_and_field() {
+        let e = load(r#"{"model_type":"t5","d_model":512}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("config.json") && e.contains("'t5'") && e.contains("llama"),
+            "{e}"
+        );
+        let e = load(r#"{"model_type":"llama","hidden_size":4096}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("num_hidden_layers: missing"), "{e}");
+        let e = load(r#"{"model_type":"gpt2","n_embd":-3,"n_layer":2,"n_head":2,"vocab_size":5}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("n_embd") && e.contains("positive"), "{e}");
+        let e = load(r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":8,"num_key_value_heads":3,"intermediate_size":5,"vocab_size":5}"#).unwrap_err().to_string();
+        assert!(e.contains("kv_heads"), "{e}");
+        let e = load("{\"model_type\": ").unwrap_err().to_string();
+        assert!(e.starts_with("config.json: line 1"), "{e}");
+        let e = load("{}").unwrap_err().to_string();
+        assert!(e.contains("neither"), "{e}");
+    }
+
+    #[test]
+    fn graph_json_round_trips_exactly() {
+        let m = load_model("llama-tiny").unwrap();
+        let g = m.graph(2, 16, true).unwrap();
+        let text = graph_to_json(&g);
+        let back = load_json(&text, "g.json", "g".into()).unwrap();
+        match back.kind {
+            ModelKind::Fixed(h) => {
+                assert_eq!(h, g);
+                assert_eq!(graph_to_json(&h), text);
+            }
+            _ => panic!("expected a fixed graph"),
+        }
+        // A corrupted graph is rejected with the node named.
+        let bad = text.replacen("\"out_features\":256", "\"out_features\":255", 1);
+        let e = load_json(&bad, "g.json", "g".into())
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("g.json: node"), "{e}");
+    }
+
+    #[test]
+    fn unknown_names_list_the_zoo() {
+        let e = load_model("gpt-5").unwrap_err().to_string();
+        assert!(e.contains("gpt-5") && e.contains("llama3-405b"), "{e}");
+        let e = load_model("/nonexistent/config.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("/nonexistent/config.json: cannot read"),
+            "{e}"
+        );
+        let m = load_model("gpt2").unwrap();
+        assert!(m
+            .graph(1, 2048, true)
+            .unwrap_err()
+            .to_string()
+            .contains("1024 learned positions"));
+    }
+}
