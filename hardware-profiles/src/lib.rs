@@ -1,1 +1,36 @@
-//! Cluster description types, TOML profile loader with validation, built-in presets.
+//! parallax-hardware: cluster description types, the TOML profile loader with validation, and
+//! the built-in presets (`profiles/*.toml`).
+//!
+//! ```
+//! use parallax_hardware::Cluster;
+//! use parallax_ir::Precision;
+//!
+//! let c = Cluster::parse("dgx-a100-80gb:gpus=1024").unwrap();
+//! assert_eq!(c.nodes(), 128);
+//! let peak = c.profile.peak_flops(Precision::Bf16).unwrap();
+//! assert_eq!(peak, 312e12);
+//! ```
+//!
+//! A profile has five tables: `[device]` (memory, dense peaks per precision, a GEMM efficiency
+//! curve indexed by FLOPs, memory-bound efficiency, launch overhead), `[node]` (devices per node,
+//! intra-node fabric and bandwidth, NVLS, host link), `[network]` (NICs, rate, latency,
+//! topology, oversubscription; absent for single-node machines), `[collectives]` (achieved
+//! fractions of line rate) and an optional `[calibration]` (provenance of fitted values).
+
+mod cluster;
+mod curve;
+mod error;
+mod presets;
+mod profile;
+
+pub use cluster::Cluster;
+pub use curve::EfficiencyCurve;
+pub use error::HwError;
+pub use presets::{is_preset, preset, preset_names, preset_toml, presets, CPU_LOCAL};
+pub use profile::{
+    Calibration, ClusterProfile, CollectiveSpec, DeviceSpec, FabricKind, NetworkSpec, NodeSpec,
+    PrecisionScale, Topology,
+};
+
+#[cfg(test)]
+mod tests;

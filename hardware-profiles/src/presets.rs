@@ -1,0 +1,95 @@
+//! Built-in cluster presets: one commented TOML file each in `profiles/`, embedded at compile
+//! time. Every number in them cites its source in a comment.
+
+use crate::error::HwError;
+use crate::profile::ClusterProfile;
+
+/// One built-in preset.
+struct Preset {
+    name: &'static str,
+    description: &'static str,
+    toml: &'static str,
+}
+
+macro_rules! preset {
+    ($name:literal, $desc:literal) => {
+        Preset {
+            name: $name,
+            description: $desc,
+            toml: include_str!(concat!("../profiles/", $name, ".toml")),
+        }
+    };
+}
+
+/// The presets, in the order `parallax clusters` lists them.
+const PRESETS: &[Preset] = &[
+    preset!("dgx2-v100-32gb", "NVIDIA DGX-2: 16x V100-SXM3 32GB, NVSwitch, 8x 100 Gb/s EDR InfiniBand"),
+    preset!("dgx-a100-40gb", "NVIDIA DGX A100 320GB: 8x A100-SXM4 40GB, NVSwitch, 8x 200 Gb/s HDR InfiniBand"),
+    preset!("dgx-a100-80gb", "NVIDIA DGX A100 640GB: 8x A100-SXM4 80GB, NVSwitch, 8x 200 Gb/s HDR InfiniBand"),
+    preset!("dgx-h100-80gb", "NVIDIA DGX H100: 8x H100-SXM5 80GB, NVSwitch with NVLS, 8x 400 Gb/s NDR InfiniBand"),
+    preset!("hgx-h200-141gb", "NVIDIA HGX/DGX H200: 8x H200-SXM 141GB, NVSwitch with NVLS, 8x 400 Gb/s NDR InfiniBand"),
+    preset!("grand-teton-h100-96gb", "Meta Grand Teton: 8x H100 96GB HBM2e at 500 W, NVSwitch, 400 Gb/s RDMA per GPU"),
+    preset!("jean-zay-v100-16gb", "IDRIS Jean Zay gpu_p13 (v100-16g): 4x V100-SXM2 16GB per node, NVLink, Omni-Path 100 Gb/s"),
+    preset!("jean-zay-v100-32gb", "IDRIS Jean Zay gpu_p13 (v100-32g): 4x V100-SXM2 32GB per node, NVLink, Omni-Path 100 Gb/s"),
+    preset!("jean-zay-a100-80gb", "IDRIS Jean Zay gpu_p5: 8x A100-SXM4 80GB per node, NVSwitch, 4x Omni-Path 100 Gb/s"),
+    preset!("aws-p3dn-v100-32gb", "AWS p3dn.24xlarge: 8x V100-SXM2 32GB, NVLink hybrid cube mesh, 100 Gb/s EFA"),
+    preset!("aws-p4d-a100-40gb", "AWS p4d.24xlarge: 8x A100-SXM4 40GB, NVSwitch, 4x 100 Gb/s EFA"),
+    preset!("aws-p5-h100-80gb", "AWS p5.48xlarge: 8x H100-SXM5 80GB, NVSwitch with NVLS, 32x 100 Gb/s EFA"),
+    preset!("titan-rtx-2x-nvlink", "Workstation: 2x TITAN RTX 24GB with a 2-link NVLink bridge"),
+    preset!("titan-rtx-2x-pcie", "Workstation: 2x TITAN RTX 24GB over PCIe 3.0 (no NVLink / NCCL_P2P_DISABLE=1)"),
+    preset!("cpu-local", "This machine's CPU cores as devices (threads executor); nominal numbers until `parallax calibrate`"),
+];
+
+/// Name of the preset whose device count is the number of cores detected at load time.
+pub const CPU_LOCAL: &str = "cpu-local";
+
+/// The built-in presets: `(name, one-line description)`, in listing order.
+pub fn presets() -> Vec<(&'static str, &'static str)> {
+    PRESETS.iter().map(|p| (p.name, p.description)).collect()
+}
+
+/// The names of the built-in presets.
+pub fn preset_names() -> Vec<&'static str> {
+    PRESETS.iter().map(|p| p.name).collect()
+}
+
+/// The embedded TOML text of a preset (with its source comments).
+pub fn preset_toml(name: &str) -> Result<&'static str, HwError> {
+    PRESETS
+        .iter()
+        .find(|p| p.name == name)
+        .map(|p| p.toml)
+        .ok_or_else(|| HwError::UnknownPreset {
+            name: name.to_string(),
+            available: preset_names().join(", "),
+        })
+}
+
+/// Loads and validates a built-in preset. For `cpu-local`, `node.gpus_per_node` is set to the
+/// number of cores available to this process (`std::thread::available_parallelism`, 1 if it
+/// cannot be determined).
+pub fn preset(name: &str) -> Result<ClusterProfile, HwError> {
+    let entry = PRESETS
+        .iter()
+        .find(|p| p.name == name)
+        .ok_or_else(|| HwError::UnknownPreset {
+            name: name.to_string(),
+            available: preset_names().join(", "),
+        })?;
+    let mut p = ClusterProfile::from_toml_str(entry.toml, &format!("preset {name}"))?;
+    if p.description.is_empty() {
+        p.description = entry.description.to_string();
+    }
+    if name == CPU_LOCAL {
+        p.node.gpus_per_node = std::thread::available_parallelism()
+            .map(|n| u32::try_from(n.get()).unwrap_or(u32::MAX))
+            .unwrap_or(1);
+        p.validate()?;
+    }
+    Ok(p)
+}
+
+/// Whether `name` is a built-in preset.
+pub fn is_preset(name: &str) -> bool {
+    PRESETS.iter().any(|p| p.name == name)
+}
