@@ -61,7 +61,33 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            match e.kind() {
+                ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+                    let _ = e.print();
+                    return ExitCode::SUCCESS;
+                }
+                ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+                    let _ = e.print();
+                    return ExitCode::from(2);
+                }
+                _ => {}
+            }
+            // clap's lines before the usage block say what is wrong; join them into one.
+            let text = e.render().to_string();
+            let what: Vec<&str> = text
+                .lines()
+                .map(str::trim)
+                .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("tip:"))
+                .filter(|l| !l.is_empty())
+                .collect();
+            eprintln!("{} (see --help)", what.join(" "));
+            return ExitCode::from(2);
+        }
+    };
     let result = match cli.command {
         Command::Models(a) => models::run(a),
         Command::Clusters(a) => clusters::run(a),

@@ -1,0 +1,359 @@
+//! Everything a user can type or feed that is wrong ends with one line on stderr naming the
+//! file / field and the problem, exit status 2, and no panic.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_parallax")
+}
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../ir/tests/fixtures")
+}
+
+struct Case {
+    args: Vec<String>,
+    /// Substrings the error line must contain.
+    expect: Vec<&'static str>,
+}
+
+fn case(args: &[&str], expect: &[&'static str]) -> Case {
+    Case {
+        args: args.iter().map(|s| s.to_string()).collect(),
+        expect: expect.to_vec(),
+    }
+}
+
+fn write(dir: &Path, name: &str, content: &[u8]) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, content).unwrap();
+    p.to_string_lossy().into_owned()
+}
+
+#[test]
+fn bad_inputs_end_in_one_line_and_status_2() {
+    let dir = std::env::temp_dir().join(format!("parallax-cli-errors-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = &dir;
+    let llama = |extra: &str| {
+        format!(
+            r#"{{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":8,"intermediate_size":128,"vocab_size":100{extra}}}"#
+        )
+    };
+    let malformed = write(d, "malformed.json", b"{\"model_type\": \"gpt2\", ");
+    let empty = write(d, "empty.json", b"");
+    let junk = write(d, "junk.json", &[0xff, 0xfe, 0x00, 0x13, 0x37]);
+    let no_kind = write(d, "nokind.json", b"{\"hello\": 1}");
+    let t5 = write(d, "t5.json", br#"{"model_type":"t5","d_model":512}"#);
+    let missing = write(
+        d,
+        "missing.json",
+        br#"{"model_type":"llama","hidden_size":4096}"#,
+    );
+    let negative = write(
+        d,
+        "negative.json",
+        llama("")
+            .replace("\"hidden_size\":64", "\"hidden_size\":-64")
+            .as_bytes(),
+    );
+    let zero_layers = write(
+        d,
+        "zerolayers.json",
+        llama("")
+            .replace("\"num_hidden_layers\":2", "\"num_hidden_layers\":0")
+            .as_bytes(),
+    );
+    let bad_kv = write(
+        d,
+        "badkv.json",
+        llama(",\"num_key_value_heads\":3").as_bytes(),
+    );
+    let string_num = write(
+        d,
+        "stringnum.json",
+        llama("")
+            .replace("\"vocab_size\":100", "\"vocab_size\":\"big\"")
+            .as_bytes(),
+    );
+    let bad_moe = write(
+        d,
+        "badmoe.json",
+        llama(",\"num_local_experts\":4,\"num_experts_per_tok\":8")
+            .replace("llama", "mixtral")
+            .as_bytes(),
+    );
+    let bad_tie = write(
+        d,
+        "badtie.json",
+        llama(",\"tie_word_embeddings\":\"yes\"").as_bytes(),
+    );
+
+    // A valid graph to corrupt in several ways.
+    let graph = dir.join("graph.json");
+    let ok = Command::new(bin())
+        .args([
+            "inspect",
+            "--model",
+            "gpt-tiny",
+            "--seq",
+            "8",
+            "--save-graph",
+        ])
+        .arg(&graph)
+        .output()
+        .unwrap();
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let g = std::fs::read_to_string(&graph).unwrap();
+    let wrong_schema = write(
+        d,
+        "schema.json",
+        g.replace("parallax-graph/1", "parallax-graph/9").as_bytes(),
+    );
+    let dangling = write(
+        d,
+        "dangling.json",
+        g.replacen("\"inputs\":[0,", "\"inputs\":[99999,", 1)
+            .as_bytes(),
+    );
+    let unknown_field = write(
+        d,
+        "unknownfield.json",
+        g.replacen("\"name\":", "\"nmae\":", 1).as_bytes(),
+    );
+    let shape = write(
+        d,
+        "shape.json",
+        g.replacen("\"out_features\":256", "\"out_features\":255", 1)
+            .as_bytes(),
+    );
+    let no_nodes = write(d, "nonodes.json", br#"{"schema":"parallax-graph/1","graph":{"name":"x","tensors":[],"nodes":[],"outputs":[]}}"#);
+
+    let resnet = std::fs::read(fixtures().join("resnet50.onnx")).unwrap();
+    let truncated = write(d, "truncated.onnx", &resnet[..resnet.len() / 3]);
+    let garbage = write(
+        d,
+        "garbage.onnx",
+        b"this is not protobuf at all \xff\xff\xff\xff",
+    );
+    let unsupported = fixtures()
+        .join("unsupported.onnx")
+        .to_string_lossy()
+        .into_owned();
+
+    let bad_toml = write(d, "bad.toml", b"name = \"x\"\n[device\n");
+    let unknown_key = write(
+        d,
+        "unknownkey.toml",
+        parallax_preset("dgx-a100-80gb")
+            .replace("[node]", "[node]\nwarp_drive = true")
+            .as_bytes(),
+    );
+    let eff = write(
+        d,
+        "eff.toml",
+        parallax_preset("dgx-a100-80gb")
+            .replace("memory_efficiency = 0.85", "memory_efficiency = 1.5")
+            .as_bytes(),
+    );
+    let neg_nic = write(
+        d,
+        "negnic.toml",
+        parallax_preset("dgx-a100-80gb")
+            .replace("nic_gbit = 200.0", "nic_gbit = -200.0")
+            .as_bytes(),
+    );
+    let existing = write(d, "existing.json", b"precious user data");
+
+    let cases = vec![
+        case(
+            &["inspect", "--model", "gpt-5"],
+            &["unknown model 'gpt-5'", "llama3-8b"],
+        ),
+        case(
+            &["inspect", "--model", "/no/such/config.json"],
+            &["/no/such/config.json", "cannot read"],
+        ),
+        case(
+            &["inspect", "--model", "/no/such/model.onnx"],
+            &["/no/such/model.onnx"],
+        ),
+        case(
+            &["inspect", "--model", d.to_str().unwrap()],
+            &["unknown model"],
+        ),
+        case(
+            &["inspect", "--model", &malformed],
+            &["malformed.json: line 1"],
+        ),
+        case(&["inspect", "--model", &empty], &["empty.json: line 1"]),
+        case(&["inspect", "--model", &junk], &["junk.json"]),
+        case(
+            &["inspect", "--model", &no_kind],
+            &["nokind.json", "neither"],
+        ),
+        case(
+            &["inspect", "--model", &t5],
+            &["t5.json", "'t5'", "supported"],
+        ),
+        case(
+            &["inspect", "--model", &missing],
+            &["missing.json", ": missing"],
+        ),
+        case(
+            &["inspect", "--model", &negative],
+            &["negative.json", "hidden_size"],
+        ),
+        case(
+            &["inspect", "--model", &zero_layers],
+            &["zerolayers.json", "num_hidden_layers", "positive"],
+        ),
+        case(
+            &["inspect", "--model", &bad_kv],
+            &["badkv.json", "kv_heads"],
+        ),
+        case(
+            &["inspect", "--model", &string_num],
+            &["stringnum.json", "vocab_size"],
+        ),
+        case(&["inspect", "--model", &bad_moe], &["badmoe.json", "top_k"]),
+        case(
+            &["inspect", "--model", &bad_tie],
+            &["badtie.json", "tie_word_embeddings"],
+        ),
+        case(
+            &["inspect", "--model", &wrong_schema],
+            &["schema.json", "schema", "parallax-graph/9"],
+        ),
+        case(
+            &["inspect", "--model", &dangling],
+            &["dangling.json", "99999"],
+        ),
+        case(
+            &["inspect", "--model", &unknown_field],
+            &["unknownfield.json", "nmae"],
+        ),
+        case(&["inspect", "--model", &shape], &["shape.json", "node"]),
+        case(
+            &["inspect", "--model", &no_nodes],
+            &["nonodes.json", "no nodes"],
+        ),
+        case(&["inspect", "--model", &truncated], &["truncated.onnx"]),
+        case(&["inspect", "--model", &garbage], &["garbage.onnx"]),
+        case(
+            &["inspect", "--model", &unsupported],
+            &["unsupported.onnx", "unsupported ONNX op types"],
+        ),
+        case(
+            &["inspect", "--model", "gpt2", "--seq", "0"],
+            &["gpt2", "seq", "at least 1"],
+        ),
+        case(&["inspect", "--model", "gpt2", "--seq", "-5"], &["-5"]),
+        case(&["inspect", "--model", "gpt2", "--seq", "abc"], &["--seq"]),
+        case(
+            &["inspect", "--model", "gpt2", "--batch", "0"],
+            &["batch", "at least 1"],
+        ),
+        case(
+            &["inspect", "--model", "gpt2", "--seq", "4096"],
+            &["gpt2", "1024 learned positions"],
+        ),
+        case(
+            &["inspect", "--model", "gpt2", "--precision", "fp64"],
+            &["--precision", "fp64"],
+        ),
+        case(
+            &["inspect", "--model", "gpt2", "--save-graph", &existing],
+            &["existing.json", "already exists", "--force"],
+        ),
+        case(
+            &[
+                "inspect",
+                "--model",
+                "gpt2",
+                "--save-graph",
+                "/no/such/dir/g.json",
+            ],
+            &["/no/such/dir/g.json", "cannot write"],
+        ),
+        case(&["inspect"], &["--model"]),
+        case(&["models", "--frobnicate"], &["--frobnicate"]),
+        case(&["teleport"], &["teleport"]),
+        case(
+            &["clusters", "--show", "dgx-z900"],
+            &["dgx-z900", "dgx-a100-80gb"],
+        ),
+        case(&["clusters", "--show", "dgx-a100-80gb:gpus=0"], &["gpus"]),
+        case(
+            &["clusters", "--show", "dgx-a100-80gb:gpus=12"],
+            &["gpus=12", "whole nodes"],
+        ),
+        case(
+            &["clusters", "--show", "dgx-a100-80gb:gpus=many"],
+            &["many"],
+        ),
+        case(&["clusters", "--show", "dgx-a100-80gb:nodes=2"], &["nodes"]),
+        case(
+            &["clusters", "--show", "/no/such/profile.toml"],
+            &["/no/such/profile.toml"],
+        ),
+        case(&["clusters", "--show", &bad_toml], &["bad.toml"]),
+        case(
+            &["clusters", "--show", &unknown_key],
+            &["unknownkey.toml", "warp_drive"],
+        ),
+        case(
+            &["clusters", "--show", &eff],
+            &["eff.toml", "memory_efficiency"],
+        ),
+        case(
+            &["clusters", "--show", &neg_nic],
+            &["negnic.toml", "nic_gbit"],
+        ),
+    ];
+    assert!(cases.len() >= 30);
+    let mut failures = Vec::new();
+    for c in &cases {
+        let out = Command::new(bin())
+            .args(&c.args)
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        let code = out.status.code();
+        let ok = code == Some(2)
+            && !stderr.contains("panicked")
+            && !stderr.contains("backtrace")
+            && c.expect.iter().all(|e| stderr.contains(e))
+            && lines.len() == 1
+            && lines[0].starts_with("error: ");
+        if !ok {
+            failures.push(format!("{:?} -> status {code:?}, stderr: {stderr}", c.args));
+        }
+    }
+    // The user's file was not touched.
+    assert_eq!(std::fs::read(&existing).unwrap(), b"precious user data");
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases failed:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+fn parallax_preset(name: &str) -> String {
+    let out = Command::new(bin())
+        .args(["clusters", "--show", name])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout).unwrap()
+}
