@@ -1027,10 +1027,12 @@ impl OpKind {
         let (f, bi, bw) = match self {
             OpKind::Embedding(_) => (0.0, 0.0, elems_out),
             OpKind::Linear(a) => {
+                // `n` from the weight `(in, out)`, not the attrs: a shard split on `n` holds
+                // `out / D` columns, and its work must be the work of that shard.
                 let (m, k, n) = (
                     ins[0].leading_elems() as f64,
                     ins[0].last() as f64,
-                    a.out_features as f64,
+                    ins[1].last() as f64,
                 );
                 let bias = if a.bias { m * n } else { 0.0 };
                 (
@@ -1238,7 +1240,9 @@ impl OpKind {
             OpKind::Moe(a) => {
                 let t = ins[0].leading_elems();
                 let visits = t * a.top_k * ins[1].last() / a.experts.max(1);
-                let per_visit = ins[0].last() + a.ffn_hidden * if a.gated { 3 } else { 2 };
+                // The local expert width (`w_in` is `(E, h, f)`): a shard split on `f` keeps
+                // `f / D` of each visit's hidden activations.
+                let per_visit = ins[0].last() + ins[2].last() * if a.gated { 3 } else { 2 };
                 Saved {
                     inputs: data(&[0]),
                     extra_elems: visits * per_visit,

@@ -1,6 +1,9 @@
 //! Built-in model definitions.
 
+pub mod cnn;
+pub mod rnn;
 pub mod transformer;
+pub mod vision;
 pub mod zoo;
 
 pub use transformer::{BuildOptions, Mlp, MoeConfig, Norm, Position, TransformerConfig};
