@@ -73,6 +73,7 @@ use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::fmt::Display;
 use std::path::Path;
+use std::rc::Rc;
 
 /// ONNX op types (default domain) the importer maps; see the [module docs](self) for how.
 pub const SUPPORTED_ONNX_OPS: &[&str] = &[
@@ -334,7 +335,7 @@ enum Value<'a> {
     /// A tensor of the graph being built.
     Tensor(TensorId),
     /// An initializer or `Constant` value: becomes a weight when read as data.
-    Const(Cow<'a, TensorProto>),
+    Const(ConstRef<'a>),
     /// An output the importer does not model; reading it is an error with this reason.
     Unusable(String),
 }
@@ -347,6 +348,12 @@ struct Cx<'a, 'c> {
 }
 
 type R<T> = Result<T, ImportError>;
+
+/// A constant tensor, borrowed from the model or built from a `Constant` attribute.
+type ConstRef<'a> = Rc<Cow<'a, TensorProto>>;
+
+/// A constant with the value name it was read under.
+type Named<'a> = (&'a str, ConstRef<'a>);
 
 struct Importer<'a> {
     file: &'a str,
@@ -369,7 +376,7 @@ impl<'a> Importer<'a> {
     fn graph_inputs(&mut self, g: &'a GraphProto) -> R<()> {
         for t in &g.initializer {
             self.values
-                .insert(t.name.as_str(), Value::Const(Cow::Borrowed(t)));
+                .insert(t.name.as_str(), Value::Const(Rc::new(Cow::Borrowed(t))));
         }
         for vi in &g.input {
             if self.values.contains_key(vi.name.as_str()) {
@@ -481,7 +488,7 @@ impl<'a> Importer<'a> {
     }
 
     /// Input `i` if it is a constant (initializer or `Constant`), else `None`.
-    fn konst_opt(&self, cx: Cx<'a, '_>, i: usize) -> R<Option<(&'a str, Cow<'a, TensorProto>)>> {
+    fn konst_opt(&self, cx: Cx<'a, '_>, i: usize) -> R<Option<Named<'a>>> {
         match self.value(cx, i)? {
             (name, Value::Const(t)) => Ok(Some((name, t))),
             _ => Ok(None),
@@ -489,7 +496,7 @@ impl<'a> Importer<'a> {
     }
 
     /// Input `i`, which must be a constant.
-    fn konst(&self, cx: Cx<'a, '_>, i: usize, what: &str) -> R<(&'a str, Cow<'a, TensorProto>)> {
+    fn konst(&self, cx: Cx<'a, '_>, i: usize, what: &str) -> R<Named<'a>> {
         self.konst_opt(cx, i)?.ok_or_else(|| {
             self.e(
                 cx,
@@ -710,7 +717,7 @@ impl<'a> Importer<'a> {
                 ))
             }
         };
-        self.set(cx, 0, Value::Const(t));
+        self.set(cx, 0, Value::Const(Rc::new(t)));
         Ok(())
     }
 
@@ -957,11 +964,7 @@ impl<'a> Importer<'a> {
     }
 
     /// Optional input `i` if present and constant.
-    fn konst_opt_present(
-        &self,
-        cx: Cx<'a, '_>,
-        i: usize,
-    ) -> R<Option<(&'a str, Cow<'a, TensorProto>)>> {
+    fn konst_opt_present(&self, cx: Cx<'a, '_>, i: usize) -> R<Option<Named<'a>>> {
         if Self::input_name(cx, i).is_none() {
             return Ok(None);
         }
@@ -1137,6 +1140,9 @@ impl<'a> Importer<'a> {
             None => {
                 let k = attr_i(cx.n, "num_outputs").unwrap_or(nout as i64);
                 let k = self.pos(cx, k, "num_outputs")?;
+                if k != nout as u64 {
+                    return Err(self.e(cx, format!("num_outputs {k} but {nout} outputs")));
+                }
                 let chunk = d.div_ceil(k);
                 let last = d.checked_sub(chunk * (k - 1)).filter(|&l| l > 0);
                 let last = last.ok_or_else(|| {
@@ -1348,5 +1354,468 @@ impl<'a> Importer<'a> {
         }
         self.unusable_from(cx, 1, "only the output Y of a recurrent layer is modelled");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::onnx_proto::{
+        Dimension, OperatorSetIdProto, TensorShapeProto, TypeProto, TypeProtoTensor, ValueInfoProto,
+    };
+    use super::*;
+    use crate::TensorRole;
+
+    const ATTR_INT: i32 = 2;
+    const ATTR_STRING: i32 = 3;
+    const ATTR_INTS: i32 = 7;
+
+    fn node(op: &str, ins: &[&str], outs: &[&str], attrs: Vec<AttributeProto>) -> NodeProto {
+        NodeProto {
+            input: ins.iter().map(|s| s.to_string()).collect(),
+            output: outs.iter().map(|s| s.to_string()).collect(),
+            name: outs.first().map_or(String::new(), |s| format!("n_{s}")),
+            op_type: op.into(),
+            attribute: attrs,
+            ..NodeProto::default()
+        }
+    }
+
+    fn int(name: &str, i: i64) -> AttributeProto {
+        AttributeProto {
+            name: name.into(),
+            r#type: ATTR_INT,
+            i,
+            ..AttributeProto::default()
+        }
+    }
+
+    fn ints(name: &str, v: &[i64]) -> AttributeProto {
+        AttributeProto {
+            name: name.into(),
+            r#type: ATTR_INTS,
+            ints: v.to_vec(),
+            ..AttributeProto::default()
+        }
+    }
+
+    fn string(name: &str, s: &str) -> AttributeProto {
+        AttributeProto {
+            name: name.into(),
+            r#type: ATTR_STRING,
+            s: s.as_bytes().to_vec(),
+            ..AttributeProto::default()
+        }
+    }
+
+    /// A float initializer without data.
+    fn init(name: &str, dims: &[i64]) -> TensorProto {
+        TensorProto {
+            name: name.into(),
+            dims: dims.to_vec(),
+            data_type: data_type::FLOAT,
+            ..TensorProto::default()
+        }
+    }
+
+    /// An int64 initializer with data.
+    fn int_init(name: &str, v: &[i64]) -> TensorProto {
+        TensorProto {
+            name: name.into(),
+            dims: vec![v.len() as i64],
+            data_type: data_type::INT64,
+            int64_data: v.to_vec(),
+            ..TensorProto::default()
+        }
+    }
+
+    /// A value info; negative dims are symbolic.
+    fn vi(name: &str, elem: i32, dims: &[i64]) -> ValueInfoProto {
+        let dim = dims
+            .iter()
+            .map(|&d| Dimension {
+                value: Some(if d < 0 {
+                    DimensionValue::DimParam("batch".into())
+                } else {
+                    DimensionValue::DimValue(d)
+                }),
+                ..Dimension::default()
+            })
+            .collect();
+        ValueInfoProto {
+            name: name.into(),
+            r#type: Some(TypeProto {
+                tensor_type: Some(TypeProtoTensor {
+                    elem_type: elem,
+                    shape: Some(TensorShapeProto { dim }),
+                }),
+                ..TypeProto::default()
+            }),
+            ..ValueInfoProto::default()
+        }
+    }
+
+    fn model(
+        nodes: Vec<NodeProto>,
+        inits: Vec<TensorProto>,
+        inputs: Vec<ValueInfoProto>,
+        outputs: &[&str],
+    ) -> Vec<u8> {
+        ModelProto {
+            ir_version: 8,
+            opset_import: vec![OperatorSetIdProto {
+                domain: String::new(),
+                version: 17,
+            }],
+            graph: Some(GraphProto {
+                name: "t".into(),
+                node: nodes,
+                initializer: inits,
+                input: inputs,
+                output: outputs.iter().map(|o| vi(o, 1, &[])).collect(),
+                ..GraphProto::default()
+            }),
+            ..ModelProto::default()
+        }
+        .encode_to_vec()
+    }
+
+    fn import(bytes: &[u8]) -> Graph {
+        import_onnx_bytes(bytes, "t.onnx", None).unwrap()
+    }
+
+    fn out_shape(g: &Graph) -> Shape {
+        g.tensor(g.outputs[0]).shape.clone()
+    }
+
+    fn import_err(bytes: &[u8]) -> String {
+        let e = import_onnx_bytes(bytes, "t.onnx", None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("t.onnx: "), "{e}");
+        assert!(!e.contains('\n'), "{e}");
+        e
+    }
+
+    #[test]
+    fn reshape_handles_zero_and_minus_one_squeeze_unsqueeze() {
+        let m = model(
+            vec![
+                node(
+                    "Constant",
+                    &[],
+                    &["shape"],
+                    vec![ints("value_ints", &[0, -1])],
+                ),
+                node("Reshape", &["x", "shape"], &["r"], vec![]),
+                node("Unsqueeze", &["r", "ax"], &["u"], vec![]),
+                node("Squeeze", &["u"], &["s"], vec![]),
+                node("Reshape", &["s", "shape2"], &["y"], vec![]),
+            ],
+            vec![int_init("ax", &[-2]), int_init("shape2", &[-1, 4, 3])],
+            vec![vi("x", 1, &[2, 3, 4])],
+            &["y"],
+        );
+        let g = import(&m);
+        let shapes: Vec<Shape> = g
+            .nodes
+            .iter()
+            .map(|n| g.output_shapes(n)[0].clone())
+            .collect();
+        assert_eq!(
+            shapes,
+            [
+                Shape::new([2, 12]),
+                Shape::new([2, 1, 12]),
+                Shape::new([2, 12]),
+                Shape::new([2, 4, 3]),
+            ]
+        );
+        assert_eq!(g.param_count(), 0, "shape constants are not parameters");
+
+        let bad = model(
+            vec![node("Reshape", &["x", "shape"], &["y"], vec![])],
+            vec![int_init("shape", &[5, -1])],
+            vec![vi("x", 1, &[2, 3, 4])],
+            &["y"],
+        );
+        let e = import_err(&bad);
+        assert!(e.contains("Reshape node 'n_y'") && e.contains("-1"), "{e}");
+    }
+
+    #[test]
+    fn gemm_trans_b_records_in_out_weight_and_folds_bias() {
+        let m = model(
+            vec![node(
+                "Gemm",
+                &["x", "w", "b"],
+                &["y"],
+                vec![int("transB", 1)],
+            )],
+            vec![init("w", &[16, 8]), init("b", &[16])],
+            vec![vi("x", 1, &[-1, 8])],
+            &["y"],
+        );
+        let g = import_onnx_bytes(&m, "t.onnx", Some(4)).unwrap();
+        assert_eq!(g.nodes.len(), 1);
+        assert_eq!(
+            g.nodes[0].op,
+            OpKind::Linear(LinearAttrs {
+                out_features: 16,
+                bias: true
+            })
+        );
+        assert_eq!(g.input_shapes(&g.nodes[0])[1], Shape::new([8, 16]));
+        assert_eq!(out_shape(&g), Shape::new([4, 16]));
+        assert_eq!(g.param_count(), 8 * 16 + 16);
+
+        // Computed B: a MatMul reading it transposed, then the bias as an Add.
+        let m = model(
+            vec![node(
+                "Gemm",
+                &["x", "w", "b"],
+                &["y"],
+                vec![int("transB", 1)],
+            )],
+            vec![init("b", &[16])],
+            vec![vi("x", 1, &[4, 8]), vi("w", 1, &[16, 8])],
+            &["y"],
+        );
+        let g = import(&m);
+        assert_eq!(
+            g.nodes[0].op,
+            OpKind::MatMul(MatMulAttrs { transpose_b: true })
+        );
+        assert_eq!(g.nodes[1].op, OpKind::Add);
+        assert_eq!(out_shape(&g), Shape::new([4, 16]));
+    }
+
+    #[test]
+    fn tied_embedding_and_head_share_one_table() {
+        let m = model(
+            vec![
+                node("Gather", &["emb", "ids"], &["h"], vec![]),
+                node("Gemm", &["h2", "emb"], &["y"], vec![int("transB", 1)]),
+                node("Reshape", &["h", "s"], &["h2"], vec![]),
+            ],
+            vec![init("emb", &[100, 8]), int_init("s", &[-1, 8])],
+            vec![vi("ids", data_type::INT64, &[2, 5])],
+            &["y"],
+        );
+        // Nodes out of order: the Gemm reads h2 before the Reshape defines it.
+        let e = import_err(&m);
+        assert!(e.contains("input 'h2'"), "{e}");
+
+        let m = model(
+            vec![
+                node("Gather", &["emb", "ids"], &["h"], vec![]),
+                node("Reshape", &["h", "s"], &["h2"], vec![]),
+                node("Gemm", &["h2", "emb"], &["y"], vec![int("transB", 1)]),
+            ],
+            vec![init("emb", &[100, 8]), int_init("s", &[-1, 8])],
+            vec![vi("ids", data_type::INT64, &[2, 5])],
+            &["y"],
+        );
+        let g = import(&m);
+        assert_eq!(g.param_count(), 800, "the tied table counts once");
+        assert_eq!(out_shape(&g), Shape::new([10, 100]));
+        assert_eq!(
+            g.nodes[2].op,
+            OpKind::MatMul(MatMulAttrs { transpose_b: true })
+        );
+    }
+
+    #[test]
+    fn batch_norm_drops_running_stats_and_identity_adds_no_node() {
+        let m = model(
+            vec![
+                node(
+                    "Conv",
+                    &["x", "w"],
+                    &["c"],
+                    vec![
+                        ints("kernel_shape", &[3, 3]),
+                        string("auto_pad", "SAME_UPPER"),
+                    ],
+                ),
+                node("Identity", &["c"], &["i"], vec![]),
+                node(
+                    "BatchNormalization",
+                    &["i", "g", "b", "mean", "var"],
+                    &["y"],
+                    vec![],
+                ),
+            ],
+            vec![
+                init("w", &[8, 3, 3, 3]),
+                init("g", &[8]),
+                init("b", &[8]),
+                init("mean", &[8]),
+                init("var", &[8]),
+            ],
+            vec![vi("x", 1, &[-1, 3, 16, 16])],
+            &["y"],
+        );
+        let g = import(&m);
+        assert_eq!(g.nodes.len(), 2);
+        assert_eq!(out_shape(&g), Shape::new([1, 8, 16, 16]));
+        assert_eq!(g.param_count(), 8 * 3 * 9 + 8 + 8);
+        assert!(g
+            .tensors
+            .iter()
+            .all(|t| t.name != "mean" && t.name != "var"));
+        match &g.nodes[0].op {
+            OpKind::Conv2d(a) => assert_eq!(a.padding, [1, 1]),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn split_concat_transpose_softmax() {
+        let m = model(
+            vec![
+                node("Split", &["x"], &["a", "b"], vec![int("axis", 1)]),
+                node("Split", &["x", "sz"], &["c", "d"], vec![int("axis", 1)]),
+                node("Concat", &["b", "c", "d"], &["e"], vec![int("axis", 1)]),
+                node("Transpose", &["e"], &["t"], vec![]),
+                node("Softmax", &["t"], &["y"], vec![]),
+            ],
+            vec![int_init("sz", &[2, 4])],
+            vec![vi("x", 1, &[3, 6])],
+            &["y"],
+        );
+        let g = import(&m);
+        assert_eq!(out_shape(&g), Shape::new([3 + 2 + 4, 3]));
+        assert_eq!(
+            g.nodes[0].op,
+            OpKind::Split(SplitAttrs {
+                axis: 1,
+                sizes: vec![3, 3]
+            })
+        );
+    }
+
+    #[test]
+    fn gru_layout_one_and_missing_bias() {
+        let m = model(
+            vec![node(
+                "GRU",
+                &["x", "w", "r"],
+                &["y"],
+                vec![int("hidden_size", 5), int("layout", 1)],
+            )],
+            vec![init("w", &[1, 15, 4]), init("r", &[1, 15, 5])],
+            vec![vi("x", 1, &[2, 7, 4])],
+            &["y"],
+        );
+        let g = import(&m);
+        // (b, s, 1, h) for layout 1; the missing B becomes a fresh (G·h) bias.
+        assert_eq!(out_shape(&g), Shape::new([2, 7, 1, 5]));
+        assert_eq!(g.param_count(), 4 * 15 + 5 * 15 + 15);
+        assert_eq!(g.op_histogram().get("transpose"), None);
+    }
+
+    #[test]
+    fn lstm_restrictions_are_errors_naming_the_node() {
+        let lstm = |attrs, outs: &[&str]| {
+            model(
+                vec![node("LSTM", &["x", "w", "r", "b"], outs, attrs)],
+                vec![
+                    init("w", &[1, 8, 3]),
+                    init("r", &[1, 8, 2]),
+                    init("b", &[1, 16]),
+                ],
+                vec![vi("x", 1, &[5, -1, 3])],
+                &[outs[0]],
+            )
+        };
+        let ok = import(&lstm(vec![int("hidden_size", 2)], &["y", "yh"]));
+        assert_eq!(out_shape(&ok), Shape::new([5, 1, 1, 2]));
+        assert_eq!(ok.param_count(), 3 * 8 + 2 * 8 + 8);
+        assert!(ok.tensors.iter().any(|t| t.name == "w"
+            && t.shape == Shape::new([3, 8])
+            && t.role == TensorRole::Weight));
+
+        let e = import_err(&lstm(
+            vec![int("hidden_size", 2), string("direction", "bidirectional")],
+            &["y"],
+        ));
+        assert!(
+            e.contains("LSTM node 'n_y'") && e.contains("bidirectional"),
+            "{e}"
+        );
+
+        // Reading Y_h is an error naming the LSTM.
+        let mut m = ModelProto::decode(lstm(vec![], &["y", "yh"]).as_slice()).unwrap();
+        if let Some(g) = m.graph.as_mut() {
+            g.node.push(node("Relu", &["yh"], &["z"], vec![]));
+            g.output = vec![vi("z", 1, &[])];
+        }
+        let e = import_err(&m.encode_to_vec());
+        assert!(e.contains("output #1 of LSTM node 'n_y'"), "{e}");
+    }
+
+    #[test]
+    fn unsupported_op_types_are_collected_sorted_and_deduplicated() {
+        let m = model(
+            vec![
+                node("TopK", &["x", "k"], &["a", "i"], vec![]),
+                node("Relu", &["x"], &["r"], vec![]),
+                node("NonMaxSuppression", &["x"], &["n"], vec![]),
+                node("TopK", &["r", "k"], &["b", "j"], vec![]),
+                NodeProto {
+                    domain: "com.microsoft".into(),
+                    ..node("FusedConv", &["x"], &["f"], vec![])
+                },
+            ],
+            vec![],
+            vec![vi("x", 1, &[4])],
+            &["r"],
+        );
+        match import_onnx_bytes(&m, "t.onnx", None) {
+            Err(ImportError::OnnxUnsupportedOps { ops, .. }) => assert_eq!(
+                ops,
+                ["NonMaxSuppression", "TopK", "com.microsoft:FusedConv"]
+            ),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn structural_problems_are_one_line_errors() {
+        let e = import_err(&ModelProto::default().encode_to_vec());
+        assert!(e.contains("not a valid ONNX model: it has no graph"), "{e}");
+
+        let m = model(
+            vec![node("Relu", &["x"], &["y"], vec![])],
+            vec![],
+            vec![vi("x", 1, &[4])],
+            &["nope"],
+        );
+        assert!(import_err(&m).contains("graph output 'nope' is not produced"));
+
+        // Absurd sizes are rejected before any arithmetic can overflow.
+        let m = model(
+            vec![node("Add", &["x", "x"], &["y"], vec![])],
+            vec![],
+            vec![vi("x", 1, &[1 << 40, 4])],
+            &["y"],
+        );
+        assert!(import_err(&m).contains("above"));
+        let m = model(
+            vec![node("Add", &["x", "z"], &["y"], vec![])],
+            vec![],
+            vec![vi("x", 1, &[1 << 30, 1]), vi("z", 1, &[1, 1 << 30])],
+            &["y"],
+        );
+        assert!(import_err(&m).contains("too large"));
+
+        let m = model(
+            vec![node("Relu", &["x"], &["y"], vec![])],
+            vec![],
+            vec![vi("x", 1, &[-1, 4])],
+            &["y"],
+        );
+        let e = import_onnx_bytes(&m, "t.onnx", Some(0)).unwrap_err();
+        assert!(e.to_string().contains("batch size 0"), "{e}");
     }
 }
