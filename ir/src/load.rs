@@ -48,10 +48,10 @@ pub enum ModelError {
     Graph {
         file: String,
         #[source]
-        source: GraphError,
+        source: Box<GraphError>,
     },
     #[error(transparent)]
-    Import(#[from] ImportError),
+    Import(#[from] Box<ImportError>),
 }
 
 /// How a loaded model produces graphs.
@@ -120,7 +120,7 @@ impl Model {
         }
         let graph_err = |source| ModelError::Graph {
             file: file.clone(),
-            source,
+            source: Box::new(source),
         };
         match &self.kind {
             ModelKind::Transformer(c) => {
@@ -174,7 +174,7 @@ pub fn load_model(spec: &str) -> Result<Model, ModelError> {
         .to_string();
     match ext.as_deref() {
         Some("onnx") => {
-            let g = crate::import::onnx::import_onnx(path)?;
+            let g = crate::import::onnx::import_onnx(path).map_err(Box::new)?;
             Ok(Model {
                 name,
                 origin: spec.into(),
@@ -221,7 +221,7 @@ pub fn load_json(text: &str, file: &str, name: String) -> Result<Model, ModelErr
             let mut g = doc.graph;
             g.validate().map_err(|source| ModelError::Graph {
                 file: file.into(),
-                source,
+                source: Box::new(source),
             })?;
             Ok(Model {
                 name: g.name.clone(),
@@ -455,7 +455,10 @@ mod tests {
         let e = load(r#"{"model_type":"llama","hidden_size":4096}"#)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("num_hidden_layers: missing"), "{e}");
+        assert!(
+            e.contains("config.json: num_attention_heads: missing"),
+            "{e}"
+        );
         let e = load(r#"{"model_type":"gpt2","n_embd":-3,"n_layer":2,"n_head":2,"vocab_size":5}"#)
             .unwrap_err()
             .to_string();

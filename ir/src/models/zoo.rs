@@ -204,9 +204,30 @@ pub fn entries() -> Vec<ZooEntry> {
     v
 }
 
-/// Non-transformer entries (CNNs, ViT, LSTM), registered once their builders exist.
+/// Non-transformer entries: CNNs, ViT and an LSTM language model.
 fn extra_entries() -> Vec<ZooEntry> {
-    Vec::new()
+    use super::{cnn, rnn, vision};
+    let e = |name, family, published_params: f64, source, def| ZooEntry {
+        name,
+        family,
+        published_params,
+        published_precision: 0.0,
+        source,
+        def,
+    };
+    vec![
+        e("vit-l16", "vit", 304_326_632.0, "timm vit_large_patch16_224 (Dosovitskiy et al. 2021 round it to 307M)", ZooDef::Batched(vision::vit_l16)),
+        e("resnet50", "resnet", 25_557_032.0, "torchvision resnet50 weights table (IMAGENET1K_V1)", ZooDef::Batched(cnn::resnet50)),
+        e("resnet101", "resnet", 44_549_160.0, "torchvision resnet101 weights table (IMAGENET1K_V1)", ZooDef::Batched(cnn::resnet101)),
+        e("inception-v3", "inception", 27_161_264.0, "torchvision inception_v3 weights table (with the auxiliary head)", ZooDef::Batched(cnn::inception_v3)),
+        e(
+            "lstm-lm",
+            "lstm",
+            37_275_408.0,
+            "2 x 1024 LSTM on Penn Treebank words (vocab 10000): PyTorch's count 37,283,600 minus one of its two bias vectors per layer (8,192)",
+            ZooDef::Sequence(rnn::lstm_lm),
+        ),
+    ]
 }
 
 /// The zoo entry called `name` (case-insensitive).
