@@ -8,7 +8,17 @@ pub fn si(x: f64) -> String {
             return format!("{:.2} {unit}", x / scale);
         }
     }
-    format!("{x:.0} ")
+    format!("{x:.0}")
+}
+
+/// `x` with an SI prefix glued to `unit`: `358.96 GFLOP`, `12 FLOP`.
+pub fn si_unit(x: f64, unit: &str) -> String {
+    let s = si(x);
+    if s.ends_with(char::is_alphabetic) {
+        format!("{s}{unit}")
+    } else {
+        format!("{s} {unit}")
+    }
 }
 
 /// Bytes as KiB / MiB / GiB.
@@ -70,7 +80,7 @@ mod tests {
     #[test]
     fn numbers_read_well() {
         assert_eq!(si(174_604_259_328.0), "174.60 G");
-        assert_eq!(si(12.0), "12 ");
+        assert_eq!(si(12.0), "12");
         assert_eq!(bytes(3.0 * 1024.0 * 1024.0), "3.00 MiB");
         let t = table(&["a", "bb"], &[vec!["x".into(), "1".into()]]);
         assert_eq!(t, "a  bb\n-  --\nx   1\n");

@@ -1,6 +1,6 @@
 //! `parallax inspect`: what a model is made of.
 
-use crate::fmt::{bytes, si, table};
+use crate::fmt::{bytes, si, si_unit, table};
 use crate::user;
 use anyhow::Context;
 use clap::Args as ClapArgs;
@@ -131,16 +131,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     );
     if let Some(r) = reference {
         println!(
-            "             6·N + 12·l·h·s = {}FLOP ({:+.2} %; ours adds norms, softmax, activations)",
-            si(r),
+            "             6·N + 12·l·h·s = {} ({:+.2} %; ours adds norms, softmax, activations)",
+            si_unit(r, "FLOP"),
             (train / r - 1.0) * 100.0
         );
     }
+    let per_block = if blocks > 0 {
+        format!("{} per {unit} per block (block 0), ", bytes(act_block0))
+    } else {
+        String::new()
+    };
+    let attention = match (hist.contains_key("attention"), a.unfused_attention) {
+        (false, _) => "",
+        (true, true) => ", unfused attention",
+        (true, false) => ", flash attention",
+    };
     println!(
-        "activations  {} per {unit} per block (block 0), {} per {unit} in all, {precision}, {} attention, no recompute",
-        bytes(act_block0),
+        "activations  {per_block}{} per {unit} in all, {precision}{attention}, no recompute",
         bytes(act_all),
-        if a.unfused_attention { "unfused" } else { "flash" }
     );
     let rows: Vec<Vec<String>> = hist
         .iter()

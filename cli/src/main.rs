@@ -52,6 +52,10 @@ fn main() -> ExitCode {
             .map(|s| s.to_string())
             .or_else(|| info.payload().downcast_ref::<String>().cloned())
             .unwrap_or_default();
+        // A closed stdout (`parallax models | head`) is not an error.
+        if msg.contains("Broken pipe") {
+            std::process::exit(0);
+        }
         eprintln!("error: internal error (please report): {msg}");
     }));
     tracing_subscriber::fmt()
