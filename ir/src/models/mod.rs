@@ -6,4 +6,4 @@ pub mod transformer;
 pub mod vision;
 pub mod zoo;
 
-pub use transformer::{BuildOptions, Mlp, MoeConfig, Norm, Position, TransformerConfig};
+pub use transformer::{BuildOptions, Mlp, MoeConfig, Norm, Position, Section, TransformerConfig};

@@ -77,6 +77,14 @@ pub struct TransformerConfig {
     pub moe: Option<MoeConfig>,
 }
 
+/// A part of a transformer, for [`TransformerConfig::build_section`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Section {
+    Embedding,
+    Block,
+    Head,
+}
+
 /// Options for building a transformer graph.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BuildOptions {
@@ -212,10 +220,69 @@ impl TransformerConfig {
     /// Builds the training graph for `opts.batch` sequences of `opts.seq` tokens, ending in the
     /// loss. Blocks are `Segment::Block(i)`; embeddings `Pre`; final norm, head and loss `Post`.
     pub fn build(&self, name: &str, opts: BuildOptions) -> Result<Graph, GraphError> {
-        let (bsz, s, h) = (opts.batch, opts.seq, self.hidden);
         let mut g = GraphBuilder::new(name);
+        let (mut x, table) = self.embed(&mut g, opts)?;
+        for i in 0..self.layers {
+            g.segment(Segment::Block(i));
+            x = self.block(&mut g, &format!("layers.{i}"), x, opts)?;
+        }
+        g.segment(Segment::Post);
+        let loss = self.head(&mut g, x, table, opts)?;
+        g.finish(&[loss])
+    }
+
+    /// One section of the model as a graph of its own: the embeddings (ending in the first
+    /// block's input), one block (from an input `x` of shape `[batch, seq, hidden]`), or the head
+    /// (from `x` to the loss; it owns a copy of the table when embeddings are tied, as the last
+    /// pipeline stage does in Megatron-LM). Cost models price a layout from these.
+    pub fn build_section(&self, section: Section, opts: BuildOptions) -> Result<Graph, GraphError> {
+        let mut g = GraphBuilder::new(format!("{section:?}"));
+        let x_in =
+            |g: &mut GraphBuilder| g.input("x", [opts.batch, opts.seq, self.hidden], DType::F32);
+        let out = match section {
+            Section::Embedding => self.embed(&mut g, opts)?.0,
+            Section::Block => {
+                g.segment(Segment::Block(0));
+                let x = x_in(&mut g);
+                self.block(&mut g, "layers.0", x, opts)?
+            }
+            Section::Head => {
+                g.segment(Segment::Post);
+                let x = x_in(&mut g);
+                let table = g.weight("embed.weight", [self.vocab, self.hidden]);
+                self.head(&mut g, x, table, opts)?
+            }
+        };
+        g.finish(&[out])
+    }
+
+    /// The dimensions one tensor-parallel rank holds (Megatron-LM splits): heads, KV heads,
+    /// FFN width and vocabulary divided by `tp` (KV heads are replicated when fewer than `tp`;
+    /// the vocabulary is padded up to a multiple of `tp`). `None` when heads or the FFN width do
+    /// not divide.
+    pub fn tp_shard(&self, tp: u64) -> Option<TransformerConfig> {
+        if tp == 0 || self.heads % tp != 0 || self.ffn_hidden % tp != 0 {
+            return None;
+        }
+        if self.kv_heads >= tp && self.kv_heads % tp != 0 {
+            return None;
+        }
+        Some(TransformerConfig {
+            heads: self.heads / tp,
+            kv_heads: (self.kv_heads / tp).max(1),
+            ffn_hidden: self.ffn_hidden / tp,
+            vocab: self.vocab.div_ceil(tp),
+            ..self.clone()
+        })
+    }
+
+    fn embed(
+        &self,
+        g: &mut GraphBuilder,
+        opts: BuildOptions,
+    ) -> Result<(TensorId, TensorId), GraphError> {
+        let (bsz, s, h) = (opts.batch, opts.seq, self.hidden);
         let ids = g.input("tokens", [bsz, s], DType::I64);
-        let labels = g.input("labels", [bsz, s], DType::I64);
         let (mut x, table) = g.embedding("embed", ids, self.vocab, h)?;
         if self.position == Position::Learned {
             let pos = g.input("positions", [bsz, s], DType::I64);
@@ -231,11 +298,18 @@ impl TransformerConfig {
         if self.dropout {
             x = g.dropout("embed_drop", x, 100)?;
         }
-        for i in 0..self.layers {
-            g.segment(Segment::Block(i));
-            x = self.block(&mut g, &format!("layers.{i}"), x, opts)?;
-        }
-        g.segment(Segment::Post);
+        Ok((x, table))
+    }
+
+    fn head(
+        &self,
+        g: &mut GraphBuilder,
+        x: TensorId,
+        table: TensorId,
+        opts: BuildOptions,
+    ) -> Result<TensorId, GraphError> {
+        let (bsz, s, h) = (opts.batch, opts.seq, self.hidden);
+        let labels = g.input("labels", [bsz, s], DType::I64);
         let (logits_in, head_table) = if self.bert {
             // Pooler (dense + tanh) and next-sentence head read the first token only.
             let first = if s > 1 {
@@ -258,7 +332,7 @@ impl TransformerConfig {
             let t = g.activation("mlm.act", Activation::Gelu, t)?;
             (g.layer_norm("mlm.norm", t)?, table)
         } else {
-            let y = self.norm(&mut g, "final_norm", x)?;
+            let y = self.norm(g, "final_norm", x)?;
             let head = if self.tied_embeddings {
                 table
             } else {
@@ -275,8 +349,7 @@ impl TransformerConfig {
             let bias = g.weight("mlm.bias", [self.vocab]);
             logits = g.op1("mlm.bias_add", OpKind::Add, &[logits, bias])?;
         }
-        let loss = g.op1("loss", OpKind::CrossEntropy, &[logits, labels])?;
-        g.finish(&[loss])
+        g.op1("loss", OpKind::CrossEntropy, &[logits, labels])
     }
 
     fn norm(&self, g: &mut GraphBuilder, name: &str, x: TensorId) -> Result<TensorId, GraphError> {
@@ -489,6 +562,24 @@ mod tests {
             (per_token / expect - 1.0).abs() < 0.02,
             "{per_token} vs {expect}"
         );
+    }
+
+    #[test]
+    fn sections_add_up_to_the_model() {
+        let cfg = TransformerConfig::llama(3, 64, 8, 2, 160, 100, 32);
+        let o = opts(16);
+        let full = cfg.build("t", o).unwrap().total_work(2);
+        let part = |s| cfg.build_section(s, o).unwrap().total_work(2);
+        let sum = part(Section::Embedding).fwd_flops.0
+            + 3.0 * part(Section::Block).fwd_flops.0
+            + part(Section::Head).fwd_flops.0;
+        assert!((sum - full.fwd_flops.0).abs() < 1e-6 * full.fwd_flops.0);
+        // A TP shard holds 1/tp of the block's matmul work.
+        let shard = cfg.tp_shard(2).unwrap();
+        let b1 = cfg.build_section(Section::Block, o).unwrap();
+        let b2 = shard.build_section(Section::Block, o).unwrap();
+        assert_eq!(b2.param_count() * 2 - 64 * 2 * 2, b1.param_count() - 64 * 2);
+        assert!(cfg.tp_shard(3).is_none());
     }
 
     #[test]
