@@ -9,7 +9,9 @@
 //! ready tasks wait for the same resource, the one that became ready first wins, then the one
 //! with the smaller [`Task::priority`], then the smaller task id. Completions that happen at the
 //! same instant are all processed before any task is dispatched at that instant, so the choice
-//! does not depend on the order in which simultaneous events are popped.
+//! does not depend on the order in which simultaneous events are popped. (A zero-duration task
+//! started at an instant completes in a later round at the same instant, and what it releases
+//! is dispatched then.)
 
 use parallax_ir::Seconds;
 use serde::Serialize;
@@ -1035,25 +1037,26 @@ mod tests {
         assert_eq!(t.span(e).start, Seconds(0.0));
     }
 
-    /// A task finishing at t and a higher-priority task becoming ready at t are seen together:
-    /// x (prio 0) and y (prio 1) wait on r; z (prio -1) becomes ready at 2, exactly when x ends.
-    /// At 2 both y (ready 0) and z (ready 2) wait: y wins on ready time.
+    /// Completions at the same instant are all processed before dispatching: p1 (id 0) and p2
+    /// (id 1) both end at 2 and release y (priority 1) and z (priority 0) onto the idle resource
+    /// r. Processing p1's completion alone first would start y at 2; batched, both are ready at
+    /// 2 and z wins on priority: z [2,3], y [3,4].
     #[test]
     fn simultaneous_events_are_batched() {
         let mut res = Resources::new();
         let r = res.add("r", 1);
-        let o = res.add("o", 1);
+        let (o1, o2) = (res.add("o1", 1), res.add("o2", 1));
         let mut g = TaskGraph::new();
-        let x = g.add_task(compute(r));
+        let p1 = g.add_task(compute(o1));
+        let p2 = g.add_task(compute(o2));
         let y = g.add_task(compute(r).with_priority(1));
-        let pre = g.add_task(compute(o));
-        let z = g.add_task(compute(r).with_priority(-1));
-        g.add_data(pre, z);
-        let costs = secs(&[2.0, 1.0, 2.0, 1.0]);
-        let t = simulate(&g, &costs, &res).unwrap();
-        assert_eq!(t.span(x).start, Seconds(0.0));
-        assert_eq!(t.span(y).start, Seconds(2.0));
-        assert_eq!(t.span(z).start, Seconds(3.0));
+        let z = g.add_task(compute(r).with_priority(0));
+        g.add_data(p1, y);
+        g.add_data(p2, z);
+        let t = simulate(&g, &secs(&[2.0, 2.0, 1.0, 1.0]), &res).unwrap();
+        assert_eq!(t.span(z).start, Seconds(2.0));
+        assert_eq!(t.span(y).start, Seconds(3.0));
+        assert_eq!(t.makespan, Seconds(4.0));
     }
 
     #[test]
