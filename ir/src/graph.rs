@@ -239,7 +239,18 @@ impl Graph {
     /// Bytes kept for backward by the nodes selected by `filter`, each tensor counted once even
     /// when several ops keep it (views such as reshapes alias their input).
     pub fn activation_bytes(&self, float_bytes: u64, filter: impl Fn(&Node) -> bool) -> Bytes {
-        // Resolve view outputs to the tensor they alias.
+        Bytes(
+            self.saved_items(float_bytes, filter)
+                .iter()
+                .map(|s| s.bytes)
+                .sum(),
+        )
+    }
+
+    /// Everything the nodes selected by `filter` keep for backward, one item per kept tensor
+    /// (de-duplicated across nodes, views resolved to the tensor they alias) or extra state,
+    /// attributed to the first node that keeps it.
+    pub fn saved_items(&self, float_bytes: u64, filter: impl Fn(&Node) -> bool) -> Vec<SavedItem> {
         let mut alias: HashMap<TensorId, TensorId> = HashMap::new();
         for n in &self.nodes {
             if n.op.is_view() {
@@ -250,8 +261,9 @@ impl Graph {
         }
         let root = |t: TensorId| alias.get(&t).copied().unwrap_or(t);
         let mut kept: HashSet<TensorId> = HashSet::new();
-        let mut total = 0u64;
-        for n in self.nodes.iter().filter(|n| filter(n)) {
+        let mut items = Vec::new();
+        for (i, n) in self.nodes.iter().enumerate().filter(|(_, n)| filter(n)) {
+            let node = NodeId(i as u32);
             let weights = self.weight_flags(n);
             let s = n.op.saves(&self.input_shapes(n), &weights);
             let tensors = s
@@ -260,13 +272,25 @@ impl Graph {
                 .map(|&i| n.inputs[i])
                 .chain(s.outputs.iter().map(|&i| n.outputs[i]));
             for t in tensors {
-                if kept.insert(root(t)) {
-                    total += self.tensor_bytes(t, float_bytes);
+                let r = root(t);
+                if kept.insert(r) {
+                    items.push(SavedItem {
+                        node,
+                        tensor: Some(r),
+                        bytes: self.tensor_bytes(t, float_bytes),
+                    });
                 }
             }
-            total += s.extra_elems * float_bytes + s.extra_bytes;
+            let extra = s.extra_elems * float_bytes + s.extra_bytes;
+            if extra > 0 {
+                items.push(SavedItem {
+                    node,
+                    tensor: None,
+                    bytes: extra,
+                });
+            }
         }
-        Bytes(total)
+        items
     }
 
     /// Bytes of a tensor: floating tensors at `float_bytes`, others at their own size.
@@ -410,6 +434,16 @@ impl Graph {
         }
         Ok(())
     }
+}
+
+/// One thing kept for backward: a tensor (by its aliased root) or a node's extra state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SavedItem {
+    /// The first node that keeps it.
+    pub node: NodeId,
+    /// The tensor, or `None` for extra state (statistics, masks, probabilities).
+    pub tensor: Option<TensorId>,
+    pub bytes: u64,
 }
 
 /// Builds a graph op by op, inferring shapes and creating weight tensors.

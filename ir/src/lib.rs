@@ -15,7 +15,7 @@ pub use op::{ComputeClass, OpKind, Saved, ShapeError, Work};
 pub use shape::Shape;
 pub mod graph;
 pub use graph::{
-    Graph, GraphBuilder, GraphError, Node, NodeId, Segment, Tensor, TensorId, TensorRole,
+    Graph, GraphBuilder, GraphError, Node, NodeId, SavedItem, Segment, Tensor, TensorId, TensorRole,
 };
 pub mod models;
 pub mod plan;
