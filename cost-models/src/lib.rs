@@ -1,1 +1,7 @@
-//! Cost models: compute, communication and memory of a plan on a hardware profile.
+//! parallax-cost: compute, communication and memory cost of a plan on a hardware profile.
+
+pub mod comm;
+pub mod compute;
+
+pub use comm::{Collective, Group, Network};
+pub use compute::{DeviceModel, OpTimes};

@@ -80,6 +80,10 @@ pub struct DeviceSpec {
     pub memory_efficiency: f64,
     /// Fixed cost per kernel launch, in microseconds.
     pub kernel_overhead_us: f64,
+    /// Fused (flash) attention kernels reach this fraction of the GEMM efficiency curve at the
+    /// same FLOPs; absent means the cost model's default (FlashAttention-2, Dao 2023).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_efficiency_scale: Option<f64>,
 }
 
 /// Optional per-precision factors (used for [`DeviceSpec::matmul_efficiency_scale`]).
@@ -464,6 +468,9 @@ impl ClusterProfile {
         }
         frac("device.memory_efficiency", d.memory_efficiency)?;
         non_neg("device.kernel_overhead_us", d.kernel_overhead_us)?;
+        if let Some(a) = d.attention_efficiency_scale {
+            frac("device.attention_efficiency_scale", a)?;
+        }
 
         let n = &self.node;
         if n.gpus_per_node == 0 {

@@ -1,0 +1,253 @@
+//! Collective and point-to-point communication time over the tiers a group spans.
+//!
+//! Times follow the latency–bandwidth model of nccl-tests: a collective of `S` bytes over `n`
+//! ranks moves `f(n) · S` bytes through each rank's slowest link, where `f` is 2(n−1)/n for an
+//! all-reduce and (n−1)/n for all-gather / reduce-scatter, at the achieved *bus bandwidth* of the
+//! tier (line rate × the profile's measured efficiency), plus a latency term per algorithm step.
+//! A group that stays inside a node uses NVLink / NVSwitch / PCIe (and NVLink SHARP for
+//! all-reduce where the node has it); a group that spans nodes is limited by the share of the
+//! node's NICs it gets: every group on the node communicates at once in data/pipeline
+//! parallelism, so `k` members per node get `k / gpus_per_node` of the node's NIC bandwidth.
+
+use parallax_hardware::{ClusterProfile, FabricKind};
+use parallax_ir::{Bytes, BytesPerSec, Seconds};
+use serde::{Deserialize, Serialize};
+
+/// Kind of collective.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Collective {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    Broadcast,
+}
+
+/// Where a group's members sit: `size` ranks, `per_node` of them in each node they touch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Group {
+    pub size: u32,
+    pub per_node: u32,
+}
+
+impl Group {
+    /// A group of `size` ranks whose consecutive members are `stride` global ranks apart, on
+    /// nodes of `gpus_per_node` (Megatron orders ranks tp, cp, dp, pp from fastest to slowest,
+    /// so the TP group has stride 1, the DP group stride tp × cp, and so on).
+    pub fn strided(size: u32, stride: u32, gpus_per_node: u32) -> Group {
+        let size = size.max(1);
+        let per_node = if stride >= gpus_per_node {
+            1
+        } else {
+            (gpus_per_node / stride.max(1)).clamp(1, size)
+        };
+        Group { size, per_node }
+    }
+
+    /// Nodes the group spans.
+    pub fn nodes(&self) -> u32 {
+        self.size.div_ceil(self.per_node.max(1))
+    }
+}
+
+/// Communication cost model of one cluster profile.
+#[derive(Clone, Copy, Debug)]
+pub struct Network<'a> {
+    profile: &'a ClusterProfile,
+}
+
+impl<'a> Network<'a> {
+    pub fn new(profile: &'a ClusterProfile) -> Self {
+        Network { profile }
+    }
+
+    fn gpus_per_node(&self) -> f64 {
+        f64::from(self.profile.node.gpus_per_node.max(1))
+    }
+
+    /// Achieved bus bandwidth of a ring over `g`, and the latency of one algorithm step.
+    fn ring_tier(&self, g: Group) -> (BytesPerSec, Seconds) {
+        let intra = self.profile.intra_busbw();
+        let intra_lat = self.profile.node.intra_latency();
+        if g.nodes() <= 1 {
+            return (intra, intra_lat);
+        }
+        let net = match &self.profile.network {
+            Some(n) => n,
+            // Validation forbids multi-node clusters without a network; stay finite anyway.
+            None => return (intra, intra_lat),
+        };
+        let node_bw = self
+            .profile
+            .inter_busbw_per_node()
+            .unwrap_or_else(|| net.node_bandwidth());
+        let share = node_bw * (f64::from(g.per_node) / self.gpus_per_node());
+        let bw = if g.per_node > 1 {
+            BytesPerSec(share.0.min(intra.0))
+        } else {
+            share
+        };
+        (bw, net.latency())
+    }
+
+    /// Latency of a collective with `steps_ring` ring steps over `n` ranks: NCCL switches to
+    /// trees / hierarchical algorithms at scale, whose step count grows with log2(n).
+    fn latency(step: Seconds, n: u32, steps_ring: f64) -> Seconds {
+        let tree = 2.0 * f64::from(n.max(2)).log2();
+        step * steps_ring.min(tree.max(1.0))
+    }
+
+    /// Time of a collective over `g` of a buffer of `bytes` (the full, unsharded buffer for
+    /// all-gather / reduce-scatter; each rank's whole send buffer for all-to-all).
+    pub fn collective(&self, c: Collective, bytes: Bytes, g: Group) -> Seconds {
+        let n = g.size;
+        if n <= 1 || bytes.0 == 0 {
+            return Seconds(0.0);
+        }
+        let nf = f64::from(n);
+        let (bw, step) = self.ring_tier(g);
+        let s = bytes.0 as f64;
+        match c {
+            Collective::AllReduce => {
+                let ring = Seconds(2.0 * (nf - 1.0) / nf * s / bw.0)
+                    + Self::latency(step, n, 2.0 * (nf - 1.0));
+                match self.nvls(g) {
+                    Some(algbw) => {
+                        let t = Seconds(s / algbw.0) + step * 2.0;
+                        if t.0 < ring.0 {
+                            t
+                        } else {
+                            ring
+                        }
+                    }
+                    None => ring,
+                }
+            }
+            Collective::AllGather | Collective::ReduceScatter => {
+                Seconds((nf - 1.0) / nf * s / bw.0) + Self::latency(step, n, nf - 1.0)
+            }
+            Collective::Broadcast => Seconds(s / bw.0) + Self::latency(step, n, nf - 1.0),
+            Collective::AllToAll => {
+                // Each rank keeps 1/n, sends (k−1)/n inside its node and (n−k)/n across nodes.
+                let k = f64::from(g.per_node.min(n));
+                let intra = self.profile.intra_busbw();
+                let t_intra = (k - 1.0) / nf * s / intra.0;
+                let t_inter = if g.nodes() > 1 {
+                    let per_gpu = self
+                        .profile
+                        .inter_busbw_per_node()
+                        .map(|b| b.0 / self.gpus_per_node())
+                        .unwrap_or(intra.0);
+                    (nf - k) / nf * s / per_gpu
+                } else {
+                    0.0
+                };
+                Seconds(t_intra.max(t_inter)) + step * (nf - 1.0).min(8.0)
+            }
+        }
+    }
+
+    /// NVLink SHARP all-reduce algorithm bandwidth for an intra-node group, where available.
+    fn nvls(&self, g: Group) -> Option<BytesPerSec> {
+        if g.nodes() > 1 || g.size < 2 || self.profile.node.intra_fabric != FabricKind::Nvswitch {
+            return None;
+        }
+        let eff = self.profile.collectives.nvls_allreduce_algbw_efficiency?;
+        if !self.profile.node.nvls {
+            return None;
+        }
+        Some(self.profile.node.intra_bandwidth() * eff)
+    }
+
+    /// Time to send `bytes` from one rank to a neighbour, inside a node or across nodes.
+    pub fn p2p(&self, bytes: Bytes, cross_node: bool) -> Seconds {
+        if bytes.0 == 0 {
+            return Seconds(0.0);
+        }
+        let s = bytes.0 as f64;
+        if cross_node {
+            if let (Some(net), Some(bw)) =
+                (&self.profile.network, self.profile.inter_busbw_per_nic())
+            {
+                return Seconds(s / bw.0) + net.latency();
+            }
+        }
+        Seconds(s / self.profile.intra_busbw().0) + self.profile.node.intra_latency()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parallax_hardware::preset;
+
+    fn busbw_allreduce(net: &Network, bytes: f64, g: Group) -> f64 {
+        let t = net
+            .collective(Collective::AllReduce, Bytes(bytes as u64), g)
+            .0;
+        let n = f64::from(g.size);
+        bytes / t * 2.0 * (n - 1.0) / n / 1e9
+    }
+
+    #[test]
+    fn reproduces_the_reference_nccl_bandwidths() {
+        // shared/ground-truth/hardware-reference.json
+        let a100 = preset("dgx-a100-80gb").unwrap();
+        let net = Network::new(&a100);
+        let b = busbw_allreduce(&net, 8e9, Group::strided(8, 1, 8));
+        assert!((b - 230.0).abs() < 10.0, "A100 intra {b}");
+        // One DP group per GPU rank across 2 nodes: each gets one HDR NIC (~24 GB/s).
+        let b = busbw_allreduce(&net, 8e9, Group::strided(2, 8, 8));
+        assert!((b - 24.0).abs() < 2.0, "A100 per-NIC {b}");
+        let h100 = preset("dgx-h100-80gb").unwrap();
+        let net = Network::new(&h100);
+        let b = busbw_allreduce(&net, 8e9, Group::strided(8, 1, 8));
+        assert!((b - 480.0).abs() < 15.0, "H100 NVLS {b}");
+        let ag = net
+            .collective(
+                Collective::AllGather,
+                Bytes(8_000_000_000),
+                Group::strided(8, 1, 8),
+            )
+            .0;
+        let busbw = 8e9 / ag * 7.0 / 8.0 / 1e9;
+        assert!((busbw - 370.0).abs() < 10.0, "H100 ring {busbw}");
+    }
+
+    #[test]
+    fn placement_matters() {
+        let p = preset("dgx-a100-80gb").unwrap();
+        let net = Network::new(&p);
+        let bytes = Bytes(1 << 30);
+        let inside = net.collective(Collective::AllReduce, bytes, Group::strided(8, 1, 8));
+        let across = net.collective(Collective::AllReduce, bytes, Group::strided(8, 8, 8));
+        assert!(across.0 > 5.0 * inside.0, "{across:?} vs {inside:?}");
+        assert_eq!(
+            net.collective(Collective::AllReduce, bytes, Group::strided(1, 1, 8))
+                .0,
+            0.0
+        );
+        assert!(net.p2p(bytes, true).0 > net.p2p(bytes, false).0);
+    }
+
+    #[test]
+    fn strided_groups() {
+        assert_eq!(
+            Group::strided(8, 1, 8),
+            Group {
+                size: 8,
+                per_node: 8
+            }
+        );
+        assert_eq!(Group::strided(32, 8, 8).nodes(), 32);
+        assert_eq!(
+            Group::strided(4, 2, 8),
+            Group {
+                size: 4,
+                per_node: 4
+            }
+        );
+        assert_eq!(Group::strided(16, 2, 8).nodes(), 4);
+    }
+}
