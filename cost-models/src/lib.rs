@@ -2,6 +2,10 @@
 
 pub mod comm;
 pub mod compute;
+pub mod memory;
+pub mod transformer;
 
 pub use comm::{Collective, Group, Network};
 pub use compute::{DeviceModel, OpTimes};
+pub use memory::MemoryBreakdown;
+pub use transformer::{transformer_costs, Infeasible, PartCost, Runtime, Setup, TransformerCosts};

@@ -1,0 +1,576 @@
+//! Costs of a transformer under a structured layout (dp × tp × pp × cp × ep, ZeRO, recompute,
+//! sequence parallelism): per layer, embedding and head, per micro-batch on one device.
+//!
+//! Work comes from the IR: one block, the embeddings and the head are built as graphs at the
+//! shapes one tensor-parallel rank holds ([`TransformerConfig::tp_shard`]) and the sequence one
+//! context-parallel rank holds, and every op's work is priced by the [`DeviceModel`]. What the
+//! layout adds on top — tensor-parallel collectives, context-parallel KV exchange, the effect of
+//! sequence parallelism and recomputation — is modelled here.
+
+use crate::comm::{Collective, Group, Network};
+use crate::compute::{DeviceModel, OpTimes};
+use parallax_hardware::ClusterProfile;
+use parallax_ir::models::{BuildOptions, Section, TransformerConfig};
+use parallax_ir::op::OpKind;
+use parallax_ir::{Bytes, Graph, Layout, Precision, Recompute, Seconds};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Why a layout cannot run. Counted by kind in search reports.
+#[derive(Clone, Debug, PartialEq, Error, Serialize, Deserialize)]
+pub enum Infeasible {
+    #[error("layout needs {need} devices, the cluster has {have}")]
+    Devices { need: u64, have: u32 },
+    #[error("{what}")]
+    Indivisible { what: String },
+    #[error("tp {tp} spans nodes of {gpus_per_node} devices")]
+    TpAcrossNodes { tp: u32, gpus_per_node: u32 },
+    #[error("needs {need_gib:.1} GiB per device on stage {stage}, has {have_gib:.1} GiB")]
+    Memory {
+        need_gib: f64,
+        have_gib: f64,
+        stage: u32,
+    },
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+impl Infeasible {
+    /// Short reason name for counting rejections.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Infeasible::Devices { .. } => "device count",
+            Infeasible::Indivisible { .. } => "indivisible",
+            Infeasible::TpAcrossNodes { .. } => "tp across nodes",
+            Infeasible::Memory { .. } => "out of memory",
+            Infeasible::Unsupported(_) => "unsupported",
+        }
+    }
+}
+
+/// Framework behaviour that is not part of the layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Runtime {
+    /// Fused (flash) attention kernels.
+    pub fused_attention: bool,
+    /// Data-parallel gradient reduction overlapped with the last micro-batch's backward.
+    pub overlap_grad_reduce: bool,
+}
+
+impl Default for Runtime {
+    fn default() -> Self {
+        Runtime {
+            fused_attention: true,
+            overlap_grad_reduce: true,
+        }
+    }
+}
+
+/// What one device spends on one layer (or the embedding, or the head) for one micro-batch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PartCost {
+    /// Compute, by pass.
+    pub compute: OpTimesSer,
+    /// Extra forward compute in backward under recomputation.
+    pub recompute: Seconds,
+    /// Tensor-parallel collectives on the critical path, forward and backward (recomputed
+    /// forward collectives included in backward).
+    pub tp_fwd: Seconds,
+    pub tp_bwd: Seconds,
+    /// Context-parallel key/value exchange not hidden behind attention, forward and backward.
+    pub cp_fwd: Seconds,
+    pub cp_bwd: Seconds,
+    /// Expert-parallel all-to-all, forward and backward.
+    pub ep_fwd: Seconds,
+    pub ep_bwd: Seconds,
+    /// Bytes kept from forward to backward under the recompute policy.
+    pub saved: Bytes,
+    /// Transient bytes while this part's backward runs (recomputed activations, logits).
+    pub working: Bytes,
+    /// Parameters held by one device.
+    pub params: u64,
+    /// Model FLOPs (no recomputation) of this part on one device.
+    pub model_flops: f64,
+    /// FLOPs actually executed (with recomputation) on one device.
+    pub hardware_flops: f64,
+}
+
+/// Serializable twin of [`OpTimes`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct OpTimesSer {
+    pub fwd: Seconds,
+    pub bwd_input: Seconds,
+    pub bwd_weight: Seconds,
+}
+
+impl From<OpTimes> for OpTimesSer {
+    fn from(t: OpTimes) -> Self {
+        OpTimesSer {
+            fwd: t.fwd,
+            bwd_input: t.bwd_input,
+            bwd_weight: t.bwd_weight,
+        }
+    }
+}
+
+impl PartCost {
+    /// Forward pass on the critical path.
+    pub fn fwd(&self) -> Seconds {
+        self.compute.fwd + self.tp_fwd + self.cp_fwd + self.ep_fwd
+    }
+    /// Input-gradient pass on the critical path (with recomputation).
+    pub fn bwd_input(&self) -> Seconds {
+        self.compute.bwd_input + self.recompute + self.tp_bwd + self.cp_bwd + self.ep_bwd
+    }
+    /// Weight-gradient pass.
+    pub fn bwd_weight(&self) -> Seconds {
+        self.compute.bwd_weight
+    }
+}
+
+/// Costs of the three parts of a transformer under one layout.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TransformerCosts {
+    pub layer: PartCost,
+    pub embedding: PartCost,
+    pub head: PartCost,
+    /// Tokens in one micro-batch on one device's sequence shard.
+    pub tokens_per_microbatch: u64,
+    /// Bytes of one activation message between pipeline stages.
+    pub p2p_bytes: Bytes,
+    /// One pipeline send of `p2p_bytes` (across nodes when stages are on different nodes).
+    pub p2p: Seconds,
+}
+
+/// The fixed inputs of a costing: model, hardware and training settings.
+#[derive(Clone, Copy, Debug)]
+pub struct Setup<'a> {
+    pub model: &'a TransformerConfig,
+    pub profile: &'a ClusterProfile,
+    pub gpus: u32,
+    pub precision: Precision,
+    pub seq: u64,
+    pub global_batch: u64,
+    pub runtime: Runtime,
+}
+
+impl Setup<'_> {
+    fn float_bytes(&self) -> u64 {
+        self.precision.activation_dtype().size_bytes()
+    }
+}
+
+/// Checks that the layout's degrees fit the model and cluster (before any costing).
+pub fn check_layout(s: &Setup, l: &Layout) -> Result<(), Infeasible> {
+    let m = s.model;
+    if l.devices() != u64::from(s.gpus) {
+        return Err(Infeasible::Devices {
+            need: l.devices(),
+            have: s.gpus,
+        });
+    }
+    let gpn = s.profile.node.gpus_per_node;
+    if l.tp > gpn && s.gpus > gpn {
+        return Err(Infeasible::TpAcrossNodes {
+            tp: l.tp,
+            gpus_per_node: gpn,
+        });
+    }
+    let ind = |what: String| Err(Infeasible::Indivisible { what });
+    if m.tp_shard(u64::from(l.tp)).is_none() {
+        return ind(format!(
+            "tp {} must divide heads {}, ffn {} and kv heads {}",
+            l.tp, m.heads, m.ffn_hidden, m.kv_heads
+        ));
+    }
+    if s.seq % u64::from(l.cp) != 0 || (l.cp > 1 && (s.seq / u64::from(l.cp)) % 2 != 0) {
+        return ind(format!(
+            "cp {} must divide sequence {} into even shards",
+            l.cp, s.seq
+        ));
+    }
+    if l.sequence_parallel && l.tp > 1 && (s.seq / u64::from(l.cp)) % u64::from(l.tp) != 0 {
+        return ind(format!(
+            "sequence parallelism: tp {} must divide the sequence shard",
+            l.tp
+        ));
+    }
+    if let Some(moe) = m.moe {
+        if moe.experts % u64::from(l.ep) != 0 {
+            return ind(format!("ep {} must divide {} experts", l.ep, moe.experts));
+        }
+    } else if l.ep > 1 {
+        return ind("ep > 1 needs a mixture-of-experts model".into());
+    }
+    let chunks = l.pp * l.interleave;
+    if chunks > m.layers {
+        return ind(format!(
+            "pp × interleave = {chunks} exceeds {} layers",
+            m.layers
+        ));
+    }
+    let per = u64::from(l.dp) * l.micro_batch;
+    if s.global_batch % per != 0 {
+        return ind(format!(
+            "global batch {} is not a multiple of dp {} × micro-batch {}",
+            s.global_batch, l.dp, l.micro_batch
+        ));
+    }
+    let m_count = s.global_batch / per;
+    if l.interleave > 1 && m_count % u64::from(l.pp) != 0 {
+        return ind(format!(
+            "interleaved schedule: {m_count} micro-batches not a multiple of pp {}",
+            l.pp
+        ));
+    }
+    l.validate(s.global_batch, Some(m.layers))
+        .map_err(|what| Infeasible::Indivisible { what })?;
+    Ok(())
+}
+
+/// Prices one layer, the embeddings and the head under `l`.
+pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infeasible> {
+    check_layout(s, l)?;
+    let dev = DeviceModel::new(s.profile, s.precision)
+        .map_err(|e| Infeasible::Unsupported(e.to_string()))?;
+    let net = Network::new(s.profile);
+    let gpn = s.profile.node.gpus_per_node;
+    let fb = s.float_bytes();
+    let (tp, cp) = (u64::from(l.tp), u64::from(l.cp));
+    let shard = s
+        .model
+        .tp_shard(tp)
+        .ok_or_else(|| Infeasible::Indivisible { what: "tp".into() })?;
+    let seq_local = s.seq / cp;
+    let opts = BuildOptions {
+        batch: l.micro_batch,
+        seq: seq_local,
+        fused_attention: s.runtime.fused_attention,
+    };
+    let build = |sec| {
+        shard
+            .build_section(sec, opts)
+            .map_err(|e| Infeasible::Unsupported(e.to_string()))
+    };
+    let (block, embed, head) = (
+        build(Section::Block)?,
+        build(Section::Embedding)?,
+        build(Section::Head)?,
+    );
+    let sp = l.sequence_parallel && l.tp > 1;
+    let hidden = s.model.hidden;
+    let tp_group = Group::strided(l.tp, 1, gpn);
+    let cp_group = Group::strided(l.cp, l.tp, gpn);
+    let act = Bytes(l.micro_batch * seq_local * hidden * fb);
+
+    // Tensor-parallel collectives per layer: 2 all-reduces forward (attention and MLP outputs)
+    // and 2 backward (inputs of the column-parallel layers); with sequence parallelism each
+    // becomes an all-gather plus a reduce-scatter of the same volume (Korthikanti et al. 2022).
+    let tp_one = if sp {
+        net.collective(Collective::AllGather, act, tp_group)
+            + net.collective(Collective::ReduceScatter, act, tp_group)
+    } else {
+        net.collective(Collective::AllReduce, act, tp_group)
+    };
+    let tp_layer = tp_one * 2.0;
+
+    let mut layer = price(&dev, &block, fb, sp, l.tp, hidden, cp);
+    layer.tp_fwd = tp_layer;
+    layer.tp_bwd = tp_layer;
+    // Context parallelism: a ring passes K and V (cp − 1) times in forward, and K, V and their
+    // gradients in backward; each step overlaps the attention of the previous block.
+    if l.cp > 1 {
+        let kv = Bytes(2 * l.micro_batch * seq_local * shard.kv_heads * shard.head_dim * fb);
+        let steps = (cp - 1) as f64;
+        let attn = attention_time(&dev, &block, fb, cp);
+        let fwd_comm = net.collective(Collective::AllGather, Bytes(kv.0 * cp), cp_group);
+        layer.cp_fwd = Seconds((fwd_comm.0 - attn.fwd.0 * steps / cp as f64).max(0.0));
+        layer.cp_bwd = Seconds((2.0 * fwd_comm.0 - attn.bwd_input.0 * steps / cp as f64).max(0.0));
+    }
+    // Expert parallelism: dispatch and combine all-to-alls of the routed tokens.
+    if let (Some(moe), true) = (s.model.moe, l.ep > 1) {
+        let routed = Bytes(act.0 * moe.top_k);
+        let ep_group = Group::strided(l.ep, l.tp * l.cp, gpn);
+        let a2a = net.collective(Collective::AllToAll, routed, ep_group) * 2.0;
+        layer.ep_fwd = a2a;
+        layer.ep_bwd = a2a;
+        // Expert weights are spread over the EP group.
+        let expert_params = moe.experts
+            * if shard.mlp == parallax_ir::models::Mlp::Swiglu {
+                3
+            } else {
+                2
+            }
+            * hidden
+            * shard.ffn_hidden;
+        layer.params -= expert_params - expert_params / u64::from(l.ep);
+    }
+    // Recomputation.
+    let layer_input = if sp { act.0 / tp } else { act.0 };
+    match l.recompute {
+        Recompute::None => {}
+        Recompute::Selective => {
+            // Recompute the attention core (Korthikanti et al. 2022 §5): flash attention already
+            // recomputes its scores in backward, so only unfused kernels pay again and only
+            // their score-sized state is dropped.
+            let attn = attention_time(&dev, &block, fb, cp);
+            if !s.runtime.fused_attention {
+                layer.recompute = attn.fwd;
+                layer.saved = Bytes(layer.saved.0.saturating_sub(attention_extra(&block, fb)));
+            }
+        }
+        Recompute::Full => {
+            layer.recompute = layer.compute.fwd;
+            // The recomputed forward repeats its collectives.
+            layer.tp_bwd += tp_layer;
+            layer.working = layer.saved;
+            layer.saved = Bytes(layer_input);
+            layer.hardware_flops += block.total_work(fb).fwd_flops.0;
+        }
+    }
+
+    // Embedding (vocab-parallel: an all-reduce of its output over TP) and head (vocab-parallel
+    // cross-entropy: small all-reduces of per-token max and sum).
+    let mut embedding = price(&dev, &embed, fb, sp, l.tp, hidden, 1);
+    embedding.tp_fwd = if l.tp > 1 { tp_one } else { Seconds(0.0) };
+    embedding.tp_bwd = Seconds(0.0);
+    let mut head_cost = price(&dev, &head, fb, sp, l.tp, hidden, 1);
+    head_cost.tp_fwd = if l.tp > 1 { tp_one } else { Seconds(0.0) };
+    head_cost.tp_bwd = head_cost.tp_fwd;
+    // Logits in fp32 and their gradient are alive together at the end of forward.
+    let logits = l.micro_batch * seq_local * shard.vocab * 4;
+    head_cost.working = Bytes(2 * logits);
+    head_cost.saved = Bytes(head_cost.saved.0.saturating_sub(logits * fb / 4));
+    if s.model.tied_embeddings && l.pp == 1 {
+        // A single-stage tied model shares the table with the embedding; across stages the
+        // last stage keeps a copy (Megatron-LM), as untied models keep their own head.
+        head_cost.params = head_cost.params.saturating_sub(shard.vocab * hidden);
+    }
+
+    // Pipeline messages: Megatron's scatter/gather optimization sends 1/tp of the activation
+    // and all-gathers it over NVLink (Narayanan et al. 2021 §4.1).
+    let p2p_bytes = Bytes(act.0 / tp);
+    let stage_stride = l.tp * l.cp * l.dp;
+    let p2p = net.p2p(p2p_bytes, stage_stride >= gpn && s.gpus > gpn)
+        + if l.tp > 1 {
+            net.collective(Collective::AllGather, act, tp_group)
+        } else {
+            Seconds(0.0)
+        };
+
+    Ok(TransformerCosts {
+        layer,
+        embedding,
+        head: head_cost,
+        tokens_per_microbatch: l.micro_batch * seq_local,
+        p2p_bytes,
+        p2p,
+    })
+}
+
+/// Prices every node of a section graph. Under sequence parallelism the tensors and kernels
+/// outside the tensor-parallel region (those of hidden width: norms, dropout, residuals) are
+/// split over the TP group as well. Attention under context parallelism sees keys and values of
+/// the whole sequence: its work on the local shard graph is scaled by `cp`.
+fn price(
+    dev: &DeviceModel,
+    g: &Graph,
+    fb: u64,
+    sp: bool,
+    tp: u32,
+    hidden: u64,
+    cp: u64,
+) -> PartCost {
+    let mut compute = OpTimes::default();
+    let mut model_flops = 0.0;
+    let outside_tp = |n: &parallax_ir::Node| {
+        n.outputs
+            .first()
+            .map(|t| g.tensor(*t).shape.last() == hidden)
+            .unwrap_or(false)
+            && !matches!(
+                n.op,
+                OpKind::Linear(_) | OpKind::MatMul(_) | OpKind::Embedding(_)
+            )
+    };
+    for n in &g.nodes {
+        let ins = g.input_shapes(n);
+        let w = g.node_work(n, fb);
+        let mut t = dev.op(&n.op, &ins, &w, fb);
+        let mut flops = w.train_flops().0;
+        if matches!(n.op, OpKind::Attention(_)) && cp > 1 {
+            t = t * cp as f64;
+            flops *= cp as f64;
+        }
+        if sp && outside_tp(n) {
+            t = t * (1.0 / f64::from(tp));
+            flops /= f64::from(tp);
+        }
+        compute = compute + t;
+        model_flops += flops;
+    }
+    let saved: f64 = g
+        .saved_items(fb, |_| true)
+        .iter()
+        .map(|item| {
+            let node = &g.nodes[item.node.0 as usize];
+            let wide = match item.tensor {
+                Some(t) => g.tensor(t).shape.last() == hidden,
+                None => outside_tp(node),
+            };
+            if sp && wide {
+                item.bytes as f64 / f64::from(tp)
+            } else {
+                item.bytes as f64
+            }
+        })
+        .sum();
+    PartCost {
+        compute: compute.into(),
+        saved: Bytes(saved as u64),
+        params: g.param_count(),
+        model_flops,
+        hardware_flops: model_flops,
+        ..PartCost::default()
+    }
+}
+
+/// Forward and backward time of the attention cores of a block.
+fn attention_time(dev: &DeviceModel, g: &Graph, fb: u64, cp: u64) -> OpTimes {
+    g.nodes
+        .iter()
+        .filter(|n| matches!(n.op, OpKind::Attention(_)))
+        .map(|n| dev.op(&n.op, &g.input_shapes(n), &g.node_work(n, fb), fb) * cp as f64)
+        .fold(OpTimes::default(), |a, b| a + b)
+}
+
+/// Score-sized state unfused attention keeps (dropped by selective recomputation).
+fn attention_extra(g: &Graph, fb: u64) -> u64 {
+    g.saved_items(fb, |_| true)
+        .iter()
+        .filter(|i| {
+            i.tensor.is_none() && matches!(g.nodes[i.node.0 as usize].op, OpKind::Attention(_))
+        })
+        .map(|i| i.bytes)
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parallax_hardware::preset;
+    use parallax_ir::models::zoo;
+    use parallax_ir::Schedule;
+
+    fn cfg(name: &str) -> TransformerConfig {
+        match zoo::find(name).unwrap().def {
+            zoo::ZooDef::Transformer(c) => c,
+            _ => unreachable!(),
+        }
+    }
+
+    fn setup<'a>(
+        m: &'a TransformerConfig,
+        p: &'a ClusterProfile,
+        gpus: u32,
+        rt: Runtime,
+    ) -> Setup<'a> {
+        Setup {
+            model: m,
+            profile: p,
+            gpus,
+            precision: Precision::Bf16,
+            seq: 2048,
+            global_batch: 64,
+            runtime: rt,
+        }
+    }
+
+    fn layout(tp: u32, sp: bool, recompute: Recompute) -> Layout {
+        Layout {
+            tp,
+            micro_batch: 1,
+            sequence_parallel: sp,
+            recompute,
+            ..Layout::default()
+        }
+    }
+
+    #[test]
+    fn korthikanti_activation_memory_with_tp_and_sp() {
+        // Korthikanti et al. 2022 Table 2: per layer, s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes with
+        // tensor parallelism, s·b·h/t·(34 + 5·a·s/h) with sequence parallelism too (16-bit,
+        // unfused attention). Ours adds fp32 LayerNorm statistics (16 bytes per token).
+        let m = cfg("gpt3-175b");
+        let p = preset("dgx-a100-80gb").unwrap();
+        let rt = Runtime {
+            fused_attention: false,
+            ..Runtime::default()
+        };
+        let s = setup(&m, &p, 8, rt);
+        let (sq, b, h, a, t) = (2048.0, 1.0, 12288.0, 96.0, 8.0);
+        let tp_only = transformer_costs(&s, &layout(8, false, Recompute::None)).unwrap();
+        let expect = sq * b * h * (10.0 + 24.0 / t + 5.0 * a * sq / (h * t)) + 16.0 * sq;
+        let got = tp_only.layer.saved.0 as f64;
+        assert!((got / expect - 1.0).abs() < 0.01, "{got} vs {expect}");
+        let with_sp = transformer_costs(&s, &layout(8, true, Recompute::None)).unwrap();
+        let expect = sq * b * h / t * (34.0 + 5.0 * a * sq / h) + 16.0 * sq / t;
+        let got = with_sp.layer.saved.0 as f64;
+        assert!((got / expect - 1.0).abs() < 0.01, "{got} vs {expect}");
+        let sel = transformer_costs(&s, &layout(8, true, Recompute::Selective)).unwrap();
+        let expect = sq * b * h / t * 34.0 + 16.0 * sq / t;
+        assert!((sel.layer.saved.0 as f64 / expect - 1.0).abs() < 0.01);
+        let full = transformer_costs(&s, &layout(8, true, Recompute::Full)).unwrap();
+        assert_eq!(full.layer.saved.0 as f64, sq * b * h * 2.0 / t);
+        // More recomputation never keeps more.
+        assert!(full.layer.saved < sel.layer.saved && sel.layer.saved < with_sp.layer.saved);
+        assert!(full.layer.recompute > sel.layer.recompute);
+    }
+
+    #[test]
+    fn tensor_parallelism_divides_compute_and_adds_collectives() {
+        let m = cfg("gpt3-13b");
+        let p = preset("dgx-a100-80gb").unwrap();
+        let s1 = setup(&m, &p, 1, Runtime::default());
+        let s8 = setup(&m, &p, 8, Runtime::default());
+        let c1 = transformer_costs(&s1, &layout(1, false, Recompute::None)).unwrap();
+        let c8 = transformer_costs(&s8, &layout(8, true, Recompute::None)).unwrap();
+        let r = c1.layer.compute.fwd.0 / c8.layer.compute.fwd.0;
+        assert!((4.0..8.5).contains(&r), "{r}");
+        assert_eq!(c1.layer.tp_fwd.0, 0.0);
+        assert!(c8.layer.tp_fwd.0 > 0.0);
+        // Replicated in TP: two LayerNorms (4h) and the two row-parallel biases (2h).
+        assert_eq!(c8.layer.params * 8, c1.layer.params + 7 * 6 * 5140);
+    }
+
+    #[test]
+    fn infeasible_layouts_say_why() {
+        let m = cfg("gpt3-175b");
+        let p = preset("dgx-a100-80gb").unwrap();
+        let s = setup(&m, &p, 16, Runtime::default());
+        let e = transformer_costs(&s, &layout(16, false, Recompute::None)).unwrap_err();
+        assert_eq!(e.kind(), "tp across nodes");
+        let s = setup(&m, &p, 5, Runtime::default());
+        assert_eq!(
+            transformer_costs(&s, &layout(5, false, Recompute::None))
+                .unwrap_err()
+                .kind(),
+            "indivisible"
+        );
+        let s = setup(&m, &p, 8, Runtime::default());
+        assert_eq!(
+            transformer_costs(&s, &layout(1, false, Recompute::None))
+                .unwrap_err()
+                .kind(),
+            "device count"
+        );
+        let l = Layout {
+            pp: 2,
+            tp: 4,
+            schedule: Schedule::OneFOneB,
+            micro_batch: 3,
+            ..Layout::default()
+        };
+        assert_eq!(transformer_costs(&s, &l).unwrap_err().kind(), "indivisible");
+    }
+}
