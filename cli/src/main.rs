@@ -4,6 +4,7 @@ mod clusters;
 mod fmt;
 mod inspect;
 mod models;
+mod validate;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -24,6 +25,8 @@ enum Command {
     Clusters(clusters::Args),
     /// Parameters, FLOPs per token, layers, op histogram and activation memory of a model.
     Inspect(inspect::Args),
+    /// Score predictions against published measurements of real training runs.
+    Validate(validate::Args),
 }
 
 /// An error caused by what the user gave us (exit status 2).
@@ -96,6 +99,7 @@ fn main() -> ExitCode {
         Command::Models(a) => models::run(a),
         Command::Clusters(a) => clusters::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Validate(a) => validate::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

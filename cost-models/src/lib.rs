@@ -8,4 +8,6 @@ pub mod transformer;
 pub use comm::{Collective, Group, Network};
 pub use compute::{DeviceModel, OpTimes};
 pub use memory::MemoryBreakdown;
-pub use transformer::{transformer_costs, Infeasible, PartCost, Runtime, Setup, TransformerCosts};
+pub use transformer::{
+    check_layout, transformer_costs, Infeasible, PartCost, Runtime, Setup, TransformerCosts,
+};

@@ -17,3 +17,7 @@ pub use schedule::{
     OpTasks, PipelineCosts, PipelineGraph, PipelineSchedule, ScheduleError, ScheduleKind,
     ScheduledOp,
 };
+pub mod step;
+pub use step::{
+    simulate_step, stage_layers, Breakdown, MemoryGib, SimulatedStep, StepError, StepPrediction,
+};

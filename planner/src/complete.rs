@@ -1,0 +1,236 @@
+//! Completing a partial layout: every knob the user (or a published run) left out is chosen
+//! as the fastest feasible value, by simulating every combination.
+
+use parallax_cost::transformer::{check_layout, Setup};
+use parallax_ir::{Layout, PartialLayout, Recompute, Schedule};
+use parallax_sim::{simulate_step, StepError, StepPrediction};
+use rayon::prelude::*;
+use std::collections::BTreeMap;
+use thiserror::Error;
+
+/// Why no layout could be completed.
+#[derive(Debug, Error)]
+pub enum CompleteError {
+    #[error("no layout matches: {0}")]
+    NoCandidate(String),
+    #[error("no completion fits in memory: the smallest needs {need_gib:.1} GiB per device, the device has {have_gib:.1} GiB ({layout})")]
+    DoesNotFit {
+        need_gib: f64,
+        have_gib: f64,
+        layout: String,
+    },
+}
+
+/// A chosen layout and its prediction.
+#[derive(Clone, Debug)]
+pub struct Completed {
+    pub layout: Layout,
+    pub prediction: StepPrediction,
+    /// Candidates tried, and rejections by reason.
+    pub tried: usize,
+    pub rejected: BTreeMap<String, usize>,
+}
+
+fn divisors(n: u64) -> Vec<u64> {
+    (1..=n).filter(|d| n % d == 0).collect()
+}
+
+/// Every full layout consistent with `p` on `setup`'s cluster; `schedules` are the pipeline
+/// schedules allowed when the schedule is left out.
+pub fn candidates(setup: &Setup, p: &PartialLayout, schedules: &[Schedule]) -> Vec<Layout> {
+    let gpus = u64::from(setup.gpus);
+    let gpn = u64::from(setup.profile.node.gpus_per_node);
+    let layers = setup.model.layers;
+    let opt = |x: Option<u32>, all: Vec<u64>| -> Vec<u32> {
+        match x {
+            Some(v) => vec![v],
+            None => all.into_iter().map(|v| v as u32).collect(),
+        }
+    };
+    let tps = opt(
+        p.tp,
+        divisors(gpus).into_iter().filter(|d| *d <= gpn).collect(),
+    );
+    let cps = opt(p.cp, vec![1]);
+    let mut out = Vec::new();
+    for &tp in &tps {
+        for &cp in &cps {
+            let rest = gpus / u64::from(tp * cp).max(1);
+            let pps = opt(
+                p.pp,
+                divisors(rest)
+                    .into_iter()
+                    .filter(|d| *d <= u64::from(layers))
+                    .collect(),
+            );
+            for &pp in &pps {
+                let dp = match p.dp {
+                    Some(d) => d,
+                    None => {
+                        let denom = u64::from(tp * cp * pp);
+                        if gpus % denom != 0 {
+                            continue;
+                        }
+                        (gpus / denom) as u32
+                    }
+                };
+                let per_dp = setup.global_batch / u64::from(dp.max(1));
+                let mbs: Vec<u64> = match p.micro_batch {
+                    Some(m) => vec![m],
+                    None => divisors(per_dp).into_iter().filter(|m| *m <= 64).collect(),
+                };
+                let zeros: Vec<u8> = match p.zero_stage {
+                    Some(z) => vec![z],
+                    None if dp > 1 => vec![0, 1, 2, 3],
+                    None => vec![0],
+                };
+                let recomputes = match p.recompute {
+                    Some(r) => vec![r],
+                    None => vec![Recompute::None, Recompute::Selective, Recompute::Full],
+                };
+                let sps = match p.sequence_parallel {
+                    Some(s) => vec![s],
+                    None if tp > 1 => vec![true, false],
+                    None => vec![false],
+                };
+                let mut scheds: Vec<(Schedule, u32)> = Vec::new();
+                let sched_opts: Vec<Schedule> = match (p.schedule, pp) {
+                    (Some(s), _) => vec![s],
+                    (None, 1) => vec![Schedule::None],
+                    (None, _) => schedules.to_vec(),
+                };
+                for s in sched_opts {
+                    match (s, p.interleave) {
+                        (Schedule::Interleaved1F1B, Some(v)) => scheds.push((s, v)),
+                        (Schedule::Interleaved1F1B, None) => {
+                            for v in 2..=8u32 {
+                                if layers % (pp * v) == 0 {
+                                    scheds.push((s, v));
+                                }
+                            }
+                        }
+                        (s, Some(v)) if v > 1 => scheds.push((s, v)),
+                        (s, _) => scheds.push((s, 1)),
+                    }
+                }
+                let ep = p.ep.unwrap_or(1);
+                for &mb in &mbs {
+                    for &zero in &zeros {
+                        for &recompute in &recomputes {
+                            for &sp in &sps {
+                                for &(schedule, interleave) in &scheds {
+                                    out.push(Layout {
+                                        dp,
+                                        tp,
+                                        pp,
+                                        cp,
+                                        ep,
+                                        zero_stage: zero,
+                                        micro_batch: mb,
+                                        recompute,
+                                        sequence_parallel: sp,
+                                        schedule,
+                                        interleave,
+                                        stages: Vec::new(),
+                                    });
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Chooses the fastest layout that fits among the completions of `p`.
+pub fn complete_layout(
+    setup: &Setup,
+    p: &PartialLayout,
+    schedules: &[Schedule],
+) -> Result<Completed, CompleteError> {
+    let cands = candidates(setup, p, schedules);
+    let tried = cands.len();
+    if cands.is_empty() {
+        return Err(CompleteError::NoCandidate(format!(
+            "the given degrees do not divide {} devices",
+            setup.gpus
+        )));
+    }
+    let results: Vec<(usize, Result<StepPrediction, String>)> = cands
+        .par_iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let r = check_layout(setup, l)
+                .map_err(|e| e.kind().to_string())
+                .and_then(|_| {
+                    simulate_step(setup, l)
+                        .map(|s| s.prediction)
+                        .map_err(|e| match e {
+                            StepError::Infeasible(i) => i.kind().to_string(),
+                            other => other.to_string(),
+                        })
+                });
+            (i, r)
+        })
+        .collect();
+    let mut rejected: BTreeMap<String, usize> = BTreeMap::new();
+    let mut best: Option<(usize, &StepPrediction)> = None;
+    let mut smallest: Option<(usize, &StepPrediction)> = None;
+    let mut last_reason = String::new();
+    for (i, r) in &results {
+        match r {
+            Ok(pred) if pred.fits => {
+                if best.is_none_or(|(_, b)| pred.step_time_s < b.step_time_s) {
+                    best = Some((*i, pred));
+                }
+            }
+            Ok(pred) => {
+                *rejected.entry("out of memory".to_string()).or_default() += 1;
+                if smallest.is_none_or(|(_, b)| pred.peak_memory_gib < b.peak_memory_gib) {
+                    smallest = Some((*i, pred));
+                }
+            }
+            Err(reason) => {
+                *rejected.entry(reason.clone()).or_default() += 1;
+                last_reason = reason.clone();
+            }
+        }
+    }
+    match (best, smallest) {
+        (Some((i, pred)), _) => Ok(Completed {
+            layout: cands[i].clone(),
+            prediction: pred.clone(),
+            tried,
+            rejected,
+        }),
+        (None, Some((i, pred))) => Err(CompleteError::DoesNotFit {
+            need_gib: pred.peak_memory_gib,
+            have_gib: pred.capacity_gib,
+            layout: layout_string(&cands[i]),
+        }),
+        (None, None) => Err(CompleteError::NoCandidate(last_reason)),
+    }
+}
+
+/// The inline form of a layout (`tp=8,pp=2,…`), as `--plan` accepts it.
+pub fn layout_string(l: &Layout) -> String {
+    let mut s = format!(
+        "dp={},tp={},pp={},cp={},ep={},zero={},mb={},recompute={},sp={},schedule={}",
+        l.dp,
+        l.tp,
+        l.pp,
+        l.cp,
+        l.ep,
+        l.zero_stage,
+        l.micro_batch,
+        l.recompute,
+        l.sequence_parallel,
+        l.schedule
+    );
+    if l.interleave > 1 {
+        s.push_str(&format!(",v={}", l.interleave));
+    }
+    s
+}

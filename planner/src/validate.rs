@@ -1,0 +1,300 @@
+//! Scoring predictions against published measurements of real training runs
+//! (`parallax-validation-cases/1`, see `shared/ground-truth/README.md`).
+
+use crate::complete::{complete_layout, layout_string};
+use parallax_cost::transformer::{Runtime, Setup};
+use parallax_hardware::Cluster;
+use parallax_ir::models::{Mlp, TransformerConfig};
+use parallax_ir::{PartialLayout, Precision, Recompute, Schedule};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Schema tag of case files.
+pub const CASES_SCHEMA: &str = "parallax-validation-cases/1";
+
+/// Schedules a published run could have used when its schedule is not given: those of
+/// Megatron-LM, which ran every pipelined case.
+pub const PUBLISHED_SCHEDULES: [Schedule; 2] = [Schedule::OneFOneB, Schedule::Interleaved1F1B];
+
+/// A case file.
+#[derive(Clone, Debug, Deserialize)]
+pub struct CaseFile {
+    pub schema: String,
+    pub cases: Vec<Case>,
+}
+
+/// One published run.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Case {
+    pub id: String,
+    #[serde(default)]
+    pub source: String,
+    pub cluster: CaseCluster,
+    pub precision: Precision,
+    pub model: CaseModel,
+    pub plan: CasePlan,
+    pub measured: Measured,
+    #[serde(default)]
+    pub group: String,
+}
+
+/// The cluster of a case.
+#[derive(Clone, Debug, Deserialize)]
+pub struct CaseCluster {
+    pub preset: String,
+    pub gpus: u32,
+}
+
+/// The model dimensions of a case.
+#[derive(Clone, Debug, Deserialize)]
+pub struct CaseModel {
+    #[serde(default)]
+    pub name: String,
+    pub arch: String,
+    pub layers: u32,
+    pub hidden: u64,
+    pub heads: u64,
+    pub kv_heads: Option<u64>,
+    pub ffn_hidden: u64,
+    pub seq_len: u64,
+    pub vocab: u64,
+    pub mlp: Option<String>,
+}
+
+/// The published layout; `None` where the source did not say.
+#[derive(Clone, Debug, Deserialize)]
+pub struct CasePlan {
+    pub tp: Option<u32>,
+    pub pp: Option<u32>,
+    pub dp: Option<u32>,
+    pub cp: Option<u32>,
+    pub zero_stage: Option<u8>,
+    pub micro_batch: Option<u64>,
+    pub global_batch: u64,
+    pub recompute: Option<Recompute>,
+    pub sequence_parallel: Option<bool>,
+    pub interleave: Option<u32>,
+    pub schedule: Option<Schedule>,
+}
+
+/// What was measured.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Measured {
+    pub step_time_s: f64,
+    pub peak_memory_gib: Option<f64>,
+}
+
+/// Why a case file could not be read.
+#[derive(Debug, Error)]
+pub enum CaseError {
+    #[error("{file}: line {line} column {column}: {message}")]
+    Json {
+        file: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    #[error("{file}: schema: expected \"{CASES_SCHEMA}\", found \"{found}\"")]
+    Schema { file: String, found: String },
+}
+
+/// Parses a case file; `file` names it in errors.
+pub fn parse_cases(text: &str, file: &str) -> Result<CaseFile, CaseError> {
+    let f: CaseFile = serde_json::from_str(text).map_err(|e| {
+        let msg = e.to_string();
+        CaseError::Json {
+            file: file.into(),
+            line: e.line(),
+            column: e.column(),
+            message: msg
+                .rfind(" at line ")
+                .map(|i| msg[..i].to_string())
+                .unwrap_or(msg),
+        }
+    })?;
+    if f.schema != CASES_SCHEMA {
+        return Err(CaseError::Schema {
+            file: file.into(),
+            found: f.schema,
+        });
+    }
+    Ok(f)
+}
+
+/// The outcome of one case.
+#[derive(Clone, Debug, Serialize)]
+pub struct CaseResult {
+    pub id: String,
+    pub group: String,
+    pub measured_step_time_s: f64,
+    pub predicted_step_time_s: Option<f64>,
+    pub ape: Option<f64>,
+    pub measured_peak_memory_gib: Option<f64>,
+    pub predicted_peak_memory_gib: Option<f64>,
+    pub memory_ape: Option<f64>,
+    /// `ok`, or `skipped: reason`.
+    pub status: String,
+    /// The layout used (published knobs plus the chosen ones).
+    pub layout: Option<String>,
+}
+
+/// Summary over cases (errors as fractions).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Summary {
+    pub n: usize,
+    pub mape: f64,
+    pub median_ape: f64,
+    pub max_ape: f64,
+    pub memory_n: usize,
+    pub memory_mape: f64,
+    pub skipped: usize,
+}
+
+impl Case {
+    /// The model the case describes.
+    pub fn transformer(&self) -> Result<TransformerConfig, String> {
+        let m = &self.model;
+        let kv = m.kv_heads.unwrap_or(m.heads);
+        let mut cfg = match m.arch.as_str() {
+            "gpt" => TransformerConfig::gpt(
+                m.layers,
+                m.hidden,
+                m.heads,
+                m.ffn_hidden,
+                m.vocab,
+                m.seq_len,
+            ),
+            "llama" => TransformerConfig::llama(
+                m.layers,
+                m.hidden,
+                m.heads,
+                kv,
+                m.ffn_hidden,
+                m.vocab,
+                m.seq_len,
+            ),
+            other => return Err(format!("model.arch '{other}' is not gpt or llama")),
+        };
+        cfg.kv_heads = kv;
+        cfg.mlp = match m.mlp.as_deref() {
+            Some("gelu") | None => cfg.mlp,
+            Some("swiglu") => Mlp::Swiglu,
+            Some("relu") => Mlp::Relu,
+            Some("squared_relu") => Mlp::SquaredRelu,
+            Some(other) => return Err(format!("model.mlp '{other}' is not supported")),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The published layout, with unpublished knobs left open.
+    pub fn partial_layout(&self) -> PartialLayout {
+        let p = &self.plan;
+        PartialLayout {
+            dp: p.dp,
+            tp: p.tp,
+            pp: p.pp,
+            cp: p.cp,
+            ep: Some(1),
+            zero_stage: p.zero_stage,
+            micro_batch: p.micro_batch,
+            recompute: p.recompute,
+            sequence_parallel: p.sequence_parallel,
+            schedule: p.schedule,
+            interleave: p.interleave,
+        }
+    }
+
+    /// Predicts the case: null knobs are chosen as the fastest feasible values.
+    pub fn run(&self) -> CaseResult {
+        let mut r = CaseResult {
+            id: self.id.clone(),
+            group: self.group.clone(),
+            measured_step_time_s: self.measured.step_time_s,
+            predicted_step_time_s: None,
+            ape: None,
+            measured_peak_memory_gib: self.measured.peak_memory_gib,
+            predicted_peak_memory_gib: None,
+            memory_ape: None,
+            status: String::new(),
+            layout: None,
+        };
+        let cfg = match self.transformer() {
+            Ok(c) => c,
+            Err(e) => {
+                r.status = format!("skipped: {e}");
+                return r;
+            }
+        };
+        let spec = format!("{}:gpus={}", self.cluster.preset, self.cluster.gpus);
+        let cluster = match Cluster::parse(&spec) {
+            Ok(c) => c,
+            Err(e) => {
+                r.status = format!("skipped: {e}");
+                return r;
+            }
+        };
+        let setup = Setup {
+            model: &cfg,
+            profile: &cluster.profile,
+            gpus: cluster.gpus,
+            precision: self.precision,
+            seq: self.model.seq_len,
+            global_batch: self.plan.global_batch,
+            runtime: Runtime::default(),
+        };
+        match complete_layout(&setup, &self.partial_layout(), &PUBLISHED_SCHEDULES) {
+            Ok(c) => {
+                let t = c.prediction.step_time_s;
+                r.predicted_step_time_s = Some(t);
+                r.ape = Some((t - r.measured_step_time_s).abs() / r.measured_step_time_s);
+                r.predicted_peak_memory_gib = Some(c.prediction.peak_memory_gib);
+                r.memory_ape = r
+                    .measured_peak_memory_gib
+                    .map(|m| (c.prediction.peak_memory_gib - m).abs() / m);
+                r.layout = Some(layout_string(&c.layout));
+                r.status = "ok".into();
+            }
+            Err(e) => r.status = format!("skipped: {e}"),
+        }
+        r
+    }
+}
+
+/// Runs every case (in parallel) and summarizes.
+pub fn validate(cases: &[Case]) -> (Vec<CaseResult>, Summary) {
+    let results: Vec<CaseResult> = cases.par_iter().map(Case::run).collect();
+    let summary = summarize(&results);
+    (results, summary)
+}
+
+/// Summary statistics; skipped cases are counted, not scored.
+pub fn summarize(results: &[CaseResult]) -> Summary {
+    let mut apes: Vec<f64> = results.iter().filter_map(|r| r.ape).collect();
+    apes.sort_by(f64::total_cmp);
+    let mem: Vec<f64> = results.iter().filter_map(|r| r.memory_ape).collect();
+    let n = apes.len();
+    let median = match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => apes[n / 2],
+        _ => (apes[n / 2 - 1] + apes[n / 2]) / 2.0,
+    };
+    Summary {
+        n,
+        mape: if n > 0 {
+            apes.iter().sum::<f64>() / n as f64
+        } else {
+            0.0
+        },
+        median_ape: median,
+        max_ape: apes.last().copied().unwrap_or(0.0),
+        memory_n: mem.len(),
+        memory_mape: if mem.is_empty() {
+            0.0
+        } else {
+            mem.iter().sum::<f64>() / mem.len() as f64
+        },
+        skipped: results.iter().filter(|r| r.ape.is_none()).count(),
+    }
+}

@@ -1,0 +1,436 @@
+//! One optimizer step of a transformer under a structured layout: costs from
+//! [`parallax_cost`], the pipeline schedule as a task graph, data-parallel gradient reduction
+//! and the optimizer appended, simulated event by event.
+//!
+//! Identical data-parallel replicas and tensor/context-parallel peers are simulated once: the
+//! graph holds one pipeline (pp stages), so a 16,384-GPU plan costs what its pipeline costs.
+
+use crate::engine::Resources;
+use crate::engine::{CommKind, SimError, Task, TaskGraph, TaskKind, Trace};
+use crate::schedule::{
+    build_pipeline, max_in_flight, PipelineCosts, PipelineSchedule, ScheduleError, ScheduleKind,
+};
+use parallax_cost::comm::{Collective, Group, Network};
+use parallax_cost::compute::DeviceModel;
+use parallax_cost::memory::{
+    state_bytes_per_param, MemoryBreakdown, ADAM_BYTES_PER_PARAM, WORKSPACE_GIB,
+};
+use parallax_cost::transformer::{transformer_costs, Infeasible, Setup};
+use parallax_ir::models::{BuildOptions, Section};
+use parallax_ir::{Bytes, Layout, Schedule, Seconds};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use thiserror::Error;
+
+/// Why a step could not be simulated.
+#[derive(Debug, Error)]
+pub enum StepError {
+    #[error(transparent)]
+    Infeasible(#[from] Infeasible),
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    #[error(transparent)]
+    Sim(#[from] SimError),
+}
+
+/// Time of one step by where it goes, on the busiest stage.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Breakdown {
+    /// Forward, backward and recomputation kernels.
+    pub compute_s: f64,
+    /// Pipeline idle time on the busiest stage.
+    pub bubble_s: f64,
+    /// The optimizer update.
+    pub optimizer_s: f64,
+    /// Communication on the critical path, by kind (`tp`, `cp`, `ep`, `dp`, `zero`).
+    pub exposed_comm_s: BTreeMap<String, f64>,
+}
+
+/// Peak memory of one device, GiB by kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemoryGib {
+    pub params: f64,
+    pub grads: f64,
+    pub optimizer: f64,
+    pub activations: f64,
+    pub buffers: f64,
+    pub allocator: f64,
+    pub total: f64,
+}
+
+impl From<MemoryBreakdown> for MemoryGib {
+    fn from(m: MemoryBreakdown) -> Self {
+        MemoryGib {
+            params: m.params.gib(),
+            grads: m.grads.gib(),
+            optimizer: m.optimizer.gib(),
+            activations: m.activations.gib(),
+            buffers: m.buffers.gib(),
+            allocator: m.allocator.gib(),
+            total: m.total().gib(),
+        }
+    }
+}
+
+/// The prediction for one step.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StepPrediction {
+    pub step_time_s: f64,
+    pub tokens_per_s: f64,
+    pub mfu: f64,
+    pub hfu: f64,
+    /// Idle fraction of the busiest stage's compute stream.
+    pub bubble_fraction: f64,
+    pub micro_batches: u64,
+    /// Layers of each virtual stage, in pipeline order.
+    pub stage_layers: Vec<u32>,
+    pub breakdown: Breakdown,
+    /// Memory of the stage with the highest peak.
+    pub memory: MemoryGib,
+    /// Peak memory of each pipeline stage, GiB.
+    pub stage_memory_gib: Vec<f64>,
+    pub peak_memory_gib: f64,
+    pub capacity_gib: f64,
+    pub fits: bool,
+}
+
+/// A simulated step with its task graph and trace, for timelines.
+#[derive(Debug)]
+pub struct SimulatedStep {
+    pub prediction: StepPrediction,
+    pub graph: TaskGraph,
+    pub resources: Resources,
+    pub trace: Trace,
+}
+
+fn schedule_kind(l: &Layout) -> ScheduleKind {
+    match l.schedule {
+        Schedule::GPipe => ScheduleKind::GPipe,
+        Schedule::Interleaved1F1B => ScheduleKind::Interleaved1F1B,
+        Schedule::ZeroBubbleH1 => ScheduleKind::ZeroBubbleH1,
+        Schedule::None | Schedule::OneFOneB => ScheduleKind::OneFOneB,
+    }
+}
+
+/// Layers of each of `chunks` virtual stages: the explicit ranges of the layout, else an even
+/// split with the remainder given to the middle chunks first (the first holds the embedding,
+/// the last the head).
+pub fn stage_layers(layers: u32, l: &Layout) -> Vec<u32> {
+    let chunks = l.pp * l.interleave;
+    if !l.stages.is_empty() {
+        return l
+            .stages
+            .iter()
+            .map(|s| s.end_layer - s.first_layer)
+            .collect();
+    }
+    let base = layers / chunks;
+    let mut out = vec![base; chunks as usize];
+    let mut extra = layers % chunks;
+    let order = (1..chunks.saturating_sub(1)).chain([0, chunks - 1]);
+    for vs in order {
+        if extra == 0 {
+            break;
+        }
+        out[vs as usize] += 1;
+        extra -= 1;
+    }
+    out
+}
+
+/// Simulates one step of `setup`'s model under `layout`.
+pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, StepError> {
+    let c = transformer_costs(setup, layout)?;
+    let l = layout;
+    let (pp, v) = (l.pp, l.interleave);
+    let nv = (pp * v) as usize;
+    let m = (setup.global_batch / (u64::from(l.dp) * l.micro_batch)) as u32;
+    let layers = stage_layers(setup.model.layers, l);
+    let gpn = setup.profile.node.gpus_per_node;
+    let net = Network::new(setup.profile);
+    let dev = DeviceModel::new(setup.profile, setup.precision)
+        .map_err(|e| Infeasible::Unsupported(e.to_string()))?;
+    let precision = setup.precision;
+    let dp_group = Group::strided(l.dp, l.tp * l.cp, gpn);
+
+    // ZeRO-3 gathers each layer's parameters before its forward and backward and
+    // reduce-scatters its gradients, per micro-batch, prefetched behind the previous layer.
+    let (z3_fwd, z3_bwd) = if l.zero_stage >= 3 && l.dp > 1 {
+        let wbytes = if precision.is_mixed() { 2 } else { 4 };
+        let p = c.layer.params;
+        let ag = net.collective(Collective::AllGather, Bytes(p * wbytes), dp_group);
+        let rs = net.collective(Collective::ReduceScatter, Bytes(p * 4), dp_group);
+        (
+            Seconds((ag.0 - c.layer.fwd().0).max(0.0)),
+            Seconds((ag.0 + rs.0 - c.layer.bwd_input().0 - c.layer.bwd_weight().0).max(0.0)),
+        )
+    } else {
+        (Seconds(0.0), Seconds(0.0))
+    };
+
+    let mut costs = PipelineCosts::uniform(pp, v, Seconds(0.0), Seconds(0.0), Seconds(0.0), c.p2p);
+    for vs in 0..nv {
+        let n = f64::from(layers[vs]);
+        let mut f = (c.layer.fwd() + z3_fwd) * n;
+        let mut b = (c.layer.bwd_input() + z3_bwd) * n;
+        let mut w = c.layer.bwd_weight() * n;
+        if vs == 0 {
+            f += c.embedding.fwd();
+            b += c.embedding.bwd_input();
+            w += c.embedding.bwd_weight();
+        }
+        if vs == nv - 1 {
+            f += c.head.fwd();
+            b += c.head.bwd_input();
+            w += c.head.bwd_weight();
+        }
+        costs.forward[vs] = f;
+        costs.backward_input[vs] = b;
+        costs.backward_weight[vs] = w;
+    }
+    let kind = schedule_kind(l);
+    let schedule = PipelineSchedule::generate(kind, pp, m, v)?;
+    let mut pg = build_pipeline(&schedule, &costs)?;
+
+    // Data-parallel gradient reduction per chunk, then the optimizer, per stage.
+    let params_of = |vs: usize| -> u64 {
+        let mut p = c.layer.params * u64::from(layers[vs]);
+        if vs == 0 {
+            p += c.embedding.params;
+        }
+        if vs == nv - 1 {
+            p += c.head.params;
+        }
+        p
+    };
+    // Exposed data-parallel communication, Adam time, and the optimizer task (Adam plus the
+    // distributed optimizer's parameter gather) per stage.
+    let mut dp_time = vec![Seconds(0.0); pp as usize];
+    let mut adam_time = vec![Seconds(0.0); pp as usize];
+    let mut opt_task = vec![Seconds(0.0); pp as usize];
+    for s in 0..pp {
+        let comm = pg
+            .resources
+            .add_in_group(format!("stage {s} dp comm"), 1, s);
+        let mut last = Vec::new();
+        let mut stage_params = 0u64;
+        for chunk in 0..v {
+            let vs = (chunk * pp + s) as usize;
+            let p = params_of(vs);
+            stage_params += p;
+            let Some(after) = pg.last_weight_grad(s, Some(chunk)) else {
+                continue;
+            };
+            if l.dp <= 1 || l.zero_stage >= 3 {
+                last.push(after);
+                continue;
+            }
+            let grads = Bytes(p * 4);
+            let full = match l.zero_stage {
+                0 => net.collective(Collective::AllReduce, grads, dp_group),
+                _ => net.collective(Collective::ReduceScatter, grads, dp_group),
+            };
+            let n = f64::from(layers[vs].max(1));
+            let window = (costs.backward_input[vs] + costs.backward_weight[vs]) * ((n - 1.0) / n);
+            let exposed = if setup.runtime.overlap_grad_reduce {
+                Seconds((full.0 - window.0).max(full.0 / n))
+            } else {
+                full
+            };
+            dp_time[s as usize] += exposed;
+            let t = pg.add_task(
+                Task::new(
+                    "dp-grad",
+                    TaskKind::Comm(if l.zero_stage == 0 {
+                        CommKind::DpAllReduce
+                    } else {
+                        CommKind::DpReduceScatter
+                    }),
+                    comm,
+                )
+                .at(s, m.saturating_sub(1), chunk),
+                exposed,
+            );
+            pg.graph.add_data(after, t);
+            last.push(t);
+        }
+        let opt_params = if l.zero_stage >= 1 {
+            stage_params / u64::from(l.dp)
+        } else {
+            stage_params
+        };
+        let adam = dev.memory(opt_params as f64 * ADAM_BYTES_PER_PARAM);
+        let mut opt = adam;
+        if (1..3).contains(&l.zero_stage) && l.dp > 1 {
+            // Distributed optimizer: gather the updated 16-bit parameters.
+            let wbytes = if precision.is_mixed() { 2 } else { 4 };
+            let ag = net.collective(
+                Collective::AllGather,
+                Bytes(stage_params * wbytes),
+                dp_group,
+            );
+            dp_time[s as usize] += ag;
+            opt += ag;
+        }
+        adam_time[s as usize] = adam;
+        opt_task[s as usize] = opt;
+        let t = pg.add_task(
+            Task::new("optimizer", TaskKind::Optimizer, pg.compute[s as usize]).at(s, 0, 0),
+            opt,
+        );
+        for a in last {
+            pg.graph.add_data(a, t);
+        }
+        if let Some(after) = pg.last_weight_grad(s, None) {
+            pg.graph.add_schedule(after, t);
+        }
+    }
+    let trace = pg.simulate()?;
+    let step = trace.makespan.0;
+
+    // Busiest stage and its breakdown.
+    let busy = trace.busy_time(&pg.resources);
+    let (bs, b_busy) = pg
+        .compute
+        .iter()
+        .enumerate()
+        .map(|(s, r)| (s, busy[r.index()].0 - opt_task[s].0))
+        .fold((0, f64::MIN), |a, b| if b.1 > a.1 { b } else { a });
+    let per_mb_stage = |f: &dyn Fn(usize) -> f64| -> f64 {
+        (0..v).map(|ch| f((ch * pp) as usize + bs)).sum::<f64>() * f64::from(m)
+    };
+    let nl = |vs: usize| f64::from(layers[vs]);
+    let mut exposed = BTreeMap::new();
+    let tp = per_mb_stage(&|vs| nl(vs) * (c.layer.tp_fwd + c.layer.tp_bwd).0)
+        + if bs == 0 {
+            f64::from(m) * (c.embedding.tp_fwd + c.embedding.tp_bwd).0
+        } else {
+            0.0
+        }
+        + if bs == pp as usize - 1 {
+            f64::from(m) * (c.head.tp_fwd + c.head.tp_bwd).0
+        } else {
+            0.0
+        };
+    let cp = per_mb_stage(&|vs| nl(vs) * (c.layer.cp_fwd + c.layer.cp_bwd).0);
+    let ep = per_mb_stage(&|vs| nl(vs) * (c.layer.ep_fwd + c.layer.ep_bwd).0);
+    let z3 = per_mb_stage(&|vs| nl(vs) * (z3_fwd + z3_bwd).0);
+    for (k, x) in [
+        ("tp", tp),
+        ("cp", cp),
+        ("ep", ep),
+        ("zero", z3),
+        ("dp", dp_time[bs].0),
+    ] {
+        if x > 0.0 {
+            exposed.insert(k.to_string(), x);
+        }
+    }
+    let compute = b_busy - tp - cp - ep - z3;
+    let bubble = (step - b_busy - adam_time[bs].0 - dp_time[bs].0).max(0.0);
+
+    // Model FLOPs of the whole step (unsharded graphs, no recomputation).
+    let unsharded = |sec| {
+        setup
+            .model
+            .build_section(
+                sec,
+                BuildOptions {
+                    batch: 1,
+                    seq: setup.seq,
+                    fused_attention: true,
+                },
+            )
+            .map(|g| g.total_work(2).train_flops().0)
+            .map_err(|e| Infeasible::Unsupported(e.to_string()))
+    };
+    let per_seq = f64::from(setup.model.layers) * unsharded(Section::Block)?
+        + unsharded(Section::Embedding)?
+        + unsharded(Section::Head)?;
+    let model_flops = per_seq * setup.global_batch as f64;
+    let recompute_share = c.layer.hardware_flops / c.layer.model_flops.max(1.0);
+    let gpus = f64::from(setup.gpus);
+    let peak = dev.gemm_peak();
+    let mfu = model_flops / (step * gpus * peak);
+    let hfu = mfu * recompute_share;
+
+    // Memory per stage.
+    let (wb, gb, ob) = state_bytes_per_param(precision, l.zero_stage, l.dp);
+    let workspace = Bytes::from_gib(WORKSPACE_GIB);
+    let mut stage_memory = Vec::with_capacity(pp as usize);
+    let mut worst = MemoryBreakdown::default();
+    for s in 0..pp {
+        let chunks: Vec<usize> = (0..v).map(|ch| (ch * pp + s) as usize).collect();
+        let params: u64 = chunks.iter().map(|&vs| params_of(vs)).sum();
+        let saved_per_chunk: f64 = chunks
+            .iter()
+            .map(|&vs| {
+                let mut b = c.layer.saved.0 as f64 * nl(vs);
+                if vs == 0 {
+                    b += c.embedding.saved.0 as f64;
+                }
+                if vs == nv - 1 {
+                    b += c.head.saved.0 as f64;
+                }
+                b
+            })
+            .sum::<f64>()
+            / f64::from(v);
+        let in_flight = if pp == 1 {
+            1
+        } else {
+            max_in_flight(kind, pp, m, v, s)?
+        };
+        let mut buffers = workspace.0 as f64 + c.layer.working.0 as f64;
+        if chunks.contains(&(nv - 1)) {
+            buffers += c.head.working.0 as f64;
+        }
+        if l.zero_stage >= 3 {
+            // Two layers gathered (current and prefetched) plus one layer's unsharded gradient.
+            let p = c.layer.params as f64;
+            buffers += 2.0 * p * if precision.is_mixed() { 2.0 } else { 4.0 } + p * 4.0;
+        }
+        let mem = MemoryBreakdown {
+            params: Bytes((params as f64 * wb) as u64),
+            grads: Bytes((params as f64 * gb) as u64),
+            optimizer: Bytes((params as f64 * ob) as u64),
+            activations: Bytes((saved_per_chunk * f64::from(in_flight)) as u64),
+            buffers: Bytes(buffers as u64),
+            allocator: Bytes(0),
+        }
+        .with_allocator();
+        if mem.total() > worst.total() {
+            worst = mem;
+        }
+        stage_memory.push(mem.total().gib());
+    }
+    let capacity = setup.profile.device.hbm_gib;
+    let peak_gib = worst.total().gib();
+    let tokens = setup.global_batch as f64 * setup.seq as f64;
+    let prediction = StepPrediction {
+        step_time_s: step,
+        tokens_per_s: tokens / step,
+        mfu,
+        hfu,
+        bubble_fraction: if step > 0.0 { bubble / step } else { 0.0 },
+        micro_batches: u64::from(m),
+        stage_layers: layers.clone(),
+        breakdown: Breakdown {
+            compute_s: compute,
+            bubble_s: bubble,
+            optimizer_s: adam_time[bs].0,
+            exposed_comm_s: exposed,
+        },
+        memory: worst.into(),
+        stage_memory_gib: stage_memory,
+        peak_memory_gib: peak_gib,
+        capacity_gib: capacity,
+        fits: peak_gib <= capacity,
+    };
+    Ok(SimulatedStep {
+        prediction,
+        graph: pg.graph,
+        resources: pg.resources,
+        trace,
+    })
+}
