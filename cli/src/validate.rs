@@ -18,6 +18,13 @@ pub struct Args {
     /// Print one JSON document.
     #[arg(long)]
     json: bool,
+    /// Fit each GPU chip's sustained and attention efficiency to the cases instead of scoring.
+    #[arg(long)]
+    fit: bool,
+    /// With --fit: write the fitted values into the preset files in this folder
+    /// (hardware-profiles/profiles), keeping their comments.
+    #[arg(long, value_name = "DIR", requires = "fit")]
+    write_presets: Option<PathBuf>,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -30,6 +37,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         if cf.cases.is_empty() {
             return Err(user(format!("{file}: no case has group '{g}'")));
         }
+    }
+    if a.fit {
+        return fit(&a, &file, &cf.cases);
     }
     let (results, _) = validate(&cf.cases);
     let summary = summarize(&results);
@@ -87,5 +97,86 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         summary.memory_n,
         summary.skipped
     );
+    Ok(())
+}
+
+fn fit(a: &Args, file: &str, cases: &[parallax_planner::Case]) -> anyhow::Result<()> {
+    use parallax_hardware::edit::{set_values, Setting};
+    let fits = parallax_planner::fit::fit(cases);
+    if let Some(dir) = &a.write_presets {
+        for f in &fits {
+            for name in &f.presets {
+                let path = dir.join(format!("{name}.toml"));
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| user(format!("{}: cannot read: {e}", path.display())))?;
+                let mut fields = vec!["device.sustained_efficiency".to_string()];
+                let mut settings = vec![(
+                    "device.sustained_efficiency",
+                    Setting::Float(f.sustained_efficiency),
+                )];
+                if let Some(att) = f.attention_efficiency_scale {
+                    fields.push("device.attention_efficiency_scale".into());
+                    settings.push(("device.attention_efficiency_scale", Setting::Float(att)));
+                }
+                let provenance = format!(
+                    "parallax validate {file} --fit: {} published runs on {} chips (MAPE {:.1} % -> {:.1} %)",
+                    f.cases,
+                    f.chip,
+                    f.mape_before * 100.0,
+                    f.mape_after * 100.0
+                );
+                settings.push(("calibration.provenance", Setting::Text(provenance)));
+                settings.push(("calibration.fitted_fields", Setting::List(fields)));
+                settings.push(("calibration.step_time_band", Setting::Float(f.band)));
+                let new =
+                    set_values(&text, &path.display().to_string(), &settings).map_err(user)?;
+                std::fs::write(&path, new)
+                    .map_err(|e| user(format!("{}: cannot write: {e}", path.display())))?;
+            }
+        }
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({ "fits": fits }))?
+        );
+        return Ok(());
+    }
+    let rows: Vec<Vec<String>> = fits
+        .iter()
+        .map(|f| {
+            vec![
+                f.chip.clone(),
+                f.cases.to_string(),
+                format!("{:.3}", f.sustained_efficiency),
+                f.attention_efficiency_scale
+                    .map(|x| format!("{x:.3}"))
+                    .unwrap_or_else(|| "-".into()),
+                format!("{:.1}", f.mape_before * 100.0),
+                format!("{:.1}", f.mape_after * 100.0),
+                format!("{:.1}", f.band * 100.0),
+                f.presets.join(" "),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        table(
+            &[
+                "chip",
+                "cases",
+                "sustained",
+                "attention",
+                "MAPE before %",
+                "after %",
+                "band %",
+                "presets"
+            ],
+            &rows
+        )
+    );
+    if a.write_presets.is_some() {
+        println!("Preset files updated; rebuild (cargo build) for the new values to take effect.");
+    }
     Ok(())
 }

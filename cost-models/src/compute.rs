@@ -113,7 +113,7 @@ impl<'a> DeviceModel<'a> {
         if flops <= 0.0 {
             return Seconds(0.0);
         }
-        let eff = self.dev.matmul_efficiency_for(self.precision, flops);
+        let eff = self.dev.matmul_efficiency_for(self.precision, flops) * self.dev.sustained();
         Seconds(flops / (self.gemm_peak * eff)) + self.overhead(1.0)
     }
 
@@ -130,7 +130,8 @@ impl<'a> DeviceModel<'a> {
             .dev
             .attention_efficiency_scale
             .unwrap_or(DEFAULT_ATTENTION_EFFICIENCY_SCALE);
-        (self.dev.matmul_efficiency_for(Precision::Bf16, flops) * scale).min(1.0)
+        (self.dev.matmul_efficiency_for(Precision::Bf16, flops) * scale * self.dev.sustained())
+            .min(1.0)
     }
 
     /// Times of one op from its input shapes and work; `float_bytes` is the activation element

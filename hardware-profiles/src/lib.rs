@@ -19,6 +19,7 @@
 
 mod cluster;
 mod curve;
+pub mod edit;
 mod error;
 mod presets;
 mod profile;
@@ -29,7 +30,7 @@ pub use error::HwError;
 pub use presets::{is_preset, preset, preset_names, preset_toml, presets, CPU_LOCAL};
 pub use profile::{
     Calibration, ClusterProfile, CollectiveSpec, DeviceSpec, FabricKind, NetworkSpec, NodeSpec,
-    PrecisionScale, Topology,
+    PrecisionScale, Topology, MAX_SUSTAINED,
 };
 
 #[cfg(test)]

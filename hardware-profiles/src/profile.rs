@@ -37,6 +37,9 @@ pub struct ClusterProfile {
     pub origin: String,
 }
 
+/// Upper bound of [`DeviceSpec::sustained_efficiency`].
+pub const MAX_SUSTAINED: f64 = 1.3;
+
 /// One device.
 ///
 /// Peaks are dense (no structured sparsity) tensor/vector peaks in TFLOP/s. A precision whose
@@ -84,6 +87,12 @@ pub struct DeviceSpec {
     /// same FLOPs; absent means the cost model's default (FlashAttention-2, Dao 2023).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_efficiency_scale: Option<f64>,
+    /// Fraction of the isolated-kernel efficiency (the curve above, measured one GEMM at a
+    /// time) sustained inside a training step: clocks under a full power load, caches shared
+    /// with communication kernels. Fitted to published step times; absent means 1. Up to
+    /// [`MAX_SUSTAINED`], for chips whose curve has no measured reference point.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sustained_efficiency: Option<f64>,
 }
 
 /// Optional per-precision factors (used for [`DeviceSpec::matmul_efficiency_scale`]).
@@ -225,6 +234,10 @@ pub struct Calibration {
     /// Dotted keys whose values were fitted, e.g. `device.matmul_efficiency`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fitted_fields: Vec<String>,
+    /// Relative half-width of the step-time band, from the residuals of the fit (the 90th
+    /// percentile of |predicted / measured − 1|).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_time_band: Option<f64>,
 }
 
 impl DeviceSpec {
@@ -272,6 +285,11 @@ impl DeviceSpec {
     /// precision's scale, capped at 1.
     pub fn matmul_efficiency_for(&self, p: Precision, flops: f64) -> f64 {
         (self.matmul_efficiency.at(flops) * self.matmul_efficiency_scale.get(p)).min(1.0)
+    }
+
+    /// [`DeviceSpec::sustained_efficiency`], 1 when not given.
+    pub fn sustained(&self) -> f64 {
+        self.sustained_efficiency.unwrap_or(1.0)
     }
 
     /// Launch overhead of one kernel.
@@ -470,6 +488,16 @@ impl ClusterProfile {
         non_neg("device.kernel_overhead_us", d.kernel_overhead_us)?;
         if let Some(a) = d.attention_efficiency_scale {
             frac("device.attention_efficiency_scale", a)?;
+        }
+        if let Some(a) = d.sustained_efficiency {
+            // Above 1 when the isolated-GEMM curve of a chip without measured reference points
+            // underestimates it; bounded to catch nonsense.
+            if !(a.is_finite() && a > 0.0 && a <= MAX_SUSTAINED) {
+                return Err(self.invalid(
+                    "device.sustained_efficiency",
+                    format!("must satisfy 0 < value <= {MAX_SUSTAINED}, got {a}"),
+                ));
+            }
         }
 
         let n = &self.node;

@@ -315,6 +315,7 @@ fn calibration_table_round_trips_and_save_load_works() {
         provenance: "parallax calibrate --backend cuda, 2025-01-01, 12 GEMM shapes".into(),
         fitted_at: Some("2025-01-01T00:00:00Z".into()),
         fitted_fields: vec!["device.matmul_efficiency".into()],
+        step_time_band: Some(0.08),
     });
     p.device.matmul_efficiency = EfficiencyCurve(vec![(1e8, 0.1), (1e11, 0.8)]);
     let dir = std::env::temp_dir().join(format!("parallax-hw-test-{}", std::process::id()));

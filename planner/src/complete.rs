@@ -35,9 +35,40 @@ fn divisors(n: u64) -> Vec<u64> {
     (1..=n).filter(|d| n % d == 0).collect()
 }
 
+/// Values a left-out knob may take (a framework's capabilities).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Space {
+    /// Pipeline schedules.
+    pub schedules: Vec<Schedule>,
+    /// ZeRO stages (when data parallel).
+    pub zero_stages: Vec<u8>,
+}
+
+impl Default for Space {
+    fn default() -> Self {
+        Space {
+            schedules: Schedule::ALL
+                .into_iter()
+                .filter(|s| *s != Schedule::None)
+                .collect(),
+            zero_stages: vec![0, 1, 2, 3],
+        }
+    }
+}
+
 /// Every full layout consistent with `p` on `setup`'s cluster; `schedules` are the pipeline
 /// schedules allowed when the schedule is left out.
 pub fn candidates(setup: &Setup, p: &PartialLayout, schedules: &[Schedule]) -> Vec<Layout> {
+    let space = Space {
+        schedules: schedules.to_vec(),
+        ..Space::default()
+    };
+    candidates_within(setup, p, &space)
+}
+
+/// Every full layout consistent with `p` whose left-out knobs take values in `space`.
+pub fn candidates_within(setup: &Setup, p: &PartialLayout, space: &Space) -> Vec<Layout> {
+    let schedules = &space.schedules[..];
     let gpus = u64::from(setup.gpus);
     let gpn = u64::from(setup.profile.node.gpus_per_node);
     let layers = setup.model.layers;
@@ -81,7 +112,7 @@ pub fn candidates(setup: &Setup, p: &PartialLayout, schedules: &[Schedule]) -> V
                 };
                 let zeros: Vec<u8> = match p.zero_stage {
                     Some(z) => vec![z],
-                    None if dp > 1 => vec![0, 1, 2, 3],
+                    None if dp > 1 => space.zero_stages.clone(),
                     None => vec![0],
                 };
                 let recomputes = match p.recompute {
@@ -150,7 +181,22 @@ pub fn complete_layout(
     p: &PartialLayout,
     schedules: &[Schedule],
 ) -> Result<Completed, CompleteError> {
-    let cands = candidates(setup, p, schedules);
+    let space = Space {
+        schedules: schedules.to_vec(),
+        ..Space::default()
+    };
+    complete_within(setup, p, &space, &|_| true)
+}
+
+/// [`complete_layout`] with the left-out knobs limited to `space` and layouts to those `allowed`.
+pub fn complete_within(
+    setup: &Setup,
+    p: &PartialLayout,
+    space: &Space,
+    allowed: &(dyn Fn(&Layout) -> bool + Sync),
+) -> Result<Completed, CompleteError> {
+    let mut cands = candidates_within(setup, p, space);
+    cands.retain(|l| allowed(l));
     let tried = cands.len();
     if cands.is_empty() {
         return Err(CompleteError::NoCandidate(format!(

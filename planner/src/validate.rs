@@ -1,9 +1,9 @@
 //! Scoring predictions against published measurements of real training runs
 //! (`parallax-validation-cases/1`, see `shared/ground-truth/README.md`).
 
-use crate::complete::{complete_layout, layout_string};
+use crate::complete::{complete_within, layout_string, Space};
 use parallax_cost::transformer::{Runtime, Setup};
-use parallax_hardware::Cluster;
+use parallax_hardware::{Cluster, ClusterProfile};
 use parallax_ir::models::{Mlp, TransformerConfig};
 use parallax_ir::{PartialLayout, Precision, Recompute, Schedule};
 use rayon::prelude::*;
@@ -13,9 +13,118 @@ use thiserror::Error;
 /// Schema tag of case files.
 pub const CASES_SCHEMA: &str = "parallax-validation-cases/1";
 
-/// Schedules a published run could have used when its schedule is not given: those of
-/// Megatron-LM, which ran every pipelined case.
-pub const PUBLISHED_SCHEDULES: [Schedule; 2] = [Schedule::OneFOneB, Schedule::Interleaved1F1B];
+/// The software a published run used: its kernels and the options it offered for the knobs the
+/// publication leaves out. The planner itself always uses a current stack
+/// ([`Framework::current`]); validation must model the one the run had.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Framework {
+    pub name: &'static str,
+    pub runtime: Runtime,
+    /// Values the framework offered for left-out knobs.
+    pub space: Space,
+    /// Recompute policies it offered.
+    pub recompute: Vec<Recompute>,
+    /// Whether it had sequence parallelism.
+    pub sequence_parallel: bool,
+}
+
+impl Framework {
+    /// A current stack: fused attention, overlapped gradient reduction, every option.
+    pub fn current() -> Framework {
+        Framework {
+            name: "current",
+            runtime: Runtime::default(),
+            space: Space::default(),
+            recompute: vec![Recompute::None, Recompute::Selective, Recompute::Full],
+            sequence_parallel: true,
+        }
+    }
+
+    /// The framework behind a publication (`source` of a case); unknown sources get
+    /// [`Framework::current`]. Facts, by release:
+    /// - Megatron-LM 2020 (v1/v2 README): tensor parallelism, activation checkpointing, 1F1B
+    ///   pipeline; no sequence parallelism, selective recompute, distributed optimizer or
+    ///   interleaving; attention as batched GEMMs with a fused scale-mask-softmax kernel;
+    ///   gradients all-reduced after backward (`LocalDDP`).
+    /// - Megatron-LM PTD-P (Narayanan et al. 2021): adds the interleaved schedule.
+    /// - Megatron-LM 2022 (Korthikanti et al.): adds sequence parallelism and selective
+    ///   recompute; still before FlashAttention (Dao et al., mid-2022).
+    /// - Megatron-Core 2024 (H100 README table): Transformer Engine fused attention,
+    ///   distributed optimizer, overlapped gradient reduce-scatter and parameter gather,
+    ///   tensor-parallel communication overlap.
+    /// - torchtitan: FSDP2, PyTorch SDPA flash attention, selective activation checkpointing.
+    /// - HuggingFace Trainer with PyTorch DDP (2020–21 GPT-2): eager attention, overlapped
+    ///   bucketed all-reduce.
+    pub fn for_source(source: &str) -> Framework {
+        let pre_flash = |overlap| Runtime {
+            fused_attention: false,
+            overlap_grad_reduce: overlap,
+            tp_comm_overlap: false,
+            overlap_p2p: false,
+        };
+        let megatron = |schedules: Vec<Schedule>, recompute: Vec<Recompute>, sp| Framework {
+            name: "megatron-lm (pre-flash)",
+            runtime: pre_flash(false),
+            space: Space {
+                schedules,
+                zero_stages: vec![0],
+            },
+            recompute,
+            sequence_parallel: sp,
+        };
+        let s = source.to_ascii_lowercase();
+        if s.starts_with("megatron-lm-readme-2020") {
+            megatron(
+                vec![Schedule::OneFOneB],
+                vec![Recompute::None, Recompute::Full],
+                false,
+            )
+        } else if s.starts_with("narayanan2021") {
+            megatron(
+                vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
+                vec![Recompute::None, Recompute::Full],
+                false,
+            )
+        } else if s.starts_with("korthikanti2022") {
+            megatron(
+                vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
+                vec![Recompute::None, Recompute::Selective, Recompute::Full],
+                true,
+            )
+        } else if s.starts_with("megatron-lm-readme-h100-2024") {
+            Framework {
+                name: "megatron-core 2024",
+                space: Space {
+                    schedules: vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
+                    zero_stages: vec![0, 1],
+                },
+                ..Framework::current()
+            }
+        } else if s.starts_with("hf-transformers") {
+            Framework {
+                name: "huggingface trainer + ddp",
+                runtime: pre_flash(true),
+                space: Space {
+                    schedules: vec![Schedule::GPipe],
+                    zero_stages: vec![0],
+                },
+                ..Framework::current()
+            }
+        } else if s.starts_with("torchtitan") {
+            Framework {
+                name: "torchtitan",
+                // Plain FSDP2 + SDPA: no userbuffer overlap of TP collectives.
+                runtime: Runtime {
+                    tp_comm_overlap: false,
+                    ..Runtime::default()
+                },
+                ..Framework::current()
+            }
+        } else {
+            Framework::current()
+        }
+    }
+}
 
 /// A case file.
 #[derive(Clone, Debug, Deserialize)]
@@ -188,9 +297,11 @@ impl Case {
         Ok(cfg)
     }
 
-    /// The published layout, with unpublished knobs left open.
-    pub fn partial_layout(&self) -> PartialLayout {
+    /// The published layout, with unpublished knobs left open (or fixed where the framework
+    /// offered a single value).
+    pub fn partial_layout(&self, fw: &Framework) -> PartialLayout {
         let p = &self.plan;
+        let only = |v: &[Recompute]| (v.len() == 1).then(|| v[0]);
         PartialLayout {
             dp: p.dp,
             tp: p.tp,
@@ -199,8 +310,10 @@ impl Case {
             ep: Some(1),
             zero_stage: p.zero_stage,
             micro_batch: p.micro_batch,
-            recompute: p.recompute,
-            sequence_parallel: p.sequence_parallel,
+            recompute: p.recompute.or(only(&fw.recompute)),
+            sequence_parallel: p
+                .sequence_parallel
+                .or((!fw.sequence_parallel).then_some(false)),
             schedule: p.schedule,
             interleave: p.interleave,
         }
@@ -208,6 +321,11 @@ impl Case {
 
     /// Predicts the case: null knobs are chosen as the fastest feasible values.
     pub fn run(&self) -> CaseResult {
+        self.run_with(&|_| {})
+    }
+
+    /// [`Case::run`] on a profile changed by `adjust` first (for fitting parameters).
+    pub fn run_with(&self, adjust: &(dyn Fn(&mut ClusterProfile) + Sync)) -> CaseResult {
         let mut r = CaseResult {
             id: self.id.clone(),
             group: self.group.clone(),
@@ -220,6 +338,7 @@ impl Case {
             status: String::new(),
             layout: None,
         };
+        let fw = Framework::for_source(&self.source);
         let cfg = match self.transformer() {
             Ok(c) => c,
             Err(e) => {
@@ -229,7 +348,10 @@ impl Case {
         };
         let spec = format!("{}:gpus={}", self.cluster.preset, self.cluster.gpus);
         let cluster = match Cluster::parse(&spec) {
-            Ok(c) => c,
+            Ok(mut c) => {
+                adjust(&mut c.profile);
+                c
+            }
             Err(e) => {
                 r.status = format!("skipped: {e}");
                 return r;
@@ -242,9 +364,11 @@ impl Case {
             precision: self.precision,
             seq: self.model.seq_len,
             global_batch: self.plan.global_batch,
-            runtime: Runtime::default(),
+            runtime: fw.runtime,
         };
-        match complete_layout(&setup, &self.partial_layout(), &PUBLISHED_SCHEDULES) {
+        let partial = self.partial_layout(&fw);
+        let allowed = |l: &parallax_ir::Layout| fw.recompute.contains(&l.recompute);
+        match complete_within(&setup, &partial, &fw.space, &allowed) {
             Ok(c) => {
                 let t = c.prediction.step_time_s;
                 r.predicted_step_time_s = Some(t);

@@ -151,11 +151,15 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
     let dev = DeviceModel::new(setup.profile, setup.precision)
         .map_err(|e| Infeasible::Unsupported(e.to_string()))?;
     let precision = setup.precision;
-    let dp_group = Group::strided(l.dp, l.tp * l.cp, gpn);
+    // Gradients are reduced, and ZeRO shards states, over data × context parallel ranks: they
+    // hold the same parameters and see different tokens (Megatron-LM's and torchtitan's
+    // data-parallel-with-CP group).
+    let shard = l.dp * l.cp;
+    let dp_group = Group::strided(shard, l.tp, gpn);
 
     // ZeRO-3 gathers each layer's parameters before its forward and backward and
     // reduce-scatters its gradients, per micro-batch, prefetched behind the previous layer.
-    let (z3_fwd, z3_bwd) = if l.zero_stage >= 3 && l.dp > 1 {
+    let (z3_fwd, z3_bwd) = if l.zero_stage >= 3 && shard > 1 {
         let wbytes = if precision.is_mixed() { 2 } else { 4 };
         let p = c.layer.params;
         let ag = net.collective(Collective::AllGather, Bytes(p * wbytes), dp_group);
@@ -168,11 +172,18 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
         (Seconds(0.0), Seconds(0.0))
     };
 
-    let mut costs = PipelineCosts::uniform(pp, v, Seconds(0.0), Seconds(0.0), Seconds(0.0), c.p2p);
+    // A blocking send holds the sender's stream; an overlapped one only its link.
+    let (p2p_link, p2p_stream) = if setup.runtime.overlap_p2p || pp == 1 {
+        (c.p2p, Seconds(0.0))
+    } else {
+        (Seconds(0.0), c.p2p)
+    };
+    let mut costs =
+        PipelineCosts::uniform(pp, v, Seconds(0.0), Seconds(0.0), Seconds(0.0), p2p_link);
     for vs in 0..nv {
         let n = f64::from(layers[vs]);
-        let mut f = (c.layer.fwd() + z3_fwd) * n;
-        let mut b = (c.layer.bwd_input() + z3_bwd) * n;
+        let mut f = (c.layer.fwd() + z3_fwd) * n + p2p_stream;
+        let mut b = (c.layer.bwd_input() + z3_bwd) * n + p2p_stream;
         let mut w = c.layer.bwd_weight() * n;
         if vs == 0 {
             f += c.embedding.fwd();
@@ -221,7 +232,7 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
             let Some(after) = pg.last_weight_grad(s, Some(chunk)) else {
                 continue;
             };
-            if l.dp <= 1 || l.zero_stage >= 3 {
+            if shard <= 1 || l.zero_stage >= 3 {
                 last.push(after);
                 continue;
             }
@@ -255,13 +266,13 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
             last.push(t);
         }
         let opt_params = if l.zero_stage >= 1 {
-            stage_params / u64::from(l.dp)
+            stage_params / u64::from(shard)
         } else {
             stage_params
         };
         let adam = dev.memory(opt_params as f64 * ADAM_BYTES_PER_PARAM);
         let mut opt = adam;
-        if (1..3).contains(&l.zero_stage) && l.dp > 1 {
+        if (1..3).contains(&l.zero_stage) && shard > 1 {
             // Distributed optimizer: gather the updated 16-bit parameters.
             let wbytes = if precision.is_mixed() { 2 } else { 4 };
             let ag = net.collective(
@@ -355,7 +366,7 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
     let hfu = mfu * recompute_share;
 
     // Memory per stage.
-    let (wb, gb, ob) = state_bytes_per_param(precision, l.zero_stage, l.dp);
+    let (wb, gb, ob) = state_bytes_per_param(precision, l.zero_stage, shard);
     let workspace = Bytes::from_gib(WORKSPACE_GIB);
     let mut stage_memory = Vec::with_capacity(pp as usize);
     let mut worst = MemoryBreakdown::default();
