@@ -1,0 +1,1 @@
+//! Calibration micro-benchmarks (filled in below).

@@ -1,0 +1,547 @@
+//! The collective interface every backend implements, and the `threads` backend: one thread
+//! per rank, messages over channels, a deadline on every receive.
+//!
+//! Collectives are built from point-to-point messages with a fixed reduction order (the
+//! contributions to each element are summed in group order on exactly one rank and then
+//! distributed), so every member of a group ends with bitwise-identical results and a run is
+//! reproducible bit for bit. Bandwidth per rank is that of a ring: `(n−1)/n` of the buffer
+//! out and in per reduce-scatter or all-gather.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+/// Why a communication failed. Every message names the rank at fault.
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum CommError {
+    /// A receive waited past the deadline.
+    #[error("rank {culprit} stalled: rank {rank} waited {secs:.1} s for it in {what} (timeout)")]
+    Timeout {
+        /// The waiting rank.
+        rank: usize,
+        /// The rank found to be stuck (the end of the chain of waiting ranks).
+        culprit: usize,
+        /// What the waiting rank was doing.
+        what: String,
+        /// How long it waited.
+        secs: f64,
+    },
+    /// Another rank failed and the run is being torn down.
+    #[error("rank {peer} failed: {reason}")]
+    PeerFailed {
+        /// The failed rank.
+        peer: usize,
+        /// Its error.
+        reason: String,
+    },
+    /// A peer's endpoint is gone without a report.
+    #[error("rank {peer} is gone (its connection closed)")]
+    Disconnected {
+        /// The rank.
+        peer: usize,
+    },
+    /// A buffer has the wrong length for a collective.
+    #[error("{what}: buffer of {got} elements, expected {expected}")]
+    Size {
+        /// The collective.
+        what: &'static str,
+        /// Its length.
+        got: usize,
+        /// The length needed.
+        expected: usize,
+    },
+    /// The calling rank is not a member of the group it used.
+    #[error("rank {rank} is not in group {group:?}")]
+    NotInGroup {
+        /// The rank.
+        rank: usize,
+        /// The group's members.
+        group: Vec<usize>,
+    },
+    /// The backend cannot do this (e.g. not compiled in).
+    #[error("{0}")]
+    Backend(String),
+}
+
+/// An ordered set of global ranks that take part in a collective together.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Group {
+    ranks: Vec<usize>,
+    id: u32,
+}
+
+impl Group {
+    /// A group of these ranks (in this order). The id is a hash of the members, so every
+    /// process computes the same one.
+    pub fn new(ranks: Vec<usize>) -> Self {
+        let mut h: u32 = 0x811c_9dc5;
+        for r in &ranks {
+            for b in (*r as u32).to_le_bytes() {
+                h ^= u32::from(b);
+                h = h.wrapping_mul(0x0100_0193);
+            }
+        }
+        Group {
+            ranks,
+            id: h & 0x7fff_ffff,
+        }
+    }
+
+    /// The members.
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    /// Number of members.
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Position of `rank` in the group.
+    pub fn index_of(&self, rank: usize) -> Result<usize, CommError> {
+        self.ranks
+            .iter()
+            .position(|r| *r == rank)
+            .ok_or_else(|| CommError::NotInGroup {
+                rank,
+                group: self.ranks.clone(),
+            })
+    }
+}
+
+/// Message tags at or above this are reserved for collectives.
+pub const COLLECTIVE_TAG: u64 = 1 << 63;
+
+/// The collective interface. Backends implement `send`, `recv` and `next_tag`; the collectives
+/// have portable default implementations over them, which a backend may replace with native
+/// ones that produce the same values.
+pub trait Collectives: Send + std::fmt::Debug {
+    /// This process's global rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world(&self) -> usize;
+    /// Sends `data` to `to` with a tag (never blocks on the receiver).
+    fn send(&mut self, to: usize, tag: u64, data: &[f32]) -> Result<(), CommError>;
+    /// Receives exactly `out.len()` elements from `from` with `tag`, or fails after the
+    /// backend's timeout naming the rank that holds things up.
+    fn recv(&mut self, from: usize, tag: u64, out: &mut [f32], what: &str)
+        -> Result<(), CommError>;
+    /// A fresh tag for the next collective on `group` (all members call collectives on a group
+    /// in the same order, so they agree on it).
+    fn next_tag(&mut self, group: &Group) -> u64;
+    /// Checks whether another rank has failed (cheap; called between passes).
+    fn check_peers(&mut self) -> Result<(), CommError> {
+        Ok(())
+    }
+
+    /// Sum of `buf` over the group, in place on every member.
+    fn all_reduce_sum(&mut self, g: &Group, buf: &mut [f32]) -> Result<(), CommError> {
+        let n = g.size();
+        if n == 1 {
+            return Ok(());
+        }
+        let chunk = buf.len().div_ceil(n);
+        let mut padded = vec![0.0f32; chunk * n];
+        padded[..buf.len()].copy_from_slice(buf);
+        let mut mine = vec![0.0f32; chunk];
+        self.reduce_scatter_sum(g, &padded, &mut mine)?;
+        self.all_gather(g, &mine, &mut padded)?;
+        buf.copy_from_slice(&padded[..buf.len()]);
+        Ok(())
+    }
+
+    /// `input` is `n` equal chunks; member `i` receives the sum over members of chunk `i`.
+    fn reduce_scatter_sum(
+        &mut self,
+        g: &Group,
+        input: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        let n = g.size();
+        let c = out.len();
+        if input.len() != c * n {
+            return Err(CommError::Size {
+                what: "reduce_scatter",
+                got: input.len(),
+                expected: c * n,
+            });
+        }
+        let me = g.index_of(self.rank())?;
+        if n == 1 {
+            out.copy_from_slice(input);
+            return Ok(());
+        }
+        let tag = self.next_tag(g);
+        for (i, r) in g.ranks().iter().enumerate() {
+            if i != me {
+                self.send(*r, tag, &input[i * c..(i + 1) * c])?;
+            }
+        }
+        let mut parts = vec![0.0f32; c * n];
+        for (i, r) in g.ranks().iter().enumerate() {
+            if i == me {
+                parts[i * c..(i + 1) * c].copy_from_slice(&input[me * c..(me + 1) * c]);
+            } else {
+                self.recv(*r, tag, &mut parts[i * c..(i + 1) * c], "reduce_scatter")?;
+            }
+        }
+        out.copy_from_slice(&parts[..c]);
+        for i in 1..n {
+            for (o, p) in out.iter_mut().zip(&parts[i * c..(i + 1) * c]) {
+                *o += p;
+            }
+        }
+        Ok(())
+    }
+
+    /// Concatenation of every member's `input` (in group order) into `out` on every member.
+    fn all_gather(&mut self, g: &Group, input: &[f32], out: &mut [f32]) -> Result<(), CommError> {
+        let n = g.size();
+        let c = input.len();
+        if out.len() != c * n {
+            return Err(CommError::Size {
+                what: "all_gather",
+                got: out.len(),
+                expected: c * n,
+            });
+        }
+        let me = g.index_of(self.rank())?;
+        if n == 1 {
+            out.copy_from_slice(input);
+            return Ok(());
+        }
+        let tag = self.next_tag(g);
+        for (i, r) in g.ranks().iter().enumerate() {
+            if i != me {
+                self.send(*r, tag, input)?;
+            }
+        }
+        for (i, r) in g.ranks().iter().enumerate() {
+            if i == me {
+                out[i * c..(i + 1) * c].copy_from_slice(input);
+            } else {
+                self.recv(*r, tag, &mut out[i * c..(i + 1) * c], "all_gather")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `buf` of the member `root` (a global rank) copied to every member.
+    fn broadcast(&mut self, g: &Group, root: usize, buf: &mut [f32]) -> Result<(), CommError> {
+        g.index_of(root)?;
+        g.index_of(self.rank())?;
+        if g.size() == 1 {
+            return Ok(());
+        }
+        let tag = self.next_tag(g);
+        if self.rank() == root {
+            for r in g.ranks() {
+                if *r != root {
+                    self.send(*r, tag, buf)?;
+                }
+            }
+            Ok(())
+        } else {
+            self.recv(root, tag, buf, "broadcast")
+        }
+    }
+
+    /// Returns once every member has entered the barrier.
+    fn barrier(&mut self, g: &Group) -> Result<(), CommError> {
+        let mut x = [0.0f32];
+        self.all_reduce_sum(g, &mut x)
+    }
+}
+
+/// A message between threads.
+#[derive(Debug)]
+struct Msg {
+    from: usize,
+    tag: u64,
+    data: Vec<f32>,
+}
+
+/// "Not waiting" marker in [`Shared::waiting_on`].
+const NOT_WAITING: usize = usize::MAX;
+
+/// State shared by the ranks of one threads-backend run.
+#[derive(Debug)]
+pub struct Shared {
+    aborted: AtomicBool,
+    failure: Mutex<Option<(usize, String)>>,
+    /// For each rank, the rank it is blocked receiving from (or [`NOT_WAITING`]).
+    waiting_on: Vec<AtomicUsize>,
+}
+
+impl Shared {
+    /// Records the first failure and tells every rank to stop.
+    pub fn fail(&self, rank: usize, reason: String) {
+        if let Ok(mut f) = self.failure.lock() {
+            if f.is_none() {
+                *f = Some((rank, reason));
+            }
+        }
+        self.aborted.store(true, Ordering::SeqCst);
+    }
+
+    /// The first failure recorded, if any.
+    pub fn failure(&self) -> Option<(usize, String)> {
+        self.failure.lock().ok().and_then(|f| f.clone())
+    }
+
+    /// Follows the chain of waiting ranks from `start` to the first one that is not blocked
+    /// in a receive: the one holding everybody up.
+    fn culprit(&self, start: usize) -> usize {
+        let mut r = start;
+        for _ in 0..self.waiting_on.len() {
+            let next = self.waiting_on[r].load(Ordering::SeqCst);
+            if next == NOT_WAITING || next >= self.waiting_on.len() {
+                return r;
+            }
+            r = next;
+        }
+        start
+    }
+}
+
+/// One rank's endpoint of the threads backend.
+#[derive(Debug)]
+pub struct ThreadComm {
+    rank: usize,
+    peers: Vec<Sender<Msg>>,
+    rx: Receiver<Msg>,
+    pending: HashMap<(usize, u64), VecDeque<Vec<f32>>>,
+    seq: HashMap<u32, u64>,
+    shared: Arc<Shared>,
+    timeout: Duration,
+}
+
+/// How often a blocked receive wakes up to check for failed peers.
+const POLL: Duration = Duration::from_millis(20);
+
+impl ThreadComm {
+    /// Endpoints for `world` ranks with a receive `timeout`, and their shared failure state.
+    pub fn create(world: usize, timeout: Duration) -> (Vec<ThreadComm>, Arc<Shared>) {
+        let shared = Arc::new(Shared {
+            aborted: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            waiting_on: (0..world).map(|_| AtomicUsize::new(NOT_WAITING)).collect(),
+        });
+        let (txs, rxs): (Vec<_>, Vec<_>) = (0..world).map(|_| channel()).unzip();
+        let comms = rxs
+            .into_iter()
+            .enumerate()
+            .map(|(rank, rx)| ThreadComm {
+                rank,
+                peers: txs.clone(),
+                rx,
+                pending: HashMap::new(),
+                seq: HashMap::new(),
+                shared: shared.clone(),
+                timeout,
+            })
+            .collect();
+        (comms, shared)
+    }
+
+    fn peer_failure(&self) -> Option<CommError> {
+        if !self.shared.aborted.load(Ordering::SeqCst) {
+            return None;
+        }
+        let (peer, reason) = self
+            .shared
+            .failure()
+            .unwrap_or((self.rank, "aborted".into()));
+        Some(CommError::PeerFailed { peer, reason })
+    }
+}
+
+impl Collectives for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.peers.len()
+    }
+
+    fn send(&mut self, to: usize, tag: u64, data: &[f32]) -> Result<(), CommError> {
+        let tx = self
+            .peers
+            .get(to)
+            .ok_or(CommError::Disconnected { peer: to })?;
+        tx.send(Msg {
+            from: self.rank,
+            tag,
+            data: data.to_vec(),
+        })
+        .map_err(|_| CommError::Disconnected { peer: to })
+    }
+
+    fn recv(
+        &mut self,
+        from: usize,
+        tag: u64,
+        out: &mut [f32],
+        what: &str,
+    ) -> Result<(), CommError> {
+        let start = Instant::now();
+        let result = loop {
+            if let Some(q) = self.pending.get_mut(&(from, tag)) {
+                if let Some(data) = q.pop_front() {
+                    if q.is_empty() {
+                        self.pending.remove(&(from, tag));
+                    }
+                    break if data.len() == out.len() {
+                        out.copy_from_slice(&data);
+                        Ok(())
+                    } else {
+                        Err(CommError::Size {
+                            what: "recv",
+                            got: data.len(),
+                            expected: out.len(),
+                        })
+                    };
+                }
+            }
+            if let Some(e) = self.peer_failure() {
+                break Err(e);
+            }
+            let waited = start.elapsed();
+            if waited >= self.timeout {
+                let culprit = self.shared.culprit(from);
+                break Err(CommError::Timeout {
+                    rank: self.rank,
+                    culprit,
+                    what: format!("{what} (receiving from rank {from})"),
+                    secs: waited.as_secs_f64(),
+                });
+            }
+            self.shared.waiting_on[self.rank].store(from, Ordering::SeqCst);
+            match self.rx.recv_timeout(POLL.min(self.timeout - waited)) {
+                Ok(m) => self
+                    .pending
+                    .entry((m.from, m.tag))
+                    .or_default()
+                    .push_back(m.data),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => {
+                    break Err(CommError::Disconnected { peer: from });
+                }
+            }
+        };
+        self.shared.waiting_on[self.rank].store(NOT_WAITING, Ordering::SeqCst);
+        result
+    }
+
+    fn next_tag(&mut self, group: &Group) -> u64 {
+        let s = self.seq.entry(group.id).or_insert(0);
+        *s += 1;
+        COLLECTIVE_TAG | (u64::from(group.id) << 32) | (*s & 0xffff_ffff)
+    }
+
+    fn check_peers(&mut self) -> Result<(), CommError> {
+        match self.peer_failure() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn on_threads<T: Send>(
+        world: usize,
+        timeout: Duration,
+        f: impl Fn(&mut ThreadComm) -> Result<T, CommError> + Sync,
+    ) -> Vec<Result<T, CommError>> {
+        let (comms, shared) = ThreadComm::create(world, timeout);
+        std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|mut c| {
+                    let (f, shared) = (&f, shared.clone());
+                    s.spawn(move || {
+                        let r = f(&mut c);
+                        if let Err(e) = &r {
+                            shared.fail(c.rank(), e.to_string());
+                        }
+                        r
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn collectives_agree_bitwise_and_are_correct() {
+        let out = on_threads(4, Duration::from_secs(20), |c| {
+            let r = c.rank() as f32;
+            let world = Group::new(vec![0, 1, 2, 3]);
+            let pair = Group::new(if c.rank() < 2 { vec![0, 1] } else { vec![2, 3] });
+            let mut a: Vec<f32> = (0..7).map(|i| 0.1 * i as f32 + r).collect();
+            c.all_reduce_sum(&world, &mut a)?;
+            let mut g = vec![0.0; 4];
+            c.all_gather(&pair, &[r, r * 10.0], &mut g)?;
+            let mut rs = vec![0.0; 2];
+            c.reduce_scatter_sum(&pair, &[1.0, 2.0, r, r], &mut rs)?;
+            let mut b = vec![r; 3];
+            c.broadcast(&world, 2, &mut b)?;
+            c.barrier(&world)?;
+            // Point to point, out of order tags.
+            let peer = c.rank() ^ 1;
+            c.send(peer, 5, &[r])?;
+            c.send(peer, 6, &[r + 100.0])?;
+            let mut x = [0.0];
+            c.recv(peer, 6, &mut x, "test")?;
+            let mut y = [0.0];
+            c.recv(peer, 5, &mut y, "test")?;
+            Ok((a, g, rs, b, x[0], y[0]))
+        });
+        let vals: Vec<_> = out.into_iter().map(Result::unwrap).collect();
+        for (i, (a, g, rs, b, x, y)) in vals.iter().enumerate() {
+            assert_eq!(a, &vals[0].0, "bitwise identical all-reduce");
+            assert!((a[3] - (0.3 * 4.0 + 6.0)).abs() < 1e-5);
+            let base = (i / 2 * 2) as f32;
+            assert_eq!(g, &vec![base, base * 10.0, base + 1.0, (base + 1.0) * 10.0]);
+            let s = 2.0 * base + 1.0;
+            assert_eq!(
+                rs,
+                &if i % 2 == 0 {
+                    vec![2.0, 4.0]
+                } else {
+                    vec![s, s]
+                }
+            );
+            assert_eq!(b, &vec![2.0; 3]);
+            assert_eq!(*y, (i ^ 1) as f32);
+            assert_eq!(*x, (i ^ 1) as f32 + 100.0);
+        }
+    }
+
+    #[test]
+    fn a_stalled_rank_is_named_within_the_timeout() {
+        let t0 = Instant::now();
+        let out = on_threads(3, Duration::from_millis(300), |c| {
+            let world = Group::new(vec![0, 1, 2]);
+            if c.rank() == 2 {
+                // Stalls: never joins the collective, waits until the others give up.
+                while c.check_peers().is_ok() && t0.elapsed() < Duration::from_secs(10) {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                return Ok(());
+            }
+            let mut x = [1.0];
+            c.all_reduce_sum(&world, &mut x)
+        });
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        let msg = out[0].as_ref().unwrap_err().to_string();
+        assert!(msg.contains("rank 2"), "{msg}");
+    }
+}

@@ -1,0 +1,1262 @@
+//! One rank's training loop: builds its share of the model from the layout, runs the pipeline
+//! schedule with point-to-point sends, reduces gradients (bucketed all-reduce or ZeRO
+//! reduce-scatter), applies Adam and reports the loss. Backend-independent: everything goes
+//! through [`Collectives`].
+
+use crate::comm::{Collectives, CommError, Group};
+use crate::data::{micro_batch, DataSource};
+use crate::error::ExecError;
+use crate::model::{
+    block_bwd, block_fwd, build_wpe, build_wte, embed_bwd, embed_fwd, head_bwd, head_fwd,
+    head_own_weight, BlockCache, BlockLayout, Dims, HeadCache, HeadLayout, Keep, Pass, Slot,
+    SlotBuilder, Split, Tp,
+};
+use crate::state::{ModelState, TensorState};
+use parallax_ir::models::TransformerConfig;
+use parallax_ir::{Layout, Recompute, Schedule};
+use parallax_sim::{Op, PipelineSchedule, ScheduleKind, ScheduledOp};
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Adam hyper-parameters (Kingma & Ba 2015, with bias correction); no weight decay, no
+/// gradient clipping.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamConfig {
+    /// Learning rate.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Denominator epsilon.
+    pub eps: f32,
+}
+
+impl Default for AdamConfig {
+    /// lr 1e-3, betas (0.9, 0.95) as GPT-3 (Brown et al. 2020, appendix B), eps 1e-8.
+    fn default() -> Self {
+        AdamConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+        }
+    }
+}
+
+/// A deliberate failure, to exercise the fault path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fault {
+    /// The rank that fails.
+    pub rank: usize,
+    /// At the start of this step (0-based, counted within the run).
+    pub step: u64,
+    /// How it fails.
+    pub kind: FaultKind,
+}
+
+/// How an injected fault behaves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// The rank returns an error (as a crashed process would vanish).
+    Die,
+    /// The rank stops communicating until the others give up.
+    Stall,
+}
+
+/// Statistics of one finished step (reported by rank 0).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepStats {
+    /// Optimizer step number after this step (1-based, counting resumed steps).
+    pub step: u64,
+    /// Mean cross-entropy over the global batch.
+    pub loss: f64,
+    /// Wall time of the step on rank 0.
+    pub time_s: f64,
+    /// Tokens per second of the whole run.
+    pub tokens_per_s: f64,
+}
+
+/// Called by rank 0 after every step.
+pub type StepHook = Arc<dyn Fn(&StepStats) + Send + Sync>;
+/// Called by rank 0 with the gathered state at checkpoints.
+pub type CheckpointHook = Arc<dyn Fn(&ModelState) -> Result<(), (String, String)> + Send + Sync>;
+
+/// Everything a run needs.
+#[derive(Clone)]
+pub struct RunSpec {
+    /// The model.
+    pub model: TransformerConfig,
+    /// The parallel layout.
+    pub layout: Layout,
+    /// Sequences per optimizer step.
+    pub global_batch: u64,
+    /// Tokens per sequence.
+    pub seq: u64,
+    /// Steps to run.
+    pub steps: u64,
+    /// Seed of initialisation and data.
+    pub seed: u64,
+    /// Training data.
+    pub data: DataSource,
+    /// Optimizer.
+    pub adam: AdamConfig,
+    /// How long a rank waits for a message before declaring the sender stalled.
+    pub timeout: Duration,
+    /// Start from this state instead of a fresh initialisation.
+    pub resume: Option<Arc<ModelState>>,
+    /// Gather the final state into the report.
+    pub collect_state: bool,
+    /// Call [`RunSpec::on_checkpoint`] every this many steps (and after the last).
+    pub checkpoint_every: Option<u64>,
+    /// Receives gathered states at checkpoints.
+    pub on_checkpoint: Option<CheckpointHook>,
+    /// Receives per-step statistics.
+    pub on_step: Option<StepHook>,
+    /// Record a timeline of passes.
+    pub trace: bool,
+    /// An injected failure (tests of the fault path).
+    pub fault: Option<Fault>,
+}
+
+impl std::fmt::Debug for RunSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunSpec")
+            .field("layout", &self.layout)
+            .field("global_batch", &self.global_batch)
+            .field("seq", &self.seq)
+            .field("steps", &self.steps)
+            .field("seed", &self.seed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RunSpec {
+    /// A spec with defaults: synthetic data, seed 0, default Adam, a 120 s timeout.
+    pub fn new(
+        model: TransformerConfig,
+        layout: Layout,
+        global_batch: u64,
+        seq: u64,
+        steps: u64,
+    ) -> Self {
+        RunSpec {
+            model,
+            layout,
+            global_batch,
+            seq,
+            steps,
+            seed: 0,
+            data: DataSource::Synthetic,
+            adam: AdamConfig::default(),
+            timeout: Duration::from_secs(120),
+            resume: None,
+            collect_state: false,
+            checkpoint_every: None,
+            on_checkpoint: None,
+            on_step: None,
+            trace: false,
+            fault: None,
+        }
+    }
+}
+
+/// A timed pass on one rank, for the measured trace.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Span {
+    /// The rank.
+    pub rank: usize,
+    /// Its pipeline stage.
+    pub stage: usize,
+    /// What ran (`F mb3 c0`, `BW mb3 c0`, `grad-sync`, `optimizer`).
+    pub name: String,
+    /// Category: forward, backward, comm, optimizer.
+    pub cat: &'static str,
+    /// Step (0-based within the run).
+    pub step: u64,
+    /// Start, seconds since the run began.
+    pub start_s: f64,
+    /// Duration in seconds.
+    pub dur_s: f64,
+}
+
+/// What one rank returns.
+#[derive(Debug, Default)]
+pub struct RankReport {
+    /// Loss per step (every rank knows it).
+    pub losses: Vec<f64>,
+    /// Step wall times on this rank.
+    pub step_times: Vec<f64>,
+    /// The gathered final state (rank 0, when asked).
+    pub state: Option<ModelState>,
+    /// Timeline (when asked).
+    pub spans: Vec<Span>,
+}
+
+/// Degrees of the layout and the rank numbering: `rank = ((stage · dp) + d) · tp + t`
+/// (tensor-parallel peers adjacent, then data-parallel replicas, then stages; Megatron-LM's
+/// order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Topology {
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Pipeline stages.
+    pub pp: usize,
+    /// Chunks per stage.
+    pub v: usize,
+}
+
+impl Topology {
+    /// Ranks in all.
+    pub fn world(&self) -> usize {
+        self.dp * self.tp * self.pp
+    }
+    /// The rank at `(d, stage, t)`.
+    pub fn rank(&self, d: usize, s: usize, t: usize) -> usize {
+        (s * self.dp + d) * self.tp + t
+    }
+    /// `(d, stage, t)` of a rank.
+    pub fn coords(&self, r: usize) -> (usize, usize, usize) {
+        (r / self.tp % self.dp, r / (self.tp * self.dp), r % self.tp)
+    }
+}
+
+/// A validated run: dimensions, topology, layer split and schedule.
+#[derive(Debug)]
+pub struct Prepared {
+    dims: Dims,
+    topo: Topology,
+    /// First layer of each virtual stage, and one past the last at the end.
+    bounds: Vec<usize>,
+    schedule: PipelineSchedule,
+    micro: usize,
+    mbs: usize,
+    seq: usize,
+    keep: Keep,
+    sp: bool,
+    zero: u8,
+}
+
+/// Upper bound on ranks, to catch a typo before thousands of threads start.
+pub const MAX_RANKS: usize = 512;
+
+impl Prepared {
+    /// Checks a spec and works out everything that does not depend on the rank.
+    pub fn new(spec: &RunSpec) -> Result<Prepared, ExecError> {
+        let dims = Dims::from_config(&spec.model).map_err(ExecError::Model)?;
+        let l = &spec.layout;
+        l.validate(spec.global_batch, Some(spec.model.layers))
+            .map_err(ExecError::Layout)?;
+        let bad = |m: String| Err(ExecError::Layout(m));
+        if l.cp != 1 {
+            return bad(format!(
+                "cp {} is not supported by the executor (cp must be 1)",
+                l.cp
+            ));
+        }
+        if l.ep != 1 {
+            return bad(format!(
+                "ep {} needs a mixture-of-experts model, which the executor does not run",
+                l.ep
+            ));
+        }
+        let kind =
+            match (l.pp, l.schedule) {
+                (1, _) => ScheduleKind::OneFOneB,
+                (_, Schedule::GPipe) => ScheduleKind::GPipe,
+                (_, Schedule::OneFOneB) => ScheduleKind::OneFOneB,
+                (_, Schedule::Interleaved1F1B) => ScheduleKind::Interleaved1F1B,
+                (_, s) => return bad(format!(
+                    "schedule {s} is not supported by the executor (gpipe, 1f1b, interleaved-1f1b)"
+                )),
+            };
+        dims.check_tp(l.tp as usize).map_err(ExecError::Layout)?;
+        let topo = Topology {
+            dp: l.dp as usize,
+            tp: l.tp as usize,
+            pp: l.pp as usize,
+            v: l.interleave as usize,
+        };
+        if topo.world() > MAX_RANKS {
+            return bad(format!(
+                "{} ranks exceed the executor's limit of {MAX_RANKS}",
+                topo.world()
+            ));
+        }
+        let seq =
+            usize::try_from(spec.seq).map_err(|_| ExecError::Layout("seq too large".into()))?;
+        if seq == 0 {
+            return bad("seq must be at least 1".into());
+        }
+        if !dims.rope && seq > dims.max_seq {
+            return Err(ExecError::Model(format!(
+                "seq {seq} exceeds the model's {} learned positions",
+                dims.max_seq
+            )));
+        }
+        let mbs = l.micro_batch as usize;
+        let micro = l.micro_batches(spec.global_batch);
+        let micro =
+            u32::try_from(micro).map_err(|_| ExecError::Layout("too many micro-batches".into()))?;
+        let sp = l.sequence_parallel && topo.tp > 1;
+        if sp && (mbs * seq) % topo.tp != 0 {
+            return bad(format!(
+                "sequence parallelism needs micro_batch × seq = {} to be a multiple of tp {}",
+                mbs * seq,
+                topo.tp
+            ));
+        }
+        let schedule = PipelineSchedule::generate(kind, l.pp, micro, l.interleave)
+            .map_err(|e| ExecError::Layout(e.to_string()))?;
+        let counts = parallax_sim::stage_layers(spec.model.layers, l);
+        let chunks = topo.pp * topo.v;
+        for (i, s) in l.stages.iter().enumerate() {
+            if s.embedding != (i == 0) || s.head != (i + 1 == chunks) {
+                return bad(format!(
+                    "layout.stages[{i}]: the executor places the embedding on the first and the head on the last virtual stage"
+                ));
+            }
+        }
+        let mut bounds = vec![0usize];
+        for c in &counts {
+            bounds.push(bounds[bounds.len() - 1] + *c as usize);
+        }
+        spec.data.check(dims.vocab, seq).map_err(ExecError::Data)?;
+        if let Some(r) = &spec.resume {
+            check_state_matches(&dims, r)?;
+        }
+        let keep = match l.recompute {
+            Recompute::None => Keep::All,
+            Recompute::Selective => Keep::Selective,
+            Recompute::Full => Keep::Input,
+        };
+        Ok(Prepared {
+            dims,
+            topo,
+            bounds,
+            schedule,
+            micro: micro as usize,
+            mbs,
+            seq,
+            keep,
+            sp,
+            zero: if topo.dp > 1 { l.zero_stage } else { 0 },
+        })
+    }
+
+    /// The topology.
+    pub fn topology(&self) -> Topology {
+        self.topo
+    }
+
+    /// The rank's units and chunks (deterministic; no parameters allocated).
+    fn plan_rank(&self, rank: usize) -> (Vec<UnitPlan>, Vec<ChunkPlan>) {
+        let (_, s, _) = self.topo.coords(rank);
+        let d = &self.dims;
+        let nv = self.topo.pp * self.topo.v;
+        let mut units = Vec::new();
+        let mut chunks = Vec::new();
+        let mut new_unit = |name: String, f: &mut dyn FnMut(&mut SlotBuilder)| -> usize {
+            let mut b = SlotBuilder::new(self.topo.tp);
+            f(&mut b);
+            let (slots, len) = b.finish();
+            units.push(UnitPlan { name, slots, len });
+            units.len() - 1
+        };
+        for c in 0..self.topo.v {
+            let vs = c * self.topo.pp + s;
+            let mut ch = ChunkPlan {
+                vs,
+                wte: None,
+                wpe: None,
+                blocks: Vec::new(),
+                head: None,
+                head_w: None,
+            };
+            if vs == 0 {
+                ch.wte = Some(new_unit("embed.wte".into(), &mut |b| {
+                    build_wte(d, b, false);
+                }));
+                if !d.rope {
+                    ch.wpe = Some(new_unit("embed.wpe".into(), &mut |b| {
+                        build_wpe(d, b);
+                    }));
+                }
+            }
+            for layer in self.bounds[vs]..self.bounds[vs + 1] {
+                let mut lay = None;
+                let u = new_unit(format!("layers.{layer}"), &mut |b| {
+                    lay = Some(BlockLayout::build(d, layer, b));
+                });
+                if let Some(lay) = lay {
+                    ch.blocks.push((u, lay));
+                }
+            }
+            if vs == nv - 1 {
+                let mut lay = None;
+                let u = new_unit("head".into(), &mut |b| lay = Some(HeadLayout::build(d, b)));
+                if let Some(lay) = lay {
+                    ch.head = Some((u, lay));
+                }
+                if d.tied {
+                    ch.head_w = if vs == 0 {
+                        ch.wte
+                    } else {
+                        Some(new_unit("head.wte".into(), &mut |b| {
+                            build_wte(d, b, true);
+                        }))
+                    };
+                }
+            }
+            chunks.push(ch);
+        }
+        (units, chunks)
+    }
+}
+
+fn check_state_matches(d: &Dims, st: &ModelState) -> Result<(), ExecError> {
+    let want = [("embed.wte", vec![d.vocab, d.h])];
+    for (name, shape) in want {
+        match st.tensors.get(name) {
+            Some(t) if t.shape == shape => {}
+            Some(t) => {
+                return Err(ExecError::Checkpoint {
+                    path: "resume".into(),
+                    reason: format!(
+                        "tensor {name} has shape {:?}, the model needs {shape:?}",
+                        t.shape
+                    ),
+                })
+            }
+            None => {
+                return Err(ExecError::Checkpoint {
+                    path: "resume".into(),
+                    reason: format!("tensor {name} is missing: not a checkpoint of this model"),
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+#[derive(Clone, Debug)]
+struct UnitPlan {
+    name: String,
+    slots: Vec<Slot>,
+    len: usize,
+}
+
+#[derive(Clone, Debug)]
+struct ChunkPlan {
+    vs: usize,
+    wte: Option<usize>,
+    wpe: Option<usize>,
+    blocks: Vec<(usize, BlockLayout)>,
+    head: Option<(usize, HeadLayout)>,
+    /// The unit holding the tied unembedding (the embedding itself, or the last stage's copy).
+    head_w: Option<usize>,
+}
+
+impl ChunkPlan {
+    fn units(&self) -> Vec<usize> {
+        let mut u: Vec<usize> = self.wte.iter().chain(self.wpe.iter()).copied().collect();
+        u.extend(self.blocks.iter().map(|b| b.0));
+        u.extend(self.head.iter().map(|h| h.0));
+        if let Some(w) = self.head_w {
+            if !u.contains(&w) {
+                u.push(w);
+            }
+        }
+        u
+    }
+}
+
+/// A unit at run time: parameters, gradients and Adam moments, full or sharded over the
+/// data-parallel group as the ZeRO stage says.
+#[derive(Debug)]
+struct Unit {
+    plan: UnitPlan,
+    /// Length padded to a multiple of dp (ZeRO) so shards are equal.
+    padded: usize,
+    /// This rank's shard of the padded buffer.
+    shard: Range<usize>,
+    /// Full local parameters (padded); under ZeRO-3 only while gathered.
+    params: Vec<f32>,
+    /// ZeRO-3: this rank's parameter shard.
+    pshard: Vec<f32>,
+    /// Full local gradient accumulator (padded).
+    grads: Vec<f32>,
+    /// ZeRO >= 1: the reduced gradient shard.
+    gshard: Vec<f32>,
+    /// Adam moments: full (ZeRO-0) or the shard.
+    m: Vec<f32>,
+    v: Vec<f32>,
+    /// Slots that every tensor-parallel rank holds whole (reduced over TP under SP).
+    replicated: Vec<Range<usize>>,
+}
+
+/// Gradients are all-reduced in buckets of at most this many elements (PyTorch DDP's default
+/// `bucket_cap_mb = 25`, in fp32 elements).
+pub const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
+
+const TAG_ACT: u64 = 1 << 48;
+const TAG_GRAD: u64 = 2 << 48;
+const TAG_EXPORT: u64 = 3 << 48;
+
+fn p2p_tag(kind: u64, vs: usize, mb: usize) -> u64 {
+    kind | ((vs as u64) << 32) | mb as u64
+}
+
+struct ChunkCache {
+    tokens: Vec<u32>,
+    blocks: Vec<BlockCache>,
+    head: Option<HeadCache>,
+}
+
+/// One rank's engine.
+struct Engine<'a> {
+    spec: &'a RunSpec,
+    prep: &'a Prepared,
+    rank: usize,
+    coords: (usize, usize, usize),
+    comm: &'a mut dyn Collectives,
+    units: Vec<Unit>,
+    chunks: Vec<ChunkPlan>,
+    dp_g: Group,
+    tp_g: Group,
+    tied_g: Option<Group>,
+    world_g: Group,
+    caches: HashMap<(usize, usize), ChunkCache>,
+    loss_part: f64,
+    epoch: Instant,
+    spans: Vec<Span>,
+    step_idx: u64,
+}
+
+/// Runs `spec` as `comm`'s rank. `epoch` is the common start time for traces.
+pub fn run_rank(
+    spec: &RunSpec,
+    prep: &Prepared,
+    comm: &mut dyn Collectives,
+    epoch: Instant,
+) -> Result<RankReport, ExecError> {
+    let topo = prep.topo;
+    if comm.world() != topo.world() {
+        return Err(ExecError::Layout(format!(
+            "the layout needs {} ranks, the backend has {}",
+            topo.world(),
+            comm.world()
+        )));
+    }
+    let rank = comm.rank();
+    let (d, s, t) = topo.coords(rank);
+    let (plans, chunks) = prep.plan_rank(rank);
+    let dp_g = Group::new((0..topo.dp).map(|x| topo.rank(x, s, t)).collect());
+    let tp_g = Group::new((0..topo.tp).map(|x| topo.rank(d, s, x)).collect());
+    let tied_g = (prep.dims.tied && topo.pp > 1 && (s == 0 || s == topo.pp - 1))
+        .then(|| Group::new(vec![topo.rank(d, 0, t), topo.rank(d, topo.pp - 1, t)]));
+    let world_g = Group::new((0..topo.world()).collect());
+    let units = plans
+        .into_iter()
+        .map(|p| init_unit(spec, prep, p, d, t))
+        .collect();
+    let mut e = Engine {
+        spec,
+        prep,
+        rank,
+        coords: (d, s, t),
+        comm,
+        units,
+        chunks,
+        dp_g,
+        tp_g,
+        tied_g,
+        world_g,
+        caches: HashMap::new(),
+        loss_part: 0.0,
+        epoch,
+        spans: Vec::new(),
+        step_idx: 0,
+    };
+    e.run()
+}
+
+fn init_unit(spec: &RunSpec, prep: &Prepared, plan: UnitPlan, d: usize, t: usize) -> Unit {
+    let dp = prep.topo.dp;
+    let tp = prep.topo.tp;
+    let zero = prep.zero;
+    let padded = if zero > 0 {
+        plan.len.div_ceil(dp) * dp
+    } else {
+        plan.len
+    };
+    let sz = padded / dp;
+    let shard = if zero > 0 {
+        d * sz..(d + 1) * sz
+    } else {
+        0..padded
+    };
+    let mut params = vec![0.0f32; padded];
+    let mut m = vec![0.0f32; padded];
+    let mut v = vec![0.0f32; padded];
+    for slot in &plan.slots {
+        let saved = spec.resume.as_ref().and_then(|r| r.tensors.get(&slot.name));
+        match saved {
+            Some(ts) if ts.shape == slot.global_shape => {
+                params[slot.range.clone()].copy_from_slice(&slot.local_part(&ts.param, t, tp));
+                m[slot.range.clone()].copy_from_slice(&slot.local_part(&ts.m, t, tp));
+                v[slot.range.clone()].copy_from_slice(&slot.local_part(&ts.v, t, tp));
+            }
+            _ => {
+                let full = slot.init_global(spec.seed);
+                params[slot.range.clone()].copy_from_slice(&slot.local_part(&full, t, tp));
+            }
+        }
+    }
+    let replicated = plan
+        .slots
+        .iter()
+        .filter(|s| s.split == Split::Replicated)
+        .map(|s| s.range.clone())
+        .collect();
+    let (params, pshard) = if zero >= 3 {
+        (Vec::new(), params[shard.clone()].to_vec())
+    } else {
+        (params, Vec::new())
+    };
+    if zero > 0 {
+        m = m[shard.clone()].to_vec();
+        v = v[shard.clone()].to_vec();
+    }
+    Unit {
+        plan,
+        padded,
+        shard: shard.clone(),
+        params,
+        pshard,
+        grads: vec![0.0; padded],
+        gshard: if zero > 0 {
+            vec![0.0; shard.len()]
+        } else {
+            Vec::new()
+        },
+        m,
+        v,
+        replicated,
+    }
+}
+
+/// Two distinct elements of a slice, mutably.
+fn two_mut<T>(v: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {
+    assert_ne!(a, b, "two_mut needs distinct indices");
+    if a < b {
+        let (l, r) = v.split_at_mut(b);
+        (&mut l[a], &mut r[0])
+    } else {
+        let (l, r) = v.split_at_mut(a);
+        (&mut r[0], &mut l[b])
+    }
+}
+
+impl Engine<'_> {
+    fn run(&mut self) -> Result<RankReport, ExecError> {
+        let mut report = RankReport::default();
+        let start_step = self.spec.resume.as_ref().map_or(0, |r| r.step);
+        let tokens = (self.spec.global_batch * self.spec.seq) as f64;
+        for i in 0..self.spec.steps {
+            self.step_idx = i;
+            let t0 = Instant::now();
+            self.inject_fault(i)?;
+            let global_step = start_step + i;
+            let loss = self.step(global_step)?;
+            let dt = t0.elapsed().as_secs_f64();
+            report.losses.push(loss);
+            report.step_times.push(dt);
+            if self.rank == 0 {
+                if let Some(h) = &self.spec.on_step {
+                    h(&StepStats {
+                        step: global_step + 1,
+                        loss,
+                        time_s: dt,
+                        tokens_per_s: tokens / dt.max(1e-12),
+                    });
+                }
+            }
+            let done = i + 1 == self.spec.steps;
+            let ck_due = self.spec.on_checkpoint.is_some()
+                && (done
+                    || self
+                        .spec
+                        .checkpoint_every
+                        .is_some_and(|k| k > 0 && (i + 1) % k == 0));
+            if ck_due || (done && self.spec.collect_state) {
+                let st = self.export(global_step + 1)?;
+                if let (Some(st), Some(h)) = (&st, &self.spec.on_checkpoint) {
+                    if ck_due {
+                        h(st).map_err(|(path, reason)| ExecError::Checkpoint { path, reason })?;
+                    }
+                }
+                if done && self.spec.collect_state {
+                    report.state = st;
+                }
+            }
+        }
+        report.spans = std::mem::take(&mut self.spans);
+        Ok(report)
+    }
+
+    fn inject_fault(&mut self, step: u64) -> Result<(), ExecError> {
+        let Some(f) = self.spec.fault else {
+            return Ok(());
+        };
+        if f.rank != self.rank || f.step != step {
+            return Ok(());
+        }
+        match f.kind {
+            FaultKind::Die => Err(ExecError::Rank {
+                rank: self.rank,
+                message: format!("injected fault at step {step}"),
+            }),
+            FaultKind::Stall => {
+                let t0 = Instant::now();
+                while self.comm.check_peers().is_ok() && t0.elapsed() < self.spec.timeout * 4 {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                self.comm.check_peers()?;
+                Err(ExecError::Rank {
+                    rank: self.rank,
+                    message: format!("injected stall at step {step} was not detected"),
+                })
+            }
+        }
+    }
+
+    fn record(&mut self, name: String, cat: &'static str, t0: Instant) {
+        if self.spec.trace {
+            let start = t0.duration_since(self.epoch).as_secs_f64();
+            self.spans.push(Span {
+                rank: self.rank,
+                stage: self.coords.1,
+                name,
+                cat,
+                step: self.step_idx,
+                start_s: start,
+                dur_s: t0.elapsed().as_secs_f64(),
+            });
+        }
+    }
+
+    fn step(&mut self, global_step: u64) -> Result<f64, ExecError> {
+        self.loss_part = 0.0;
+        let ops: Vec<ScheduledOp> = self.prep.schedule.stage_ops(self.coords.1 as u32).to_vec();
+        for op in ops {
+            self.comm.check_peers()?;
+            let (mb, c) = (op.micro_batch as usize, op.chunk as usize);
+            let t0 = Instant::now();
+            match op.op {
+                Op::F => {
+                    self.forward(global_step, mb, c)?;
+                    self.record(format!("F mb{mb} c{c}"), "forward", t0);
+                }
+                Op::BW | Op::B | Op::W => {
+                    self.backward(mb, c)?;
+                    self.record(format!("BW mb{mb} c{c}"), "backward", t0);
+                }
+            }
+        }
+        let t0 = Instant::now();
+        self.reduce_grads()?;
+        self.record("grad-sync".into(), "comm", t0);
+        let t0 = Instant::now();
+        self.adam(global_step + 1)?;
+        self.record("optimizer".into(), "optimizer", t0);
+        let mut loss = [self.loss_part as f32];
+        // Sum in f64 would be nicer; f32 keeps one collective type. Contributions are few.
+        self.comm.all_reduce_sum(&self.world_g, &mut loss)?;
+        Ok(f64::from(loss[0]))
+    }
+
+    fn local_rows(&self) -> Range<usize> {
+        let rows = self.prep.mbs * self.prep.seq;
+        if self.prep.sp {
+            let r = rows / self.prep.topo.tp;
+            let t = self.coords.2;
+            t * r..(t + 1) * r
+        } else {
+            0..rows
+        }
+    }
+
+    fn pass(&self) -> Pass {
+        Pass {
+            batch: self.prep.mbs,
+            seq: self.prep.seq,
+        }
+    }
+
+    fn neighbour(&self, vs: usize) -> usize {
+        let (d, _, t) = self.coords;
+        self.prep.topo.rank(d, vs % self.prep.topo.pp, t)
+    }
+
+    fn gather(&mut self, u: usize) -> Result<(), CommError> {
+        if self.prep.zero < 3 {
+            return Ok(());
+        }
+        let unit = &mut self.units[u];
+        if !unit.params.is_empty() {
+            return Ok(());
+        }
+        unit.params = vec![0.0; unit.padded];
+        self.comm
+            .all_gather(&self.dp_g, &unit.pshard, &mut unit.params)
+    }
+
+    fn release(&mut self, u: usize) {
+        if self.prep.zero >= 3 {
+            self.units[u].params = Vec::new();
+        }
+    }
+
+    fn forward(&mut self, step: u64, mb: usize, c: usize) -> Result<(), ExecError> {
+        let ch = self.chunks[c].clone();
+        let prep = self.prep;
+        let d = &prep.dims;
+        let nv = prep.topo.pp * prep.topo.v;
+        let pass = self.pass();
+        let rows = self.local_rows();
+        let width = rows.len() * d.h;
+        let needs_data = ch.vs == 0 || ch.vs == nv - 1;
+        let (tokens, targets) = if needs_data {
+            let first = ((self.coords.0 * prep.micro + mb) * prep.mbs) as u64;
+            micro_batch(
+                &self.spec.data,
+                self.spec.seed,
+                step,
+                first,
+                prep.mbs,
+                prep.seq,
+                d.vocab,
+            )
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let mut x = if let Some(wu) = ch.wte {
+            self.gather(wu)?;
+            if let Some(pu) = ch.wpe {
+                self.gather(pu)?;
+            }
+            let wte = &self.units[wu].params[..d.vocab * d.h];
+            let wpe = ch.wpe.map(|pu| &self.units[pu].params[..d.max_seq * d.h]);
+            let x = embed_fwd(d, wte, wpe, &tokens, rows.clone(), prep.seq);
+            self.release(wu);
+            if let Some(pu) = ch.wpe {
+                self.release(pu);
+            }
+            x
+        } else {
+            let mut x = vec![0.0; width];
+            let from = self.neighbour(ch.vs + nv - 1);
+            self.comm.recv(
+                from,
+                p2p_tag(TAG_ACT, ch.vs, mb),
+                &mut x,
+                "pipeline activation",
+            )?;
+            x
+        };
+        let mut caches = Vec::with_capacity(ch.blocks.len());
+        for (u, lay) in &ch.blocks {
+            self.gather(*u)?;
+            let mut tp = Tp {
+                comm: &mut *self.comm,
+                group: &self.tp_g,
+                sp: prep.sp,
+            };
+            let (y, cache) =
+                block_fwd(d, lay, &self.units[*u].params, x, &mut tp, pass, prep.keep)?;
+            self.release(*u);
+            x = y;
+            caches.push(cache);
+        }
+        let head = if let Some((hu, hl)) = &ch.head {
+            self.gather(*hu)?;
+            if let Some(w) = ch.head_w {
+                self.gather(w)?;
+            }
+            let p = &self.units[*hu].params;
+            let w_out = match (head_own_weight(hl, p), ch.head_w) {
+                (Some(w), _) => w,
+                (None, Some(wu)) => &self.units[wu].params[..d.vocab * d.h],
+                (None, None) => unreachable!("a tied head has a weight unit"),
+            };
+            let scale = 1.0 / (self.spec.global_batch * self.spec.seq) as f32;
+            let (loss, hc) = head_fwd(d, hl, p, w_out, x, &targets[rows.clone()], scale);
+            if prep.sp || self.coords.2 == 0 {
+                self.loss_part += loss * f64::from(scale);
+            }
+            self.release(*hu);
+            if let Some(w) = ch.head_w {
+                self.release(w);
+            }
+            Some(hc)
+        } else {
+            let to = self.neighbour(ch.vs + 1);
+            self.comm.send(to, p2p_tag(TAG_ACT, ch.vs + 1, mb), &x)?;
+            None
+        };
+        self.caches.insert(
+            (mb, c),
+            ChunkCache {
+                tokens,
+                blocks: caches,
+                head,
+            },
+        );
+        Ok(())
+    }
+
+    fn backward(&mut self, mb: usize, c: usize) -> Result<(), ExecError> {
+        let ch = self.chunks[c].clone();
+        let prep = self.prep;
+        let d = &prep.dims;
+        let nv = prep.topo.pp * prep.topo.v;
+        let pass = self.pass();
+        let rows = self.local_rows();
+        let Some(cache) = self.caches.remove(&(mb, c)) else {
+            return Err(ExecError::Rank {
+                rank: self.rank,
+                message: format!(
+                    "schedule runs backward of micro-batch {mb} chunk {c} before its forward"
+                ),
+            });
+        };
+        let mut dx = match (cache.head, &ch.head) {
+            (Some(hc), Some((hu, hl))) => {
+                self.gather(*hu)?;
+                let dx = match ch.head_w {
+                    Some(wu) if wu != *hu => {
+                        self.gather(wu)?;
+                        let (h, w) = two_mut(&mut self.units, *hu, wu);
+                        let n = d.vocab * d.h;
+                        let dx = head_bwd(
+                            d,
+                            hl,
+                            &h.params,
+                            &mut h.grads,
+                            &w.params[..n],
+                            Some(&mut w.grads[..n]),
+                            hc,
+                        );
+                        self.release(wu);
+                        dx
+                    }
+                    _ => {
+                        let h = &mut self.units[*hu];
+                        let w = head_own_weight(hl, &h.params)
+                            .map(<[f32]>::to_vec)
+                            .unwrap_or_default();
+                        head_bwd(d, hl, &h.params, &mut h.grads, &w, None, hc)
+                    }
+                };
+                self.release(*hu);
+                dx
+            }
+            _ => {
+                let mut dx = vec![0.0; rows.len() * d.h];
+                let from = self.neighbour(ch.vs + 1);
+                self.comm.recv(
+                    from,
+                    p2p_tag(TAG_GRAD, ch.vs, mb),
+                    &mut dx,
+                    "pipeline gradient",
+                )?;
+                dx
+            }
+        };
+        for ((u, lay), bc) in ch.blocks.iter().zip(cache.blocks).rev() {
+            self.gather(*u)?;
+            let unit = &mut self.units[*u];
+            let mut tp = Tp {
+                comm: &mut *self.comm,
+                group: &self.tp_g,
+                sp: prep.sp,
+            };
+            dx = block_bwd(d, lay, &unit.params, &mut unit.grads, bc, dx, &mut tp, pass)?;
+            self.release(*u);
+        }
+        if let Some(wu) = ch.wte {
+            let n = d.vocab * d.h;
+            match ch.wpe {
+                Some(pu) => {
+                    let (w, p) = two_mut(&mut self.units, wu, pu);
+                    embed_bwd(
+                        d,
+                        &mut w.grads[..n],
+                        Some(&mut p.grads[..d.max_seq * d.h]),
+                        &cache.tokens,
+                        rows,
+                        prep.seq,
+                        &dx,
+                    );
+                }
+                None => {
+                    embed_bwd(
+                        d,
+                        &mut self.units[wu].grads[..n],
+                        None,
+                        &cache.tokens,
+                        rows,
+                        prep.seq,
+                        &dx,
+                    );
+                }
+            }
+        } else {
+            let to = self.neighbour(ch.vs + nv - 1);
+            self.comm.send(to, p2p_tag(TAG_GRAD, ch.vs - 1, mb), &dx)?;
+        }
+        if prep.zero >= 2 {
+            for u in ch.units() {
+                self.reduce_scatter_unit(u, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatters a unit's gradient accumulator over the data-parallel group into its
+    /// shard (added when `accumulate`), then clears the accumulator.
+    fn reduce_scatter_unit(&mut self, u: usize, accumulate: bool) -> Result<(), CommError> {
+        let unit = &mut self.units[u];
+        let mut part = vec![0.0; unit.shard.len()];
+        self.comm
+            .reduce_scatter_sum(&self.dp_g, &unit.grads, &mut part)?;
+        if accumulate {
+            for (g, p) in unit.gshard.iter_mut().zip(&part) {
+                *g += p;
+            }
+        } else {
+            unit.gshard = part;
+        }
+        unit.grads.iter_mut().for_each(|g| *g = 0.0);
+        Ok(())
+    }
+
+    /// The gradient this rank holds for unit `u` (full or its shard) and where it starts.
+    fn held_grads(&mut self, u: usize) -> (&mut [f32], usize) {
+        let zero = self.prep.zero;
+        let unit = &mut self.units[u];
+        if zero == 0 {
+            (&mut unit.grads[..], 0)
+        } else {
+            (&mut unit.gshard[..], unit.shard.start)
+        }
+    }
+
+    fn reduce_grads(&mut self) -> Result<(), ExecError> {
+        let prep = self.prep;
+        // Data parallel.
+        match prep.zero {
+            0 if prep.topo.dp > 1 => self.bucketed_all_reduce()?,
+            1 => {
+                for u in 0..self.units.len() {
+                    self.reduce_scatter_unit(u, false)?;
+                }
+            }
+            _ => {}
+        }
+        // Sequence parallel: replicated tensors saw only this rank's tokens.
+        if prep.sp {
+            for u in 0..self.units.len() {
+                let ranges = self.units[u].replicated.clone();
+                let tp_g = self.tp_g.clone();
+                let (held, start) = self.held_grads(u);
+                let n = held.len();
+                let pieces: Vec<Range<usize>> = ranges
+                    .iter()
+                    .filter_map(|r| {
+                        let lo = r.start.max(start);
+                        let hi = r.end.min(start + n);
+                        (lo < hi).then(|| lo - start..hi - start)
+                    })
+                    .collect();
+                let mut buf: Vec<f32> = pieces
+                    .iter()
+                    .flat_map(|r| held[r.clone()].to_vec())
+                    .collect();
+                self.comm.all_reduce_sum(&tp_g, &mut buf)?;
+                let (held, _) = self.held_grads(u);
+                let mut at = 0;
+                for r in pieces {
+                    held[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
+                    at += r.len();
+                }
+            }
+        }
+        // Tied embedding and LM head on the first and last stage.
+        if let Some(g) = self.tied_g.clone() {
+            let u = self
+                .units
+                .iter()
+                .position(|u| u.plan.name == "embed.wte" || u.plan.name == "head.wte");
+            if let Some(u) = u {
+                let (held, _) = self.held_grads(u);
+                let mut buf = held.to_vec();
+                self.comm.all_reduce_sum(&g, &mut buf)?;
+                let (held, _) = self.held_grads(u);
+                held.copy_from_slice(&buf);
+            }
+        }
+        Ok(())
+    }
+
+    fn bucketed_all_reduce(&mut self) -> Result<(), CommError> {
+        let mut start = 0;
+        while start < self.units.len() {
+            let mut end = start + 1;
+            let mut n = self.units[start].grads.len();
+            while end < self.units.len() && n + self.units[end].grads.len() <= BUCKET_ELEMS {
+                n += self.units[end].grads.len();
+                end += 1;
+            }
+            let mut bucket = Vec::with_capacity(n);
+            for u in &self.units[start..end] {
+                bucket.extend_from_slice(&u.grads);
+            }
+            self.comm.all_reduce_sum(&self.dp_g, &mut bucket)?;
+            let mut at = 0;
+            for u in &mut self.units[start..end] {
+                let len = u.grads.len();
+                u.grads.copy_from_slice(&bucket[at..at + len]);
+                at += len;
+            }
+            start = end;
+        }
+        Ok(())
+    }
+
+    fn adam(&mut self, t: u64) -> Result<(), CommError> {
+        let a = self.spec.adam;
+        let bc1 = 1.0 - f64::from(a.beta1).powf(t as f64);
+        let bc2 = 1.0 - f64::from(a.beta2).powf(t as f64);
+        let (bc1, bc2) = (bc1 as f32, bc2 as f32);
+        let zero = self.prep.zero;
+        for u in 0..self.units.len() {
+            let unit = &mut self.units[u];
+            let (p, g): (&mut [f32], &[f32]) = match zero {
+                0 => (&mut unit.params[..], &unit.grads[..]),
+                1 | 2 => (&mut unit.params[unit.shard.clone()], &unit.gshard[..]),
+                _ => (&mut unit.pshard[..], &unit.gshard[..]),
+            };
+            for i in 0..p.len() {
+                let gi = g[i];
+                let m = a.beta1 * unit.m[i] + (1.0 - a.beta1) * gi;
+                let v = a.beta2 * unit.v[i] + (1.0 - a.beta2) * gi * gi;
+                unit.m[i] = m;
+                unit.v[i] = v;
+                p[i] -= a.lr * (m / bc1) / ((v / bc2).sqrt() + a.eps);
+            }
+            if zero == 1 || zero == 2 {
+                let mine = unit.params[unit.shard.clone()].to_vec();
+                self.comm.all_gather(&self.dp_g, &mine, &mut unit.params)?;
+            }
+            let unit = &mut self.units[u];
+            unit.grads.iter_mut().for_each(|x| *x = 0.0);
+            unit.gshard.iter_mut().for_each(|x| *x = 0.0);
+        }
+        Ok(())
+    }
+
+    /// Gathers the whole state onto rank 0 (a collective: every rank takes part).
+    fn export(&mut self, step: u64) -> Result<Option<ModelState>, ExecError> {
+        let zero = self.prep.zero;
+        let mut full: Vec<[Vec<f32>; 3]> = Vec::with_capacity(self.units.len());
+        for u in 0..self.units.len() {
+            let unit = &self.units[u];
+            let gather = |comm: &mut dyn Collectives, dp_g: &Group, part: &[f32], padded: usize| {
+                let mut out = vec![0.0; padded];
+                comm.all_gather(dp_g, part, &mut out).map(|_| out)
+            };
+            let (p, m, v) = match zero {
+                0 => (unit.params.clone(), unit.m.clone(), unit.v.clone()),
+                _ => {
+                    let p = if zero >= 3 {
+                        gather(&mut *self.comm, &self.dp_g, &unit.pshard, unit.padded)?
+                    } else {
+                        unit.params.clone()
+                    };
+                    let m = gather(&mut *self.comm, &self.dp_g, &unit.m, unit.padded)?;
+                    let v = gather(&mut *self.comm, &self.dp_g, &unit.v, unit.padded)?;
+                    (p, m, v)
+                }
+            };
+            full.push([p, m, v]);
+        }
+        let topo = self.prep.topo;
+        let (d, _, _) = self.coords;
+        if self.rank != 0 {
+            if d == 0 {
+                for (i, bufs) in full.iter().enumerate() {
+                    for (k, b) in bufs.iter().enumerate() {
+                        self.comm.send(0, TAG_EXPORT | (i * 3 + k) as u64, b)?;
+                    }
+                }
+            }
+            return Ok(None);
+        }
+        let mut tensors: BTreeMap<String, TensorState> = BTreeMap::new();
+        for s in 0..topo.pp {
+            for t in 0..topo.tp {
+                let r = topo.rank(0, s, t);
+                let (plans, _) = self.prep.plan_rank(r);
+                for (i, plan) in plans.iter().enumerate() {
+                    let padded = if zero > 0 {
+                        plan.len.div_ceil(topo.dp) * topo.dp
+                    } else {
+                        plan.len
+                    };
+                    let bufs: [Vec<f32>; 3] = if r == 0 {
+                        std::mem::take(&mut full[i])
+                    } else {
+                        let mut out: [Vec<f32>; 3] = Default::default();
+                        for (k, o) in out.iter_mut().enumerate() {
+                            *o = vec![0.0; padded];
+                            self.comm.recv(
+                                r,
+                                TAG_EXPORT | (i * 3 + k) as u64,
+                                o,
+                                "state export",
+                            )?;
+                        }
+                        out
+                    };
+                    for slot in &plan.slots {
+                        if slot.tied_copy {
+                            continue;
+                        }
+                        let n: usize = slot.global_shape.iter().product();
+                        let e = tensors
+                            .entry(slot.name.clone())
+                            .or_insert_with(|| TensorState {
+                                shape: slot.global_shape.clone(),
+                                param: vec![0.0; n],
+                                m: vec![0.0; n],
+                                v: vec![0.0; n],
+                            });
+                        if slot.split == Split::Replicated && t != 0 {
+                            continue;
+                        }
+                        slot.place(&mut e.param, &bufs[0][slot.range.clone()], t, topo.tp);
+                        slot.place(&mut e.m, &bufs[1][slot.range.clone()], t, topo.tp);
+                        slot.place(&mut e.v, &bufs[2][slot.range.clone()], t, topo.tp);
+                    }
+                }
+            }
+        }
+        Ok(Some(ModelState { step, tensors }))
+    }
+}

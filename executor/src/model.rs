@@ -1,0 +1,936 @@
+//! The transformer the executor trains: GPT (LayerNorm, GeLU, learned positions, biases, tied
+//! head) and Llama (RMSNorm, SwiGLU, RoPE, GQA, untied head), built from a
+//! [`TransformerConfig`], with Megatron-style tensor-parallel shards and hand-written backward
+//! passes.
+//!
+//! Dropout is off: the executor trains deterministically so that every layout can be checked
+//! against single-rank training (a `dropout: true` config runs without it).
+//!
+//! Tensor parallelism (Shoeybi et al. 2019): query/key/value and the first MLP matrices are
+//! split by columns (heads, FFN width), the attention output and second MLP matrices by rows,
+//! with an all-reduce after each row-parallel matmul in forward and before each column-parallel
+//! one in backward. Sequence parallelism (Korthikanti et al. 2022) replaces those all-reduces by
+//! reduce-scatter / all-gather pairs and keeps the norms, residuals, embedding and head on a
+//! `1/tp` slice of the tokens. Embeddings and the LM head are replicated across tensor-parallel
+//! ranks (not vocabulary-parallel).
+
+use crate::comm::{Collectives, CommError, Group};
+use crate::rng::SplitMix64;
+use crate::tensor::{
+    add_bias, add_into, attention_bwd, attention_fwd, bias_grad, cross_entropy, gelu, gelu_grad,
+    mm, mm_nt, mm_tn, norm_bwd, norm_fwd, rope, sigmoid,
+};
+use parallax_ir::models::{Mlp, Norm, Position, TransformerConfig};
+use std::ops::Range;
+
+/// Standard deviation of weight initialisation (GPT-2, Radford et al. 2019).
+pub const INIT_STD: f64 = 0.02;
+
+/// Model dimensions checked for what the executor supports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dims {
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Hidden size.
+    pub h: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head size.
+    pub hd: usize,
+    /// MLP width.
+    pub ffn: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Learned-position table size.
+    pub max_seq: usize,
+    /// RMSNorm (else LayerNorm).
+    pub rms: bool,
+    /// SwiGLU (else GeLU).
+    pub swiglu: bool,
+    /// Rotary positions (else a learned table).
+    pub rope: bool,
+    /// Biases on linear layers.
+    pub bias: bool,
+    /// LM head shares the embedding table.
+    pub tied: bool,
+}
+
+impl Dims {
+    /// Checks that the executor can train `c`; errors name the unsupported feature.
+    pub fn from_config(c: &TransformerConfig) -> Result<Dims, String> {
+        c.validate()?;
+        if c.moe.is_some() {
+            return Err("mixture-of-experts MLPs are not supported by the executor".into());
+        }
+        if c.bert || !c.causal {
+            return Err(
+                "only causal decoder models (GPT, Llama) are supported by the executor".into(),
+            );
+        }
+        let swiglu = match c.mlp {
+            Mlp::Gelu => false,
+            Mlp::Swiglu => true,
+            other => {
+                return Err(format!(
+                    "MLP kind {other:?} is not supported by the executor (gelu, swiglu)"
+                ))
+            }
+        };
+        let us = |x: u64| usize::try_from(x).map_err(|_| format!("dimension {x} is too large"));
+        Ok(Dims {
+            layers: c.layers as usize,
+            h: us(c.hidden)?,
+            heads: us(c.heads)?,
+            kv_heads: us(c.kv_heads)?,
+            hd: us(c.head_dim)?,
+            ffn: us(c.ffn_hidden)?,
+            vocab: us(c.vocab)?,
+            max_seq: us(c.max_seq)?,
+            rms: c.norm == Norm::RmsNorm,
+            swiglu,
+            rope: c.position == Position::Rope,
+            bias: c.bias,
+            tied: c.tied_embeddings,
+        })
+    }
+
+    /// Checks that `tp` divides heads, key/value heads and the MLP width.
+    pub fn check_tp(&self, tp: usize) -> Result<(), String> {
+        if self.heads % tp != 0 || self.kv_heads % tp != 0 || self.ffn % tp != 0 {
+            return Err(format!(
+                "tp {tp} must divide heads {}, kv heads {} and ffn {} (the executor does not replicate key/value heads)",
+                self.heads, self.kv_heads, self.ffn
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// How a tensor is split over tensor-parallel ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Split {
+    /// Every rank holds all of it.
+    Replicated,
+    /// Split along this dimension into `tp` equal parts.
+    Dim(usize),
+}
+
+/// How a tensor is initialised.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// Normal with this standard deviation.
+    Normal(f64),
+    /// All ones (norm weights).
+    Ones,
+    /// All zeros (biases).
+    Zeros,
+}
+
+/// One parameter tensor as held by one rank.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Slot {
+    /// Global name (`layers.3.attn.wq`); tied copies carry the name of the original.
+    pub name: String,
+    /// Shape of the whole tensor.
+    pub global_shape: Vec<usize>,
+    /// Shape of this rank's part.
+    pub local_shape: Vec<usize>,
+    /// Tensor-parallel split.
+    pub split: Split,
+    /// Initialisation.
+    pub init: Init,
+    /// Elements in this rank's unit buffer.
+    pub range: Range<usize>,
+    /// A second copy of a tied tensor (the LM head's view of the embedding on the last stage).
+    pub tied_copy: bool,
+}
+
+impl Slot {
+    /// This rank's part of the global tensor `full` (for tensor-parallel rank `t` of `tp`).
+    pub fn local_part(&self, full: &[f32], t: usize, tp: usize) -> Vec<f32> {
+        match self.split {
+            Split::Replicated => full.to_vec(),
+            Split::Dim(d) => {
+                let (outer, dim, inner) = dims3(&self.global_shape, d);
+                let part = dim / tp;
+                let mut out = Vec::with_capacity(outer * part * inner);
+                for o in 0..outer {
+                    let at = (o * dim + t * part) * inner;
+                    out.extend_from_slice(&full[at..at + part * inner]);
+                }
+                out
+            }
+        }
+    }
+
+    /// Writes this rank's part `local` into the global tensor `full`.
+    pub fn place(&self, full: &mut [f32], local: &[f32], t: usize, tp: usize) {
+        match self.split {
+            Split::Replicated => full.copy_from_slice(local),
+            Split::Dim(d) => {
+                let (outer, dim, inner) = dims3(&self.global_shape, d);
+                let part = dim / tp;
+                for o in 0..outer {
+                    let at = (o * dim + t * part) * inner;
+                    full[at..at + part * inner]
+                        .copy_from_slice(&local[o * part * inner..(o + 1) * part * inner]);
+                }
+            }
+        }
+    }
+
+    /// The initial value of the whole tensor under `seed` (independent of layout).
+    pub fn init_global(&self, seed: u64) -> Vec<f32> {
+        let n: usize = self.global_shape.iter().product();
+        match self.init {
+            Init::Ones => vec![1.0; n],
+            Init::Zeros => vec![0.0; n],
+            Init::Normal(std) => {
+                let mut g = SplitMix64::for_stream(seed, &self.name);
+                (0..n).map(|_| (g.normal() * std) as f32).collect()
+            }
+        }
+    }
+}
+
+fn dims3(shape: &[usize], d: usize) -> (usize, usize, usize) {
+    (
+        shape[..d].iter().product(),
+        shape[d],
+        shape[d + 1..].iter().product(),
+    )
+}
+
+/// Builds the slot list of one unit (a flat buffer of parameters sharded together).
+#[derive(Debug, Default)]
+pub struct SlotBuilder {
+    slots: Vec<Slot>,
+    len: usize,
+    tp: usize,
+}
+
+impl SlotBuilder {
+    /// A builder for tensor-parallel degree `tp`.
+    pub fn new(tp: usize) -> Self {
+        SlotBuilder {
+            slots: Vec::new(),
+            len: 0,
+            tp,
+        }
+    }
+
+    /// Adds a tensor and returns its range in the unit buffer.
+    pub fn add(&mut self, name: String, shape: &[usize], split: Split, init: Init) -> Range<usize> {
+        let mut local = shape.to_vec();
+        if let Split::Dim(d) = split {
+            local[d] /= self.tp;
+        }
+        let n: usize = local.iter().product();
+        let range = self.len..self.len + n;
+        self.len += n;
+        self.slots.push(Slot {
+            name,
+            global_shape: shape.to_vec(),
+            local_shape: local,
+            split,
+            init,
+            range: range.clone(),
+            tied_copy: false,
+        });
+        range
+    }
+
+    /// Marks the last slot added as a tied copy.
+    pub fn mark_tied_copy(&mut self) {
+        if let Some(s) = self.slots.last_mut() {
+            s.tied_copy = true;
+        }
+    }
+
+    /// The slots and total length.
+    pub fn finish(self) -> (Vec<Slot>, usize) {
+        (self.slots, self.len)
+    }
+}
+
+/// Where one block's tensors lie in its unit buffer (local, tensor-parallel shards).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockLayout {
+    ln1_w: Range<usize>,
+    ln1_b: Option<Range<usize>>,
+    wq: Range<usize>,
+    bq: Option<Range<usize>>,
+    wk: Range<usize>,
+    bk: Option<Range<usize>>,
+    wv: Range<usize>,
+    bv: Option<Range<usize>>,
+    wo: Range<usize>,
+    bo: Option<Range<usize>>,
+    ln2_w: Range<usize>,
+    ln2_b: Option<Range<usize>>,
+    w_in: Range<usize>,
+    b_in: Option<Range<usize>>,
+    w_up: Option<Range<usize>>,
+    w_out: Range<usize>,
+    b_out: Option<Range<usize>>,
+}
+
+impl BlockLayout {
+    /// Adds block `layer`'s tensors to `b`.
+    pub fn build(d: &Dims, layer: usize, b: &mut SlotBuilder) -> BlockLayout {
+        let p = |s: &str| format!("layers.{layer}.{s}");
+        let (h, qw, kw, f) = (d.h, d.heads * d.hd, d.kv_heads * d.hd, d.ffn);
+        let out_std = INIT_STD / (2.0 * d.layers as f64).sqrt();
+        let w = Init::Normal(INIT_STD);
+        let nb = !d.rms;
+        let opt = |b: &mut SlotBuilder, on: bool, name: &str, shape: &[usize], split| {
+            on.then(|| b.add(p(name), shape, split, Init::Zeros))
+        };
+        let ln1_w = b.add(p("ln1.weight"), &[h], Split::Replicated, Init::Ones);
+        let ln1_b = opt(b, nb, "ln1.bias", &[h], Split::Replicated);
+        let wq = b.add(p("attn.wq"), &[h, qw], Split::Dim(1), w);
+        let bq = opt(b, d.bias, "attn.bq", &[qw], Split::Dim(0));
+        let wk = b.add(p("attn.wk"), &[h, kw], Split::Dim(1), w);
+        let bk = opt(b, d.bias, "attn.bk", &[kw], Split::Dim(0));
+        let wv = b.add(p("attn.wv"), &[h, kw], Split::Dim(1), w);
+        let bv = opt(b, d.bias, "attn.bv", &[kw], Split::Dim(0));
+        let wo = b.add(p("attn.wo"), &[qw, h], Split::Dim(0), Init::Normal(out_std));
+        let bo = opt(b, d.bias, "attn.bo", &[h], Split::Replicated);
+        let ln2_w = b.add(p("ln2.weight"), &[h], Split::Replicated, Init::Ones);
+        let ln2_b = opt(b, nb, "ln2.bias", &[h], Split::Replicated);
+        let (w_in, b_in, w_up, w_out, b_out);
+        if d.swiglu {
+            w_in = b.add(p("mlp.wg"), &[h, f], Split::Dim(1), w);
+            b_in = opt(b, d.bias, "mlp.bg", &[f], Split::Dim(0));
+            w_up = Some(b.add(p("mlp.wu"), &[h, f], Split::Dim(1), w));
+            w_out = b.add(p("mlp.wd"), &[f, h], Split::Dim(0), Init::Normal(out_std));
+            b_out = opt(b, d.bias, "mlp.bd", &[h], Split::Replicated);
+        } else {
+            w_in = b.add(p("mlp.w1"), &[h, f], Split::Dim(1), w);
+            b_in = opt(b, d.bias, "mlp.b1", &[f], Split::Dim(0));
+            w_up = None;
+            w_out = b.add(p("mlp.w2"), &[f, h], Split::Dim(0), Init::Normal(out_std));
+            b_out = opt(b, d.bias, "mlp.b2", &[h], Split::Replicated);
+        }
+        BlockLayout {
+            ln1_w,
+            ln1_b,
+            wq,
+            bq,
+            wk,
+            bk,
+            wv,
+            bv,
+            wo,
+            bo,
+            ln2_w,
+            ln2_b,
+            w_in,
+            b_in,
+            w_up,
+            w_out,
+            b_out,
+        }
+    }
+}
+
+/// Where the head's tensors lie in its unit: the final norm and, when untied, the LM head.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeadLayout {
+    norm_w: Range<usize>,
+    norm_b: Option<Range<usize>>,
+    /// The untied LM head `[vocab, hidden]`.
+    lm_head: Option<Range<usize>>,
+}
+
+impl HeadLayout {
+    /// Adds the head's own tensors to `b`.
+    pub fn build(d: &Dims, b: &mut SlotBuilder) -> HeadLayout {
+        let norm_w = b.add(
+            "final_norm.weight".into(),
+            &[d.h],
+            Split::Replicated,
+            Init::Ones,
+        );
+        let norm_b = (!d.rms).then(|| {
+            b.add(
+                "final_norm.bias".into(),
+                &[d.h],
+                Split::Replicated,
+                Init::Zeros,
+            )
+        });
+        let lm_head = (!d.tied).then(|| {
+            b.add(
+                "lm_head".into(),
+                &[d.vocab, d.h],
+                Split::Replicated,
+                Init::Normal(INIT_STD),
+            )
+        });
+        HeadLayout {
+            norm_w,
+            norm_b,
+            lm_head,
+        }
+    }
+}
+
+/// Adds the embedding table (`embed.wte`, `[vocab, hidden]`) to `b`; `copy` marks the last
+/// stage's copy of a tied table.
+pub fn build_wte(d: &Dims, b: &mut SlotBuilder, copy: bool) -> Range<usize> {
+    let r = b.add(
+        "embed.wte".into(),
+        &[d.vocab, d.h],
+        Split::Replicated,
+        Init::Normal(INIT_STD),
+    );
+    if copy {
+        b.mark_tied_copy();
+    }
+    r
+}
+
+/// Adds the learned position table (`embed.wpe`) to `b`.
+pub fn build_wpe(d: &Dims, b: &mut SlotBuilder) -> Range<usize> {
+    b.add(
+        "embed.wpe".into(),
+        &[d.max_seq, d.h],
+        Split::Replicated,
+        Init::Normal(INIT_STD / 2.0),
+    )
+}
+
+/// The tensor-parallel context of one rank: its group and whether sequence parallelism is on.
+/// Implements Megatron's conjugate operators around the tensor-parallel region.
+#[derive(Debug)]
+pub struct Tp<'a> {
+    /// The communicator.
+    pub comm: &'a mut dyn Collectives,
+    /// The tensor-parallel group.
+    pub group: &'a Group,
+    /// Sequence parallelism.
+    pub sp: bool,
+}
+
+impl Tp<'_> {
+    fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// All-gather of row slices (sequence parallel), else identity.
+    fn gather_rows(&mut self, x: Vec<f32>) -> Result<Vec<f32>, CommError> {
+        if !self.sp || self.size() == 1 {
+            return Ok(x);
+        }
+        let mut out = vec![0.0; x.len() * self.size()];
+        self.comm.all_gather(self.group, &x, &mut out)?;
+        Ok(out)
+    }
+
+    /// Sum of partial results: reduce-scatter over rows (sequence parallel), else all-reduce.
+    fn reduce_rows(&mut self, mut x: Vec<f32>) -> Result<Vec<f32>, CommError> {
+        let n = self.size();
+        if n == 1 {
+            return Ok(x);
+        }
+        if self.sp {
+            let mut out = vec![0.0; x.len() / n];
+            self.comm.reduce_scatter_sum(self.group, &x, &mut out)?;
+            Ok(out)
+        } else {
+            self.comm.all_reduce_sum(self.group, &mut x)?;
+            Ok(x)
+        }
+    }
+
+    /// Entering the tensor-parallel region, forward (`f` / `ḡ`).
+    fn enter_fwd(&mut self, x: Vec<f32>) -> Result<Vec<f32>, CommError> {
+        self.gather_rows(x)
+    }
+
+    /// Entering the tensor-parallel region, backward.
+    fn enter_bwd(&mut self, dx: Vec<f32>) -> Result<Vec<f32>, CommError> {
+        self.reduce_rows(dx)
+    }
+
+    /// Leaving the tensor-parallel region, forward (`g` / `g̅`).
+    fn exit_fwd(&mut self, x: Vec<f32>) -> Result<Vec<f32>, CommError> {
+        self.reduce_rows(x)
+    }
+
+    /// Leaving the tensor-parallel region, backward.
+    fn exit_bwd(&mut self, dx: Vec<f32>) -> Result<Vec<f32>, CommError> {
+        self.gather_rows(dx)
+    }
+}
+
+/// What a block keeps from forward for backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Keep {
+    /// Every activation.
+    All,
+    /// Everything but the attention probabilities and the MLP activation output, which backward
+    /// recomputes (selective recomputation).
+    Selective,
+    /// Only the block input; backward reruns the forward (full recomputation).
+    Input,
+}
+
+/// Sizes of one micro-batch pass.
+#[derive(Clone, Copy, Debug)]
+pub struct Pass {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+}
+
+/// Activations of one block kept for backward.
+#[derive(Debug)]
+pub struct BlockCache {
+    x: Vec<f32>,
+    inner: Option<BlockSaved>,
+}
+
+#[derive(Debug)]
+struct BlockSaved {
+    n1: Vec<f32>,
+    st1: Vec<[f32; 2]>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    probs: Option<Vec<f32>>,
+    o: Vec<f32>,
+    x2: Vec<f32>,
+    n2: Vec<f32>,
+    st2: Vec<[f32; 2]>,
+    u: Vec<f32>,
+    up: Option<Vec<f32>>,
+    act: Option<Vec<f32>>,
+}
+
+fn slice<'a>(p: &'a [f32], r: &Option<Range<usize>>) -> Option<&'a [f32]> {
+    r.as_ref().map(|r| &p[r.clone()])
+}
+
+/// Forward of one block on local rows `x` with (local) parameters `p`.
+pub fn block_fwd(
+    d: &Dims,
+    l: &BlockLayout,
+    p: &[f32],
+    x: Vec<f32>,
+    tp: &mut Tp<'_>,
+    pass: Pass,
+    keep: Keep,
+) -> Result<(Vec<f32>, BlockCache), CommError> {
+    let (y, saved) = block_fwd_inner(d, l, p, &x, tp, pass, keep)?;
+    Ok((y, BlockCache { x, inner: saved }))
+}
+
+fn block_fwd_inner(
+    d: &Dims,
+    l: &BlockLayout,
+    p: &[f32],
+    x: &[f32],
+    tp: &mut Tp<'_>,
+    pass: Pass,
+    keep: Keep,
+) -> Result<(Vec<f32>, Option<BlockSaved>), CommError> {
+    let t = tp.size();
+    let (h, hd) = (d.h, d.hd);
+    let (nh, nkv, f) = (d.heads / t, d.kv_heads / t, d.ffn / t);
+    let (qw, kw) = (nh * hd, nkv * hd);
+    let rows = x.len() / h;
+    let mut n1 = vec![0.0; rows * h];
+    let st1 = norm_fwd(&mut n1, x, &p[l.ln1_w.clone()], slice(p, &l.ln1_b), d.rms);
+    let n1 = tp.enter_fwd(n1)?;
+    let tt = n1.len() / h;
+    let lin = |x: &[f32], w: &Range<usize>, b: &Option<Range<usize>>, n: usize| {
+        let mut y = vec![0.0; tt * n];
+        mm(&mut y, x, &p[w.clone()], tt, h, n, false);
+        if let Some(b) = slice(p, b) {
+            add_bias(&mut y, b);
+        }
+        y
+    };
+    let mut q = lin(&n1, &l.wq, &l.bq, qw);
+    let mut k = lin(&n1, &l.wk, &l.bk, kw);
+    let v = lin(&n1, &l.wv, &l.bv, kw);
+    if d.rope {
+        let s = pass.seq;
+        rope(&mut q, nh, hd, |r| r % s, false);
+        rope(&mut k, nkv, hd, |r| r % s, false);
+    }
+    let mut o = vec![0.0; tt * qw];
+    let probs = attention_fwd(
+        &mut o,
+        &q,
+        &k,
+        &v,
+        pass.batch,
+        pass.seq,
+        nh,
+        nkv,
+        hd,
+        keep == Keep::All,
+    );
+    let mut a = vec![0.0; tt * h];
+    mm(&mut a, &o, &p[l.wo.clone()], tt, qw, h, false);
+    let mut a = tp.exit_fwd(a)?;
+    if let Some(b) = slice(p, &l.bo) {
+        add_bias(&mut a, b);
+    }
+    add_into(&mut a, x);
+    let x2 = a;
+    let mut n2 = vec![0.0; rows * h];
+    let st2 = norm_fwd(&mut n2, &x2, &p[l.ln2_w.clone()], slice(p, &l.ln2_b), d.rms);
+    let n2 = tp.enter_fwd(n2)?;
+    let mut u = vec![0.0; tt * f];
+    mm(&mut u, &n2, &p[l.w_in.clone()], tt, h, f, false);
+    if let Some(b) = slice(p, &l.b_in) {
+        add_bias(&mut u, b);
+    }
+    let up = l.w_up.as_ref().map(|w| {
+        let mut y = vec![0.0; tt * f];
+        mm(&mut y, &n2, &p[w.clone()], tt, h, f, false);
+        y
+    });
+    let act = activation(&u, up.as_deref());
+    let mut m = vec![0.0; tt * h];
+    mm(&mut m, &act, &p[l.w_out.clone()], tt, f, h, false);
+    let mut m = tp.exit_fwd(m)?;
+    if let Some(b) = slice(p, &l.b_out) {
+        add_bias(&mut m, b);
+    }
+    add_into(&mut m, &x2);
+    let saved = (keep != Keep::Input).then(|| BlockSaved {
+        n1,
+        st1,
+        q,
+        k,
+        v,
+        probs,
+        o,
+        x2,
+        n2,
+        st2,
+        u,
+        up,
+        act: (keep == Keep::All).then_some(act),
+    });
+    Ok((m, saved))
+}
+
+/// GeLU(u), or SiLU(gate) · up for SwiGLU.
+fn activation(u: &[f32], up: Option<&[f32]>) -> Vec<f32> {
+    match up {
+        None => u.iter().map(|x| gelu(*x)).collect(),
+        Some(up) => u.iter().zip(up).map(|(g, v)| g * sigmoid(*g) * v).collect(),
+    }
+}
+
+/// Backward of one block: accumulates parameter gradients into `g` (the unit's gradient
+/// buffer) and returns the input gradient. Full recomputation reruns the forward first.
+#[allow(clippy::too_many_arguments)]
+pub fn block_bwd(
+    d: &Dims,
+    l: &BlockLayout,
+    p: &[f32],
+    g: &mut [f32],
+    cache: BlockCache,
+    dy: Vec<f32>,
+    tp: &mut Tp<'_>,
+    pass: Pass,
+) -> Result<Vec<f32>, CommError> {
+    let x = cache.x;
+    let s = match cache.inner {
+        Some(s) => s,
+        None => match block_fwd_inner(d, l, p, &x, tp, pass, Keep::All)?.1 {
+            Some(s) => s,
+            None => unreachable!("Keep::All saves activations"),
+        },
+    };
+    let t = tp.size();
+    let (h, hd) = (d.h, d.hd);
+    let (nh, nkv, f) = (d.heads / t, d.kv_heads / t, d.ffn / t);
+    let (qw, kw) = (nh * hd, nkv * hd);
+    let rows = x.len() / h;
+    let tt = s.n1.len() / h;
+
+    // MLP.
+    let mut dx2 = dy;
+    if let Some(r) = &l.b_out {
+        bias_grad(&mut g[r.clone()], &dx2);
+    }
+    let dm = tp.exit_bwd(dx2.clone())?;
+    let act = match s.act {
+        Some(a) => a,
+        None => activation(&s.u, s.up.as_deref()),
+    };
+    mm_tn(&mut g[l.w_out.clone()], &act, &dm, tt, f, h, true);
+    drop(act);
+    let mut dact = vec![0.0; tt * f];
+    mm_nt(&mut dact, &dm, &p[l.w_out.clone()], tt, f, h, false);
+    let mut dn2 = vec![0.0; tt * h];
+    match (&s.up, &l.w_up) {
+        (Some(up), Some(w_up)) => {
+            // act = silu(u) · up
+            let mut dup = vec![0.0; tt * f];
+            for i in 0..tt * f {
+                let gt = s.u[i];
+                let sg = sigmoid(gt);
+                dup[i] = dact[i] * gt * sg;
+                dact[i] *= up[i] * sg * (1.0 + gt * (1.0 - sg));
+            }
+            mm_tn(&mut g[w_up.clone()], &s.n2, &dup, tt, h, f, true);
+            mm_nt(&mut dn2, &dup, &p[w_up.clone()], tt, h, f, false);
+        }
+        _ => {
+            for (da, u) in dact.iter_mut().zip(&s.u) {
+                *da *= gelu_grad(*u);
+            }
+        }
+    }
+    let du = dact;
+    if let Some(r) = &l.b_in {
+        bias_grad(&mut g[r.clone()], &du);
+    }
+    mm_tn(&mut g[l.w_in.clone()], &s.n2, &du, tt, h, f, true);
+    mm_nt(&mut dn2, &du, &p[l.w_in.clone()], tt, h, f, true);
+    let dn2 = tp.enter_bwd(dn2)?;
+    let (lo, hi) = split_two(g, &l.ln2_w, &l.ln2_b);
+    norm_bwd(
+        &mut dx2,
+        &dn2,
+        &s.x2,
+        &s.st2,
+        &p[l.ln2_w.clone()],
+        lo,
+        hi,
+        d.rms,
+        true,
+    );
+
+    // Attention.
+    if let Some(r) = &l.bo {
+        bias_grad(&mut g[r.clone()], &dx2);
+    }
+    let da = tp.exit_bwd(dx2.clone())?;
+    mm_tn(&mut g[l.wo.clone()], &s.o, &da, tt, qw, h, true);
+    let mut d_o = vec![0.0; tt * qw];
+    mm_nt(&mut d_o, &da, &p[l.wo.clone()], tt, qw, h, false);
+    let (mut dq, mut dk, mut dv) = (vec![0.0; tt * qw], vec![0.0; tt * kw], vec![0.0; tt * kw]);
+    attention_bwd(
+        &mut dq,
+        &mut dk,
+        &mut dv,
+        &d_o,
+        &s.q,
+        &s.k,
+        &s.v,
+        s.probs.as_deref(),
+        pass.batch,
+        pass.seq,
+        nh,
+        nkv,
+        hd,
+    );
+    if d.rope {
+        let sq = pass.seq;
+        rope(&mut dq, nh, hd, |r| r % sq, true);
+        rope(&mut dk, nkv, hd, |r| r % sq, true);
+    }
+    let mut dn1 = vec![0.0; tt * h];
+    for (dz, w, b, n) in [
+        (&dq, &l.wq, &l.bq, qw),
+        (&dk, &l.wk, &l.bk, kw),
+        (&dv, &l.wv, &l.bv, kw),
+    ] {
+        if let Some(r) = b {
+            bias_grad(&mut g[r.clone()], dz);
+        }
+        mm_tn(&mut g[w.clone()], &s.n1, dz, tt, h, n, true);
+        mm_nt(&mut dn1, dz, &p[w.clone()], tt, h, n, true);
+    }
+    let dn1 = tp.enter_bwd(dn1)?;
+    let mut dx = dx2;
+    debug_assert_eq!(dx.len(), rows * h);
+    let (lo, hi) = split_two(g, &l.ln1_w, &l.ln1_b);
+    norm_bwd(
+        &mut dx,
+        &dn1,
+        &x,
+        &s.st1,
+        &p[l.ln1_w.clone()],
+        lo,
+        hi,
+        d.rms,
+        true,
+    );
+    Ok(dx)
+}
+
+/// Two disjoint mutable ranges of `g` (the second optional; it must follow the first).
+fn split_two<'a>(
+    g: &'a mut [f32],
+    a: &Range<usize>,
+    b: &Option<Range<usize>>,
+) -> (&'a mut [f32], Option<&'a mut [f32]>) {
+    match b {
+        None => (&mut g[a.clone()], None),
+        Some(b) => {
+            assert!(a.end <= b.start, "ranges out of order");
+            let (left, right) = g.split_at_mut(b.start);
+            (&mut left[a.clone()], Some(&mut right[..b.len()]))
+        }
+    }
+}
+
+/// Embedding forward for local rows `rows` of a micro-batch (`tokens` are the micro-batch's,
+/// all rows; positions are `row % seq`).
+pub fn embed_fwd(
+    d: &Dims,
+    wte: &[f32],
+    wpe: Option<&[f32]>,
+    tokens: &[u32],
+    rows: Range<usize>,
+    seq: usize,
+) -> Vec<f32> {
+    let h = d.h;
+    let mut x = vec![0.0; rows.len() * h];
+    for (i, r) in rows.enumerate() {
+        let t = tokens[r] as usize;
+        let xr = &mut x[i * h..(i + 1) * h];
+        xr.copy_from_slice(&wte[t * h..(t + 1) * h]);
+        if let Some(wpe) = wpe {
+            let pos = r % seq;
+            add_into(xr, &wpe[pos * h..(pos + 1) * h]);
+        }
+    }
+    x
+}
+
+/// Embedding backward: scatter-adds `dx` into the table gradients.
+pub fn embed_bwd(
+    d: &Dims,
+    dwte: &mut [f32],
+    dwpe: Option<&mut [f32]>,
+    tokens: &[u32],
+    rows: Range<usize>,
+    seq: usize,
+    dx: &[f32],
+) {
+    let h = d.h;
+    let mut dwpe = dwpe;
+    for (i, r) in rows.enumerate() {
+        let t = tokens[r] as usize;
+        let g = &dx[i * h..(i + 1) * h];
+        add_into(&mut dwte[t * h..(t + 1) * h], g);
+        if let Some(dwpe) = dwpe.as_deref_mut() {
+            let pos = r % seq;
+            add_into(&mut dwpe[pos * h..(pos + 1) * h], g);
+        }
+    }
+}
+
+/// What the head keeps for backward.
+#[derive(Debug)]
+pub struct HeadCache {
+    x: Vec<f32>,
+    hf: Vec<f32>,
+    st: Vec<[f32; 2]>,
+    dlogits: Vec<f32>,
+}
+
+/// Head forward on local rows: final norm, logits against `w_out` (`[vocab, hidden]`: the
+/// embedding when tied), cross-entropy against `targets` (the local rows'). Returns the summed
+/// loss; the gradient of `scale · loss` is kept for backward.
+#[allow(clippy::too_many_arguments)]
+pub fn head_fwd(
+    d: &Dims,
+    l: &HeadLayout,
+    p: &[f32],
+    w_out: &[f32],
+    x: Vec<f32>,
+    targets: &[u32],
+    scale: f32,
+) -> (f64, HeadCache) {
+    let (h, v) = (d.h, d.vocab);
+    let rows = x.len() / h;
+    let mut hf = vec![0.0; rows * h];
+    let st = norm_fwd(
+        &mut hf,
+        &x,
+        &p[l.norm_w.clone()],
+        slice(p, &l.norm_b),
+        d.rms,
+    );
+    let mut logits = vec![0.0; rows * v];
+    mm_nt(&mut logits, &hf, w_out, rows, v, h, false);
+    let loss = cross_entropy(&mut logits, targets, v, scale);
+    (
+        loss,
+        HeadCache {
+            x,
+            hf,
+            st,
+            dlogits: logits,
+        },
+    )
+}
+
+/// The head's unembedding weight: the untied LM head in `p`, else `None` (use the embedding).
+pub fn head_own_weight<'a>(l: &HeadLayout, p: &'a [f32]) -> Option<&'a [f32]> {
+    slice(p, &l.lm_head)
+}
+
+/// Head backward: accumulates the final norm's gradients (and the untied LM head's) into `g`,
+/// the tied embedding's gradient into `tied_dw`, and returns the input gradient. `w_out` is
+/// the unembedding weight used in forward.
+#[allow(clippy::too_many_arguments)]
+pub fn head_bwd(
+    d: &Dims,
+    l: &HeadLayout,
+    p: &[f32],
+    g: &mut [f32],
+    w_out: &[f32],
+    tied_dw: Option<&mut [f32]>,
+    c: HeadCache,
+) -> Vec<f32> {
+    let (h, v) = (d.h, d.vocab);
+    let rows = c.x.len() / h;
+    let (gn, dw) = match &l.lm_head {
+        Some(r) => {
+            let (a, b) = g.split_at_mut(r.start);
+            (a, Some(&mut b[..r.len()]))
+        }
+        None => (g, tied_dw),
+    };
+    if let Some(dw) = dw {
+        mm_tn(dw, &c.dlogits, &c.hf, rows, v, h, true);
+    }
+    let mut dhf = vec![0.0; rows * h];
+    mm(&mut dhf, &c.dlogits, w_out, rows, v, h, false);
+    let mut dx = vec![0.0; rows * h];
+    let (lo, hi) = split_two(gn, &l.norm_w, &l.norm_b);
+    norm_bwd(
+        &mut dx,
+        &dhf,
+        &c.x,
+        &c.st,
+        &p[l.norm_w.clone()],
+        lo,
+        hi,
+        d.rms,
+        false,
+    );
+    dx
+}
+
+/// Range of the untied LM head in the head unit, if any.
+pub fn head_weight_range(l: &HeadLayout) -> Option<Range<usize>> {
+    l.lm_head.clone()
+}

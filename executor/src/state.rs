@@ -1,0 +1,245 @@
+//! Layout-independent training state (every tensor whole, with its Adam moments) and
+//! checkpoints on disk, written atomically.
+//!
+//! A checkpoint is a directory `DIR/step-NNNNNNNN/` holding `state.json` (schema, step, model,
+//! tensor names, shapes and offsets) and `tensors.bin` (little-endian f32: for each tensor its
+//! parameters, first and second moments). It is written under a temporary name and renamed
+//! into place, then `DIR/LATEST` (the name of the newest) is replaced by write-and-rename, so
+//! an interrupted save never leaves a half-written checkpoint where a reader looks.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Schema tag of checkpoint headers.
+pub const CHECKPOINT_SCHEMA: &str = "parallax-checkpoint/1";
+
+/// One tensor with its optimizer state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorState {
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Values.
+    pub param: Vec<f32>,
+    /// Adam first moment.
+    pub m: Vec<f32>,
+    /// Adam second moment.
+    pub v: Vec<f32>,
+}
+
+/// The whole training state after `step` optimizer steps.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ModelState {
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// Tensors by global name.
+    pub tensors: BTreeMap<String, TensorState>,
+}
+
+impl ModelState {
+    /// Largest relative difference between two states' parameters, per tensor as
+    /// `‖a − b‖ / ‖b‖`, with the name of the worst tensor. Missing tensors count as 1.
+    pub fn max_relative_diff(&self, other: &ModelState) -> (f64, String) {
+        self.max_relative_diff_where(other, |_| true)
+    }
+
+    /// [`ModelState::max_relative_diff`] over the tensors whose name passes `keep`.
+    pub fn max_relative_diff_where(
+        &self,
+        other: &ModelState,
+        keep: impl Fn(&str) -> bool,
+    ) -> (f64, String) {
+        let mut worst = (0.0, String::new());
+        for (name, b) in other.tensors.iter().filter(|(n, _)| keep(n)) {
+            let d = match self.tensors.get(name) {
+                Some(a) if a.param.len() == b.param.len() => {
+                    let num: f64 = a
+                        .param
+                        .iter()
+                        .zip(&b.param)
+                        .map(|(x, y)| f64::from(x - y).powi(2))
+                        .sum();
+                    let den: f64 = b.param.iter().map(|y| f64::from(*y).powi(2)).sum();
+                    (num / den.max(1e-30)).sqrt()
+                }
+                _ => 1.0,
+            };
+            if d > worst.0 || worst.1.is_empty() {
+                worst = (d, name.clone());
+            }
+        }
+        worst
+    }
+
+    /// Parameter count.
+    pub fn params(&self) -> usize {
+        self.tensors.values().map(|t| t.param.len()).sum()
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Header {
+    schema: String,
+    step: u64,
+    /// Free-form description of what produced it (model and layout), for people.
+    about: serde_json::Value,
+    tensors: Vec<Entry>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Entry {
+    name: String,
+    shape: Vec<usize>,
+    /// Offset in f32 elements of the parameters; moments follow.
+    offset: usize,
+}
+
+fn io_err(path: &Path, e: impl std::fmt::Display) -> (String, String) {
+    (path.display().to_string(), e.to_string())
+}
+
+/// Writes `state` as a new checkpoint in `dir` (created if needed) and points `LATEST` at it.
+/// `about` is recorded for people. Returns the checkpoint's directory. Errors are
+/// `(path, reason)`.
+pub fn save(
+    dir: &Path,
+    state: &ModelState,
+    about: serde_json::Value,
+) -> Result<PathBuf, (String, String)> {
+    std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+    let name = format!("step-{:08}", state.step);
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let fin = dir.join(&name);
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io_err(&tmp, e))?;
+    }
+    std::fs::create_dir(&tmp).map_err(|e| io_err(&tmp, e))?;
+    let mut bin = Vec::new();
+    let mut entries = Vec::new();
+    for (name, t) in &state.tensors {
+        entries.push(Entry {
+            name: name.clone(),
+            shape: t.shape.clone(),
+            offset: bin.len() / 4,
+        });
+        for part in [&t.param, &t.m, &t.v] {
+            for x in part.iter() {
+                bin.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+    }
+    let header = Header {
+        schema: CHECKPOINT_SCHEMA.into(),
+        step: state.step,
+        about,
+        tensors: entries,
+    };
+    let json = serde_json::to_string_pretty(&header).map_err(|e| io_err(&tmp, e))?;
+    write_synced(&tmp.join("tensors.bin"), &bin)?;
+    write_synced(&tmp.join("state.json"), json.as_bytes())?;
+    if fin.exists() {
+        std::fs::remove_dir_all(&fin).map_err(|e| io_err(&fin, e))?;
+    }
+    std::fs::rename(&tmp, &fin).map_err(|e| io_err(&fin, e))?;
+    let latest_tmp = dir.join(format!(".LATEST.tmp-{}", std::process::id()));
+    write_synced(&latest_tmp, format!("{name}\n").as_bytes())?;
+    std::fs::rename(&latest_tmp, dir.join("LATEST")).map_err(|e| io_err(&dir.join("LATEST"), e))?;
+    Ok(fin)
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), (String, String)> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).map_err(|e| io_err(path, e))?;
+    f.write_all(bytes).map_err(|e| io_err(path, e))?;
+    f.sync_all().map_err(|e| io_err(path, e))
+}
+
+/// Reads the checkpoint `LATEST` points to in `dir` (or `dir` itself when it holds a
+/// `state.json`). Errors are `(path, reason)`.
+pub fn load(dir: &Path) -> Result<ModelState, (String, String)> {
+    let ck = if dir.join("state.json").is_file() {
+        dir.to_path_buf()
+    } else {
+        let latest = dir.join("LATEST");
+        let name = std::fs::read_to_string(&latest)
+            .map_err(|e| io_err(&latest, format!("no checkpoint here ({e})")))?;
+        dir.join(name.trim())
+    };
+    let hpath = ck.join("state.json");
+    let text = std::fs::read_to_string(&hpath).map_err(|e| io_err(&hpath, e))?;
+    let header: Header = serde_json::from_str(&text).map_err(|e| io_err(&hpath, e))?;
+    if header.schema != CHECKPOINT_SCHEMA {
+        return Err(io_err(
+            &hpath,
+            format!("schema '{}', expected '{CHECKPOINT_SCHEMA}'", header.schema),
+        ));
+    }
+    let bpath = ck.join("tensors.bin");
+    let bytes = std::fs::read(&bpath).map_err(|e| io_err(&bpath, e))?;
+    if bytes.len() % 4 != 0 {
+        return Err(io_err(&bpath, "length is not a multiple of 4 bytes"));
+    }
+    let floats: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let mut tensors = BTreeMap::new();
+    for e in header.tensors {
+        let n: usize = e.shape.iter().product();
+        let end = e.offset + 3 * n;
+        if end > floats.len() {
+            return Err(io_err(
+                &bpath,
+                format!("truncated: tensor '{}' runs past the end", e.name),
+            ));
+        }
+        let part = |k: usize| floats[e.offset + k * n..e.offset + (k + 1) * n].to_vec();
+        tensors.insert(
+            e.name,
+            TensorState {
+                shape: e.shape,
+                param: part(0),
+                m: part(1),
+                v: part(2),
+            },
+        );
+    }
+    Ok(ModelState {
+        step: header.step,
+        tensors,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoints_round_trip_and_latest_moves() {
+        let dir = std::env::temp_dir().join(format!("parallax-ck-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut s = ModelState {
+            step: 3,
+            tensors: BTreeMap::new(),
+        };
+        s.tensors.insert(
+            "w".into(),
+            TensorState {
+                shape: vec![2, 2],
+                param: vec![1.0, -2.0, 3.5, f32::MIN_POSITIVE],
+                m: vec![0.1; 4],
+                v: vec![0.2; 4],
+            },
+        );
+        save(&dir, &s, serde_json::json!({"model": "test"})).unwrap();
+        assert_eq!(load(&dir).unwrap(), s);
+        s.step = 4;
+        save(&dir, &s, serde_json::Value::Null).unwrap();
+        assert_eq!(load(&dir).unwrap().step, 4);
+        assert_eq!(load(&dir.join("step-00000003")).unwrap().step, 3);
+        assert!(load(&dir.join("nope")).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,696 @@
+//! fp32 kernels on flat row-major buffers: a strided matrix view over which the `gemm` crate
+//! multiplies, and the pointwise, normalisation, attention and loss kernels of the transformer
+//! with their hand-written gradients.
+
+/// A read-only strided matrix view: element `(i, j)` is `data[off + i * rs + j * cs]`.
+#[derive(Clone, Copy, Debug)]
+pub struct MatRef<'a> {
+    data: &'a [f32],
+    off: usize,
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a> MatRef<'a> {
+    /// A dense row-major `rows × cols` matrix at the start of `data`.
+    pub fn new(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        MatRef::strided(data, 0, rows, cols, cols, 1)
+    }
+
+    /// A general strided view. Panics (a programming error, never user input) when it reaches
+    /// past `data`.
+    pub fn strided(
+        data: &'a [f32],
+        off: usize,
+        rows: usize,
+        cols: usize,
+        rs: usize,
+        cs: usize,
+    ) -> Self {
+        assert!(
+            span(off, rows, cols, rs, cs) <= data.len(),
+            "matrix view {rows}x{cols} (rs {rs}, cs {cs}, off {off}) exceeds buffer of {}",
+            data.len()
+        );
+        MatRef {
+            data,
+            off,
+            rows,
+            cols,
+            rs,
+            cs,
+        }
+    }
+
+    /// The transpose (a view; nothing moves).
+    pub fn t(self) -> Self {
+        MatRef {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+}
+
+/// A mutable strided matrix view.
+#[derive(Debug)]
+pub struct MatMut<'a> {
+    data: &'a mut [f32],
+    off: usize,
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a> MatMut<'a> {
+    /// A dense row-major `rows × cols` matrix at the start of `data`.
+    pub fn new(data: &'a mut [f32], rows: usize, cols: usize) -> Self {
+        MatMut::strided(data, 0, rows, cols, cols, 1)
+    }
+
+    /// A general strided view; panics when it reaches past `data`.
+    pub fn strided(
+        data: &'a mut [f32],
+        off: usize,
+        rows: usize,
+        cols: usize,
+        rs: usize,
+        cs: usize,
+    ) -> Self {
+        assert!(
+            span(off, rows, cols, rs, cs) <= data.len(),
+            "matrix view {rows}x{cols} (rs {rs}, cs {cs}, off {off}) exceeds buffer of {}",
+            data.len()
+        );
+        MatMut {
+            data,
+            off,
+            rows,
+            cols,
+            rs,
+            cs,
+        }
+    }
+}
+
+/// One past the largest index a view touches (0 for an empty view).
+fn span(off: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        off + (rows - 1) * rs + (cols - 1) * cs + 1
+    }
+}
+
+/// Whether `gemm` may use several threads (only when one rank owns the whole machine).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Threads {
+    /// The calling thread only (one rank per core).
+    #[default]
+    One,
+    /// Up to this many threads (rayon).
+    Many(usize),
+}
+
+/// `c = a · b` (or `c += a · b` when `accumulate`), fp32, through the `gemm` crate's packed
+/// SIMD kernels.
+pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool, threads: Threads) {
+    assert!(
+        a.rows == c.rows && b.cols == c.cols && a.cols == b.rows,
+        "matmul shapes: {}x{} · {}x{} -> {}x{}",
+        a.rows,
+        a.cols,
+        b.rows,
+        b.cols,
+        c.rows,
+        c.cols
+    );
+    let (m, n, k) = (c.rows, c.cols, a.cols);
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                for j in 0..n {
+                    c.data[c.off + i * c.rs + j * c.cs] = 0.0;
+                }
+            }
+        }
+        return;
+    }
+    let par = match threads {
+        Threads::One => gemm::Parallelism::None,
+        Threads::Many(t) => gemm::Parallelism::Rayon(t.max(1)),
+    };
+    let isz = |x: usize| x as isize;
+    // SAFETY: the views were bounds-checked on construction (`span` <= len) and the shapes
+    // agree (asserted above), so every element gemm reads or writes lies inside the slices; `c`
+    // is borrowed mutably, so it cannot alias `a` or `b`.
+    #[allow(unsafe_code)]
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.data.as_mut_ptr().add(c.off),
+            isz(c.cs),
+            isz(c.rs),
+            accumulate,
+            a.data.as_ptr().add(a.off),
+            isz(a.cs),
+            isz(a.rs),
+            b.data.as_ptr().add(b.off),
+            isz(b.cs),
+            isz(b.rs),
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+}
+
+/// `y[rows × n] = x[rows × k] · w[k × n]` (+= when `acc`), dense row-major.
+pub fn mm(y: &mut [f32], x: &[f32], w: &[f32], rows: usize, k: usize, n: usize, acc: bool) {
+    matmul(
+        MatMut::new(y, rows, n),
+        MatRef::new(x, rows, k),
+        MatRef::new(w, k, n),
+        acc,
+        Threads::One,
+    );
+}
+
+/// `y[rows × k] (+)= dy[rows × n] · w[k × n]ᵀ` (input gradient of [`mm`]).
+pub fn mm_nt(y: &mut [f32], dy: &[f32], w: &[f32], rows: usize, k: usize, n: usize, acc: bool) {
+    matmul(
+        MatMut::new(y, rows, k),
+        MatRef::new(dy, rows, n),
+        MatRef::new(w, k, n).t(),
+        acc,
+        Threads::One,
+    );
+}
+
+/// `dw[k × n] (+)= x[rows × k]ᵀ · dy[rows × n]` (weight gradient of [`mm`]).
+pub fn mm_tn(dw: &mut [f32], x: &[f32], dy: &[f32], rows: usize, k: usize, n: usize, acc: bool) {
+    matmul(
+        MatMut::new(dw, k, n),
+        MatRef::new(x, rows, k).t(),
+        MatRef::new(dy, rows, n),
+        acc,
+        Threads::One,
+    );
+}
+
+/// Adds a bias row vector to every row.
+pub fn add_bias(y: &mut [f32], b: &[f32]) {
+    for row in y.chunks_exact_mut(b.len()) {
+        for (v, bb) in row.iter_mut().zip(b) {
+            *v += bb;
+        }
+    }
+}
+
+/// Accumulates the column sums of `dy` into `db` (bias gradient).
+pub fn bias_grad(db: &mut [f32], dy: &[f32]) {
+    for row in dy.chunks_exact(db.len()) {
+        for (g, d) in db.iter_mut().zip(row) {
+            *g += d;
+        }
+    }
+}
+
+/// `a += b` elementwise.
+pub fn add_into(a: &mut [f32], b: &[f32]) {
+    for (x, y) in a.iter_mut().zip(b) {
+        *x += y;
+    }
+}
+
+/// Normalisation epsilon (PyTorch's LayerNorm default and Llama's RMSNorm `rms_norm_eps`).
+pub const NORM_EPS: f32 = 1e-5;
+
+/// LayerNorm (`w`, optional `b`) or RMSNorm (`b` is `None` and `rms`) over rows of width
+/// `w.len()`. Returns per-row `(mean, rstd)` for the backward (mean is 0 for RMSNorm).
+pub fn norm_fwd(
+    y: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    b: Option<&[f32]>,
+    rms: bool,
+) -> Vec<[f32; 2]> {
+    let h = w.len();
+    let mut stats = Vec::with_capacity(x.len() / h);
+    for (yr, xr) in y.chunks_exact_mut(h).zip(x.chunks_exact(h)) {
+        let mean = if rms {
+            0.0
+        } else {
+            xr.iter().sum::<f32>() / h as f32
+        };
+        let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
+        let rstd = 1.0 / (var + NORM_EPS).sqrt();
+        for j in 0..h {
+            let xhat = (xr[j] - mean) * rstd;
+            yr[j] = xhat * w[j] + b.map_or(0.0, |b| b[j]);
+        }
+        stats.push([mean, rstd]);
+    }
+    stats
+}
+
+/// Backward of [`norm_fwd`]: `dx` (overwritten, or accumulated when `acc`), `dw`, `db` accumulated.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_bwd(
+    dx: &mut [f32],
+    dy: &[f32],
+    x: &[f32],
+    stats: &[[f32; 2]],
+    w: &[f32],
+    dw: &mut [f32],
+    mut db: Option<&mut [f32]>,
+    rms: bool,
+    acc: bool,
+) {
+    let h = w.len();
+    let mut dxhat = vec![0.0f32; h];
+    for (r, ((dxr, dyr), xr)) in dx
+        .chunks_exact_mut(h)
+        .zip(dy.chunks_exact(h))
+        .zip(x.chunks_exact(h))
+        .enumerate()
+    {
+        let [mean, rstd] = stats[r];
+        let (mut s1, mut s2) = (0.0f32, 0.0f32);
+        for j in 0..h {
+            let xhat = (xr[j] - mean) * rstd;
+            dw[j] += dyr[j] * xhat;
+            if let Some(db) = db.as_deref_mut() {
+                db[j] += dyr[j];
+            }
+            dxhat[j] = dyr[j] * w[j];
+            s1 += dxhat[j];
+            s2 += dxhat[j] * xhat;
+        }
+        let (m1, m2) = (if rms { 0.0 } else { s1 / h as f32 }, s2 / h as f32);
+        for j in 0..h {
+            let xhat = (xr[j] - mean) * rstd;
+            let g = rstd * (dxhat[j] - m1 - xhat * m2);
+            if acc {
+                dxr[j] += g;
+            } else {
+                dxr[j] = g;
+            }
+        }
+    }
+}
+
+const GELU_C: f32 = 0.797_884_6; // sqrt(2 / pi)
+
+/// GeLU, tanh approximation (GPT-2's `gelu_new`).
+pub fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + (GELU_C * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// Derivative of [`gelu`].
+pub fn gelu_grad(x: f32) -> f32 {
+    let u = GELU_C * (x + 0.044_715 * x * x * x);
+    let t = u.tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * 0.044_715 * x * x)
+}
+
+/// Logistic sigmoid.
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Rotary embedding base (Su et al. 2021; Llama's `rope_theta`).
+pub const ROPE_BASE: f32 = 10_000.0;
+
+/// Applies (or, with `inverse`, un-applies — the backward) rotary embeddings in place to `x`
+/// of `rows × (heads · hd)`, row `t` at position `pos(t)`; pairs `(i, i + hd/2)` rotate
+/// together (HuggingFace Llama's `rotate_half`).
+pub fn rope(x: &mut [f32], heads: usize, hd: usize, pos: impl Fn(usize) -> usize, inverse: bool) {
+    let half = hd / 2;
+    let width = heads * hd;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| ROPE_BASE.powf(-(2.0 * i as f32) / hd as f32))
+        .collect();
+    for (t, row) in x.chunks_exact_mut(width).enumerate() {
+        let p = pos(t) as f32;
+        for (i, f) in inv_freq.iter().enumerate() {
+            let (s, c) = (p * f).sin_cos();
+            let s = if inverse { -s } else { s };
+            for hh in 0..heads {
+                let base = hh * hd;
+                let (a, b) = (row[base + i], row[base + i + half]);
+                row[base + i] = a * c - b * s;
+                row[base + i + half] = b * c + a * s;
+            }
+        }
+    }
+}
+
+/// Causal softmax attention of `batch` sequences of `seq` tokens, `heads` query heads sharing
+/// `kv_heads` key/value heads (GQA), head size `hd`. `q` is `T × heads·hd`, `k`/`v` are
+/// `T × kv_heads·hd` with `T = batch·seq`. Writes `o` (`T × heads·hd`) and returns the
+/// attention probabilities (`batch · heads · seq · seq`) when `keep_probs`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fwd(
+    o: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    keep_probs: bool,
+) -> Option<Vec<f32>> {
+    let mut all = keep_probs.then(|| vec![0.0f32; batch * heads * seq * seq]);
+    let mut p = vec![0.0f32; seq * seq];
+    for b in 0..batch {
+        for hh in 0..heads {
+            attention_probs(&mut p, q, k, b, hh, seq, heads, kv_heads, hd);
+            let kvh = hh / (heads / kv_heads);
+            let (qw, kw) = (heads * hd, kv_heads * hd);
+            matmul(
+                MatMut::strided(o, b * seq * qw + hh * hd, seq, hd, qw, 1),
+                MatRef::new(&p, seq, seq),
+                MatRef::strided(v, b * seq * kw + kvh * hd, seq, hd, kw, 1),
+                false,
+                Threads::One,
+            );
+            if let Some(all) = all.as_mut() {
+                let at = (b * heads + hh) * seq * seq;
+                all[at..at + seq * seq].copy_from_slice(&p);
+            }
+        }
+    }
+    all
+}
+
+/// Softmax(q kᵀ / √hd) with a causal mask for one sequence and head, into `p` (`seq × seq`).
+#[allow(clippy::too_many_arguments)]
+fn attention_probs(
+    p: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    b: usize,
+    hh: usize,
+    seq: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+) {
+    let kvh = hh / (heads / kv_heads);
+    let (qw, kw) = (heads * hd, kv_heads * hd);
+    matmul(
+        MatMut::new(p, seq, seq),
+        MatRef::strided(q, b * seq * qw + hh * hd, seq, hd, qw, 1),
+        MatRef::strided(k, b * seq * kw + kvh * hd, seq, hd, kw, 1).t(),
+        false,
+        Threads::One,
+    );
+    let scale = 1.0 / (hd as f32).sqrt();
+    for i in 0..seq {
+        let row = &mut p[i * seq..(i + 1) * seq];
+        let mut mx = f32::NEG_INFINITY;
+        for x in row.iter_mut().take(i + 1) {
+            *x *= scale;
+            mx = mx.max(*x);
+        }
+        let mut sum = 0.0;
+        for x in row.iter_mut().take(i + 1) {
+            *x = (*x - mx).exp();
+            sum += *x;
+        }
+        for (j, x) in row.iter_mut().enumerate() {
+            *x = if j <= i { *x / sum } else { 0.0 };
+        }
+    }
+}
+
+/// Backward of [`attention_fwd`]: accumulates into `dq`, `dk`, `dv` (callers zero them). Uses
+/// the saved probabilities when given, else recomputes them from `q` and `k` (selective
+/// recomputation).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd(
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    d_o: &[f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    probs: Option<&[f32]>,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+) {
+    let (qw, kw) = (heads * hd, kv_heads * hd);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut p_buf = vec![0.0f32; seq * seq];
+    let mut dp = vec![0.0f32; seq * seq];
+    for b in 0..batch {
+        for hh in 0..heads {
+            let kvh = hh / (heads / kv_heads);
+            let p: &[f32] = match probs {
+                Some(all) => {
+                    let at = (b * heads + hh) * seq * seq;
+                    &all[at..at + seq * seq]
+                }
+                None => {
+                    attention_probs(&mut p_buf, q, k, b, hh, seq, heads, kv_heads, hd);
+                    &p_buf
+                }
+            };
+            let qoff = b * seq * qw + hh * hd;
+            let koff = b * seq * kw + kvh * hd;
+            // dV += Pᵀ dO; dP = dO Vᵀ
+            matmul(
+                MatMut::strided(dv, koff, seq, hd, kw, 1),
+                MatRef::new(p, seq, seq).t(),
+                MatRef::strided(d_o, qoff, seq, hd, qw, 1),
+                true,
+                Threads::One,
+            );
+            matmul(
+                MatMut::new(&mut dp, seq, seq),
+                MatRef::strided(d_o, qoff, seq, hd, qw, 1),
+                MatRef::strided(v, koff, seq, hd, kw, 1).t(),
+                false,
+                Threads::One,
+            );
+            // dS = P ⊙ (dP − rowsum(dP ⊙ P)) · scale
+            for i in 0..seq {
+                let pr = &p[i * seq..(i + 1) * seq];
+                let dr = &mut dp[i * seq..(i + 1) * seq];
+                let dot: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
+                for (d, pv) in dr.iter_mut().zip(pr) {
+                    *d = pv * (*d - dot) * scale;
+                }
+            }
+            // dQ += dS K; dK += dSᵀ Q
+            matmul(
+                MatMut::strided(dq, qoff, seq, hd, qw, 1),
+                MatRef::new(&dp, seq, seq),
+                MatRef::strided(k, koff, seq, hd, kw, 1),
+                true,
+                Threads::One,
+            );
+            matmul(
+                MatMut::strided(dk, koff, seq, hd, kw, 1),
+                MatRef::new(&dp, seq, seq).t(),
+                MatRef::strided(q, qoff, seq, hd, qw, 1),
+                true,
+                Threads::One,
+            );
+        }
+    }
+}
+
+/// Softmax cross-entropy of `logits` (`rows × vocab`) against `targets`: returns the summed
+/// loss and overwrites `logits` with `scale · (softmax − onehot)`, the gradient of
+/// `scale · loss_sum`.
+pub fn cross_entropy(logits: &mut [f32], targets: &[u32], vocab: usize, scale: f32) -> f64 {
+    let mut total = 0.0f64;
+    for (row, &t) in logits.chunks_exact_mut(vocab).zip(targets) {
+        let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for x in row.iter_mut() {
+            *x = (*x - mx).exp();
+            sum += *x;
+        }
+        let t = t as usize;
+        total -= f64::from((row[t] / sum).max(f32::MIN_POSITIVE).ln());
+        for x in row.iter_mut() {
+            *x *= scale / sum;
+        }
+        row[t] -= scale;
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::SplitMix64;
+
+    fn rand(n: usize, seed: u64) -> Vec<f32> {
+        let mut g = SplitMix64::new(seed);
+        (0..n).map(|_| g.normal() as f32).collect()
+    }
+
+    fn naive(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+        let mut c = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k).map(|l| a[i * k + l] * b[l * n + j]).sum();
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn matmul_matches_naive_with_transposes_and_accumulation() {
+        let (m, k, n) = (7, 13, 5);
+        let (a, b) = (rand(m * k, 1), rand(k * n, 2));
+        let want = naive(&a, &b, m, k, n);
+        let mut c = vec![0.0; m * n];
+        mm(&mut c, &a, &b, m, k, n, false);
+        for (x, y) in c.iter().zip(&want) {
+            assert!((x - y).abs() < 1e-4);
+        }
+        // xᵀ·dy and dy·wᵀ against explicit transposes.
+        let mut dw = vec![1.0; k * n];
+        mm_tn(&mut dw, &a, &naive(&a, &b, m, k, n), m, k, n, true);
+        let at: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
+        let w2 = naive(&at, &want, k, m, n);
+        for (x, y) in dw.iter().zip(&w2) {
+            assert!((x - 1.0 - y).abs() < 1e-3);
+        }
+        let mut dx = vec![0.0; m * k];
+        mm_nt(&mut dx, &want, &b, m, k, n, false);
+        let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+        let x2 = naive(&want, &bt, m, n, k);
+        for (x, y) in dx.iter().zip(&x2) {
+            assert!((x - y).abs() < 1e-3);
+        }
+    }
+
+    /// Central differences of a scalar function of `x` against an analytic gradient.
+    fn check_grad(x: &[f32], analytic: &[f32], f: impl Fn(&[f32]) -> f64) {
+        let eps = 1e-2f32;
+        for i in 0..x.len() {
+            let mut xp = x.to_vec();
+            xp[i] += eps;
+            let mut xm = x.to_vec();
+            xm[i] -= eps;
+            let num = (f(&xp) - f(&xm)) / (2.0 * f64::from(eps));
+            let a = f64::from(analytic[i]);
+            assert!(
+                (num - a).abs() <= 2e-2 * (1.0 + a.abs()),
+                "grad[{i}]: numeric {num} analytic {a}"
+            );
+        }
+    }
+
+    #[test]
+    fn norm_gradients_match_finite_differences() {
+        for rms in [false, true] {
+            let (rows, h) = (3, 8);
+            let x = rand(rows * h, 3);
+            let w = rand(h, 4);
+            let b = rand(h, 5);
+            let dy = rand(rows * h, 6);
+            let bias = (!rms).then_some(&b[..]);
+            let loss = |x: &[f32]| {
+                let mut y = vec![0.0; rows * h];
+                norm_fwd(&mut y, x, &w, bias, rms);
+                y.iter().zip(&dy).map(|(a, b)| f64::from(a * b)).sum()
+            };
+            let mut y = vec![0.0; rows * h];
+            let stats = norm_fwd(&mut y, &x, &w, bias, rms);
+            let (mut dx, mut dw, mut db) = (vec![0.0; rows * h], vec![0.0; h], vec![0.0; h]);
+            norm_bwd(
+                &mut dx,
+                &dy,
+                &x,
+                &stats,
+                &w,
+                &mut dw,
+                Some(&mut db),
+                rms,
+                false,
+            );
+            check_grad(&x, &dx, loss);
+        }
+    }
+
+    #[test]
+    fn attention_gradients_match_finite_differences() {
+        let (batch, seq, heads, kvh, hd) = (2, 4, 4, 2, 4);
+        let t = batch * seq;
+        let q = rand(t * heads * hd, 7);
+        let k = rand(t * kvh * hd, 8);
+        let v = rand(t * kvh * hd, 9);
+        let d_o = rand(t * heads * hd, 10);
+        let run = |q: &[f32], k: &[f32], v: &[f32]| {
+            let mut o = vec![0.0; t * heads * hd];
+            attention_fwd(&mut o, q, k, v, batch, seq, heads, kvh, hd, false);
+            o.iter()
+                .zip(&d_o)
+                .map(|(a, b)| f64::from(a * b))
+                .sum::<f64>()
+        };
+        let mut o = vec![0.0; t * heads * hd];
+        let probs = attention_fwd(&mut o, &q, &k, &v, batch, seq, heads, kvh, hd, true);
+        for saved in [probs.as_deref(), None] {
+            let (mut dq, mut dk, mut dv) =
+                (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+            attention_bwd(
+                &mut dq, &mut dk, &mut dv, &d_o, &q, &k, &v, saved, batch, seq, heads, kvh, hd,
+            );
+            check_grad(&q, &dq, |x| run(x, &k, &v));
+            check_grad(&k, &dk, |x| run(&q, x, &v));
+            check_grad(&v, &dv, |x| run(&q, &k, x));
+        }
+    }
+
+    #[test]
+    fn pointwise_and_loss_gradients() {
+        for x in [-3.0f32, -0.5, 0.0, 0.7, 2.5] {
+            let num = (gelu(x + 1e-3) - gelu(x - 1e-3)) / 2e-3;
+            assert!((num - gelu_grad(x)).abs() < 1e-2);
+        }
+        let logits = rand(3 * 5, 11);
+        let targets = [1u32, 4, 0];
+        let mut g = logits.clone();
+        let loss = cross_entropy(&mut g, &targets, 5, 1.0);
+        assert!(loss > 0.0);
+        check_grad(&logits, &g, |x| {
+            let mut y = x.to_vec();
+            cross_entropy(&mut y, &targets, 5, 1.0)
+        });
+        // Rotary embedding is a rotation: inverse undoes it.
+        let x0 = rand(3 * 8, 12);
+        let mut x = x0.clone();
+        rope(&mut x, 2, 4, |t| t + 1, false);
+        rope(&mut x, 2, 4, |t| t + 1, true);
+        for (a, b) in x.iter().zip(&x0) {
+            assert!((a - b).abs() < 1e-5);
+        }
+    }
+}

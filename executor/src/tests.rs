@@ -1,0 +1,239 @@
+//! Differential tests: every layout trains exactly like one rank (within 1e-4 relative), plus
+//! resume, faults and input errors.
+
+use crate::engine::{Fault, FaultKind, RunSpec};
+use crate::{run, run_threads, Backend, ExecError, ModelState};
+use parallax_ir::models::TransformerConfig;
+use parallax_ir::{Layout, Recompute, Schedule};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+const STEPS: u64 = 5;
+const GLOBAL_BATCH: u64 = 8;
+const SEQ: u64 = 16;
+/// Relative tolerance of losses and parameters against the single-rank run.
+const TOL: f64 = 1e-4;
+
+fn gpt(layers: u32) -> TransformerConfig {
+    TransformerConfig::gpt(layers, 32, 4, 64, 64, 16)
+}
+
+fn llama(layers: u32) -> TransformerConfig {
+    TransformerConfig::llama(layers, 32, 4, 2, 64, 64, 16)
+}
+
+fn spec(model: TransformerConfig, layout: Layout) -> RunSpec {
+    let mut s = RunSpec::new(model, layout, GLOBAL_BATCH, SEQ, STEPS);
+    s.seed = 42;
+    s.collect_state = true;
+    s.timeout = Duration::from_secs(60);
+    s
+}
+
+/// Losses and final state of a run.
+type Outcome = Arc<(Vec<f64>, ModelState)>;
+
+/// The single-rank run of a model, computed once per model.
+fn reference(model: &TransformerConfig) -> Outcome {
+    static CACHE: OnceLock<Mutex<HashMap<String, Outcome>>> = OnceLock::new();
+    let key = format!("{model:?}");
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(r) = cache.lock().unwrap().get(&key) {
+        return r.clone();
+    }
+    let r = run_threads(&spec(model.clone(), Layout::default())).unwrap();
+    let out = Arc::new((r.losses, r.state.unwrap()));
+    cache.lock().unwrap().insert(key, out.clone());
+    out
+}
+
+/// Runs `layout` and checks it against the single-rank run; returns the worst relative error.
+fn check_equivalent(model: TransformerConfig, layout: Layout) -> f64 {
+    let reference = reference(&model);
+    let r = run_threads(&spec(model, layout.clone())).unwrap();
+    let mut worst: f64 = 0.0;
+    for (i, (a, b)) in r.losses.iter().zip(&reference.0).enumerate() {
+        let rel = (a - b).abs() / b.abs();
+        assert!(
+            rel <= TOL,
+            "{layout:?}: step {i} loss {a} vs single-rank {b} (rel {rel:e})"
+        );
+        worst = worst.max(rel);
+    }
+    assert_eq!(r.losses.len(), STEPS as usize);
+    let state = r.state.unwrap();
+    assert_eq!(state.tensors.len(), reference.1.tensors.len());
+    let (d, name) = state.max_relative_diff_where(&reference.1, |n| !n.ends_with("attn.bk"));
+    // The key bias has an identically zero gradient (softmax is invariant to adding q·b_k to
+    // every score of a query), so what Adam does to it is rounding noise scaled up to ±lr:
+    // check only that it stays that small.
+    let lr = f64::from(crate::AdamConfig::default().lr);
+    for (n, t) in state.tensors.iter().filter(|(n, _)| n.ends_with("attn.bk")) {
+        let max = t
+            .param
+            .iter()
+            .fold(0.0f64, |m, x| m.max(f64::from(x.abs())));
+        assert!(max <= 1.01 * lr * STEPS as f64, "{n}: {max}");
+    }
+    assert!(
+        d <= TOL,
+        "{layout:?}: parameter {name} differs by {d:e} (relative)"
+    );
+    // The loss must move: a run that does nothing would match trivially.
+    assert!(
+        reference.0[STEPS as usize - 1] < reference.0[0] - 0.05,
+        "{:?}",
+        reference.0
+    );
+    eprintln!(
+        "equivalence {layout:?}: max relative error loss {worst:.2e}, params {d:.2e} ({name})"
+    );
+    worst.max(d)
+}
+
+fn pp(stages: u32, schedule: Schedule) -> Layout {
+    Layout {
+        pp: stages,
+        schedule,
+        ..Layout::default()
+    }
+}
+
+/// One test per layout of the matrix (candle's `test_device!` pattern).
+macro_rules! equivalence {
+    ($($name:ident: $model:expr, $layout:expr;)*) => {$(
+        #[test]
+        fn $name() {
+            check_equivalent($model, $layout);
+        }
+    )*};
+}
+
+equivalence! {
+    dp2: gpt(4), Layout { dp: 2, ..Layout::default() };
+    dp2_micro_batch2: gpt(4), Layout { dp: 2, micro_batch: 2, ..Layout::default() };
+    tp2: gpt(4), Layout { tp: 2, ..Layout::default() };
+    pp2_gpipe: gpt(4), pp(2, Schedule::GPipe);
+    pp2_1f1b: gpt(4), pp(2, Schedule::OneFOneB);
+    pp4_interleaved_v2: gpt(8), Layout { interleave: 2, ..pp(4, Schedule::Interleaved1F1B) };
+    dp2_tp2: gpt(4), Layout { dp: 2, tp: 2, ..Layout::default() };
+    tp2_pp2_sp: gpt(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
+    dp2_zero1: gpt(4), Layout { dp: 2, zero_stage: 1, ..Layout::default() };
+    dp2_zero2: gpt(4), Layout { dp: 2, zero_stage: 2, ..Layout::default() };
+    dp2_zero3: gpt(4), Layout { dp: 2, zero_stage: 3, ..Layout::default() };
+    dp2_tp2_pp2: gpt(4), Layout { dp: 2, tp: 2, ..pp(2, Schedule::OneFOneB) };
+    recompute_full_tp2: gpt(4), Layout { tp: 2, recompute: Recompute::Full, ..Layout::default() };
+    recompute_selective_pp2: gpt(4), Layout { recompute: Recompute::Selective, ..pp(2, Schedule::GPipe) };
+    llama_tp2_sp_full_recompute: llama(4), Layout { tp: 2, sequence_parallel: true, recompute: Recompute::Full, ..Layout::default() };
+    llama_dp2_pp2_zero3_interleaved: llama(4), Layout { dp: 2, zero_stage: 3, interleave: 2, ..pp(2, Schedule::Interleaved1F1B) };
+    llama_dp2_tp2_sp_zero2_selective: llama(4), Layout { dp: 2, tp: 2, sequence_parallel: true, zero_stage: 2, recompute: Recompute::Selective, ..Layout::default() };
+}
+
+#[test]
+fn resume_continues_to_exactly_the_uninterrupted_losses() {
+    let layout = Layout {
+        dp: 2,
+        zero_stage: 1,
+        ..pp(2, Schedule::OneFOneB)
+    };
+    let full = run_threads(&spec(gpt(4), layout.clone())).unwrap();
+    let mut first = spec(gpt(4), layout.clone());
+    first.steps = 2;
+    let half = run_threads(&first).unwrap();
+    let mut second = spec(gpt(4), layout);
+    second.steps = 3;
+    second.resume = half.state.map(Arc::new);
+    let rest = run_threads(&second).unwrap();
+    let joined: Vec<f64> = half.losses.iter().chain(&rest.losses).copied().collect();
+    assert_eq!(joined, full.losses, "bitwise equal losses after resume");
+    assert_eq!(rest.state.unwrap(), full.state.unwrap());
+}
+
+#[test]
+fn a_dying_rank_ends_the_run_with_its_name() {
+    let mut s = spec(
+        gpt(2),
+        Layout {
+            dp: 2,
+            ..pp(2, Schedule::OneFOneB)
+        },
+    );
+    s.fault = Some(Fault {
+        rank: 3,
+        step: 1,
+        kind: FaultKind::Die,
+    });
+    let e = run_threads(&s).unwrap_err().to_string();
+    assert!(
+        e.starts_with("rank 3 failed") && e.contains("injected fault"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_stalled_rank_is_named_within_a_bounded_time() {
+    let mut s = spec(
+        gpt(2),
+        Layout {
+            dp: 2,
+            ..pp(2, Schedule::OneFOneB)
+        },
+    );
+    s.timeout = Duration::from_millis(500);
+    s.fault = Some(Fault {
+        rank: 2,
+        step: 1,
+        kind: FaultKind::Stall,
+    });
+    let t0 = Instant::now();
+    let e = run_threads(&s).unwrap_err().to_string();
+    assert!(t0.elapsed() < Duration::from_secs(20));
+    assert!(e.starts_with("rank 2 failed: stopped responding"), "{e}");
+}
+
+#[test]
+fn unsupported_inputs_are_errors_not_panics() {
+    let bad = |model: TransformerConfig, layout: Layout| -> String {
+        run_threads(&spec(model, layout)).unwrap_err().to_string()
+    };
+    assert!(bad(
+        gpt(4),
+        Layout {
+            tp: 3,
+            ..Layout::default()
+        }
+    )
+    .contains("tp 3"));
+    assert!(bad(
+        gpt(4),
+        Layout {
+            cp: 2,
+            ..Layout::default()
+        }
+    )
+    .contains("cp"));
+    assert!(bad(gpt(4), pp(2, Schedule::ZeroBubbleH1)).contains("zb-h1"));
+    assert!(bad(
+        gpt(4),
+        Layout {
+            dp: 3,
+            ..Layout::default()
+        }
+    )
+    .contains("multiple"));
+    let mut moe = gpt(2);
+    moe.moe = Some(parallax_ir::models::MoeConfig {
+        experts: 4,
+        top_k: 2,
+    });
+    assert!(bad(moe, Layout::default()).contains("mixture"));
+    let mut s = spec(gpt(2), Layout::default());
+    s.seq = 17;
+    assert!(run_threads(&s)
+        .unwrap_err()
+        .to_string()
+        .contains("learned positions"));
+    let e = run(&spec(gpt(2), Layout::default()), Backend::Mpi).unwrap_err();
+    assert!(matches!(e, ExecError::NotCompiled { .. }), "{e}");
+}
