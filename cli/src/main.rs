@@ -4,6 +4,7 @@ mod clusters;
 mod fmt;
 mod inspect;
 mod models;
+mod run;
 mod validate;
 
 use clap::{Parser, Subcommand};
@@ -27,6 +28,8 @@ enum Command {
     Inspect(inspect::Args),
     /// Score predictions against published measurements of real training runs.
     Validate(validate::Args),
+    /// Train a model under a layout with the executor; measured against predicted step time.
+    Run(run::Args),
 }
 
 /// An error caused by what the user gave us (exit status 2).
@@ -100,6 +103,7 @@ fn main() -> ExitCode {
         Command::Clusters(a) => clusters::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Validate(a) => validate::run(a),
+        Command::Run(a) => run::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

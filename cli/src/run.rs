@@ -1,0 +1,369 @@
+//! `parallax run`: train a model under a layout with the executor, and compare the measured
+//! step time with the simulator's prediction for the same layout.
+
+use crate::user;
+use clap::Args as ClapArgs;
+use parallax_cost::transformer::{Runtime, Setup};
+use parallax_executor::{
+    run as exec_run, state, Backend, DataSource, ModelState, RunReport, RunSpec, Span, StepStats,
+};
+use parallax_hardware::{preset, Cluster, CPU_LOCAL};
+use parallax_ir::models::TransformerConfig;
+use parallax_ir::{load_model, Layout, PartialLayout, Plan, Precision, Schedule};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Train a model under a layout (a plan file, or --model/--plan/--global-batch) and measure it.
+#[derive(Debug, ClapArgs)]
+pub struct Args {
+    /// A plan file (`parallax-plan/1`) to run.
+    plan_file: Option<PathBuf>,
+    /// Zoo name or HuggingFace config.json of a GPT or Llama model (instead of a plan file).
+    #[arg(long)]
+    model: Option<String>,
+    /// Inline layout (`dp=2,tp=2,pp=2,zero=1,mb=1,recompute=selective,sp=true,schedule=1f1b,v=1`)
+    /// or a plan file; keys left out default to 1 / off (dp fills --cluster's devices).
+    #[arg(long)]
+    plan: Option<String>,
+    /// Sequences per optimizer step.
+    #[arg(long)]
+    global_batch: Option<u64>,
+    /// Tokens per sequence (default: the plan's, else the model's maximum).
+    #[arg(long)]
+    seq: Option<u64>,
+    /// Cluster whose profile predicts the step time: `PRESET:gpus=N` or a profile TOML
+    /// (default: cpu-local with as many devices as the layout needs).
+    #[arg(long)]
+    cluster: Option<String>,
+    /// Backend: threads (built in), mpi or cuda (cargo features).
+    #[arg(long, default_value = "threads")]
+    backend: String,
+    /// Optimizer steps to run.
+    #[arg(long, default_value_t = 10)]
+    steps: u64,
+    /// Seed of initialisation and data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Train on this text file, byte-level (vocabulary 256), instead of synthetic tokens.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Write a checkpoint to this folder at the end (atomically: temp + rename).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// With --save: also every this many steps.
+    #[arg(long, requires = "save")]
+    save_every: Option<u64>,
+    /// Continue from the newest checkpoint in this folder.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Adam learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f32,
+    /// Seconds a rank waits for another before the run is ended with an error naming it.
+    #[arg(long, default_value_t = 120.0)]
+    timeout: f64,
+    /// Print one JSON document.
+    #[arg(long)]
+    json: bool,
+    /// Write the measured timeline as a Chrome / Perfetto trace to this file.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+}
+
+/// What to run, resolved from a plan file or flags.
+struct Job {
+    model_name: String,
+    model: TransformerConfig,
+    layout: Layout,
+    global_batch: u64,
+    seq: u64,
+    cluster: Option<String>,
+}
+
+fn read_plan(path: &Path) -> anyhow::Result<Plan> {
+    let shown = path.display().to_string();
+    let text =
+        std::fs::read_to_string(path).map_err(|e| user(format!("{shown}: cannot read: {e}")))?;
+    Plan::from_json(&text, &shown).map_err(user)
+}
+
+fn transformer(name: &str) -> anyhow::Result<TransformerConfig> {
+    let m = load_model(name).map_err(user)?;
+    m.transformer().cloned().ok_or_else(|| {
+        user(format!(
+            "--model {name}: the executor trains GPT and Llama transformers; this model is not one"
+        ))
+    })
+}
+
+fn resolve(a: &Args) -> anyhow::Result<Job> {
+    let plan_path = match (&a.plan_file, &a.plan) {
+        (Some(p), None) => Some(p.clone()),
+        (None, Some(p)) if p.ends_with(".json") => Some(PathBuf::from(p)),
+        (Some(_), Some(_)) => {
+            return Err(user("give either a plan file or --plan, not both"));
+        }
+        _ => None,
+    };
+    if let Some(path) = plan_path {
+        let plan = read_plan(&path)?;
+        let model = transformer(&plan.model.name)?;
+        let name = a.model.clone().unwrap_or(plan.model.name.clone());
+        return Ok(Job {
+            model_name: name,
+            model,
+            layout: plan.layout,
+            global_batch: a.global_batch.unwrap_or(plan.training.global_batch),
+            seq: a.seq.unwrap_or(plan.training.seq_len),
+            cluster: a.cluster.clone().or(Some(plan.cluster.spec)),
+        });
+    }
+    let (Some(name), Some(inline), Some(gb)) = (&a.model, &a.plan, a.global_batch) else {
+        return Err(user(
+            "give a plan file, or --model, --plan and --global-batch (see --help)",
+        ));
+    };
+    let model = transformer(name)?;
+    let p = PartialLayout::parse(inline).map_err(|e| user(format!("--plan: {e}")))?;
+    let (tp, pp) = (p.tp.unwrap_or(1), p.pp.unwrap_or(1));
+    let dp = match (p.dp, &a.cluster) {
+        (Some(dp), _) => dp,
+        (None, Some(c)) => {
+            let cl = Cluster::parse(c).map_err(user)?;
+            (cl.gpus / (tp * pp)).max(1)
+        }
+        (None, None) => 1,
+    };
+    let interleave = p.interleave.unwrap_or(1);
+    let schedule = p.schedule.unwrap_or(match (pp, interleave) {
+        (1, _) => Schedule::None,
+        (_, 1) => Schedule::OneFOneB,
+        _ => Schedule::Interleaved1F1B,
+    });
+    let layout = Layout {
+        dp,
+        tp,
+        pp,
+        cp: p.cp.unwrap_or(1),
+        ep: p.ep.unwrap_or(1),
+        zero_stage: p.zero_stage.unwrap_or(0),
+        micro_batch: p.micro_batch.unwrap_or(1),
+        recompute: p.recompute.unwrap_or_default(),
+        sequence_parallel: p.sequence_parallel.unwrap_or(false),
+        schedule,
+        interleave,
+        stages: Vec::new(),
+    };
+    let seq = a.seq.unwrap_or(model.max_seq);
+    Ok(Job {
+        model_name: name.clone(),
+        model,
+        layout,
+        global_batch: gb,
+        seq,
+        cluster: a.cluster.clone(),
+    })
+}
+
+/// The cluster for the prediction: the one asked for, else cpu-local with one core per rank
+/// (a copy with more cores per node when the layout needs more ranks than this machine has).
+fn prediction_cluster(spec: Option<&str>, devices: u32) -> anyhow::Result<Cluster> {
+    match spec {
+        Some(s) => Cluster::parse(s).map_err(user),
+        None => {
+            let mut p = preset(CPU_LOCAL).map_err(user)?;
+            if p.node.gpus_per_node < devices {
+                p.node.gpus_per_node = devices;
+            }
+            Cluster::new(p, devices).map_err(user)
+        }
+    }
+}
+
+/// Predicted step time of the executor's way of running (fp32, unfused attention, gradient
+/// reduction and tensor-parallel collectives not overlapped, non-blocking sends).
+fn predict(job: &Job) -> Result<(f64, String), String> {
+    let devices =
+        u32::try_from(job.layout.devices()).map_err(|_| "too many devices".to_string())?;
+    let cluster = prediction_cluster(job.cluster.as_deref(), devices).map_err(|e| e.to_string())?;
+    let setup = Setup {
+        model: &job.model,
+        profile: &cluster.profile,
+        gpus: cluster.gpus,
+        precision: Precision::Fp32,
+        seq: job.seq,
+        global_batch: job.global_batch,
+        runtime: Runtime {
+            fused_attention: false,
+            overlap_grad_reduce: false,
+            tp_comm_overlap: false,
+            ..Runtime::default()
+        },
+    };
+    let sim = parallax_sim::simulate_step(&setup, &job.layout).map_err(|e| e.to_string())?;
+    Ok((sim.prediction.step_time_s, cluster.to_string()))
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return 0.0;
+    }
+    v[v.len() / 2]
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let backend: Backend = a
+        .backend
+        .parse()
+        .map_err(|e| user(format!("--backend: {e}")))?;
+    if a.steps == 0 {
+        return Err(user("--steps must be at least 1"));
+    }
+    if !(a.timeout.is_finite() && a.timeout > 0.0) {
+        return Err(user("--timeout must be a positive number of seconds"));
+    }
+    if !(a.lr.is_finite() && a.lr > 0.0) {
+        return Err(user("--lr must be a positive number"));
+    }
+    let job = resolve(&a)?;
+    let data = match &a.data {
+        None => DataSource::Synthetic,
+        Some(p) => {
+            let bytes = std::fs::read(p)
+                .map_err(|e| user(format!("--data {}: cannot read: {e}", p.display())))?;
+            DataSource::Bytes(Arc::new(bytes))
+        }
+    };
+    let resume = match &a.resume {
+        None => None,
+        Some(dir) => Some(Arc::new(
+            state::load(dir).map_err(|(p, r)| user(format!("--resume {p}: {r}")))?,
+        )),
+    };
+    let mut spec = RunSpec::new(
+        job.model.clone(),
+        job.layout.clone(),
+        job.global_batch,
+        job.seq,
+        a.steps,
+    );
+    spec.seed = a.seed;
+    spec.data = data;
+    spec.adam.lr = a.lr;
+    spec.timeout = Duration::from_secs_f64(a.timeout);
+    spec.resume = resume;
+    spec.trace = a.trace.is_some();
+    if let Some(dir) = a.save.clone() {
+        let about = json!({
+            "model": job.model_name,
+            "layout": job.layout,
+            "global_batch": job.global_batch,
+            "seq": job.seq,
+            "seed": a.seed,
+            "lr": a.lr,
+        });
+        spec.checkpoint_every = a.save_every;
+        spec.on_checkpoint = Some(Arc::new(move |st: &ModelState| {
+            state::save(&dir, st, about.clone()).map(|_| ())
+        }));
+    }
+    let quiet = a.json;
+    spec.on_step = Some(Arc::new(move |s: &StepStats| {
+        let line = format!(
+            "step {:>5}  loss {:.4}  time {:.3} s  {:.0} tokens/s",
+            s.step, s.loss, s.time_s, s.tokens_per_s
+        );
+        if quiet {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    }));
+    let predicted = predict(&job);
+    let report = exec_run(&spec, backend).map_err(|e| match e {
+        parallax_executor::ExecError::Rank { .. }
+        | parallax_executor::ExecError::Comm(_)
+        | parallax_executor::ExecError::Checkpoint { .. } => anyhow::Error::new(e),
+        other => user(other),
+    })?;
+    if let Some(path) = &a.trace {
+        let doc = chrome_trace(&report.spans);
+        std::fs::write(path, serde_json::to_string(&doc)?)
+            .map_err(|e| user(format!("--trace {}: cannot write: {e}", path.display())))?;
+    }
+    let times = if report.step_times.len() > 1 {
+        &report.step_times[1..]
+    } else {
+        &report.step_times[..]
+    };
+    let measured = median(times);
+    let tokens = (job.global_batch * job.seq) as f64;
+    if a.json {
+        let (pred, pred_err, cluster) = match &predicted {
+            Ok((t, c)) => (json!(t), Value::Null, json!(c)),
+            Err(e) => (Value::Null, json!(e), Value::Null),
+        };
+        let doc = json!({
+            "model": job.model_name,
+            "backend": backend.name(),
+            "ranks": report.ranks,
+            "global_batch": job.global_batch,
+            "seq": job.seq,
+            "layout": job.layout,
+            "losses": report.losses,
+            "step_times_s": report.step_times,
+            "measured_step_time_s": measured,
+            "tokens_per_s": tokens / measured.max(1e-12),
+            "predicted_step_time_s": pred,
+            "prediction_cluster": cluster,
+            "prediction_error": pred_err,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        summary(&report, measured, &predicted, tokens);
+    }
+    Ok(())
+}
+
+fn summary(r: &RunReport, measured: f64, predicted: &Result<(f64, String), String>, tokens: f64) {
+    println!(
+        "measured step time {measured:.4} s (median of steps after the first), {:.0} tokens/s, {} ranks",
+        tokens / measured.max(1e-12),
+        r.ranks
+    );
+    match predicted {
+        Ok((p, c)) => println!(
+            "predicted step time {p:.4} s on {c} ({:+.1} % vs measured)",
+            (p / measured - 1.0) * 100.0
+        ),
+        Err(e) => println!("no prediction: {e}"),
+    }
+}
+
+/// The measured timeline in the simulator's Chrome trace layout: one process per pipeline
+/// stage, one row per rank.
+fn chrome_trace(spans: &[Span]) -> Value {
+    let mut events = Vec::new();
+    let mut ranks: Vec<(usize, usize)> = spans.iter().map(|s| (s.rank, s.stage)).collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    for (rank, stage) in &ranks {
+        events.push(
+            json!({"name": "thread_name", "ph": "M", "pid": stage, "tid": rank,
+            "args": {"name": format!("rank {rank}")}}),
+        );
+    }
+    for s in spans {
+        events.push(json!({
+            "name": s.name, "cat": s.cat, "ph": "X",
+            "ts": s.start_s * 1e6, "dur": s.dur_s * 1e6,
+            "pid": s.stage, "tid": s.rank,
+            "args": {"step": s.step, "rank": s.rank},
+        }));
+    }
+    json!({ "traceEvents": events, "displayTimeUnit": "ms" })
+}
