@@ -4,6 +4,9 @@
 use crate::error::HwError;
 use toml_edit::{value, Array, DocumentMut, Item, Table};
 
+/// Comment written after a value that had none.
+pub const FITTED_COMMENT: &str = " # fitted by `parallax validate CASES --fit`: see [calibration]";
+
 /// A value to set.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Setting {
@@ -56,7 +59,9 @@ pub fn set_values(
             .and_then(|s| s.as_str())
             .map(str::to_string);
         table.insert(last, item);
-        if let (Some(sfx), Some(v)) = (suffix, table.get_mut(last).and_then(Item::as_value_mut)) {
+        // Every value in a preset cites its source: a new one points at [calibration].
+        let sfx = suffix.unwrap_or_else(|| FITTED_COMMENT.to_string());
+        if let Some(v) = table.get_mut(last).and_then(Item::as_value_mut) {
             v.decor_mut().set_suffix(sfx);
         }
     }
