@@ -1,5 +1,6 @@
 //! `parallax`: plan, simulate, validate and run parallel training layouts.
 
+mod calibrate;
 mod clusters;
 mod fmt;
 mod inspect;
@@ -30,6 +31,8 @@ enum Command {
     Validate(validate::Args),
     /// Train a model under a layout with the executor; measured against predicted step time.
     Run(run::Args),
+    /// Measure this machine with the executor and write a hardware profile.
+    Calibrate(calibrate::Args),
 }
 
 /// An error caused by what the user gave us (exit status 2).
@@ -104,6 +107,7 @@ fn main() -> ExitCode {
         Command::Inspect(a) => inspect::run(a),
         Command::Validate(a) => validate::run(a),
         Command::Run(a) => run::run(a),
+        Command::Calibrate(a) => calibrate::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,102 @@
+//! `parallax calibrate`: measure this machine with the executor's kernels and collectives and
+//! write a hardware profile (the `cpu-local` schema) for `plan`, `simulate` and `run`.
+
+use crate::user;
+use clap::Args as ClapArgs;
+use parallax_executor::calibrate::{measure, to_profile, CalibrateOptions};
+use parallax_executor::{Backend, ExecError};
+use parallax_hardware::{preset, CPU_LOCAL};
+use std::path::PathBuf;
+
+/// Measure matmul throughput, memory bandwidth and collective bandwidth/latency; write a profile.
+#[derive(Debug, ClapArgs)]
+pub struct Args {
+    /// Backend to calibrate: threads (built in), mpi or cuda (cargo features).
+    #[arg(long, default_value = "threads")]
+    backend: String,
+    /// Profile TOML to write.
+    #[arg(long)]
+    out: PathBuf,
+    /// Overwrite --out if it exists.
+    #[arg(long)]
+    force: bool,
+    /// Cores to measure at once (default: all available).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Shorter measurements (seconds instead of about a minute).
+    #[arg(long)]
+    quick: bool,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let backend: Backend = a
+        .backend
+        .parse()
+        .map_err(|e| user(format!("--backend: {e}")))?;
+    match backend {
+        Backend::Threads => {}
+        Backend::Mpi => {
+            return Err(user(ExecError::NotCompiled {
+                backend: "mpi",
+                feature: "mpi",
+            }))
+        }
+        Backend::Cuda => {
+            return Err(user(ExecError::NotCompiled {
+                backend: "cuda",
+                feature: "cuda,nccl",
+            }))
+        }
+    }
+    if a.out.exists() && !a.force {
+        return Err(user(format!(
+            "--out {}: file exists (use --force to overwrite)",
+            a.out.display()
+        )));
+    }
+    let threads = match a.threads {
+        Some(0) => return Err(user("--threads must be at least 1")),
+        Some(n) if n > parallax_executor::engine::MAX_RANKS => {
+            return Err(user(format!(
+                "--threads {n} is more than {}",
+                parallax_executor::engine::MAX_RANKS
+            )))
+        }
+        Some(n) => n,
+        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    let m = measure(CalibrateOptions {
+        threads,
+        quick: a.quick,
+    })?;
+    let base = preset(CPU_LOCAL).map_err(user)?;
+    let mut p = to_profile(&m, &base);
+    p.name = a
+        .out
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or(CPU_LOCAL)
+        .to_string();
+    p.save(&a.out).map_err(user)?;
+    println!("calibrated {} cores (threads backend):", m.threads);
+    for (f, r) in &m.matmul {
+        let n = (f / 2.0).cbrt().round();
+        println!("  matmul {n:>5}^3        {:>8.2} GFLOP/s per core", r / 1e9);
+    }
+    println!(
+        "  copy bandwidth      {:>8.2} GB/s per core",
+        m.copy_bytes_per_s / 1e9
+    );
+    println!(
+        "  pointwise kernels   {:>8.2} GB/s per core",
+        m.pointwise_bytes_per_s / 1e9
+    );
+    println!("  op overhead         {:>8.3} us", m.op_overhead_s * 1e6);
+    println!(
+        "  all-reduce busbw    {:>8.2} GB/s",
+        m.busbw_bytes_per_s / 1e9
+    );
+    println!("  collective step     {:>8.2} us", m.step_latency_s * 1e6);
+    println!("wrote {}", a.out.display());
+    Ok(())
+}
