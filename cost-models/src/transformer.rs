@@ -65,6 +65,9 @@ pub struct Runtime {
     /// Pipeline sends overlap compute; without it (Megatron-LM before 2023) the sender's
     /// stream waits for each transfer.
     pub overlap_p2p: bool,
+    /// Mixed-precision gradients are accumulated and reduced in fp32 (Megatron-LM since 2021,
+    /// FSDP with an fp32 reduce dtype); otherwise in the 16-bit training type.
+    pub grad_reduce_fp32: bool,
 }
 
 impl Default for Runtime {
@@ -74,6 +77,7 @@ impl Default for Runtime {
             overlap_grad_reduce: true,
             tp_comm_overlap: true,
             overlap_p2p: true,
+            grad_reduce_fp32: true,
         }
     }
 }
@@ -169,6 +173,15 @@ pub struct Setup<'a> {
 impl Setup<'_> {
     fn float_bytes(&self) -> u64 {
         self.precision.activation_dtype().size_bytes()
+    }
+
+    /// Bytes per gradient element in data-parallel reductions.
+    pub fn grad_reduce_bytes(&self) -> u64 {
+        if self.precision.is_mixed() && !self.runtime.grad_reduce_fp32 {
+            2
+        } else {
+            4
+        }
     }
 }
 

@@ -45,7 +45,8 @@ impl Framework {
     /// - Megatron-LM 2020 (v1/v2 README): tensor parallelism, activation checkpointing, 1F1B
     ///   pipeline; no sequence parallelism, selective recompute, distributed optimizer or
     ///   interleaving; attention as batched GEMMs with a fused scale-mask-softmax kernel;
-    ///   gradients all-reduced after backward (`LocalDDP`).
+    ///   fp16 gradients all-reduced after backward (`LocalDDP`; fp32 gradient accumulation
+    ///   came with PTD-P).
     /// - Megatron-LM PTD-P (Narayanan et al. 2021): adds the interleaved schedule.
     /// - Megatron-LM 2022 (Korthikanti et al.): adds sequence parallelism and selective
     ///   recompute; still before FlashAttention (Dao et al., mid-2022).
@@ -61,6 +62,7 @@ impl Framework {
             overlap_grad_reduce: overlap,
             tp_comm_overlap: false,
             overlap_p2p: false,
+            grad_reduce_fp32: true,
         };
         let megatron = |schedules: Vec<Schedule>, recompute: Vec<Recompute>, sp| Framework {
             name: "megatron-lm (pre-flash)",
@@ -74,11 +76,14 @@ impl Framework {
         };
         let s = source.to_ascii_lowercase();
         if s.starts_with("megatron-lm-readme-2020") {
-            megatron(
+            let mut fw = megatron(
                 vec![Schedule::OneFOneB],
                 vec![Recompute::None, Recompute::Full],
                 false,
-            )
+            );
+            // fp16 gradients were all-reduced in fp16.
+            fw.runtime.grad_reduce_fp32 = false;
+            fw
         } else if s.starts_with("narayanan2021") {
             megatron(
                 vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],

@@ -163,7 +163,11 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
         let wbytes = if precision.is_mixed() { 2 } else { 4 };
         let p = c.layer.params;
         let ag = net.collective(Collective::AllGather, Bytes(p * wbytes), dp_group);
-        let rs = net.collective(Collective::ReduceScatter, Bytes(p * 4), dp_group);
+        let rs = net.collective(
+            Collective::ReduceScatter,
+            Bytes(p * setup.grad_reduce_bytes()),
+            dp_group,
+        );
         (
             Seconds((ag.0 - c.layer.fwd().0).max(0.0)),
             Seconds((ag.0 + rs.0 - c.layer.bwd_input().0 - c.layer.bwd_weight().0).max(0.0)),
@@ -236,7 +240,7 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
                 last.push(after);
                 continue;
             }
-            let grads = Bytes(p * 4);
+            let grads = Bytes(p * setup.grad_reduce_bytes());
             let full = match l.zero_stage {
                 0 => net.collective(Collective::AllReduce, grads, dp_group),
                 _ => net.collective(Collective::ReduceScatter, grads, dp_group),
