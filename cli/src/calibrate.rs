@@ -80,8 +80,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     p.save(&a.out).map_err(user)?;
     println!("calibrated {} cores (threads backend):", m.threads);
     for (f, r) in &m.matmul {
-        let n = (f / 2.0).cbrt().round();
-        println!("  matmul {n:>5}^3        {:>8.2} GFLOP/s per core", r / 1e9);
+        println!(
+            "  matmul {:>9.3} GFLOP {:>8.2} GFLOP/s per core",
+            f / 1e9,
+            r / 1e9
+        );
     }
     println!(
         "  copy bandwidth      {:>8.2} GB/s per core",

@@ -317,6 +317,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "losses": report.losses,
             "step_times_s": report.step_times,
             "measured_step_time_s": measured,
+            "measured_step_time_min_s": times.iter().copied().fold(f64::INFINITY, f64::min),
             "tokens_per_s": tokens / measured.max(1e-12),
             "predicted_step_time_s": pred,
             "prediction_cluster": cluster,

@@ -8,7 +8,7 @@
 
 use crate::comm::{Collectives, Group, ThreadComm};
 use crate::error::ExecError;
-use crate::tensor::{gelu, matmul, MatMut, MatRef, Threads};
+use crate::tensor::{add_into, gelu, matmul, norm_fwd, MatMut, MatRef, Threads};
 use parallax_hardware::{Calibration as Provenance, ClusterProfile, EfficiencyCurve};
 use std::time::{Duration, Instant};
 
@@ -26,11 +26,12 @@ pub struct CalibrateOptions {
 pub struct Measurements {
     /// Cores measured at once.
     pub threads: usize,
-    /// `(FLOPs of one square GEMM, achieved FLOP/s)`, by increasing size.
+    /// `(FLOPs of one GEMM, achieved FLOP/s)` over training-shaped GEMMs (forward, input- and
+    /// weight-gradient forms), by increasing FLOPs.
     pub matmul: Vec<(f64, f64)>,
     /// Copy bandwidth (bytes read + written per second).
     pub copy_bytes_per_s: f64,
-    /// Bandwidth of the executor's pointwise kernels (GeLU: read + write).
+    /// Bandwidth of the executor's pointwise kernels (norm, residual add, GeLU, softmax, Adam).
     pub pointwise_bytes_per_s: f64,
     /// Fixed cost of one small op, seconds.
     pub op_overhead_s: f64,
@@ -64,39 +65,109 @@ fn concurrently(threads: usize, f: impl Fn() -> f64 + Sync) -> f64 {
     results.iter().sum::<f64>() / results.len().max(1) as f64
 }
 
-/// One `n × n × n` fp32 GEMM's achieved FLOP/s on the calling thread.
-pub fn matmul_flops(n: usize, min_time: Duration) -> f64 {
-    let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 * 0.1).collect();
-    let b: Vec<f32> = (0..n * n).map(|i| (i % 5) as f32 * 0.1).collect();
-    let mut c = vec![0.0f32; n * n];
+/// Which operand a training GEMM reads transposed: forward `x·W`, input gradient `dy·Wᵀ`,
+/// weight gradient `xᵀ·dy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmKind {
+    /// `x · W`.
+    Forward,
+    /// `dy · Wᵀ`.
+    InputGrad,
+    /// `xᵀ · dy`.
+    WeightGrad,
+}
+
+/// Achieved FLOP/s of one `m × k · k × n` fp32 GEMM of `kind` on the calling thread.
+pub fn gemm_flops(m: usize, k: usize, n: usize, kind: GemmKind, min_time: Duration) -> f64 {
+    let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
+    let b: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 * 0.1).collect();
+    let mut c = vec![0.0f32; m * n];
     let t = time_best(min_time, || {
+        let (av, bv) = match kind {
+            GemmKind::Forward => (MatRef::new(&a, m, k), MatRef::new(&b, k, n)),
+            GemmKind::InputGrad => (MatRef::new(&a, m, k), MatRef::new(&b, n, k).t()),
+            GemmKind::WeightGrad => (MatRef::new(&a, k, m).t(), MatRef::new(&b, k, n)),
+        };
         matmul(
-            MatMut::new(&mut c, n, n),
-            MatRef::new(&a, n, n),
-            MatRef::new(&b, n, n),
-            false,
+            MatMut::new(&mut c, m, n),
+            av,
+            bv,
+            kind == GemmKind::WeightGrad,
             Threads::One,
         );
+        std::hint::black_box(&mut c);
     });
-    2.0 * (n as f64).powi(3) / t
+    2.0 * (m * k * n) as f64 / t
+}
+
+/// One `n × n × n` fp32 GEMM's achieved FLOP/s on the calling thread.
+pub fn matmul_flops(n: usize, min_time: Duration) -> f64 {
+    gemm_flops(n, n, n, GemmKind::Forward, min_time)
+}
+
+/// Training-shaped GEMMs `(rows, k, n)`: a hidden size `h` against `h` and `4h` projections at
+/// a number of tokens, and per-head attention products (`s × d · d × s`). Each is timed in its
+/// forward, input-gradient and weight-gradient form.
+fn training_shapes(quick: bool) -> Vec<(usize, usize, usize)> {
+    let mut v = Vec::new();
+    let hs: &[usize] = if quick {
+        &[32, 128]
+    } else {
+        &[32, 64, 128, 256, 512]
+    };
+    let toks: &[usize] = if quick { &[256] } else { &[128, 512, 2048] };
+    for &h in hs {
+        for &t in toks {
+            v.push((t, h, h));
+            v.push((t, h, 4 * h));
+        }
+    }
+    for &s in if quick {
+        &[64usize][..]
+    } else {
+        &[64, 128, 256][..]
+    } {
+        v.push((s, 64, s));
+        v.push((s, s, 64));
+    }
+    v
+}
+
+/// Time-weighted mean rate of points with nearly equal FLOPs, at their mean FLOPs.
+fn merge(g: &[(f64, f64)]) -> (f64, f64) {
+    let flops: f64 = g.iter().map(|p| p.0).sum();
+    let time: f64 = g.iter().map(|p| p.0 / p.1).sum();
+    (flops / g.len() as f64, flops / time)
 }
 
 /// Measures this machine.
 pub fn measure(opts: CalibrateOptions) -> Result<Measurements, ExecError> {
     let threads = opts.threads.max(1);
     let min_time = Duration::from_millis(if opts.quick { 30 } else { 250 });
-    let sizes: &[usize] = if opts.quick {
-        &[16, 32, 64, 128, 256]
-    } else {
-        &[16, 32, 64, 128, 256, 512, 1024]
-    };
-    let curve: Vec<(f64, f64)> = sizes
-        .iter()
-        .map(|&n| {
-            let f = concurrently(threads, || matmul_flops(n, min_time));
-            (2.0 * (n as f64).powi(3), f)
-        })
-        .collect();
+    // (FLOPs, FLOP/s) of every shape and form, then merged into a curve by FLOPs.
+    let mut points: Vec<(f64, f64)> = Vec::new();
+    for (m, k, n) in training_shapes(opts.quick) {
+        let flops = 2.0 * (m * k * n) as f64;
+        let mut time = 0.0;
+        for kind in [GemmKind::Forward, GemmKind::InputGrad, GemmKind::WeightGrad] {
+            time += flops / concurrently(threads, || gemm_flops(m, k, n, kind, min_time));
+        }
+        points.push((flops, 3.0 * flops / time));
+    }
+    points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut curve: Vec<(f64, f64)> = Vec::new();
+    let mut group: Vec<(f64, f64)> = Vec::new();
+    for p in points {
+        // Shapes within 10 % of each other's FLOPs share a point (time-weighted mean rate).
+        if group.first().is_some_and(|g| p.0 > g.0 * 1.1) {
+            curve.push(merge(&group));
+            group.clear();
+        }
+        group.push(p);
+    }
+    if !group.is_empty() {
+        curve.push(merge(&group));
+    }
     let elems = if opts.quick { 1 << 21 } else { 1 << 23 };
     let copy = concurrently(threads, || {
         let src = vec![1.0f32; elems];
@@ -107,16 +178,42 @@ pub fn measure(opts: CalibrateOptions) -> Result<Measurements, ExecError> {
         });
         (elems * 8) as f64 / t
     });
+    // The executor's bandwidth-bound kernels in the mix a transformer layer runs them: a
+    // LayerNorm (read + write), a residual add (two reads, one write), a GeLU (read + write) and
+    // a row softmax (read + write), and an Adam update (parameters, gradients and two moments
+    // read, three written), counted in the bytes the cost model charges for them.
     let pointwise = concurrently(threads, || {
-        let src: Vec<f32> = (0..elems).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
-        let mut dst = vec![0.0f32; elems];
+        const ROW: usize = 256;
+        let x: Vec<f32> = (0..elems).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
+        let mut y = vec![0.0f32; elems];
+        let (w, b) = (vec![1.0f32; ROW], vec![0.0f32; ROW]);
+        let (mut p, mut m, mut v) = (x.clone(), vec![0.0f32; elems], vec![0.0f32; elems]);
         let t = time_best(min_time, || {
-            for (d, s) in dst.iter_mut().zip(&src) {
-                *d = gelu(*s);
+            norm_fwd(&mut y, &x, &w, Some(&b), false);
+            add_into(&mut y, &x);
+            for v in y.iter_mut() {
+                *v = gelu(*v);
             }
-            std::hint::black_box(&mut dst);
+            for row in y.chunks_exact_mut(ROW) {
+                let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0;
+                for v in row.iter_mut() {
+                    *v = (*v - mx).exp();
+                    sum += *v;
+                }
+                for v in row.iter_mut() {
+                    *v /= sum;
+                }
+            }
+            for i in 0..elems {
+                let g = y[i];
+                m[i] = 0.9 * m[i] + 0.1 * g;
+                v[i] = 0.95 * v[i] + 0.05 * g * g;
+                p[i] -= 1e-3 * m[i] / (v[i].sqrt() + 1e-8);
+            }
+            std::hint::black_box((&mut y, &mut p, &mut m, &mut v));
         });
-        (elems * 8) as f64 / t
+        (elems * (8 + 12 + 8 + 8 + 28)) as f64 / t
     });
     let op_overhead = concurrently(threads, || {
         let (a, b) = (vec![1.0f32; 4], vec![1.0f32; 4]);
@@ -246,7 +343,7 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile) -> ClusterProfile {
     ];
     p.calibration = serde_json::from_value::<Provenance>(serde_json::json!({
         "provenance": format!(
-            "parallax calibrate --backend threads: {} concurrent threads; square fp32 GEMMs (gemm crate), copy and GeLU streams, all-reduce over threads",
+            "parallax calibrate --backend threads: {} concurrent threads; training-shaped fp32 GEMMs (gemm crate; forward, input- and weight-gradient forms), copy and GeLU streams, all-reduce over threads",
             m.threads
         ),
         "fitted_fields": fields,

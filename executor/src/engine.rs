@@ -264,16 +264,17 @@ impl Prepared {
                 l.ep
             ));
         }
-        let kind =
-            match (l.pp, l.schedule) {
-                (1, _) => ScheduleKind::OneFOneB,
-                (_, Schedule::GPipe) => ScheduleKind::GPipe,
-                (_, Schedule::OneFOneB) => ScheduleKind::OneFOneB,
-                (_, Schedule::Interleaved1F1B) => ScheduleKind::Interleaved1F1B,
-                (_, s) => return bad(format!(
+        let kind = match (l.pp, l.schedule) {
+            (1, _) => ScheduleKind::OneFOneB,
+            (_, Schedule::GPipe) => ScheduleKind::GPipe,
+            (_, Schedule::OneFOneB) => ScheduleKind::OneFOneB,
+            (_, Schedule::Interleaved1F1B) => ScheduleKind::Interleaved1F1B,
+            (_, s) => {
+                return bad(format!(
                     "schedule {s} is not supported by the executor (gpipe, 1f1b, interleaved-1f1b)"
-                )),
-            };
+                ))
+            }
+        };
         dims.check_tp(l.tp as usize).map_err(ExecError::Layout)?;
         let topo = Topology {
             dp: l.dp as usize,
