@@ -18,9 +18,9 @@ struct Case {
     expect: Vec<&'static str>,
 }
 
-fn case(args: &[&str], expect: &[&'static str]) -> Case {
+fn case<S: AsRef<str>>(args: &[S], expect: &[&'static str]) -> Case {
     Case {
-        args: args.iter().map(|s| s.to_string()).collect(),
+        args: args.iter().map(|s| s.as_ref().to_string()).collect(),
         expect: expect.to_vec(),
     }
 }
@@ -169,6 +169,32 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             .as_bytes(),
     );
     let existing = write(d, "existing.json", b"precious user data");
+    let bad_plan = write(d, "badplan.json", br#"{"schema":"other/1"}"#);
+    let sim = |extra: &[&str]| -> Vec<String> {
+        let mut args: Vec<String> = [
+            "simulate",
+            "--model",
+            "gpt3-1.3b",
+            "--cluster",
+            "dgx-a100-80gb:gpus=8",
+            "--plan",
+            "tp=2",
+            "--global-batch",
+            "8",
+            "--seq",
+            "256",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        for pair in extra.chunks(2) {
+            match args.iter().position(|a| a == pair[0]) {
+                Some(i) => args[i + 1] = pair[1].to_string(),
+                None => args.extend(pair.iter().map(|s| s.to_string())),
+            }
+        }
+        args
+    };
 
     let cases = vec![
         case(
@@ -315,6 +341,35 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             &["clusters", "--show", &neg_nic],
             &["negnic.toml", "nic_gbit"],
         ),
+        case(
+            &sim(&["--model", "resnet50"]),
+            &["resnet50", "transformers"],
+        ),
+        case(&sim(&["--cluster", "dgx-z900:gpus=8"]), &["dgx-z900"]),
+        case(&sim(&["--plan", "tp=0"]), &["--plan", "tp"]),
+        case(&sim(&["--plan", "warp=9"]), &["--plan", "warp"]),
+        case(
+            &sim(&["--plan", "/no/such/plan.json"]),
+            &["/no/such/plan.json", "cannot read"],
+        ),
+        case(&sim(&["--plan", &bad_plan]), &["badplan.json"]),
+        case(&sim(&["--global-batch", "0"]), &["--global-batch"]),
+        case(&sim(&["--plan", "tp=3"]), &["--plan", "tp=3", "divide"]),
+        case(
+            &sim(&["--cluster", "dgx2-v100-32gb:gpus=16", "--plan", "tp=8"]),
+            &["bf16"],
+        ),
+        case(&sim(&["--precision", "fp4"]), &["--precision", "fp4"]),
+        case(
+            &sim(&["--trace", &existing]),
+            &["existing.json", "already exists"],
+        ),
+        case(
+            &["validate", "/no/such/cases.json"],
+            &["/no/such/cases.json", "cannot read"],
+        ),
+        case(&["validate", &malformed], &["malformed.json: line"]),
+        case(&["validate", &wrong_schema], &["schema.json"]),
     ];
     assert!(cases.len() >= 30);
     let mut failures = Vec::new();

@@ -6,6 +6,7 @@ mod fmt;
 mod inspect;
 mod models;
 mod run;
+mod simulate;
 mod validate;
 
 use clap::{Parser, Subcommand};
@@ -27,6 +28,8 @@ enum Command {
     Clusters(clusters::Args),
     /// Parameters, FLOPs per token, layers, op histogram and activation memory of a model.
     Inspect(inspect::Args),
+    /// Predict one training step of a layout: time, throughput, MFU, memory, breakdown.
+    Simulate(simulate::Args),
     /// Score predictions against published measurements of real training runs.
     Validate(validate::Args),
     /// Train a model under a layout with the executor; measured against predicted step time.
@@ -105,6 +108,7 @@ fn main() -> ExitCode {
         Command::Models(a) => models::run(a),
         Command::Clusters(a) => clusters::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Simulate(a) => simulate::run(a),
         Command::Validate(a) => validate::run(a),
         Command::Run(a) => run::run(a),
         Command::Calibrate(a) => calibrate::run(a),

@@ -11,3 +11,17 @@ pub use memory::MemoryBreakdown;
 pub use transformer::{
     check_layout, transformer_costs, Infeasible, PartCost, Runtime, Setup, TransformerCosts,
 };
+
+/// Relative half-width of the step-time band of an uncalibrated profile: the spread of
+/// the residuals of an uncalibrated cost model is larger than any fitted chip's.
+pub const UNCALIBRATED_STEP_TIME_BAND: f64 = 0.15;
+
+/// Relative half-width of the step-time band for predictions on `profile`: the 90th
+/// percentile of the absolute residuals of its calibration, when it has one.
+pub fn step_time_band(profile: &parallax_hardware::ClusterProfile) -> f64 {
+    profile
+        .calibration
+        .as_ref()
+        .and_then(|c| c.step_time_band)
+        .unwrap_or(UNCALIBRATED_STEP_TIME_BAND)
+}

@@ -18,6 +18,8 @@ pub enum CompleteError {
         need_gib: f64,
         have_gib: f64,
         layout: String,
+        /// The completion that needs the least memory.
+        smallest: Box<Layout>,
     },
 }
 
@@ -204,18 +206,19 @@ pub fn complete_within(
             setup.gpus
         )));
     }
-    let results: Vec<(usize, Result<StepPrediction, String>)> = cands
+    let results: Vec<(usize, Result<StepPrediction, (String, String)>)> = cands
         .par_iter()
         .enumerate()
         .map(|(i, l)| {
+            // (reason kind for the counts, full message for the error)
             let r = check_layout(setup, l)
-                .map_err(|e| e.kind().to_string())
+                .map_err(|e| (e.kind().to_string(), e.to_string()))
                 .and_then(|_| {
                     simulate_step(setup, l)
                         .map(|s| s.prediction)
                         .map_err(|e| match e {
-                            StepError::Infeasible(i) => i.kind().to_string(),
-                            other => other.to_string(),
+                            StepError::Infeasible(i) => (i.kind().to_string(), i.to_string()),
+                            other => ("simulation".to_string(), other.to_string()),
                         })
                 });
             (i, r)
@@ -238,9 +241,9 @@ pub fn complete_within(
                     smallest = Some((*i, pred));
                 }
             }
-            Err(reason) => {
-                *rejected.entry(reason.clone()).or_default() += 1;
-                last_reason = reason.clone();
+            Err((kind, message)) => {
+                *rejected.entry(kind.clone()).or_default() += 1;
+                last_reason = message.clone();
             }
         }
     }
@@ -255,6 +258,7 @@ pub fn complete_within(
             need_gib: pred.peak_memory_gib,
             have_gib: pred.capacity_gib,
             layout: layout_string(&cands[i]),
+            smallest: Box::new(cands[i].clone()),
         }),
         (None, None) => Err(CompleteError::NoCandidate(last_reason)),
     }

@@ -1,0 +1,207 @@
+//! `parallax simulate`: predict one training step of a layout.
+
+use crate::fmt::{bytes, table};
+use crate::user;
+use clap::Args as ClapArgs;
+use parallax_cost::{step_time_band, Runtime, Setup};
+use parallax_hardware::Cluster;
+use parallax_ir::{load_model, Layout, PartialLayout, Plan, Precision, GIB};
+use parallax_planner::{complete_layout, layout_string, CompleteError};
+use parallax_sim::{simulate_step, SimulatedStep};
+use serde_json::json;
+use std::path::PathBuf;
+
+/// Predict step time, throughput, MFU and memory of one layout.
+#[derive(Debug, ClapArgs)]
+pub struct Args {
+    /// Zoo name, HuggingFace config.json or parallax graph JSON of a transformer.
+    #[arg(long)]
+    model: String,
+    /// `PRESET:gpus=N` or a profile TOML path.
+    #[arg(long)]
+    cluster: String,
+    /// A plan JSON file, or an inline layout `tp=8,pp=8,dp=16,zero=1,mb=1,recompute=selective,
+    /// sp=true,schedule=interleaved-1f1b,v=2`; keys left out are chosen as the fastest that fits.
+    #[arg(long)]
+    plan: String,
+    /// Sequences per optimizer step.
+    #[arg(long)]
+    global_batch: u64,
+    /// Sequence length (default: the model's maximum).
+    #[arg(long)]
+    seq: Option<u64>,
+    /// Training precision: fp32, tf32, fp16, bf16 or fp8.
+    #[arg(long, default_value = "bf16")]
+    precision: String,
+    /// Write the predicted step as a Chrome / Perfetto trace to this file.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Overwrite the --trace file if it exists.
+    #[arg(long)]
+    force: bool,
+    /// Print one JSON document.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let precision: Precision = a
+        .precision
+        .parse()
+        .map_err(|e| user(format!("--precision: {e}")))?;
+    if a.global_batch == 0 {
+        return Err(user("--global-batch: must be at least 1"));
+    }
+    let model = load_model(&a.model).map_err(user)?;
+    let cfg = model.transformer().cloned().ok_or_else(|| {
+        user(format!(
+            "--model {}: simulate models transformers (zoo, HuggingFace config); this is a general graph",
+            a.model
+        ))
+    })?;
+    let seq = a.seq.unwrap_or(cfg.max_seq);
+    if seq == 0 {
+        return Err(user("--seq: must be at least 1"));
+    }
+    let cluster = Cluster::parse(&a.cluster).map_err(user)?;
+    if let Some(t) = &a.trace {
+        if t.exists() && !a.force {
+            return Err(user(format!(
+                "{}: already exists; pass --force to overwrite it",
+                t.display()
+            )));
+        }
+    }
+    let setup = Setup {
+        model: &cfg,
+        profile: &cluster.profile,
+        gpus: cluster.gpus,
+        precision,
+        seq,
+        global_batch: a.global_batch,
+        runtime: Runtime::default(),
+    };
+    let layout = resolve_layout(&a.plan, &setup)?;
+    let sim = simulate_step(&setup, &layout)
+        .map_err(|e| user(format!("--plan {}: {e}", layout_string(&layout))))?;
+    let band = step_time_band(&cluster.profile);
+    if let Some(t) = &a.trace {
+        let doc = sim.trace.to_chrome_trace(&sim.graph, &sim.resources);
+        std::fs::write(t, serde_json::to_string(&doc)?)
+            .map_err(|e| user(format!("{}: cannot write: {e}", t.display())))?;
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report_json(&sim, &layout, band))?
+        );
+    } else {
+        print_report(&model.name, &a.cluster, &sim, &layout, band);
+    }
+    Ok(())
+}
+
+/// The layout from a plan file or an inline spec (left-out keys completed by simulation).
+fn resolve_layout(spec: &str, setup: &Setup) -> anyhow::Result<Layout> {
+    let path = std::path::Path::new(spec);
+    if spec.ends_with(".json") || path.is_file() {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| user(format!("{spec}: cannot read: {e}")))?;
+        let plan = Plan::from_json(&text, spec).map_err(user)?;
+        return Ok(plan.layout);
+    }
+    let partial = PartialLayout::parse(spec).map_err(|e| user(format!("--plan: {e}")))?;
+    let all = parallax_ir::Schedule::ALL
+        .into_iter()
+        .filter(|s| *s != parallax_ir::Schedule::None)
+        .collect::<Vec<_>>();
+    match complete_layout(setup, &partial, &all) {
+        Ok(done) => Ok(done.layout),
+        // Nothing fits: simulate the completion that needs the least memory and say by how
+        // much it is over.
+        Err(CompleteError::DoesNotFit { smallest, .. }) => Ok(*smallest),
+        Err(e) => Err(user(format!("--plan {spec}: {e}"))),
+    }
+}
+
+/// The `--json` document (the contract of `../shared/DESIGN.md`).
+pub fn report_json(sim: &SimulatedStep, layout: &Layout, band: f64) -> serde_json::Value {
+    let p = &sim.prediction;
+    let mut doc = json!({
+        "step_time_s": p.step_time_s,
+        "step_time_s_low": p.step_time_s * (1.0 - band),
+        "step_time_s_high": p.step_time_s * (1.0 + band),
+        "tokens_per_s": p.tokens_per_s,
+        "mfu": p.mfu,
+        "hfu": p.hfu,
+        "peak_memory_gib": p.peak_memory_gib,
+        "capacity_gib": p.capacity_gib,
+        "fits": p.fits,
+        "layout": layout,
+        "bubble_fraction": p.bubble_fraction,
+        "micro_batches": p.micro_batches,
+        "stage_layers": p.stage_layers,
+        "breakdown": p.breakdown,
+        "memory": p.memory,
+        "stage_memory_gib": p.stage_memory_gib,
+    });
+    if !p.fits {
+        doc["over_by_gib"] = json!(p.peak_memory_gib - p.capacity_gib);
+    }
+    doc
+}
+
+fn print_report(model: &str, cluster: &str, sim: &SimulatedStep, layout: &Layout, band: f64) {
+    let p = &sim.prediction;
+    println!("{model} on {cluster}: {}", layout_string(layout));
+    println!(
+        "step time   {:.3} s  (band {:.3} – {:.3} s)   {:.0} tokens/s   MFU {:.1} %   HFU {:.1} %",
+        p.step_time_s,
+        p.step_time_s * (1.0 - band),
+        p.step_time_s * (1.0 + band),
+        p.tokens_per_s,
+        p.mfu * 100.0,
+        p.hfu * 100.0
+    );
+    println!(
+        "pipeline    {} micro-batches, layers per virtual stage {:?}, bubble {:.1} %",
+        p.micro_batches,
+        p.stage_layers,
+        p.bubble_fraction * 100.0
+    );
+    let b = &p.breakdown;
+    let mut rows = vec![
+        vec!["compute".to_string(), format!("{:.3}", b.compute_s)],
+        vec!["pipeline bubble".to_string(), format!("{:.3}", b.bubble_s)],
+        vec!["optimizer".to_string(), format!("{:.3}", b.optimizer_s)],
+    ];
+    for (k, v) in &b.exposed_comm_s {
+        rows.push(vec![
+            format!("exposed {k} communication"),
+            format!("{v:.3}"),
+        ]);
+    }
+    println!();
+    print!("{}", table(&["time on the busiest stage", "s"], &rows));
+    let m = &p.memory;
+    let g = |x: f64| bytes(x * GIB);
+    println!();
+    println!(
+        "memory      {} of {} on the fullest stage: params {}, grads {}, optimizer {}, activations {}, buffers {}, allocator {}",
+        g(m.total),
+        g(p.capacity_gib),
+        g(m.params),
+        g(m.grads),
+        g(m.optimizer),
+        g(m.activations),
+        g(m.buffers),
+        g(m.allocator)
+    );
+    if !p.fits {
+        println!(
+            "DOES NOT FIT: {:.1} GiB over the {:.0} GiB of one device",
+            p.peak_memory_gib - p.capacity_gib,
+            p.capacity_gib
+        );
+    }
+}
