@@ -368,3 +368,77 @@ fn chrome_trace(spans: &[Span]) -> Value {
     }
     json!({ "traceEvents": events, "displayTimeUnit": "ms" })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(model: Option<&str>, plan: Option<&str>, gb: Option<u64>) -> Args {
+        Args {
+            plan_file: None,
+            model: model.map(String::from),
+            plan: plan.map(String::from),
+            global_batch: gb,
+            seq: None,
+            cluster: None,
+            backend: "threads".into(),
+            steps: 1,
+            seed: 0,
+            data: None,
+            save: None,
+            save_every: None,
+            resume: None,
+            lr: 1e-3,
+            timeout: 1.0,
+            json: false,
+            trace: None,
+        }
+    }
+
+    #[test]
+    fn inline_layouts_default_missing_keys() {
+        let j = resolve(&args(Some("gpt-tiny"), Some("pp=2,v=2"), Some(4))).unwrap();
+        assert_eq!(j.layout.schedule, Schedule::Interleaved1F1B);
+        assert_eq!((j.layout.dp, j.layout.tp), (1, 1));
+        assert_eq!(j.seq, 256);
+        assert!(resolve(&args(Some("gpt-tiny"), None, Some(4))).is_err());
+        assert!(resolve(&args(Some("resnet50"), Some("dp=1"), Some(4))).is_err());
+        assert!(resolve(&args(Some("gpt-tiny"), Some("tp=x"), Some(4))).is_err());
+    }
+
+    #[test]
+    fn prediction_cluster_grows_cpu_local_to_the_layout() {
+        let c = prediction_cluster(None, 64).unwrap();
+        assert_eq!(c.gpus, 64);
+        assert_eq!(c.nodes(), 1);
+    }
+
+    #[test]
+    fn trace_has_one_row_per_rank() {
+        let spans = vec![
+            Span {
+                rank: 1,
+                stage: 0,
+                name: "F mb0 c0".into(),
+                cat: "forward",
+                step: 0,
+                start_s: 0.5,
+                dur_s: 0.25,
+            },
+            Span {
+                rank: 0,
+                stage: 0,
+                name: "F mb0 c0".into(),
+                cat: "forward",
+                step: 0,
+                start_s: 0.0,
+                dur_s: 0.5,
+            },
+        ];
+        let t = chrome_trace(&spans);
+        let ev = t["traceEvents"].as_array().unwrap();
+        assert_eq!(ev.iter().filter(|e| e["ph"] == "M").count(), 2);
+        assert_eq!(ev.iter().filter(|e| e["ph"] == "X").count(), 2);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+    }
+}

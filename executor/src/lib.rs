@@ -5,9 +5,9 @@
 //! interleaved 1F1B with real point-to-point sends, micro-batching with gradient accumulation,
 //! full and selective recomputation — over a [`Collectives`] backend.
 //!
-//! Backends: `threads` (one thread per rank, always built), `mpi` (cargo feature `mpi`) and
-//! `cuda` (features `cuda`, `nccl`). A backend that is not compiled in answers
-//! [`ExecError::NotCompiled`].
+//! Backends: `threads` (one thread per rank, always built). The `mpi` and `cuda` + `nccl`
+//! backends are not implemented yet; asking for them answers [`ExecError::NotCompiled`], so
+//! callers need no `cfg`. Dropout is off in the executor (see [`model`]).
 //!
 //! ```
 //! use parallax_executor::{run_threads, RunSpec};
