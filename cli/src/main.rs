@@ -5,6 +5,7 @@ mod clusters;
 mod fmt;
 mod inspect;
 mod models;
+mod plan;
 mod run;
 mod simulate;
 mod validate;
@@ -30,6 +31,8 @@ enum Command {
     Inspect(inspect::Args),
     /// Predict one training step of a layout: time, throughput, MFU, memory, breakdown.
     Simulate(simulate::Args),
+    /// Search every layout of a model on a cluster: the best plans, why they win, exports.
+    Plan(plan::Args),
     /// Score predictions against published measurements of real training runs.
     Validate(validate::Args),
     /// Train a model under a layout with the executor; measured against predicted step time.
@@ -109,6 +112,7 @@ fn main() -> ExitCode {
         Command::Clusters(a) => clusters::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Simulate(a) => simulate::run(a),
+        Command::Plan(a) => plan::run(a),
         Command::Validate(a) => validate::run(a),
         Command::Run(a) => run::run(a),
         Command::Calibrate(a) => calibrate::run(a),

@@ -1,11 +1,20 @@
 //! parallax-planner: search over parallel layouts, ranking, reports and exports.
 
+pub mod bounds;
 pub mod complete;
+pub mod export;
 pub mod fit;
+pub mod plots;
+pub mod report;
+pub mod search;
 pub mod validate;
 
 pub use complete::{
     candidates, candidates_within, complete_layout, complete_within, layout_string, CompleteError,
     Completed, Space,
+};
+pub use search::{
+    search, search_with_progress, Counts, Evaluated, Family, FamilyResult, Progress, SearchError,
+    SearchOptions, SearchResult,
 };
 pub use validate::{parse_cases, summarize, validate, Case, CaseResult, Framework, Summary};

@@ -1,0 +1,446 @@
+//! `parallax plan`: the best layouts of a model on a cluster, why they win, and the files to
+//! run them.
+
+use crate::fmt::table;
+use crate::user;
+use anyhow::Context;
+use clap::Args as ClapArgs;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use parallax_cost::transformer::{Runtime, Setup};
+use parallax_hardware::Cluster;
+use parallax_ir::op::OpKind;
+use parallax_ir::{load_model, PartialLayout, Precision};
+use parallax_planner::export::{export, Engine};
+use parallax_planner::plots::{breakdown_svg, gantt_svg, memory_svg, sweep_svg};
+use parallax_planner::report::{
+    explain, guidance, headline, html, json_document, markdown, plan_document, short_layout,
+    table_cells, ReportInput, Svgs, SweepPoint,
+};
+use parallax_planner::search;
+use parallax_planner::search::{
+    search_with_progress, Progress, SearchError, SearchOptions, SearchResult,
+};
+use parallax_sim::simulate_step;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Search every layout of a model on a cluster and explain the best.
+#[derive(Debug, ClapArgs)]
+pub struct Args {
+    /// Zoo name, HuggingFace config.json or parallax graph JSON of a transformer.
+    #[arg(long)]
+    model: String,
+    /// `PRESET:gpus=N` (e.g. dgx-a100-80gb:gpus=1024) or a profile TOML path.
+    #[arg(long)]
+    cluster: String,
+    /// Sequences per optimizer step.
+    #[arg(long)]
+    global_batch: u64,
+    /// Sequence length (default: the model's maximum).
+    #[arg(long)]
+    seq: Option<u64>,
+    /// Training precision (fp32, tf32, fp16, bf16, fp8).
+    #[arg(long, default_value = "bf16")]
+    precision: String,
+    /// Plans to list.
+    #[arg(long, default_value_t = 5)]
+    top: usize,
+    /// Print one JSON document.
+    #[arg(long)]
+    json: bool,
+    /// Write plan.json, report.md, report.html, SVG plots and trace.json into this folder.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Overwrite files of an earlier report in --out.
+    #[arg(long)]
+    force: bool,
+    /// Also write the plan for this engine (megatron, deepspeed, torchtitan); the search then
+    /// stays within what the engine can run.
+    #[arg(long)]
+    export: Option<String>,
+    /// Also plan for whole-node GPU counts doubling up to N, and plot throughput against count.
+    #[arg(long)]
+    max_gpus: Option<u32>,
+    /// Let tensor parallelism span nodes.
+    #[arg(long)]
+    allow_tp_across_nodes: bool,
+    /// Fix knobs, inline (e.g. `tp=8,zero=1`); the rest are searched.
+    #[arg(long)]
+    fix: Option<String>,
+    /// Only even stage splits (no balanced partitions).
+    #[arg(long)]
+    even_stages: bool,
+}
+
+/// Files `--out` writes.
+const OUT_FILES: [&str; 8] = [
+    "plan.json",
+    "report.md",
+    "report.html",
+    "trace.json",
+    "breakdown.svg",
+    "memory.svg",
+    "timeline.svg",
+    "sweep.svg",
+];
+
+/// Refuses to overwrite a file of an earlier report without --force; creates the folder.
+fn prepare_out(dir: &Path, engine: Option<Engine>, force: bool) -> anyhow::Result<()> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(user(format!(
+            "--out {}: exists and is not a folder",
+            dir.display()
+        )));
+    }
+    if dir.is_dir() && !force {
+        let names = OUT_FILES
+            .iter()
+            .copied()
+            .chain(engine.map(|e| e.file_name()));
+        for name in names {
+            if dir.join(name).exists() {
+                return Err(user(format!(
+                    "--out {}: {name} already exists (use --force to overwrite)",
+                    dir.display()
+                )));
+            }
+        }
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| user(format!("--out {}: cannot create: {e}", dir.display())))
+}
+
+/// A progress bar on stderr that appears once a search has run for a second.
+struct Bar {
+    bar: ProgressBar,
+    start: Instant,
+    enabled: bool,
+}
+
+impl Bar {
+    fn new(enabled: bool) -> Bar {
+        let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::hidden());
+        if let Ok(style) =
+            ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} groups ({elapsed})")
+        {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        Bar {
+            bar,
+            start: Instant::now(),
+            enabled,
+        }
+    }
+
+    fn update(&self, p: Progress, msg: &str) {
+        if !self.enabled {
+            return;
+        }
+        self.bar.set_length(p.total);
+        self.bar.set_position(p.done);
+        if self.bar.is_hidden() && self.start.elapsed() > Duration::from_secs(1) {
+            self.bar.set_message(msg.to_string());
+            self.bar.set_draw_target(ProgressDrawTarget::stderr());
+        }
+    }
+
+    fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let precision: Precision = a
+        .precision
+        .parse()
+        .map_err(|e| user(format!("--precision: {e}")))?;
+    let engine: Option<Engine> = a
+        .export
+        .as_deref()
+        .map(str::parse)
+        .transpose()
+        .map_err(|e| user(format!("--export: {e}")))?;
+    if a.global_batch == 0 {
+        return Err(user("--global-batch: must be at least 1"));
+    }
+    if a.top == 0 {
+        return Err(user("--top: must be at least 1"));
+    }
+    let fix = match &a.fix {
+        Some(s) => PartialLayout::parse(s).map_err(|e| user(format!("--fix: {e}")))?,
+        None => PartialLayout::default(),
+    };
+    let model = load_model(&a.model).map_err(user)?;
+    let Some(cfg) = model.transformer() else {
+        return Err(user(format!(
+            "--model {}: not a transformer; `parallax plan` searches the transformer space (dp × tp × pp × cp × ep)",
+            a.model
+        )));
+    };
+    let seq = a.seq.unwrap_or_else(|| model.default_seq());
+    if seq == 0 {
+        return Err(user("--seq: must be at least 1"));
+    }
+    let cluster = Cluster::parse(&a.cluster).map_err(user)?;
+    if let Some(n) = a.max_gpus {
+        if n == 0 {
+            return Err(user("--max-gpus: must be at least 1"));
+        }
+    }
+    if let Some(dir) = &a.out {
+        prepare_out(dir, engine, a.force)?;
+    }
+    // BatchNorm statistics suffer at small per-GPU batches; transformers use LayerNorm or
+    // RMSNorm, but an imported graph may carry BatchNorm.
+    let has_batchnorm = model
+        .graph(1, seq.min(cfg.max_seq.max(1)), true)
+        .map(|g| g.nodes.iter().any(|n| matches!(n.op, OpKind::BatchNorm)))
+        .unwrap_or(false);
+
+    let setup = Setup {
+        model: cfg,
+        profile: &cluster.profile,
+        gpus: cluster.gpus,
+        precision,
+        seq,
+        global_batch: a.global_batch,
+        runtime: Runtime::default(),
+    };
+    let opts = SearchOptions {
+        top_k: a.top,
+        allow_tp_across_nodes: a.allow_tp_across_nodes,
+        force: fix,
+        force_even_stages: a.even_stages,
+        engine,
+        ..SearchOptions::default()
+    };
+    let bar = Bar::new(!a.json && std::io::stderr().is_terminal());
+    let result = search_with_progress(&setup, &opts, &|p| {
+        bar.update(p, &format!("searching {} GPUs", cluster.gpus))
+    })
+    .map_err(user)?;
+
+    let sweep = match a.max_gpus {
+        Some(n) => sweep_counts(&cluster, n)
+            .into_iter()
+            .map(|gpus| {
+                bar.update(
+                    Progress { done: 0, total: 1 },
+                    &format!("sweep: {gpus} GPUs"),
+                );
+                sweep_point(&setup, &opts, &cluster, gpus, &result)
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    bar.finish();
+
+    let input = ReportInput {
+        setup: &setup,
+        model_name: &a.model,
+        cluster_spec: &a.cluster,
+        result: &result,
+        band: parallax_cost::step_time_band(&cluster.profile),
+        sweep: &sweep,
+        has_batchnorm,
+    };
+    let best = result.best();
+    let plan = plan_document(&input, best);
+    let exported = match engine {
+        Some(e) => Some((e, export(e, &plan, cfg).map_err(user)?)),
+        None => None,
+    };
+
+    if let Some(dir) = &a.out {
+        write_out(dir, &input, &setup, best, &plan, exported.as_ref())?;
+    }
+
+    if a.json {
+        let mut doc = json_document(&input);
+        if let Some((e, text)) = &exported {
+            doc["export"] =
+                serde_json::json!({ "engine": e.name(), "file": e.file_name(), "text": text });
+        }
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    for line in headline(&input) {
+        println!("{line}");
+    }
+    println!("\nwhy it wins");
+    for line in explain(&input) {
+        println!("  - {line}");
+    }
+    println!("\nguidance");
+    for line in guidance(&input) {
+        println!("  - {line}");
+    }
+    println!("\ntop {} plans", result.top.len());
+    let (h, rows) = table_cells(&input);
+    print!("{}", table(&h, &rows));
+    if !sweep.is_empty() {
+        println!("\nGPU-count sweep");
+        let rows: Vec<Vec<String>> = sweep
+            .iter()
+            .map(|p| match &p.best {
+                Some(e) => vec![
+                    p.gpus.to_string(),
+                    short_layout(&e.layout),
+                    format!("{:.3}", e.prediction.step_time_s),
+                    format!("{:.0}", e.prediction.tokens_per_s),
+                    format!("{:.0} %", e.prediction.mfu * 100.0),
+                ],
+                None => vec![
+                    p.gpus.to_string(),
+                    p.note.clone().unwrap_or_default(),
+                    "-".into(),
+                    "-".into(),
+                    "-".into(),
+                ],
+            })
+            .collect();
+        print!(
+            "{}",
+            table(&["GPUs", "best layout", "step s", "tokens/s", "MFU"], &rows)
+        );
+    }
+    if let Some(dir) = &a.out {
+        println!("\nwrote {}", dir.display());
+    }
+    if let Some((e, text)) = &exported {
+        match &a.out {
+            Some(dir) => println!("{} config: {}", e, dir.join(e.file_name()).display()),
+            None => {
+                println!("\n{} ({})", e, e.file_name());
+                print!("{text}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// GPU counts of a `--max-gpus` sweep: whole nodes doubling from one node up to `max`, plus
+/// the cluster's own count and `max` when they are whole nodes.
+fn sweep_counts(cluster: &Cluster, max: u32) -> Vec<u32> {
+    let gpn = cluster.profile.node.gpus_per_node.max(1);
+    let mut v = Vec::new();
+    let mut n = gpn.min(max);
+    while n <= max {
+        v.push(n);
+        match n.checked_mul(2) {
+            Some(x) => n = x,
+            None => break,
+        }
+    }
+    for extra in [cluster.gpus, max] {
+        if extra <= max && (extra % gpn == 0 || extra < gpn) {
+            v.push(extra);
+        }
+    }
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// The best plan at `gpus` (the main result when it is the cluster's count).
+fn sweep_point(
+    setup: &Setup,
+    opts: &SearchOptions,
+    cluster: &Cluster,
+    gpus: u32,
+    main: &SearchResult,
+) -> SweepPoint {
+    if gpus == cluster.gpus {
+        return SweepPoint {
+            gpus,
+            best: Some(main.best().clone()),
+            note: None,
+        };
+    }
+    let s = Setup { gpus, ..*setup };
+    let o = SearchOptions {
+        top_k: 1,
+        families: false,
+        ..opts.clone()
+    };
+    match search(&s, &o) {
+        Ok(r) => SweepPoint {
+            gpus,
+            best: Some(r.best().clone()),
+            note: None,
+        },
+        Err(SearchError::DoesNotFit { need_gib, .. }) => SweepPoint {
+            gpus,
+            best: None,
+            note: Some(format!("nothing fits (needs {need_gib:.0} GiB per GPU)")),
+        },
+        Err(e) => SweepPoint {
+            gpus,
+            best: None,
+            note: Some(short_reason(&e.to_string())),
+        },
+    }
+}
+
+fn short_reason(s: &str) -> String {
+    let first = s.split(';').next().unwrap_or(s);
+    first.split(" (").next().unwrap_or(first).to_string()
+}
+
+fn write_out(
+    dir: &Path,
+    input: &ReportInput,
+    setup: &Setup,
+    best: &parallax_planner::Evaluated,
+    plan: &parallax_ir::Plan,
+    exported: Option<&(Engine, String)>,
+) -> anyhow::Result<()> {
+    let write = |name: &str, text: &str| -> anyhow::Result<()> {
+        let path = dir.join(name);
+        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))
+    };
+    let step = simulate_step(setup, &best.layout)
+        .with_context(|| "re-simulating the best plan for its timeline")?;
+    let labels: Vec<String> = input
+        .result
+        .top
+        .iter()
+        .enumerate()
+        .map(|(i, e)| format!("{} {}", i + 1, short_layout(&e.layout)))
+        .collect();
+    let mut svgs: Svgs = vec![
+        (
+            "breakdown.svg".into(),
+            breakdown_svg(&input.result.top, &labels)?,
+        ),
+        (
+            "memory.svg".into(),
+            memory_svg(
+                &best.prediction.stage_memory_gib,
+                best.prediction.capacity_gib,
+            )?,
+        ),
+        ("timeline.svg".into(), gantt_svg(&step)?),
+    ];
+    let points: Vec<(u32, f64)> = input
+        .sweep
+        .iter()
+        .filter_map(|p| p.best.as_ref().map(|e| (p.gpus, e.prediction.tokens_per_s)))
+        .collect();
+    if points.len() >= 2 {
+        svgs.push(("sweep.svg".into(), sweep_svg(&points)?));
+    }
+    write("plan.json", &(plan.to_json() + "\n"))?;
+    let trace = step.trace.to_chrome_trace(&step.graph, &step.resources);
+    write("trace.json", &serde_json::to_string(&trace)?)?;
+    for (name, svg) in &svgs {
+        write(name, svg)?;
+    }
+    write("report.md", &markdown(input, &svgs))?;
+    write("report.html", &html(input, &svgs))?;
+    if let Some((e, text)) = exported {
+        write(e.file_name(), text)?;
+    }
+    Ok(())
+}

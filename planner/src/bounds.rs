@@ -1,0 +1,472 @@
+//! Cheap analytic lower bounds on a layout's step time and peak memory, used by the search to
+//! reject candidates before simulating them.
+//!
+//! Both bounds are assembled from the cost model's per-part costs the way
+//! [`parallax_sim::simulate_step`] assembles them, keeping only terms every layout pays, so
+//! that refinements of the simulator's extra terms cannot make them exceed the simulation:
+//!
+//! - **Step time.** Each stage's compute stream runs its passes one at a time and cannot start
+//!   before the first micro-batch's forward reaches it. The last micro-batch's input gradient
+//!   then travels back through every virtual stage, and each stage still owes whatever its op
+//!   list holds after that backward. The bound is the longest such chain over the schedule's
+//!   real op lists ([`ScheduleSummary`]); for uniform 1F1B it equals the makespan,
+//!   `(m + pp - 1)(F + B + W)` plus transfers. Gradient reduction, the optimizer and ZeRO-3
+//!   gathers only add to it and are left out.
+//! - **Memory.** Model states, in-flight activations and fixed buffers, with the allocator's
+//!   share, as the simulator counts them, less what only some layouts pay.
+//!
+//! The test `bounds_never_exceed_the_simulation` checks both against the simulator over many
+//! layouts, so a change to the simulator that would make pruning unsound fails loudly.
+
+use parallax_cost::comm::{Collective, Group, Network};
+use parallax_cost::compute::DeviceModel;
+use parallax_cost::memory::{
+    state_bytes_per_param, ADAM_BYTES_PER_PARAM, ALLOCATOR_FRACTION, WORKSPACE_GIB,
+};
+use parallax_cost::transformer::{Setup, TransformerCosts};
+use parallax_ir::{Bytes, Layout, Schedule};
+use parallax_sim::{max_in_flight, Op, PipelineSchedule, ScheduleError, ScheduleKind};
+
+/// Relative slack taken off the step-time bound so that summing the same terms in another order
+/// than the simulator (floating-point rounding) never makes a tight bound exceed the makespan.
+pub const BOUND_SLACK: f64 = 1e-9;
+
+/// The simulator's schedule for a layout's `Schedule` (no pipeline runs as a one-stage 1F1B).
+pub fn schedule_kind(s: Schedule) -> ScheduleKind {
+    match s {
+        Schedule::GPipe => ScheduleKind::GPipe,
+        Schedule::Interleaved1F1B => ScheduleKind::Interleaved1F1B,
+        Schedule::ZeroBubbleH1 => ScheduleKind::ZeroBubbleH1,
+        Schedule::None | Schedule::OneFOneB => ScheduleKind::OneFOneB,
+    }
+}
+
+/// Per-virtual-stage pass times of one layout, in seconds: the parts of the simulator's pass
+/// costs that every layout pays. What the simulator adds on top for some layouts (ZeRO-3
+/// parameter gathers, a blocking send on the stream) and after the last pass (gradient
+/// reduction, optimizer) is left out, so the bound stays a bound when those models change.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PassTimes {
+    /// Forward of one micro-batch through each virtual stage.
+    pub f: Vec<f64>,
+    /// Input-gradient backward.
+    pub b: Vec<f64>,
+    /// Weight-gradient backward.
+    pub w: Vec<f64>,
+    /// One pipeline transfer between stages (on the link, or on the sender's stream).
+    pub p2p: f64,
+}
+
+/// Parameters one device holds for virtual stage `vs` of `layers.len()`.
+fn params_of(c: &TransformerCosts, layers: &[u32], vs: usize) -> u64 {
+    let nv = layers.len();
+    let mut p = c.layer.params * u64::from(layers[vs]);
+    if vs == 0 {
+        p += c.embedding.params;
+    }
+    if vs == nv - 1 {
+        p += c.head.params;
+    }
+    p
+}
+
+/// Pass times with `layers` per virtual stage.
+pub fn pass_times(c: &TransformerCosts, layers: &[u32]) -> PassTimes {
+    let nv = layers.len();
+    let mut t = PassTimes {
+        f: vec![0.0; nv],
+        b: vec![0.0; nv],
+        w: vec![0.0; nv],
+        p2p: c.p2p.0,
+    };
+    for (vs, &count) in layers.iter().enumerate() {
+        let n = f64::from(count);
+        let mut f = c.layer.fwd().0 * n;
+        let mut b = c.layer.bwd_input().0 * n;
+        let mut w = c.layer.bwd_weight().0 * n;
+        if vs == 0 {
+            f += c.embedding.fwd().0;
+            b += c.embedding.bwd_input().0;
+            w += c.embedding.bwd_weight().0;
+        }
+        if vs == nv - 1 {
+            f += c.head.fwd().0;
+            b += c.head.bwd_input().0;
+            w += c.head.bwd_weight().0;
+        }
+        t.f[vs] = f;
+        t.b[vs] = b;
+        t.w[vs] = w;
+    }
+    t
+}
+
+/// What the step simulator adds to the pipeline for some layouts, mirrored from
+/// [`parallax_sim::simulate_step`]: ZeRO-3 parameter gathers on every layer's passes, the
+/// exposed data-parallel gradient reduction of each virtual stage, and each stage's optimizer
+/// task. These tighten the step bound a lot (they separate ZeRO stages and data-parallel
+/// sizes), but they are a copy of the simulator's model: the search checks every simulated
+/// candidate against its bound and, on any violation, searches again without them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Extras {
+    /// Added to each layer's forward (ZeRO-3 gathers not hidden behind compute).
+    pub z3_fwd: f64,
+    /// Added to each layer's input-gradient backward.
+    pub z3_bwd: f64,
+    /// Exposed gradient reduction of each virtual stage, after its last weight gradient.
+    pub dp: Vec<f64>,
+    /// Optimizer task of each stage.
+    pub opt: Vec<f64>,
+}
+
+impl Extras {
+    /// Adds the ZeRO-3 gathers to the passes of `t` (`layers` per virtual stage).
+    pub fn apply(&self, t: &mut PassTimes, layers: &[u32]) {
+        for (vs, &n) in layers.iter().enumerate() {
+            t.f[vs] += self.z3_fwd * f64::from(n);
+            t.b[vs] += self.z3_bwd * f64::from(n);
+        }
+    }
+}
+
+/// The simulator's extra terms for `l` with `layers` per virtual stage.
+pub fn extras(
+    setup: &Setup,
+    l: &Layout,
+    c: &TransformerCosts,
+    layers: &[u32],
+    dev: &DeviceModel,
+) -> Extras {
+    let (pp, v) = (l.pp, l.interleave);
+    let nv = (pp * v) as usize;
+    let gpn = setup.profile.node.gpus_per_node;
+    let net = Network::new(setup.profile);
+    let shard = l.dp * l.cp;
+    let group = Group::strided(shard, l.tp, gpn);
+    let wbytes = if setup.precision.is_mixed() { 2 } else { 4 };
+    let mut x = Extras {
+        z3_fwd: 0.0,
+        z3_bwd: 0.0,
+        dp: vec![0.0; nv],
+        opt: vec![0.0; pp as usize],
+    };
+    if l.zero_stage >= 3 && shard > 1 {
+        let p = c.layer.params;
+        let ag = net
+            .collective(Collective::AllGather, Bytes(p * wbytes), group)
+            .0;
+        let rs = net
+            .collective(Collective::ReduceScatter, Bytes(p * 4), group)
+            .0;
+        x.z3_fwd = (ag - c.layer.fwd().0).max(0.0);
+        x.z3_bwd = (ag + rs - c.layer.bwd_input().0 - c.layer.bwd_weight().0).max(0.0);
+    }
+    let t = pass_times(c, layers);
+    for s in 0..pp {
+        let mut stage_params = 0u64;
+        for chunk in 0..v {
+            let vs = (chunk * pp + s) as usize;
+            let p = params_of(c, layers, vs);
+            stage_params += p;
+            if shard <= 1 || l.zero_stage >= 3 {
+                continue;
+            }
+            let full = match l.zero_stage {
+                0 => net.collective(Collective::AllReduce, Bytes(p * 4), group),
+                _ => net.collective(Collective::ReduceScatter, Bytes(p * 4), group),
+            }
+            .0;
+            let n = f64::from(layers[vs].max(1));
+            let window = (t.b[vs] + x.z3_bwd * n + t.w[vs]) * ((n - 1.0) / n);
+            x.dp[vs] = if setup.runtime.overlap_grad_reduce {
+                (full - window).max(full / n)
+            } else {
+                full
+            };
+        }
+        let opt_params = if l.zero_stage >= 1 {
+            stage_params / u64::from(shard)
+        } else {
+            stage_params
+        };
+        let mut opt = dev.memory(opt_params as f64 * ADAM_BYTES_PER_PARAM).0;
+        if (1..3).contains(&l.zero_stage) && shard > 1 {
+            opt += net
+                .collective(Collective::AllGather, Bytes(stage_params * wbytes), group)
+                .0;
+        }
+        x.opt[s as usize] = opt;
+    }
+    x
+}
+
+/// A lower bound on the peak memory of the fullest stage, GiB: model states (sharded over the
+/// data × context parallel ranks under ZeRO, the widest sharding the simulator applies),
+/// in-flight activations, the fixed workspace, the working buffers of a layer and of the loss,
+/// and the allocator's share of all that. ZeRO-3 gather buffers are left out.
+pub fn memory_gib(
+    setup: &Setup,
+    l: &Layout,
+    c: &TransformerCosts,
+    layers: &[u32],
+    m: u32,
+) -> Result<f64, ScheduleError> {
+    let (pp, v) = (l.pp, l.interleave);
+    let nv = (pp * v) as usize;
+    let kind = schedule_kind(l.schedule);
+    let (wb, gb, ob) = state_bytes_per_param(setup.precision, l.zero_stage, l.dp * l.cp);
+    let workspace = Bytes::from_gib(WORKSPACE_GIB).0 as f64;
+    let mut worst = 0.0f64;
+    for s in 0..pp {
+        let mut params = 0u64;
+        let mut saved = 0.0;
+        let mut head = false;
+        for ch in 0..v {
+            let vs = (ch * pp + s) as usize;
+            params += params_of(c, layers, vs);
+            saved += c.layer.saved.0 as f64 * f64::from(layers[vs]);
+            if vs == 0 {
+                saved += c.embedding.saved.0 as f64;
+            }
+            if vs == nv - 1 {
+                saved += c.head.saved.0 as f64;
+                head = true;
+            }
+        }
+        let saved_per_chunk = saved / f64::from(v);
+        let in_flight = if pp == 1 {
+            1
+        } else {
+            max_in_flight(kind, pp, m, v, s)?
+        };
+        let mut buffers = workspace + c.layer.working.0 as f64;
+        if head {
+            buffers += c.head.working.0 as f64;
+        }
+        // The simulator truncates each part to whole bytes; flooring here keeps this a bound.
+        let live = (params as f64 * wb).floor()
+            + (params as f64 * gb).floor()
+            + (params as f64 * ob).floor()
+            + (saved_per_chunk * f64::from(in_flight)).floor()
+            + buffers.floor();
+        let total = live + (live * ALLOCATOR_FRACTION).floor() - 1.0;
+        worst = worst.max(total);
+    }
+    Ok(worst / (1u64 << 30) as f64)
+}
+
+/// Counts of passes (forward, input-gradient, weight-gradient) per chunk.
+type Counts = Vec<[u32; 3]>;
+
+/// What the step bound needs from a schedule's op lists: where each virtual stage's backward of
+/// the last micro-batch sits in its stage's list, what comes before it, and how each stage
+/// starts and ends.
+#[derive(Clone, Debug)]
+pub struct ScheduleSummary {
+    pp: u32,
+    v: u32,
+    /// Per stage: passes per chunk in the whole list.
+    totals: Vec<Counts>,
+    /// Per virtual stage: passes per chunk on its stage before the backward of the last
+    /// micro-batch, and whether that backward is fused (the gradient leaves after W).
+    chain: Vec<(Counts, bool)>,
+    /// Per stage: the virtual stage of its first pass when that is a forward.
+    first_forward: Vec<Option<u32>>,
+    /// Per stage: the chunk of its last weight-gradient pass.
+    last_w_chunk: Vec<u32>,
+}
+
+impl ScheduleSummary {
+    /// Summarizes the schedule the simulator would generate.
+    pub fn new(kind: ScheduleKind, pp: u32, m: u32, v: u32) -> Result<Self, ScheduleError> {
+        let sched = PipelineSchedule::generate(kind, pp, m, v)?;
+        let last = m - 1;
+        let nv = (pp * v) as usize;
+        let mut totals = Vec::with_capacity(pp as usize);
+        let mut chain = vec![(Vec::new(), false); nv];
+        let mut first_forward = Vec::with_capacity(pp as usize);
+        let mut last_w_chunk = Vec::with_capacity(pp as usize);
+        for s in 0..pp {
+            let ops = sched.stage_ops(s);
+            let mut counts: Counts = vec![[0; 3]; v as usize];
+            first_forward.push(
+                ops.first()
+                    .filter(|o| o.op == Op::F)
+                    .map(|o| o.chunk * pp + s),
+            );
+            last_w_chunk.push(
+                ops.iter()
+                    .rev()
+                    .find(|o| matches!(o.op, Op::W | Op::BW))
+                    .map_or(0, |o| o.chunk),
+            );
+            for o in ops {
+                if o.micro_batch == last && matches!(o.op, Op::B | Op::BW) {
+                    chain[(o.chunk * pp + s) as usize] = (counts.clone(), o.op == Op::BW);
+                }
+                let c = &mut counts[o.chunk as usize];
+                match o.op {
+                    Op::F => c[0] += 1,
+                    Op::B => c[1] += 1,
+                    Op::W => c[2] += 1,
+                    Op::BW => {
+                        c[1] += 1;
+                        c[2] += 1;
+                    }
+                }
+            }
+            totals.push(counts);
+        }
+        Ok(ScheduleSummary {
+            pp,
+            v,
+            totals,
+            chain,
+            first_forward,
+            last_w_chunk,
+        })
+    }
+
+    fn cost(&self, t: &PassTimes, s: u32, counts: &[[u32; 3]]) -> f64 {
+        counts
+            .iter()
+            .enumerate()
+            .map(|(c, n)| {
+                let vs = c * self.pp as usize + s as usize;
+                f64::from(n[0]) * t.f[vs] + f64::from(n[1]) * t.b[vs] + f64::from(n[2]) * t.w[vs]
+            })
+            .sum()
+    }
+
+    /// A lower bound on the makespan of one step with pass times `t`, and the simulator's extra
+    /// terms `x` when given (already applied to `t` with [`Extras::apply`]).
+    pub fn step_bound(&self, t: &PassTimes, x: Option<&Extras>) -> f64 {
+        let pp = self.pp;
+        let nv = (pp * self.v) as usize;
+        let cross = |a: usize, b: usize| {
+            if (a as u32) % pp != (b as u32) % pp {
+                t.p2p
+            } else {
+                0.0
+            }
+        };
+        // Earliest start of each stage: the first forward's micro-batch must cross every
+        // virtual stage before it.
+        let mut reach = vec![0.0; nv];
+        for vs in 1..nv {
+            reach[vs] = reach[vs - 1] + t.f[vs - 1] + cross(vs - 1, vs);
+        }
+        let head: Vec<f64> = (0..pp as usize)
+            .map(|s| self.first_forward[s].map_or(0.0, |vs| reach[vs as usize]))
+            .collect();
+        // After a stage's last weight gradient: its chunk's gradient reduction, then the
+        // optimizer.
+        let tail: Vec<f64> = (0..pp)
+            .map(|s| match x {
+                Some(x) => {
+                    let vs = (self.last_w_chunk[s as usize] * pp + s) as usize;
+                    x.dp[vs] + x.opt[s as usize]
+                }
+                None => 0.0,
+            })
+            .collect();
+        let mut bound = 0.0f64;
+        let mut arrival = 0.0f64;
+        for vs in (0..nv).rev() {
+            let s = (vs as u32) % pp;
+            let (before, fused) = &self.chain[vs];
+            let total = &self.totals[s as usize];
+            let after: Counts = total
+                .iter()
+                .zip(before)
+                .map(|(a, b)| [a[0] - b[0], a[1] - b[1], a[2] - b[2]])
+                .collect();
+            let start = (head[s as usize] + self.cost(t, s, before)).max(arrival);
+            bound = bound.max(start + self.cost(t, s, &after) + tail[s as usize]);
+            let leaves = start + t.b[vs] + if *fused { t.w[vs] } else { 0.0 };
+            if vs > 0 {
+                arrival = leaves + cross(vs, vs - 1);
+            }
+        }
+        bound * (1.0 - BOUND_SLACK)
+    }
+}
+
+/// Layers per virtual stage that minimize the largest virtual-stage time, where a layer costs
+/// `layer`, the first stage also runs the embedding (`first`) and the last the head (`last`).
+/// Every stage keeps at least one layer; ties go to stages without the embedding or head.
+pub fn balanced_layers(layers: u32, chunks: u32, layer: f64, first: f64, last: f64) -> Vec<u32> {
+    let n = chunks as usize;
+    let extra = |c: usize| {
+        let mut e = 0.0;
+        if c == 0 {
+            e += first;
+        }
+        if c == n - 1 {
+            e += last;
+        }
+        e
+    };
+    // Start from every stage at or under the average load (each at least one layer), then add
+    // the remaining layers one at a time where they raise the maximum least.
+    let avg = (f64::from(layers) * layer + first + last) / f64::from(chunks);
+    let mut counts: Vec<u32> = (0..n)
+        .map(|c| {
+            if layer > 0.0 {
+                (((avg - extra(c)) / layer).floor().max(1.0) as u32).min(layers)
+            } else {
+                1
+            }
+        })
+        .collect();
+    if counts.iter().sum::<u32>() > layers {
+        counts = vec![1; n];
+    }
+    for _ in counts.iter().sum::<u32>()..layers {
+        let mut best = 0usize;
+        let mut best_key = (f64::INFINITY, true, usize::MAX);
+        for (c, &k) in counts.iter().enumerate() {
+            let key = (f64::from(k + 1) * layer + extra(c), extra(c) > 0.0, c);
+            if key.0 < best_key.0
+                || (key.0 == best_key.0 && (key.1, key.2) < (best_key.1, best_key.2))
+            {
+                best = c;
+                best_key = key;
+            }
+        }
+        counts[best] += 1;
+    }
+    counts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn balancing_moves_layers_off_the_embedding_and_head_stages() {
+        // 8 layers on 4 stages, a layer costs 1, embedding 0.5, head 1.5: the head stage keeps
+        // one layer, the embedding stage two, the middle ones the rest.
+        let c = balanced_layers(8, 4, 1.0, 0.5, 1.5);
+        assert_eq!(c.iter().sum::<u32>(), 8);
+        assert_eq!(c, vec![2, 3, 2, 1]);
+        // Free embedding and head: an even split.
+        assert_eq!(balanced_layers(8, 4, 1.0, 0.0, 0.0), vec![2, 2, 2, 2]);
+        // Each stage keeps a layer even when the head alone is slower than the rest.
+        assert_eq!(balanced_layers(4, 4, 1.0, 0.0, 100.0), vec![1, 1, 1, 1]);
+    }
+
+    #[test]
+    fn uniform_one_f_one_b_bound_is_the_textbook_makespan() {
+        // pp = 4, m = 8, F = 1, B = 1, W = 1, free transfers: (m + pp - 1)(F + B + W) = 33.
+        let s = ScheduleSummary::new(ScheduleKind::OneFOneB, 4, 8, 1).unwrap();
+        let t = PassTimes {
+            f: vec![1.0; 4],
+            b: vec![1.0; 4],
+            w: vec![1.0; 4],
+            p2p: 0.0,
+        };
+        let b = s.step_bound(&t, None);
+        assert!((b - 33.0).abs() < 1e-6, "{b}");
+    }
+}

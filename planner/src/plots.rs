@@ -1,0 +1,379 @@
+//! SVG plots of a plan, drawn with plotters' SVG backend. Text is emitted as SVG `<text>` and
+//! sized by plotters' built-in estimate (no font files, no fontconfig), so the plots render the
+//! same anywhere and embed inline in the HTML report.
+
+use crate::search::Evaluated;
+use parallax_sim::{SimulatedStep, TaskKind};
+use plotters::prelude::*;
+use thiserror::Error;
+
+/// A plot could not be drawn.
+#[derive(Debug, Error)]
+#[error("plot {plot}: {message}")]
+pub struct PlotError {
+    pub plot: &'static str,
+    pub message: String,
+}
+
+fn err(plot: &'static str) -> impl Fn(String) -> PlotError {
+    move |message| PlotError { plot, message }
+}
+
+/// Colours of the breakdown parts, in drawing order.
+const PARTS: [(&str, RGBColor); 9] = [
+    ("compute", RGBColor(76, 114, 176)),
+    ("bubble", RGBColor(200, 200, 200)),
+    ("optimizer", RGBColor(129, 114, 179)),
+    ("tp", RGBColor(221, 132, 82)),
+    ("cp", RGBColor(147, 120, 96)),
+    ("ep", RGBColor(218, 139, 195)),
+    ("dp", RGBColor(85, 168, 104)),
+    ("zero", RGBColor(196, 78, 82)),
+    ("other", RGBColor(140, 140, 140)),
+];
+
+fn part_value(e: &Evaluated, part: &str) -> f64 {
+    let b = &e.prediction.breakdown;
+    match part {
+        "compute" => b.compute_s,
+        "bubble" => b.bubble_s,
+        "optimizer" => b.optimizer_s,
+        "other" => {
+            let known: f64 = ["tp", "cp", "ep", "dp", "zero"]
+                .iter()
+                .filter_map(|k| b.exposed_comm_s.get(*k))
+                .sum();
+            let all: f64 = b.exposed_comm_s.values().sum();
+            (all - known).max(0.0)
+        }
+        k => b.exposed_comm_s.get(k).copied().unwrap_or(0.0),
+    }
+}
+
+/// Stacked horizontal bars: the step time of each plan by where it goes. `labels` name the
+/// plans (one per entry of `plans`).
+pub fn breakdown_svg(plans: &[Evaluated], labels: &[String]) -> Result<String, PlotError> {
+    let e = err("breakdown");
+    let n = plans.len().max(1);
+    let height = 90 + 34 * n as u32;
+    let xmax = plans
+        .iter()
+        .map(|p| {
+            PARTS
+                .iter()
+                .map(|(k, _)| part_value(p, k))
+                .sum::<f64>()
+                .max(p.prediction.step_time_s)
+        })
+        .fold(0.0, f64::max)
+        * 1.05;
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (900, height)).into_drawing_area();
+        root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                "Step time of the top plans, by where it goes",
+                ("sans-serif", 18),
+            )
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(260)
+            .build_cartesian_2d(0.0..xmax.max(1e-9), 0.0..n as f64)
+            .map_err(|x| e(x.to_string()))?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .y_labels(n)
+            .y_label_formatter(&|y| {
+                let i = (*y - 0.5).round() as usize;
+                if (*y - 0.5 - i as f64).abs() < 1e-6 {
+                    labels.get(n - 1 - i).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            })
+            .x_desc("seconds per step")
+            .draw()
+            .map_err(|x| e(x.to_string()))?;
+        for (k, (part, color)) in PARTS.iter().enumerate() {
+            let mut rects = Vec::new();
+            for (i, p) in plans.iter().enumerate() {
+                let y = (n - 1 - i) as f64;
+                let x0: f64 = PARTS[..k].iter().map(|(q, _)| part_value(p, q)).sum();
+                let w = part_value(p, part);
+                if w > 0.0 {
+                    rects.push(Rectangle::new(
+                        [(x0, y + 0.15), (x0 + w, y + 0.85)],
+                        color.filled(),
+                    ));
+                }
+            }
+            chart
+                .draw_series(rects)
+                .map_err(|x| e(x.to_string()))?
+                .label(*part)
+                .legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled())
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|x| e(x.to_string()))?;
+        root.present().map_err(|x| e(x.to_string()))?;
+    }
+    Ok(out)
+}
+
+/// Peak memory of each pipeline stage of a plan against the device capacity.
+pub fn memory_svg(stage_gib: &[f64], capacity_gib: f64) -> Result<String, PlotError> {
+    let e = err("memory");
+    let n = stage_gib.len().max(1);
+    let ymax = stage_gib.iter().copied().fold(capacity_gib, f64::max) * 1.1;
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (900, 360)).into_drawing_area();
+        root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                "Peak memory per pipeline stage (best plan)",
+                ("sans-serif", 18),
+            )
+            .margin(10)
+            .x_label_area_size(35)
+            .y_label_area_size(50)
+            .build_cartesian_2d(0.0..n as f64, 0.0..ymax.max(1e-9))
+            .map_err(|x| e(x.to_string()))?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(n.min(32))
+            .x_label_formatter(&|x| {
+                let i = (*x - 0.5).round();
+                if (*x - 0.5 - i).abs() < 1e-6 {
+                    format!("{}", i as i64)
+                } else {
+                    String::new()
+                }
+            })
+            .x_desc("stage")
+            .y_desc("GiB")
+            .draw()
+            .map_err(|x| e(x.to_string()))?;
+        chart
+            .draw_series(stage_gib.iter().enumerate().map(|(i, &g)| {
+                let color = if g > capacity_gib {
+                    RGBColor(196, 78, 82)
+                } else {
+                    RGBColor(76, 114, 176)
+                };
+                Rectangle::new([(i as f64 + 0.1, 0.0), (i as f64 + 0.9, g)], color.filled())
+            }))
+            .map_err(|x| e(x.to_string()))?
+            .label("peak memory")
+            .legend(|(x, y)| {
+                Rectangle::new(
+                    [(x, y - 5), (x + 10, y + 5)],
+                    RGBColor(76, 114, 176).filled(),
+                )
+            });
+        chart
+            .draw_series(LineSeries::new(
+                [(0.0, capacity_gib), (n as f64, capacity_gib)],
+                RED.stroke_width(2),
+            ))
+            .map_err(|x| e(x.to_string()))?
+            .label(format!("capacity {capacity_gib:.0} GiB"))
+            .legend(|(x, y)| PathElement::new([(x, y), (x + 10, y)], RED.stroke_width(2)));
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|x| e(x.to_string()))?;
+        root.present().map_err(|x| e(x.to_string()))?;
+    }
+    Ok(out)
+}
+
+fn kind_color(k: TaskKind) -> RGBColor {
+    match k {
+        TaskKind::Forward => RGBColor(76, 114, 176),
+        TaskKind::BackwardInput => RGBColor(85, 168, 104),
+        TaskKind::BackwardWeight => RGBColor(140, 200, 150),
+        TaskKind::Optimizer => RGBColor(129, 114, 179),
+        TaskKind::Comm(_) => RGBColor(221, 132, 82),
+        TaskKind::Other => RGBColor(140, 140, 140),
+    }
+}
+
+/// Most rows the timeline shows (the compute streams come first).
+pub const GANTT_MAX_ROWS: usize = 48;
+
+/// The predicted timeline of one step: a row per resource (stage compute streams, pipeline
+/// links, gradient-reduction streams), a bar per task coloured by kind.
+pub fn gantt_svg(step: &SimulatedStep) -> Result<String, PlotError> {
+    let e = err("timeline");
+    let resources = step.resources.as_slice();
+    // Rows: resources that ran something, compute streams first, in resource order.
+    let mut used = vec![false; resources.len()];
+    for s in &step.trace.spans {
+        if let Some(u) = used.get_mut(s.resource.index()) {
+            *u = true;
+        }
+    }
+    let mut rows: Vec<usize> = (0..resources.len()).filter(|&r| used[r]).collect();
+    rows.sort_by_key(|&r| (!resources[r].name.contains("compute"), r));
+    rows.truncate(GANTT_MAX_ROWS);
+    let mut row_of = vec![usize::MAX; resources.len()];
+    for (i, &r) in rows.iter().enumerate() {
+        row_of[r] = i;
+    }
+    let n = rows.len().max(1);
+    let makespan = step.trace.makespan.0.max(1e-9);
+    let height = 110 + 22 * n as u32;
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (1100, height)).into_drawing_area();
+        root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                "Predicted timeline of one step (best plan)",
+                ("sans-serif", 18),
+            )
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(150)
+            .build_cartesian_2d(0.0..makespan, 0.0..n as f64)
+            .map_err(|x| e(x.to_string()))?;
+        let names: Vec<String> = rows.iter().map(|&r| resources[r].name.clone()).collect();
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .y_labels(n)
+            .y_label_formatter(&|y| {
+                let i = (*y - 0.5).round() as usize;
+                if (*y - 0.5 - i as f64).abs() < 1e-6 {
+                    names.get(n - 1 - i).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            })
+            .x_desc("seconds")
+            .draw()
+            .map_err(|x| e(x.to_string()))?;
+        let graph = &step.graph;
+        let bars = step.trace.spans.iter().filter_map(|s| {
+            let row = *row_of.get(s.resource.index())?;
+            if row == usize::MAX || s.end.0 <= s.start.0 {
+                return None;
+            }
+            let y = (n - 1 - row) as f64;
+            let kind = graph.task(s.task).kind;
+            Some(Rectangle::new(
+                [(s.start.0, y + 0.15), (s.end.0, y + 0.85)],
+                kind_color(kind).filled(),
+            ))
+        });
+        chart.draw_series(bars).map_err(|x| e(x.to_string()))?;
+        for (label, kind) in [
+            ("forward", TaskKind::Forward),
+            ("backward (input)", TaskKind::BackwardInput),
+            ("backward (weight)", TaskKind::BackwardWeight),
+            ("optimizer", TaskKind::Optimizer),
+            (
+                "communication",
+                TaskKind::Comm(parallax_sim::CommKind::Other),
+            ),
+        ] {
+            let c = kind_color(kind);
+            chart
+                .draw_series(std::iter::empty::<Rectangle<(f64, f64)>>())
+                .map_err(|x| e(x.to_string()))?
+                .label(label)
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], c.filled()));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|x| e(x.to_string()))?;
+        root.present().map_err(|x| e(x.to_string()))?;
+    }
+    Ok(out)
+}
+
+/// Throughput of the best plan at each GPU count of a sweep: `(gpus, tokens/s)`.
+pub fn sweep_svg(points: &[(u32, f64)]) -> Result<String, PlotError> {
+    let e = err("sweep");
+    let xmax = points.iter().map(|p| p.0).max().unwrap_or(1) as f64 * 1.1;
+    let ymax = points.iter().map(|p| p.1).fold(0.0, f64::max) * 1.15;
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (900, 400)).into_drawing_area();
+        root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                "Throughput of the best plan versus GPU count",
+                ("sans-serif", 18),
+            )
+            .margin(10)
+            .x_label_area_size(35)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.0..xmax.max(1.0), 0.0..ymax.max(1e-9))
+            .map_err(|x| e(x.to_string()))?;
+        chart
+            .configure_mesh()
+            .x_desc("GPUs")
+            .y_desc("tokens / s")
+            .y_label_formatter(&|y| format!("{:.2e}", y))
+            .draw()
+            .map_err(|x| e(x.to_string()))?;
+        let blue = RGBColor(76, 114, 176);
+        chart
+            .draw_series(LineSeries::new(
+                points.iter().map(|&(g, t)| (f64::from(g), t)),
+                blue.stroke_width(2),
+            ))
+            .map_err(|x| e(x.to_string()))?
+            .label("best plan")
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 10, y)], blue.stroke_width(2)));
+        chart
+            .draw_series(
+                points
+                    .iter()
+                    .map(|&(g, t)| Circle::new((f64::from(g), t), 4, blue.filled())),
+            )
+            .map_err(|x| e(x.to_string()))?;
+        // Linear scaling from the smallest count, for reference.
+        if let Some(&(g0, t0)) = points.first() {
+            let grey = RGBColor(160, 160, 160);
+            chart
+                .draw_series(LineSeries::new(
+                    points
+                        .iter()
+                        .map(|&(g, _)| (f64::from(g), t0 * f64::from(g) / f64::from(g0))),
+                    grey.stroke_width(1),
+                ))
+                .map_err(|x| e(x.to_string()))?
+                .label("linear scaling")
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 10, y)], grey));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|x| e(x.to_string()))?;
+        root.present().map_err(|x| e(x.to_string()))?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,628 @@
+//! What `parallax plan` tells a team: the best plan as a `parallax-plan/1` document, why it
+//! wins (which limit binds, against the best plan of each alternative family), guidance
+//! grounded in the numbers, a top-K table, and the same as JSON, Markdown and HTML.
+
+use crate::search::{Evaluated, Family, SearchResult};
+use parallax_cost::transformer::Setup;
+use parallax_ir::plan::{ClusterRef, ModelRef, Prediction, Training};
+use parallax_ir::{Layout, Plan, Recompute, Schedule, PLAN_SCHEMA};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+/// Per-GPU batch (samples per data-parallel rank per step) below which BatchNorm's batch
+/// statistics degrade accuracy: Wu & He 2018 ("Group Normalization", Fig. 1) show ResNet-50's
+/// ImageNet error rising once the batch per GPU falls below 16, and sharply below 8.
+pub const BATCHNORM_MIN_PER_GPU: u64 = 16;
+
+/// The plan at another GPU count (`--max-gpus`).
+#[derive(Clone, Debug, Serialize)]
+pub struct SweepPoint {
+    pub gpus: u32,
+    /// Best plan there, when one fits.
+    pub best: Option<Evaluated>,
+    /// Why none fits, when none does.
+    pub note: Option<String>,
+}
+
+/// Everything a plan report needs.
+#[derive(Clone, Copy, Debug)]
+pub struct ReportInput<'a> {
+    pub setup: &'a Setup<'a>,
+    /// Model as the user named it (zoo name or path).
+    pub model_name: &'a str,
+    /// Cluster spec as the user gave it.
+    pub cluster_spec: &'a str,
+    pub result: &'a SearchResult,
+    /// Relative half-width of the step-time band ([`parallax_cost::step_time_band`]: the
+    /// calibration residuals of the profile).
+    pub band: f64,
+    pub sweep: &'a [SweepPoint],
+    /// The model contains BatchNorm.
+    pub has_batchnorm: bool,
+}
+
+/// The Plan document of one evaluated layout, with its prediction and band.
+pub fn plan_document(input: &ReportInput, e: &Evaluated) -> Plan {
+    let s = input.setup;
+    let p = &e.prediction;
+    Plan {
+        schema: PLAN_SCHEMA.into(),
+        model: ModelRef {
+            name: input.model_name.into(),
+        },
+        cluster: ClusterRef {
+            spec: input.cluster_spec.into(),
+            gpus: s.gpus,
+        },
+        training: Training {
+            global_batch: s.global_batch,
+            seq_len: s.seq,
+            precision: s.precision,
+        },
+        layout: e.layout.clone(),
+        op_configs: Vec::new(),
+        prediction: Some(Prediction {
+            step_time_s: p.step_time_s,
+            step_time_s_low: p.step_time_s * (1.0 - input.band),
+            step_time_s_high: p.step_time_s * (1.0 + input.band),
+            tokens_per_s: p.tokens_per_s,
+            mfu: p.mfu,
+            peak_memory_gib: p.peak_memory_gib,
+            fits: p.fits,
+        }),
+    }
+}
+
+/// A compact layout label: `tp8·pp8·dp16 v2 z1 mb1 sel sp`.
+pub fn short_layout(l: &Layout) -> String {
+    let mut s = format!("tp{}·pp{}·dp{}", l.tp, l.pp, l.dp);
+    if l.cp > 1 {
+        s.push_str(&format!("·cp{}", l.cp));
+    }
+    if l.ep > 1 {
+        s.push_str(&format!(" ep{}", l.ep));
+    }
+    match l.schedule {
+        Schedule::None => {}
+        Schedule::Interleaved1F1B => s.push_str(&format!(" int-v{}", l.interleave)),
+        other => s.push_str(&format!(" {other}")),
+    }
+    s.push_str(&format!(" z{} mb{}", l.zero_stage, l.micro_batch));
+    s.push_str(match l.recompute {
+        Recompute::None => "",
+        Recompute::Selective => " sel",
+        Recompute::Full => " full",
+    });
+    if l.sequence_parallel && l.tp > 1 {
+        s.push_str(" sp");
+    }
+    if !l.stages.is_empty() {
+        s.push_str(" bal");
+    }
+    s
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.0} %", x * 100.0)
+}
+
+fn exposed(e: &Evaluated) -> f64 {
+    e.prediction.breakdown.exposed_comm_s.values().sum()
+}
+
+/// Human name of a breakdown part.
+fn part_name(k: &str) -> &'static str {
+    match k {
+        "compute" => "compute (smaller GEMMs, recomputation)",
+        "bubble" => "pipeline bubble",
+        "optimizer" => "optimizer step",
+        "tp" => "tensor-parallel communication",
+        "cp" => "context-parallel key/value exchange",
+        "ep" => "expert all-to-all",
+        "dp" => "data-parallel gradient reduction and parameter gather",
+        "zero" => "ZeRO-3 parameter gathers",
+        _ => "other communication",
+    }
+}
+
+/// Breakdown parts of a plan, seconds.
+fn parts(e: &Evaluated) -> Vec<(String, f64)> {
+    let b = &e.prediction.breakdown;
+    let mut v = vec![
+        ("compute".to_string(), b.compute_s),
+        ("bubble".to_string(), b.bubble_s),
+        ("optimizer".to_string(), b.optimizer_s),
+    ];
+    for (k, x) in &b.exposed_comm_s {
+        v.push((k.clone(), *x));
+    }
+    v
+}
+
+/// Which limit binds the best plan, then how each alternative family compares.
+pub fn explain(input: &ReportInput) -> Vec<String> {
+    let r = input.result;
+    let best = r.best();
+    let p = &best.prediction;
+    let step = p.step_time_s;
+    let mut out = Vec::new();
+    let mut shares: Vec<(String, f64)> = parts(best).into_iter().filter(|x| x.1 > 0.0).collect();
+    shares.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let listed: Vec<String> = shares
+        .iter()
+        .map(|(k, x)| format!("{k} {x:.2} s ({})", pct(x / step)))
+        .collect();
+    out.push(format!("Step {step:.2} s: {}.", listed.join(", ")));
+    let headroom = 1.0 - p.peak_memory_gib / p.capacity_gib;
+    let largest_loss = shares.iter().find(|(k, _)| k != "compute");
+    let binding = if headroom < 0.10 {
+        format!(
+            "Memory binds: the fullest stage uses {:.1} of {:.0} GiB ({}); anything holding more per GPU does not fit",
+            p.peak_memory_gib,
+            p.capacity_gib,
+            pct(1.0 - headroom)
+        )
+    } else if let Some((k, x)) = largest_loss.filter(|(_, x)| x / step > 0.05) {
+        format!(
+            "The largest loss is {} ({x:.2} s, {} of the step); memory has {} headroom ({:.1} of {:.0} GiB)",
+            part_name(k),
+            pct(x / step),
+            pct(headroom),
+            p.peak_memory_gib,
+            p.capacity_gib
+        )
+    } else {
+        format!(
+            "Compute binds: {} of the step is kernels, MFU {}; memory {:.1} of {:.0} GiB",
+            pct(p.breakdown.compute_s / step),
+            pct(p.mfu),
+            p.peak_memory_gib,
+            p.capacity_gib
+        )
+    };
+    out.push(binding + ".");
+    for f in &r.families {
+        if f.family.contains(&best.layout) {
+            continue;
+        }
+        match (&f.best, f.smallest_need_gib) {
+            (Some(fb), _) => {
+                let loss = fb.prediction.step_time_s / step - 1.0;
+                let mine = parts(best);
+                let theirs = parts(fb);
+                let get = |v: &[(String, f64)], k: &str| {
+                    v.iter().find(|x| x.0 == k).map_or(0.0, |x| x.1)
+                };
+                let mut keys: Vec<String> = mine.iter().chain(&theirs).map(|x| x.0.clone()).collect();
+                keys.sort();
+                keys.dedup();
+                let worst = keys
+                    .iter()
+                    .map(|k| (k.clone(), get(&theirs, k) - get(&mine, k)))
+                    .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)));
+                let why = match worst {
+                    Some((k, d)) if d > 0.0 => format!(
+                        "because its {} takes {:.2} s against {:.2} s here",
+                        part_name(&k),
+                        get(&theirs, &k),
+                        get(&mine, &k)
+                    ),
+                    _ => "with a similar breakdown".to_string(),
+                };
+                out.push(format!(
+                    "The best plan {} ({}, {:.2} s) is {} slower {why}.",
+                    f.family.describe(),
+                    short_layout(&fb.layout),
+                    fb.prediction.step_time_s,
+                    pct(loss)
+                ));
+            }
+            (None, Some(need)) => out.push(format!(
+                "No plan {} fits: the smallest needs {need:.1} GiB per GPU against {:.0} GiB (memory binds).",
+                f.family.describe(),
+                p.capacity_gib
+            )),
+            (None, None) if f.candidates == 0 => {}
+            (None, None) => out.push(format!(
+                "No plan {} is valid here (its {} candidates are indivisible or unsupported).",
+                f.family.describe(),
+                f.candidates
+            )),
+        }
+    }
+    out
+}
+
+/// Guidance in the spirit of the HuggingFace multi-GPU guide, from this plan's numbers.
+pub fn guidance(input: &ReportInput) -> Vec<String> {
+    let s = input.setup;
+    let r = input.result;
+    let best = r.best();
+    let l = &best.layout;
+    let p = &best.prediction;
+    let mut out = Vec::new();
+    let node = &s.profile.node;
+    if let Some(net) = &s.profile.network {
+        if s.gpus > node.gpus_per_node {
+            let inter =
+                f64::from(net.nics_per_node) * net.nic_gbit / 8.0 / f64::from(node.gpus_per_node);
+            let ratio = node.intra_gbps / inter.max(1e-9);
+            out.push(format!(
+                "TP kept inside a node: inter-node bandwidth per GPU is {ratio:.1}× lower ({inter:.1} GB/s over the network against {:.0} GB/s within a node); tp = {} here.",
+                node.intra_gbps, l.tp
+            ));
+        }
+    }
+    if l.pp > 1 {
+        out.push(format!(
+            "PP {} with {} micro-batches per step ({} schedule{}): the bubble costs {} of the step; more micro-batches or more virtual stages shrink it, at the price of memory and transfers.",
+            l.pp,
+            p.micro_batches,
+            l.schedule,
+            if l.interleave > 1 { format!(", v = {}", l.interleave) } else { String::new() },
+            pct(p.bubble_fraction)
+        ));
+    }
+    if !l.stages.is_empty() {
+        out.push(format!(
+            "Stages are balanced by predicted time, embedding and LM head included: layers per stage {:?}.",
+            p.stage_layers
+        ));
+    }
+    let m = &p.memory;
+    if l.zero_stage > 0 {
+        out.push(format!(
+            "ZeRO-{} shards {} over {} data×context-parallel ranks: model states take {:.1} GiB per GPU (weights {:.1}, gradients {:.1}, optimizer {:.1}).",
+            l.zero_stage,
+            match l.zero_stage {
+                1 => "optimizer states",
+                2 => "optimizer states and gradients",
+                _ => "optimizer states, gradients and parameters",
+            },
+            l.dp * l.cp,
+            m.params + m.grads + m.optimizer,
+            m.params,
+            m.grads,
+            m.optimizer
+        ));
+    }
+    if l.recompute != Recompute::None {
+        out.push(format!(
+            "{} recomputation keeps activations to {:.1} GiB per GPU; HFU {} against MFU {}.",
+            if l.recompute == Recompute::Full {
+                "Full"
+            } else {
+                "Selective"
+            },
+            m.activations,
+            pct(p.hfu),
+            pct(p.mfu)
+        ));
+    }
+    out.push(format!(
+        "No layout can beat {:.2} s per step (model FLOPs at the dense peak of all {} GPUs); this plan reaches {} of that ideal.",
+        r.flops_bound_s,
+        s.gpus,
+        pct(r.flops_bound_s / p.step_time_s)
+    ));
+    let per_rank = s.global_batch / u64::from(l.dp.max(1));
+    if input.has_batchnorm && per_rank < BATCHNORM_MIN_PER_GPU {
+        out.push(format!(
+            "Warning: {per_rank} samples per data-parallel rank is below {BATCHNORM_MIN_PER_GPU}: BatchNorm statistics get noisy (Wu & He 2018); use SyncBatchNorm, GroupNorm or a larger global batch."
+        ));
+    }
+    if r.bounds_fell_back {
+        out.push("Note: the simulator changed under the planner's tight bounds; the search fell back to pipeline-only bounds (exact, slower).".into());
+    }
+    out
+}
+
+/// One row of the top-K table.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    pub rank: usize,
+    pub id: u64,
+    pub layout: String,
+    pub layout_inline: String,
+    pub step_time_s: f64,
+    pub step_time_s_low: f64,
+    pub step_time_s_high: f64,
+    pub tokens_per_s: f64,
+    pub mfu: f64,
+    pub peak_memory_gib: f64,
+    pub capacity_gib: f64,
+    pub bubble_fraction: f64,
+    pub exposed_comm_s: f64,
+}
+
+/// The top-K rows.
+pub fn rows(input: &ReportInput) -> Vec<Row> {
+    input
+        .result
+        .top
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let p = &e.prediction;
+            Row {
+                rank: i + 1,
+                id: e.id,
+                layout: short_layout(&e.layout),
+                layout_inline: crate::complete::layout_string(&e.layout),
+                step_time_s: p.step_time_s,
+                step_time_s_low: p.step_time_s * (1.0 - input.band),
+                step_time_s_high: p.step_time_s * (1.0 + input.band),
+                tokens_per_s: p.tokens_per_s,
+                mfu: p.mfu,
+                peak_memory_gib: p.peak_memory_gib,
+                capacity_gib: p.capacity_gib,
+                bubble_fraction: p.bubble_fraction,
+                exposed_comm_s: exposed(e),
+            }
+        })
+        .collect()
+}
+
+/// The top-K table as text cells (header, rows).
+pub fn table_cells(input: &ReportInput) -> (Vec<&'static str>, Vec<Vec<String>>) {
+    let header = vec![
+        "layout",
+        "step s",
+        "band s",
+        "tokens/s",
+        "MFU",
+        "memory GiB",
+        "bubble",
+        "comm s",
+    ];
+    let body = rows(input)
+        .iter()
+        .map(|r| {
+            vec![
+                format!("{} {}", r.rank, r.layout),
+                format!("{:.3}", r.step_time_s),
+                format!("{:.2}–{:.2}", r.step_time_s_low, r.step_time_s_high),
+                format!("{:.0}", r.tokens_per_s),
+                pct(r.mfu),
+                format!("{:.1} / {:.0}", r.peak_memory_gib, r.capacity_gib),
+                pct(r.bubble_fraction),
+                format!("{:.2}", r.exposed_comm_s),
+            ]
+        })
+        .collect();
+    (header, body)
+}
+
+/// The `--json` document: `simulate`'s top-level keys for the best plan, plus `plan`,
+/// `candidates` (top-K), `rejected` (counts by reason) and the explanation.
+pub fn json_document(input: &ReportInput) -> Value {
+    let r = input.result;
+    let best = r.best();
+    let p = &best.prediction;
+    let plan = plan_document(input, best);
+    json!({
+        "step_time_s": p.step_time_s,
+        "step_time_s_low": p.step_time_s * (1.0 - input.band),
+        "step_time_s_high": p.step_time_s * (1.0 + input.band),
+        "tokens_per_s": p.tokens_per_s,
+        "mfu": p.mfu,
+        "hfu": p.hfu,
+        "peak_memory_gib": p.peak_memory_gib,
+        "capacity_gib": p.capacity_gib,
+        "fits": p.fits,
+        "layout": best.layout,
+        "layout_inline": crate::complete::layout_string(&best.layout),
+        "breakdown": p.breakdown,
+        "memory": p.memory,
+        "stage_memory_gib": p.stage_memory_gib,
+        "stage_layers": p.stage_layers,
+        "bubble_fraction": p.bubble_fraction,
+        "micro_batches": p.micro_batches,
+        "plan": plan,
+        "candidates": rows(input),
+        "rejected": r.counts.rejected,
+        "counts": {
+            "candidates": r.counts.candidates,
+            "simulated": r.counts.simulated,
+            "feasible": r.counts.feasible,
+        },
+        "summary": r.summary_line(),
+        "flops_bound_s": r.flops_bound_s,
+        "band": input.band,
+        "families": r.families.iter().map(|f| json!({
+            "family": f.family,
+            "description": f.family.describe(),
+            "best_layout": f.best.as_ref().map(|e| crate::complete::layout_string(&e.layout)),
+            "best_step_time_s": f.best.as_ref().map(|e| e.prediction.step_time_s),
+            "smallest_need_gib": f.smallest_need_gib,
+            "candidates": f.candidates,
+        })).collect::<Vec<_>>(),
+        "explanation": explain(input),
+        "guidance": guidance(input),
+        "sweep": input.sweep.iter().map(|s| json!({
+            "gpus": s.gpus,
+            "step_time_s": s.best.as_ref().map(|e| e.prediction.step_time_s),
+            "tokens_per_s": s.best.as_ref().map(|e| e.prediction.tokens_per_s),
+            "mfu": s.best.as_ref().map(|e| e.prediction.mfu),
+            "layout": s.best.as_ref().map(|e| crate::complete::layout_string(&e.layout)),
+            "note": s.note,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// The heading lines shared by the text and Markdown reports.
+pub fn headline(input: &ReportInput) -> Vec<String> {
+    let s = input.setup;
+    let best = input.result.best();
+    let p = &best.prediction;
+    vec![
+        format!(
+            "{} on {} ({} GPUs), global batch {} × seq {}, {}",
+            input.model_name, input.cluster_spec, s.gpus, s.global_batch, s.seq, s.precision
+        ),
+        format!(
+            "best plan   {}",
+            crate::complete::layout_string(&best.layout)
+        ),
+        format!(
+            "step time   {:.3} s ({:.3}–{:.3} s, ±{:.0} %) · {:.0} tokens/s · MFU {} · HFU {}",
+            p.step_time_s,
+            p.step_time_s * (1.0 - input.band),
+            p.step_time_s * (1.0 + input.band),
+            input.band * 100.0,
+            p.tokens_per_s,
+            pct(p.mfu),
+            pct(p.hfu)
+        ),
+        format!(
+            "memory      {:.1} GiB peak of {:.0} GiB per GPU ({} micro-batches, bubble {})",
+            p.peak_memory_gib,
+            p.capacity_gib,
+            p.micro_batches,
+            pct(p.bubble_fraction)
+        ),
+        format!("search      {}", input.result.summary_line()),
+    ]
+}
+
+fn md_table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut s = format!("| {} |\n", header.join(" | "));
+    s.push_str(&format!(
+        "|{}\n",
+        header.iter().map(|_| "---|").collect::<String>()
+    ));
+    for r in rows {
+        s.push_str(&format!("| {} |\n", r.join(" | ")));
+    }
+    s
+}
+
+/// SVG plots of a report, by file name.
+pub type Svgs = Vec<(String, String)>;
+
+/// `report.md`: the same content as the terminal, with the plots linked.
+pub fn markdown(input: &ReportInput, svgs: &Svgs) -> String {
+    let mut s = String::from("# parallax plan\n\n");
+    for line in headline(input) {
+        s.push_str(&format!("    {line}\n"));
+    }
+    s.push_str("\n## Why this plan wins\n\n");
+    for l in explain(input) {
+        s.push_str(&format!("- {l}\n"));
+    }
+    s.push_str("\n## Guidance\n\n");
+    for l in guidance(input) {
+        s.push_str(&format!("- {l}\n"));
+    }
+    s.push_str(&format!("\n## Top {} plans\n\n", input.result.top.len()));
+    let (h, rows) = table_cells(input);
+    s.push_str(&md_table(&h, &rows));
+    s.push_str("\n## Rejected candidates\n\n");
+    let rej: Vec<Vec<String>> = input
+        .result
+        .counts
+        .rejected
+        .iter()
+        .map(|(k, v)| vec![k.clone(), crate::search::group_digits(*v)])
+        .collect();
+    s.push_str(&md_table(&["reason", "candidates"], &rej));
+    if !input.sweep.is_empty() {
+        s.push_str("\n## GPU-count sweep\n\n");
+        let rows: Vec<Vec<String>> = input
+            .sweep
+            .iter()
+            .map(|p| match &p.best {
+                Some(e) => vec![
+                    p.gpus.to_string(),
+                    short_layout(&e.layout),
+                    format!("{:.3}", e.prediction.step_time_s),
+                    format!("{:.0}", e.prediction.tokens_per_s),
+                    pct(e.prediction.mfu),
+                ],
+                None => vec![
+                    p.gpus.to_string(),
+                    p.note.clone().unwrap_or_default(),
+                    "-".into(),
+                    "-".into(),
+                    "-".into(),
+                ],
+            })
+            .collect();
+        s.push_str(&md_table(
+            &["GPUs", "best layout", "step s", "tokens/s", "MFU"],
+            &rows,
+        ));
+    }
+    if !svgs.is_empty() {
+        s.push_str("\n## Plots\n\n");
+        for (name, _) in svgs {
+            s.push_str(&format!("![{name}]({name})\n\n"));
+        }
+    }
+    s.push_str("\nFiles: `plan.json` (parallax-plan/1), `trace.json` (open in https://ui.perfetto.dev or chrome://tracing), `report.html` (self-contained).\n");
+    s
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+/// `report.html`: self-contained (styles and SVGs inline, no scripts, no external fetches).
+pub fn html(input: &ReportInput, svgs: &Svgs) -> String {
+    let mut s = String::from(
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>parallax plan</title>\n<style>\nbody{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222}\npre{background:#f6f6f6;padding:1em;overflow-x:auto}\ntable{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child,th:first-child{text-align:left}\n.plot{margin:1.5em 0}\n</style></head><body>\n<h1>parallax plan</h1>\n<pre>",
+    );
+    for line in headline(input) {
+        s.push_str(&escape(&line));
+        s.push('\n');
+    }
+    s.push_str("</pre>\n<h2>Why this plan wins</h2>\n<ul>\n");
+    for l in explain(input) {
+        s.push_str(&format!("<li>{}</li>\n", escape(&l)));
+    }
+    s.push_str("</ul>\n<h2>Guidance</h2>\n<ul>\n");
+    for l in guidance(input) {
+        s.push_str(&format!("<li>{}</li>\n", escape(&l)));
+    }
+    s.push_str("</ul>\n<h2>Top plans</h2>\n<table>\n<tr>");
+    let (h, rows) = table_cells(input);
+    for c in &h {
+        s.push_str(&format!("<th>{}</th>", escape(c)));
+    }
+    s.push_str("</tr>\n");
+    for r in &rows {
+        s.push_str("<tr>");
+        for c in r {
+            s.push_str(&format!("<td>{}</td>", escape(c)));
+        }
+        s.push_str("</tr>\n");
+    }
+    s.push_str("</table>\n<h2>Rejected candidates</h2>\n<table>\n<tr><th>reason</th><th>candidates</th></tr>\n");
+    for (k, v) in &input.result.counts.rejected {
+        s.push_str(&format!(
+            "<tr><td>{}</td><td>{}</td></tr>\n",
+            escape(k),
+            crate::search::group_digits(*v)
+        ));
+    }
+    s.push_str("</table>\n");
+    for (name, svg) in svgs {
+        // Inline the SVG element itself (drop any XML prologue).
+        let body = svg.find("<svg").map_or(svg.as_str(), |i| &svg[i..]);
+        s.push_str(&format!(
+            "<div class=\"plot\" id=\"{}\">\n{}\n</div>\n",
+            escape(name),
+            body
+        ));
+    }
+    s.push_str("<p>Plan: <code>plan.json</code>. Timeline: <code>trace.json</code> (Perfetto / chrome://tracing).</p>\n</body></html>\n");
+    s
+}
+
+/// Whether a family is the best plan's own (for tests and callers).
+pub fn in_family(result: &SearchResult, f: Family) -> bool {
+    f.contains(&result.best().layout)
+}
