@@ -1,0 +1,69 @@
+//! Simulator speed (issue 3 targets): a gpt3-175b plan on 1,024 A100s at ≥ 1,000 simulations
+//! per second on one core; a llama3-405b plan on 16,384 H100s in < 50 ms.
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use parallax_cost::{Runtime, Setup};
+use parallax_hardware::preset;
+use parallax_ir::models::TransformerConfig;
+use parallax_ir::{Layout, Precision, Recompute, Schedule};
+use parallax_sim::simulate_step;
+use std::hint::black_box;
+
+fn bench(c: &mut Criterion) {
+    let a100 = preset("dgx-a100-80gb").unwrap();
+    let gpt3 = TransformerConfig::gpt(96, 12288, 96, 4 * 12288, 50257, 2048);
+    let s = Setup {
+        model: &gpt3,
+        profile: &a100,
+        gpus: 1024,
+        precision: Precision::Bf16,
+        seq: 2048,
+        global_batch: 1536,
+        runtime: Runtime::default(),
+    };
+    let l = Layout {
+        dp: 16,
+        tp: 8,
+        pp: 8,
+        micro_batch: 1,
+        zero_stage: 1,
+        recompute: Recompute::Selective,
+        sequence_parallel: true,
+        schedule: Schedule::Interleaved1F1B,
+        interleave: 2,
+        ..Layout::default()
+    };
+    c.bench_function("simulate gpt3-175b on 1024 A100 (tp8 pp8 v2 dp16)", |b| {
+        b.iter(|| simulate_step(black_box(&s), black_box(&l)).unwrap())
+    });
+
+    let h100 = preset("dgx-h100-80gb").unwrap();
+    let llama = TransformerConfig::llama(126, 16384, 128, 8, 53248, 128256, 8192);
+    let s = Setup {
+        model: &llama,
+        profile: &h100,
+        gpus: 16384,
+        precision: Precision::Bf16,
+        seq: 8192,
+        global_batch: 2048,
+        runtime: Runtime::default(),
+    };
+    let l = Layout {
+        dp: 128,
+        tp: 8,
+        pp: 16,
+        micro_batch: 1,
+        zero_stage: 1,
+        recompute: Recompute::Selective,
+        sequence_parallel: true,
+        schedule: Schedule::Interleaved1F1B,
+        interleave: 2,
+        ..Layout::default()
+    };
+    c.bench_function("simulate llama3-405b on 16384 H100 (tp8 pp16 v2 dp128)", |b| {
+        b.iter(|| simulate_step(black_box(&s), black_box(&l)).unwrap())
+    });
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
