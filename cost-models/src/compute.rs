@@ -219,7 +219,9 @@ mod tests {
         let big = 2.0 * 8192.0 * 8192.0 * 8192.0;
         let t = m.gemm(big).0;
         let achieved = big / t / 312e12;
-        assert!((0.8..0.9).contains(&achieved), "{achieved}");
+        // The curve's top (ref gemm_benchmarks: 86.9 % on A100) times the fitted sustained share.
+        let expect = 0.869 * p.device.sustained();
+        assert!((achieved - expect).abs() < 0.01, "{achieved} vs {expect}");
         let tiny = m.gemm(2.0 * 64.0 * 64.0 * 64.0).0;
         assert!(tiny >= p.device.kernel_overhead().0);
         assert!(DeviceModel::new(&preset("dgx2-v100-32gb").unwrap(), Precision::Bf16).is_err());

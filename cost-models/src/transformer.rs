@@ -681,14 +681,22 @@ mod tests {
     fn tensor_parallelism_divides_compute_and_adds_collectives() {
         let m = cfg("gpt3-13b");
         let p = preset("dgx-a100-80gb").unwrap();
-        let s1 = setup(&m, &p, 1, Runtime::default());
-        let s8 = setup(&m, &p, 8, Runtime::default());
+        let no_overlap = Runtime {
+            tp_comm_overlap: false,
+            ..Runtime::default()
+        };
+        let s1 = setup(&m, &p, 1, no_overlap);
+        let s8 = setup(&m, &p, 8, no_overlap);
         let c1 = transformer_costs(&s1, &layout(1, false, Recompute::None)).unwrap();
         let c8 = transformer_costs(&s8, &layout(8, true, Recompute::None)).unwrap();
         let r = c1.layer.compute.fwd.0 / c8.layer.compute.fwd.0;
         assert!((4.0..8.5).contains(&r), "{r}");
         assert_eq!(c1.layer.tp_fwd.0, 0.0);
         assert!(c8.layer.tp_fwd.0 > 0.0);
+        // Pipelining the collectives with their GEMMs hides them (Transformer Engine overlap).
+        let s8o = setup(&m, &p, 8, Runtime::default());
+        let c8o = transformer_costs(&s8o, &layout(8, true, Recompute::None)).unwrap();
+        assert!(c8o.layer.tp_fwd < c8.layer.tp_fwd);
         // Replicated in TP: two LayerNorms (4h) and the two row-parallel biases (2h).
         assert_eq!(c8.layer.params * 8, c1.layer.params + 7 * 6 * 5140);
     }
@@ -722,5 +730,64 @@ mod tests {
             ..Layout::default()
         };
         assert_eq!(transformer_costs(&s, &l).unwrap_err().kind(), "indivisible");
+    }
+}
+
+#[cfg(test)]
+mod props {
+    use super::*;
+    use parallax_hardware::preset;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// More recomputation never keeps more activations, and every cost is non-negative.
+        #[test]
+        fn recompute_is_monotone_and_costs_are_non_negative(
+            layers in 2u32..6,
+            heads_log in 1u32..4,
+            kv_div in 0u32..2,
+            head_dim in prop::sample::select(vec![32u64, 64]),
+            tp_log in 0u32..3,
+            mb in 1u64..4,
+            seq in prop::sample::select(vec![64u64, 128, 256]),
+            sp in any::<bool>(),
+            fused in any::<bool>(),
+            llama in any::<bool>(),
+        ) {
+            let heads = 1u64 << (heads_log + tp_log);
+            let hidden = heads * head_dim;
+            let kv = if llama { heads >> kv_div } else { heads };
+            let m = if llama {
+                TransformerConfig::llama(layers, hidden, heads, kv, 4 * hidden, 512, seq)
+            } else {
+                TransformerConfig::gpt(layers, hidden, heads, 4 * hidden, 512, seq)
+            };
+            let p = preset("dgx-a100-80gb").unwrap();
+            let tp = 1u32 << tp_log;
+            let s = Setup {
+                model: &m,
+                profile: &p,
+                gpus: tp,
+                precision: Precision::Bf16,
+                seq,
+                global_batch: mb,
+                runtime: Runtime { fused_attention: fused, ..Runtime::default() },
+            };
+            let at = |r| {
+                let l = Layout { tp, micro_batch: mb, recompute: r, sequence_parallel: sp, ..Layout::default() };
+                transformer_costs(&s, &l).unwrap()
+            };
+            let (none, sel, full) = (at(Recompute::None), at(Recompute::Selective), at(Recompute::Full));
+            prop_assert!(sel.layer.saved <= none.layer.saved);
+            prop_assert!(full.layer.saved <= sel.layer.saved);
+            prop_assert!(full.layer.recompute >= sel.layer.recompute);
+            for c in [&none, &sel, &full] {
+                for t in [c.layer.fwd(), c.layer.bwd_input(), c.layer.bwd_weight(), c.head.fwd(), c.embedding.fwd(), c.p2p] {
+                    prop_assert!(t.0 >= 0.0 && t.0.is_finite());
+                }
+            }
+        }
     }
 }
