@@ -255,7 +255,7 @@ mod tests {
                 fused,
                 dropout: !fused,
             });
-            let w = op.work(&ins, &[q.clone()], &[false; 3], 2);
+            let w = op.work(&ins, std::slice::from_ref(&q), &[false; 3], 2);
             m.op(&op, &ins, &w, 2).total().0
         };
         assert!(

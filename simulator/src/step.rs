@@ -184,8 +184,8 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
     };
     let mut costs =
         PipelineCosts::uniform(pp, v, Seconds(0.0), Seconds(0.0), Seconds(0.0), p2p_link);
-    for vs in 0..nv {
-        let n = f64::from(layers[vs]);
+    for (vs, &nl) in layers.iter().enumerate() {
+        let n = f64::from(nl);
         let mut f = (c.layer.fwd() + z3_fwd) * n + p2p_stream;
         let mut b = (c.layer.bwd_input() + z3_bwd) * n + p2p_stream;
         let mut w = c.layer.bwd_weight() * n;
