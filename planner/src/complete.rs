@@ -23,6 +23,9 @@ pub enum CompleteError {
     },
 }
 
+/// A simulated candidate, or why it was rejected: (reason kind, full message).
+type Outcome = Result<StepPrediction, (String, String)>;
+
 /// A chosen layout and its prediction.
 #[derive(Clone, Debug)]
 pub struct Completed {
@@ -206,7 +209,7 @@ pub fn complete_within(
             setup.gpus
         )));
     }
-    let results: Vec<(usize, Result<StepPrediction, (String, String)>)> = cands
+    let results: Vec<(usize, Outcome)> = cands
         .par_iter()
         .enumerate()
         .map(|(i, l)| {

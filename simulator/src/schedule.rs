@@ -563,7 +563,7 @@ impl PipelineGraph {
             .get(stage as usize)?
             .iter()
             .rev()
-            .find(|t| matches!(t.op.op, Op::W | Op::BW) && chunk.map_or(true, |c| t.op.chunk == c))
+            .find(|t| matches!(t.op.op, Op::W | Op::BW) && chunk.is_none_or(|c| t.op.chunk == c))
             .map(|t| t.exit)
     }
 
