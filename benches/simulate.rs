@@ -60,9 +60,10 @@ fn bench(c: &mut Criterion) {
         interleave: 2,
         ..Layout::default()
     };
-    c.bench_function("simulate llama3-405b on 16384 H100 (tp8 pp16 v2 dp128)", |b| {
-        b.iter(|| simulate_step(black_box(&s), black_box(&l)).unwrap())
-    });
+    c.bench_function(
+        "simulate llama3-405b on 16384 H100 (tp8 pp16 v2 dp128)",
+        |b| b.iter(|| simulate_step(black_box(&s), black_box(&l)).unwrap()),
+    );
 }
 
 criterion_group!(benches, bench);
