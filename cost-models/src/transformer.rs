@@ -185,6 +185,28 @@ impl Setup<'_> {
     }
 }
 
+/// Model FLOPs of one optimizer step: the unsharded graph's forward and backward work for every
+/// sequence of the global batch, without recomputation (the numerator of MFU).
+pub fn model_flops_per_step(s: &Setup) -> Result<f64, Infeasible> {
+    let per = |sec| {
+        s.model
+            .build_section(
+                sec,
+                BuildOptions {
+                    batch: 1,
+                    seq: s.seq,
+                    fused_attention: true,
+                },
+            )
+            .map(|g| g.total_work(2).train_flops().0)
+            .map_err(|e| Infeasible::Unsupported(e.to_string()))
+    };
+    let per_seq = f64::from(s.model.layers) * per(Section::Block)?
+        + per(Section::Embedding)?
+        + per(Section::Head)?;
+    Ok(per_seq * s.global_batch as f64)
+}
+
 /// Checks that the layout's degrees fit the model and cluster (before any costing).
 pub fn check_layout(s: &Setup, l: &Layout) -> Result<(), Infeasible> {
     let m = s.model;
@@ -609,10 +631,7 @@ mod tests {
     use parallax_ir::Schedule;
 
     fn cfg(name: &str) -> TransformerConfig {
-        match zoo::find(name).unwrap().def {
-            zoo::ZooDef::Transformer(c) => c,
-            _ => unreachable!(),
-        }
+        zoo::transformer(name).unwrap()
     }
 
     fn setup<'a>(

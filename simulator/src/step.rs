@@ -15,8 +15,7 @@ use parallax_cost::compute::DeviceModel;
 use parallax_cost::memory::{
     state_bytes_per_param, MemoryBreakdown, ADAM_BYTES_PER_PARAM, WORKSPACE_GIB,
 };
-use parallax_cost::transformer::{transformer_costs, Infeasible, Setup};
-use parallax_ir::models::{BuildOptions, Section};
+use parallax_cost::transformer::{model_flops_per_step, transformer_costs, Infeasible, Setup};
 use parallax_ir::{Bytes, Layout, Schedule, Seconds};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -348,25 +347,7 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
         _ => 0.0,
     };
 
-    // Model FLOPs of the whole step (unsharded graphs, no recomputation).
-    let unsharded = |sec| {
-        setup
-            .model
-            .build_section(
-                sec,
-                BuildOptions {
-                    batch: 1,
-                    seq: setup.seq,
-                    fused_attention: true,
-                },
-            )
-            .map(|g| g.total_work(2).train_flops().0)
-            .map_err(|e| Infeasible::Unsupported(e.to_string()))
-    };
-    let per_seq = f64::from(setup.model.layers) * unsharded(Section::Block)?
-        + unsharded(Section::Embedding)?
-        + unsharded(Section::Head)?;
-    let model_flops = per_seq * setup.global_batch as f64;
+    let model_flops = model_flops_per_step(setup)?;
     let recompute_share = c.layer.hardware_flops / c.layer.model_flops.max(1.0);
     let gpus = f64::from(setup.gpus);
     let peak = dev.gemm_peak();

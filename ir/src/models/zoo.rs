@@ -237,6 +237,14 @@ pub fn find(name: &str) -> Option<ZooEntry> {
         .find(|e| e.name.eq_ignore_ascii_case(name))
 }
 
+/// The dimensions of the zoo transformer called `name`.
+pub fn transformer(name: &str) -> Option<TransformerConfig> {
+    match find(name)?.def {
+        ZooDef::Transformer(c) => Some(c),
+        _ => None,
+    }
+}
+
 /// Names of all entries, comma-separated (for error messages).
 pub fn names() -> String {
     entries()
