@@ -16,7 +16,7 @@ use parallax_cost::memory::{
     state_bytes_per_param, MemoryBreakdown, ADAM_BYTES_PER_PARAM, WORKSPACE_GIB,
 };
 use parallax_cost::transformer::{model_flops_per_step, transformer_costs, Infeasible, Setup};
-use parallax_ir::{Bytes, Layout, Schedule, Seconds};
+use parallax_ir::{Bytes, Layout, Schedule, Seconds, GIB};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use thiserror::Error;
@@ -100,6 +100,10 @@ pub struct SimulatedStep {
     pub graph: TaskGraph,
     pub resources: Resources,
     pub trace: Trace,
+    /// Memory of each stage over the step, `(seconds, GiB)` at every change: model states and
+    /// buffers, plus each micro-batch's activations from the end of its forward to the end of
+    /// its weight-gradient pass (allocator allowance not included).
+    pub memory_timeline: Vec<Vec<(f64, f64)>>,
 }
 
 fn schedule_kind(l: &Layout) -> ScheduleKind {
@@ -358,6 +362,7 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
     let (wb, gb, ob) = state_bytes_per_param(precision, l.zero_stage, shard);
     let workspace = Bytes::from_gib(WORKSPACE_GIB);
     let mut stage_memory = Vec::with_capacity(pp as usize);
+    let mut stage_static = Vec::with_capacity(pp as usize);
     let mut worst = MemoryBreakdown::default();
     for s in 0..pp {
         let chunks: Vec<usize> = (0..v).map(|ch| (ch * pp + s) as usize).collect();
@@ -399,6 +404,7 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
             allocator: Bytes(0),
         }
         .with_allocator();
+        stage_static.push((mem.params + mem.grads + mem.optimizer + mem.buffers).gib());
         if mem.total() > worst.total() {
             worst = mem;
         }
@@ -427,11 +433,47 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
         capacity_gib: capacity,
         fits: peak_gib <= capacity,
     };
+    // Activations held per virtual stage and micro-batch, over time.
+    let saved_of = |vs: usize| -> f64 {
+        let mut b = c.layer.saved.0 as f64 * nl(vs);
+        if vs == 0 {
+            b += c.embedding.saved.0 as f64;
+        }
+        if vs == nv - 1 {
+            b += c.head.saved.0 as f64;
+        }
+        b / GIB
+    };
+    let mut events: Vec<Vec<(f64, f64)>> = vec![Vec::new(); pp as usize];
+    for span in &trace.spans {
+        let t = pg.graph.task(span.task);
+        let vs = (t.chunk * pp + t.stage) as usize;
+        match t.kind {
+            TaskKind::Forward => events[t.stage as usize].push((span.end.0, saved_of(vs))),
+            TaskKind::BackwardWeight => events[t.stage as usize].push((span.end.0, -saved_of(vs))),
+            _ => {}
+        }
+    }
+    let memory_timeline = events
+        .into_iter()
+        .zip(&stage_static)
+        .map(|(mut ev, base)| {
+            ev.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let mut level = *base;
+            let mut out = vec![(0.0, level)];
+            for (t, d) in ev {
+                level += d;
+                out.push((t, level.max(0.0)));
+            }
+            out
+        })
+        .collect();
     Ok(SimulatedStep {
         prediction,
         graph: pg.graph,
         resources: pg.resources,
         trace,
+        memory_timeline,
     })
 }
 
@@ -500,6 +542,33 @@ mod tests {
             pr.step_time_s
         );
         assert!(pr.memory.total >= pr.memory.params + pr.memory.activations);
+    }
+
+    #[test]
+    fn memory_over_time_rises_with_forwards_and_returns() {
+        let (m, p) = (gpt3(), preset("dgx-a100-80gb").unwrap());
+        let s = setup(&m, &p, 1024, 1536);
+        let r = simulate_step(&s, &megatron_175b(Schedule::OneFOneB, 1)).unwrap();
+        assert_eq!(r.memory_timeline.len(), 8);
+        for (stage, tl) in r.memory_timeline.iter().enumerate() {
+            let start = tl[0].1;
+            let peak = tl.iter().map(|x| x.1).fold(0.0, f64::max);
+            let end = tl.last().unwrap().1;
+            assert!(
+                (end - start).abs() < 1e-6,
+                "stage {stage} ends at {end}, started {start}"
+            );
+            assert!(peak > start);
+            // The timeline's peak is the live part of the reported peak (allocator excluded).
+            let reported = r.prediction.stage_memory_gib[stage];
+            assert!(peak <= reported + 1e-6, "{peak} > {reported}");
+            assert!(tl.windows(2).all(|w| w[0].0 <= w[1].0));
+        }
+        // 1F1B: stage 0 holds pp micro-batches at its peak, the last stage one.
+        let rise = |s: usize| {
+            r.memory_timeline[s].iter().map(|x| x.1).fold(0.0, f64::max) - r.memory_timeline[s][0].1
+        };
+        assert!(rise(0) > 7.5 * rise(7), "{} vs {}", rise(0), rise(7));
     }
 
     #[test]
