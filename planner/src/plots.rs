@@ -4,7 +4,9 @@
 
 use crate::search::Evaluated;
 use parallax_sim::{SimulatedStep, TaskKind};
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use thiserror::Error;
 
 /// A plot could not be drawn.
@@ -17,6 +19,25 @@ pub struct PlotError {
 
 fn err(plot: &'static str) -> impl Fn(String) -> PlotError {
     move |message| PlotError { plot, message }
+}
+
+/// Writes `labels[i]` left of row `i` of a chart whose rows are centred on `y = n - 1 - i + 0.5`
+/// (row 0 at the top); plotters' own tick labels cannot be pinned to category rows.
+fn row_labels<DB: DrawingBackend>(
+    root: &DrawingArea<DB, plotters::coord::Shift>,
+    chart: &ChartContext<DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+    labels: &[String],
+    x0: f64,
+) -> Result<(), String> {
+    let n = labels.len();
+    let style =
+        TextStyle::from(("sans-serif", 12).into_font()).pos(Pos::new(HPos::Right, VPos::Center));
+    for (i, label) in labels.iter().enumerate() {
+        let (px, py) = chart.backend_coord(&(x0, (n - 1 - i) as f64 + 0.5));
+        root.draw(&Text::new(label.clone(), (px - 6, py), style.clone()))
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
 }
 
 /// Colours of the breakdown parts, in drawing order.
@@ -66,7 +87,7 @@ pub fn breakdown_svg(plans: &[Evaluated], labels: &[String]) -> Result<String, P
                 .max(p.prediction.step_time_s)
         })
         .fold(0.0, f64::max)
-        * 1.05;
+        * 1.3;
     let mut out = String::new();
     {
         let root = SVGBackend::with_string(&mut out, (900, height)).into_drawing_area();
@@ -84,18 +105,11 @@ pub fn breakdown_svg(plans: &[Evaluated], labels: &[String]) -> Result<String, P
         chart
             .configure_mesh()
             .disable_y_mesh()
-            .y_labels(n)
-            .y_label_formatter(&|y| {
-                let i = (*y - 0.5).round() as usize;
-                if (*y - 0.5 - i as f64).abs() < 1e-6 {
-                    labels.get(n - 1 - i).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
+            .y_labels(0)
             .x_desc("seconds per step")
             .draw()
             .map_err(|x| e(x.to_string()))?;
+        row_labels(&root, &chart, labels, 0.0).map_err(&e)?;
         for (k, (part, color)) in PARTS.iter().enumerate() {
             let mut rects = Vec::new();
             for (i, p) in plans.iter().enumerate() {
@@ -146,15 +160,15 @@ pub fn memory_svg(stage_gib: &[f64], capacity_gib: f64) -> Result<String, PlotEr
             .margin(10)
             .x_label_area_size(35)
             .y_label_area_size(50)
-            .build_cartesian_2d(0.0..n as f64, 0.0..ymax.max(1e-9))
+            .build_cartesian_2d(-0.5..n as f64 - 0.5, 0.0..ymax.max(1e-9))
             .map_err(|x| e(x.to_string()))?;
         chart
             .configure_mesh()
             .disable_x_mesh()
             .x_labels(n.min(32))
             .x_label_formatter(&|x| {
-                let i = (*x - 0.5).round();
-                if (*x - 0.5 - i).abs() < 1e-6 {
+                let i = x.round();
+                if (x - i).abs() < 1e-6 && i >= 0.0 {
                     format!("{}", i as i64)
                 } else {
                     String::new()
@@ -171,7 +185,7 @@ pub fn memory_svg(stage_gib: &[f64], capacity_gib: f64) -> Result<String, PlotEr
                 } else {
                     RGBColor(76, 114, 176)
                 };
-                Rectangle::new([(i as f64 + 0.1, 0.0), (i as f64 + 0.9, g)], color.filled())
+                Rectangle::new([(i as f64 - 0.4, 0.0), (i as f64 + 0.4, g)], color.filled())
             }))
             .map_err(|x| e(x.to_string()))?
             .label("peak memory")
@@ -183,7 +197,7 @@ pub fn memory_svg(stage_gib: &[f64], capacity_gib: f64) -> Result<String, PlotEr
             });
         chart
             .draw_series(LineSeries::new(
-                [(0.0, capacity_gib), (n as f64, capacity_gib)],
+                [(-0.5, capacity_gib), (n as f64 - 0.5, capacity_gib)],
                 RED.stroke_width(2),
             ))
             .map_err(|x| e(x.to_string()))?
@@ -249,24 +263,17 @@ pub fn gantt_svg(step: &SimulatedStep) -> Result<String, PlotError> {
             .margin(10)
             .x_label_area_size(30)
             .y_label_area_size(150)
-            .build_cartesian_2d(0.0..makespan, 0.0..n as f64)
+            .build_cartesian_2d(0.0..makespan * 1.18, 0.0..n as f64)
             .map_err(|x| e(x.to_string()))?;
         let names: Vec<String> = rows.iter().map(|&r| resources[r].name.clone()).collect();
         chart
             .configure_mesh()
             .disable_y_mesh()
-            .y_labels(n)
-            .y_label_formatter(&|y| {
-                let i = (*y - 0.5).round() as usize;
-                if (*y - 0.5 - i as f64).abs() < 1e-6 {
-                    names.get(n - 1 - i).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
+            .y_labels(0)
             .x_desc("seconds")
             .draw()
             .map_err(|x| e(x.to_string()))?;
+        row_labels(&root, &chart, &names, 0.0).map_err(&e)?;
         let graph = &step.graph;
         let bars = step.trace.spans.iter().filter_map(|s| {
             let row = *row_of.get(s.resource.index())?;

@@ -102,6 +102,14 @@ pub fn short_layout(l: &Layout) -> String {
     s
 }
 
+fn capitalize(s: &str) -> String {
+    let mut c = s.chars();
+    match c.next() {
+        Some(f) => f.to_uppercase().chain(c).collect(),
+        None => String::new(),
+    }
+}
+
 fn pct(x: f64) -> String {
     format!("{:.0} %", x * 100.0)
 }
@@ -210,8 +218,8 @@ pub fn explain(input: &ReportInput) -> Vec<String> {
                     _ => "with a similar breakdown".to_string(),
                 };
                 out.push(format!(
-                    "The best plan {} ({}, {:.2} s) is {} slower {why}.",
-                    f.family.describe(),
+                    "{}: {} at {:.2} s is {} slower {why}.",
+                    capitalize(f.family.describe()),
                     short_layout(&fb.layout),
                     fb.prediction.step_time_s,
                     pct(loss)
@@ -625,4 +633,152 @@ pub fn html(input: &ReportInput, svgs: &Svgs) -> String {
 /// Whether a family is the best plan's own (for tests and callers).
 pub fn in_family(result: &SearchResult, f: Family) -> bool {
     f.contains(&result.best().layout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plots::{breakdown_svg, gantt_svg, memory_svg, sweep_svg};
+    use crate::search::{search, SearchOptions};
+    use parallax_cost::transformer::Runtime;
+    use parallax_hardware::Cluster;
+    use parallax_ir::models::zoo;
+    use parallax_ir::Precision;
+
+    #[test]
+    fn reports_have_every_key_and_stay_self_contained() {
+        let m = match zoo::find("gpt3-6.7b").unwrap().def {
+            zoo::ZooDef::Transformer(c) => c,
+            _ => unreachable!(),
+        };
+        let c = Cluster::parse("dgx-a100-80gb:gpus=32").unwrap();
+        let s = Setup {
+            model: &m,
+            profile: &c.profile,
+            gpus: 32,
+            precision: Precision::Bf16,
+            seq: 2048,
+            global_batch: 64,
+            runtime: Runtime::default(),
+        };
+        let opts = SearchOptions {
+            force: parallax_ir::PartialLayout::parse("pp=2").unwrap(),
+            ..SearchOptions::default()
+        };
+        let r = search(&s, &opts).unwrap();
+        let sweep = vec![SweepPoint {
+            gpus: 32,
+            best: Some(r.best().clone()),
+            note: None,
+        }];
+        let input = ReportInput {
+            setup: &s,
+            model_name: "gpt3-6.7b",
+            cluster_spec: "dgx-a100-80gb:gpus=32",
+            result: &r,
+            band: 0.1,
+            sweep: &sweep,
+            has_batchnorm: true,
+        };
+        let doc = json_document(&input);
+        for key in [
+            "step_time_s",
+            "step_time_s_low",
+            "step_time_s_high",
+            "tokens_per_s",
+            "mfu",
+            "hfu",
+            "peak_memory_gib",
+            "fits",
+            "layout",
+            "breakdown",
+            "memory",
+            "plan",
+            "candidates",
+            "rejected",
+        ] {
+            assert!(doc.get(key).is_some(), "{key}");
+        }
+        let best = r.best().prediction.step_time_s;
+        assert_eq!(doc["step_time_s_low"].as_f64(), Some(best * 0.9));
+        assert_eq!(doc["plan"]["schema"], "parallax-plan/1");
+        assert_eq!(doc["plan"]["layout"]["pp"], 2);
+        assert_eq!(doc["candidates"].as_array().unwrap().len(), r.top.len());
+        let plan: Plan = serde_json::from_value(doc["plan"].clone()).unwrap();
+        Plan::from_json(&plan.to_json(), "plan.json").unwrap();
+        // 64 sequences over dp 2: 32 per rank, above the BatchNorm threshold: no warning.
+        assert!(!guidance(&input).iter().any(|l| l.contains("BatchNorm")));
+        assert!(!explain(&input).is_empty());
+
+        let labels: Vec<String> = r.top.iter().map(|e| short_layout(&e.layout)).collect();
+        let step = parallax_sim::simulate_step(&s, &r.best().layout).unwrap();
+        let svgs: Svgs = vec![
+            (
+                "breakdown.svg".into(),
+                breakdown_svg(&r.top, &labels).unwrap(),
+            ),
+            (
+                "memory.svg".into(),
+                memory_svg(&r.best().prediction.stage_memory_gib, 80.0).unwrap(),
+            ),
+            ("timeline.svg".into(), gantt_svg(&step).unwrap()),
+            (
+                "sweep.svg".into(),
+                sweep_svg(&[(16, 1.0), (32, 1.9)]).unwrap(),
+            ),
+        ];
+        for (name, svg) in &svgs {
+            assert!(
+                svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"),
+                "{name}"
+            );
+            assert!(svg.contains("<rect"), "{name}");
+        }
+        let page = html(&input, &svgs);
+        assert_eq!(page.matches("<svg").count(), svgs.len());
+        // Self-contained: no scripts, no external stylesheets, images or fonts.
+        for bad in ["<script", "<link", "src=", "@import", "url("] {
+            assert!(!page.contains(bad), "{bad}");
+        }
+        let md = markdown(&input, &svgs);
+        assert!(md.contains("## Why this plan wins") && md.contains("](breakdown.svg)"));
+    }
+
+    #[test]
+    fn small_per_gpu_batches_warn_about_batchnorm() {
+        let m = match zoo::find("gpt2").unwrap().def {
+            zoo::ZooDef::Transformer(c) => c,
+            _ => unreachable!(),
+        };
+        let c = Cluster::parse("dgx-a100-80gb:gpus=8").unwrap();
+        let s = Setup {
+            model: &m,
+            profile: &c.profile,
+            gpus: 8,
+            precision: Precision::Bf16,
+            seq: 1024,
+            global_batch: 16,
+            runtime: Runtime::default(),
+        };
+        let r = search(
+            &s,
+            &SearchOptions {
+                force: parallax_ir::PartialLayout::parse("dp=8").unwrap(),
+                ..SearchOptions::default()
+            },
+        )
+        .unwrap();
+        let mut input = ReportInput {
+            setup: &s,
+            model_name: "gpt2",
+            cluster_spec: "dgx-a100-80gb:gpus=8",
+            result: &r,
+            band: 0.1,
+            sweep: &[],
+            has_batchnorm: true,
+        };
+        assert!(guidance(&input).iter().any(|l| l.contains("BatchNorm")));
+        input.has_batchnorm = false;
+        assert!(!guidance(&input).iter().any(|l| l.contains("BatchNorm")));
+    }
 }

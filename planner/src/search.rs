@@ -450,7 +450,7 @@ fn run(
         if g_lb.is_none() && c_lb.is_none() {
             break;
         }
-        if g_lb.is_some_and(|g| c_lb.map_or(true, |c| g <= c)) {
+        if g_lb.is_some_and(|g| c_lb.is_none_or(|c| g <= c)) {
             // Expand the next groups that may still hold a wanted candidate.
             let mut batch = Vec::with_capacity(GROUP_BATCH);
             while gnext < live.len() && batch.len() < GROUP_BATCH {
@@ -505,7 +505,7 @@ fn run(
                     if let Some(s) = &x.family_smallest[i] {
                         if family_smallest[i]
                             .as_ref()
-                            .map_or(true, |b| (s.0, s.1) < (b.0, b.1))
+                            .is_none_or(|b| (s.0, s.1) < (b.0, b.1))
                         {
                             family_smallest[i] = Some(s.clone());
                         }
@@ -564,8 +564,7 @@ fn run(
                         prediction: p,
                     };
                     for (f, best) in fam_best.iter_mut().enumerate() {
-                        if c.families & (1 << f) != 0
-                            && best.as_ref().map_or(true, |b| better(&e, b))
+                        if c.families & (1 << f) != 0 && best.as_ref().is_none_or(|b| better(&e, b))
                         {
                             *best = Some(e.clone());
                         }
@@ -581,7 +580,7 @@ fn run(
                     for (f, s) in family_smallest.iter_mut().enumerate() {
                         if c.families & (1 << f) != 0
                             && s.as_ref()
-                                .map_or(true, |b| (p.peak_memory_gib, c.id) < (b.0, b.1))
+                                .is_none_or(|b| (p.peak_memory_gib, c.id) < (b.0, b.1))
                         {
                             *s = Some((p.peak_memory_gib, c.id, c.layout.clone()));
                         }
@@ -849,7 +848,7 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
     let gpus = u64::from(setup.gpus);
     let gpn = u64::from(setup.profile.node.gpus_per_node);
     let model = setup.model;
-    let keep = |forced: Option<u32>, x: u64| forced.map_or(true, |v| u64::from(v) == x);
+    let keep = |forced: Option<u32>, x: u64| forced.is_none_or(|v| u64::from(v) == x);
     let mut groups = Vec::new();
     let reject = |counts: &mut Counts, reason: &str| {
         counts.candidates += 1;
@@ -969,14 +968,14 @@ fn schedules_of(setup: &Setup, opts: &SearchOptions, base: &Layout) -> Vec<(Sche
                     continue;
                 }
                 for v in 2..=layers / pp {
-                    if f.interleave.map_or(true, |x| x == v) {
+                    if f.interleave.is_none_or(|x| x == v) {
                         out.push((s, v));
                     }
                 }
             }
             Schedule::None => {}
             s => {
-                if f.interleave.map_or(true, |x| x == 1) {
+                if f.interleave.is_none_or(|x| x == 1) {
                     out.push((s, 1));
                 }
             }
@@ -1077,7 +1076,7 @@ fn expand(
                         x.counts.reject(OUT_OF_MEMORY, 1);
                         for (i, s) in x.family_smallest.iter_mut().enumerate() {
                             if fam & (1 << i) != 0
-                                && s.as_ref().map_or(true, |b| (mem, id) < (b.0, b.1))
+                                && s.as_ref().is_none_or(|b| (mem, id) < (b.0, b.1))
                             {
                                 *s = Some((mem, id, l.clone()));
                             }

@@ -1,0 +1,131 @@
+//! `parallax plan` end to end: bad input ends in one line and status 2; `--out` writes every
+//! file and never overwrites an earlier report without `--force`; `--json` carries the contract
+//! keys; `--export` writes the engine's file.
+
+use std::process::{Command, Output};
+
+fn plan(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_parallax"))
+        .arg("plan")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+const SMALL: [&str; 6] = [
+    "--model",
+    "gpt2",
+    "--cluster",
+    "dgx-a100-80gb:gpus=8",
+    "--global-batch",
+    "16",
+];
+
+#[test]
+fn bad_plan_inputs_end_in_one_line_and_status_2() {
+    for (extra, expect) in [
+        (vec!["--global-batch", "0"], "--global-batch"),
+        (vec!["--export", "jax"], "--export"),
+        (vec!["--precision", "fp64"], "--precision"),
+        (vec!["--fix", "tp=x"], "--fix"),
+        (vec!["--model", "resnet50"], "not a transformer"),
+        (vec!["--cluster", "nope:gpus=8"], "nope"),
+        (vec!["--top", "0"], "--top"),
+        (vec!["--max-gpus", "0"], "--max-gpus"),
+    ] {
+        // The small case with `extra` replacing its value of the same flag.
+        let mut args: Vec<&str> = Vec::new();
+        for pair in SMALL.chunks(2) {
+            if pair[0] != extra[0] {
+                args.extend(pair);
+            }
+        }
+        args.extend(extra.iter().copied());
+        let out = plan(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{extra:?}: {err}");
+        assert!(err.contains(expect), "{extra:?}: {err}");
+    }
+}
+
+#[test]
+fn out_writes_every_file_and_refuses_to_overwrite() {
+    let dir = std::env::temp_dir().join(format!("parallax-plan-out-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_string_lossy().into_owned();
+    let mut args: Vec<&str> = SMALL.to_vec();
+    args.extend(["--out", &d, "--export", "torchtitan", "--max-gpus", "16"]);
+    let out = plan(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for f in [
+        "plan.json",
+        "report.md",
+        "report.html",
+        "trace.json",
+        "breakdown.svg",
+        "memory.svg",
+        "timeline.svg",
+        "sweep.svg",
+        "torchtitan.toml",
+    ] {
+        assert!(dir.join(f).is_file(), "{f}");
+    }
+    let plan_json = std::fs::read_to_string(dir.join("plan.json")).unwrap();
+    assert!(plan_json.contains("\"schema\": \"parallax-plan/1\""));
+    serde_json::from_str::<serde_json::Value>(
+        &std::fs::read_to_string(dir.join("trace.json")).unwrap(),
+    )
+    .unwrap();
+    // A file the user wrote survives; an earlier report is not overwritten without --force.
+    std::fs::write(dir.join("notes.txt"), "mine").unwrap();
+    let again = plan(&args);
+    assert_eq!(again.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
+    args.push("--force");
+    assert!(plan(&args).status.success());
+    assert_eq!(
+        std::fs::read_to_string(dir.join("notes.txt")).unwrap(),
+        "mine"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn json_carries_the_contract_keys() {
+    let mut args: Vec<&str> = SMALL.to_vec();
+    args.extend(["--json", "--top", "3", "--export", "deepspeed"]);
+    let out = plan(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for key in [
+        "step_time_s",
+        "step_time_s_low",
+        "step_time_s_high",
+        "tokens_per_s",
+        "mfu",
+        "hfu",
+        "peak_memory_gib",
+        "fits",
+        "layout",
+        "breakdown",
+        "memory",
+        "plan",
+        "candidates",
+        "rejected",
+    ] {
+        assert!(v.get(key).is_some(), "{key}");
+    }
+    assert!(v["candidates"].as_array().unwrap().len() <= 3);
+    assert_eq!(v["plan"]["layout"], v["layout"]);
+    assert_eq!(v["export"]["engine"], "deepspeed");
+    assert!(v["step_time_s_low"].as_f64() < v["step_time_s"].as_f64());
+}
