@@ -204,12 +204,16 @@ pub fn extras(
 /// data × context parallel ranks under ZeRO, the widest sharding the simulator applies),
 /// in-flight activations, the fixed workspace, the working buffers of a layer and of the loss,
 /// and the allocator's share of all that. ZeRO-3 gather buffers are left out.
+///
+/// With `tight` false only the model states count (the bound the search falls back to when a
+/// simulation ever comes in under the tight one).
 pub fn memory_gib(
     setup: &Setup,
     l: &Layout,
     c: &TransformerCosts,
     layers: &[u32],
     m: u32,
+    tight: bool,
 ) -> Result<f64, ScheduleError> {
     let (pp, v) = (l.pp, l.interleave);
     let nv = (pp * v) as usize;
@@ -242,6 +246,13 @@ pub fn memory_gib(
         let mut buffers = workspace + c.layer.working.0 as f64;
         if head {
             buffers += c.head.working.0 as f64;
+        }
+        if !tight {
+            let states = (params as f64 * wb).floor()
+                + (params as f64 * gb).floor()
+                + (params as f64 * ob).floor();
+            worst = worst.max(states - 1.0);
+            continue;
         }
         // The simulator truncates each part to whole bytes; flooring here keeps this a bound.
         let live = (params as f64 * wb).floor()

@@ -226,7 +226,7 @@ pub fn explain(input: &ReportInput) -> Vec<String> {
                 ));
             }
             (None, Some(need)) => out.push(format!(
-                "No plan {} fits: the smallest needs {need:.1} GiB per GPU against {:.0} GiB (memory binds).",
+                "No plan {} fits: the smallest needs at least {need:.1} GiB per GPU against {:.0} GiB (memory binds).",
                 f.family.describe(),
                 p.capacity_gib
             )),
