@@ -290,6 +290,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         | parallax_executor::ExecError::Checkpoint { .. } => anyhow::Error::new(e),
         other => user(other),
     })?;
+    // Under MPI every process runs this command; rank 0 speaks for the run.
+    if report.rank != 0 {
+        return Ok(());
+    }
     if let Some(path) = &a.trace {
         let doc = chrome_trace(&report.spans);
         std::fs::write(path, serde_json::to_string(&doc)?)

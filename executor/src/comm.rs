@@ -95,6 +95,11 @@ impl Group {
         &self.ranks
     }
 
+    /// The 31-bit id (a hash of the members; every process computes the same one).
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
     /// Number of members.
     pub fn size(&self) -> usize {
         self.ranks.len()

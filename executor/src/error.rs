@@ -35,6 +35,14 @@ pub enum ExecError {
         /// What went wrong.
         reason: String,
     },
+    /// A backend is compiled in but cannot run here (library missing, already initialised).
+    #[error("{backend} backend: {message}")]
+    Backend {
+        /// The backend.
+        backend: &'static str,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
     /// A backend that this build does not include.
     #[error(
         "the {backend} backend is not compiled in: rebuild with `cargo build --features {feature}`"

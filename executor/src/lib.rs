@@ -5,9 +5,10 @@
 //! interleaved 1F1B with real point-to-point sends, micro-batching with gradient accumulation,
 //! full and selective recomputation — over a [`Collectives`] backend.
 //!
-//! Backends: `threads` (one thread per rank, always built). The `mpi` and `cuda` + `nccl`
-//! backends are not implemented yet; asking for them answers [`ExecError::NotCompiled`], so
-//! callers need no `cfg`. Dropout is off in the executor (see [`model`]).
+//! Backends: `threads` (one thread per rank, always built) and `mpi` (feature `mpi`: one
+//! process per rank under `mpirun`, see `mpi_backend`). The `cuda` + `nccl` trainer is not
+//! implemented yet. Asking for a backend this build lacks answers [`ExecError::NotCompiled`],
+//! so callers need no `cfg`. Dropout is off in the executor (see [`model`]).
 //!
 //! ```
 //! use parallax_executor::{run_threads, RunSpec};
@@ -25,6 +26,8 @@ pub mod data;
 pub mod engine;
 pub mod error;
 pub mod model;
+#[cfg(feature = "mpi")]
+pub mod mpi_backend;
 pub mod rng;
 pub mod state;
 pub mod tensor;
@@ -90,12 +93,21 @@ pub struct RunReport {
     pub spans: Vec<Span>,
     /// Ranks used.
     pub ranks: usize,
+    /// The rank whose view this is: 0 for threads (the report covers every rank); this
+    /// process's rank for MPI, where only rank 0 has the step times of rank 0, the state and
+    /// every rank's spans, and should print.
+    pub rank: usize,
 }
 
-/// Runs `spec` on `backend`: the threads backend here; the others when compiled in.
+/// Runs `spec` on `backend`: the threads backend here; the others when compiled in. The MPI
+/// backend initialises and finalises MPI around this one run (use
+/// `mpi_backend::MpiRuntime` for several runs in one process).
 pub fn run(spec: &RunSpec, backend: Backend) -> Result<RunReport, ExecError> {
     match backend {
         Backend::Threads => run_threads(spec),
+        #[cfg(feature = "mpi")]
+        Backend::Mpi => mpi_backend::MpiRuntime::init()?.run(spec),
+        #[cfg(not(feature = "mpi"))]
         Backend::Mpi => Err(ExecError::NotCompiled {
             backend: "mpi",
             feature: "mpi",

@@ -1,0 +1,454 @@
+//! The equivalence matrix on the MPI backend (feature `mpi`; needs OpenMPI's `mpirun`).
+//!
+//! `cargo test -p parallax-executor --features mpi --test mpi_equivalence` starts this binary
+//! under `mpirun --oversubscribe -np N` for N = 2, 4 and 8. Each MPI job runs the layouts of
+//! the matrix that need N ranks, one after the other in the same processes, and rank 0 checks
+//! every loss of 5 steps and every parameter after them against the single-rank run (within
+//! 1e-4 relative) and against the same layout on the threads backend (bit for bit: the MPI
+//! backend reduces in the same fixed order). Two more jobs inject a stalled and a dying rank
+//! and must end within a bounded time with an error naming it. The launcher prints one line
+//! per case and `N passed, M failed`, and fails when anything does.
+//!
+//! Environment: `PARALLAX_MPIRUN` replaces `mpirun` (e.g. a full path); `--allow-run-as-root`
+//! is passed through OpenMPI's environment variables so CI can run as root.
+
+use parallax_executor::mpi_backend::MpiRuntime;
+use parallax_executor::{run_threads, AdamConfig, Fault, FaultKind, RunSpec};
+use parallax_ir::models::TransformerConfig;
+use parallax_ir::{Layout, Recompute, Schedule};
+use std::io::Read;
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+const STEPS: u64 = 5;
+const GLOBAL_BATCH: u64 = 8;
+const SEQ: u64 = 16;
+/// Relative tolerance of losses and parameters against the single-rank run.
+const TOL: f64 = 1e-4;
+/// The longest one MPI job of the matrix may take before the launcher kills it.
+const JOB_LIMIT: Duration = Duration::from_secs(600);
+/// Receive timeout of the fault cases: a stall must be detected within a few of these.
+const FAULT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The longest a fault case may take from `mpirun` to the end of the job.
+const FAULT_LIMIT: Duration = Duration::from_secs(60);
+
+fn gpt(layers: u32) -> TransformerConfig {
+    TransformerConfig::gpt(layers, 32, 4, 64, 64, 16)
+}
+
+fn llama(layers: u32) -> TransformerConfig {
+    TransformerConfig::llama(layers, 32, 4, 2, 64, 64, 16)
+}
+
+fn pp(stages: u32, schedule: Schedule) -> Layout {
+    Layout {
+        pp: stages,
+        schedule,
+        ..Layout::default()
+    }
+}
+
+/// The matrix: the layouts of the threads backend's equivalence tests.
+fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
+    let d = Layout::default;
+    vec![
+        ("dp2", gpt(4), Layout { dp: 2, ..d() }),
+        ("tp2", gpt(4), Layout { tp: 2, ..d() }),
+        ("pp2_gpipe", gpt(4), pp(2, Schedule::GPipe)),
+        ("pp2_1f1b", gpt(4), pp(2, Schedule::OneFOneB)),
+        (
+            "dp2_zero1",
+            gpt(4),
+            Layout {
+                dp: 2,
+                zero_stage: 1,
+                ..d()
+            },
+        ),
+        (
+            "dp2_zero2",
+            gpt(4),
+            Layout {
+                dp: 2,
+                zero_stage: 2,
+                ..d()
+            },
+        ),
+        (
+            "dp2_zero3",
+            gpt(4),
+            Layout {
+                dp: 2,
+                zero_stage: 3,
+                ..d()
+            },
+        ),
+        (
+            "recompute_full_tp2",
+            gpt(4),
+            Layout {
+                tp: 2,
+                recompute: Recompute::Full,
+                ..d()
+            },
+        ),
+        (
+            "recompute_selective_pp2",
+            gpt(4),
+            Layout {
+                recompute: Recompute::Selective,
+                ..pp(2, Schedule::GPipe)
+            },
+        ),
+        (
+            "dp2_tp2",
+            gpt(4),
+            Layout {
+                dp: 2,
+                tp: 2,
+                ..d()
+            },
+        ),
+        (
+            "tp2_pp2_sp",
+            gpt(4),
+            Layout {
+                tp: 2,
+                sequence_parallel: true,
+                ..pp(2, Schedule::OneFOneB)
+            },
+        ),
+        (
+            "pp4_interleaved_v2",
+            gpt(8),
+            Layout {
+                interleave: 2,
+                ..pp(4, Schedule::Interleaved1F1B)
+            },
+        ),
+        (
+            "llama_dp2_pp2_zero3_interleaved",
+            llama(4),
+            Layout {
+                dp: 2,
+                zero_stage: 3,
+                interleave: 2,
+                ..pp(2, Schedule::Interleaved1F1B)
+            },
+        ),
+        (
+            "llama_dp2_tp2_sp_zero2_selective",
+            llama(4),
+            Layout {
+                dp: 2,
+                tp: 2,
+                sequence_parallel: true,
+                zero_stage: 2,
+                recompute: Recompute::Selective,
+                ..d()
+            },
+        ),
+        (
+            "dp2_tp2_pp2",
+            gpt(4),
+            Layout {
+                dp: 2,
+                tp: 2,
+                ..pp(2, Schedule::OneFOneB)
+            },
+        ),
+    ]
+}
+
+fn ranks(l: &Layout) -> usize {
+    (l.dp * l.tp * l.pp) as usize
+}
+
+fn spec(model: TransformerConfig, layout: Layout) -> RunSpec {
+    let mut s = RunSpec::new(model, layout, GLOBAL_BATCH, SEQ, STEPS);
+    s.seed = 42;
+    s.collect_state = true;
+    s.timeout = Duration::from_secs(60);
+    s
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    match args.iter().position(|a| a == "--worker") {
+        Some(i) => worker(args.get(i + 1).map_or("", String::as_str)),
+        None => launcher(),
+    }
+}
+
+/// Compares a finished MPI run (on rank 0) with the single-rank and the threads runs.
+/// Returns the worst relative error against the single-rank run, or what is wrong.
+fn compare(
+    model: &TransformerConfig,
+    layout: &Layout,
+    losses: &[f64],
+    state: &parallax_executor::ModelState,
+) -> Result<(f64, f64), String> {
+    let one = run_threads(&spec(model.clone(), Layout::default())).map_err(|e| e.to_string())?;
+    let one_state = one.state.ok_or("the single-rank run returned no state")?;
+    if losses.len() != one.losses.len() {
+        return Err(format!(
+            "{} losses, expected {}",
+            losses.len(),
+            one.losses.len()
+        ));
+    }
+    let mut worst_loss: f64 = 0.0;
+    for (i, (a, b)) in losses.iter().zip(&one.losses).enumerate() {
+        let rel = (a - b).abs() / b.abs();
+        if rel.is_nan() || rel > TOL {
+            return Err(format!(
+                "step {i}: loss {a} vs single-rank {b} (rel {rel:e})"
+            ));
+        }
+        worst_loss = worst_loss.max(rel);
+    }
+    if one.losses[STEPS as usize - 1] >= one.losses[0] - 0.05 {
+        return Err(format!("the loss does not fall: {:?}", one.losses));
+    }
+    // The key bias has an identically zero gradient, so Adam moves it by rounding noise
+    // scaled to at most lr per step: check it stays that small (as the threads tests do).
+    let (d, name) = state.max_relative_diff_where(&one_state, |n| !n.ends_with("attn.bk"));
+    if d.is_nan() || d > TOL {
+        return Err(format!("parameter {name} differs by {d:e} (relative)"));
+    }
+    let lr = f64::from(AdamConfig::default().lr);
+    for (n, t) in state.tensors.iter().filter(|(n, _)| n.ends_with("attn.bk")) {
+        let max = t
+            .param
+            .iter()
+            .fold(0.0f64, |m, x| m.max(f64::from(x.abs())));
+        if max > 1.01 * lr * STEPS as f64 {
+            return Err(format!("{n}: {max}"));
+        }
+    }
+    let threads = run_threads(&spec(model.clone(), layout.clone())).map_err(|e| e.to_string())?;
+    if threads.losses != losses || threads.state.as_ref() != Some(state) {
+        return Err("not bit-identical to the same layout on the threads backend".into());
+    }
+    Ok((worst_loss, d))
+}
+
+/// One MPI process: `matrix` runs the layouts that need as many ranks as the job has;
+/// `stall` and `die` inject a fault and must not return.
+fn worker(mode: &str) -> ExitCode {
+    let mut rt = match MpiRuntime::init() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let world = rt.world();
+    let root = rt.rank() == 0;
+    let mut failed = 0;
+    match mode {
+        "matrix" => {
+            for (name, model, layout) in matrix() {
+                if ranks(&layout) != world {
+                    continue;
+                }
+                let t0 = Instant::now();
+                let r = rt.run(&spec(model.clone(), layout.clone()));
+                let secs = t0.elapsed().as_secs_f64();
+                if !root {
+                    if let Err(e) = r {
+                        eprintln!("error: rank {}: {name}: {e}", rt.rank());
+                    }
+                    continue;
+                }
+                let outcome = r.map_err(|e| e.to_string()).and_then(|r| {
+                    let state = r.state.ok_or("rank 0 got no state")?;
+                    compare(&model, &layout, &r.losses, &state)
+                });
+                match outcome {
+                    Ok((l, p)) => println!(
+                        "CASE ok {name} ({world} ranks, {secs:.2} s): max relative error \
+                         loss {l:.2e}, params {p:.2e}; bit-identical to threads"
+                    ),
+                    Err(e) => {
+                        failed += 1;
+                        println!("CASE FAILED {name} ({world} ranks): {e}");
+                    }
+                }
+            }
+        }
+        "stall" | "die" => {
+            let mut s = spec(
+                gpt(2),
+                Layout {
+                    dp: 2,
+                    ..pp(2, Schedule::OneFOneB)
+                },
+            );
+            s.collect_state = false;
+            s.timeout = FAULT_TIMEOUT;
+            s.fault = Some(if mode == "stall" {
+                Fault {
+                    rank: 2,
+                    step: 1,
+                    kind: FaultKind::Stall,
+                }
+            } else {
+                Fault {
+                    rank: 3,
+                    step: 1,
+                    kind: FaultKind::Die,
+                }
+            });
+            let r = rt.run(&s);
+            eprintln!(
+                "rank {}: the {mode} fault was not detected: {r:?}",
+                rt.rank()
+            );
+            failed += 1;
+        }
+        other => {
+            eprintln!("unknown worker mode '{other}'");
+            failed += 1;
+        }
+    }
+    drop(rt);
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// Output and exit status of one MPI job, killed after `limit`.
+struct Job {
+    ok: bool,
+    out: String,
+    err: String,
+    secs: f64,
+    timed_out: bool,
+}
+
+fn mpirun(np: usize, mode: &str, limit: Duration) -> Result<Job, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this test binary: {e}"))?;
+    let launcher = std::env::var("PARALLAX_MPIRUN").unwrap_or_else(|_| "mpirun".into());
+    let t0 = Instant::now();
+    let mut child = Command::new(&launcher)
+        .args(["--oversubscribe", "-np", &np.to_string()])
+        .arg(&exe)
+        .args(["--worker", mode])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start `{launcher}` (install OpenMPI: apt-get install openmpi-bin libopenmpi-dev): {e}"))?;
+    let mut pipes = (child.stdout.take(), child.stderr.take());
+    let readers = [
+        pipes.0.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
+        pipes.1.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
+    ]
+    .map(|p| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            if let Some(mut p) = p {
+                let _ = p.read_to_string(&mut s);
+            }
+            s
+        })
+    });
+    let mut timed_out = false;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break Some(s),
+            Ok(None) if t0.elapsed() > limit => {
+                timed_out = true;
+                let _ = child.kill();
+                break child.wait().ok();
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => return Err(format!("waiting for mpirun: {e}")),
+        }
+    };
+    let [out, err] = readers.map(|h| h.join().unwrap_or_default());
+    Ok(Job {
+        ok: status.is_some_and(|s| s.success()),
+        out,
+        err,
+        secs: t0.elapsed().as_secs_f64(),
+        timed_out,
+    })
+}
+
+fn launcher() -> ExitCode {
+    let (mut passed, mut failed) = (0usize, 0usize);
+    let mut sizes: Vec<usize> = matrix().iter().map(|(_, _, l)| ranks(l)).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    for np in sizes {
+        let expected = matrix().iter().filter(|(_, _, l)| ranks(l) == np).count();
+        let job = match mpirun(np, "matrix", JOB_LIMIT) {
+            Ok(j) => j,
+            Err(e) => {
+                println!("mpi equivalence: {e}");
+                println!("0 passed, 1 failed");
+                return ExitCode::FAILURE;
+            }
+        };
+        let ok_lines = job
+            .out
+            .lines()
+            .filter(|l| l.starts_with("CASE ok "))
+            .count();
+        for l in job.out.lines().filter(|l| l.starts_with("CASE ")) {
+            println!("mpi {}", &l[5..]);
+        }
+        passed += ok_lines;
+        failed += expected - ok_lines.min(expected);
+        if !job.ok || ok_lines != expected {
+            println!(
+                "mpirun -np {np}: {} after {:.1} s, {ok_lines} of {expected} cases passed; its \
+                 stderr:\n{}",
+                if job.timed_out { "killed" } else { "failed" },
+                job.secs,
+                job.err
+            );
+        } else {
+            println!("mpirun -np {np}: {expected} cases in {:.1} s", job.secs);
+        }
+    }
+    for (mode, want) in [
+        ("stall", "rank 2 failed: stopped responding"),
+        ("die", "rank 3 failed: injected fault"),
+    ] {
+        match mpirun(4, mode, FAULT_LIMIT) {
+            Ok(job) if !job.ok && !job.timed_out && job.err.contains(want) => {
+                passed += 1;
+                let line = job.err.lines().find(|l| l.contains(want)).unwrap_or(want);
+                println!("mpi fault {mode}: job ended in {:.1} s: {line}", job.secs);
+            }
+            Ok(job) => {
+                failed += 1;
+                println!(
+                    "mpi fault {mode}: expected a failed job naming '{want}' within {} s; got \
+                     success={} timed_out={} after {:.1} s; stderr:\n{}",
+                    FAULT_LIMIT.as_secs(),
+                    job.ok,
+                    job.timed_out,
+                    job.secs,
+                    job.err
+                );
+            }
+            Err(e) => {
+                failed += 1;
+                println!("mpi fault {mode}: {e}");
+            }
+        }
+    }
+    println!("{passed} passed, {failed} failed");
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
