@@ -35,17 +35,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .map_err(|e| user(format!("--backend: {e}")))?;
     match backend {
         Backend::Threads => {}
-        Backend::Mpi => {
-            return Err(user(ExecError::NotCompiled {
-                backend: "mpi",
-                feature: "mpi",
-            }))
-        }
-        Backend::Cuda => {
-            return Err(user(ExecError::NotCompiled {
-                backend: "cuda",
-                feature: "cuda,nccl",
-            }))
+        Backend::Mpi | Backend::Cuda => {
+            let (name, feature, built) = match backend {
+                Backend::Mpi => ("mpi", "mpi", cfg!(feature = "mpi")),
+                _ => ("cuda", "cuda,nccl", cfg!(feature = "cuda")),
+            };
+            return Err(user(if built {
+                ExecError::Backend {
+                    backend: name,
+                    message: "calibration is not implemented for this backend yet; use \
+                              --backend threads"
+                        .into(),
+                }
+            } else {
+                ExecError::NotCompiled {
+                    backend: name,
+                    feature,
+                }
+            }));
         }
     }
     if a.out.exists() && !a.force {

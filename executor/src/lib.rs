@@ -6,9 +6,11 @@
 //! full and selective recomputation — over a [`Collectives`] backend.
 //!
 //! Backends: `threads` (one thread per rank, always built) and `mpi` (feature `mpi`: one
-//! process per rank under `mpirun`, see `mpi_backend`). The `cuda` + `nccl` trainer is not
-//! implemented yet. Asking for a backend this build lacks answers [`ExecError::NotCompiled`],
-//! so callers need no `cfg`. Dropout is off in the executor (see [`model`]).
+//! process per rank under `mpirun`, see `mpi_backend`). Of the `cuda` + `nccl` backend only
+//! the device probe, cuBLAS sgemm, an NVRTC kernel and the NCCL rendezvous exist
+//! (`cuda_backend`); its trainer is not implemented yet. Asking for a backend this build
+//! lacks answers [`ExecError::NotCompiled`], so callers need no `cfg`. Dropout is off in the
+//! executor (see [`model`]).
 //!
 //! ```
 //! use parallax_executor::{run_threads, RunSpec};
@@ -22,6 +24,8 @@
 
 pub mod calibrate;
 pub mod comm;
+#[cfg(feature = "cuda")]
+pub mod cuda_backend;
 pub mod data;
 pub mod engine;
 pub mod error;
@@ -112,6 +116,9 @@ pub fn run(spec: &RunSpec, backend: Backend) -> Result<RunReport, ExecError> {
             backend: "mpi",
             feature: "mpi",
         }),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => Err(cuda_backend::run_unavailable()),
+        #[cfg(not(feature = "cuda"))]
         Backend::Cuda => Err(ExecError::NotCompiled {
             backend: "cuda",
             feature: "cuda,nccl",
