@@ -13,6 +13,22 @@ use parallax_hardware::{ClusterProfile, FabricKind};
 use parallax_ir::{Bytes, BytesPerSec, Seconds};
 use serde::{Deserialize, Serialize};
 
+/// Slowdown of compute while a collective runs beside it, as a fraction of the overlapped time:
+/// NCCL kernels occupy streaming multiprocessors and memory bandwidth that the GEMMs they hide
+/// behind would otherwise use (overlapped GEMMs run 10–30 % slower in the measurements of
+/// Wang et al. 2023, "Overlap Communication with Dependent Computation via Decomposition in
+/// Large Deep Learning Models", ASPLOS; and Jangda et al. 2022, CoCoNet). A physical constant of
+/// the GPU/NCCL pair, not fitted per case.
+pub const OVERLAP_INTERFERENCE: f64 = 0.2;
+
+/// Time a collective of duration `comm` adds to a stream when it runs beside `compute` seconds
+/// of work it can hide behind: the part that does not fit, plus the interference on the part
+/// that does.
+pub fn exposed(comm: Seconds, compute: Seconds) -> Seconds {
+    let hidden = comm.0.min(compute.0).max(0.0);
+    Seconds((comm.0 - compute.0).max(0.0) + OVERLAP_INTERFERENCE * hidden)
+}
+
 /// Kind of collective.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -229,6 +245,16 @@ mod tests {
             0.0
         );
         assert!(net.p2p(bytes, true).0 > net.p2p(bytes, false).0);
+    }
+
+    #[test]
+    fn overlap_hides_with_interference() {
+        assert_eq!(exposed(Seconds(1.0), Seconds(3.0)).0, OVERLAP_INTERFERENCE);
+        assert_eq!(
+            exposed(Seconds(3.0), Seconds(1.0)).0,
+            2.0 + OVERLAP_INTERFERENCE
+        );
+        assert_eq!(exposed(Seconds(0.0), Seconds(1.0)).0, 0.0);
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! layout adds on top — tensor-parallel collectives, context-parallel KV exchange, the effect of
 //! sequence parallelism and recomputation — is modelled here.
 
-use crate::comm::{Collective, Group, Network};
+use crate::comm::{exposed, Collective, Group, Network};
 use crate::compute::{DeviceModel, OpTimes};
 use parallax_hardware::ClusterProfile;
 use parallax_ir::models::{BuildOptions, Section, TransformerConfig};
@@ -56,7 +56,8 @@ pub const LOSS_BYTES_PER_LOGIT: u64 = 10;
 pub struct Runtime {
     /// Fused (flash) attention kernels.
     pub fused_attention: bool,
-    /// Data-parallel gradient reduction overlapped with the last micro-batch's backward.
+    /// Data-parallel gradient reduction overlapped with the last micro-batch's backward, and the
+    /// distributed optimizer's parameter gather with the next step's first forward.
     pub overlap_grad_reduce: bool,
     /// Tensor-parallel all-gathers and reduce-scatters pipelined with the GEMMs next to them
     /// (Transformer Engine userbuffers, `--tp-comm-overlap`): only what a GEMM cannot hide
@@ -324,6 +325,8 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         // Each collective hides behind the GEMM it is pipelined with: the four linear layers
         // of a block share the forward (and, mirrored, the backward) collectives.
         let gemm_fwd = linear_time(&dev, &block, fb).fwd;
+        // Transformer Engine's ring exchange moves data with copy engines (userbuffers), not
+        // NCCL kernels, so the GEMMs it hides behind keep their SMs: no interference term.
         Seconds((tp_one.0 * 2.0 - gemm_fwd.0).max(0.0))
     } else {
         tp_one * 2.0
@@ -337,8 +340,8 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         let steps = (cp - 1) as f64;
         let attn = attention_time(&dev, &block, fb, cp);
         let fwd_comm = net.collective(Collective::AllGather, Bytes(kv.0 * cp), cp_group);
-        layer.cp_fwd = Seconds((fwd_comm.0 - attn.fwd.0 * steps / cp as f64).max(0.0));
-        layer.cp_bwd = Seconds((2.0 * fwd_comm.0 - attn.bwd_input.0 * steps / cp as f64).max(0.0));
+        layer.cp_fwd = exposed(fwd_comm, attn.fwd * (steps / cp as f64));
+        layer.cp_bwd = exposed(fwd_comm * 2.0, attn.bwd_input * (steps / cp as f64));
     }
     // Expert parallelism: dispatch and combine all-to-alls of the routed tokens.
     if let (Some(moe), true) = (s.model.moe, l.ep > 1) {
@@ -523,14 +526,13 @@ fn cheap_forward(
 
 /// Whether a node works on full-width (hidden) activations outside the tensor-parallel region.
 fn outside_tp(g: &Graph, n: &parallax_ir::Node, hidden: u64) -> bool {
-    n.outputs
-        .first()
-        .map(|t| g.tensor(*t).shape.last() == hidden)
-        .unwrap_or(false)
-        && !matches!(
-            n.op,
-            OpKind::Linear(_) | OpKind::MatMul(_) | OpKind::Embedding(_)
-        )
+    // Only bandwidth-bound ops run replicated over the TP group; matmul-class ops (linear
+    // layers, MoE experts, attention) are already split by the shard's shapes.
+    n.op.compute_class() == ComputeClass::MemoryBound
+        && n.outputs
+            .first()
+            .map(|t| g.tensor(*t).shape.last() == hidden)
+            .unwrap_or(false)
 }
 
 /// Bytes a section keeps from forward to backward. Under sequence parallelism, full-width
@@ -718,6 +720,27 @@ mod tests {
         assert!(c8o.layer.tp_fwd < c8.layer.tp_fwd);
         // Replicated in TP: two LayerNorms (4h) and the two row-parallel biases (2h).
         assert_eq!(c8.layer.params * 8, c1.layer.params + 7 * 6 * 5140);
+    }
+
+    #[test]
+    fn moe_experts_are_split_once_by_tensor_parallelism() {
+        // Sequence parallelism splits the bandwidth-bound ops outside the TP region; the MoE
+        // layer's GEMMs are already split by the shard's FFN width and must not be split again.
+        let m = cfg("mixtral-8x7b");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s1 = Setup {
+            seq: 4096,
+            ..setup(&m, &p, 1, Runtime::default())
+        };
+        let s4 = Setup {
+            seq: 4096,
+            ..setup(&m, &p, 4, Runtime::default())
+        };
+        let c1 = transformer_costs(&s1, &layout(1, false, Recompute::None)).unwrap();
+        let c4 = transformer_costs(&s4, &layout(4, true, Recompute::None)).unwrap();
+        let r = c1.layer.compute.fwd.0 / c4.layer.compute.fwd.0;
+        assert!((2.5..4.5).contains(&r), "{r}");
+        assert!(c4.layer.model_flops * 4.0 > 0.95 * c1.layer.model_flops);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use crate::engine::{CommKind, SimError, Task, TaskGraph, TaskKind, Trace};
 use crate::schedule::{
     build_pipeline, max_in_flight, PipelineCosts, PipelineSchedule, ScheduleError, ScheduleKind,
 };
-use parallax_cost::comm::{Collective, Group, Network};
+use parallax_cost::comm::{exposed, Collective, Group, Network};
 use parallax_cost::compute::DeviceModel;
 use parallax_cost::memory::{
     state_bytes_per_param, MemoryBreakdown, ADAM_BYTES_PER_PARAM, WORKSPACE_GIB,
@@ -172,8 +172,8 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
             dp_group,
         );
         (
-            Seconds((ag.0 - c.layer.fwd().0).max(0.0)),
-            Seconds((ag.0 + rs.0 - c.layer.bwd_input().0 - c.layer.bwd_weight().0).max(0.0)),
+            exposed(ag, c.layer.fwd()),
+            exposed(ag + rs, c.layer.bwd_input() + c.layer.bwd_weight()),
         )
     } else {
         (Seconds(0.0), Seconds(0.0))
@@ -251,7 +251,9 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
             let n = f64::from(layers[vs].max(1));
             let window = (costs.backward_input[vs] + costs.backward_weight[vs]) * ((n - 1.0) / n);
             let exposed = if setup.runtime.overlap_grad_reduce {
-                Seconds((full.0 - window.0).max(full.0 / n))
+                // The first bucket waits for its layer's backward; the rest hides behind the
+                // remaining layers, with interference.
+                exposed(full * ((n - 1.0) / n), window) + full / n
             } else {
                 full
             };
@@ -280,13 +282,22 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
         let adam = dev.memory(opt_params as f64 * ADAM_BYTES_PER_PARAM);
         let mut opt = adam;
         if (1..3).contains(&l.zero_stage) && shard > 1 {
-            // Distributed optimizer: gather the updated 16-bit parameters.
+            // Distributed optimizer: gather the updated 16-bit parameters. With overlapped
+            // gathers (Megatron-Core `--overlap-param-gather`) each bucket is fetched just
+            // before the next step's first forward needs it.
             let wbytes = if precision.is_mixed() { 2 } else { 4 };
             let ag = net.collective(
                 Collective::AllGather,
                 Bytes(stage_params * wbytes),
                 dp_group,
             );
+            let first_forward: Seconds =
+                (0..v).map(|ch| costs.forward[(ch * pp + s) as usize]).sum();
+            let ag = if setup.runtime.overlap_grad_reduce {
+                exposed(ag, first_forward)
+            } else {
+                ag
+            };
             dp_time[s as usize] += ag;
             opt += ag;
         }
