@@ -529,10 +529,12 @@ impl MpiRuntime {
             rank: who.unwrap_or(self.rank),
             message: why,
         };
-        eprintln!(
-            "error: {e} (reported by rank {}; aborting the MPI job)",
+        // One write, so that the lines of ranks failing together do not interleave.
+        let line = format!(
+            "error: {e} (reported by rank {}; aborting the MPI job)\n",
             self.rank
         );
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
         SimpleCommunicator::world().abort(1)
     }
 }
