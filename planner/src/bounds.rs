@@ -18,14 +18,13 @@
 //! The test `bounds_never_exceed_the_simulation` checks both against the simulator over many
 //! layouts, so a change to the simulator that would make pruning unsound fails loudly.
 
-use parallax_cost::comm::{Collective, Group, Network};
-use parallax_cost::compute::DeviceModel;
-use parallax_cost::memory::{
-    state_bytes_per_param, ADAM_BYTES_PER_PARAM, ALLOCATOR_FRACTION, WORKSPACE_GIB,
-};
+use parallax_cost::memory::{state_bytes_per_param, ALLOCATOR_FRACTION, WORKSPACE_GIB};
 use parallax_cost::transformer::{Setup, TransformerCosts};
-use parallax_ir::{Bytes, Layout, Schedule};
-use parallax_sim::{max_in_flight, Op, PipelineSchedule, ScheduleError, ScheduleKind};
+use parallax_ir::{Bytes, Layout, Schedule, Seconds};
+use parallax_sim::{
+    max_in_flight, pass_costs, step_terms, virtual_stage_params, Op, PipelineSchedule,
+    ScheduleError, ScheduleKind,
+};
 
 /// Relative slack taken off the step-time bound so that summing the same terms in another order
 /// than the simulator (floating-point rounding) never makes a tight bound exceed the makespan.
@@ -57,56 +56,26 @@ pub struct PassTimes {
     pub p2p: f64,
 }
 
-/// Parameters one device holds for virtual stage `vs` of `layers.len()`.
-fn params_of(c: &TransformerCosts, layers: &[u32], vs: usize) -> u64 {
-    let nv = layers.len();
-    let mut p = c.layer.params * u64::from(layers[vs]);
-    if vs == 0 {
-        p += c.embedding.params;
-    }
-    if vs == nv - 1 {
-        p += c.head.params;
-    }
-    p
-}
-
-/// Pass times with `layers` per virtual stage.
+/// Pass times with `layers` per virtual stage: the simulator's pass costs without the terms
+/// only some layouts pay.
 pub fn pass_times(c: &TransformerCosts, layers: &[u32]) -> PassTimes {
-    let nv = layers.len();
-    let mut t = PassTimes {
-        f: vec![0.0; nv],
-        b: vec![0.0; nv],
-        w: vec![0.0; nv],
+    let zero = Seconds(0.0);
+    let costs = pass_costs(c, layers, (zero, zero), zero, c.p2p);
+    let secs = |xs: &[Seconds]| xs.iter().map(|x| x.0).collect();
+    PassTimes {
+        f: secs(&costs.forward),
+        b: secs(&costs.backward_input),
+        w: secs(&costs.backward_weight),
         p2p: c.p2p.0,
-    };
-    for (vs, &count) in layers.iter().enumerate() {
-        let n = f64::from(count);
-        let mut f = c.layer.fwd().0 * n;
-        let mut b = c.layer.bwd_input().0 * n;
-        let mut w = c.layer.bwd_weight().0 * n;
-        if vs == 0 {
-            f += c.embedding.fwd().0;
-            b += c.embedding.bwd_input().0;
-            w += c.embedding.bwd_weight().0;
-        }
-        if vs == nv - 1 {
-            f += c.head.fwd().0;
-            b += c.head.bwd_input().0;
-            w += c.head.bwd_weight().0;
-        }
-        t.f[vs] = f;
-        t.b[vs] = b;
-        t.w[vs] = w;
     }
-    t
 }
 
-/// What the step simulator adds to the pipeline for some layouts, mirrored from
-/// [`parallax_sim::simulate_step`]: ZeRO-3 parameter gathers on every layer's passes, the
+/// What the step simulator adds to the pipeline for some layouts ([`parallax_sim::step_terms`],
+/// the very terms the simulator uses): ZeRO-3 parameter gathers on every layer's passes, the
 /// exposed data-parallel gradient reduction of each virtual stage, and each stage's optimizer
-/// task. These tighten the step bound a lot (they separate ZeRO stages and data-parallel
-/// sizes), but they are a copy of the simulator's model: the search checks every simulated
-/// candidate against its bound and, on any violation, searches again without them.
+/// task. They tighten the step bound a lot (they separate ZeRO stages and data-parallel sizes);
+/// the search still checks every simulated candidate against its bound and, on any violation,
+/// searches again without them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Extras {
     /// Added to each layer's forward (ZeRO-3 gathers not hidden behind compute).
@@ -129,75 +98,28 @@ impl Extras {
     }
 }
 
-/// The simulator's extra terms for `l` with `layers` per virtual stage.
-pub fn extras(
-    setup: &Setup,
-    l: &Layout,
-    c: &TransformerCosts,
-    layers: &[u32],
-    dev: &DeviceModel,
-) -> Extras {
-    let (pp, v) = (l.pp, l.interleave);
-    let nv = (pp * v) as usize;
-    let gpn = setup.profile.node.gpus_per_node;
-    let net = Network::new(setup.profile);
-    let shard = l.dp * l.cp;
-    let group = Group::strided(shard, l.tp, gpn);
-    let wbytes = if setup.precision.is_mixed() { 2 } else { 4 };
-    let mut x = Extras {
-        z3_fwd: 0.0,
-        z3_bwd: 0.0,
-        dp: vec![0.0; nv],
-        opt: vec![0.0; pp as usize],
-    };
-    if l.zero_stage >= 3 && shard > 1 {
-        let p = c.layer.params;
-        let ag = net
-            .collective(Collective::AllGather, Bytes(p * wbytes), group)
-            .0;
-        let rs = net
-            .collective(Collective::ReduceScatter, Bytes(p * 4), group)
-            .0;
-        x.z3_fwd = (ag - c.layer.fwd().0).max(0.0);
-        x.z3_bwd = (ag + rs - c.layer.bwd_input().0 - c.layer.bwd_weight().0).max(0.0);
+/// The simulator's extra terms for `l` with `layers` per virtual stage (none when the terms
+/// cannot be computed: the simulation will report why).
+pub fn extras(setup: &Setup, l: &Layout, c: &TransformerCosts, layers: &[u32]) -> Extras {
+    match step_terms(setup, l, c, layers) {
+        Ok(t) => Extras {
+            z3_fwd: t.zero3.0 .0,
+            z3_bwd: t.zero3.1 .0,
+            dp: t.dp.iter().map(|x| x.0).collect(),
+            opt: t
+                .adam
+                .iter()
+                .zip(&t.param_gather)
+                .map(|(a, g)| a.0 + g.0)
+                .collect(),
+        },
+        Err(_) => Extras {
+            z3_fwd: 0.0,
+            z3_bwd: 0.0,
+            dp: vec![0.0; layers.len()],
+            opt: vec![0.0; l.pp as usize],
+        },
     }
-    let t = pass_times(c, layers);
-    for s in 0..pp {
-        let mut stage_params = 0u64;
-        for chunk in 0..v {
-            let vs = (chunk * pp + s) as usize;
-            let p = params_of(c, layers, vs);
-            stage_params += p;
-            if shard <= 1 || l.zero_stage >= 3 {
-                continue;
-            }
-            let full = match l.zero_stage {
-                0 => net.collective(Collective::AllReduce, Bytes(p * 4), group),
-                _ => net.collective(Collective::ReduceScatter, Bytes(p * 4), group),
-            }
-            .0;
-            let n = f64::from(layers[vs].max(1));
-            let window = (t.b[vs] + x.z3_bwd * n + t.w[vs]) * ((n - 1.0) / n);
-            x.dp[vs] = if setup.runtime.overlap_grad_reduce {
-                (full - window).max(full / n)
-            } else {
-                full
-            };
-        }
-        let opt_params = if l.zero_stage >= 1 {
-            stage_params / u64::from(shard)
-        } else {
-            stage_params
-        };
-        let mut opt = dev.memory(opt_params as f64 * ADAM_BYTES_PER_PARAM).0;
-        if (1..3).contains(&l.zero_stage) && shard > 1 {
-            opt += net
-                .collective(Collective::AllGather, Bytes(stage_params * wbytes), group)
-                .0;
-        }
-        x.opt[s as usize] = opt;
-    }
-    x
 }
 
 /// A lower bound on the peak memory of the fullest stage, GiB: model states (sharded over the
@@ -227,7 +149,7 @@ pub fn memory_gib(
         let mut head = false;
         for ch in 0..v {
             let vs = (ch * pp + s) as usize;
-            params += params_of(c, layers, vs);
+            params += virtual_stage_params(c, layers, vs);
             saved += c.layer.saved.0 as f64 * f64::from(layers[vs]);
             if vs == 0 {
                 saved += c.embedding.saved.0 as f64;

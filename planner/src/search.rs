@@ -17,8 +17,9 @@ use crate::bounds::{
 };
 use crate::export::Engine;
 use parallax_cost::compute::DeviceModel;
-use parallax_cost::transformer::{transformer_costs, Infeasible, Setup, TransformerCosts};
-use parallax_ir::models::{BuildOptions, Section};
+use parallax_cost::transformer::{
+    model_flops_per_step, transformer_costs, Infeasible, Setup, TransformerCosts,
+};
 use parallax_ir::{Layout, PartialLayout, Recompute, Schedule, StageRange};
 use parallax_sim::{simulate_step, stage_layers, ScheduleKind, StepError, StepPrediction};
 use rayon::prelude::*;
@@ -382,7 +383,9 @@ fn run(
 ) -> Result<Option<SearchResult>, SearchError> {
     let dev = DeviceModel::new(setup.profile, setup.precision)
         .map_err(|e| SearchError::Unsupported(e.to_string()))?;
-    let flops_bound_s = model_flops(setup)? / (f64::from(setup.gpus) * dev.gemm_peak());
+    let flops_bound_s = model_flops_per_step(setup)
+        .map_err(|e| SearchError::Unsupported(e.to_string()))?
+        / (f64::from(setup.gpus) * dev.gemm_peak());
     let mut counts = Counts::default();
     let groups = enumerate_groups(setup, opts, &mut counts);
 
@@ -499,7 +502,7 @@ fn run(
                 .par_iter()
                 .map(|&gi| {
                     let c = prices[&keys[gi]].as_ref().expect("priced");
-                    expand(setup, opts, &dev, tight, &groups[gi], c, &summaries)
+                    expand(setup, opts, tight, &groups[gi], c, &summaries)
                 })
                 .collect();
             for x in expanded {
@@ -823,28 +826,6 @@ fn better(a: &Evaluated, b: &Evaluated) -> bool {
         .is_lt()
 }
 
-/// Model FLOPs of one step (no recomputation), as the simulator counts them for MFU.
-fn model_flops(setup: &Setup) -> Result<f64, SearchError> {
-    let per = |sec| {
-        setup
-            .model
-            .build_section(
-                sec,
-                BuildOptions {
-                    batch: 1,
-                    seq: setup.seq,
-                    fused_attention: true,
-                },
-            )
-            .map(|g| g.total_work(2).train_flops().0)
-            .map_err(|e| SearchError::Unsupported(e.to_string()))
-    };
-    let per_seq = f64::from(setup.model.layers) * per(Section::Block)?
-        + per(Section::Embedding)?
-        + per(Section::Head)?;
-    Ok(per_seq * setup.global_batch as f64)
-}
-
 /// Every (degrees, micro-batch, recompute, sequence parallelism) group, in a fixed order;
 /// degree tuples rejected outright are counted in `counts`.
 fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) -> Vec<Group> {
@@ -1011,7 +992,6 @@ pub fn stage_ranges(counts: &[u32]) -> Vec<StageRange> {
 fn expand(
     setup: &Setup,
     opts: &SearchOptions,
-    dev: &DeviceModel,
     tight: bool,
     g: &Group,
     c: &TransformerCosts,
@@ -1092,7 +1072,7 @@ fn expand(
                 }
                 let mut t = pass_times(c, &layers);
                 let bound = if tight {
-                    let e = extras(setup, &l, c, &layers, dev);
+                    let e = extras(setup, &l, c, &layers);
                     e.apply(&mut t, &layers);
                     summary.step_bound(&t, Some(&e))
                 } else {
@@ -1180,7 +1160,6 @@ mod tests {
                 max_micro_batch: 4,
                 ..SearchOptions::default()
             };
-            let dev = DeviceModel::new(s.profile, s.precision).unwrap();
             let mut counts = Counts::default();
             let groups = enumerate_groups(&s, &opts, &mut counts);
             let mut checked = 0;
@@ -1215,7 +1194,7 @@ mod tests {
                                     .unwrap();
                             let mut t = pass_times(&costs, &layers);
                             let loose = summary.step_bound(&t, None);
-                            let e = extras(&s, &l, &costs, &layers, &dev);
+                            let e = extras(&s, &l, &costs, &layers);
                             e.apply(&mut t, &layers);
                             let tight = summary.step_bound(&t, Some(&e));
                             let mem = memory_gib(&s, &l, &costs, &layers, mbatch, true).unwrap();

@@ -19,5 +19,6 @@ pub use schedule::{
 };
 pub mod step;
 pub use step::{
-    simulate_step, stage_layers, Breakdown, MemoryGib, SimulatedStep, StepError, StepPrediction,
+    pass_costs, simulate_step, stage_layers, step_terms, virtual_stage_params, Breakdown,
+    MemoryGib, SimulatedStep, StepError, StepPrediction, StepTerms,
 };

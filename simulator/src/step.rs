@@ -15,7 +15,9 @@ use parallax_cost::compute::DeviceModel;
 use parallax_cost::memory::{
     state_bytes_per_param, MemoryBreakdown, ADAM_BYTES_PER_PARAM, WORKSPACE_GIB,
 };
-use parallax_cost::transformer::{model_flops_per_step, transformer_costs, Infeasible, Setup};
+use parallax_cost::transformer::{
+    model_flops_per_step, transformer_costs, Infeasible, Setup, TransformerCosts,
+};
 use parallax_ir::{Bytes, Layout, Schedule, Seconds, GIB};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -141,15 +143,79 @@ pub fn stage_layers(layers: u32, l: &Layout) -> Vec<u32> {
     out
 }
 
-/// Simulates one step of `setup`'s model under `layout`.
-pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, StepError> {
-    let c = transformer_costs(setup, layout)?;
-    let l = layout;
+/// Parameters one device holds for virtual stage `vs` of `layers.len()`.
+pub fn virtual_stage_params(c: &TransformerCosts, layers: &[u32], vs: usize) -> u64 {
+    let mut p = c.layer.params * u64::from(layers[vs]);
+    if vs == 0 {
+        p += c.embedding.params;
+    }
+    if vs + 1 == layers.len() {
+        p += c.head.params;
+    }
+    p
+}
+
+/// Pass costs of every virtual stage from the per-part costs: `layers[vs]` layers, the
+/// embedding on the first and the head on the last, plus `per_layer` (fwd, bwd) added to each
+/// layer and `per_pass` added to each forward and input-gradient pass.
+pub fn pass_costs(
+    c: &TransformerCosts,
+    layers: &[u32],
+    per_layer: (Seconds, Seconds),
+    per_pass: Seconds,
+    p2p: Seconds,
+) -> PipelineCosts {
+    let nv = layers.len();
+    let mut costs = PipelineCosts {
+        forward: vec![Seconds(0.0); nv],
+        backward_input: vec![Seconds(0.0); nv],
+        backward_weight: vec![Seconds(0.0); nv],
+        p2p,
+    };
+    for (vs, &nl) in layers.iter().enumerate() {
+        let n = f64::from(nl);
+        let mut f = (c.layer.fwd() + per_layer.0) * n + per_pass;
+        let mut b = (c.layer.bwd_input() + per_layer.1) * n + per_pass;
+        let mut w = c.layer.bwd_weight() * n;
+        if vs == 0 {
+            f += c.embedding.fwd();
+            b += c.embedding.bwd_input();
+            w += c.embedding.bwd_weight();
+        }
+        if vs + 1 == nv {
+            f += c.head.fwd();
+            b += c.head.bwd_input();
+            w += c.head.bwd_weight();
+        }
+        costs.forward[vs] = f;
+        costs.backward_input[vs] = b;
+        costs.backward_weight[vs] = w;
+    }
+    costs
+}
+
+/// Everything a step adds to the bare pipeline for a layout: the pass costs with ZeRO-3 gathers
+/// and blocking sends folded in, the exposed data-parallel gradient reduction of each virtual
+/// stage (after its last weight gradient), and each stage's optimizer (Adam plus the
+/// distributed optimizer's exposed parameter gather).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepTerms {
+    pub costs: PipelineCosts,
+    /// ZeRO-3 gathers not hidden behind each layer's forward and backward.
+    pub zero3: (Seconds, Seconds),
+    pub dp: Vec<Seconds>,
+    pub adam: Vec<Seconds>,
+    pub param_gather: Vec<Seconds>,
+}
+
+/// The [`StepTerms`] of `l` with `layers` per virtual stage.
+pub fn step_terms(
+    setup: &Setup,
+    l: &Layout,
+    c: &TransformerCosts,
+    layers: &[u32],
+) -> Result<StepTerms, StepError> {
     let (pp, v) = (l.pp, l.interleave);
-    let nv = (pp * v) as usize;
-    let m = (setup.global_batch / (u64::from(l.dp) * l.micro_batch)) as u32;
-    let layers = stage_layers(setup.model.layers, l);
-    let gpn = setup.profile.node.gpus_per_node;
     let net = Network::new(setup.profile);
     let dev = DeviceModel::new(setup.profile, setup.precision)
         .map_err(|e| Infeasible::Unsupported(e.to_string()))?;
@@ -158,12 +224,12 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
     // hold the same parameters and see different tokens (Megatron-LM's and torchtitan's
     // data-parallel-with-CP group).
     let shard = l.dp * l.cp;
-    let dp_group = Group::strided(shard, l.tp, gpn);
+    let dp_group = Group::strided(shard, l.tp, setup.profile.node.gpus_per_node);
+    let wbytes = if precision.is_mixed() { 2 } else { 4 };
 
     // ZeRO-3 gathers each layer's parameters before its forward and backward and
     // reduce-scatters its gradients, per micro-batch, prefetched behind the previous layer.
-    let (z3_fwd, z3_bwd) = if l.zero_stage >= 3 && shard > 1 {
-        let wbytes = if precision.is_mixed() { 2 } else { 4 };
+    let zero3 = if l.zero_stage >= 3 && shard > 1 {
         let p = c.layer.params;
         let ag = net.collective(Collective::AllGather, Bytes(p * wbytes), dp_group);
         let rs = net.collective(
@@ -178,69 +244,24 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
     } else {
         (Seconds(0.0), Seconds(0.0))
     };
-
     // A blocking send holds the sender's stream; an overlapped one only its link.
     let (p2p_link, p2p_stream) = if setup.runtime.overlap_p2p || pp == 1 {
         (c.p2p, Seconds(0.0))
     } else {
         (Seconds(0.0), c.p2p)
     };
-    let mut costs =
-        PipelineCosts::uniform(pp, v, Seconds(0.0), Seconds(0.0), Seconds(0.0), p2p_link);
-    for (vs, &nl) in layers.iter().enumerate() {
-        let n = f64::from(nl);
-        let mut f = (c.layer.fwd() + z3_fwd) * n + p2p_stream;
-        let mut b = (c.layer.bwd_input() + z3_bwd) * n + p2p_stream;
-        let mut w = c.layer.bwd_weight() * n;
-        if vs == 0 {
-            f += c.embedding.fwd();
-            b += c.embedding.bwd_input();
-            w += c.embedding.bwd_weight();
-        }
-        if vs == nv - 1 {
-            f += c.head.fwd();
-            b += c.head.bwd_input();
-            w += c.head.bwd_weight();
-        }
-        costs.forward[vs] = f;
-        costs.backward_input[vs] = b;
-        costs.backward_weight[vs] = w;
-    }
-    let kind = schedule_kind(l);
-    let schedule = PipelineSchedule::generate(kind, pp, m, v)?;
-    let mut pg = build_pipeline(&schedule, &costs)?;
+    let costs = pass_costs(c, layers, zero3, p2p_stream, p2p_link);
 
-    // Data-parallel gradient reduction per chunk, then the optimizer, per stage.
-    let params_of = |vs: usize| -> u64 {
-        let mut p = c.layer.params * u64::from(layers[vs]);
-        if vs == 0 {
-            p += c.embedding.params;
-        }
-        if vs == nv - 1 {
-            p += c.head.params;
-        }
-        p
-    };
-    // Exposed data-parallel communication, Adam time, and the optimizer task (Adam plus the
-    // distributed optimizer's parameter gather) per stage.
-    let mut dp_time = vec![Seconds(0.0); pp as usize];
-    let mut adam_time = vec![Seconds(0.0); pp as usize];
-    let mut opt_task = vec![Seconds(0.0); pp as usize];
+    let mut dp = vec![Seconds(0.0); layers.len()];
+    let mut adam = vec![Seconds(0.0); pp as usize];
+    let mut param_gather = vec![Seconds(0.0); pp as usize];
     for s in 0..pp {
-        let comm = pg
-            .resources
-            .add_in_group(format!("stage {s} dp comm"), 1, s);
-        let mut last = Vec::new();
         let mut stage_params = 0u64;
         for chunk in 0..v {
             let vs = (chunk * pp + s) as usize;
-            let p = params_of(vs);
+            let p = virtual_stage_params(c, layers, vs);
             stage_params += p;
-            let Some(after) = pg.last_weight_grad(s, Some(chunk)) else {
-                continue;
-            };
             if shard <= 1 || l.zero_stage >= 3 {
-                last.push(after);
                 continue;
             }
             let grads = Bytes(p * setup.grad_reduce_bytes());
@@ -250,14 +271,82 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
             };
             let n = f64::from(layers[vs].max(1));
             let window = (costs.backward_input[vs] + costs.backward_weight[vs]) * ((n - 1.0) / n);
-            let exposed = if setup.runtime.overlap_grad_reduce {
+            dp[vs] = if setup.runtime.overlap_grad_reduce {
                 // The first bucket waits for its layer's backward; the rest hides behind the
                 // remaining layers, with interference.
                 exposed(full * ((n - 1.0) / n), window) + full / n
             } else {
                 full
             };
-            dp_time[s as usize] += exposed;
+        }
+        let opt_params = if l.zero_stage >= 1 {
+            stage_params / u64::from(shard)
+        } else {
+            stage_params
+        };
+        adam[s as usize] = dev.memory(opt_params as f64 * ADAM_BYTES_PER_PARAM);
+        if (1..3).contains(&l.zero_stage) && shard > 1 {
+            // Distributed optimizer: gather the updated 16-bit parameters. With overlapped
+            // gathers (Megatron-Core `--overlap-param-gather`) each bucket is fetched just
+            // before the next step's first forward needs it.
+            let ag = net.collective(
+                Collective::AllGather,
+                Bytes(stage_params * wbytes),
+                dp_group,
+            );
+            let first_forward: Seconds =
+                (0..v).map(|ch| costs.forward[(ch * pp + s) as usize]).sum();
+            param_gather[s as usize] = if setup.runtime.overlap_grad_reduce {
+                exposed(ag, first_forward)
+            } else {
+                ag
+            };
+        }
+    }
+    Ok(StepTerms {
+        costs,
+        zero3,
+        dp,
+        adam,
+        param_gather,
+    })
+}
+
+/// Simulates one step of `setup`'s model under `layout`.
+pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, StepError> {
+    let c = transformer_costs(setup, layout)?;
+    let l = layout;
+    let (pp, v) = (l.pp, l.interleave);
+    let nv = (pp * v) as usize;
+    let m = (setup.global_batch / (u64::from(l.dp) * l.micro_batch)) as u32;
+    let layers = stage_layers(setup.model.layers, l);
+    let precision = setup.precision;
+    let shard = l.dp * l.cp;
+    let terms = step_terms(setup, l, &c, &layers)?;
+    let (z3_fwd, z3_bwd) = terms.zero3;
+    let kind = schedule_kind(l);
+    let schedule = PipelineSchedule::generate(kind, pp, m, v)?;
+    let mut pg = build_pipeline(&schedule, &terms.costs)?;
+    let params_of = |vs: usize| virtual_stage_params(&c, &layers, vs);
+
+    // Data-parallel gradient reduction per chunk, then the optimizer, per stage.
+    let mut dp_time = vec![Seconds(0.0); pp as usize];
+    let mut opt_task = vec![Seconds(0.0); pp as usize];
+    let adam_time = &terms.adam;
+    for s in 0..pp {
+        let comm = pg
+            .resources
+            .add_in_group(format!("stage {s} dp comm"), 1, s);
+        let mut last = Vec::new();
+        for chunk in 0..v {
+            let vs = (chunk * pp + s) as usize;
+            let Some(after) = pg.last_weight_grad(s, Some(chunk)) else {
+                continue;
+            };
+            if shard <= 1 || l.zero_stage >= 3 {
+                last.push(after);
+                continue;
+            }
             let t = pg.add_task(
                 Task::new(
                     "dp-grad",
@@ -269,39 +358,14 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
                     comm,
                 )
                 .at(s, m.saturating_sub(1), chunk),
-                exposed,
+                terms.dp[vs],
             );
+            dp_time[s as usize] += terms.dp[vs];
             pg.graph.add_data(after, t);
             last.push(t);
         }
-        let opt_params = if l.zero_stage >= 1 {
-            stage_params / u64::from(shard)
-        } else {
-            stage_params
-        };
-        let adam = dev.memory(opt_params as f64 * ADAM_BYTES_PER_PARAM);
-        let mut opt = adam;
-        if (1..3).contains(&l.zero_stage) && shard > 1 {
-            // Distributed optimizer: gather the updated 16-bit parameters. With overlapped
-            // gathers (Megatron-Core `--overlap-param-gather`) each bucket is fetched just
-            // before the next step's first forward needs it.
-            let wbytes = if precision.is_mixed() { 2 } else { 4 };
-            let ag = net.collective(
-                Collective::AllGather,
-                Bytes(stage_params * wbytes),
-                dp_group,
-            );
-            let first_forward: Seconds =
-                (0..v).map(|ch| costs.forward[(ch * pp + s) as usize]).sum();
-            let ag = if setup.runtime.overlap_grad_reduce {
-                exposed(ag, first_forward)
-            } else {
-                ag
-            };
-            dp_time[s as usize] += ag;
-            opt += ag;
-        }
-        adam_time[s as usize] = adam;
+        dp_time[s as usize] += terms.param_gather[s as usize];
+        let opt = terms.adam[s as usize] + terms.param_gather[s as usize];
         opt_task[s as usize] = opt;
         let t = pg.add_task(
             Task::new("optimizer", TaskKind::Optimizer, pg.compute[s as usize]).at(s, 0, 0),
@@ -365,7 +429,10 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
     let model_flops = model_flops_per_step(setup)?;
     let recompute_share = c.layer.hardware_flops / c.layer.model_flops.max(1.0);
     let gpus = f64::from(setup.gpus);
-    let peak = dev.gemm_peak();
+    let peak = setup
+        .profile
+        .peak_flops(precision)
+        .map_err(|e| Infeasible::Unsupported(e.to_string()))?;
     let mfu = model_flops / (step * gpus * peak);
     let hfu = mfu * recompute_share;
 
