@@ -37,24 +37,34 @@ pub fn bytes(b: f64) -> String {
     format!("{b:.0} B")
 }
 
-/// A plain text table with left-aligned first column and right-aligned others.
+/// Whether a cell reads as a number (right-aligned in tables).
+fn numeric(c: &str) -> bool {
+    c.is_empty()
+        || c == "-"
+        || c.starts_with(|ch: char| ch.is_ascii_digit() || ch == '+' || (ch == '-' && c.len() > 1))
+}
+
+/// A plain text table: the first column and columns of text left-aligned, numbers right-aligned.
 pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     let n = header.len();
-    let mut w: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    let mut w: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for r in rows {
         for (i, c) in r.iter().enumerate().take(n) {
             w[i] = w[i].max(c.chars().count());
         }
     }
+    let right: Vec<bool> = (0..n)
+        .map(|i| i > 0 && rows.iter().all(|r| r.get(i).is_none_or(|c| numeric(c))))
+        .collect();
     let line = |cells: Vec<String>| -> String {
         cells
             .iter()
             .enumerate()
             .map(|(i, c)| {
-                if i == 0 {
-                    format!("{c:<width$}", width = w[i])
-                } else {
+                if right.get(i).copied().unwrap_or(false) {
                     format!("{c:>width$}", width = w[i])
+                } else {
+                    format!("{c:<width$}", width = w[i])
                 }
             })
             .collect::<Vec<_>>()
@@ -82,7 +92,10 @@ mod tests {
         assert_eq!(si(174_604_259_328.0), "174.60 G");
         assert_eq!(si(12.0), "12");
         assert_eq!(bytes(3.0 * 1024.0 * 1024.0), "3.00 MiB");
-        let t = table(&["a", "bb"], &[vec!["x".into(), "1".into()]]);
-        assert_eq!(t, "a  bb\n-  --\nx   1\n");
+        let t = table(
+            &["a", "bb", "c"],
+            &[vec!["x".into(), "1".into(), "yz".into()]],
+        );
+        assert_eq!(t, "a  bb  c\n-  --  --\nx   1  yz\n");
     }
 }
