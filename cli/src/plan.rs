@@ -205,7 +205,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         precision,
         seq,
         global_batch: a.global_batch,
-        runtime: Runtime::default(),
+        runtime: Runtime {
+            allow_tp_across_nodes: a.allow_tp_across_nodes,
+            ..Runtime::default()
+        },
     };
     let opts = SearchOptions {
         top_k: a.top,

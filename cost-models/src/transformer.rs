@@ -69,6 +69,8 @@ pub struct Runtime {
     /// Mixed-precision gradients are accumulated and reduced in fp32 (Megatron-LM since 2021,
     /// FSDP with an fp32 reduce dtype); otherwise in the 16-bit training type.
     pub grad_reduce_fp32: bool,
+    /// Tensor-parallel groups may span nodes (their collectives then cross the network).
+    pub allow_tp_across_nodes: bool,
 }
 
 impl Default for Runtime {
@@ -79,6 +81,7 @@ impl Default for Runtime {
             tp_comm_overlap: true,
             overlap_p2p: true,
             grad_reduce_fp32: true,
+            allow_tp_across_nodes: false,
         }
     }
 }
@@ -218,7 +221,7 @@ pub fn check_layout(s: &Setup, l: &Layout) -> Result<(), Infeasible> {
         });
     }
     let gpn = s.profile.node.gpus_per_node;
-    if l.tp > gpn && s.gpus > gpn {
+    if l.tp > gpn && s.gpus > gpn && !s.runtime.allow_tp_across_nodes {
         return Err(Infeasible::TpAcrossNodes {
             tp: l.tp,
             gpus_per_node: gpn,

@@ -63,6 +63,7 @@ impl Framework {
             tp_comm_overlap: false,
             overlap_p2p: false,
             grad_reduce_fp32: true,
+            allow_tp_across_nodes: false,
         };
         let megatron = |schedules: Vec<Schedule>, recompute: Vec<Recompute>, sp| Framework {
             name: "megatron-lm (pre-flash)",
