@@ -34,8 +34,9 @@ use std::time::{Duration, Instant};
 const MPI_TAG_QUERY: i32 = 1;
 /// MPI tag of the answers to [`MPI_TAG_QUERY`].
 const MPI_TAG_REPLY: i32 = 2;
-/// MPI tag of the first run's data messages; run `k` uses `MPI_TAG_DATA + k % DATA_TAGS`, so a
-/// stray message of an earlier run in the same process can never match.
+/// MPI tag of the first run's data messages; run `k` uses `MPI_TAG_DATA + k % DATA_TAGS`, so
+/// that a rank still finishing run `k` leaves the messages of faster ranks already in run
+/// `k + 1` queued for its next communicator.
 const MPI_TAG_DATA: i32 = 16;
 /// Distinct data tags. MPI guarantees tags up to 32 767 (`MPI_TAG_UB` is at least that).
 const DATA_TAGS: u32 = 16_000;
@@ -207,32 +208,43 @@ impl MpiComm {
     fn poll(&mut self) -> Result<bool, CommError> {
         let world = SimpleCommunicator::world();
         let mut any = false;
-        while let Some(probed) = world.any_process().immediate_matched_probe() {
-            any = true;
-            let (words, status): (Vec<u32>, _) = probed.matched_receive_vec();
-            let from = usize::try_from(status.source_rank()).unwrap_or(usize::MAX);
-            match status.tag() {
-                MPI_TAG_QUERY => {
-                    let answer = self
-                        .waiting_on
-                        .and_then(|r| u32::try_from(r).ok())
-                        .unwrap_or(NOT_WAITING);
-                    self.start_send(from, MPI_TAG_REPLY, vec![answer])?;
-                }
-                MPI_TAG_REPLY => {
-                    if let Some(a) = words.first() {
-                        self.replies.insert(from, *a);
+        // Only this run's data tag: a faster rank may already be sending data of the next
+        // run, which must stay queued in MPI for this process's next communicator.
+        for mpi_tag in [self.data_tag, MPI_TAG_QUERY, MPI_TAG_REPLY] {
+            while let Some(probed) = world
+                .any_process()
+                .immediate_matched_probe_with_tag(mpi_tag)
+            {
+                any = true;
+                let (words, status): (Vec<u32>, _) = probed.matched_receive_vec();
+                let from = usize::try_from(status.source_rank()).unwrap_or(usize::MAX);
+                match mpi_tag {
+                    MPI_TAG_QUERY => {
+                        let answer = self
+                            .waiting_on
+                            .and_then(|r| u32::try_from(r).ok())
+                            .unwrap_or(NOT_WAITING);
+                        self.start_send(from, MPI_TAG_REPLY, vec![answer])?;
+                    }
+                    MPI_TAG_REPLY => {
+                        if let Some(a) = words.first() {
+                            self.replies.insert(from, *a);
+                        }
+                    }
+                    _ if words.len() >= HEADER => {
+                        let tag = u64::from(words[0]) | (u64::from(words[1]) << 32);
+                        self.pending
+                            .entry((from, tag))
+                            .or_default()
+                            .push_back(words);
+                    }
+                    _ => {
+                        return Err(CommError::Backend(format!(
+                            "rank {from} sent a malformed message of {} words",
+                            words.len()
+                        )))
                     }
                 }
-                t if t == self.data_tag && words.len() >= HEADER => {
-                    let tag = u64::from(words[0]) | (u64::from(words[1]) << 32);
-                    self.pending
-                        .entry((from, tag))
-                        .or_default()
-                        .push_back(words);
-                }
-                // A data message of an earlier run in this process: nobody will ask for it.
-                _ => {}
             }
         }
         self.reap_sends();
