@@ -179,6 +179,11 @@ impl Setup<'_> {
         self.precision.activation_dtype().size_bytes()
     }
 
+    /// Whether attention runs as a fused kernel: the runtime has one and the device runs it.
+    pub fn fused_attention(&self) -> bool {
+        self.runtime.fused_attention && self.profile.device.has_fused_attention()
+    }
+
     /// Bytes per gradient element in data-parallel reductions.
     pub fn grad_reduce_bytes(&self) -> u64 {
         if self.precision.is_mixed() && !self.runtime.grad_reduce_fp32 {
@@ -296,7 +301,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     let opts = BuildOptions {
         batch: l.micro_batch,
         seq: seq_local,
-        fused_attention: s.runtime.fused_attention,
+        fused_attention: s.fused_attention(),
     };
     let build = |sec| {
         shard

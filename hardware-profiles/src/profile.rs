@@ -93,6 +93,11 @@ pub struct DeviceSpec {
     /// [`MAX_SUSTAINED`], for chips whose curve has no measured reference point.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sustained_efficiency: Option<f64>,
+    /// Whether fused (flash) attention kernels exist for this device; absent means yes.
+    /// FlashAttention and PyTorch's fused SDPA kernels need compute capability 7.5 or newer
+    /// (Volta has none), so attention there runs as batched GEMMs and a softmax.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fused_attention: Option<bool>,
 }
 
 /// Optional per-precision factors (used for [`DeviceSpec::matmul_efficiency_scale`]).
@@ -285,6 +290,11 @@ impl DeviceSpec {
     /// precision's scale, capped at 1.
     pub fn matmul_efficiency_for(&self, p: Precision, flops: f64) -> f64 {
         (self.matmul_efficiency.at(flops) * self.matmul_efficiency_scale.get(p)).min(1.0)
+    }
+
+    /// Whether fused attention kernels run on this device.
+    pub fn has_fused_attention(&self) -> bool {
+        self.fused_attention.unwrap_or(true)
     }
 
     /// [`DeviceSpec::sustained_efficiency`], 1 when not given.

@@ -40,8 +40,9 @@ impl Framework {
         }
     }
 
-    /// The framework behind a publication (`source` of a case); unknown sources get
-    /// [`Framework::current`]. Facts, by release:
+    /// The framework behind a publication (`source` of a case); an unknown source gets a
+    /// current stack without framework-specific tricks (no TE TP-communication overlap) and the
+    /// 1F1B / interleaved schedules published runs use. Facts, by release:
     /// - Megatron-LM 2020 (v1/v2 README): tensor parallelism, activation checkpointing, 1F1B
     ///   pipeline; no sequence parallelism, selective recompute, distributed optimizer or
     ///   interleaving; attention as batched GEMMs with a fused scale-mask-softmax kernel;
@@ -127,7 +128,20 @@ impl Framework {
                 ..Framework::current()
             }
         } else {
-            Framework::current()
+            // Another team's run: a current stack, but without the framework-specific
+            // tricks (TE's TP overlap) and with the schedules published runs use.
+            Framework {
+                name: "unknown (current stack)",
+                runtime: Runtime {
+                    tp_comm_overlap: false,
+                    ..Runtime::default()
+                },
+                space: Space {
+                    schedules: vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
+                    zero_stages: vec![0, 1, 2, 3],
+                },
+                ..Framework::current()
+            }
         }
     }
 }
