@@ -9,8 +9,8 @@ pub use comm::{Collective, Group, Network};
 pub use compute::{DeviceModel, OpTimes};
 pub use memory::MemoryBreakdown;
 pub use transformer::{
-    check_layout, model_flops_per_step, transformer_costs, Infeasible, PartCost, Runtime, Setup,
-    TransformerCosts,
+    check_layout, model_flops_per_step, transformer_costs, Infeasible, PartCost, Runtime,
+    SelectivePolicy, Setup, TransformerCosts,
 };
 
 /// Relative half-width of the step-time band of an uncalibrated profile: the spread of

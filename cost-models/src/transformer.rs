@@ -71,6 +71,21 @@ pub struct Runtime {
     pub grad_reduce_fp32: bool,
     /// Tensor-parallel groups may span nodes (their collectives then cross the network).
     pub allow_tp_across_nodes: bool,
+    /// What selective recomputation redoes.
+    pub selective: SelectivePolicy,
+}
+
+/// What selective recomputation redoes in backward.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SelectivePolicy {
+    /// The cheap ops: norms, pointwise ops and an unfused attention core (Megatron-LM's
+    /// selective recompute, Korthikanti et al. 2022; the common op-level policy).
+    #[default]
+    CheapOps,
+    /// The cheap ops and every second matrix multiply of a block (torchtitan's op-level
+    /// selective activation checkpointing, which saves only alternate `mm` outputs).
+    CheapOpsAndAlternateMatmuls,
 }
 
 impl Default for Runtime {
@@ -82,6 +97,7 @@ impl Default for Runtime {
             overlap_p2p: true,
             grad_reduce_fp32: true,
             allow_tp_across_nodes: false,
+            selective: SelectivePolicy::CheapOps,
         }
     }
 }
@@ -378,13 +394,15 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
             // attention core when unfused (Korthikanti et al. 2022 §5), norms and pointwise
             // ops (torchtitan's op-level selective checkpointing keeps matmul and attention
             // outputs). Flash attention recomputes its own scores anyway.
-            layer.saved = Bytes(saved_bytes(&block, fb, sp, l.tp, hidden, true) as u64);
-            layer.recompute = cheap_forward(&dev, &block, fb, sp, l.tp, hidden, cp);
+            let redo = recomputed_nodes(&block, s.runtime.selective);
+            layer.saved = Bytes(saved_bytes(&block, fb, sp, l.tp, hidden, Some(&redo)) as u64);
+            layer.recompute = recompute_forward(&dev, &block, fb, sp, l.tp, hidden, cp, &redo);
             layer.hardware_flops += block
                 .nodes
                 .iter()
-                .filter(|n| is_cheap(&n.op))
-                .map(|n| block.node_work(n, fb).fwd_flops.0)
+                .zip(&redo)
+                .filter(|(_, r)| **r)
+                .map(|(n, _)| block.node_work(n, fb).fwd_flops.0)
                 .sum::<f64>();
         }
         Recompute::Full => {
@@ -470,7 +488,7 @@ fn price(
     }
     PartCost {
         compute: compute.into(),
-        saved: Bytes(saved_bytes(g, fb, sp, tp, hidden, false) as u64),
+        saved: Bytes(saved_bytes(g, fb, sp, tp, hidden, None) as u64),
         params: g.param_count(),
         model_flops,
         hardware_flops: model_flops,
@@ -506,8 +524,24 @@ fn is_cheap(op: &OpKind) -> bool {
     }
 }
 
-/// Forward time of the ops selective recomputation redoes.
-fn cheap_forward(
+/// The nodes selective recomputation redoes under `policy`.
+fn recomputed_nodes(g: &Graph, policy: SelectivePolicy) -> Vec<bool> {
+    let mut linear = 0;
+    g.nodes
+        .iter()
+        .map(|n| {
+            let alternate = matches!(n.op, OpKind::Linear(_)) && {
+                linear += 1;
+                linear % 2 == 0
+            };
+            is_cheap(&n.op) || (policy == SelectivePolicy::CheapOpsAndAlternateMatmuls && alternate)
+        })
+        .collect()
+}
+
+/// Forward time of the nodes selective recomputation redoes.
+#[allow(clippy::too_many_arguments)]
+fn recompute_forward(
     dev: &DeviceModel,
     g: &Graph,
     fb: u64,
@@ -515,9 +549,10 @@ fn cheap_forward(
     tp: u32,
     hidden: u64,
     cp: u64,
+    redo: &[bool],
 ) -> Seconds {
     let mut t = Seconds(0.0);
-    for n in g.nodes.iter().filter(|n| is_cheap(&n.op)) {
+    for (n, _) in g.nodes.iter().zip(redo).filter(|(_, r)| **r) {
         let mut x = dev
             .op(&n.op, &g.input_shapes(n), &g.node_work(n, fb), fb)
             .fwd;
@@ -547,7 +582,7 @@ fn outside_tp(g: &Graph, n: &parallax_ir::Node, hidden: u64) -> bool {
 /// tensors are split over the TP group. With `selective`, tensors produced by cheap ops are not
 /// kept; the inputs needed to recompute them (outputs of matmuls, attention or the section's
 /// input) are kept instead, and cheap ops' extra state is dropped, except dropout masks.
-fn saved_bytes(g: &Graph, fb: u64, sp: bool, tp: u32, hidden: u64, selective: bool) -> f64 {
+fn saved_bytes(g: &Graph, fb: u64, sp: bool, tp: u32, hidden: u64, redo: Option<&[bool]>) -> f64 {
     let scale = |t: parallax_ir::TensorId| -> f64 {
         let bytes = g.tensor_bytes(t, fb) as f64;
         if sp && g.tensor(t).shape.last() == hidden {
@@ -557,7 +592,7 @@ fn saved_bytes(g: &Graph, fb: u64, sp: bool, tp: u32, hidden: u64, selective: bo
         }
     };
     let items = g.saved_items(fb, |_| true);
-    if !selective {
+    let Some(redo) = redo else {
         return items
             .iter()
             .map(|i| match i.tensor {
@@ -568,7 +603,7 @@ fn saved_bytes(g: &Graph, fb: u64, sp: bool, tp: u32, hidden: u64, selective: bo
                 None => i.bytes as f64,
             })
             .sum();
-    }
+    };
     // Producer of every tensor, looking through views.
     let mut producer: std::collections::HashMap<parallax_ir::TensorId, usize> = Default::default();
     for (i, n) in g.nodes.iter().enumerate() {
@@ -600,8 +635,8 @@ fn saved_bytes(g: &Graph, fb: u64, sp: bool, tp: u32, hidden: u64, selective: bo
         match item.tensor {
             Some(t) => {
                 let r = root(t);
-                match producer.get(&r).map(|&p| &g.nodes[p]) {
-                    Some(p) if is_cheap(&p.op) => {
+                match producer.get(&r).map(|&p| (p, &g.nodes[p])) {
+                    Some((pi, p)) if redo[pi] => {
                         // Keep what recomputing it needs: its non-weight inputs, one level
                         // further back through chains of cheap ops.
                         for &u in &p.inputs {
@@ -609,8 +644,8 @@ fn saved_bytes(g: &Graph, fb: u64, sp: bool, tp: u32, hidden: u64, selective: bo
                             if g.tensor(ru).role == parallax_ir::TensorRole::Weight {
                                 continue;
                             }
-                            match producer.get(&ru).map(|&q| &g.nodes[q]) {
-                                Some(q) if is_cheap(&q.op) => {
+                            match producer.get(&ru).map(|&q| (q, &g.nodes[q])) {
+                                Some((qi, q)) if redo[qi] => {
                                     for &w in &q.inputs {
                                         if g.tensor(root(w)).role != parallax_ir::TensorRole::Weight
                                         {
@@ -625,7 +660,7 @@ fn saved_bytes(g: &Graph, fb: u64, sp: bool, tp: u32, hidden: u64, selective: bo
                     _ => keep(r, &mut total),
                 }
             }
-            None if is_cheap(&node.op) => {}
+            None if redo[item.node.0 as usize] => {}
             None if sp && outside_tp(g, node, hidden) => total += item.bytes as f64 / f64::from(tp),
             None => total += item.bytes as f64,
         }

@@ -2,7 +2,7 @@
 //! (`parallax-validation-cases/1`, see `shared/ground-truth/README.md`).
 
 use crate::complete::{complete_within, layout_string, Space};
-use parallax_cost::transformer::{Runtime, Setup};
+use parallax_cost::transformer::{Runtime, SelectivePolicy, Setup};
 use parallax_hardware::{Cluster, ClusterProfile};
 use parallax_ir::models::{Mlp, TransformerConfig};
 use parallax_ir::{PartialLayout, Precision, Recompute, Schedule};
@@ -54,7 +54,8 @@ impl Framework {
     /// - Megatron-Core 2024 (H100 README table): Transformer Engine fused attention,
     ///   distributed optimizer, overlapped gradient reduce-scatter and parameter gather,
     ///   tensor-parallel communication overlap.
-    /// - torchtitan: FSDP2, PyTorch SDPA flash attention, selective activation checkpointing.
+    /// - torchtitan: FSDP2, PyTorch SDPA flash attention, op-level selective activation
+    ///   checkpointing that saves matmul outputs except every second one.
     /// - HuggingFace Trainer with PyTorch DDP (2020–21 GPT-2): eager attention, overlapped
     ///   bucketed all-reduce.
     pub fn for_source(source: &str) -> Framework {
@@ -65,6 +66,7 @@ impl Framework {
             overlap_p2p: false,
             grad_reduce_fp32: true,
             allow_tp_across_nodes: false,
+            selective: SelectivePolicy::CheapOps,
         };
         let megatron = |schedules: Vec<Schedule>, recompute: Vec<Recompute>, sp| Framework {
             name: "megatron-lm (pre-flash)",
@@ -120,9 +122,11 @@ impl Framework {
         } else if s.starts_with("torchtitan") {
             Framework {
                 name: "torchtitan",
-                // Plain FSDP2 + SDPA: no userbuffer overlap of TP collectives.
+                // Plain FSDP2 + SDPA: no userbuffer overlap of TP collectives; its op-level
+                // selective checkpointing saves only every second matmul output.
                 runtime: Runtime {
                     tp_comm_overlap: false,
+                    selective: SelectivePolicy::CheapOpsAndAlternateMatmuls,
                     ..Runtime::default()
                 },
                 ..Framework::current()
