@@ -8,7 +8,6 @@ use parallax_hardware::Cluster;
 use parallax_ir::{load_model, Layout, PartialLayout, Plan, Precision, GIB};
 use parallax_planner::{complete_layout, layout_string, CompleteError};
 use parallax_sim::{simulate_step, SimulatedStep};
-use serde_json::json;
 use std::path::PathBuf;
 
 /// Predict step time, throughput, MFU and memory of one layout.
@@ -126,29 +125,7 @@ fn resolve_layout(spec: &str, setup: &Setup) -> anyhow::Result<Layout> {
 
 /// The `--json` document (the contract of `../shared/DESIGN.md`).
 pub fn report_json(sim: &SimulatedStep, layout: &Layout, band: f64) -> serde_json::Value {
-    let p = &sim.prediction;
-    let mut doc = json!({
-        "step_time_s": p.step_time_s,
-        "step_time_s_low": p.step_time_s * (1.0 - band),
-        "step_time_s_high": p.step_time_s * (1.0 + band),
-        "tokens_per_s": p.tokens_per_s,
-        "mfu": p.mfu,
-        "hfu": p.hfu,
-        "peak_memory_gib": p.peak_memory_gib,
-        "capacity_gib": p.capacity_gib,
-        "fits": p.fits,
-        "layout": layout,
-        "bubble_fraction": p.bubble_fraction,
-        "micro_batches": p.micro_batches,
-        "stage_layers": p.stage_layers,
-        "breakdown": p.breakdown,
-        "memory": p.memory,
-        "stage_memory_gib": p.stage_memory_gib,
-    });
-    if !p.fits {
-        doc["over_by_gib"] = json!(p.peak_memory_gib - p.capacity_gib);
-    }
-    doc
+    parallax_planner::report::prediction_json(&sim.prediction, layout, band)
 }
 
 fn print_report(model: &str, cluster: &str, sim: &SimulatedStep, layout: &Layout, band: f64) {

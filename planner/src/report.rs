@@ -6,6 +6,7 @@ use crate::search::{Evaluated, Family, SearchResult};
 use parallax_cost::transformer::Setup;
 use parallax_ir::plan::{ClusterRef, ModelRef, Prediction, Training};
 use parallax_ir::{Layout, Plan, Recompute, Schedule, PLAN_SCHEMA};
+use parallax_sim::StepPrediction;
 use serde::Serialize;
 use serde_json::{json, Value};
 
@@ -401,31 +402,42 @@ pub fn table_cells(input: &ReportInput) -> (Vec<&'static str>, Vec<Vec<String>>)
     (header, body)
 }
 
-/// The `--json` document: `simulate`'s top-level keys for the best plan, plus `plan`,
-/// `candidates` (top-K), `rejected` (counts by reason) and the explanation.
-pub fn json_document(input: &ReportInput) -> Value {
-    let r = input.result;
-    let best = r.best();
-    let p = &best.prediction;
-    let plan = plan_document(input, best);
-    json!({
+/// The keys every prediction document has (`simulate --json`, and `plan --json` for its best
+/// plan): step time with its band, throughput, MFU/HFU, memory, fit, layout and breakdown.
+pub fn prediction_json(p: &StepPrediction, layout: &Layout, band: f64) -> Value {
+    let mut doc = json!({
         "step_time_s": p.step_time_s,
-        "step_time_s_low": p.step_time_s * (1.0 - input.band),
-        "step_time_s_high": p.step_time_s * (1.0 + input.band),
+        "step_time_s_low": p.step_time_s * (1.0 - band),
+        "step_time_s_high": p.step_time_s * (1.0 + band),
         "tokens_per_s": p.tokens_per_s,
         "mfu": p.mfu,
         "hfu": p.hfu,
         "peak_memory_gib": p.peak_memory_gib,
         "capacity_gib": p.capacity_gib,
         "fits": p.fits,
-        "layout": best.layout,
-        "layout_inline": crate::complete::layout_string(&best.layout),
+        "layout": layout,
+        "layout_inline": crate::complete::layout_string(layout),
         "breakdown": p.breakdown,
         "memory": p.memory,
         "stage_memory_gib": p.stage_memory_gib,
         "stage_layers": p.stage_layers,
         "bubble_fraction": p.bubble_fraction,
         "micro_batches": p.micro_batches,
+    });
+    if !p.fits {
+        doc["over_by_gib"] = json!(p.peak_memory_gib - p.capacity_gib);
+    }
+    doc
+}
+
+/// The `--json` document: `simulate`'s top-level keys for the best plan, plus `plan`,
+/// `candidates` (top-K), `rejected` (counts by reason) and the explanation.
+pub fn json_document(input: &ReportInput) -> Value {
+    let r = input.result;
+    let best = r.best();
+    let plan = plan_document(input, best);
+    let mut doc = prediction_json(&best.prediction, &best.layout, input.band);
+    let extra = json!({
         "plan": plan,
         "candidates": rows(input),
         "rejected": r.counts.rejected,
@@ -455,7 +467,11 @@ pub fn json_document(input: &ReportInput) -> Value {
             "layout": s.best.as_ref().map(|e| crate::complete::layout_string(&e.layout)),
             "note": s.note,
         })).collect::<Vec<_>>(),
-    })
+    });
+    if let (Some(d), Value::Object(x)) = (doc.as_object_mut(), extra) {
+        d.extend(x);
+    }
+    doc
 }
 
 /// The heading lines shared by the text and Markdown reports.
