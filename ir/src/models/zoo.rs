@@ -29,39 +29,30 @@ pub struct ZooEntry {
     pub def: ZooDef,
 }
 
-/// GPT-3 family dims: Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1.
-fn gpt3(layers: u32, hidden: u64, heads: u64) -> ZooDef {
+/// A GPT with a 4·h MLP: GPT-2 (vocab 50257, 1024 positions), GPT-3 (Brown et al. 2020,
+/// Table 2.1: vocab 50257, 2048 positions) and Megatron's weak-scaling family (Narayanan et al.
+/// 2021, Table 1: vocab 51200, 2048 positions).
+fn gpt(layers: u32, hidden: u64, heads: u64, vocab: u64, positions: u64) -> ZooDef {
     ZooDef::Transformer(TransformerConfig::gpt(
         layers,
         hidden,
         heads,
         4 * hidden,
-        50257,
-        2048,
-    ))
-}
-
-/// Megatron weak-scaling family: Narayanan et al. 2021, Table 1 (vocab 51200, seq 2048).
-fn megatron(layers: u32, hidden: u64, heads: u64) -> ZooDef {
-    ZooDef::Transformer(TransformerConfig::gpt(
-        layers,
-        hidden,
-        heads,
-        4 * hidden,
-        51200,
-        2048,
+        vocab,
+        positions,
     ))
 }
 
 fn gpt2(layers: u32, hidden: u64, heads: u64) -> ZooDef {
-    ZooDef::Transformer(TransformerConfig::gpt(
-        layers,
-        hidden,
-        heads,
-        4 * hidden,
-        50257,
-        1024,
-    ))
+    gpt(layers, hidden, heads, 50257, 1024)
+}
+
+fn gpt3(layers: u32, hidden: u64, heads: u64) -> ZooDef {
+    gpt(layers, hidden, heads, 50257, 2048)
+}
+
+fn megatron(layers: u32, hidden: u64, heads: u64) -> ZooDef {
+    gpt(layers, hidden, heads, 51200, 2048)
 }
 
 fn llama(layers: u32, hidden: u64, heads: u64, kv: u64, ffn: u64, vocab: u64, seq: u64) -> ZooDef {
