@@ -172,13 +172,7 @@ pub trait Collectives: Send + std::fmt::Debug {
     ) -> Result<(), CommError> {
         let n = g.size();
         let c = out.len();
-        if input.len() != c * n {
-            return Err(CommError::Size {
-                what: "reduce_scatter",
-                got: input.len(),
-                expected: c * n,
-            });
-        }
+        expect_len("reduce_scatter", input.len(), c * n)?;
         let me = g.index_of(self.rank())?;
         if n == 1 {
             out.copy_from_slice(input);
@@ -211,13 +205,7 @@ pub trait Collectives: Send + std::fmt::Debug {
     fn all_gather(&mut self, g: &Group, input: &[f32], out: &mut [f32]) -> Result<(), CommError> {
         let n = g.size();
         let c = input.len();
-        if out.len() != c * n {
-            return Err(CommError::Size {
-                what: "all_gather",
-                got: out.len(),
-                expected: c * n,
-            });
-        }
+        expect_len("all_gather", out.len(), c * n)?;
         let me = g.index_of(self.rank())?;
         if n == 1 {
             out.copy_from_slice(input);
@@ -334,6 +322,30 @@ impl GroupBuffers {
 }
 
 /// Reads a buffer, ignoring poisoning (a panicking rank fails the run anyway).
+/// A size error unless `got == expected`.
+fn expect_len(what: &'static str, got: usize, expected: usize) -> Result<(), CommError> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(CommError::Size {
+            what,
+            got,
+            expected,
+        })
+    }
+}
+
+/// `out = Σ inputs[i][range]`, summed in member order (every backend sums in this order, so
+/// results are bitwise equal across backends).
+fn sum_in_order(inputs: &[RwLock<Vec<f32>>], range: std::ops::Range<usize>, out: &mut [f32]) {
+    out.copy_from_slice(&read(&inputs[0])[range.clone()]);
+    for x in &inputs[1..] {
+        for (o, v) in out.iter_mut().zip(&read(x)[range.clone()]) {
+            *o += v;
+        }
+    }
+}
+
 fn read(l: &RwLock<Vec<f32>>) -> RwLockReadGuard<'_, Vec<f32>> {
     l.read().unwrap_or_else(PoisonError::into_inner)
 }
@@ -445,6 +457,25 @@ impl ThreadComm {
 
     /// Waits until every member of `g` has arrived, or fails after the timeout naming the
     /// rank holding things up (the first missing member, or whom it is waiting for).
+    /// Copies this member's `data` into the group's shared buffers and waits for every member
+    /// to do the same; returns the buffers, this member's index and the buffer parity.
+    fn publish(
+        &mut self,
+        g: &Group,
+        data: &[f32],
+        what: &'static str,
+    ) -> Result<(Arc<GroupBuffers>, usize, usize), CommError> {
+        let (b, me, p) = self.group_buffers(g)?;
+        {
+            let mut mine = write(&b.inputs[p][me]);
+            mine.clear();
+            mine.extend_from_slice(data);
+        }
+        self.arrive(g, &b, me, what)?;
+        Self::same_lengths(&b.inputs[p], data.len(), what)?;
+        Ok((b, me, p))
+    }
+
     fn arrive(&self, g: &Group, b: &GroupBuffers, me: usize, what: &str) -> Result<(), CommError> {
         let start = Instant::now();
         let mut st = b.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -620,25 +651,14 @@ impl Collectives for ThreadComm {
             g.index_of(self.rank)?;
             return Ok(());
         }
-        let (b, me, p) = self.group_buffers(g)?;
-        {
-            let mut mine = write(&b.inputs[p][me]);
-            mine.clear();
-            mine.extend_from_slice(buf);
-        }
-        self.arrive(g, &b, me, "all_reduce")?;
-        Self::same_lengths(&b.inputs[p], buf.len(), "all_reduce")?;
+        let (b, me, p) = self.publish(g, buf, "all_reduce")?;
         let chunk = buf.len().div_ceil(n);
         let range = (me * chunk).min(buf.len())..((me + 1) * chunk).min(buf.len());
         {
             let mut sum = write(&b.sums[p][me]);
             sum.clear();
-            sum.extend_from_slice(&read(&b.inputs[p][0])[range.clone()]);
-            for input in &b.inputs[p][1..] {
-                for (s, x) in sum.iter_mut().zip(&read(input)[range.clone()]) {
-                    *s += x;
-                }
-            }
+            sum.resize(range.len(), 0.0);
+            sum_in_order(&b.inputs[p], range, &mut sum);
         }
         self.arrive(g, &b, me, "all_reduce")?;
         for (i, sum) in b.sums[p].iter().enumerate() {
@@ -658,33 +678,14 @@ impl Collectives for ThreadComm {
     ) -> Result<(), CommError> {
         let n = g.size();
         let c = out.len();
-        if input.len() != c * n {
-            return Err(CommError::Size {
-                what: "reduce_scatter",
-                got: input.len(),
-                expected: c * n,
-            });
-        }
+        expect_len("reduce_scatter", input.len(), c * n)?;
         if n == 1 {
             g.index_of(self.rank)?;
             out.copy_from_slice(input);
             return Ok(());
         }
-        let (b, me, p) = self.group_buffers(g)?;
-        {
-            let mut mine = write(&b.inputs[p][me]);
-            mine.clear();
-            mine.extend_from_slice(input);
-        }
-        self.arrive(g, &b, me, "reduce_scatter")?;
-        Self::same_lengths(&b.inputs[p], input.len(), "reduce_scatter")?;
-        let range = me * c..(me + 1) * c;
-        out.copy_from_slice(&read(&b.inputs[p][0])[range.clone()]);
-        for x in &b.inputs[p][1..] {
-            for (o, v) in out.iter_mut().zip(&read(x)[range.clone()]) {
-                *o += v;
-            }
-        }
+        let (b, me, p) = self.publish(g, input, "reduce_scatter")?;
+        sum_in_order(&b.inputs[p], me * c..(me + 1) * c, out);
         Ok(())
     }
 
@@ -692,26 +693,13 @@ impl Collectives for ThreadComm {
     fn all_gather(&mut self, g: &Group, input: &[f32], out: &mut [f32]) -> Result<(), CommError> {
         let n = g.size();
         let c = input.len();
-        if out.len() != c * n {
-            return Err(CommError::Size {
-                what: "all_gather",
-                got: out.len(),
-                expected: c * n,
-            });
-        }
+        expect_len("all_gather", out.len(), c * n)?;
         if n == 1 {
             g.index_of(self.rank)?;
             out.copy_from_slice(input);
             return Ok(());
         }
-        let (b, me, p) = self.group_buffers(g)?;
-        {
-            let mut mine = write(&b.inputs[p][me]);
-            mine.clear();
-            mine.extend_from_slice(input);
-        }
-        self.arrive(g, &b, me, "all_gather")?;
-        Self::same_lengths(&b.inputs[p], c, "all_gather")?;
+        let (b, _, p) = self.publish(g, input, "all_gather")?;
         for (i, x) in b.inputs[p].iter().enumerate() {
             out[i * c..(i + 1) * c].copy_from_slice(&read(x));
         }
