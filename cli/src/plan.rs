@@ -14,7 +14,7 @@ use parallax_planner::export::{export, Engine};
 use parallax_planner::plots::{breakdown_svg, gantt_svg, memory_svg, sweep_svg};
 use parallax_planner::report::{
     explain, guidance, headline, html, json_document, markdown, plan_document, short_layout,
-    table_cells, ReportInput, Svgs, SweepPoint,
+    sweep_cells, table_cells, ReportInput, Svgs, SweepPoint,
 };
 use parallax_planner::search;
 use parallax_planner::search::{
@@ -284,29 +284,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     print!("{}", table(&h, &rows));
     if !sweep.is_empty() {
         println!("\nGPU-count sweep");
-        let rows: Vec<Vec<String>> = sweep
-            .iter()
-            .map(|p| match &p.best {
-                Some(e) => vec![
-                    p.gpus.to_string(),
-                    short_layout(&e.layout),
-                    format!("{:.3}", e.prediction.step_time_s),
-                    format!("{:.0}", e.prediction.tokens_per_s),
-                    format!("{:.0} %", e.prediction.mfu * 100.0),
-                ],
-                None => vec![
-                    p.gpus.to_string(),
-                    p.note.clone().unwrap_or_default(),
-                    "-".into(),
-                    "-".into(),
-                    "-".into(),
-                ],
-            })
-            .collect();
-        print!(
-            "{}",
-            table(&["GPUs", "best layout", "step s", "tokens/s", "MFU"], &rows)
-        );
+        let (header, rows) = sweep_cells(&sweep);
+        print!("{}", table(&header, &rows));
     }
     if let Some(dir) = &a.out {
         println!("\nwrote {}", dir.display());

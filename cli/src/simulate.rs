@@ -110,11 +110,7 @@ fn resolve_layout(spec: &str, setup: &Setup) -> anyhow::Result<Layout> {
         return Ok(plan.layout);
     }
     let partial = PartialLayout::parse(spec).map_err(|e| user(format!("--plan: {e}")))?;
-    let all = parallax_ir::Schedule::ALL
-        .into_iter()
-        .filter(|s| *s != parallax_ir::Schedule::None)
-        .collect::<Vec<_>>();
-    match complete_layout(setup, &partial, &all) {
+    match complete_layout(setup, &partial) {
         Ok(done) => Ok(done.layout),
         // Nothing fits: simulate the completion that needs the least memory and say by how
         // much it is over.

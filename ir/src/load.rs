@@ -255,16 +255,11 @@ pub fn graph_to_json(g: &Graph) -> String {
 }
 
 fn json_error(file: &str, e: &serde_json::Error) -> ModelError {
-    let msg = e.to_string();
-    let message = match msg.rfind(" at line ") {
-        Some(i) => msg[..i].to_string(),
-        None => msg,
-    };
     ModelError::Json {
         file: file.into(),
         line: e.line(),
         column: e.column(),
-        message,
+        message: crate::plan::json_message(e),
     }
 }
 

@@ -331,7 +331,7 @@ impl Plan {
                 "{origin}: line {} column {}: {}",
                 e.line(),
                 e.column(),
-                strip_position(&e.to_string())
+                json_message(&e)
             )
         })?;
         if plan.schema != PLAN_SCHEMA {
@@ -359,11 +359,13 @@ impl Plan {
     }
 }
 
-/// serde_json appends " at line L column C"; we print the position ourselves.
-fn strip_position(msg: &str) -> String {
+/// A serde_json error's message without the " at line L column C" it appends: callers print
+/// the position themselves, after the file name.
+pub fn json_message(e: &serde_json::Error) -> String {
+    let msg = e.to_string();
     match msg.rfind(" at line ") {
         Some(i) => msg[..i].to_string(),
-        None => msg.to_string(),
+        None => msg,
     }
 }
 

@@ -61,18 +61,9 @@ impl Default for Space {
     }
 }
 
-/// Every full layout consistent with `p` on `setup`'s cluster; `schedules` are the pipeline
-/// schedules allowed when the schedule is left out.
-pub fn candidates(setup: &Setup, p: &PartialLayout, schedules: &[Schedule]) -> Vec<Layout> {
-    let space = Space {
-        schedules: schedules.to_vec(),
-        ..Space::default()
-    };
-    candidates_within(setup, p, &space)
-}
-
-/// Every full layout consistent with `p` whose left-out knobs take values in `space`.
-pub fn candidates_within(setup: &Setup, p: &PartialLayout, space: &Space) -> Vec<Layout> {
+/// Every full layout consistent with `p` on `setup`'s cluster whose left-out knobs take
+/// values in `space`.
+pub fn candidates(setup: &Setup, p: &PartialLayout, space: &Space) -> Vec<Layout> {
     let schedules = &space.schedules[..];
     let gpus = u64::from(setup.gpus);
     let gpn = u64::from(setup.profile.node.gpus_per_node);
@@ -180,17 +171,9 @@ pub fn candidates_within(setup: &Setup, p: &PartialLayout, space: &Space) -> Vec
     out
 }
 
-/// Chooses the fastest layout that fits among the completions of `p`.
-pub fn complete_layout(
-    setup: &Setup,
-    p: &PartialLayout,
-    schedules: &[Schedule],
-) -> Result<Completed, CompleteError> {
-    let space = Space {
-        schedules: schedules.to_vec(),
-        ..Space::default()
-    };
-    complete_within(setup, p, &space, &|_| true)
+/// Chooses the fastest layout that fits among the completions of `p`, any option allowed.
+pub fn complete_layout(setup: &Setup, p: &PartialLayout) -> Result<Completed, CompleteError> {
+    complete_within(setup, p, &Space::default(), &|_| true)
 }
 
 /// [`complete_layout`] with the left-out knobs limited to `space` and layouts to those `allowed`.
@@ -200,7 +183,7 @@ pub fn complete_within(
     space: &Space,
     allowed: &(dyn Fn(&Layout) -> bool + Sync),
 ) -> Result<Completed, CompleteError> {
-    let mut cands = candidates_within(setup, p, space);
+    let mut cands = candidates(setup, p, space);
     cands.retain(|l| allowed(l));
     let tried = cands.len();
     if cands.is_empty() {

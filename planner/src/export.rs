@@ -396,10 +396,7 @@ mod tests {
     use parallax_ir::PLAN_SCHEMA;
 
     fn model(name: &str) -> TransformerConfig {
-        match zoo::find(name).unwrap().def {
-            zoo::ZooDef::Transformer(c) => c,
-            _ => unreachable!(),
-        }
+        zoo::transformer(name).unwrap()
     }
 
     fn plan(l: Layout, precision: Precision) -> Plan {

@@ -10,8 +10,7 @@ pub mod search;
 pub mod validate;
 
 pub use complete::{
-    candidates, candidates_within, complete_layout, complete_within, layout_string, CompleteError,
-    Completed, Space,
+    candidates, complete_layout, complete_within, layout_string, CompleteError, Completed, Space,
 };
 pub use search::{
     search, search_with_progress, Counts, Evaluated, Family, FamilyResult, Progress, SearchError,

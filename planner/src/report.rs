@@ -430,6 +430,30 @@ pub fn prediction_json(p: &StepPrediction, layout: &Layout, band: f64) -> Value 
     doc
 }
 
+/// Header and rows of the GPU-count sweep table (text and Markdown reports).
+pub fn sweep_cells(sweep: &[SweepPoint]) -> ([&'static str; 5], Vec<Vec<String>>) {
+    let rows = sweep
+        .iter()
+        .map(|p| match &p.best {
+            Some(e) => vec![
+                p.gpus.to_string(),
+                short_layout(&e.layout),
+                format!("{:.3}", e.prediction.step_time_s),
+                format!("{:.0}", e.prediction.tokens_per_s),
+                pct(e.prediction.mfu),
+            ],
+            None => vec![
+                p.gpus.to_string(),
+                p.note.clone().unwrap_or_default(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+            ],
+        })
+        .collect();
+    (["GPUs", "best layout", "step s", "tokens/s", "MFU"], rows)
+}
+
 /// The `--json` document: `simulate`'s top-level keys for the best plan, plus `plan`,
 /// `candidates` (top-K), `rejected` (counts by reason) and the explanation.
 pub fn json_document(input: &ReportInput) -> Value {
@@ -552,30 +576,8 @@ pub fn markdown(input: &ReportInput, svgs: &Svgs) -> String {
     s.push_str(&md_table(&["reason", "candidates"], &rej));
     if !input.sweep.is_empty() {
         s.push_str("\n## GPU-count sweep\n\n");
-        let rows: Vec<Vec<String>> = input
-            .sweep
-            .iter()
-            .map(|p| match &p.best {
-                Some(e) => vec![
-                    p.gpus.to_string(),
-                    short_layout(&e.layout),
-                    format!("{:.3}", e.prediction.step_time_s),
-                    format!("{:.0}", e.prediction.tokens_per_s),
-                    pct(e.prediction.mfu),
-                ],
-                None => vec![
-                    p.gpus.to_string(),
-                    p.note.clone().unwrap_or_default(),
-                    "-".into(),
-                    "-".into(),
-                    "-".into(),
-                ],
-            })
-            .collect();
-        s.push_str(&md_table(
-            &["GPUs", "best layout", "step s", "tokens/s", "MFU"],
-            &rows,
-        ));
+        let (header, rows) = sweep_cells(input.sweep);
+        s.push_str(&md_table(&header, &rows));
     }
     if !svgs.is_empty() {
         s.push_str("\n## Plots\n\n");
@@ -663,10 +665,7 @@ mod tests {
 
     #[test]
     fn reports_have_every_key_and_stay_self_contained() {
-        let m = match zoo::find("gpt3-6.7b").unwrap().def {
-            zoo::ZooDef::Transformer(c) => c,
-            _ => unreachable!(),
-        };
+        let m = zoo::transformer("gpt3-6.7b").unwrap();
         let c = Cluster::parse("dgx-a100-80gb:gpus=32").unwrap();
         let s = Setup {
             model: &m,
@@ -762,10 +761,7 @@ mod tests {
 
     #[test]
     fn small_per_gpu_batches_warn_about_batchnorm() {
-        let m = match zoo::find("gpt2").unwrap().def {
-            zoo::ZooDef::Transformer(c) => c,
-            _ => unreachable!(),
-        };
+        let m = zoo::transformer("gpt2").unwrap();
         let c = Cluster::parse("dgx-a100-80gb:gpus=8").unwrap();
         let s = Setup {
             model: &m,

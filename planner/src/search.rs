@@ -1101,10 +1101,7 @@ mod tests {
     use parallax_ir::Precision;
 
     fn model(name: &str) -> TransformerConfig {
-        match zoo::find(name).unwrap().def {
-            zoo::ZooDef::Transformer(c) => c,
-            _ => unreachable!(),
-        }
+        zoo::transformer(name).unwrap()
     }
 
     fn setup<'a>(

@@ -234,17 +234,11 @@ pub enum CaseError {
 
 /// Parses a case file; `file` names it in errors.
 pub fn parse_cases(text: &str, file: &str) -> Result<CaseFile, CaseError> {
-    let f: CaseFile = serde_json::from_str(text).map_err(|e| {
-        let msg = e.to_string();
-        CaseError::Json {
-            file: file.into(),
-            line: e.line(),
-            column: e.column(),
-            message: msg
-                .rfind(" at line ")
-                .map(|i| msg[..i].to_string())
-                .unwrap_or(msg),
-        }
+    let f: CaseFile = serde_json::from_str(text).map_err(|e| CaseError::Json {
+        file: file.into(),
+        line: e.line(),
+        column: e.column(),
+        message: parallax_ir::plan::json_message(&e),
     })?;
     if f.schema != CASES_SCHEMA {
         return Err(CaseError::Schema {

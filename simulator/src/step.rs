@@ -442,23 +442,21 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
     let mut stage_memory = Vec::with_capacity(pp as usize);
     let mut stage_static = Vec::with_capacity(pp as usize);
     let mut worst = MemoryBreakdown::default();
+    // Bytes one micro-batch keeps from a virtual stage's forward to its weight gradients.
+    let saved_of = |vs: usize| -> f64 {
+        let mut b = c.layer.saved.0 as f64 * nl(vs);
+        if vs == 0 {
+            b += c.embedding.saved.0 as f64;
+        }
+        if vs == nv - 1 {
+            b += c.head.saved.0 as f64;
+        }
+        b
+    };
     for s in 0..pp {
         let chunks: Vec<usize> = (0..v).map(|ch| (ch * pp + s) as usize).collect();
         let params: u64 = chunks.iter().map(|&vs| params_of(vs)).sum();
-        let saved_per_chunk: f64 = chunks
-            .iter()
-            .map(|&vs| {
-                let mut b = c.layer.saved.0 as f64 * nl(vs);
-                if vs == 0 {
-                    b += c.embedding.saved.0 as f64;
-                }
-                if vs == nv - 1 {
-                    b += c.head.saved.0 as f64;
-                }
-                b
-            })
-            .sum::<f64>()
-            / f64::from(v);
+        let saved_per_chunk = chunks.iter().map(|&vs| saved_of(vs)).sum::<f64>() / f64::from(v);
         let in_flight = if pp == 1 {
             1
         } else {
@@ -512,23 +510,15 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
         fits: peak_gib <= capacity,
     };
     // Activations held per virtual stage and micro-batch, over time.
-    let saved_of = |vs: usize| -> f64 {
-        let mut b = c.layer.saved.0 as f64 * nl(vs);
-        if vs == 0 {
-            b += c.embedding.saved.0 as f64;
-        }
-        if vs == nv - 1 {
-            b += c.head.saved.0 as f64;
-        }
-        b / GIB
-    };
     let mut events: Vec<Vec<(f64, f64)>> = vec![Vec::new(); pp as usize];
     for span in &trace.spans {
         let t = pg.graph.task(span.task);
         let vs = (t.chunk * pp + t.stage) as usize;
         match t.kind {
-            TaskKind::Forward => events[t.stage as usize].push((span.end.0, saved_of(vs))),
-            TaskKind::BackwardWeight => events[t.stage as usize].push((span.end.0, -saved_of(vs))),
+            TaskKind::Forward => events[t.stage as usize].push((span.end.0, saved_of(vs) / GIB)),
+            TaskKind::BackwardWeight => {
+                events[t.stage as usize].push((span.end.0, -saved_of(vs) / GIB))
+            }
             _ => {}
         }
     }
