@@ -3,12 +3,15 @@
 
 use crate::user;
 use clap::Args as ClapArgs;
-use parallax_executor::calibrate::{measure, to_profile, CalibrateOptions};
+use parallax_executor::calibrate::{calibrate, to_profile, CalibrateOptions};
 use parallax_executor::{Backend, ExecError};
 use parallax_hardware::{preset, CPU_LOCAL};
 use std::path::PathBuf;
 
 /// Measure matmul throughput, memory bandwidth and collective bandwidth/latency; write a profile.
+///
+/// With `--backend mpi`, start it under `mpirun -np N` (one process per core, on one or more
+/// nodes); rank 0 writes the profile.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
     /// Backend to calibrate: threads (built in), mpi or cuda (cargo features).
@@ -33,28 +36,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .backend
         .parse()
         .map_err(|e| user(format!("--backend: {e}")))?;
-    match backend {
-        Backend::Threads => {}
-        Backend::Mpi | Backend::Cuda => {
-            let (name, feature, built) = match backend {
-                Backend::Mpi => ("mpi", "mpi", cfg!(feature = "mpi")),
-                _ => ("cuda", "cuda,nccl", cfg!(feature = "cuda")),
-            };
-            return Err(user(if built {
-                ExecError::Backend {
-                    backend: name,
-                    message: "calibration is not implemented for this backend yet; use \
-                              --backend threads"
-                        .into(),
-                }
-            } else {
-                ExecError::NotCompiled {
-                    backend: name,
-                    feature,
-                }
-            }));
-        }
-    }
     if a.out.exists() && !a.force {
         return Err(user(format!(
             "--out {}: file exists (use --force to overwrite)",
@@ -72,10 +53,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Some(n) => n,
         None => std::thread::available_parallelism().map_or(1, |n| n.get()),
     };
-    let m = measure(CalibrateOptions {
-        threads,
-        quick: a.quick,
-    })?;
+    let Some(m) = calibrate(
+        backend,
+        CalibrateOptions {
+            threads,
+            quick: a.quick,
+        },
+    )
+    .map_err(|e| match e {
+        ExecError::NotCompiled { .. } | ExecError::Backend { .. } => user(e),
+        other => anyhow::Error::new(other),
+    })?
+    else {
+        // An MPI rank other than 0: rank 0 writes the profile.
+        return Ok(());
+    };
     let base = preset(CPU_LOCAL).map_err(user)?;
     let mut p = to_profile(&m, &base);
     p.name = a
@@ -85,7 +77,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .unwrap_or(CPU_LOCAL)
         .to_string();
     p.save(&a.out).map_err(user)?;
-    println!("calibrated {} cores (threads backend):", m.threads);
+    match &m.inter {
+        None => println!("calibrated {} cores ({} backend):", m.threads, m.backend),
+        Some(x) => println!(
+            "calibrated {} nodes x {} cores ({} backend):",
+            x.nodes, m.threads, m.backend
+        ),
+    }
     for (f, r) in &m.matmul {
         println!(
             "  matmul {:>9.3} GFLOP {:>8.2} GFLOP/s per core",
@@ -107,6 +105,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         m.busbw_bytes_per_s / 1e9
     );
     println!("  collective step     {:>8.2} us", m.step_latency_s * 1e6);
+    if let Some(x) = &m.inter {
+        println!(
+            "  across nodes: all-reduce busbw {:.2} GB/s, step {:.2} us",
+            x.busbw_bytes_per_s / 1e9,
+            x.step_latency_s * 1e6
+        );
+    }
     println!("wrote {}", a.out.display());
     Ok(())
 }

@@ -1,10 +1,12 @@
-//! Calibration micro-benchmarks for the threads backend: GEMM throughput over sizes, memory
-//! bandwidth, the bandwidth of the executor's own pointwise kernels, per-op overhead, and
-//! collective bandwidth and latency across threads — turned into a `cpu-local`-schema profile
-//! (`parallax calibrate --backend threads --out PROFILE.toml`).
+//! Calibration micro-benchmarks: GEMM throughput over sizes, memory bandwidth, the bandwidth of
+//! the executor's own pointwise kernels, per-op overhead, and collective bandwidth and latency
+//! across ranks — turned into a `cpu-local`-schema profile (`parallax calibrate --backend
+//! threads|mpi --out PROFILE.toml`).
 //!
-//! Every benchmark runs on all `threads` at once, as a training run loads every core: the
-//! numbers are what one core achieves while the others work too.
+//! Every compute benchmark runs on all ranks at once, as a training run loads every core: the
+//! numbers are what one core achieves while the others work too. The collectives are timed
+//! through the [`Collectives`] interface of the backend being calibrated (threads here, MPI in
+//! `mpi_backend`), inside one node and, when the ranks span several nodes, across them.
 
 use crate::comm::{Collectives, Group, ThreadComm};
 use crate::error::ExecError;
@@ -24,7 +26,9 @@ pub struct CalibrateOptions {
 /// Measured figures, per core.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Measurements {
-    /// Cores measured at once.
+    /// The backend measured (`threads` or `mpi`).
+    pub backend: &'static str,
+    /// Ranks per node measured at once (one per core).
     pub threads: usize,
     /// `(FLOPs of one GEMM, achieved FLOP/s)` over training-shaped GEMMs (forward, input- and
     /// weight-gradient forms), by increasing FLOPs.
@@ -39,6 +43,56 @@ pub struct Measurements {
     pub busbw_bytes_per_s: f64,
     /// Latency of one collective algorithm step, seconds.
     pub step_latency_s: f64,
+    /// Across nodes, when the ranks span several.
+    pub inter: Option<InterNode>,
+}
+
+/// Collective figures across nodes (one rank per node).
+#[derive(Clone, Debug, PartialEq)]
+pub struct InterNode {
+    /// Nodes in the job.
+    pub nodes: usize,
+    /// Achieved bus bandwidth of large all-reduces across nodes, bytes per second.
+    pub busbw_bytes_per_s: f64,
+    /// Latency of one collective algorithm step across nodes, seconds.
+    pub step_latency_s: f64,
+}
+
+/// The compute figures of one core while `threads` cores run the same benchmarks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ComputeFigures {
+    /// `(FLOPs of one GEMM, achieved FLOP/s)`, by increasing FLOPs.
+    pub matmul: Vec<(f64, f64)>,
+    /// Copy bandwidth (bytes read + written per second).
+    pub copy_bytes_per_s: f64,
+    /// Bandwidth of the executor's pointwise kernels.
+    pub pointwise_bytes_per_s: f64,
+    /// Fixed cost of one small op, seconds.
+    pub op_overhead_s: f64,
+}
+
+impl ComputeFigures {
+    /// The figures as one flat vector (for averaging over ranks with a collective).
+    pub fn to_vec(&self) -> Vec<f64> {
+        let mut v: Vec<f64> = self.matmul.iter().flat_map(|(f, r)| [*f, *r]).collect();
+        v.extend([
+            self.copy_bytes_per_s,
+            self.pointwise_bytes_per_s,
+            self.op_overhead_s,
+        ]);
+        v
+    }
+
+    /// The inverse of [`ComputeFigures::to_vec`].
+    pub fn from_vec(v: &[f64]) -> ComputeFigures {
+        let (curve, rest) = v.split_at(v.len().saturating_sub(3));
+        ComputeFigures {
+            matmul: curve.chunks_exact(2).map(|p| (p[0], p[1])).collect(),
+            copy_bytes_per_s: rest.first().copied().unwrap_or(0.0),
+            pointwise_bytes_per_s: rest.get(1).copied().unwrap_or(0.0),
+            op_overhead_s: rest.get(2).copied().unwrap_or(0.0),
+        }
+    }
 }
 
 fn time_best(min_time: Duration, mut f: impl FnMut()) -> f64 {
@@ -140,13 +194,87 @@ fn merge(g: &[(f64, f64)]) -> (f64, f64) {
     (flops / g.len() as f64, flops / time)
 }
 
-/// Measures this machine.
+/// Calibrates with `backend`: the threads backend in this process, the MPI backend with every
+/// process of the `mpirun` job (MPI is initialised and finalised here). Returns the figures
+/// on the rank that should write the profile (always for threads; rank 0 for MPI) and `None`
+/// on the others.
+pub fn calibrate(
+    backend: crate::Backend,
+    opts: CalibrateOptions,
+) -> Result<Option<Measurements>, ExecError> {
+    match backend {
+        crate::Backend::Threads => measure(opts).map(Some),
+        #[cfg(feature = "mpi")]
+        crate::Backend::Mpi => crate::mpi_backend::MpiRuntime::init()?.calibrate(opts.quick),
+        #[cfg(not(feature = "mpi"))]
+        crate::Backend::Mpi => Err(ExecError::NotCompiled {
+            backend: "mpi",
+            feature: "mpi",
+        }),
+        #[cfg(feature = "cuda")]
+        crate::Backend::Cuda => crate::cuda_backend::calibrate(opts.quick).map(Some),
+        #[cfg(not(feature = "cuda"))]
+        crate::Backend::Cuda => Err(ExecError::NotCompiled {
+            backend: "cuda",
+            feature: "cuda,nccl",
+        }),
+    }
+}
+
+/// Measures this machine with the threads backend: compute on `opts.threads` cores at once,
+/// collectives over as many threads (at least 2).
 pub fn measure(opts: CalibrateOptions) -> Result<Measurements, ExecError> {
     let threads = opts.threads.max(1);
-    let min_time = Duration::from_millis(if opts.quick { 30 } else { 250 });
+    let c = measure_compute(threads, opts.quick);
+    let n = threads.max(2);
+    let (comms, _) = ThreadComm::create(n, Duration::from_secs(60));
+    let timings: Vec<Result<AllReduceTimes, ExecError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|mut comm| {
+                s.spawn(move || {
+                    let g = Group::new((0..comm.world()).collect());
+                    time_all_reduce(&mut comm, &g, opts.quick)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(ExecError::Rank {
+                        rank: 0,
+                        message: "calibration thread panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    });
+    let mut slowest = AllReduceTimes::default();
+    for t in timings {
+        slowest = slowest.max(&t?);
+    }
+    let (busbw, step) = slowest.fit(n);
+    Ok(Measurements {
+        backend: "threads",
+        threads,
+        matmul: c.matmul,
+        copy_bytes_per_s: c.copy_bytes_per_s,
+        pointwise_bytes_per_s: c.pointwise_bytes_per_s,
+        op_overhead_s: c.op_overhead_s,
+        busbw_bytes_per_s: busbw,
+        step_latency_s: step,
+        inter: None,
+    })
+}
+
+/// The compute benchmarks on the calling rank, run on `threads` threads at once (1 under MPI,
+/// where the other processes load the other cores).
+pub fn measure_compute(threads: usize, quick: bool) -> ComputeFigures {
+    let threads = threads.max(1);
+    let min_time = Duration::from_millis(if quick { 30 } else { 250 });
     // (FLOPs, FLOP/s) of every shape and form, then merged into a curve by FLOPs.
     let mut points: Vec<(f64, f64)> = Vec::new();
-    for (m, k, n) in training_shapes(opts.quick) {
+    for (m, k, n) in training_shapes(quick) {
         let flops = 2.0 * (m * k * n) as f64;
         let mut time = 0.0;
         for kind in [GemmKind::Forward, GemmKind::InputGrad, GemmKind::WeightGrad] {
@@ -168,7 +296,7 @@ pub fn measure(opts: CalibrateOptions) -> Result<Measurements, ExecError> {
     if !group.is_empty() {
         curve.push(merge(&group));
     }
-    let elems = if opts.quick { 1 << 21 } else { 1 << 23 };
+    let elems = if quick { 1 << 21 } else { 1 << 23 };
     let copy = concurrently(threads, || {
         let src = vec![1.0f32; elems];
         let mut dst = vec![0.0f32; elems];
@@ -229,74 +357,77 @@ pub fn measure(opts: CalibrateOptions) -> Result<Measurements, ExecError> {
             std::hint::black_box(&mut c);
         })
     });
-    let (busbw, step) = collectives(threads.max(2), opts.quick)?;
-    Ok(Measurements {
-        threads,
+    ComputeFigures {
         matmul: curve,
         copy_bytes_per_s: copy,
         pointwise_bytes_per_s: pointwise,
         op_overhead_s: op_overhead,
-        busbw_bytes_per_s: busbw,
-        step_latency_s: step,
-    })
+    }
 }
 
-/// All-reduce bus bandwidth and per-step latency over `n` threads, fitted to the cost model's
-/// `t = 2(n−1)/n · S / busbw + 2(n−1) · step`.
-fn collectives(n: usize, quick: bool) -> Result<(f64, f64), ExecError> {
-    let (comms, _) = ThreadComm::create(n, Duration::from_secs(60));
+/// Times of one small and one large all-reduce on a rank, seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AllReduceTimes {
+    /// One all-reduce of a single value (latency-bound).
+    pub small_s: f64,
+    /// One all-reduce of `large_bytes` (bandwidth-bound).
+    pub large_s: f64,
+    /// Bytes of the large all-reduce.
+    pub large_bytes: f64,
+}
+
+impl AllReduceTimes {
+    /// The slower of two ranks' times (a collective ends when its slowest member does).
+    pub fn max(&self, o: &AllReduceTimes) -> AllReduceTimes {
+        AllReduceTimes {
+            small_s: self.small_s.max(o.small_s),
+            large_s: self.large_s.max(o.large_s),
+            large_bytes: self.large_bytes.max(o.large_bytes),
+        }
+    }
+
+    /// Bus bandwidth (bytes/s) and per-step latency (s) over `n` ranks, fitted to the cost
+    /// model's ring all-reduce `t = 2(n−1)/n · S / busbw + 2(n−1) · step`.
+    pub fn fit(&self, n: usize) -> (f64, f64) {
+        let nf = n.max(2) as f64;
+        let steps = 2.0 * (nf - 1.0);
+        let step = self.small_s / steps;
+        let busbw =
+            2.0 * (nf - 1.0) / nf * self.large_bytes / (self.large_s - steps * step).max(1e-9);
+        (busbw, step)
+    }
+}
+
+/// Times small and large all-reduces over `g` through `comm` (every member of `g` calls this
+/// at once; others must not).
+pub fn time_all_reduce(
+    comm: &mut dyn Collectives,
+    g: &Group,
+    quick: bool,
+) -> Result<AllReduceTimes, ExecError> {
     let big = if quick { 1 << 20 } else { 1 << 23 };
     let reps_small = if quick { 200 } else { 2000 };
     let reps_big = if quick { 3 } else { 10 };
-    let times: Vec<Result<(f64, f64), ExecError>> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|mut c| {
-                s.spawn(move || -> Result<(f64, f64), ExecError> {
-                    let g = Group::new((0..c.world()).collect());
-                    let mut x = [1.0f32];
-                    c.barrier(&g)?;
-                    let t0 = Instant::now();
-                    for _ in 0..reps_small {
-                        c.all_reduce_sum(&g, &mut x)?;
-                    }
-                    let small = t0.elapsed().as_secs_f64() / f64::from(reps_small);
-                    let mut buf = vec![1.0f32; big];
-                    c.all_reduce_sum(&g, &mut buf)?;
-                    c.barrier(&g)?;
-                    let t0 = Instant::now();
-                    for _ in 0..reps_big {
-                        c.all_reduce_sum(&g, &mut buf)?;
-                    }
-                    let large = t0.elapsed().as_secs_f64() / f64::from(reps_big);
-                    Ok((small, large))
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(ExecError::Rank {
-                        rank: 0,
-                        message: "calibration thread panicked".into(),
-                    })
-                })
-            })
-            .collect()
-    });
-    let mut small = 0.0f64;
-    let mut large = 0.0f64;
-    for t in times {
-        let (s, l) = t?;
-        small = small.max(s);
-        large = large.max(l);
+    let mut x = [1.0f32];
+    comm.barrier(g)?;
+    let t0 = Instant::now();
+    for _ in 0..reps_small {
+        comm.all_reduce_sum(g, &mut x)?;
     }
-    let nf = n as f64;
-    let steps = 2.0 * (nf - 1.0);
-    let step = small / steps;
-    let bytes = (big * 4) as f64;
-    let busbw = 2.0 * (nf - 1.0) / nf * bytes / (large - steps * step).max(1e-9);
-    Ok((busbw, step))
+    let small_s = t0.elapsed().as_secs_f64() / f64::from(reps_small);
+    let mut buf = vec![1.0f32; big];
+    comm.all_reduce_sum(g, &mut buf)?;
+    comm.barrier(g)?;
+    let t0 = Instant::now();
+    for _ in 0..reps_big {
+        comm.all_reduce_sum(g, &mut buf)?;
+    }
+    let large_s = t0.elapsed().as_secs_f64() / f64::from(reps_big);
+    Ok(AllReduceTimes {
+        small_s,
+        large_s,
+        large_bytes: (big * 4) as f64,
+    })
 }
 
 /// Lowest efficiency written to a curve (validation needs a positive value).
@@ -325,12 +456,7 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile) -> ClusterProfile {
     p.node.intra_latency_us = m.step_latency_s * 1e6;
     p.collectives.intra_busbw_efficiency =
         (m.busbw_bytes_per_s / m.copy_bytes_per_s).clamp(MIN_EFFICIENCY, 1.0);
-    p.description = format!(
-        "This machine's CPU cores as devices (threads executor), calibrated on {} cores",
-        m.threads
-    );
-    // Built from JSON so that optional fields added to the table later keep their defaults.
-    let fields = [
+    let mut fields = vec![
         "device.peak_tflops_fp32",
         "device.matmul_efficiency",
         "device.hbm_gbps",
@@ -341,10 +467,36 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile) -> ClusterProfile {
         "node.intra_latency_us",
         "collectives.intra_busbw_efficiency",
     ];
+    let mut across = String::new();
+    if let Some(x) = &m.inter {
+        // One "NIC" per node whose line rate is the measured bus bandwidth: the network path
+        // between nodes (NIC, switches, MPI transport) is measured as a whole, not split.
+        p.network = Some(parallax_hardware::NetworkSpec {
+            nics_per_node: 1,
+            nic_gbit: x.busbw_bytes_per_s * 8.0 / 1e9,
+            latency_us: x.step_latency_s * 1e6,
+            topology: parallax_hardware::Topology::FatTree,
+            oversubscription: 1.0,
+        });
+        p.collectives.inter_busbw_efficiency = Some(1.0);
+        fields.extend(["network.nic_gbit", "network.latency_us"]);
+        across = format!(", all-reduce across {} nodes", x.nodes);
+    }
+    p.description = match m.inter {
+        Some(ref x) => format!(
+            "{} nodes of {} CPU cores as devices ({} executor), calibrated",
+            x.nodes, m.threads, m.backend
+        ),
+        None => format!(
+            "This machine's CPU cores as devices ({} executor), calibrated on {} cores",
+            m.backend, m.threads
+        ),
+    };
+    // Built from JSON so that optional fields added to the table later keep their defaults.
     p.calibration = serde_json::from_value::<Provenance>(serde_json::json!({
         "provenance": format!(
-            "parallax calibrate --backend threads: {} concurrent threads; training-shaped fp32 GEMMs (gemm crate; forward, input- and weight-gradient forms), copy and GeLU streams, all-reduce over threads",
-            m.threads
+            "parallax calibrate --backend {}: {} concurrent ranks per node; training-shaped fp32 GEMMs (gemm crate; forward, input- and weight-gradient forms), copy and GeLU streams, all-reduce over the ranks of one node{across}",
+            m.backend, m.threads
         ),
         "fitted_fields": fields,
     }))
@@ -363,6 +515,7 @@ mod tests {
             quick: true,
         })
         .unwrap();
+        assert_eq!(m.backend, "threads");
         assert!(m.matmul.windows(2).all(|w| w[0].0 < w[1].0));
         assert!(m.matmul.iter().all(|x| x.1 > 0.0));
         assert!(m.busbw_bytes_per_s > 0.0 && m.step_latency_s > 0.0);
@@ -373,5 +526,54 @@ mod tests {
         let back = ClusterProfile::from_toml_str(&text, "calibrated").unwrap();
         assert_eq!(back.node.gpus_per_node, 2);
         assert!(back.calibration.is_some());
+    }
+
+    #[test]
+    fn compute_figures_survive_the_flat_vector() {
+        let c = ComputeFigures {
+            matmul: vec![(1e6, 2e10), (1e8, 4e10)],
+            copy_bytes_per_s: 1e10,
+            pointwise_bytes_per_s: 5e9,
+            op_overhead_s: 1e-7,
+        };
+        assert_eq!(ComputeFigures::from_vec(&c.to_vec()), c);
+    }
+
+    #[test]
+    fn all_reduce_fit_recovers_bandwidth_and_latency() {
+        // 4 ranks, 1 us per step, 10 GB/s busbw: t = 6 steps + 1.5 · S / busbw.
+        let (n, step, busbw, bytes) = (4usize, 1e-6, 1e10, 4e6);
+        let t = AllReduceTimes {
+            small_s: 6.0 * step,
+            large_s: 6.0 * step + 1.5 * bytes / busbw,
+            large_bytes: bytes,
+        };
+        let (b, s) = t.fit(n);
+        assert!((b / busbw - 1.0).abs() < 1e-9 && (s / step - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_multi_node_calibration_writes_a_valid_network() {
+        let m = Measurements {
+            backend: "mpi",
+            threads: 4,
+            matmul: vec![(1e6, 2e10), (1e8, 4e10)],
+            copy_bytes_per_s: 1e10,
+            pointwise_bytes_per_s: 5e9,
+            op_overhead_s: 1e-7,
+            busbw_bytes_per_s: 4e9,
+            step_latency_s: 2e-6,
+            inter: Some(InterNode {
+                nodes: 2,
+                busbw_bytes_per_s: 1.25e9,
+                step_latency_s: 2e-5,
+            }),
+        };
+        let p = to_profile(&m, &parallax_hardware::preset("cpu-local").unwrap());
+        p.validate().unwrap();
+        let net = p.network.as_ref().unwrap();
+        assert!((net.nic_gbit - 10.0).abs() < 1e-9 && (net.latency_us - 20.0).abs() < 1e-9);
+        assert_eq!(p.node.gpus_per_node, 4);
+        assert!(p.calibration.unwrap().provenance.contains("across 2 nodes"));
     }
 }

@@ -18,10 +18,14 @@
 //! timeout) is printed on stderr as one `error: rank R failed: …` line and then `MPI_Abort`
 //! ends every process of the job, so a run never hangs.
 
+use crate::calibrate::{
+    measure_compute, time_all_reduce, AllReduceTimes, ComputeFigures, InterNode, Measurements,
+};
 use crate::comm::{Collectives, CommError, Group, COLLECTIVE_TAG};
 use crate::engine::{run_rank, Prepared, RunSpec, Span};
 use crate::error::ExecError;
 use crate::RunReport;
+use mpi::collective::CommunicatorCollectives;
 use mpi::environment::Universe;
 use mpi::point_to_point::{MatchedReceiveVec, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
@@ -534,6 +538,122 @@ impl MpiRuntime {
         })
     }
 
+    /// Calibrates with every process of the job (`mpirun -np N parallax calibrate --backend
+    /// mpi`): all ranks run the compute benchmarks at once (one core each), the ranks on rank
+    /// 0's node time all-reduces among themselves, and, when the job spans several nodes, one
+    /// rank per node times all-reduces across nodes. Rank 0 gets the figures (compute figures
+    /// averaged over the ranks of its node); the other ranks get `None`.
+    pub fn calibrate(&mut self, quick: bool) -> Result<Option<Measurements>, ExecError> {
+        // Group ranks by host before any message of ours is in flight.
+        let world = SimpleCommunicator::world();
+        let name = mpi::environment::processor_name().unwrap_or_default();
+        let mut hosts = vec![0u64; self.world];
+        world.all_gather_into(&host_key(&name), &mut hosts[..]);
+        self.runs += 1;
+        let data_tag = MPI_TAG_DATA + (self.runs % DATA_TAGS) as i32;
+        let mut comm = MpiComm::new(self.rank, self.world, data_tag, Duration::from_secs(120));
+        let all = Group::new((0..self.world).collect());
+        let result = (|| -> Result<Option<Measurements>, ExecError> {
+            let local = Group::new(
+                (0..self.world)
+                    .filter(|&r| hosts[r] == hosts[0])
+                    .collect::<Vec<_>>(),
+            );
+            let mut leaders: Vec<usize> = Vec::new();
+            for r in 0..self.world {
+                if !leaders.iter().any(|&l| hosts[l] == hosts[r]) {
+                    leaders.push(r);
+                }
+            }
+            let leaders = Group::new(leaders);
+            comm.barrier(&all)?;
+            let mine = measure_compute(1, quick);
+            // The mean over the ranks of rank 0's node (every rank measures the same shapes,
+            // so the vectors line up).
+            let mut v: Vec<f32> = mine.to_vec().iter().map(|x| *x as f32).collect();
+            if local.ranks().contains(&self.rank) {
+                comm.all_reduce_sum(&local, &mut v)?;
+            }
+            comm.barrier(&all)?;
+            let intra = if local.size() > 1 && local.ranks().contains(&self.rank) {
+                Some(time_all_reduce(&mut comm, &local, quick)?)
+            } else {
+                None
+            };
+            comm.barrier(&all)?;
+            let inter = if leaders.size() > 1 && leaders.ranks().contains(&self.rank) {
+                Some(time_all_reduce(&mut comm, &leaders, quick)?)
+            } else {
+                None
+            };
+            // Rank 0 needs the slowest member's times of each group.
+            let mut slowest = [0f32; 4];
+            if let Some(t) = intra {
+                slowest[0] = t.small_s as f32;
+                slowest[1] = t.large_s as f32;
+            }
+            if let Some(t) = inter {
+                slowest[2] = t.small_s as f32;
+                slowest[3] = t.large_s as f32;
+            }
+            let mut all_times = vec![0f32; 4 * self.world];
+            comm.all_gather(&all, &slowest, &mut all_times)?;
+            comm.barrier(&all)?;
+            if self.rank != 0 {
+                return Ok(None);
+            }
+            let times = |i: usize, bytes: f64| {
+                all_times
+                    .chunks_exact(4)
+                    .fold(AllReduceTimes::default(), |acc, t| {
+                        acc.max(&AllReduceTimes {
+                            small_s: f64::from(t[i]),
+                            large_s: f64::from(t[i + 1]),
+                            large_bytes: bytes,
+                        })
+                    })
+            };
+            let bytes = intra.or(inter).map_or(0.0, |t| t.large_bytes);
+            let n = local.size() as f64;
+            let mean: Vec<f64> = v.iter().map(|x| f64::from(*x) / n).collect();
+            let c = ComputeFigures::from_vec(&mean);
+            let (busbw, step) = if local.size() > 1 {
+                times(0, bytes).fit(local.size())
+            } else {
+                // One rank per node: nothing to measure inside a node; the copy bandwidth
+                // stands in for it.
+                (c.copy_bytes_per_s, 1e-6)
+            };
+            Ok(Some(Measurements {
+                backend: "mpi",
+                threads: local.size(),
+                matmul: c.matmul,
+                copy_bytes_per_s: c.copy_bytes_per_s,
+                pointwise_bytes_per_s: c.pointwise_bytes_per_s,
+                op_overhead_s: c.op_overhead_s,
+                busbw_bytes_per_s: busbw,
+                step_latency_s: step,
+                inter: (leaders.size() > 1).then(|| {
+                    let (busbw, step) = times(2, bytes).fit(leaders.size());
+                    InterNode {
+                        nodes: leaders.size(),
+                        busbw_bytes_per_s: busbw,
+                        step_latency_s: step,
+                    }
+                }),
+            }))
+        })();
+        match result {
+            Ok(m) => {
+                if let Err(e) = comm.flush("the end of calibration") {
+                    self.abort(e.into());
+                }
+                Ok(m)
+            }
+            Err(e) => self.abort(e),
+        }
+    }
+
     /// Prints the failure as one line naming the rank at fault, then ends the MPI job.
     fn abort(&self, e: ExecError) -> ! {
         let (who, why) = crate::blame(self.rank, &e);
@@ -549,6 +669,13 @@ impl MpiRuntime {
         let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
         SimpleCommunicator::world().abort(1)
     }
+}
+
+/// A 64-bit FNV-1a hash of a host name: ranks with equal keys share a node.
+fn host_key(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// Span categories as sent between ranks.

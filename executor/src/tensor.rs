@@ -117,9 +117,140 @@ pub enum Threads {
     Many(usize),
 }
 
+/// One operand of a [`ColMajorGemm`]: where it lies in its buffer and how to read it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ColMajorOperand {
+    /// The elements the operand touches (`off .. span`) in its buffer.
+    pub range: std::ops::Range<usize>,
+    /// Read transposed (`CUBLAS_OP_T`).
+    pub trans: bool,
+    /// Leading dimension of the stored column-major matrix.
+    pub ld: usize,
+}
+
+/// A row-major `c (+)= a · b` on strided views restated as a column-major BLAS call
+/// `C' = op(A') · op(B')` (cuBLAS's convention): since a row-major matrix is the column-major
+/// storage of its transpose, `cᵀ = bᵀ · aᵀ` is computed with `A'` from `b`, `B'` from `a`,
+/// `m' = n`, `n' = m`. Ranges are relative to each view's buffer, so a device copy of just
+/// that range (starting at 0) is addressed by the same call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ColMajorGemm {
+    /// Rows of `C'` (columns of the row-major `c`).
+    pub m: usize,
+    /// Columns of `C'` (rows of `c`).
+    pub n: usize,
+    /// The shared dimension.
+    pub k: usize,
+    /// `A'`, read from the row-major `b`.
+    pub a: ColMajorOperand,
+    /// `B'`, read from the row-major `a`.
+    pub b: ColMajorOperand,
+    /// `C'`: the row-major `c`, not transposed.
+    pub c: ColMajorOperand,
+}
+
+/// The column-major form of one row-major view that must be read as its transpose: a view
+/// with unit column stride is the column-major storage of its transpose (no op), one with
+/// unit row stride is the column-major storage of itself (op T). `None` when neither stride
+/// is 1 or the views overlap themselves (a BLAS cannot address them).
+fn col_major_operand(
+    off: usize,
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+) -> Option<ColMajorOperand> {
+    let range = off..span(off, rows, cols, rs, cs);
+    if cs == 1 && (rows <= 1 || rs >= cols) {
+        Some(ColMajorOperand {
+            range,
+            trans: false,
+            ld: rs.max(cols).max(1),
+        })
+    } else if rs == 1 && (cols <= 1 || cs >= rows) {
+        Some(ColMajorOperand {
+            range,
+            trans: true,
+            ld: cs.max(rows).max(1),
+        })
+    } else {
+        None
+    }
+}
+
+/// The column-major BLAS call computing `c (+)= a · b`, or `None` when a view has no unit
+/// stride (the CPU kernel handles those) or `c` is stored transposed.
+pub fn col_major_gemm(c: &MatMut<'_>, a: &MatRef<'_>, b: &MatRef<'_>) -> Option<ColMajorGemm> {
+    let cm = col_major_operand(c.off, c.rows, c.cols, c.rs, c.cs)?;
+    if cm.trans {
+        return None;
+    }
+    Some(ColMajorGemm {
+        m: c.cols,
+        n: c.rows,
+        k: a.cols,
+        a: col_major_operand(b.off, b.rows, b.cols, b.rs, b.cs)?,
+        b: col_major_operand(a.off, a.rows, a.cols, a.rs, a.cs)?,
+        c: cm,
+    })
+}
+
+/// Runs large GEMMs somewhere else (a GPU): installed per thread with [`set_gemm_offload`],
+/// consulted by [`matmul`] for every GEMM of at least [`OFFLOAD_MIN_FLOPS`].
+pub trait GemmOffload {
+    /// `C' = op(A')·op(B') (+ C' when accumulate)` on the operands' ranges: `a`, `b` and `c`
+    /// are exactly `plan.a.range`, `plan.b.range` and `plan.c.range` of the views' buffers.
+    /// Returns `false` to decline (the CPU kernel then runs it); an error is a failure of the
+    /// device: [`matmul`] panics with it, which the backends report as a failure of the rank.
+    fn gemm(
+        &self,
+        plan: &ColMajorGemm,
+        a: &[f32],
+        b: &[f32],
+        c: &mut [f32],
+        accumulate: bool,
+    ) -> Result<bool, String>;
+}
+
+/// Smallest GEMM (in FLOPs) handed to an installed offload: below this the copies cost more
+/// than the CPU kernel.
+pub const OFFLOAD_MIN_FLOPS: usize = 1 << 16;
+
+thread_local! {
+    static OFFLOAD: std::cell::RefCell<Option<std::rc::Rc<dyn GemmOffload>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Installs (or with `None` removes) this thread's GEMM offload.
+pub fn set_gemm_offload(o: Option<std::rc::Rc<dyn GemmOffload>>) {
+    OFFLOAD.with(|x| *x.borrow_mut() = o);
+}
+
+/// Hands `c (+)= a · b` to this thread's offload if one is installed and takes it.
+fn offloaded(c: &mut MatMut<'_>, a: &MatRef<'_>, b: &MatRef<'_>, accumulate: bool) -> bool {
+    if c.rows * c.cols * a.cols < OFFLOAD_MIN_FLOPS {
+        return false;
+    }
+    let Some(o) = OFFLOAD.with(|x| x.borrow().clone()) else {
+        return false;
+    };
+    let Some(plan) = col_major_gemm(c, a, b) else {
+        return false;
+    };
+    let (ar, br, cr) = (
+        plan.a.range.clone(),
+        plan.b.range.clone(),
+        plan.c.range.clone(),
+    );
+    match o.gemm(&plan, &b.data[ar], &a.data[br], &mut c.data[cr], accumulate) {
+        Ok(done) => done,
+        Err(e) => panic!("GEMM offload failed: {e}"),
+    }
+}
+
 /// `c = a · b` (or `c += a · b` when `accumulate`), fp32, through the `gemm` crate's packed
-/// SIMD kernels.
-pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool, threads: Threads) {
+/// SIMD kernels — or through this thread's [`GemmOffload`] when one is installed.
+pub fn matmul(mut c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool, threads: Threads) {
     assert!(
         a.rows == c.rows && b.cols == c.cols && a.cols == b.rows,
         "matmul shapes: {}x{} · {}x{} -> {}x{}",
@@ -142,6 +273,9 @@ pub fn matmul(c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool, thr
                 }
             }
         }
+        return;
+    }
+    if offloaded(&mut c, &a, &b, accumulate) {
         return;
     }
     let par = match threads {
@@ -692,5 +826,129 @@ mod tests {
         for (a, b) in x.iter().zip(&x0) {
             assert!((a - b).abs() < 1e-5);
         }
+    }
+
+    /// cuBLAS's `sgemm` semantics on host buffers: column-major, `op` per operand, leading
+    /// dimensions — the reference the GPU offload is checked against without a GPU.
+    fn blas_sgemm(p: &ColMajorGemm, a: &[f32], b: &[f32], c: &mut [f32], beta: f32) {
+        let at = |i: usize, l: usize| {
+            if p.a.trans {
+                a[l + i * p.a.ld]
+            } else {
+                a[i + l * p.a.ld]
+            }
+        };
+        let bt = |l: usize, j: usize| {
+            if p.b.trans {
+                b[j + l * p.b.ld]
+            } else {
+                b[l + j * p.b.ld]
+            }
+        };
+        for i in 0..p.m {
+            for j in 0..p.n {
+                let mut acc = 0.0f32;
+                for l in 0..p.k {
+                    acc += at(i, l) * bt(l, j);
+                }
+                let x = &mut c[i + j * p.c.ld];
+                *x = acc + beta * *x;
+            }
+        }
+    }
+
+    /// An offload that runs the column-major call on the host and counts what it took.
+    struct BlasOnHost(std::cell::Cell<usize>);
+
+    impl GemmOffload for BlasOnHost {
+        fn gemm(
+            &self,
+            plan: &ColMajorGemm,
+            a: &[f32],
+            b: &[f32],
+            c: &mut [f32],
+            accumulate: bool,
+        ) -> Result<bool, String> {
+            assert_eq!(a.len(), plan.a.range.len());
+            assert_eq!(b.len(), plan.b.range.len());
+            assert_eq!(c.len(), plan.c.range.len());
+            blas_sgemm(plan, a, b, c, if accumulate { 1.0 } else { 0.0 });
+            self.0.set(self.0.get() + 1);
+            Ok(true)
+        }
+    }
+
+    #[test]
+    fn offloaded_gemms_match_the_cpu_kernel_on_every_view_the_trainer_uses() {
+        let (m, k, n) = (96, 40, 56);
+        let a = rand(m * k, 1);
+        let b = rand(k * n, 2);
+        let bt = rand(n * k, 3);
+        let at = rand(k * m, 4);
+        let c0 = rand(m * n, 5);
+        // Per-head views: 2 heads of width 20 inside rows of 40 (attention's q·kᵀ and p·v).
+        let heads = rand(m * 40, 6);
+        let keys = rand(56 * 40, 7);
+        type Case<'a> = (&'a str, MatRef<'a>, MatRef<'a>, usize, usize);
+        let cases: Vec<Case> = vec![
+            ("x·W", MatRef::new(&a, m, k), MatRef::new(&b, k, n), m, n),
+            (
+                "dy·Wᵀ",
+                MatRef::new(&a, m, k),
+                MatRef::new(&bt, n, k).t(),
+                m,
+                n,
+            ),
+            (
+                "xᵀ·dy",
+                MatRef::new(&at, k, m).t(),
+                MatRef::new(&b, k, n),
+                m,
+                n,
+            ),
+            (
+                "q·kᵀ of head 1",
+                MatRef::strided(&heads, 20, m, 20, 40, 1),
+                MatRef::strided(&keys, 20, 56, 20, 40, 1).t(),
+                m,
+                56,
+            ),
+            (
+                "p·v of head 1",
+                MatRef::new(&c0[..m * 56], m, 56),
+                MatRef::strided(&keys, 20, 56, 20, 40, 1),
+                m,
+                20,
+            ),
+        ];
+        let host = std::rc::Rc::new(BlasOnHost(std::cell::Cell::new(0)));
+        for (name, x, y, rows, cols) in cases {
+            for acc in [false, true] {
+                let mut want = c0[..rows * cols].to_vec();
+                matmul(MatMut::new(&mut want, rows, cols), x, y, acc, Threads::One);
+                let mut got = c0[..rows * cols].to_vec();
+                set_gemm_offload(Some(host.clone()));
+                matmul(MatMut::new(&mut got, rows, cols), x, y, acc, Threads::One);
+                set_gemm_offload(None);
+                for (g, w) in got.iter().zip(&want) {
+                    assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{name} acc={acc}");
+                }
+            }
+        }
+        assert_eq!(host.0.get(), 10, "every case went through the offload");
+    }
+
+    #[test]
+    fn views_a_blas_cannot_address_stay_on_the_cpu() {
+        let x = vec![1.0f32; 64 * 64];
+        // Neither stride is 1: no column-major form.
+        let odd = MatRef::strided(&x, 0, 16, 16, 128, 2);
+        let y = MatRef::new(&x, 16, 16);
+        let mut c = vec![0.0f32; 256];
+        assert!(col_major_gemm(&MatMut::new(&mut c, 16, 16), &odd, &y).is_none());
+        // A transposed output view.
+        let mut c2 = vec![0.0f32; 256];
+        let ct = MatMut::strided(&mut c2, 0, 16, 16, 1, 16);
+        assert!(col_major_gemm(&ct, &y, &y).is_none());
     }
 }
