@@ -45,6 +45,17 @@ pub struct Measurements {
     pub step_latency_s: f64,
     /// Across nodes, when the ranks span several.
     pub inter: Option<InterNode>,
+    /// The accelerator measured, when the ranks are GPUs (`cuda`); `None` for CPU cores.
+    pub device: Option<MeasuredDevice>,
+}
+
+/// The accelerator a calibration measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeasuredDevice {
+    /// Its name as the driver reports it.
+    pub name: String,
+    /// Its memory, GiB.
+    pub mem_gib: f64,
 }
 
 /// Collective figures across nodes (one rank per node).
@@ -264,6 +275,7 @@ pub fn measure(opts: CalibrateOptions) -> Result<Measurements, ExecError> {
         busbw_bytes_per_s: busbw,
         step_latency_s: step,
         inter: None,
+        device: None,
     })
 }
 
@@ -467,6 +479,18 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile) -> ClusterProfile {
         "node.intra_latency_us",
         "collectives.intra_busbw_efficiency",
     ];
+    if let Some(d) = &m.device {
+        p.device.name = d.name.clone();
+        p.device.hbm_gib = d.mem_gib;
+        // The link between the GPUs is not named by the driver; a bus bandwidth above what a
+        // PCIe 5.0 x16 link carries (63 GB/s) means NVLink.
+        p.node.intra_fabric = if m.busbw_bytes_per_s > 63e9 {
+            parallax_hardware::FabricKind::NvlinkMesh
+        } else {
+            parallax_hardware::FabricKind::Pcie
+        };
+        fields.extend(["device.name", "device.hbm_gib", "node.intra_fabric"]);
+    }
     let mut across = String::new();
     if let Some(x) = &m.inter {
         // One "NIC" per node whose line rate is the measured bus bandwidth: the network path
@@ -483,6 +507,10 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile) -> ClusterProfile {
         across = format!(", all-reduce across {} nodes", x.nodes);
     }
     p.description = match m.inter {
+        _ if m.device.is_some() => format!(
+            "{} GPUs of this machine ({} executor: cuBLAS, NCCL), calibrated",
+            m.threads, m.backend
+        ),
         Some(ref x) => format!(
             "{} nodes of {} CPU cores as devices ({} executor), calibrated",
             x.nodes, m.threads, m.backend
@@ -568,6 +596,7 @@ mod tests {
                 busbw_bytes_per_s: 1.25e9,
                 step_latency_s: 2e-5,
             }),
+            device: None,
         };
         let p = to_profile(&m, &parallax_hardware::preset("cpu-local").unwrap());
         p.validate().unwrap();

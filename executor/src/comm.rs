@@ -323,7 +323,7 @@ impl GroupBuffers {
 
 /// Reads a buffer, ignoring poisoning (a panicking rank fails the run anyway).
 /// A size error unless `got == expected`.
-fn expect_len(what: &'static str, got: usize, expected: usize) -> Result<(), CommError> {
+pub(crate) fn expect_len(what: &'static str, got: usize, expected: usize) -> Result<(), CommError> {
     if got == expected {
         Ok(())
     } else {

@@ -1,22 +1,28 @@
-//! The `cuda` backend (features `cuda`, `nccl`), as far as it goes today.
+//! The `cuda` backend (features `cuda`, `nccl`): one rank per GPU of this machine.
 //!
-//! What exists: a run-time probe for the CUDA driver and its libraries (cudarc loads them
-//! dynamically, so a build needs no CUDA toolkit and a machine without a GPU gets a typed
-//! error with a fix-it message instead of a panic — tract's `is_culib_present` pattern); a
-//! [`Gpu`] handle with a row-major cuBLAS `sgemm`, a timed device-resident sgemm for
-//! calibration, and the executor's Adam update as an NVRTC-compiled kernel; and, with
-//! feature `nccl`, NCCL communicators bootstrapped through a shared-file rendezvous
-//! ([`nccl_rendezvous`]).
+//! Each rank is a thread bound to its own GPU (rank `r` on device `r`). The trainer is the
+//! executor's own (`engine.rs`, host-resident fp32 parameters and activations), with every
+//! GEMM of at least [`OFFLOAD_MIN_FLOPS`](crate::tensor::OFFLOAD_MIN_FLOPS) run by cuBLAS on the rank's GPU through the
+//! [`GemmOffload`] hook of `tensor::matmul` (operands are copied to the device and the result
+//! back), and, with feature `nccl`, every collective run by NCCL on per-group communicators
+//! ([`NcclCollectives`]; point-to-point pipeline messages stay on the host channels). The
+//! pointwise kernels, attention softmax and Adam run on the host; [`Gpu::adam_step`] is the
+//! NVRTC form of the update, kept for the device-resident trainer that would remove the
+//! copies. `calibrate --backend cuda` measures the GPUs ([`calibrate`]): cuBLAS sgemm over
+//! sizes, device copy bandwidth, the NVRTC Adam kernel's bandwidth, NCCL all-reduce.
 //!
-//! What does not exist yet: the transformer trainer on the GPU (forward and backward kernels,
-//! device-resident parameters) and a [`crate::Collectives`] implementation over NCCL, so
-//! `parallax run --backend cuda` answers [`ExecError::Backend`] saying so, after the probe.
-//!
-//! None of this has run on a GPU in this repository's CI (it has none): the tests skip with
-//! a message when no device is found.
+//! CUDA libraries are loaded at run time (cudarc `dynamic-loading`), so a build needs no CUDA
+//! toolkit, and a machine without a GPU gets a typed error with a fix-it message instead of a
+//! panic — tract's `is_culib_present` pattern. The column-major GEMM mapping is checked on
+//! the host against an emulation of cuBLAS's `sgemm` (`tensor.rs` tests); everything that
+//! needs a device skips its test with a message when none is found. No GPU was available to
+//! this repository's CI or development, so none of the device paths has run yet.
 
-use crate::engine::AdamConfig;
+use crate::calibrate::{AllReduceTimes, MeasuredDevice, Measurements};
+use crate::engine::{AdamConfig, RankReport};
 use crate::error::ExecError;
+use crate::tensor::{set_gemm_offload, ColMajorGemm, ColMajorOperand, GemmOffload};
+use crate::{run_threads_with, RunReport, RunSpec};
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, GemmConfig};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError};
@@ -85,9 +91,9 @@ mod ffi {
         b: &CudaSlice<f32>,
         c: &mut CudaSlice<f32>,
     ) -> Result<(), cudarc::cublas::result::CublasError> {
-        // SAFETY: `Gpu::sgemm_device` checks that `a` holds m·k, `b` k·n and `c` m·n values
-        // for the non-transposed column-major shapes in `cfg` (leading dimensions m, k, m),
-        // so cuBLAS reads and writes only inside the three allocations.
+        // SAFETY: `Gpu::gemm_device` checks that each buffer holds at least the elements its
+        // column-major matrix spans for the shapes, ops and leading dimensions in `cfg`, so
+        // cuBLAS reads and writes only inside the three allocations.
         unsafe { blas.gemm(cfg, a, b, c) }
     }
 
@@ -299,8 +305,74 @@ impl Gpu {
             .map_err(|e| driver_err("cuMemcpyDtoH", e))
     }
 
-    /// Row-major `c[m×n] = a[m×k] · b[k×n]` on device buffers: cuBLAS is column-major, so
-    /// this computes `cᵀ = bᵀ · aᵀ`, which has the same memory layout.
+    /// The column-major call `plan` on device buffers holding exactly the operands' ranges;
+    /// `beta` 1 accumulates into `c`, 0 overwrites the view's elements (and no others).
+    fn gemm_device(
+        &self,
+        plan: &ColMajorGemm,
+        a: &CudaSlice<f32>,
+        b: &CudaSlice<f32>,
+        c: &mut CudaSlice<f32>,
+        beta: f32,
+    ) -> Result<(), ExecError> {
+        let err = |message: String| ExecError::Backend {
+            backend: "cuda",
+            message,
+        };
+        let dim = |x: usize| {
+            i32::try_from(x).map_err(|_| err(format!("{x} exceeds cuBLAS's 32-bit sizes")))
+        };
+        // Elements a column-major `rows × cols` matrix with leading dimension `ld` spans.
+        let extent = |rows: usize, cols: usize, ld: usize| {
+            if rows == 0 || cols == 0 {
+                0
+            } else {
+                (cols - 1) * ld + rows
+            }
+        };
+        let stored = |o: &ColMajorOperand, rows: usize, cols: usize| {
+            if o.trans {
+                extent(cols, rows, o.ld)
+            } else {
+                extent(rows, cols, o.ld)
+            }
+        };
+        let (m, n, k) = (plan.m, plan.n, plan.k);
+        let need = [
+            ("A", stored(&plan.a, m, k), a.len()),
+            ("B", stored(&plan.b, k, n), b.len()),
+            ("C", extent(m, n, plan.c.ld), c.len()),
+        ];
+        for (name, want, have) in need {
+            if have < want {
+                return Err(err(format!(
+                    "sgemm {m}×{k}·{k}×{n}: operand {name} has {have} values, needs {want}"
+                )));
+            }
+        }
+        let op = |t: bool| {
+            if t {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let cfg = GemmConfig {
+            transa: op(plan.a.trans),
+            transb: op(plan.b.trans),
+            m: dim(m)?,
+            n: dim(n)?,
+            k: dim(k)?,
+            alpha: 1.0f32,
+            lda: dim(plan.a.ld)?,
+            ldb: dim(plan.b.ld)?,
+            beta,
+            ldc: dim(plan.c.ld)?,
+        };
+        ffi::sgemm(&self.blas, cfg, a, b, c).map_err(|e| err(format!("cublasSgemm: {e:?}")))
+    }
+
+    /// Row-major `c[m×n] = a[m×k] · b[k×n]` on dense device buffers.
     fn sgemm_device(
         &self,
         a: &CudaSlice<f32>,
@@ -308,41 +380,21 @@ impl Gpu {
         c: &mut CudaSlice<f32>,
         (m, k, n): (usize, usize, usize),
     ) -> Result<(), ExecError> {
-        let dim = |x: usize| {
-            i32::try_from(x).map_err(|_| ExecError::Backend {
-                backend: "cuda",
-                message: format!("matrix dimension {x} exceeds cuBLAS's 32-bit sizes"),
-            })
+        let operand = |len: usize, ld: usize| ColMajorOperand {
+            range: 0..len,
+            trans: false,
+            ld: ld.max(1),
         };
-        if a.len() != m * k || b.len() != k * n || c.len() != m * n {
-            return Err(ExecError::Backend {
-                backend: "cuda",
-                message: format!(
-                    "sgemm {m}×{k}·{k}×{n}: buffers of {}, {} and {} values",
-                    a.len(),
-                    b.len(),
-                    c.len()
-                ),
-            });
-        }
-        let (cm, cn, ck) = (dim(n)?, dim(m)?, dim(k)?);
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_N,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: cm,
-            n: cn,
-            k: ck,
-            alpha: 1.0f32,
-            lda: cm,
-            ldb: ck,
-            beta: 0.0f32,
-            ldc: cm,
+        // cᵀ = bᵀ · aᵀ in column-major terms (see `tensor::ColMajorGemm`).
+        let plan = ColMajorGemm {
+            m: n,
+            n: m,
+            k,
+            a: operand(k * n, n),
+            b: operand(m * k, k),
+            c: operand(m * n, n),
         };
-        // Column-major operands: bᵀ (n×k, leading dimension n) times aᵀ (k×m, leading k).
-        ffi::sgemm(&self.blas, cfg, b, a, c).map_err(|e| ExecError::Backend {
-            backend: "cuda",
-            message: format!("cublasSgemm: {e:?}"),
-        })
+        self.gemm_device(&plan, b, a, c, 0.0)
     }
 
     /// Row-major `a[m×k] · b[k×n]`, copying through the host (for tests and small calls).
@@ -372,19 +424,77 @@ impl Gpu {
             .stream
             .alloc_zeros::<f32>(m * n)
             .map_err(|e| driver_err("cuMemAlloc", e))?;
-        self.sgemm_device(&a, &b, &mut c, (m, k, n))?;
-        let sync = |s: &CudaStream| {
-            s.synchronize()
+        let secs = self.timed(iters, || self.sgemm_device(&a, &b, &mut c, (m, k, n)))?;
+        Ok(2.0 * (m * k * n) as f64 / secs)
+    }
+
+    /// Device-to-device copy bandwidth (bytes read + written per second) over `elems` floats.
+    pub fn copy_bytes_per_s(&self, elems: usize, iters: u32) -> Result<f64, ExecError> {
+        let src = self
+            .stream
+            .alloc_zeros::<f32>(elems)
+            .map_err(|e| driver_err("cuMemAlloc", e))?;
+        let mut dst = self
+            .stream
+            .alloc_zeros::<f32>(elems)
+            .map_err(|e| driver_err("cuMemAlloc", e))?;
+        let secs = self.timed(iters, || {
+            self.stream
+                .memcpy_dtod(&src, &mut dst)
+                .map_err(|e| driver_err("cuMemcpyDtoD", e))
+        })?;
+        Ok((elems * 8) as f64 / secs)
+    }
+
+    /// Bandwidth of the NVRTC Adam kernel over `elems` device-resident values (28 bytes per
+    /// element: parameters, gradients and both moments read, three written).
+    pub fn adam_bytes_per_s(&self, elems: usize, iters: u32) -> Result<f64, ExecError> {
+        let n = u32::try_from(elems).map_err(|_| ExecError::Backend {
+            backend: "cuda",
+            message: format!("adam: {elems} elements exceed one launch"),
+        })?;
+        let alloc = || {
+            self.stream
+                .alloc_zeros::<f32>(elems)
+                .map_err(|e| driver_err("cuMemAlloc", e))
+        };
+        let (mut p, g, mut m, mut v) = (alloc()?, alloc()?, alloc()?, alloc()?);
+        let hyper = [1e-3, 0.9, 0.95, 1e-8, 0.1, 0.05];
+        let secs = self.timed(iters, || {
+            ffi::launch_adam(
+                &self.stream,
+                &self.adam,
+                &mut p,
+                &g,
+                &mut m,
+                &mut v,
+                hyper,
+                n,
+            )
+            .map_err(|e| driver_err("cuLaunchKernel", e))
+        })?;
+        Ok((elems * 28) as f64 / secs)
+    }
+
+    /// Mean seconds of `f` over `iters` calls between two synchronisations, after one warm-up.
+    fn timed(
+        &self,
+        iters: u32,
+        mut f: impl FnMut() -> Result<(), ExecError>,
+    ) -> Result<f64, ExecError> {
+        let sync = || {
+            self.stream
+                .synchronize()
                 .map_err(|e| driver_err("cuStreamSynchronize", e))
         };
-        sync(&self.stream)?;
+        f()?;
+        sync()?;
         let t0 = Instant::now();
         for _ in 0..iters.max(1) {
-            self.sgemm_device(&a, &b, &mut c, (m, k, n))?;
+            f()?;
         }
-        sync(&self.stream)?;
-        let secs = t0.elapsed().as_secs_f64() / f64::from(iters.max(1));
-        Ok(2.0 * (m * k * n) as f64 / secs.max(1e-12))
+        sync()?;
+        Ok((t0.elapsed().as_secs_f64() / f64::from(iters.max(1))).max(1e-12))
     }
 
     /// One Adam step (`t` is the 1-based step) on host arrays through the NVRTC kernel, with
@@ -440,35 +550,430 @@ impl Gpu {
     }
 }
 
-/// Checks the backend can start (driver present, a device visible) and then says what is
-/// missing: the GPU trainer itself. Called by [`crate::run`] for `Backend::Cuda`.
-pub fn run_unavailable() -> ExecError {
-    match probe() {
-        Err(e) => e,
-        Ok(devices) => ExecError::Backend {
-            backend: "cuda",
-            message: format!(
-                "found {} GPU(s) ({}), but the GPU trainer is not implemented yet (device probe, \
-                 cuBLAS sgemm, the NVRTC Adam kernel and NCCL rendezvous exist); use --backend \
-                 threads or mpi",
-                devices.len(),
-                devices.first().map_or(String::new(), |d| d.name.clone())
-            ),
-        },
+impl GemmOffload for Gpu {
+    fn gemm(
+        &self,
+        plan: &ColMajorGemm,
+        a: &[f32],
+        b: &[f32],
+        c: &mut [f32],
+        accumulate: bool,
+    ) -> Result<bool, String> {
+        // `c` is uploaded even when overwritten: its range may hold elements outside the view
+        // (a strided output), which must come back unchanged.
+        let mut run = || -> Result<(), ExecError> {
+            let (da, db, mut dc) = (self.upload(a)?, self.upload(b)?, self.upload(c)?);
+            self.gemm_device(plan, &da, &db, &mut dc, if accumulate { 1.0 } else { 0.0 })?;
+            self.stream
+                .memcpy_dtoh(&dc, c)
+                .and_then(|()| self.stream.synchronize())
+                .map_err(|e| driver_err("cuMemcpyDtoH", e))
+        };
+        run().map(|()| true).map_err(|e| e.to_string())
     }
 }
 
+/// Runs `spec` with one thread per rank, rank `r` on GPU `r`: GEMMs on the GPU through
+/// cuBLAS, collectives through NCCL (feature `nccl`; host channels without it). Needs as many
+/// GPUs as the layout has ranks.
+pub fn run(spec: &RunSpec) -> Result<RunReport, ExecError> {
+    let devices = probe()?;
+    let world = crate::Prepared::new(spec)?.topology().world();
+    if world > devices.len() {
+        return Err(ExecError::Backend {
+            backend: "cuda",
+            message: format!(
+                "the layout needs {world} ranks, one GPU each, but this machine has {} ({});                  use a smaller layout or --backend threads|mpi",
+                devices.len(),
+                devices[0].name
+            ),
+        });
+    }
+    #[cfg(feature = "nccl")]
+    let ids = nccl_impl::IdTable::default();
+    run_threads_with(spec, &|spec, prep, comm, epoch| {
+        use crate::Collectives;
+        let gpu = std::rc::Rc::new(Gpu::open(comm.rank())?);
+        set_gemm_offload(Some(gpu.clone()));
+        let r: Result<RankReport, ExecError> = {
+            #[cfg(feature = "nccl")]
+            {
+                let mut c = NcclCollectives::new(comm, gpu.stream.clone(), &ids, spec.timeout);
+                crate::engine::run_rank(spec, prep, &mut c, epoch)
+            }
+            #[cfg(not(feature = "nccl"))]
+            {
+                crate::engine::run_rank(spec, prep, comm, epoch)
+            }
+        };
+        set_gemm_offload(None);
+        r
+    })
+}
+
+/// Calibrates this machine's GPUs: cuBLAS sgemm throughput over sizes on GPU 0, its device
+/// copy bandwidth and the bandwidth of the NVRTC Adam kernel (the pointwise figure), and, with
+/// feature `nccl` and two or more GPUs, NCCL all-reduce bandwidth and latency across all of
+/// them (one thread per GPU).
+pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
+    let devices = probe()?;
+    let gpu = Gpu::open(0)?;
+    let iters = if quick { 3 } else { 20 };
+    let sizes: &[usize] = if quick {
+        &[256, 1024, 2048]
+    } else {
+        &[256, 512, 1024, 2048, 4096, 8192]
+    };
+    let mut matmul = Vec::new();
+    for &n in sizes {
+        let flops = 2.0 * (n * n * n) as f64;
+        matmul.push((flops, gpu.sgemm_flops(n, n, n, iters)?));
+    }
+    let elems: usize = if quick { 1 << 24 } else { 1 << 26 };
+    let copy = gpu.copy_bytes_per_s(elems, iters)?;
+    let pointwise = gpu.adam_bytes_per_s(elems, iters)?;
+    let op_overhead = {
+        // One tiny GEMM: launch and dispatch cost.
+        let f = gpu.sgemm_flops(8, 8, 8, 100)?;
+        2.0 * 512.0 / f
+    };
+    let n = devices.len();
+    let times = collective_times(n, quick)?;
+    let (busbw, step) = match times {
+        Some(t) => t.fit(n),
+        None => (copy, 1e-6),
+    };
+    Ok(Measurements {
+        backend: "cuda",
+        threads: n,
+        matmul,
+        copy_bytes_per_s: copy,
+        pointwise_bytes_per_s: pointwise,
+        op_overhead_s: op_overhead,
+        busbw_bytes_per_s: busbw,
+        step_latency_s: step,
+        inter: None,
+        device: Some(MeasuredDevice {
+            name: devices[0].name.clone(),
+            mem_gib: devices[0].total_mem_bytes as f64 / f64::from(1u32 << 30),
+        }),
+    })
+}
+
+/// NCCL all-reduce times over all `n` GPUs (the slowest rank's), or `None` with one GPU or
+/// without NCCL.
+fn collective_times(n: usize, quick: bool) -> Result<Option<AllReduceTimes>, ExecError> {
+    #[cfg(feature = "nccl")]
+    if n > 1 {
+        return nccl_impl::all_reduce_times(n, quick).map(Some);
+    }
+    let _ = (n, quick);
+    Ok(None)
+}
+
 #[cfg(feature = "nccl")]
-pub use nccl_impl::nccl_rendezvous;
+pub use nccl_impl::{nccl_rendezvous, NcclCollectives};
 
 #[cfg(feature = "nccl")]
 mod nccl_impl {
-    use super::{require, ExecError, Lib};
-    use cudarc::driver::CudaStream;
-    use cudarc::nccl::{Comm, Id};
+    use super::{driver_err, require, AllReduceTimes, ExecError, Lib};
+    use crate::comm::{expect_len, Collectives, CommError, Group, ThreadComm};
+    use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+    use cudarc::nccl::{Comm, Id, ReduceOp};
+    use std::collections::HashMap;
     use std::path::Path;
-    use std::sync::Arc;
+    use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
+
+    /// NCCL unique ids of the groups of one process's ranks, by member list: the first member
+    /// to need a group's communicator makes the id, the others take it.
+    #[derive(Debug, Default)]
+    pub(crate) struct IdTable(Mutex<HashMap<Vec<usize>, Id>>);
+
+    impl IdTable {
+        fn id(&self, members: &[usize]) -> Result<Id, CommError> {
+            let mut t = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(id) = t.get(members) {
+                return Ok(*id);
+            }
+            let id =
+                Id::new().map_err(|e| CommError::Backend(format!("ncclGetUniqueId: {e:?}")))?;
+            t.insert(members.to_vec(), id);
+            Ok(id)
+        }
+    }
+
+    /// A rank's collectives over NCCL: one communicator per group (made when the group is
+    /// first used), host buffers staged through the rank's GPU; point-to-point messages,
+    /// tags and failure checks go through the rank's thread endpoint.
+    #[derive(Debug)]
+    pub struct NcclCollectives<'a> {
+        inner: &'a mut ThreadComm,
+        stream: Arc<CudaStream>,
+        ids: &'a IdTable,
+        comms: HashMap<Vec<usize>, Comm>,
+        timeout: Duration,
+    }
+
+    // SAFETY: an NCCL communicator may be used from any thread as long as calls on it do not
+    // overlap; `NcclCollectives` is owned by one rank and used through `&mut self` only, so
+    // moving it to another thread cannot make calls overlap. The CUDA stream is `Send` itself.
+    #[allow(unsafe_code)]
+    unsafe impl Send for NcclCollectives<'_> {}
+
+    fn nccl_err(what: &str) -> impl Fn(cudarc::nccl::result::NcclError) -> CommError + '_ {
+        move |e| CommError::Backend(format!("{what}: {e:?}"))
+    }
+
+    fn cuda_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> CommError + '_ {
+        move |e| CommError::Backend(format!("{what}: {e:?}"))
+    }
+
+    impl<'a> NcclCollectives<'a> {
+        /// The collectives of the rank behind `inner`, on the GPU of `stream`.
+        pub(crate) fn new(
+            inner: &'a mut ThreadComm,
+            stream: Arc<CudaStream>,
+            ids: &'a IdTable,
+            timeout: Duration,
+        ) -> Self {
+            NcclCollectives {
+                inner,
+                stream,
+                ids,
+                comms: HashMap::new(),
+                timeout,
+            }
+        }
+
+        /// This rank's communicator for `g` (every member calls this for its first collective
+        /// on `g`; `ncclCommInitRank` returns once all have).
+        fn comm(&mut self, g: &Group) -> Result<&Comm, CommError> {
+            let members = g.ranks().to_vec();
+            if !self.comms.contains_key(&members) {
+                let me = g.index_of(self.inner.rank())?;
+                let id = self.ids.id(&members)?;
+                self.stream
+                    .context()
+                    .bind_to_thread()
+                    .map_err(cuda_err("cuCtxSetCurrent"))?;
+                let c = Comm::from_rank(self.stream.clone(), me, g.size(), id)
+                    .map_err(nccl_err("ncclCommInitRank"))?;
+                self.comms.insert(members.clone(), c);
+            }
+            Ok(&self.comms[&members])
+        }
+
+        fn upload(&self, x: &[f32]) -> Result<CudaSlice<f32>, CommError> {
+            self.stream.clone_htod(x).map_err(cuda_err("cuMemcpyHtoD"))
+        }
+
+        fn alloc(&self, n: usize) -> Result<CudaSlice<f32>, CommError> {
+            self.stream
+                .alloc_zeros::<f32>(n)
+                .map_err(cuda_err("cuMemAlloc"))
+        }
+
+        /// Waits for the stream (polling, so a failed peer or a stall past the timeout ends
+        /// the wait instead of hanging) and copies `d` into `out`.
+        fn finish(
+            &mut self,
+            d: &CudaSlice<f32>,
+            out: &mut [f32],
+            what: &str,
+        ) -> Result<(), CommError> {
+            let done = self
+                .stream
+                .record_event(None)
+                .map_err(cuda_err("cuEventRecord"))?;
+            let t0 = Instant::now();
+            while !done.is_complete() {
+                self.inner.check_peers()?;
+                if t0.elapsed() > self.timeout {
+                    return Err(CommError::Backend(format!(
+                        "NCCL {what} on rank {} did not finish within {:.1} s",
+                        self.inner.rank(),
+                        self.timeout.as_secs_f64()
+                    )));
+                }
+                std::thread::sleep(Duration::from_micros(20));
+            }
+            self.stream
+                .memcpy_dtoh(d, out)
+                .and_then(|()| self.stream.synchronize())
+                .map_err(cuda_err("cuMemcpyDtoH"))
+        }
+    }
+
+    impl Collectives for NcclCollectives<'_> {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+
+        fn world(&self) -> usize {
+            self.inner.world()
+        }
+
+        fn send(&mut self, to: usize, tag: u64, data: &[f32]) -> Result<(), CommError> {
+            self.inner.send(to, tag, data)
+        }
+
+        fn recv(
+            &mut self,
+            from: usize,
+            tag: u64,
+            out: &mut [f32],
+            what: &str,
+        ) -> Result<(), CommError> {
+            self.inner.recv(from, tag, out, what)
+        }
+
+        fn next_tag(&mut self, group: &Group) -> u64 {
+            self.inner.next_tag(group)
+        }
+
+        fn check_peers(&mut self) -> Result<(), CommError> {
+            self.inner.check_peers()
+        }
+
+        fn all_reduce_sum(&mut self, g: &Group, buf: &mut [f32]) -> Result<(), CommError> {
+            if g.size() == 1 || buf.is_empty() {
+                return Ok(());
+            }
+            let mut d = self.upload(buf)?;
+            self.comm(g)?
+                .all_reduce_in_place(&mut d, &ReduceOp::Sum)
+                .map_err(nccl_err("ncclAllReduce"))?;
+            self.finish(&d, buf, "all_reduce")
+        }
+
+        fn reduce_scatter_sum(
+            &mut self,
+            g: &Group,
+            input: &[f32],
+            out: &mut [f32],
+        ) -> Result<(), CommError> {
+            expect_len("reduce_scatter", input.len(), out.len() * g.size())?;
+            g.index_of(self.rank())?;
+            if g.size() == 1 || out.is_empty() {
+                out.copy_from_slice(input);
+                return Ok(());
+            }
+            let din = self.upload(input)?;
+            let mut dout = self.alloc(out.len())?;
+            self.comm(g)?
+                .reduce_scatter(&din, &mut dout, &ReduceOp::Sum)
+                .map_err(nccl_err("ncclReduceScatter"))?;
+            self.finish(&dout, out, "reduce_scatter")
+        }
+
+        fn all_gather(
+            &mut self,
+            g: &Group,
+            input: &[f32],
+            out: &mut [f32],
+        ) -> Result<(), CommError> {
+            expect_len("all_gather", out.len(), input.len() * g.size())?;
+            g.index_of(self.rank())?;
+            if g.size() == 1 || input.is_empty() {
+                out.copy_from_slice(input);
+                return Ok(());
+            }
+            let din = self.upload(input)?;
+            let mut dout = self.alloc(out.len())?;
+            self.comm(g)?
+                .all_gather(&din, &mut dout)
+                .map_err(nccl_err("ncclAllGather"))?;
+            self.finish(&dout, out, "all_gather")
+        }
+
+        fn broadcast(&mut self, g: &Group, root: usize, buf: &mut [f32]) -> Result<(), CommError> {
+            let r = g.index_of(root)?;
+            g.index_of(self.rank())?;
+            if g.size() == 1 || buf.is_empty() {
+                return Ok(());
+            }
+            let root = i32::try_from(r).map_err(|_| CommError::Backend("root index".into()))?;
+            let mut d = self.upload(buf)?;
+            self.comm(g)?
+                .broadcast_in_place(&mut d, root)
+                .map_err(nccl_err("ncclBroadcast"))?;
+            self.finish(&d, buf, "broadcast")
+        }
+    }
+
+    /// All-reduce times over `n` GPUs of this process with NCCL, one thread per GPU (the
+    /// slowest thread's times).
+    pub(super) fn all_reduce_times(n: usize, quick: bool) -> Result<AllReduceTimes, ExecError> {
+        require(Lib::Nccl)?;
+        let id = Id::new().map_err(|e| ExecError::Backend {
+            backend: "cuda",
+            message: format!("ncclGetUniqueId: {e:?}"),
+        })?;
+        let big: usize = if quick { 1 << 22 } else { 1 << 25 };
+        let (reps_small, reps_big) = if quick { (50u32, 3u32) } else { (500, 20) };
+        let per_gpu = |ordinal: usize| -> Result<AllReduceTimes, ExecError> {
+            let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuCtxCreate", e))?;
+            ctx.bind_to_thread()
+                .map_err(|e| driver_err("cuCtxSetCurrent", e))?;
+            let stream = ctx.default_stream();
+            let err = |what: &'static str| {
+                move |e: cudarc::nccl::result::NcclError| ExecError::Backend {
+                    backend: "cuda",
+                    message: format!("{what}: {e:?}"),
+                }
+            };
+            let comm =
+                Comm::from_rank(stream.clone(), ordinal, n, id).map_err(err("ncclCommInitRank"))?;
+            let sync = || {
+                stream
+                    .synchronize()
+                    .map_err(|e| driver_err("cuStreamSynchronize", e))
+            };
+            let time = |len: usize, reps: u32| -> Result<f64, ExecError> {
+                let mut d = stream
+                    .alloc_zeros::<f32>(len)
+                    .map_err(|e| driver_err("cuMemAlloc", e))?;
+                comm.all_reduce_in_place(&mut d, &ReduceOp::Sum)
+                    .map_err(err("ncclAllReduce"))?;
+                sync()?;
+                let t0 = Instant::now();
+                for _ in 0..reps {
+                    comm.all_reduce_in_place(&mut d, &ReduceOp::Sum)
+                        .map_err(err("ncclAllReduce"))?;
+                    // Latency is per collective as the executor issues them: one at a time.
+                    if len == 1 {
+                        sync()?;
+                    }
+                }
+                sync()?;
+                Ok(t0.elapsed().as_secs_f64() / f64::from(reps))
+            };
+            Ok(AllReduceTimes {
+                small_s: time(1, reps_small)?,
+                large_s: time(big, reps_big)?,
+                large_bytes: (big * 4) as f64,
+            })
+        };
+        let results: Vec<Result<AllReduceTimes, ExecError>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..n).map(|i| s.spawn(move || per_gpu(i))).collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(ExecError::Backend {
+                            backend: "cuda",
+                            message: "an NCCL calibration thread panicked".into(),
+                        })
+                    })
+                })
+                .collect()
+        });
+        let mut slowest = AllReduceTimes::default();
+        for r in results {
+            slowest = slowest.max(&r?);
+        }
+        Ok(slowest)
+    }
 
     /// Bytes of an NCCL unique id.
     const ID_BYTES: usize = 128;
@@ -664,8 +1169,55 @@ mod tests {
                 eprintln!("no GPU here: {msg}");
             }
         }
-        let e = run_unavailable().to_string();
-        assert!(e.contains("cuda backend"), "{e}");
+    }
+
+    /// The whole backend: a data- and tensor-parallel run on GPUs 0 and 1 against the threads
+    /// backend (skipped without two GPUs).
+    #[test]
+    fn a_gpu_run_matches_the_threads_backend() {
+        use parallax_ir::{models::TransformerConfig, Layout};
+        let model = TransformerConfig::gpt(2, 64, 4, 256, 96, 32);
+        for layout in [
+            Layout {
+                dp: 2,
+                ..Layout::default()
+            },
+            Layout {
+                tp: 2,
+                ..Layout::default()
+            },
+        ] {
+            let spec = RunSpec::new(model.clone(), layout, 8, 32, 3);
+            match run(&spec) {
+                Ok(gpu) => {
+                    let cpu = crate::run_threads(&spec).unwrap();
+                    for (g, c) in gpu.losses.iter().zip(&cpu.losses) {
+                        assert!((g - c).abs() <= 1e-4 * c.abs(), "loss {g} vs {c}");
+                    }
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    assert!(msg.starts_with("cuda backend: "), "{msg}");
+                    eprintln!("skipped a_gpu_run_matches_the_threads_backend: {msg}");
+                    return;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn calibration_is_an_error_or_a_valid_profile() {
+        match calibrate(true) {
+            Ok(m) => {
+                let p = crate::calibrate::to_profile(
+                    &m,
+                    &parallax_hardware::preset("cpu-local").unwrap(),
+                );
+                p.validate().unwrap();
+                eprintln!("{}: {:?}", p.device.name, m.matmul);
+            }
+            Err(e) => eprintln!("skipped calibration_is_an_error_or_a_valid_profile: {e}"),
+        }
     }
 
     #[test]

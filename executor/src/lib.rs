@@ -5,11 +5,10 @@
 //! interleaved 1F1B with real point-to-point sends, micro-batching with gradient accumulation,
 //! full and selective recomputation — over a [`Collectives`] backend.
 //!
-//! Backends: `threads` (one thread per rank, always built) and `mpi` (feature `mpi`: one
-//! process per rank under `mpirun`, see `mpi_backend`). Of the `cuda` + `nccl` backend only
-//! the device probe, cuBLAS sgemm, an NVRTC kernel and the NCCL rendezvous exist
-//! (`cuda_backend`); its trainer is not implemented yet. Asking for a backend this build
-//! lacks answers [`ExecError::NotCompiled`], so callers need no `cfg`. Dropout is off in the
+//! Backends: `threads` (one thread per rank, always built), `mpi` (feature `mpi`: one
+//! process per rank under `mpirun`, see `mpi_backend`) and `cuda` (features `cuda`, `nccl`:
+//! one thread per GPU, GEMMs in cuBLAS, collectives in NCCL, see `cuda_backend`). Asking for a
+//! backend this build lacks answers [`ExecError::NotCompiled`], so callers need no `cfg`. Dropout is off in the
 //! executor (see [`model`]).
 //!
 //! ```
@@ -117,7 +116,7 @@ pub fn run(spec: &RunSpec, backend: Backend) -> Result<RunReport, ExecError> {
             feature: "mpi",
         }),
         #[cfg(feature = "cuda")]
-        Backend::Cuda => Err(cuda_backend::run_unavailable()),
+        Backend::Cuda => cuda_backend::run(spec),
         #[cfg(not(feature = "cuda"))]
         Backend::Cuda => Err(ExecError::NotCompiled {
             backend: "cuda",
@@ -129,6 +128,22 @@ pub fn run(spec: &RunSpec, backend: Backend) -> Result<RunReport, ExecError> {
 /// Runs `spec` with one thread per rank. A failing rank (error, panic, or a stall past
 /// `spec.timeout`) ends the whole run with an error naming it.
 pub fn run_threads(spec: &RunSpec) -> Result<RunReport, ExecError> {
+    run_threads_with(spec, &|spec, prep, comm, epoch| {
+        engine::run_rank(spec, prep, comm, epoch)
+    })
+}
+
+/// How one rank's thread trains, given its thread endpoint: [`engine::run_rank`] as it is, or
+/// after preparing the thread (a GPU, other collectives).
+pub(crate) type RankMain<'a> = dyn Fn(&RunSpec, &Prepared, &mut ThreadComm, Instant) -> Result<RankReport, ExecError>
+    + Sync
+    + 'a;
+
+/// [`run_threads`] with each rank's thread running `rank_main`.
+pub(crate) fn run_threads_with(
+    spec: &RunSpec,
+    rank_main: &RankMain<'_>,
+) -> Result<RunReport, ExecError> {
     let prep = Prepared::new(spec)?;
     let world = prep.topology().world();
     let (comms, shared) = ThreadComm::create(world, spec.timeout);
@@ -143,7 +158,7 @@ pub fn run_threads(spec: &RunSpec) -> Result<RunReport, ExecError> {
                     .spawn_scoped(s, move || {
                         let rank = comm.rank();
                         let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                            engine::run_rank(spec, prep, &mut comm, epoch)
+                            rank_main(spec, prep, &mut comm, epoch)
                         }))
                         .unwrap_or_else(|p| {
                             let msg = p

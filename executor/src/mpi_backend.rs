@@ -641,6 +641,7 @@ impl MpiRuntime {
                         step_latency_s: step,
                     }
                 }),
+                device: None,
             }))
         })();
         match result {
