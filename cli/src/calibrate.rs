@@ -84,7 +84,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             x.nodes, m.threads, m.backend
         ),
     }
-    for (f, r) in &m.matmul {
+    for (f, r) in &m.compute.matmul {
         println!(
             "  matmul {:>9.3} GFLOP {:>8.2} GFLOP/s per core",
             f / 1e9,
@@ -93,13 +93,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     println!(
         "  copy bandwidth      {:>8.2} GB/s per core",
-        m.copy_bytes_per_s / 1e9
+        m.compute.copy_bytes_per_s / 1e9
     );
     println!(
         "  pointwise kernels   {:>8.2} GB/s per core",
-        m.pointwise_bytes_per_s / 1e9
+        m.compute.pointwise_bytes_per_s / 1e9
     );
-    println!("  op overhead         {:>8.3} us", m.op_overhead_s * 1e6);
+    println!(
+        "  op overhead         {:>8.3} us",
+        m.compute.op_overhead_s * 1e6
+    );
     println!(
         "  all-reduce busbw    {:>8.2} GB/s",
         m.busbw_bytes_per_s / 1e9

@@ -28,17 +28,10 @@ pub struct CalibrateOptions {
 pub struct Measurements {
     /// The backend measured (`threads` or `mpi`).
     pub backend: &'static str,
-    /// Ranks per node measured at once (one per core).
+    /// Ranks per node measured at once (one per core, or per GPU).
     pub threads: usize,
-    /// `(FLOPs of one GEMM, achieved FLOP/s)` over training-shaped GEMMs (forward, input- and
-    /// weight-gradient forms), by increasing FLOPs.
-    pub matmul: Vec<(f64, f64)>,
-    /// Copy bandwidth (bytes read + written per second).
-    pub copy_bytes_per_s: f64,
-    /// Bandwidth of the executor's pointwise kernels (norm, residual add, GeLU, softmax, Adam).
-    pub pointwise_bytes_per_s: f64,
-    /// Fixed cost of one small op, seconds.
-    pub op_overhead_s: f64,
+    /// GEMM curve, copy and pointwise bandwidth, per-op overhead of one rank.
+    pub compute: ComputeFigures,
     /// Achieved bus bandwidth of large all-reduces across threads, bytes per second.
     pub busbw_bytes_per_s: f64,
     /// Latency of one collective algorithm step, seconds.
@@ -69,14 +62,15 @@ pub struct InterNode {
     pub step_latency_s: f64,
 }
 
-/// The compute figures of one core while `threads` cores run the same benchmarks.
+/// The compute figures of one rank while every rank runs the same benchmarks.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ComputeFigures {
-    /// `(FLOPs of one GEMM, achieved FLOP/s)`, by increasing FLOPs.
+    /// `(FLOPs of one GEMM, achieved FLOP/s)` over training-shaped GEMMs (forward, input- and
+    /// weight-gradient forms), by increasing FLOPs.
     pub matmul: Vec<(f64, f64)>,
     /// Copy bandwidth (bytes read + written per second).
     pub copy_bytes_per_s: f64,
-    /// Bandwidth of the executor's pointwise kernels.
+    /// Bandwidth of the executor's pointwise kernels (norm, residual add, GeLU, softmax, Adam).
     pub pointwise_bytes_per_s: f64,
     /// Fixed cost of one small op, seconds.
     pub op_overhead_s: f64,
@@ -236,7 +230,7 @@ pub fn calibrate(
 /// collectives over as many threads (at least 2).
 pub fn measure(opts: CalibrateOptions) -> Result<Measurements, ExecError> {
     let threads = opts.threads.max(1);
-    let c = measure_compute(threads, opts.quick);
+    let compute = measure_compute(threads, opts.quick);
     let n = threads.max(2);
     let (comms, _) = ThreadComm::create(n, Duration::from_secs(60));
     let timings: Vec<Result<AllReduceTimes, ExecError>> = std::thread::scope(|s| {
@@ -268,10 +262,7 @@ pub fn measure(opts: CalibrateOptions) -> Result<Measurements, ExecError> {
     Ok(Measurements {
         backend: "threads",
         threads,
-        matmul: c.matmul,
-        copy_bytes_per_s: c.copy_bytes_per_s,
-        pointwise_bytes_per_s: c.pointwise_bytes_per_s,
-        op_overhead_s: c.op_overhead_s,
+        compute,
         busbw_bytes_per_s: busbw,
         step_latency_s: step,
         inter: None,
@@ -449,25 +440,26 @@ const MIN_EFFICIENCY: f64 = 1e-3;
 /// the nominal ones, and a `[calibration]` table saying so.
 pub fn to_profile(m: &Measurements, base: &ClusterProfile) -> ClusterProfile {
     let mut p = base.clone();
-    let best = m.matmul.iter().map(|x| x.1).fold(0.0, f64::max);
+    let best = m.compute.matmul.iter().map(|x| x.1).fold(0.0, f64::max);
     // The peak is the nominal FMA peak unless this machine's best GEMM beats it.
     let peak = (base.device.peak_tflops_fp32 * 1e12).max(best);
     p.device.peak_tflops_fp32 = peak / 1e12;
     p.device.matmul_efficiency = EfficiencyCurve(
-        m.matmul
+        m.compute
+            .matmul
             .iter()
             .map(|(f, r)| (*f, (r / peak).clamp(MIN_EFFICIENCY, 1.0)))
             .collect(),
     );
-    p.device.hbm_gbps = m.copy_bytes_per_s / 1e9;
+    p.device.hbm_gbps = m.compute.copy_bytes_per_s / 1e9;
     p.device.memory_efficiency =
-        (m.pointwise_bytes_per_s / m.copy_bytes_per_s).clamp(MIN_EFFICIENCY, 1.0);
-    p.device.kernel_overhead_us = m.op_overhead_s * 1e6;
+        (m.compute.pointwise_bytes_per_s / m.compute.copy_bytes_per_s).clamp(MIN_EFFICIENCY, 1.0);
+    p.device.kernel_overhead_us = m.compute.op_overhead_s * 1e6;
     p.node.gpus_per_node = u32::try_from(m.threads).unwrap_or(u32::MAX).max(1);
-    p.node.intra_gbps = m.copy_bytes_per_s / 1e9;
+    p.node.intra_gbps = m.compute.copy_bytes_per_s / 1e9;
     p.node.intra_latency_us = m.step_latency_s * 1e6;
     p.collectives.intra_busbw_efficiency =
-        (m.busbw_bytes_per_s / m.copy_bytes_per_s).clamp(MIN_EFFICIENCY, 1.0);
+        (m.busbw_bytes_per_s / m.compute.copy_bytes_per_s).clamp(MIN_EFFICIENCY, 1.0);
     let mut fields = vec![
         "device.peak_tflops_fp32",
         "device.matmul_efficiency",
@@ -544,8 +536,8 @@ mod tests {
         })
         .unwrap();
         assert_eq!(m.backend, "threads");
-        assert!(m.matmul.windows(2).all(|w| w[0].0 < w[1].0));
-        assert!(m.matmul.iter().all(|x| x.1 > 0.0));
+        assert!(m.compute.matmul.windows(2).all(|w| w[0].0 < w[1].0));
+        assert!(m.compute.matmul.iter().all(|x| x.1 > 0.0));
         assert!(m.busbw_bytes_per_s > 0.0 && m.step_latency_s > 0.0);
         let base = parallax_hardware::preset("cpu-local").unwrap();
         let p = to_profile(&m, &base);
@@ -585,10 +577,12 @@ mod tests {
         let m = Measurements {
             backend: "mpi",
             threads: 4,
-            matmul: vec![(1e6, 2e10), (1e8, 4e10)],
-            copy_bytes_per_s: 1e10,
-            pointwise_bytes_per_s: 5e9,
-            op_overhead_s: 1e-7,
+            compute: ComputeFigures {
+                matmul: vec![(1e6, 2e10), (1e8, 4e10)],
+                copy_bytes_per_s: 1e10,
+                pointwise_bytes_per_s: 5e9,
+                op_overhead_s: 1e-7,
+            },
             busbw_bytes_per_s: 4e9,
             step_latency_s: 2e-6,
             inter: Some(InterNode {

@@ -18,7 +18,7 @@
 //! needs a device skips its test with a message when none is found. No GPU was available to
 //! this repository's CI or development, so none of the device paths has run yet.
 
-use crate::calibrate::{AllReduceTimes, MeasuredDevice, Measurements};
+use crate::calibrate::{AllReduceTimes, ComputeFigures, MeasuredDevice, Measurements};
 use crate::engine::{AdamConfig, RankReport};
 use crate::error::ExecError;
 use crate::tensor::{set_gemm_offload, ColMajorGemm, ColMajorOperand, GemmOffload};
@@ -646,10 +646,12 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
     Ok(Measurements {
         backend: "cuda",
         threads: n,
-        matmul,
-        copy_bytes_per_s: copy,
-        pointwise_bytes_per_s: pointwise,
-        op_overhead_s: op_overhead,
+        compute: ComputeFigures {
+            matmul,
+            copy_bytes_per_s: copy,
+            pointwise_bytes_per_s: pointwise,
+            op_overhead_s: op_overhead,
+        },
         busbw_bytes_per_s: busbw,
         step_latency_s: step,
         inter: None,
@@ -1214,7 +1216,7 @@ mod tests {
                     &parallax_hardware::preset("cpu-local").unwrap(),
                 );
                 p.validate().unwrap();
-                eprintln!("{}: {:?}", p.device.name, m.matmul);
+                eprintln!("{}: {:?}", p.device.name, m.compute.matmul);
             }
             Err(e) => eprintln!("skipped calibration_is_an_error_or_a_valid_profile: {e}"),
         }

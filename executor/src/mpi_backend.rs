@@ -627,10 +627,7 @@ impl MpiRuntime {
             Ok(Some(Measurements {
                 backend: "mpi",
                 threads: local.size(),
-                matmul: c.matmul,
-                copy_bytes_per_s: c.copy_bytes_per_s,
-                pointwise_bytes_per_s: c.pointwise_bytes_per_s,
-                op_overhead_s: c.op_overhead_s,
+                compute: c,
                 busbw_bytes_per_s: busbw,
                 step_latency_s: step,
                 inter: (leaders.size() > 1).then(|| {
