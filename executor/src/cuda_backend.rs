@@ -3,7 +3,7 @@
 //! Each rank is a thread bound to its own GPU (rank `r` on device `r`). The trainer is the
 //! executor's own (`engine.rs`, host-resident fp32 parameters and activations), with every
 //! GEMM of at least [`OFFLOAD_MIN_FLOPS`](crate::tensor::OFFLOAD_MIN_FLOPS) run by cuBLAS on the rank's GPU through the
-//! [`GemmOffload`] hook of `tensor::matmul` (operands are copied to the device and the result
+//! [`DeviceOffload`] hook of `tensor::matmul` (operands are copied to the device and the result
 //! back), and, with feature `nccl`, every collective run by NCCL on per-group communicators
 //! ([`NcclCollectives`]; point-to-point pipeline messages stay on the host channels). The
 //! pointwise kernels, attention softmax and Adam run on the host; [`Gpu::adam_step`] is the
@@ -21,7 +21,7 @@
 use crate::calibrate::{AllReduceTimes, ComputeFigures, MeasuredDevice, Measurements};
 use crate::engine::{AdamConfig, RankReport};
 use crate::error::ExecError;
-use crate::tensor::{set_gemm_offload, ColMajorGemm, ColMajorOperand, GemmOffload};
+use crate::tensor::{set_device_offload, ColMajorGemm, ColMajorOperand, DeviceOffload};
 use crate::{run_threads_with, RunReport, RunSpec};
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, GemmConfig};
@@ -508,6 +508,21 @@ impl Gpu {
         m: &mut [f32],
         v: &mut [f32],
     ) -> Result<(), ExecError> {
+        let bc1 = (1.0 - f64::from(cfg.beta1).powf(t as f64)) as f32;
+        let bc2 = (1.0 - f64::from(cfg.beta2).powf(t as f64)) as f32;
+        self.adam_corrected(cfg, (bc1, bc2), p, g, m, v)
+    }
+
+    /// [`Gpu::adam_step`] with the bias corrections given.
+    fn adam_corrected(
+        &self,
+        cfg: &AdamConfig,
+        (bc1, bc2): (f32, f32),
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<(), ExecError> {
         let n = p.len();
         if g.len() != n || m.len() != n || v.len() != n {
             return Err(ExecError::Backend {
@@ -524,8 +539,6 @@ impl Gpu {
             backend: "cuda",
             message: format!("adam: {n} elements exceed one launch"),
         })?;
-        let bc1 = (1.0 - f64::from(cfg.beta1).powf(t as f64)) as f32;
-        let bc2 = (1.0 - f64::from(cfg.beta2).powf(t as f64)) as f32;
         let (mut dp, dg, mut dm, mut dv) = (
             self.upload(p)?,
             self.upload(g)?,
@@ -550,7 +563,7 @@ impl Gpu {
     }
 }
 
-impl GemmOffload for Gpu {
+impl DeviceOffload for Gpu {
     fn gemm(
         &self,
         plan: &ColMajorGemm,
@@ -570,6 +583,23 @@ impl GemmOffload for Gpu {
                 .map_err(|e| driver_err("cuMemcpyDtoH", e))
         };
         run().map(|()| true).map_err(|e| e.to_string())
+    }
+
+    fn adam(
+        &self,
+        cfg: &AdamConfig,
+        bc: (f32, f32),
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<bool, String> {
+        if p.is_empty() {
+            return Ok(true);
+        }
+        self.adam_corrected(cfg, bc, p, g, m, v)
+            .map(|()| true)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -594,7 +624,7 @@ pub fn run(spec: &RunSpec) -> Result<RunReport, ExecError> {
     run_threads_with(spec, &|spec, prep, comm, epoch| {
         use crate::Collectives;
         let gpu = std::rc::Rc::new(Gpu::open(comm.rank())?);
-        set_gemm_offload(Some(gpu.clone()));
+        set_device_offload(Some(gpu.clone()));
         let r: Result<RankReport, ExecError> = {
             #[cfg(feature = "nccl")]
             {
@@ -606,7 +636,7 @@ pub fn run(spec: &RunSpec) -> Result<RunReport, ExecError> {
                 crate::engine::run_rank(spec, prep, comm, epoch)
             }
         };
-        set_gemm_offload(None);
+        set_device_offload(None);
         r
     })
 }

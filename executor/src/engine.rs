@@ -1153,13 +1153,16 @@ impl Engine<'_> {
                 1 | 2 => (&mut unit.params[unit.shard.clone()], &unit.gshard[..]),
                 _ => (&mut unit.pshard[..], &unit.gshard[..]),
             };
-            for i in 0..p.len() {
-                let gi = g[i];
-                let m = a.beta1 * unit.m[i] + (1.0 - a.beta1) * gi;
-                let v = a.beta2 * unit.v[i] + (1.0 - a.beta2) * gi * gi;
-                unit.m[i] = m;
-                unit.v[i] = v;
-                p[i] -= a.lr * (m / bc1) / ((v / bc2).sqrt() + a.eps);
+            let (um, uv) = (&mut unit.m[..], &mut unit.v[..]);
+            if !crate::tensor::adam_offloaded(&a, (bc1, bc2), p, g, um, uv) {
+                for i in 0..p.len() {
+                    let gi = g[i];
+                    let m = a.beta1 * um[i] + (1.0 - a.beta1) * gi;
+                    let v = a.beta2 * uv[i] + (1.0 - a.beta2) * gi * gi;
+                    um[i] = m;
+                    uv[i] = v;
+                    p[i] -= a.lr * (m / bc1) / ((v / bc2).sqrt() + a.eps);
+                }
             }
             if zero == 1 || zero == 2 {
                 let mine = unit.params[unit.shard.clone()].to_vec();

@@ -195,9 +195,10 @@ pub fn col_major_gemm(c: &MatMut<'_>, a: &MatRef<'_>, b: &MatRef<'_>) -> Option<
     })
 }
 
-/// Runs large GEMMs somewhere else (a GPU): installed per thread with [`set_gemm_offload`],
-/// consulted by [`matmul`] for every GEMM of at least [`OFFLOAD_MIN_FLOPS`].
-pub trait GemmOffload {
+/// Runs the heavy kernels somewhere else (a GPU): installed per thread with
+/// [`set_device_offload`], consulted by [`matmul`] for every GEMM of at least
+/// [`OFFLOAD_MIN_FLOPS`] and by the trainer's Adam update ([`adam_offloaded`]).
+pub trait DeviceOffload {
     /// `C' = op(A')·op(B') (+ C' when accumulate)` on the operands' ranges: `a`, `b` and `c`
     /// are exactly `plan.a.range`, `plan.b.range` and `plan.c.range` of the views' buffers.
     /// Returns `false` to decline (the CPU kernel then runs it); an error is a failure of the
@@ -210,6 +211,40 @@ pub trait GemmOffload {
         c: &mut [f32],
         accumulate: bool,
     ) -> Result<bool, String>;
+
+    /// The Adam update of `p` with gradients `g` and moments `m`, `v` (bias corrections
+    /// `bc1`, `bc2` given), the same arithmetic as the trainer's own loop. `false` declines.
+    #[allow(clippy::too_many_arguments)]
+    fn adam(
+        &self,
+        _cfg: &crate::engine::AdamConfig,
+        _bc: (f32, f32),
+        _p: &mut [f32],
+        _g: &[f32],
+        _m: &mut [f32],
+        _v: &mut [f32],
+    ) -> Result<bool, String> {
+        Ok(false)
+    }
+}
+
+/// Hands an Adam update to this thread's offload; `false` when there is none or it declined
+/// (the caller then runs its own loop). Panics on a device failure, as [`matmul`] does.
+pub fn adam_offloaded(
+    cfg: &crate::engine::AdamConfig,
+    bc: (f32, f32),
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+) -> bool {
+    let Some(o) = OFFLOAD.with(|x| x.borrow().clone()) else {
+        return false;
+    };
+    match o.adam(cfg, bc, p, g, m, v) {
+        Ok(done) => done,
+        Err(e) => panic!("device offload failed: {e}"),
+    }
 }
 
 /// Smallest GEMM (in FLOPs) handed to an installed offload: below this the copies cost more
@@ -217,12 +252,12 @@ pub trait GemmOffload {
 pub const OFFLOAD_MIN_FLOPS: usize = 1 << 16;
 
 thread_local! {
-    static OFFLOAD: std::cell::RefCell<Option<std::rc::Rc<dyn GemmOffload>>> =
+    static OFFLOAD: std::cell::RefCell<Option<std::rc::Rc<dyn DeviceOffload>>> =
         const { std::cell::RefCell::new(None) };
 }
 
-/// Installs (or with `None` removes) this thread's GEMM offload.
-pub fn set_gemm_offload(o: Option<std::rc::Rc<dyn GemmOffload>>) {
+/// Installs (or with `None` removes) this thread's device offload.
+pub fn set_device_offload(o: Option<std::rc::Rc<dyn DeviceOffload>>) {
     OFFLOAD.with(|x| *x.borrow_mut() = o);
 }
 
@@ -244,12 +279,12 @@ fn offloaded(c: &mut MatMut<'_>, a: &MatRef<'_>, b: &MatRef<'_>, accumulate: boo
     );
     match o.gemm(&plan, &b.data[ar], &a.data[br], &mut c.data[cr], accumulate) {
         Ok(done) => done,
-        Err(e) => panic!("GEMM offload failed: {e}"),
+        Err(e) => panic!("device offload failed: {e}"),
     }
 }
 
 /// `c = a · b` (or `c += a · b` when `accumulate`), fp32, through the `gemm` crate's packed
-/// SIMD kernels — or through this thread's [`GemmOffload`] when one is installed.
+/// SIMD kernels — or through this thread's [`DeviceOffload`] when one is installed.
 pub fn matmul(mut c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool, threads: Threads) {
     assert!(
         a.rows == c.rows && b.cols == c.cols && a.cols == b.rows,
@@ -677,8 +712,92 @@ pub fn cross_entropy(logits: &mut [f32], targets: &[u32], vocab: usize, scale: f
     total
 }
 
+/// A host emulation of the GPU offload (cuBLAS `sgemm` semantics: column-major, `op` per
+/// operand, leading dimensions; Adam as the NVRTC kernel computes it), so that everything the
+/// trainer hands a device is checked without one.
+#[cfg(test)]
+pub(crate) mod emulated {
+    use super::{ColMajorGemm, DeviceOffload};
+    use crate::engine::AdamConfig;
+    use std::cell::Cell;
+
+    /// Counts what it was handed.
+    #[derive(Debug, Default)]
+    pub(crate) struct BlasOnHost {
+        pub(crate) gemms: Cell<usize>,
+        pub(crate) adams: Cell<usize>,
+    }
+
+    /// `sgemm` on host buffers.
+    fn blas_sgemm(p: &ColMajorGemm, a: &[f32], b: &[f32], c: &mut [f32], beta: f32) {
+        let at = |i: usize, l: usize| {
+            if p.a.trans {
+                a[l + i * p.a.ld]
+            } else {
+                a[i + l * p.a.ld]
+            }
+        };
+        let bt = |l: usize, j: usize| {
+            if p.b.trans {
+                b[j + l * p.b.ld]
+            } else {
+                b[l + j * p.b.ld]
+            }
+        };
+        for i in 0..p.m {
+            for j in 0..p.n {
+                let mut acc = 0.0f32;
+                for l in 0..p.k {
+                    acc += at(i, l) * bt(l, j);
+                }
+                let x = &mut c[i + j * p.c.ld];
+                *x = acc + beta * *x;
+            }
+        }
+    }
+
+    impl DeviceOffload for BlasOnHost {
+        fn gemm(
+            &self,
+            plan: &ColMajorGemm,
+            a: &[f32],
+            b: &[f32],
+            c: &mut [f32],
+            accumulate: bool,
+        ) -> Result<bool, String> {
+            assert_eq!(a.len(), plan.a.range.len());
+            assert_eq!(b.len(), plan.b.range.len());
+            assert_eq!(c.len(), plan.c.range.len());
+            blas_sgemm(plan, a, b, c, if accumulate { 1.0 } else { 0.0 });
+            self.gemms.set(self.gemms.get() + 1);
+            Ok(true)
+        }
+
+        fn adam(
+            &self,
+            cfg: &AdamConfig,
+            (bc1, bc2): (f32, f32),
+            p: &mut [f32],
+            g: &[f32],
+            m: &mut [f32],
+            v: &mut [f32],
+        ) -> Result<bool, String> {
+            for i in 0..p.len() {
+                let mi = cfg.beta1 * m[i] + (1.0 - cfg.beta1) * g[i];
+                let vi = cfg.beta2 * v[i] + (1.0 - cfg.beta2) * g[i] * g[i];
+                m[i] = mi;
+                v[i] = vi;
+                p[i] -= cfg.lr * (mi / bc1) / ((vi / bc2).sqrt() + cfg.eps);
+            }
+            self.adams.set(self.adams.get() + 1);
+            Ok(true)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::emulated::BlasOnHost;
     use super::*;
     use crate::rng::SplitMix64;
 
@@ -828,56 +947,6 @@ mod tests {
         }
     }
 
-    /// cuBLAS's `sgemm` semantics on host buffers: column-major, `op` per operand, leading
-    /// dimensions — the reference the GPU offload is checked against without a GPU.
-    fn blas_sgemm(p: &ColMajorGemm, a: &[f32], b: &[f32], c: &mut [f32], beta: f32) {
-        let at = |i: usize, l: usize| {
-            if p.a.trans {
-                a[l + i * p.a.ld]
-            } else {
-                a[i + l * p.a.ld]
-            }
-        };
-        let bt = |l: usize, j: usize| {
-            if p.b.trans {
-                b[j + l * p.b.ld]
-            } else {
-                b[l + j * p.b.ld]
-            }
-        };
-        for i in 0..p.m {
-            for j in 0..p.n {
-                let mut acc = 0.0f32;
-                for l in 0..p.k {
-                    acc += at(i, l) * bt(l, j);
-                }
-                let x = &mut c[i + j * p.c.ld];
-                *x = acc + beta * *x;
-            }
-        }
-    }
-
-    /// An offload that runs the column-major call on the host and counts what it took.
-    struct BlasOnHost(std::cell::Cell<usize>);
-
-    impl GemmOffload for BlasOnHost {
-        fn gemm(
-            &self,
-            plan: &ColMajorGemm,
-            a: &[f32],
-            b: &[f32],
-            c: &mut [f32],
-            accumulate: bool,
-        ) -> Result<bool, String> {
-            assert_eq!(a.len(), plan.a.range.len());
-            assert_eq!(b.len(), plan.b.range.len());
-            assert_eq!(c.len(), plan.c.range.len());
-            blas_sgemm(plan, a, b, c, if accumulate { 1.0 } else { 0.0 });
-            self.0.set(self.0.get() + 1);
-            Ok(true)
-        }
-    }
-
     #[test]
     fn offloaded_gemms_match_the_cpu_kernel_on_every_view_the_trainer_uses() {
         let (m, k, n) = (96, 40, 56);
@@ -921,21 +990,21 @@ mod tests {
                 20,
             ),
         ];
-        let host = std::rc::Rc::new(BlasOnHost(std::cell::Cell::new(0)));
+        let host = std::rc::Rc::new(BlasOnHost::default());
         for (name, x, y, rows, cols) in cases {
             for acc in [false, true] {
                 let mut want = c0[..rows * cols].to_vec();
                 matmul(MatMut::new(&mut want, rows, cols), x, y, acc, Threads::One);
                 let mut got = c0[..rows * cols].to_vec();
-                set_gemm_offload(Some(host.clone()));
+                set_device_offload(Some(host.clone()));
                 matmul(MatMut::new(&mut got, rows, cols), x, y, acc, Threads::One);
-                set_gemm_offload(None);
+                set_device_offload(None);
                 for (g, w) in got.iter().zip(&want) {
                     assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{name} acc={acc}");
                 }
             }
         }
-        assert_eq!(host.0.get(), 10, "every case went through the offload");
+        assert_eq!(host.gemms.get(), 10, "every case went through the offload");
     }
 
     #[test]

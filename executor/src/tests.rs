@@ -52,17 +52,30 @@ fn reference(model: &TransformerConfig) -> Outcome {
 fn check_equivalent(model: TransformerConfig, layout: Layout) -> f64 {
     let reference = reference(&model);
     let r = run_threads(&spec(model, layout.clone())).unwrap();
+    let worst = same_training(&r, &reference, &format!("{layout:?}"));
+    // The loss must move: a run that does nothing would match trivially.
+    assert!(
+        reference.0[STEPS as usize - 1] < reference.0[0] - 0.05,
+        "{:?}",
+        reference.0
+    );
+    worst
+}
+
+/// Checks that run `r` has the losses and final parameters of `reference` within [`TOL`];
+/// returns the worst relative error.
+fn same_training(r: &crate::RunReport, reference: &(Vec<f64>, ModelState), what: &str) -> f64 {
     let mut worst: f64 = 0.0;
     for (i, (a, b)) in r.losses.iter().zip(&reference.0).enumerate() {
         let rel = (a - b).abs() / b.abs();
         assert!(
             rel <= TOL,
-            "{layout:?}: step {i} loss {a} vs single-rank {b} (rel {rel:e})"
+            "{what}: step {i} loss {a} vs reference {b} (rel {rel:e})"
         );
         worst = worst.max(rel);
     }
-    assert_eq!(r.losses.len(), STEPS as usize);
-    let state = r.state.unwrap();
+    assert_eq!(r.losses.len(), reference.0.len());
+    let state = r.state.as_ref().unwrap();
     assert_eq!(state.tensors.len(), reference.1.tensors.len());
     let (d, name) = state.max_relative_diff_where(&reference.1, |n| !n.ends_with("attn.bk"));
     // The key bias has an identically zero gradient (softmax is invariant to adding q·b_k to
@@ -78,17 +91,9 @@ fn check_equivalent(model: TransformerConfig, layout: Layout) -> f64 {
     }
     assert!(
         d <= TOL,
-        "{layout:?}: parameter {name} differs by {d:e} (relative)"
+        "{what}: parameter {name} differs by {d:e} (relative)"
     );
-    // The loss must move: a run that does nothing would match trivially.
-    assert!(
-        reference.0[STEPS as usize - 1] < reference.0[0] - 0.05,
-        "{:?}",
-        reference.0
-    );
-    eprintln!(
-        "equivalence {layout:?}: max relative error loss {worst:.2e}, params {d:.2e} ({name})"
-    );
+    eprintln!("equivalence {what}: max relative error loss {worst:.2e}, params {d:.2e} ({name})");
     worst.max(d)
 }
 
@@ -237,5 +242,58 @@ fn unsupported_inputs_are_errors_not_panics() {
     if cfg!(not(feature = "mpi")) {
         let e = run(&spec(gpt(2), Layout::default()), Backend::Mpi).unwrap_err();
         assert!(matches!(e, ExecError::NotCompiled { .. }), "{e}");
+    }
+}
+
+/// The GPU backend's path through the trainer without a GPU: every rank hands its GEMMs and
+/// Adam updates to the host emulation of cuBLAS and the NVRTC kernel (the same
+/// `DeviceOffload` calls `cuda_backend` makes), and trains like the plain CPU run.
+#[test]
+fn offloading_gemms_and_adam_trains_like_the_cpu_kernels() {
+    use crate::tensor::{emulated::BlasOnHost, set_device_offload};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // Wide enough that most GEMMs reach the offload's threshold.
+    let wide_llama = TransformerConfig::llama(2, 64, 4, 2, 256, 128, 16);
+    let wide_gpt = TransformerConfig::gpt(2, 64, 4, 256, 128, 16);
+    for (model, layout) in [
+        (
+            wide_llama,
+            Layout {
+                dp: 2,
+                tp: 2,
+                sequence_parallel: true,
+                zero_stage: 1,
+                recompute: Recompute::Selective,
+                ..Layout::default()
+            },
+        ),
+        (
+            wide_gpt,
+            Layout {
+                zero_stage: 3,
+                dp: 2,
+                ..pp(2, Schedule::OneFOneB)
+            },
+        ),
+    ] {
+        let s = spec(model, layout);
+        let (gemms, adams) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        let got = crate::run_threads_with(&s, &|spec, prep, comm, epoch| {
+            let host = std::rc::Rc::new(BlasOnHost::default());
+            set_device_offload(Some(host.clone()));
+            let r = crate::engine::run_rank(spec, prep, comm, epoch);
+            set_device_offload(None);
+            gemms.fetch_add(host.gemms.get(), Ordering::Relaxed);
+            adams.fetch_add(host.adams.get(), Ordering::Relaxed);
+            r
+        })
+        .unwrap();
+        let want = run_threads(&s).unwrap();
+        assert!(gemms.into_inner() > 0 && adams.into_inner() > 0);
+        same_training(
+            &got,
+            &(want.losses, want.state.unwrap()),
+            &format!("offloaded {:?}", s.layout),
+        );
     }
 }
