@@ -619,25 +619,61 @@ pub fn run(spec: &RunSpec) -> Result<RunReport, ExecError> {
             ),
         });
     }
-    #[cfg(feature = "nccl")]
-    let ids = nccl_impl::IdTable::default();
     run_threads_with(spec, &|spec, prep, comm, epoch| {
-        use crate::Collectives;
-        let gpu = std::rc::Rc::new(Gpu::open(comm.rank())?);
-        set_device_offload(Some(gpu.clone()));
-        let r: Result<RankReport, ExecError> = {
-            #[cfg(feature = "nccl")]
-            {
-                let mut c = NcclCollectives::new(comm, gpu.stream.clone(), &ids, spec.timeout);
-                crate::engine::run_rank(spec, prep, &mut c, epoch)
-            }
-            #[cfg(not(feature = "nccl"))]
-            {
-                crate::engine::run_rank(spec, prep, comm, epoch)
-            }
-        };
-        set_device_offload(None);
-        r
+        let ordinal = crate::Collectives::rank(comm);
+        train_on_gpu(ordinal, spec, prep, comm, epoch)
+    })
+}
+
+/// One rank's training on GPU `ordinal`: its GEMMs and Adam through the GPU, its collectives
+/// through NCCL bootstrapped over `comm` (over `comm` itself without feature `nccl`).
+fn train_on_gpu<C: crate::Collectives>(
+    ordinal: usize,
+    spec: &RunSpec,
+    prep: &crate::Prepared,
+    comm: &mut C,
+    epoch: Instant,
+) -> Result<RankReport, ExecError> {
+    let gpu = std::rc::Rc::new(Gpu::open(ordinal)?);
+    set_device_offload(Some(gpu.clone()));
+    let r = {
+        #[cfg(feature = "nccl")]
+        {
+            let mut c = NcclCollectives::new(comm, gpu.stream.clone(), spec.timeout);
+            crate::engine::run_rank(spec, prep, &mut c, epoch)
+        }
+        #[cfg(not(feature = "nccl"))]
+        {
+            crate::engine::run_rank(spec, prep, comm, epoch)
+        }
+    };
+    set_device_offload(None);
+    r
+}
+
+/// Runs `spec` with this MPI process as its rank (`mpirun -np N parallax run … --backend
+/// cuda`, on one or more nodes): the process drives the GPU of its index among the processes
+/// of its node; NCCL communicators are bootstrapped over MPI, so groups span nodes.
+#[cfg(feature = "mpi")]
+pub fn run_mpi(
+    rt: &mut crate::mpi_backend::MpiRuntime,
+    spec: &RunSpec,
+) -> Result<RunReport, ExecError> {
+    let local = rt.local_rank();
+    let devices = probe()?;
+    if local >= devices.len() {
+        return Err(ExecError::Backend {
+            backend: "cuda",
+            message: format!(
+                "rank {} is process {local} on its node, which has {} GPU(s): start at most one \
+                 process per GPU on each node",
+                rt.rank(),
+                devices.len()
+            ),
+        });
+    }
+    rt.run_with(spec, &|spec, prep, comm, epoch| {
+        train_on_gpu(local, spec, prep, comm, epoch)
     })
 }
 
@@ -709,49 +745,34 @@ pub use nccl_impl::{nccl_rendezvous, NcclCollectives};
 #[cfg(feature = "nccl")]
 mod nccl_impl {
     use super::{driver_err, require, AllReduceTimes, ExecError, Lib};
-    use crate::comm::{expect_len, Collectives, CommError, Group, ThreadComm};
+    use crate::comm::{expect_len, Collectives, CommError, Group};
     use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
     use cudarc::nccl::{Comm, Id, ReduceOp};
     use std::collections::HashMap;
     use std::path::Path;
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    /// NCCL unique ids of the groups of one process's ranks, by member list: the first member
-    /// to need a group's communicator makes the id, the others take it.
-    #[derive(Debug, Default)]
-    pub(crate) struct IdTable(Mutex<HashMap<Vec<usize>, Id>>);
-
-    impl IdTable {
-        fn id(&self, members: &[usize]) -> Result<Id, CommError> {
-            let mut t = self.0.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(id) = t.get(members) {
-                return Ok(*id);
-            }
-            let id =
-                Id::new().map_err(|e| CommError::Backend(format!("ncclGetUniqueId: {e:?}")))?;
-            t.insert(members.to_vec(), id);
-            Ok(id)
-        }
-    }
-
-    /// A rank's collectives over NCCL: one communicator per group (made when the group is
-    /// first used), host buffers staged through the rank's GPU; point-to-point messages,
-    /// tags and failure checks go through the rank's thread endpoint.
+    /// A rank's collectives over NCCL: one communicator per group, made when the group is
+    /// first used and bootstrapped over the rank's host endpoint `inner` (the group's first
+    /// member makes the NCCL unique id and broadcasts it: through shared memory with the
+    /// threads backend, over MPI with the MPI backend, so communicators span nodes); host
+    /// buffers are staged through the rank's GPU. Point-to-point messages, tags and failure
+    /// checks go through `inner`.
     #[derive(Debug)]
-    pub struct NcclCollectives<'a> {
-        inner: &'a mut ThreadComm,
+    pub struct NcclCollectives<'a, C: Collectives + ?Sized> {
+        inner: &'a mut C,
         stream: Arc<CudaStream>,
-        ids: &'a IdTable,
         comms: HashMap<Vec<usize>, Comm>,
         timeout: Duration,
     }
 
     // SAFETY: an NCCL communicator may be used from any thread as long as calls on it do not
     // overlap; `NcclCollectives` is owned by one rank and used through `&mut self` only, so
-    // moving it to another thread cannot make calls overlap. The CUDA stream is `Send` itself.
+    // moving it to another thread cannot make calls overlap. The CUDA stream is `Send`, and
+    // so is `inner` (`Collectives: Send`).
     #[allow(unsafe_code)]
-    unsafe impl Send for NcclCollectives<'_> {}
+    unsafe impl<C: Collectives + ?Sized> Send for NcclCollectives<'_, C> {}
 
     fn nccl_err(what: &str) -> impl Fn(cudarc::nccl::result::NcclError) -> CommError + '_ {
         move |e| CommError::Backend(format!("{what}: {e:?}"))
@@ -761,21 +782,34 @@ mod nccl_impl {
         move |e| CommError::Backend(format!("{what}: {e:?}"))
     }
 
-    impl<'a> NcclCollectives<'a> {
+    impl<'a, C: Collectives + ?Sized> NcclCollectives<'a, C> {
         /// The collectives of the rank behind `inner`, on the GPU of `stream`.
-        pub(crate) fn new(
-            inner: &'a mut ThreadComm,
-            stream: Arc<CudaStream>,
-            ids: &'a IdTable,
-            timeout: Duration,
-        ) -> Self {
+        pub fn new(inner: &'a mut C, stream: Arc<CudaStream>, timeout: Duration) -> Self {
             NcclCollectives {
                 inner,
                 stream,
-                ids,
                 comms: HashMap::new(),
                 timeout,
             }
+        }
+
+        /// The NCCL unique id of `g`: made by its first member, broadcast over `inner` as
+        /// one byte per value (exact in f32).
+        fn group_id(&mut self, g: &Group) -> Result<Id, CommError> {
+            let root = g.ranks()[0];
+            let mut buf = [0f32; ID_BYTES];
+            if self.inner.rank() == root {
+                let id = Id::new().map_err(nccl_err("ncclGetUniqueId"))?;
+                for (b, c) in buf.iter_mut().zip(id.internal()) {
+                    *b = f32::from(*c as u8);
+                }
+            }
+            self.inner.broadcast(g, root, &mut buf)?;
+            let mut internal = [0 as std::ffi::c_char; ID_BYTES];
+            for (c, b) in internal.iter_mut().zip(&buf) {
+                *c = *b as u8 as std::ffi::c_char;
+            }
+            Ok(Id::uninit(internal))
         }
 
         /// This rank's communicator for `g` (every member calls this for its first collective
@@ -784,7 +818,7 @@ mod nccl_impl {
             let members = g.ranks().to_vec();
             if !self.comms.contains_key(&members) {
                 let me = g.index_of(self.inner.rank())?;
-                let id = self.ids.id(&members)?;
+                let id = self.group_id(g)?;
                 self.stream
                     .context()
                     .bind_to_thread()
@@ -837,7 +871,7 @@ mod nccl_impl {
         }
     }
 
-    impl Collectives for NcclCollectives<'_> {
+    impl<C: Collectives + ?Sized> Collectives for NcclCollectives<'_, C> {
         fn rank(&self) -> usize {
             self.inner.rank()
         }

@@ -115,6 +115,12 @@ pub fn run(spec: &RunSpec, backend: Backend) -> Result<RunReport, ExecError> {
             backend: "mpi",
             feature: "mpi",
         }),
+        // Under `mpirun` (with feature `mpi`): one process per GPU, across nodes; otherwise
+        // one thread per GPU of this machine.
+        #[cfg(all(feature = "cuda", feature = "mpi"))]
+        Backend::Cuda if mpi_backend::launched_by_mpirun() => {
+            cuda_backend::run_mpi(&mut mpi_backend::MpiRuntime::init()?, spec)
+        }
         #[cfg(feature = "cuda")]
         Backend::Cuda => cuda_backend::run(spec),
         #[cfg(not(feature = "cuda"))]

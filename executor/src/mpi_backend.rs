@@ -412,6 +412,18 @@ impl Collectives for MpiComm {
     }
 }
 
+/// How one MPI rank trains, given its endpoint (see [`MpiRuntime::run_with`]).
+pub type MpiRankMain<'a> = dyn Fn(&RunSpec, &Prepared, &mut MpiComm, Instant) -> Result<crate::engine::RankReport, ExecError>
+    + 'a;
+
+/// Whether this process was started by an MPI launcher (`mpirun`, `srun` with PMI/PMIx):
+/// the environment variables OpenMPI, MPICH/PMI and PMIx set for every process.
+pub fn launched_by_mpirun() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
 /// MPI for this process: initialised once, finalised when dropped. Runs any number of
 /// layouts one after the other, each on all the processes of the job.
 pub struct MpiRuntime {
@@ -479,6 +491,18 @@ impl MpiRuntime {
     /// (`MPI_Abort`), so the other ranks do not wait out their timeouts. Rank 0's report has
     /// the step times, the gathered state and every rank's spans; the others have the losses.
     pub fn run(&mut self, spec: &RunSpec) -> Result<RunReport, ExecError> {
+        self.run_with(spec, &|spec, prep, comm, epoch| {
+            run_rank(spec, prep, comm, epoch)
+        })
+    }
+
+    /// [`MpiRuntime::run`] with this process's rank running `rank_main` (which prepares the
+    /// process, e.g. its GPU, and then trains over `comm` or collectives built on it).
+    pub fn run_with(
+        &mut self,
+        spec: &RunSpec,
+        rank_main: &MpiRankMain<'_>,
+    ) -> Result<RunReport, ExecError> {
         let prep = Prepared::new(spec)?;
         let need = prep.topology().world();
         if need != self.world {
@@ -496,19 +520,20 @@ impl MpiRuntime {
             self.abort(e.into());
         }
         let epoch = Instant::now();
-        let result =
-            std::panic::catch_unwind(AssertUnwindSafe(|| run_rank(spec, &prep, &mut comm, epoch)))
-                .unwrap_or_else(|p| {
-                    let msg = p
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| p.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "panic".into());
-                    Err(ExecError::Rank {
-                        rank: self.rank,
-                        message: format!("panicked: {msg}"),
-                    })
-                });
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            rank_main(spec, &prep, &mut comm, epoch)
+        }))
+        .unwrap_or_else(|p| {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "panic".into());
+            Err(ExecError::Rank {
+                rank: self.rank,
+                message: format!("panicked: {msg}"),
+            })
+        });
         let report = match result {
             Ok(r) => r,
             Err(e) => self.abort(e),
@@ -538,17 +563,33 @@ impl MpiRuntime {
         })
     }
 
+    /// Every rank's host, as a key that is equal for ranks on one node (a collective: every
+    /// process calls it, with no message of ours in flight).
+    pub fn hosts(&self) -> Vec<u64> {
+        let world = SimpleCommunicator::world();
+        let name = mpi::environment::processor_name().unwrap_or_default();
+        let mut hosts = vec![0u64; self.world];
+        world.all_gather_into(&host_key(&name), &mut hosts[..]);
+        hosts
+    }
+
+    /// This process's index among the processes on its node (a collective, as
+    /// [`MpiRuntime::hosts`]): the GPU it takes when each process drives one.
+    pub fn local_rank(&self) -> usize {
+        let hosts = self.hosts();
+        hosts[..self.rank]
+            .iter()
+            .filter(|h| **h == hosts[self.rank])
+            .count()
+    }
+
     /// Calibrates with every process of the job (`mpirun -np N parallax calibrate --backend
     /// mpi`): all ranks run the compute benchmarks at once (one core each), the ranks on rank
     /// 0's node time all-reduces among themselves, and, when the job spans several nodes, one
     /// rank per node times all-reduces across nodes. Rank 0 gets the figures (compute figures
     /// averaged over the ranks of its node); the other ranks get `None`.
     pub fn calibrate(&mut self, quick: bool) -> Result<Option<Measurements>, ExecError> {
-        // Group ranks by host before any message of ours is in flight.
-        let world = SimpleCommunicator::world();
-        let name = mpi::environment::processor_name().unwrap_or_default();
-        let mut hosts = vec![0u64; self.world];
-        world.all_gather_into(&host_key(&name), &mut hosts[..]);
+        let hosts = self.hosts();
         self.runs += 1;
         let data_tag = MPI_TAG_DATA + (self.runs % DATA_TAGS) as i32;
         let mut comm = MpiComm::new(self.rank, self.world, data_tag, Duration::from_secs(120));
