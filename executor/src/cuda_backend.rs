@@ -634,6 +634,8 @@ fn train_on_gpu<C: crate::Collectives>(
     comm: &mut C,
     epoch: Instant,
 ) -> Result<RankReport, ExecError> {
+    #[cfg(feature = "nccl")]
+    require(Lib::Nccl)?;
     let gpu = std::rc::Rc::new(Gpu::open(ordinal)?);
     set_device_offload(Some(gpu.clone()));
     let r = {
@@ -740,7 +742,7 @@ fn collective_times(n: usize, quick: bool) -> Result<Option<AllReduceTimes>, Exe
 }
 
 #[cfg(feature = "nccl")]
-pub use nccl_impl::{nccl_rendezvous, NcclCollectives};
+pub use nccl_impl::NcclCollectives;
 
 #[cfg(feature = "nccl")]
 mod nccl_impl {
@@ -749,7 +751,6 @@ mod nccl_impl {
     use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
     use cudarc::nccl::{Comm, Id, ReduceOp};
     use std::collections::HashMap;
-    use std::path::Path;
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
@@ -1043,66 +1044,6 @@ mod nccl_impl {
 
     /// Bytes of an NCCL unique id.
     const ID_BYTES: usize = 128;
-
-    /// Creates this rank's NCCL communicator over `world` ranks. Rank 0 makes the unique id
-    /// and publishes it atomically (write to a temporary file, then rename) at `path`, which
-    /// every rank can read (a shared file system across nodes); the others wait for the file
-    /// up to `timeout` and fail naming rank 0 if it never appears. The caller removes the
-    /// file after the run.
-    pub fn nccl_rendezvous(
-        stream: Arc<CudaStream>,
-        rank: usize,
-        world: usize,
-        path: &Path,
-        timeout: Duration,
-    ) -> Result<Comm, ExecError> {
-        require(Lib::Nccl)?;
-        let err = |message: String| ExecError::Backend {
-            backend: "cuda",
-            message,
-        };
-        let id = if rank == 0 {
-            let id = Id::new().map_err(|e| err(format!("ncclGetUniqueId: {e:?}")))?;
-            let bytes: Vec<u8> = id.internal().iter().map(|c| *c as u8).collect();
-            let tmp = path.with_extension("tmp");
-            std::fs::write(&tmp, &bytes)
-                .and_then(|()| std::fs::rename(&tmp, path))
-                .map_err(|e| {
-                    err(format!(
-                        "cannot publish the NCCL id at {}: {e}",
-                        path.display()
-                    ))
-                })?;
-            id
-        } else {
-            let t0 = Instant::now();
-            loop {
-                match std::fs::read(path) {
-                    Ok(b) if b.len() == ID_BYTES => {
-                        let mut internal = [0 as std::ffi::c_char; ID_BYTES];
-                        for (d, s) in internal.iter_mut().zip(&b) {
-                            *d = *s as std::ffi::c_char;
-                        }
-                        break Id::uninit(internal);
-                    }
-                    _ if t0.elapsed() >= timeout => {
-                        return Err(ExecError::Rank {
-                            rank: 0,
-                            message: format!(
-                                "stopped responding: rank {rank} waited {:.1} s for the NCCL id \
-                                 at {}",
-                                t0.elapsed().as_secs_f64(),
-                                path.display()
-                            ),
-                        })
-                    }
-                    _ => std::thread::sleep(Duration::from_millis(20)),
-                }
-            }
-        };
-        Comm::from_rank(stream, rank, world, id)
-            .map_err(|e| err(format!("ncclCommInitRank: {e:?}")))
-    }
 }
 
 #[cfg(test)]
