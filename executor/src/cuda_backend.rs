@@ -1,15 +1,17 @@
-//! The `cuda` backend (features `cuda`, `nccl`): one rank per GPU of this machine.
+//! The `cuda` backend (features `cuda`, `nccl`): one rank per GPU.
 //!
-//! Each rank is a thread bound to its own GPU (rank `r` on device `r`). The trainer is the
-//! executor's own (`engine.rs`, host-resident fp32 parameters and activations), with every
-//! GEMM of at least [`OFFLOAD_MIN_FLOPS`](crate::tensor::OFFLOAD_MIN_FLOPS) run by cuBLAS on the rank's GPU through the
-//! [`DeviceOffload`] hook of `tensor::matmul` (operands are copied to the device and the result
-//! back), and, with feature `nccl`, every collective run by NCCL on per-group communicators
-//! ([`NcclCollectives`]; point-to-point pipeline messages stay on the host channels). The
-//! pointwise kernels, attention softmax and Adam run on the host; [`Gpu::adam_step`] is the
-//! NVRTC form of the update, kept for the device-resident trainer that would remove the
-//! copies. `calibrate --backend cuda` measures the GPUs ([`calibrate`]): cuBLAS sgemm over
-//! sizes, device copy bandwidth, the NVRTC Adam kernel's bandwidth, NCCL all-reduce.
+//! Ranks are threads of this process, rank `r` on GPU `r` ([`run`]), or, under `mpirun` with
+//! feature `mpi`, processes on any number of nodes, each on the GPU of its index among its
+//! node's processes ([`run_mpi`]). The trainer is the executor's own (`engine.rs`,
+//! host-resident fp32 parameters and activations); through the [`DeviceOffload`] hook every
+//! GEMM of at least [`OFFLOAD_MIN_FLOPS`](crate::tensor::OFFLOAD_MIN_FLOPS) runs in cuBLAS on
+//! the rank's GPU and the Adam update in an NVRTC kernel (operands are copied to the device
+//! and the results back), and, with feature `nccl`, every collective runs in NCCL on
+//! per-group communicators bootstrapped over the host backend ([`NcclCollectives`];
+//! point-to-point pipeline messages stay on the host backend). Pointwise kernels and the
+//! attention softmax run on the host. `calibrate --backend cuda` measures the GPUs
+//! ([`calibrate`]): cuBLAS sgemm over sizes, device copy bandwidth, the NVRTC Adam kernel's
+//! bandwidth, NCCL all-reduce.
 //!
 //! CUDA libraries are loaded at run time (cudarc `dynamic-loading`), so a build needs no CUDA
 //! toolkit, and a machine without a GPU gets a typed error with a fix-it message instead of a

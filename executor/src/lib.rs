@@ -7,8 +7,9 @@
 //!
 //! Backends: `threads` (one thread per rank, always built), `mpi` (feature `mpi`: one
 //! process per rank under `mpirun`, see `mpi_backend`) and `cuda` (features `cuda`, `nccl`:
-//! one thread per GPU, GEMMs in cuBLAS, collectives in NCCL, see `cuda_backend`). Asking for a
-//! backend this build lacks answers [`ExecError::NotCompiled`], so callers need no `cfg`. Dropout is off in the
+//! one rank per GPU — threads, or processes under `mpirun` — with GEMMs in cuBLAS, Adam in an
+//! NVRTC kernel and collectives in NCCL, see `cuda_backend`). Asking for a backend this build
+//! lacks answers [`ExecError::NotCompiled`], so callers need no `cfg`. Dropout is off in the
 //! executor (see [`model`]).
 //!
 //! ```
