@@ -164,20 +164,7 @@ pub(crate) fn run_threads_with(
                     .name(format!("rank-{}", comm.rank()))
                     .spawn_scoped(s, move || {
                         let rank = comm.rank();
-                        let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                            rank_main(spec, prep, &mut comm, epoch)
-                        }))
-                        .unwrap_or_else(|p| {
-                            let msg = p
-                                .downcast_ref::<&str>()
-                                .map(|s| s.to_string())
-                                .or_else(|| p.downcast_ref::<String>().cloned())
-                                .unwrap_or_else(|| "panic".into());
-                            Err(ExecError::Rank {
-                                rank,
-                                message: format!("panicked: {msg}"),
-                            })
-                        });
+                        let r = caught(rank, || rank_main(spec, prep, &mut comm, epoch));
                         if let Err(e) = &r {
                             let (who, why) = blame(rank, e);
                             if let Some(who) = who {
@@ -227,6 +214,24 @@ pub(crate) fn run_threads_with(
         out.spans.extend(r.spans);
     }
     Ok(out)
+}
+
+/// Runs rank `rank`'s work, turning a panic into that rank's error.
+pub(crate) fn caught<T>(
+    rank: usize,
+    f: impl FnOnce() -> Result<T, ExecError>,
+) -> Result<T, ExecError> {
+    std::panic::catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        let msg = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panic".into());
+        Err(ExecError::Rank {
+            rank,
+            message: format!("panicked: {msg}"),
+        })
+    })
 }
 
 /// The rank to blame for an error and why; `None` for errors that only echo another rank's

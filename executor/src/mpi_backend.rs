@@ -31,7 +31,6 @@ use mpi::point_to_point::{MatchedReceiveVec, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 use std::collections::{HashMap, VecDeque};
-use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
 /// MPI tag of "whom are you waiting for?" queries (fault diagnosis).
@@ -520,20 +519,7 @@ impl MpiRuntime {
             self.abort(e.into());
         }
         let epoch = Instant::now();
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            rank_main(spec, &prep, &mut comm, epoch)
-        }))
-        .unwrap_or_else(|p| {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "panic".into());
-            Err(ExecError::Rank {
-                rank: self.rank,
-                message: format!("panicked: {msg}"),
-            })
-        });
+        let result = crate::caught(self.rank, || rank_main(spec, &prep, &mut comm, epoch));
         let report = match result {
             Ok(r) => r,
             Err(e) => self.abort(e),
