@@ -8,7 +8,6 @@ use clap::Args as ClapArgs;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use parallax_cost::transformer::{Runtime, Setup};
 use parallax_hardware::Cluster;
-use parallax_ir::op::OpKind;
 use parallax_ir::{load_model, PartialLayout, Precision};
 use parallax_planner::export::{export, Engine};
 use parallax_planner::plots::{breakdown_svg, gantt_svg, memory_svg, sweep_svg};
@@ -191,13 +190,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(dir) = &a.out {
         prepare_out(dir, engine, a.force)?;
     }
-    // BatchNorm statistics suffer at small per-GPU batches; transformers use LayerNorm or
-    // RMSNorm, but an imported graph may carry BatchNorm.
-    let has_batchnorm = model
-        .graph(1, seq.min(cfg.max_seq.max(1)), true)
-        .map(|g| g.nodes.iter().any(|n| matches!(n.op, OpKind::BatchNorm)))
-        .unwrap_or(false);
-
     let setup = Setup {
         model: cfg,
         profile: &cluster.profile,
@@ -212,7 +204,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let opts = SearchOptions {
         top_k: a.top,
-        allow_tp_across_nodes: a.allow_tp_across_nodes,
         force: fix,
         force_even_stages: a.even_stages,
         engine,
@@ -246,7 +237,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         result: &result,
         band: parallax_cost::step_time_band(&cluster.profile),
         sweep: &sweep,
-        has_batchnorm,
     };
     let best = result.best();
     let plan = plan_document(&input, best);

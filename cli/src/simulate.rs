@@ -92,7 +92,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&report_json(&sim, &layout, band))?
+            serde_json::to_string_pretty(&parallax_planner::report::prediction_json(
+                &sim.prediction,
+                &layout,
+                band
+            ))?
         );
     } else {
         print_report(&model.name, &a.cluster, &sim, &layout, band);
@@ -119,19 +123,13 @@ fn resolve_layout(spec: &str, setup: &Setup) -> anyhow::Result<Layout> {
     }
 }
 
-/// The `--json` document (the contract of `../shared/DESIGN.md`).
-pub fn report_json(sim: &SimulatedStep, layout: &Layout, band: f64) -> serde_json::Value {
-    parallax_planner::report::prediction_json(&sim.prediction, layout, band)
-}
-
 fn print_report(model: &str, cluster: &str, sim: &SimulatedStep, layout: &Layout, band: f64) {
     let p = &sim.prediction;
     println!("{model} on {cluster}: {}", layout_string(layout));
+    let (low, high) = parallax_cost::band_range(p.step_time_s, band);
     println!(
-        "step time   {:.3} s  (band {:.3} – {:.3} s)   {:.0} tokens/s   MFU {:.1} %   HFU {:.1} %",
+        "step time   {:.3} s  (band {low:.3} – {high:.3} s)   {:.0} tokens/s   MFU {:.1} %   HFU {:.1} %",
         p.step_time_s,
-        p.step_time_s * (1.0 - band),
-        p.step_time_s * (1.0 + band),
         p.tokens_per_s,
         p.mfu * 100.0,
         p.hfu * 100.0

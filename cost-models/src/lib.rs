@@ -26,3 +26,8 @@ pub fn step_time_band(profile: &parallax_hardware::ClusterProfile) -> f64 {
         .and_then(|c| c.step_time_band)
         .unwrap_or(UNCALIBRATED_STEP_TIME_BAND)
 }
+
+/// The band `(low, high)` around a predicted step time for relative half-width `band`.
+pub fn band_range(step_time_s: f64, band: f64) -> (f64, f64) {
+    (step_time_s * (1.0 - band), step_time_s * (1.0 + band))
+}

@@ -2,18 +2,14 @@
 //! wins (which limit binds, against the best plan of each alternative family), guidance
 //! grounded in the numbers, a top-K table, and the same as JSON, Markdown and HTML.
 
-use crate::search::{Evaluated, Family, SearchResult};
+use crate::search::{Evaluated, SearchResult};
+use parallax_cost::band_range;
 use parallax_cost::transformer::Setup;
 use parallax_ir::plan::{ClusterRef, ModelRef, Prediction, Training};
 use parallax_ir::{Layout, Plan, Recompute, Schedule, PLAN_SCHEMA};
 use parallax_sim::StepPrediction;
 use serde::Serialize;
 use serde_json::{json, Value};
-
-/// Per-GPU batch (samples per data-parallel rank per step) below which BatchNorm's batch
-/// statistics degrade accuracy: Wu & He 2018 ("Group Normalization", Fig. 1) show ResNet-50's
-/// ImageNet error rising once the batch per GPU falls below 16, and sharply below 8.
-pub const BATCHNORM_MIN_PER_GPU: u64 = 16;
 
 /// The plan at another GPU count (`--max-gpus`).
 #[derive(Clone, Debug, Serialize)]
@@ -38,8 +34,6 @@ pub struct ReportInput<'a> {
     /// calibration residuals of the profile).
     pub band: f64,
     pub sweep: &'a [SweepPoint],
-    /// The model contains BatchNorm.
-    pub has_batchnorm: bool,
 }
 
 /// The Plan document of one evaluated layout, with its prediction and band.
@@ -64,8 +58,8 @@ pub fn plan_document(input: &ReportInput, e: &Evaluated) -> Plan {
         op_configs: Vec::new(),
         prediction: Some(Prediction {
             step_time_s: p.step_time_s,
-            step_time_s_low: p.step_time_s * (1.0 - input.band),
-            step_time_s_high: p.step_time_s * (1.0 + input.band),
+            step_time_s_low: band_range(p.step_time_s, input.band).0,
+            step_time_s_high: band_range(p.step_time_s, input.band).1,
             tokens_per_s: p.tokens_per_s,
             mfu: p.mfu,
             peak_memory_gib: p.peak_memory_gib,
@@ -314,12 +308,6 @@ pub fn guidance(input: &ReportInput) -> Vec<String> {
         s.gpus,
         pct(r.flops_bound_s / p.step_time_s)
     ));
-    let per_rank = s.global_batch / u64::from(l.dp.max(1));
-    if input.has_batchnorm && per_rank < BATCHNORM_MIN_PER_GPU {
-        out.push(format!(
-            "Warning: {per_rank} samples per data-parallel rank is below {BATCHNORM_MIN_PER_GPU}: BatchNorm statistics get noisy (Wu & He 2018); use SyncBatchNorm, GroupNorm or a larger global batch."
-        ));
-    }
     if r.bounds_fell_back {
         out.push("Note: the simulator changed under the planner's tight bounds; the search fell back to pipeline-only bounds (exact, slower).".into());
     }
@@ -359,8 +347,8 @@ pub fn rows(input: &ReportInput) -> Vec<Row> {
                 layout: short_layout(&e.layout),
                 layout_inline: crate::complete::layout_string(&e.layout),
                 step_time_s: p.step_time_s,
-                step_time_s_low: p.step_time_s * (1.0 - input.band),
-                step_time_s_high: p.step_time_s * (1.0 + input.band),
+                step_time_s_low: band_range(p.step_time_s, input.band).0,
+                step_time_s_high: band_range(p.step_time_s, input.band).1,
                 tokens_per_s: p.tokens_per_s,
                 mfu: p.mfu,
                 peak_memory_gib: p.peak_memory_gib,
@@ -407,8 +395,8 @@ pub fn table_cells(input: &ReportInput) -> (Vec<&'static str>, Vec<Vec<String>>)
 pub fn prediction_json(p: &StepPrediction, layout: &Layout, band: f64) -> Value {
     let mut doc = json!({
         "step_time_s": p.step_time_s,
-        "step_time_s_low": p.step_time_s * (1.0 - band),
-        "step_time_s_high": p.step_time_s * (1.0 + band),
+        "step_time_s_low": band_range(p.step_time_s, band).0,
+        "step_time_s_high": band_range(p.step_time_s, band).1,
         "tokens_per_s": p.tokens_per_s,
         "mfu": p.mfu,
         "hfu": p.hfu,
@@ -515,8 +503,8 @@ pub fn headline(input: &ReportInput) -> Vec<String> {
         format!(
             "step time   {:.3} s ({:.3}–{:.3} s, ±{:.0} %) · {:.0} tokens/s · MFU {} · HFU {}",
             p.step_time_s,
-            p.step_time_s * (1.0 - input.band),
-            p.step_time_s * (1.0 + input.band),
+            band_range(p.step_time_s, input.band).0,
+            band_range(p.step_time_s, input.band).1,
             input.band * 100.0,
             p.tokens_per_s,
             pct(p.mfu),
@@ -648,11 +636,6 @@ pub fn html(input: &ReportInput, svgs: &Svgs) -> String {
     s
 }
 
-/// Whether a family is the best plan's own (for tests and callers).
-pub fn in_family(result: &SearchResult, f: Family) -> bool {
-    f.contains(&result.best().layout)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -693,7 +676,6 @@ mod tests {
             result: &r,
             band: 0.1,
             sweep: &sweep,
-            has_batchnorm: true,
         };
         let doc = json_document(&input);
         for key in [
@@ -757,40 +739,5 @@ mod tests {
         }
         let md = markdown(&input, &svgs);
         assert!(md.contains("## Why this plan wins") && md.contains("](breakdown.svg)"));
-    }
-
-    #[test]
-    fn small_per_gpu_batches_warn_about_batchnorm() {
-        let m = zoo::transformer("gpt2").unwrap();
-        let c = Cluster::parse("dgx-a100-80gb:gpus=8").unwrap();
-        let s = Setup {
-            model: &m,
-            profile: &c.profile,
-            gpus: 8,
-            precision: Precision::Bf16,
-            seq: 1024,
-            global_batch: 16,
-            runtime: Runtime::default(),
-        };
-        let r = search(
-            &s,
-            &SearchOptions {
-                force: parallax_ir::PartialLayout::parse("dp=8").unwrap(),
-                ..SearchOptions::default()
-            },
-        )
-        .unwrap();
-        let mut input = ReportInput {
-            setup: &s,
-            model_name: "gpt2",
-            cluster_spec: "dgx-a100-80gb:gpus=8",
-            result: &r,
-            band: 0.1,
-            sweep: &[],
-            has_batchnorm: true,
-        };
-        assert!(guidance(&input).iter().any(|l| l.contains("BatchNorm")));
-        input.has_batchnorm = false;
-        assert!(!guidance(&input).iter().any(|l| l.contains("BatchNorm")));
     }
 }

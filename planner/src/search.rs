@@ -45,10 +45,6 @@ pub const BATCH: usize = 8;
 pub struct SearchOptions {
     /// Plans to return, best first.
     pub top_k: usize,
-    /// Let tensor parallelism span nodes (by default TP stays inside a node, where NVLink is).
-    /// The cost model itself rejects TP across nodes today, so with this set such layouts are
-    /// costed and rejected as `tp across nodes` instead of being skipped.
-    pub allow_tp_across_nodes: bool,
     /// Largest micro-batch tried.
     pub max_micro_batch: u64,
     /// Pipeline schedules tried when pp > 1. Interleaved 1F1B is tried with every valid number
@@ -71,7 +67,6 @@ impl Default for SearchOptions {
     fn default() -> Self {
         SearchOptions {
             top_k: DEFAULT_TOP_K,
-            allow_tp_across_nodes: false,
             max_micro_batch: DEFAULT_MAX_MICRO_BATCH,
             schedules: vec![
                 Schedule::GPipe,
@@ -840,7 +835,7 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
         counts.reject(reason, 1);
     };
     for tp in divisors(gpus).into_iter().filter(|&t| keep(f.tp, t)) {
-        if tp > gpn && gpus > gpn && !opts.allow_tp_across_nodes {
+        if tp > gpn && gpus > gpn && !setup.runtime.allow_tp_across_nodes {
             reject(counts, "tp across nodes");
             continue;
         }
