@@ -20,7 +20,7 @@
 
 use parallax_cost::memory::{state_bytes_per_param, ALLOCATOR_FRACTION, WORKSPACE_GIB};
 use parallax_cost::transformer::{Setup, TransformerCosts};
-use parallax_ir::{Bytes, Layout, Schedule, Seconds};
+use parallax_ir::{Bytes, Layout, Seconds};
 use parallax_sim::{
     max_in_flight, pass_costs, step_terms, virtual_stage_params, Op, PipelineSchedule,
     ScheduleError, ScheduleKind,
@@ -29,16 +29,6 @@ use parallax_sim::{
 /// Relative slack taken off the step-time bound so that summing the same terms in another order
 /// than the simulator (floating-point rounding) never makes a tight bound exceed the makespan.
 pub const BOUND_SLACK: f64 = 1e-9;
-
-/// The simulator's schedule for a layout's `Schedule` (no pipeline runs as a one-stage 1F1B).
-pub fn schedule_kind(s: Schedule) -> ScheduleKind {
-    match s {
-        Schedule::GPipe => ScheduleKind::GPipe,
-        Schedule::Interleaved1F1B => ScheduleKind::Interleaved1F1B,
-        Schedule::ZeroBubbleH1 => ScheduleKind::ZeroBubbleH1,
-        Schedule::None | Schedule::OneFOneB => ScheduleKind::OneFOneB,
-    }
-}
 
 /// Per-virtual-stage pass times of one layout, in seconds: the parts of the simulator's pass
 /// costs that every layout pays. What the simulator adds on top for some layouts (ZeRO-3
@@ -139,7 +129,7 @@ pub fn memory_gib(
 ) -> Result<f64, ScheduleError> {
     let (pp, v) = (l.pp, l.interleave);
     let nv = (pp * v) as usize;
-    let kind = schedule_kind(l.schedule);
+    let kind = ScheduleKind::of(l.schedule, l.pp);
     let (wb, gb, ob) = state_bytes_per_param(setup.precision, l.zero_stage, l.dp * l.cp);
     let workspace = Bytes::from_gib(WORKSPACE_GIB).0 as f64;
     let mut worst = 0.0f64;
@@ -160,11 +150,7 @@ pub fn memory_gib(
             }
         }
         let saved_per_chunk = saved / f64::from(v);
-        let in_flight = if pp == 1 {
-            1
-        } else {
-            max_in_flight(kind, pp, m, v, s)?
-        };
+        let in_flight = max_in_flight(kind, pp, m, v, s)?;
         let mut buffers = workspace + c.layer.working.0 as f64;
         if head {
             buffers += c.head.working.0 as f64;

@@ -12,9 +12,7 @@
 //! the number of threads; ties go to the lower step time, then the lower candidate id (its
 //! position in the enumeration).
 
-use crate::bounds::{
-    balanced_layers, extras, memory_gib, pass_times, schedule_kind, ScheduleSummary,
-};
+use crate::bounds::{balanced_layers, extras, memory_gib, pass_times, ScheduleSummary};
 use crate::export::Engine;
 use parallax_cost::compute::DeviceModel;
 use parallax_cost::transformer::{
@@ -476,7 +474,7 @@ fn run(
                 let base = &groups[gi].base;
                 let m = base.micro_batches(setup.global_batch) as u32;
                 for (s, v) in schedules_of(setup, opts, base) {
-                    let key = (schedule_kind(s), base.pp, m, v);
+                    let key = (ScheduleKind::of(s, base.pp), base.pp, m, v);
                     if !summaries.contains_key(&key) {
                         need.push(key);
                     }
@@ -1017,7 +1015,7 @@ fn expand(
                 .entry(v)
                 .or_insert_with(|| partitions(setup, opts, &l, c))
                 .clone();
-            let summary = summaries.get(&(schedule_kind(schedule), l.pp, m, v));
+            let summary = summaries.get(&(ScheduleKind::of(schedule, l.pp), l.pp, m, v));
             for (layers, explicit) in parts {
                 let id = (g.index << 20) | local;
                 local += 1;
@@ -1181,9 +1179,13 @@ mod tests {
                                 Vec::new()
                             };
                             let sim = simulate_step(&s, &l).unwrap().prediction;
-                            let summary =
-                                ScheduleSummary::new(schedule_kind(schedule), l.pp, mbatch, v)
-                                    .unwrap();
+                            let summary = ScheduleSummary::new(
+                                ScheduleKind::of(schedule, l.pp),
+                                l.pp,
+                                mbatch,
+                                v,
+                            )
+                            .unwrap();
                             let mut t = pass_times(&costs, &layers);
                             let loose = summary.step_bound(&t, None);
                             let e = extras(&s, &l, &costs, &layers);

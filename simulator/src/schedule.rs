@@ -41,6 +41,21 @@ pub enum ScheduleKind {
     ZeroBubbleH1,
 }
 
+impl ScheduleKind {
+    /// The schedule a layout's `schedule` runs over `pp` stages. One stage has no pipeline: every
+    /// schedule is then a one-stage 1F1B (forward, backward, one micro-batch in flight).
+    pub fn of(schedule: parallax_ir::Schedule, pp: u32) -> ScheduleKind {
+        use parallax_ir::Schedule;
+        match schedule {
+            _ if pp <= 1 => ScheduleKind::OneFOneB,
+            Schedule::GPipe => ScheduleKind::GPipe,
+            Schedule::Interleaved1F1B => ScheduleKind::Interleaved1F1B,
+            Schedule::ZeroBubbleH1 => ScheduleKind::ZeroBubbleH1,
+            Schedule::None | Schedule::OneFOneB => ScheduleKind::OneFOneB,
+        }
+    }
+}
+
 impl fmt::Display for ScheduleKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {

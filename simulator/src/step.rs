@@ -18,7 +18,7 @@ use parallax_cost::memory::{
 use parallax_cost::transformer::{
     model_flops_per_step, transformer_costs, Infeasible, Setup, TransformerCosts,
 };
-use parallax_ir::{Bytes, Layout, Schedule, Seconds, GIB};
+use parallax_ir::{Bytes, Layout, Seconds, GIB};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use thiserror::Error;
@@ -102,18 +102,44 @@ pub struct SimulatedStep {
     pub graph: TaskGraph,
     pub resources: Resources,
     pub trace: Trace,
-    /// Memory of each stage over the step, `(seconds, GiB)` at every change: model states and
-    /// buffers, plus each micro-batch's activations from the end of its forward to the end of
-    /// its weight-gradient pass (allocator allowance not included).
-    pub memory_timeline: Vec<Vec<(f64, f64)>>,
+    /// GiB each pipeline stage holds all step long: model states and buffers.
+    stage_static_gib: Vec<f64>,
+    /// GiB one micro-batch keeps from each virtual stage's forward to its weight gradients.
+    saved_gib: Vec<f64>,
 }
 
-fn schedule_kind(l: &Layout) -> ScheduleKind {
-    match l.schedule {
-        Schedule::GPipe => ScheduleKind::GPipe,
-        Schedule::Interleaved1F1B => ScheduleKind::Interleaved1F1B,
-        Schedule::ZeroBubbleH1 => ScheduleKind::ZeroBubbleH1,
-        Schedule::None | Schedule::OneFOneB => ScheduleKind::OneFOneB,
+impl SimulatedStep {
+    /// Memory of each stage over the step, `(seconds, GiB)` at every change: model states and
+    /// buffers, plus each micro-batch's activations from the end of its forward to the end of
+    /// its weight-gradient pass (allocator allowance not included). Built on demand from the
+    /// trace: the search never needs it.
+    pub fn memory_timeline(&self) -> Vec<Vec<(f64, f64)>> {
+        let pp = self.stage_static_gib.len();
+        let mut events: Vec<Vec<(f64, f64)>> = vec![Vec::new(); pp];
+        for span in &self.trace.spans {
+            let t = self.graph.task(span.task);
+            let vs = t.chunk as usize * pp + t.stage as usize;
+            let delta = match t.kind {
+                TaskKind::Forward => self.saved_gib[vs],
+                TaskKind::BackwardWeight => -self.saved_gib[vs],
+                _ => continue,
+            };
+            events[t.stage as usize].push((span.end.0, delta));
+        }
+        events
+            .into_iter()
+            .zip(&self.stage_static_gib)
+            .map(|(mut ev, base)| {
+                ev.sort_by(|a, b| a.0.total_cmp(&b.0));
+                let mut level = *base;
+                let mut out = vec![(0.0, level)];
+                for (t, d) in ev {
+                    level += d;
+                    out.push((t, level.max(0.0)));
+                }
+                out
+            })
+            .collect()
     }
 }
 
@@ -324,7 +350,7 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
     let shard = l.dp * l.cp;
     let terms = step_terms(setup, l, &c, &layers)?;
     let (z3_fwd, z3_bwd) = terms.zero3;
-    let kind = schedule_kind(l);
+    let kind = ScheduleKind::of(l.schedule, l.pp);
     let schedule = PipelineSchedule::generate(kind, pp, m, v)?;
     let mut pg = build_pipeline(&schedule, &terms.costs)?;
     let params_of = |vs: usize| virtual_stage_params(&c, &layers, vs);
@@ -457,11 +483,7 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
         let chunks: Vec<usize> = (0..v).map(|ch| (ch * pp + s) as usize).collect();
         let params: u64 = chunks.iter().map(|&vs| params_of(vs)).sum();
         let saved_per_chunk = chunks.iter().map(|&vs| saved_of(vs)).sum::<f64>() / f64::from(v);
-        let in_flight = if pp == 1 {
-            1
-        } else {
-            max_in_flight(kind, pp, m, v, s)?
-        };
+        let in_flight = max_in_flight(kind, pp, m, v, s)?;
         let mut buffers = workspace.0 as f64 + c.layer.working.0 as f64;
         if chunks.contains(&(nv - 1)) {
             buffers += c.head.working.0 as f64;
@@ -509,39 +531,13 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
         capacity_gib: capacity,
         fits: peak_gib <= capacity,
     };
-    // Activations held per virtual stage and micro-batch, over time.
-    let mut events: Vec<Vec<(f64, f64)>> = vec![Vec::new(); pp as usize];
-    for span in &trace.spans {
-        let t = pg.graph.task(span.task);
-        let vs = (t.chunk * pp + t.stage) as usize;
-        match t.kind {
-            TaskKind::Forward => events[t.stage as usize].push((span.end.0, saved_of(vs) / GIB)),
-            TaskKind::BackwardWeight => {
-                events[t.stage as usize].push((span.end.0, -saved_of(vs) / GIB))
-            }
-            _ => {}
-        }
-    }
-    let memory_timeline = events
-        .into_iter()
-        .zip(&stage_static)
-        .map(|(mut ev, base)| {
-            ev.sort_by(|a, b| a.0.total_cmp(&b.0));
-            let mut level = *base;
-            let mut out = vec![(0.0, level)];
-            for (t, d) in ev {
-                level += d;
-                out.push((t, level.max(0.0)));
-            }
-            out
-        })
-        .collect();
     Ok(SimulatedStep {
         prediction,
         graph: pg.graph,
         resources: pg.resources,
         trace,
-        memory_timeline,
+        stage_static_gib: stage_static,
+        saved_gib: (0..nv).map(|vs| saved_of(vs) / GIB).collect(),
     })
 }
 
@@ -551,6 +547,7 @@ mod tests {
     use parallax_cost::transformer::Runtime;
     use parallax_hardware::{preset, ClusterProfile};
     use parallax_ir::models::TransformerConfig;
+    use parallax_ir::Schedule;
     use parallax_ir::{Precision, Recompute};
 
     fn gpt3() -> TransformerConfig {
@@ -617,8 +614,9 @@ mod tests {
         let (m, p) = (gpt3(), preset("dgx-a100-80gb").unwrap());
         let s = setup(&m, &p, 1024, 1536);
         let r = simulate_step(&s, &megatron_175b(Schedule::OneFOneB, 1)).unwrap();
-        assert_eq!(r.memory_timeline.len(), 8);
-        for (stage, tl) in r.memory_timeline.iter().enumerate() {
+        let timeline = r.memory_timeline();
+        assert_eq!(timeline.len(), 8);
+        for (stage, tl) in timeline.iter().enumerate() {
             let start = tl[0].1;
             let peak = tl.iter().map(|x| x.1).fold(0.0, f64::max);
             let end = tl.last().unwrap().1;
@@ -633,9 +631,8 @@ mod tests {
             assert!(tl.windows(2).all(|w| w[0].0 <= w[1].0));
         }
         // 1F1B: stage 0 holds pp micro-batches at its peak, the last stage one.
-        let rise = |s: usize| {
-            r.memory_timeline[s].iter().map(|x| x.1).fold(0.0, f64::max) - r.memory_timeline[s][0].1
-        };
+        let rise =
+            |s: usize| timeline[s].iter().map(|x| x.1).fold(0.0, f64::max) - timeline[s][0].1;
         assert!(rise(0) > 7.5 * rise(7), "{} vs {}", rise(0), rise(7));
     }
 
