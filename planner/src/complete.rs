@@ -1,9 +1,10 @@
 //! Completing a partial layout: every knob the user (or a published run) left out is chosen
 //! as the fastest feasible value, by simulating every combination.
 
-use parallax_cost::transformer::{check_layout, Setup};
+use parallax_cost::model_flops_per_step;
+use parallax_cost::transformer::Setup;
 use parallax_ir::{Layout, PartialLayout, Recompute, Schedule};
-use parallax_sim::{simulate_step, StepError, StepPrediction};
+use parallax_sim::{simulate_step_with_flops, StepError, StepPrediction};
 use rayon::prelude::*;
 use std::collections::BTreeMap;
 use thiserror::Error;
@@ -192,20 +193,19 @@ pub fn complete_within(
             setup.gpus
         )));
     }
+    let model_flops =
+        model_flops_per_step(setup).map_err(|e| CompleteError::NoCandidate(e.to_string()))?;
     let results: Vec<(usize, Outcome)> = cands
         .par_iter()
         .enumerate()
         .map(|(i, l)| {
-            // (reason kind for the counts, full message for the error)
-            let r = check_layout(setup, l)
-                .map_err(|e| (e.kind().to_string(), e.to_string()))
-                .and_then(|_| {
-                    simulate_step(setup, l)
-                        .map(|s| s.prediction)
-                        .map_err(|e| match e {
-                            StepError::Infeasible(i) => (i.kind().to_string(), i.to_string()),
-                            other => ("simulation".to_string(), other.to_string()),
-                        })
+            // (reason kind for the counts, full message for the error); the simulation
+            // checks the layout first.
+            let r = simulate_step_with_flops(setup, l, model_flops)
+                .map(|s| s.prediction)
+                .map_err(|e| match e {
+                    StepError::Infeasible(i) => (i.kind().to_string(), i.to_string()),
+                    other => ("simulation".to_string(), other.to_string()),
                 });
             (i, r)
         })

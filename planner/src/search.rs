@@ -19,7 +19,9 @@ use parallax_cost::transformer::{
     model_flops_per_step, transformer_costs, Infeasible, Setup, TransformerCosts,
 };
 use parallax_ir::{Layout, PartialLayout, Recompute, Schedule, StageRange};
-use parallax_sim::{simulate_step, stage_layers, ScheduleKind, StepError, StepPrediction};
+use parallax_sim::{
+    simulate_step_with_flops, stage_layers, ScheduleKind, StepError, StepPrediction,
+};
 use rayon::prelude::*;
 use serde::Serialize;
 use std::cmp::Reverse;
@@ -376,9 +378,9 @@ fn run(
 ) -> Result<Option<SearchResult>, SearchError> {
     let dev = DeviceModel::new(setup.profile, setup.precision)
         .map_err(|e| SearchError::Unsupported(e.to_string()))?;
-    let flops_bound_s = model_flops_per_step(setup)
-        .map_err(|e| SearchError::Unsupported(e.to_string()))?
-        / (f64::from(setup.gpus) * dev.gemm_peak());
+    let model_flops =
+        model_flops_per_step(setup).map_err(|e| SearchError::Unsupported(e.to_string()))?;
+    let flops_bound_s = model_flops / (f64::from(setup.gpus) * dev.gemm_peak());
     let mut counts = Counts::default();
     let groups = enumerate_groups(setup, opts, &mut counts);
 
@@ -545,7 +547,9 @@ fn run(
         }
         let results: Vec<Result<StepPrediction, StepError>> = batch
             .par_iter()
-            .map(|&i| simulate_step(setup, &cands[i].layout).map(|s| s.prediction))
+            .map(|&i| {
+                simulate_step_with_flops(setup, &cands[i].layout, model_flops).map(|s| s.prediction)
+            })
             .collect();
         for (&i, r) in batch.iter().zip(results) {
             let c = &cands[i];
@@ -1178,7 +1182,7 @@ mod tests {
                             } else {
                                 Vec::new()
                             };
-                            let sim = simulate_step(&s, &l).unwrap().prediction;
+                            let sim = parallax_sim::simulate_step(&s, &l).unwrap().prediction;
                             let summary = ScheduleSummary::new(
                                 ScheduleKind::of(schedule, l.pp),
                                 l.pp,

@@ -19,6 +19,7 @@ pub use schedule::{
 };
 pub mod step;
 pub use step::{
-    pass_costs, simulate_step, stage_layers, step_terms, virtual_stage_params, Breakdown,
-    MemoryGib, SimulatedStep, StepError, StepPrediction, StepTerms,
+    pass_costs, simulate_step, simulate_step_with_flops, stage_layers, step_terms,
+    virtual_stage_params, Breakdown, MemoryGib, SimulatedStep, StepError, StepPrediction,
+    StepTerms,
 };

@@ -340,6 +340,16 @@ pub fn step_terms(
 
 /// Simulates one step of `setup`'s model under `layout`.
 pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, StepError> {
+    simulate_step_with_flops(setup, layout, model_flops_per_step(setup)?)
+}
+
+/// [`simulate_step`] with the model FLOPs of one step ([`model_flops_per_step`], which does not
+/// depend on the layout) given, for callers that simulate many layouts of one setup.
+pub fn simulate_step_with_flops(
+    setup: &Setup,
+    layout: &Layout,
+    model_flops: f64,
+) -> Result<SimulatedStep, StepError> {
     let c = transformer_costs(setup, layout)?;
     let l = layout;
     let (pp, v) = (l.pp, l.interleave);
@@ -452,7 +462,6 @@ pub fn simulate_step(setup: &Setup, layout: &Layout) -> Result<SimulatedStep, St
         _ => 0.0,
     };
 
-    let model_flops = model_flops_per_step(setup)?;
     let recompute_share = c.layer.hardware_flops / c.layer.model_flops.max(1.0);
     let gpus = f64::from(setup.gpus);
     let peak = setup
