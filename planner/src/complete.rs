@@ -1,6 +1,7 @@
 //! Completing a partial layout: every knob the user (or a published run) left out is chosen
 //! as the fastest feasible value, by simulating every combination.
 
+use crate::search::{divisors, DEFAULT_MAX_MICRO_BATCH};
 use parallax_cost::model_flops_per_step;
 use parallax_cost::transformer::Setup;
 use parallax_ir::{Layout, PartialLayout, Recompute, Schedule};
@@ -35,10 +36,6 @@ pub struct Completed {
     /// Candidates tried, and rejections by reason.
     pub tried: usize,
     pub rejected: BTreeMap<String, usize>,
-}
-
-fn divisors(n: u64) -> Vec<u64> {
-    (1..=n).filter(|d| n % d == 0).collect()
 }
 
 /// Values a left-out knob may take (a framework's capabilities).
@@ -105,7 +102,10 @@ pub fn candidates(setup: &Setup, p: &PartialLayout, space: &Space) -> Vec<Layout
                 let per_dp = setup.global_batch / u64::from(dp.max(1));
                 let mbs: Vec<u64> = match p.micro_batch {
                     Some(m) => vec![m],
-                    None => divisors(per_dp).into_iter().filter(|m| *m <= 64).collect(),
+                    None => divisors(per_dp)
+                        .into_iter()
+                        .filter(|m| *m <= DEFAULT_MAX_MICRO_BATCH)
+                        .collect(),
                 };
                 let zeros: Vec<u8> = match p.zero_stage {
                     Some(z) => vec![z],

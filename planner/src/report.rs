@@ -184,6 +184,7 @@ pub fn explain(input: &ReportInput) -> Vec<String> {
         )
     };
     out.push(binding + ".");
+    let mine = parts(best);
     for f in &r.families {
         if f.family.contains(&best.layout) {
             continue;
@@ -191,7 +192,6 @@ pub fn explain(input: &ReportInput) -> Vec<String> {
         match (&f.best, f.smallest_need_gib) {
             (Some(fb), _) => {
                 let loss = fb.prediction.step_time_s / step - 1.0;
-                let mine = parts(best);
                 let theirs = parts(fb);
                 let get = |v: &[(String, f64)], k: &str| {
                     v.iter().find(|x| x.0 == k).map_or(0.0, |x| x.1)
@@ -705,7 +705,12 @@ mod tests {
         Plan::from_json(&plan.to_json(), "plan.json").unwrap();
         // 64 sequences over dp 2: 32 per rank, above the BatchNorm threshold: no warning.
         assert!(!guidance(&input).iter().any(|l| l.contains("BatchNorm")));
-        assert!(!explain(&input).is_empty());
+        let why = explain(&input);
+        assert!(
+            why[0].starts_with("Step ") && why[0].contains("compute"),
+            "{why:?}"
+        );
+        assert!(why.iter().any(|l| l.contains("binds")), "{why:?}");
 
         let labels: Vec<String> = r.top.iter().map(|e| short_layout(&e.layout)).collect();
         let step = parallax_sim::simulate_step(&s, &r.best().layout).unwrap();

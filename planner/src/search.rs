@@ -299,7 +299,7 @@ pub struct Progress {
     pub total: u64,
 }
 
-fn divisors(n: u64) -> Vec<u64> {
+pub(crate) fn divisors(n: u64) -> Vec<u64> {
     let mut small = Vec::new();
     let mut large = Vec::new();
     let mut d = 1;

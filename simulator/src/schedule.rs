@@ -1035,7 +1035,6 @@ mod tests {
         // Stage 0, pp = 4, v = 2: pp v + pp - 1 = 11 chunk activations = 5.5 micro-batches
         // = pp (1 + (pp - 1) / (pp v)) (Korthikanti et al. 2022).
         assert_eq!(max_in_flight(Interleaved1F1B, 4, 16, 2, 0), Ok(11));
-        assert_eq!(11.0 / 2.0, 4.0 * (1.0 + 3.0 / 8.0));
         assert_eq!(max_in_flight(Interleaved1F1B, 4, 16, 2, 3), Ok(5));
         assert_eq!(
             max_in_flight(OneFOneB, 4, 16, 1, 4),
