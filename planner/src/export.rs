@@ -239,10 +239,12 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
     s
 }
 
-/// Devices per node for the launcher line: the tensor-parallel group sits in a node, so a node
-/// holds at least tp; 8 is the common node size.
+/// Devices per node for the launcher line: the plan's cluster's, when its spec resolves (a
+/// preset or a readable profile); else at least tp (the tensor-parallel group sits in a node)
+/// and 8, the common node size.
 fn gpus_per_node_hint(plan: &Plan) -> u32 {
-    plan.layout.tp.max(8)
+    parallax_hardware::Cluster::parse(&plan.cluster.spec)
+        .map_or(plan.layout.tp.max(8), |c| c.profile.node.gpus_per_node)
 }
 
 /// A DeepSpeed `ds_config.json`.
@@ -431,6 +433,30 @@ mod tests {
                 rest.strip_prefix(' ')
             }
         })
+    }
+
+    #[test]
+    fn the_launcher_starts_one_process_per_gpu_of_the_clusters_nodes() {
+        let m = model("gpt3-1.3b");
+        let l = Layout {
+            dp: 32,
+            ..Layout::default()
+        };
+        let nproc = |spec: &str| {
+            let mut p = plan(l.clone(), Precision::Fp16);
+            p.cluster.spec = spec.into();
+            let s = export(Engine::Megatron, &p, &m).unwrap();
+            s.split("--nproc-per-node ")
+                .nth(1)
+                .unwrap()
+                .split(' ')
+                .next()
+                .unwrap()
+                .to_string()
+        };
+        assert_eq!(nproc("dgx2-v100-32gb:gpus=32"), "16");
+        assert_eq!(nproc("jean-zay-v100-32gb:gpus=32"), "4");
+        assert_eq!(nproc("dgx-a100-80gb:gpus=32"), "8");
     }
 
     #[test]
