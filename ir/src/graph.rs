@@ -166,8 +166,9 @@ impl Graph {
         )
     }
 
-    /// Total work of the nodes selected by `filter` (weight and saved-tensor sharing is *not*
-    /// de-duplicated here: see [`Graph::param_count`] and [`Graph::activation_bytes`]).
+    /// Total work (FLOPs and kernel bytes) of the nodes selected by `filter`; parameters and
+    /// saved tensors, which ops share, are counted by [`Graph::param_count`] and
+    /// [`Graph::activation_bytes`].
     pub fn work_where(&self, float_bytes: u64, filter: impl Fn(&Node) -> bool) -> Work {
         self.nodes
             .iter()

@@ -219,11 +219,6 @@ pub struct Work {
     pub bytes_read: Bytes,
     /// Bytes written by the forward kernel(s).
     pub bytes_written: Bytes,
-    /// Weight elements this op reads (a tied weight counts for each op that reads it).
-    pub params: u64,
-    /// Bytes this op keeps for its backward pass, counted locally (a graph de-duplicates
-    /// tensors that several ops keep).
-    pub saved_bytes: Bytes,
 }
 
 impl Work {
@@ -242,8 +237,6 @@ impl std::ops::Add for Work {
             bwd_weight_flops: self.bwd_weight_flops + o.bwd_weight_flops,
             bytes_read: self.bytes_read + o.bytes_read,
             bytes_written: self.bytes_written + o.bytes_written,
-            params: self.params + o.params,
-            saved_bytes: self.saved_bytes + o.saved_bytes,
         }
     }
 }
@@ -1136,33 +1129,12 @@ impl OpKind {
                 outs.iter().map(tensor_bytes).sum::<u64>(),
             )
         };
-        let params = ins
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| is_w(*i))
-            .map(|(_, s)| s.elems())
-            .sum();
-        let saved = self.saves(ins, weights);
-        let saved_bytes = saved
-            .inputs
-            .iter()
-            .map(|&i| tensor_bytes(&ins[i]))
-            .sum::<u64>()
-            + saved
-                .outputs
-                .iter()
-                .map(|&i| tensor_bytes(&outs[i]))
-                .sum::<u64>()
-            + saved.extra_elems * float_bytes
-            + saved.extra_bytes;
         Work {
             fwd_flops: Flops(f),
             bwd_input_flops: Flops(bi),
             bwd_weight_flops: Flops(bw),
             bytes_read: Bytes(read),
             bytes_written: Bytes(written),
-            params,
-            saved_bytes: Bytes(saved_bytes),
         }
     }
 
