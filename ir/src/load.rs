@@ -65,6 +65,9 @@ pub enum ModelKind {
     Sequence(fn(u64, u64) -> Result<Graph, GraphError>),
     /// A graph read from a file, at the batch it was saved with.
     Fixed(Graph),
+    /// An ONNX model (the file's bytes), imported again for each batch size: its symbolic
+    /// batch dimension takes the batch asked for.
+    Onnx(std::sync::Arc<[u8]>),
 }
 
 /// A model ready to be turned into graphs.
@@ -98,8 +101,8 @@ impl Model {
         }
     }
 
-    /// The training graph for `batch` samples of `seq` tokens (ignored by fixed graphs and
-    /// image models).
+    /// The training graph for `batch` samples of `seq` tokens (`seq` is ignored by graph files,
+    /// ONNX models and image models; `batch` by graph files).
     pub fn graph(&self, batch: u64, seq: u64, fused_attention: bool) -> Result<Graph, ModelError> {
         // Zoo models are named by their name, file models by their path.
         let file = if self.origin == "zoo" {
@@ -143,6 +146,10 @@ impl Model {
             ModelKind::Batched(f) => f(batch).map_err(graph_err),
             ModelKind::Sequence(f) => f(batch, seq).map_err(graph_err),
             ModelKind::Fixed(g) => Ok(g.clone()),
+            ModelKind::Onnx(bytes) => {
+                crate::import::onnx::import_onnx_bytes(bytes, file, Some(batch))
+                    .map_err(|e| ModelError::Import(Box::new(e)))
+            }
         }
     }
 }
@@ -174,11 +181,16 @@ pub fn load_model(spec: &str) -> Result<Model, ModelError> {
         .to_string();
     match ext.as_deref() {
         Some("onnx") => {
-            let g = crate::import::onnx::import_onnx(path).map_err(Box::new)?;
+            let bytes = std::fs::read(path).map_err(|source| ModelError::Io {
+                file: spec.into(),
+                source,
+            })?;
+            // Imported once here so that a bad file fails at load, like every other model.
+            crate::import::onnx::import_onnx_bytes(&bytes, spec, None).map_err(Box::new)?;
             Ok(Model {
                 name,
                 origin: spec.into(),
-                kind: ModelKind::Fixed(g),
+                kind: ModelKind::Onnx(bytes.into()),
             })
         }
         Some("json") => {

@@ -206,3 +206,11 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_loaded_onnx_model_takes_the_batch_asked_for() {
+    let m = parallax_ir::load_model(fixture("resnet50.onnx").to_str().unwrap()).unwrap();
+    let flops = |b| m.graph(b, 1, true).unwrap().total_work(4).fwd_flops.0;
+    let (one, eight) = (flops(1), flops(8));
+    assert!((eight / one - 8.0).abs() < 1e-9, "{eight} vs 8 × {one}");
+}
