@@ -159,11 +159,6 @@ pub fn gemm_flops(m: usize, k: usize, n: usize, kind: GemmKind, min_time: Durati
     2.0 * (m * k * n) as f64 / t
 }
 
-/// One `n × n × n` fp32 GEMM's achieved FLOP/s on the calling thread.
-pub fn matmul_flops(n: usize, min_time: Duration) -> f64 {
-    gemm_flops(n, n, n, GemmKind::Forward, min_time)
-}
-
 /// Training-shaped GEMMs `(rows, k, n)`: a hidden size `h` against `h` and `4h` projections at
 /// a number of tokens, and per-head attention products (`s × d · d × s`). Each is timed in its
 /// forward, input-gradient and weight-gradient form.

@@ -188,6 +188,16 @@ fn require(lib: Lib) -> Result<(), ExecError> {
 /// Finds the CUDA devices of this machine. Errors (typed, with a fix-it message) when the
 /// driver library is missing or sees no device.
 pub fn probe() -> Result<Vec<DeviceInfo>, ExecError> {
+    (0..device_count()?)
+        .map(|ordinal| {
+            let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuCtxCreate", e))?;
+            device_info(ordinal, &ctx)
+        })
+        .collect()
+}
+
+/// The number of GPUs the driver sees (at least one, else an error saying how to fix it).
+fn device_count() -> Result<usize, ExecError> {
     require(Lib::Driver)?;
     let count = CudaContext::device_count().map_err(|e| driver_err("cuInit", e))?;
     if count <= 0 {
@@ -198,22 +208,21 @@ pub fn probe() -> Result<Vec<DeviceInfo>, ExecError> {
                 .into(),
         });
     }
-    (0..count as usize)
-        .map(|ordinal| {
-            let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuCtxCreate", e))?;
-            Ok(DeviceInfo {
-                ordinal,
-                name: ctx.name().map_err(|e| driver_err("cuDeviceGetName", e))?,
-                total_mem_bytes: ctx
-                    .total_mem()
-                    .map_err(|e| driver_err("cuDeviceTotalMem", e))?
-                    as u64,
-                compute_capability: ctx
-                    .compute_capability()
-                    .map_err(|e| driver_err("cuDeviceGetAttribute", e))?,
-            })
-        })
-        .collect()
+    Ok(count as usize)
+}
+
+/// What the driver says of the device of `ctx`.
+fn device_info(ordinal: usize, ctx: &CudaContext) -> Result<DeviceInfo, ExecError> {
+    Ok(DeviceInfo {
+        ordinal,
+        name: ctx.name().map_err(|e| driver_err("cuDeviceGetName", e))?,
+        total_mem_bytes: ctx
+            .total_mem()
+            .map_err(|e| driver_err("cuDeviceTotalMem", e))? as u64,
+        compute_capability: ctx
+            .compute_capability()
+            .map_err(|e| driver_err("cuDeviceGetAttribute", e))?,
+    })
 }
 
 /// The executor's Adam update (`engine.rs`), one thread per element, same operation order.
@@ -253,20 +262,17 @@ impl Gpu {
     /// Opens device `ordinal`: checks the driver, cuBLAS and NVRTC are loadable, creates a
     /// stream and a cuBLAS handle, and compiles the kernels with NVRTC.
     pub fn open(ordinal: usize) -> Result<Gpu, ExecError> {
-        let devices = probe()?;
-        let info = devices
-            .get(ordinal)
-            .cloned()
-            .ok_or_else(|| ExecError::Backend {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(ExecError::Backend {
                 backend: "cuda",
-                message: format!(
-                    "GPU {ordinal} does not exist (this machine has {})",
-                    devices.len()
-                ),
-            })?;
+                message: format!("GPU {ordinal} does not exist (this machine has {count})"),
+            });
+        }
         require(Lib::Cublas)?;
         require(Lib::Nvrtc)?;
         let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuCtxCreate", e))?;
+        let info = device_info(ordinal, &ctx)?;
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(|e| ExecError::Backend {
             backend: "cuda",
@@ -510,9 +516,7 @@ impl Gpu {
         m: &mut [f32],
         v: &mut [f32],
     ) -> Result<(), ExecError> {
-        let bc1 = (1.0 - f64::from(cfg.beta1).powf(t as f64)) as f32;
-        let bc2 = (1.0 - f64::from(cfg.beta2).powf(t as f64)) as f32;
-        self.adam_corrected(cfg, (bc1, bc2), p, g, m, v)
+        self.adam_corrected(cfg, cfg.bias_corrections(t), p, g, m, v)
     }
 
     /// [`Gpu::adam_step`] with the bias corrections given.
@@ -558,10 +562,14 @@ impl Gpu {
             n32,
         )
         .map_err(|e| driver_err("cuLaunchKernel", e))?;
-        p.copy_from_slice(&self.download(&dp)?);
-        m.copy_from_slice(&self.download(&dm)?);
-        v.copy_from_slice(&self.download(&dv)?);
-        Ok(())
+        for (d, h) in [(&dp, p), (&dm, m), (&dv, v)] {
+            self.stream
+                .memcpy_dtoh(d, h)
+                .map_err(|e| driver_err("cuMemcpyDtoH", e))?;
+        }
+        self.stream
+            .synchronize()
+            .map_err(|e| driver_err("cuStreamSynchronize", e))
     }
 }
 
@@ -574,10 +582,18 @@ impl DeviceOffload for Gpu {
         c: &mut [f32],
         accumulate: bool,
     ) -> Result<bool, String> {
-        // `c` is uploaded even when overwritten: its range may hold elements outside the view
-        // (a strided output), which must come back unchanged.
+        // `c` is uploaded when accumulating, and when its range holds elements outside the
+        // view (a strided output), which must come back unchanged; else only allocated.
+        let dense_c = plan.c.range.len() == plan.m * plan.n;
         let mut run = || -> Result<(), ExecError> {
-            let (da, db, mut dc) = (self.upload(a)?, self.upload(b)?, self.upload(c)?);
+            let dc = if accumulate || !dense_c {
+                self.upload(c)?
+            } else {
+                self.stream
+                    .alloc_zeros::<f32>(c.len())
+                    .map_err(|e| driver_err("cuMemAlloc", e))?
+            };
+            let (da, db, mut dc) = (self.upload(a)?, self.upload(b)?, dc);
             self.gemm_device(plan, &da, &db, &mut dc, if accumulate { 1.0 } else { 0.0 })?;
             self.stream
                 .memcpy_dtoh(&dc, c)
@@ -609,15 +625,14 @@ impl DeviceOffload for Gpu {
 /// cuBLAS, collectives through NCCL (feature `nccl`; host channels without it). Needs as many
 /// GPUs as the layout has ranks.
 pub fn run(spec: &RunSpec) -> Result<RunReport, ExecError> {
-    let devices = probe()?;
+    let gpus = device_count()?;
     let world = crate::Prepared::new(spec)?.topology().world();
-    if world > devices.len() {
+    if world > gpus {
         return Err(ExecError::Backend {
             backend: "cuda",
             message: format!(
-                "the layout needs {world} ranks, one GPU each, but this machine has {} ({});                  use a smaller layout or --backend threads|mpi",
-                devices.len(),
-                devices[0].name
+                "the layout needs {world} ranks, one GPU each, but this machine has {gpus}; use \
+                 a smaller layout or --backend threads|mpi"
             ),
         });
     }
@@ -664,15 +679,14 @@ pub fn run_mpi(
     spec: &RunSpec,
 ) -> Result<RunReport, ExecError> {
     let local = rt.local_rank();
-    let devices = probe()?;
-    if local >= devices.len() {
+    let gpus = device_count()?;
+    if local >= gpus {
         return Err(ExecError::Backend {
             backend: "cuda",
             message: format!(
-                "rank {} is process {local} on its node, which has {} GPU(s): start at most one \
-                 process per GPU on each node",
-                rt.rank(),
-                devices.len()
+                "rank {} is process {local} on its node, which has {gpus} GPU(s): start at most \
+                 one process per GPU on each node",
+                rt.rank()
             ),
         });
     }
@@ -686,7 +700,7 @@ pub fn run_mpi(
 /// feature `nccl` and two or more GPUs, NCCL all-reduce bandwidth and latency across all of
 /// them (one thread per GPU).
 pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
-    let devices = probe()?;
+    let n = device_count()?;
     let gpu = Gpu::open(0)?;
     let iters = if quick { 3 } else { 20 };
     let sizes: &[usize] = if quick {
@@ -707,7 +721,6 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
         let f = gpu.sgemm_flops(8, 8, 8, 100)?;
         2.0 * 512.0 / f
     };
-    let n = devices.len();
     let times = collective_times(n, quick)?;
     let (busbw, step) = match times {
         Some(t) => t.fit(n),
@@ -726,8 +739,8 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
         step_latency_s: step,
         inter: None,
         device: Some(MeasuredDevice {
-            name: devices[0].name.clone(),
-            mem_gib: devices[0].total_mem_bytes as f64 / f64::from(1u32 << 30),
+            name: gpu.info().name.clone(),
+            mem_gib: gpu.info().total_mem_bytes as f64 / f64::from(1u32 << 30),
         }),
     })
 }
@@ -1082,23 +1095,30 @@ mod tests {
             v: &mut [f32],
         ) {
             match self {
-                Dev::Cpu => {
-                    // The executor's CPU update (engine.rs), element by element.
-                    let bc1 = (1.0 - f64::from(cfg.beta1).powf(t as f64)) as f32;
-                    let bc2 = (1.0 - f64::from(cfg.beta2).powf(t as f64)) as f32;
-                    for i in 0..p.len() {
-                        m[i] = cfg.beta1 * m[i] + (1.0 - cfg.beta1) * g[i];
-                        v[i] = cfg.beta2 * v[i] + (1.0 - cfg.beta2) * g[i] * g[i];
-                        p[i] -= cfg.lr * (m[i] / bc1) / ((v[i] / bc2).sqrt() + cfg.eps);
-                    }
-                }
+                Dev::Cpu => cfg.update(cfg.bias_corrections(t), p, g, m, v),
                 Dev::Cuda(gpu) => gpu.adam_step(cfg, t, p, g, m, v).unwrap(),
             }
         }
     }
 
+    /// The GPUs here, or `None` after printing why `test` is skipped. Only a missing driver or
+    /// device skips: any later failure on a GPU fails the test.
+    fn gpus_for(test: &str, need: usize) -> Option<usize> {
+        match device_count() {
+            Ok(n) if n >= need => Some(n),
+            Ok(n) => {
+                eprintln!("skipped {test}: needs {need} GPUs, this machine has {n}");
+                None
+            }
+            Err(e) => {
+                eprintln!("skipped {test}: no GPU ({e})");
+                None
+            }
+        }
+    }
+
     /// A `cpu` and a `cuda` variant of a device test; the `cuda` one prints why it is
-    /// skipped when no GPU is usable.
+    /// skipped when no GPU is present.
     macro_rules! test_device {
         ($($name:ident),* $(,)?) => {$(
             mod $name {
@@ -1108,12 +1128,9 @@ mod tests {
                 }
                 #[test]
                 fn cuda() {
-                    match super::Gpu::open(0) {
-                        Ok(g) => super::$name(&super::Dev::Cuda(Box::new(g))),
-                        Err(e) => eprintln!(
-                            "skipped {}::cuda: no usable GPU ({e})",
-                            stringify!($name)
-                        ),
+                    if super::gpus_for(concat!(stringify!($name), "::cuda"), 1).is_some() {
+                        let g = super::Gpu::open(0).unwrap();
+                        super::$name(&super::Dev::Cuda(Box::new(g)));
                     }
                 }
             }
@@ -1185,6 +1202,9 @@ mod tests {
     #[test]
     fn a_gpu_run_matches_the_threads_backend() {
         use parallax_ir::{models::TransformerConfig, Layout};
+        if gpus_for("a_gpu_run_matches_the_threads_backend", 2).is_none() {
+            return;
+        }
         let model = TransformerConfig::gpt(2, 64, 4, 256, 96, 32);
         for layout in [
             Layout {
@@ -1197,53 +1217,37 @@ mod tests {
             },
         ] {
             let spec = RunSpec::new(model.clone(), layout, 8, 32, 3);
-            match run(&spec) {
-                Ok(gpu) => {
-                    let cpu = crate::run_threads(&spec).unwrap();
-                    for (g, c) in gpu.losses.iter().zip(&cpu.losses) {
-                        assert!((g - c).abs() <= 1e-4 * c.abs(), "loss {g} vs {c}");
-                    }
-                }
-                Err(e) => {
-                    let msg = e.to_string();
-                    assert!(msg.starts_with("cuda backend: "), "{msg}");
-                    eprintln!("skipped a_gpu_run_matches_the_threads_backend: {msg}");
-                    return;
-                }
+            let gpu = run(&spec).unwrap();
+            let cpu = crate::run_threads(&spec).unwrap();
+            for (g, c) in gpu.losses.iter().zip(&cpu.losses) {
+                assert!((g - c).abs() <= 1e-4 * c.abs(), "loss {g} vs {c}");
             }
         }
     }
 
     #[test]
-    fn calibration_is_an_error_or_a_valid_profile() {
-        match calibrate(true) {
-            Ok(m) => {
-                let p = crate::calibrate::to_profile(
-                    &m,
-                    &parallax_hardware::preset("cpu-local").unwrap(),
-                );
-                p.validate().unwrap();
-                eprintln!("{}: {:?}", p.device.name, m.compute.matmul);
-            }
-            Err(e) => eprintln!("skipped calibration_is_an_error_or_a_valid_profile: {e}"),
+    fn calibration_gives_a_valid_profile_on_a_gpu() {
+        if gpus_for("calibration_gives_a_valid_profile_on_a_gpu", 1).is_none() {
+            return;
         }
+        let m = calibrate(true).unwrap();
+        let p = crate::calibrate::to_profile(&m, &parallax_hardware::preset("cpu-local").unwrap());
+        p.validate().unwrap();
+        eprintln!("{}: {:?}", p.device.name, m.compute.matmul);
     }
 
     #[test]
     fn sgemm_throughput_is_reported_on_a_gpu() {
-        match Gpu::open(0) {
-            Ok(gpu) => {
-                let flops = gpu.sgemm_flops(1024, 1024, 1024, 10).unwrap();
-                assert!(flops > 0.0);
-                eprintln!(
-                    "{}: sgemm 1024^3 {:.1} TFLOP/s",
-                    gpu.info().name,
-                    flops / 1e12
-                );
-            }
-            Err(e) => {
-                eprintln!("skipped sgemm_throughput_is_reported_on_a_gpu: no usable GPU ({e})")
-            }
+        if gpus_for("sgemm_throughput_is_reported_on_a_gpu", 1).is_none() {
+            return;
         }
+        let gpu = Gpu::open(0).unwrap();
+        let flops = gpu.sgemm_flops(1024, 1024, 1024, 10).unwrap();
+        assert!(flops > 0.0);
+        eprintln!(
+            "{}: sgemm 1024^3 {:.1} TFLOP/s",
+            gpu.info().name,
+            flops / 1e12
+        );
     }
 }

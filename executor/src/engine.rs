@@ -14,7 +14,7 @@ use crate::model::{
 use crate::state::{ModelState, TensorState};
 use parallax_ir::models::TransformerConfig;
 use parallax_ir::{Layout, Recompute, Schedule};
-use parallax_sim::{Op, PipelineSchedule, ScheduleKind, ScheduledOp};
+use parallax_sim::{Op, PipelineSchedule, ScheduleKind};
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::sync::Arc;
@@ -42,6 +42,34 @@ impl Default for AdamConfig {
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,
+        }
+    }
+}
+
+impl AdamConfig {
+    /// The bias corrections `(1 − β₁ᵗ, 1 − β₂ᵗ)` of step `t` (1-based), computed in f64.
+    pub fn bias_corrections(&self, t: u64) -> (f32, f32) {
+        let c = |b: f32| (1.0 - f64::from(b).powf(t as f64)) as f32;
+        (c(self.beta1), c(self.beta2))
+    }
+
+    /// One Adam update of `p` with gradients `g` and moments `m`, `v` (every backend's
+    /// arithmetic, element by element; the NVRTC kernel does the same operations).
+    pub fn update(
+        &self,
+        (bc1, bc2): (f32, f32),
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+    ) {
+        for i in 0..p.len() {
+            let gi = g[i];
+            let mi = self.beta1 * m[i] + (1.0 - self.beta1) * gi;
+            let vi = self.beta2 * v[i] + (1.0 - self.beta2) * gi * gi;
+            m[i] = mi;
+            v[i] = vi;
+            p[i] -= self.lr * (mi / bc1) / ((vi / bc2).sqrt() + self.eps);
         }
     }
 }
@@ -526,7 +554,8 @@ struct Engine<'a> {
     coords: (usize, usize, usize),
     comm: &'a mut dyn Collectives,
     units: Vec<Unit>,
-    chunks: Vec<ChunkPlan>,
+    /// Shared so that a pass holds its chunk's plan without copying it.
+    chunks: std::rc::Rc<[ChunkPlan]>,
     dp_g: Group,
     tp_g: Group,
     tied_g: Option<Group>,
@@ -572,7 +601,7 @@ pub fn run_rank(
         coords: (d, s, t),
         comm,
         units,
-        chunks,
+        chunks: chunks.into(),
         dp_g,
         tp_g,
         tied_g,
@@ -736,8 +765,10 @@ impl Engine<'_> {
         }
     }
 
-    fn record(&mut self, name: String, cat: &'static str, t0: Instant) {
+    /// Records a span when tracing (`name` is only built then).
+    fn record(&mut self, name: impl FnOnce() -> String, cat: &'static str, t0: Instant) {
         if self.spec.trace {
+            let name = name();
             let start = t0.duration_since(self.epoch).as_secs_f64();
             self.spans.push(Span {
                 rank: self.rank,
@@ -753,28 +784,28 @@ impl Engine<'_> {
 
     fn step(&mut self, global_step: u64) -> Result<f64, ExecError> {
         self.loss_part = 0.0;
-        let ops: Vec<ScheduledOp> = self.prep.schedule.stage_ops(self.coords.1 as u32).to_vec();
-        for op in ops {
+        let prep = self.prep;
+        for op in prep.schedule.stage_ops(self.coords.1 as u32) {
             self.comm.check_peers()?;
             let (mb, c) = (op.micro_batch as usize, op.chunk as usize);
             let t0 = Instant::now();
             match op.op {
                 Op::F => {
                     self.forward(global_step, mb, c)?;
-                    self.record(format!("F mb{mb} c{c}"), "forward", t0);
+                    self.record(|| format!("F mb{mb} c{c}"), "forward", t0);
                 }
                 Op::BW | Op::B | Op::W => {
                     self.backward(mb, c)?;
-                    self.record(format!("BW mb{mb} c{c}"), "backward", t0);
+                    self.record(|| format!("BW mb{mb} c{c}"), "backward", t0);
                 }
             }
         }
         let t0 = Instant::now();
         self.reduce_grads()?;
-        self.record("grad-sync".into(), "comm", t0);
+        self.record(|| "grad-sync".into(), "comm", t0);
         let t0 = Instant::now();
         self.adam(global_step + 1)?;
-        self.record("optimizer".into(), "optimizer", t0);
+        self.record(|| "optimizer".into(), "optimizer", t0);
         let mut loss = [self.loss_part as f32];
         // Sum in f64 would be nicer; f32 keeps one collective type. Contributions are few.
         self.comm.all_reduce_sum(&self.world_g, &mut loss)?;
@@ -824,7 +855,8 @@ impl Engine<'_> {
     }
 
     fn forward(&mut self, step: u64, mb: usize, c: usize) -> Result<(), ExecError> {
-        let ch = self.chunks[c].clone();
+        let chunks = self.chunks.clone();
+        let ch = &chunks[c];
         let prep = self.prep;
         let d = &prep.dims;
         let nv = prep.topo.pp * prep.topo.v;
@@ -922,7 +954,8 @@ impl Engine<'_> {
     }
 
     fn backward(&mut self, mb: usize, c: usize) -> Result<(), ExecError> {
-        let ch = self.chunks[c].clone();
+        let chunks = self.chunks.clone();
+        let ch = &chunks[c];
         let prep = self.prep;
         let d = &prep.dims;
         let nv = prep.topo.pp * prep.topo.v;
@@ -957,11 +990,11 @@ impl Engine<'_> {
                         dx
                     }
                     _ => {
+                        // Disjoint fields: the weight is read from `params` while `grads` is
+                        // written, with no copy of the (vocab × hidden) head.
                         let h = &mut self.units[*hu];
-                        let w = head_own_weight(hl, &h.params)
-                            .map(<[f32]>::to_vec)
-                            .unwrap_or_default();
-                        head_bwd(d, hl, &h.params, &mut h.grads, &w, None, hc)
+                        let w = head_own_weight(hl, &h.params).unwrap_or_default();
+                        head_bwd(d, hl, &h.params, &mut h.grads, w, None, hc)
                     }
                 };
                 self.release(*hu);
@@ -1142,9 +1175,7 @@ impl Engine<'_> {
 
     fn adam(&mut self, t: u64) -> Result<(), CommError> {
         let a = self.spec.adam;
-        let bc1 = 1.0 - f64::from(a.beta1).powf(t as f64);
-        let bc2 = 1.0 - f64::from(a.beta2).powf(t as f64);
-        let (bc1, bc2) = (bc1 as f32, bc2 as f32);
+        let bc = a.bias_corrections(t);
         let zero = self.prep.zero;
         for u in 0..self.units.len() {
             let unit = &mut self.units[u];
@@ -1154,15 +1185,8 @@ impl Engine<'_> {
                 _ => (&mut unit.pshard[..], &unit.gshard[..]),
             };
             let (um, uv) = (&mut unit.m[..], &mut unit.v[..]);
-            if !crate::tensor::adam_offloaded(&a, (bc1, bc2), p, g, um, uv) {
-                for i in 0..p.len() {
-                    let gi = g[i];
-                    let m = a.beta1 * um[i] + (1.0 - a.beta1) * gi;
-                    let v = a.beta2 * uv[i] + (1.0 - a.beta2) * gi * gi;
-                    um[i] = m;
-                    uv[i] = v;
-                    p[i] -= a.lr * (m / bc1) / ((v / bc2).sqrt() + a.eps);
-                }
+            if !crate::tensor::adam_offloaded(&a, bc, p, g, um, uv) {
+                a.update(bc, p, g, um, uv);
             }
             if zero == 1 || zero == 2 {
                 let mine = unit.params[unit.shard.clone()].to_vec();

@@ -167,11 +167,7 @@ pub(crate) fn run_threads_with(
                         let r = caught(rank, || rank_main(spec, prep, &mut comm, epoch));
                         if let Err(e) = &r {
                             let (who, why) = blame(rank, e);
-                            if let Some(who) = who {
-                                shared.fail(who, why);
-                            } else {
-                                shared.fail(rank, e.to_string());
-                            }
+                            shared.fail(who, why);
                         }
                         r
                     })
@@ -234,9 +230,9 @@ pub(crate) fn caught<T>(
     })
 }
 
-/// The rank to blame for an error and why; `None` for errors that only echo another rank's
-/// failure.
-fn blame(rank: usize, e: &ExecError) -> (Option<usize>, String) {
+/// The rank to blame for an error rank `rank` met, and why: the stalled or failed peer it
+/// names, else `rank` itself.
+fn blame(rank: usize, e: &ExecError) -> (usize, String) {
     match e {
         ExecError::Comm(CommError::Timeout {
             rank: waiter,
@@ -244,12 +240,12 @@ fn blame(rank: usize, e: &ExecError) -> (Option<usize>, String) {
             what,
             secs,
         }) => (
-            Some(*culprit),
+            *culprit,
             format!("stopped responding: rank {waiter} waited {secs:.1} s for it in {what}"),
         ),
-        ExecError::Comm(CommError::PeerFailed { peer, reason }) => (Some(*peer), reason.clone()),
-        ExecError::Rank { rank, message } => (Some(*rank), message.clone()),
-        other => (Some(rank), other.to_string()),
+        ExecError::Comm(CommError::PeerFailed { peer, reason }) => (*peer, reason.clone()),
+        ExecError::Rank { rank, message } => (*rank, message.clone()),
+        other => (rank, other.to_string()),
     }
 }
 

@@ -135,8 +135,6 @@ pub struct Slot {
     pub name: String,
     /// Shape of the whole tensor.
     pub global_shape: Vec<usize>,
-    /// Shape of this rank's part.
-    pub local_shape: Vec<usize>,
     /// Tensor-parallel split.
     pub split: Split,
     /// Initialisation.
@@ -233,7 +231,6 @@ impl SlotBuilder {
         self.slots.push(Slot {
             name,
             global_shape: shape.to_vec(),
-            local_shape: local,
             split,
             init,
             range: range.clone(),
@@ -928,9 +925,4 @@ pub fn head_bwd(
         false,
     );
     dx
-}
-
-/// Range of the untied LM head in the head unit, if any.
-pub fn head_weight_range(l: &HeadLayout) -> Option<Range<usize>> {
-    l.lm_head.clone()
 }

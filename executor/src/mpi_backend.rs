@@ -683,7 +683,7 @@ impl MpiRuntime {
     fn abort(&self, e: ExecError) -> ! {
         let (who, why) = crate::blame(self.rank, &e);
         let e = ExecError::Rank {
-            rank: who.unwrap_or(self.rank),
+            rank: who,
             message: why,
         };
         // One write, so that the lines of ranks failing together do not interleave.

@@ -38,12 +38,8 @@ pub struct ModelState {
 
 impl ModelState {
     /// Largest relative difference between two states' parameters, per tensor as
-    /// `‖a − b‖ / ‖b‖`, with the name of the worst tensor. Missing tensors count as 1.
-    pub fn max_relative_diff(&self, other: &ModelState) -> (f64, String) {
-        self.max_relative_diff_where(other, |_| true)
-    }
-
-    /// [`ModelState::max_relative_diff`] over the tensors whose name passes `keep`.
+    /// `‖a − b‖ / ‖b‖`, over the tensors whose name passes `keep`, with the name of the worst
+    /// tensor. Missing tensors count as 1.
     pub fn max_relative_diff_where(
         &self,
         other: &ModelState,
@@ -69,11 +65,6 @@ impl ModelState {
             }
         }
         worst
-    }
-
-    /// Parameter count.
-    pub fn params(&self) -> usize {
-        self.tensors.values().map(|t| t.param.len()).sum()
     }
 }
 

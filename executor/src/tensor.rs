@@ -713,7 +713,7 @@ pub fn cross_entropy(logits: &mut [f32], targets: &[u32], vocab: usize, scale: f
 }
 
 /// A host emulation of the GPU offload (cuBLAS `sgemm` semantics: column-major, `op` per
-/// operand, leading dimensions; Adam as the NVRTC kernel computes it), so that everything the
+/// operand, leading dimensions; Adam with the kernel's arithmetic), so that everything the
 /// trainer hands a device is checked without one.
 #[cfg(test)]
 pub(crate) mod emulated {
@@ -776,19 +776,13 @@ pub(crate) mod emulated {
         fn adam(
             &self,
             cfg: &AdamConfig,
-            (bc1, bc2): (f32, f32),
+            bc: (f32, f32),
             p: &mut [f32],
             g: &[f32],
             m: &mut [f32],
             v: &mut [f32],
         ) -> Result<bool, String> {
-            for i in 0..p.len() {
-                let mi = cfg.beta1 * m[i] + (1.0 - cfg.beta1) * g[i];
-                let vi = cfg.beta2 * v[i] + (1.0 - cfg.beta2) * g[i] * g[i];
-                m[i] = mi;
-                v[i] = vi;
-                p[i] -= cfg.lr * (mi / bc1) / ((vi / bc2).sqrt() + cfg.eps);
-            }
+            cfg.update(bc, p, g, m, v);
             self.adams.set(self.adams.get() + 1);
             Ok(true)
         }
