@@ -321,7 +321,6 @@ impl GroupBuffers {
     }
 }
 
-/// Reads a buffer, ignoring poisoning (a panicking rank fails the run anyway).
 /// A size error unless `got == expected`.
 pub(crate) fn expect_len(what: &'static str, got: usize, expected: usize) -> Result<(), CommError> {
     if got == expected {
@@ -346,6 +345,7 @@ fn sum_in_order(inputs: &[RwLock<Vec<f32>>], range: std::ops::Range<usize>, out:
     }
 }
 
+/// Reads a buffer, ignoring poisoning (a panicking rank fails the run anyway).
 fn read(l: &RwLock<Vec<f32>>) -> RwLockReadGuard<'_, Vec<f32>> {
     l.read().unwrap_or_else(PoisonError::into_inner)
 }
@@ -455,8 +455,6 @@ impl ThreadComm {
         Ok((b, me, parity))
     }
 
-    /// Waits until every member of `g` has arrived, or fails after the timeout naming the
-    /// rank holding things up (the first missing member, or whom it is waiting for).
     /// Copies this member's `data` into the group's shared buffers and waits for every member
     /// to do the same; returns the buffers, this member's index and the buffer parity.
     fn publish(
@@ -476,6 +474,8 @@ impl ThreadComm {
         Ok((b, me, p))
     }
 
+    /// Waits until every member of `g` has arrived, or fails after the timeout naming the
+    /// rank holding things up (the first missing member, or whom it is waiting for).
     fn arrive(&self, g: &Group, b: &GroupBuffers, me: usize, what: &str) -> Result<(), CommError> {
         let start = Instant::now();
         let mut st = b.state.lock().unwrap_or_else(PoisonError::into_inner);

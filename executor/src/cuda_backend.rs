@@ -831,8 +831,7 @@ mod nccl_impl {
         /// This rank's communicator for `g` (every member calls this for its first collective
         /// on `g`; `ncclCommInitRank` returns once all have).
         fn comm(&mut self, g: &Group) -> Result<&Comm, CommError> {
-            let members = g.ranks().to_vec();
-            if !self.comms.contains_key(&members) {
+            if !self.comms.contains_key(g.ranks()) {
                 let me = g.index_of(self.inner.rank())?;
                 let id = self.group_id(g)?;
                 self.stream
@@ -841,9 +840,9 @@ mod nccl_impl {
                     .map_err(cuda_err("cuCtxSetCurrent"))?;
                 let c = Comm::from_rank(self.stream.clone(), me, g.size(), id)
                     .map_err(nccl_err("ncclCommInitRank"))?;
-                self.comms.insert(members.clone(), c);
+                self.comms.insert(g.ranks().to_vec(), c);
             }
-            Ok(&self.comms[&members])
+            Ok(&self.comms[g.ranks()])
         }
 
         fn upload(&self, x: &[f32]) -> Result<CudaSlice<f32>, CommError> {

@@ -696,11 +696,9 @@ impl MpiRuntime {
     }
 }
 
-/// A 64-bit FNV-1a hash of a host name: ranks with equal keys share a node.
+/// A key of a host name: ranks with equal keys share a node.
 fn host_key(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    crate::rng::fnv1a64(name.as_bytes())
 }
 
 /// Span categories as sent between ranks.

@@ -17,12 +17,7 @@ impl SplitMix64 {
     /// A generator for a named stream (e.g. one parameter tensor) under a seed: the name is
     /// hashed (FNV-1a) and mixed with the seed, so streams do not depend on creation order.
     pub fn for_stream(seed: u64, name: &str) -> Self {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in name.as_bytes() {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-        let mut g = SplitMix64::new(seed ^ h);
+        let mut g = SplitMix64::new(seed ^ fnv1a64(name.as_bytes()));
         g.next_u64();
         g
     }
@@ -52,6 +47,13 @@ impl SplitMix64 {
         let u2 = self.next_f64();
         (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
     }
+}
+
+/// The 64-bit FNV-1a hash of `bytes`.
+pub(crate) fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 #[cfg(test)]

@@ -161,7 +161,7 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
 }
 
 fn ranks(l: &Layout) -> usize {
-    (l.dp * l.tp * l.pp) as usize
+    l.devices() as usize
 }
 
 fn spec(model: TransformerConfig, layout: Layout) -> RunSpec {
