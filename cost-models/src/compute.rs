@@ -32,7 +32,7 @@ fn kernels(op: &OpKind) -> f64 {
 }
 
 /// Forward, input-gradient and weight-gradient time of one op.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OpTimes {
     pub fwd: Seconds,
     pub bwd_input: Seconds,

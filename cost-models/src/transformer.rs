@@ -48,8 +48,16 @@ impl Infeasible {
     }
 }
 
-/// Bytes per logit alive at the loss: 16-bit logits (2), fp32 upcast (4), fp32 gradient (4).
-pub const LOSS_BYTES_PER_LOGIT: u64 = 10;
+/// Bytes per logit alive at the loss beyond the logits themselves: their fp32 copy and its
+/// fp32 gradient (PyTorch's cross-entropy on upcast logits). With `float_bytes`-byte logits
+/// that is 16-bit logits (2) + upcast (4) + gradient (4) = 10; fp32 logits need no upcast.
+fn loss_bytes_per_logit(float_bytes: u64) -> u64 {
+    if float_bytes < 4 {
+        float_bytes + 8
+    } else {
+        float_bytes + 4
+    }
+}
 
 /// Framework behaviour that is not part of the layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -106,7 +114,7 @@ impl Default for Runtime {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct PartCost {
     /// Compute, by pass.
-    pub compute: OpTimesSer,
+    pub compute: OpTimes,
     /// Extra forward compute in backward under recomputation.
     pub recompute: Seconds,
     /// Tensor-parallel collectives on the critical path, forward and backward (recomputed
@@ -129,24 +137,6 @@ pub struct PartCost {
     pub model_flops: f64,
     /// FLOPs actually executed (with recomputation) on one device.
     pub hardware_flops: f64,
-}
-
-/// Serializable twin of [`OpTimes`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct OpTimesSer {
-    pub fwd: Seconds,
-    pub bwd_input: Seconds,
-    pub bwd_weight: Seconds,
-}
-
-impl From<OpTimes> for OpTimesSer {
-    fn from(t: OpTimes) -> Self {
-        OpTimesSer {
-            fwd: t.fwd,
-            bwd_input: t.bwd_input,
-            bwd_weight: t.bwd_weight,
-        }
-    }
 }
 
 impl PartCost {
@@ -274,29 +264,16 @@ pub fn check_layout(s: &Setup, l: &Layout) -> Result<(), Infeasible> {
     } else if l.ep > 1 {
         return ind("ep > 1 needs a mixture-of-experts model".into());
     }
-    let chunks = l.pp * l.interleave;
-    if chunks > m.layers {
-        return ind(format!(
-            "pp × interleave = {chunks} exceeds {} layers",
-            m.layers
-        ));
-    }
-    let per = u64::from(l.dp) * l.micro_batch;
-    if s.global_batch % per != 0 {
-        return ind(format!(
-            "global batch {} is not a multiple of dp {} × micro-batch {}",
-            s.global_batch, l.dp, l.micro_batch
-        ));
-    }
-    let m_count = s.global_batch / per;
+    // Degrees against the batch and the layers (micro-batch ≥ 1, divisibility, stages).
+    l.validate(s.global_batch, Some(m.layers))
+        .map_err(|what| Infeasible::Indivisible { what })?;
+    let m_count = l.micro_batches(s.global_batch);
     if l.interleave > 1 && m_count % u64::from(l.pp) != 0 {
         return ind(format!(
             "interleaved schedule: {m_count} micro-batches not a multiple of pp {}",
             l.pp
         ));
     }
-    l.validate(s.global_batch, Some(m.layers))
-        .map_err(|what| Infeasible::Indivisible { what })?;
     Ok(())
 }
 
@@ -423,10 +400,10 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     let mut head_cost = price(&dev, &head, fb, sp, l.tp, hidden, 1);
     head_cost.tp_fwd = if l.tp > 1 { tp_one } else { Seconds(0.0) };
     head_cost.tp_bwd = head_cost.tp_fwd;
-    // The loss path holds the 16-bit logits, their fp32 upcast and the fp32 gradient at once
-    // (PyTorch's cross-entropy on upcast logits): 10 bytes per logit at the end of forward.
+    // The loss path holds the logits, their fp32 upcast and the fp32 gradient at once at the
+    // end of forward.
     let logits = l.micro_batch * seq_local * shard.vocab;
-    head_cost.working = Bytes(logits * LOSS_BYTES_PER_LOGIT);
+    head_cost.working = Bytes(logits * loss_bytes_per_logit(fb));
     head_cost.saved = Bytes(head_cost.saved.0.saturating_sub(logits * fb));
     if s.model.tied_embeddings && l.pp == 1 {
         // A single-stage tied model shares the table with the embedding; across stages the
@@ -487,7 +464,7 @@ fn price(
         model_flops += flops;
     }
     PartCost {
-        compute: compute.into(),
+        compute,
         saved: Bytes(saved_bytes(g, fb, sp, tp, hidden, None) as u64),
         params: g.param_count(),
         model_flops,
