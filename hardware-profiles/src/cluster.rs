@@ -77,9 +77,6 @@ impl Cluster {
                         let n: u32 = v.parse().map_err(|_| {
                             spec_err(format!("gpus must be a whole number >= 1, got `{v}`"))
                         })?;
-                        if n == 0 {
-                            return Err(spec_err("gpus must be at least 1, got 0".into()));
-                        }
                         gpus = Some(n);
                     }
                     other => {
