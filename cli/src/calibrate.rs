@@ -36,12 +36,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .backend
         .parse()
         .map_err(|e| user(format!("--backend: {e}")))?;
-    if a.out.exists() && !a.force {
-        return Err(user(format!(
-            "--out {}: file exists (use --force to overwrite)",
-            a.out.display()
-        )));
-    }
+    crate::refuse_overwrite(&a.out, a.force)?;
     let threads = match a.threads {
         Some(0) => return Err(user("--threads must be at least 1")),
         Some(n) if n > parallax_executor::engine::MAX_RANKS => {

@@ -76,12 +76,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .map(|c| 6.0 * total as f64 + 12.0 * f64::from(c.layers) * c.hidden as f64 * seq as f64);
 
     if let Some(path) = &a.save_graph {
-        if path.exists() && !a.force {
-            return Err(user(format!(
-                "{}: already exists; pass --force to overwrite it",
-                path.display()
-            )));
-        }
+        crate::refuse_overwrite(path, a.force)?;
         std::fs::write(path, graph_to_json(&g))
             .with_context(|| format!("{}: cannot write", path.display()))
             .map_err(user)?;

@@ -58,6 +58,25 @@ pub fn user(e: impl std::fmt::Display) -> anyhow::Error {
     anyhow::Error::new(UserError(e.to_string()))
 }
 
+/// Refuses to overwrite `path` unless `force` (nothing a user wrote is lost without asking).
+pub fn refuse_overwrite(path: &std::path::Path, force: bool) -> anyhow::Result<()> {
+    if path.exists() && !force {
+        return Err(user(format!(
+            "{}: already exists; pass --force to overwrite it",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Reads a plan JSON file, one line naming the file on error.
+pub fn read_plan(path: &std::path::Path) -> anyhow::Result<parallax_ir::Plan> {
+    let shown = path.display().to_string();
+    let text =
+        std::fs::read_to_string(path).map_err(|e| user(format!("{shown}: cannot read: {e}")))?;
+    parallax_ir::Plan::from_json(&text, &shown).map_err(user)
+}
+
 fn main() -> ExitCode {
     // Never show a backtrace to a user: one line, and a non-zero status distinct from 2.
     std::panic::set_hook(Box::new(|info| {

@@ -9,9 +9,9 @@ use parallax_executor::{
 };
 use parallax_hardware::{preset, Cluster, CPU_LOCAL};
 use parallax_ir::models::TransformerConfig;
-use parallax_ir::{load_model, Layout, PartialLayout, Plan, Precision, Schedule};
+use parallax_ir::{load_model, Layout, PartialLayout, Precision, Schedule};
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -82,13 +82,6 @@ struct Job {
     cluster: Option<String>,
 }
 
-fn read_plan(path: &Path) -> anyhow::Result<Plan> {
-    let shown = path.display().to_string();
-    let text =
-        std::fs::read_to_string(path).map_err(|e| user(format!("{shown}: cannot read: {e}")))?;
-    Plan::from_json(&text, &shown).map_err(user)
-}
-
 fn transformer(name: &str) -> anyhow::Result<TransformerConfig> {
     let m = load_model(name).map_err(user)?;
     m.transformer().cloned().ok_or_else(|| {
@@ -108,7 +101,7 @@ fn resolve(a: &Args) -> anyhow::Result<Job> {
         _ => None,
     };
     if let Some(path) = plan_path {
-        let plan = read_plan(&path)?;
+        let plan = crate::read_plan(&path)?;
         let model = transformer(&plan.model.name)?;
         let name = a.model.clone().unwrap_or(plan.model.name.clone());
         return Ok(Job {

@@ -5,7 +5,7 @@ use crate::user;
 use clap::Args as ClapArgs;
 use parallax_cost::{step_time_band, Runtime, Setup};
 use parallax_hardware::Cluster;
-use parallax_ir::{load_model, Layout, PartialLayout, Plan, Precision, GIB};
+use parallax_ir::{load_model, Layout, PartialLayout, Precision, GIB};
 use parallax_planner::{complete_layout, layout_string, CompleteError};
 use parallax_sim::{simulate_step, SimulatedStep};
 use std::path::PathBuf;
@@ -64,12 +64,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let cluster = Cluster::parse(&a.cluster).map_err(user)?;
     if let Some(t) = &a.trace {
-        if t.exists() && !a.force {
-            return Err(user(format!(
-                "{}: already exists; pass --force to overwrite it",
-                t.display()
-            )));
-        }
+        crate::refuse_overwrite(t, a.force)?;
     }
     let setup = Setup {
         model: &cfg,
@@ -108,10 +103,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 fn resolve_layout(spec: &str, setup: &Setup) -> anyhow::Result<Layout> {
     let path = std::path::Path::new(spec);
     if spec.ends_with(".json") || path.is_file() {
-        let text =
-            std::fs::read_to_string(path).map_err(|e| user(format!("{spec}: cannot read: {e}")))?;
-        let plan = Plan::from_json(&text, spec).map_err(user)?;
-        return Ok(plan.layout);
+        return Ok(crate::read_plan(path)?.layout);
     }
     let partial = PartialLayout::parse(spec).map_err(|e| user(format!("--plan: {e}")))?;
     match complete_layout(setup, &partial) {
