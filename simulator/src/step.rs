@@ -290,19 +290,29 @@ pub fn step_terms(
             if shard <= 1 || l.zero_stage >= 3 {
                 continue;
             }
-            let grads = Bytes(p * setup.grad_reduce_bytes());
-            let full = match l.zero_stage {
-                0 => net.collective(Collective::AllReduce, grads, dp_group),
-                _ => net.collective(Collective::ReduceScatter, grads, dp_group),
+            let reduce = |params: u64| {
+                let grads = Bytes(params * setup.grad_reduce_bytes());
+                match l.zero_stage {
+                    0 => net.collective(Collective::AllReduce, grads, dp_group),
+                    _ => net.collective(Collective::ReduceScatter, grads, dp_group),
+                }
             };
-            let n = f64::from(layers[vs].max(1));
-            let window = (costs.backward_input[vs] + costs.backward_weight[vs]) * ((n - 1.0) / n);
             dp[vs] = if setup.runtime.overlap_grad_reduce {
-                // The first bucket waits for its layer's backward; the rest hides behind the
-                // remaining layers, with interference.
-                exposed(full * ((n - 1.0) / n), window) + full / n
+                // Gradients become ready in reverse layer order. The last bucket holds the
+                // chunk's first layer and, on the first stage, the embedding table, whose
+                // gradient is complete only after the final op of backward (a tied table
+                // also collects the head's share first): that bucket cannot hide. The rest
+                // hides behind the remaining layers' backward, with interference.
+                let n = f64::from(layers[vs].max(1));
+                let window =
+                    (costs.backward_input[vs] + costs.backward_weight[vs]) * ((n - 1.0) / n);
+                let mut last = c.layer.params.min(p);
+                if vs == 0 {
+                    last = (last + c.embedding.params).min(p);
+                }
+                exposed(reduce(p - last), window) + reduce(last)
             } else {
-                full
+                reduce(p)
             };
         }
         let opt_params = if l.zero_stage >= 1 {
@@ -694,6 +704,40 @@ mod tests {
         assert!(sel.memory.activations >= full.memory.activations);
         assert!(full.step_time_s > sel.step_time_s && sel.step_time_s >= none.step_time_s);
         assert!(full.hfu > full.mfu);
+    }
+
+    #[test]
+    fn the_embedding_bucket_reduces_after_backward() {
+        // GPT-2 small in fp32 DDP over PCIe: the tied 50257 × 768 table is a third of the
+        // gradient and is complete only when backward ends, so its all-reduce (with the first
+        // layer's) is exposed in full; the rest hides behind backward.
+        let m = TransformerConfig::gpt(12, 768, 12, 3072, 50257, 1024);
+        let p = preset("titan-rtx-2x-pcie").unwrap();
+        let s = Setup {
+            precision: Precision::Fp32,
+            seq: 1024,
+            runtime: Runtime {
+                fused_attention: false,
+                ..Runtime::default()
+            },
+            ..setup(&m, &p, 2, 8)
+        };
+        let l = Layout {
+            dp: 2,
+            micro_batch: 4,
+            ..Layout::default()
+        };
+        let c = transformer_costs(&s, &l).unwrap();
+        let layers = stage_layers(12, &l);
+        let terms = step_terms(&s, &l, &c, &layers).unwrap();
+        let net = Network::new(&p);
+        let group = Group::strided(2, 1, 2);
+        let reduce = |params: u64| net.collective(Collective::AllReduce, Bytes(params * 4), group);
+        let last = reduce(c.embedding.params + c.layer.params);
+        let all = reduce(virtual_stage_params(&c, &layers, 0));
+        assert!(c.embedding.params > c.layer.params * 5, "{c:?}");
+        assert!(terms.dp[0].0 >= last.0, "{:?} < {last:?}", terms.dp[0]);
+        assert!(terms.dp[0].0 < all.0, "{:?} >= {all:?}", terms.dp[0]);
     }
 
     #[test]
