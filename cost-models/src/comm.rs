@@ -8,6 +8,9 @@
 //! all-reduce where the node has it); a group that spans nodes is limited by the share of the
 //! node's NICs it gets: every group on the node communicates at once in data/pipeline
 //! parallelism, so `k` members per node get `k / gpus_per_node` of the node's NIC bandwidth.
+//! Groups wider than a leaf switch (or rail group) meet the fabric's oversubscription: rings
+//! only through the one edge per leaf they leave by, all-to-alls through every byte bound
+//! beyond the leaf (`NetworkSpec::ring_slowdown`, `all_to_all_slowdown`).
 
 use parallax_hardware::{ClusterProfile, FabricKind};
 use parallax_ir::{Bytes, BytesPerSec, Seconds};
@@ -98,7 +101,9 @@ impl<'a> Network<'a> {
             .profile
             .inter_busbw_per_node()
             .unwrap_or_else(|| net.node_bandwidth());
-        let share = node_bw * (f64::from(g.per_node) / self.gpus_per_node());
+        let share = node_bw
+            * (f64::from(g.per_node) / self.gpus_per_node())
+            * (1.0 / net.ring_slowdown(g.nodes()));
         let bw = if g.per_node > 1 {
             BytesPerSec(share.0.min(intra.0))
         } else {
@@ -155,7 +160,12 @@ impl<'a> Network<'a> {
                         .inter_busbw_per_node()
                         .map(|b| b.0 / self.gpus_per_node())
                         .unwrap_or(intra.0);
-                    (nf - k) / nf * s / per_gpu
+                    let spine = self
+                        .profile
+                        .network
+                        .as_ref()
+                        .map_or(1.0, |net| net.all_to_all_slowdown(g.nodes()));
+                    (nf - k) / nf * s / per_gpu * spine
                 } else {
                     0.0
                 };
@@ -196,7 +206,7 @@ impl<'a> Network<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use parallax_hardware::preset;
+    use parallax_hardware::{preset, ClusterProfile};
 
     fn busbw_allreduce(net: &Network, bytes: f64, g: Group) -> f64 {
         let t = net
@@ -245,6 +255,46 @@ mod tests {
             0.0
         );
         assert!(net.p2p(bytes, true).0 > net.p2p(bytes, false).0);
+    }
+
+    #[test]
+    fn oversubscription_slows_groups_wider_than_a_leaf() {
+        let full = preset("dgx-h100-80gb").unwrap();
+        let with = |r: f64, leaf: Option<u32>| {
+            let mut p = full.clone();
+            let net = p.network.as_mut().unwrap();
+            net.oversubscription = r;
+            net.nodes_per_leaf = leaf;
+            p
+        };
+        let bytes = Bytes(1 << 30);
+        let t =
+            |p: &ClusterProfile, c: Collective, g: Group| Network::new(p).collective(c, bytes, g).0;
+        let dp64 = Group::strided(64, 8, 8);
+        let ep16 = Group::strided(16, 4, 8); // 2 per node over 8 nodes
+        let base_ring = t(&full, Collective::AllReduce, dp64);
+        let base_a2a = t(&full, Collective::AllToAll, ep16);
+        // 2:1 above leaves of 32 nodes: a ring leaves each leaf by one edge (uplinks suffice);
+        // an all-to-all over 8 nodes stays inside a leaf.
+        let sparse = with(2.0, Some(32));
+        assert_eq!(t(&sparse, Collective::AllReduce, dp64), base_ring);
+        assert_eq!(t(&sparse, Collective::AllToAll, ep16), base_a2a);
+        // Leaves of 4 nodes: the all-to-all sends 4 of 7 peers' bytes through half-rate
+        // uplinks (8/7 of the NIC time); rings are still fed (2 / 4 < 1).
+        let small = with(2.0, Some(4));
+        let a2a = t(&small, Collective::AllToAll, ep16);
+        assert!(a2a > base_a2a * 1.1, "{a2a} vs {base_a2a}");
+        assert_eq!(t(&small, Collective::AllReduce, dp64), base_ring);
+        // Leaf scope unknown: every inter-node byte crosses the 4:1 tier.
+        let unknown = with(4.0, None);
+        let ring = t(&unknown, Collective::AllReduce, dp64);
+        assert!(ring > base_ring * 3.0, "{ring} vs {base_ring}");
+        // Inside a node nothing changes.
+        let tp8 = Group::strided(8, 1, 8);
+        assert_eq!(
+            t(&unknown, Collective::AllReduce, tp8),
+            t(&full, Collective::AllReduce, tp8)
+        );
     }
 
     #[test]

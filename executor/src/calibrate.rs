@@ -488,6 +488,7 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile) -> ClusterProfile {
             latency_us: x.step_latency_s * 1e6,
             topology: parallax_hardware::Topology::FatTree,
             oversubscription: 1.0,
+            nodes_per_leaf: None,
         });
         p.collectives.inter_busbw_efficiency = Some(1.0);
         fields.extend(["network.nic_gbit", "network.latency_us"]);

@@ -14,7 +14,7 @@
 //! A profile has five tables: `[device]` (memory, dense peaks per precision, a GEMM efficiency
 //! curve indexed by FLOPs, memory-bound efficiency, launch overhead), `[node]` (devices per node,
 //! intra-node fabric and bandwidth, NVLS, host link), `[network]` (NICs, rate, latency,
-//! topology, oversubscription; absent for single-node machines), `[collectives]` (achieved
+//! topology, oversubscription, nodes per leaf; absent for single-node machines), `[collectives]` (achieved
 //! fractions of line rate) and an optional `[calibration]` (provenance of fitted values).
 
 mod cluster;

@@ -202,8 +202,14 @@ pub struct NetworkSpec {
     pub latency_us: f64,
     /// Fabric topology.
     pub topology: Topology,
-    /// Oversubscription of the fabric above the leaf switches (1.0 = full bisection).
+    /// Oversubscription of the fabric above the leaf switches (1.0 = full bisection): the leaf's
+    /// uplinks carry 1/oversubscription of its NICs' bandwidth.
     pub oversubscription: f64,
+    /// Nodes whose NICs share one leaf switch (fat tree) or one rail group (rail-optimized;
+    /// DGX SuperPOD: a 32-node scalable unit). Traffic between nodes farther apart crosses the
+    /// oversubscribed tier. Absent: unknown, and every inter-node byte is taken to cross it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes_per_leaf: Option<u32>,
 }
 
 /// Collective algorithm factors: achieved bus bandwidth as a fraction of line rate, per tier.
@@ -336,6 +342,36 @@ impl NetworkSpec {
     pub fn latency(&self) -> Seconds {
         Seconds(self.latency_us * 1e-6)
     }
+
+    /// Nodes under one leaf (or rail group); 1 when unknown.
+    fn leaf_nodes(&self) -> f64 {
+        f64::from(self.nodes_per_leaf.unwrap_or(1).max(1))
+    }
+
+    /// Slowdown of a ring over `nodes` consecutive nodes from the oversubscribed tier. Every
+    /// NIC of a leaf carries one ring, and each ring leaves a leaf it does not fill by one
+    /// edge: a leaf of `L` nodes sends `nics` rings' worth through uplinks of `L × nics /
+    /// oversubscription`, so rings slow down by `oversubscription / L` where that exceeds 1.
+    pub fn ring_slowdown(&self, nodes: u32) -> f64 {
+        let leaf = self.leaf_nodes();
+        if f64::from(nodes) <= leaf {
+            1.0
+        } else {
+            (self.oversubscription / leaf).max(1.0)
+        }
+    }
+
+    /// Slowdown of a uniform all-to-all over `nodes` consecutive nodes: the share of each
+    /// node's inter-node traffic bound beyond its leaf crosses uplinks of
+    /// 1/oversubscription of the NICs' bandwidth.
+    pub fn all_to_all_slowdown(&self, nodes: u32) -> f64 {
+        if nodes <= 1 {
+            return 1.0;
+        }
+        let n = f64::from(nodes);
+        let beyond = (n - self.leaf_nodes().min(n)) / (n - 1.0);
+        (self.oversubscription * beyond).max(1.0)
+    }
 }
 
 impl ClusterProfile {
@@ -428,7 +464,8 @@ impl ClusterProfile {
 
     /// Achieved inter-node bus bandwidth of one node (all compute NICs), `None` without a
     /// network. Oversubscription is not applied here: whether a collective crosses the
-    /// oversubscribed tier depends on placement, which the cost model knows.
+    /// oversubscribed tier depends on the group and its traffic pattern
+    /// ([`NetworkSpec::ring_slowdown`], [`NetworkSpec::all_to_all_slowdown`]).
     pub fn inter_busbw_per_node(&self) -> Option<BytesPerSec> {
         let net = self.network.as_ref()?;
         Some(self.inter_busbw_per_nic()? * f64::from(net.nics_per_node))
@@ -543,6 +580,9 @@ impl ClusterProfile {
                         net.oversubscription
                     ),
                 ));
+            }
+            if net.nodes_per_leaf == Some(0) {
+                return Err(self.invalid("network.nodes_per_leaf", "must be at least 1"));
             }
         }
 

@@ -475,6 +475,11 @@ fn range_errors_name_the_field() {
             "network.oversubscription: must be >= 1.0",
         ),
         (
+            "oversubscription = 1.0",
+            "oversubscription = 1.0\nnodes_per_leaf = 0",
+            "network.nodes_per_leaf: must be at least 1",
+        ),
+        (
             "latency_us = 5.0",
             "latency_us = -5.0",
             "network.latency_us: must be zero or a positive number",
