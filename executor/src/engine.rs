@@ -355,15 +355,12 @@ impl Prepared {
             bounds.push(bounds[bounds.len() - 1] + *c as usize);
         }
         spec.data.check(dims.vocab, seq).map_err(ExecError::Data)?;
-        if let Some(r) = &spec.resume {
-            check_state_matches(&dims, r)?;
-        }
         let keep = match l.recompute {
             Recompute::None => Keep::All,
             Recompute::Selective => Keep::Selective,
             Recompute::Full => Keep::Input,
         };
-        Ok(Prepared {
+        let prep = Prepared {
             dims,
             topo,
             bounds,
@@ -374,12 +371,62 @@ impl Prepared {
             keep,
             sp,
             zero: if topo.dp > 1 { l.zero_stage } else { 0 },
-        })
+        };
+        if let Some(r) = &spec.resume {
+            prep.check_state_matches(r)?;
+        }
+        Ok(prep)
     }
 
     /// The topology.
     pub fn topology(&self) -> Topology {
         self.topo
+    }
+
+    /// A checkpoint resumes this run only if it holds exactly the tensors the model has, at
+    /// their shapes: a missing tensor would silently start from scratch, an extra one (a
+    /// deeper model's layer) would silently be dropped.
+    fn check_state_matches(&self, st: &ModelState) -> Result<(), ExecError> {
+        let mut need = BTreeMap::new();
+        for rank in 0..self.topo.world() {
+            for unit in self.plan_rank(rank).0 {
+                for slot in unit.slots {
+                    need.insert(slot.name, slot.global_shape);
+                }
+            }
+        }
+        let bad = |reason: String| {
+            Err(ExecError::Checkpoint {
+                path: "resume".into(),
+                reason,
+            })
+        };
+        for (name, shape) in &need {
+            match st.tensors.get(name) {
+                Some(t) if t.shape == *shape => {}
+                Some(t) => {
+                    return bad(format!(
+                        "tensor {name} has shape {:?}, the model needs {shape:?}",
+                        t.shape
+                    ))
+                }
+                None => {
+                    return bad(format!(
+                        "tensor {name} is missing ({} of the model's {} tensors present): not a checkpoint of this model",
+                        need.keys().filter(|n| st.tensors.contains_key(*n)).count(),
+                        need.len()
+                    ))
+                }
+            }
+        }
+        if let Some(extra) = st.tensors.keys().find(|n| !need.contains_key(*n)) {
+            return bad(format!(
+                "tensor {extra} is not part of this model ({} tensors in the checkpoint, {} in the model)",
+                st.tensors.len(),
+                need.len()
+            ));
+        }
+        Ok(())
     }
 
     /// The rank's units and chunks (deterministic; no parameters allocated).
@@ -445,31 +492,6 @@ impl Prepared {
         }
         (units, chunks)
     }
-}
-
-fn check_state_matches(d: &Dims, st: &ModelState) -> Result<(), ExecError> {
-    let want = [("embed.wte", vec![d.vocab, d.h])];
-    for (name, shape) in want {
-        match st.tensors.get(name) {
-            Some(t) if t.shape == shape => {}
-            Some(t) => {
-                return Err(ExecError::Checkpoint {
-                    path: "resume".into(),
-                    reason: format!(
-                        "tensor {name} has shape {:?}, the model needs {shape:?}",
-                        t.shape
-                    ),
-                })
-            }
-            None => {
-                return Err(ExecError::Checkpoint {
-                    path: "resume".into(),
-                    reason: format!("tensor {name} is missing: not a checkpoint of this model"),
-                })
-            }
-        }
-    }
-    Ok(())
 }
 
 #[derive(Clone, Debug)]

@@ -156,6 +156,40 @@ fn resume_continues_to_exactly_the_uninterrupted_losses() {
 }
 
 #[test]
+fn a_checkpoint_of_another_depth_is_refused_by_name() {
+    let mut short = spec(gpt(2), Layout::default());
+    short.steps = 1;
+    let two = Arc::new(run_threads(&short).unwrap().state.unwrap());
+    let mut deeper = spec(gpt(4), Layout::default());
+    deeper.resume = Some(two.clone());
+    let e = run_threads(&deeper).unwrap_err().to_string();
+    assert!(
+        e.contains("tensor layers.2.") && e.contains("missing"),
+        "{e}"
+    );
+    let mut four = spec(gpt(4), Layout::default());
+    four.steps = 1;
+    let mut shallower = spec(gpt(2), Layout::default());
+    shallower.resume = Some(Arc::new(run_threads(&four).unwrap().state.unwrap()));
+    let e = run_threads(&shallower).unwrap_err().to_string();
+    assert!(
+        e.contains("tensor layers.2.") && e.contains("not part of this model"),
+        "{e}"
+    );
+    // The same depth under another layout resumes.
+    let mut same = spec(
+        gpt(2),
+        Layout {
+            tp: 2,
+            ..Layout::default()
+        },
+    );
+    same.steps = 1;
+    same.resume = Some(two);
+    assert!(run_threads(&same).is_ok());
+}
+
+#[test]
 fn a_dying_rank_ends_the_run_with_its_name() {
     let mut s = spec(
         gpt(2),
