@@ -373,14 +373,9 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
             // outputs). Flash attention recomputes its own scores anyway.
             let redo = recomputed_nodes(&block, s.runtime.selective);
             layer.saved = Bytes(saved_bytes(&block, fb, sp, l.tp, hidden, Some(&redo)) as u64);
-            layer.recompute = recompute_forward(&dev, &block, fb, sp, l.tp, hidden, cp, &redo);
-            layer.hardware_flops += block
-                .nodes
-                .iter()
-                .zip(&redo)
-                .filter(|(_, r)| **r)
-                .map(|(n, _)| block.node_work(n, fb).fwd_flops.0)
-                .sum::<f64>();
+            let (time, flops) = recompute_forward(&dev, &block, fb, sp, l.tp, hidden, cp, &redo);
+            layer.recompute = time;
+            layer.hardware_flops += flops;
         }
         Recompute::Full => {
             layer.recompute = layer.compute.fwd;
@@ -388,7 +383,9 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
             layer.tp_bwd += tp_layer;
             layer.working = layer.saved;
             layer.saved = Bytes(layer_input);
-            layer.hardware_flops += block.total_work(fb).fwd_flops.0;
+            let all = vec![true; block.nodes.len()];
+            layer.hardware_flops +=
+                recompute_forward(&dev, &block, fb, sp, l.tp, hidden, cp, &all).1;
         }
     }
 
@@ -450,18 +447,9 @@ fn price(
     for n in &g.nodes {
         let ins = g.input_shapes(n);
         let w = g.node_work(n, fb);
-        let mut t = dev.op(&n.op, &ins, &w, fb);
-        let mut flops = w.train_flops().0;
-        if matches!(n.op, OpKind::Attention(_)) && cp > 1 {
-            t = t * cp as f64;
-            flops *= cp as f64;
-        }
-        if sp && outside_tp(g, n, hidden) {
-            t = t * (1.0 / f64::from(tp));
-            flops /= f64::from(tp);
-        }
-        compute = compute + t;
-        model_flops += flops;
+        let k = local_share(g, n, sp, tp, hidden, cp);
+        compute = compute + dev.op(&n.op, &ins, &w, fb) * k;
+        model_flops += w.train_flops().0 * k;
     }
     PartCost {
         compute,
@@ -516,7 +504,7 @@ fn recomputed_nodes(g: &Graph, policy: SelectivePolicy) -> Vec<bool> {
         .collect()
 }
 
-/// Forward time of the nodes selective recomputation redoes.
+/// Forward time and FLOPs of the nodes marked in `redo`, scaled like [`price`] scales them.
 #[allow(clippy::too_many_arguments)]
 fn recompute_forward(
     dev: &DeviceModel,
@@ -527,21 +515,31 @@ fn recompute_forward(
     hidden: u64,
     cp: u64,
     redo: &[bool],
-) -> Seconds {
+) -> (Seconds, f64) {
     let mut t = Seconds(0.0);
+    let mut flops = 0.0;
     for (n, _) in g.nodes.iter().zip(redo).filter(|(_, r)| **r) {
-        let mut x = dev
-            .op(&n.op, &g.input_shapes(n), &g.node_work(n, fb), fb)
-            .fwd;
-        if matches!(n.op, OpKind::Attention(_)) {
-            x = x * cp as f64;
-        }
-        if sp && outside_tp(g, n, hidden) {
-            x = x / f64::from(tp);
-        }
-        t += x;
+        let k = local_share(g, n, sp, tp, hidden, cp);
+        let w = g.node_work(n, fb);
+        t += dev.op(&n.op, &g.input_shapes(n), &w, fb).fwd * k;
+        flops += w.fwd_flops.0 * k;
     }
-    t
+    (t, flops)
+}
+
+/// What one device does of a node of the local shard graph, relative to the node as built:
+/// attention under context parallelism sees keys and values of the whole sequence (`cp`
+/// times the local block's work), and under sequence parallelism the ops outside the
+/// tensor-parallel region are split over the TP group as well.
+fn local_share(g: &Graph, n: &parallax_ir::Node, sp: bool, tp: u32, hidden: u64, cp: u64) -> f64 {
+    let mut k = 1.0;
+    if matches!(n.op, OpKind::Attention(_)) {
+        k *= cp as f64;
+    }
+    if sp && outside_tp(g, n, hidden) {
+        k /= f64::from(tp);
+    }
+    k
 }
 
 /// Whether a node works on full-width (hidden) activations outside the tensor-parallel region.
@@ -761,6 +759,32 @@ mod tests {
         let r = c1.layer.compute.fwd.0 / c4.layer.compute.fwd.0;
         assert!((2.5..4.5).contains(&r), "{r}");
         assert!(c4.layer.model_flops * 4.0 > 0.95 * c1.layer.model_flops);
+    }
+
+    #[test]
+    fn recomputed_flops_scale_like_the_model_flops() {
+        // Full recompute redoes the forward: a third of the training FLOPs of every op, on
+        // one device as much as the layout gives it (attention × cp, SP-split ops ÷ tp).
+        let m = cfg("llama3-8b");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let extra = |gpus, l: Layout| {
+            let s = Setup {
+                seq: 8192,
+                ..setup(&m, &p, gpus, Runtime::default())
+            };
+            let c = transformer_costs(&s, &l).unwrap().layer;
+            (c.hardware_flops - c.model_flops) / c.model_flops
+        };
+        let one = extra(1, layout(1, false, Recompute::Full));
+        let split = extra(
+            4,
+            Layout {
+                cp: 2,
+                ..layout(2, true, Recompute::Full)
+            },
+        );
+        assert!((one - split).abs() < 0.01, "{one} vs {split}");
+        assert!((0.3..0.37).contains(&one), "{one}");
     }
 
     #[test]
