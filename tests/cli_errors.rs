@@ -134,6 +134,33 @@ fn bad_inputs_end_in_one_line_and_status_2() {
     );
     let no_nodes = write(d, "nonodes.json", br#"{"schema":"parallax-graph/1","graph":{"name":"x","tensors":[],"nodes":[],"outputs":[]}}"#);
 
+    // A checkpoint of gpt-tiny, to resume a llama-tiny run from.
+    let ckpt = dir.join("gpt-ckpt");
+    let saved = Command::new(bin())
+        .args([
+            "run",
+            "--model",
+            "gpt-tiny",
+            "--plan",
+            "dp=1",
+            "--global-batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            "1",
+            "--save",
+        ])
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    assert!(
+        saved.status.success(),
+        "{}",
+        String::from_utf8_lossy(&saved.stderr)
+    );
+    let ckpt = ckpt.display().to_string();
+
     let resnet = std::fs::read(fixtures().join("resnet50.onnx")).unwrap();
     let truncated = write(d, "truncated.onnx", &resnet[..resnet.len() / 3]);
     let garbage = write(
@@ -370,6 +397,24 @@ fn bad_inputs_end_in_one_line_and_status_2() {
         ),
         case(&["validate", &malformed], &["malformed.json: line"]),
         case(&["validate", &wrong_schema], &["schema.json"]),
+        case(
+            &[
+                "run",
+                "--model",
+                "llama-tiny",
+                "--plan",
+                "dp=1",
+                "--global-batch",
+                "2",
+                "--seq",
+                "16",
+                "--steps",
+                "1",
+                "--resume",
+                &ckpt,
+            ],
+            &["--resume", "gpt-ckpt", "tensor", "the model needs"],
+        ),
     ];
     assert!(cases.len() >= 30);
     let mut failures = Vec::new();

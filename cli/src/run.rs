@@ -281,6 +281,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         parallax_executor::ExecError::Rank { .. }
         | parallax_executor::ExecError::Comm(_)
         | parallax_executor::ExecError::Checkpoint { .. } => anyhow::Error::new(e),
+        parallax_executor::ExecError::Resume(why) => user(format!(
+            "--resume {}: {why}",
+            a.resume
+                .as_deref()
+                .unwrap_or(std::path::Path::new(""))
+                .display()
+        )),
         other => user(other),
     })?;
     // Under MPI every process runs this command; rank 0 speaks for the run.

@@ -395,12 +395,7 @@ impl Prepared {
                 }
             }
         }
-        let bad = |reason: String| {
-            Err(ExecError::Checkpoint {
-                path: "resume".into(),
-                reason,
-            })
-        };
+        let bad = |reason: String| Err(ExecError::Resume(reason));
         for (name, shape) in &need {
             match st.tensors.get(name) {
                 Some(t) if t.shape == *shape => {}

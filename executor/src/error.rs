@@ -35,6 +35,10 @@ pub enum ExecError {
         /// What went wrong.
         reason: String,
     },
+    /// The checkpoint to resume from is not one of this model (a tensor missing, extra or of
+    /// another shape).
+    #[error("resume: {0}")]
+    Resume(String),
     /// A backend is compiled in but cannot run here (library missing, already initialised).
     #[error("{backend} backend: {message}")]
     Backend {
