@@ -373,7 +373,8 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
             // outputs). Flash attention recomputes its own scores anyway.
             let redo = recomputed_nodes(&block, s.runtime.selective);
             layer.saved = Bytes(saved_bytes(&block, fb, sp, l.tp, hidden, Some(&redo)) as u64);
-            let (time, flops) = recompute_forward(&dev, &block, fb, sp, l.tp, hidden, cp, &redo);
+            let (time, flops) =
+                recompute_forward(&dev, &block, fb, sp, l.tp, hidden, cp, Some(&redo));
             layer.recompute = time;
             layer.hardware_flops += flops;
         }
@@ -383,9 +384,8 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
             layer.tp_bwd += tp_layer;
             layer.working = layer.saved;
             layer.saved = Bytes(layer_input);
-            let all = vec![true; block.nodes.len()];
             layer.hardware_flops +=
-                recompute_forward(&dev, &block, fb, sp, l.tp, hidden, cp, &all).1;
+                recompute_forward(&dev, &block, fb, sp, l.tp, hidden, cp, None).1;
         }
     }
 
@@ -504,7 +504,8 @@ fn recomputed_nodes(g: &Graph, policy: SelectivePolicy) -> Vec<bool> {
         .collect()
 }
 
-/// Forward time and FLOPs of the nodes marked in `redo`, scaled like [`price`] scales them.
+/// Forward time and FLOPs of the nodes marked in `redo` (every node with `None`), scaled like
+/// [`price`] scales them.
 #[allow(clippy::too_many_arguments)]
 fn recompute_forward(
     dev: &DeviceModel,
@@ -514,11 +515,14 @@ fn recompute_forward(
     tp: u32,
     hidden: u64,
     cp: u64,
-    redo: &[bool],
+    redo: Option<&[bool]>,
 ) -> (Seconds, f64) {
     let mut t = Seconds(0.0);
     let mut flops = 0.0;
-    for (n, _) in g.nodes.iter().zip(redo).filter(|(_, r)| **r) {
+    for (i, n) in g.nodes.iter().enumerate() {
+        if redo.is_some_and(|r| !r[i]) {
+            continue;
+        }
         let k = local_share(g, n, sp, tp, hidden, cp);
         let w = g.node_work(n, fb);
         t += dev.op(&n.op, &g.input_shapes(n), &w, fb).fwd * k;
