@@ -306,9 +306,9 @@ pub fn step_terms(
                 let n = f64::from(layers[vs].max(1));
                 let window =
                     (costs.backward_input[vs] + costs.backward_weight[vs]) * ((n - 1.0) / n);
-                let mut last = c.layer.params.min(p);
+                let mut last = if layers[vs] > 0 { c.layer.params } else { 0 };
                 if vs == 0 {
-                    last = (last + c.embedding.params).min(p);
+                    last += c.embedding.params;
                 }
                 exposed(reduce(p - last), window) + reduce(last)
             } else {
