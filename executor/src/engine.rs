@@ -388,8 +388,10 @@ impl Prepared {
     /// deeper model's layer) would silently be dropped.
     fn check_state_matches(&self, st: &ModelState) -> Result<(), ExecError> {
         let mut need = BTreeMap::new();
-        for rank in 0..self.topo.world() {
-            for unit in self.plan_rank(rank).0 {
+        // Units differ by stage only: data- and tensor-parallel peers name the same tensors at
+        // the same global shapes.
+        for stage in 0..self.topo.pp {
+            for unit in self.plan_rank(self.topo.rank(0, stage, 0)).0 {
                 for slot in unit.slots {
                     need.insert(slot.name, slot.global_shape);
                 }
@@ -652,13 +654,14 @@ fn init_unit(spec: &RunSpec, prep: &Prepared, plan: UnitPlan, d: usize, t: usize
     let mut v = vec![0.0f32; padded];
     for slot in &plan.slots {
         let saved = spec.resume.as_ref().and_then(|r| r.tensors.get(&slot.name));
+        // `check_state_matches` has seen every slot in a resumed checkpoint at its shape.
         match saved {
-            Some(ts) if ts.shape == slot.global_shape => {
+            Some(ts) => {
                 params[slot.range.clone()].copy_from_slice(&slot.local_part(&ts.param, t, tp));
                 m[slot.range.clone()].copy_from_slice(&slot.local_part(&ts.m, t, tp));
                 v[slot.range.clone()].copy_from_slice(&slot.local_part(&ts.v, t, tp));
             }
-            _ => {
+            None => {
                 let full = slot.init_global(spec.seed);
                 params[slot.range.clone()].copy_from_slice(&slot.local_part(&full, t, tp));
             }
