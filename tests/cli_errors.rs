@@ -135,12 +135,11 @@ fn bad_inputs_end_in_one_line_and_status_2() {
     let no_nodes = write(d, "nonodes.json", br#"{"schema":"parallax-graph/1","graph":{"name":"x","tensors":[],"nodes":[],"outputs":[]}}"#);
 
     // A checkpoint of gpt-tiny, to resume a llama-tiny run from.
-    let ckpt = dir.join("gpt-ckpt");
-    let saved = Command::new(bin())
-        .args([
+    let tiny_run = |model: &str, flag: &str, dir: &str| {
+        [
             "run",
             "--model",
-            "gpt-tiny",
+            model,
             "--plan",
             "dp=1",
             "--global-batch",
@@ -149,9 +148,14 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             "16",
             "--steps",
             "1",
-            "--save",
-        ])
-        .arg(&ckpt)
+            flag,
+            dir,
+        ]
+        .map(String::from)
+    };
+    let ckpt = dir.join("gpt-ckpt").display().to_string();
+    let saved = Command::new(bin())
+        .args(tiny_run("gpt-tiny", "--save", &ckpt))
         .output()
         .unwrap();
     assert!(
@@ -159,7 +163,6 @@ fn bad_inputs_end_in_one_line_and_status_2() {
         "{}",
         String::from_utf8_lossy(&saved.stderr)
     );
-    let ckpt = ckpt.display().to_string();
 
     let resnet = std::fs::read(fixtures().join("resnet50.onnx")).unwrap();
     let truncated = write(d, "truncated.onnx", &resnet[..resnet.len() / 3]);
@@ -398,21 +401,7 @@ fn bad_inputs_end_in_one_line_and_status_2() {
         case(&["validate", &malformed], &["malformed.json: line"]),
         case(&["validate", &wrong_schema], &["schema.json"]),
         case(
-            &[
-                "run",
-                "--model",
-                "llama-tiny",
-                "--plan",
-                "dp=1",
-                "--global-batch",
-                "2",
-                "--seq",
-                "16",
-                "--steps",
-                "1",
-                "--resume",
-                &ckpt,
-            ],
+            &tiny_run("llama-tiny", "--resume", &ckpt),
             &["--resume", "gpt-ckpt", "tensor", "the model needs"],
         ),
     ];
