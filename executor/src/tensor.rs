@@ -29,11 +29,7 @@ impl<'a> MatRef<'a> {
         rs: usize,
         cs: usize,
     ) -> Self {
-        assert!(
-            span(off, rows, cols, rs, cs) <= data.len(),
-            "matrix view {rows}x{cols} (rs {rs}, cs {cs}, off {off}) exceeds buffer of {}",
-            data.len()
-        );
+        check_view(off, rows, cols, rs, cs, data.len());
         MatRef {
             data,
             off,
@@ -82,11 +78,7 @@ impl<'a> MatMut<'a> {
         rs: usize,
         cs: usize,
     ) -> Self {
-        assert!(
-            span(off, rows, cols, rs, cs) <= data.len(),
-            "matrix view {rows}x{cols} (rs {rs}, cs {cs}, off {off}) exceeds buffer of {}",
-            data.len()
-        );
+        check_view(off, rows, cols, rs, cs, data.len());
         MatMut {
             data,
             off,
@@ -105,6 +97,14 @@ fn span(off: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
     } else {
         off + (rows - 1) * rs + (cols - 1) * cs + 1
     }
+}
+
+/// Panics (a programming error, never user input) when a view reaches past its buffer.
+fn check_view(off: usize, rows: usize, cols: usize, rs: usize, cs: usize, len: usize) {
+    assert!(
+        span(off, rows, cols, rs, cs) <= len,
+        "matrix view {rows}x{cols} (rs {rs}, cs {cs}, off {off}) exceeds buffer of {len}"
+    );
 }
 
 /// Whether `gemm` may use several threads (only when one rank owns the whole machine).
