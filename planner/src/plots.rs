@@ -21,6 +21,22 @@ fn err(plot: &'static str) -> impl Fn(String) -> PlotError {
     move |message| PlotError { plot, message }
 }
 
+/// An SVG document of `size` pixels on a white background, drawn by `draw`.
+fn svg(
+    e: &impl Fn(String) -> PlotError,
+    size: (u32, u32),
+    draw: impl FnOnce(&DrawingArea<SVGBackend, plotters::coord::Shift>) -> Result<(), PlotError>,
+) -> Result<String, PlotError> {
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, size).into_drawing_area();
+        root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
+        draw(&root)?;
+        root.present().map_err(|x| e(x.to_string()))?;
+    }
+    Ok(out)
+}
+
 /// Writes `labels[i]` left of row `i` of a chart whose rows are centred on `y = n - 1 - i + 0.5`
 /// (row 0 at the top); plotters' own tick labels cannot be pinned to category rows.
 fn row_labels<DB: DrawingBackend>(
@@ -88,11 +104,8 @@ pub fn breakdown_svg(plans: &[Evaluated], labels: &[String]) -> Result<String, P
         })
         .fold(0.0, f64::max)
         * 1.3;
-    let mut out = String::new();
-    {
-        let root = SVGBackend::with_string(&mut out, (900, height)).into_drawing_area();
-        root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
-        let mut chart = ChartBuilder::on(&root)
+    svg(&e, (900, height), |root| {
+        let mut chart = ChartBuilder::on(root)
             .caption(
                 "Step time of the top plans, by where it goes",
                 ("sans-serif", 18),
@@ -109,7 +122,7 @@ pub fn breakdown_svg(plans: &[Evaluated], labels: &[String]) -> Result<String, P
             .x_desc("seconds per step")
             .draw()
             .map_err(|x| e(x.to_string()))?;
-        row_labels(&root, &chart, labels, 0.0).map_err(&e)?;
+        row_labels(root, &chart, labels, 0.0).map_err(&e)?;
         for (k, (part, color)) in PARTS.iter().enumerate() {
             let mut rects = Vec::new();
             for (i, p) in plans.iter().enumerate() {
@@ -138,9 +151,8 @@ pub fn breakdown_svg(plans: &[Evaluated], labels: &[String]) -> Result<String, P
             .border_style(BLACK)
             .draw()
             .map_err(|x| e(x.to_string()))?;
-        root.present().map_err(|x| e(x.to_string()))?;
-    }
-    Ok(out)
+        Ok(())
+    })
 }
 
 /// Peak memory of each pipeline stage of a plan against the device capacity.
@@ -148,11 +160,8 @@ pub fn memory_svg(stage_gib: &[f64], capacity_gib: f64) -> Result<String, PlotEr
     let e = err("memory");
     let n = stage_gib.len().max(1);
     let ymax = stage_gib.iter().copied().fold(capacity_gib, f64::max) * 1.1;
-    let mut out = String::new();
-    {
-        let root = SVGBackend::with_string(&mut out, (900, 360)).into_drawing_area();
-        root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
-        let mut chart = ChartBuilder::on(&root)
+    svg(&e, (900, 360), |root| {
+        let mut chart = ChartBuilder::on(root)
             .caption(
                 "Peak memory per pipeline stage (best plan)",
                 ("sans-serif", 18),
@@ -210,9 +219,8 @@ pub fn memory_svg(stage_gib: &[f64], capacity_gib: f64) -> Result<String, PlotEr
             .border_style(BLACK)
             .draw()
             .map_err(|x| e(x.to_string()))?;
-        root.present().map_err(|x| e(x.to_string()))?;
-    }
-    Ok(out)
+        Ok(())
+    })
 }
 
 fn kind_color(k: TaskKind) -> RGBColor {
@@ -251,11 +259,8 @@ pub fn gantt_svg(step: &SimulatedStep) -> Result<String, PlotError> {
     let n = rows.len().max(1);
     let makespan = step.trace.makespan.0.max(1e-9);
     let height = 110 + 22 * n as u32;
-    let mut out = String::new();
-    {
-        let root = SVGBackend::with_string(&mut out, (1100, height)).into_drawing_area();
-        root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
-        let mut chart = ChartBuilder::on(&root)
+    svg(&e, (1100, height), |root| {
+        let mut chart = ChartBuilder::on(root)
             .caption(
                 "Predicted timeline of one step (best plan)",
                 ("sans-serif", 18),
@@ -273,7 +278,7 @@ pub fn gantt_svg(step: &SimulatedStep) -> Result<String, PlotError> {
             .x_desc("seconds")
             .draw()
             .map_err(|x| e(x.to_string()))?;
-        row_labels(&root, &chart, &names, 0.0).map_err(&e)?;
+        row_labels(root, &chart, &names, 0.0).map_err(&e)?;
         let graph = &step.graph;
         let bars = step.trace.spans.iter().filter_map(|s| {
             let row = *row_of.get(s.resource.index())?;
@@ -312,9 +317,8 @@ pub fn gantt_svg(step: &SimulatedStep) -> Result<String, PlotError> {
             .border_style(BLACK)
             .draw()
             .map_err(|x| e(x.to_string()))?;
-        root.present().map_err(|x| e(x.to_string()))?;
-    }
-    Ok(out)
+        Ok(())
+    })
 }
 
 /// Throughput of the best plan at each GPU count of a sweep: `(gpus, tokens/s)`.
@@ -322,11 +326,8 @@ pub fn sweep_svg(points: &[(u32, f64)]) -> Result<String, PlotError> {
     let e = err("sweep");
     let xmax = points.iter().map(|p| p.0).max().unwrap_or(1) as f64 * 1.1;
     let ymax = points.iter().map(|p| p.1).fold(0.0, f64::max) * 1.15;
-    let mut out = String::new();
-    {
-        let root = SVGBackend::with_string(&mut out, (900, 400)).into_drawing_area();
-        root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
-        let mut chart = ChartBuilder::on(&root)
+    svg(&e, (900, 400), |root| {
+        let mut chart = ChartBuilder::on(root)
             .caption(
                 "Throughput of the best plan versus GPU count",
                 ("sans-serif", 18),
@@ -380,7 +381,6 @@ pub fn sweep_svg(points: &[(u32, f64)]) -> Result<String, PlotError> {
             .border_style(BLACK)
             .draw()
             .map_err(|x| e(x.to_string()))?;
-        root.present().map_err(|x| e(x.to_string()))?;
-    }
-    Ok(out)
+        Ok(())
+    })
 }
