@@ -81,6 +81,13 @@ pub struct Runtime {
     pub allow_tp_across_nodes: bool,
     /// What selective recomputation redoes.
     pub selective: SelectivePolicy,
+    /// Under pipeline parallelism, ZeRO-3 / FSDP keeps a stage's parameters gathered and
+    /// accumulates its gradients unsharded (in the reduce type) across the step's
+    /// micro-batches, reducing them once after the last: torchtitan sets
+    /// `reshard_after_forward=False` on pipelined models, and PyTorch's pipeline stages run
+    /// every backward but the last without gradient sync. In time and memory that is the
+    /// distributed optimizer's step (ZeRO-1); see [`Setup::zero_stage`].
+    pub zero3_gathered_under_pp: bool,
 }
 
 /// What selective recomputation redoes in backward.
@@ -106,6 +113,7 @@ impl Default for Runtime {
             grad_reduce_fp32: true,
             allow_tp_across_nodes: false,
             selective: SelectivePolicy::CheapOps,
+            zero3_gathered_under_pp: false,
         }
     }
 }
@@ -188,6 +196,19 @@ impl Setup<'_> {
     /// Whether attention runs as a fused kernel: the runtime has one and the device runs it.
     pub fn fused_attention(&self) -> bool {
         self.runtime.fused_attention && self.profile.device.has_fused_attention()
+    }
+
+    /// The ZeRO stage `l` runs as: its own, except ZeRO-3 under pipeline parallelism with a
+    /// runtime that keeps stages gathered across micro-batches, which runs as ZeRO-1
+    /// (parameters and gradients whole on each device for the step, optimizer states sharded,
+    /// gradients reduce-scattered after the last backward and parameters gathered before the
+    /// first forward).
+    pub fn zero_stage(&self, l: &Layout) -> u8 {
+        if l.zero_stage >= 3 && l.pp > 1 && self.runtime.zero3_gathered_under_pp {
+            1
+        } else {
+            l.zero_stage
+        }
     }
 
     /// Bytes per gradient element in data-parallel reductions.

@@ -130,7 +130,7 @@ pub fn memory_gib(
     let (pp, v) = (l.pp, l.interleave);
     let nv = (pp * v) as usize;
     let kind = ScheduleKind::of(l.schedule, l.pp);
-    let (wb, gb, ob) = state_bytes_per_param(setup.precision, l.zero_stage, l.dp * l.cp);
+    let (wb, gb, ob) = state_bytes_per_param(setup.precision, setup.zero_stage(l), l.dp * l.cp);
     let workspace = Bytes::from_gib(WORKSPACE_GIB).0 as f64;
     let mut worst = 0.0f64;
     for s in 0..pp {

@@ -1145,6 +1145,10 @@ mod tests {
                 tp_comm_overlap: false,
                 ..Runtime::default()
             },
+            Runtime {
+                zero3_gathered_under_pp: true,
+                ..Runtime::default()
+            },
         ] {
             let s = Setup {
                 runtime,

@@ -55,7 +55,8 @@ impl Framework {
     ///   distributed optimizer, overlapped gradient reduce-scatter and parameter gather,
     ///   tensor-parallel communication overlap.
     /// - torchtitan: FSDP2, PyTorch SDPA flash attention, op-level selective activation
-    ///   checkpointing that saves matmul outputs except every second one.
+    ///   checkpointing that saves matmul outputs except every second one; with pipeline
+    ///   parallelism FSDP keeps each stage gathered across micro-batches.
     /// - HuggingFace Trainer with PyTorch DDP (2020–21 GPT-2): eager attention, overlapped
     ///   bucketed all-reduce.
     pub fn for_source(source: &str) -> Framework {
@@ -67,6 +68,7 @@ impl Framework {
             grad_reduce_fp32: true,
             allow_tp_across_nodes: false,
             selective: SelectivePolicy::CheapOps,
+            zero3_gathered_under_pp: false,
         };
         let megatron = |schedules: Vec<Schedule>, recompute: Vec<Recompute>, sp| Framework {
             name: "megatron-lm (pre-flash)",
@@ -123,10 +125,12 @@ impl Framework {
             Framework {
                 name: "torchtitan",
                 // Plain FSDP2 + SDPA: no userbuffer overlap of TP collectives; its op-level
-                // selective checkpointing saves only every second matmul output.
+                // selective checkpointing saves only every second matmul output; pipelined
+                // models are not resharded between micro-batches.
                 runtime: Runtime {
                     tp_comm_overlap: false,
                     selective: SelectivePolicy::CheapOpsAndAlternateMatmuls,
+                    zero3_gathered_under_pp: true,
                     ..Runtime::default()
                 },
                 ..Framework::current()

@@ -250,12 +250,13 @@ pub fn step_terms(
     // hold the same parameters and see different tokens (Megatron-LM's and torchtitan's
     // data-parallel-with-CP group).
     let shard = l.dp * l.cp;
+    let zero = setup.zero_stage(l);
     let dp_group = Group::strided(shard, l.tp, setup.profile.node.gpus_per_node);
     let wbytes = if precision.is_mixed() { 2 } else { 4 };
 
     // ZeRO-3 gathers each layer's parameters before its forward and backward and
     // reduce-scatters its gradients, per micro-batch, prefetched behind the previous layer.
-    let zero3 = if l.zero_stage >= 3 && shard > 1 {
+    let zero3 = if zero >= 3 && shard > 1 {
         let p = c.layer.params;
         let ag = net.collective(Collective::AllGather, Bytes(p * wbytes), dp_group);
         let rs = net.collective(
@@ -287,12 +288,12 @@ pub fn step_terms(
             let vs = (chunk * pp + s) as usize;
             let p = virtual_stage_params(c, layers, vs);
             stage_params += p;
-            if shard <= 1 || l.zero_stage >= 3 {
+            if shard <= 1 || zero >= 3 {
                 continue;
             }
             let reduce = |params: u64| {
                 let grads = Bytes(params * setup.grad_reduce_bytes());
-                match l.zero_stage {
+                match zero {
                     0 => net.collective(Collective::AllReduce, grads, dp_group),
                     _ => net.collective(Collective::ReduceScatter, grads, dp_group),
                 }
@@ -315,13 +316,13 @@ pub fn step_terms(
                 reduce(p)
             };
         }
-        let opt_params = if l.zero_stage >= 1 {
+        let opt_params = if zero >= 1 {
             stage_params / u64::from(shard)
         } else {
             stage_params
         };
         adam[s as usize] = dev.memory(opt_params as f64 * ADAM_BYTES_PER_PARAM);
-        if (1..3).contains(&l.zero_stage) && shard > 1 {
+        if (1..3).contains(&zero) && shard > 1 {
             // Distributed optimizer: gather the updated 16-bit parameters. With overlapped
             // gathers (Megatron-Core `--overlap-param-gather`) each bucket is fetched just
             // before the next step's first forward needs it.
@@ -368,6 +369,7 @@ pub fn simulate_step_with_flops(
     let layers = stage_layers(setup.model.layers, l);
     let precision = setup.precision;
     let shard = l.dp * l.cp;
+    let zero = setup.zero_stage(l);
     let terms = step_terms(setup, l, &c, &layers)?;
     let (z3_fwd, z3_bwd) = terms.zero3;
     let kind = ScheduleKind::of(l.schedule, l.pp);
@@ -389,14 +391,14 @@ pub fn simulate_step_with_flops(
             let Some(after) = pg.last_weight_grad(s, Some(chunk)) else {
                 continue;
             };
-            if shard <= 1 || l.zero_stage >= 3 {
+            if shard <= 1 || zero >= 3 {
                 last.push(after);
                 continue;
             }
             let t = pg.add_task(
                 Task::new(
                     "dp-grad",
-                    TaskKind::Comm(if l.zero_stage == 0 {
+                    TaskKind::Comm(if zero == 0 {
                         CommKind::DpAllReduce
                     } else {
                         CommKind::DpReduceScatter
@@ -482,7 +484,7 @@ pub fn simulate_step_with_flops(
     let hfu = mfu * recompute_share;
 
     // Memory per stage.
-    let (wb, gb, ob) = state_bytes_per_param(precision, l.zero_stage, shard);
+    let (wb, gb, ob) = state_bytes_per_param(precision, zero, shard);
     let workspace = Bytes::from_gib(WORKSPACE_GIB);
     let mut stage_memory = Vec::with_capacity(pp as usize);
     let mut stage_static = Vec::with_capacity(pp as usize);
@@ -507,7 +509,7 @@ pub fn simulate_step_with_flops(
         if chunks.contains(&(nv - 1)) {
             buffers += c.head.working.0 as f64;
         }
-        if l.zero_stage >= 3 {
+        if zero >= 3 {
             // Two layers gathered (current and prefetched) plus one layer's unsharded gradient.
             let p = c.layer.params as f64;
             buffers += 2.0 * p * if precision.is_mixed() { 2.0 } else { 4.0 } + p * 4.0;
@@ -704,6 +706,43 @@ mod tests {
         assert!(sel.memory.activations >= full.memory.activations);
         assert!(full.step_time_s > sel.step_time_s && sel.step_time_s >= none.step_time_s);
         assert!(full.hfu > full.mfu);
+    }
+
+    #[test]
+    fn zero3_kept_gathered_under_pp_runs_as_the_distributed_optimizer() {
+        // torchtitan's FSDP on a pipelined model: parameters stay gathered and gradients
+        // accumulate unsharded across micro-batches, so the stage holds whole 16-bit weights
+        // and fp32 gradients, shards only the optimizer, and gathers nothing per micro-batch.
+        let (m, p) = (gpt3(), preset("dgx-a100-80gb").unwrap());
+        let base = setup(&m, &p, 1024, 1536);
+        let kept = Setup {
+            runtime: Runtime {
+                zero3_gathered_under_pp: true,
+                ..Runtime::default()
+            },
+            ..base
+        };
+        let with_zero = |z| Layout {
+            zero_stage: z,
+            ..megatron_175b(Schedule::OneFOneB, 1)
+        };
+        let run = |s: &Setup, z| simulate_step(s, &with_zero(z)).unwrap().prediction;
+        let (sharded, gathered, zero1) = (run(&base, 3), run(&kept, 3), run(&base, 1));
+        assert_eq!(gathered.memory, zero1.memory);
+        assert_eq!(gathered.step_time_s, zero1.step_time_s);
+        assert!(gathered.memory.params > 0.0 && sharded.memory.params == 0.0);
+        assert!(gathered.peak_memory_gib > sharded.peak_memory_gib);
+        assert!(!sharded.breakdown.exposed_comm_s.contains_key("dp"));
+        // Without pipeline parallelism the runtime flag changes nothing.
+        let flat = Layout {
+            pp: 1,
+            dp: 128,
+            schedule: Schedule::None,
+            ..with_zero(3)
+        };
+        let t = |s: &Setup| simulate_step(s, &flat).unwrap().prediction;
+        assert_eq!(t(&base).step_time_s, t(&kept).step_time_s);
+        assert_eq!(t(&base).memory, t(&kept).memory);
     }
 
     #[test]
