@@ -45,6 +45,9 @@ pub struct Space {
     pub schedules: Vec<Schedule>,
     /// ZeRO stages (when data parallel).
     pub zero_stages: Vec<u8>,
+    /// Virtual pipeline stages may hold unequal layer counts (torchtitan's split points);
+    /// otherwise (Megatron-LM) an unpublished interleave must divide the layers evenly.
+    pub uneven_interleave: bool,
 }
 
 impl Default for Space {
@@ -55,6 +58,7 @@ impl Default for Space {
                 .filter(|s| *s != Schedule::None)
                 .collect(),
             zero_stages: vec![0, 1, 2, 3],
+            uneven_interleave: false,
         }
     }
 }
@@ -132,7 +136,12 @@ pub fn candidates(setup: &Setup, p: &PartialLayout, space: &Space) -> Vec<Layout
                         (Schedule::Interleaved1F1B, Some(v)) => scheds.push((s, v)),
                         (Schedule::Interleaved1F1B, None) => {
                             for v in 2..=8u32 {
-                                if layers % (pp * v) == 0 {
+                                let fits = if space.uneven_interleave {
+                                    pp * v <= layers
+                                } else {
+                                    layers % (pp * v) == 0
+                                };
+                                if fits {
                                     scheds.push((s, v));
                                 }
                             }
@@ -188,10 +197,18 @@ pub fn complete_within(
     cands.retain(|l| allowed(l));
     let tried = cands.len();
     if cands.is_empty() {
-        return Err(CompleteError::NoCandidate(format!(
-            "the given degrees do not divide {} devices",
-            setup.gpus
-        )));
+        let interleave_unknown = p.schedule == Some(Schedule::Interleaved1F1B)
+            && p.interleave.is_none()
+            && !space.uneven_interleave;
+        return Err(CompleteError::NoCandidate(if interleave_unknown {
+            format!(
+                "interleaved-1f1b: no interleave from 2 to 8 splits the {} layers evenly over \
+                 the pipeline stages; give one",
+                setup.model.layers
+            )
+        } else {
+            format!("the given degrees do not divide {} devices", setup.gpus)
+        }));
     }
     let model_flops =
         model_flops_per_step(setup).map_err(|e| CompleteError::NoCandidate(e.to_string()))?;
@@ -269,4 +286,48 @@ pub fn layout_string(l: &Layout) -> String {
         s.push_str(&format!(",v={}", l.interleave));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parallax_cost::transformer::Runtime;
+    use parallax_hardware::preset;
+    use parallax_ir::models::TransformerConfig;
+    use parallax_ir::Precision;
+
+    #[test]
+    fn an_unpublished_interleave_splits_evenly_unless_the_framework_splits_unevenly() {
+        // 30 layers over 4 stages: no interleave from 2 to 8 divides them.
+        let m = TransformerConfig::llama(30, 2048, 16, 16, 5632, 32000, 2048);
+        let p = preset("dgx-a100-80gb").unwrap();
+        let s = Setup {
+            model: &m,
+            profile: &p,
+            gpus: 8,
+            precision: Precision::Bf16,
+            seq: 2048,
+            global_batch: 16,
+            runtime: Runtime::default(),
+        };
+        let partial = PartialLayout::parse("tp=2,pp=4,schedule=interleaved-1f1b").unwrap();
+        let even = Space::default();
+        assert!(candidates(&s, &partial, &even).is_empty());
+        let err = complete_within(&s, &partial, &even, &|_| true).unwrap_err();
+        assert!(err.to_string().contains("no interleave"), "{err}");
+        let uneven = Space {
+            uneven_interleave: true,
+            ..Space::default()
+        };
+        let mut vs: Vec<u32> = candidates(&s, &partial, &uneven)
+            .iter()
+            .map(|l| l.interleave)
+            .collect();
+        vs.sort_unstable();
+        vs.dedup();
+        // Every virtual stage keeps at least one layer: 4 × 7 ≤ 30 < 4 × 8.
+        assert_eq!(vs, (2..=7).collect::<Vec<_>>());
+        let done = complete_within(&s, &partial, &uneven, &|_| true).unwrap();
+        assert_eq!(done.layout.schedule, Schedule::Interleaved1F1B);
+    }
 }

@@ -76,6 +76,7 @@ impl Framework {
             space: Space {
                 schedules,
                 zero_stages: vec![0],
+                uneven_interleave: false,
             },
             recompute,
             sequence_parallel: sp,
@@ -108,6 +109,7 @@ impl Framework {
                 space: Space {
                     schedules: vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
                     zero_stages: vec![0, 1],
+                    uneven_interleave: false,
                 },
                 ..Framework::current()
             }
@@ -118,6 +120,7 @@ impl Framework {
                 space: Space {
                     schedules: vec![Schedule::GPipe],
                     zero_stages: vec![0],
+                    uneven_interleave: false,
                 },
                 ..Framework::current()
             }
@@ -133,6 +136,10 @@ impl Framework {
                     zero3_gathered_under_pp: true,
                     ..Runtime::default()
                 },
+                space: Space {
+                    uneven_interleave: true,
+                    ..Space::default()
+                },
                 ..Framework::current()
             }
         } else {
@@ -147,6 +154,7 @@ impl Framework {
                 space: Space {
                     schedules: vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
                     zero_stages: vec![0, 1, 2, 3],
+                    uneven_interleave: false,
                 },
                 ..Framework::current()
             }
