@@ -227,7 +227,7 @@ impl TransformerConfig {
             x = self.block(&mut g, &format!("layers.{i}"), x, opts)?;
         }
         g.segment(Segment::Post);
-        let loss = self.head(&mut g, x, table, opts)?;
+        let loss = self.head(&mut g, x, self.head_reads_table().then_some(table), opts)?;
         g.finish(&[loss])
     }
 
@@ -249,7 +249,9 @@ impl TransformerConfig {
             Section::Head => {
                 g.segment(Segment::Post);
                 let x = x_in(&mut g);
-                let table = g.weight("embed.weight", [self.vocab, self.hidden]);
+                let table = self
+                    .head_reads_table()
+                    .then(|| g.weight("embed.weight", [self.vocab, self.hidden]));
                 self.head(&mut g, x, table, opts)?
             }
         };
@@ -301,13 +303,21 @@ impl TransformerConfig {
         Ok((x, table))
     }
 
+    /// Whether the head reads the embedding table (tied embeddings, BERT's decoder).
+    fn head_reads_table(&self) -> bool {
+        self.bert || self.tied_embeddings
+    }
+
+    /// The head from `x` to the loss; `table` is the embedding table where
+    /// [`Self::head_reads_table`], else the head owns its projection.
     fn head(
         &self,
         g: &mut GraphBuilder,
         x: TensorId,
-        table: TensorId,
+        table: Option<TensorId>,
         opts: BuildOptions,
     ) -> Result<TensorId, GraphError> {
+        let own = |g: &mut GraphBuilder| g.weight("lm_head.weight", [self.vocab, self.hidden]);
         let (bsz, s, h) = (opts.batch, opts.seq, self.hidden);
         let labels = g.input("labels", [bsz, s], DType::I64);
         let (logits_in, head_table) = if self.bert {
@@ -330,15 +340,11 @@ impl TransformerConfig {
             // MLM transform: dense + GeLU + LayerNorm, then the tied decoder.
             let t = g.linear("mlm.dense", x, h, true)?;
             let t = g.activation("mlm.act", Activation::Gelu, t)?;
-            (g.layer_norm("mlm.norm", t)?, table)
+            let head = table.unwrap_or_else(|| own(g));
+            (g.layer_norm("mlm.norm", t)?, head)
         } else {
             let y = self.norm(g, "final_norm", x)?;
-            let head = if self.tied_embeddings {
-                table
-            } else {
-                g.weight("lm_head.weight", [self.vocab, h])
-            };
-            (y, head)
+            (y, table.unwrap_or_else(|| own(g)))
         };
         let mut logits = g.op1(
             "lm_head",
@@ -574,6 +580,14 @@ mod tests {
             + 3.0 * part(Section::Block).fwd_flops.0
             + part(Section::Head).fwd_flops.0;
         assert!((sum - full.fwd_flops.0).abs() < 1e-6 * full.fwd_flops.0);
+        // Parameters too: an untied head owns its projection and nothing of the embedding.
+        let params = |s| cfg.build_section(s, o).unwrap().param_count();
+        let whole = cfg.build("t", o).unwrap().param_count();
+        assert!(!cfg.tied_embeddings);
+        assert_eq!(
+            params(Section::Embedding) + 3 * params(Section::Block) + params(Section::Head),
+            whole
+        );
         // A TP shard holds 1/tp of the block's matmul work.
         let shard = cfg.tp_shard(2).unwrap();
         let b1 = cfg.build_section(Section::Block, o).unwrap();
