@@ -53,7 +53,8 @@ impl Framework {
     ///   recompute; still before FlashAttention (Dao et al., mid-2022).
     /// - Megatron-Core 2024 (H100 README table): Transformer Engine fused attention,
     ///   distributed optimizer, overlapped gradient reduce-scatter and parameter gather,
-    ///   tensor-parallel communication overlap.
+    ///   tensor-parallel communication overlap. NeMo (since 2023) trains on Megatron-Core, so
+    ///   its published runs get the same stack.
     /// - torchtitan: FSDP2, PyTorch SDPA flash attention, op-level selective activation
     ///   checkpointing that saves matmul outputs except every second one; with pipeline
     ///   parallelism FSDP keeps each stage gathered across micro-batches.
@@ -103,7 +104,10 @@ impl Framework {
                 vec![Recompute::None, Recompute::Selective, Recompute::Full],
                 true,
             )
-        } else if s.starts_with("megatron-lm-readme-h100-2024") {
+        } else if ["megatron-lm-readme-h100-2024", "megatron-core", "nemo"]
+            .iter()
+            .any(|p| s.starts_with(p))
+        {
             Framework {
                 name: "megatron-core 2024",
                 space: Space {
@@ -450,5 +454,31 @@ pub fn summarize(results: &[CaseResult]) -> Summary {
             mem.iter().sum::<f64>() / mem.len() as f64
         },
         skipped: results.iter().filter(|r| r.ape.is_none()).count(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources_map_to_the_stack_they_ran() {
+        let fw = Framework::for_source;
+        assert_eq!(
+            fw("megatron-lm-readme-h100-2024").name,
+            "megatron-core 2024"
+        );
+        assert_eq!(
+            fw("NeMo-performance-summary-24.07").name,
+            "megatron-core 2024"
+        );
+        assert!(fw("nemo-long-sequence").runtime.tp_comm_overlap);
+        let titan = fw("torchtitan-benchmarks");
+        assert!(titan.runtime.zero3_gathered_under_pp && titan.space.uneven_interleave);
+        assert!(!titan.runtime.tp_comm_overlap);
+        let other = fw("another-lab-2025");
+        assert_eq!(other.name, "unknown (current stack)");
+        assert!(!other.runtime.tp_comm_overlap && !other.runtime.zero3_gathered_under_pp);
+        assert!(!fw("narayanan2021-ptdp").runtime.fused_attention);
     }
 }
