@@ -112,3 +112,16 @@ fn validate_json_scores_the_published_runs() {
         }
     }
 }
+
+#[test]
+fn validate_scores_the_held_out_runs() {
+    // Published runs kept out of calibration (NeMo 24.07, torchtitan 70B/405B 2D–4D): every
+    // one is modelled, and the error stays near the one measured when they were added.
+    let cases = concat!(env!("CARGO_MANIFEST_DIR"), "/../validation/held-out.json");
+    let d = run(&["validate", cases, "--json"]);
+    let s = &d["summary"];
+    assert_eq!(s["skipped"], 0, "{s}");
+    assert_eq!(s["n"], 17, "{s}");
+    assert!(s["mape"].as_f64().unwrap() <= 0.11, "{s}");
+    assert!(s["max_ape"].as_f64().unwrap() <= 0.30, "{s}");
+}
