@@ -336,8 +336,17 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     // Tensor-parallel collectives per layer: 2 all-reduces forward (attention and MLP outputs)
     // and 2 backward (inputs of the column-parallel layers); with sequence parallelism each
     // becomes an all-gather plus a reduce-scatter of the same volume (Korthikanti et al. 2022).
+    // FP8 training gathers the GEMM inputs (and, in backward, the output gradients) already
+    // cast to 8 bits: Transformer Engine's layer-norm output and gradient gathers and torchao's
+    // `Float8ColwiseParallel` / `Float8RowwiseParallel` cast before they all-gather; the
+    // reduce-scatters of GEMM outputs stay 16-bit.
+    let gathered = if s.precision == Precision::Fp8 {
+        Bytes(act.0 / fb)
+    } else {
+        act
+    };
     let tp_one = if sp {
-        net.collective(Collective::AllGather, act, tp_group)
+        net.collective(Collective::AllGather, gathered, tp_group)
             + net.collective(Collective::ReduceScatter, act, tp_group)
     } else {
         net.collective(Collective::AllReduce, act, tp_group)
@@ -739,6 +748,35 @@ mod tests {
         // More recomputation never keeps more.
         assert!(full.layer.saved < sel.layer.saved && sel.layer.saved < with_sp.layer.saved);
         assert!(full.layer.recompute > sel.layer.recompute);
+    }
+
+    #[test]
+    fn fp8_gathers_eight_bit_inputs_under_sequence_parallelism() {
+        let m = cfg("llama3-70b");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let no_overlap = Runtime {
+            tp_comm_overlap: false,
+            ..Runtime::default()
+        };
+        let tp_fwd = |precision, sp| {
+            let s = Setup {
+                precision,
+                ..setup(&m, &p, 8, no_overlap)
+            };
+            transformer_costs(&s, &layout(8, sp, Recompute::None))
+                .unwrap()
+                .layer
+                .tp_fwd
+                .0
+        };
+        // All-gathers halve, reduce-scatters keep 16 bits: between half and all of bf16's.
+        let (bf16, fp8) = (tp_fwd(Precision::Bf16, true), tp_fwd(Precision::Fp8, true));
+        assert!(fp8 < 0.8 * bf16 && fp8 > 0.5 * bf16, "{fp8} vs {bf16}");
+        // Without sequence parallelism the all-reduces of 16-bit outputs are unchanged.
+        assert_eq!(
+            tp_fwd(Precision::Fp8, false),
+            tp_fwd(Precision::Bf16, false)
+        );
     }
 
     #[test]
