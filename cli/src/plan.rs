@@ -197,9 +197,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         precision,
         seq,
         global_batch: a.global_batch,
+        // Predict what the engine the plan is exported to will run.
         runtime: Runtime {
             allow_tp_across_nodes: a.allow_tp_across_nodes,
-            ..Runtime::default()
+            ..engine.map(Engine::runtime).unwrap_or_default()
         },
     };
     let opts = SearchOptions {

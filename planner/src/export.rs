@@ -5,6 +5,7 @@
 //! the planner can search inside it (`parallax plan --export ENGINE`) and an export never
 //! silently drops a knob: [`export`] refuses a layout the engine cannot express.
 
+use parallax_cost::transformer::{Runtime, SelectivePolicy};
 use parallax_ir::models::{Mlp, Norm, Position, TransformerConfig};
 use parallax_ir::{Layout, Plan, Precision, Recompute, Schedule};
 use serde_json::json;
@@ -42,6 +43,22 @@ impl Engine {
             Engine::Megatron => "megatron_args.sh",
             Engine::DeepSpeed => "ds_config.json",
             Engine::Torchtitan => "torchtitan.toml",
+        }
+    }
+
+    /// How the engine behaves beyond the layout, for predicting the plans it will run:
+    /// torchtitan is plain FSDP2 + SDPA (no userbuffer overlap of TP collectives; op-level
+    /// selective checkpointing that saves only every second matmul output; pipelined models
+    /// kept gathered across micro-batches); the others run the current default stack.
+    pub fn runtime(self) -> Runtime {
+        match self {
+            Engine::Torchtitan => Runtime {
+                tp_comm_overlap: false,
+                selective: SelectivePolicy::CheapOpsAndAlternateMatmuls,
+                zero3_gathered_under_pp: true,
+                ..Runtime::default()
+            },
+            Engine::Megatron | Engine::DeepSpeed => Runtime::default(),
         }
     }
 

@@ -2,6 +2,7 @@
 //! (`parallax-validation-cases/1`, see `shared/ground-truth/README.md`).
 
 use crate::complete::{complete_within, layout_string, Space};
+use crate::export::Engine;
 use parallax_cost::transformer::{Runtime, SelectivePolicy, Setup};
 use parallax_hardware::{Cluster, ClusterProfile};
 use parallax_ir::models::{Mlp, TransformerConfig};
@@ -55,7 +56,7 @@ impl Framework {
     ///   distributed optimizer, overlapped gradient reduce-scatter and parameter gather,
     ///   tensor-parallel communication overlap. NeMo (since 2023) trains on Megatron-Core, so
     ///   its published runs get the same stack.
-    /// - torchtitan: FSDP2, PyTorch SDPA flash attention, op-level selective activation
+    /// - torchtitan ([`Engine::runtime`]): FSDP2, PyTorch SDPA flash attention, op-level selective activation
     ///   checkpointing that saves matmul outputs except every second one; with pipeline
     ///   parallelism FSDP keeps each stage gathered across micro-batches.
     /// - HuggingFace Trainer with PyTorch DDP (2020–21 GPT-2): eager attention, overlapped
@@ -131,15 +132,7 @@ impl Framework {
         } else if s.starts_with("torchtitan") {
             Framework {
                 name: "torchtitan",
-                // Plain FSDP2 + SDPA: no userbuffer overlap of TP collectives; its op-level
-                // selective checkpointing saves only every second matmul output; pipelined
-                // models are not resharded between micro-batches.
-                runtime: Runtime {
-                    tp_comm_overlap: false,
-                    selective: SelectivePolicy::CheapOpsAndAlternateMatmuls,
-                    zero3_gathered_under_pp: true,
-                    ..Runtime::default()
-                },
+                runtime: Engine::Torchtitan.runtime(),
                 space: Space {
                     uneven_interleave: true,
                     ..Space::default()
@@ -474,6 +467,8 @@ mod tests {
         );
         assert!(fw("nemo-long-sequence").runtime.tp_comm_overlap);
         let titan = fw("torchtitan-benchmarks");
+        // Published torchtitan runs and plans exported to torchtitan are predicted alike.
+        assert_eq!(titan.runtime, Engine::Torchtitan.runtime());
         assert!(titan.runtime.zero3_gathered_under_pp && titan.space.uneven_interleave);
         assert!(!titan.runtime.tp_comm_overlap);
         let other = fw("another-lab-2025");
