@@ -56,9 +56,9 @@ impl Framework {
     ///   distributed optimizer, overlapped gradient reduce-scatter and parameter gather,
     ///   tensor-parallel communication overlap. NeMo (since 2023) trains on Megatron-Core, so
     ///   its published runs get the same stack.
-    /// - torchtitan ([`Engine::runtime`]): FSDP2, PyTorch SDPA flash attention, op-level selective activation
-    ///   checkpointing that saves matmul outputs except every second one; with pipeline
-    ///   parallelism FSDP keeps each stage gathered across micro-batches.
+    /// - torchtitan ([`Engine::runtime`]): FSDP2, PyTorch SDPA flash attention, op-level
+    ///   selective activation checkpointing that saves matmul outputs except every second one;
+    ///   with pipeline parallelism FSDP keeps each stage gathered across micro-batches.
     /// - HuggingFace Trainer with PyTorch DDP (2020–21 GPT-2): eager attention, overlapped
     ///   bucketed all-reduce.
     pub fn for_source(source: &str) -> Framework {
