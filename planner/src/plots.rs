@@ -37,6 +37,38 @@ fn svg(
     Ok(out)
 }
 
+/// The charts here: both axes `f64`, on an SVG drawing area.
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// A chart over `x` × `y` with the house caption font and margin; `label_areas` are the
+/// pixels kept for the x and y axis labels.
+fn chart<'a, 'b>(
+    root: &'a DrawingArea<SVGBackend<'b>, plotters::coord::Shift>,
+    caption: &str,
+    label_areas: (u32, u32),
+    x: std::ops::Range<f64>,
+    y: std::ops::Range<f64>,
+) -> Result<Chart<'a, 'b>, String> {
+    ChartBuilder::on(root)
+        .caption(caption, ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(label_areas.0)
+        .y_label_area_size(label_areas.1)
+        .build_cartesian_2d(x, y)
+        .map_err(|x| x.to_string())
+}
+
+/// The series legend at `pos`, on a translucent white box.
+fn legend<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>, pos: SeriesLabelPosition) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(pos)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|x| x.to_string())
+}
+
 /// Writes `labels[i]` left of row `i` of a chart whose rows are centred on `y = n - 1 - i + 0.5`
 /// (row 0 at the top); plotters' own tick labels cannot be pinned to category rows.
 fn row_labels<DB: DrawingBackend>(
@@ -105,16 +137,14 @@ pub fn breakdown_svg(plans: &[Evaluated], labels: &[String]) -> Result<String, P
         .fold(0.0, f64::max)
         * 1.3;
     svg(&e, (900, height), |root| {
-        let mut chart = ChartBuilder::on(root)
-            .caption(
-                "Step time of the top plans, by where it goes",
-                ("sans-serif", 18),
-            )
-            .margin(10)
-            .x_label_area_size(30)
-            .y_label_area_size(260)
-            .build_cartesian_2d(0.0..xmax.max(1e-9), 0.0..n as f64)
-            .map_err(|x| e(x.to_string()))?;
+        let mut chart = chart(
+            root,
+            "Step time of the top plans, by where it goes",
+            (30, 260),
+            0.0..xmax.max(1e-9),
+            0.0..n as f64,
+        )
+        .map_err(&e)?;
         chart
             .configure_mesh()
             .disable_y_mesh()
@@ -144,13 +174,7 @@ pub fn breakdown_svg(plans: &[Evaluated], labels: &[String]) -> Result<String, P
                     Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled())
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|x| e(x.to_string()))?;
+        legend(&mut chart, SeriesLabelPosition::LowerRight).map_err(&e)?;
         Ok(())
     })
 }
@@ -161,16 +185,14 @@ pub fn memory_svg(stage_gib: &[f64], capacity_gib: f64) -> Result<String, PlotEr
     let n = stage_gib.len().max(1);
     let ymax = stage_gib.iter().copied().fold(capacity_gib, f64::max) * 1.1;
     svg(&e, (900, 360), |root| {
-        let mut chart = ChartBuilder::on(root)
-            .caption(
-                "Peak memory per pipeline stage (best plan)",
-                ("sans-serif", 18),
-            )
-            .margin(10)
-            .x_label_area_size(35)
-            .y_label_area_size(50)
-            .build_cartesian_2d(-0.5..n as f64 - 0.5, 0.0..ymax.max(1e-9))
-            .map_err(|x| e(x.to_string()))?;
+        let mut chart = chart(
+            root,
+            "Peak memory per pipeline stage (best plan)",
+            (35, 50),
+            -0.5..n as f64 - 0.5,
+            0.0..ymax.max(1e-9),
+        )
+        .map_err(&e)?;
         chart
             .configure_mesh()
             .disable_x_mesh()
@@ -212,13 +234,7 @@ pub fn memory_svg(stage_gib: &[f64], capacity_gib: f64) -> Result<String, PlotEr
             .map_err(|x| e(x.to_string()))?
             .label(format!("capacity {capacity_gib:.0} GiB"))
             .legend(|(x, y)| PathElement::new([(x, y), (x + 10, y)], RED.stroke_width(2)));
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|x| e(x.to_string()))?;
+        legend(&mut chart, SeriesLabelPosition::LowerRight).map_err(&e)?;
         Ok(())
     })
 }
@@ -260,16 +276,14 @@ pub fn gantt_svg(step: &SimulatedStep) -> Result<String, PlotError> {
     let makespan = step.trace.makespan.0.max(1e-9);
     let height = 110 + 22 * n as u32;
     svg(&e, (1100, height), |root| {
-        let mut chart = ChartBuilder::on(root)
-            .caption(
-                "Predicted timeline of one step (best plan)",
-                ("sans-serif", 18),
-            )
-            .margin(10)
-            .x_label_area_size(30)
-            .y_label_area_size(150)
-            .build_cartesian_2d(0.0..makespan * 1.18, 0.0..n as f64)
-            .map_err(|x| e(x.to_string()))?;
+        let mut chart = chart(
+            root,
+            "Predicted timeline of one step (best plan)",
+            (30, 150),
+            0.0..makespan * 1.18,
+            0.0..n as f64,
+        )
+        .map_err(&e)?;
         let names: Vec<String> = rows.iter().map(|&r| resources[r].name.clone()).collect();
         chart
             .configure_mesh()
@@ -310,13 +324,7 @@ pub fn gantt_svg(step: &SimulatedStep) -> Result<String, PlotError> {
                 .label(label)
                 .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], c.filled()));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|x| e(x.to_string()))?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight).map_err(&e)?;
         Ok(())
     })
 }
@@ -327,16 +335,14 @@ pub fn sweep_svg(points: &[(u32, f64)]) -> Result<String, PlotError> {
     let xmax = points.iter().map(|p| p.0).max().unwrap_or(1) as f64 * 1.1;
     let ymax = points.iter().map(|p| p.1).fold(0.0, f64::max) * 1.15;
     svg(&e, (900, 400), |root| {
-        let mut chart = ChartBuilder::on(root)
-            .caption(
-                "Throughput of the best plan versus GPU count",
-                ("sans-serif", 18),
-            )
-            .margin(10)
-            .x_label_area_size(35)
-            .y_label_area_size(70)
-            .build_cartesian_2d(0.0..xmax.max(1.0), 0.0..ymax.max(1e-9))
-            .map_err(|x| e(x.to_string()))?;
+        let mut chart = chart(
+            root,
+            "Throughput of the best plan versus GPU count",
+            (35, 70),
+            0.0..xmax.max(1.0),
+            0.0..ymax.max(1e-9),
+        )
+        .map_err(&e)?;
         chart
             .configure_mesh()
             .x_desc("GPUs")
@@ -374,13 +380,7 @@ pub fn sweep_svg(points: &[(u32, f64)]) -> Result<String, PlotError> {
                 .label("linear scaling")
                 .legend(move |(x, y)| PathElement::new([(x, y), (x + 10, y)], grey));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|x| e(x.to_string()))?;
+        legend(&mut chart, SeriesLabelPosition::UpperLeft).map_err(&e)?;
         Ok(())
     })
 }
