@@ -23,6 +23,11 @@ pub enum Recompute {
     Full,
 }
 
+impl Recompute {
+    /// All policies, least recomputation first.
+    pub const ALL: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
+}
+
 /// Pipeline schedule.
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
@@ -387,6 +392,22 @@ pub struct PartialLayout {
 }
 
 impl PartialLayout {
+    /// The recompute policies a completion may take: the given one, or every one.
+    pub fn recompute_options(&self) -> Vec<Recompute> {
+        self.recompute
+            .map_or_else(|| Recompute::ALL.to_vec(), |r| vec![r])
+    }
+
+    /// The sequence-parallel settings a completion with `tp` may take: the given one, or both
+    /// where tensor parallelism is on (without it there is nothing to split).
+    pub fn sequence_parallel_options(&self, tp: u64) -> Vec<bool> {
+        match self.sequence_parallel {
+            Some(s) => vec![s],
+            None if tp > 1 => vec![true, false],
+            None => vec![false],
+        }
+    }
+
     /// Parses the inline form. Errors name the key.
     pub fn parse(s: &str) -> Result<Self, String> {
         let mut p = PartialLayout::default();
@@ -496,6 +517,17 @@ mod tests {
                 fits: true,
             }),
         }
+    }
+
+    #[test]
+    fn left_out_knobs_open_every_option() {
+        let open = PartialLayout::default();
+        assert_eq!(open.recompute_options(), Recompute::ALL.to_vec());
+        assert_eq!(open.sequence_parallel_options(1), vec![false]);
+        assert_eq!(open.sequence_parallel_options(8), vec![true, false]);
+        let given = PartialLayout::parse("recompute=full,sp=false").unwrap();
+        assert_eq!(given.recompute_options(), vec![Recompute::Full]);
+        assert_eq!(given.sequence_parallel_options(8), vec![false]);
     }
 
     #[test]

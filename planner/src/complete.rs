@@ -4,7 +4,7 @@
 use crate::search::{divisors, DEFAULT_MAX_MICRO_BATCH};
 use parallax_cost::model_flops_per_step;
 use parallax_cost::transformer::Setup;
-use parallax_ir::{Layout, PartialLayout, Recompute, Schedule};
+use parallax_ir::{Layout, PartialLayout, Schedule};
 use parallax_sim::{simulate_step_with_flops, StepError, StepPrediction};
 use rayon::prelude::*;
 use std::collections::BTreeMap;
@@ -116,15 +116,8 @@ pub fn candidates(setup: &Setup, p: &PartialLayout, space: &Space) -> Vec<Layout
                     None if dp > 1 => space.zero_stages.clone(),
                     None => vec![0],
                 };
-                let recomputes = match p.recompute {
-                    Some(r) => vec![r],
-                    None => vec![Recompute::None, Recompute::Selective, Recompute::Full],
-                };
-                let sps = match p.sequence_parallel {
-                    Some(s) => vec![s],
-                    None if tp > 1 => vec![true, false],
-                    None => vec![false],
-                };
+                let recomputes = p.recompute_options();
+                let sps = p.sequence_parallel_options(u64::from(tp));
                 let mut scheds: Vec<(Schedule, u32)> = Vec::new();
                 let sched_opts: Vec<Schedule> = match (p.schedule, pp) {
                     (Some(s), _) => vec![s],

@@ -882,15 +882,8 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
                             .filter(|&m| m <= opts.max_micro_batch)
                             .collect(),
                     };
-                    let recomputes = match f.recompute {
-                        Some(r) => vec![r],
-                        None => vec![Recompute::None, Recompute::Selective, Recompute::Full],
-                    };
-                    let sps = match f.sequence_parallel {
-                        Some(s) => vec![s],
-                        None if tp > 1 => vec![true, false],
-                        None => vec![false],
-                    };
+                    let recomputes = f.recompute_options();
+                    let sps = f.sequence_parallel_options(tp);
                     for &mb in &mbs {
                         for &recompute in &recomputes {
                             for &sp in &sps {

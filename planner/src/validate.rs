@@ -36,7 +36,7 @@ impl Framework {
             name: "current",
             runtime: Runtime::default(),
             space: Space::default(),
-            recompute: vec![Recompute::None, Recompute::Selective, Recompute::Full],
+            recompute: Recompute::ALL.to_vec(),
             sequence_parallel: true,
         }
     }
@@ -102,7 +102,7 @@ impl Framework {
         } else if s.starts_with("korthikanti2022") {
             megatron(
                 vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
-                vec![Recompute::None, Recompute::Selective, Recompute::Full],
+                Recompute::ALL.to_vec(),
                 true,
             )
         } else if ["megatron-lm-readme-h100-2024", "megatron-core", "nemo"]
