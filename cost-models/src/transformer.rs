@@ -48,16 +48,14 @@ impl Infeasible {
     }
 }
 
-/// Bytes per logit alive at the loss beyond the logits themselves: their fp32 copy and its
-/// fp32 gradient (PyTorch's cross-entropy on upcast logits). With `float_bytes`-byte logits
-/// that is 16-bit logits (2) + upcast (4) + gradient (4) = 10; fp32 logits need no upcast.
-fn loss_bytes_per_logit(float_bytes: u64) -> u64 {
-    if float_bytes < 4 {
-        float_bytes + 8
-    } else {
-        float_bytes + 4
-    }
-}
+/// Bytes per logit alive at the peak of the loss, in the backward of PyTorch's cross-entropy on
+/// (upcast) fp32 logits: the log-probabilities `log_softmax` saved, the dense gradient
+/// `nll_loss` hands back, and the input gradient `log_softmax`'s backward writes, 4 bytes each.
+/// The 16-bit logits and their fp32 copy are dead by then: the linear saves its input, the
+/// upcast and `log_softmax` save nothing of their inputs, and the training loop drops the
+/// logits before backward (torchtitan's `del pred`). Forward holds at most 8 (the fp32 copy and
+/// the log-probabilities).
+const LOSS_BYTES_PER_LOGIT: u64 = 12;
 
 /// Framework behaviour that is not part of the layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -427,10 +425,10 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     let mut head_cost = price(&dev, &head, fb, sp, l.tp, hidden, 1);
     head_cost.tp_fwd = if l.tp > 1 { tp_one } else { Seconds(0.0) };
     head_cost.tp_bwd = head_cost.tp_fwd;
-    // The loss path holds the logits, their fp32 upcast and the fp32 gradient at once at the
-    // end of forward.
+    // The loss peaks at the start of backward (see `LOSS_BYTES_PER_LOGIT`); the logits are not
+    // saved.
     let logits = l.micro_batch * seq_local * shard.vocab;
-    head_cost.working = Bytes(logits * loss_bytes_per_logit(fb));
+    head_cost.working = Bytes(logits * LOSS_BYTES_PER_LOGIT);
     head_cost.saved = Bytes(head_cost.saved.0.saturating_sub(logits * fb));
     if s.model.tied_embeddings && l.pp == 1 {
         // A single-stage tied model shares the table with the embedding; across stages the
@@ -748,6 +746,29 @@ mod tests {
         // More recomputation never keeps more.
         assert!(full.layer.saved < sel.layer.saved && sel.layer.saved < with_sp.layer.saved);
         assert!(full.layer.recompute > sel.layer.recompute);
+    }
+
+    #[test]
+    fn the_loss_holds_three_fp32_copies_of_the_local_logits_at_its_peak() {
+        // Llama 3 8B, untied 128,256-entry vocabulary: the head saves no logits, and its
+        // transient is 12 bytes per logit of this rank's vocabulary shard whatever the
+        // activation type (the loss runs on fp32).
+        let m = cfg("llama3-8b");
+        let p = preset("dgx-h100-80gb").unwrap();
+        for (precision, tp) in [(Precision::Bf16, 1), (Precision::Fp32, 1), (Precision::Bf16, 8)] {
+            let s = Setup {
+                precision,
+                ..setup(&m, &p, tp, Runtime::default())
+            };
+            let c = transformer_costs(&s, &layout(tp, false, Recompute::None)).unwrap();
+            let logits = 2048 * m.vocab / u64::from(tp);
+            assert_eq!(c.head.working.0, 12 * logits, "{precision:?} tp={tp}");
+            // What the head saves is its input, the norm's output and statistics: nothing
+            // vocabulary-sized.
+            let fb = if precision == Precision::Fp32 { 4 } else { 2 };
+            let hidden_sized = 2048 * (m.hidden * fb * 2 + 16);
+            assert!(c.head.saved.0 <= hidden_sized, "{precision:?} tp={tp}: {}", c.head.saved.0);
+        }
     }
 
     #[test]
