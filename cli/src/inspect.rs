@@ -23,7 +23,7 @@ pub struct Args {
     batch: u64,
     /// Precision for byte counts (fp32, tf32, fp16, bf16, fp8).
     #[arg(long, default_value = "bf16")]
-    precision: String,
+    precision: Precision,
     /// Model attention as unfused kernels (scores kept in memory) instead of flash attention.
     #[arg(long)]
     unfused_attention: bool,
@@ -39,10 +39,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let precision: Precision = a
-        .precision
-        .parse()
-        .map_err(|e| user(format!("--precision: {e}")))?;
+    let precision = a.precision;
     let model = load_model(&a.model).map_err(user)?;
     let seq = a.seq.unwrap_or_else(|| model.default_seq());
     let g = model

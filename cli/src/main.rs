@@ -119,7 +119,11 @@ fn main() -> ExitCode {
             let what: Vec<&str> = text
                 .lines()
                 .map(str::trim)
-                .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("tip:"))
+                .take_while(|l| {
+                    !l.starts_with("Usage:")
+                        && !l.starts_with("tip:")
+                        && !l.starts_with("For more information")
+                })
                 .filter(|l| !l.is_empty())
                 .collect();
             eprintln!("{} (see --help)", what.join(" "));

@@ -41,7 +41,7 @@ pub struct Args {
     seq: Option<u64>,
     /// Training precision (fp32, tf32, fp16, bf16, fp8).
     #[arg(long, default_value = "bf16")]
-    precision: String,
+    precision: Precision,
     /// Plans to list.
     #[arg(long, default_value_t = 5)]
     top: usize,
@@ -150,10 +150,7 @@ impl Bar {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let precision: Precision = a
-        .precision
-        .parse()
-        .map_err(|e| user(format!("--precision: {e}")))?;
+    let precision = a.precision;
     let engine: Option<Engine> = a
         .export
         .as_deref()

@@ -31,7 +31,7 @@ pub struct Args {
     seq: Option<u64>,
     /// Training precision: fp32, tf32, fp16, bf16 or fp8.
     #[arg(long, default_value = "bf16")]
-    precision: String,
+    precision: Precision,
     /// Write the predicted step as a Chrome / Perfetto trace to this file.
     #[arg(long)]
     trace: Option<PathBuf>,
@@ -44,10 +44,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let precision: Precision = a
-        .precision
-        .parse()
-        .map_err(|e| user(format!("--precision: {e}")))?;
+    let precision = a.precision;
     if a.global_batch == 0 {
         return Err(user("--global-batch: must be at least 1"));
     }

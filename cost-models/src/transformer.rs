@@ -755,7 +755,11 @@ mod tests {
         // activation type (the loss runs on fp32).
         let m = cfg("llama3-8b");
         let p = preset("dgx-h100-80gb").unwrap();
-        for (precision, tp) in [(Precision::Bf16, 1), (Precision::Fp32, 1), (Precision::Bf16, 8)] {
+        for (precision, tp) in [
+            (Precision::Bf16, 1),
+            (Precision::Fp32, 1),
+            (Precision::Bf16, 8),
+        ] {
             let s = Setup {
                 precision,
                 ..setup(&m, &p, tp, Runtime::default())
@@ -767,7 +771,11 @@ mod tests {
             // vocabulary-sized.
             let fb = if precision == Precision::Fp32 { 4 } else { 2 };
             let hidden_sized = 2048 * (m.hidden * fb * 2 + 16);
-            assert!(c.head.saved.0 <= hidden_sized, "{precision:?} tp={tp}: {}", c.head.saved.0);
+            assert!(
+                c.head.saved.0 <= hidden_sized,
+                "{precision:?} tp={tp}: {}",
+                c.head.saved.0
+            );
         }
     }
 
