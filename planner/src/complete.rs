@@ -4,7 +4,7 @@
 use crate::search::{divisors, DEFAULT_MAX_MICRO_BATCH};
 use parallax_cost::model_flops_per_step;
 use parallax_cost::transformer::Setup;
-use parallax_ir::{Layout, PartialLayout, Schedule};
+use parallax_ir::{Layout, PartialLayout, Recompute, Schedule};
 use parallax_sim::{simulate_step_with_flops, StepError, StepPrediction};
 use rayon::prelude::*;
 use std::collections::BTreeMap;
@@ -45,6 +45,8 @@ pub struct Space {
     pub schedules: Vec<Schedule>,
     /// ZeRO stages (when data parallel).
     pub zero_stages: Vec<u8>,
+    /// Recompute policies.
+    pub recompute: Vec<Recompute>,
     /// Virtual pipeline stages may hold unequal layer counts (torchtitan's split points);
     /// otherwise (Megatron-LM) an unpublished interleave must divide the layers evenly.
     pub uneven_interleave: bool,
@@ -58,6 +60,7 @@ impl Default for Space {
                 .filter(|s| *s != Schedule::None)
                 .collect(),
             zero_stages: vec![0, 1, 2, 3],
+            recompute: Recompute::ALL.to_vec(),
             uneven_interleave: false,
         }
     }
@@ -116,7 +119,10 @@ pub fn candidates(setup: &Setup, p: &PartialLayout, space: &Space) -> Vec<Layout
                     None if dp > 1 => space.zero_stages.clone(),
                     None => vec![0],
                 };
-                let recomputes = p.recompute_options();
+                let recomputes: Vec<Recompute> = match p.recompute {
+                    Some(r) => vec![r],
+                    None => space.recompute.clone(),
+                };
                 let sps = p.sequence_parallel_options(u64::from(tp));
                 let mut scheds: Vec<(Schedule, u32)> = Vec::new();
                 let sched_opts: Vec<Schedule> = match (p.schedule, pp) {
@@ -176,18 +182,16 @@ pub fn candidates(setup: &Setup, p: &PartialLayout, space: &Space) -> Vec<Layout
 
 /// Chooses the fastest layout that fits among the completions of `p`, any option allowed.
 pub fn complete_layout(setup: &Setup, p: &PartialLayout) -> Result<Completed, CompleteError> {
-    complete_within(setup, p, &Space::default(), &|_| true)
+    complete_within(setup, p, &Space::default())
 }
 
-/// [`complete_layout`] with the left-out knobs limited to `space` and layouts to those `allowed`.
+/// [`complete_layout`] with the left-out knobs limited to `space`.
 pub fn complete_within(
     setup: &Setup,
     p: &PartialLayout,
     space: &Space,
-    allowed: &(dyn Fn(&Layout) -> bool + Sync),
 ) -> Result<Completed, CompleteError> {
-    let mut cands = candidates(setup, p, space);
-    cands.retain(|l| allowed(l));
+    let cands = candidates(setup, p, space);
     let tried = cands.len();
     if cands.is_empty() {
         let interleave_unknown = p.schedule == Some(Schedule::Interleaved1F1B)
@@ -290,6 +294,39 @@ mod tests {
     use parallax_ir::Precision;
 
     #[test]
+    fn the_space_limits_only_the_knobs_left_out() {
+        let m = TransformerConfig::llama(32, 2048, 16, 16, 5632, 32000, 2048);
+        let p = preset("dgx-a100-80gb").unwrap();
+        let s = Setup {
+            model: &m,
+            profile: &p,
+            gpus: 8,
+            precision: Precision::Bf16,
+            seq: 2048,
+            global_batch: 16,
+            runtime: Runtime::default(),
+        };
+        let full_only = Space {
+            recompute: vec![Recompute::None, Recompute::Full],
+            zero_stages: vec![1],
+            ..Space::default()
+        };
+        let open = PartialLayout::parse("tp=2,pp=2").unwrap();
+        let c = candidates(&s, &open, &full_only);
+        assert!(!c.is_empty());
+        assert!(c
+            .iter()
+            .all(|l| l.recompute != Recompute::Selective && l.zero_stage == 1));
+        // A published value is what the run used, whatever the space offers.
+        let given = PartialLayout::parse("tp=2,pp=2,recompute=selective,zero=2").unwrap();
+        let c = candidates(&s, &given, &full_only);
+        assert!(!c.is_empty());
+        assert!(c
+            .iter()
+            .all(|l| l.recompute == Recompute::Selective && l.zero_stage == 2));
+    }
+
+    #[test]
     fn an_unpublished_interleave_splits_evenly_unless_the_framework_splits_unevenly() {
         // 30 layers over 4 stages: no interleave from 2 to 8 divides them.
         let m = TransformerConfig::llama(30, 2048, 16, 16, 5632, 32000, 2048);
@@ -306,7 +343,7 @@ mod tests {
         let partial = PartialLayout::parse("tp=2,pp=4,schedule=interleaved-1f1b").unwrap();
         let even = Space::default();
         assert!(candidates(&s, &partial, &even).is_empty());
-        let err = complete_within(&s, &partial, &even, &|_| true).unwrap_err();
+        let err = complete_within(&s, &partial, &even).unwrap_err();
         assert!(err.to_string().contains("no interleave"), "{err}");
         let uneven = Space {
             uneven_interleave: true,
@@ -320,7 +357,7 @@ mod tests {
         vs.dedup();
         // Every virtual stage keeps at least one layer: 4 × 7 ≤ 30 < 4 × 8.
         assert_eq!(vs, (2..=7).collect::<Vec<_>>());
-        let done = complete_within(&s, &partial, &uneven, &|_| true).unwrap();
+        let done = complete_within(&s, &partial, &uneven).unwrap();
         assert_eq!(done.layout.schedule, Schedule::Interleaved1F1B);
     }
 }

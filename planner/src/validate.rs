@@ -23,8 +23,6 @@ pub struct Framework {
     pub runtime: Runtime,
     /// Values the framework offered for left-out knobs.
     pub space: Space,
-    /// Recompute policies it offered.
-    pub recompute: Vec<Recompute>,
     /// Whether it had sequence parallelism.
     pub sequence_parallel: bool,
 }
@@ -36,7 +34,6 @@ impl Framework {
             name: "current",
             runtime: Runtime::default(),
             space: Space::default(),
-            recompute: Recompute::ALL.to_vec(),
             sequence_parallel: true,
         }
     }
@@ -78,9 +75,9 @@ impl Framework {
             space: Space {
                 schedules,
                 zero_stages: vec![0],
+                recompute,
                 uneven_interleave: false,
             },
-            recompute,
             sequence_parallel: sp,
         };
         let s = source.to_ascii_lowercase();
@@ -114,6 +111,7 @@ impl Framework {
                 space: Space {
                     schedules: vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
                     zero_stages: vec![0, 1],
+                    recompute: Recompute::ALL.to_vec(),
                     uneven_interleave: false,
                 },
                 ..Framework::current()
@@ -125,6 +123,7 @@ impl Framework {
                 space: Space {
                     schedules: vec![Schedule::GPipe],
                     zero_stages: vec![0],
+                    recompute: Recompute::ALL.to_vec(),
                     uneven_interleave: false,
                 },
                 ..Framework::current()
@@ -151,6 +150,7 @@ impl Framework {
                 space: Space {
                     schedules: vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
                     zero_stages: vec![0, 1, 2, 3],
+                    recompute: Recompute::ALL.to_vec(),
                     uneven_interleave: false,
                 },
                 ..Framework::current()
@@ -328,7 +328,6 @@ impl Case {
     /// offered a single value).
     pub fn partial_layout(&self, fw: &Framework) -> PartialLayout {
         let p = &self.plan;
-        let only = |v: &[Recompute]| (v.len() == 1).then(|| v[0]);
         PartialLayout {
             dp: p.dp,
             tp: p.tp,
@@ -337,7 +336,7 @@ impl Case {
             ep: Some(1),
             zero_stage: p.zero_stage,
             micro_batch: p.micro_batch,
-            recompute: p.recompute.or(only(&fw.recompute)),
+            recompute: p.recompute,
             sequence_parallel: p
                 .sequence_parallel
                 .or((!fw.sequence_parallel).then_some(false)),
@@ -394,8 +393,7 @@ impl Case {
             runtime: fw.runtime,
         };
         let partial = self.partial_layout(&fw);
-        let allowed = |l: &parallax_ir::Layout| fw.recompute.contains(&l.recompute);
-        match complete_within(&setup, &partial, &fw.space, &allowed) {
+        match complete_within(&setup, &partial, &fw.space) {
             Ok(c) => {
                 let t = c.prediction.step_time_s;
                 r.predicted_step_time_s = Some(t);
