@@ -386,6 +386,14 @@ fn bad_inputs_end_in_one_line_and_status_2() {
         case(&sim(&["--global-batch", "0"]), &["--global-batch"]),
         case(&sim(&["--plan", "tp=3"]), &["--plan", "tp=3", "divide"]),
         case(
+            &sim(&["--plan", "tp=2,dp=4,mb=3"]),
+            &["micro-batch 3", "2 sequences per data-parallel replica"],
+        ),
+        case(
+            &sim(&["--plan", "tp=2,cp=4", "--seq", "250"]),
+            &["cp=4", "seq 250"],
+        ),
+        case(
             &sim(&["--cluster", "dgx2-v100-32gb:gpus=16", "--plan", "tp=8"]),
             &["bf16"],
         ),

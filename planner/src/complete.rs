@@ -1,7 +1,7 @@
 //! Completing a partial layout: every knob the user (or a published run) left out is chosen
 //! as the fastest feasible value, by simulating every combination.
 
-use crate::search::{divisors, DEFAULT_MAX_MICRO_BATCH};
+use crate::search::{degree_tuples, DEFAULT_MAX_MICRO_BATCH};
 use parallax_cost::model_flops_per_step;
 use parallax_cost::transformer::Setup;
 use parallax_ir::{Layout, PartialLayout, Recompute, Schedule};
@@ -69,108 +69,73 @@ impl Default for Space {
 /// Every full layout consistent with `p` on `setup`'s cluster whose left-out knobs take
 /// values in `space`.
 pub fn candidates(setup: &Setup, p: &PartialLayout, space: &Space) -> Vec<Layout> {
-    let schedules = &space.schedules[..];
-    let gpus = u64::from(setup.gpus);
-    let gpn = u64::from(setup.profile.node.gpus_per_node);
+    candidates_or_why(setup, p, space, &mut |_, _| {})
+}
+
+/// [`candidates`], telling `reject` about each degree combination rejected outright.
+fn candidates_or_why(
+    setup: &Setup,
+    p: &PartialLayout,
+    space: &Space,
+    reject: &mut dyn FnMut(&'static str, String),
+) -> Vec<Layout> {
     let layers = setup.model.layers;
-    let opt = |x: Option<u32>, all: Vec<u64>| -> Vec<u32> {
-        match x {
-            Some(v) => vec![v],
-            None => all.into_iter().map(|v| v as u32).collect(),
-        }
-    };
-    let tps = opt(
-        p.tp,
-        divisors(gpus).into_iter().filter(|d| *d <= gpn).collect(),
-    );
-    let cps = opt(p.cp, vec![1]);
     let mut out = Vec::new();
-    for &tp in &tps {
-        for &cp in &cps {
-            let rest = gpus / u64::from(tp * cp).max(1);
-            let pps = opt(
-                p.pp,
-                divisors(rest)
-                    .into_iter()
-                    .filter(|d| *d <= u64::from(layers))
-                    .collect(),
-            );
-            for &pp in &pps {
-                let dp = match p.dp {
-                    Some(d) => d,
-                    None => {
-                        let denom = u64::from(tp * cp * pp);
-                        if gpus % denom != 0 {
-                            continue;
+    for (d, mbs) in degree_tuples(setup, p, DEFAULT_MAX_MICRO_BATCH, reject) {
+        let zeros: Vec<u8> = match p.zero_stage {
+            Some(z) => vec![z],
+            None if d.dp > 1 => space.zero_stages.clone(),
+            None => vec![0],
+        };
+        let recomputes: Vec<Recompute> = match p.recompute {
+            Some(r) => vec![r],
+            None => space.recompute.clone(),
+        };
+        let sps = p.sequence_parallel_options(u64::from(d.tp));
+        let sched_opts: Vec<Schedule> = match (p.schedule, d.pp) {
+            (Some(s), _) => vec![s],
+            (None, 1) => vec![Schedule::None],
+            (None, _) => space.schedules.clone(),
+        };
+        let mut scheds: Vec<(Schedule, u32)> = Vec::new();
+        for s in sched_opts {
+            match (s, p.interleave) {
+                (Schedule::Interleaved1F1B, Some(v)) => scheds.push((s, v)),
+                (Schedule::Interleaved1F1B, None) => {
+                    for v in 2..=8u32 {
+                        let fits = if space.uneven_interleave {
+                            d.pp * v <= layers
+                        } else {
+                            layers % (d.pp * v) == 0
+                        };
+                        if fits {
+                            scheds.push((s, v));
                         }
-                        (gpus / denom) as u32
-                    }
-                };
-                let per_dp = setup.global_batch / u64::from(dp.max(1));
-                let mbs: Vec<u64> = match p.micro_batch {
-                    Some(m) => vec![m],
-                    None => divisors(per_dp)
-                        .into_iter()
-                        .filter(|m| *m <= DEFAULT_MAX_MICRO_BATCH)
-                        .collect(),
-                };
-                let zeros: Vec<u8> = match p.zero_stage {
-                    Some(z) => vec![z],
-                    None if dp > 1 => space.zero_stages.clone(),
-                    None => vec![0],
-                };
-                let recomputes: Vec<Recompute> = match p.recompute {
-                    Some(r) => vec![r],
-                    None => space.recompute.clone(),
-                };
-                let sps = p.sequence_parallel_options(u64::from(tp));
-                let mut scheds: Vec<(Schedule, u32)> = Vec::new();
-                let sched_opts: Vec<Schedule> = match (p.schedule, pp) {
-                    (Some(s), _) => vec![s],
-                    (None, 1) => vec![Schedule::None],
-                    (None, _) => schedules.to_vec(),
-                };
-                for s in sched_opts {
-                    match (s, p.interleave) {
-                        (Schedule::Interleaved1F1B, Some(v)) => scheds.push((s, v)),
-                        (Schedule::Interleaved1F1B, None) => {
-                            for v in 2..=8u32 {
-                                let fits = if space.uneven_interleave {
-                                    pp * v <= layers
-                                } else {
-                                    layers % (pp * v) == 0
-                                };
-                                if fits {
-                                    scheds.push((s, v));
-                                }
-                            }
-                        }
-                        (s, Some(v)) if v > 1 => scheds.push((s, v)),
-                        (s, _) => scheds.push((s, 1)),
                     }
                 }
-                let ep = p.ep.unwrap_or(1);
-                for &mb in &mbs {
-                    for &zero in &zeros {
-                        for &recompute in &recomputes {
-                            for &sp in &sps {
-                                for &(schedule, interleave) in &scheds {
-                                    out.push(Layout {
-                                        dp,
-                                        tp,
-                                        pp,
-                                        cp,
-                                        ep,
-                                        zero_stage: zero,
-                                        micro_batch: mb,
-                                        recompute,
-                                        sequence_parallel: sp,
-                                        schedule,
-                                        interleave,
-                                        stages: Vec::new(),
-                                    });
-                                }
-                            }
+                (s, Some(v)) if v > 1 => scheds.push((s, v)),
+                (s, _) => scheds.push((s, 1)),
+            }
+        }
+        for &micro_batch in &mbs {
+            for &zero_stage in &zeros {
+                for &recompute in &recomputes {
+                    for &sequence_parallel in &sps {
+                        for &(schedule, interleave) in &scheds {
+                            out.push(Layout {
+                                dp: d.dp,
+                                tp: d.tp,
+                                pp: d.pp,
+                                cp: d.cp,
+                                ep: d.ep,
+                                zero_stage,
+                                micro_batch,
+                                recompute,
+                                sequence_parallel,
+                                schedule,
+                                interleave,
+                                stages: Vec::new(),
+                            });
                         }
                     }
                 }
@@ -191,20 +156,23 @@ pub fn complete_within(
     p: &PartialLayout,
     space: &Space,
 ) -> Result<Completed, CompleteError> {
-    let cands = candidates(setup, p, space);
+    let mut why = None;
+    let cands = candidates_or_why(setup, p, space, &mut |_, w| {
+        why.get_or_insert(w);
+    });
     let tried = cands.len();
     if cands.is_empty() {
         let interleave_unknown = p.schedule == Some(Schedule::Interleaved1F1B)
             && p.interleave.is_none()
             && !space.uneven_interleave;
-        return Err(CompleteError::NoCandidate(if interleave_unknown {
-            format!(
+        return Err(CompleteError::NoCandidate(match why {
+            _ if interleave_unknown => format!(
                 "interleaved-1f1b: no interleave from 2 to 8 splits the {} layers evenly over \
                  the pipeline stages; give one",
                 setup.model.layers
-            )
-        } else {
-            format!("the given degrees do not divide {} devices", setup.gpus)
+            ),
+            Some(w) => w,
+            None => format!("the given degrees do not divide {} devices", setup.gpus),
         }));
     }
     let model_flops =
@@ -311,14 +279,14 @@ mod tests {
             zero_stages: vec![1],
             ..Space::default()
         };
-        let open = PartialLayout::parse("tp=2,pp=2").unwrap();
+        let open = PartialLayout::parse("tp=2,pp=2,cp=1").unwrap();
         let c = candidates(&s, &open, &full_only);
         assert!(!c.is_empty());
         assert!(c
             .iter()
             .all(|l| l.recompute != Recompute::Selective && l.zero_stage == 1));
         // A published value is what the run used, whatever the space offers.
-        let given = PartialLayout::parse("tp=2,pp=2,recompute=selective,zero=2").unwrap();
+        let given = PartialLayout::parse("tp=2,pp=2,cp=1,recompute=selective,zero=2").unwrap();
         let c = candidates(&s, &given, &full_only);
         assert!(!c.is_empty());
         assert!(c

@@ -823,45 +823,110 @@ fn better(a: &Evaluated, b: &Evaluated) -> bool {
         .is_lt()
 }
 
-/// Every (degrees, micro-batch, recompute, sequence parallelism) group, in a fixed order;
-/// degree tuples rejected outright are counted in `counts`.
-fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) -> Vec<Group> {
-    let f = &opts.force;
+/// The parallel degrees of a layout: what a group shares besides micro-batch, recompute and
+/// sequence parallelism.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Degrees {
+    pub tp: u32,
+    pub cp: u32,
+    pub pp: u32,
+    pub dp: u32,
+    pub ep: u32,
+}
+
+/// Every (tp, cp, pp, dp, ep) of `setup`'s devices that agrees with the degrees `fixed` gives,
+/// in a fixed order, with the micro-batch sizes each may take (`fixed`'s, or every divisor of
+/// the per-replica batch up to `max_micro_batch`). A combination rejected outright goes to
+/// `reject` as (reason kind, what is wrong): a tensor-parallel group across nodes (unless the
+/// runtime allows it), heads or FFN width that tp does not divide, a sequence that cp does
+/// not split into halves per rank (load-balanced causal attention), more stages than layers,
+/// a batch that dp or the micro-batch does not divide. Search and completion both walk this.
+pub(crate) fn degree_tuples(
+    setup: &Setup,
+    fixed: &PartialLayout,
+    max_micro_batch: u64,
+    reject: &mut dyn FnMut(&'static str, String),
+) -> Vec<(Degrees, Vec<u64>)> {
     let gpus = u64::from(setup.gpus);
     let gpn = u64::from(setup.profile.node.gpus_per_node);
     let model = setup.model;
-    let keep = |forced: Option<u32>, x: u64| forced.is_none_or(|v| u64::from(v) == x);
-    let mut groups = Vec::new();
-    let reject = |counts: &mut Counts, reason: &str| {
-        counts.candidates += 1;
-        counts.reject(reason, 1);
-    };
-    for tp in divisors(gpus).into_iter().filter(|&t| keep(f.tp, t)) {
+    let keep = |given: Option<u32>, x: u64| given.is_none_or(|v| u64::from(v) == x);
+    let mut out = Vec::new();
+    for tp in divisors(gpus).into_iter().filter(|&t| keep(fixed.tp, t)) {
         if tp > gpn && gpus > gpn && !setup.runtime.allow_tp_across_nodes {
-            reject(counts, "tp across nodes");
+            reject(
+                "tp across nodes",
+                format!("tp={tp} spans nodes of {gpn} GPUs"),
+            );
             continue;
         }
         if model.tp_shard(tp).is_none() {
-            reject(counts, "indivisible");
+            reject(
+                "indivisible",
+                format!(
+                    "tp={tp} does not divide the {} heads ({} KV) and FFN width {}",
+                    model.heads, model.kv_heads, model.ffn_hidden
+                ),
+            );
             continue;
         }
-        for cp in divisors(gpus / tp).into_iter().filter(|&c| keep(f.cp, c)) {
+        for cp in divisors(gpus / tp)
+            .into_iter()
+            .filter(|&c| keep(fixed.cp, c))
+        {
             if setup.seq % cp != 0 || (cp > 1 && (setup.seq / cp) % 2 != 0) {
-                reject(counts, "indivisible");
+                reject(
+                    "indivisible",
+                    format!(
+                        "cp={cp} does not split seq {} into halves per rank",
+                        setup.seq
+                    ),
+                );
                 continue;
             }
             for pp in divisors(gpus / (tp * cp))
                 .into_iter()
-                .filter(|&p| keep(f.pp, p))
+                .filter(|&p| keep(fixed.pp, p))
             {
                 let dp = gpus / (tp * cp * pp);
-                if !keep(f.dp, dp) {
+                if !keep(fixed.dp, dp) {
                     continue;
                 }
-                if pp > u64::from(model.layers) || setup.global_batch % dp != 0 {
-                    reject(counts, "indivisible");
+                if pp > u64::from(model.layers) {
+                    reject(
+                        "indivisible",
+                        format!("pp={pp} exceeds the {} layers", model.layers),
+                    );
                     continue;
                 }
+                if setup.global_batch % dp != 0 {
+                    reject(
+                        "indivisible",
+                        format!(
+                            "dp={dp} does not divide the global batch {}",
+                            setup.global_batch
+                        ),
+                    );
+                    continue;
+                }
+                let per_dp = setup.global_batch / dp;
+                let mbs: Vec<u64> = match fixed.micro_batch {
+                    Some(mb) if mb > 0 && per_dp % mb == 0 => vec![mb],
+                    Some(mb) => {
+                        reject(
+                            "indivisible",
+                            format!(
+                                "micro-batch {mb} does not divide the {per_dp} sequences per \
+                                 data-parallel replica"
+                            ),
+                        );
+                        continue;
+                    }
+                    None => divisors(per_dp)
+                        .into_iter()
+                        .filter(|&m| m <= max_micro_batch)
+                        .collect(),
+                };
                 let eps: Vec<u64> = match model.moe {
                     Some(moe) => divisors(dp)
                         .into_iter()
@@ -869,49 +934,59 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
                         .collect(),
                     None => vec![1],
                 };
-                for ep in eps.into_iter().filter(|&e| keep(f.ep, e)) {
-                    let per_dp = setup.global_batch / dp;
-                    let mbs: Vec<u64> = match f.micro_batch {
-                        Some(mb) if per_dp % mb == 0 => vec![mb],
-                        Some(_) => {
-                            reject(counts, "indivisible");
-                            continue;
-                        }
-                        None => divisors(per_dp)
-                            .into_iter()
-                            .filter(|&m| m <= opts.max_micro_batch)
-                            .collect(),
+                for ep in eps.into_iter().filter(|&e| keep(fixed.ep, e)) {
+                    let d = Degrees {
+                        tp: tp as u32,
+                        cp: cp as u32,
+                        pp: pp as u32,
+                        dp: dp as u32,
+                        ep: ep as u32,
                     };
-                    let recomputes = f.recompute_options();
-                    let sps = f.sequence_parallel_options(tp);
-                    for &mb in &mbs {
-                        for &recompute in &recomputes {
-                            for &sp in &sps {
-                                let base = Layout {
-                                    dp: dp as u32,
-                                    tp: tp as u32,
-                                    pp: pp as u32,
-                                    cp: cp as u32,
-                                    ep: ep as u32,
-                                    zero_stage: 0,
-                                    micro_batch: mb,
-                                    recompute,
-                                    sequence_parallel: sp,
-                                    schedule: if pp > 1 {
-                                        Schedule::OneFOneB
-                                    } else {
-                                        Schedule::None
-                                    },
-                                    interleave: 1,
-                                    stages: Vec::new(),
-                                };
-                                groups.push(Group {
-                                    index: groups.len() as u64,
-                                    base,
-                                });
-                            }
-                        }
-                    }
+                    out.push((d, mbs.clone()));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Every (degrees, micro-batch, recompute, sequence parallelism) group, in a fixed order;
+/// degree tuples rejected outright are counted in `counts`.
+fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) -> Vec<Group> {
+    let f = &opts.force;
+    let mut reject = |kind: &'static str, _: String| {
+        counts.candidates += 1;
+        counts.reject(kind, 1);
+    };
+    let mut groups = Vec::new();
+    for (d, mbs) in degree_tuples(setup, f, opts.max_micro_batch, &mut reject) {
+        let recomputes = f.recompute_options();
+        let sps = f.sequence_parallel_options(u64::from(d.tp));
+        for &mb in &mbs {
+            for &recompute in &recomputes {
+                for &sp in &sps {
+                    let base = Layout {
+                        dp: d.dp,
+                        tp: d.tp,
+                        pp: d.pp,
+                        cp: d.cp,
+                        ep: d.ep,
+                        zero_stage: 0,
+                        micro_batch: mb,
+                        recompute,
+                        sequence_parallel: sp,
+                        schedule: if d.pp > 1 {
+                            Schedule::OneFOneB
+                        } else {
+                            Schedule::None
+                        },
+                        interleave: 1,
+                        stages: Vec::new(),
+                    };
+                    groups.push(Group {
+                        index: groups.len() as u64,
+                        base,
+                    });
                 }
             }
         }
