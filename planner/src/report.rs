@@ -521,6 +521,20 @@ pub fn headline(input: &ReportInput) -> Vec<String> {
     ]
 }
 
+/// Header of the rejected-candidates table.
+const REJECTED_HEADER: [&str; 2] = ["reason", "candidates"];
+
+/// Rows of the rejected-candidates table: reason, count.
+fn rejected_cells(input: &ReportInput) -> Vec<Vec<String>> {
+    input
+        .result
+        .counts
+        .rejected
+        .iter()
+        .map(|(k, v)| vec![k.clone(), crate::search::group_digits(*v)])
+        .collect()
+}
+
 fn md_table(header: &[&str], rows: &[Vec<String>]) -> String {
     let mut s = format!("| {} |\n", header.join(" | "));
     s.push_str(&format!(
@@ -554,14 +568,7 @@ pub fn markdown(input: &ReportInput, svgs: &Svgs) -> String {
     let (h, rows) = table_cells(input);
     s.push_str(&md_table(&h, &rows));
     s.push_str("\n## Rejected candidates\n\n");
-    let rej: Vec<Vec<String>> = input
-        .result
-        .counts
-        .rejected
-        .iter()
-        .map(|(k, v)| vec![k.clone(), crate::search::group_digits(*v)])
-        .collect();
-    s.push_str(&md_table(&["reason", "candidates"], &rej));
+    s.push_str(&md_table(&REJECTED_HEADER, &rejected_cells(input)));
     if !input.sweep.is_empty() {
         s.push_str("\n## GPU-count sweep\n\n");
         let (header, rows) = sweep_cells(input.sweep);
@@ -584,6 +591,22 @@ fn escape(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
+fn html_table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let row = |tag: &str, cells: &mut dyn Iterator<Item = &str>| {
+        let cells: String = cells
+            .map(|c| format!("<{tag}>{}</{tag}>", escape(c)))
+            .collect();
+        format!("<tr>{cells}</tr>\n")
+    };
+    let mut s = String::from("<table>\n");
+    s.push_str(&row("th", &mut header.iter().copied()));
+    for r in rows {
+        s.push_str(&row("td", &mut r.iter().map(String::as_str)));
+    }
+    s.push_str("</table>\n");
+    s
+}
+
 /// `report.html`: self-contained (styles and SVGs inline, no scripts, no external fetches).
 pub fn html(input: &ReportInput, svgs: &Svgs) -> String {
     let mut s = String::from(
@@ -601,28 +624,16 @@ pub fn html(input: &ReportInput, svgs: &Svgs) -> String {
     for l in guidance(input) {
         s.push_str(&format!("<li>{}</li>\n", escape(&l)));
     }
-    s.push_str("</ul>\n<h2>Top plans</h2>\n<table>\n<tr>");
+    s.push_str("</ul>\n<h2>Top plans</h2>\n");
     let (h, rows) = table_cells(input);
-    for c in &h {
-        s.push_str(&format!("<th>{}</th>", escape(c)));
+    s.push_str(&html_table(&h, &rows));
+    s.push_str("<h2>Rejected candidates</h2>\n");
+    s.push_str(&html_table(&REJECTED_HEADER, &rejected_cells(input)));
+    if !input.sweep.is_empty() {
+        s.push_str("<h2>GPU-count sweep</h2>\n");
+        let (header, rows) = sweep_cells(input.sweep);
+        s.push_str(&html_table(&header, &rows));
     }
-    s.push_str("</tr>\n");
-    for r in &rows {
-        s.push_str("<tr>");
-        for c in r {
-            s.push_str(&format!("<td>{}</td>", escape(c)));
-        }
-        s.push_str("</tr>\n");
-    }
-    s.push_str("</table>\n<h2>Rejected candidates</h2>\n<table>\n<tr><th>reason</th><th>candidates</th></tr>\n");
-    for (k, v) in &input.result.counts.rejected {
-        s.push_str(&format!(
-            "<tr><td>{}</td><td>{}</td></tr>\n",
-            escape(k),
-            crate::search::group_digits(*v)
-        ));
-    }
-    s.push_str("</table>\n");
     for (name, svg) in svgs {
         // Inline the SVG element itself (drop any XML prologue).
         let body = svg.find("<svg").map_or(svg.as_str(), |i| &svg[i..]);
@@ -742,7 +753,10 @@ mod tests {
         for bad in ["<script", "<link", "src=", "@import", "url("] {
             assert!(!page.contains(bad), "{bad}");
         }
+        assert!(page.contains("<h2>GPU-count sweep</h2>"));
+        assert_eq!(page.matches("<table>").count(), 3);
         let md = markdown(&input, &svgs);
         assert!(md.contains("## Why this plan wins") && md.contains("](breakdown.svg)"));
+        assert!(md.contains("## GPU-count sweep"));
     }
 }
