@@ -7,10 +7,10 @@
 //! explanation). `cargo bench -p parallax-planner --bench plan_search`.
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use parallax_cost::transformer::{Runtime, Setup};
+use parallax_cost::transformer::Setup;
 use parallax_hardware::Cluster;
+use parallax_ir::load_model;
 use parallax_ir::models::TransformerConfig;
-use parallax_ir::{load_model, Precision};
 use parallax_planner::{search, SearchOptions};
 use std::hint::black_box;
 use std::time::Duration;
@@ -26,15 +26,7 @@ fn model(name: &str) -> TransformerConfig {
 fn bench_case(c: &mut Criterion, name: &str, spec: &str, batch: u64, seq: u64) {
     let cfg = model(name);
     let cluster = Cluster::parse(spec).expect("cluster");
-    let setup = Setup {
-        model: &cfg,
-        profile: &cluster.profile,
-        gpus: cluster.gpus,
-        precision: Precision::Bf16,
-        seq,
-        global_batch: batch,
-        runtime: Runtime::default(),
-    };
+    let setup = Setup::new(&cfg, &cluster.profile, cluster.gpus, seq, batch);
     let opts = SearchOptions::default();
     let r = search(&setup, &opts).expect("a plan");
     eprintln!("{name} on {spec}: {}", r.summary_line());

@@ -2,25 +2,17 @@
 //! per second on one core; a llama3-405b plan on 16,384 H100s in < 50 ms.
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use parallax_cost::{Runtime, Setup};
+use parallax_cost::Setup;
 use parallax_hardware::preset;
 use parallax_ir::models::TransformerConfig;
-use parallax_ir::{Layout, Precision, Recompute, Schedule};
+use parallax_ir::{Layout, Recompute, Schedule};
 use parallax_sim::simulate_step;
 use std::hint::black_box;
 
 fn bench(c: &mut Criterion) {
     let a100 = preset("dgx-a100-80gb").unwrap();
     let gpt3 = TransformerConfig::gpt(96, 12288, 96, 4 * 12288, 50257, 2048);
-    let s = Setup {
-        model: &gpt3,
-        profile: &a100,
-        gpus: 1024,
-        precision: Precision::Bf16,
-        seq: 2048,
-        global_batch: 1536,
-        runtime: Runtime::default(),
-    };
+    let s = Setup::new(&gpt3, &a100, 1024, 2048, 1536);
     let l = Layout {
         dp: 16,
         tp: 8,
@@ -39,15 +31,7 @@ fn bench(c: &mut Criterion) {
 
     let h100 = preset("dgx-h100-80gb").unwrap();
     let llama = TransformerConfig::llama(126, 16384, 128, 8, 53248, 128256, 8192);
-    let s = Setup {
-        model: &llama,
-        profile: &h100,
-        gpus: 16384,
-        precision: Precision::Bf16,
-        seq: 8192,
-        global_batch: 2048,
-        runtime: Runtime::default(),
-    };
+    let s = Setup::new(&llama, &h100, 16384, 8192, 2048);
     let l = Layout {
         dp: 128,
         tp: 8,

@@ -3,7 +3,7 @@
 use crate::fmt::{bytes, table};
 use crate::user;
 use clap::Args as ClapArgs;
-use parallax_cost::{step_time_band, Runtime, Setup};
+use parallax_cost::{step_time_band, Setup};
 use parallax_hardware::Cluster;
 use parallax_ir::{load_model, Layout, PartialLayout, Precision, GIB};
 use parallax_planner::{complete_layout, layout_string, CompleteError};
@@ -64,13 +64,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         crate::refuse_overwrite(t, a.force)?;
     }
     let setup = Setup {
-        model: &cfg,
-        profile: &cluster.profile,
-        gpus: cluster.gpus,
         precision,
-        seq,
-        global_batch: a.global_batch,
-        runtime: Runtime::default(),
+        ..Setup::new(&cfg, &cluster.profile, cluster.gpus, seq, a.global_batch)
     };
     let layout = resolve_layout(&a.plan, &setup)?;
     let sim = simulate_step(&setup, &layout)

@@ -186,6 +186,29 @@ pub struct Setup<'a> {
     pub runtime: Runtime,
 }
 
+impl<'a> Setup<'a> {
+    /// A bf16 step of `global_batch` sequences of `seq` tokens over `gpus` devices of
+    /// `profile`, on a current stack ([`Runtime::default`]); other precisions and runtimes by
+    /// struct update (`Setup { precision, ..Setup::new(…) }`).
+    pub fn new(
+        model: &'a TransformerConfig,
+        profile: &'a ClusterProfile,
+        gpus: u32,
+        seq: u64,
+        global_batch: u64,
+    ) -> Self {
+        Setup {
+            model,
+            profile,
+            gpus,
+            precision: Precision::Bf16,
+            seq,
+            global_batch,
+            runtime: Runtime::default(),
+        }
+    }
+}
+
 impl Setup<'_> {
     fn float_bytes(&self) -> u64 {
         self.precision.activation_dtype().size_bytes()
@@ -693,13 +716,8 @@ mod tests {
         rt: Runtime,
     ) -> Setup<'a> {
         Setup {
-            model: m,
-            profile: p,
-            gpus,
-            precision: Precision::Bf16,
-            seq: 2048,
-            global_batch: 64,
             runtime: rt,
+            ..Setup::new(m, p, gpus, 2048, 64)
         }
     }
 
@@ -945,13 +963,8 @@ mod props {
             let p = preset("dgx-a100-80gb").unwrap();
             let tp = 1u32 << tp_log;
             let s = Setup {
-                model: &m,
-                profile: &p,
-                gpus: tp,
-                precision: Precision::Bf16,
-                seq,
-                global_batch: mb,
                 runtime: Runtime { fused_attention: fused, ..Runtime::default() },
+                ..Setup::new(&m, &p, tp, seq, mb)
             };
             let at = |r| {
                 let l = Layout { tp, micro_batch: mb, recompute: r, sequence_parallel: sp, ..Layout::default() };

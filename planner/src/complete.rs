@@ -256,24 +256,14 @@ pub fn layout_string(l: &Layout) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use parallax_cost::transformer::Runtime;
     use parallax_hardware::preset;
     use parallax_ir::models::TransformerConfig;
-    use parallax_ir::Precision;
 
     #[test]
     fn the_space_limits_only_the_knobs_left_out() {
         let m = TransformerConfig::llama(32, 2048, 16, 16, 5632, 32000, 2048);
         let p = preset("dgx-a100-80gb").unwrap();
-        let s = Setup {
-            model: &m,
-            profile: &p,
-            gpus: 8,
-            precision: Precision::Bf16,
-            seq: 2048,
-            global_batch: 16,
-            runtime: Runtime::default(),
-        };
+        let s = Setup::new(&m, &p, 8, 2048, 16);
         let full_only = Space {
             recompute: vec![Recompute::None, Recompute::Full],
             zero_stages: vec![1],
@@ -299,15 +289,7 @@ mod tests {
         // 30 layers over 4 stages: no interleave from 2 to 8 divides them.
         let m = TransformerConfig::llama(30, 2048, 16, 16, 5632, 32000, 2048);
         let p = preset("dgx-a100-80gb").unwrap();
-        let s = Setup {
-            model: &m,
-            profile: &p,
-            gpus: 8,
-            precision: Precision::Bf16,
-            seq: 2048,
-            global_batch: 16,
-            runtime: Runtime::default(),
-        };
+        let s = Setup::new(&m, &p, 8, 2048, 16);
         let partial = PartialLayout::parse("tp=2,pp=4,schedule=interleaved-1f1b").unwrap();
         let even = Space::default();
         assert!(candidates(&s, &partial, &even).is_empty());

@@ -652,24 +652,14 @@ mod tests {
     use super::*;
     use crate::plots::{breakdown_svg, gantt_svg, memory_svg, sweep_svg};
     use crate::search::{search, SearchOptions};
-    use parallax_cost::transformer::Runtime;
     use parallax_hardware::Cluster;
     use parallax_ir::models::zoo;
-    use parallax_ir::Precision;
 
     #[test]
     fn reports_have_every_key_and_stay_self_contained() {
         let m = zoo::transformer("gpt3-6.7b").unwrap();
         let c = Cluster::parse("dgx-a100-80gb:gpus=32").unwrap();
-        let s = Setup {
-            model: &m,
-            profile: &c.profile,
-            gpus: 32,
-            precision: Precision::Bf16,
-            seq: 2048,
-            global_batch: 64,
-            runtime: Runtime::default(),
-        };
+        let s = Setup::new(&m, &c.profile, 32, 2048, 64);
         let opts = SearchOptions {
             force: parallax_ir::PartialLayout::parse("pp=2").unwrap(),
             ..SearchOptions::default()

@@ -1163,7 +1163,6 @@ mod tests {
     use parallax_cost::transformer::Runtime;
     use parallax_hardware::{Cluster, ClusterProfile};
     use parallax_ir::models::{zoo, TransformerConfig};
-    use parallax_ir::Precision;
 
     fn model(name: &str) -> TransformerConfig {
         zoo::transformer(name).unwrap()
@@ -1176,15 +1175,7 @@ mod tests {
         batch: u64,
         seq: u64,
     ) -> Setup<'a> {
-        Setup {
-            model: m,
-            profile: p,
-            gpus,
-            precision: Precision::Bf16,
-            seq,
-            global_batch: batch,
-            runtime: Runtime::default(),
-        }
+        Setup::new(m, p, gpus, seq, batch)
     }
 
     #[test]

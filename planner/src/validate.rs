@@ -384,13 +384,15 @@ impl Case {
             }
         };
         let setup = Setup {
-            model: &cfg,
-            profile: &cluster.profile,
-            gpus: cluster.gpus,
             precision: self.precision,
-            seq: self.model.seq_len,
-            global_batch: self.plan.global_batch,
             runtime: fw.runtime,
+            ..Setup::new(
+                &cfg,
+                &cluster.profile,
+                cluster.gpus,
+                self.model.seq_len,
+                self.plan.global_batch,
+            )
         };
         let partial = self.partial_layout(&fw);
         match complete_within(&setup, &partial, &fw.space) {

@@ -59,13 +59,15 @@ fn the_planner_is_never_worse_than_a_published_layout() {
             .unwrap();
             let fw = Framework::for_source(&case.source);
             let setup = Setup {
-                model: &cfg,
-                profile: &cluster.profile,
-                gpus: cluster.gpus,
                 precision: case.precision,
-                seq: case.model.seq_len,
-                global_batch: case.plan.global_batch,
                 runtime: fw.runtime,
+                ..Setup::new(
+                    &cfg,
+                    &cluster.profile,
+                    cluster.gpus,
+                    case.model.seq_len,
+                    case.plan.global_batch,
+                )
             };
             let theirs = simulate_step(&setup, &layout).unwrap().prediction;
             let opts = SearchOptions {

@@ -581,15 +581,7 @@ mod tests {
         gpus: u32,
         batch: u64,
     ) -> Setup<'a> {
-        Setup {
-            model: m,
-            profile: p,
-            gpus,
-            precision: Precision::Bf16,
-            seq: 2048,
-            global_batch: batch,
-            runtime: Runtime::default(),
-        }
+        Setup::new(m, p, gpus, 2048, batch)
     }
 
     fn megatron_175b(schedule: Schedule, v: u32) -> Layout {
