@@ -567,12 +567,12 @@ mod tests {
     use super::*;
     use parallax_cost::transformer::Runtime;
     use parallax_hardware::{preset, ClusterProfile};
-    use parallax_ir::models::TransformerConfig;
+    use parallax_ir::models::{zoo, TransformerConfig};
     use parallax_ir::Schedule;
     use parallax_ir::{Precision, Recompute};
 
     fn gpt3() -> TransformerConfig {
-        TransformerConfig::gpt(96, 12288, 96, 4 * 12288, 50257, 2048)
+        zoo::transformer("gpt3-175b").unwrap()
     }
 
     fn setup<'a>(
@@ -773,7 +773,7 @@ mod tests {
 
     #[test]
     fn a_16384_gpu_plan_simulates_one_pipeline() {
-        let m = TransformerConfig::llama(126, 16384, 128, 8, 53248, 128256, 8192);
+        let m = zoo::transformer("llama3-405b").unwrap();
         let p = preset("dgx-h100-80gb").unwrap();
         let s = Setup {
             seq: 8192,
