@@ -4,6 +4,7 @@ mod calibrate;
 mod clusters;
 mod fmt;
 mod inspect;
+mod job;
 mod models;
 mod plan;
 mod run;

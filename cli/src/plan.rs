@@ -2,13 +2,14 @@
 //! run them.
 
 use crate::fmt::table;
+use crate::job::JobArgs;
 use crate::user;
 use anyhow::Context;
 use clap::Args as ClapArgs;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use parallax_cost::transformer::{Runtime, Setup};
 use parallax_hardware::Cluster;
-use parallax_ir::{load_model, PartialLayout, Precision};
+use parallax_ir::PartialLayout;
 use parallax_planner::export::{export, Engine};
 use parallax_planner::plots::{breakdown_svg, gantt_svg, memory_svg, sweep_svg};
 use parallax_planner::report::{
@@ -27,21 +28,8 @@ use std::time::{Duration, Instant};
 /// Search every layout of a model on a cluster and explain the best.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
-    /// Zoo name, HuggingFace config.json or parallax graph JSON of a transformer.
-    #[arg(long)]
-    model: String,
-    /// `PRESET:gpus=N` (e.g. dgx-a100-80gb:gpus=1024) or a profile TOML path.
-    #[arg(long)]
-    cluster: String,
-    /// Sequences per optimizer step.
-    #[arg(long)]
-    global_batch: u64,
-    /// Sequence length (default: the model's maximum).
-    #[arg(long)]
-    seq: Option<u64>,
-    /// Training precision (fp32, tf32, fp16, bf16, fp8).
-    #[arg(long, default_value = "bf16")]
-    precision: Precision,
+    #[command(flatten)]
+    job: JobArgs,
     /// Plans to list.
     #[arg(long, default_value_t = 5)]
     top: usize,
@@ -150,16 +138,12 @@ impl Bar {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let precision = a.precision;
     let engine: Option<Engine> = a
         .export
         .as_deref()
         .map(str::parse)
         .transpose()
         .map_err(|e| user(format!("--export: {e}")))?;
-    if a.global_batch == 0 {
-        return Err(user("--global-batch: must be at least 1"));
-    }
     if a.top == 0 {
         return Err(user("--top: must be at least 1"));
     }
@@ -167,18 +151,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Some(s) => PartialLayout::parse(s).map_err(|e| user(format!("--fix: {e}")))?,
         None => PartialLayout::default(),
     };
-    let model = load_model(&a.model).map_err(user)?;
-    let Some(cfg) = model.transformer() else {
-        return Err(user(format!(
-            "--model {}: not a transformer; `parallax plan` searches the transformer space (dp × tp × pp × cp × ep)",
-            a.model
-        )));
-    };
-    let seq = a.seq.unwrap_or_else(|| model.default_seq());
-    if seq == 0 {
-        return Err(user("--seq: must be at least 1"));
-    }
-    let cluster = Cluster::parse(&a.cluster).map_err(user)?;
+    let job = a.job.load("plan")?;
+    let cluster = &job.cluster;
     if let Some(n) = a.max_gpus {
         if n == 0 {
             return Err(user("--max-gpus: must be at least 1"));
@@ -187,19 +161,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(dir) = &a.out {
         prepare_out(dir, engine, a.force)?;
     }
-    let setup = Setup {
-        model: cfg,
-        profile: &cluster.profile,
-        gpus: cluster.gpus,
-        precision,
-        seq,
-        global_batch: a.global_batch,
-        // Predict what the engine the plan is exported to will run.
-        runtime: Runtime {
-            allow_tp_across_nodes: a.allow_tp_across_nodes,
-            ..engine.map(Engine::runtime).unwrap_or_default()
-        },
-    };
+    // Predict what the engine the plan is exported to will run.
+    let setup = job.setup(Runtime {
+        allow_tp_across_nodes: a.allow_tp_across_nodes,
+        ..engine.map(Engine::runtime).unwrap_or_default()
+    });
     let opts = SearchOptions {
         top_k: a.top,
         force: fix,
@@ -214,14 +180,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     .map_err(user)?;
 
     let sweep = match a.max_gpus {
-        Some(n) => sweep_counts(&cluster, n)
+        Some(n) => sweep_counts(cluster, n)
             .into_iter()
             .map(|gpus| {
                 bar.update(
                     Progress { done: 0, total: 1 },
                     &format!("sweep: {gpus} GPUs"),
                 );
-                sweep_point(&setup, &opts, &cluster, gpus, &result)
+                sweep_point(&setup, &opts, cluster, gpus, &result)
             })
             .collect(),
         None => Vec::new(),
@@ -230,8 +196,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
     let input = ReportInput {
         setup: &setup,
-        model_name: &a.model,
-        cluster_spec: &a.cluster,
+        model_name: &a.job.model,
+        cluster_spec: &a.job.cluster,
         result: &result,
         band: parallax_cost::step_time_band(&cluster.profile),
         sweep: &sweep,
@@ -239,7 +205,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let best = result.best();
     let plan = plan_document(&input, best);
     let exported = match engine {
-        Some(e) => Some((e, export(e, &plan, cfg).map_err(user)?)),
+        Some(e) => Some((e, export(e, &plan, &job.model).map_err(user)?)),
         None => None,
     };
 

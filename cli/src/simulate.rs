@@ -1,11 +1,11 @@
 //! `parallax simulate`: predict one training step of a layout.
 
 use crate::fmt::{bytes, table};
+use crate::job::JobArgs;
 use crate::user;
 use clap::Args as ClapArgs;
-use parallax_cost::{step_time_band, Setup};
-use parallax_hardware::Cluster;
-use parallax_ir::{load_model, Layout, PartialLayout, Precision, GIB};
+use parallax_cost::{step_time_band, Runtime, Setup};
+use parallax_ir::{Layout, PartialLayout, GIB};
 use parallax_planner::{complete_layout, layout_string, CompleteError};
 use parallax_sim::{simulate_step, SimulatedStep};
 use std::path::PathBuf;
@@ -13,25 +13,12 @@ use std::path::PathBuf;
 /// Predict step time, throughput, MFU and memory of one layout.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
-    /// Zoo name, HuggingFace config.json or parallax graph JSON of a transformer.
-    #[arg(long)]
-    model: String,
-    /// `PRESET:gpus=N` or a profile TOML path.
-    #[arg(long)]
-    cluster: String,
+    #[command(flatten)]
+    job: JobArgs,
     /// A plan JSON file, or an inline layout `tp=8,pp=8,dp=16,zero=1,mb=1,recompute=selective,
     /// sp=true,schedule=interleaved-1f1b,v=2`; keys left out are chosen as the fastest that fits.
     #[arg(long)]
     plan: String,
-    /// Sequences per optimizer step.
-    #[arg(long)]
-    global_batch: u64,
-    /// Sequence length (default: the model's maximum).
-    #[arg(long)]
-    seq: Option<u64>,
-    /// Training precision: fp32, tf32, fp16, bf16 or fp8.
-    #[arg(long, default_value = "bf16")]
-    precision: Precision,
     /// Write the predicted step as a Chrome / Perfetto trace to this file.
     #[arg(long)]
     trace: Option<PathBuf>,
@@ -44,33 +31,15 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let precision = a.precision;
-    if a.global_batch == 0 {
-        return Err(user("--global-batch: must be at least 1"));
-    }
-    let model = load_model(&a.model).map_err(user)?;
-    let cfg = model.transformer().cloned().ok_or_else(|| {
-        user(format!(
-            "--model {}: simulate models transformers (zoo, HuggingFace config); this is a general graph",
-            a.model
-        ))
-    })?;
-    let seq = a.seq.unwrap_or(cfg.max_seq);
-    if seq == 0 {
-        return Err(user("--seq: must be at least 1"));
-    }
-    let cluster = Cluster::parse(&a.cluster).map_err(user)?;
+    let job = a.job.load("simulate")?;
     if let Some(t) = &a.trace {
         crate::refuse_overwrite(t, a.force)?;
     }
-    let setup = Setup {
-        precision,
-        ..Setup::new(&cfg, &cluster.profile, cluster.gpus, seq, a.global_batch)
-    };
+    let setup = job.setup(Runtime::default());
     let layout = resolve_layout(&a.plan, &setup)?;
     let sim = simulate_step(&setup, &layout)
         .map_err(|e| user(format!("--plan {}: {e}", layout_string(&layout))))?;
-    let band = step_time_band(&cluster.profile);
+    let band = step_time_band(&job.cluster.profile);
     if let Some(t) = &a.trace {
         let doc = sim.trace.to_chrome_trace(&sim.graph, &sim.resources);
         std::fs::write(t, serde_json::to_string(&doc)?)
@@ -86,7 +55,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             ))?
         );
     } else {
-        print_report(&model.name, &a.cluster, &sim, &layout, band);
+        print_report(&job.name, &a.job.cluster, &sim, &layout, band);
     }
     Ok(())
 }

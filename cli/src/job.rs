@@ -1,0 +1,86 @@
+//! The training job `plan` and `simulate` predict: model, cluster, batch, sequence, precision.
+
+use crate::user;
+use clap::Args as ClapArgs;
+use parallax_cost::transformer::{Runtime, Setup};
+use parallax_hardware::Cluster;
+use parallax_ir::models::TransformerConfig;
+use parallax_ir::{load_model, Precision};
+
+/// The flags that name a training job.
+#[derive(Debug, ClapArgs)]
+pub struct JobArgs {
+    /// Zoo name, HuggingFace config.json or parallax graph JSON of a transformer.
+    #[arg(long)]
+    pub model: String,
+    /// `PRESET:gpus=N` (e.g. dgx-a100-80gb:gpus=1024) or a profile TOML path.
+    #[arg(long)]
+    pub cluster: String,
+    /// Sequences per optimizer step.
+    #[arg(long)]
+    pub global_batch: u64,
+    /// Sequence length (default: the model's maximum).
+    #[arg(long)]
+    pub seq: Option<u64>,
+    /// Training precision: fp32, tf32, fp16, bf16 or fp8.
+    #[arg(long, default_value = "bf16")]
+    pub precision: Precision,
+}
+
+/// A job with its transformer and cluster loaded.
+pub struct Job {
+    /// The model's display name.
+    pub name: String,
+    pub model: TransformerConfig,
+    pub cluster: Cluster,
+    pub seq: u64,
+    pub global_batch: u64,
+    pub precision: Precision,
+}
+
+impl JobArgs {
+    /// Loads the model (a transformer) and the cluster; bad input is one line naming the flag.
+    pub fn load(&self, command: &str) -> anyhow::Result<Job> {
+        if self.global_batch == 0 {
+            return Err(user("--global-batch: must be at least 1"));
+        }
+        let loaded = load_model(&self.model).map_err(user)?;
+        let Some(model) = loaded.transformer().cloned() else {
+            return Err(user(format!(
+                "--model {}: not a transformer; `parallax {command}` models the layouts of \
+                 transformers (zoo, HuggingFace config): dp × tp × pp × cp × ep",
+                self.model
+            )));
+        };
+        let seq = self.seq.unwrap_or(model.max_seq);
+        if seq == 0 {
+            return Err(user("--seq: must be at least 1"));
+        }
+        let cluster = Cluster::parse(&self.cluster).map_err(user)?;
+        Ok(Job {
+            name: loaded.name,
+            model,
+            cluster,
+            seq,
+            global_batch: self.global_batch,
+            precision: self.precision,
+        })
+    }
+}
+
+impl Job {
+    /// The costing setup of this job under `runtime`.
+    pub fn setup(&self, runtime: Runtime) -> Setup<'_> {
+        Setup {
+            precision: self.precision,
+            runtime,
+            ..Setup::new(
+                &self.model,
+                &self.cluster.profile,
+                self.cluster.gpus,
+                self.seq,
+                self.global_batch,
+            )
+        }
+    }
+}
