@@ -9,8 +9,9 @@
 //! `mpi_backend`), inside one node and, when the ranks span several nodes, across them.
 
 use crate::comm::{Collectives, Group, ThreadComm};
+use crate::engine::AdamConfig;
 use crate::error::ExecError;
-use crate::tensor::{add_into, gelu, matmul, norm_fwd, MatMut, MatRef, Threads};
+use crate::tensor::{add_into, gelu, mm, mm_nt, mm_tn, norm_fwd};
 use parallax_hardware::{Calibration as Provenance, ClusterProfile, EfficiencyCurve};
 use std::time::{Duration, Instant};
 
@@ -141,19 +142,13 @@ pub fn gemm_flops(m: usize, k: usize, n: usize, kind: GemmKind, min_time: Durati
     let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
     let b: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 * 0.1).collect();
     let mut c = vec![0.0f32; m * n];
+    // The trainer's own GEMM calls, so calibration times what training runs.
     let t = time_best(min_time, || {
-        let (av, bv) = match kind {
-            GemmKind::Forward => (MatRef::new(&a, m, k), MatRef::new(&b, k, n)),
-            GemmKind::InputGrad => (MatRef::new(&a, m, k), MatRef::new(&b, n, k).t()),
-            GemmKind::WeightGrad => (MatRef::new(&a, k, m).t(), MatRef::new(&b, k, n)),
-        };
-        matmul(
-            MatMut::new(&mut c, m, n),
-            av,
-            bv,
-            kind == GemmKind::WeightGrad,
-            Threads::One,
-        );
+        match kind {
+            GemmKind::Forward => mm(&mut c, &a, &b, m, k, n, false),
+            GemmKind::InputGrad => mm_nt(&mut c, &a, &b, m, n, k, false),
+            GemmKind::WeightGrad => mm_tn(&mut c, &a, &b, k, m, n, true),
+        }
         std::hint::black_box(&mut c);
     });
     2.0 * (m * k * n) as f64 / t
@@ -331,12 +326,7 @@ pub fn measure_compute(threads: usize, quick: bool) -> ComputeFigures {
                     *v /= sum;
                 }
             }
-            for i in 0..elems {
-                let g = y[i];
-                m[i] = 0.9 * m[i] + 0.1 * g;
-                v[i] = 0.95 * v[i] + 0.05 * g * g;
-                p[i] -= 1e-3 * m[i] / (v[i].sqrt() + 1e-8);
-            }
+            AdamConfig::default().update((0.1, 0.05), &mut p, &y, &mut m, &mut v);
             std::hint::black_box((&mut y, &mut p, &mut m, &mut v));
         });
         (elems * (8 + 12 + 8 + 8 + 28)) as f64 / t
@@ -345,13 +335,7 @@ pub fn measure_compute(threads: usize, quick: bool) -> ComputeFigures {
         let (a, b) = (vec![1.0f32; 4], vec![1.0f32; 4]);
         let mut c = vec![0.0f32; 4];
         time_best(min_time, || {
-            matmul(
-                MatMut::new(&mut c, 2, 2),
-                MatRef::new(&a, 2, 2),
-                MatRef::new(&b, 2, 2),
-                false,
-                Threads::One,
-            );
+            mm(&mut c, &a, &b, 2, 2, 2, false);
             std::hint::black_box(&mut c);
         })
     });
@@ -511,8 +495,14 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile) -> ClusterProfile {
     // Built from JSON so that optional fields added to the table later keep their defaults.
     p.calibration = serde_json::from_value::<Provenance>(serde_json::json!({
         "provenance": format!(
-            "parallax calibrate --backend {}: {} concurrent ranks per node; training-shaped fp32 GEMMs (gemm crate; forward, input- and weight-gradient forms), copy and GeLU streams, all-reduce over the ranks of one node{across}",
-            m.backend, m.threads
+            "parallax calibrate --backend {}: {} concurrent ranks per node; {}, all-reduce over the ranks of one node{across}",
+            m.backend,
+            m.threads,
+            if m.device.is_some() {
+                "cuBLAS sgemm over square sizes, device copy and Adam-kernel bandwidth"
+            } else {
+                "training-shaped fp32 GEMMs (forward, input- and weight-gradient forms), a copy stream and the pointwise mix of a layer (norm, add, GeLU, softmax, Adam)"
+            }
         ),
         "fitted_fields": fields,
     }))
