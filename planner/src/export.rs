@@ -70,7 +70,7 @@ impl Engine {
     ///   recompute none or full (activation checkpointing); even stage split (`uniform`).
     /// - torchtitan: GPipe, 1F1B, interleaved 1F1B; DDP (ZeRO 0), FSDP with or without
     ///   resharding after forward (ZeRO 3 and 2); even stage split.
-    pub fn supports(self, l: &Layout) -> Option<String> {
+    pub fn supports(self, l: &Layout, layers: u32) -> Option<String> {
         let name = self.name();
         if !l.stages.is_empty() {
             return Some(format!("{name} splits stages evenly"));
@@ -89,7 +89,12 @@ impl Engine {
         if !sched_ok {
             return Some(format!("{name} has no {} schedule", l.schedule));
         }
+        let chunks = l.pp * l.interleave.max(1);
         match self {
+            // Megatron-LM gives every (virtual) stage the same number of layers.
+            Engine::Megatron if layers % chunks != 0 => Some(format!(
+                "megatron splits the {layers} layers evenly over pp × v = {chunks} stages"
+            )),
             Engine::Megatron if l.zero_stage == 3 && l.pp > 1 => {
                 Some("megatron runs FSDP (ZeRO-3) without pipeline parallelism only".into())
             }
@@ -150,7 +155,7 @@ pub fn export(
     plan: &Plan,
     model: &TransformerConfig,
 ) -> Result<String, ExportError> {
-    if let Some(reason) = engine.supports(&plan.layout) {
+    if let Some(reason) = engine.supports(&plan.layout, model.layers) {
         return Err(ExportError::Unsupported { engine, reason });
     }
     Ok(match engine {
@@ -680,6 +685,19 @@ mod tests {
             let err = export(e, &plan(zb.clone(), Precision::Bf16), &m).unwrap_err();
             assert!(err.to_string().contains("zb-h1"), "{err}");
         }
+        // 80 layers over 4 stages of 3 virtual stages each: torchtitan splits them unevenly,
+        // Megatron-LM cannot.
+        let uneven = Layout {
+            dp: 16,
+            tp: 8,
+            pp: 4,
+            schedule: Schedule::Interleaved1F1B,
+            interleave: 3,
+            ..Layout::default()
+        };
+        let err = export(Engine::Megatron, &plan(uneven.clone(), Precision::Bf16), &m).unwrap_err();
+        assert!(err.to_string().contains("evenly over pp × v = 12"), "{err}");
+        assert!(export(Engine::Torchtitan, &plan(uneven, Precision::Bf16), &m).is_ok());
         assert_eq!("DeepSpeed".parse::<Engine>(), Ok(Engine::DeepSpeed));
         assert!("jax".parse::<Engine>().is_err());
     }

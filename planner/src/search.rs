@@ -1108,7 +1108,7 @@ fn expand(
                     continue;
                 };
                 if let Some(e) = opts.engine {
-                    if e.supports(&l).is_some() {
+                    if e.supports(&l, setup.model.layers).is_some() {
                         x.counts.reject(&format!("not supported by {e}"), 1);
                         continue;
                     }
