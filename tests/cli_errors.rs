@@ -386,6 +386,10 @@ fn bad_inputs_end_in_one_line_and_status_2() {
         case(&sim(&["--global-batch", "0"]), &["--global-batch"]),
         case(&sim(&["--plan", "tp=3"]), &["--plan", "tp=3", "divide"]),
         case(
+            &sim(&["--plan", "tp=3,schedule=interleaved-1f1b"]),
+            &["tp=3", "do not divide 8 devices"],
+        ),
+        case(
             &sim(&["--plan", "tp=2,dp=4,mb=3"]),
             &["micro-batch 3", "2 sequences per data-parallel replica"],
         ),

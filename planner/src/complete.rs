@@ -102,15 +102,24 @@ fn candidates_or_why(
             match (s, p.interleave) {
                 (Schedule::Interleaved1F1B, Some(v)) => scheds.push((s, v)),
                 (Schedule::Interleaved1F1B, None) => {
-                    for v in 2..=8u32 {
-                        let fits = if space.uneven_interleave {
+                    let fits = |v: u32| {
+                        if space.uneven_interleave {
                             d.pp * v <= layers
                         } else {
                             layers % (d.pp * v) == 0
-                        };
-                        if fits {
-                            scheds.push((s, v));
                         }
+                    };
+                    let before = scheds.len();
+                    scheds.extend((2..=8u32).filter(|&v| fits(v)).map(|v| (s, v)));
+                    if scheds.len() == before {
+                        reject(
+                            "indivisible",
+                            format!(
+                                "interleaved-1f1b: no interleave from 2 to 8 splits the {layers} \
+                                 layers evenly over {} pipeline stages; give one",
+                                d.pp
+                            ),
+                        );
                     }
                 }
                 (s, Some(v)) if v > 1 => scheds.push((s, v)),
@@ -162,18 +171,9 @@ pub fn complete_within(
     });
     let tried = cands.len();
     if cands.is_empty() {
-        let interleave_unknown = p.schedule == Some(Schedule::Interleaved1F1B)
-            && p.interleave.is_none()
-            && !space.uneven_interleave;
-        return Err(CompleteError::NoCandidate(match why {
-            _ if interleave_unknown => format!(
-                "interleaved-1f1b: no interleave from 2 to 8 splits the {} layers evenly over \
-                 the pipeline stages; give one",
-                setup.model.layers
-            ),
-            Some(w) => w,
-            None => format!("the given degrees do not divide {} devices", setup.gpus),
-        }));
+        return Err(CompleteError::NoCandidate(why.unwrap_or_else(|| {
+            format!("the given degrees do not divide {} devices", setup.gpus)
+        })));
     }
     let model_flops =
         model_flops_per_step(setup).map_err(|e| CompleteError::NoCandidate(e.to_string()))?;
