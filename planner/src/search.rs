@@ -1074,7 +1074,17 @@ fn expand(
     }
     let capacity = setup.profile.device.hbm_gib;
     let mut local = 0u64;
+    // Stage partitions depend on the interleave only.
     let mut parts_of: HashMap<u32, Vec<(Vec<u32>, bool)>> = HashMap::new();
+    for &(_, v) in &scheds {
+        parts_of.entry(v).or_insert_with(|| {
+            let l = Layout {
+                interleave: v,
+                ..base.clone()
+            };
+            partitions(setup, opts, &l, c)
+        });
+    }
     for &zero in &zeros {
         for &(schedule, v) in &scheds {
             let mut l = Layout {
@@ -1083,16 +1093,12 @@ fn expand(
                 interleave: v,
                 ..base.clone()
             };
-            let parts = parts_of
-                .entry(v)
-                .or_insert_with(|| partitions(setup, opts, &l, c))
-                .clone();
             let summary = summaries.get(&(ScheduleKind::of(schedule, l.pp), l.pp, m, v));
-            for (layers, explicit) in parts {
+            for (layers, explicit) in &parts_of[&v] {
                 let id = (g.index << 20) | local;
                 local += 1;
-                l.stages = if explicit {
-                    stage_ranges(&layers)
+                l.stages = if *explicit {
+                    stage_ranges(layers)
                 } else {
                     Vec::new()
                 };
@@ -1115,7 +1121,7 @@ fn expand(
                 }
                 let mut memory = 0.0;
                 if !opts.force_exhaustive {
-                    let mem = match memory_gib(setup, &l, c, &layers, m, tight) {
+                    let mem = match memory_gib(setup, &l, c, layers, m, tight) {
                         Ok(mem) => mem,
                         Err(_) => {
                             x.counts.reject("indivisible", 1);
@@ -1135,10 +1141,10 @@ fn expand(
                     }
                     memory = mem;
                 }
-                let mut t = pass_times(c, &layers);
+                let mut t = pass_times(c, layers);
                 let bound = if tight {
-                    let e = extras(setup, &l, c, &layers);
-                    e.apply(&mut t, &layers);
+                    let e = extras(setup, &l, c, layers);
+                    e.apply(&mut t, layers);
                     summary.step_bound(&t, Some(&e))
                 } else {
                     summary.step_bound(&t, None)
