@@ -222,6 +222,9 @@ mod tests {
         // The curve's top (ref gemm_benchmarks: 86.9 % on A100) times the fitted sustained share.
         let expect = 0.869 * p.device.sustained();
         assert!((achieved - expect).abs() < 0.01, "{achieved} vs {expect}");
+        // Whatever the fit says, a large bf16 GEMM on an A100 sustains between a third and all
+        // of the curve's top in training.
+        assert!((0.29..=0.87).contains(&achieved), "{achieved}");
         let tiny = m.gemm(2.0 * 64.0 * 64.0 * 64.0).0;
         assert!(tiny >= p.device.kernel_overhead().0);
         assert!(DeviceModel::new(&preset("dgx2-v100-32gb").unwrap(), Precision::Bf16).is_err());

@@ -15,7 +15,8 @@ pub use transformer::{
 
 /// Relative half-width of the step-time band of an uncalibrated profile: the target accuracy
 /// of the cost model on published runs (max error 15 %). Calibrated profiles carry the p90 of
-/// their own residuals instead, which can be wider (H100 96GB: 0.27, TITAN RTX: 0.21).
+/// their own residuals instead (each preset's `[calibration] step_time_band`), wider or
+/// narrower.
 pub const UNCALIBRATED_STEP_TIME_BAND: f64 = 0.15;
 
 /// Relative half-width of the step-time band for predictions on `profile`: the 90th
