@@ -125,6 +125,15 @@ impl Group {
 /// Message tags at or above this are reserved for collectives.
 pub const COLLECTIVE_TAG: u64 = 1 << 63;
 
+/// The tag of the next collective on group `id`, counted in `seq` (one counter per group, so
+/// every member numbers the group's collectives alike): point-to-point tags stay below
+/// [`COLLECTIVE_TAG`].
+pub(crate) fn collective_tag(seq: &mut HashMap<u32, u64>, id: u32) -> u64 {
+    let s = seq.entry(id).or_insert(0);
+    *s += 1;
+    COLLECTIVE_TAG | (u64::from(id) << 32) | (*s & 0xffff_ffff)
+}
+
 /// The collective interface. Backends implement `send`, `recv` and `next_tag`; the collectives
 /// have portable default implementations over them, which a backend may replace with native
 /// ones that produce the same values.
@@ -637,9 +646,7 @@ impl Collectives for ThreadComm {
     }
 
     fn next_tag(&mut self, group: &Group) -> u64 {
-        let s = self.seq.entry(group.id).or_insert(0);
-        *s += 1;
-        COLLECTIVE_TAG | (u64::from(group.id) << 32) | (*s & 0xffff_ffff)
+        collective_tag(&mut self.seq, group.id)
     }
 
     /// Shared-buffer all-reduce: every member copies its buffer in, sums its chunk of all

@@ -626,7 +626,7 @@ impl DeviceOffload for Gpu {
 /// GPUs as the layout has ranks.
 pub fn run(spec: &RunSpec) -> Result<RunReport, ExecError> {
     let gpus = device_count()?;
-    let world = crate::Prepared::new(spec)?.topology().world();
+    let world = spec.layout.devices() as usize;
     if world > gpus {
         return Err(ExecError::Backend {
             backend: "cuda",
@@ -918,6 +918,7 @@ mod nccl_impl {
         }
 
         fn all_reduce_sum(&mut self, g: &Group, buf: &mut [f32]) -> Result<(), CommError> {
+            g.index_of(self.rank())?;
             if g.size() == 1 || buf.is_empty() {
                 return Ok(());
             }
@@ -1218,6 +1219,7 @@ mod tests {
             let spec = RunSpec::new(model.clone(), layout, 8, 32, 3);
             let gpu = run(&spec).unwrap();
             let cpu = crate::run_threads(&spec).unwrap();
+            assert_eq!(gpu.losses.len(), cpu.losses.len());
             for (g, c) in gpu.losses.iter().zip(&cpu.losses) {
                 assert!((g - c).abs() <= 1e-4 * c.abs(), "loss {g} vs {c}");
             }

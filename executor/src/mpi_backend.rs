@@ -21,7 +21,7 @@
 use crate::calibrate::{
     measure_compute, time_all_reduce, AllReduceTimes, ComputeFigures, InterNode, Measurements,
 };
-use crate::comm::{Collectives, CommError, Group, COLLECTIVE_TAG};
+use crate::comm::{Collectives, CommError, Group};
 use crate::engine::{run_rank, Prepared, RunSpec, Span};
 use crate::error::ExecError;
 use crate::RunReport;
@@ -398,10 +398,7 @@ impl Collectives for MpiComm {
     }
 
     fn next_tag(&mut self, group: &Group) -> u64 {
-        let id = group.id();
-        let s = self.seq.entry(id).or_insert(0);
-        *s += 1;
-        COLLECTIVE_TAG | (u64::from(id) << 32) | (*s & 0xffff_ffff)
+        crate::comm::collective_tag(&mut self.seq, group.id())
     }
 
     fn check_peers(&mut self) -> Result<(), CommError> {
