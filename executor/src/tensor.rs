@@ -197,8 +197,13 @@ pub fn col_major_gemm(c: &MatMut<'_>, a: &MatRef<'_>, b: &MatRef<'_>) -> Option<
 
 /// Runs the heavy kernels somewhere else (a GPU): installed per thread with
 /// [`set_device_offload`], consulted by [`matmul`] for every GEMM of at least
-/// [`OFFLOAD_MIN_FLOPS`] and by the trainer's Adam update ([`adam_offloaded`]).
+/// [`DeviceOffload::min_flops`] and by the trainer's Adam update ([`adam_offloaded`]).
 pub trait DeviceOffload {
+    /// Smallest GEMM (in FLOPs, 2·m·n·k) worth handing over; smaller ones stay on the CPU.
+    fn min_flops(&self) -> usize {
+        OFFLOAD_MIN_FLOPS
+    }
+
     /// `C' = op(A')·op(B') (+ C' when accumulate)` on the operands' ranges: `a`, `b` and `c`
     /// are exactly `plan.a.range`, `plan.b.range` and `plan.c.range` of the views' buffers.
     /// Returns `false` to decline (the CPU kernel then runs it); an error is a failure of the
@@ -247,8 +252,8 @@ pub fn adam_offloaded(
     }
 }
 
-/// Smallest GEMM (in FLOPs) handed to an installed offload: below this the copies cost more
-/// than the CPU kernel.
+/// Default of [`DeviceOffload::min_flops`]: small enough that the trainer's test models hand
+/// their GEMMs over; a real device states what its copies cost.
 pub const OFFLOAD_MIN_FLOPS: usize = 1 << 16;
 
 thread_local! {
@@ -263,12 +268,12 @@ pub fn set_device_offload(o: Option<std::rc::Rc<dyn DeviceOffload>>) {
 
 /// Hands `c (+)= a · b` to this thread's offload if one is installed and takes it.
 fn offloaded(c: &mut MatMut<'_>, a: &MatRef<'_>, b: &MatRef<'_>, accumulate: bool) -> bool {
-    if c.rows * c.cols * a.cols < OFFLOAD_MIN_FLOPS {
-        return false;
-    }
     let Some(o) = OFFLOAD.with(|x| x.borrow().clone()) else {
         return false;
     };
+    if 2 * c.rows * c.cols * a.cols < o.min_flops() {
+        return false;
+    }
     let Some(plan) = col_major_gemm(c, a, b) else {
         return false;
     };
