@@ -4,7 +4,7 @@
 //! feature `mpi`, processes on any number of nodes, each on the GPU of its index among its
 //! node's processes ([`run_mpi`]). The trainer is the executor's own (`engine.rs`,
 //! host-resident fp32 parameters and activations); through the [`DeviceOffload`] hook every
-//! GEMM of at least [`GPU_MIN_FLOPS`] (4 MFLOP) runs in cuBLAS on
+//! GEMM of at least 4 MFLOP (smaller ones stay on the CPU) runs in cuBLAS on
 //! the rank's GPU and the Adam update in an NVRTC kernel (operands are copied to the device
 //! and the results back), and, with feature `nccl`, every collective runs in NCCL on
 //! per-group communicators bootstrapped over the host backend ([`NcclCollectives`];
