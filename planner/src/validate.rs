@@ -111,8 +111,7 @@ impl Framework {
                 space: Space {
                     schedules: vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
                     zero_stages: vec![0, 1],
-                    recompute: Recompute::ALL.to_vec(),
-                    uneven_interleave: false,
+                    ..Space::default()
                 },
                 ..Framework::current()
             }
@@ -123,8 +122,7 @@ impl Framework {
                 space: Space {
                     schedules: vec![Schedule::GPipe],
                     zero_stages: vec![0],
-                    recompute: Recompute::ALL.to_vec(),
-                    uneven_interleave: false,
+                    ..Space::default()
                 },
                 ..Framework::current()
             }
@@ -149,9 +147,7 @@ impl Framework {
                 },
                 space: Space {
                     schedules: vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
-                    zero_stages: vec![0, 1, 2, 3],
-                    recompute: Recompute::ALL.to_vec(),
-                    uneven_interleave: false,
+                    ..Space::default()
                 },
                 ..Framework::current()
             }
