@@ -12,18 +12,17 @@
 //!   real op lists ([`ScheduleSummary`]); for uniform 1F1B it equals the makespan,
 //!   `(m + pp - 1)(F + B + W)` plus transfers. Gradient reduction, the optimizer and ZeRO-3
 //!   gathers only add to it and are left out.
-//! - **Memory.** Model states, in-flight activations and fixed buffers, with the allocator's
-//!   share, as the simulator counts them, less what only some layouts pay.
+//! - **Memory.** The simulator's own per-stage memory ([`parallax_sim::stage_memory_of`]): it
+//!   is analytic, so the search knows it exactly before simulating.
 //!
-//! The test `bounds_never_exceed_the_simulation` checks both against the simulator over many
-//! layouts, so a change to the simulator that would make pruning unsound fails loudly.
+//! The test `bounds_and_shared_prices_agree_with_the_simulation` checks both against the
+//! simulator over many layouts, so a change to the simulator that would make pruning unsound
+//! fails loudly.
 
-use parallax_cost::memory::{state_bytes_per_param, ALLOCATOR_FRACTION, WORKSPACE_GIB};
 use parallax_cost::transformer::{Setup, TransformerCosts};
 use parallax_ir::{Bytes, Layout, Seconds};
 use parallax_sim::{
-    max_in_flight, pass_costs, step_terms, virtual_stage_params, Op, PipelineSchedule,
-    ScheduleError, ScheduleKind,
+    pass_costs, stage_memory_of, step_terms, Op, PipelineSchedule, ScheduleError, ScheduleKind,
 };
 
 /// Relative slack taken off the step-time bound so that summing the same terms in another order
@@ -112,13 +111,12 @@ pub fn extras(setup: &Setup, l: &Layout, c: &TransformerCosts, layers: &[u32]) -
     }
 }
 
-/// A lower bound on the peak memory of the fullest stage, GiB: model states (sharded over the
-/// data × context parallel ranks under ZeRO, the widest sharding the simulator applies),
-/// in-flight activations, the fixed workspace, the working buffers of a layer and of the loss,
-/// and the allocator's share of all that. ZeRO-3 gather buffers are left out.
+/// The peak memory of the fullest stage, GiB, as the simulator computes it
+/// ([`stage_memory_of`]: memory is analytic, so this is exact, not a bound).
 ///
-/// With `tight` false only the model states count (the bound the search falls back to when a
-/// simulation ever comes in under the tight one).
+/// With `tight` false only the model states count: a bound that holds whatever the simulator's
+/// activation and buffer terms become, for the search's fallback when a simulation ever comes
+/// in under the tight figure.
 pub fn memory_gib(
     setup: &Setup,
     l: &Layout,
@@ -127,51 +125,17 @@ pub fn memory_gib(
     m: u32,
     tight: bool,
 ) -> Result<f64, ScheduleError> {
-    let (pp, v) = (l.pp, l.interleave);
-    let nv = (pp * v) as usize;
-    let kind = ScheduleKind::of(l.schedule, l.pp);
-    let (wb, gb, ob) = state_bytes_per_param(setup.precision, setup.zero_stage(l), l.dp * l.cp);
-    let workspace = Bytes::from_gib(WORKSPACE_GIB).0 as f64;
-    let mut worst = 0.0f64;
-    for s in 0..pp {
-        let mut params = 0u64;
-        let mut saved = 0.0;
-        let mut head = false;
-        for ch in 0..v {
-            let vs = (ch * pp + s) as usize;
-            params += virtual_stage_params(c, layers, vs);
-            saved += c.layer.saved.0 as f64 * f64::from(layers[vs]);
-            if vs == 0 {
-                saved += c.embedding.saved.0 as f64;
-            }
-            if vs == nv - 1 {
-                saved += c.head.saved.0 as f64;
-                head = true;
-            }
-        }
-        let saved_per_chunk = saved / f64::from(v);
-        let in_flight = max_in_flight(kind, pp, m, v, s)?;
-        let mut buffers = workspace + c.layer.working.0 as f64;
-        if head {
-            buffers += c.head.working.0 as f64;
-        }
-        if !tight {
-            let states = (params as f64 * wb).floor()
-                + (params as f64 * gb).floor()
-                + (params as f64 * ob).floor();
-            worst = worst.max(states - 1.0);
-            continue;
-        }
-        // The simulator truncates each part to whole bytes; flooring here keeps this a bound.
-        let live = (params as f64 * wb).floor()
-            + (params as f64 * gb).floor()
-            + (params as f64 * ob).floor()
-            + (saved_per_chunk * f64::from(in_flight)).floor()
-            + buffers.floor();
-        let total = live + (live * ALLOCATOR_FRACTION).floor() - 1.0;
-        worst = worst.max(total);
+    let mut worst = Bytes(0);
+    for s in 0..l.pp {
+        let mem = stage_memory_of(setup, l, c, layers, m, s)?;
+        let counted = if tight {
+            mem.total()
+        } else {
+            mem.params + mem.grads + mem.optimizer
+        };
+        worst = worst.max(counted);
     }
-    Ok(worst / (1u64 << 30) as f64)
+    Ok(worst.gib())
 }
 
 /// Counts of passes (forward, input-gradient, weight-gradient) per chunk.

@@ -19,9 +19,7 @@ use parallax_cost::transformer::{
     model_flops_per_step, transformer_costs, Infeasible, Setup, TransformerCosts,
 };
 use parallax_ir::{Layout, PartialLayout, Recompute, Schedule, StageRange};
-use parallax_sim::{
-    simulate_step_with_flops, stage_layers, ScheduleKind, StepError, StepPrediction,
-};
+use parallax_sim::{simulate_priced, stage_layers, ScheduleKind, StepError, StepPrediction};
 use rayon::prelude::*;
 use serde::Serialize;
 use std::cmp::Reverse;
@@ -328,6 +326,8 @@ struct Group {
 #[derive(Clone, Debug)]
 struct Candidate {
     id: u64,
+    /// Position of its group in the enumeration.
+    group: usize,
     layout: Layout,
     bound: f64,
     /// Memory bound, GiB (0 when not computed).
@@ -548,7 +548,8 @@ fn run(
         let results: Vec<Result<StepPrediction, StepError>> = batch
             .par_iter()
             .map(|&i| {
-                simulate_step_with_flops(setup, &cands[i].layout, model_flops).map(|s| s.prediction)
+                let c = prices[&keys[cands[i].group]].as_ref().expect("priced");
+                simulate_priced(setup, &cands[i].layout, c, model_flops).map(|s| s.prediction)
             })
             .collect();
         for (&i, r) in batch.iter().zip(results) {
@@ -691,7 +692,8 @@ impl Ord for Queued {
 /// that shape one device's work (tp, cp, ep, micro-batch, recompute, sequence parallelism),
 /// whether there is a pipeline (a tied head shares the embedding only without one), and
 /// whether pipeline neighbours sit on different nodes. Groups that agree on it share one
-/// pricing. Only bounds read the shared price; every simulation prices its own layout.
+/// pricing, and so do their candidates: bounds and simulations read the shared price (the test
+/// `bounds_and_shared_prices_agree_with_the_simulation` holds the key to that).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 struct CostKey {
     tp: u32,
@@ -1151,6 +1153,7 @@ fn expand(
                 };
                 x.candidates.push(Candidate {
                     id,
+                    group: g.index as usize,
                     layout: l.clone(),
                     bound,
                     memory,
@@ -1193,13 +1196,15 @@ mod tests {
         assert_eq!(group_digits(1_000_000), "1 000 000");
     }
 
-    /// Both bounds stay below what the simulator predicts, over every well-formed layout of a
-    /// small space (all schedules, interleaves, ZeRO stages, recompute policies, balanced
-    /// partitions) under several framework behaviours. If this fails, the simulator changed
-    /// under `bounds::extras` / `bounds::memory_gib`; the search would still fall back to
-    /// pipeline-only bounds, but slower.
+    /// Over every well-formed layout of a small space (all schedules, interleaves, ZeRO
+    /// stages, recompute policies, balanced partitions) under several framework behaviours:
+    /// the step-time bounds stay below what the simulator predicts, the memory figure is the
+    /// simulator's, and the group's shared price is what pricing the candidate itself gives
+    /// (the search simulates candidates with it). If a bound fails, the simulator changed
+    /// under `bounds::extras`; the search would still fall back to pipeline-only bounds, but
+    /// slower. If the price differs, `CostKey` misses something `transformer_costs` reads.
     #[test]
-    fn bounds_never_exceed_the_simulation() {
+    fn bounds_and_shared_prices_agree_with_the_simulation() {
         let m = model("gpt3-1.3b");
         let c = Cluster::parse("dgx-a100-80gb:gpus=16").unwrap();
         for runtime in [
@@ -1226,10 +1231,16 @@ mod tests {
             let mut counts = Counts::default();
             let groups = enumerate_groups(&s, &opts, &mut counts);
             let mut checked = 0;
+            let mut shared: HashMap<CostKey, TransformerCosts> = HashMap::new();
             for (gi, g) in groups.iter().enumerate() {
                 let Ok(costs) = transformer_costs(&s, &g.base) else {
                     continue;
                 };
+                // The search prices each key once, with the first group that has it.
+                let price = shared
+                    .entry(CostKey::of(&s, &g.base))
+                    .or_insert_with(|| costs.clone())
+                    .clone();
                 let gb = group_bound(&s, &g.base, &costs);
                 let mbatch = g.base.micro_batches(s.global_batch) as u32;
                 for (schedule, v) in schedules_of(&s, &opts, &g.base) {
@@ -1251,6 +1262,12 @@ mod tests {
                             } else {
                                 Vec::new()
                             };
+                            let what = crate::layout_string(&l);
+                            assert_eq!(
+                                transformer_costs(&s, &l).as_ref(),
+                                Ok(&price),
+                                "{what}: the group's price is not the candidate's"
+                            );
                             let sim = parallax_sim::simulate_step(&s, &l).unwrap().prediction;
                             let summary = ScheduleSummary::new(
                                 ScheduleKind::of(schedule, l.pp),
@@ -1265,7 +1282,8 @@ mod tests {
                             e.apply(&mut t, &layers);
                             let tight = summary.step_bound(&t, Some(&e));
                             let mem = memory_gib(&s, &l, &costs, &layers, mbatch, true).unwrap();
-                            let what = crate::layout_string(&l);
+                            let states =
+                                memory_gib(&s, &l, &costs, &layers, mbatch, false).unwrap();
                             assert!(
                                 gb <= loose && loose <= tight,
                                 "{what}: {gb} {loose} {tight}"
@@ -1275,11 +1293,8 @@ mod tests {
                                 "{what}: {tight} > {}",
                                 sim.step_time_s
                             );
-                            assert!(
-                                mem <= sim.peak_memory_gib,
-                                "{what}: {mem} > {}",
-                                sim.peak_memory_gib
-                            );
+                            assert_eq!(mem, sim.peak_memory_gib, "{what}");
+                            assert!(states <= mem, "{what}: {states} > {mem}");
                             checked += 1;
                         }
                     }

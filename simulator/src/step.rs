@@ -16,7 +16,7 @@ use parallax_cost::memory::{
     state_bytes_per_param, MemoryBreakdown, ADAM_BYTES_PER_PARAM, WORKSPACE_GIB,
 };
 use parallax_cost::transformer::{
-    model_flops_per_step, transformer_costs, Infeasible, Setup, TransformerCosts,
+    check_layout, model_flops_per_step, transformer_costs, Infeasible, Setup, TransformerCosts,
 };
 use parallax_ir::{Bytes, Layout, Seconds, GIB};
 use serde::{Deserialize, Serialize};
@@ -220,6 +220,66 @@ pub fn pass_costs(
     costs
 }
 
+/// Bytes one micro-batch keeps from virtual stage `vs`'s forward to its weight gradients.
+pub fn saved_bytes(c: &TransformerCosts, layers: &[u32], vs: usize) -> f64 {
+    let mut b = c.layer.saved.0 as f64 * f64::from(layers[vs]);
+    if vs == 0 {
+        b += c.embedding.saved.0 as f64;
+    }
+    if vs + 1 == layers.len() {
+        b += c.head.saved.0 as f64;
+    }
+    b
+}
+
+/// Peak memory of pipeline stage `s` of `l` with `layers` per virtual stage and `m`
+/// micro-batches: its model states (sharded over data × context parallel ranks as ZeRO says),
+/// the activations of its most micro-batches in flight, the workspace, the working buffers of
+/// a layer (and of the loss on the last stage), ZeRO-3 gather buffers, and the allocator's
+/// share of all that.
+pub fn stage_memory_of(
+    setup: &Setup,
+    l: &Layout,
+    c: &TransformerCosts,
+    layers: &[u32],
+    m: u32,
+    s: u32,
+) -> Result<MemoryBreakdown, ScheduleError> {
+    let (pp, v) = (l.pp, l.interleave);
+    let nv = (pp * v) as usize;
+    let zero = setup.zero_stage(l);
+    let (wb, gb, ob) = state_bytes_per_param(setup.precision, zero, l.dp * l.cp);
+    let chunks: Vec<usize> = (0..v).map(|ch| (ch * pp + s) as usize).collect();
+    let params: u64 = chunks
+        .iter()
+        .map(|&vs| virtual_stage_params(c, layers, vs))
+        .sum();
+    let saved_per_chunk = chunks
+        .iter()
+        .map(|&vs| saved_bytes(c, layers, vs))
+        .sum::<f64>()
+        / f64::from(v);
+    let in_flight = max_in_flight(ScheduleKind::of(l.schedule, pp), pp, m, v, s)?;
+    let mut buffers = Bytes::from_gib(WORKSPACE_GIB).0 as f64 + c.layer.working.0 as f64;
+    if chunks.contains(&(nv - 1)) {
+        buffers += c.head.working.0 as f64;
+    }
+    if zero >= 3 {
+        // Two layers gathered (current and prefetched) plus one layer's unsharded gradient.
+        let p = c.layer.params as f64;
+        buffers += 2.0 * p * if setup.precision.is_mixed() { 2.0 } else { 4.0 } + p * 4.0;
+    }
+    Ok(MemoryBreakdown {
+        params: Bytes((params as f64 * wb) as u64),
+        grads: Bytes((params as f64 * gb) as u64),
+        optimizer: Bytes((params as f64 * ob) as u64),
+        activations: Bytes((saved_per_chunk * f64::from(in_flight)) as u64),
+        buffers: Bytes(buffers as u64),
+        allocator: Bytes(0),
+    }
+    .with_allocator())
+}
+
 /// Everything a step adds to the bare pipeline for a layout: the pass costs with ZeRO-3 gathers
 /// and blocking sends folded in, the exposed data-parallel gradient reduction of each virtual
 /// stage (after its last weight gradient), and each stage's optimizer (Adam plus the
@@ -361,7 +421,35 @@ pub fn simulate_step_with_flops(
     layout: &Layout,
     model_flops: f64,
 ) -> Result<SimulatedStep, StepError> {
-    let c = transformer_costs(setup, layout)?;
+    // `transformer_costs` checks the layout.
+    simulate_costed(
+        setup,
+        layout,
+        &transformer_costs(setup, layout)?,
+        model_flops,
+    )
+}
+
+/// [`simulate_step_with_flops`] with the layout's costs given: `c` must be what
+/// [`transformer_costs`] returns for `layout` (the search prices each group of layouts that
+/// share them once). The layout is still checked against the setup.
+pub fn simulate_priced(
+    setup: &Setup,
+    layout: &Layout,
+    c: &TransformerCosts,
+    model_flops: f64,
+) -> Result<SimulatedStep, StepError> {
+    check_layout(setup, layout)?;
+    simulate_costed(setup, layout, c, model_flops)
+}
+
+/// [`simulate_priced`] of a layout already checked.
+fn simulate_costed(
+    setup: &Setup,
+    layout: &Layout,
+    c: &TransformerCosts,
+    model_flops: f64,
+) -> Result<SimulatedStep, StepError> {
     let l = layout;
     let (pp, v) = (l.pp, l.interleave);
     let nv = (pp * v) as usize;
@@ -370,12 +458,11 @@ pub fn simulate_step_with_flops(
     let precision = setup.precision;
     let shard = l.dp * l.cp;
     let zero = setup.zero_stage(l);
-    let terms = step_terms(setup, l, &c, &layers)?;
+    let terms = step_terms(setup, l, c, &layers)?;
     let (z3_fwd, z3_bwd) = terms.zero3;
     let kind = ScheduleKind::of(l.schedule, l.pp);
     let schedule = PipelineSchedule::generate(kind, pp, m, v)?;
     let mut pg = build_pipeline(&schedule, &terms.costs)?;
-    let params_of = |vs: usize| virtual_stage_params(&c, &layers, vs);
 
     // Data-parallel gradient reduction per chunk, then the optimizer, per stage.
     let mut dp_time = vec![Seconds(0.0); pp as usize];
@@ -484,45 +571,11 @@ pub fn simulate_step_with_flops(
     let hfu = mfu * recompute_share;
 
     // Memory per stage.
-    let (wb, gb, ob) = state_bytes_per_param(precision, zero, shard);
-    let workspace = Bytes::from_gib(WORKSPACE_GIB);
     let mut stage_memory = Vec::with_capacity(pp as usize);
     let mut stage_static = Vec::with_capacity(pp as usize);
     let mut worst = MemoryBreakdown::default();
-    // Bytes one micro-batch keeps from a virtual stage's forward to its weight gradients.
-    let saved_of = |vs: usize| -> f64 {
-        let mut b = c.layer.saved.0 as f64 * nl(vs);
-        if vs == 0 {
-            b += c.embedding.saved.0 as f64;
-        }
-        if vs == nv - 1 {
-            b += c.head.saved.0 as f64;
-        }
-        b
-    };
     for s in 0..pp {
-        let chunks: Vec<usize> = (0..v).map(|ch| (ch * pp + s) as usize).collect();
-        let params: u64 = chunks.iter().map(|&vs| params_of(vs)).sum();
-        let saved_per_chunk = chunks.iter().map(|&vs| saved_of(vs)).sum::<f64>() / f64::from(v);
-        let in_flight = max_in_flight(kind, pp, m, v, s)?;
-        let mut buffers = workspace.0 as f64 + c.layer.working.0 as f64;
-        if chunks.contains(&(nv - 1)) {
-            buffers += c.head.working.0 as f64;
-        }
-        if zero >= 3 {
-            // Two layers gathered (current and prefetched) plus one layer's unsharded gradient.
-            let p = c.layer.params as f64;
-            buffers += 2.0 * p * if precision.is_mixed() { 2.0 } else { 4.0 } + p * 4.0;
-        }
-        let mem = MemoryBreakdown {
-            params: Bytes((params as f64 * wb) as u64),
-            grads: Bytes((params as f64 * gb) as u64),
-            optimizer: Bytes((params as f64 * ob) as u64),
-            activations: Bytes((saved_per_chunk * f64::from(in_flight)) as u64),
-            buffers: Bytes(buffers as u64),
-            allocator: Bytes(0),
-        }
-        .with_allocator();
+        let mem = stage_memory_of(setup, l, c, &layers, m, s)?;
         stage_static.push((mem.params + mem.grads + mem.optimizer + mem.buffers).gib());
         if mem.total() > worst.total() {
             worst = mem;
@@ -558,7 +611,9 @@ pub fn simulate_step_with_flops(
         resources: pg.resources,
         trace,
         stage_static_gib: stage_static,
-        saved_gib: (0..nv).map(|vs| saved_of(vs) / GIB).collect(),
+        saved_gib: (0..nv)
+            .map(|vs| saved_bytes(c, &layers, vs) / GIB)
+            .collect(),
     })
 }
 
