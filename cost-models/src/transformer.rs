@@ -372,11 +372,14 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     } else {
         net.collective(Collective::AllReduce, act, tp_group)
     };
-    let mut layer = price(&dev, &block, fb, sp, l.tp, hidden, cp);
+    let block_prices = NodePrices::new(&dev, &block, fb, sp, l.tp, hidden, cp);
+    let mut layer = price(&block, &block_prices, fb, sp, l.tp, hidden);
     let tp_layer = if s.runtime.tp_comm_overlap && l.tp > 1 {
         // Each collective hides behind the GEMM it is pipelined with: the four linear layers
         // of a block share the forward (and, mirrored, the backward) collectives.
-        let gemm_fwd = linear_time(&dev, &block, fb).fwd;
+        let gemm_fwd = block_prices
+            .time(&block, |_, op| matches!(op, OpKind::Linear(_)))
+            .fwd;
         // Transformer Engine's ring exchange moves data with copy engines (userbuffers), not
         // NCCL kernels, so the GEMMs it hides behind keep their SMs: no interference term.
         Seconds((tp_one.0 * 2.0 - gemm_fwd.0).max(0.0))
@@ -390,7 +393,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     if l.cp > 1 {
         let kv = Bytes(2 * l.micro_batch * seq_local * shard.kv_heads * shard.head_dim * fb);
         let steps = (cp - 1) as f64;
-        let attn = attention_time(&dev, &block, fb, cp);
+        let attn = block_prices.time(&block, |_, op| matches!(op, OpKind::Attention(_)));
         let fwd_comm = net.collective(Collective::AllGather, Bytes(kv.0 * cp), cp_group);
         layer.cp_fwd = exposed(fwd_comm, attn.fwd * (steps / cp as f64));
         layer.cp_bwd = exposed(fwd_comm * 2.0, attn.bwd_input * (steps / cp as f64));
@@ -424,8 +427,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
             // outputs). Flash attention recomputes its own scores anyway.
             let redo = recomputed_nodes(&block, s.runtime.selective);
             layer.saved = Bytes(saved_bytes(&block, fb, sp, l.tp, hidden, Some(&redo)) as u64);
-            let (time, flops) =
-                recompute_forward(&dev, &block, fb, sp, l.tp, hidden, cp, Some(&redo));
+            let (time, flops) = block_prices.recompute(Some(&redo));
             layer.recompute = time;
             layer.hardware_flops += flops;
         }
@@ -435,17 +437,30 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
             layer.tp_bwd += tp_layer;
             layer.working = layer.saved;
             layer.saved = Bytes(layer_input);
-            layer.hardware_flops +=
-                recompute_forward(&dev, &block, fb, sp, l.tp, hidden, cp, None).1;
+            layer.hardware_flops += block_prices.recompute(None).1;
         }
     }
 
     // Embedding (vocab-parallel: an all-reduce of its output over TP) and head (vocab-parallel
     // cross-entropy: small all-reduces of per-token max and sum).
-    let mut embedding = price(&dev, &embed, fb, sp, l.tp, hidden, 1);
+    let mut embedding = price(
+        &embed,
+        &NodePrices::new(&dev, &embed, fb, sp, l.tp, hidden, 1),
+        fb,
+        sp,
+        l.tp,
+        hidden,
+    );
     embedding.tp_fwd = if l.tp > 1 { tp_one } else { Seconds(0.0) };
     embedding.tp_bwd = Seconds(0.0);
-    let mut head_cost = price(&dev, &head, fb, sp, l.tp, hidden, 1);
+    let mut head_cost = price(
+        &head,
+        &NodePrices::new(&dev, &head, fb, sp, l.tp, hidden, 1),
+        fb,
+        sp,
+        l.tp,
+        hidden,
+    );
     head_cost.tp_fwd = if l.tp > 1 { tp_one } else { Seconds(0.0) };
     head_cost.tp_bwd = head_cost.tp_fwd;
     // The loss peaks at the start of backward (see `LOSS_BYTES_PER_LOGIT`); the logits are not
@@ -480,54 +495,63 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     })
 }
 
-/// Prices every node of a section graph. Under sequence parallelism the tensors and kernels
-/// outside the tensor-parallel region (those of hidden width: norms, dropout, residuals) are
-/// split over the TP group as well. Attention under context parallelism sees keys and values of
-/// the whole sequence: its work on the local shard graph is scaled by `cp`.
-fn price(
-    dev: &DeviceModel,
-    g: &Graph,
-    fb: u64,
-    sp: bool,
-    tp: u32,
-    hidden: u64,
-    cp: u64,
-) -> PartCost {
-    let mut compute = OpTimes::default();
-    let mut model_flops = 0.0;
-    for n in &g.nodes {
-        let ins = g.input_shapes(n);
-        let w = g.node_work(n, fb);
-        let k = local_share(g, n, sp, tp, hidden, cp);
-        compute = compute + dev.op(&n.op, &ins, &w, fb) * k;
-        model_flops += w.train_flops().0 * k;
+/// One device's time and FLOPs for every node of a section graph, each node priced once.
+/// Under sequence parallelism the tensors and kernels outside the tensor-parallel region
+/// (those of hidden width: norms, dropout, residuals) are split over the TP group as well.
+/// Attention under context parallelism sees keys and values of the whole sequence: its work on
+/// the local shard graph is scaled by `cp` (see [`local_share`]).
+struct NodePrices {
+    /// Per node, already scaled by its local share: times, training FLOPs, forward FLOPs.
+    times: Vec<OpTimes>,
+    train_flops: Vec<f64>,
+    fwd_flops: Vec<f64>,
+}
+
+impl NodePrices {
+    #[allow(clippy::too_many_arguments)]
+    fn new(dev: &DeviceModel, g: &Graph, fb: u64, sp: bool, tp: u32, hidden: u64, cp: u64) -> Self {
+        let mut p = NodePrices {
+            times: Vec::with_capacity(g.nodes.len()),
+            train_flops: Vec::with_capacity(g.nodes.len()),
+            fwd_flops: Vec::with_capacity(g.nodes.len()),
+        };
+        for n in &g.nodes {
+            let w = g.node_work(n, fb);
+            let k = local_share(g, n, sp, tp, hidden, cp);
+            p.times.push(dev.op(&n.op, &g.input_shapes(n), &w, fb) * k);
+            p.train_flops.push(w.train_flops().0 * k);
+            p.fwd_flops.push(w.fwd_flops.0 * k);
+        }
+        p
     }
+
+    /// Summed times of the nodes `pick` selects.
+    fn time(&self, g: &Graph, pick: impl Fn(usize, &OpKind) -> bool) -> OpTimes {
+        (0..self.times.len())
+            .filter(|&i| pick(i, &g.nodes[i].op))
+            .fold(OpTimes::default(), |a, i| a + self.times[i])
+    }
+
+    /// Forward time and FLOPs of the nodes marked in `redo` (every node with `None`).
+    fn recompute(&self, redo: Option<&[bool]>) -> (Seconds, f64) {
+        let picked = |i: &usize| redo.is_none_or(|r| r[*i]);
+        let idx = (0..self.times.len()).filter(picked);
+        let t = idx.clone().map(|i| self.times[i].fwd).sum();
+        (t, idx.map(|i| self.fwd_flops[i]).sum())
+    }
+}
+
+/// The cost of a section from its node prices.
+fn price(g: &Graph, prices: &NodePrices, fb: u64, sp: bool, tp: u32, hidden: u64) -> PartCost {
+    let model_flops = prices.train_flops.iter().sum();
     PartCost {
-        compute,
+        compute: prices.time(g, |_, _| true),
         saved: Bytes(saved_bytes(g, fb, sp, tp, hidden, None) as u64),
         params: g.param_count(),
         model_flops,
         hardware_flops: model_flops,
         ..PartCost::default()
     }
-}
-
-/// Forward and backward time of the linear layers of a section.
-fn linear_time(dev: &DeviceModel, g: &Graph, fb: u64) -> OpTimes {
-    g.nodes
-        .iter()
-        .filter(|n| matches!(n.op, OpKind::Linear(_)))
-        .map(|n| dev.op(&n.op, &g.input_shapes(n), &g.node_work(n, fb), fb))
-        .fold(OpTimes::default(), |a, b| a + b)
-}
-
-/// Forward and backward time of the attention cores of a block.
-fn attention_time(dev: &DeviceModel, g: &Graph, fb: u64, cp: u64) -> OpTimes {
-    g.nodes
-        .iter()
-        .filter(|n| matches!(n.op, OpKind::Attention(_)))
-        .map(|n| dev.op(&n.op, &g.input_shapes(n), &g.node_work(n, fb), fb) * cp as f64)
-        .fold(OpTimes::default(), |a, b| a + b)
 }
 
 /// Ops selective recomputation redoes in backward: everything bandwidth-bound, and an unfused
@@ -553,33 +577,6 @@ fn recomputed_nodes(g: &Graph, policy: SelectivePolicy) -> Vec<bool> {
             is_cheap(&n.op) || (policy == SelectivePolicy::CheapOpsAndAlternateMatmuls && alternate)
         })
         .collect()
-}
-
-/// Forward time and FLOPs of the nodes marked in `redo` (every node with `None`), scaled like
-/// [`price`] scales them.
-#[allow(clippy::too_many_arguments)]
-fn recompute_forward(
-    dev: &DeviceModel,
-    g: &Graph,
-    fb: u64,
-    sp: bool,
-    tp: u32,
-    hidden: u64,
-    cp: u64,
-    redo: Option<&[bool]>,
-) -> (Seconds, f64) {
-    let mut t = Seconds(0.0);
-    let mut flops = 0.0;
-    for (i, n) in g.nodes.iter().enumerate() {
-        if redo.is_some_and(|r| !r[i]) {
-            continue;
-        }
-        let k = local_share(g, n, sp, tp, hidden, cp);
-        let w = g.node_work(n, fb);
-        t += dev.op(&n.op, &g.input_shapes(n), &w, fb).fwd * k;
-        flops += w.fwd_flops.0 * k;
-    }
-    (t, flops)
 }
 
 /// What one device does of a node of the local shard graph, relative to the node as built:
