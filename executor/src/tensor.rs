@@ -717,9 +717,12 @@ pub fn cross_entropy(logits: &mut [f32], targets: &[u32], vocab: usize, scale: f
     total
 }
 
-/// A host emulation of the GPU offload (cuBLAS `sgemm` semantics: column-major, `op` per
-/// operand, leading dimensions; Adam with the kernel's arithmetic), so that everything the
-/// trainer hands a device is checked without one.
+/// A host emulation of the GPU offload, so that everything the trainer hands a device is
+/// checked without one. GEMMs follow cuBLAS `sgemm` semantics (column-major, `op` per operand,
+/// leading dimensions), written independently of the trainer's kernels. Adam runs
+/// `AdamConfig::update`, the trainer's own arithmetic, which the NVRTC kernel repeats line by
+/// line: that half checks what is handed over (which slices, which bias corrections), not the
+/// kernel, which only a GPU run checks.
 #[cfg(test)]
 pub(crate) mod emulated {
     use super::{ColMajorGemm, DeviceOffload};

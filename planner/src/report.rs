@@ -704,8 +704,17 @@ mod tests {
         assert_eq!(doc["candidates"].as_array().unwrap().len(), r.top.len());
         let plan: Plan = serde_json::from_value(doc["plan"].clone()).unwrap();
         Plan::from_json(&plan.to_json(), "plan.json").unwrap();
-        // 64 sequences over dp 2: 32 per rank, above the BatchNorm threshold: no warning.
-        assert!(!guidance(&input).iter().any(|l| l.contains("BatchNorm")));
+        // 32 GPUs span 4 nodes: the TP advice names the chosen tp; pp = 2 was forced: the
+        // pipeline advice names its micro-batches.
+        let advice = guidance(&input);
+        let (best_l, best_p) = (&r.best().layout, &r.best().prediction);
+        assert!(
+            advice.iter().any(|l| l.starts_with("TP kept inside a node")
+                && l.contains(&format!("tp = {} here", best_l.tp))),
+            "{advice:?}"
+        );
+        let pp_line = format!("PP 2 with {} micro-batches", best_p.micro_batches);
+        assert!(advice.iter().any(|l| l.starts_with(&pp_line)), "{advice:?}");
         let why = explain(&input);
         assert!(
             why[0].starts_with("Step ") && why[0].contains("compute"),
