@@ -6,7 +6,7 @@ use crate::user;
 use clap::Args as ClapArgs;
 use parallax_cost::{step_time_band, Runtime, Setup};
 use parallax_ir::{Layout, PartialLayout, GIB};
-use parallax_planner::{complete_layout, layout_string, CompleteError};
+use parallax_planner::{complete_layout, layout_string, report::part_name, CompleteError};
 use parallax_sim::{simulate_step, SimulatedStep};
 use std::path::PathBuf;
 
@@ -93,20 +93,20 @@ fn print_report(model: &str, cluster: &str, sim: &SimulatedStep, layout: &Layout
         p.stage_layers,
         p.bubble_fraction * 100.0
     );
-    let b = &p.breakdown;
-    let mut rows = vec![
-        vec!["compute".to_string(), format!("{:.3}", b.compute_s)],
-        vec!["pipeline bubble".to_string(), format!("{:.3}", b.bubble_s)],
-        vec!["optimizer".to_string(), format!("{:.3}", b.optimizer_s)],
-    ];
-    for (k, v) in &b.exposed_comm_s {
-        rows.push(vec![
-            format!("exposed {k} communication"),
-            format!("{v:.3}"),
-        ]);
-    }
+    let rows: Vec<Vec<String>> = p
+        .breakdown
+        .parts()
+        .into_iter()
+        .map(|(k, x)| vec![part_name(k).to_string(), format!("{x:.3}")])
+        .collect();
     println!();
-    print!("{}", table(&["time on the busiest stage", "s"], &rows));
+    print!(
+        "{}",
+        table(
+            &["time on the busiest stage (communication: exposed)", "s"],
+            &rows
+        )
+    );
     let m = &p.memory;
     let g = |x: f64| bytes(x * GIB);
     println!();

@@ -3,7 +3,7 @@
 //! same anywhere and embed inline in the HTML report.
 
 use crate::search::Evaluated;
-use parallax_sim::{SimulatedStep, TaskKind};
+use parallax_sim::{SimulatedStep, TaskKind, COMM_KINDS};
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -103,20 +103,17 @@ const PARTS: [(&str, RGBColor); 9] = [
 
 fn part_value(e: &Evaluated, part: &str) -> f64 {
     let b = &e.prediction.breakdown;
-    match part {
-        "compute" => b.compute_s,
-        "bubble" => b.bubble_s,
-        "optimizer" => b.optimizer_s,
-        "other" => {
-            let known: f64 = ["tp", "cp", "ep", "dp", "zero"]
-                .iter()
-                .filter_map(|k| b.exposed_comm_s.get(*k))
-                .sum();
-            let all: f64 = b.exposed_comm_s.values().sum();
-            (all - known).max(0.0)
-        }
-        k => b.exposed_comm_s.get(k).copied().unwrap_or(0.0),
+    if part == "other" {
+        let named: f64 = COMM_KINDS
+            .iter()
+            .filter_map(|k| b.exposed_comm_s.get(*k))
+            .sum();
+        return (b.exposed_comm() - named).max(0.0);
     }
+    b.parts()
+        .into_iter()
+        .find(|x| x.0 == part)
+        .map_or(0.0, |x| x.1)
 }
 
 /// Stacked horizontal bars: the step time of each plan by where it goes. `labels` name the

@@ -109,14 +109,10 @@ fn pct(x: f64) -> String {
     format!("{:.0} %", x * 100.0)
 }
 
-fn exposed(e: &Evaluated) -> f64 {
-    e.prediction.breakdown.exposed_comm_s.values().sum()
-}
-
-/// Human name of a breakdown part.
-fn part_name(k: &str) -> &'static str {
+/// Human name of a part of [`parallax_sim::Breakdown::parts`].
+pub fn part_name(k: &str) -> &'static str {
     match k {
-        "compute" => "compute (smaller GEMMs, recomputation)",
+        "compute" => "compute (kernels, recomputation included)",
         "bubble" => "pipeline bubble",
         "optimizer" => "optimizer step",
         "tp" => "tensor-parallel communication",
@@ -128,20 +124,6 @@ fn part_name(k: &str) -> &'static str {
     }
 }
 
-/// Breakdown parts of a plan, seconds.
-fn parts(e: &Evaluated) -> Vec<(String, f64)> {
-    let b = &e.prediction.breakdown;
-    let mut v = vec![
-        ("compute".to_string(), b.compute_s),
-        ("bubble".to_string(), b.bubble_s),
-        ("optimizer".to_string(), b.optimizer_s),
-    ];
-    for (k, x) in &b.exposed_comm_s {
-        v.push((k.clone(), *x));
-    }
-    v
-}
-
 /// Which limit binds the best plan, then how each alternative family compares.
 pub fn explain(input: &ReportInput) -> Vec<String> {
     let r = input.result;
@@ -149,15 +131,21 @@ pub fn explain(input: &ReportInput) -> Vec<String> {
     let p = &best.prediction;
     let step = p.step_time_s;
     let mut out = Vec::new();
-    let mut shares: Vec<(String, f64)> = parts(best).into_iter().filter(|x| x.1 > 0.0).collect();
-    shares.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut shares: Vec<(&str, f64)> = best
+        .prediction
+        .breakdown
+        .parts()
+        .into_iter()
+        .filter(|x| x.1 > 0.0)
+        .collect();
+    shares.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
     let listed: Vec<String> = shares
         .iter()
         .map(|(k, x)| format!("{k} {x:.2} s ({})", pct(x / step)))
         .collect();
     out.push(format!("Step {step:.2} s: {}.", listed.join(", ")));
     let headroom = 1.0 - p.peak_memory_gib / p.capacity_gib;
-    let largest_loss = shares.iter().find(|(k, _)| k != "compute");
+    let largest_loss = shares.iter().find(|(k, _)| *k != "compute");
     let binding = if headroom < 0.10 {
         format!(
             "Memory binds: the fullest stage uses {:.1} of {:.0} GiB ({}); anything holding more per GPU does not fit",
@@ -184,7 +172,7 @@ pub fn explain(input: &ReportInput) -> Vec<String> {
         )
     };
     out.push(binding + ".");
-    let mine = parts(best);
+    let mine = best.prediction.breakdown.parts();
     for f in &r.families {
         if f.family.contains(&best.layout) {
             continue;
@@ -192,23 +180,23 @@ pub fn explain(input: &ReportInput) -> Vec<String> {
         match (&f.best, f.smallest_need_gib) {
             (Some(fb), _) => {
                 let loss = fb.prediction.step_time_s / step - 1.0;
-                let theirs = parts(fb);
-                let get = |v: &[(String, f64)], k: &str| {
+                let theirs = fb.prediction.breakdown.parts();
+                let get = |v: &[(&str, f64)], k: &str| {
                     v.iter().find(|x| x.0 == k).map_or(0.0, |x| x.1)
                 };
-                let mut keys: Vec<String> = mine.iter().chain(&theirs).map(|x| x.0.clone()).collect();
+                let mut keys: Vec<&str> = mine.iter().chain(&theirs).map(|x| x.0).collect();
                 keys.sort();
                 keys.dedup();
                 let worst = keys
                     .iter()
-                    .map(|k| (k.clone(), get(&theirs, k) - get(&mine, k)))
-                    .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)));
+                    .map(|&k| (k, get(&theirs, k) - get(&mine, k)))
+                    .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(a.0)));
                 let why = match worst {
                     Some((k, d)) if d > 0.0 => format!(
                         "because its {} takes {:.2} s against {:.2} s here",
-                        part_name(&k),
-                        get(&theirs, &k),
-                        get(&mine, &k)
+                        part_name(k),
+                        get(&theirs, k),
+                        get(&mine, k)
                     ),
                     _ => "with a similar breakdown".to_string(),
                 };
@@ -354,7 +342,7 @@ pub fn rows(input: &ReportInput) -> Vec<Row> {
                 peak_memory_gib: p.peak_memory_gib,
                 capacity_gib: p.capacity_gib,
                 bubble_fraction: p.bubble_fraction,
-                exposed_comm_s: exposed(e),
+                exposed_comm_s: p.breakdown.exposed_comm(),
             }
         })
         .collect()

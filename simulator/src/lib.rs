@@ -21,5 +21,5 @@ pub mod step;
 pub use step::{
     pass_costs, saved_bytes, simulate_priced, simulate_step, simulate_step_with_flops,
     stage_layers, stage_memory_of, step_terms, virtual_stage_params, Breakdown, MemoryGib,
-    SimulatedStep, StepError, StepPrediction, StepTerms,
+    SimulatedStep, StepError, StepPrediction, StepTerms, COMM_KINDS,
 };

@@ -47,6 +47,28 @@ pub struct Breakdown {
     pub exposed_comm_s: BTreeMap<String, f64>,
 }
 
+/// The kinds of exposed communication a [`Breakdown`] names, in its order of parts.
+pub const COMM_KINDS: [&str; 5] = ["tp", "cp", "ep", "zero", "dp"];
+
+impl Breakdown {
+    /// Where the step goes, in a fixed order: `compute`, `bubble`, `optimizer`, then exposed
+    /// communication by kind (the keys of [`Breakdown::exposed_comm_s`]).
+    pub fn parts(&self) -> Vec<(&str, f64)> {
+        let mut v = vec![
+            ("compute", self.compute_s),
+            ("bubble", self.bubble_s),
+            ("optimizer", self.optimizer_s),
+        ];
+        v.extend(self.exposed_comm_s.iter().map(|(k, x)| (k.as_str(), *x)));
+        v
+    }
+
+    /// Exposed communication of every kind, seconds.
+    pub fn exposed_comm(&self) -> f64 {
+        self.exposed_comm_s.values().sum()
+    }
+}
+
 /// Peak memory of one device, GiB by kind.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct MemoryGib {
@@ -543,13 +565,7 @@ fn simulate_costed(
     let cp = per_mb_stage(&|vs| nl(vs) * (c.layer.cp_fwd + c.layer.cp_bwd).0);
     let ep = per_mb_stage(&|vs| nl(vs) * (c.layer.ep_fwd + c.layer.ep_bwd).0);
     let z3 = per_mb_stage(&|vs| nl(vs) * (z3_fwd + z3_bwd).0);
-    for (k, x) in [
-        ("tp", tp),
-        ("cp", cp),
-        ("ep", ep),
-        ("zero", z3),
-        ("dp", dp_time[bs].0),
-    ] {
+    for (k, x) in COMM_KINDS.into_iter().zip([tp, cp, ep, z3, dp_time[bs].0]) {
         if x > 0.0 {
             exposed.insert(k.to_string(), x);
         }
