@@ -170,6 +170,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         top_k: a.top,
         force: fix,
         force_even_stages: a.even_stages,
+        space: engine.map(Engine::space).unwrap_or_default(),
         engine,
         ..SearchOptions::default()
     };

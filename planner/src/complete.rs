@@ -1,10 +1,13 @@
 //! Completing a partial layout: every knob the user (or a published run) left out is chosen
 //! as the fastest feasible value, by simulating every combination.
 
-use crate::search::{degree_tuples, DEFAULT_MAX_MICRO_BATCH};
+use crate::search::{
+    degree_tuples, recompute_options, schedule_options, zero_options, Space,
+    DEFAULT_MAX_MICRO_BATCH,
+};
 use parallax_cost::model_flops_per_step;
 use parallax_cost::transformer::Setup;
-use parallax_ir::{Layout, PartialLayout, Recompute, Schedule};
+use parallax_ir::{Layout, PartialLayout};
 use parallax_sim::{simulate_step_with_flops, StepError, StepPrediction};
 use rayon::prelude::*;
 use std::collections::BTreeMap;
@@ -38,34 +41,6 @@ pub struct Completed {
     pub rejected: BTreeMap<String, usize>,
 }
 
-/// Values a left-out knob may take (a framework's capabilities).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Space {
-    /// Pipeline schedules.
-    pub schedules: Vec<Schedule>,
-    /// ZeRO stages (when data parallel).
-    pub zero_stages: Vec<u8>,
-    /// Recompute policies.
-    pub recompute: Vec<Recompute>,
-    /// Virtual pipeline stages may hold unequal layer counts (torchtitan's split points);
-    /// otherwise (Megatron-LM) an unpublished interleave must divide the layers evenly.
-    pub uneven_interleave: bool,
-}
-
-impl Default for Space {
-    fn default() -> Self {
-        Space {
-            schedules: Schedule::ALL
-                .into_iter()
-                .filter(|s| *s != Schedule::None)
-                .collect(),
-            zero_stages: vec![0, 1, 2, 3],
-            recompute: Recompute::ALL.to_vec(),
-            uneven_interleave: false,
-        }
-    }
-}
-
 /// Every full layout consistent with `p` on `setup`'s cluster whose left-out knobs take
 /// values in `space`.
 pub fn candidates(setup: &Setup, p: &PartialLayout, space: &Space) -> Vec<Layout> {
@@ -79,54 +54,14 @@ fn candidates_or_why(
     space: &Space,
     reject: &mut dyn FnMut(&'static str, String),
 ) -> Vec<Layout> {
-    let layers = setup.model.layers;
     let mut out = Vec::new();
     for (d, mbs) in degree_tuples(setup, p, DEFAULT_MAX_MICRO_BATCH, reject) {
-        let zeros: Vec<u8> = match p.zero_stage {
-            Some(z) => vec![z],
-            None if d.dp > 1 => space.zero_stages.clone(),
-            None => vec![0],
-        };
-        let recomputes: Vec<Recompute> = match p.recompute {
-            Some(r) => vec![r],
-            None => space.recompute.clone(),
-        };
+        let zeros = zero_options(p, space, d.dp);
+        let recomputes = recompute_options(p, space);
         let sps = p.sequence_parallel_options(u64::from(d.tp));
-        let sched_opts: Vec<Schedule> = match (p.schedule, d.pp) {
-            (Some(s), _) => vec![s],
-            (None, 1) => vec![Schedule::None],
-            (None, _) => space.schedules.clone(),
-        };
-        let mut scheds: Vec<(Schedule, u32)> = Vec::new();
-        for s in sched_opts {
-            match (s, p.interleave) {
-                (Schedule::Interleaved1F1B, Some(v)) => scheds.push((s, v)),
-                (Schedule::Interleaved1F1B, None) => {
-                    let fits = |v: u32| {
-                        if space.uneven_interleave {
-                            d.pp * v <= layers
-                        } else {
-                            layers % (d.pp * v) == 0
-                        }
-                    };
-                    let before = scheds.len();
-                    scheds.extend((2..=8u32).filter(|&v| fits(v)).map(|v| (s, v)));
-                    if scheds.len() == before {
-                        reject(
-                            "indivisible",
-                            format!(
-                                "interleaved-1f1b: no interleave from 2 to 8 splits the {layers} \
-                                 layers evenly over {} pipeline stages; give one",
-                                d.pp
-                            ),
-                        );
-                    }
-                }
-                (s, Some(v)) if v > 1 => scheds.push((s, v)),
-                (s, _) => scheds.push((s, 1)),
-            }
-        }
         for &micro_batch in &mbs {
+            let m = setup.global_batch / (u64::from(d.dp) * micro_batch);
+            let scheds = schedule_options(setup, p, space, d.pp, m, reject);
             for &zero_stage in &zeros {
                 for &recompute in &recomputes {
                     for &sequence_parallel in &sps {
@@ -258,6 +193,7 @@ mod tests {
     use super::*;
     use parallax_hardware::preset;
     use parallax_ir::models::TransformerConfig;
+    use parallax_ir::{Recompute, Schedule};
 
     #[test]
     fn the_space_limits_only_the_knobs_left_out() {
@@ -286,19 +222,19 @@ mod tests {
 
     #[test]
     fn an_unpublished_interleave_splits_evenly_unless_the_framework_splits_unevenly() {
-        // 30 layers over 4 stages: no interleave from 2 to 8 divides them.
+        // 30 layers over 4 stages: no interleave divides them.
         let m = TransformerConfig::llama(30, 2048, 16, 16, 5632, 32000, 2048);
         let p = preset("dgx-a100-80gb").unwrap();
         let s = Setup::new(&m, &p, 8, 2048, 16);
         let partial = PartialLayout::parse("tp=2,pp=4,schedule=interleaved-1f1b").unwrap();
-        let even = Space::default();
+        let even = Space {
+            uneven_stages: false,
+            ..Space::default()
+        };
         assert!(candidates(&s, &partial, &even).is_empty());
         let err = complete_within(&s, &partial, &even).unwrap_err();
         assert!(err.to_string().contains("no interleave"), "{err}");
-        let uneven = Space {
-            uneven_interleave: true,
-            ..Space::default()
-        };
+        let uneven = Space::default();
         let mut vs: Vec<u32> = candidates(&s, &partial, &uneven)
             .iter()
             .map(|l| l.interleave)

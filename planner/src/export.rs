@@ -5,6 +5,7 @@
 //! the planner can search inside it (`parallax plan --export ENGINE`) and an export never
 //! silently drops a knob: [`export`] refuses a layout the engine cannot express.
 
+use crate::search::Space;
 use parallax_cost::transformer::{Runtime, SelectivePolicy};
 use parallax_ir::models::{Mlp, Norm, Position, TransformerConfig};
 use parallax_ir::{Layout, Plan, Precision, Recompute, Schedule};
@@ -62,39 +63,67 @@ impl Engine {
         }
     }
 
-    /// Why the engine cannot run `l`, or `None` when it can.
+    /// The part of the layout space the engine offers that a [`Space`] can say: its pipeline
+    /// schedules, ZeRO stages and recompute policies, and whether its stages may be uneven.
+    /// The search stays inside it for a plan meant for export; [`Engine::supports`] adds what
+    /// depends on the layout.
+    pub fn space(self) -> Space {
+        match self {
+            Engine::Megatron => Space {
+                schedules: vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
+                uneven_stages: false,
+                ..Space::default()
+            },
+            Engine::DeepSpeed => Space {
+                schedules: vec![Schedule::OneFOneB],
+                recompute: vec![Recompute::None, Recompute::Full],
+                ..Space::default()
+            },
+            Engine::Torchtitan => Space {
+                schedules: vec![
+                    Schedule::GPipe,
+                    Schedule::OneFOneB,
+                    Schedule::Interleaved1F1B,
+                ],
+                zero_stages: vec![0, 2, 3],
+                ..Space::default()
+            },
+        }
+    }
+
+    /// Why the engine cannot run `l`, or `None` when it can. No engine takes the planner's
+    /// balanced stage ranges; beyond that:
     ///
     /// - Megatron-LM: 1F1B and interleaved 1F1B only; ZeRO 0 (DDP), 1–2 (distributed
-    ///   optimizer) or 3 (`--use-torch-fsdp2`, FSDP2 needs pp = 1 there); even stage split.
+    ///   optimizer) or 3 (`--use-torch-fsdp2`, FSDP2 needs pp = 1 there); every (virtual)
+    ///   stage holds the same number of layers.
     /// - DeepSpeed: its pipeline engine runs 1F1B with ZeRO 0–1 only; no context parallelism;
-    ///   recompute none or full (activation checkpointing); even stage split (`uniform`).
+    ///   recompute none or full (activation checkpointing); its `uniform` partition.
     /// - torchtitan: GPipe, 1F1B, interleaved 1F1B; DDP (ZeRO 0), FSDP with or without
-    ///   resharding after forward (ZeRO 3 and 2); even stage split.
+    ///   resharding after forward (ZeRO 3 and 2; FSDP shards gradients too, so no ZeRO-1);
+    ///   its own split points, uneven where the layers do not divide.
     pub fn supports(self, l: &Layout, layers: u32) -> Option<String> {
         let name = self.name();
         if !l.stages.is_empty() {
             return Some(format!("{name} splits stages evenly"));
         }
-        let sched_ok = match self {
-            Engine::Megatron => matches!(
-                l.schedule,
-                Schedule::None | Schedule::OneFOneB | Schedule::Interleaved1F1B
-            ),
-            Engine::DeepSpeed => matches!(l.schedule, Schedule::None | Schedule::OneFOneB),
-            Engine::Torchtitan => matches!(
-                l.schedule,
-                Schedule::None | Schedule::GPipe | Schedule::OneFOneB | Schedule::Interleaved1F1B
-            ),
-        };
-        if !sched_ok {
+        let space = self.space();
+        if l.schedule != Schedule::None && !space.schedules.contains(&l.schedule) {
             return Some(format!("{name} has no {} schedule", l.schedule));
         }
+        if !space.recompute.contains(&l.recompute) {
+            return Some(format!("{name} has no {} recomputation", l.recompute));
+        }
+        if !space.zero_stages.contains(&l.zero_stage) {
+            return Some(format!("{name} has no ZeRO-{}", l.zero_stage));
+        }
         let chunks = l.pp * l.interleave.max(1);
+        if !space.uneven_stages && layers % chunks != 0 {
+            return Some(format!(
+                "{name} splits the {layers} layers evenly over pp × v = {chunks} stages"
+            ));
+        }
         match self {
-            // Megatron-LM gives every (virtual) stage the same number of layers.
-            Engine::Megatron if layers % chunks != 0 => Some(format!(
-                "megatron splits the {layers} layers evenly over pp × v = {chunks} stages"
-            )),
             Engine::Megatron if l.zero_stage == 3 && l.pp > 1 => {
                 Some("megatron runs FSDP (ZeRO-3) without pipeline parallelism only".into())
             }
@@ -102,14 +131,8 @@ impl Engine {
                 Some("deepspeed's pipeline engine supports ZeRO 0 and 1 only".into())
             }
             Engine::DeepSpeed if l.cp > 1 => Some("deepspeed has no context parallelism".into()),
-            Engine::DeepSpeed if l.recompute == Recompute::Selective => {
-                Some("deepspeed has no selective recomputation".into())
-            }
             Engine::DeepSpeed if l.ep > 1 => {
                 Some("deepspeed export does not cover expert parallelism".into())
-            }
-            Engine::Torchtitan if l.zero_stage == 1 => {
-                Some("torchtitan has no ZeRO-1 (FSDP shards gradients too)".into())
             }
             Engine::Torchtitan if l.ep > 1 => {
                 Some("torchtitan export does not cover expert parallelism".into())
@@ -666,6 +689,49 @@ mod tests {
         assert!(par.get("pipeline_parallel_schedule").is_none());
         assert_eq!(v["training"]["local_batch_size"].as_integer(), Some(1));
         assert_eq!(v["activation_checkpoint"]["mode"].as_str(), Some("none"));
+    }
+
+    /// A search inside an engine's space returns what a search over every option returns
+    /// once the engine refuses what it cannot run: the space only keeps out, before pricing,
+    /// layouts the engine would refuse.
+    #[test]
+    fn an_engines_space_keeps_out_only_what_it_refuses() {
+        use crate::search::{search, SearchOptions};
+        use parallax_cost::transformer::Setup;
+        let m = model("gpt3-1.3b");
+        let c = parallax_hardware::Cluster::parse("dgx-a100-80gb:gpus=16").unwrap();
+        for e in Engine::ALL {
+            let s = Setup {
+                runtime: e.runtime(),
+                ..Setup::new(&m, &c.profile, 16, 2048, 64)
+            };
+            let run = |space| {
+                let opts = SearchOptions {
+                    top_k: 8,
+                    families: false,
+                    space,
+                    engine: Some(e),
+                    ..SearchOptions::default()
+                };
+                search(&s, &opts).unwrap()
+            };
+            let (inside, everywhere) = (run(e.space()), run(Default::default()));
+            let layouts = |r: &crate::search::SearchResult| -> Vec<Layout> {
+                r.top.iter().map(|p| p.layout.clone()).collect()
+            };
+            assert_eq!(layouts(&inside), layouts(&everywhere), "{e}");
+            for p in &inside.top {
+                assert_eq!(e.supports(&p.layout, m.layers), None, "{e}: {:?}", p.layout);
+            }
+            let refused = |r: &crate::search::SearchResult| {
+                r.counts
+                    .rejected
+                    .get(&format!("not supported by {e}"))
+                    .copied()
+                    .unwrap_or(0)
+            };
+            assert!(refused(&inside) < refused(&everywhere), "{e}");
+        }
     }
 
     #[test]

@@ -10,10 +10,10 @@ pub mod search;
 pub mod validate;
 
 pub use complete::{
-    candidates, complete_layout, complete_within, layout_string, CompleteError, Completed, Space,
+    candidates, complete_layout, complete_within, layout_string, CompleteError, Completed,
 };
 pub use search::{
     search, search_with_progress, Counts, Evaluated, Family, FamilyResult, Progress, SearchError,
-    SearchOptions, SearchResult,
+    SearchOptions, SearchResult, Space,
 };
 pub use validate::{parse_cases, summarize, validate, Case, CaseResult, Framework, Summary};

@@ -45,9 +45,9 @@ pub struct SearchOptions {
     pub top_k: usize,
     /// Largest micro-batch tried.
     pub max_micro_batch: u64,
-    /// Pipeline schedules tried when pp > 1. Interleaved 1F1B is tried with every valid number
-    /// of virtual stages (`2 ≤ v`, `pp × v ≤ layers`, micro-batches a multiple of pp).
-    pub schedules: Vec<Schedule>,
+    /// Values the knobs `force` leaves out may take. Interleaved 1F1B is tried with every
+    /// valid number of virtual stages (see [`schedule_options`]).
+    pub space: Space,
     /// Knobs forced to a value; `None` leaves a knob to the search.
     pub force: PartialLayout,
     /// Only the even stage split ([`parallax_sim::stage_layers`]), no balanced partitions.
@@ -66,12 +66,7 @@ impl Default for SearchOptions {
         SearchOptions {
             top_k: DEFAULT_TOP_K,
             max_micro_batch: DEFAULT_MAX_MICRO_BATCH,
-            schedules: vec![
-                Schedule::GPipe,
-                Schedule::OneFOneB,
-                Schedule::Interleaved1F1B,
-                Schedule::ZeroBubbleH1,
-            ],
+            space: Space::default(),
             force: PartialLayout::default(),
             force_even_stages: false,
             force_exhaustive: false,
@@ -79,6 +74,116 @@ impl Default for SearchOptions {
             engine: None,
         }
     }
+}
+
+/// Values a left-out knob may take (a framework's capabilities), for the search and for
+/// completion alike.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Space {
+    /// Pipeline schedules.
+    pub schedules: Vec<Schedule>,
+    /// ZeRO stages (when data parallel).
+    pub zero_stages: Vec<u8>,
+    /// Recompute policies.
+    pub recompute: Vec<Recompute>,
+    /// (Virtual) pipeline stages may hold unequal layer counts (torchtitan's split points,
+    /// DeepSpeed's uniform partition; the default); otherwise (Megatron-LM) every stage holds
+    /// the same number, and an interleave left out must divide the layers evenly.
+    pub uneven_stages: bool,
+}
+
+impl Default for Space {
+    fn default() -> Self {
+        Space {
+            schedules: Schedule::ALL
+                .into_iter()
+                .filter(|s| *s != Schedule::None)
+                .collect(),
+            zero_stages: vec![0, 1, 2, 3],
+            recompute: Recompute::ALL.to_vec(),
+            uneven_stages: true,
+        }
+    }
+}
+
+/// ZeRO stages a completion with `dp` data-parallel ranks may take.
+pub(crate) fn zero_options(fixed: &PartialLayout, space: &Space, dp: u32) -> Vec<u8> {
+    match fixed.zero_stage {
+        Some(z) => vec![z],
+        None if dp > 1 => space.zero_stages.clone(),
+        None => vec![0],
+    }
+}
+
+/// Recompute policies a completion may take.
+pub(crate) fn recompute_options(fixed: &PartialLayout, space: &Space) -> Vec<Recompute> {
+    fixed
+        .recompute
+        .map_or_else(|| space.recompute.clone(), |r| vec![r])
+}
+
+/// The (schedule, interleave) pairs a completion with `pp` stages and `m` micro-batches may
+/// take: without a pipeline none; else each schedule of `space` (or the given one), interleaved
+/// 1F1B with the given v or every `2 ≤ v ≤ layers / pp` (splitting the layers evenly unless
+/// the space allows uneven splits) when `m` is a multiple of `pp`. What rules a schedule out
+/// goes to `reject` as (reason kind, what is wrong).
+pub(crate) fn schedule_options(
+    setup: &Setup,
+    fixed: &PartialLayout,
+    space: &Space,
+    pp: u32,
+    m: u64,
+    reject: &mut dyn FnMut(&'static str, String),
+) -> Vec<(Schedule, u32)> {
+    if pp == 1 {
+        return match fixed.schedule {
+            Some(s) if s != Schedule::None => {
+                reject("indivisible", format!("schedule {s} needs pp > 1"));
+                Vec::new()
+            }
+            _ => vec![(Schedule::None, 1)],
+        };
+    }
+    let layers = setup.model.layers;
+    let scheds = fixed
+        .schedule
+        .map_or_else(|| space.schedules.clone(), |s| vec![s]);
+    let mut out = Vec::new();
+    for s in scheds {
+        match s {
+            Schedule::Interleaved1F1B => {
+                if m % u64::from(pp) != 0 {
+                    reject(
+                        "indivisible",
+                        format!("interleaved-1f1b: {m} micro-batches not a multiple of pp {pp}"),
+                    );
+                    continue;
+                }
+                let before = out.len();
+                match fixed.interleave {
+                    Some(v) => out.push((s, v)),
+                    None => out.extend(
+                        (2..=layers / pp)
+                            .filter(|&v| space.uneven_stages || layers % (pp * v) == 0)
+                            .map(|v| (s, v)),
+                    ),
+                }
+                if out.len() == before {
+                    reject(
+                        "indivisible",
+                        format!(
+                            "interleaved-1f1b: no interleave splits the {layers} layers evenly \
+                             over {pp} pipeline stages; give one"
+                        ),
+                    );
+                }
+            }
+            Schedule::None => {}
+            s if fixed.interleave.is_none_or(|v| v == 1) => out.push((s, 1)),
+            s => reject("indivisible", format!("{s} has no virtual stages (v = 1)")),
+        }
+    }
+    out
 }
 
 /// Families of layouts the best plan is compared against to explain why it wins.
@@ -734,11 +839,7 @@ fn group_bound(setup: &Setup, l: &Layout, c: &TransformerCosts) -> f64 {
 
 /// Zero stages tried for a group.
 fn zeros_of(opts: &SearchOptions, base: &Layout) -> Vec<u8> {
-    match opts.force.zero_stage {
-        Some(z) => vec![z],
-        None if base.dp > 1 => vec![0, 1, 2, 3],
-        None => vec![0],
-    }
+    zero_options(&opts.force, &opts.space, base.dp)
 }
 
 /// Families any candidate of a group may belong to.
@@ -962,7 +1063,7 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
     };
     let mut groups = Vec::new();
     for (d, mbs) in degree_tuples(setup, f, opts.max_micro_batch, &mut reject) {
-        let recomputes = f.recompute_options();
+        let recomputes = recompute_options(f, &opts.space);
         let sps = f.sequence_parallel_options(u64::from(d.tp));
         for &mb in &mbs {
             for &recompute in &recomputes {
@@ -998,42 +1099,8 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
 
 /// The (schedule, interleave) pairs tried for a group.
 fn schedules_of(setup: &Setup, opts: &SearchOptions, base: &Layout) -> Vec<(Schedule, u32)> {
-    let f = &opts.force;
-    let pp = base.pp;
-    if pp == 1 {
-        return match f.schedule {
-            Some(s) if s != Schedule::None => Vec::new(),
-            _ => vec![(Schedule::None, 1)],
-        };
-    }
     let m = base.micro_batches(setup.global_batch);
-    let layers = setup.model.layers;
-    let scheds: Vec<Schedule> = match f.schedule {
-        Some(s) => vec![s],
-        None => opts.schedules.clone(),
-    };
-    let mut out = Vec::new();
-    for s in scheds {
-        match s {
-            Schedule::Interleaved1F1B => {
-                if m % u64::from(pp) != 0 {
-                    continue;
-                }
-                for v in 2..=layers / pp {
-                    if f.interleave.is_none_or(|x| x == v) {
-                        out.push((s, v));
-                    }
-                }
-            }
-            Schedule::None => {}
-            s => {
-                if f.interleave.is_none_or(|x| x == 1) {
-                    out.push((s, 1));
-                }
-            }
-        }
-    }
-    out
+    schedule_options(setup, &opts.force, &opts.space, base.pp, m, &mut |_, _| {})
 }
 
 /// Stage ranges for per-virtual-stage layer counts.

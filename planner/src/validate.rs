@@ -1,8 +1,9 @@
 //! Scoring predictions against published measurements of real training runs
 //! (`parallax-validation-cases/1`, see `shared/ground-truth/README.md`).
 
-use crate::complete::{complete_within, layout_string, Space};
+use crate::complete::{complete_within, layout_string};
 use crate::export::Engine;
+use crate::search::Space;
 use parallax_cost::transformer::{Runtime, SelectivePolicy, Setup};
 use parallax_hardware::{Cluster, ClusterProfile};
 use parallax_ir::models::{Mlp, TransformerConfig};
@@ -76,7 +77,7 @@ impl Framework {
                 schedules,
                 zero_stages: vec![0],
                 recompute,
-                uneven_interleave: false,
+                uneven_stages: false,
             },
             sequence_parallel: sp,
         };
@@ -111,6 +112,7 @@ impl Framework {
                 space: Space {
                     schedules: vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
                     zero_stages: vec![0, 1],
+                    uneven_stages: false,
                     ..Space::default()
                 },
                 ..Framework::current()
@@ -130,10 +132,7 @@ impl Framework {
             Framework {
                 name: "torchtitan",
                 runtime: Engine::Torchtitan.runtime(),
-                space: Space {
-                    uneven_interleave: true,
-                    ..Space::default()
-                },
+                space: Engine::Torchtitan.space(),
                 ..Framework::current()
             }
         } else {
@@ -255,7 +254,7 @@ pub fn parse_cases(text: &str, file: &str) -> Result<CaseFile, CaseError> {
 }
 
 /// The outcome of one case.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct CaseResult {
     pub id: String,
     pub group: String,
@@ -465,7 +464,7 @@ mod tests {
         let titan = fw("torchtitan-benchmarks");
         // Published torchtitan runs and plans exported to torchtitan are predicted alike.
         assert_eq!(titan.runtime, Engine::Torchtitan.runtime());
-        assert!(titan.runtime.zero3_gathered_under_pp && titan.space.uneven_interleave);
+        assert!(titan.runtime.zero3_gathered_under_pp && titan.space.uneven_stages);
         assert!(!titan.runtime.tp_comm_overlap);
         let other = fw("another-lab-2025");
         assert_eq!(other.name, "unknown (current stack)");
