@@ -186,6 +186,9 @@ pub(crate) fn schedule_options(
     out
 }
 
+/// How many [`Family`] values there are.
+const FAMILIES: usize = 5;
+
 /// Families of layouts the best plan is compared against to explain why it wins.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -204,7 +207,7 @@ pub enum Family {
 
 impl Family {
     /// All families.
-    pub const ALL: [Family; 5] = [
+    pub const ALL: [Family; FAMILIES] = [
         Family::NoPipeline,
         Family::NoTensor,
         Family::Zero3,
@@ -446,8 +449,8 @@ struct Expanded {
     candidates: Vec<Candidate>,
     counts: Counts,
     /// Per family: candidates, and the smallest memory need among those over memory.
-    family_members: [u64; 5],
-    family_smallest: [Option<(f64, u64, Layout)>; 5],
+    family_members: [u64; FAMILIES],
+    family_smallest: [Option<(f64, u64, Layout)>; FAMILIES],
 }
 
 /// Searches the structured space of `setup`'s model and cluster.
@@ -521,9 +524,9 @@ fn run(
         0
     };
     let mut top: Vec<Evaluated> = Vec::new();
-    let mut fam_best: [Option<Evaluated>; 5] = Default::default();
-    let mut family_members = [0u64; 5];
-    let mut family_smallest: [Option<(f64, u64, Layout)>; 5] = Default::default();
+    let mut fam_best: [Option<Evaluated>; FAMILIES] = Default::default();
+    let mut family_members = [0u64; FAMILIES];
+    let mut family_smallest: [Option<(f64, u64, Layout)>; FAMILIES] = Default::default();
     let mut summaries: HashMap<SummaryKey, ScheduleSummary> = HashMap::new();
     let mut cands: Vec<Candidate> = Vec::new();
     let mut heap: BinaryHeap<Reverse<Queued>> = BinaryHeap::new();
@@ -531,23 +534,23 @@ fn run(
     let total = live.len() as u64;
     progress(Progress { done: 0, total });
 
-    let thresholds = |top: &[Evaluated], fam_best: &[Option<Evaluated>; 5]| {
+    let thresholds = |top: &[Evaluated], fam_best: &[Option<Evaluated>; FAMILIES]| {
         let global = if top.len() < k {
             f64::INFINITY
         } else {
             top[k - 1].prediction.step_time_s
         };
-        let fam: [f64; 5] = std::array::from_fn(|i| {
+        let fam: [f64; FAMILIES] = std::array::from_fn(|i| {
             fam_best[i]
                 .as_ref()
                 .map_or(f64::INFINITY, |e| e.prediction.step_time_s)
         });
         (global, fam)
     };
-    let wanted = |bound: f64, mask: u8, global: f64, fam: &[f64; 5]| {
+    let wanted = |bound: f64, mask: u8, global: f64, fam: &[f64; FAMILIES]| {
         opts.force_exhaustive
             || bound <= global
-            || (0..5).any(|i| mask & tracked & (1 << i) != 0 && bound <= fam[i])
+            || (0..FAMILIES).any(|i| mask & tracked & (1 << i) != 0 && bound <= fam[i])
     };
 
     loop {
@@ -607,7 +610,7 @@ fn run(
                 .collect();
             for x in expanded {
                 counts.merge(&x.counts);
-                for i in 0..5 {
+                for i in 0..FAMILIES {
                     family_members[i] += x.family_members[i];
                     if let Some(s) = &x.family_smallest[i] {
                         if family_smallest[i]
@@ -885,10 +888,10 @@ fn group_size(
     opts: &SearchOptions,
     g: &Group,
     c: &TransformerCosts,
-) -> (u64, [u64; 5]) {
+) -> (u64, [u64; FAMILIES]) {
     let scheds = schedules_of(setup, opts, &g.base);
     if scheds.is_empty() {
-        return (1, [0; 5]);
+        return (1, [0; FAMILIES]);
     }
     let per_zero: u64 = scheds
         .iter()
@@ -901,7 +904,7 @@ fn group_size(
             partitions(setup, opts, &l, c).len() as u64
         })
         .sum();
-    let mut members = [0u64; 5];
+    let mut members = [0u64; FAMILIES];
     let zeros = zeros_of(opts, &g.base);
     for &z in &zeros {
         let mask = Family::mask(&Layout {
@@ -1237,21 +1240,11 @@ mod tests {
     use super::*;
     use crate::bounds::{extras, memory_gib, pass_times, ScheduleSummary};
     use parallax_cost::transformer::Runtime;
-    use parallax_hardware::{Cluster, ClusterProfile};
+    use parallax_hardware::Cluster;
     use parallax_ir::models::{zoo, TransformerConfig};
 
     fn model(name: &str) -> TransformerConfig {
         zoo::transformer(name).unwrap()
-    }
-
-    fn setup<'a>(
-        m: &'a TransformerConfig,
-        p: &'a ClusterProfile,
-        gpus: u32,
-        batch: u64,
-        seq: u64,
-    ) -> Setup<'a> {
-        Setup::new(m, p, gpus, seq, batch)
     }
 
     #[test]
@@ -1289,7 +1282,7 @@ mod tests {
         ] {
             let s = Setup {
                 runtime,
-                ..setup(&m, &c.profile, 16, 32, 2048)
+                ..Setup::new(&m, &c.profile, 16, 2048, 32)
             };
             let opts = SearchOptions {
                 max_micro_batch: 4,
@@ -1382,7 +1375,7 @@ mod tests {
         ] {
             let m = model(name);
             let c = Cluster::parse(spec).unwrap();
-            let s = setup(&m, &c.profile, c.gpus, batch, seq);
+            let s = Setup::new(&m, &c.profile, c.gpus, seq, batch);
             let opts = SearchOptions {
                 max_micro_batch: 4,
                 top_k: 3,
@@ -1427,7 +1420,7 @@ mod tests {
     fn search_is_deterministic_and_counts_add_up() {
         let m = model("gpt3-13b");
         let c = Cluster::parse("dgx-a100-80gb:gpus=64").unwrap();
-        let s = setup(&m, &c.profile, 64, 128, 2048);
+        let s = Setup::new(&m, &c.profile, 64, 2048, 128);
         let a = search(&s, &SearchOptions::default()).unwrap();
         let b = search(&s, &SearchOptions::default()).unwrap();
         assert_eq!(a.counts, b.counts);
@@ -1449,7 +1442,7 @@ mod tests {
     fn forced_knobs_are_respected_and_tp_stays_in_a_node() {
         let m = model("gpt3-13b");
         let c = Cluster::parse("dgx-a100-80gb:gpus=32").unwrap();
-        let s = setup(&m, &c.profile, 32, 64, 2048);
+        let s = Setup::new(&m, &c.profile, 32, 2048, 64);
         let opts = SearchOptions {
             force: PartialLayout::parse("pp=2,zero=1").unwrap(),
             top_k: 10,
@@ -1468,7 +1461,7 @@ mod tests {
     fn a_model_that_fits_nowhere_says_how_much_it_needs() {
         let m = model("gpt3-175b");
         let c = Cluster::parse("dgx-a100-80gb:gpus=8").unwrap();
-        let s = setup(&m, &c.profile, 8, 8, 2048);
+        let s = Setup::new(&m, &c.profile, 8, 2048, 8);
         match search(&s, &SearchOptions::default()) {
             Err(SearchError::DoesNotFit {
                 need_gib, have_gib, ..
