@@ -398,6 +398,14 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             &["cp=4", "seq 250"],
         ),
         case(
+            &sim(&["--plan", "pp=2,schedule=interleaved-1f1b,v=100"]),
+            &["v = 100", "pp × v = 200", "24 layers"],
+        ),
+        case(
+            &sim(&["--plan", "pp=1,schedule=1f1b"]),
+            &["schedule 1f1b needs pp > 1"],
+        ),
+        case(
             &sim(&["--cluster", "dgx2-v100-32gb:gpus=16", "--plan", "tp=8"]),
             &["bf16"],
         ),

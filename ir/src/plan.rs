@@ -392,12 +392,6 @@ pub struct PartialLayout {
 }
 
 impl PartialLayout {
-    /// The recompute policies a completion may take: the given one, or every one.
-    pub fn recompute_options(&self) -> Vec<Recompute> {
-        self.recompute
-            .map_or_else(|| Recompute::ALL.to_vec(), |r| vec![r])
-    }
-
     /// The sequence-parallel settings a completion with `tp` may take: the given one, or both
     /// where tensor parallelism is on (without it there is nothing to split).
     pub fn sequence_parallel_options(&self, tp: u64) -> Vec<bool> {
@@ -520,13 +514,11 @@ mod tests {
     }
 
     #[test]
-    fn left_out_knobs_open_every_option() {
+    fn left_out_sequence_parallelism_opens_both_where_tp_splits() {
         let open = PartialLayout::default();
-        assert_eq!(open.recompute_options(), Recompute::ALL.to_vec());
         assert_eq!(open.sequence_parallel_options(1), vec![false]);
         assert_eq!(open.sequence_parallel_options(8), vec![true, false]);
-        let given = PartialLayout::parse("recompute=full,sp=false").unwrap();
-        assert_eq!(given.recompute_options(), vec![Recompute::Full]);
+        let given = PartialLayout::parse("sp=false").unwrap();
         assert_eq!(given.sequence_parallel_options(8), vec![false]);
     }
 

@@ -3,7 +3,7 @@
 
 use crate::search::{
     degree_tuples, recompute_options, schedule_options, zero_options, Space,
-    DEFAULT_MAX_MICRO_BATCH,
+    DEFAULT_MAX_MICRO_BATCH, TP_ACROSS_NODES,
 };
 use parallax_cost::model_flops_per_step;
 use parallax_cost::transformer::Setup;
@@ -100,15 +100,21 @@ pub fn complete_within(
     p: &PartialLayout,
     space: &Space,
 ) -> Result<Completed, CompleteError> {
-    let mut why = None;
-    let cands = candidates_or_why(setup, p, space, &mut |_, w| {
-        why.get_or_insert(w);
+    // The first reason, preferring one about the knobs given to a tensor-parallel group too
+    // wide for a node (which every search of enough devices meets).
+    let (mut why, mut wide_tp) = (None, None);
+    let cands = candidates_or_why(setup, p, space, &mut |kind, w| {
+        if kind == TP_ACROSS_NODES {
+            wide_tp.get_or_insert(w);
+        } else {
+            why.get_or_insert(w);
+        }
     });
     let tried = cands.len();
     if cands.is_empty() {
-        return Err(CompleteError::NoCandidate(why.unwrap_or_else(|| {
-            format!("the given degrees do not divide {} devices", setup.gpus)
-        })));
+        return Err(CompleteError::NoCandidate(why.or(wide_tp).unwrap_or_else(
+            || format!("the given degrees do not divide {} devices", setup.gpus),
+        )));
     }
     let model_flops =
         model_flops_per_step(setup).map_err(|e| CompleteError::NoCandidate(e.to_string()))?;

@@ -160,22 +160,36 @@ pub(crate) fn schedule_options(
                     continue;
                 }
                 let before = out.len();
+                let even = |v: u32| space.uneven_stages || layers % (pp * v) == 0;
                 match fixed.interleave {
-                    Some(v) => out.push((s, v)),
-                    None => out.extend(
-                        (2..=layers / pp)
-                            .filter(|&v| space.uneven_stages || layers % (pp * v) == 0)
-                            .map(|v| (s, v)),
-                    ),
-                }
-                if out.len() == before {
-                    reject(
+                    Some(v) if v < 2 || pp * v > layers => reject(
                         "indivisible",
                         format!(
-                            "interleaved-1f1b: no interleave splits the {layers} layers evenly \
-                             over {pp} pipeline stages; give one"
+                            "interleaved-1f1b: v = {v} must be at least 2, and pp × v = {} at \
+                             most the {layers} layers",
+                            pp * v
                         ),
-                    );
+                    ),
+                    Some(v) if !even(v) => reject(
+                        "indivisible",
+                        format!(
+                            "interleaved-1f1b: pp × v = {} does not divide the {layers} layers",
+                            pp * v
+                        ),
+                    ),
+                    Some(v) => out.push((s, v)),
+                    None => {
+                        out.extend((2..=layers / pp).filter(|&v| even(v)).map(|v| (s, v)));
+                        if out.len() == before {
+                            reject(
+                                "indivisible",
+                                format!(
+                                    "interleaved-1f1b: no interleave splits the {layers} layers \
+                                     evenly over {pp} pipeline stages; give one"
+                                ),
+                            );
+                        }
+                    }
                 }
             }
             Schedule::None => {}
@@ -185,6 +199,9 @@ pub(crate) fn schedule_options(
     }
     out
 }
+
+/// Rejection reason of a tensor-parallel group wider than a node.
+pub(crate) const TP_ACROSS_NODES: &str = "tp across nodes";
 
 /// How many [`Family`] values there are.
 const FAMILIES: usize = 5;
@@ -961,7 +978,7 @@ pub(crate) fn degree_tuples(
     for tp in divisors(gpus).into_iter().filter(|&t| keep(fixed.tp, t)) {
         if tp > gpn && gpus > gpn && !setup.runtime.allow_tp_across_nodes {
             reject(
-                "tp across nodes",
+                TP_ACROSS_NODES,
                 format!("tp={tp} spans nodes of {gpn} GPUs"),
             );
             continue;
