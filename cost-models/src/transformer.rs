@@ -443,24 +443,15 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
 
     // Embedding (vocab-parallel: an all-reduce of its output over TP) and head (vocab-parallel
     // cross-entropy: small all-reduces of per-token max and sum).
-    let mut embedding = price(
-        &embed,
-        &NodePrices::new(&dev, &embed, fb, sp, l.tp, hidden, 1),
-        fb,
-        sp,
-        l.tp,
-        hidden,
-    );
+    // Both see only their own tokens (no attention): priced without the CP factor.
+    let price_local = |g: &Graph| {
+        let prices = NodePrices::new(&dev, g, fb, sp, l.tp, hidden, 1);
+        price(g, &prices, fb, sp, l.tp, hidden)
+    };
+    let mut embedding = price_local(&embed);
     embedding.tp_fwd = if l.tp > 1 { tp_one } else { Seconds(0.0) };
     embedding.tp_bwd = Seconds(0.0);
-    let mut head_cost = price(
-        &head,
-        &NodePrices::new(&dev, &head, fb, sp, l.tp, hidden, 1),
-        fb,
-        sp,
-        l.tp,
-        hidden,
-    );
+    let mut head_cost = price_local(&head);
     head_cost.tp_fwd = if l.tp > 1 { tp_one } else { Seconds(0.0) };
     head_cost.tp_bwd = head_cost.tp_fwd;
     // The loss peaks at the start of backward (see `LOSS_BYTES_PER_LOGIT`); the logits are not
