@@ -125,6 +125,30 @@ fn concurrently(threads: usize, f: impl Fn() -> f64 + Sync) -> f64 {
     results.iter().sum::<f64>() / results.len().max(1) as f64
 }
 
+/// Times all-reduces with `time` on a thread per item, all at once, and keeps the slowest
+/// figures; a thread that panics gives `panicked()`.
+pub(crate) fn slowest_of<T: Send>(
+    items: Vec<T>,
+    time: impl Fn(T) -> Result<AllReduceTimes, ExecError> + Sync,
+    panicked: impl Fn() -> ExecError,
+) -> Result<AllReduceTimes, ExecError> {
+    let time = &time;
+    let results: Vec<Result<AllReduceTimes, ExecError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = items
+            .into_iter()
+            .map(|item| s.spawn(move || time(item)))
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(panicked())))
+            .collect()
+    });
+    let mut slowest = AllReduceTimes::default();
+    for r in results {
+        slowest = slowest.max(&r?);
+    }
+    Ok(slowest)
+}
+
 /// Which operand a training GEMM reads transposed: forward `x·W`, input gradient `dy·Wᵀ`,
 /// weight gradient `xᵀ·dy`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -223,31 +247,17 @@ pub fn measure(opts: CalibrateOptions) -> Result<Measurements, ExecError> {
     let compute = measure_compute(threads, opts.quick);
     let n = threads.max(2);
     let (comms, _) = ThreadComm::create(n, Duration::from_secs(60));
-    let timings: Vec<Result<AllReduceTimes, ExecError>> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|mut comm| {
-                s.spawn(move || {
-                    let g = Group::new((0..comm.world()).collect());
-                    time_all_reduce(&mut comm, &g, opts.quick)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(ExecError::Rank {
-                        rank: 0,
-                        message: "calibration thread panicked".into(),
-                    })
-                })
-            })
-            .collect()
-    });
-    let mut slowest = AllReduceTimes::default();
-    for t in timings {
-        slowest = slowest.max(&t?);
-    }
+    let slowest = slowest_of(
+        comms,
+        |mut comm| {
+            let g = Group::new((0..comm.world()).collect());
+            time_all_reduce(&mut comm, &g, opts.quick)
+        },
+        || ExecError::Rank {
+            rank: 0,
+            message: "calibration thread panicked".into(),
+        },
+    )?;
     let (busbw, step) = slowest.fit(n);
     Ok(Measurements {
         backend: "threads",
@@ -478,19 +488,21 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile) -> ClusterProfile {
         fields.extend(["network.nic_gbit", "network.latency_us"]);
         across = format!(", all-reduce across {} nodes", x.nodes);
     }
-    p.description = match m.inter {
-        _ if m.device.is_some() => format!(
+    p.description = if m.device.is_some() {
+        format!(
             "{} GPUs of this machine ({} executor: cuBLAS, NCCL), calibrated",
             m.threads, m.backend
-        ),
-        Some(ref x) => format!(
+        )
+    } else if let Some(x) = &m.inter {
+        format!(
             "{} nodes of {} CPU cores as devices ({} executor), calibrated",
             x.nodes, m.threads, m.backend
-        ),
-        None => format!(
+        )
+    } else {
+        format!(
             "This machine's CPU cores as devices ({} executor), calibrated on {} cores",
             m.backend, m.threads
-        ),
+        )
     };
     // Built from JSON so that optional fields added to the table later keep their defaults.
     p.calibration = serde_json::from_value::<Provenance>(serde_json::json!({

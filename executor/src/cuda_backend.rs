@@ -23,7 +23,7 @@
 use crate::calibrate::{AllReduceTimes, ComputeFigures, MeasuredDevice, Measurements};
 use crate::engine::{AdamConfig, RankReport};
 use crate::error::ExecError;
-use crate::tensor::{set_device_offload, ColMajorGemm, ColMajorOperand, DeviceOffload};
+use crate::tensor::{set_device_offload, span, ColMajorGemm, ColMajorOperand, DeviceOffload};
 use crate::{run_threads_with, RunReport, RunSpec};
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, GemmConfig};
@@ -330,26 +330,20 @@ impl Gpu {
         let dim = |x: usize| {
             i32::try_from(x).map_err(|_| err(format!("{x} exceeds cuBLAS's 32-bit sizes")))
         };
-        // Elements a column-major `rows × cols` matrix with leading dimension `ld` spans.
-        let extent = |rows: usize, cols: usize, ld: usize| {
-            if rows == 0 || cols == 0 {
-                0
-            } else {
-                (cols - 1) * ld + rows
-            }
-        };
+        // Elements the column-major `rows × cols` operand (stored transposed when `trans`)
+        // spans: element (i, j) sits at i + j·ld, or at j + i·ld transposed.
         let stored = |o: &ColMajorOperand, rows: usize, cols: usize| {
             if o.trans {
-                extent(cols, rows, o.ld)
+                span(0, rows, cols, o.ld, 1)
             } else {
-                extent(rows, cols, o.ld)
+                span(0, rows, cols, 1, o.ld)
             }
         };
         let (m, n, k) = (plan.m, plan.n, plan.k);
         let need = [
             ("A", stored(&plan.a, m, k), a.len()),
             ("B", stored(&plan.b, k, n), b.len()),
-            ("C", extent(m, n, plan.c.ld), c.len()),
+            ("C", span(0, m, n, 1, plan.c.ld), c.len()),
         ];
         for (name, want, have) in need {
             if have < want {
@@ -717,9 +711,9 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
         &[256, 512, 1024, 2048, 4096, 8192]
     };
     let mut matmul = Vec::new();
-    for &n in sizes {
-        let flops = 2.0 * (n * n * n) as f64;
-        matmul.push((flops, gpu.sgemm_flops(n, n, n, iters)?));
+    for &s in sizes {
+        let flops = 2.0 * (s * s * s) as f64;
+        matmul.push((flops, gpu.sgemm_flops(s, s, s, iters)?));
     }
     let elems: usize = if quick { 1 << 24 } else { 1 << 26 };
     let copy = gpu.copy_bytes_per_s(elems, iters)?;
@@ -1045,24 +1039,10 @@ mod nccl_impl {
                 large_bytes: (big * 4) as f64,
             })
         };
-        let results: Vec<Result<AllReduceTimes, ExecError>> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..n).map(|i| s.spawn(move || per_gpu(i))).collect();
-            hs.into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(ExecError::Backend {
-                            backend: "cuda",
-                            message: "an NCCL calibration thread panicked".into(),
-                        })
-                    })
-                })
-                .collect()
-        });
-        let mut slowest = AllReduceTimes::default();
-        for r in results {
-            slowest = slowest.max(&r?);
-        }
-        Ok(slowest)
+        crate::calibrate::slowest_of((0..n).collect(), per_gpu, || ExecError::Backend {
+            backend: "cuda",
+            message: "an NCCL calibration thread panicked".into(),
+        })
     }
 
     /// Bytes of an NCCL unique id.

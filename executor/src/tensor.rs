@@ -91,7 +91,7 @@ impl<'a> MatMut<'a> {
 }
 
 /// One past the largest index a view touches (0 for an empty view).
-fn span(off: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+pub(crate) fn span(off: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
     if rows == 0 || cols == 0 {
         0
     } else {
