@@ -378,7 +378,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         // Each collective hides behind the GEMM it is pipelined with: the four linear layers
         // of a block share the forward (and, mirrored, the backward) collectives.
         let gemm_fwd = block_prices
-            .time(&block, |_, op| matches!(op, OpKind::Linear(_)))
+            .time(&block, |op| matches!(op, OpKind::Linear(_)))
             .fwd;
         // Transformer Engine's ring exchange moves data with copy engines (userbuffers), not
         // NCCL kernels, so the GEMMs it hides behind keep their SMs: no interference term.
@@ -393,7 +393,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     if l.cp > 1 {
         let kv = Bytes(2 * l.micro_batch * seq_local * shard.kv_heads * shard.head_dim * fb);
         let steps = (cp - 1) as f64;
-        let attn = block_prices.time(&block, |_, op| matches!(op, OpKind::Attention(_)));
+        let attn = block_prices.time(&block, |op| matches!(op, OpKind::Attention(_)));
         let fwd_comm = net.collective(Collective::AllGather, Bytes(kv.0 * cp), cp_group);
         layer.cp_fwd = exposed(fwd_comm, attn.fwd * (steps / cp as f64));
         layer.cp_bwd = exposed(fwd_comm * 2.0, attn.bwd_input * (steps / cp as f64));
@@ -517,9 +517,9 @@ impl NodePrices {
     }
 
     /// Summed times of the nodes `pick` selects.
-    fn time(&self, g: &Graph, pick: impl Fn(usize, &OpKind) -> bool) -> OpTimes {
+    fn time(&self, g: &Graph, pick: impl Fn(&OpKind) -> bool) -> OpTimes {
         (0..self.times.len())
-            .filter(|&i| pick(i, &g.nodes[i].op))
+            .filter(|&i| pick(&g.nodes[i].op))
             .fold(OpTimes::default(), |a, i| a + self.times[i])
     }
 
@@ -536,7 +536,7 @@ impl NodePrices {
 fn price(g: &Graph, prices: &NodePrices, fb: u64, sp: bool, tp: u32, hidden: u64) -> PartCost {
     let model_flops = prices.train_flops.iter().sum();
     PartCost {
-        compute: prices.time(g, |_, _| true),
+        compute: prices.time(g, |_| true),
         saved: Bytes(saved_bytes(g, fb, sp, tp, hidden, None) as u64),
         params: g.param_count(),
         model_flops,
