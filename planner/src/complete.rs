@@ -42,12 +42,7 @@ pub struct Completed {
 }
 
 /// Every full layout consistent with `p` on `setup`'s cluster whose left-out knobs take
-/// values in `space`.
-pub fn candidates(setup: &Setup, p: &PartialLayout, space: &Space) -> Vec<Layout> {
-    candidates_or_why(setup, p, space, &mut |_, _| {})
-}
-
-/// [`candidates`], telling `reject` about each degree combination rejected outright.
+/// values in `space`, telling `reject` about each degree combination rejected outright.
 fn candidates_or_why(
     setup: &Setup,
     p: &PartialLayout,
@@ -55,9 +50,9 @@ fn candidates_or_why(
     reject: &mut dyn FnMut(&'static str, String),
 ) -> Vec<Layout> {
     let mut out = Vec::new();
+    let recomputes = recompute_options(p, space);
     for (d, mbs) in degree_tuples(setup, p, DEFAULT_MAX_MICRO_BATCH, reject) {
         let zeros = zero_options(p, space, d.dp);
-        let recomputes = recompute_options(p, space);
         let sps = p.sequence_parallel_options(u64::from(d.tp));
         for &micro_batch in &mbs {
             let m = setup.global_batch / (u64::from(d.dp) * micro_batch);
@@ -200,6 +195,12 @@ mod tests {
     use parallax_hardware::preset;
     use parallax_ir::models::TransformerConfig;
     use parallax_ir::{Recompute, Schedule};
+
+    /// Every full layout consistent with `p` on `setup`'s cluster whose left-out knobs take
+    /// values in `space`.
+    fn candidates(setup: &Setup, p: &PartialLayout, space: &Space) -> Vec<Layout> {
+        candidates_or_why(setup, p, space, &mut |_, _| {})
+    }
 
     #[test]
     fn the_space_limits_only_the_knobs_left_out() {

@@ -103,11 +103,16 @@ impl Engine {
     ///   resharding after forward (ZeRO 3 and 2; FSDP shards gradients too, so no ZeRO-1);
     ///   its own split points, uneven where the layers do not divide.
     pub fn supports(self, l: &Layout, layers: u32) -> Option<String> {
+        self.supports_within(&self.space(), l, layers)
+    }
+
+    /// [`Engine::supports`] with the engine's [`Engine::space`] built once by the caller (the
+    /// search asks for every candidate).
+    pub(crate) fn supports_within(self, space: &Space, l: &Layout, layers: u32) -> Option<String> {
         let name = self.name();
         if !l.stages.is_empty() {
             return Some(format!("{name} splits stages evenly"));
         }
-        let space = self.space();
         if l.schedule != Schedule::None && !space.schedules.contains(&l.schedule) {
             return Some(format!("{name} has no {} schedule", l.schedule));
         }

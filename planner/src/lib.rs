@@ -9,9 +9,7 @@ pub mod report;
 pub mod search;
 pub mod validate;
 
-pub use complete::{
-    candidates, complete_layout, complete_within, layout_string, CompleteError, Completed,
-};
+pub use complete::{complete_layout, complete_within, layout_string, CompleteError, Completed};
 pub use search::{
     search, search_with_progress, Counts, Evaluated, Family, FamilyResult, Progress, SearchError,
     SearchOptions, SearchResult, Space,

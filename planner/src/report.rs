@@ -40,6 +40,7 @@ pub struct ReportInput<'a> {
 pub fn plan_document(input: &ReportInput, e: &Evaluated) -> Plan {
     let s = input.setup;
     let p = &e.prediction;
+    let (low, high) = band_range(p.step_time_s, input.band);
     Plan {
         schema: PLAN_SCHEMA.into(),
         model: ModelRef {
@@ -58,8 +59,8 @@ pub fn plan_document(input: &ReportInput, e: &Evaluated) -> Plan {
         op_configs: Vec::new(),
         prediction: Some(Prediction {
             step_time_s: p.step_time_s,
-            step_time_s_low: band_range(p.step_time_s, input.band).0,
-            step_time_s_high: band_range(p.step_time_s, input.band).1,
+            step_time_s_low: low,
+            step_time_s_high: high,
             tokens_per_s: p.tokens_per_s,
             mfu: p.mfu,
             peak_memory_gib: p.peak_memory_gib,
@@ -329,14 +330,15 @@ pub fn rows(input: &ReportInput) -> Vec<Row> {
         .enumerate()
         .map(|(i, e)| {
             let p = &e.prediction;
+            let (low, high) = band_range(p.step_time_s, input.band);
             Row {
                 rank: i + 1,
                 id: e.id,
                 layout: short_layout(&e.layout),
                 layout_inline: crate::complete::layout_string(&e.layout),
                 step_time_s: p.step_time_s,
-                step_time_s_low: band_range(p.step_time_s, input.band).0,
-                step_time_s_high: band_range(p.step_time_s, input.band).1,
+                step_time_s_low: low,
+                step_time_s_high: high,
                 tokens_per_s: p.tokens_per_s,
                 mfu: p.mfu,
                 peak_memory_gib: p.peak_memory_gib,
@@ -381,10 +383,11 @@ pub fn table_cells(input: &ReportInput) -> (Vec<&'static str>, Vec<Vec<String>>)
 /// The keys every prediction document has (`simulate --json`, and `plan --json` for its best
 /// plan): step time with its band, throughput, MFU/HFU, memory, fit, layout and breakdown.
 pub fn prediction_json(p: &StepPrediction, layout: &Layout, band: f64) -> Value {
+    let (low, high) = band_range(p.step_time_s, band);
     let mut doc = json!({
         "step_time_s": p.step_time_s,
-        "step_time_s_low": band_range(p.step_time_s, band).0,
-        "step_time_s_high": band_range(p.step_time_s, band).1,
+        "step_time_s_low": low,
+        "step_time_s_high": high,
         "tokens_per_s": p.tokens_per_s,
         "mfu": p.mfu,
         "hfu": p.hfu,
@@ -479,6 +482,7 @@ pub fn headline(input: &ReportInput) -> Vec<String> {
     let s = input.setup;
     let best = input.result.best();
     let p = &best.prediction;
+    let (low, high) = band_range(p.step_time_s, input.band);
     vec![
         format!(
             "{} on {} ({} GPUs), global batch {} × seq {}, {}",
@@ -491,8 +495,8 @@ pub fn headline(input: &ReportInput) -> Vec<String> {
         format!(
             "step time   {:.3} s ({:.3}–{:.3} s, ±{:.0} %) · {:.0} tokens/s · MFU {} · HFU {}",
             p.step_time_s,
-            band_range(p.step_time_s, input.band).0,
-            band_range(p.step_time_s, input.band).1,
+            low,
+            high,
             input.band * 100.0,
             p.tokens_per_s,
             pct(p.mfu),

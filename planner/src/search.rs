@@ -520,11 +520,13 @@ fn run(
         .par_iter()
         .map(|(k, i)| (*k, transformer_costs(setup, &groups[*i].base)))
         .collect();
+    let price_of: Vec<&Result<TransformerCosts, Infeasible>> =
+        keys.iter().map(|k| &prices[k]).collect();
 
     // Groups in the order of their bound: the busiest stage does at least the average work.
     let mut live: Vec<(f64, usize)> = Vec::new();
     for (i, g) in groups.iter().enumerate() {
-        match &prices[&keys[i]] {
+        match price_of[i] {
             Ok(c) => live.push((group_bound(setup, &g.base, c), i)),
             Err(e) => {
                 counts.candidates += 1;
@@ -584,7 +586,7 @@ fn run(
                 let (lb, gi) = live[gnext];
                 gnext += 1;
                 let g = &groups[gi];
-                let c = prices[&keys[gi]].as_ref().expect("priced");
+                let c = price_of[gi].as_ref().expect("priced");
                 if wanted(lb, group_families(opts, &g.base), global, &fam) {
                     batch.push(gi);
                 } else {
@@ -621,7 +623,7 @@ fn run(
             let expanded: Vec<Expanded> = batch
                 .par_iter()
                 .map(|&gi| {
-                    let c = prices[&keys[gi]].as_ref().expect("priced");
+                    let c = price_of[gi].as_ref().expect("priced");
                     expand(setup, opts, tight, &groups[gi], c, &summaries)
                 })
                 .collect();
@@ -673,7 +675,7 @@ fn run(
         let results: Vec<Result<StepPrediction, StepError>> = batch
             .par_iter()
             .map(|&i| {
-                let c = prices[&keys[cands[i].group]].as_ref().expect("priced");
+                let c = price_of[cands[i].group].as_ref().expect("priced");
                 simulate_priced(setup, &cands[i].layout, c, model_flops).map(|s| s.prediction)
             })
             .collect();
@@ -1082,8 +1084,8 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
         counts.reject(kind, 1);
     };
     let mut groups = Vec::new();
+    let recomputes = recompute_options(f, &opts.space);
     for (d, mbs) in degree_tuples(setup, f, opts.max_micro_batch, &mut reject) {
-        let recomputes = recompute_options(f, &opts.space);
         let sps = f.sequence_parallel_options(u64::from(d.tp));
         for &mb in &mbs {
             for &recompute in &recomputes {
@@ -1162,6 +1164,7 @@ fn expand(
         return x;
     }
     let capacity = setup.profile.device.hbm_gib;
+    let engine = opts.engine.map(|e| (e, e.space()));
     let mut local = 0u64;
     // Stage partitions depend on the interleave only.
     let mut parts_of: HashMap<u32, Vec<(Vec<u32>, bool)>> = HashMap::new();
@@ -1202,8 +1205,8 @@ fn expand(
                     x.counts.reject("indivisible", 1);
                     continue;
                 };
-                if let Some(e) = opts.engine {
-                    if e.supports(&l, setup.model.layers).is_some() {
+                if let Some((e, space)) = &engine {
+                    if e.supports_within(space, &l, setup.model.layers).is_some() {
                         x.counts.reject(&format!("not supported by {e}"), 1);
                         continue;
                     }
