@@ -394,7 +394,7 @@ pub struct PartialLayout {
 impl PartialLayout {
     /// The sequence-parallel settings a completion with `tp` may take: the given one, or both
     /// where tensor parallelism is on (without it there is nothing to split).
-    pub fn sequence_parallel_options(&self, tp: u64) -> Vec<bool> {
+    pub fn sequence_parallel_options(&self, tp: u32) -> Vec<bool> {
         match self.sequence_parallel {
             Some(s) => vec![s],
             None if tp > 1 => vec![true, false],

@@ -317,10 +317,9 @@ impl TransformerConfig {
         table: Option<TensorId>,
         opts: BuildOptions,
     ) -> Result<TensorId, GraphError> {
-        let own = |g: &mut GraphBuilder| g.weight("lm_head.weight", [self.vocab, self.hidden]);
         let (bsz, s, h) = (opts.batch, opts.seq, self.hidden);
         let labels = g.input("labels", [bsz, s], DType::I64);
-        let (logits_in, head_table) = if self.bert {
+        let logits_in = if self.bert {
             // Pooler (dense + tanh) and next-sentence head read the first token only.
             let first = if s > 1 {
                 g.op(
@@ -340,12 +339,13 @@ impl TransformerConfig {
             // MLM transform: dense + GeLU + LayerNorm, then the tied decoder.
             let t = g.linear("mlm.dense", x, h, true)?;
             let t = g.activation("mlm.act", Activation::Gelu, t)?;
-            let head = table.unwrap_or_else(|| own(g));
-            (g.layer_norm("mlm.norm", t)?, head)
+            g.layer_norm("mlm.norm", t)?
         } else {
-            let y = self.norm(g, "final_norm", x)?;
-            (y, table.unwrap_or_else(|| own(g)))
+            self.norm(g, "final_norm", x)?
         };
+        // BERT always reads the embedding table; an untied model creates its own weight here.
+        let head_table =
+            table.unwrap_or_else(|| g.weight("lm_head.weight", [self.vocab, self.hidden]));
         let mut logits = g.op1(
             "lm_head",
             OpKind::MatMul(MatMulAttrs { transpose_b: true }),
