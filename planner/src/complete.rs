@@ -53,7 +53,7 @@ fn candidates_or_why(
     let recomputes = recompute_options(p, space);
     for (d, mbs) in degree_tuples(setup, p, DEFAULT_MAX_MICRO_BATCH, reject) {
         let zeros = zero_options(p, space, d.dp);
-        let sps = p.sequence_parallel_options(u64::from(d.tp));
+        let sps = p.sequence_parallel_options(d.tp);
         for &micro_batch in &mbs {
             let m = setup.global_batch / (u64::from(d.dp) * micro_batch);
             let scheds = schedule_options(setup, p, space, d.pp, m, reject);

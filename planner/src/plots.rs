@@ -3,7 +3,7 @@
 //! same anywhere and embed inline in the HTML report.
 
 use crate::search::Evaluated;
-use parallax_sim::{SimulatedStep, TaskKind, COMM_KINDS};
+use parallax_sim::{SimulatedStep, TaskKind};
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -88,8 +88,8 @@ fn row_labels<DB: DrawingBackend>(
     Ok(())
 }
 
-/// Colours of the breakdown parts, in drawing order.
-const PARTS: [(&str, RGBColor); 9] = [
+/// Colours of the breakdown parts ([`parallax_sim::Breakdown::parts`]), in drawing order.
+const PARTS: [(&str, RGBColor); 8] = [
     ("compute", RGBColor(76, 114, 176)),
     ("bubble", RGBColor(200, 200, 200)),
     ("optimizer", RGBColor(129, 114, 179)),
@@ -98,19 +98,12 @@ const PARTS: [(&str, RGBColor); 9] = [
     ("ep", RGBColor(218, 139, 195)),
     ("dp", RGBColor(85, 168, 104)),
     ("zero", RGBColor(196, 78, 82)),
-    ("other", RGBColor(140, 140, 140)),
 ];
 
 fn part_value(e: &Evaluated, part: &str) -> f64 {
-    let b = &e.prediction.breakdown;
-    if part == "other" {
-        let named: f64 = COMM_KINDS
-            .iter()
-            .filter_map(|k| b.exposed_comm_s.get(*k))
-            .sum();
-        return (b.exposed_comm() - named).max(0.0);
-    }
-    b.parts()
+    e.prediction
+        .breakdown
+        .parts()
         .into_iter()
         .find(|x| x.0 == part)
         .map_or(0.0, |x| x.1)

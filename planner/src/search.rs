@@ -1086,7 +1086,7 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
     let mut groups = Vec::new();
     let recomputes = recompute_options(f, &opts.space);
     for (d, mbs) in degree_tuples(setup, f, opts.max_micro_batch, &mut reject) {
-        let sps = f.sequence_parallel_options(u64::from(d.tp));
+        let sps = f.sequence_parallel_options(d.tp);
         for &mb in &mbs {
             for &recompute in &recomputes {
                 for &sp in &sps {

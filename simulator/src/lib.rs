@@ -19,7 +19,7 @@ pub use schedule::{
 };
 pub mod step;
 pub use step::{
-    pass_costs, saved_bytes, simulate_priced, simulate_step, simulate_step_with_flops,
-    stage_layers, stage_memory_of, step_terms, virtual_stage_params, Breakdown, MemoryGib,
-    SimulatedStep, StepError, StepPrediction, StepTerms, COMM_KINDS,
+    pass_costs, simulate_priced, simulate_step, simulate_step_with_flops, stage_layers,
+    stage_memory_of, step_terms, virtual_stage_params, Breakdown, MemoryGib, SimulatedStep,
+    StepError, StepPrediction, StepTerms,
 };

@@ -47,8 +47,8 @@ pub struct Breakdown {
     pub exposed_comm_s: BTreeMap<String, f64>,
 }
 
-/// The kinds of exposed communication a [`Breakdown`] names, in its order of parts.
-pub const COMM_KINDS: [&str; 5] = ["tp", "cp", "ep", "zero", "dp"];
+/// The kinds of exposed communication a [`Breakdown`] names (its parts list them in key order).
+const COMM_KINDS: [&str; 5] = ["tp", "cp", "ep", "zero", "dp"];
 
 impl Breakdown {
     /// Where the step goes, in a fixed order: `compute`, `bubble`, `optimizer`, then exposed
@@ -243,7 +243,7 @@ pub fn pass_costs(
 }
 
 /// Bytes one micro-batch keeps from virtual stage `vs`'s forward to its weight gradients.
-pub fn saved_bytes(c: &TransformerCosts, layers: &[u32], vs: usize) -> f64 {
+fn virtual_stage_saved(c: &TransformerCosts, layers: &[u32], vs: usize) -> f64 {
     let mut b = c.layer.saved.0 as f64 * f64::from(layers[vs]);
     if vs == 0 {
         b += c.embedding.saved.0 as f64;
@@ -278,7 +278,7 @@ pub fn stage_memory_of(
         .sum();
     let saved_per_chunk = chunks
         .iter()
-        .map(|&vs| saved_bytes(c, layers, vs))
+        .map(|&vs| virtual_stage_saved(c, layers, vs))
         .sum::<f64>()
         / f64::from(v);
     let in_flight = max_in_flight(ScheduleKind::of(l.schedule, pp), pp, m, v, s)?;
@@ -628,7 +628,7 @@ fn simulate_costed(
         trace,
         stage_static_gib: stage_static,
         saved_gib: (0..nv)
-            .map(|vs| saved_bytes(c, &layers, vs) / GIB)
+            .map(|vs| virtual_stage_saved(c, &layers, vs) / GIB)
             .collect(),
     })
 }
@@ -813,7 +813,7 @@ mod tests {
         // GPT-2 small in fp32 DDP over PCIe: the tied 50257 × 768 table is a third of the
         // gradient and is complete only when backward ends, so its all-reduce (with the first
         // layer's) is exposed in full; the rest hides behind backward.
-        let m = TransformerConfig::gpt(12, 768, 12, 3072, 50257, 1024);
+        let m = zoo::transformer("gpt2").unwrap();
         let p = preset("titan-rtx-2x-pcie").unwrap();
         let s = Setup {
             precision: Precision::Fp32,
@@ -830,7 +830,7 @@ mod tests {
             ..Layout::default()
         };
         let c = transformer_costs(&s, &l).unwrap();
-        let layers = stage_layers(12, &l);
+        let layers = stage_layers(m.layers, &l);
         let terms = step_terms(&s, &l, &c, &layers).unwrap();
         let net = Network::new(&p);
         let group = Group::strided(2, 1, 2);
