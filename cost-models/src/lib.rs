@@ -3,11 +3,13 @@
 pub mod comm;
 pub mod compute;
 pub mod memory;
+pub mod soap;
 pub mod transformer;
 
 pub use comm::{Collective, Group, Network};
 pub use compute::{DeviceModel, OpTimes};
 pub use memory::MemoryBreakdown;
+pub use soap::{MachineView, OpCosts, ParallelConfig, TensorLayout, Transfer, TransferKind};
 pub use transformer::{
     check_layout, model_flops_per_step, transformer_costs, Infeasible, PartCost, Runtime,
     SelectivePolicy, Setup, TransformerCosts,

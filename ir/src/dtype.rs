@@ -28,6 +28,11 @@ impl DType {
             DType::I64 => 8,
         }
     }
+
+    /// Whether elements are floating point (and so take the training precision's size).
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::BF16 | DType::F8)
+    }
 }
 
 /// Precision a model is trained in: which dense peak of the device applies and how many bytes

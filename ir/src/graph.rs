@@ -297,9 +297,10 @@ impl Graph {
     /// Bytes of a tensor: floating tensors at `float_bytes`, others at their own size.
     pub fn tensor_bytes(&self, t: TensorId, float_bytes: u64) -> u64 {
         let t = self.tensor(t);
-        let b = match t.dtype {
-            DType::F32 | DType::F16 | DType::BF16 | DType::F8 => float_bytes,
-            d => d.size_bytes(),
+        let b = if t.dtype.is_float() {
+            float_bytes
+        } else {
+            t.dtype.size_bytes()
         };
         t.shape.elems() * b
     }

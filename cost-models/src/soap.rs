@@ -1,0 +1,1138 @@
+//! Costs of per-operator parallel configurations (FlexFlow's SOAP space) for any graph.
+//!
+//! A [`ParallelConfig`] gives one op a degree for each label of its axes mapping (Sample,
+//! Attribute, Parameter; a contracted label leaves partial sums) and a [`MachineView`]: the
+//! devices it runs on. Everything else is derived:
+//!
+//! - **Device coordinates.** A device's position in the view is split into one coordinate per
+//!   split label, Sample labels slowest and Parameter labels fastest (so a parameter split
+//!   lands on neighbouring devices, inside a node, as Megatron orders tensor parallelism
+//!   innermost). From its coordinates, each tensor's region on the device follows: a dimension
+//!   whose label is split holds the slice of that coordinate; an output's contracted labels
+//!   index partial sums; labels absent from a tensor replicate it.
+//! - **Compute** of one shard: the op's own work at the shard's shapes, priced by the one
+//!   [`DeviceModel`]; memoized by (op, shard shapes), never by which devices.
+//! - **Resharding** between a producer's output layout and a consumer's input layout: partial
+//!   sums are reduced first (all-reduce where every member needs the whole region, else
+//!   reduce-scatter); then the bytes each device lacks are found by intersecting regions, and
+//!   priced as the collective that moves them where the views coincide (all-gather when each
+//!   device only gains, all-to-all otherwise) or as point-to-point transfers over the tiers
+//!   they cross when the placement changes. The backward transfer is the same function with
+//!   the roles swapped: the consumer's input gradient is a partial sum over the labels that
+//!   replicated the input, and every partial-sum holder of the producer needs the whole
+//!   gradient.
+//! - **Gradient synchronisation** of each weight: all-reduce over its replicas (reduce-scatter
+//!   plus all-gather under ZeRO 2/3, the same bytes in two collectives).
+//! - **Memory** per device: weight, gradient and optimizer-state shards (sharded over the
+//!   replicas under ZeRO) and the tensors each op keeps for backward at their shard shapes.
+
+use crate::comm::{Collective, Group, Network};
+use crate::compute::{DeviceModel, OpTimes};
+use crate::memory::{state_bytes_per_param, ADAM_BYTES_PER_PARAM};
+use parallax_hardware::{ClusterProfile, HwError};
+use parallax_ir::graph::{Node, NodeId, TensorId, TensorRole};
+use parallax_ir::{AxesMapping, AxisRole, Bytes, Graph, OpKind, Precision, Seconds, Shape};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+
+/// Bytes an SGD-with-momentum step moves per fp32 parameter: read weight, gradient and momentum,
+/// write weight and momentum (5 × 4), as `torch.optim.SGD(momentum=…)` and tf_cnn_benchmarks'
+/// momentum optimizer do.
+pub const SGD_MOMENTUM_BYTES_PER_PARAM: f64 = 20.0;
+
+/// Largest number of receiving devices a resharding cost inspects; wider views are sampled
+/// evenly (their devices differ only by position, and regular layouts repeat every few).
+const RESHARD_SAMPLE: u32 = 128;
+
+/// The devices an op runs on: `size` devices `start, start + stride, …`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct MachineView {
+    pub start: u32,
+    pub size: u32,
+    pub stride: u32,
+}
+
+impl MachineView {
+    /// `size` consecutive devices from `start`.
+    pub fn block(start: u32, size: u32) -> Self {
+        MachineView {
+            start,
+            size: size.max(1),
+            stride: 1,
+        }
+    }
+    /// The device at position `i` of the view.
+    pub fn device(&self, i: u32) -> u32 {
+        self.start + i * self.stride
+    }
+    /// The view's devices in position order.
+    pub fn devices(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.size).map(|i| self.device(i))
+    }
+    /// Position of `device` in the view, if it belongs to it.
+    pub fn position(&self, device: u32) -> Option<u32> {
+        let off = device.checked_sub(self.start)?;
+        (off % self.stride == 0 && off / self.stride < self.size).then_some(off / self.stride)
+    }
+    /// One past the highest device of the view.
+    pub fn end(&self) -> u32 {
+        self.start + (self.size - 1) * self.stride + 1
+    }
+}
+
+impl fmt::Display for MachineView {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.size == 1 {
+            write!(f, "gpu {}", self.start)
+        } else if self.stride == 1 {
+            write!(f, "gpus {}-{}", self.start, self.end() - 1)
+        } else {
+            write!(
+                f,
+                "gpus {}-{} step {}",
+                self.start,
+                self.end() - 1,
+                self.stride
+            )
+        }
+    }
+}
+
+/// One op's parallel configuration: split degrees by label and the devices it runs on; the
+/// product of the degrees equals the view's size.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ParallelConfig {
+    /// Labels split more than once, with their degrees, in label order.
+    pub degrees: BTreeMap<char, u32>,
+    pub view: MachineView,
+}
+
+impl ParallelConfig {
+    /// The unsplit op on one device.
+    pub fn single(device: u32) -> Self {
+        ParallelConfig {
+            degrees: BTreeMap::new(),
+            view: MachineView::block(device, 1),
+        }
+    }
+    /// Devices the split needs (product of the degrees).
+    pub fn total_degree(&self) -> u32 {
+        self.degrees.values().product()
+    }
+    /// Degree of `label` (1 when not split).
+    pub fn degree(&self, label: char) -> u32 {
+        self.degrees.get(&label).copied().unwrap_or(1)
+    }
+    /// `n4·o2 @ gpus 0-7`: the split and the view.
+    pub fn describe(&self) -> String {
+        let split = if self.degrees.is_empty() {
+            "none".to_string()
+        } else {
+            self.degrees
+                .iter()
+                .map(|(l, d)| format!("{l}{d}"))
+                .collect::<Vec<_>>()
+                .join("·")
+        };
+        format!("{split} @ {}", self.view)
+    }
+}
+
+fn role_rank(r: AxisRole) -> u8 {
+    match r {
+        AxisRole::Sample => 0,
+        AxisRole::Attribute => 1,
+        AxisRole::Parameter => 2,
+    }
+}
+
+/// The split labels of `cfg` in coordinate order (slowest first): Sample, Attribute,
+/// Parameter, then by label.
+fn coordinate_axes(mapping: &AxesMapping, cfg: &ParallelConfig) -> Vec<(char, u32)> {
+    let mut axes: Vec<(u8, char, u32)> = cfg
+        .degrees
+        .iter()
+        .filter(|(_, d)| **d > 1)
+        .map(|(l, d)| {
+            let role = mapping.axes.get(l).map_or(AxisRole::Parameter, |i| i.role);
+            (role_rank(role), *l, *d)
+        })
+        .collect();
+    axes.sort();
+    axes.into_iter().map(|(_, l, d)| (l, d)).collect()
+}
+
+/// How one tensor is laid out over the devices of a view: which coordinate axis shards each
+/// dimension, which axes index partial sums, the rest replicate it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorLayout {
+    /// Full dimensions.
+    pub dims: Vec<u64>,
+    /// Degrees of the coordinate axes, slowest first.
+    radix: Vec<u32>,
+    /// For each dimension, the coordinate axis that shards it.
+    dim_axis: Vec<Option<u8>>,
+    /// Coordinate axes whose value indexes a partial sum.
+    sum_axes: Vec<u8>,
+    pub view: MachineView,
+}
+
+/// A half-open box of element indices, one range per dimension.
+type Region = Vec<(u64, u64)>;
+
+fn region_elems(r: &Region) -> u64 {
+    r.iter().map(|(a, b)| b - a).product()
+}
+
+fn intersect(a: &Region, b: &Region) -> u64 {
+    a.iter()
+        .zip(b)
+        .map(|((a0, a1), (b0, b1))| a1.min(b1).saturating_sub(*a0.max(b0)))
+        .product()
+}
+
+impl TensorLayout {
+    /// The layout of a tensor whose dimensions carry `labels`, under `cfg` of an op with
+    /// `mapping`; `partial` marks an output whose contracted labels leave partial sums.
+    pub fn new(
+        mapping: &AxesMapping,
+        labels: &[char],
+        dims: &[u64],
+        cfg: &ParallelConfig,
+        partial: bool,
+    ) -> Self {
+        let axes = coordinate_axes(mapping, cfg);
+        let radix = axes.iter().map(|(_, d)| *d).collect();
+        let dim_axis = labels
+            .iter()
+            .map(|l| axes.iter().position(|(a, _)| a == l).map(|i| i as u8))
+            .collect();
+        let sum_axes = if partial {
+            axes.iter()
+                .enumerate()
+                .filter(|(_, (l, _))| {
+                    !labels.contains(l) && mapping.inputs.iter().any(|i| i.contains(l))
+                })
+                .map(|(i, _)| i as u8)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        TensorLayout {
+            dims: dims.to_vec(),
+            radix,
+            dim_axis,
+            sum_axes,
+            view: cfg.view,
+        }
+    }
+
+    /// The whole tensor on every device of `view` (inputs fed to every device, a scalar).
+    pub fn replicated(dims: &[u64], view: MachineView) -> Self {
+        TensorLayout {
+            dims: dims.to_vec(),
+            radix: vec![view.size],
+            dim_axis: vec![None; dims.len()],
+            sum_axes: Vec::new(),
+            view,
+        }
+    }
+
+    fn coords(&self, pos: u32) -> Vec<u32> {
+        let mut c = vec![0; self.radix.len()];
+        let mut p = pos;
+        for (i, r) in self.radix.iter().enumerate().rev() {
+            c[i] = p % r;
+            p /= r;
+        }
+        c
+    }
+
+    /// The region held by the device at `pos` of the view.
+    fn region(&self, pos: u32) -> Region {
+        let c = self.coords(pos);
+        self.dims
+            .iter()
+            .zip(&self.dim_axis)
+            .map(|(d, a)| match a {
+                Some(a) => {
+                    let k = u64::from(self.radix[*a as usize]);
+                    let w = d / k;
+                    let lo = u64::from(c[*a as usize]) * w;
+                    (lo, lo + w)
+                }
+                None => (0, *d),
+            })
+            .collect()
+    }
+
+    /// The region's block index in the grid of distinct regions.
+    fn block(&self, pos: u32) -> Vec<u32> {
+        let c = self.coords(pos);
+        self.dim_axis
+            .iter()
+            .map(|a| a.map_or(0, |a| c[a as usize]))
+            .collect()
+    }
+
+    /// Elements of one device's region.
+    pub fn shard_elems(&self) -> u64 {
+        self.dims
+            .iter()
+            .zip(&self.dim_axis)
+            .map(|(d, a)| a.map_or(*d, |a| d / u64::from(self.radix[a as usize])))
+            .product()
+    }
+
+    /// Number of partial sums (1 when the value is complete).
+    pub fn sum_degree(&self) -> u32 {
+        self.sum_axes
+            .iter()
+            .map(|a| self.radix[*a as usize])
+            .product()
+    }
+
+    /// Number of devices holding each region (replicas × partial sums).
+    pub fn copies(&self) -> u32 {
+        let sharded: u32 = self
+            .dim_axis
+            .iter()
+            .flatten()
+            .map(|a| self.radix[*a as usize])
+            .product();
+        self.view.size / sharded.max(1)
+    }
+
+    /// The same layout with partial sums complete.
+    fn summed(&self) -> Self {
+        TensorLayout {
+            sum_axes: Vec::new(),
+            ..self.clone()
+        }
+    }
+
+    /// The gradient's layout when this is a consumer's input: every replica computed a partial
+    /// gradient, so the replicating axes index partial sums.
+    pub fn as_gradient_source(&self) -> Self {
+        let used: Vec<u8> = self.dim_axis.iter().flatten().copied().collect();
+        TensorLayout {
+            sum_axes: (0..self.radix.len() as u8)
+                .filter(|a| !used.contains(a) && self.radix[*a as usize] > 1)
+                .collect(),
+            ..self.clone()
+        }
+    }
+
+    /// Positions of the view that share the device at `pos`'s coordinates on every axis but
+    /// `axes` (its group along `axes`), in position order.
+    fn group_along(&self, pos: u32, axes: &[u8]) -> Vec<u32> {
+        let me = self.coords(pos);
+        (0..self.view.size)
+            .filter(|p| {
+                let c = self.coords(*p);
+                c.iter()
+                    .zip(&me)
+                    .enumerate()
+                    .all(|(i, (a, b))| a == b || axes.contains(&(i as u8)))
+            })
+            .collect()
+    }
+}
+
+/// The collective group formed by `devices` on nodes of `gpus_per_node`.
+fn group_of(devices: &[u32], gpus_per_node: u32) -> Group {
+    let size = devices.len().max(1) as u32;
+    let node = |d: u32| d / gpus_per_node.max(1);
+    let first = devices.first().copied().unwrap_or(0);
+    let per_node = devices.iter().filter(|d| node(**d) == node(first)).count() as u32;
+    Group {
+        size,
+        per_node: per_node.max(1),
+    }
+}
+
+/// What implements a resharding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransferKind {
+    /// Nothing moves: every device already holds what it needs.
+    None,
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    AllToAll,
+    /// A change of placement: point-to-point sends.
+    P2p,
+}
+
+impl TransferKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            TransferKind::None => "none",
+            TransferKind::AllReduce => "all-reduce",
+            TransferKind::ReduceScatter => "reduce-scatter",
+            TransferKind::AllGather => "all-gather",
+            TransferKind::AllToAll => "all-to-all",
+            TransferKind::P2p => "p2p",
+        }
+    }
+}
+
+/// The cost of moving a tensor from one layout to another.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Transfer {
+    pub time: Seconds,
+    /// Bytes the busiest device receives.
+    pub bytes: u64,
+    /// The reduction of partial sums, if any, then the data movement.
+    pub reduce: Option<TransferKind>,
+    pub movement: Option<TransferKind>,
+}
+
+impl Transfer {
+    /// `all-reduce`, `reduce-scatter + p2p`, or `none`.
+    pub fn describe(&self) -> String {
+        let parts: Vec<&str> = [self.reduce, self.movement]
+            .into_iter()
+            .flatten()
+            .map(TransferKind::name)
+            .collect();
+        if parts.is_empty() {
+            "none".into()
+        } else {
+            parts.join(" + ")
+        }
+    }
+}
+
+/// Prices resharding between two layouts of a tensor of `elem_bytes` elements.
+pub fn reshard(
+    net: &Network,
+    gpus_per_node: u32,
+    src: &TensorLayout,
+    dst: &TensorLayout,
+    elem_bytes: u64,
+) -> Transfer {
+    let mut out = Transfer::default();
+    let mut src = src.clone();
+    if src.sum_degree() > 1 {
+        let group = src.group_along(0, &src.sum_axes.clone());
+        let devices: Vec<u32> = group.iter().map(|p| src.view.device(*p)).collect();
+        let g = group_of(&devices, gpus_per_node);
+        let bytes = Bytes(src.shard_elems() * elem_bytes);
+        // Where every consumer device of the same view needs the whole partial region, the
+        // sums are all-reduced; otherwise each member keeps one part (reduce-scatter) and the
+        // parts move on from there.
+        let whole = src.view == dst.view
+            && (0..dst.view.size).all(|p| {
+                let need = dst.region(p);
+                intersect(&need, &src.region(p)) == region_elems(&src.region(p))
+            });
+        let (kind, c) = if whole {
+            (TransferKind::AllReduce, Collective::AllReduce)
+        } else {
+            (TransferKind::ReduceScatter, Collective::ReduceScatter)
+        };
+        out.time += net.collective(c, bytes, g);
+        out.bytes = bytes.0;
+        out.reduce = Some(kind);
+        src = src.summed();
+    }
+    let movement = movement(net, gpus_per_node, &src, dst, elem_bytes);
+    out.time += movement.time;
+    out.bytes = out.bytes.max(movement.bytes);
+    out.movement = movement.movement;
+    out
+}
+
+/// Data movement between layouts without partial sums.
+fn movement(
+    net: &Network,
+    gpus_per_node: u32,
+    src: &TensorLayout,
+    dst: &TensorLayout,
+    elem_bytes: u64,
+) -> Transfer {
+    if src == dst {
+        return Transfer::default();
+    }
+    let node = |d: u32| d / gpus_per_node.max(1);
+    // Holders of each distinct source region.
+    let mut holders: HashMap<Vec<u32>, Vec<u32>> = HashMap::new();
+    for p in 0..src.view.size {
+        holders
+            .entry(src.block(p))
+            .or_default()
+            .push(src.view.device(p));
+    }
+    let mut blocks: Vec<(&Vec<u32>, &Vec<u32>)> = holders.iter().collect();
+    blocks.sort();
+    let blocks: Vec<(Region, &Vec<u32>)> = blocks
+        .into_iter()
+        .map(|(_, devs)| {
+            let pos = src.view.position(devs[0]).unwrap_or(0);
+            (src.region(pos), devs)
+        })
+        .collect();
+    let step = (dst.view.size / RESHARD_SAMPLE).max(1);
+    let mut worst_recv = 0u64;
+    let mut worst_time = Seconds(0.0);
+    let mut gather_only = true;
+    let mut a2a_group = 0u32;
+    let mut a2a_local = 1u32;
+    let mut sent: HashMap<u32, (u64, u64)> = HashMap::new();
+    let mut recv: Vec<(u32, u64, u64)> = Vec::new();
+    for p in (0..dst.view.size).step_by(step as usize) {
+        let dev = dst.view.device(p);
+        let need = dst.region(p);
+        let held = src.view.position(dev).map(|sp| src.region(sp));
+        let local = held.as_ref().map_or(0, |h| intersect(&need, h));
+        if let Some(h) = &held {
+            if local < region_elems(h) && local < region_elems(&need) {
+                gather_only = false;
+            }
+        } else {
+            gather_only = false;
+        }
+        let (mut intra, mut inter) = (0u64, 0u64);
+        let mut peers = 0u32;
+        let mut peers_local = 1u32;
+        for (region, devs) in &blocks {
+            if held.as_ref() == Some(region) {
+                continue;
+            }
+            let n = intersect(&need, region);
+            if n == 0 {
+                continue;
+            }
+            let from = devs
+                .iter()
+                .copied()
+                .find(|d| node(*d) == node(dev))
+                .unwrap_or(devs[(p as usize) % devs.len()]);
+            let b = n * elem_bytes;
+            let e = sent.entry(from).or_default();
+            peers += 1;
+            if node(from) == node(dev) {
+                intra += b;
+                e.0 += b;
+                peers_local += 1;
+            } else {
+                inter += b;
+                e.1 += b;
+            }
+        }
+        worst_recv = worst_recv.max(intra + inter);
+        if peers + 1 > a2a_group {
+            a2a_group = peers + 1;
+            a2a_local = peers_local;
+        }
+        recv.push((dev, intra, inter));
+    }
+    if worst_recv == 0 {
+        return Transfer::default();
+    }
+    let same_view = src.view == dst.view;
+    if same_view {
+        let need_bytes = dst.shard_elems() * elem_bytes;
+        let g = Group {
+            size: a2a_group.max(2),
+            per_node: a2a_local.clamp(1, a2a_group.max(2)),
+        };
+        if gather_only {
+            // Every device keeps what it has and gains the rest: an all-gather of the region
+            // it needs over the devices that hold its parts.
+            return Transfer {
+                time: net.collective(Collective::AllGather, Bytes(need_bytes), g),
+                bytes: worst_recv,
+                reduce: None,
+                movement: Some(TransferKind::AllGather),
+            };
+        }
+        let n = f64::from(g.size);
+        let send_buffer = (worst_recv as f64 * n / (n - 1.0)) as u64;
+        return Transfer {
+            time: net.collective(Collective::AllToAll, Bytes(send_buffer), g),
+            bytes: worst_recv,
+            reduce: None,
+            movement: Some(TransferKind::AllToAll),
+        };
+    }
+    // A change of placement: each device's sends and receives, inside its node and across
+    // nodes, run on separate links; the busiest device sets the time.
+    for (dev, intra, inter) in &recv {
+        let (si, se) = sent.get(dev).copied().unwrap_or((0, 0));
+        let t = net
+            .p2p(Bytes((*intra).max(si)), false)
+            .0
+            .max(net.p2p(Bytes((*inter).max(se)), true).0);
+        worst_time = Seconds(worst_time.0.max(t));
+    }
+    for (dev, (si, se)) in &sent {
+        if recv.iter().any(|(d, _, _)| d == dev) {
+            continue;
+        }
+        let t = net
+            .p2p(Bytes(*si), false)
+            .0
+            .max(net.p2p(Bytes(*se), true).0);
+        worst_time = Seconds(worst_time.0.max(t));
+    }
+    Transfer {
+        time: worst_time,
+        bytes: worst_recv,
+        reduce: None,
+        movement: Some(TransferKind::P2p),
+    }
+}
+
+/// Why a per-op configuration is illegal for its op.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("node '{node}': {source}")]
+    Split {
+        node: String,
+        #[source]
+        source: parallax_ir::SplitError,
+    },
+    #[error("node '{node}': split over {degree} devices on a view of {view}")]
+    ViewSize {
+        node: String,
+        degree: u32,
+        view: u32,
+    },
+    #[error("node '{node}': view {view} reaches past the cluster's {gpus} devices")]
+    OutOfRange {
+        node: String,
+        view: MachineView,
+        gpus: u32,
+    },
+    #[error("plan has {configs} configurations for {nodes} nodes")]
+    Count { configs: usize, nodes: usize },
+}
+
+/// Optimizer whose state and update are costed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Optimizer {
+    /// Adam(W): two moments per parameter (plus an fp32 master copy under mixed precision).
+    #[default]
+    Adam,
+    /// SGD with momentum: one momentum buffer per parameter.
+    SgdMomentum,
+}
+
+/// The per-op cost model of one graph on one cluster: op shapes and mappings computed once,
+/// shard compute and resharding memoized by value.
+#[derive(Debug)]
+pub struct OpCosts<'a> {
+    pub graph: &'a Graph,
+    pub profile: &'a ClusterProfile,
+    pub gpus: u32,
+    pub precision: Precision,
+    pub optimizer: Optimizer,
+    /// 0: weights replicated; 1–3: optimizer states, gradients, weights sharded over replicas.
+    pub zero_stage: u8,
+    device: DeviceModel<'a>,
+    net: Network<'a>,
+    float_bytes: u64,
+    ins: Vec<Vec<Shape>>,
+    outs: Vec<Vec<Shape>>,
+    weights: Vec<Vec<bool>>,
+    mappings: Vec<AxesMapping>,
+    /// Consumers of each tensor: (node, input index).
+    consumers: Vec<Vec<(NodeId, usize)>>,
+    /// Producer of each tensor.
+    producer: Vec<Option<NodeId>>,
+    compute_memo: HashMap<(OpKind, Vec<Shape>, Vec<Shape>), OpTimes>,
+    reshard_memo: HashMap<(TensorLayout, TensorLayout, u64), Transfer>,
+}
+
+/// Per-device memory of a configuration of one op, bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct OpMemory {
+    pub params: f64,
+    pub grads: f64,
+    pub optimizer: f64,
+    /// Tensors kept for backward (one micro-batch).
+    pub saved: f64,
+}
+
+impl OpMemory {
+    pub fn states(&self) -> f64 {
+        self.params + self.grads + self.optimizer
+    }
+}
+
+impl<'a> OpCosts<'a> {
+    pub fn new(
+        graph: &'a Graph,
+        profile: &'a ClusterProfile,
+        gpus: u32,
+        precision: Precision,
+    ) -> Result<Self, HwError> {
+        let device = DeviceModel::new(profile, precision)?;
+        let ins: Vec<Vec<Shape>> = graph.nodes.iter().map(|n| graph.input_shapes(n)).collect();
+        let outs: Vec<Vec<Shape>> = graph.nodes.iter().map(|n| graph.output_shapes(n)).collect();
+        let weights = graph.nodes.iter().map(|n| graph.weight_flags(n)).collect();
+        let mappings = graph
+            .nodes
+            .iter()
+            .zip(ins.iter().zip(&outs))
+            .map(|(n, (i, o))| n.op.axes(i, o))
+            .collect();
+        let mut consumers = vec![Vec::new(); graph.tensors.len()];
+        let mut producer = vec![None; graph.tensors.len()];
+        for (i, n) in graph.nodes.iter().enumerate() {
+            for (k, t) in n.inputs.iter().enumerate() {
+                consumers[t.0 as usize].push((NodeId(i as u32), k));
+            }
+            for t in &n.outputs {
+                producer[t.0 as usize] = Some(NodeId(i as u32));
+            }
+        }
+        Ok(OpCosts {
+            graph,
+            profile,
+            gpus,
+            precision,
+            optimizer: Optimizer::Adam,
+            zero_stage: 0,
+            device,
+            net: Network::new(profile),
+            float_bytes: precision.activation_dtype().size_bytes(),
+            ins,
+            outs,
+            weights,
+            mappings,
+            consumers,
+            producer,
+            compute_memo: HashMap::new(),
+            reshard_memo: HashMap::new(),
+        })
+    }
+
+    /// Size of an activation element at the training precision.
+    pub fn float_bytes(&self) -> u64 {
+        self.float_bytes
+    }
+
+    /// The network model.
+    pub fn network(&self) -> &Network<'a> {
+        &self.net
+    }
+
+    /// The device model.
+    pub fn device(&self) -> &DeviceModel<'a> {
+        &self.device
+    }
+
+    fn node(&self, n: NodeId) -> &'a Node {
+        &self.graph.nodes[n.0 as usize]
+    }
+
+    /// The axes mapping of a node.
+    pub fn mapping(&self, n: NodeId) -> &AxesMapping {
+        &self.mappings[n.0 as usize]
+    }
+
+    /// Input and output shapes of a node.
+    pub fn shapes(&self, n: NodeId) -> (&[Shape], &[Shape]) {
+        (&self.ins[n.0 as usize], &self.outs[n.0 as usize])
+    }
+
+    /// Consumers of a tensor: (node, input index).
+    pub fn consumers(&self, t: TensorId) -> &[(NodeId, usize)] {
+        &self.consumers[t.0 as usize]
+    }
+
+    /// The node producing a tensor (none for inputs and weights).
+    pub fn producer(&self, t: TensorId) -> Option<NodeId> {
+        self.producer[t.0 as usize]
+    }
+
+    /// Every legal split of a node over at most `max_degree` devices.
+    pub fn legal_splits(&self, n: NodeId, max_degree: u32) -> Vec<BTreeMap<char, u32>> {
+        let (i, o) = self.shapes(n);
+        self.mapping(n)
+            .legal_splits(i, o, max_degree)
+            .into_iter()
+            .map(|s| s.degrees)
+            .collect()
+    }
+
+    /// Checks a configuration against its node: the split is legal, its degree is the view's
+    /// size, and the view lies inside the cluster.
+    pub fn check(&self, n: NodeId, cfg: &ParallelConfig) -> Result<(), ConfigError> {
+        let node = self.node(n);
+        let (i, o) = self.shapes(n);
+        self.mapping(n)
+            .derive_split(i, o, &cfg.degrees)
+            .map_err(|source| ConfigError::Split {
+                node: node.name.clone(),
+                source,
+            })?;
+        if cfg.total_degree() != cfg.view.size {
+            return Err(ConfigError::ViewSize {
+                node: node.name.clone(),
+                degree: cfg.total_degree(),
+                view: cfg.view.size,
+            });
+        }
+        if cfg.view.stride == 0 || cfg.view.end() > self.gpus {
+            return Err(ConfigError::OutOfRange {
+                node: node.name.clone(),
+                view: cfg.view,
+                gpus: self.gpus,
+            });
+        }
+        Ok(())
+    }
+
+    /// Shard shapes of a node's inputs and outputs under `degrees` (unsplit where illegal).
+    fn shard_shapes(&self, n: NodeId, degrees: &BTreeMap<char, u32>) -> (Vec<Shape>, Vec<Shape>) {
+        let (i, o) = self.shapes(n);
+        match self.mapping(n).derive_split(i, o, degrees) {
+            Ok(s) => (
+                i.iter()
+                    .zip(&s.inputs)
+                    .map(|(sh, d)| d.shard_shape(sh))
+                    .collect(),
+                o.iter()
+                    .zip(&s.outputs)
+                    .map(|(sh, d)| d.shard_shape(sh))
+                    .collect(),
+            ),
+            Err(_) => (i.to_vec(), o.to_vec()),
+        }
+    }
+
+    /// Forward, input-gradient and weight-gradient time of one shard of a node.
+    pub fn compute(&mut self, n: NodeId, cfg: &ParallelConfig) -> OpTimes {
+        let (si, so) = self.shard_shapes(n, &cfg.degrees);
+        let op = self.node(n).op.clone();
+        let key = (op, si, so);
+        if let Some(t) = self.compute_memo.get(&key) {
+            return *t;
+        }
+        let w = key.0.work(
+            &key.1,
+            &key.2,
+            &self.weights[n.0 as usize],
+            self.float_bytes,
+        );
+        let t = self.device.op(&key.0, &key.1, &w, self.float_bytes);
+        self.compute_memo.insert(key, t);
+        t
+    }
+
+    /// Layout of input `k` of a node under `cfg`.
+    pub fn input_layout(&self, n: NodeId, k: usize, cfg: &ParallelConfig) -> TensorLayout {
+        let m = self.mapping(n);
+        TensorLayout::new(
+            m,
+            &m.inputs[k],
+            self.ins[n.0 as usize][k].dims(),
+            cfg,
+            false,
+        )
+    }
+
+    /// Layout of output `k` of a node under `cfg` (with its partial sums).
+    pub fn output_layout(&self, n: NodeId, k: usize, cfg: &ParallelConfig) -> TensorLayout {
+        let m = self.mapping(n);
+        TensorLayout::new(
+            m,
+            &m.outputs[k],
+            self.outs[n.0 as usize][k].dims(),
+            cfg,
+            true,
+        )
+    }
+
+    /// Element size of a tensor as it moves between devices.
+    fn elem_bytes(&self, t: TensorId) -> u64 {
+        let dt = self.graph.tensor(t).dtype;
+        if dt.is_float() {
+            self.float_bytes
+        } else {
+            dt.size_bytes()
+        }
+    }
+
+    fn priced(&mut self, src: TensorLayout, dst: TensorLayout, elem: u64) -> Transfer {
+        let key = (src, dst, elem);
+        if let Some(t) = self.reshard_memo.get(&key) {
+            return *t;
+        }
+        let t = reshard(
+            &self.net,
+            self.profile.node.gpus_per_node,
+            &key.0,
+            &key.1,
+            key.2,
+        );
+        self.reshard_memo.insert(key, t);
+        t
+    }
+
+    /// Forward and backward resharding of tensor `t` from its producer (output `out` of node
+    /// `p` under `pc`) to input `k` of node `c` under `cc`.
+    pub fn edge(
+        &mut self,
+        t: TensorId,
+        (p, out, pc): (NodeId, usize, &ParallelConfig),
+        (c, k, cc): (NodeId, usize, &ParallelConfig),
+    ) -> (Transfer, Transfer) {
+        let src = self.output_layout(p, out, pc);
+        let dst = self.input_layout(c, k, cc);
+        let elem = self.elem_bytes(t);
+        let fwd = self.priced(src.clone(), dst.clone(), elem);
+        let bwd = if self.graph.tensor(t).dtype.is_float() {
+            // Every partial-sum holder of the producer needs the whole gradient.
+            self.priced(dst.as_gradient_source(), src.summed(), self.float_bytes)
+        } else {
+            Transfer::default()
+        };
+        (fwd, bwd)
+    }
+
+    /// The weights a node reads first (a weight shared by several nodes is synchronised once,
+    /// where first read).
+    pub fn owned_weights(&self, n: NodeId) -> Vec<usize> {
+        let node = self.node(n);
+        node.inputs
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| {
+                self.graph.tensor(**t).role == TensorRole::Weight
+                    && self.consumers(**t).first().map(|c| c.0) == Some(n)
+            })
+            .map(|(k, _)| k)
+            .collect()
+    }
+
+    /// Bytes of gradient per element as reduced: fp32 under mixed precision (accumulated in a
+    /// 4-byte main gradient), the parameter's own size otherwise.
+    fn grad_bytes(&self) -> u64 {
+        4
+    }
+
+    /// Gradient synchronisation of the weights a node owns: one collective per weight over its
+    /// replicas, as `(bytes per device, group, time)`; empty when nothing is replicated.
+    pub fn grad_sync(&mut self, n: NodeId, cfg: &ParallelConfig) -> Vec<(u64, Group, Seconds)> {
+        let gpn = self.profile.node.gpus_per_node;
+        self.owned_weights(n)
+            .into_iter()
+            .filter_map(|k| {
+                let layout = self.input_layout(n, k, cfg);
+                let replicas = layout.as_gradient_source();
+                if replicas.sum_degree() <= 1 {
+                    return None;
+                }
+                let group = replicas.group_along(0, &replicas.sum_axes.clone());
+                let devices: Vec<u32> = group.iter().map(|p| layout.view.device(*p)).collect();
+                let g = group_of(&devices, gpn);
+                let bytes = Bytes(layout.shard_elems() * self.grad_bytes());
+                Some((bytes.0, g, self.sync_time(bytes, g)))
+            })
+            .collect()
+    }
+
+    /// Time to synchronise `bytes` of gradient over `g`: an all-reduce; under ZeRO 2/3 a
+    /// reduce-scatter plus the all-gather of the updated parameters (the same bytes moved).
+    pub fn sync_time(&self, bytes: Bytes, g: Group) -> Seconds {
+        if self.zero_stage >= 2 {
+            self.net.collective(Collective::ReduceScatter, bytes, g)
+                + self.net.collective(Collective::AllGather, bytes, g)
+        } else {
+            self.net.collective(Collective::AllReduce, bytes, g)
+        }
+    }
+
+    /// Per-device memory of one node under `cfg`: the weights it owns (states sharded over
+    /// their replicas under ZeRO) and what it keeps for backward at shard shapes.
+    pub fn memory(&self, n: NodeId, cfg: &ParallelConfig) -> OpMemory {
+        let node = self.node(n);
+        let (si, _) = self.shard_shapes(n, &cfg.degrees);
+        let mut m = OpMemory::default();
+        for k in self.owned_weights(n) {
+            let layout = self.input_layout(n, k, cfg);
+            let replicas = layout.as_gradient_source().sum_degree();
+            let (w, g, o) = state_bytes_per_param(self.precision, self.zero_stage, replicas);
+            let o = match self.optimizer {
+                Optimizer::Adam => o,
+                // One momentum buffer (fp32) instead of two moments (and the master copy).
+                Optimizer::SgdMomentum => {
+                    o * 4.0 / if self.precision.is_mixed() { 12.0 } else { 8.0 }
+                }
+            };
+            let elems = layout.shard_elems() as f64;
+            m.params += w * elems;
+            m.grads += g * elems;
+            m.optimizer += o * elems;
+        }
+        let weights = &self.weights[n.0 as usize];
+        let s = node.op.saves(&si, weights);
+        let fb = self.float_bytes;
+        let bytes_of = |shape: &Shape, t: TensorId| -> u64 {
+            let dt = self.graph.tensor(t).dtype;
+            shape.elems() * if dt.is_float() { fb } else { dt.size_bytes() }
+        };
+        let (_, so) = self.shard_shapes(n, &cfg.degrees);
+        for &i in &s.inputs {
+            m.saved += bytes_of(&si[i], node.inputs[i]) as f64;
+        }
+        for &o in &s.outputs {
+            m.saved += bytes_of(&so[o], node.outputs[o]) as f64;
+        }
+        m.saved += (s.extra_elems * fb + s.extra_bytes) as f64;
+        m
+    }
+
+    /// Time of the optimizer update of `params` parameters on one device.
+    pub fn optimizer_time(&self, params: f64) -> Seconds {
+        if params <= 0.0 {
+            return Seconds(0.0);
+        }
+        let per = match self.optimizer {
+            Optimizer::Adam => ADAM_BYTES_PER_PARAM,
+            Optimizer::SgdMomentum => SGD_MOMENTUM_BYTES_PER_PARAM,
+        };
+        self.device.memory(per * params)
+    }
+
+    /// Parameters a node owns on each device of its view (sharded, before ZeRO).
+    pub fn owned_params(&self, n: NodeId, cfg: &ParallelConfig) -> f64 {
+        self.owned_weights(n)
+            .into_iter()
+            .map(|k| self.input_layout(n, k, cfg).shard_elems() as f64)
+            .sum()
+    }
+
+    /// Number of nodes.
+    pub fn len(&self) -> usize {
+        self.graph.nodes.len()
+    }
+
+    /// Whether the graph has no nodes.
+    pub fn is_empty(&self) -> bool {
+        self.graph.nodes.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parallax_hardware::preset;
+    use parallax_ir::AxesMapping;
+
+    fn linear() -> AxesMapping {
+        AxesMapping::parse(
+            "bk,kn->bn",
+            &[
+                ('b', AxisRole::Sample, true),
+                ('k', AxisRole::Parameter, true),
+                ('n', AxisRole::Parameter, true),
+            ],
+        )
+    }
+
+    fn cfg(d: &[(char, u32)], start: u32) -> ParallelConfig {
+        let degrees: BTreeMap<char, u32> = d.iter().copied().collect();
+        let size = degrees.values().product();
+        ParallelConfig {
+            degrees,
+            view: MachineView::block(start, size),
+        }
+    }
+
+    #[test]
+    fn parameter_axes_are_innermost_and_regions_follow_coordinates() {
+        let m = linear();
+        let c = cfg(&[('b', 2), ('n', 4)], 0);
+        let out = TensorLayout::new(&m, &['b', 'n'], &[8, 64], &c, true);
+        // Position 5 = b-coordinate 1, n-coordinate 1.
+        assert_eq!(out.region(5), vec![(4, 8), (16, 32)]);
+        let x = TensorLayout::new(&m, &['b', 'k'], &[8, 32], &c, false);
+        assert_eq!(x.copies(), 4);
+        assert_eq!(x.region(5), vec![(4, 8), (0, 32)]);
+    }
+
+    #[test]
+    fn resharding_volumes_match_hand_computation() {
+        let p = preset("dgx-a100-80gb").unwrap();
+        let net = Network::new(&p);
+        let m = linear();
+        let dims = [64u64, 1024];
+        let lay = |d: &[(char, u32)], start: u32, labels: &[char], partial| {
+            TensorLayout::new(&m, labels, &dims, &cfg(d, start), partial)
+        };
+        // Sample split over 8 → replicated on the same 8: each device gains 7/8 of the tensor
+        // (all-gather, 7 × 8 rows × 1024 × 2 bytes).
+        let src = lay(&[('b', 8)], 0, &['b', 'n'], true);
+        let dst = lay(&[('n', 8)], 0, &['b', 'k'], false);
+        let t = reshard(&net, 8, &src, &dst, 2);
+        assert_eq!(t.movement, Some(TransferKind::AllGather));
+        assert_eq!(t.bytes, 7 * 8 * 1024 * 2);
+        let ag = net.collective(
+            Collective::AllGather,
+            Bytes(64 * 1024 * 2),
+            Group::strided(8, 1, 8),
+        );
+        assert!((t.time.0 - ag.0).abs() < 1e-12);
+        // Sample split → column split on the same devices: each keeps 1/64 and receives 7/64 of
+        // the tensor (all-to-all).
+        let col = lay(&[('b', 8)], 0, &['b', 'k'], false);
+        let split_n = TensorLayout::new(
+            &AxesMapping::parse(
+                "bn->bn",
+                &[
+                    ('b', AxisRole::Sample, true),
+                    ('n', AxisRole::Parameter, true),
+                ],
+            ),
+            &['b', 'n'],
+            &dims,
+            &cfg(&[('n', 8)], 0),
+            false,
+        );
+        let t = reshard(&net, 8, &col, &split_n, 2);
+        assert_eq!(t.movement, Some(TransferKind::AllToAll));
+        assert_eq!(t.bytes, 7 * (64 * 1024 / 64) * 2);
+        // Row-parallel partial sums into a replicated consumer: all-reduce of the whole tensor.
+        let rows = lay(&[('k', 4)], 0, &['b', 'n'], true);
+        assert_eq!(rows.sum_degree(), 4);
+        let repl = lay(&[('n', 4)], 0, &['b', 'k'], false);
+        let t = reshard(&net, 8, &rows, &repl, 2);
+        assert_eq!(t.reduce, Some(TransferKind::AllReduce));
+        assert_eq!(t.movement, None);
+        assert_eq!(t.bytes, 64 * 1024 * 2);
+        // Same layout, same devices: nothing moves.
+        let t = reshard(&net, 8, &col, &col, 2);
+        assert_eq!(t.time.0, 0.0);
+        // A change of placement (gpus 0-3 → gpus 4-7, same split): each device sends its
+        // quarter point to point.
+        let a = lay(&[('b', 4)], 0, &['b', 'k'], false);
+        let b = lay(&[('b', 4)], 4, &['b', 'k'], false);
+        let t = reshard(&net, 8, &a, &b, 2);
+        assert_eq!(t.movement, Some(TransferKind::P2p));
+        assert_eq!(t.bytes, 16 * 1024 * 2);
+        assert!((t.time.0 - net.p2p(Bytes(16 * 1024 * 2), false).0).abs() < 1e-12);
+        // The same move across nodes (nodes of 4) is slower.
+        let slow = reshard(&net, 4, &a, &b, 2);
+        assert!(slow.time.0 > t.time.0);
+    }
+
+    #[test]
+    fn gradients_of_replicated_inputs_are_partial_sums() {
+        let m = linear();
+        // Column-parallel: x replicated over n → its gradient is a partial sum over n.
+        let x = TensorLayout::new(&m, &['b', 'k'], &[8, 32], &cfg(&[('n', 4)], 0), false);
+        assert_eq!(x.as_gradient_source().sum_degree(), 4);
+        // Sample split: x sharded, nothing to sum.
+        let x = TensorLayout::new(&m, &['b', 'k'], &[8, 32], &cfg(&[('b', 4)], 0), false);
+        assert_eq!(x.as_gradient_source().sum_degree(), 1);
+    }
+}
