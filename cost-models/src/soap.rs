@@ -1003,11 +1003,20 @@ impl<'a> OpCosts<'a> {
         self.device.memory(per * params)
     }
 
-    /// Parameters a node owns on each device of its view (sharded, before ZeRO).
-    pub fn owned_params(&self, n: NodeId, cfg: &ParallelConfig) -> f64 {
+    /// Parameters one device of the node's view updates: the shards of the weights it owns,
+    /// split further over their replicas under ZeRO 1–3.
+    pub fn updated_params(&self, n: NodeId, cfg: &ParallelConfig) -> f64 {
         self.owned_weights(n)
             .into_iter()
-            .map(|k| self.input_layout(n, k, cfg).shard_elems() as f64)
+            .map(|k| {
+                let layout = self.input_layout(n, k, cfg);
+                let elems = layout.shard_elems() as f64;
+                if self.zero_stage >= 1 {
+                    elems / f64::from(layout.as_gradient_source().sum_degree())
+                } else {
+                    elems
+                }
+            })
             .sum()
     }
 

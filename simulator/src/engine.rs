@@ -66,6 +66,8 @@ pub enum CommKind {
     PipelineP2p,
     /// Expert-parallel all-to-all (token dispatch / combine).
     AllToAll,
+    /// Resharding a tensor between two per-op configurations (general graphs).
+    Reshard,
     /// Any other communication.
     Other,
 }
@@ -104,6 +106,7 @@ impl TaskKind {
                 CommKind::ZeroAllGather => "comm_zero_all_gather",
                 CommKind::PipelineP2p => "comm_pipeline_p2p",
                 CommKind::AllToAll => "comm_all_to_all",
+                CommKind::Reshard => "comm_reshard",
                 CommKind::Other => "comm_other",
             },
             TaskKind::Optimizer => "optimizer",

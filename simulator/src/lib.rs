@@ -23,3 +23,5 @@ pub use step::{
     stage_memory_of, step_terms, virtual_stage_params, Breakdown, MemoryGib, SimulatedStep,
     StepError, StepPrediction, StepTerms,
 };
+pub mod perop;
+pub use perop::{simulate_op_plan, OpPlan, OpStepError, OpStepPrediction, SimulatedOpStep};

@@ -1,0 +1,840 @@
+//! One optimizer step of any graph under a per-op plan (FlexFlow's SOAP space): costs from
+//! [`parallax_cost::soap`], tasks on the one event-driven [`engine`](crate::engine).
+//!
+//! **Device classes.** Devices that belong to exactly the same op views run exactly the same
+//! tasks, so they are simulated once: each class gets one compute stream and one communication
+//! stream. A plan that puts every op on all devices has a single class however many devices
+//! there are; branches placed on disjoint devices get classes of their own and run at once.
+//!
+//! **One micro-batch.** Forward tasks in topological order, one per op per class of its view;
+//! a resharding task on the consumer's communication stream where a tensor changes layout
+//! (waiting for the producer on every class of its view: a collective or a send needs them
+//! all); backward tasks in reverse order with the gradient resharding; gradient synchronisation
+//! in buckets of [`DDP_BUCKET_BYTES`] as each bucket's weight gradients are done (overlapped
+//! with the rest of backward, as PyTorch DDP and Horovod do); the optimizer on each class last.
+//!
+//! **Micro-batches.** Where the plan's views form a chain of disjoint device groups in
+//! topological order and the plan feeds several micro-batches, the groups are pipeline stages:
+//! each stage's forward and backward time per micro-batch (and the transfers between stages)
+//! are read from the one-micro-batch simulation and run through the pipeline schedule
+//! ([`crate::schedule`]), followed by each stage's gradient synchronisation and optimizer.
+//! Otherwise several micro-batches are gradient accumulation: all but the last run forward and
+//! backward without synchronising.
+
+use crate::engine::{
+    simulate, CommKind, ResourceId, Resources, SimError, Task, TaskGraph, TaskId, TaskKind, Trace,
+};
+use crate::schedule::{
+    build_pipeline, PipelineCosts, PipelineSchedule, ScheduleError, ScheduleKind,
+};
+use crate::step::{Breakdown, MemoryGib};
+use parallax_cost::memory::{ALLOCATOR_FRACTION, WORKSPACE_GIB};
+use parallax_cost::soap::{ConfigError, MachineView, OpCosts, ParallelConfig};
+use parallax_ir::graph::NodeId;
+use parallax_ir::{Bytes, Schedule, Seconds, GIB};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use thiserror::Error;
+
+/// Gradient bucket size: PyTorch DDP's `bucket_cap_mb` default (25 MiB).
+pub const DDP_BUCKET_BYTES: u64 = 25 * 1024 * 1024;
+
+/// A per-op plan of one graph: a configuration per node (in node order), how many
+/// micro-batches one step feeds (the graph is built at the micro-batch's size), the pipeline
+/// schedule where the placement forms stages, and whether stages recompute their forward in
+/// backward (GPipe's checkpointing).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct OpPlan {
+    pub configs: Vec<ParallelConfig>,
+    pub micro_batches: u32,
+    pub schedule: Schedule,
+    pub recompute: bool,
+}
+
+impl OpPlan {
+    /// Every node on the configuration `f` gives it, one micro-batch.
+    pub fn uniform(n: usize, f: impl Fn(usize) -> ParallelConfig) -> Self {
+        OpPlan {
+            configs: (0..n).map(f).collect(),
+            micro_batches: 1,
+            schedule: Schedule::None,
+            recompute: false,
+        }
+    }
+}
+
+/// Why a per-op plan cannot be simulated.
+#[derive(Debug, Error)]
+pub enum OpStepError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    #[error(transparent)]
+    Sim(#[from] SimError),
+}
+
+/// The prediction for one step of a per-op plan.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OpStepPrediction {
+    pub step_time_s: f64,
+    /// Samples per second at the step's batch.
+    pub samples_per_s: f64,
+    pub mfu: f64,
+    /// Where the step goes on the busiest device: compute, bubble, optimizer, and exposed
+    /// communication (`reshard`: layout changes and waiting for other devices' parts; `dp`:
+    /// gradient synchronisation left after backward).
+    pub breakdown: Breakdown,
+    /// Pipeline stages (1 without a pipeline).
+    pub stages: u32,
+    pub micro_batches: u32,
+    /// Idle fraction of the busiest stage (0 without a pipeline).
+    pub bubble_fraction: f64,
+    /// Memory of the device with the highest peak.
+    pub memory: MemoryGib,
+    /// Peak memory of every device, GiB (0 for devices the plan leaves idle).
+    pub device_memory_gib: Vec<f64>,
+    pub peak_memory_gib: f64,
+    pub capacity_gib: f64,
+    pub fits: bool,
+    /// Devices with at least one op.
+    pub used_devices: u32,
+}
+
+/// A simulated step with its task graph and trace, for timelines.
+#[derive(Debug)]
+pub struct SimulatedOpStep {
+    pub prediction: OpStepPrediction,
+    pub graph: TaskGraph,
+    pub resources: Resources,
+    pub trace: Trace,
+}
+
+/// Devices grouped by the set of views they belong to.
+#[derive(Debug)]
+struct Classes {
+    /// Devices of each class.
+    members: Vec<Vec<u32>>,
+    /// Classes of each node's view, in class order.
+    of_node: Vec<Vec<usize>>,
+}
+
+fn classes(gpus: u32, configs: &[ParallelConfig]) -> Classes {
+    let mut views: Vec<MachineView> = configs.iter().map(|c| c.view).collect();
+    views.sort();
+    views.dedup();
+    let mut by_signature: BTreeMap<Vec<usize>, Vec<u32>> = BTreeMap::new();
+    for d in 0..gpus {
+        let sig: Vec<usize> = views
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.position(d).is_some())
+            .map(|(i, _)| i)
+            .collect();
+        if !sig.is_empty() {
+            by_signature.entry(sig).or_default().push(d);
+        }
+    }
+    let members: Vec<Vec<u32>> = by_signature.into_values().collect();
+    let of_view: HashMap<MachineView, Vec<usize>> = views
+        .iter()
+        .map(|v| {
+            let cs = members
+                .iter()
+                .enumerate()
+                .filter(|(_, m)| v.position(m[0]).is_some())
+                .map(|(i, _)| i)
+                .collect();
+            (*v, cs)
+        })
+        .collect();
+    Classes {
+        of_node: configs.iter().map(|c| of_view[&c.view].clone()).collect(),
+        members,
+    }
+}
+
+/// The pipeline stage of each node, when the plan's views form a chain of disjoint device
+/// groups in topological order.
+fn pipeline_stages(configs: &[ParallelConfig], cls: &Classes) -> Option<Vec<u32>> {
+    let mut order: Vec<MachineView> = Vec::new();
+    let mut stage = Vec::with_capacity(configs.len());
+    for c in configs {
+        match order.iter().position(|v| *v == c.view) {
+            Some(i) if i + 1 == order.len() => stage.push(i as u32),
+            Some(_) => return None,
+            None => {
+                order.push(c.view);
+                stage.push(order.len() as u32 - 1);
+            }
+        }
+    }
+    if order.len() < 2 {
+        return None;
+    }
+    // Disjoint: no class belongs to two views.
+    let mut seen = vec![false; cls.members.len()];
+    for v in &order {
+        let i = configs.iter().position(|c| c.view == *v)?;
+        for &c in &cls.of_node[i] {
+            if seen[c] {
+                return None;
+            }
+            seen[c] = true;
+        }
+    }
+    Some(stage)
+}
+
+/// A resharding between two nodes, forward and backward.
+#[derive(Clone, Copy, Debug)]
+struct EdgeCost {
+    producer: usize,
+    consumer: usize,
+    fwd: Seconds,
+    bwd: Seconds,
+}
+
+/// The one-micro-batch task graph.
+struct MicroGraph {
+    graph: TaskGraph,
+    costs: Vec<Seconds>,
+    resources: Resources,
+    compute: Vec<ResourceId>,
+    fwd: Vec<Vec<TaskId>>,
+    bwd: Vec<Vec<TaskId>>,
+    edges: Vec<EdgeCost>,
+    /// Per node: (sync bytes, group, time) of its weights.
+    sync: Vec<Vec<(u64, parallax_cost::Group, Seconds)>>,
+}
+
+impl MicroGraph {
+    fn add(&mut self, task: Task, cost: Seconds, deps: &[TaskId]) -> TaskId {
+        self.costs.push(cost);
+        let t = self.graph.add_task(task);
+        for d in deps {
+            self.graph.add_data(*d, t);
+        }
+        t
+    }
+}
+
+fn build_micro(
+    costs: &mut OpCosts,
+    plan: &OpPlan,
+    cls: &Classes,
+    with_sync: bool,
+) -> Result<MicroGraph, OpStepError> {
+    let g = costs.graph;
+    let n = g.nodes.len();
+    let mut resources = Resources::new();
+    let mut compute = Vec::new();
+    let mut comm = Vec::new();
+    for (c, m) in cls.members.iter().enumerate() {
+        let what = if m.len() == 1 {
+            format!("gpu {}", m[0])
+        } else {
+            format!("gpus {} (+{} alike)", m[0], m.len() - 1)
+        };
+        compute.push(resources.add_in_group(format!("{what} compute"), 1, c as u32));
+        comm.push(resources.add_in_group(format!("{what} comm"), 1, c as u32));
+    }
+    let mut mg = MicroGraph {
+        graph: TaskGraph::with_capacity(4 * n * cls.members.len(), 8 * n),
+        costs: Vec::new(),
+        resources,
+        compute: compute.clone(),
+        fwd: vec![Vec::new(); n],
+        bwd: vec![Vec::new(); n],
+        edges: Vec::new(),
+        sync: vec![Vec::new(); n],
+    };
+    let mut times = Vec::with_capacity(n);
+    // Forward.
+    for i in 0..n {
+        let id = NodeId(i as u32);
+        let cfg = &plan.configs[i];
+        let t = costs.compute(id, cfg);
+        times.push(t);
+        let node_classes = &cls.of_node[i];
+        let mut deps: Vec<Vec<TaskId>> = vec![Vec::new(); node_classes.len()];
+        for (k, tid) in g.nodes[i].inputs.iter().enumerate() {
+            let Some(p) = costs.producer(*tid) else {
+                continue;
+            };
+            let pi = p.0 as usize;
+            let out = g.nodes[pi]
+                .outputs
+                .iter()
+                .position(|x| x == tid)
+                .unwrap_or(0);
+            let (f, b) = costs.edge(*tid, (p, out, &plan.configs[pi]), (id, k, cfg));
+            mg.edges.push(EdgeCost {
+                producer: pi,
+                consumer: i,
+                fwd: f.time,
+                bwd: b.time,
+            });
+            let from = mg.fwd[pi].clone();
+            for (ci, c) in node_classes.iter().enumerate() {
+                if f.time.0 > 0.0 {
+                    let task = Task::new("reshard", TaskKind::Comm(CommKind::Reshard), comm[*c])
+                        .with_index(i as u32);
+                    let r = mg.add(task, f.time, &from);
+                    deps[ci].push(r);
+                } else {
+                    deps[ci].extend(same_class_or_all(&cls.of_node[pi], &from, *c));
+                }
+            }
+        }
+        for (ci, c) in node_classes.iter().enumerate() {
+            let task = Task::new("F", TaskKind::Forward, compute[*c]).with_index(i as u32);
+            let f = mg.add(task, t.fwd, &deps[ci]);
+            mg.fwd[i].push(f);
+        }
+    }
+    // Backward, in reverse topological order.
+    let mut by_producer: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (e, ec) in mg.edges.iter().enumerate() {
+        by_producer[ec.producer].push(e);
+    }
+    for i in (0..n).rev() {
+        let node_classes = &cls.of_node[i];
+        let mut deps: Vec<Vec<TaskId>> = mg.fwd[i].iter().map(|f| vec![*f]).collect();
+        for &e in &by_producer[i] {
+            let ec = mg.edges[e];
+            let from = mg.bwd[ec.consumer].clone();
+            for (ci, c) in node_classes.iter().enumerate() {
+                if ec.bwd.0 > 0.0 {
+                    let task =
+                        Task::new("reshard grad", TaskKind::Comm(CommKind::Reshard), comm[*c])
+                            .with_index(i as u32);
+                    let r = mg.add(task, ec.bwd, &from);
+                    deps[ci].push(r);
+                } else {
+                    deps[ci].extend(same_class_or_all(&cls.of_node[ec.consumer], &from, *c));
+                }
+            }
+        }
+        let t = times[i];
+        let recompute = if plan.recompute { t.fwd } else { Seconds(0.0) };
+        for (ci, c) in node_classes.iter().enumerate() {
+            let task = Task::new("B", TaskKind::BackwardInput, compute[*c]).with_index(i as u32);
+            let b = mg.add(task, t.bwd_input + t.bwd_weight + recompute, &deps[ci]);
+            mg.bwd[i].push(b);
+        }
+        mg.sync[i] = costs.grad_sync(NodeId(i as u32), &plan.configs[i]);
+    }
+    if with_sync {
+        add_sync_and_optimizer(costs, plan, cls, &mut mg, &comm);
+    }
+    Ok(mg)
+}
+
+/// Where a tensor keeps its layout, the consumer on class `c` waits for the producer on the
+/// same class; if the producer does not run there, for all of it.
+fn same_class_or_all(producer_classes: &[usize], tasks: &[TaskId], c: usize) -> Vec<TaskId> {
+    match producer_classes.iter().position(|x| *x == c) {
+        Some(i) => vec![tasks[i]],
+        None => tasks.to_vec(),
+    }
+}
+
+/// Gradient buckets (backward order, flushed at [`DDP_BUCKET_BYTES`] or when the group
+/// changes) and the optimizer on every class.
+fn add_sync_and_optimizer(
+    costs: &mut OpCosts,
+    plan: &OpPlan,
+    cls: &Classes,
+    mg: &mut MicroGraph,
+    comm: &[ResourceId],
+) {
+    let n = plan.configs.len();
+    let mut sync_tasks: Vec<Vec<TaskId>> = vec![Vec::new(); cls.members.len()];
+    let mut bucket: Option<(MachineView, parallax_cost::Group, u64, Vec<usize>)> = None;
+    let mut flush = |b: (MachineView, parallax_cost::Group, u64, Vec<usize>),
+                     mg: &mut MicroGraph| {
+        let (_, group, bytes, nodes) = b;
+        let t = costs.sync_time(Bytes(bytes), group);
+        let deps: Vec<TaskId> = nodes.iter().flat_map(|i| mg.bwd[*i].clone()).collect();
+        for &c in &cls.of_node[nodes[0]] {
+            let task = Task::new("grad sync", TaskKind::Comm(CommKind::DpAllReduce), comm[c])
+                .with_index(nodes[0] as u32);
+            let s = mg.add(task, t, &deps);
+            sync_tasks[c].push(s);
+        }
+    };
+    for i in (0..n).rev() {
+        let view = plan.configs[i].view;
+        for (bytes, group, _) in mg.sync[i].clone() {
+            match &mut bucket {
+                Some((v, g, b, nodes)) if *v == view && *g == group && *b < DDP_BUCKET_BYTES => {
+                    *b += bytes;
+                    if nodes.last() != Some(&i) {
+                        nodes.push(i);
+                    }
+                }
+                _ => {
+                    if let Some(b) = bucket.take() {
+                        flush(b, mg);
+                    }
+                    bucket = Some((view, group, bytes, vec![i]));
+                }
+            }
+        }
+    }
+    if let Some(b) = bucket.take() {
+        flush(b, mg);
+    }
+    for (c, _) in cls.members.iter().enumerate() {
+        let mut params = 0.0;
+        let mut deps = sync_tasks[c].clone();
+        for i in 0..n {
+            if let Some(ci) = cls.of_node[i].iter().position(|x| *x == c) {
+                params += costs.updated_params(NodeId(i as u32), &plan.configs[i]);
+                deps.push(mg.bwd[i][ci]);
+            }
+        }
+        let task = Task::new("optimizer", TaskKind::Optimizer, mg.compute[c]);
+        mg.add(task, costs.optimizer_time(params), &deps);
+    }
+}
+
+/// Peak memory per device: model states of every op on it, what one micro-batch keeps for
+/// backward times the micro-batches in flight on its stage, and the workspace.
+fn device_memory(
+    costs: &OpCosts,
+    plan: &OpPlan,
+    in_flight: &dyn Fn(usize) -> f64,
+) -> Vec<MemoryGib> {
+    let mut mem = vec![MemoryGib::default(); costs.gpus as usize];
+    let mut used = vec![false; costs.gpus as usize];
+    for (i, cfg) in plan.configs.iter().enumerate() {
+        let m = costs.memory(NodeId(i as u32), cfg);
+        let saved = if plan.recompute {
+            // Checkpointing keeps each stage's input per micro-batch and one micro-batch's
+            // activations while it is recomputed: counted as one micro-batch here.
+            m.saved
+        } else {
+            m.saved * in_flight(i)
+        };
+        for d in cfg.view.devices() {
+            let x = &mut mem[d as usize];
+            used[d as usize] = true;
+            x.params += m.params / GIB;
+            x.grads += m.grads / GIB;
+            x.optimizer += m.optimizer / GIB;
+            x.activations += saved / GIB;
+        }
+    }
+    for (x, u) in mem.iter_mut().zip(used) {
+        if !u {
+            continue;
+        }
+        x.buffers = WORKSPACE_GIB;
+        let live = x.params + x.grads + x.optimizer + x.activations + x.buffers;
+        x.allocator = live * ALLOCATOR_FRACTION;
+        x.total = live + x.allocator;
+    }
+    mem
+}
+
+/// Simulates one optimizer step of `plan` on the graph of `costs` (built at one micro-batch's
+/// size); `global_batch` is the samples one step trains on.
+pub fn simulate_op_plan(
+    costs: &mut OpCosts,
+    plan: &OpPlan,
+    global_batch: u64,
+) -> Result<SimulatedOpStep, OpStepError> {
+    let n = costs.len();
+    if plan.configs.len() != n {
+        return Err(ConfigError::Count {
+            configs: plan.configs.len(),
+            nodes: n,
+        }
+        .into());
+    }
+    for (i, c) in plan.configs.iter().enumerate() {
+        costs.check(NodeId(i as u32), c)?;
+    }
+    let m = plan.micro_batches.max(1);
+    let cls = classes(costs.gpus, &plan.configs);
+    let stages = if m > 1 || plan.schedule != Schedule::None {
+        pipeline_stages(&plan.configs, &cls)
+    } else {
+        None
+    };
+    let (step, breakdown, bubble, graph, resources, trace, pp, in_flight): (
+        f64,
+        Breakdown,
+        f64,
+        TaskGraph,
+        Resources,
+        Trace,
+        u32,
+        Box<dyn Fn(usize) -> f64>,
+    ) = match stages {
+        None => {
+            let mg = build_micro(costs, plan, &cls, true)?;
+            let trace = simulate(&mg.graph, &mg.costs, &mg.resources)?;
+            let (step, bd) = accumulation_breakdown(&mg, &trace, m);
+            (
+                step,
+                bd,
+                0.0,
+                mg.graph,
+                mg.resources,
+                trace,
+                1,
+                Box::new(|_| 1.0),
+            )
+        }
+        Some(stage) => {
+            let pp = stage.iter().max().map_or(1, |s| s + 1);
+            let mg = build_micro(costs, plan, &cls, false)?;
+            let micro = simulate(&mg.graph, &mg.costs, &mg.resources)?;
+            let (pg_graph, pg_res, trace, bd, bubble) =
+                pipeline_step(costs, plan, &mg, &micro, &stage, pp, m)?;
+            let kind = ScheduleKind::of(plan.schedule, pp);
+            let schedule = PipelineSchedule::generate(kind, pp, m, 1)?;
+            let flights: Vec<f64> = (0..pp)
+                .map(|s| f64::from(schedule.max_in_flight(s)))
+                .collect();
+            let step = trace.makespan.0;
+            (
+                step,
+                bd,
+                bubble,
+                pg_graph,
+                pg_res,
+                trace,
+                pp,
+                Box::new(move |i| flights[stage[i] as usize]),
+            )
+        }
+    };
+    let mem = device_memory(costs, plan, &*in_flight);
+    let memory = mem
+        .iter()
+        .copied()
+        .max_by(|a, b| a.total.total_cmp(&b.total))
+        .unwrap_or_default();
+    let capacity_gib = costs.profile.device.hbm_gib;
+    let flops = costs.graph.total_work(costs.float_bytes()).train_flops().0 * f64::from(m);
+    let peak = costs.device().gemm_peak() * f64::from(costs.gpus);
+    let used = mem.iter().filter(|x| x.total > 0.0).count() as u32;
+    let prediction = OpStepPrediction {
+        step_time_s: step,
+        samples_per_s: if step > 0.0 {
+            global_batch as f64 / step
+        } else {
+            0.0
+        },
+        mfu: if step > 0.0 {
+            flops / (step * peak)
+        } else {
+            0.0
+        },
+        breakdown,
+        stages: pp,
+        micro_batches: m,
+        bubble_fraction: bubble,
+        memory,
+        device_memory_gib: mem.iter().map(|x| x.total).collect(),
+        peak_memory_gib: memory.total,
+        capacity_gib,
+        fits: memory.total <= capacity_gib,
+        used_devices: used,
+    };
+    Ok(SimulatedOpStep {
+        prediction,
+        graph,
+        resources,
+        trace,
+    })
+}
+
+/// Step time and breakdown of `m` accumulated micro-batches from the simulation of the last
+/// one: the earlier ones run forward and backward only.
+fn accumulation_breakdown(mg: &MicroGraph, trace: &Trace, m: u32) -> (f64, Breakdown) {
+    let mut busy = vec![0.0; mg.resources.len()];
+    let mut opt = vec![0.0; mg.resources.len()];
+    let mut fb_end: f64 = 0.0;
+    for (s, t) in trace.spans.iter().zip(mg.graph.tasks()) {
+        match t.kind {
+            TaskKind::Forward | TaskKind::BackwardInput | TaskKind::BackwardWeight => {
+                busy[s.resource.index()] += s.duration().0;
+                fb_end = fb_end.max(s.end.0);
+            }
+            TaskKind::Optimizer => opt[s.resource.index()] += s.duration().0,
+            _ => {}
+        }
+    }
+    let r = mg
+        .compute
+        .iter()
+        .copied()
+        .max_by(|a, b| busy[a.index()].total_cmp(&busy[b.index()]))
+        .map_or(0, |r| r.index());
+    let mf = f64::from(m);
+    let step = (mf - 1.0) * fb_end + trace.makespan.0;
+    let compute = mf * busy[r];
+    let reshard = mf * (fb_end - busy[r]).max(0.0);
+    let optimizer = opt[r];
+    let dp = (step - compute - reshard - optimizer).max(0.0);
+    let mut exposed = BTreeMap::new();
+    exposed.insert("reshard".to_string(), reshard);
+    exposed.insert("dp".to_string(), dp);
+    (
+        step,
+        Breakdown {
+            compute_s: compute,
+            bubble_s: 0.0,
+            optimizer_s: optimizer,
+            exposed_comm_s: exposed,
+        },
+    )
+}
+
+type PipelineParts = (TaskGraph, Resources, Trace, Breakdown, f64);
+
+/// The pipeline of `pp` stages fed `m` micro-batches: per-stage forward and backward times
+/// from the one-micro-batch simulation, the schedule, then each stage's gradient sync and
+/// optimizer.
+#[allow(clippy::too_many_arguments)]
+fn pipeline_step(
+    costs: &mut OpCosts,
+    plan: &OpPlan,
+    mg: &MicroGraph,
+    micro: &Trace,
+    stage: &[u32],
+    pp: u32,
+    m: u32,
+) -> Result<PipelineParts, OpStepError> {
+    let n = stage.len();
+    let span_of = |tasks: &[Vec<TaskId>], s: u32| -> f64 {
+        let mut lo = f64::INFINITY;
+        let mut hi: f64 = 0.0;
+        for (i, ts) in tasks.iter().enumerate() {
+            if stage[i] != s {
+                continue;
+            }
+            for t in ts {
+                let sp = micro.span(*t);
+                lo = lo.min(sp.start.0);
+                hi = hi.max(sp.end.0);
+            }
+        }
+        if lo.is_finite() {
+            hi - lo
+        } else {
+            0.0
+        }
+    };
+    let forward: Vec<Seconds> = (0..pp).map(|s| Seconds(span_of(&mg.fwd, s))).collect();
+    let backward: Vec<Seconds> = (0..pp).map(|s| Seconds(span_of(&mg.bwd, s))).collect();
+    let p2p = mg
+        .edges
+        .iter()
+        .filter(|e| stage[e.producer] != stage[e.consumer])
+        .map(|e| e.fwd.0.max(e.bwd.0))
+        .fold(0.0, f64::max);
+    let kind = ScheduleKind::of(plan.schedule, pp);
+    let schedule = PipelineSchedule::generate(kind, pp, m, 1)?;
+    let pc = PipelineCosts {
+        forward,
+        backward_input: backward,
+        backward_weight: vec![Seconds(0.0); pp as usize],
+        p2p: Seconds(p2p),
+    };
+    let mut pg = build_pipeline(&schedule, &pc)?;
+    // Gradient sync and optimizer per stage, after its last backward.
+    for s in 0..pp {
+        let nodes: Vec<usize> = (0..n).filter(|i| stage[*i] == s).collect();
+        let sync: f64 = nodes
+            .iter()
+            .flat_map(|i| mg.sync[*i].iter().map(|x| x.2 .0))
+            .sum();
+        let params: f64 = nodes
+            .iter()
+            .map(|i| costs.updated_params(NodeId(*i as u32), &plan.configs[*i]))
+            .sum();
+        let last = pg.last_weight_grad(s, None);
+        let link = pg.resources.add_in_group(format!("stage {s} dp"), 1, s);
+        let t = pg.add_task(
+            Task::new("grad sync", TaskKind::Comm(CommKind::DpAllReduce), link).at(s, 0, 0),
+            Seconds(sync),
+        );
+        if let Some(l) = last {
+            pg.graph.add_data(l, t);
+        }
+        let o = pg.add_task(
+            Task::new("optimizer", TaskKind::Optimizer, pg.compute[s as usize]).at(s, 0, 0),
+            costs.optimizer_time(params),
+        );
+        pg.graph.add_data(t, o);
+        if let Some(l) = last {
+            pg.graph.add_data(l, o);
+        }
+    }
+    let trace = pg.simulate()?;
+    let mut comp = vec![0.0; pp as usize];
+    let mut opt = vec![0.0; pp as usize];
+    let mut last_compute = vec![0.0f64; pp as usize];
+    for (sp, t) in trace.spans.iter().zip(pg.graph.tasks()) {
+        let s = t.stage as usize;
+        match t.kind {
+            TaskKind::Forward | TaskKind::BackwardInput | TaskKind::BackwardWeight => {
+                comp[s] += sp.duration().0;
+                last_compute[s] = last_compute[s].max(sp.end.0);
+            }
+            TaskKind::Optimizer => opt[s] += sp.duration().0,
+            _ => {}
+        }
+    }
+    let s = (0..pp as usize)
+        .max_by(|a, b| comp[*a].total_cmp(&comp[*b]))
+        .unwrap_or(0);
+    let step = trace.makespan.0;
+    let dp = (step - last_compute[s] - opt[s]).max(0.0);
+    let bubble = (step - comp[s] - opt[s] - dp).max(0.0);
+    let mut exposed = BTreeMap::new();
+    exposed.insert("dp".to_string(), dp);
+    let bd = Breakdown {
+        compute_s: comp[s],
+        bubble_s: bubble,
+        optimizer_s: opt[s],
+        exposed_comm_s: exposed,
+    };
+    let bubble_fraction = if step > 0.0 { bubble / step } else { 0.0 };
+    Ok((pg.graph, pg.resources, trace, bd, bubble_fraction))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parallax_hardware::preset;
+    use parallax_ir::{DType, Graph, GraphBuilder, OpKind, Precision};
+
+    /// x[b, 1024] → linear 1024 → linear 1024 → loss.
+    fn mlp(batch: u64) -> Graph {
+        let mut g = GraphBuilder::new("mlp");
+        let x = g.input("x", [batch, 1024], DType::F32);
+        let labels = g.input("labels", [batch], DType::I64);
+        let h = g.linear("fc1", x, 1024, false).unwrap();
+        let y = g.linear("fc2", h, 1024, false).unwrap();
+        let loss = g.op1("loss", OpKind::CrossEntropy, &[y, labels]).unwrap();
+        g.finish(&[loss]).unwrap()
+    }
+
+    fn sample_split(n: usize, d: u32) -> OpPlan {
+        OpPlan::uniform(n, |_| ParallelConfig {
+            degrees: if d > 1 {
+                BTreeMap::from([('a', d)])
+            } else {
+                BTreeMap::new()
+            },
+            view: MachineView::block(0, d),
+        })
+    }
+
+    #[test]
+    fn one_device_runs_forward_backward_and_optimizer_back_to_back() {
+        let p = preset("dgx-a100-80gb").unwrap();
+        let g = mlp(64);
+        let mut c = OpCosts::new(&g, &p, 1, Precision::Fp32).unwrap();
+        let plan = sample_split(g.nodes.len(), 1);
+        let step = simulate_op_plan(&mut c, &plan, 64).unwrap();
+        let mut expect = 0.0;
+        let mut params = 0.0;
+        for i in 0..g.nodes.len() {
+            let id = NodeId(i as u32);
+            expect += c.compute(id, &plan.configs[i]).total().0;
+            params += c.updated_params(id, &plan.configs[i]);
+        }
+        expect += c.optimizer_time(params).0;
+        let got = step.prediction.step_time_s;
+        assert!((got - expect).abs() < 1e-12, "{got} vs {expect}");
+        let parts: f64 = step.prediction.breakdown.parts().iter().map(|x| x.1).sum();
+        assert!((parts - got).abs() < 1e-9, "{parts} vs {got}");
+        assert_eq!(step.prediction.used_devices, 1);
+    }
+
+    #[test]
+    fn data_parallel_pays_the_gradient_all_reduce_after_backward() {
+        let p = preset("dgx-a100-80gb").unwrap();
+        let g = mlp(64);
+        let mut c = OpCosts::new(&g, &p, 8, Precision::Fp32).unwrap();
+        // The graph's labels: sample is the leading label of every op ('a' from the builder).
+        let sample = |i: usize| {
+            let m = c.mapping(NodeId(i as u32));
+            m.axes
+                .iter()
+                .find(|(_, a)| a.role == parallax_ir::AxisRole::Sample)
+                .map(|(l, _)| *l)
+                .unwrap()
+        };
+        let labels: Vec<char> = (0..g.nodes.len()).map(sample).collect();
+        let plan = OpPlan::uniform(g.nodes.len(), |i| ParallelConfig {
+            degrees: BTreeMap::from([(labels[i], 8)]),
+            view: MachineView::block(0, 8),
+        });
+        let step = simulate_op_plan(&mut c, &plan, 64).unwrap();
+        // One class: every device is alike.
+        assert_eq!(step.resources.len(), 2);
+        // fc2's and fc1's gradients (4 MiB each) share one bucket, all-reduced over 8 GPUs
+        // once backward is done.
+        let sync = c.sync_time(
+            Bytes(2 * 1024 * 1024 * 4),
+            parallax_cost::Group::strided(8, 1, 8),
+        );
+        let mut fb = 0.0;
+        let mut params = 0.0;
+        for i in 0..g.nodes.len() {
+            let id = NodeId(i as u32);
+            fb += c.compute(id, &plan.configs[i]).total().0;
+            params += c.updated_params(id, &plan.configs[i]);
+        }
+        let expect = fb + sync.0 + c.optimizer_time(params).0;
+        let got = step.prediction.step_time_s;
+        assert!((got - expect).abs() < 1e-12, "{got} vs {expect}");
+        assert!(step.prediction.breakdown.exposed_comm_s["dp"] > 0.0);
+        // Four accumulated micro-batches run forward and backward four times, sync once.
+        let mut acc = plan.clone();
+        acc.micro_batches = 4;
+        let step4 = simulate_op_plan(&mut c, &acc, 256).unwrap();
+        let want = 4.0 * fb + sync.0 + c.optimizer_time(params).0;
+        assert!((step4.prediction.step_time_s - want).abs() < 1e-12);
+    }
+
+    #[test]
+    fn disjoint_halves_in_a_chain_form_a_pipeline() {
+        let p = preset("dgx-a100-80gb").unwrap();
+        let g = mlp(16);
+        let mut c = OpCosts::new(&g, &p, 2, Precision::Fp32).unwrap();
+        let mut plan = OpPlan::uniform(g.nodes.len(), |i| ParallelConfig {
+            degrees: BTreeMap::new(),
+            view: MachineView::block(if i == 0 { 0 } else { 1 }, 1),
+        });
+        plan.micro_batches = 8;
+        plan.schedule = Schedule::GPipe;
+        let step = simulate_op_plan(&mut c, &plan, 128).unwrap();
+        assert_eq!(step.prediction.stages, 2);
+        assert!(step.prediction.bubble_fraction > 0.0);
+        // Pipelined 8 micro-batches beat running them one after another on one device, and
+        // cannot beat half of that.
+        let single = {
+            let mut c1 = OpCosts::new(&g, &p, 1, Precision::Fp32).unwrap();
+            let mut s = sample_split(g.nodes.len(), 1);
+            s.micro_batches = 8;
+            simulate_op_plan(&mut c1, &s, 128)
+                .unwrap()
+                .prediction
+                .step_time_s
+        };
+        let t = step.prediction.step_time_s;
+        assert!(t < single && t > 0.45 * single, "{t} vs {single}");
+        let parts: f64 = step.prediction.breakdown.parts().iter().map(|x| x.1).sum();
+        assert!((parts - t).abs() < 1e-9, "{parts} vs {t}");
+    }
+}
