@@ -15,3 +15,5 @@ pub use search::{
     SearchOptions, SearchResult, Space,
 };
 pub use validate::{parse_cases, summarize, validate, Case, CaseResult, Framework, Summary};
+pub mod soap;
+pub use soap::{search_ops, SoapCounts, SoapError, SoapOptions, SoapResult};
