@@ -3,6 +3,7 @@
 mod calibrate;
 mod clusters;
 mod fmt;
+mod general;
 mod inspect;
 mod job;
 mod models;

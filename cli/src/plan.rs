@@ -151,6 +151,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Some(s) => PartialLayout::parse(s).map_err(|e| user(format!("--fix: {e}")))?,
         None => PartialLayout::default(),
     };
+    if let Some(g) = crate::general::GraphModel::load(&a.job)? {
+        if engine.is_some() || a.fix.is_some() || a.max_gpus.is_some() {
+            return Err(user(format!(
+                "--model {}: --export, --fix and --max-gpus apply to transformers; per-op plans of other graphs take --top, --json and --out",
+                a.job.model
+            )));
+        }
+        return crate::general::plan(&g, &a.job.cluster, a.json, a.out.as_deref(), a.force);
+    }
     let job = a.job.load("plan")?;
     let cluster = &job.cluster;
     if let Some(n) = a.max_gpus {

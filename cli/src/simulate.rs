@@ -31,10 +31,13 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let job = a.job.load("simulate")?;
     if let Some(t) = &a.trace {
         crate::refuse_overwrite(t, a.force)?;
     }
+    if let Some(g) = crate::general::GraphModel::load(&a.job)? {
+        return crate::general::simulate(&g, &a.job.cluster, &a.plan, a.json, a.trace.as_deref());
+    }
+    let job = a.job.load("simulate")?;
     let setup = job.setup(Runtime::default());
     let layout = resolve_layout(&a.plan, &setup)?;
     let sim = simulate_step(&setup, &layout)

@@ -264,7 +264,8 @@ impl Layout {
 }
 
 /// Per-op configuration for general (non-transformer) graphs: one degree per label of the op's
-/// axes mapping, in label order, and the devices it runs on.
+/// axes mapping, in label order (1 for a label not split), and the devices it runs on, in the
+/// order of its view's positions (a start and a constant stride).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OpConfig {
@@ -322,8 +323,16 @@ pub struct Plan {
     pub cluster: ClusterRef,
     pub training: Training,
     pub layout: Layout,
+    /// Per-op configurations of a general graph, one per node in node order; empty for the
+    /// structured (transformer) layouts. With them, `layout` summarises: `pp` pipeline stages,
+    /// `dp` the devices of one stage, `recompute = full` for stages that recompute their
+    /// forward, `schedule` the pipeline schedule.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub op_configs: Vec<OpConfig>,
+    /// Micro-batches per step of a per-op plan (its graph is built at `global_batch /
+    /// micro_batches` samples).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro_batches: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prediction: Option<Prediction>,
 }
@@ -345,9 +354,18 @@ impl Plan {
                 plan.schema
             ));
         }
-        plan.layout
-            .validate(plan.training.global_batch, None)
-            .map_err(|e| format!("{origin}: {e}"))?;
+        if plan.op_configs.is_empty() {
+            plan.layout
+                .validate(plan.training.global_batch, None)
+                .map_err(|e| format!("{origin}: {e}"))?;
+        } else if let Some(m) = plan.micro_batches {
+            if m == 0 || plan.training.global_batch % u64::from(m) != 0 {
+                return Err(format!(
+                    "{origin}: micro_batches: {m} does not divide global_batch {}",
+                    plan.training.global_batch
+                ));
+            }
+        }
         if plan.layout.devices() != u64::from(plan.cluster.gpus) {
             return Err(format!(
                 "{origin}: layout uses dp×tp×pp×cp = {} devices but cluster.gpus is {}",
@@ -501,6 +519,7 @@ mod tests {
                 degrees: vec![2, 1, 4],
                 devices: (0..8).collect(),
             }],
+            micro_batches: None,
             prediction: Some(Prediction {
                 step_time_s: 12.5,
                 step_time_s_low: 12.0,

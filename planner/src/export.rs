@@ -468,6 +468,7 @@ mod tests {
             },
             layout: l,
             op_configs: Vec::new(),
+            micro_batches: None,
             prediction: Some(Prediction::default()),
         }
     }

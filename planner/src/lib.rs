@@ -16,4 +16,7 @@ pub use search::{
 };
 pub use validate::{parse_cases, summarize, validate, Case, CaseResult, Framework, Summary};
 pub mod soap;
-pub use soap::{search_ops, SoapCounts, SoapError, SoapOptions, SoapResult};
+pub use soap::{
+    layout_plan, plan_graph, search_ops, GraphJob, GraphPlan, SoapCounts, SoapError, SoapOptions,
+    SoapResult,
+};

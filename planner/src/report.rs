@@ -57,6 +57,7 @@ pub fn plan_document(input: &ReportInput, e: &Evaluated) -> Plan {
         },
         layout: e.layout.clone(),
         op_configs: Vec::new(),
+        micro_batches: None,
         prediction: Some(Prediction {
             step_time_s: p.step_time_s,
             step_time_s_low: low,

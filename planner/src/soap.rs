@@ -686,11 +686,170 @@ pub fn search_ops(
     })
 }
 
-/// Sets a plan's schedule where its micro-batches feed a pipeline.
-pub fn with_schedule(mut plan: OpPlan, micro_batches: u32, schedule: Schedule) -> OpPlan {
-    plan.micro_batches = micro_batches;
-    plan.schedule = schedule;
-    plan
+/// A structured layout as a per-op plan: `pp` contiguous stages of the graph balanced by
+/// compute, each on `gpus / pp` consecutive devices; inside a stage every op splits its sample
+/// axis `dp` ways and, where it has a Parameter axis that divides, that axis `tp` ways
+/// (parameter axes are innermost, so `tp` stays on neighbouring devices). An op that cannot
+/// take the whole split takes its widest legal one on the first devices of its stage.
+pub fn layout_plan(costs: &mut OpCosts, dp: u32, tp: u32, pp: u32) -> OpPlan {
+    let n = costs.len();
+    let per_stage = costs.gpus / pp.max(1);
+    // Stage boundaries: cumulative single-device compute split into equal shares.
+    let weight: Vec<f64> = (0..n)
+        .map(|i| {
+            costs
+                .compute(NodeId(i as u32), &ParallelConfig::single(0))
+                .total()
+                .0
+        })
+        .collect();
+    let total: f64 = weight.iter().sum();
+    let mut acc = 0.0;
+    let stage: Vec<u32> = weight
+        .iter()
+        .map(|w| {
+            let mid = acc + w / 2.0;
+            acc += w;
+            ((mid / total.max(f64::MIN_POSITIVE) * f64::from(pp)) as u32).min(pp - 1)
+        })
+        .collect();
+    let mut configs = Vec::with_capacity(n);
+    for i in 0..n {
+        let id = NodeId(i as u32);
+        let start = stage[i] * per_stage;
+        let m = costs.mapping(id).clone();
+        let (ins, outs) = costs.shapes(id);
+        let legal = |d: &BTreeMap<char, u32>| m.derive_split(ins, outs, d).is_ok();
+        let sample = m
+            .labels()
+            .find(|(_, a)| a.role == AxisRole::Sample && a.splittable)
+            .map(|(l, _)| l);
+        let params: Vec<char> = m
+            .labels()
+            .filter(|(_, a)| a.role == AxisRole::Parameter && a.splittable)
+            .map(|(l, _)| l)
+            .collect();
+        let mut options: Vec<BTreeMap<char, u32>> = Vec::new();
+        if let Some(s) = sample {
+            for p in &params {
+                options.push(
+                    [(s, dp), (*p, tp)]
+                        .into_iter()
+                        .filter(|x| x.1 > 1)
+                        .collect(),
+                );
+            }
+            options.push([(s, dp * tp)].into_iter().filter(|x| x.1 > 1).collect());
+            for d in divisors(dp * tp).into_iter().rev() {
+                options.push([(s, d)].into_iter().filter(|x| x.1 > 1).collect());
+            }
+        }
+        options.push(BTreeMap::new());
+        let degrees = options.into_iter().find(|d| legal(d)).unwrap_or_default();
+        let size = degrees.values().product();
+        configs.push(ParallelConfig {
+            degrees,
+            view: MachineView::block(start, size),
+        });
+    }
+    OpPlan {
+        configs,
+        micro_batches: 1,
+        schedule: if pp > 1 {
+            Schedule::OneFOneB
+        } else {
+            Schedule::None
+        },
+        recompute: false,
+    }
+}
+
+/// The best per-op plan of a model on a cluster, with the batch its graph was built at.
+#[derive(Clone, Debug)]
+pub struct GraphPlan {
+    pub plan: OpPlan,
+    pub prediction: OpStepPrediction,
+    /// Samples of one micro-batch (the batch the plan's graph is built at).
+    pub micro_batch: u64,
+    pub data_parallel: Option<OpStepPrediction>,
+    pub best_uniform: Option<(String, OpStepPrediction)>,
+    pub counts: SoapCounts,
+}
+
+/// What [`plan_graph`] needs of the job.
+pub struct GraphJob<'a> {
+    /// Builds the training graph at a batch size.
+    pub build: &'a dyn Fn(u64) -> Result<parallax_ir::Graph, String>,
+    pub profile: &'a parallax_hardware::ClusterProfile,
+    pub gpus: u32,
+    pub precision: parallax_ir::Precision,
+    pub optimizer: parallax_cost::soap::Optimizer,
+    pub global_batch: u64,
+}
+
+impl std::fmt::Debug for GraphJob<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GraphJob")
+            .field("gpus", &self.gpus)
+            .field("precision", &self.precision)
+            .field("global_batch", &self.global_batch)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Searches the per-op plan of the whole batch ([`search_ops`]), then pipelines: balanced
+/// stages over 2, 4, … device groups fed `pp`, `2 pp` or `4 pp` micro-batches (1F1B); the
+/// fastest plan that fits wins.
+pub fn plan_graph(job: &GraphJob, opts: &SoapOptions) -> Result<GraphPlan, SoapError> {
+    let g = (job.build)(job.global_batch).map_err(SoapError::NothingFits)?;
+    let mut costs = OpCosts::new(&g, job.profile, job.gpus, job.precision)
+        .map_err(|e| SoapError::NothingFits(e.to_string()))?;
+    costs.optimizer = job.optimizer;
+    let r = search_ops(&mut costs, job.global_batch, opts)?;
+    let mut best = GraphPlan {
+        plan: r.plan,
+        prediction: r.prediction,
+        micro_batch: job.global_batch,
+        data_parallel: r.data_parallel,
+        best_uniform: r.best_uniform,
+        counts: r.counts,
+    };
+    let nodes = g.nodes.len() as u32;
+    let mut pp = 2;
+    while pp <= job.gpus && job.gpus % pp == 0 && 2 * pp <= nodes {
+        for m in [pp, 2 * pp, 4 * pp].map(u64::from) {
+            if job.global_batch % m != 0 {
+                continue;
+            }
+            let mb = job.global_batch / m;
+            let Ok(g) = (job.build)(mb) else { continue };
+            let Ok(mut c) = OpCosts::new(&g, job.profile, job.gpus, job.precision) else {
+                continue;
+            };
+            c.optimizer = job.optimizer;
+            let mut plan = layout_plan(&mut c, job.gpus / pp, 1, pp);
+            plan.micro_batches = m as u32;
+            best.counts.simulated += 1;
+            match simulate_op_plan(&mut c, &plan, job.global_batch) {
+                Ok(s) if !s.prediction.fits => {
+                    *best
+                        .counts
+                        .rejected
+                        .entry("out of memory".into())
+                        .or_default() += 1;
+                }
+                Ok(s) if s.prediction.step_time_s < best.prediction.step_time_s => {
+                    best.plan = plan;
+                    best.prediction = s.prediction;
+                    best.micro_batch = mb;
+                }
+                Ok(_) => {}
+                Err(_) => *best.counts.rejected.entry("invalid".into()).or_default() += 1,
+            }
+        }
+        pp *= 2;
+    }
+    Ok(best)
 }
 
 #[cfg(test)]

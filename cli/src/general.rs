@@ -1,0 +1,665 @@
+//! `plan` and `simulate` for any graph (CNNs, RNNs, ViT, ONNX, graph JSON): the per-op (SOAP)
+//! path. Transformers from the zoo or a HuggingFace config take the structured path instead.
+
+use crate::fmt::{bytes, table};
+use crate::job::JobArgs;
+use crate::user;
+use parallax_cost::soap::{MachineView, OpCosts, Optimizer, ParallelConfig};
+use parallax_cost::{band_range, step_time_band};
+use parallax_hardware::Cluster;
+use parallax_ir::graph::NodeId;
+use parallax_ir::plan::{ClusterRef, ModelRef, OpConfig, Prediction, Training};
+use parallax_ir::{
+    load_model, AxisRole, Graph, Layout, Model, OpKind, PartialLayout, Plan, Recompute, Schedule,
+    GIB, PLAN_SCHEMA,
+};
+use parallax_planner::soap::{layout_plan, plan_graph, GraphJob, GraphPlan, SoapOptions};
+use parallax_sim::perop::{simulate_op_plan, OpPlan, OpStepPrediction, SimulatedOpStep};
+use serde_json::json;
+use std::path::Path;
+
+/// Per-device batch below which BatchNorm statistics get noisy enough to hurt convergence:
+/// the SageMaker distributed-training guide (shared/seeds) warns that splitting a batch of 64
+/// over 32 GPUs (2 per GPU) "will likely break the convergence", and Wu & He (2018, "Group
+/// Normalization", Fig. 1) measure ResNet-50's ImageNet error rising once BatchNorm sees fewer
+/// than 16 images per GPU.
+pub const BATCHNORM_MIN_PER_DEVICE: u64 = 16;
+
+/// A non-transformer job: the model (built per batch), cluster and training settings.
+pub struct GraphModel {
+    pub name: String,
+    pub model: Model,
+    pub cluster: Cluster,
+    pub seq: u64,
+    pub global_batch: u64,
+    pub precision: parallax_ir::Precision,
+    pub optimizer: Optimizer,
+}
+
+impl GraphModel {
+    /// The job when `--model` is not a transformer, else `None`.
+    pub fn load(a: &JobArgs) -> anyhow::Result<Option<GraphModel>> {
+        let model = load_model(&a.model).map_err(user)?;
+        if model.transformer().is_some() {
+            return Ok(None);
+        }
+        if a.global_batch == 0 {
+            return Err(user("--global-batch: must be at least 1"));
+        }
+        let seq = a.seq.unwrap_or(model.default_seq());
+        if seq == 0 {
+            return Err(user("--seq: must be at least 1"));
+        }
+        let cluster = Cluster::parse(&a.cluster).map_err(user)?;
+        // Image models train with SGD and momentum in every benchmark they are known from;
+        // sequence models and ONNX / graph files with Adam.
+        let probe = model.graph(1, seq.min(8), true).map_err(user)?;
+        let convolutional = probe
+            .nodes
+            .iter()
+            .any(|n| matches!(n.op, OpKind::Conv2d(_)));
+        Ok(Some(GraphModel {
+            name: model.name.clone(),
+            model,
+            cluster,
+            seq,
+            global_batch: a.global_batch,
+            precision: a.precision,
+            optimizer: if convolutional {
+                Optimizer::SgdMomentum
+            } else {
+                Optimizer::Adam
+            },
+        }))
+    }
+
+    fn build(&self, batch: u64) -> Result<Graph, String> {
+        self.model
+            .graph(batch, self.seq, true)
+            .map_err(|e| e.to_string())
+    }
+
+    fn costs<'a>(&'a self, g: &'a Graph) -> anyhow::Result<OpCosts<'a>> {
+        let mut c = OpCosts::new(g, &self.cluster.profile, self.cluster.gpus, self.precision)
+            .map_err(|e| user(format!("--precision: {e}")))?;
+        c.optimizer = self.optimizer;
+        Ok(c)
+    }
+}
+
+/// `parallax plan` for a graph.
+pub fn plan(
+    job: &GraphModel,
+    cluster_spec: &str,
+    json_out: bool,
+    out: Option<&Path>,
+    force: bool,
+) -> anyhow::Result<()> {
+    if let Some(dir) = out {
+        prepare_out(dir, force)?;
+    }
+    let build = |b: u64| job.build(b);
+    let gj = GraphJob {
+        build: &build,
+        profile: &job.cluster.profile,
+        gpus: job.cluster.gpus,
+        precision: job.precision,
+        optimizer: job.optimizer,
+        global_batch: job.global_batch,
+    };
+    let r = plan_graph(&gj, &SoapOptions::default()).map_err(|e| {
+        user(format!(
+            "--model {} on --cluster {cluster_spec}: {e}",
+            job.name
+        ))
+    })?;
+    let g = job.build(r.micro_batch).map_err(user)?;
+    let mut costs = job.costs(&g)?;
+    let sim = simulate_op_plan(&mut costs, &r.plan, job.global_batch).map_err(user)?;
+    let band = step_time_band(&job.cluster.profile);
+    let plan_doc = plan_document(job, cluster_spec, &costs, &r.plan, &sim.prediction, band);
+    if let Some(dir) = out {
+        write_out(
+            dir,
+            &plan_doc,
+            &sim,
+            &report_lines(job, cluster_spec, &costs, &r, &sim.prediction, band),
+        )?;
+    }
+    if json_out {
+        let mut doc = prediction_json(job, &costs, &r.plan, &sim.prediction, band);
+        doc["plan"] = serde_json::to_value(&plan_doc)?;
+        doc["search"] = json!({
+            "candidates": r.counts.candidates,
+            "simulated": r.counts.simulated,
+            "accepted": r.counts.accepted,
+            "rejected": r.counts.rejected,
+            "exact": r.counts.exact,
+        });
+        doc["data_parallel_step_time_s"] = json!(r.data_parallel.as_ref().map(|p| p.step_time_s));
+        doc["speedup_over_data_parallel"] = json!(r
+            .data_parallel
+            .as_ref()
+            .map(|p| p.step_time_s / sim.prediction.step_time_s));
+        doc["best_uniform"] = json!(r.best_uniform.as_ref().map(|(n, p)| json!({
+            "pattern": n, "step_time_s": p.step_time_s,
+        })));
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        for l in report_lines(job, cluster_spec, &costs, &r, &sim.prediction, band) {
+            println!("{l}");
+        }
+    }
+    Ok(())
+}
+
+/// `parallax simulate` for a graph: a plan JSON with per-op configurations, or an inline
+/// layout (`dp`, `tp`, `pp`, `mb`, `schedule`, `recompute=full`).
+pub fn simulate(
+    job: &GraphModel,
+    cluster_spec: &str,
+    spec: &str,
+    json_out: bool,
+    trace: Option<&Path>,
+) -> anyhow::Result<()> {
+    let gpus = job.cluster.gpus;
+    let path = Path::new(spec);
+    let (plan_in, micro_batch): (Option<Plan>, u64) = if spec.ends_with(".json") || path.is_file() {
+        let p = crate::read_plan(path)?;
+        let m = u64::from(p.micro_batches.unwrap_or(1));
+        (Some(p), job.global_batch / m)
+    } else {
+        let l = PartialLayout::parse(spec).map_err(|e| user(format!("--plan: {e}")))?;
+        for (k, v) in [("cp", l.cp), ("ep", l.ep), ("interleave", l.interleave)] {
+            if v.is_some_and(|v| v > 1) {
+                return Err(user(format!(
+                    "--plan: {k}: {} is a transformer knob; per-op plans of this model take dp, tp, pp, mb, schedule and recompute",
+                    job.name
+                )));
+            }
+        }
+        let tp = l.tp.unwrap_or(1);
+        let pp = l.pp.unwrap_or(1);
+        let dp = l.dp.unwrap_or(gpus / (tp * pp).max(1));
+        if u64::from(dp) * u64::from(tp) * u64::from(pp) != u64::from(gpus) {
+            return Err(user(format!(
+                "--plan: dp × tp × pp = {} but the cluster has {gpus} devices",
+                u64::from(dp) * u64::from(tp) * u64::from(pp)
+            )));
+        }
+        let mb = l.micro_batch.unwrap_or(job.global_batch / u64::from(dp));
+        let per_step = u64::from(dp) * mb;
+        if mb == 0 || job.global_batch % per_step != 0 {
+            return Err(user(format!(
+                "--plan: global batch {} is not a multiple of dp × mb = {per_step}",
+                job.global_batch
+            )));
+        }
+        let _ = (tp, pp);
+        (None, per_step)
+    };
+    let g = job.build(micro_batch).map_err(user)?;
+    let mut costs = job.costs(&g)?;
+    let plan = match &plan_in {
+        Some(p) => from_plan(&costs, p, spec)?,
+        None => {
+            let l = PartialLayout::parse(spec).map_err(user)?;
+            let tp = l.tp.unwrap_or(1);
+            let pp = l.pp.unwrap_or(1);
+            let dp = l.dp.unwrap_or(gpus / (tp * pp).max(1));
+            let mut p = layout_plan(&mut costs, dp, tp, pp);
+            p.micro_batches = (job.global_batch / micro_batch) as u32;
+            if let Some(s) = l.schedule {
+                p.schedule = s;
+            }
+            p.recompute = l.recompute == Some(Recompute::Full);
+            p
+        }
+    };
+    let sim = simulate_op_plan(&mut costs, &plan, job.global_batch)
+        .map_err(|e| user(format!("--plan {spec}: {e}")))?;
+    let band = step_time_band(&job.cluster.profile);
+    if let Some(t) = trace {
+        let doc = sim.trace.to_chrome_trace(&sim.graph, &sim.resources);
+        std::fs::write(t, serde_json::to_string(&doc)?)
+            .map_err(|e| user(format!("{}: cannot write: {e}", t.display())))?;
+    }
+    if json_out {
+        let doc = prediction_json(job, &costs, &plan, &sim.prediction, band);
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        let p = &sim.prediction;
+        println!("{} on {cluster_spec}: {}", job.name, summary(&costs, &plan));
+        for l in step_lines(job, p, band) {
+            println!("{l}");
+        }
+        for l in config_lines(&costs, &plan) {
+            println!("{l}");
+        }
+    }
+    Ok(())
+}
+
+/// Reads a plan's per-op configurations back; every node must be named, in order.
+fn from_plan(costs: &OpCosts, p: &Plan, origin: &str) -> anyhow::Result<OpPlan> {
+    let g = costs.graph;
+    if p.op_configs.len() != g.nodes.len() {
+        return Err(user(format!(
+            "{origin}: op_configs: {} entries, the model has {} ops",
+            p.op_configs.len(),
+            g.nodes.len()
+        )));
+    }
+    let mut configs = Vec::with_capacity(g.nodes.len());
+    for (i, (oc, node)) in p.op_configs.iter().zip(&g.nodes).enumerate() {
+        let at = format!("{origin}: op_configs[{i}]");
+        if oc.node != node.name {
+            return Err(user(format!(
+                "{at}: node '{}' where the model has '{}'",
+                oc.node, node.name
+            )));
+        }
+        let labels: Vec<char> = costs
+            .mapping(NodeId(i as u32))
+            .labels()
+            .map(|(l, _)| l)
+            .collect();
+        if oc.degrees.len() != labels.len() {
+            return Err(user(format!(
+                "{at}.degrees: {} values, op '{}' has {} axes",
+                oc.degrees.len(),
+                node.name,
+                labels.len()
+            )));
+        }
+        let degrees = labels
+            .iter()
+            .zip(&oc.degrees)
+            .filter(|(_, d)| **d != 1)
+            .map(|(l, d)| (*l, *d))
+            .collect();
+        let view = view_of(&oc.devices).ok_or_else(|| {
+            user(format!(
+                "{at}.devices: must be a non-empty run with a constant positive step"
+            ))
+        })?;
+        let cfg = ParallelConfig { degrees, view };
+        costs
+            .check(NodeId(i as u32), &cfg)
+            .map_err(|e| user(format!("{at}: {e}")))?;
+        configs.push(cfg);
+    }
+    Ok(OpPlan {
+        configs,
+        micro_batches: p.micro_batches.unwrap_or(1),
+        schedule: p.layout.schedule,
+        recompute: p.layout.recompute == Recompute::Full,
+    })
+}
+
+fn view_of(devices: &[u32]) -> Option<MachineView> {
+    let start = *devices.first()?;
+    let stride = match devices.get(1) {
+        Some(d) => d.checked_sub(start).filter(|s| *s > 0)?,
+        None => 1,
+    };
+    let ok = devices
+        .iter()
+        .enumerate()
+        .all(|(i, d)| u64::from(*d) == u64::from(start) + i as u64 * u64::from(stride));
+    ok.then_some(MachineView {
+        start,
+        size: devices.len() as u32,
+        stride,
+    })
+}
+
+/// The plan as `parallax-plan/1`.
+fn plan_document(
+    job: &GraphModel,
+    cluster_spec: &str,
+    costs: &OpCosts,
+    plan: &OpPlan,
+    p: &OpStepPrediction,
+    band: f64,
+) -> Plan {
+    let g = costs.graph;
+    let op_configs = g
+        .nodes
+        .iter()
+        .zip(&plan.configs)
+        .enumerate()
+        .map(|(i, (n, c))| OpConfig {
+            node: n.name.clone(),
+            degrees: costs
+                .mapping(NodeId(i as u32))
+                .labels()
+                .map(|(l, _)| c.degree(l))
+                .collect(),
+            devices: c.view.devices().collect(),
+        })
+        .collect();
+    let (low, high) = band_range(p.step_time_s, band);
+    let pp = p.stages.max(1);
+    Plan {
+        schema: PLAN_SCHEMA.into(),
+        model: ModelRef {
+            name: job.name.clone(),
+        },
+        cluster: ClusterRef {
+            spec: cluster_spec.to_string(),
+            gpus: job.cluster.gpus,
+        },
+        training: Training {
+            global_batch: job.global_batch,
+            seq_len: job.seq,
+            precision: job.precision,
+        },
+        layout: Layout {
+            dp: job.cluster.gpus / pp,
+            pp,
+            recompute: if plan.recompute {
+                Recompute::Full
+            } else {
+                Recompute::None
+            },
+            schedule: if pp > 1 {
+                plan.schedule
+            } else {
+                Schedule::None
+            },
+            ..Layout::default()
+        },
+        op_configs,
+        micro_batches: Some(plan.micro_batches),
+        prediction: Some(Prediction {
+            step_time_s: p.step_time_s,
+            step_time_s_low: low,
+            step_time_s_high: high,
+            tokens_per_s: p.samples_per_s,
+            mfu: p.mfu,
+            peak_memory_gib: p.peak_memory_gib,
+            fits: p.fits,
+        }),
+    }
+}
+
+/// The `simulate --json` keys, for a graph.
+fn prediction_json(
+    job: &GraphModel,
+    costs: &OpCosts,
+    plan: &OpPlan,
+    p: &OpStepPrediction,
+    band: f64,
+) -> serde_json::Value {
+    let (low, high) = band_range(p.step_time_s, band);
+    json!({
+        "model": job.name,
+        "step_time_s": p.step_time_s,
+        "step_time_s_low": low,
+        "step_time_s_high": high,
+        "samples_per_s": p.samples_per_s,
+        "tokens_per_s": p.samples_per_s * job.seq as f64,
+        "mfu": p.mfu,
+        "peak_memory_gib": p.peak_memory_gib,
+        "capacity_gib": p.capacity_gib,
+        "fits": p.fits,
+        "layout": summary(costs, plan),
+        "stages": p.stages,
+        "micro_batches": p.micro_batches,
+        "bubble_fraction": p.bubble_fraction,
+        "breakdown": p.breakdown,
+        "memory": p.memory,
+        "device_memory_gib": p.device_memory_gib,
+        "used_devices": p.used_devices,
+    })
+}
+
+/// How one op is split, by role: `sample 8 · parameter(o) 2 @ gpus 0-15`.
+fn describe(costs: &OpCosts, i: usize, c: &ParallelConfig) -> String {
+    let m = costs.mapping(NodeId(i as u32));
+    let parts: Vec<String> = c
+        .degrees
+        .iter()
+        .map(|(l, d)| {
+            let role = match m.axes.get(l).map(|a| a.role) {
+                Some(AxisRole::Sample) => "sample".to_string(),
+                Some(AxisRole::Attribute) => format!("attribute({l})"),
+                _ => format!("parameter({l})"),
+            };
+            format!("{role} {d}")
+        })
+        .collect();
+    let split = if parts.is_empty() {
+        "unsplit".to_string()
+    } else {
+        parts.join(" · ")
+    };
+    format!("{split} @ {}", c.view)
+}
+
+/// One line naming the plan's shape.
+fn summary(costs: &OpCosts, plan: &OpPlan) -> String {
+    let mut kinds: Vec<String> = (0..plan.configs.len())
+        .map(|i| describe(costs, i, &plan.configs[i]))
+        .collect();
+    kinds.sort();
+    kinds.dedup();
+    let stages: std::collections::BTreeSet<MachineView> =
+        plan.configs.iter().map(|c| c.view).collect();
+    format!(
+        "per-op plan: {} distinct configurations on {} device groups, {} micro-batch{}",
+        kinds.len(),
+        stages.len(),
+        plan.micro_batches,
+        if plan.micro_batches == 1 { "" } else { "es" }
+    )
+}
+
+/// Runs of consecutive ops sharing a configuration, one line each.
+fn config_lines(costs: &OpCosts, plan: &OpPlan) -> Vec<String> {
+    let g = costs.graph;
+    let mut rows: Vec<Vec<String>> = Vec::new();
+    let mut i = 0;
+    while i < plan.configs.len() {
+        let d = describe(costs, i, &plan.configs[i]);
+        let mut j = i + 1;
+        while j < plan.configs.len() && describe(costs, j, &plan.configs[j]) == d {
+            j += 1;
+        }
+        let ops = if j - i == 1 {
+            g.nodes[i].name.clone()
+        } else {
+            format!(
+                "{} … {} ({} ops)",
+                g.nodes[i].name,
+                g.nodes[j - 1].name,
+                j - i
+            )
+        };
+        rows.push(vec![ops, d]);
+        i = j;
+    }
+    let mut out = vec![String::new()];
+    out.extend(
+        table(&["ops", "configuration"], &rows)
+            .lines()
+            .map(String::from),
+    );
+    out
+}
+
+fn step_lines(job: &GraphModel, p: &OpStepPrediction, band: f64) -> Vec<String> {
+    let (low, high) = band_range(p.step_time_s, band);
+    let mut v = vec![
+        format!(
+            "step time   {:.4} s ({low:.4}–{high:.4} s) · {:.1} samples/s · MFU {:.1} %",
+            p.step_time_s,
+            p.samples_per_s,
+            p.mfu * 100.0
+        ),
+        format!(
+            "memory      {} peak of {} per GPU ({} of {} GPUs used, {} stage{}, {} micro-batch{}, bubble {:.0} %)",
+            bytes(p.peak_memory_gib * GIB),
+            bytes(p.capacity_gib * GIB),
+            p.used_devices,
+            job.cluster.gpus,
+            p.stages,
+            if p.stages == 1 { "" } else { "s" },
+            p.micro_batches,
+            if p.micro_batches == 1 { "" } else { "es" },
+            p.bubble_fraction * 100.0
+        ),
+    ];
+    let parts: Vec<String> = p
+        .breakdown
+        .parts()
+        .into_iter()
+        .filter(|(_, x)| *x > 0.0)
+        .map(|(k, x)| format!("{k} {x:.4} s"))
+        .collect();
+    v.push(format!("where       {}", parts.join(", ")));
+    if !p.fits {
+        v.push(format!(
+            "does not fit: {:.1} GiB needed on the fullest GPU, {:.1} GiB there",
+            p.peak_memory_gib, p.capacity_gib
+        ));
+    }
+    v
+}
+
+fn report_lines(
+    job: &GraphModel,
+    cluster_spec: &str,
+    costs: &OpCosts,
+    r: &GraphPlan,
+    p: &OpStepPrediction,
+    band: f64,
+) -> Vec<String> {
+    let mut v = vec![
+        format!(
+            "{} on {cluster_spec} ({} GPUs), global batch {}{}, {}",
+            job.name,
+            job.cluster.gpus,
+            job.global_batch,
+            if job.seq > 1 {
+                format!(" × seq {}", job.seq)
+            } else {
+                String::new()
+            },
+            job.precision.name()
+        ),
+        format!("best plan   {}", summary(costs, &r.plan)),
+    ];
+    v.extend(step_lines(job, p, band));
+    if let Some(dp) = &r.data_parallel {
+        v.push(format!(
+            "vs DP       {:.2}× the speed of data parallelism ({:.4} s per step)",
+            dp.step_time_s / p.step_time_s,
+            dp.step_time_s
+        ));
+    }
+    if let Some((name, u)) = &r.best_uniform {
+        v.push(format!(
+            "vs uniform  {:.2}× the best uniform pattern ({name}, {:.4} s)",
+            u.step_time_s / p.step_time_s,
+            u.step_time_s
+        ));
+    }
+    let rejected: Vec<String> = r
+        .counts
+        .rejected
+        .iter()
+        .map(|(k, n)| format!("{n} {k}"))
+        .collect();
+    v.push(format!(
+        "search      {} candidate op configurations; {} plans simulated{}; {} MCMC moves accepted; sequential optimum {}",
+        r.counts.candidates,
+        r.counts.simulated,
+        if rejected.is_empty() {
+            String::new()
+        } else {
+            format!(" ({} rejected)", rejected.join(", "))
+        },
+        r.counts.accepted,
+        if r.counts.exact { "exact (graph reduced)" } else { "approximate (graph did not reduce)" }
+    ));
+    if let Some(w) = batchnorm_warning(costs, &r.plan) {
+        v.push(format!("warning     {w}"));
+    }
+    v.extend(config_lines(costs, &r.plan));
+    v
+}
+
+/// A warning when BatchNorm sees too few samples per device.
+fn batchnorm_warning(costs: &OpCosts, plan: &OpPlan) -> Option<String> {
+    let g = costs.graph;
+    let smallest = g
+        .nodes
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| matches!(n.op, OpKind::BatchNorm))
+        .map(|(i, _)| {
+            let (ins, _) = costs.shapes(NodeId(i as u32));
+            let m = costs.mapping(NodeId(i as u32));
+            let n = ins[0].dims().first().copied().unwrap_or(1);
+            let split = m
+                .labels()
+                .filter(|(_, a)| a.role == AxisRole::Sample)
+                .map(|(l, _)| u64::from(plan.configs[i].degree(l)))
+                .product::<u64>();
+            n / split.max(1)
+        })
+        .min()?;
+    (smallest < BATCHNORM_MIN_PER_DEVICE).then(|| {
+        format!(
+            "BatchNorm sees {smallest} samples per device (below {BATCHNORM_MIN_PER_DEVICE}): its batch statistics get noisy and convergence can suffer; use synchronised BatchNorm, GroupNorm, or a larger batch"
+        )
+    })
+}
+
+const OUT_FILES: [&str; 3] = ["plan.json", "report.md", "trace.json"];
+
+fn prepare_out(dir: &Path, force: bool) -> anyhow::Result<()> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(user(format!(
+            "--out {}: exists and is not a folder",
+            dir.display()
+        )));
+    }
+    if !force {
+        for name in OUT_FILES {
+            if dir.join(name).exists() {
+                return Err(user(format!(
+                    "--out {}: {name} already exists (use --force to overwrite)",
+                    dir.display()
+                )));
+            }
+        }
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| user(format!("--out {}: cannot create: {e}", dir.display())))
+}
+
+fn write_out(
+    dir: &Path,
+    plan: &Plan,
+    sim: &SimulatedOpStep,
+    report: &[String],
+) -> anyhow::Result<()> {
+    let write = |name: &str, text: String| {
+        std::fs::write(dir.join(name), text)
+            .map_err(|e| user(format!("--out {}: cannot write {name}: {e}", dir.display())))
+    };
+    write("plan.json", plan.to_json())?;
+    let mut md = String::from("# parallax plan\n\n```\n");
+    for l in report {
+        md.push_str(l);
+        md.push('\n');
+    }
+    md.push_str("```\n");
+    write("report.md", md)?;
+    let trace = sim.trace.to_chrome_trace(&sim.graph, &sim.resources);
+    write("trace.json", serde_json::to_string(&trace)?)?;
+    Ok(())
+}
