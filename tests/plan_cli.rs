@@ -28,7 +28,10 @@ fn bad_plan_inputs_end_in_one_line_and_status_2() {
         (vec!["--export", "jax"], "--export"),
         (vec!["--precision", "fp64"], "--precision"),
         (vec!["--fix", "tp=x"], "--fix"),
-        (vec!["--model", "resnet50"], "not a transformer"),
+        (
+            vec!["--model", "resnet50", "--export", "megatron"],
+            "apply to transformers",
+        ),
         (vec!["--cluster", "nope:gpus=8"], "nope"),
         (vec!["--top", "0"], "--top"),
         (vec!["--max-gpus", "0"], "--max-gpus"),

@@ -1,0 +1,119 @@
+//! `plan` and `simulate` on graphs that are not transformers (the per-op path), end to end: the
+//! plan a search writes re-loads into `simulate` with the same prediction, inline layouts work,
+//! data parallelism is never beaten by the chosen plan's prediction of it, and a broken plan
+//! file is one line with status 2.
+
+use serde_json::Value;
+use std::process::{Command, Output};
+
+fn parallax(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_parallax"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn json(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+const JOB: [&str; 6] = [
+    "--model",
+    "resnet50",
+    "--cluster",
+    "dgx-a100-80gb:gpus=8",
+    "--global-batch",
+    "128",
+];
+
+#[test]
+fn a_cnn_plans_and_its_plan_reloads_with_the_same_prediction() {
+    let dir = std::env::temp_dir().join(format!("parallax-graph-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_string_lossy().into_owned();
+    let mut args = vec!["plan"];
+    args.extend(JOB);
+    args.extend(["--json", "--out", &d]);
+    let doc = json(&parallax(&args));
+    let step = doc["step_time_s"].as_f64().unwrap();
+    assert!(step > 0.0);
+    assert!(doc["mfu"].as_f64().unwrap() < 1.0);
+    assert!(doc["speedup_over_data_parallel"].as_f64().unwrap() >= 1.0 - 1e-9);
+    assert!(doc["search"]["exact"].as_bool().unwrap());
+    let ops = doc["plan"]["op_configs"].as_array().unwrap();
+    assert!(ops.len() > 100, "{}", ops.len());
+    for f in ["plan.json", "report.md", "trace.json"] {
+        assert!(dir.join(f).is_file(), "{f}");
+    }
+    // Re-simulating the written plan gives the same step time.
+    let plan = dir.join("plan.json");
+    let p = plan.to_string_lossy().into_owned();
+    let mut args = vec!["simulate"];
+    args.extend(JOB);
+    args.extend(["--plan", &p, "--json"]);
+    let again = json(&parallax(&args));
+    let t = again["step_time_s"].as_f64().unwrap();
+    assert!((t - step).abs() <= 1e-9 * step, "{t} vs {step}");
+    // A second --out into the same folder is refused.
+    let mut args = vec!["plan"];
+    args.extend(JOB);
+    args.extend(["--out", &d]);
+    let out = parallax(&args);
+    assert_eq!(out.status.code(), Some(2));
+    // A plan naming another node is one line, status 2, naming the field.
+    let text = std::fs::read_to_string(&plan).unwrap();
+    let broken = dir.join("broken.json");
+    std::fs::write(&broken, text.replacen("\"conv1\"", "\"conv0\"", 1)).unwrap();
+    let b = broken.to_string_lossy().into_owned();
+    let mut args = vec!["simulate"];
+    args.extend(JOB);
+    args.extend(["--plan", &b]);
+    let out = parallax(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains("op_configs[0]"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn inline_layouts_simulate_data_parallelism_and_pipelines() {
+    let run = |plan: &str| {
+        json(&parallax(&[
+            "simulate",
+            "--model",
+            "lstm-lm",
+            "--cluster",
+            "dgx-a100-80gb:gpus=4",
+            "--global-batch",
+            "64",
+            "--plan",
+            plan,
+            "--json",
+        ]))
+    };
+    let dp = run("dp=4");
+    assert_eq!(dp["stages"], 1);
+    assert_eq!(dp["used_devices"], 4);
+    let pp = run("dp=2,pp=2,mb=4");
+    assert_eq!(pp["stages"], 2);
+    assert_eq!(pp["micro_batches"], 8);
+    assert!(pp["bubble_fraction"].as_f64().unwrap() > 0.0);
+    let out = parallax(&[
+        "simulate",
+        "--model",
+        "lstm-lm",
+        "--cluster",
+        "dgx-a100-80gb:gpus=4",
+        "--global-batch",
+        "64",
+        "--plan",
+        "cp=2",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+}
