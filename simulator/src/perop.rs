@@ -402,11 +402,7 @@ fn add_sync_and_optimizer(
 
 /// Peak memory per device: model states of every op on it, what one micro-batch keeps for
 /// backward times the micro-batches in flight on its stage, and the workspace.
-fn device_memory(
-    costs: &OpCosts,
-    plan: &OpPlan,
-    in_flight: &dyn Fn(usize) -> f64,
-) -> Vec<MemoryGib> {
+fn device_memory(costs: &OpCosts, plan: &OpPlan, in_flight: &[f64]) -> Vec<MemoryGib> {
     let mut mem = vec![MemoryGib::default(); costs.gpus as usize];
     let mut used = vec![false; costs.gpus as usize];
     for (i, cfg) in plan.configs.iter().enumerate() {
@@ -416,7 +412,7 @@ fn device_memory(
             // activations while it is recomputed: counted as one micro-batch here.
             m.saved
         } else {
-            m.saved * in_flight(i)
+            m.saved * in_flight[i]
         };
         for d in cfg.view.devices() {
             let x = &mut mem[d as usize];
@@ -437,6 +433,19 @@ fn device_memory(
         x.total = live + x.allocator;
     }
     mem
+}
+
+/// A simulated step before memory and throughput are added.
+struct Simulated {
+    step: f64,
+    breakdown: Breakdown,
+    bubble: f64,
+    graph: TaskGraph,
+    resources: Resources,
+    trace: Trace,
+    pp: u32,
+    /// Micro-batches whose activations each node holds at its stage's peak.
+    in_flight: Vec<f64>,
 }
 
 /// Simulates one optimizer step of `plan` on the graph of `costs` (built at one micro-batch's
@@ -464,56 +473,56 @@ pub fn simulate_op_plan(
     } else {
         None
     };
-    let (step, breakdown, bubble, graph, resources, trace, pp, in_flight): (
-        f64,
-        Breakdown,
-        f64,
-        TaskGraph,
-        Resources,
-        Trace,
-        u32,
-        Box<dyn Fn(usize) -> f64>,
-    ) = match stages {
+    let r = match stages {
         None => {
             let mg = build_micro(costs, plan, &cls, true)?;
             let trace = simulate(&mg.graph, &mg.costs, &mg.resources)?;
-            let (step, bd) = accumulation_breakdown(&mg, &trace, m);
-            (
+            let (step, breakdown) = accumulation_breakdown(&mg, &trace, m);
+            Simulated {
                 step,
-                bd,
-                0.0,
-                mg.graph,
-                mg.resources,
+                breakdown,
+                bubble: 0.0,
+                graph: mg.graph,
+                resources: mg.resources,
                 trace,
-                1,
-                Box::new(|_| 1.0),
-            )
+                pp: 1,
+                in_flight: vec![1.0; n],
+            }
         }
         Some(stage) => {
             let pp = stage.iter().max().map_or(1, |s| s + 1);
             let mg = build_micro(costs, plan, &cls, false)?;
             let micro = simulate(&mg.graph, &mg.costs, &mg.resources)?;
-            let (pg_graph, pg_res, trace, bd, bubble) =
+            let (graph, resources, trace, breakdown, bubble) =
                 pipeline_step(costs, plan, &mg, &micro, &stage, pp, m)?;
             let kind = ScheduleKind::of(plan.schedule, pp);
             let schedule = PipelineSchedule::generate(kind, pp, m, 1)?;
-            let flights: Vec<f64> = (0..pp)
-                .map(|s| f64::from(schedule.max_in_flight(s)))
-                .collect();
-            let step = trace.makespan.0;
-            (
-                step,
-                bd,
+            Simulated {
+                step: trace.makespan.0,
+                breakdown,
                 bubble,
-                pg_graph,
-                pg_res,
+                graph,
+                resources,
                 trace,
                 pp,
-                Box::new(move |i| flights[stage[i] as usize]),
-            )
+                in_flight: stage
+                    .iter()
+                    .map(|s| f64::from(schedule.max_in_flight(*s)))
+                    .collect(),
+            }
         }
     };
-    let mem = device_memory(costs, plan, &*in_flight);
+    let Simulated {
+        step,
+        breakdown,
+        bubble,
+        graph,
+        resources,
+        trace,
+        pp,
+        in_flight,
+    } = r;
+    let mem = device_memory(costs, plan, &in_flight);
     let memory = mem
         .iter()
         .copied()
