@@ -371,9 +371,15 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             &["clusters", "--show", &neg_nic],
             &["negnic.toml", "nic_gbit"],
         ),
+        // A per-op plan takes dp, tp, pp, mb, schedule and recompute; cp is a transformer knob.
         case(
-            &sim(&["--model", "resnet50"]),
-            &["resnet50", "transformers"],
+            &sim(&["--model", "resnet50", "--plan", "cp=2"]),
+            &["--plan", "cp", "transformer"],
+        ),
+        // dp × tp × pp must be the cluster's device count.
+        case(
+            &sim(&["--model", "resnet50", "--plan", "dp=3,tp=2"]),
+            &["--plan", "8 devices"],
         ),
         case(&sim(&["--cluster", "dgx-z900:gpus=8"]), &["dgx-z900"]),
         case(&sim(&["--plan", "tp=0"]), &["--plan", "tp"]),
