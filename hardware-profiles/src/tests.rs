@@ -64,7 +64,7 @@ fn good_profile_parses() {
 #[test]
 fn every_preset_parses_and_validates() {
     let list = presets();
-    assert_eq!(list.len(), 15);
+    assert_eq!(list.len(), 18);
     for (name, desc) in list {
         let p = preset(name).unwrap_or_else(|e| panic!("{name}: {e}"));
         p.validate().unwrap();
@@ -92,6 +92,9 @@ fn preset_names_are_the_required_ones() {
         "aws-p3dn-v100-32gb",
         "aws-p4d-a100-40gb",
         "aws-p5-h100-80gb",
+        "dgx1-v100-16gb",
+        "dgx1-v100-32gb",
+        "dgx2h-v100-32gb",
         "titan-rtx-2x-nvlink",
         "titan-rtx-2x-pcie",
         "cpu-local",
@@ -226,6 +229,9 @@ fn volta_and_turing_have_no_bf16_tf32_or_fp8() {
         "dgx2-v100-32gb",
         "jean-zay-v100-16gb",
         "aws-p3dn-v100-32gb",
+        "dgx1-v100-16gb",
+        "dgx1-v100-32gb",
+        "dgx2h-v100-32gb",
         "titan-rtx-2x-nvlink",
     ] {
         let p = preset(name).unwrap();
@@ -237,6 +243,45 @@ fn volta_and_turing_have_no_bf16_tf32_or_fp8() {
             assert!(msg.contains(&format!("preset {name}")), "{msg}");
         }
     }
+}
+
+#[test]
+fn dgx1_volta_and_dgx2h_presets_have_their_datasheet_numbers() {
+    let tf = |p: &ClusterProfile, x: Precision| p.device.peak_tflops(x);
+    let base = preset("dgx2-v100-32gb").unwrap();
+
+    // DGX-1 Volta: V100-SXM2 at 300 W, 16 or 32 GB, hybrid cube mesh, 4 EDR NICs.
+    for (name, mem) in [("dgx1-v100-16gb", 16.0), ("dgx1-v100-32gb", 32.0)] {
+        let p = preset(name).unwrap();
+        assert_eq!(p.device.hbm_gib, mem);
+        assert_eq!(tf(&p, Precision::Fp16), Some(125.0));
+        assert_eq!(tf(&p, Precision::Fp32), Some(15.7));
+        assert_eq!(p.device.tdp_w, Some(300.0));
+        assert_eq!(p.node.gpus_per_node, 8);
+        assert_eq!(p.node.intra_fabric, FabricKind::NvlinkMesh);
+        assert_eq!(p.node.intra_gbps, 150.0);
+        let net = p.network.as_ref().unwrap();
+        assert_eq!((net.nics_per_node, net.nic_gbit), (4, 100.0));
+        // The fit writes one value per chip family into every preset of it.
+        assert_eq!(
+            p.device.sustained_efficiency,
+            base.device.sustained_efficiency
+        );
+    }
+
+    // DGX-2H: DGX-2's topology, 450 W parts ~4 % faster (2.1 vs 2 PFLOPS per 16 GPUs).
+    let h = preset("dgx2h-v100-32gb").unwrap();
+    assert_eq!(h.node, base.node);
+    assert_eq!(
+        h.device.sustained_efficiency,
+        base.device.sustained_efficiency
+    );
+    assert_eq!(h.network, base.network);
+    assert_eq!(h.device.tdp_w, Some(450.0));
+    let ratio = tf(&h, Precision::Fp16).unwrap() / tf(&base, Precision::Fp16).unwrap();
+    assert!((1.03..=1.06).contains(&ratio), "{ratio}");
+    let fp32 = tf(&h, Precision::Fp32).unwrap() / tf(&base, Precision::Fp32).unwrap();
+    assert!(close(fp32, ratio, 0.01), "{fp32} vs {ratio}");
 }
 
 #[test]
