@@ -64,7 +64,7 @@ fn good_profile_parses() {
 #[test]
 fn every_preset_parses_and_validates() {
     let list = presets();
-    assert_eq!(list.len(), 15);
+    assert_eq!(list.len(), 24);
     for (name, desc) in list {
         let p = preset(name).unwrap_or_else(|e| panic!("{name}: {e}"));
         p.validate().unwrap();
@@ -92,6 +92,15 @@ fn preset_names_are_the_required_ones() {
         "aws-p3dn-v100-32gb",
         "aws-p4d-a100-40gb",
         "aws-p5-h100-80gb",
+        "dgx1-p100-16gb",
+        "dgx1-v100-16gb",
+        "dgx1-v100-32gb",
+        "dgx2h-v100-32gb",
+        "aws-p2-8xlarge-k80",
+        "gce-k80x8",
+        "p40x8-pcie",
+        "p100x4-nvlink-edr",
+        "k80x4-pcie-fdr",
         "titan-rtx-2x-nvlink",
         "titan-rtx-2x-pcie",
         "cpu-local",
@@ -226,6 +235,9 @@ fn volta_and_turing_have_no_bf16_tf32_or_fp8() {
         "dgx2-v100-32gb",
         "jean-zay-v100-16gb",
         "aws-p3dn-v100-32gb",
+        "dgx1-v100-16gb",
+        "dgx1-v100-32gb",
+        "dgx2h-v100-32gb",
         "titan-rtx-2x-nvlink",
     ] {
         let p = preset(name).unwrap();
@@ -237,6 +249,135 @@ fn volta_and_turing_have_no_bf16_tf32_or_fp8() {
             assert!(msg.contains(&format!("preset {name}")), "{msg}");
         }
     }
+}
+
+#[test]
+fn dgx1_volta_and_dgx2h_presets_have_their_datasheet_numbers() {
+    let tf = |p: &ClusterProfile, x: Precision| p.device.peak_tflops(x);
+    let base = preset("dgx2-v100-32gb").unwrap();
+
+    // DGX-1 Volta: V100-SXM2 at 300 W, 16 or 32 GB, hybrid cube mesh, 4 EDR NICs.
+    for (name, mem) in [("dgx1-v100-16gb", 16.0), ("dgx1-v100-32gb", 32.0)] {
+        let p = preset(name).unwrap();
+        assert_eq!(p.device.hbm_gib, mem);
+        assert_eq!(tf(&p, Precision::Fp16), Some(125.0));
+        assert_eq!(tf(&p, Precision::Fp32), Some(15.7));
+        assert_eq!(p.device.tdp_w, Some(300.0));
+        assert_eq!(p.node.gpus_per_node, 8);
+        assert_eq!(p.node.intra_fabric, FabricKind::NvlinkMesh);
+        assert_eq!(p.node.intra_gbps, 150.0);
+        let net = p.network.as_ref().unwrap();
+        assert_eq!((net.nics_per_node, net.nic_gbit), (4, 100.0));
+        // The fit writes one value per chip family into every preset of it.
+        assert_eq!(
+            p.device.sustained_efficiency,
+            base.device.sustained_efficiency
+        );
+    }
+
+    // DGX-2H: DGX-2's topology, 450 W parts ~4 % faster (2.1 vs 2 PFLOPS per 16 GPUs).
+    let h = preset("dgx2h-v100-32gb").unwrap();
+    assert_eq!(h.node, base.node);
+    assert_eq!(
+        h.device.sustained_efficiency,
+        base.device.sustained_efficiency
+    );
+    assert_eq!(h.network, base.network);
+    assert_eq!(h.device.tdp_w, Some(450.0));
+    let ratio = tf(&h, Precision::Fp16).unwrap() / tf(&base, Precision::Fp16).unwrap();
+    assert!((1.03..=1.06).contains(&ratio), "{ratio}");
+    let fp32 = tf(&h, Precision::Fp32).unwrap() / tf(&base, Precision::Fp32).unwrap();
+    assert!(close(fp32, ratio, 0.01), "{fp32} vs {ratio}");
+}
+
+#[test]
+fn pascal_and_kepler_presets_have_their_datasheet_numbers() {
+    let tf = |p: &ClusterProfile, x: Precision| p.device.peak_tflops(x);
+    let gib = |p: &ClusterProfile| p.device.hbm_gib;
+
+    // Pascal P100-SXM2: fp16 at twice the fp32 rate, no tensor-core precisions; mixed-precision
+    // GEMMs (fp32 accumulation) reach only the fp32 rate.
+    for name in ["dgx1-p100-16gb", "p100x4-nvlink-edr"] {
+        let p = preset(name).unwrap();
+        assert_eq!(p.device.name, "P100-SXM2-16GB");
+        assert_eq!((gib(&p), p.device.hbm_gbps), (16.0, 732.0));
+        assert_eq!(tf(&p, Precision::Fp32), Some(10.6));
+        assert_eq!(tf(&p, Precision::Fp16), Some(2.0 * 10.6));
+        assert_eq!(
+            p.device.supported_precisions(),
+            vec![Precision::Fp32, Precision::Fp16]
+        );
+        let f = 1e11;
+        let fp16 =
+            tf(&p, Precision::Fp16).unwrap() * p.device.matmul_efficiency_for(Precision::Fp16, f);
+        let fp32 =
+            tf(&p, Precision::Fp32).unwrap() * p.device.matmul_efficiency_for(Precision::Fp32, f);
+        assert!(close(fp16, fp32, 1e-9), "{name}: {fp16} vs {fp32}");
+        assert_eq!(p.node.intra_fabric, FabricKind::NvlinkMesh);
+        assert_eq!(p.node.intra_gbps, 80.0); // 4 NVLink 1.0 links x 20 GB/s
+        assert!(!p.device.has_fused_attention());
+    }
+    let d = preset("dgx1-p100-16gb").unwrap();
+    assert_eq!(d.node.gpus_per_node, 8);
+    let net = d.network.as_ref().unwrap();
+    assert_eq!((net.nics_per_node, net.nic_gbit), (4, 100.0));
+    let ff = preset("p100x4-nvlink-edr").unwrap();
+    assert_eq!(ff.node.gpus_per_node, 4);
+    assert_eq!(ff.network.as_ref().unwrap().nic_gbit, 100.0);
+
+    // A K80 "GPU" is one GK210 die: 12 GiB, 240 GB/s, half a board's 8.74 TFLOPS, fp32 only.
+    for name in ["aws-p2-8xlarge-k80", "gce-k80x8", "k80x4-pcie-fdr"] {
+        let p = preset(name).unwrap();
+        assert_eq!((gib(&p), p.device.hbm_gbps), (12.0, 240.0), "{name}");
+        assert_eq!(tf(&p, Precision::Fp32), Some(4.37));
+        assert_eq!(p.device.supported_precisions(), vec![Precision::Fp32]);
+        let e = p.peak_flops(Precision::Fp16).unwrap_err();
+        assert!(matches!(e, HwError::UnsupportedPrecision { .. }), "{e}");
+        assert_eq!(p.node.intra_fabric, FabricKind::Pcie);
+        assert_eq!(p.node.intra_gbps, 15.75);
+        // Two dies share their board's x16 uplink.
+        assert_eq!(p.node.pcie_host_gbps, Some(15.75 / 2.0));
+    }
+    let aws = preset("aws-p2-8xlarge-k80").unwrap();
+    assert_eq!(aws.node.gpus_per_node, 8);
+    assert_eq!(aws.network.as_ref().unwrap().node_bandwidth().0 * 8.0, 10e9);
+    assert_eq!(
+        Cluster::parse("aws-p2-8xlarge-k80:gpus=64")
+            .unwrap()
+            .nodes(),
+        8
+    );
+    let gce = preset("gce-k80x8").unwrap();
+    assert_eq!(gce.node.gpus_per_node, 8);
+    assert_eq!(gce.network.as_ref().unwrap().nic_gbit, 16.0);
+    let k = preset("k80x4-pcie-fdr").unwrap();
+    assert_eq!(k.node.gpus_per_node, 4); // 4 dies = 2 boards per node
+    let net = k.network.as_ref().unwrap();
+    assert_eq!(net.nic_gbit, 56.0);
+    // FDR's 56 Gb/s is signalling: the achieved share sits below EDR's 0.96.
+    assert!(k.collectives.inter_busbw_efficiency.unwrap() < 0.96);
+
+    // P40: 24 GB GDDR5, fp32 only (GP102's fp16 rate is 1/64), one server, no network.
+    let p40 = preset("p40x8-pcie").unwrap();
+    assert_eq!((gib(&p40), p40.device.hbm_gbps), (24.0, 346.0));
+    assert_eq!(p40.device.supported_precisions(), vec![Precision::Fp32]);
+    assert_eq!(p40.node.gpus_per_node, 8);
+    assert_eq!(p40.node.intra_fabric, FabricKind::Pcie);
+    assert!(p40.network.is_none());
+    assert!(Cluster::parse("p40x8-pcie:gpus=16").is_err());
+
+    // GEMM curves of the SIMT chips: monotone, and a K80 die (13 SMX) saturates at smaller
+    // GEMMs than a P100 (56 SMs).
+    for name in ["dgx1-p100-16gb", "aws-p2-8xlarge-k80", "p40x8-pcie"] {
+        let dev = preset(name).unwrap().device;
+        let mut prev = 0.0;
+        for k in 0..60 {
+            let e = dev.matmul_efficiency(10f64.powf(6.0 + k as f64 * 0.1));
+            assert!(e >= prev, "{name}");
+            prev = e;
+        }
+    }
+    assert!(aws.device.matmul_efficiency(1e8) > d.device.matmul_efficiency(1e8));
 }
 
 #[test]
