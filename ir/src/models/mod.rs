@@ -1,6 +1,7 @@
 //! Built-in model definitions.
 
 pub mod cnn;
+pub mod resnet;
 pub mod rnn;
 pub mod transformer;
 pub mod vision;

@@ -197,7 +197,7 @@ pub fn entries() -> Vec<ZooEntry> {
 
 /// Non-transformer entries: CNNs, ViT and an LSTM language model.
 fn extra_entries() -> Vec<ZooEntry> {
-    use super::{cnn, rnn, vision};
+    use super::{cnn, resnet, rnn, vision};
     let e = |name, family, published_params: f64, source, def| ZooEntry {
         name,
         family,
@@ -208,8 +208,16 @@ fn extra_entries() -> Vec<ZooEntry> {
     };
     vec![
         e("vit-l16", "vit", 304_326_632.0, "timm vit_large_patch16_224 (Dosovitskiy et al. 2021 round it to 307M)", ZooDef::Batched(vision::vit_l16)),
-        e("resnet50", "resnet", 25_557_032.0, "torchvision resnet50 weights table (IMAGENET1K_V1)", ZooDef::Batched(cnn::resnet50)),
-        e("resnet101", "resnet", 44_549_160.0, "torchvision resnet101 weights table (IMAGENET1K_V1)", ZooDef::Batched(cnn::resnet101)),
+        e("resnet50", "resnet", 25_557_032.0, "torchvision resnet50 weights table (IMAGENET1K_V1)", ZooDef::Batched(resnet::resnet50)),
+        e("resnet101", "resnet", 44_549_160.0, "torchvision resnet101 weights table (IMAGENET1K_V1)", ZooDef::Batched(resnet::resnet101)),
+        e("resnet152", "resnet", 60_192_808.0, "torchvision resnet152 weights table (IMAGENET1K_V1)", ZooDef::Batched(resnet::resnet152)),
+        e(
+            "resnext101-32x4d",
+            "resnext",
+            44_177_704.0,
+            "timm resnext101_32x4d (model card: 44.2 M params, 8.0 GMACs; Xie et al. 2017's ResNeXt-101 32x4d, as ported by pretrainedmodels); torchvision ships only 32x8d",
+            ZooDef::Batched(resnet::resnext101_32x4d),
+        ),
         e("inception-v3", "inception", 27_161_264.0, "torchvision inception_v3 weights table (with the auxiliary head)", ZooDef::Batched(cnn::inception_v3)),
         e(
             "lstm-lm",
