@@ -1,5 +1,6 @@
 //! Built-in model definitions.
 
+pub mod classic;
 pub mod cnn;
 pub mod resnet;
 pub mod rnn;

@@ -197,7 +197,7 @@ pub fn entries() -> Vec<ZooEntry> {
 
 /// Non-transformer entries: CNNs, ViT and an LSTM language model.
 fn extra_entries() -> Vec<ZooEntry> {
-    use super::{cnn, resnet, rnn, vision};
+    use super::{classic, cnn, resnet, rnn, vision};
     let e = |name, family, published_params: f64, source, def| ZooEntry {
         name,
         family,
@@ -208,6 +208,8 @@ fn extra_entries() -> Vec<ZooEntry> {
     };
     vec![
         e("vit-l16", "vit", 304_326_632.0, "timm vit_large_patch16_224 (Dosovitskiy et al. 2021 round it to 307M)", ZooDef::Batched(vision::vit_l16)),
+        e("alexnet", "alexnet", 61_100_840.0, "torchvision alexnet weights table (IMAGENET1K_V1)", ZooDef::Batched(classic::alexnet)),
+        e("vgg16", "vgg", 138_357_544.0, "torchvision vgg16 weights table (IMAGENET1K_V1)", ZooDef::Batched(classic::vgg16)),
         e("resnet50", "resnet", 25_557_032.0, "torchvision resnet50 weights table (IMAGENET1K_V1)", ZooDef::Batched(resnet::resnet50)),
         e("resnet101", "resnet", 44_549_160.0, "torchvision resnet101 weights table (IMAGENET1K_V1)", ZooDef::Batched(resnet::resnet101)),
         e("resnet152", "resnet", 60_192_808.0, "torchvision resnet152 weights table (IMAGENET1K_V1)", ZooDef::Batched(resnet::resnet152)),
