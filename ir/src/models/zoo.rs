@@ -195,7 +195,7 @@ pub fn entries() -> Vec<ZooEntry> {
     v
 }
 
-/// Non-transformer entries: CNNs, ViT and an LSTM language model.
+/// Non-transformer entries: CNNs, ViTs, recurrent models and a recommender.
 fn extra_entries() -> Vec<ZooEntry> {
     use super::{classic, cnn, resnet, rnn, vision};
     let e = |name, family, published_params: f64, source, def| ZooEntry {
@@ -206,8 +206,26 @@ fn extra_entries() -> Vec<ZooEntry> {
         source,
         def,
     };
+    // A figure the source rounds (precision as in `entries`).
+    let r = |name, family, published_params: f64, precision: f64, source, def| ZooEntry {
+        name,
+        family,
+        published_params,
+        published_precision: precision,
+        source,
+        def,
+    };
     vec![
+        e("vit-b16", "vit", 86_567_656.0, "timm vit_base_patch16_224 (Dosovitskiy et al. 2021 round it to 86M)", ZooDef::Batched(vision::vit_b16)),
         e("vit-l16", "vit", 304_326_632.0, "timm vit_large_patch16_224 (Dosovitskiy et al. 2021 round it to 307M)", ZooDef::Batched(vision::vit_l16)),
+        r(
+            "vit-g14",
+            "vit",
+            1011e6,
+            rounded(1011.0, 0.5),
+            "Zhai et al. 2022, 'Scaling Vision Transformers', table 2 (ViT-g/14: width 1408, depth 40, MLP 6144, 16 heads, 1011M)",
+            ZooDef::Batched(vision::vit_g14),
+        ),
         e("alexnet", "alexnet", 61_100_840.0, "torchvision alexnet weights table (IMAGENET1K_V1)", ZooDef::Batched(classic::alexnet)),
         e("vgg16", "vgg", 138_357_544.0, "torchvision vgg16 weights table (IMAGENET1K_V1)", ZooDef::Batched(classic::vgg16)),
         e("resnet50", "resnet", 25_557_032.0, "torchvision resnet50 weights table (IMAGENET1K_V1)", ZooDef::Batched(resnet::resnet50)),
