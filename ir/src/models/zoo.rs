@@ -246,6 +246,28 @@ fn extra_entries() -> Vec<ZooEntry> {
             "2 x 1024 LSTM on Penn Treebank words (vocab 10000): PyTorch's count 37,283,600 minus one of its two bias vectors per layer (8,192)",
             ZooDef::Sequence(rnn::lstm_lm),
         ),
+        e(
+            "lstm-lm-small",
+            "lstm",
+            4_651_600.0,
+            "Zaremba et al. 2014 small PTB model (2 x 200, vocab 10000, unroll 20), counted as TensorFlow's ptb_word_lm.py SmallConfig builds it (one bias per layer; PyTorch's two make it 4,653,200); the paper prints no count",
+            ZooDef::Sequence(rnn::lstm_lm_small),
+        ),
+        r(
+            "lstm-lm-big",
+            "lstm",
+            66e6,
+            rounded(66.0, 0.5),
+            "Zaremba et al. 2014 large PTB model (2 x 1500, vocab 10000, unroll 35): 66M in Merity et al. 2017 (AWD-LSTM), table 1",
+            ZooDef::Sequence(rnn::lstm_lm_big),
+        ),
+        e(
+            "rnn-text-classifier",
+            "lstm",
+            52_788_226.0,
+            "FlexFlow's RNNTC (Jia et al., SysML 2019, table 2: 4 recurrent layers + softmax, Movie Reviews); widths not published: 1024 hidden and Kim 2014's MR vocabulary 18,765 chosen here, count computed from that shape",
+            ZooDef::Sequence(rnn::rnn_text_classifier),
+        ),
     ]
 }
 
