@@ -2,6 +2,7 @@
 
 pub mod classic;
 pub mod cnn;
+pub mod gnmt;
 pub mod resnet;
 pub mod rnn;
 pub mod transformer;

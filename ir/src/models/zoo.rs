@@ -197,7 +197,7 @@ pub fn entries() -> Vec<ZooEntry> {
 
 /// Non-transformer entries: CNNs, ViTs, recurrent models and a recommender.
 fn extra_entries() -> Vec<ZooEntry> {
-    use super::{classic, cnn, resnet, rnn, vision};
+    use super::{classic, cnn, gnmt, resnet, rnn, vision};
     let e = |name, family, published_params: f64, source, def| ZooEntry {
         name,
         family,
@@ -267,6 +267,13 @@ fn extra_entries() -> Vec<ZooEntry> {
             52_788_226.0,
             "FlexFlow's RNNTC (Jia et al., SysML 2019, table 2: 4 recurrent layers + softmax, Movie Reviews); widths not published: 1024 hidden and Kim 2014's MR vocabulary 18,765 chosen here, count computed from that shape",
             ZooDef::Sequence(rnn::rnn_text_classifier),
+        ),
+        e(
+            "gnmt-v2",
+            "gnmt",
+            160_671_297.0,
+            "MLPerf Training GNMT v2 (NVIDIA DeepLearningExamples PyTorch GNMT v2 / MLPerf rnn_translator): NVIDIA's MLPerf GNMT optimizer tests state 'MLPerf GNMT has 160671297 parameters' and MLBench's GNMT task the same 160,671,297 (PyTorch's count, two biases per LSTM)",
+            ZooDef::Sequence(gnmt::gnmt_v2),
         ),
     ]
 }
