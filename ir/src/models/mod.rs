@@ -2,6 +2,7 @@
 
 pub mod classic;
 pub mod cnn;
+pub mod dlrm;
 pub mod gnmt;
 pub mod resnet;
 pub mod rnn;

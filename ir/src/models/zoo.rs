@@ -197,7 +197,7 @@ pub fn entries() -> Vec<ZooEntry> {
 
 /// Non-transformer entries: CNNs, ViTs, recurrent models and a recommender.
 fn extra_entries() -> Vec<ZooEntry> {
-    use super::{classic, cnn, gnmt, resnet, rnn, vision};
+    use super::{classic, cnn, dlrm, gnmt, resnet, rnn, vision};
     let e = |name, family, published_params: f64, source, def| ZooEntry {
         name,
         family,
@@ -274,6 +274,13 @@ fn extra_entries() -> Vec<ZooEntry> {
             160_671_297.0,
             "MLPerf Training GNMT v2 (NVIDIA DeepLearningExamples PyTorch GNMT v2 / MLPerf rnn_translator): NVIDIA's MLPerf GNMT optimizer tests state 'MLPerf GNMT has 160671297 parameters' and MLBench's GNMT task the same 160,671,297 (PyTorch's count, two biases per LSTM)",
             ZooDef::Sequence(gnmt::gnmt_v2),
+        ),
+        e(
+            "dlrm",
+            "dlrm",
+            24_036_595_969.0,
+            "MLPerf Training reference DLRM on Criteo Terabyte (facebookresearch/dlrm dlrm_s_pytorch.py with --max-ind-range=40000000: its 26 table sizes, 128-wide embeddings, bottom MLP 13-512-256-128, top MLP 479-1024-1024-512-256-1); count computed from those shapes",
+            ZooDef::Batched(dlrm::dlrm_mlperf),
         ),
     ]
 }
