@@ -1,5 +1,6 @@
 //! Built-in model definitions.
 
+pub mod amoebanet;
 pub mod classic;
 pub mod cnn;
 pub mod dlrm;

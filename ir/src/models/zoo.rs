@@ -197,7 +197,7 @@ pub fn entries() -> Vec<ZooEntry> {
 
 /// Non-transformer entries: CNNs, ViTs, recurrent models and a recommender.
 fn extra_entries() -> Vec<ZooEntry> {
-    use super::{classic, cnn, dlrm, gnmt, resnet, rnn, vision};
+    use super::{amoebanet, classic, cnn, dlrm, gnmt, resnet, rnn, vision};
     let e = |name, family, published_params: f64, source, def| ZooEntry {
         name,
         family,
@@ -281,6 +281,13 @@ fn extra_entries() -> Vec<ZooEntry> {
             24_036_595_969.0,
             "MLPerf Training reference DLRM on Criteo Terabyte (facebookresearch/dlrm dlrm_s_pytorch.py with --max-ind-range=40000000: its 26 table sizes, 128-wide embeddings, bottom MLP 13-512-256-128, top MLP 479-1024-1024-512-256-1); count computed from those shapes",
             ZooDef::Batched(dlrm::dlrm_mlperf),
+        ),
+        e(
+            "amoebanet-d-18-256",
+            "amoebanet",
+            122_470_120.0,
+            "torchgpipe benchmarks/models/amoebanet amoebanetd(num_classes=1000, num_layers=18, num_filters=256), counted from the code (no published count for (18, 256)); the same builder reproduces torchgpipe's published (18, 208) 81.5M and (18, 416) 319.0M (docs/benchmarks.rst)",
+            ZooDef::Batched(amoebanet::amoebanet_d_18_256),
         ),
     ]
 }
