@@ -8,6 +8,7 @@ pub mod gnmt;
 pub mod resnet;
 pub mod rnn;
 pub mod transformer;
+pub mod unet;
 pub mod vision;
 pub mod zoo;
 

@@ -197,7 +197,7 @@ pub fn entries() -> Vec<ZooEntry> {
 
 /// Non-transformer entries: CNNs, ViTs, recurrent models and a recommender.
 fn extra_entries() -> Vec<ZooEntry> {
-    use super::{amoebanet, classic, cnn, dlrm, gnmt, resnet, rnn, vision};
+    use super::{amoebanet, classic, cnn, dlrm, gnmt, resnet, rnn, unet, vision};
     let e = |name, family, published_params: f64, source, def| ZooEntry {
         name,
         family,
@@ -288,6 +288,13 @@ fn extra_entries() -> Vec<ZooEntry> {
             122_470_120.0,
             "torchgpipe benchmarks/models/amoebanet amoebanetd(num_classes=1000, num_layers=18, num_filters=256), counted from the code (no published count for (18, 256)); the same builder reproduces torchgpipe's published (18, 208) 81.5M and (18, 416) 319.0M (docs/benchmarks.rst)",
             ZooDef::Batched(amoebanet::amoebanet_d_18_256),
+        ),
+        e(
+            "unet-b5-c64",
+            "unet",
+            232_687_328.0,
+            "torchgpipe benchmarks/models/unet unet(depth=5, num_convs=5, base_channels=64, input_channels=3, output_channels=1), conv weights counted from the code (no published count for (5, 64); 232,735,520 here with the InstanceNorm stand-ins' scales); the same builder reproduces torchgpipe's published (6, 72) 362.2M and (11, 128) 2.21B (docs/benchmarks.rst)",
+            ZooDef::Batched(unet::unet_b5_c64),
         ),
     ]
 }
