@@ -11,8 +11,8 @@ use crate::graph::{Graph, GraphBuilder, GraphError, Segment, TensorId};
 use crate::op::{Activation, AxisAttrs, MatMulAttrs, OpKind, ReshapeAttrs, SplitAttrs};
 
 /// Rows of the 26 embedding tables: the Criteo Terabyte category counts with indices hashed
-/// into 40 M (`--max-ind-range=40000000`), as `dlrm_s_pytorch.py` lists them for the MLPerf
-/// configuration (and NVIDIA's and HugeCTR's MLPerf DLRM configs repeat them).
+/// into 40 M (`--max-ind-range=40000000`), as the DLRM reference code lists them for the MLPerf
+/// configuration (HugeCTR's MLPerf config and Google's TPU DLRM config repeat them).
 pub const CRITEO_TB_TABLE_ROWS: [u64; 26] = [
     39_884_406, 39_043, 17_289, 7_420, 20_263, 3, 7_120, 1_543, 63, 38_532_951, 2_953_546, 403_346,
     10, 2_208, 11_938, 155, 4, 976, 14, 39_979_771, 25_641_295, 39_664_984, 585_935, 12_972, 108,

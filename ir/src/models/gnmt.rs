@@ -13,8 +13,8 @@ use crate::op::{
     Activation, AxisAttrs, EmbeddingAttrs, MatMulAttrs, OpKind, ReshapeAttrs, SoftmaxAttrs,
 };
 
-/// Shared source/target vocabulary: 32,000 BPE merges padded to a multiple of 8 (DLE GNMT v2
-/// and MLPerf `rnn_translator`, `--vocab` default of the synthetic dataset: 32,320).
+/// Shared source/target vocabulary of 32,000 BPE merges as the reference pads it: 32,320 (the
+/// embedding and classifier shapes in NVIDIA's MLPerf GNMT parameter list).
 pub const GNMT_VOCAB: u64 = 32_320;
 
 /// Hidden size of every LSTM layer, of the embeddings and of the attention.
