@@ -1,9 +1,14 @@
 //! Built-in model definitions.
 
+pub mod amoebanet;
+pub mod classic;
 pub mod cnn;
+pub mod dlrm;
+pub mod gnmt;
 pub mod resnet;
 pub mod rnn;
 pub mod transformer;
+pub mod unet;
 pub mod vision;
 pub mod zoo;
 

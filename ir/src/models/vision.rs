@@ -1,5 +1,7 @@
-//! Vision transformers as training graphs: ViT-Large/16 (Dosovitskiy et al. 2021) as timm's
-//! `vit_large_patch16_224`.
+//! Vision transformers as training graphs: ViT-B/16 and ViT-L/16 (Dosovitskiy et al. 2021) as
+//! timm's `vit_base_patch16_224` / `vit_large_patch16_224`, and ViT-g/14 (Zhai et al. 2022) as
+//! timm's `vit_giant_patch14_224`, all from one builder over (layers, hidden, MLP, heads, patch,
+//! image).
 //!
 //! Node names follow timm's module paths (`patch_embed.proj`, `blocks.3.attn`, `head`), except
 //! that timm's fused `attn.qkv` Linear is three Linears `attn.q` / `attn.k` / `attn.v` (same
@@ -24,10 +26,25 @@ struct VitConfig {
     classes: u64,
 }
 
+/// Side of the square input of every zoo ViT (the published 224×224 resolution).
+pub const VIT_IMAGE_SIZE: u64 = 224;
+
+/// ViT-B/16 (Dosovitskiy et al. 2021, table 1: 12 layers, hidden 768, MLP 3072, 12 heads) at
+/// 224×224 with the ImageNet-1k head.
+const VIT_B16: VitConfig = VitConfig {
+    image: VIT_IMAGE_SIZE,
+    patch: 16,
+    hidden: 768,
+    layers: 12,
+    heads: 12,
+    mlp: 3072,
+    classes: 1000,
+};
+
 /// ViT-L/16 (Dosovitskiy et al. 2021, table 1: 24 layers, hidden 1024, MLP 4096, 16 heads) at
 /// 224×224 with the ImageNet-1k head.
 const VIT_L16: VitConfig = VitConfig {
-    image: 224,
+    image: VIT_IMAGE_SIZE,
     patch: 16,
     hidden: 1024,
     layers: 24,
@@ -35,6 +52,43 @@ const VIT_L16: VitConfig = VitConfig {
     mlp: 4096,
     classes: 1000,
 };
+
+/// ViT-g/14 (Zhai et al. 2022, "Scaling Vision Transformers", table 2: width 1408, depth 40, MLP
+/// 6144, 16 heads; timm `vit_giant_patch14_224`: `embed_dim=1408, mlp_ratio=48/11, depth=40,
+/// num_heads=16`) at 224×224 (16×16 patches of 14 pixels) with an ImageNet-1k head.
+const VIT_G14: VitConfig = VitConfig {
+    image: VIT_IMAGE_SIZE,
+    patch: 14,
+    hidden: 1408,
+    layers: 40,
+    heads: 16,
+    mlp: 6144,
+    classes: 1000,
+};
+
+/// ViT-Base/16 at 224×224 (timm `vit_base_patch16_224`), built as [`vit_l16`] with 12 blocks
+/// of width 768, MLP 3072 and 12 heads.
+///
+/// 86,567,656 trainable parameters: timm's count for `vit_base_patch16_224` (model card 86.6 M;
+/// Dosovitskiy et al. round it to 86M): 12 × 7,087,872 per block + patch embedding 590,592 +
+/// class token 768 + position embedding 151,296 + final norm 1,536 + head 769,000. About 17.6
+/// GMACs per image forward (timm / fvcore: 17.56).
+pub fn vit_b16(batch: u64) -> Result<Graph, GraphError> {
+    vit("vit_b16", batch, VIT_B16)
+}
+
+/// ViT-giant/14 at 224×224, built as [`vit_l16`] with 40 blocks of width 1408, MLP 6144 and 16
+/// heads: 257 tokens (256 patches and the class token).
+///
+/// 1,012,611,432 trainable parameters here; Zhai et al. 2022 (table 2) publish 1011M for
+/// ViT-g/14 (the figure is rounded and its head is not spelled out; the paper also replaces the
+/// class token by a pooling head). This graph keeps timm's layout: class token and a 1000-class
+/// linear head (1.4 M of the total), so attention sees 257 tokens where a pooled model sees 256. About 267 GMACs per image forward: per block and token 4·h² + 2·h·MLP =
+/// 25.2 M (259.4 G over 257 tokens and 40 blocks), attention 2·257²·h per block (7.4 G), patch
+/// embedding 0.2 G.
+pub fn vit_g14(batch: u64) -> Result<Graph, GraphError> {
+    vit("vit_g14", batch, VIT_G14)
+}
 
 /// ViT-Large/16 at 224×224 (timm `vit_large_patch16_224`): a 16×16 stride-16 patch conv with
 /// bias to 196 tokens of width 1024, a class token, a learned position embedding over 197
@@ -219,9 +273,61 @@ mod tests {
     }
 
     #[test]
+    fn base_and_giant_parameter_counts() {
+        let b = vit_b16(1).unwrap();
+        assert_eq!(b.param_count(), 86_567_656);
+        assert_eq!(
+            b.params_where(|n| n.segment == Segment::Block(0)),
+            7_087_872
+        );
+        assert_eq!(b.num_blocks(), 12);
+        let g = vit_g14(1).unwrap();
+        assert_eq!(g.param_count(), 1_012_611_432);
+        assert_eq!(g.num_blocks(), 40);
+        // Zhai et al. 2022: 1011M.
+        assert!((g.param_count() as f64 / 1011e6 - 1.0).abs() < 0.002);
+    }
+
+    #[test]
+    fn base_and_giant_shapes() {
+        let g = vit_g14(2).unwrap();
+        assert_scalar_outputs(&g);
+        assert_valid(&g, 2);
+        let x = g.nodes.iter().find(|n| n.name == "pos_embed.add").unwrap();
+        assert_eq!(g.tensor(x.outputs[0]).shape, Shape::new([2, 257, 1408]));
+        let fc1 = g
+            .nodes
+            .iter()
+            .find(|n| n.name == "blocks.39.mlp.fc1")
+            .unwrap();
+        assert_eq!(g.tensor(fc1.outputs[0]).shape, Shape::new([2, 257, 6144]));
+        let b = vit_b16(2).unwrap();
+        let q = b
+            .nodes
+            .iter()
+            .find(|n| n.name == "blocks.0.attn.q_heads")
+            .unwrap();
+        assert_eq!(b.tensor(q.outputs[0]).shape, Shape::new([2, 197, 12, 64]));
+    }
+
+    #[test]
+    fn base_and_giant_forward_flops() {
+        // ViT-B/16, 197 tokens: 12 × (12·768²·197 + 2·197²·768) = 12 × (1.394 G + 0.0596 G) =
+        // 17.45 G; patch embedding 0.116 G; head 0.8 M: 17.57 GMACs (timm / fvcore: 17.56), so
+        // 35.1 GFLOPs plus LayerNorm, GeLU, softmax, residuals and biases (~0.2 G).
+        let f = fwd_flops(&vit_b16(1).unwrap());
+        assert!((35.1e9..35.5e9).contains(&f), "{f}");
+        // ViT-g/14, 257 tokens: 267.0 GMACs (see `vit_g14`) → 534 GFLOPs, plus ~1.5 G of
+        // elementwise work (GeLU alone is 8 FLOPs × 257 × 6144 × 40 = 0.5 G).
+        let f = fwd_flops(&vit_g14(1).unwrap());
+        assert!((534.0e9..536.5e9).contains(&f), "{f}");
+    }
+
+    #[test]
     fn work_is_linear_in_batch_and_every_node_splits_on_batch() {
         let four = vit_l16(4).unwrap();
         assert_linear_in_batch(&vit_l16(1).unwrap(), &four);
         assert_every_node_splits_on_batch(&four);
+        assert_linear_in_batch(&vit_b16(1).unwrap(), &vit_b16(4).unwrap());
     }
 }
