@@ -27,13 +27,65 @@ pub const ALLOCATOR_FRACTION: f64 = 0.07;
 /// Fixed workspace outside the model: cuBLAS / cuDNN workspaces and NCCL buffers, GiB.
 pub const WORKSPACE_GIB: f64 = 1.0;
 
-/// Model-state bytes per parameter on one device: (weights, gradients, optimizer states).
+/// Bytes an SGD-with-momentum step moves per fp32 parameter: read weight, gradient and momentum,
+/// write weight and momentum (5 × 4), as `torch.optim.SGD(momentum=…)` and tf_cnn_benchmarks'
+/// momentum optimizer do.
+pub const SGD_MOMENTUM_BYTES_PER_PARAM: f64 = 20.0;
+
+/// The fp32 master copy of a mixed-precision parameter, and one fp32 state buffer (a momentum).
+const FP32_BUFFER_BYTES: f64 = 4.0;
+
+/// Optimizer whose state and update are costed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Optimizer {
+    /// Adam(W): two fp32 moments per parameter (plus an fp32 master copy under mixed precision).
+    #[default]
+    Adam,
+    /// SGD with momentum: one fp32 momentum buffer (plus the master copy under mixed precision).
+    SgdMomentum,
+}
+
+impl Optimizer {
+    /// Optimizer-state bytes per parameter, master copy included.
+    pub fn state_bytes(self, precision: Precision) -> f64 {
+        match (self, precision.is_mixed()) {
+            (Optimizer::Adam, true) => MIXED_OPTIMIZER_BYTES,
+            (Optimizer::Adam, false) => FP32_OPTIMIZER_BYTES,
+            (Optimizer::SgdMomentum, true) => 2.0 * FP32_BUFFER_BYTES,
+            (Optimizer::SgdMomentum, false) => FP32_BUFFER_BYTES,
+        }
+    }
+
+    /// Bytes one update moves per parameter it updates.
+    pub fn update_bytes(self) -> f64 {
+        match self {
+            Optimizer::Adam => ADAM_BYTES_PER_PARAM,
+            Optimizer::SgdMomentum => SGD_MOMENTUM_BYTES_PER_PARAM,
+        }
+    }
+}
+
+/// Model-state bytes per parameter on one device under Adam: (weights, gradients, optimizer
+/// states).
 pub fn state_bytes_per_param(precision: Precision, zero_stage: u8, dp: u32) -> (f64, f64, f64) {
-    let (w, g, o) = if precision.is_mixed() {
-        (MIXED_WEIGHT_BYTES, MIXED_GRAD_BYTES, MIXED_OPTIMIZER_BYTES)
+    state_bytes_per_param_for(Optimizer::Adam, precision, zero_stage, dp)
+}
+
+/// Model-state bytes per parameter on one device under `optimizer`: (weights, gradients,
+/// optimizer states), sharded over `dp` ranks by the ZeRO stage.
+pub fn state_bytes_per_param_for(
+    optimizer: Optimizer,
+    precision: Precision,
+    zero_stage: u8,
+    dp: u32,
+) -> (f64, f64, f64) {
+    let (w, g) = if precision.is_mixed() {
+        (MIXED_WEIGHT_BYTES, MIXED_GRAD_BYTES)
     } else {
-        (FP32_WEIGHT_BYTES, FP32_GRAD_BYTES, FP32_OPTIMIZER_BYTES)
+        (FP32_WEIGHT_BYTES, FP32_GRAD_BYTES)
     };
+    let o = optimizer.state_bytes(precision);
     let d = f64::from(dp.max(1));
     match zero_stage {
         0 => (w, g, o),
@@ -93,5 +145,9 @@ mod tests {
             state_bytes_per_param(Precision::Fp32, 0, 8),
             (4.0, 4.0, 8.0)
         );
+        // SGD with momentum keeps one buffer, and the master copy under mixed precision.
+        let sgd = |p| state_bytes_per_param_for(Optimizer::SgdMomentum, p, 0, 1).2;
+        assert_eq!(sgd(Precision::Fp32), 4.0);
+        assert_eq!(sgd(Precision::Bf16), 8.0);
     }
 }

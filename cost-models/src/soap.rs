@@ -28,18 +28,14 @@
 
 use crate::comm::{Collective, Group, Network};
 use crate::compute::{DeviceModel, OpTimes};
-use crate::memory::{state_bytes_per_param, ADAM_BYTES_PER_PARAM};
+use crate::memory::state_bytes_per_param_for;
+pub use crate::memory::Optimizer;
 use parallax_hardware::{ClusterProfile, HwError};
 use parallax_ir::graph::{Node, NodeId, TensorId, TensorRole};
 use parallax_ir::{AxesMapping, AxisRole, Bytes, Graph, OpKind, Precision, Seconds, Shape};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-
-/// Bytes an SGD-with-momentum step moves per fp32 parameter: read weight, gradient and momentum,
-/// write weight and momentum (5 × 4), as `torch.optim.SGD(momentum=…)` and tf_cnn_benchmarks'
-/// momentum optimizer do.
-pub const SGD_MOMENTUM_BYTES_PER_PARAM: f64 = 20.0;
 
 /// Largest number of receiving devices a resharding cost inspects; wider views are sampled
 /// evenly (their devices differ only by position, and regular layouts repeat every few).
@@ -123,19 +119,6 @@ impl ParallelConfig {
     /// Degree of `label` (1 when not split).
     pub fn degree(&self, label: char) -> u32 {
         self.degrees.get(&label).copied().unwrap_or(1)
-    }
-    /// `n4·o2 @ gpus 0-7`: the split and the view.
-    pub fn describe(&self) -> String {
-        let split = if self.degrees.is_empty() {
-            "none".to_string()
-        } else {
-            self.degrees
-                .iter()
-                .map(|(l, d)| format!("{l}{d}"))
-                .collect::<Vec<_>>()
-                .join("·")
-        };
-        format!("{split} @ {}", self.view)
     }
 }
 
@@ -228,17 +211,6 @@ impl TensorLayout {
         }
     }
 
-    /// The whole tensor on every device of `view` (inputs fed to every device, a scalar).
-    pub fn replicated(dims: &[u64], view: MachineView) -> Self {
-        TensorLayout {
-            dims: dims.to_vec(),
-            radix: vec![view.size],
-            dim_axis: vec![None; dims.len()],
-            sum_axes: Vec::new(),
-            view,
-        }
-    }
-
     fn coords(&self, pos: u32) -> Vec<u32> {
         let mut c = vec![0; self.radix.len()];
         let mut p = pos;
@@ -294,7 +266,8 @@ impl TensorLayout {
     }
 
     /// Number of devices holding each region (replicas × partial sums).
-    pub fn copies(&self) -> u32 {
+    #[cfg(test)]
+    fn copies(&self) -> u32 {
         let sharded: u32 = self
             .dim_axis
             .iter()
@@ -366,19 +339,6 @@ pub enum TransferKind {
     P2p,
 }
 
-impl TransferKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            TransferKind::None => "none",
-            TransferKind::AllReduce => "all-reduce",
-            TransferKind::ReduceScatter => "reduce-scatter",
-            TransferKind::AllGather => "all-gather",
-            TransferKind::AllToAll => "all-to-all",
-            TransferKind::P2p => "p2p",
-        }
-    }
-}
-
 /// The cost of moving a tensor from one layout to another.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Transfer {
@@ -388,22 +348,6 @@ pub struct Transfer {
     /// The reduction of partial sums, if any, then the data movement.
     pub reduce: Option<TransferKind>,
     pub movement: Option<TransferKind>,
-}
-
-impl Transfer {
-    /// `all-reduce`, `reduce-scatter + p2p`, or `none`.
-    pub fn describe(&self) -> String {
-        let parts: Vec<&str> = [self.reduce, self.movement]
-            .into_iter()
-            .flatten()
-            .map(TransferKind::name)
-            .collect();
-        if parts.is_empty() {
-            "none".into()
-        } else {
-            parts.join(" + ")
-        }
-    }
 }
 
 /// Prices resharding between two layouts of a tensor of `elem_bytes` elements.
@@ -417,7 +361,7 @@ pub fn reshard(
     let mut out = Transfer::default();
     let mut src = src.clone();
     if src.sum_degree() > 1 {
-        let group = src.group_along(0, &src.sum_axes.clone());
+        let group = src.group_along(0, &src.sum_axes);
         let devices: Vec<u32> = group.iter().map(|p| src.view.device(*p)).collect();
         let g = group_of(&devices, gpus_per_node);
         let bytes = Bytes(src.shard_elems() * elem_bytes);
@@ -612,17 +556,6 @@ pub enum ConfigError {
     Count { configs: usize, nodes: usize },
 }
 
-/// Optimizer whose state and update are costed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Optimizer {
-    /// Adam(W): two moments per parameter (plus an fp32 master copy under mixed precision).
-    #[default]
-    Adam,
-    /// SGD with momentum: one momentum buffer per parameter.
-    SgdMomentum,
-}
-
 /// The per-op cost model of one graph on one cluster: op shapes and mappings computed once,
 /// shard compute and resharding memoized by value.
 #[derive(Debug)]
@@ -657,12 +590,6 @@ pub struct OpMemory {
     pub optimizer: f64,
     /// Tensors kept for backward (one micro-batch).
     pub saved: f64,
-}
-
-impl OpMemory {
-    pub fn states(&self) -> f64 {
-        self.params + self.grads + self.optimizer
-    }
 }
 
 impl<'a> OpCosts<'a> {
@@ -718,11 +645,6 @@ impl<'a> OpCosts<'a> {
         self.float_bytes
     }
 
-    /// The network model.
-    pub fn network(&self) -> &Network<'a> {
-        &self.net
-    }
-
     /// The device model.
     pub fn device(&self) -> &DeviceModel<'a> {
         &self.device
@@ -750,16 +672,6 @@ impl<'a> OpCosts<'a> {
     /// The node producing a tensor (none for inputs and weights).
     pub fn producer(&self, t: TensorId) -> Option<NodeId> {
         self.producer[t.0 as usize]
-    }
-
-    /// Every legal split of a node over at most `max_degree` devices.
-    pub fn legal_splits(&self, n: NodeId, max_degree: u32) -> Vec<BTreeMap<char, u32>> {
-        let (i, o) = self.shapes(n);
-        self.mapping(n)
-            .legal_splits(i, o, max_degree)
-            .into_iter()
-            .map(|s| s.degrees)
-            .collect()
     }
 
     /// Checks a configuration against its node: the split is legal, its degree is the view's
@@ -851,16 +763,6 @@ impl<'a> OpCosts<'a> {
         )
     }
 
-    /// Element size of a tensor as it moves between devices.
-    fn elem_bytes(&self, t: TensorId) -> u64 {
-        let dt = self.graph.tensor(t).dtype;
-        if dt.is_float() {
-            self.float_bytes
-        } else {
-            dt.size_bytes()
-        }
-    }
-
     fn priced(&mut self, src: TensorLayout, dst: TensorLayout, elem: u64) -> Transfer {
         let key = (src, dst, elem);
         if let Some(t) = self.reshard_memo.get(&key) {
@@ -887,7 +789,7 @@ impl<'a> OpCosts<'a> {
     ) -> (Transfer, Transfer) {
         let src = self.output_layout(p, out, pc);
         let dst = self.input_layout(c, k, cc);
-        let elem = self.elem_bytes(t);
+        let elem = self.graph.elem_bytes(t, self.float_bytes);
         let fwd = self.priced(src.clone(), dst.clone(), elem);
         let bwd = if self.graph.tensor(t).dtype.is_float() {
             // Every partial-sum holder of the producer needs the whole gradient.
@@ -913,29 +815,41 @@ impl<'a> OpCosts<'a> {
             .collect()
     }
 
-    /// Bytes of gradient per element as reduced: fp32 under mixed precision (accumulated in a
-    /// 4-byte main gradient), the parameter's own size otherwise.
-    fn grad_bytes(&self) -> u64 {
-        4
+    /// The layout of each weight a node owns under `cfg`, with the layout of its gradient
+    /// (a partial sum over the weight's replicas).
+    fn weight_layouts(
+        &self,
+        n: NodeId,
+        cfg: &ParallelConfig,
+    ) -> impl Iterator<Item = (TensorLayout, TensorLayout)> + '_ {
+        let cfg = cfg.clone();
+        self.owned_weights(n).into_iter().map(move |k| {
+            let layout = self.input_layout(n, k, &cfg);
+            let grad = layout.as_gradient_source();
+            (layout, grad)
+        })
+    }
+
+    /// Model-state bytes per parameter under the ZeRO stage, sharded over `replicas`.
+    fn state_bytes(&self, replicas: u32) -> (f64, f64, f64) {
+        state_bytes_per_param_for(self.optimizer, self.precision, self.zero_stage, replicas)
     }
 
     /// Gradient synchronisation of the weights a node owns: one collective per weight over its
     /// replicas, as `(bytes per device, group, time)`; empty when nothing is replicated.
-    pub fn grad_sync(&mut self, n: NodeId, cfg: &ParallelConfig) -> Vec<(u64, Group, Seconds)> {
+    pub fn grad_sync(&self, n: NodeId, cfg: &ParallelConfig) -> Vec<(u64, Group, Seconds)> {
         let gpn = self.profile.node.gpus_per_node;
-        self.owned_weights(n)
-            .into_iter()
-            .filter_map(|k| {
-                let layout = self.input_layout(n, k, cfg);
-                let replicas = layout.as_gradient_source();
-                if replicas.sum_degree() <= 1 {
-                    return None;
-                }
-                let group = replicas.group_along(0, &replicas.sum_axes.clone());
+        // Gradients are reduced at their accumulation size (an fp32 main gradient under mixed
+        // precision).
+        let grad_bytes = self.state_bytes(1).1 as u64;
+        self.weight_layouts(n, cfg)
+            .filter(|(_, grad)| grad.sum_degree() > 1)
+            .map(|(layout, grad)| {
+                let group = grad.group_along(0, &grad.sum_axes);
                 let devices: Vec<u32> = group.iter().map(|p| layout.view.device(*p)).collect();
                 let g = group_of(&devices, gpn);
-                let bytes = Bytes(layout.shard_elems() * self.grad_bytes());
-                Some((bytes.0, g, self.sync_time(bytes, g)))
+                let bytes = Bytes(layout.shard_elems() * grad_bytes);
+                (bytes.0, g, self.sync_time(bytes, g))
             })
             .collect()
     }
@@ -955,32 +869,18 @@ impl<'a> OpCosts<'a> {
     /// their replicas under ZeRO) and what it keeps for backward at shard shapes.
     pub fn memory(&self, n: NodeId, cfg: &ParallelConfig) -> OpMemory {
         let node = self.node(n);
-        let (si, _) = self.shard_shapes(n, &cfg.degrees);
+        let (si, so) = self.shard_shapes(n, &cfg.degrees);
         let mut m = OpMemory::default();
-        for k in self.owned_weights(n) {
-            let layout = self.input_layout(n, k, cfg);
-            let replicas = layout.as_gradient_source().sum_degree();
-            let (w, g, o) = state_bytes_per_param(self.precision, self.zero_stage, replicas);
-            let o = match self.optimizer {
-                Optimizer::Adam => o,
-                // One momentum buffer (fp32) instead of two moments (and the master copy).
-                Optimizer::SgdMomentum => {
-                    o * 4.0 / if self.precision.is_mixed() { 12.0 } else { 8.0 }
-                }
-            };
+        for (layout, grad) in self.weight_layouts(n, cfg) {
+            let (w, g, o) = self.state_bytes(grad.sum_degree());
             let elems = layout.shard_elems() as f64;
             m.params += w * elems;
             m.grads += g * elems;
             m.optimizer += o * elems;
         }
-        let weights = &self.weights[n.0 as usize];
-        let s = node.op.saves(&si, weights);
+        let s = node.op.saves(&si, &self.weights[n.0 as usize]);
         let fb = self.float_bytes;
-        let bytes_of = |shape: &Shape, t: TensorId| -> u64 {
-            let dt = self.graph.tensor(t).dtype;
-            shape.elems() * if dt.is_float() { fb } else { dt.size_bytes() }
-        };
-        let (_, so) = self.shard_shapes(n, &cfg.degrees);
+        let bytes_of = |shape: &Shape, t: TensorId| shape.elems() * self.graph.elem_bytes(t, fb);
         for &i in &s.inputs {
             m.saved += bytes_of(&si[i], node.inputs[i]) as f64;
         }
@@ -996,23 +896,17 @@ impl<'a> OpCosts<'a> {
         if params <= 0.0 {
             return Seconds(0.0);
         }
-        let per = match self.optimizer {
-            Optimizer::Adam => ADAM_BYTES_PER_PARAM,
-            Optimizer::SgdMomentum => SGD_MOMENTUM_BYTES_PER_PARAM,
-        };
-        self.device.memory(per * params)
+        self.device.memory(self.optimizer.update_bytes() * params)
     }
 
     /// Parameters one device of the node's view updates: the shards of the weights it owns,
     /// split further over their replicas under ZeRO 1–3.
     pub fn updated_params(&self, n: NodeId, cfg: &ParallelConfig) -> f64 {
-        self.owned_weights(n)
-            .into_iter()
-            .map(|k| {
-                let layout = self.input_layout(n, k, cfg);
+        self.weight_layouts(n, cfg)
+            .map(|(layout, grad)| {
                 let elems = layout.shard_elems() as f64;
                 if self.zero_stage >= 1 {
-                    elems / f64::from(layout.as_gradient_source().sum_degree())
+                    elems / f64::from(grad.sum_degree())
                 } else {
                     elems
                 }

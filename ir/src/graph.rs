@@ -296,13 +296,18 @@ impl Graph {
 
     /// Bytes of a tensor: floating tensors at `float_bytes`, others at their own size.
     pub fn tensor_bytes(&self, t: TensorId, float_bytes: u64) -> u64 {
-        let t = self.tensor(t);
-        let b = if t.dtype.is_float() {
+        self.tensor(t).shape.elems() * self.elem_bytes(t, float_bytes)
+    }
+
+    /// Bytes of one element of a tensor: `float_bytes` for floating tensors, their own size
+    /// otherwise.
+    pub fn elem_bytes(&self, t: TensorId, float_bytes: u64) -> u64 {
+        let dt = self.tensor(t).dtype;
+        if dt.is_float() {
             float_bytes
         } else {
-            t.dtype.size_bytes()
-        };
-        t.shape.elems() * b
+            dt.size_bytes()
+        }
     }
 
     /// Checks the structure: ids in range, one producer per activation, no cycles, every shape

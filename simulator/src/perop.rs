@@ -28,10 +28,10 @@ use crate::schedule::{
     build_pipeline, PipelineCosts, PipelineSchedule, ScheduleError, ScheduleKind,
 };
 use crate::step::{Breakdown, MemoryGib};
-use parallax_cost::memory::{ALLOCATOR_FRACTION, WORKSPACE_GIB};
+use parallax_cost::memory::{MemoryBreakdown, WORKSPACE_GIB};
 use parallax_cost::soap::{ConfigError, MachineView, OpCosts, ParallelConfig};
 use parallax_ir::graph::NodeId;
-use parallax_ir::{Bytes, Schedule, Seconds, GIB};
+use parallax_ir::{Bytes, Schedule, Seconds};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use thiserror::Error;
@@ -400,11 +400,16 @@ fn add_sync_and_optimizer(
     }
 }
 
-/// Peak memory per device: model states of every op on it, what one micro-batch keeps for
-/// backward times the micro-batches in flight on its stage, and the workspace.
-fn device_memory(costs: &OpCosts, plan: &OpPlan, in_flight: &[f64]) -> Vec<MemoryGib> {
-    let mut mem = vec![MemoryGib::default(); costs.gpus as usize];
-    let mut used = vec![false; costs.gpus as usize];
+/// Peak memory of each device class (its devices run the same ops): model states of every op
+/// on it, what one micro-batch keeps for backward times the micro-batches in flight on its
+/// stage, the workspace and the allocator's allowance.
+fn class_memory(
+    costs: &OpCosts,
+    plan: &OpPlan,
+    cls: &Classes,
+    in_flight: &[f64],
+) -> Vec<MemoryGib> {
+    let mut mem = vec![MemoryBreakdown::default(); cls.members.len()];
     for (i, cfg) in plan.configs.iter().enumerate() {
         let m = costs.memory(NodeId(i as u32), cfg);
         let saved = if plan.recompute {
@@ -414,31 +419,27 @@ fn device_memory(costs: &OpCosts, plan: &OpPlan, in_flight: &[f64]) -> Vec<Memor
         } else {
             m.saved * in_flight[i]
         };
-        for d in cfg.view.devices() {
-            let x = &mut mem[d as usize];
-            used[d as usize] = true;
-            x.params += m.params / GIB;
-            x.grads += m.grads / GIB;
-            x.optimizer += m.optimizer / GIB;
-            x.activations += saved / GIB;
+        for &c in &cls.of_node[i] {
+            let x = &mut mem[c];
+            x.params += Bytes(m.params as u64);
+            x.grads += Bytes(m.grads as u64);
+            x.optimizer += Bytes(m.optimizer as u64);
+            x.activations += Bytes(saved as u64);
         }
     }
-    for (x, u) in mem.iter_mut().zip(used) {
-        if !u {
-            continue;
-        }
-        x.buffers = WORKSPACE_GIB;
-        let live = x.params + x.grads + x.optimizer + x.activations + x.buffers;
-        x.allocator = live * ALLOCATOR_FRACTION;
-        x.total = live + x.allocator;
-    }
-    mem
+    mem.into_iter()
+        .map(|mut x| {
+            x.buffers = Bytes::from_gib(WORKSPACE_GIB);
+            MemoryGib::from(x.with_allocator())
+        })
+        .collect()
 }
 
 /// A simulated step before memory and throughput are added.
 struct Simulated {
     step: f64,
     breakdown: Breakdown,
+    /// Idle fraction of the busiest stage.
     bubble: f64,
     graph: TaskGraph,
     resources: Resources,
@@ -490,48 +491,27 @@ pub fn simulate_op_plan(
             }
         }
         Some(stage) => {
-            let pp = stage.iter().max().map_or(1, |s| s + 1);
             let mg = build_micro(costs, plan, &cls, false)?;
             let micro = simulate(&mg.graph, &mg.costs, &mg.resources)?;
-            let (graph, resources, trace, breakdown, bubble) =
-                pipeline_step(costs, plan, &mg, &micro, &stage, pp, m)?;
-            let kind = ScheduleKind::of(plan.schedule, pp);
-            let schedule = PipelineSchedule::generate(kind, pp, m, 1)?;
-            Simulated {
-                step: trace.makespan.0,
-                breakdown,
-                bubble,
-                graph,
-                resources,
-                trace,
-                pp,
-                in_flight: stage
-                    .iter()
-                    .map(|s| f64::from(schedule.max_in_flight(*s)))
-                    .collect(),
-            }
+            pipeline_step(costs, plan, &mg, &micro, &stage, m)?
         }
     };
-    let Simulated {
-        step,
-        breakdown,
-        bubble,
-        graph,
-        resources,
-        trace,
-        pp,
-        in_flight,
-    } = r;
-    let mem = device_memory(costs, plan, &in_flight);
+    let mem = class_memory(costs, plan, &cls, &r.in_flight);
     let memory = mem
         .iter()
         .copied()
         .max_by(|a, b| a.total.total_cmp(&b.total))
         .unwrap_or_default();
+    let mut device_memory_gib = vec![0.0; costs.gpus as usize];
+    for (c, devices) in cls.members.iter().enumerate() {
+        for d in devices {
+            device_memory_gib[*d as usize] = mem[c].total;
+        }
+    }
     let capacity_gib = costs.profile.device.hbm_gib;
     let flops = costs.graph.total_work(costs.float_bytes()).train_flops().0 * f64::from(m);
     let peak = costs.device().gemm_peak() * f64::from(costs.gpus);
-    let used = mem.iter().filter(|x| x.total > 0.0).count() as u32;
+    let step = r.step;
     let prediction = OpStepPrediction {
         step_time_s: step,
         samples_per_s: if step > 0.0 {
@@ -544,22 +524,22 @@ pub fn simulate_op_plan(
         } else {
             0.0
         },
-        breakdown,
-        stages: pp,
+        breakdown: r.breakdown,
+        stages: r.pp,
         micro_batches: m,
-        bubble_fraction: bubble,
+        bubble_fraction: r.bubble,
         memory,
-        device_memory_gib: mem.iter().map(|x| x.total).collect(),
+        device_memory_gib,
         peak_memory_gib: memory.total,
         capacity_gib,
         fits: memory.total <= capacity_gib,
-        used_devices: used,
+        used_devices: cls.members.iter().map(|m| m.len() as u32).sum(),
     };
     Ok(SimulatedOpStep {
         prediction,
-        graph,
-        resources,
-        trace,
+        graph: r.graph,
+        resources: r.resources,
+        trace: r.trace,
     })
 }
 
@@ -605,22 +585,19 @@ fn accumulation_breakdown(mg: &MicroGraph, trace: &Trace, m: u32) -> (f64, Break
     )
 }
 
-type PipelineParts = (TaskGraph, Resources, Trace, Breakdown, f64);
-
-/// The pipeline of `pp` stages fed `m` micro-batches: per-stage forward and backward times
-/// from the one-micro-batch simulation, the schedule, then each stage's gradient sync and
+/// The pipeline of the plan's stages fed `m` micro-batches: per-stage forward and backward
+/// times from the one-micro-batch simulation, the schedule, then each stage's gradient sync and
 /// optimizer.
-#[allow(clippy::too_many_arguments)]
 fn pipeline_step(
     costs: &mut OpCosts,
     plan: &OpPlan,
     mg: &MicroGraph,
     micro: &Trace,
     stage: &[u32],
-    pp: u32,
     m: u32,
-) -> Result<PipelineParts, OpStepError> {
+) -> Result<Simulated, OpStepError> {
     let n = stage.len();
+    let pp = stage.iter().max().map_or(1, |s| s + 1);
     let span_of = |tasks: &[Vec<TaskId>], s: u32| -> f64 {
         let mut lo = f64::INFINITY;
         let mut hi: f64 = 0.0;
@@ -715,8 +692,19 @@ fn pipeline_step(
         optimizer_s: opt[s],
         exposed_comm_s: exposed,
     };
-    let bubble_fraction = if step > 0.0 { bubble / step } else { 0.0 };
-    Ok((pg.graph, pg.resources, trace, bd, bubble_fraction))
+    Ok(Simulated {
+        step,
+        breakdown: bd,
+        bubble: if step > 0.0 { bubble / step } else { 0.0 },
+        graph: pg.graph,
+        resources: pg.resources,
+        trace,
+        pp,
+        in_flight: stage
+            .iter()
+            .map(|s| f64::from(schedule.max_in_flight(*s)))
+            .collect(),
+    })
 }
 
 #[cfg(test)]
