@@ -96,6 +96,9 @@ pub struct SoapResult {
 pub enum SoapError {
     #[error("no plan fits: {0}")]
     NothingFits(String),
+    /// The graph or its costs could not be built (a model error, a precision the device lacks).
+    #[error("{0}")]
+    Setup(String),
     #[error("{0}")]
     Sim(#[from] parallax_sim::perop::OpStepError),
 }
@@ -180,6 +183,12 @@ fn widest_parameter(cands: &[ParallelConfig], costs: &OpCosts, n: NodeId) -> Par
         .unwrap_or_else(|| widest_sample(cands, costs, n))
 }
 
+/// Sequential cost of node `n` under `c`: its shard's compute and its weights' synchronisation.
+pub fn node_cost(costs: &mut OpCosts, n: NodeId, c: &ParallelConfig) -> f64 {
+    let sync: f64 = costs.grad_sync(n, c).iter().map(|s| s.2 .0).sum();
+    costs.compute(n, c).total().0 + sync
+}
+
 /// Node and edge cost tables of the sequential cost over each node's candidates.
 #[derive(Clone, Debug, Default)]
 pub struct CostTables {
@@ -190,22 +199,10 @@ pub struct CostTables {
 }
 
 impl CostTables {
-    /// Builds the tables for `cands` (one list per node).
-    pub fn build(costs: &mut OpCosts, cands: &[Vec<ParallelConfig>]) -> Self {
+    /// Builds the tables for `cands` (one list per node), whose node costs ([`node_cost`])
+    /// are given in `node`.
+    pub fn build(costs: &mut OpCosts, cands: &[Vec<ParallelConfig>], node: Vec<Vec<f64>>) -> Self {
         let g = costs.graph;
-        let n = g.nodes.len();
-        let mut node = Vec::with_capacity(n);
-        for (i, cs) in cands.iter().enumerate() {
-            let id = NodeId(i as u32);
-            node.push(
-                cs.iter()
-                    .map(|c| {
-                        let sync: f64 = costs.grad_sync(id, c).iter().map(|s| s.2 .0).sum();
-                        costs.compute(id, c).total().0 + sync
-                    })
-                    .collect(),
-            );
-        }
         let mut edges: BTreeMap<(usize, usize), Vec<f64>> = BTreeMap::new();
         for (v, nd) in g.nodes.iter().enumerate() {
             for (k, t) in nd.inputs.iter().enumerate() {
@@ -539,30 +536,23 @@ pub fn search_ops(
     let par = OpPlan::uniform(n, |i| widest_parameter(&all[i], costs, NodeId(i as u32)));
     // Candidates of the exact search: cheapest by node cost, the unsplit and widest sample
     // split always kept.
-    let cands: Vec<Vec<ParallelConfig>> = (0..n)
+    let (cands, node): (Vec<Vec<ParallelConfig>>, Vec<Vec<f64>>) = (0..n)
         .map(|i| {
             let id = NodeId(i as u32);
             let mut scored: Vec<(f64, ParallelConfig)> = all[i]
                 .iter()
-                .map(|c| {
-                    let sync: f64 = costs.grad_sync(id, c).iter().map(|s| s.2 .0).sum();
-                    (costs.compute(id, c).total().0 + sync, c.clone())
-                })
+                .map(|c| (node_cost(costs, id, c), c.clone()))
                 .collect();
             scored.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
-            let mut keep: Vec<ParallelConfig> = scored
-                .into_iter()
-                .take(opts.max_candidates)
-                .map(|x| x.1)
-                .collect();
-            for must in [dp.configs[i].clone(), par.configs[i].clone()] {
-                if !keep.contains(&must) {
-                    keep.push(must);
+            scored.truncate(opts.max_candidates);
+            for must in [&dp.configs[i], &par.configs[i]] {
+                if !scored.iter().any(|(_, c)| c == must) {
+                    scored.push((node_cost(costs, id, must), must.clone()));
                 }
             }
-            keep
+            scored.into_iter().map(|(t, c)| (c, t)).unzip()
         })
-        .collect();
+        .unzip();
     let dp_pred = simulate_fitting(costs, &dp, global_batch, &mut counts);
     let par_pred = simulate_fitting(costs, &par, global_batch, &mut counts);
     let mut pool: Vec<(OpPlan, OpStepPrediction)> = Vec::new();
@@ -581,7 +571,7 @@ pub fn search_ops(
         (None, None) => None,
     };
     if !opts.force_data_parallel_start {
-        let tables = CostTables::build(costs, &cands);
+        let tables = CostTables::build(costs, &cands, node);
         let (choice, exact) = eliminate(&tables, opts.brute_force_limit);
         counts.exact = exact;
         let plan = OpPlan::uniform(n, |i| cands[i][choice[i]].clone());
@@ -647,33 +637,18 @@ pub fn search_ops(
         next.configs[v] = cfg;
         Some(next)
     };
-    let start_cost = start_pred.step_time_s;
-    let mut rejected = counts.rejected.clone();
-    let mut simulated = 0;
     let (best, _, accepted) = run_mcmc(
         start,
-        start_cost,
+        start_pred.step_time_s,
         opts.mcmc_iterations,
         opts.mcmc_beta,
         &mut rng,
         propose,
         |p| {
-            simulated += 1;
-            match simulate_op_plan(costs, p, global_batch) {
-                Ok(s) if s.prediction.fits => s.prediction.step_time_s,
-                Ok(_) => {
-                    *rejected.entry("out of memory".into()).or_default() += 1;
-                    f64::INFINITY
-                }
-                Err(_) => {
-                    *rejected.entry("invalid".into()).or_default() += 1;
-                    f64::INFINITY
-                }
-            }
+            simulate_fitting(costs, p, global_batch, &mut counts)
+                .map_or(f64::INFINITY, |p| p.step_time_s)
         },
     );
-    counts.rejected = rejected;
-    counts.simulated += simulated;
     counts.accepted = accepted;
     let prediction = simulate_op_plan(costs, &best, global_batch)?.prediction;
     Ok(SoapResult {
@@ -800,9 +775,9 @@ impl std::fmt::Debug for GraphJob<'_> {
 /// stages over 2, 4, … device groups fed `pp`, `2 pp` or `4 pp` micro-batches (1F1B); the
 /// fastest plan that fits wins.
 pub fn plan_graph(job: &GraphJob, opts: &SoapOptions) -> Result<GraphPlan, SoapError> {
-    let g = (job.build)(job.global_batch).map_err(SoapError::NothingFits)?;
+    let g = (job.build)(job.global_batch).map_err(SoapError::Setup)?;
     let mut costs = OpCosts::new(&g, job.profile, job.gpus, job.precision)
-        .map_err(|e| SoapError::NothingFits(e.to_string()))?;
+        .map_err(|e| SoapError::Setup(e.to_string()))?;
     costs.optimizer = job.optimizer;
     let r = search_ops(&mut costs, job.global_batch, opts)?;
     let mut best = GraphPlan {
@@ -828,22 +803,11 @@ pub fn plan_graph(job: &GraphJob, opts: &SoapOptions) -> Result<GraphPlan, SoapE
             c.optimizer = job.optimizer;
             let mut plan = layout_plan(&mut c, job.gpus / pp, 1, pp);
             plan.micro_batches = m as u32;
-            best.counts.simulated += 1;
-            match simulate_op_plan(&mut c, &plan, job.global_batch) {
-                Ok(s) if !s.prediction.fits => {
-                    *best
-                        .counts
-                        .rejected
-                        .entry("out of memory".into())
-                        .or_default() += 1;
-                }
-                Ok(s) if s.prediction.step_time_s < best.prediction.step_time_s => {
-                    best.plan = plan;
-                    best.prediction = s.prediction;
-                    best.micro_batch = mb;
-                }
-                Ok(_) => {}
-                Err(_) => *best.counts.rejected.entry("invalid".into()).or_default() += 1,
+            let p = simulate_fitting(&mut c, &plan, job.global_batch, &mut best.counts);
+            if let Some(p) = p.filter(|p| p.step_time_s < best.prediction.step_time_s) {
+                best.plan = plan;
+                best.prediction = p;
+                best.micro_batch = mb;
             }
         }
         pp *= 2;
