@@ -83,8 +83,8 @@ fn a_cnn_plans_and_its_plan_reloads_with_the_same_prediction() {
 
 #[test]
 fn inline_layouts_simulate_data_parallelism_and_pipelines() {
-    let run = |plan: &str| {
-        json(&parallax(&[
+    let simulate = |plan: &str, json_flag: &[&str]| {
+        let mut args = vec![
             "simulate",
             "--model",
             "lstm-lm",
@@ -94,26 +94,16 @@ fn inline_layouts_simulate_data_parallelism_and_pipelines() {
             "64",
             "--plan",
             plan,
-            "--json",
-        ]))
+        ];
+        args.extend(json_flag);
+        parallax(&args)
     };
-    let dp = run("dp=4");
+    let dp = json(&simulate("dp=4", &["--json"]));
     assert_eq!(dp["stages"], 1);
     assert_eq!(dp["used_devices"], 4);
-    let pp = run("dp=2,pp=2,mb=4");
+    let pp = json(&simulate("dp=2,pp=2,mb=4", &["--json"]));
     assert_eq!(pp["stages"], 2);
     assert_eq!(pp["micro_batches"], 8);
     assert!(pp["bubble_fraction"].as_f64().unwrap() > 0.0);
-    let out = parallax(&[
-        "simulate",
-        "--model",
-        "lstm-lm",
-        "--cluster",
-        "dgx-a100-80gb:gpus=4",
-        "--global-batch",
-        "64",
-        "--plan",
-        "cp=2",
-    ]);
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(simulate("cp=2", &[]).status.code(), Some(2));
 }

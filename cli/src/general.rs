@@ -2,7 +2,6 @@
 //! path. Transformers from the zoo or a HuggingFace config take the structured path instead.
 
 use crate::fmt::{bytes, table};
-use crate::job::JobArgs;
 use crate::user;
 use parallax_cost::soap::{MachineView, OpCosts, Optimizer, ParallelConfig};
 use parallax_cost::{band_range, step_time_band};
@@ -10,8 +9,8 @@ use parallax_hardware::Cluster;
 use parallax_ir::graph::NodeId;
 use parallax_ir::plan::{ClusterRef, ModelRef, OpConfig, Prediction, Training};
 use parallax_ir::{
-    load_model, AxisRole, Graph, Layout, Model, OpKind, PartialLayout, Plan, Recompute, Schedule,
-    GIB, PLAN_SCHEMA,
+    AxisRole, Graph, Layout, Model, OpKind, PartialLayout, Plan, Recompute, Schedule, GIB,
+    PLAN_SCHEMA,
 };
 use parallax_planner::soap::{layout_plan, plan_graph, GraphJob, GraphPlan, SoapOptions};
 use parallax_sim::perop::{simulate_op_plan, OpPlan, OpStepPrediction, SimulatedOpStep};
@@ -37,20 +36,14 @@ pub struct GraphModel {
 }
 
 impl GraphModel {
-    /// The job when `--model` is not a transformer, else `None`.
-    pub fn load(a: &JobArgs) -> anyhow::Result<Option<GraphModel>> {
-        let model = load_model(&a.model).map_err(user)?;
-        if model.transformer().is_some() {
-            return Ok(None);
-        }
-        if a.global_batch == 0 {
-            return Err(user("--global-batch: must be at least 1"));
-        }
-        let seq = a.seq.unwrap_or(model.default_seq());
-        if seq == 0 {
-            return Err(user("--seq: must be at least 1"));
-        }
-        let cluster = Cluster::parse(&a.cluster).map_err(user)?;
+    /// The job of a model that is not a transformer, on `cluster`.
+    pub fn new(
+        model: Model,
+        cluster: Cluster,
+        seq: u64,
+        global_batch: u64,
+        precision: parallax_ir::Precision,
+    ) -> anyhow::Result<GraphModel> {
         // Image models train with SGD and momentum in every benchmark they are known from;
         // sequence models and ONNX / graph files with Adam.
         let probe = model.graph(1, seq.min(8), true).map_err(user)?;
@@ -58,19 +51,19 @@ impl GraphModel {
             .nodes
             .iter()
             .any(|n| matches!(n.op, OpKind::Conv2d(_)));
-        Ok(Some(GraphModel {
+        Ok(GraphModel {
             name: model.name.clone(),
             model,
             cluster,
             seq,
-            global_batch: a.global_batch,
-            precision: a.precision,
+            global_batch,
+            precision,
             optimizer: if convolutional {
                 Optimizer::SgdMomentum
             } else {
                 Optimizer::Adam
             },
-        }))
+        })
     }
 
     fn build(&self, batch: u64) -> Result<Graph, String> {
@@ -96,7 +89,7 @@ pub fn plan(
     force: bool,
 ) -> anyhow::Result<()> {
     if let Some(dir) = out {
-        prepare_out(dir, force)?;
+        crate::prepare_out(dir, OUT_FILES, force)?;
     }
     let build = |b: u64| job.build(b);
     let gj = GraphJob {
@@ -118,24 +111,14 @@ pub fn plan(
     let sim = simulate_op_plan(&mut costs, &r.plan, job.global_batch).map_err(user)?;
     let band = step_time_band(&job.cluster.profile);
     let plan_doc = plan_document(job, cluster_spec, &costs, &r.plan, &sim.prediction, band);
+    let report = report_lines(job, cluster_spec, &costs, &r, &sim.prediction, band);
     if let Some(dir) = out {
-        write_out(
-            dir,
-            &plan_doc,
-            &sim,
-            &report_lines(job, cluster_spec, &costs, &r, &sim.prediction, band),
-        )?;
+        write_out(dir, &plan_doc, &sim, &report)?;
     }
     if json_out {
         let mut doc = prediction_json(job, &costs, &r.plan, &sim.prediction, band);
         doc["plan"] = serde_json::to_value(&plan_doc)?;
-        doc["search"] = json!({
-            "candidates": r.counts.candidates,
-            "simulated": r.counts.simulated,
-            "accepted": r.counts.accepted,
-            "rejected": r.counts.rejected,
-            "exact": r.counts.exact,
-        });
+        doc["search"] = serde_json::to_value(&r.counts)?;
         doc["data_parallel_step_time_s"] = json!(r.data_parallel.as_ref().map(|p| p.step_time_s));
         doc["speedup_over_data_parallel"] = json!(r
             .data_parallel
@@ -146,7 +129,7 @@ pub fn plan(
         })));
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
-        for l in report_lines(job, cluster_spec, &costs, &r, &sim.prediction, band) {
+        for l in report {
             println!("{l}");
         }
     }
@@ -162,57 +145,27 @@ pub fn simulate(
     json_out: bool,
     trace: Option<&Path>,
 ) -> anyhow::Result<()> {
-    let gpus = job.cluster.gpus;
     let path = Path::new(spec);
-    let (plan_in, micro_batch): (Option<Plan>, u64) = if spec.ends_with(".json") || path.is_file() {
+    let (source, micro_batch) = if spec.ends_with(".json") || path.is_file() {
         let p = crate::read_plan(path)?;
         let m = u64::from(p.micro_batches.unwrap_or(1));
-        (Some(p), job.global_batch / m)
+        (Source::File(Box::new(p)), job.global_batch / m)
     } else {
-        let l = PartialLayout::parse(spec).map_err(|e| user(format!("--plan: {e}")))?;
-        for (k, v) in [("cp", l.cp), ("ep", l.ep), ("interleave", l.interleave)] {
-            if v.is_some_and(|v| v > 1) {
-                return Err(user(format!(
-                    "--plan: {k}: {} is a transformer knob; per-op plans of this model take dp, tp, pp, mb, schedule and recompute",
-                    job.name
-                )));
-            }
-        }
-        let tp = l.tp.unwrap_or(1);
-        let pp = l.pp.unwrap_or(1);
-        let dp = l.dp.unwrap_or(gpus / (tp * pp).max(1));
-        if u64::from(dp) * u64::from(tp) * u64::from(pp) != u64::from(gpus) {
-            return Err(user(format!(
-                "--plan: dp × tp × pp = {} but the cluster has {gpus} devices",
-                u64::from(dp) * u64::from(tp) * u64::from(pp)
-            )));
-        }
-        let mb = l.micro_batch.unwrap_or(job.global_batch / u64::from(dp));
-        let per_step = u64::from(dp) * mb;
-        if mb == 0 || job.global_batch % per_step != 0 {
-            return Err(user(format!(
-                "--plan: global batch {} is not a multiple of dp × mb = {per_step}",
-                job.global_batch
-            )));
-        }
-        let _ = (tp, pp);
-        (None, per_step)
+        let l = Inline::parse(job, spec)?;
+        let per_step = l.samples_per_micro_batch;
+        (Source::Inline(l), per_step)
     };
     let g = job.build(micro_batch).map_err(user)?;
     let mut costs = job.costs(&g)?;
-    let plan = match &plan_in {
-        Some(p) => from_plan(&costs, p, spec)?,
-        None => {
-            let l = PartialLayout::parse(spec).map_err(user)?;
-            let tp = l.tp.unwrap_or(1);
-            let pp = l.pp.unwrap_or(1);
-            let dp = l.dp.unwrap_or(gpus / (tp * pp).max(1));
-            let mut p = layout_plan(&mut costs, dp, tp, pp);
-            p.micro_batches = (job.global_batch / micro_batch) as u32;
+    let plan = match &source {
+        Source::File(p) => from_plan(&costs, p, spec)?,
+        Source::Inline(l) => {
+            let mut p = layout_plan(&mut costs, l.dp, l.tp, l.pp);
+            p.micro_batches = l.micro_batches;
             if let Some(s) = l.schedule {
                 p.schedule = s;
             }
-            p.recompute = l.recompute == Some(Recompute::Full);
+            p.recompute = l.recompute;
             p
         }
     };
@@ -238,6 +191,75 @@ pub fn simulate(
         }
     }
     Ok(())
+}
+
+/// Where `simulate --plan` takes the per-op plan from.
+enum Source {
+    File(Box<Plan>),
+    Inline(Inline),
+}
+
+/// An inline layout of a graph: `dp` sample splits by `tp` parameter splits on each of `pp`
+/// stages, fed `micro_batches` micro-batches.
+struct Inline {
+    dp: u32,
+    tp: u32,
+    pp: u32,
+    micro_batches: u32,
+    samples_per_micro_batch: u64,
+    schedule: Option<Schedule>,
+    recompute: bool,
+}
+
+impl Inline {
+    /// Parses and checks `dp`, `tp`, `pp`, `mb`, `schedule` and `recompute` against the job.
+    fn parse(job: &GraphModel, spec: &str) -> anyhow::Result<Inline> {
+        let gpus = u64::from(job.cluster.gpus);
+        let l = PartialLayout::parse(spec).map_err(|e| user(format!("--plan: {e}")))?;
+        for (k, v) in [("cp", l.cp), ("ep", l.ep), ("interleave", l.interleave)] {
+            if v.is_some_and(|v| v > 1) {
+                return Err(user(format!(
+                    "--plan: {k}: {} is a transformer knob; per-op plans of this model take dp, tp, pp, mb, schedule and recompute",
+                    job.name
+                )));
+            }
+        }
+        let tp = l.tp.unwrap_or(1);
+        let pp = l.pp.unwrap_or(1);
+        let dp = match l.dp {
+            Some(d) => d,
+            None => u32::try_from(gpus / (u64::from(tp) * u64::from(pp))).unwrap_or(0),
+        };
+        let devices = u64::from(dp) * u64::from(tp) * u64::from(pp);
+        if devices != gpus {
+            return Err(user(format!(
+                "--plan: dp × tp × pp = {devices} but the cluster has {gpus} devices"
+            )));
+        }
+        let mb = l.micro_batch.unwrap_or(job.global_batch / u64::from(dp));
+        let per_step = u64::from(dp).saturating_mul(mb);
+        if mb == 0 || job.global_batch % per_step != 0 {
+            return Err(user(format!(
+                "--plan: global batch {} is not a multiple of dp × mb = {per_step}",
+                job.global_batch
+            )));
+        }
+        let micro_batches = u32::try_from(job.global_batch / per_step).map_err(|_| {
+            user(format!(
+                "--plan: {} micro-batches per step are too many",
+                job.global_batch / per_step
+            ))
+        })?;
+        Ok(Inline {
+            dp,
+            tp,
+            pp,
+            micro_batches,
+            samples_per_micro_batch: per_step,
+            schedule: l.schedule,
+            recompute: l.recompute == Some(Recompute::Full),
+        })
+    }
 }
 
 /// Reads a plan's per-op configurations back; every node must be named, in order.
@@ -438,11 +460,16 @@ fn describe(costs: &OpCosts, i: usize, c: &ParallelConfig) -> String {
     format!("{split} @ {}", c.view)
 }
 
+/// Every op's configuration, described, in node order.
+fn descriptions(costs: &OpCosts, plan: &OpPlan) -> Vec<String> {
+    (0..plan.configs.len())
+        .map(|i| describe(costs, i, &plan.configs[i]))
+        .collect()
+}
+
 /// One line naming the plan's shape.
 fn summary(costs: &OpCosts, plan: &OpPlan) -> String {
-    let mut kinds: Vec<String> = (0..plan.configs.len())
-        .map(|i| describe(costs, i, &plan.configs[i]))
-        .collect();
+    let mut kinds = descriptions(costs, plan);
     kinds.sort();
     kinds.dedup();
     let stages: std::collections::BTreeSet<MachineView> =
@@ -459,25 +486,22 @@ fn summary(costs: &OpCosts, plan: &OpPlan) -> String {
 /// Runs of consecutive ops sharing a configuration, one line each.
 fn config_lines(costs: &OpCosts, plan: &OpPlan) -> Vec<String> {
     let g = costs.graph;
+    let described = descriptions(costs, plan);
     let mut rows: Vec<Vec<String>> = Vec::new();
     let mut i = 0;
-    while i < plan.configs.len() {
-        let d = describe(costs, i, &plan.configs[i]);
-        let mut j = i + 1;
-        while j < plan.configs.len() && describe(costs, j, &plan.configs[j]) == d {
-            j += 1;
-        }
-        let ops = if j - i == 1 {
+    for run in described.chunk_by(|a, b| a == b) {
+        let j = i + run.len();
+        let ops = if run.len() == 1 {
             g.nodes[i].name.clone()
         } else {
             format!(
                 "{} … {} ({} ops)",
                 g.nodes[i].name,
                 g.nodes[j - 1].name,
-                j - i
+                run.len()
             )
         };
-        rows.push(vec![ops, d]);
+        rows.push(vec![ops, run[0].clone()]);
         i = j;
     }
     let mut out = vec![String::new()];
@@ -619,27 +643,6 @@ fn batchnorm_warning(costs: &OpCosts, plan: &OpPlan) -> Option<String> {
 }
 
 const OUT_FILES: [&str; 3] = ["plan.json", "report.md", "trace.json"];
-
-fn prepare_out(dir: &Path, force: bool) -> anyhow::Result<()> {
-    if dir.exists() && !dir.is_dir() {
-        return Err(user(format!(
-            "--out {}: exists and is not a folder",
-            dir.display()
-        )));
-    }
-    if !force {
-        for name in OUT_FILES {
-            if dir.join(name).exists() {
-                return Err(user(format!(
-                    "--out {}: {name} already exists (use --force to overwrite)",
-                    dir.display()
-                )));
-            }
-        }
-    }
-    std::fs::create_dir_all(dir)
-        .map_err(|e| user(format!("--out {}: cannot create: {e}", dir.display())))
-}
 
 fn write_out(
     dir: &Path,

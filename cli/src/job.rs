@@ -1,5 +1,6 @@
 //! The training job `plan` and `simulate` predict: model, cluster, batch, sequence, precision.
 
+use crate::general::GraphModel;
 use crate::user;
 use clap::Args as ClapArgs;
 use parallax_cost::transformer::{Runtime, Setup};
@@ -10,7 +11,7 @@ use parallax_ir::{load_model, Precision};
 /// The flags that name a training job.
 #[derive(Debug, ClapArgs)]
 pub struct JobArgs {
-    /// Zoo name, HuggingFace config.json or parallax graph JSON of a transformer.
+    /// Zoo name, HuggingFace config.json, ONNX file or parallax graph JSON.
     #[arg(long)]
     pub model: String,
     /// `PRESET:gpus=N` (e.g. dgx-a100-80gb:gpus=1024) or a profile TOML path.
@@ -38,32 +39,40 @@ pub struct Job {
     pub precision: Precision,
 }
 
+/// A loaded job: a transformer for the structured path, or any other graph for the per-op path.
+pub enum Loaded {
+    Transformer(Job),
+    Graph(GraphModel),
+}
+
 impl JobArgs {
-    /// Loads the model (a transformer) and the cluster; bad input is one line naming the flag.
-    pub fn load(&self, command: &str) -> anyhow::Result<Job> {
+    /// Loads the model and the cluster once; bad input is one line naming the flag.
+    pub fn load(&self) -> anyhow::Result<Loaded> {
         if self.global_batch == 0 {
             return Err(user("--global-batch: must be at least 1"));
         }
         let loaded = load_model(&self.model).map_err(user)?;
-        let Some(model) = loaded.transformer().cloned() else {
-            return Err(user(format!(
-                "--model {}: not a transformer; `parallax {command}` models the layouts of \
-                 transformers (zoo, HuggingFace config): dp × tp × pp × cp × ep",
-                self.model
-            )));
-        };
-        let seq = self.seq.unwrap_or(model.max_seq);
+        let seq = self.seq.unwrap_or(loaded.default_seq());
         if seq == 0 {
             return Err(user("--seq: must be at least 1"));
         }
         let cluster = Cluster::parse(&self.cluster).map_err(user)?;
-        Ok(Job {
-            name: loaded.name,
-            model,
-            cluster,
-            seq,
-            global_batch: self.global_batch,
-            precision: self.precision,
+        Ok(match loaded.transformer().cloned() {
+            Some(model) => Loaded::Transformer(Job {
+                name: loaded.name,
+                model,
+                cluster,
+                seq,
+                global_batch: self.global_batch,
+                precision: self.precision,
+            }),
+            None => Loaded::Graph(GraphModel::new(
+                loaded,
+                cluster,
+                seq,
+                self.global_batch,
+                self.precision,
+            )?),
         })
     }
 }

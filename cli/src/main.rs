@@ -71,6 +71,33 @@ pub fn refuse_overwrite(path: &std::path::Path, force: bool) -> anyhow::Result<(
     Ok(())
 }
 
+/// Makes `dir` ready for a report: refuses to overwrite any of `names` there without `force`
+/// (nothing a user wrote is lost without asking), creates the folder.
+pub fn prepare_out<'a>(
+    dir: &std::path::Path,
+    names: impl IntoIterator<Item = &'a str>,
+    force: bool,
+) -> anyhow::Result<()> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(user(format!(
+            "--out {}: exists and is not a folder",
+            dir.display()
+        )));
+    }
+    if dir.is_dir() && !force {
+        for name in names {
+            if dir.join(name).exists() {
+                return Err(user(format!(
+                    "--out {}: {name} already exists (use --force to overwrite)",
+                    dir.display()
+                )));
+            }
+        }
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| user(format!("--out {}: cannot create: {e}", dir.display())))
+}
+
 /// Reads a plan JSON file, one line naming the file on error.
 pub fn read_plan(path: &std::path::Path) -> anyhow::Result<parallax_ir::Plan> {
     let shown = path.display().to_string();

@@ -2,7 +2,7 @@
 //! run them.
 
 use crate::fmt::table;
-use crate::job::JobArgs;
+use crate::job::{JobArgs, Loaded};
 use crate::user;
 use anyhow::Context;
 use clap::Args as ClapArgs;
@@ -72,32 +72,6 @@ const OUT_FILES: [&str; 8] = [
     "sweep.svg",
 ];
 
-/// Refuses to overwrite a file of an earlier report without --force; creates the folder.
-fn prepare_out(dir: &Path, engine: Option<Engine>, force: bool) -> anyhow::Result<()> {
-    if dir.exists() && !dir.is_dir() {
-        return Err(user(format!(
-            "--out {}: exists and is not a folder",
-            dir.display()
-        )));
-    }
-    if dir.is_dir() && !force {
-        let names = OUT_FILES
-            .iter()
-            .copied()
-            .chain(engine.map(|e| e.file_name()));
-        for name in names {
-            if dir.join(name).exists() {
-                return Err(user(format!(
-                    "--out {}: {name} already exists (use --force to overwrite)",
-                    dir.display()
-                )));
-            }
-        }
-    }
-    std::fs::create_dir_all(dir)
-        .map_err(|e| user(format!("--out {}: cannot create: {e}", dir.display())))
-}
-
 /// A progress bar on stderr that appears once a search has run for a second.
 struct Bar {
     bar: ProgressBar,
@@ -151,16 +125,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Some(s) => PartialLayout::parse(s).map_err(|e| user(format!("--fix: {e}")))?,
         None => PartialLayout::default(),
     };
-    if let Some(g) = crate::general::GraphModel::load(&a.job)? {
-        if engine.is_some() || a.fix.is_some() || a.max_gpus.is_some() {
-            return Err(user(format!(
-                "--model {}: --export, --fix and --max-gpus apply to transformers; per-op plans of other graphs take --top, --json and --out",
-                a.job.model
-            )));
+    let job = match a.job.load()? {
+        Loaded::Transformer(job) => job,
+        Loaded::Graph(g) => {
+            if engine.is_some() || a.fix.is_some() || a.max_gpus.is_some() {
+                return Err(user(format!(
+                    "--model {}: --export, --fix and --max-gpus apply to transformers; per-op plans of other graphs take --top, --json and --out",
+                    a.job.model
+                )));
+            }
+            return crate::general::plan(&g, &a.job.cluster, a.json, a.out.as_deref(), a.force);
         }
-        return crate::general::plan(&g, &a.job.cluster, a.json, a.out.as_deref(), a.force);
-    }
-    let job = a.job.load("plan")?;
+    };
     let cluster = &job.cluster;
     if let Some(n) = a.max_gpus {
         if n == 0 {
@@ -168,7 +144,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     }
     if let Some(dir) = &a.out {
-        prepare_out(dir, engine, a.force)?;
+        let names = OUT_FILES.into_iter().chain(engine.map(|e| e.file_name()));
+        crate::prepare_out(dir, names, a.force)?;
     }
     // Predict what the engine the plan is exported to will run.
     let setup = job.setup(Runtime {

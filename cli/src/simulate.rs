@@ -1,7 +1,7 @@
 //! `parallax simulate`: predict one training step of a layout.
 
 use crate::fmt::{bytes, table};
-use crate::job::JobArgs;
+use crate::job::{JobArgs, Loaded};
 use crate::user;
 use clap::Args as ClapArgs;
 use parallax_cost::{step_time_band, Runtime, Setup};
@@ -34,10 +34,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(t) = &a.trace {
         crate::refuse_overwrite(t, a.force)?;
     }
-    if let Some(g) = crate::general::GraphModel::load(&a.job)? {
-        return crate::general::simulate(&g, &a.job.cluster, &a.plan, a.json, a.trace.as_deref());
-    }
-    let job = a.job.load("simulate")?;
+    let job = match a.job.load()? {
+        Loaded::Transformer(job) => job,
+        Loaded::Graph(g) => {
+            return crate::general::simulate(
+                &g,
+                &a.job.cluster,
+                &a.plan,
+                a.json,
+                a.trace.as_deref(),
+            )
+        }
+    };
     let setup = job.setup(Runtime::default());
     let layout = resolve_layout(&a.plan, &setup)?;
     let sim = simulate_step(&setup, &layout)
