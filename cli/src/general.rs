@@ -44,13 +44,7 @@ impl GraphModel {
         global_batch: u64,
         precision: parallax_ir::Precision,
     ) -> anyhow::Result<GraphModel> {
-        // Image models train with SGD and momentum in every benchmark they are known from;
-        // sequence models and ONNX / graph files with Adam.
         let probe = model.graph(1, seq.min(8), true).map_err(user)?;
-        let convolutional = probe
-            .nodes
-            .iter()
-            .any(|n| matches!(n.op, OpKind::Conv2d(_)));
         Ok(GraphModel {
             name: model.name.clone(),
             model,
@@ -58,11 +52,7 @@ impl GraphModel {
             seq,
             global_batch,
             precision,
-            optimizer: if convolutional {
-                Optimizer::SgdMomentum
-            } else {
-                Optimizer::Adam
-            },
+            optimizer: Optimizer::default_for(&probe),
         })
     }
 

@@ -10,7 +10,8 @@ use std::path::PathBuf;
 /// Score predicted step time and memory against published runs.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
-    /// A case file (`parallax-validation-cases/1`), e.g. ../shared/ground-truth/public.json.
+    /// A case file (`parallax-validation-cases/1` or `/2`), e.g.
+    /// ../shared/ground-truth/public.json or general.json.
     cases: PathBuf,
     /// Only cases of this group (e.g. `core`, `fp8`).
     #[arg(long)]
@@ -33,7 +34,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         std::fs::read_to_string(&a.cases).map_err(|e| user(format!("{file}: cannot read: {e}")))?;
     let mut cf = parse_cases(&text, &file).map_err(user)?;
     if let Some(g) = &a.group {
-        cf.cases.retain(|c| &c.group == g);
+        cf.cases.retain(|c| c.group() == g);
         if cf.cases.is_empty() {
             return Err(user(format!("{file}: no case has group '{g}'")));
         }

@@ -20,6 +20,32 @@ pub const FLASH_BACKWARD_FLOP_RATIO: f64 = 2.5;
 /// read for PV. Backward touches it about twice as often.
 const UNFUSED_SCORE_PASSES_FWD: f64 = 6.5;
 
+/// Output tile side of the Winograd transforms cuDNN runs, F(m×m, r×r) with m = 2.
+pub const WINOGRAD_TILE: u64 = 2;
+
+/// Multiplications Winograd's F(m×m, r×r) saves on an r×r convolution: (m·r)² products of the
+/// direct method per m×m output tile against (m + r − 1)² (Lavin & Gray 2016, "Fast
+/// Algorithms for Convolutional Neural Networks", §4): 2.25 for 3×3, 2.78 for 5×5. The input,
+/// filter and output transforms it adds are small next to the GEMMs at CNN channel counts.
+pub fn winograd_reduction(r: u64) -> f64 {
+    let m = WINOGRAD_TILE;
+    ((m * r) as f64 / (m + r - 1) as f64).powi(2)
+}
+
+/// Side of the output tile a GEMM kernel computes per thread block (128×128 for large
+/// cuBLAS / cuDNN kernels on every generation since Maxwell).
+pub const GEMM_TILE: u64 = 128;
+
+/// Fraction of the computed tiles along a dimension of `n` that holds real outputs: a
+/// dimension of 64 fills half of its one tile (NVIDIA, "Matrix Multiplication Background User's
+/// Guide", tile quantization).
+pub fn tile_fill(n: u64) -> f64 {
+    if n == 0 {
+        return 1.0;
+    }
+    n as f64 / (n.div_ceil(GEMM_TILE) * GEMM_TILE) as f64
+}
+
 /// Kernels an op launches in forward (backward launches twice as many), for the overhead term.
 fn kernels(op: &OpKind) -> f64 {
     match op {
@@ -125,6 +151,67 @@ impl<'a> DeviceModel<'a> {
         Seconds(bytes / self.dev.effective_memory_bandwidth().0) + self.overhead(1.0)
     }
 
+    /// A GEMM of `flops` whose output tiles are filled to `fill` (see [`tile_fill`]).
+    fn gemm_tiled(&self, flops: f64, fill: f64) -> Seconds {
+        if flops <= 0.0 {
+            return Seconds(0.0);
+        }
+        let eff = self.dev.matmul_efficiency_for(self.precision, flops) * self.dev.sustained();
+        Seconds(flops / (self.gemm_peak * eff * fill)) + self.overhead(1.0)
+    }
+
+    /// A convolution as the three implicit GEMMs cuDNN runs (forward: batch·pixels × output
+    /// channels; input gradient: batch·pixels × input channels; weight gradient: output
+    /// channels × input channels·window), each paying for its partly filled tiles; 3×3
+    /// stride-1 convolutions on the fp32 pipes as Winograd transforms.
+    fn conv(&self, c: &parallax_ir::op::Conv2dAttrs, ins: &[Shape], w: &Work) -> OpTimes {
+        let (x, k) = match (ins.first(), ins.get(1)) {
+            (Some(x), Some(k)) if x.rank() == 4 && k.rank() == 4 => (&x.0, &k.0),
+            _ => {
+                return OpTimes {
+                    fwd: self.gemm(w.fwd_flops.0),
+                    bwd_input: self.gemm(w.bwd_input_flops.0),
+                    bwd_weight: self.gemm(w.bwd_weight_flops.0),
+                }
+            }
+        };
+        let out_pixels = |i: usize| {
+            (x[i] + 2 * c.padding[i - 2])
+                .saturating_sub(c.dilation[i - 2] * (c.kernel[i - 2] - 1) + 1)
+                / c.stride[i - 2].max(1)
+                + 1
+        };
+        let (b, cin, cout) = (x[0], x[1], k[0]);
+        let m_out = b * out_pixels(2) * out_pixels(3);
+        let m_in = b * x[2] * x[3];
+        let window = k[1] * k[2] * k[3];
+        let g = if self.winograd(c) {
+            winograd_reduction(c.kernel[0])
+        } else {
+            1.0
+        };
+        OpTimes {
+            fwd: self.gemm_tiled(w.fwd_flops.0 / g, tile_fill(m_out) * tile_fill(cout)),
+            bwd_input: self.gemm_tiled(w.bwd_input_flops.0 / g, tile_fill(m_in) * tile_fill(cin)),
+            bwd_weight: self.gemm_tiled(
+                w.bwd_weight_flops.0 / g,
+                tile_fill(cout) * tile_fill(window),
+            ),
+        }
+    }
+
+    /// Whether cuDNN runs the convolution as a Winograd transform: 3×3 or 5×5, stride 1,
+    /// undilated, dense convolutions on the fp32 (SIMT) pipes, where cuDNN has had it since
+    /// version 5 (5×5 since 5.1, non-fused) and it beats the implicit GEMM. Tensor-core
+    /// precisions run implicit GEMMs instead.
+    fn winograd(&self, c: &parallax_ir::op::Conv2dAttrs) -> bool {
+        self.precision == Precision::Fp32
+            && (c.kernel == [3, 3] || c.kernel == [5, 5])
+            && c.stride == [1, 1]
+            && c.dilation == [1, 1]
+            && c.groups == 1
+    }
+
     fn attention_efficiency(&self, flops: f64) -> f64 {
         let scale = self
             .dev
@@ -154,6 +241,7 @@ impl<'a> DeviceModel<'a> {
                     bwd_weight: self.gemm(w.bwd_weight_flops.0),
                 }
             }
+            (ComputeClass::Gemm, OpKind::Conv2d(c)) => self.conv(c, ins, w),
             (ComputeClass::Gemm, _) => OpTimes {
                 fwd: self.gemm(w.fwd_flops.0) + self.overhead(k - 1.0),
                 bwd_input: self.gemm(w.bwd_input_flops.0) + self.overhead(k - 1.0),
@@ -228,6 +316,46 @@ mod tests {
         let tiny = m.gemm(2.0 * 64.0 * 64.0 * 64.0).0;
         assert!(tiny >= p.device.kernel_overhead().0);
         assert!(DeviceModel::new(&preset("dgx2-v100-32gb").unwrap(), Precision::Bf16).is_err());
+    }
+
+    #[test]
+    fn winograd_and_tile_quantization() {
+        assert_eq!(winograd_reduction(3), 2.25);
+        assert!((winograd_reduction(5) - 100.0 / 36.0).abs() < 1e-12);
+        assert_eq!(tile_fill(128), 1.0);
+        assert_eq!(tile_fill(64), 0.5);
+        assert_eq!(tile_fill(256 + 64), 320.0 / 384.0);
+        let p = preset("dgx1-p100-16gb").unwrap();
+        let conv = |k: u64, cout: u64, precision| {
+            let m = DeviceModel::new(&p, precision).unwrap();
+            let op = OpKind::Conv2d(parallax_ir::op::Conv2dAttrs {
+                out_channels: cout,
+                kernel: [k, k],
+                stride: [1, 1],
+                padding: [k / 2, k / 2],
+                dilation: [1, 1],
+                groups: 1,
+                bias: false,
+            });
+            let ins = [Shape::new([32, 256, 28, 28]), Shape::new([cout, 256, k, k])];
+            let outs = [Shape::new([32, cout, 28, 28])];
+            let w = op.work(&ins, &outs, &[false, true], 4);
+            (m.op(&op, &ins, &w, 4), m, w)
+        };
+        // A 3×3 fp32 convolution runs Winograd: 2.25× fewer multiplications than its GEMM.
+        let (t, m, w) = conv(3, 256, Precision::Fp32);
+        let direct = m.gemm(w.fwd_flops.0).0;
+        let ratio = direct / t.fwd.0;
+        assert!((1.8..=2.25).contains(&ratio), "{ratio}");
+        // fp16 (no Winograd) pays the full GEMM.
+        let (t16, m16, w16) = conv(3, 256, Precision::Fp16);
+        assert!((t16.fwd.0 - m16.gemm(w16.fwd_flops.0).0).abs() < 1e-12);
+        // 64 output channels fill half of a 128-wide tile: the forward takes about as long as
+        // with 128 (a little longer: its smaller GEMM sits lower on the efficiency curve).
+        let (narrow, ..) = conv(1, 64, Precision::Fp32);
+        let (wide, ..) = conv(1, 128, Precision::Fp32);
+        let r = narrow.fwd.0 / wide.fwd.0;
+        assert!((1.0..1.25).contains(&r), "{narrow:?} {wide:?}");
     }
 
     #[test]

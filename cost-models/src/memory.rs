@@ -47,6 +47,20 @@ pub enum Optimizer {
 }
 
 impl Optimizer {
+    /// What a model is trained with when nothing says: SGD with momentum for convolutional
+    /// networks (every image benchmark they are known from), Adam for everything else.
+    pub fn default_for(graph: &parallax_ir::Graph) -> Optimizer {
+        if graph
+            .nodes
+            .iter()
+            .any(|n| matches!(n.op, parallax_ir::OpKind::Conv2d(_)))
+        {
+            Optimizer::SgdMomentum
+        } else {
+            Optimizer::Adam
+        }
+    }
+
     /// Optimizer-state bytes per parameter, master copy included.
     pub fn state_bytes(self, precision: Precision) -> f64 {
         match (self, precision.is_mixed()) {

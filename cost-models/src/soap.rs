@@ -567,12 +567,17 @@ pub struct OpCosts<'a> {
     pub optimizer: Optimizer,
     /// 0: weights replicated; 1–3: optimizer states, gradients, weights sharded over replicas.
     pub zero_stage: u8,
+    /// How replicas combine their gradients.
+    pub sync: GradSync,
     device: DeviceModel<'a>,
     net: Network<'a>,
     float_bytes: u64,
     ins: Vec<Vec<Shape>>,
     outs: Vec<Vec<Shape>>,
     weights: Vec<Vec<bool>>,
+    /// Whether a node's backward must produce an input gradient (some activation input comes
+    /// from another node).
+    needs_input_grad: Vec<bool>,
     mappings: Vec<AxesMapping>,
     /// Consumers of each tensor: (node, input index).
     consumers: Vec<Vec<(NodeId, usize)>>,
@@ -580,6 +585,23 @@ pub struct OpCosts<'a> {
     producer: Vec<Option<NodeId>>,
     compute_memo: HashMap<(OpKind, Vec<Shape>, Vec<Shape>), OpTimes>,
     reshard_memo: HashMap<(TensorLayout, TensorLayout, u64), Transfer>,
+}
+
+/// How data-parallel replicas combine their gradients.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GradSync {
+    /// A collective among the replicas (NCCL all-reduce; reduce-scatter plus all-gather under
+    /// ZeRO 2/3). Parameter servers sharded over the nodes move the same bytes through each
+    /// NIC as a ring all-reduce (push one gradient, pull one copy of the weights, serve 1/N of
+    /// the variables to N workers), so TensorFlow's `distributed_replicated` is priced as this
+    /// over the network the profile describes.
+    #[default]
+    AllReduce,
+    /// Variables on the host CPU (TensorFlow `parameter_server` with
+    /// `local_parameter_device=cpu`): every device pushes its gradient to host memory and pulls
+    /// the updated weights back over its PCIe link.
+    HostParameterServer,
 }
 
 /// Per-device memory of a configuration of one op, bytes.
@@ -602,7 +624,7 @@ impl<'a> OpCosts<'a> {
         let device = DeviceModel::new(profile, precision)?;
         let ins: Vec<Vec<Shape>> = graph.nodes.iter().map(|n| graph.input_shapes(n)).collect();
         let outs: Vec<Vec<Shape>> = graph.nodes.iter().map(|n| graph.output_shapes(n)).collect();
-        let weights = graph.nodes.iter().map(|n| graph.weight_flags(n)).collect();
+        let weights: Vec<Vec<bool>> = graph.nodes.iter().map(|n| graph.weight_flags(n)).collect();
         let mappings = graph
             .nodes
             .iter()
@@ -619,13 +641,25 @@ impl<'a> OpCosts<'a> {
                 producer[t.0 as usize] = Some(NodeId(i as u32));
             }
         }
+        let needs_input_grad = graph
+            .nodes
+            .iter()
+            .zip(&weights)
+            .map(|(n, w)| {
+                n.inputs.iter().enumerate().any(|(k, t)| {
+                    !w.get(k).copied().unwrap_or(false) && producer[t.0 as usize].is_some()
+                })
+            })
+            .collect();
         Ok(OpCosts {
             graph,
+            needs_input_grad,
             profile,
             gpus,
             precision,
             optimizer: Optimizer::Adam,
             zero_stage: 0,
+            sync: GradSync::AllReduce,
             device,
             net: Network::new(profile),
             float_bytes: precision.activation_dtype().size_bytes(),
@@ -720,22 +754,31 @@ impl<'a> OpCosts<'a> {
         }
     }
 
-    /// Forward, input-gradient and weight-gradient time of one shard of a node.
+    /// Forward, input-gradient and weight-gradient time of one shard of a node. A node whose
+    /// activation inputs are all graph inputs (the data) computes no input gradient: autograd
+    /// never asks for it (the first convolution of a CNN, whose 3-channel input gradient would
+    /// otherwise cost as much as a wide layer).
     pub fn compute(&mut self, n: NodeId, cfg: &ParallelConfig) -> OpTimes {
         let (si, so) = self.shard_shapes(n, &cfg.degrees);
         let op = self.node(n).op.clone();
         let key = (op, si, so);
-        if let Some(t) = self.compute_memo.get(&key) {
-            return *t;
+        let mut t = match self.compute_memo.get(&key) {
+            Some(t) => *t,
+            None => {
+                let w = key.0.work(
+                    &key.1,
+                    &key.2,
+                    &self.weights[n.0 as usize],
+                    self.float_bytes,
+                );
+                let t = self.device.op(&key.0, &key.1, &w, self.float_bytes);
+                self.compute_memo.insert(key, t);
+                t
+            }
+        };
+        if !self.needs_input_grad[n.0 as usize] {
+            t.bwd_input = Seconds(0.0);
         }
-        let w = key.0.work(
-            &key.1,
-            &key.2,
-            &self.weights[n.0 as usize],
-            self.float_bytes,
-        );
-        let t = self.device.op(&key.0, &key.1, &w, self.float_bytes);
-        self.compute_memo.insert(key, t);
         t
     }
 
@@ -855,8 +898,17 @@ impl<'a> OpCosts<'a> {
     }
 
     /// Time to synchronise `bytes` of gradient over `g`: an all-reduce; under ZeRO 2/3 a
-    /// reduce-scatter plus the all-gather of the updated parameters (the same bytes moved).
+    /// reduce-scatter plus the all-gather of the updated parameters (the same bytes moved);
+    /// with a host parameter server, a push of the gradient and a pull of the updated weights
+    /// over each device's share of its host link.
     pub fn sync_time(&self, bytes: Bytes, g: Group) -> Seconds {
+        if self.sync == GradSync::HostParameterServer {
+            let node = &self.profile.node;
+            let link = node
+                .host_link_bandwidth()
+                .unwrap_or_else(|| node.intra_bandwidth());
+            return Seconds(2.0 * bytes.0 as f64 / link.0) + node.intra_latency() * 2.0;
+        }
         if self.zero_stage >= 2 {
             self.net.collective(Collective::ReduceScatter, bytes, g)
                 + self.net.collective(Collective::AllGather, bytes, g)
@@ -949,6 +1001,48 @@ mod tests {
             degrees,
             view: MachineView::block(start, size),
         }
+    }
+
+    #[test]
+    fn the_first_layer_computes_no_input_gradient() {
+        let g = parallax_ir::load_model("resnet50")
+            .unwrap()
+            .graph(8, 1, false)
+            .unwrap();
+        let p = preset("dgx1-p100-16gb").unwrap();
+        let mut c = OpCosts::new(&g, &p, 1, Precision::Fp32).unwrap();
+        let one = ParallelConfig::single(0);
+        let first = c.compute(NodeId(0), &one);
+        assert!(matches!(g.nodes[0].op, OpKind::Conv2d(_)));
+        assert_eq!(first.bwd_input.0, 0.0);
+        assert!(first.bwd_weight.0 > 0.0);
+        // The next conv's input comes from a node: its gradient is computed.
+        let next = (1..g.nodes.len())
+            .find(|i| matches!(g.nodes[*i].op, OpKind::Conv2d(_)))
+            .unwrap();
+        assert!(c.compute(NodeId(next as u32), &one).bwd_input.0 > 0.0);
+    }
+
+    #[test]
+    fn a_host_parameter_server_moves_the_gradient_and_the_weights_over_pcie() {
+        let g = parallax_ir::load_model("resnet50")
+            .unwrap()
+            .graph(8, 1, false)
+            .unwrap();
+        let p = preset("dgx1-p100-16gb").unwrap();
+        let mut c = OpCosts::new(&g, &p, 8, Precision::Fp32).unwrap();
+        let group = Group {
+            size: 8,
+            per_node: 8,
+        };
+        let bytes = Bytes(100 << 20);
+        let ring = c.sync_time(bytes, group);
+        c.sync = GradSync::HostParameterServer;
+        let ps = c.sync_time(bytes, group);
+        // Push and pull at 7.875 GB/s each (half of a PCIe 3.0 x16 switch uplink).
+        let expect = 2.0 * (100u64 << 20) as f64 / 7.875e9;
+        assert!((ps.0 - expect).abs() / expect < 0.01, "{ps:?}");
+        assert!(ps.0 > ring.0);
     }
 
     #[test]

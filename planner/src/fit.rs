@@ -20,6 +20,9 @@ pub const CHIPS: &[(&str, &[&str])] = &[
     ("H100/H200 SXM", &["H100-SXM5", "H200"]),
     ("H100 96GB 500W", &["H100-96GB"]),
     ("V100", &["V100"]),
+    ("P100", &["P100"]),
+    ("P40", &["P40"]),
+    ("K80", &["K80"]),
     ("TITAN RTX", &["TITAN RTX"]),
 ];
 
@@ -119,7 +122,7 @@ pub fn fit(cases: &[Case]) -> Vec<ChipFit> {
     for (chip, _) in CHIPS {
         let mine: Vec<&Case> = cases
             .iter()
-            .filter(|c| preset(&c.cluster.preset).ok().as_ref().and_then(chip_of) == Some(*chip))
+            .filter(|c| preset(c.preset()).ok().as_ref().and_then(chip_of) == Some(*chip))
             .collect();
         let presets: Vec<String> = preset_names()
             .into_iter()
@@ -130,11 +133,7 @@ pub fn fit(cases: &[Case]) -> Vec<ChipFit> {
             continue;
         }
         let before = mine.iter().map(|c| c.run()).collect::<Vec<_>>();
-        let fused = mine.iter().any(|c| {
-            crate::validate::Framework::for_source(&c.source)
-                .runtime
-                .fused_attention
-        });
+        let fused = mine.iter().any(|c| c.fused_attention());
         // The error jumps where a layout choice flips, so it has local minima: a coarse grid
         // first, then line searches within one grid step of its best point.
         let objective = |s: f64, a: Option<f64>| mape(&run(&mine, s, a));
@@ -218,7 +217,7 @@ mod tests {
         let cases = parse_cases(&text, "public.json").unwrap().cases;
         let titan: Vec<Case> = cases
             .into_iter()
-            .filter(|c| c.cluster.preset.starts_with("titan-rtx"))
+            .filter(|c| c.preset().starts_with("titan-rtx"))
             .collect();
         assert_eq!(titan.len(), 2);
         let fits = fit(&titan);

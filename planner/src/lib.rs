@@ -4,6 +4,7 @@ pub mod bounds;
 pub mod complete;
 pub mod export;
 pub mod fit;
+pub mod general_cases;
 pub mod plots;
 pub mod report;
 pub mod search;
@@ -14,7 +15,10 @@ pub use search::{
     search, search_with_progress, Counts, Evaluated, Family, FamilyResult, Progress, SearchError,
     SearchOptions, SearchResult, Space,
 };
-pub use validate::{parse_cases, summarize, validate, Case, CaseResult, Framework, Summary};
+pub use validate::{
+    parse_cases, summarize, validate, Case, CaseResult, Framework, GeneralCase, Summary,
+    TransformerCase,
+};
 pub mod soap;
 pub use soap::{
     layout_plan, plan_graph, search_ops, GraphJob, GraphPlan, SoapCounts, SoapError, SoapOptions,

@@ -1,8 +1,11 @@
-//! Scoring predictions against published measurements of real training runs
-//! (`parallax-validation-cases/1`, see `shared/ground-truth/README.md`).
+//! Scoring predictions against published measurements of real training runs: transformers
+//! with their dimensions (`parallax-validation-cases/1`, see `shared/ground-truth/README.md`)
+//! and any zoo model with its published software stack (`parallax-validation-cases/2`,
+//! [`crate::general_cases`]).
 
 use crate::complete::{complete_within, layout_string};
 use crate::export::Engine;
+pub use crate::general_cases::{GeneralCase, GENERAL_CASES_SCHEMA};
 use crate::search::Space;
 use parallax_cost::transformer::{Runtime, SelectivePolicy, Setup};
 use parallax_hardware::{Cluster, ClusterProfile};
@@ -117,6 +120,20 @@ impl Framework {
                 },
                 ..Framework::current()
             }
+        } else if s.starts_with("dle-pytorch") {
+            // NVIDIA DeepLearningExamples PyTorch (NGC 20.x–21.x): apex fused softmax, no
+            // flash attention; BERT pretraining all-reduces once after its accumulation
+            // steps (`allreduce_post_accumulation`), not overlapped with backward.
+            Framework {
+                name: "nvidia deeplearningexamples pytorch",
+                runtime: pre_flash(false),
+                space: Space {
+                    schedules: vec![Schedule::GPipe],
+                    zero_stages: vec![0],
+                    ..Space::default()
+                },
+                ..Framework::current()
+            }
         } else if s.starts_with("hf-transformers") {
             Framework {
                 name: "huggingface trainer + ddp",
@@ -154,16 +171,87 @@ impl Framework {
     }
 }
 
-/// A case file.
-#[derive(Clone, Debug, Deserialize)]
+/// A case file of either schema.
+#[derive(Clone, Debug)]
 pub struct CaseFile {
     pub schema: String,
     pub cases: Vec<Case>,
 }
 
-/// One published run.
+#[derive(Deserialize)]
+struct Head {
+    schema: String,
+}
+
+#[derive(Deserialize)]
+struct Cases<C> {
+    cases: Vec<C>,
+}
+
+/// One published run of either schema.
+#[derive(Clone, Debug)]
+pub enum Case {
+    Transformer(TransformerCase),
+    General(GeneralCase),
+}
+
+impl Case {
+    pub fn id(&self) -> &str {
+        match self {
+            Case::Transformer(c) => &c.id,
+            Case::General(c) => &c.id,
+        }
+    }
+
+    pub fn group(&self) -> &str {
+        match self {
+            Case::Transformer(c) => &c.group,
+            Case::General(c) => &c.group,
+        }
+    }
+
+    /// The publication (see [`Framework::for_source`]).
+    pub fn source(&self) -> &str {
+        match self {
+            Case::Transformer(c) => &c.source,
+            Case::General(c) => &c.source,
+        }
+    }
+
+    /// Whether the run's attention was a fused kernel (what the attention efficiency scale
+    /// is fitted to).
+    pub fn fused_attention(&self) -> bool {
+        match self {
+            Case::Transformer(c) => Framework::for_source(&c.source).runtime.fused_attention,
+            Case::General(c) => c.fused_attention(),
+        }
+    }
+
+    /// The hardware preset it ran on.
+    pub fn preset(&self) -> &str {
+        match self {
+            Case::Transformer(c) => &c.cluster.preset,
+            Case::General(c) => &c.cluster.preset,
+        }
+    }
+
+    /// Predicts the case.
+    pub fn run(&self) -> CaseResult {
+        self.run_with(&|_| {})
+    }
+
+    /// [`Case::run`] on a profile changed by `adjust` first (for fitting parameters).
+    pub fn run_with(&self, adjust: &(dyn Fn(&mut ClusterProfile) + Sync)) -> CaseResult {
+        match self {
+            Case::Transformer(c) => c.run_with(adjust),
+            Case::General(c) => c.run_with(adjust),
+        }
+    }
+}
+
+/// One published transformer run with its dimensions (schema `/1`).
 #[derive(Clone, Debug, Deserialize)]
-pub struct Case {
+pub struct TransformerCase {
     pub id: String,
     #[serde(default)]
     pub source: String,
@@ -232,25 +320,40 @@ pub enum CaseError {
         column: usize,
         message: String,
     },
-    #[error("{file}: schema: expected \"{CASES_SCHEMA}\", found \"{found}\"")]
+    #[error("{file}: schema: expected \"{CASES_SCHEMA}\" or \"{GENERAL_CASES_SCHEMA}\", found \"{found}\"")]
     Schema { file: String, found: String },
 }
 
-/// Parses a case file; `file` names it in errors.
+/// Parses a case file of either schema; `file` names it in errors.
 pub fn parse_cases(text: &str, file: &str) -> Result<CaseFile, CaseError> {
-    let f: CaseFile = serde_json::from_str(text).map_err(|e| CaseError::Json {
-        file: file.into(),
-        line: e.line(),
-        column: e.column(),
-        message: parallax_ir::plan::json_message(&e),
-    })?;
-    if f.schema != CASES_SCHEMA {
-        return Err(CaseError::Schema {
+    fn parse<T: serde::de::DeserializeOwned>(text: &str, file: &str) -> Result<T, CaseError> {
+        serde_json::from_str(text).map_err(|e| CaseError::Json {
             file: file.into(),
-            found: f.schema,
-        });
+            line: e.line(),
+            column: e.column(),
+            message: parallax_ir::plan::json_message(&e),
+        })
     }
-    Ok(f)
+    let schema = parse::<Head>(text, file)?.schema;
+    let cases = match schema.as_str() {
+        CASES_SCHEMA => parse::<Cases<TransformerCase>>(text, file)?
+            .cases
+            .into_iter()
+            .map(Case::Transformer)
+            .collect(),
+        GENERAL_CASES_SCHEMA => parse::<Cases<GeneralCase>>(text, file)?
+            .cases
+            .into_iter()
+            .map(Case::General)
+            .collect(),
+        _ => {
+            return Err(CaseError::Schema {
+                file: file.into(),
+                found: schema,
+            })
+        }
+    };
+    Ok(CaseFile { schema, cases })
 }
 
 /// The outcome of one case.
@@ -282,7 +385,7 @@ pub struct Summary {
     pub skipped: usize,
 }
 
-impl Case {
+impl TransformerCase {
     /// The model the case describes.
     pub fn transformer(&self) -> Result<TransformerConfig, String> {
         let m = &self.model;
@@ -340,12 +443,8 @@ impl Case {
         }
     }
 
-    /// Predicts the case: null knobs are chosen as the fastest feasible values.
-    pub fn run(&self) -> CaseResult {
-        self.run_with(&|_| {})
-    }
-
-    /// [`Case::run`] on a profile changed by `adjust` first (for fitting parameters).
+    /// Predicts the case on a profile changed by `adjust` first: null knobs are chosen as the
+    /// fastest feasible values.
     pub fn run_with(&self, adjust: &(dyn Fn(&mut ClusterProfile) + Sync)) -> CaseResult {
         let mut r = CaseResult {
             id: self.id.clone(),
@@ -448,6 +547,34 @@ pub fn summarize(results: &[CaseResult]) -> Summary {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn case_files_of_both_schemas_parse_and_others_are_refused() {
+        let v1 = r#"{"schema": "parallax-validation-cases/1", "cases": []}"#;
+        assert!(parse_cases(v1, "a.json").unwrap().cases.is_empty());
+        let v2 =
+            r#"{"schema": "parallax-validation-cases/2", "note": "", "fields": {}, "cases": []}"#;
+        assert_eq!(
+            parse_cases(v2, "b.json").unwrap().schema,
+            GENERAL_CASES_SCHEMA
+        );
+        let e = parse_cases(r#"{"schema": "x/9", "cases": []}"#, "c.json")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("c.json: schema:") && e.contains("/2"), "{e}");
+        let e = parse_cases(
+            r#"{"schema": "parallax-validation-cases/2", "cases": [{}]}"#,
+            "d.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.starts_with("d.json: line 1"), "{e}");
+        assert!(!fw_fused("dle-pytorch-bert"));
+    }
+
+    fn fw_fused(source: &str) -> bool {
+        Framework::for_source(source).runtime.fused_attention
+    }
 
     #[test]
     fn sources_map_to_the_stack_they_ran() {

@@ -6,7 +6,7 @@
 use parallax_cost::transformer::Setup;
 use parallax_hardware::Cluster;
 use parallax_ir::Layout;
-use parallax_planner::{parse_cases, search, Case, Framework, SearchOptions};
+use parallax_planner::{parse_cases, search, Case, Framework, SearchOptions, TransformerCase};
 use parallax_sim::simulate_step;
 use rayon::prelude::*;
 use std::path::PathBuf;
@@ -16,7 +16,7 @@ fn cases_file() -> PathBuf {
 }
 
 /// The published layout when every knob was published.
-fn published(c: &Case) -> Option<Layout> {
+fn published(c: &TransformerCase) -> Option<Layout> {
     let p = &c.plan;
     let schedule = p.schedule?;
     Some(Layout {
@@ -50,6 +50,9 @@ fn the_planner_is_never_worse_than_a_published_layout() {
         .cases
         .par_iter()
         .filter_map(|case| {
+            let Case::Transformer(case) = case else {
+                return None;
+            };
             let layout = published(case)?;
             let cfg = case.transformer().unwrap();
             let cluster = Cluster::parse(&format!(

@@ -51,13 +51,43 @@ const VGG16_STAGES: [(u64, u32); 5] = [(64, 2), (128, 2), (256, 3), (512, 3), (5
 /// 61,100,840 trainable parameters: torchvision's `alexnet()` count (`AlexNet_Weights`
 /// table). About 0.71 GMACs per image forward (torchvision: 0.71 "GFLOPS").
 pub fn alexnet(batch: u64) -> Result<Graph, GraphError> {
-    let s = CLASSIC_IMAGE_SIZE;
-    let mut g = GraphBuilder::new("alexnet");
+    alexnet_with("alexnet", batch, CLASSIC_IMAGE_SIZE, &ALEXNET_CONVS)
+}
+
+/// tf_cnn_benchmarks' AlexNet (`models/alexnet_model.py`, the model of TensorFlow's 2017
+/// benchmarks page): 227×227×3 images, a VALID 11×11 stride-4 first conv, and 384 filters in
+/// the fourth conv where torchvision has 256 (Krizhevsky 2014's layer widths); otherwise
+/// torchvision's network. 0.84 GMACs per image forward against torchvision's 0.71.
+///
+/// 61,838,248 trainable parameters, counted from the layer list (convs 3,207,104 with
+/// biases; fc 58,631,144).
+pub fn alexnet_tf(batch: u64) -> Result<Graph, GraphError> {
+    alexnet_with("alexnet-tf", batch, 227, &ALEXNET_TF_CONVS)
+}
+
+/// tf_cnn_benchmarks `AlexnetModel.add_inference`: conv(64, 11, 11, 4, 4, 'VALID'), mpool,
+/// conv(192, 5, 5), mpool, conv(384, 3, 3), conv(384, 3, 3), conv(256, 3, 3), mpool (SAME
+/// padding unless stated).
+const ALEXNET_TF_CONVS: [(u64, u64, u64, u64, bool); 5] = [
+    (64, 11, 4, 0, true),
+    (192, 5, 1, 2, true),
+    (384, 3, 1, 1, false),
+    (384, 3, 1, 1, false),
+    (256, 3, 1, 1, true),
+];
+
+fn alexnet_with(
+    name: &str,
+    batch: u64,
+    s: u64,
+    convs: &[(u64, u64, u64, u64, bool)],
+) -> Result<Graph, GraphError> {
+    let mut g = GraphBuilder::new(name);
     let mut x = g.input("images", [batch, 3, s, s], DType::F32);
     let labels = g.input("labels", [batch], DType::I64);
     // torchvision's `features` indices: conv, relu[, maxpool] per layer.
     let mut index = 0;
-    for (i, &(out, kernel, stride, padding, pooled)) in ALEXNET_CONVS.iter().enumerate() {
+    for (i, &(out, kernel, stride, padding, pooled)) in convs.iter().enumerate() {
         if i > 0 {
             g.segment(Segment::Block(i as u32 - 1));
         }
@@ -79,7 +109,7 @@ pub fn alexnet(batch: u64) -> Result<Graph, GraphError> {
     }
     let x = g.op1("flatten", OpKind::Flatten(AxisAttrs { axis: 1 }), &[x])?;
     // classifier: 0 dropout, 1 fc, 2 relu, 3 dropout, 4 fc, 5 relu, 6 fc.
-    let blocks = ALEXNET_CONVS.len() as u32 - 1;
+    let blocks = convs.len() as u32 - 1;
     g.segment(Segment::Block(blocks));
     let x = g.dropout("classifier.0", x, CLASSIFIER_DROPOUT_PERMILLE)?;
     let x = fc_relu(&mut g, "classifier.1", "classifier.2", x)?;

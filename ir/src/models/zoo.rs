@@ -227,6 +227,7 @@ fn extra_entries() -> Vec<ZooEntry> {
             ZooDef::Batched(vision::vit_g14),
         ),
         e("alexnet", "alexnet", 61_100_840.0, "torchvision alexnet weights table (IMAGENET1K_V1)", ZooDef::Batched(classic::alexnet)),
+        e("alexnet-tf", "alexnet", 61_838_248.0, "counted from tensorflow/benchmarks tf_cnn_benchmarks models/alexnet_model.py (no published count)", ZooDef::Batched(classic::alexnet_tf)),
         e("vgg16", "vgg", 138_357_544.0, "torchvision vgg16 weights table (IMAGENET1K_V1)", ZooDef::Batched(classic::vgg16)),
         e("resnet50", "resnet", 25_557_032.0, "torchvision resnet50 weights table (IMAGENET1K_V1)", ZooDef::Batched(resnet::resnet50)),
         e("resnet101", "resnet", 44_549_160.0, "torchvision resnet101 weights table (IMAGENET1K_V1)", ZooDef::Batched(resnet::resnet101)),

@@ -1,0 +1,359 @@
+//! Published runs of any model (`parallax-validation-cases/2`, `shared/ground-truth/general.json`
+//! and its `fields` block): CNNs, RNNs and pipelines predicted on the per-op (SOAP) path with the
+//! published layout, transformers (BERT) on the structured path; each with the software stack
+//! that ran it.
+
+use crate::complete::{complete_within, layout_string};
+use crate::search::Space;
+use crate::soap::layout_plan;
+use crate::validate::{CaseResult, Framework, Measured};
+use parallax_cost::soap::{GradSync, OpCosts, Optimizer};
+use parallax_cost::transformer::Setup;
+use parallax_hardware::{Cluster, ClusterProfile};
+use parallax_ir::{load_model, Model, PartialLayout, Precision, Schedule};
+use parallax_sim::perop::simulate_op_plan;
+use serde::Deserialize;
+
+/// Schema tag of case files of any model.
+pub const GENERAL_CASES_SCHEMA: &str = "parallax-validation-cases/2";
+
+/// One published run of any model.
+#[derive(Clone, Debug, Deserialize)]
+pub struct GeneralCase {
+    pub id: String,
+    #[serde(default)]
+    pub source: String,
+    /// Normalised framework id, then the published text in parentheses.
+    pub framework: String,
+    pub model: GeneralModel,
+    pub cluster: crate::validate::CaseCluster,
+    /// `fp32`, `tf32`, `amp-fp16`, `fp16` or `bf16`.
+    pub precision: String,
+    pub plan: GeneralPlan,
+    pub measured: Measured,
+    #[serde(default)]
+    pub group: String,
+}
+
+/// The model of a case: a zoo name and its input size.
+#[derive(Clone, Debug, Deserialize)]
+pub struct GeneralModel {
+    pub name: String,
+    #[serde(default)]
+    pub input: ModelInput,
+}
+
+/// Input size as published.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct ModelInput {
+    pub image_size: Option<u64>,
+    pub seq_len: Option<u64>,
+    /// Mean source plus target tokens of a sentence pair of a bucketed translation dataset.
+    pub mean_tokens_per_sentence_pair_derived: Option<f64>,
+}
+
+/// The published layout.
+#[derive(Clone, Debug, Deserialize)]
+pub struct GeneralPlan {
+    pub dp: u32,
+    pub tp: u32,
+    pub pp: u32,
+    /// Samples per replica per forward pass (per pipeline micro-batch for GPipe).
+    pub micro_batch: u64,
+    pub grad_accumulation: u32,
+    pub global_batch: u64,
+    pub pipeline: Option<GPipeSetup>,
+    pub gradient_sync: Option<String>,
+}
+
+/// A published GPipe setup (torchgpipe).
+#[derive(Clone, Debug, Deserialize)]
+pub struct GPipeSetup {
+    /// Layers of the source's `nn.Sequential` per partition (a profile-balanced split).
+    pub balance: Vec<u32>,
+    pub chunks: u32,
+    /// `always`, `except_last` or `never`.
+    pub checkpoint: String,
+}
+
+/// The zoo model a case names, for the framework that ran it.
+fn zoo_name<'a>(name: &'a str, framework: &str) -> &'a str {
+    match name {
+        // TensorFlow's benchmarks run their own AlexNet (wider fourth conv, 227 input).
+        "alexnet" if framework.starts_with("tensorflow") => "alexnet-tf",
+        // ResNet-50 v1.5 moves the stride of the downsampling bottleneck to its 3×3
+        // convolution (torchvision's ResNet-50 is v1.5 already).
+        "resnet50-v1.5" => "resnet50",
+        n => n,
+    }
+}
+
+/// The precision a case names.
+fn precision(p: &str) -> Result<Precision, String> {
+    Ok(match p {
+        "fp32" => Precision::Fp32,
+        "tf32" => Precision::Tf32,
+        // Both keep fp32 master weights; `fp16` casts the model, `amp-fp16` casts per op.
+        "amp-fp16" | "fp16" => Precision::Fp16,
+        "bf16" => Precision::Bf16,
+        other => {
+            return Err(format!(
+                "precision '{other}' is not fp32, tf32, amp-fp16, fp16 or bf16"
+            ))
+        }
+    })
+}
+
+impl GeneralCase {
+    /// The normalised framework id (`tensorflow-1.x/tf_cnn_benchmarks`, `pytorch-ddp`, ...).
+    pub fn framework_id(&self) -> &str {
+        self.framework.split_whitespace().next().unwrap_or("")
+    }
+
+    /// Whether the run's attention was a fused kernel: a transformer on a stack with one.
+    pub fn fused_attention(&self) -> bool {
+        load_model(zoo_name(&self.model.name, self.framework_id()))
+            .is_ok_and(|m| m.transformer().is_some())
+            && Framework::for_source(&self.source).runtime.fused_attention
+    }
+
+    /// How gradients were combined: the published mechanism.
+    pub fn grad_sync(&self) -> Result<GradSync, String> {
+        Ok(match self.plan.gradient_sync.as_deref() {
+            // `distributed_replicated` is replicated inside a node and parameter servers
+            // sharded over the nodes across them: the bytes of a ring all-reduce (GradSync).
+            None
+            | Some("nccl-allreduce" | "replicated" | "ring-allreduce" | "distributed_replicated") => {
+                GradSync::AllReduce
+            }
+            // tf_cnn_benchmarks' parameter_server runs published here kept the variables on
+            // the CPU (local_parameter_device=cpu, the benchmarks page's configuration table).
+            Some("parameter_server") => GradSync::HostParameterServer,
+            Some(other) => return Err(format!("plan.gradient_sync '{other}' is not modelled")),
+        })
+    }
+
+    /// Sequence length of sequence models: the mean of a bucketed dataset where published,
+    /// else the published (maximum) length.
+    fn seq(&self, model: &Model) -> u64 {
+        let i = &self.model.input;
+        match (i.mean_tokens_per_sentence_pair_derived, i.seq_len) {
+            // Source plus target tokens: one side is half.
+            (Some(mean), _) => ((mean / 2.0).round() as u64).max(1),
+            (None, Some(s)) => s,
+            (None, None) => model.default_seq(),
+        }
+    }
+
+    /// Predicts the case on a profile changed by `adjust` first.
+    pub fn run_with(&self, adjust: &(dyn Fn(&mut ClusterProfile) + Sync)) -> CaseResult {
+        let mut r = CaseResult {
+            id: self.id.clone(),
+            group: self.group.clone(),
+            measured_step_time_s: self.measured.step_time_s,
+            measured_peak_memory_gib: self.measured.peak_memory_gib,
+            ..CaseResult::default()
+        };
+        match self.predict(adjust) {
+            Ok((t, mem, layout)) => {
+                r.predicted_step_time_s = Some(t);
+                r.ape = Some((t - r.measured_step_time_s).abs() / r.measured_step_time_s);
+                r.predicted_peak_memory_gib = Some(mem);
+                r.memory_ape = r.measured_peak_memory_gib.map(|m| (mem - m).abs() / m);
+                r.layout = Some(layout);
+                r.status = "ok".into();
+            }
+            Err(e) => r.status = format!("skipped: {e}"),
+        }
+        r
+    }
+
+    /// (step time, peak memory GiB, layout description).
+    fn predict(
+        &self,
+        adjust: &(dyn Fn(&mut ClusterProfile) + Sync),
+    ) -> Result<(f64, f64, String), String> {
+        let precision = precision(&self.precision)?;
+        let model = load_model(zoo_name(&self.model.name, self.framework_id()))
+            .map_err(|e| e.to_string())?;
+        let spec = format!("{}:gpus={}", self.cluster.preset, self.cluster.gpus);
+        let mut cluster = Cluster::parse(&spec).map_err(|e| e.to_string())?;
+        adjust(&mut cluster.profile);
+        let p = &self.plan;
+        if p.dp.max(1) * p.tp.max(1) * p.pp.max(1) != cluster.gpus {
+            return Err(format!(
+                "plan: dp {} x tp {} x pp {} is not cluster.gpus {}",
+                p.dp, p.tp, p.pp, cluster.gpus
+            ));
+        }
+        let seq = self.seq(&model);
+        // The samples of one step as run; where a source's global batch disagrees with its
+        // layout, the step is predicted as run and scaled to the published global batch (its
+        // step time is the published batch over the measured throughput).
+        let chunks = p
+            .pipeline
+            .as_ref()
+            .map_or(p.grad_accumulation, |g| g.chunks)
+            .max(1);
+        let ran = p.micro_batch * u64::from(p.dp) * u64::from(chunks);
+        let scale = p.global_batch as f64 / ran as f64;
+        if let Some(cfg) = model.transformer() {
+            let fw = Framework::for_source(&self.source);
+            let setup = Setup {
+                precision,
+                runtime: fw.runtime,
+                ..Setup::new(cfg, &cluster.profile, cluster.gpus, seq, ran)
+            };
+            let partial = PartialLayout {
+                dp: Some(p.dp),
+                tp: Some(p.tp),
+                pp: Some(p.pp),
+                cp: Some(1),
+                ep: Some(1),
+                zero_stage: Some(0),
+                micro_batch: Some(p.micro_batch),
+                sequence_parallel: Some(false),
+                ..PartialLayout::default()
+            };
+            let space = Space {
+                zero_stages: vec![0],
+                ..fw.space
+            };
+            let c = complete_within(&setup, &partial, &space).map_err(|e| e.to_string())?;
+            return Ok((
+                c.prediction.step_time_s * scale,
+                c.prediction.peak_memory_gib,
+                layout_string(&c.layout),
+            ));
+        }
+        // Per-op path: the graph of one micro-batch over all replicas.
+        let graph = model
+            .graph(p.micro_batch * u64::from(p.dp), seq, false)
+            .map_err(|e| e.to_string())?;
+        let mut costs = OpCosts::new(&graph, &cluster.profile, cluster.gpus, precision)
+            .map_err(|e| format!("precision: {e}"))?;
+        costs.optimizer = Optimizer::default_for(&graph);
+        costs.sync = self.grad_sync()?;
+        let mut plan = layout_plan(&mut costs, p.dp, p.tp, p.pp);
+        let (schedule, recompute) = match &p.pipeline {
+            Some(g) => (
+                Schedule::GPipe,
+                match g.checkpoint.as_str() {
+                    "always" => true,
+                    // torchgpipe's default: every micro-batch but the last recomputes.
+                    "except_last" => g.chunks > 1,
+                    "never" => false,
+                    other => {
+                        return Err(format!(
+                            "plan.pipeline.checkpoint '{other}' is not always, except_last or never"
+                        ))
+                    }
+                },
+            ),
+            None => (plan.schedule, false),
+        };
+        plan.micro_batches = chunks;
+        plan.recompute = recompute;
+        if p.pp > 1 {
+            plan.schedule = schedule;
+        }
+        let sim = simulate_op_plan(&mut costs, &plan, ran).map_err(|e| e.to_string())?;
+        let pr = &sim.prediction;
+        let layout = format!(
+            "dp={} tp={} pp={} mb={} m={}{}{}",
+            p.dp,
+            p.tp,
+            p.pp,
+            p.micro_batch,
+            chunks,
+            if plan.recompute { " recompute" } else { "" },
+            match costs.sync {
+                GradSync::AllReduce => "",
+                GradSync::HostParameterServer => " ps=host",
+            }
+        );
+        Ok((pr.step_time_s * scale, pr.peak_memory_gib, layout))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_precisions_of_the_case_file() {
+        assert_eq!(zoo_name("resnet50-v1.5", "pytorch-ddp"), "resnet50");
+        assert_eq!(zoo_name("vgg16", "pytorch-ddp"), "vgg16");
+        let tf = "tensorflow-1.x/tf_cnn_benchmarks";
+        assert_eq!(zoo_name("alexnet", tf), "alexnet-tf");
+        assert_eq!(zoo_name("alexnet", "pytorch-ddp"), "alexnet");
+        assert_eq!(precision("amp-fp16"), Ok(Precision::Fp16));
+        assert_eq!(precision("tf32"), Ok(Precision::Tf32));
+        assert!(precision("int8").unwrap_err().contains("int8"));
+    }
+
+    fn general_json() -> Vec<crate::Case> {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/ground-truth/general.json");
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e}: the tests read the published runs from ../shared beside the clone, as CI has it",
+                path.display()
+            )
+        });
+        crate::parse_cases(&text, "general.json").unwrap().cases
+    }
+
+    /// Every published run is predicted (none skipped), each with the layout and gradient
+    /// mechanism it ran: GPipe pipelines recompute, tf_cnn_benchmarks parameter servers sit on
+    /// the host, BERT takes the structured path.
+    #[test]
+    fn every_published_run_is_predicted_as_it_ran() {
+        let cases = general_json();
+        assert_eq!(cases.len(), 167);
+        let gpipe = cases
+            .iter()
+            .find(|c| c.id() == "torchgpipe-amoebanet-d-18-256-p40-4g-b1152-fp32-pp4m32")
+            .unwrap();
+        let r = gpipe.run();
+        assert_eq!(r.status, "ok");
+        assert!(r.layout.unwrap().contains("pp=4 mb=36 m=32 recompute"));
+        let ps = cases
+            .iter()
+            .find(|c| c.id() == "tf-benchmarks-2017-resnet50-dgx1-p100-8g-b512-fp32")
+            .unwrap()
+            .run();
+        assert!(ps.layout.unwrap().ends_with("ps=host"));
+        // A source whose global batch disagrees with its layout is predicted as run and
+        // scaled to the published batch.
+        let odd = cases
+            .iter()
+            .find(|c| {
+                c.id()
+                    == "dle-pytorch-bert-bert-large-s128-a100-80gb-8g-b65536-tf32-multinode-table"
+            })
+            .unwrap()
+            .run();
+        assert_eq!(odd.status, "ok");
+        assert!(odd.layout.unwrap().contains("mb=126"));
+    }
+
+    /// The P100 runs are what the P100 preset was fitted to: they score within its band.
+    #[test]
+    fn the_p100_runs_score_within_the_fitted_band() {
+        let p100: Vec<crate::Case> = general_json()
+            .into_iter()
+            .filter(|c| c.preset() == "dgx1-p100-16gb")
+            .collect();
+        let results: Vec<CaseResult> = p100.iter().map(|c| c.run()).collect();
+        let s = crate::summarize(&results);
+        assert_eq!((s.n, s.skipped), (36, 0));
+        let band = parallax_hardware::preset("dgx1-p100-16gb")
+            .unwrap()
+            .calibration
+            .unwrap()
+            .step_time_band
+            .unwrap();
+        assert!(crate::fit::band(&results) <= band + 1e-3, "{s:?}");
+    }
+}
