@@ -3,7 +3,7 @@
 use crate::fmt::table;
 use crate::user;
 use clap::Args as ClapArgs;
-use parallax_planner::{parse_cases, summarize, validate};
+use parallax_planner::{parse_cases, validate};
 use serde_json::json;
 use std::path::PathBuf;
 
@@ -42,8 +42,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.fit {
         return fit(&a, &file, &cf.cases);
     }
-    let (results, _) = validate(&cf.cases);
-    let summary = summarize(&results);
+    let (results, summary) = validate(&cf.cases);
+    if summary.n == 0 {
+        let why = results.first().map(|r| r.status.as_str()).unwrap_or("");
+        return Err(user(format!(
+            "{file}: no case could be scored (the first: {why})"
+        )));
+    }
     if a.json {
         let doc = json!({ "cases": results, "summary": summary });
         println!("{}", serde_json::to_string_pretty(&doc)?);
@@ -104,6 +109,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 fn fit(a: &Args, file: &str, cases: &[parallax_planner::Case]) -> anyhow::Result<()> {
     use parallax_hardware::edit::{set_values, Setting};
     let fits = parallax_planner::fit::fit(cases);
+    if fits.is_empty() {
+        return Err(user(format!(
+            "{file}: --fit: no case runs on a chip with fitted parameters"
+        )));
+    }
     if let Some(dir) = &a.write_presets {
         for f in &fits {
             for name in &f.presets {

@@ -227,6 +227,53 @@ impl Case {
         }
     }
 
+    /// What was measured.
+    pub fn measured(&self) -> &Measured {
+        match self {
+            Case::Transformer(c) => &c.measured,
+            Case::General(c) => &c.measured,
+        }
+    }
+
+    fn gpus(&self) -> u32 {
+        match self {
+            Case::Transformer(c) => c.cluster.gpus,
+            Case::General(c) => c.cluster.gpus,
+        }
+    }
+
+    /// Refuses what no run can have measured: a non-positive time or memory, no GPUs, a
+    /// preset parallax does not know (a case out of the model's reach is skipped instead).
+    fn check(&self, file: &str) -> Result<(), CaseError> {
+        let err = |field, problem: String| CaseError::Field {
+            file: file.into(),
+            id: self.id().into(),
+            field,
+            problem,
+        };
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        let m = self.measured();
+        if !positive(m.step_time_s) {
+            return Err(err(
+                "measured.step_time_s",
+                format!("must be a positive number, got {}", m.step_time_s),
+            ));
+        }
+        if let Some(g) = m.peak_memory_gib.filter(|g| !positive(*g)) {
+            return Err(err(
+                "measured.peak_memory_gib",
+                format!("must be a positive number, got {g}"),
+            ));
+        }
+        if self.gpus() == 0 {
+            return Err(err("cluster.gpus", "must be at least 1".into()));
+        }
+        if let Err(e) = parallax_hardware::preset(self.preset()) {
+            return Err(err("cluster.preset", e.to_string()));
+        }
+        Ok(())
+    }
+
     /// The hardware preset it ran on.
     pub fn preset(&self) -> &str {
         match self {
@@ -320,6 +367,15 @@ pub enum CaseError {
         column: usize,
         message: String,
     },
+    #[error("{file}: case '{id}': {field}: {problem}")]
+    Field {
+        file: String,
+        id: String,
+        field: &'static str,
+        problem: String,
+    },
+    #[error("{file}: cases: the list is empty")]
+    Empty { file: String },
     #[error("{file}: schema: expected \"{CASES_SCHEMA}\" or \"{GENERAL_CASES_SCHEMA}\", found \"{found}\"")]
     Schema { file: String, found: String },
 }
@@ -335,7 +391,7 @@ pub fn parse_cases(text: &str, file: &str) -> Result<CaseFile, CaseError> {
         })
     }
     let schema = parse::<Head>(text, file)?.schema;
-    let cases = match schema.as_str() {
+    let cases: Vec<Case> = match schema.as_str() {
         CASES_SCHEMA => parse::<Cases<TransformerCase>>(text, file)?
             .cases
             .into_iter()
@@ -353,6 +409,12 @@ pub fn parse_cases(text: &str, file: &str) -> Result<CaseFile, CaseError> {
             })
         }
     };
+    if cases.is_empty() {
+        return Err(CaseError::Empty { file: file.into() });
+    }
+    for c in &cases {
+        c.check(file)?;
+    }
     Ok(CaseFile { schema, cases })
 }
 
@@ -551,12 +613,33 @@ mod tests {
     #[test]
     fn case_files_of_both_schemas_parse_and_others_are_refused() {
         let v1 = r#"{"schema": "parallax-validation-cases/1", "cases": []}"#;
-        assert!(parse_cases(v1, "a.json").unwrap().cases.is_empty());
-        let v2 =
-            r#"{"schema": "parallax-validation-cases/2", "note": "", "fields": {}, "cases": []}"#;
         assert_eq!(
-            parse_cases(v2, "b.json").unwrap().schema,
-            GENERAL_CASES_SCHEMA
+            parse_cases(v1, "a.json").unwrap_err().to_string(),
+            "a.json: cases: the list is empty"
+        );
+        let case = |time: f64, preset: &str| {
+            format!(
+                r#"{{"schema": "parallax-validation-cases/2", "note": "", "fields": {{}}, "cases": [{{
+                "id": "x", "framework": "pytorch-ddp", "model": {{"name": "resnet50"}},
+                "cluster": {{"preset": "{preset}", "gpus": 1}}, "precision": "fp32",
+                "plan": {{"dp": 1, "tp": 1, "pp": 1, "micro_batch": 32, "grad_accumulation": 1,
+                          "global_batch": 32, "pipeline": null, "gradient_sync": null}},
+                "measured": {{"step_time_s": {time}}}}}]}}"#
+            )
+        };
+        let f = parse_cases(&case(0.1, "dgx1-v100-16gb"), "b.json").unwrap();
+        assert_eq!(f.schema, GENERAL_CASES_SCHEMA);
+        assert_eq!(f.cases[0].run().status, "ok");
+        let e = parse_cases(&case(-1.4, "dgx1-v100-16gb"), "b.json").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "b.json: case 'x': measured.step_time_s: must be a positive number, got -1.4"
+        );
+        let e = parse_cases(&case(0.1, "dgx-z900"), "b.json").unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("b.json: case 'x': cluster.preset: "),
+            "{e}"
         );
         let e = parse_cases(r#"{"schema": "x/9", "cases": []}"#, "c.json")
             .unwrap_err()
