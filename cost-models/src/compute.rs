@@ -136,11 +136,7 @@ impl<'a> DeviceModel<'a> {
 
     /// Time of one GEMM of `flops` FLOPs (launch included).
     pub fn gemm(&self, flops: f64) -> Seconds {
-        if flops <= 0.0 {
-            return Seconds(0.0);
-        }
-        let eff = self.dev.matmul_efficiency_for(self.precision, flops) * self.dev.sustained();
-        Seconds(flops / (self.gemm_peak * eff)) + self.overhead(1.0)
+        self.gemm_tiled(flops, 1.0)
     }
 
     /// Time of a bandwidth-bound kernel moving `bytes` (launch included).
@@ -164,39 +160,34 @@ impl<'a> DeviceModel<'a> {
     /// channels; input gradient: batch·pixels × input channels; weight gradient: output
     /// channels × input channels·window), each paying for its partly filled tiles; 3×3
     /// stride-1 convolutions on the fp32 pipes as Winograd transforms.
-    fn conv(&self, c: &parallax_ir::op::Conv2dAttrs, ins: &[Shape], w: &Work) -> OpTimes {
-        let (x, k) = match (ins.first(), ins.get(1)) {
-            (Some(x), Some(k)) if x.rank() == 4 && k.rank() == 4 => (&x.0, &k.0),
-            _ => {
-                return OpTimes {
-                    fwd: self.gemm(w.fwd_flops.0),
-                    bwd_input: self.gemm(w.bwd_input_flops.0),
-                    bwd_weight: self.gemm(w.bwd_weight_flops.0),
-                }
+    fn conv(
+        &self,
+        op: &OpKind,
+        c: &parallax_ir::op::Conv2dAttrs,
+        ins: &[Shape],
+        w: &Work,
+    ) -> OpTimes {
+        let fill = |m: u64, n: u64| tile_fill(m) * tile_fill(n);
+        let fills = match (ins.first(), ins.get(1), op.infer(ins)) {
+            (Some(x), Some(k), Ok(outs)) if x.rank() == 4 && k.rank() == 4 => {
+                let (x, k) = (&x.0, &k.0);
+                [
+                    fill(outs[0].elems() / k[0].max(1), k[0]),
+                    fill(x[0] * x[2] * x[3], x[1]),
+                    fill(k[0], k[1] * k[2] * k[3]),
+                ]
             }
+            _ => [1.0; 3],
         };
-        let out_pixels = |i: usize| {
-            (x[i] + 2 * c.padding[i - 2])
-                .saturating_sub(c.dilation[i - 2] * (c.kernel[i - 2] - 1) + 1)
-                / c.stride[i - 2].max(1)
-                + 1
-        };
-        let (b, cin, cout) = (x[0], x[1], k[0]);
-        let m_out = b * out_pixels(2) * out_pixels(3);
-        let m_in = b * x[2] * x[3];
-        let window = k[1] * k[2] * k[3];
         let g = if self.winograd(c) {
             winograd_reduction(c.kernel[0])
         } else {
             1.0
         };
         OpTimes {
-            fwd: self.gemm_tiled(w.fwd_flops.0 / g, tile_fill(m_out) * tile_fill(cout)),
-            bwd_input: self.gemm_tiled(w.bwd_input_flops.0 / g, tile_fill(m_in) * tile_fill(cin)),
-            bwd_weight: self.gemm_tiled(
-                w.bwd_weight_flops.0 / g,
-                tile_fill(cout) * tile_fill(window),
-            ),
+            fwd: self.gemm_tiled(w.fwd_flops.0 / g, fills[0]),
+            bwd_input: self.gemm_tiled(w.bwd_input_flops.0 / g, fills[1]),
+            bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0 / g, fills[2]),
         }
     }
 
@@ -241,7 +232,7 @@ impl<'a> DeviceModel<'a> {
                     bwd_weight: self.gemm(w.bwd_weight_flops.0),
                 }
             }
-            (ComputeClass::Gemm, OpKind::Conv2d(c)) => self.conv(c, ins, w),
+            (ComputeClass::Gemm, OpKind::Conv2d(c)) => self.conv(op, c, ins, w),
             (ComputeClass::Gemm, _) => OpTimes {
                 fwd: self.gemm(w.fwd_flops.0) + self.overhead(k - 1.0),
                 bwd_input: self.gemm(w.bwd_input_flops.0) + self.overhead(k - 1.0),

@@ -3,13 +3,13 @@
 //! published layout, transformers (BERT) on the structured path; each with the software stack
 //! that ran it.
 
-use crate::complete::{complete_within, layout_string};
 use crate::search::Space;
 use crate::soap::layout_plan;
-use crate::validate::{CaseResult, Framework, Measured};
+use crate::validate::{complete_predicted, Framework, Measured, Predicted};
 use parallax_cost::soap::{GradSync, OpCosts, Optimizer};
 use parallax_cost::transformer::Setup;
-use parallax_hardware::{Cluster, ClusterProfile};
+use parallax_hardware::ClusterProfile;
+use parallax_ir::graph::TensorRole;
 use parallax_ir::{load_model, Model, PartialLayout, Precision, Schedule};
 use parallax_sim::perop::simulate_op_plan;
 use serde::Deserialize;
@@ -66,14 +66,23 @@ pub struct GeneralPlan {
     pub gradient_sync: Option<String>,
 }
 
-/// A published GPipe setup (torchgpipe).
+/// A published GPipe setup (torchgpipe). Its `balance` (layers of the source's
+/// `nn.Sequential` per partition) was found by profiling; the graph's layers are not the
+/// source's, so the stages are balanced by the cost model's compute instead.
 #[derive(Clone, Debug, Deserialize)]
 pub struct GPipeSetup {
-    /// Layers of the source's `nn.Sequential` per partition (a profile-balanced split).
-    pub balance: Vec<u32>,
     pub chunks: u32,
-    /// `always`, `except_last` or `never`.
-    pub checkpoint: String,
+    pub checkpoint: Checkpoint,
+}
+
+/// Which micro-batches recompute their forward in backward (torchgpipe's `checkpoint`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Checkpoint {
+    Always,
+    /// torchgpipe's default: every micro-batch but the last.
+    ExceptLast,
+    Never,
 }
 
 /// The zoo model a case names, for the framework that ran it.
@@ -88,20 +97,13 @@ fn zoo_name<'a>(name: &'a str, framework: &str) -> &'a str {
     }
 }
 
-/// The precision a case names.
+/// The precision a case names: parallax's names, and `amp-fp16` for fp16 mixed precision
+/// cast per op (`fp16` casts the model; both keep fp32 master weights).
 fn precision(p: &str) -> Result<Precision, String> {
-    Ok(match p {
-        "fp32" => Precision::Fp32,
-        "tf32" => Precision::Tf32,
-        // Both keep fp32 master weights; `fp16` casts the model, `amp-fp16` casts per op.
-        "amp-fp16" | "fp16" => Precision::Fp16,
-        "bf16" => Precision::Bf16,
-        other => {
-            return Err(format!(
-                "precision '{other}' is not fp32, tf32, amp-fp16, fp16 or bf16"
-            ))
-        }
-    })
+    match p {
+        "amp-fp16" => Ok(Precision::Fp16),
+        other => other.parse(),
+    }
 }
 
 impl GeneralCase {
@@ -145,40 +147,15 @@ impl GeneralCase {
         }
     }
 
-    /// Predicts the case on a profile changed by `adjust` first.
-    pub fn run_with(&self, adjust: &(dyn Fn(&mut ClusterProfile) + Sync)) -> CaseResult {
-        let mut r = CaseResult {
-            id: self.id.clone(),
-            group: self.group.clone(),
-            measured_step_time_s: self.measured.step_time_s,
-            measured_peak_memory_gib: self.measured.peak_memory_gib,
-            ..CaseResult::default()
-        };
-        match self.predict(adjust) {
-            Ok((t, mem, layout)) => {
-                r.predicted_step_time_s = Some(t);
-                r.ape = Some((t - r.measured_step_time_s).abs() / r.measured_step_time_s);
-                r.predicted_peak_memory_gib = Some(mem);
-                r.memory_ape = r.measured_peak_memory_gib.map(|m| (mem - m).abs() / m);
-                r.layout = Some(layout);
-                r.status = "ok".into();
-            }
-            Err(e) => r.status = format!("skipped: {e}"),
-        }
-        r
-    }
-
-    /// (step time, peak memory GiB, layout description).
-    fn predict(
+    /// Predicts the case on a profile changed by `adjust` first, with the published layout.
+    pub(crate) fn predict(
         &self,
         adjust: &(dyn Fn(&mut ClusterProfile) + Sync),
-    ) -> Result<(f64, f64, String), String> {
+    ) -> Result<Predicted, String> {
         let precision = precision(&self.precision)?;
         let model = load_model(zoo_name(&self.model.name, self.framework_id()))
             .map_err(|e| e.to_string())?;
-        let spec = format!("{}:gpus={}", self.cluster.preset, self.cluster.gpus);
-        let mut cluster = Cluster::parse(&spec).map_err(|e| e.to_string())?;
-        adjust(&mut cluster.profile);
+        let cluster = self.cluster.build(adjust)?;
         let p = &self.plan;
         if p.dp.max(1) * p.tp.max(1) * p.pp.max(1) != cluster.gpus {
             return Err(format!(
@@ -219,46 +196,43 @@ impl GeneralCase {
                 zero_stages: vec![0],
                 ..fw.space
             };
-            let c = complete_within(&setup, &partial, &space).map_err(|e| e.to_string())?;
-            return Ok((
-                c.prediction.step_time_s * scale,
-                c.prediction.peak_memory_gib,
-                layout_string(&c.layout),
-            ));
+            let mut r = complete_predicted(&setup, &partial, &space)?;
+            r.step_time_s *= scale;
+            return Ok(r);
         }
         // Per-op path: the graph of one micro-batch over all replicas.
         let graph = model
             .graph(p.micro_batch * u64::from(p.dp), seq, false)
             .map_err(|e| e.to_string())?;
+        if let Some(size) = self.model.input.image_size {
+            let side = graph
+                .tensors
+                .iter()
+                .find(|t| t.role == TensorRole::Input && t.shape.rank() == 4)
+                .and_then(|t| t.shape.dim(2));
+            if side.is_some_and(|s| s != size) {
+                return Err(format!(
+                    "model.input.image_size {size}: the zoo's {} takes {}",
+                    graph.name,
+                    side.unwrap_or_default()
+                ));
+            }
+        }
         let mut costs = OpCosts::new(&graph, &cluster.profile, cluster.gpus, precision)
             .map_err(|e| format!("precision: {e}"))?;
         costs.optimizer = Optimizer::default_for(&graph);
         costs.sync = self.grad_sync()?;
         let mut plan = layout_plan(&mut costs, p.dp, p.tp, p.pp);
-        let (schedule, recompute) = match &p.pipeline {
-            Some(g) => (
-                Schedule::GPipe,
-                match g.checkpoint.as_str() {
-                    "always" => true,
-                    // torchgpipe's default: every micro-batch but the last recomputes.
-                    "except_last" => g.chunks > 1,
-                    "never" => false,
-                    other => {
-                        return Err(format!(
-                            "plan.pipeline.checkpoint '{other}' is not always, except_last or never"
-                        ))
-                    }
-                },
-            ),
-            None => (plan.schedule, false),
-        };
-        plan.micro_batches = chunks;
-        plan.recompute = recompute;
-        if p.pp > 1 {
-            plan.schedule = schedule;
+        if let Some(g) = &p.pipeline {
+            plan.schedule = Schedule::GPipe;
+            plan.recompute = match g.checkpoint {
+                Checkpoint::Always => true,
+                Checkpoint::ExceptLast => g.chunks > 1,
+                Checkpoint::Never => false,
+            };
         }
+        plan.micro_batches = chunks;
         let sim = simulate_op_plan(&mut costs, &plan, ran).map_err(|e| e.to_string())?;
-        let pr = &sim.prediction;
         let layout = format!(
             "dp={} tp={} pp={} mb={} m={}{}{}",
             p.dp,
@@ -272,7 +246,11 @@ impl GeneralCase {
                 GradSync::HostParameterServer => " ps=host",
             }
         );
-        Ok((pr.step_time_s * scale, pr.peak_memory_gib, layout))
+        Ok(Predicted {
+            step_time_s: sim.prediction.step_time_s * scale,
+            peak_memory_gib: sim.prediction.peak_memory_gib,
+            layout,
+        })
     }
 }
 
@@ -345,7 +323,7 @@ mod tests {
             .into_iter()
             .filter(|c| c.preset() == "dgx1-p100-16gb")
             .collect();
-        let results: Vec<CaseResult> = p100.iter().map(|c| c.run()).collect();
+        let results: Vec<crate::CaseResult> = p100.iter().map(|c| c.run()).collect();
         let s = crate::summarize(&results);
         assert_eq!((s.n, s.skipped), (36, 0));
         let band = parallax_hardware::preset("dgx1-p100-16gb")

@@ -289,10 +289,11 @@ impl Case {
 
     /// [`Case::run`] on a profile changed by `adjust` first (for fitting parameters).
     pub fn run_with(&self, adjust: &(dyn Fn(&mut ClusterProfile) + Sync)) -> CaseResult {
-        match self {
-            Case::Transformer(c) => c.run_with(adjust),
-            Case::General(c) => c.run_with(adjust),
-        }
+        let prediction = match self {
+            Case::Transformer(c) => c.predict(adjust),
+            Case::General(c) => c.predict(adjust),
+        };
+        CaseResult::scored(self, prediction)
     }
 }
 
@@ -507,38 +508,10 @@ impl TransformerCase {
 
     /// Predicts the case on a profile changed by `adjust` first: null knobs are chosen as the
     /// fastest feasible values.
-    pub fn run_with(&self, adjust: &(dyn Fn(&mut ClusterProfile) + Sync)) -> CaseResult {
-        let mut r = CaseResult {
-            id: self.id.clone(),
-            group: self.group.clone(),
-            measured_step_time_s: self.measured.step_time_s,
-            predicted_step_time_s: None,
-            ape: None,
-            measured_peak_memory_gib: self.measured.peak_memory_gib,
-            predicted_peak_memory_gib: None,
-            memory_ape: None,
-            status: String::new(),
-            layout: None,
-        };
+    fn predict(&self, adjust: &(dyn Fn(&mut ClusterProfile) + Sync)) -> Result<Predicted, String> {
         let fw = Framework::for_source(&self.source);
-        let cfg = match self.transformer() {
-            Ok(c) => c,
-            Err(e) => {
-                r.status = format!("skipped: {e}");
-                return r;
-            }
-        };
-        let spec = format!("{}:gpus={}", self.cluster.preset, self.cluster.gpus);
-        let cluster = match Cluster::parse(&spec) {
-            Ok(mut c) => {
-                adjust(&mut c.profile);
-                c
-            }
-            Err(e) => {
-                r.status = format!("skipped: {e}");
-                return r;
-            }
-        };
+        let cfg = self.transformer()?;
+        let cluster = self.cluster.build(adjust)?;
         let setup = Setup {
             precision: self.precision,
             runtime: fw.runtime,
@@ -550,17 +523,65 @@ impl TransformerCase {
                 self.plan.global_batch,
             )
         };
-        let partial = self.partial_layout(&fw);
-        match complete_within(&setup, &partial, &fw.space) {
-            Ok(c) => {
-                let t = c.prediction.step_time_s;
-                r.predicted_step_time_s = Some(t);
-                r.ape = Some((t - r.measured_step_time_s).abs() / r.measured_step_time_s);
-                r.predicted_peak_memory_gib = Some(c.prediction.peak_memory_gib);
-                r.memory_ape = r
-                    .measured_peak_memory_gib
-                    .map(|m| (c.prediction.peak_memory_gib - m).abs() / m);
-                r.layout = Some(layout_string(&c.layout));
+        complete_predicted(&setup, &self.partial_layout(&fw), &fw.space)
+    }
+}
+
+/// A case's prediction.
+pub(crate) struct Predicted {
+    pub step_time_s: f64,
+    pub peak_memory_gib: f64,
+    /// The layout used (published knobs plus the chosen ones).
+    pub layout: String,
+}
+
+/// The structured path's prediction of a transformer run: the fastest completion of `partial`
+/// within the framework's options.
+pub(crate) fn complete_predicted(
+    setup: &Setup,
+    partial: &PartialLayout,
+    space: &Space,
+) -> Result<Predicted, String> {
+    let c = complete_within(setup, partial, space).map_err(|e| e.to_string())?;
+    Ok(Predicted {
+        step_time_s: c.prediction.step_time_s,
+        peak_memory_gib: c.prediction.peak_memory_gib,
+        layout: layout_string(&c.layout),
+    })
+}
+
+impl CaseCluster {
+    /// The cluster of the case, its profile changed by `adjust`.
+    pub(crate) fn build(
+        &self,
+        adjust: &(dyn Fn(&mut ClusterProfile) + Sync),
+    ) -> Result<Cluster, String> {
+        let mut c = Cluster::parse(&format!("{}:gpus={}", self.preset, self.gpus))
+            .map_err(|e| e.to_string())?;
+        adjust(&mut c.profile);
+        Ok(c)
+    }
+}
+
+impl CaseResult {
+    /// The score of a prediction against what was measured; a prediction that failed is
+    /// `skipped` with its reason.
+    fn scored(case: &Case, prediction: Result<Predicted, String>) -> CaseResult {
+        let m = case.measured();
+        let mut r = CaseResult {
+            id: case.id().into(),
+            group: case.group().into(),
+            measured_step_time_s: m.step_time_s,
+            measured_peak_memory_gib: m.peak_memory_gib,
+            ..CaseResult::default()
+        };
+        match prediction {
+            Ok(p) => {
+                r.predicted_step_time_s = Some(p.step_time_s);
+                r.ape = Some((p.step_time_s - m.step_time_s).abs() / m.step_time_s);
+                r.predicted_peak_memory_gib = Some(p.peak_memory_gib);
+                r.memory_ape = m.peak_memory_gib.map(|g| (p.peak_memory_gib - g).abs() / g);
+                r.layout = Some(p.layout);
                 r.status = "ok".into();
             }
             Err(e) => r.status = format!("skipped: {e}"),
