@@ -584,6 +584,8 @@ pub struct OpCosts<'a> {
     /// Producer of each tensor.
     producer: Vec<Option<NodeId>>,
     compute_memo: HashMap<(OpKind, Vec<Shape>, Vec<Shape>), OpTimes>,
+    /// Per node, the splits already priced (a front to `compute_memo`).
+    node_compute: Vec<Vec<(BTreeMap<char, u32>, OpTimes)>>,
     reshard_memo: HashMap<(TensorLayout, TensorLayout, u64), Transfer>,
 }
 
@@ -670,6 +672,7 @@ impl<'a> OpCosts<'a> {
             consumers,
             producer,
             compute_memo: HashMap::new(),
+            node_compute: vec![Vec::new(); graph.nodes.len()],
             reshard_memo: HashMap::new(),
         })
     }
@@ -759,9 +762,14 @@ impl<'a> OpCosts<'a> {
     /// never asks for it (the first convolution of a CNN, whose 3-channel input gradient would
     /// otherwise cost as much as a wide layer).
     pub fn compute(&mut self, n: NodeId, cfg: &ParallelConfig) -> OpTimes {
+        // The search and every simulation ask each node for the same few splits again and
+        // again: answer those from the node's own list before building the value key.
+        let seen = &self.node_compute[n.0 as usize];
+        if let Some((_, t)) = seen.iter().find(|(d, _)| *d == cfg.degrees) {
+            return *t;
+        }
         let (si, so) = self.shard_shapes(n, &cfg.degrees);
-        let op = self.node(n).op.clone();
-        let key = (op, si, so);
+        let key = (self.node(n).op.clone(), si, so);
         let mut t = match self.compute_memo.get(&key) {
             Some(t) => *t,
             None => {
@@ -779,6 +787,7 @@ impl<'a> OpCosts<'a> {
         if !self.needs_input_grad[n.0 as usize] {
             t.bwd_input = Seconds(0.0);
         }
+        self.node_compute[n.0 as usize].push((cfg.degrees.clone(), t));
         t
     }
 
