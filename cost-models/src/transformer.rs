@@ -86,6 +86,23 @@ pub struct Runtime {
     /// every backward but the last without gradient sync. In time and memory that is the
     /// distributed optimizer's step (ZeRO-1); see [`Setup::zero_stage`].
     pub zero3_gathered_under_pp: bool,
+    /// A BERT pretraining head runs its masked-LM transform and decoder on the masked
+    /// positions only (NVIDIA DeepLearningExamples' `dense_sequence_output`, MLPerf BERT),
+    /// not on every token as HuggingFace's `BertForPreTraining` does.
+    #[serde(default)]
+    pub mlm_masked_only: bool,
+}
+
+/// Fraction of the tokens BERT masks for its masked-LM objective (Devlin et al. 2019, §3.1).
+pub const MLM_MASKED_FRACTION: f64 = 0.15;
+
+/// Tokens of a `seq`-token sequence the masked-LM head of `s` runs on.
+fn head_tokens(s: &Setup, seq: u64) -> u64 {
+    if s.model.bert && s.runtime.mlm_masked_only {
+        ((seq as f64 * MLM_MASKED_FRACTION).ceil() as u64).clamp(1, seq)
+    } else {
+        seq
+    }
 }
 
 /// What selective recomputation redoes in backward.
@@ -112,6 +129,7 @@ impl Default for Runtime {
             allow_tp_across_nodes: false,
             selective: SelectivePolicy::CheapOps,
             zero3_gathered_under_pp: false,
+            mlm_masked_only: false,
         }
     }
 }
@@ -338,15 +356,22 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         seq: seq_local,
         fused_attention: s.fused_attention(),
     };
-    let build = |sec| {
+    let build = |sec, opts| {
         shard
             .build_section(sec, opts)
             .map_err(|e| Infeasible::Unsupported(e.to_string()))
     };
+    let head_seq = head_tokens(s, seq_local);
     let (block, embed, head) = (
-        build(Section::Block)?,
-        build(Section::Embedding)?,
-        build(Section::Head)?,
+        build(Section::Block, opts)?,
+        build(Section::Embedding, opts)?,
+        build(
+            Section::Head,
+            BuildOptions {
+                seq: head_seq,
+                ..opts
+            },
+        )?,
     );
     let sp = l.sequence_parallel && l.tp > 1;
     let hidden = s.model.hidden;
@@ -456,7 +481,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     head_cost.tp_bwd = head_cost.tp_fwd;
     // The loss peaks at the start of backward (see `LOSS_BYTES_PER_LOGIT`); the logits are not
     // saved.
-    let logits = l.micro_batch * seq_local * shard.vocab;
+    let logits = l.micro_batch * head_seq * shard.vocab;
     head_cost.working = Bytes(logits * LOSS_BYTES_PER_LOGIT);
     head_cost.saved = Bytes(head_cost.saved.0.saturating_sub(logits * fb));
     if s.model.tied_embeddings && l.pp == 1 {
@@ -717,6 +742,37 @@ mod tests {
             recompute,
             ..Layout::default()
         }
+    }
+
+    /// A BERT head on the masked positions only runs its transform and decoder on 15 % of
+    /// the tokens: 20 of 128 (the `max_predictions_per_seq` BERT's phase 1 uses), and holds 20
+    /// tokens' logits; the encoder layers are untouched.
+    #[test]
+    fn masked_lm_head_runs_on_the_masked_positions() {
+        let m = cfg("bert-large");
+        let p = preset("dgx-a100-80gb").unwrap();
+        let costs = |mlm_masked_only| {
+            let s = Setup {
+                precision: Precision::Fp16,
+                runtime: Runtime {
+                    mlm_masked_only,
+                    ..Runtime::default()
+                },
+                ..Setup::new(&m, &p, 1, 128, 64)
+            };
+            transformer_costs(&s, &Layout::default()).unwrap()
+        };
+        let (all, masked) = (costs(false), costs(true));
+        assert_eq!(head_tokens(&Setup::new(&m, &p, 1, 128, 64), 128), 128);
+        assert_eq!(all.layer, masked.layer);
+        assert_eq!(all.head.working.0, 128 * m.vocab * LOSS_BYTES_PER_LOGIT);
+        assert_eq!(masked.head.working.0, 20 * m.vocab * LOSS_BYTES_PER_LOGIT);
+        // 20 / 128 of the work (the pooler reads the first token either way); smaller GEMMs
+        // run further down the efficiency curve, so the time falls less.
+        let work = masked.head.hardware_flops / all.head.hardware_flops;
+        assert!((0.15..0.17).contains(&work), "{work}");
+        let time = masked.head.compute.total().0 / all.head.compute.total().0;
+        assert!(time > work && time < 0.6, "{time}");
     }
 
     #[test]

@@ -41,7 +41,28 @@ pub struct GeneralModel {
     pub name: String,
     #[serde(default)]
     pub input: ModelInput,
+    #[serde(default)]
+    pub details: ModelDetails,
 }
+
+/// Architecture and training facts as published (only those the prediction reads).
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct ModelDetails {
+    /// BERT pretraining phase (`phase 1` at 128 tokens, `phase 2` at 512).
+    pub phase: Option<String>,
+}
+
+/// Padding in BERT's English Wikipedia pretraining samples at 512 tokens: more than half of
+/// all tokens (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination",
+/// abstract and Fig. 1: a skewed length histogram from short documents and BERT's random
+/// short targets). Taken at one half.
+const WIKIPEDIA_PADDING_AT_512: f64 = 0.5;
+
+/// Width of the length bins of DeepLearningExamples BERT's phase-2 loader (README changelog,
+/// January 2022: "binned pretraining for phase2 with LDDL using a bin size of 64"; 8 bins up to
+/// 512 tokens in `run_pretraining.py`). A batch draws from one bin and is padded to its longest
+/// sample, about half a bin above the mean.
+const LDDL_PHASE2_BIN: u64 = 64;
 
 /// Input size as published.
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -135,16 +156,28 @@ impl GeneralCase {
         })
     }
 
-    /// Sequence length of sequence models: the mean of a bucketed dataset where published,
-    /// else the published (maximum) length.
+    /// Sequence length of sequence models as computed: the mean of a bucketed dataset where
+    /// published, the mean padded length of a length-binned loader, else the published
+    /// (maximum, padded) length.
     fn seq(&self, model: &Model) -> u64 {
         let i = &self.model.input;
         match (i.mean_tokens_per_sentence_pair_derived, i.seq_len) {
             // Source plus target tokens: one side is half.
             (Some(mean), _) => ((mean / 2.0).round() as u64).max(1),
+            (None, Some(512)) if self.lddl_binned() => {
+                let real = 512.0 * (1.0 - WIKIPEDIA_PADDING_AT_512);
+                (real as u64 + LDDL_PHASE2_BIN / 2).min(512)
+            }
             (None, Some(s)) => s,
             (None, None) => model.default_seq(),
         }
+    }
+
+    /// Whether the run loaded its samples through DeepLearningExamples BERT's binned phase-2
+    /// loader.
+    fn lddl_binned(&self) -> bool {
+        self.source.starts_with("dle-pytorch-bert")
+            && self.model.details.phase.as_deref() == Some("phase 2")
     }
 
     /// Predicts the case on a profile changed by `adjust` first, with the published layout.
@@ -314,6 +347,33 @@ mod tests {
             .run();
         assert_eq!(odd.status, "ok");
         assert!(odd.layout.unwrap().contains("mb=126"));
+    }
+
+    /// DeepLearningExamples' phase 2 loads length bins of 64 tokens: a sample of Wikipedia's
+    /// 512-token set holds half padding, and its batch is padded half a bin above that; phase 1
+    /// and SQuAD compute their full padded length.
+    #[test]
+    fn binned_phase_two_computes_its_mean_padded_length() {
+        let cases = general_json();
+        let seq_of = |id: &str| {
+            let c = cases.iter().find(|c| c.id() == id).unwrap();
+            let crate::Case::General(g) = c else {
+                panic!("{id} is a general case")
+            };
+            g.seq(&load_model("bert-large").unwrap())
+        };
+        assert_eq!(
+            seq_of("dle-pytorch-bert-bert-large-s512-a100-80gb-1g-b4096-tf32"),
+            256 + 32
+        );
+        assert_eq!(
+            seq_of("dle-pytorch-bert-bert-large-s128-a100-80gb-1g-b8192-tf32"),
+            128
+        );
+        assert_eq!(
+            seq_of("dle-pytorch-bert-bert-large-squad-s384-a100-80gb-1g-b32-tf32"),
+            384
+        );
     }
 
     /// The P100 runs are what the P100 preset was fitted to: they score within its band.

@@ -72,6 +72,7 @@ impl Framework {
             allow_tp_across_nodes: false,
             selective: SelectivePolicy::CheapOps,
             zero3_gathered_under_pp: false,
+            mlm_masked_only: false,
         };
         let megatron = |schedules: Vec<Schedule>, recompute: Vec<Recompute>, sp| Framework {
             name: "megatron-lm (pre-flash)",
@@ -123,10 +124,15 @@ impl Framework {
         } else if s.starts_with("dle-pytorch") {
             // NVIDIA DeepLearningExamples PyTorch (NGC 20.x–21.x): apex fused softmax, no
             // flash attention; BERT pretraining all-reduces once after its accumulation
-            // steps (`allreduce_post_accumulation`), not overlapped with backward.
+            // steps (`allreduce_post_accumulation`), not overlapped with backward, and runs
+            // its masked-LM head on the masked positions only (`dense_sequence_output`, on
+            // unless `--no_dense_sequence_output`).
             Framework {
                 name: "nvidia deeplearningexamples pytorch",
-                runtime: pre_flash(false),
+                runtime: Runtime {
+                    mlm_masked_only: true,
+                    ..pre_flash(false)
+                },
                 space: Space {
                     schedules: vec![Schedule::GPipe],
                     zero_stages: vec![0],
