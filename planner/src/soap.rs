@@ -687,20 +687,27 @@ pub fn layout_plan(costs: &mut OpCosts, dp: u32, tp: u32, pp: u32) -> OpPlan {
             ((mid / total.max(f64::MIN_POSITIVE) * f64::from(pp)) as u32).min(pp - 1)
         })
         .collect();
-    let mut configs = Vec::with_capacity(n);
+    let mut cands: Vec<Vec<ParallelConfig>> = Vec::with_capacity(n);
     for (i, st) in stage.iter().enumerate() {
         let id = NodeId(i as u32);
         let start = st * per_stage;
         let m = costs.mapping(id).clone();
         let (ins, outs) = costs.shapes(id);
-        let legal = |d: &BTreeMap<char, u32>| m.derive_split(ins, outs, d).is_ok();
+        let (ins, outs) = (ins.to_vec(), outs.to_vec());
+        let legal = |d: &BTreeMap<char, u32>| m.derive_split(&ins, &outs, d).is_ok();
         let sample = m
             .labels()
             .find(|(_, a)| a.role == AxisRole::Sample && a.splittable)
             .map(|(l, _)| l);
+        // A view (reshape, transpose) labels its non-batch dimensions as attributes; it
+        // passes on whichever split reaches it (heads merged back into the hidden dimension).
+        let view = costs.graph.nodes[i].op.is_view();
         let params: Vec<char> = m
             .labels()
-            .filter(|(_, a)| a.role == AxisRole::Parameter && a.splittable)
+            .filter(|(_, a)| {
+                a.splittable
+                    && (a.role == AxisRole::Parameter || (view && a.role == AxisRole::Attribute))
+            })
             .map(|(l, _)| l)
             .collect();
         let mut options: Vec<BTreeMap<char, u32>> = Vec::new();
@@ -719,13 +726,58 @@ pub fn layout_plan(costs: &mut OpCosts, dp: u32, tp: u32, pp: u32) -> OpPlan {
             }
         }
         options.push(BTreeMap::new());
-        let degrees = options.into_iter().find(|d| legal(d)).unwrap_or_default();
-        let size = degrees.values().product();
-        configs.push(ParallelConfig {
-            degrees,
-            view: MachineView::block(start, size),
-        });
+        // The whole split with each parameter axis is a candidate (Megatron-LM's column or
+        // row split of a linear layer, heads of attention); the cheapest assignment over the
+        // graph is chosen exactly below. An op with none takes its widest sample split.
+        let with_params = if sample.is_some() { params.len() } else { 0 };
+        // The sample split over the whole stage competes too (Megatron's sequence-parallel
+        // norms and dropouts, on tokens instead of channels).
+        let split: Vec<BTreeMap<char, u32>> = options[..(with_params + 1).min(options.len())]
+            .iter()
+            .filter(|d| tp > 1 && with_params > 0 && legal(d))
+            .cloned()
+            .collect();
+        let chosen = if split.is_empty() {
+            options.into_iter().find(|d| legal(d)).into_iter().collect()
+        } else {
+            split
+        };
+        cands.push(
+            chosen
+                .into_iter()
+                .map(|degrees| {
+                    let size = degrees.values().product();
+                    ParallelConfig {
+                        degrees,
+                        view: MachineView::block(start, size),
+                    }
+                })
+                .collect::<Vec<_>>(),
+        );
     }
+    // Which split of each op: the least compute, gradient sync and resharding over the graph
+    // (a linear layer fed by a replicated tensor splits its output columns; the next one, fed
+    // by those columns, splits its rows and leaves partial sums for one reduction).
+    let node: Vec<Vec<f64>> = cands
+        .iter()
+        .enumerate()
+        .map(|(i, cs)| {
+            cs.iter()
+                .map(|c| node_cost(costs, NodeId(i as u32), c))
+                .collect()
+        })
+        .collect();
+    let choice = if cands.iter().all(|c| c.len() == 1) {
+        vec![0; n]
+    } else {
+        let tables = CostTables::build(costs, &cands, node);
+        eliminate(&tables, SoapOptions::default().brute_force_limit).0
+    };
+    let configs: Vec<ParallelConfig> = cands
+        .into_iter()
+        .zip(choice)
+        .map(|(mut c, k)| c.swap_remove(k))
+        .collect();
     OpPlan {
         configs,
         micro_batches: 1,
@@ -880,6 +932,32 @@ mod tests {
         let (best, cost, _) = run(7);
         assert_eq!(best, 17);
         assert_eq!(cost, 1.0);
+    }
+
+    /// `tp=2` as a per-op plan pairs Megatron-LM's splits: the MLP's first linear layer splits
+    /// its output columns, the second its rows (leaving partial sums), on the same devices.
+    #[test]
+    fn a_tensor_parallel_layout_pairs_column_and_row_splits() {
+        let p = preset("dgx-a100-80gb").unwrap();
+        let model = parallax_ir::load_model("gpt3-1.3b").unwrap();
+        let g = model.graph(8, 1024, true).unwrap();
+        let mut c = OpCosts::new(&g, &p, 8, Precision::Bf16).unwrap();
+        let plan = layout_plan(&mut c, 4, 2, 1);
+        let cfg = |name: &str| {
+            let i = g.nodes.iter().position(|n| n.name == name).unwrap();
+            plan.configs[i].clone()
+        };
+        let (up, down) = (cfg("layers.0.mlp.up"), cfg("layers.0.mlp.down"));
+        assert_eq!(up.degree('n'), 2, "{up:?}");
+        assert_eq!(down.degree('k'), 2, "{down:?}");
+        assert_eq!((up.total_degree(), down.total_degree()), (8, 8));
+        assert_eq!(up.view, down.view);
+        // Data parallelism alone keeps every op on its sample split.
+        let dp = layout_plan(&mut c, 8, 1, 1);
+        assert!(dp
+            .configs
+            .iter()
+            .all(|c| c.degrees.len() <= 1 && c.degrees.keys().all(|l| !['k', 'n'].contains(l))));
     }
 
     #[test]
