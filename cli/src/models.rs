@@ -26,6 +26,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 };
                 (kind, Some(c.layers), Some(c.hidden))
             }
+            // DLRM takes dense features and categorical indices, not images.
+            ZooDef::Batched(_) if e.family == "dlrm" => ("recommender", None, None),
             ZooDef::Batched(_) => ("vision", None, None),
             ZooDef::Sequence(_) => ("rnn", None, None),
         };
