@@ -1012,12 +1012,16 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_first_layer_computes_no_input_gradient() {
-        let g = parallax_ir::load_model("resnet50")
+    fn resnet50() -> Graph {
+        parallax_ir::load_model("resnet50")
             .unwrap()
             .graph(8, 1, false)
-            .unwrap();
+            .unwrap()
+    }
+
+    #[test]
+    fn the_first_layer_computes_no_input_gradient() {
+        let g = resnet50();
         let p = preset("dgx1-p100-16gb").unwrap();
         let mut c = OpCosts::new(&g, &p, 1, Precision::Fp32).unwrap();
         let one = ParallelConfig::single(0);
@@ -1034,10 +1038,7 @@ mod tests {
 
     #[test]
     fn a_host_parameter_server_moves_the_gradient_and_the_weights_over_pcie() {
-        let g = parallax_ir::load_model("resnet50")
-            .unwrap()
-            .graph(8, 1, false)
-            .unwrap();
+        let g = resnet50();
         let p = preset("dgx1-p100-16gb").unwrap();
         let mut c = OpCosts::new(&g, &p, 8, Precision::Fp32).unwrap();
         let group = Group {

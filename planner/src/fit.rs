@@ -181,7 +181,6 @@ pub fn fit(cases: &[Case]) -> Vec<ChipFit> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::validate::parse_cases;
 
     #[test]
     fn line_search_grid_and_band() {
@@ -206,15 +205,7 @@ mod tests {
     /// TITAN RTX runs of public.json gives the preset's value back.
     #[test]
     fn the_presets_are_the_fit_of_the_published_runs() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../shared/ground-truth/public.json");
-        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-            panic!(
-                "{}: {e}: the tests read the published runs from ../shared beside the clone, as CI has it",
-                path.display()
-            )
-        });
-        let cases = parse_cases(&text, "public.json").unwrap().cases;
+        let cases = crate::validate::ground_truth("public.json");
         let titan: Vec<Case> = cases
             .into_iter()
             .filter(|c| c.preset().starts_with("titan-rtx"))

@@ -52,18 +52,6 @@ pub struct ModelDetails {
     pub phase: Option<String>,
 }
 
-/// Padding in BERT's English Wikipedia pretraining samples at 512 tokens: more than half of
-/// all tokens (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination",
-/// abstract and Fig. 1: a skewed length histogram from short documents and BERT's random
-/// short targets). Taken at one half.
-const WIKIPEDIA_PADDING_AT_512: f64 = 0.5;
-
-/// Width of the length bins of DeepLearningExamples BERT's phase-2 loader (README changelog,
-/// January 2022: "binned pretraining for phase2 with LDDL using a bin size of 64"; 8 bins up to
-/// 512 tokens in `run_pretraining.py`). A batch draws from one bin and is padded to its longest
-/// sample, about half a bin above the mean.
-const LDDL_PHASE2_BIN: u64 = 64;
-
 /// Input size as published.
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct ModelInput {
@@ -105,6 +93,18 @@ pub enum Checkpoint {
     ExceptLast,
     Never,
 }
+
+/// Padding in BERT's English Wikipedia pretraining samples at 512 tokens: more than half of
+/// all tokens (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination",
+/// abstract and Fig. 1: a skewed length histogram from short documents and BERT's random
+/// short targets). Taken at one half.
+const WIKIPEDIA_PADDING_AT_512: f64 = 0.5;
+
+/// Width of the length bins of DeepLearningExamples BERT's phase-2 loader (README changelog,
+/// January 2022: "binned pretraining for phase2 with LDDL using a bin size of 64"; 8 bins up to
+/// 512 tokens in `run_pretraining.py`). A batch draws from one bin and is padded to its longest
+/// sample, about half a bin above the mean.
+const LDDL_PHASE2_BIN: u64 = 64;
 
 /// The zoo model a case names, for the framework that ran it.
 fn zoo_name<'a>(name: &'a str, framework: &str) -> &'a str {
@@ -304,15 +304,7 @@ mod tests {
     }
 
     fn general_json() -> Vec<crate::Case> {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../shared/ground-truth/general.json");
-        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-            panic!(
-                "{}: {e}: the tests read the published runs from ../shared beside the clone, as CI has it",
-                path.display()
-            )
-        });
-        crate::parse_cases(&text, "general.json").unwrap().cases
+        crate::validate::ground_truth("general.json")
     }
 
     /// Every published run is predicted (none skipped), each with the layout and gradient

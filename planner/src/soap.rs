@@ -691,10 +691,13 @@ pub fn layout_plan(costs: &mut OpCosts, dp: u32, tp: u32, pp: u32) -> OpPlan {
     for (i, st) in stage.iter().enumerate() {
         let id = NodeId(i as u32);
         let start = st * per_stage;
-        let m = costs.mapping(id).clone();
+        let m = costs.mapping(id);
         let (ins, outs) = costs.shapes(id);
-        let (ins, outs) = (ins.to_vec(), outs.to_vec());
-        let legal = |d: &BTreeMap<char, u32>| m.derive_split(&ins, &outs, d).is_ok();
+        let legal = |d: &BTreeMap<char, u32>| m.derive_split(ins, outs, d).is_ok();
+        // Degrees of 1 are left out of a configuration.
+        let split = |d: &[(char, u32)]| -> BTreeMap<char, u32> {
+            d.iter().copied().filter(|x| x.1 > 1).collect()
+        };
         let sample = m
             .labels()
             .find(|(_, a)| a.role == AxisRole::Sample && a.splittable)
@@ -710,37 +713,36 @@ pub fn layout_plan(costs: &mut OpCosts, dp: u32, tp: u32, pp: u32) -> OpPlan {
             })
             .map(|(l, _)| l)
             .collect();
-        let mut options: Vec<BTreeMap<char, u32>> = Vec::new();
-        if let Some(s) = sample {
-            for p in &params {
-                options.push(
-                    [(s, dp), (*p, tp)]
+        // Under tensor parallelism the whole split with each parameter axis is a candidate
+        // (Megatron-LM's column or row split of a linear layer, heads of attention), and so is
+        // the sample split over the whole stage (Megatron's sequence-parallel norms and
+        // dropouts, on tokens instead of channels); the cheapest assignment over the graph is
+        // chosen exactly below.
+        let tp_splits: Vec<BTreeMap<char, u32>> = match sample {
+            Some(s) if tp > 1 && !params.is_empty() => params
+                .iter()
+                .map(|p| split(&[(s, dp), (*p, tp)]))
+                .chain([split(&[(s, dp * tp)])])
+                .filter(|d| legal(d))
+                .collect(),
+            _ => Vec::new(),
+        };
+        // Otherwise, or where none is legal: the widest legal split.
+        let chosen = if tp_splits.is_empty() {
+            let mut options: Vec<BTreeMap<char, u32>> = Vec::new();
+            if let Some(s) = sample {
+                options.extend(params.iter().map(|p| split(&[(s, dp), (*p, tp)])));
+                options.extend(
+                    divisors(dp * tp)
                         .into_iter()
-                        .filter(|x| x.1 > 1)
-                        .collect(),
+                        .rev()
+                        .map(|d| split(&[(s, d)])),
                 );
             }
-            options.push([(s, dp * tp)].into_iter().filter(|x| x.1 > 1).collect());
-            for d in divisors(dp * tp).into_iter().rev() {
-                options.push([(s, d)].into_iter().filter(|x| x.1 > 1).collect());
-            }
-        }
-        options.push(BTreeMap::new());
-        // The whole split with each parameter axis is a candidate (Megatron-LM's column or
-        // row split of a linear layer, heads of attention); the cheapest assignment over the
-        // graph is chosen exactly below. An op with none takes its widest sample split.
-        let with_params = if sample.is_some() { params.len() } else { 0 };
-        // The sample split over the whole stage competes too (Megatron's sequence-parallel
-        // norms and dropouts, on tokens instead of channels).
-        let split: Vec<BTreeMap<char, u32>> = options[..(with_params + 1).min(options.len())]
-            .iter()
-            .filter(|d| tp > 1 && with_params > 0 && legal(d))
-            .cloned()
-            .collect();
-        let chosen = if split.is_empty() {
+            options.push(BTreeMap::new());
             options.into_iter().find(|d| legal(d)).into_iter().collect()
         } else {
-            split
+            tp_splits
         };
         cands.push(
             chosen
@@ -758,18 +760,18 @@ pub fn layout_plan(costs: &mut OpCosts, dp: u32, tp: u32, pp: u32) -> OpPlan {
     // Which split of each op: the least compute, gradient sync and resharding over the graph
     // (a linear layer fed by a replicated tensor splits its output columns; the next one, fed
     // by those columns, splits its rows and leaves partial sums for one reduction).
-    let node: Vec<Vec<f64>> = cands
-        .iter()
-        .enumerate()
-        .map(|(i, cs)| {
-            cs.iter()
-                .map(|c| node_cost(costs, NodeId(i as u32), c))
-                .collect()
-        })
-        .collect();
     let choice = if cands.iter().all(|c| c.len() == 1) {
         vec![0; n]
     } else {
+        let node: Vec<Vec<f64>> = cands
+            .iter()
+            .enumerate()
+            .map(|(i, cs)| {
+                cs.iter()
+                    .map(|c| node_cost(costs, NodeId(i as u32), c))
+                    .collect()
+            })
+            .collect();
         let tables = CostTables::build(costs, &cands, node);
         eliminate(&tables, SoapOptions::default().brute_force_limit).0
     };

@@ -201,27 +201,45 @@ pub enum Case {
     General(GeneralCase),
 }
 
+/// What both schemas record of a run.
+struct Shared<'a> {
+    id: &'a str,
+    group: &'a str,
+    source: &'a str,
+    measured: &'a Measured,
+    cluster: &'a CaseCluster,
+}
+
 impl Case {
-    pub fn id(&self) -> &str {
+    fn shared(&self) -> Shared<'_> {
+        macro_rules! shared {
+            ($c:expr) => {
+                Shared {
+                    id: &$c.id,
+                    group: &$c.group,
+                    source: &$c.source,
+                    measured: &$c.measured,
+                    cluster: &$c.cluster,
+                }
+            };
+        }
         match self {
-            Case::Transformer(c) => &c.id,
-            Case::General(c) => &c.id,
+            Case::Transformer(c) => shared!(c),
+            Case::General(c) => shared!(c),
         }
     }
 
+    pub fn id(&self) -> &str {
+        self.shared().id
+    }
+
     pub fn group(&self) -> &str {
-        match self {
-            Case::Transformer(c) => &c.group,
-            Case::General(c) => &c.group,
-        }
+        self.shared().group
     }
 
     /// The publication (see [`Framework::for_source`]).
     pub fn source(&self) -> &str {
-        match self {
-            Case::Transformer(c) => &c.source,
-            Case::General(c) => &c.source,
-        }
+        self.shared().source
     }
 
     /// Whether the run's attention was a fused kernel (what the attention efficiency scale
@@ -235,17 +253,7 @@ impl Case {
 
     /// What was measured.
     pub fn measured(&self) -> &Measured {
-        match self {
-            Case::Transformer(c) => &c.measured,
-            Case::General(c) => &c.measured,
-        }
-    }
-
-    fn gpus(&self) -> u32 {
-        match self {
-            Case::Transformer(c) => c.cluster.gpus,
-            Case::General(c) => c.cluster.gpus,
-        }
+        self.shared().measured
     }
 
     /// Refuses what no run can have measured: a non-positive time or memory, no GPUs, a
@@ -271,7 +279,7 @@ impl Case {
                 format!("must be a positive number, got {g}"),
             ));
         }
-        if self.gpus() == 0 {
+        if self.shared().cluster.gpus == 0 {
             return Err(err("cluster.gpus", "must be at least 1".into()));
         }
         if let Err(e) = parallax_hardware::preset(self.preset()) {
@@ -282,10 +290,7 @@ impl Case {
 
     /// The hardware preset it ran on.
     pub fn preset(&self) -> &str {
-        match self {
-            Case::Transformer(c) => &c.cluster.preset,
-            Case::General(c) => &c.cluster.preset,
-        }
+        &self.shared().cluster.preset
     }
 
     /// Predicts the case.
@@ -631,6 +636,21 @@ pub fn summarize(results: &[CaseResult]) -> Summary {
         },
         skipped: results.iter().filter(|r| r.ape.is_none()).count(),
     }
+}
+
+/// The published runs of `../shared/ground-truth/<name>` (beside the clone, as CI has it).
+#[cfg(test)]
+pub(crate) fn ground_truth(name: &str) -> Vec<Case> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/ground-truth")
+        .join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}: the tests read the published runs from ../shared beside the clone, as CI has it",
+            path.display()
+        )
+    });
+    parse_cases(&text, name).unwrap().cases
 }
 
 #[cfg(test)]
