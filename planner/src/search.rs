@@ -152,44 +152,39 @@ pub(crate) fn schedule_options(
     for s in scheds {
         match s {
             Schedule::Interleaved1F1B => {
-                if m % u64::from(pp) != 0 {
-                    reject(
-                        "indivisible",
-                        format!("interleaved-1f1b: {m} micro-batches not a multiple of pp {pp}"),
-                    );
-                    continue;
-                }
-                let before = out.len();
                 let even = |v: u32| space.uneven_stages || layers % (pp * v) == 0;
-                match fixed.interleave {
-                    Some(v) if v < 2 || pp * v > layers => reject(
-                        "indivisible",
-                        format!(
-                            "interleaved-1f1b: v = {v} must be at least 2, and pp × v = {} at \
-                             most the {layers} layers",
-                            pp * v
-                        ),
-                    ),
-                    Some(v) if !even(v) => reject(
-                        "indivisible",
-                        format!(
-                            "interleaved-1f1b: pp × v = {} does not divide the {layers} layers",
-                            pp * v
-                        ),
-                    ),
-                    Some(v) => out.push((s, v)),
+                // The interleaves that split the layers: what rules them all out is said first,
+                // as no batch or micro-batch size fixes it.
+                let vs = match fixed.interleave {
+                    Some(v) if v < 2 || pp * v > layers => Err(format!(
+                        "interleaved-1f1b: v = {v} must be at least 2, and pp × v = {} at most \
+                         the {layers} layers",
+                        pp * v
+                    )),
+                    Some(v) if !even(v) => Err(format!(
+                        "interleaved-1f1b: pp × v = {} does not divide the {layers} layers",
+                        pp * v
+                    )),
+                    Some(v) => Ok(vec![v]),
                     None => {
-                        out.extend((2..=layers / pp).filter(|&v| even(v)).map(|v| (s, v)));
-                        if out.len() == before {
-                            reject(
-                                "indivisible",
-                                format!(
-                                    "interleaved-1f1b: no interleave splits the {layers} layers \
-                                     evenly over {pp} pipeline stages; give one"
-                                ),
-                            );
+                        let vs: Vec<u32> = (2..=layers / pp).filter(|&v| even(v)).collect();
+                        if vs.is_empty() {
+                            Err(format!(
+                                "interleaved-1f1b: no interleave splits the {layers} layers \
+                                 evenly over {pp} pipeline stages; give one"
+                            ))
+                        } else {
+                            Ok(vs)
                         }
                     }
+                };
+                match vs {
+                    Err(why) => reject("indivisible", why),
+                    Ok(_) if m % u64::from(pp) != 0 => reject(
+                        "indivisible",
+                        format!("interleaved-1f1b: {m} micro-batches not a multiple of pp {pp}"),
+                    ),
+                    Ok(vs) => out.extend(vs.into_iter().map(|v| (s, v))),
                 }
             }
             Schedule::None => {}
@@ -312,6 +307,13 @@ pub struct Counts {
     /// Candidates rejected, by reason: `out of memory` (by bound or simulation), `indivisible`,
     /// `tp across nodes`, `pruned by step-time bound`, …
     pub rejected: BTreeMap<String, u64>,
+    /// The first rejection's whole reason (one about a tensor-parallel group too wide for a
+    /// node only when there is no other, as every search of several nodes meets one): what
+    /// an error says when nothing is left.
+    #[serde(skip)]
+    pub why: Option<String>,
+    #[serde(skip)]
+    why_is_wide_tp: bool,
 }
 
 impl Counts {
@@ -321,12 +323,28 @@ impl Counts {
         }
     }
 
+    /// [`Counts::reject`] of one candidate, keeping its whole reason.
+    fn reject_because(&mut self, reason: &str, why: String) {
+        self.reject(reason, 1);
+        let wide = reason == TP_ACROSS_NODES;
+        if self.why.is_none() || (self.why_is_wide_tp && !wide) {
+            self.why = Some(why);
+            self.why_is_wide_tp = wide;
+        }
+    }
+
     fn merge(&mut self, o: &Counts) {
         self.candidates += o.candidates;
         self.simulated += o.simulated;
         self.feasible += o.feasible;
         for (k, v) in &o.rejected {
             *self.rejected.entry(k.clone()).or_default() += v;
+        }
+        if let Some(why) = &o.why {
+            if self.why.is_none() || (self.why_is_wide_tp && !o.why_is_wide_tp) {
+                self.why = Some(why.clone());
+                self.why_is_wide_tp = o.why_is_wide_tp;
+            }
         }
     }
 }
@@ -408,6 +426,8 @@ pub enum SearchError {
         need_gib: f64,
         have_gib: f64,
         layout: String,
+        /// The layout that needs the least memory.
+        smallest: Box<Layout>,
         summary: String,
     },
     #[error("no layout of {gpus} GPUs is valid: {summary}")]
@@ -467,8 +487,14 @@ struct Expanded {
     counts: Counts,
     /// Per family: candidates, and the smallest memory need among those over memory.
     family_members: [u64; FAMILIES],
-    family_smallest: [Option<(f64, u64, Layout)>; FAMILIES],
+    family_smallest: [Option<(f64, u64, Layout)>; TRACKED],
 }
+
+/// Memory is tracked per family and, in the last slot, over every layout (many belong to no
+/// family): the smallest need is what an error says when nothing fits.
+const TRACKED: usize = FAMILIES + 1;
+/// The bit of that last slot, set for every candidate.
+const ANY_LAYOUT: u8 = 1 << FAMILIES;
 
 /// Searches the structured space of `setup`'s model and cluster.
 pub fn search(setup: &Setup, opts: &SearchOptions) -> Result<SearchResult, SearchError> {
@@ -530,7 +556,7 @@ fn run(
             Ok(c) => live.push((group_bound(setup, &g.base, c), i)),
             Err(e) => {
                 counts.candidates += 1;
-                counts.reject(e.kind(), 1);
+                counts.reject_because(e.kind(), e.to_string());
             }
         }
     }
@@ -545,7 +571,7 @@ fn run(
     let mut top: Vec<Evaluated> = Vec::new();
     let mut fam_best: [Option<Evaluated>; FAMILIES] = Default::default();
     let mut family_members = [0u64; FAMILIES];
-    let mut family_smallest: [Option<(f64, u64, Layout)>; FAMILIES] = Default::default();
+    let mut family_smallest: [Option<(f64, u64, Layout)>; TRACKED] = Default::default();
     let mut summaries: HashMap<SummaryKey, ScheduleSummary> = HashMap::new();
     let mut cands: Vec<Candidate> = Vec::new();
     let mut heap: BinaryHeap<Reverse<Queued>> = BinaryHeap::new();
@@ -629,14 +655,13 @@ fn run(
                 .collect();
             for x in expanded {
                 counts.merge(&x.counts);
-                for i in 0..FAMILIES {
-                    family_members[i] += x.family_members[i];
-                    if let Some(s) = &x.family_smallest[i] {
-                        if family_smallest[i]
-                            .as_ref()
-                            .is_none_or(|b| (s.0, s.1) < (b.0, b.1))
-                        {
-                            family_smallest[i] = Some(s.clone());
+                for (a, b) in family_members.iter_mut().zip(x.family_members) {
+                    *a += b;
+                }
+                for (mine, theirs) in family_smallest.iter_mut().zip(x.family_smallest) {
+                    if let Some(s) = theirs {
+                        if mine.as_ref().is_none_or(|b| (s.0, s.1) < (b.0, b.1)) {
+                            *mine = Some(s);
                         }
                     }
                 }
@@ -718,7 +743,7 @@ fn run(
                         }
                     }
                 }
-                Err(StepError::Infeasible(e)) => counts.reject(e.kind(), 1),
+                Err(StepError::Infeasible(e)) => counts.reject_because(e.kind(), e.to_string()),
                 Err(e) => counts.reject(&format!("simulation error: {e}"), 1),
             }
         }
@@ -734,21 +759,26 @@ fn run(
             bounds_fell_back: false,
         }
         .summary_line();
-        let smallest = family_smallest
-            .iter()
-            .flatten()
-            .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-        return Err(match smallest {
+        return Err(match &family_smallest[FAMILIES] {
             Some((need, _, l)) => SearchError::DoesNotFit {
                 gpus: setup.gpus,
                 need_gib: *need,
                 have_gib: setup.profile.device.hbm_gib,
                 layout: crate::complete::layout_string(l),
+                smallest: Box::new(l.clone()),
                 summary,
             },
             None => SearchError::NoCandidate {
                 gpus: setup.gpus,
-                summary,
+                summary: match (&counts.why, counts.candidates) {
+                    (Some(why), _) => format!("{why} ({summary})"),
+                    (None, 0) => format!(
+                        "the given degrees ({}) do not divide {} GPUs",
+                        crate::complete::partial_string(&opts.force),
+                        setup.gpus
+                    ),
+                    (None, _) => summary,
+                },
             },
         });
     }
@@ -1079,9 +1109,9 @@ pub(crate) fn degree_tuples(
 /// degree tuples rejected outright are counted in `counts`.
 fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) -> Vec<Group> {
     let f = &opts.force;
-    let mut reject = |kind: &'static str, _: String| {
+    let mut reject = |kind: &'static str, why: String| {
         counts.candidates += 1;
-        counts.reject(kind, 1);
+        counts.reject_because(kind, why);
     };
     let mut groups = Vec::new();
     let recomputes = recompute_options(f, &opts.space);
@@ -1157,10 +1187,23 @@ fn expand(
     let base = &g.base;
     let m = base.micro_batches(setup.global_batch) as u32;
     let zeros = zeros_of(opts, base);
-    let scheds = schedules_of(setup, opts, base);
+    let mut why = None;
+    let scheds = schedule_options(
+        setup,
+        &opts.force,
+        &opts.space,
+        base.pp,
+        u64::from(m),
+        &mut |_, w| {
+            why.get_or_insert(w);
+        },
+    );
     if scheds.is_empty() {
         x.counts.candidates += 1;
-        x.counts.reject("indivisible", 1);
+        x.counts.reject_because(
+            "indivisible",
+            why.unwrap_or_else(|| "no pipeline schedule applies".into()),
+        );
         return x;
     }
     let capacity = setup.profile.device.hbm_gib;
@@ -1194,7 +1237,7 @@ fn expand(
                 } else {
                     Vec::new()
                 };
-                let fam = Family::mask(&l);
+                let fam = Family::mask(&l) | ANY_LAYOUT;
                 x.counts.candidates += 1;
                 for (i, n) in x.family_members.iter_mut().enumerate() {
                     if fam & (1 << i) != 0 {
