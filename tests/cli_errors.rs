@@ -200,6 +200,40 @@ fn bad_inputs_end_in_one_line_and_status_2() {
     );
     let existing = write(d, "existing.json", b"precious user data");
     let bad_plan = write(d, "badplan.json", br#"{"schema":"other/1"}"#);
+    let band = |v: &str| {
+        parallax_preset("dgx-a100-80gb")
+            .replace("step_time_band = 0.06514", &format!("step_time_band = {v}"))
+    };
+    let nan_band = write(d, "nanband.toml", band("nan").as_bytes());
+    let neg_band = write(d, "negband.toml", band("-1.0").as_bytes());
+    let escape_name = write(
+        d,
+        "escape.toml",
+        parallax_preset("dgx-a100-80gb")
+            .replacen("name = \"", "name = \"\\u001b[31m", 1)
+            .as_bytes(),
+    );
+    let plan_file = write(d, "runnable.json", br#"{"schema":"parallax-plan/1"}"#);
+    let tiny = |extra: &[&str]| -> Vec<String> {
+        let mut args: Vec<String> = [
+            "run",
+            "--model",
+            "gpt-tiny",
+            "--plan",
+            "dp=1",
+            "--global-batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            "1",
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    };
+    let a_file = write(d, "afile", b"not a folder");
     let sim = |extra: &[&str]| -> Vec<String> {
         let mut args: Vec<String> = [
             "simulate",
@@ -393,7 +427,7 @@ fn bad_inputs_end_in_one_line_and_status_2() {
         case(&sim(&["--plan", "tp=3"]), &["--plan", "tp=3", "divide"]),
         case(
             &sim(&["--plan", "tp=3,schedule=interleaved-1f1b"]),
-            &["tp=3", "do not divide 8 devices"],
+            &["tp=3", "do not divide 8"],
         ),
         case(
             &sim(&["--plan", "tp=2,dp=4,mb=3"]),
@@ -425,6 +459,62 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             &["/no/such/cases.json", "cannot read"],
         ),
         case(&["validate", &malformed], &["malformed.json: line"]),
+        // hostile-input D1, D5–D7, D12, D14–D16 and the negative numbers of severity 4.
+        case(
+            &tiny(&["--trace", &existing]),
+            &["existing.json", "already exists"],
+        ),
+        case(
+            &tiny(&["--trace", "/proc/nope/t.json"]),
+            &["--trace", "does not exist"],
+        ),
+        case(&tiny(&["--save", &a_file]), &["--save", "not a folder"]),
+        case(
+            &tiny(&["--save", &ckpt]),
+            &["--save", "another run's checkpoint"],
+        ),
+        case(&tiny(&["--timeout", "1e20"]), &["--timeout", "at most"]),
+        case(
+            &tiny(&["--save", &ckpt, "--save-every", "0"]),
+            &["--save-every"],
+        ),
+        case(&tiny(&["--seed", "-1"]), &["'-1'", "--seed"]),
+        case(
+            &["run", &plan_file, "--model", "llama-tiny"],
+            &["--model llama-tiny", "not both"],
+        ),
+        case(&sim(&["--global-batch", "-1"]), &["'-1'", "--global-batch"]),
+        case(
+            &sim(&["--global-batch", "1000000000"]),
+            &["--global-batch 1000000000"],
+        ),
+        case(&sim(&["--seq", "4096"]), &["seq", "2048 learned positions"]),
+        case(
+            &sim(&["--seq", "18446744073709551615"]),
+            &["seq", "18446744073709551615"],
+        ),
+        case(&sim(&["--plan", "v=1000"]), &["v=1000 needs pp > 1"]),
+        case(&sim(&["--plan", "tp=2,tp=4"]), &["tp given twice"]),
+        case(
+            &sim(&["--cluster", "dgx-a100-80gb:gpus=8,gpus=16"]),
+            &["gpus given twice"],
+        ),
+        case(
+            &sim(&["--cluster", &format!("{nan_band}:gpus=8")]),
+            &["calibration.step_time_band", "NaN"],
+        ),
+        case(
+            &sim(&["--cluster", &format!("{neg_band}:gpus=8")]),
+            &["calibration.step_time_band", "-1"],
+        ),
+        case(
+            &sim(&["--cluster", &format!("{escape_name}:gpus=8")]),
+            &["name", "control characters"],
+        ),
+        case(
+            &sim(&["--plan", "tp=2,pp=2", "--global-batch", "16000000"]),
+            &["micro-batches per data-parallel replica"],
+        ),
         case(&["validate", &wrong_schema], &["schema.json"]),
         case(
             &tiny_run("llama-tiny", "--resume", &ckpt),
@@ -471,4 +561,125 @@ fn parallax_preset(name: &str) -> String {
         .unwrap();
     assert!(out.status.success());
     String::from_utf8(out.stdout).unwrap()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("parallax-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn tiny_run_args(steps: &str, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "run",
+        "--model",
+        "gpt-tiny",
+        "--plan",
+        "dp=2",
+        "--global-batch",
+        "4",
+        "--seq",
+        "16",
+        "--steps",
+        steps,
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// hostile-input D3: a reader that goes away (`run … | head -n 1`) neither ends the run nor
+/// makes it report success without its last checkpoint.
+#[test]
+fn a_closed_stdout_does_not_end_a_run() {
+    use std::io::BufRead;
+    let dir = scratch("closed-stdout");
+    let ck = dir.join("ck");
+    let mut child = Command::new(bin())
+        .args(tiny_run_args("12", &["--save", ck.to_str().unwrap()]))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with("step "), "{first}");
+    // The reader is gone: the pipe is closed.
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(ck.join("LATEST")).unwrap().trim(),
+        "step-00000012"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// hostile-input D4: a diverged run says so, exits non-zero and saves no NaN checkpoint.
+#[test]
+fn a_diverged_run_stops_and_keeps_no_nan_checkpoint() {
+    let dir = scratch("diverged");
+    let ck = dir.join("ck");
+    let out = Command::new(bin())
+        .args(tiny_run_args(
+            "3",
+            &["--lr", "1e30", "--save", ck.to_str().unwrap(), "--json"],
+        ))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("loss is NaN"), "{stderr}");
+    assert!(!stderr.contains("87.33"), "{stderr}");
+    assert!(!ck.join("LATEST").exists());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// hostile-input D5: `--save DIR` never replaces a user's files in DIR.
+#[test]
+fn save_refuses_a_folder_with_a_users_files() {
+    let dir = scratch("save-user-files");
+    std::fs::write(dir.join("notes.txt"), b"mine").unwrap();
+    std::fs::write(dir.join("LATEST"), b"my own latest").unwrap();
+    let out = Command::new(bin())
+        .args(tiny_run_args("1", &["--save", dir.to_str().unwrap()]))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("notes.txt") || stderr.contains("LATEST"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read(dir.join("LATEST")).unwrap(), b"my own latest");
+    assert_eq!(std::fs::read(dir.join("notes.txt")).unwrap(), b"mine");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// hostile-input D11: a full disk behind stdout is an error (exit 1), not a panic.
+#[test]
+fn a_failed_write_to_stdout_is_one_line_and_status_1() {
+    let Ok(full) = std::fs::File::create("/dev/full") else {
+        eprintln!("skipped: no /dev/full here");
+        return;
+    };
+    let out = Command::new(bin())
+        .arg("models")
+        .stdout(full)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(
+        stderr.trim(),
+        "error: cannot write to stdout: No space left on device"
+    );
 }

@@ -6,7 +6,7 @@ use clap::Args as ClapArgs;
 use parallax_cost::transformer::{Runtime, Setup};
 use parallax_hardware::Cluster;
 use parallax_ir::models::TransformerConfig;
-use parallax_ir::{load_model, Precision};
+use parallax_ir::{load_model, Precision, MAX_GLOBAL_BATCH};
 
 /// The flags that name a training job.
 #[derive(Debug, ClapArgs)]
@@ -45,17 +45,26 @@ pub enum Loaded {
     Graph(GraphModel),
 }
 
+/// `--global-batch` within what is modelled: at least 1, at most [`MAX_GLOBAL_BATCH`].
+pub fn check_global_batch(global_batch: u64) -> anyhow::Result<()> {
+    if global_batch == 0 {
+        return Err(user("--global-batch: must be at least 1"));
+    }
+    if global_batch > MAX_GLOBAL_BATCH {
+        return Err(user(format!(
+            "--global-batch {global_batch}: beyond the {MAX_GLOBAL_BATCH} samples parallax models"
+        )));
+    }
+    Ok(())
+}
+
 impl JobArgs {
     /// Loads the model and the cluster once; bad input is one line naming the flag.
     pub fn load(&self) -> anyhow::Result<Loaded> {
-        if self.global_batch == 0 {
-            return Err(user("--global-batch: must be at least 1"));
-        }
+        check_global_batch(self.global_batch)?;
         let loaded = load_model(&self.model).map_err(user)?;
         let seq = self.seq.unwrap_or(loaded.default_seq());
-        if seq == 0 {
-            return Err(user("--seq: must be at least 1"));
-        }
+        loaded.check_seq(seq).map_err(user)?;
         let cluster = Cluster::parse(&self.cluster).map_err(user)?;
         Ok(match loaded.transformer().cloned() {
             Some(model) => Loaded::Transformer(Job {

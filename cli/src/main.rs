@@ -26,20 +26,28 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// List the built-in model zoo.
+    #[command(allow_negative_numbers = true)]
     Models(models::Args),
     /// List the built-in hardware presets.
+    #[command(allow_negative_numbers = true)]
     Clusters(clusters::Args),
     /// Parameters, FLOPs per token, layers, op histogram and activation memory of a model.
+    #[command(allow_negative_numbers = true)]
     Inspect(inspect::Args),
     /// Predict one training step of a layout: time, throughput, MFU, memory, breakdown.
+    #[command(allow_negative_numbers = true)]
     Simulate(simulate::Args),
     /// Search every layout of a model on a cluster: the best plans, why they win, exports.
+    #[command(allow_negative_numbers = true)]
     Plan(plan::Args),
     /// Score predictions against published measurements of real training runs.
+    #[command(allow_negative_numbers = true)]
     Validate(validate::Args),
     /// Train a model under a layout with the executor; measured against predicted step time.
+    #[command(allow_negative_numbers = true)]
     Run(run::Args),
     /// Measure this machine with the executor and write a hardware profile.
+    #[command(allow_negative_numbers = true)]
     Calibrate(calibrate::Args),
 }
 
@@ -115,9 +123,16 @@ fn main() -> ExitCode {
             .map(|s| s.to_string())
             .or_else(|| info.payload().downcast_ref::<String>().cloned())
             .unwrap_or_default();
-        // A closed stdout (`parallax models | head`) is not an error.
-        if msg.contains("Broken pipe") {
-            std::process::exit(0);
+        // `println!` panics when stdout fails. A closed stdout (`parallax models | head`) is not
+        // an error: the reader has what it wanted (`run` prints its steps without panicking, so
+        // training never ends this way). Any other write failure (`> /dev/full`) is one.
+        if let Some(why) = msg.strip_prefix("failed printing to stdout: ") {
+            if why.contains("Broken pipe") {
+                std::process::exit(0);
+            }
+            let why = why.split(" (os error").next().unwrap_or(why);
+            eprintln!("error: cannot write to stdout: {why}");
+            std::process::exit(1);
         }
         eprintln!("error: internal error (please report): {msg}");
     }));

@@ -70,6 +70,10 @@ pub struct Args {
     /// Write the measured timeline as a Chrome / Perfetto trace to this file.
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// Overwrite an existing --trace file, and save into a --save folder that holds other
+    /// files or another run's checkpoints.
+    #[arg(long)]
+    force: bool,
 }
 
 /// What to run, resolved from a plan file or flags.
@@ -82,13 +86,18 @@ struct Job {
     cluster: Option<String>,
 }
 
-fn transformer(name: &str) -> anyhow::Result<TransformerConfig> {
+/// The transformer `name` and the sequence length to train it at (`seq`, else its maximum),
+/// checked against what it can take.
+fn transformer(name: &str, seq: Option<u64>) -> anyhow::Result<(TransformerConfig, u64)> {
     let m = load_model(name).map_err(user)?;
-    m.transformer().cloned().ok_or_else(|| {
+    let t = m.transformer().cloned().ok_or_else(|| {
         user(format!(
             "--model {name}: the executor trains GPT and Llama transformers; this model is not one"
         ))
-    })
+    })?;
+    let seq = seq.unwrap_or(t.max_seq);
+    m.check_seq(seq).map_err(user)?;
+    Ok((t, seq))
 }
 
 fn resolve(a: &Args) -> anyhow::Result<Job> {
@@ -100,16 +109,26 @@ fn resolve(a: &Args) -> anyhow::Result<Job> {
         }
         _ => None,
     };
+    if let (Some(path), Some(m)) = (&plan_path, &a.model) {
+        return Err(user(format!(
+            "--model {m}: {} names its model; give either a plan file or --model, not both",
+            path.display()
+        )));
+    }
     if let Some(path) = plan_path {
         let plan = crate::read_plan(&path)?;
-        let model = transformer(&plan.model.name)?;
-        let name = a.model.clone().unwrap_or(plan.model.name.clone());
+        let (model, seq) = transformer(
+            &plan.model.name,
+            Some(a.seq.unwrap_or(plan.training.seq_len)),
+        )?;
+        let global_batch = a.global_batch.unwrap_or(plan.training.global_batch);
+        crate::job::check_global_batch(global_batch)?;
         return Ok(Job {
-            model_name: name,
+            model_name: plan.model.name.clone(),
             model,
             layout: plan.layout,
-            global_batch: a.global_batch.unwrap_or(plan.training.global_batch),
-            seq: a.seq.unwrap_or(plan.training.seq_len),
+            global_batch,
+            seq,
             cluster: a.cluster.clone().or(Some(plan.cluster.spec)),
         });
     }
@@ -118,7 +137,8 @@ fn resolve(a: &Args) -> anyhow::Result<Job> {
             "give a plan file, or --model, --plan and --global-batch (see --help)",
         ));
     };
-    let model = transformer(name)?;
+    let (model, seq) = transformer(name, a.seq)?;
+    crate::job::check_global_batch(gb)?;
     let p = PartialLayout::parse(inline).map_err(|e| user(format!("--plan: {e}")))?;
     let (tp, pp) = (p.tp.unwrap_or(1), p.pp.unwrap_or(1));
     let dp = match (p.dp, &a.cluster) {
@@ -149,7 +169,6 @@ fn resolve(a: &Args) -> anyhow::Result<Job> {
         interleave,
         stages: Vec::new(),
     };
-    let seq = a.seq.unwrap_or(model.max_seq);
     Ok(Job {
         model_name: name.clone(),
         model,
@@ -158,6 +177,73 @@ fn resolve(a: &Args) -> anyhow::Result<Job> {
         seq,
         cluster: a.cluster.clone(),
     })
+}
+
+/// The longest `--timeout` accepted (about 31 years).
+const MAX_TIMEOUT_S: f64 = 1e9;
+
+/// `--trace FILE` is written after training: refuse, before the first step, a file that
+/// exists (unless `force`) or a folder that does not.
+fn check_trace_path(path: &std::path::Path, force: bool) -> anyhow::Result<()> {
+    if path.is_dir() {
+        return Err(user(format!("--trace {}: is a folder", path.display())));
+    }
+    crate::refuse_overwrite(path, force)?;
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    if !parent.is_dir() {
+        return Err(user(format!(
+            "--trace {}: folder {} does not exist",
+            path.display(),
+            parent.display()
+        )));
+    }
+    Ok(())
+}
+
+/// `--save DIR` must be a folder that can be written and that holds nothing but this run's
+/// checkpoints: another run's checkpoints (other than the one resumed) or a user's files are
+/// only written beside with `force`. Created here, before the first step.
+fn check_save_dir(
+    dir: &std::path::Path,
+    resume: Option<&std::path::Path>,
+    force: bool,
+) -> anyhow::Result<()> {
+    let shown = dir.display();
+    if dir.exists() && !dir.is_dir() {
+        return Err(user(format!("--save {shown}: exists and is not a folder")));
+    }
+    if dir.is_dir() && !force {
+        let resuming_here = resume.is_some_and(|r| {
+            let canon = |p: &std::path::Path| std::fs::canonicalize(p).ok();
+            canon(r).is_some_and(|r| canon(dir).is_some_and(|d| r == d || r.starts_with(&d)))
+        });
+        let entries = std::fs::read_dir(dir)
+            .map_err(|e| user(format!("--save {shown}: cannot read: {e}")))?;
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let checkpoint = name.starts_with("step-") && entry.path().join("state.json").is_file();
+            let ours = checkpoint || name == "LATEST" || name.starts_with(".step-");
+            if !ours {
+                return Err(user(format!(
+                    "--save {shown}: holds {name}, which is not a checkpoint; pass --force to save beside it"
+                )));
+            }
+            if checkpoint && !resuming_here {
+                return Err(user(format!(
+                    "--save {shown}: holds another run's checkpoint {name}; pass --resume {shown} to continue it, or --force to save beside it"
+                )));
+            }
+        }
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| user(format!("--save {shown}: cannot create: {e}")))?;
+    let probe = dir.join(format!(".parallax-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .and_then(|()| std::fs::remove_file(&probe))
+        .map_err(|e| user(format!("--save {shown}: cannot write: {e}")))
 }
 
 /// The cluster for the prediction: the one asked for, else cpu-local with one core per rank
@@ -216,13 +302,27 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.steps == 0 {
         return Err(user("--steps must be at least 1"));
     }
-    if !(a.timeout.is_finite() && a.timeout > 0.0) {
-        return Err(user("--timeout must be a positive number of seconds"));
+    if !(a.timeout.is_finite() && a.timeout > 0.0 && a.timeout <= MAX_TIMEOUT_S) {
+        return Err(user(format!(
+            "--timeout {}: must be a positive number of seconds, at most {MAX_TIMEOUT_S:e}",
+            a.timeout
+        )));
+    }
+    if a.save_every == Some(0) {
+        return Err(user("--save-every: must be at least 1"));
     }
     if !(a.lr.is_finite() && a.lr > 0.0) {
         return Err(user("--lr must be a positive number"));
     }
     let job = resolve(&a)?;
+    // Output paths are checked before the first step, not after the last.
+    if let Some(path) = &a.trace {
+        check_trace_path(path, a.force)?;
+    }
+    let created_save_dir = a.save.as_deref().filter(|d| !d.exists());
+    if let Some(dir) = &a.save {
+        check_save_dir(dir, a.resume.as_deref(), a.force)?;
+    }
     let data = match &a.data {
         None => DataSource::Synthetic,
         Some(p) => {
@@ -233,9 +333,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let resume = match &a.resume {
         None => None,
-        Some(dir) => Some(Arc::new(
-            state::load(dir).map_err(|(p, r)| user(format!("--resume {p}: {r}")))?,
-        )),
+        Some(dir) => {
+            let st = state::load(dir).map_err(|(p, r)| user(format!("--resume {p}: {r}")))?;
+            if st.step.checked_add(a.steps).is_none() {
+                return Err(user(format!(
+                    "--resume {}: step {} cannot be continued by {} steps",
+                    dir.display(),
+                    st.step,
+                    a.steps
+                )));
+            }
+            Some(Arc::new(st))
+        }
     };
     let mut spec = RunSpec::new(
         job.model.clone(),
@@ -265,21 +374,38 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }));
     }
     let quiet = a.json;
+    // A reader that goes away (`| head -n 1`) must not end the run: the step lines stop and
+    // training goes on to its last step and checkpoint.
+    let printing = Arc::new(std::sync::atomic::AtomicBool::new(true));
     spec.on_step = Some(Arc::new(move |s: &StepStats| {
+        use std::io::Write;
+        use std::sync::atomic::Ordering;
         let line = format!(
             "step {:>5}  loss {:.4}  time {:.3} s  {:.0} tokens/s",
             s.step, s.loss, s.time_s, s.tokens_per_s
         );
-        if quiet {
-            eprintln!("{line}");
+        if !printing.load(Ordering::Relaxed) {
+            return;
+        }
+        let written = if quiet {
+            writeln!(std::io::stderr(), "{line}")
         } else {
-            println!("{line}");
+            writeln!(std::io::stdout(), "{line}")
+        };
+        if written.is_err() {
+            printing.store(false, Ordering::Relaxed);
         }
     }));
     let predicted = predict(&job);
-    let report = exec_run(&spec, backend).map_err(|e| match e {
+    let report = exec_run(&spec, backend);
+    if let (Err(_), Some(dir)) = (&report, created_save_dir) {
+        // The folder made for this run's checkpoints stays only if one was written into it.
+        let _ = std::fs::remove_dir(dir);
+    }
+    let report = report.map_err(|e| match e {
         parallax_executor::ExecError::Rank { .. }
         | parallax_executor::ExecError::Comm(_)
+        | parallax_executor::ExecError::Diverged { .. }
         | parallax_executor::ExecError::Checkpoint { .. } => anyhow::Error::new(e),
         parallax_executor::ExecError::Resume(why) => user(format!(
             "--resume {}: {why}",
@@ -396,6 +522,7 @@ mod tests {
             timeout: 1.0,
             json: false,
             trace: None,
+            force: false,
         }
     }
 

@@ -723,6 +723,13 @@ impl Engine<'_> {
             self.inject_fault(i)?;
             let global_step = start_step + i;
             let loss = self.step(global_step)?;
+            // Every rank holds the same all-reduced loss, so every rank stops here together.
+            if !loss.is_finite() {
+                return Err(ExecError::Diverged {
+                    step: global_step + 1,
+                    loss,
+                });
+            }
             let dt = t0.elapsed().as_secs_f64();
             report.losses.push(loss);
             report.step_times.push(dt);

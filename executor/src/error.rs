@@ -24,6 +24,15 @@ pub enum ExecError {
         /// What happened.
         message: String,
     },
+    /// The loss stopped being a finite number: training diverged. Nothing is saved at or after
+    /// this step, so the last checkpoint written holds finite parameters.
+    #[error("step {step}: loss is {loss} (parameters diverged; lower --lr); no checkpoint was written for this step")]
+    Diverged {
+        /// The 1-based global step whose loss is not finite.
+        step: u64,
+        /// The loss (NaN or infinite).
+        loss: f64,
+    },
     /// The training data is unusable.
     #[error("data: {0}")]
     Data(String),

@@ -159,18 +159,23 @@ pub(crate) fn run_threads_with(
         let handles: Vec<_> = comms
             .into_iter()
             .map(|mut comm| {
-                let (prep, shared) = (&prep, shared.clone());
-                std::thread::Builder::new()
-                    .name(format!("rank-{}", comm.rank()))
+                let (prep, rank_shared) = (&prep, shared.clone());
+                let rank = comm.rank();
+                let h = std::thread::Builder::new()
+                    .name(format!("rank-{rank}"))
                     .spawn_scoped(s, move || {
-                        let rank = comm.rank();
                         let r = caught(rank, || rank_main(spec, prep, &mut comm, epoch));
                         if let Err(e) = &r {
                             let (who, why) = blame(rank, e);
-                            shared.fail(who, why);
+                            rank_shared.fail(who, why);
                         }
                         r
-                    })
+                    });
+                // The ranks already started would otherwise wait the whole timeout for it.
+                if let Err(e) = &h {
+                    shared.fail(rank, thread_start_failure(world, e));
+                }
+                h
             })
             .collect();
         handles
@@ -185,11 +190,20 @@ pub(crate) fn run_threads_with(
                 }),
                 Err(e) => Err(ExecError::Rank {
                     rank,
-                    message: format!("cannot start thread: {e}"),
+                    message: thread_start_failure(world, &e),
                 }),
             })
             .collect()
     });
+    // A diverged loss is the same on every rank: no rank is to blame.
+    for r in &results {
+        if let Err(ExecError::Diverged { step, loss }) = r {
+            return Err(ExecError::Diverged {
+                step: *step,
+                loss: *loss,
+            });
+        }
+    }
     if let Some((rank, message)) = shared.failure() {
         return Err(ExecError::Rank { rank, message });
     }
@@ -210,6 +224,10 @@ pub(crate) fn run_threads_with(
         out.spans.extend(r.spans);
     }
     Ok(out)
+}
+
+fn thread_start_failure(world: usize, e: &std::io::Error) -> String {
+    format!("cannot start {world} rank threads: {e} (check ulimit -u / the pids limit)")
 }
 
 /// Runs rank `rank`'s work, turning a panic into that rank's error.

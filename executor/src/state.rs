@@ -76,6 +76,20 @@ struct Header {
     /// Free-form description of what produced it (model and layout), for people.
     about: serde_json::Value,
     tensors: Vec<Entry>,
+    /// FNV-1a 64 of `tensors.bin`, hex: a flipped or truncated byte is caught on resume.
+    /// Checkpoints written before it existed have none and are read without the check.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    checksum: Option<String>,
+}
+
+/// FNV-1a, 64 bit: not cryptographic, enough to catch corruption of a checkpoint on disk.
+fn fnv1a64(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
 }
 
 #[derive(Serialize, Deserialize)]
@@ -126,6 +140,7 @@ pub fn save(
         step: state.step,
         about,
         tensors: entries,
+        checksum: Some(fnv1a64(&bin)),
     };
     let json = serde_json::to_string_pretty(&header).map_err(|e| io_err(&tmp, e))?;
     write_synced(&tmp.join("tensors.bin"), &bin)?;
@@ -167,8 +182,23 @@ pub fn load(dir: &Path) -> Result<ModelState, (String, String)> {
             format!("schema '{}', expected '{CHECKPOINT_SCHEMA}'", header.schema),
         ));
     }
+    if header.step == u64::MAX {
+        return Err(io_err(
+            &hpath,
+            "step 18446744073709551615 cannot be continued",
+        ));
+    }
     let bpath = ck.join("tensors.bin");
     let bytes = std::fs::read(&bpath).map_err(|e| io_err(&bpath, e))?;
+    if let Some(want) = &header.checksum {
+        let got = fnv1a64(&bytes);
+        if &got != want {
+            return Err(io_err(
+                &bpath,
+                format!("checksum {got} differs from state.json's {want}: the file is corrupt"),
+            ));
+        }
+    }
     if bytes.len() % 4 != 0 {
         return Err(io_err(&bpath, "length is not a multiple of 4 bytes"));
     }
@@ -177,25 +207,58 @@ pub fn load(dir: &Path) -> Result<ModelState, (String, String)> {
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
     let mut tensors = BTreeMap::new();
+    let mut used = 0usize;
     for e in header.tensors {
-        let n: usize = e.shape.iter().product();
-        let end = e.offset + 3 * n;
-        if end > floats.len() {
+        let past_end = || {
+            io_err(
+                &bpath,
+                format!("tensor '{}' runs past the end of the file", e.name),
+            )
+        };
+        let n = e
+            .shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(past_end)?;
+        let end = n
+            .checked_mul(3)
+            .and_then(|x| x.checked_add(e.offset))
+            .filter(|&end| end <= floats.len())
+            .ok_or_else(past_end)?;
+        let whole = &floats[e.offset..end];
+        if let Some(i) = whole.iter().position(|x| !x.is_finite()) {
             return Err(io_err(
                 &bpath,
-                format!("truncated: tensor '{}' runs past the end", e.name),
+                format!(
+                    "tensor '{}' holds a non-finite value ({}) at element {i}",
+                    e.name, whole[i]
+                ),
             ));
         }
-        let part = |k: usize| floats[e.offset + k * n..e.offset + (k + 1) * n].to_vec();
-        tensors.insert(
-            e.name,
-            TensorState {
-                shape: e.shape,
-                param: part(0),
-                m: part(1),
-                v: part(2),
-            },
-        );
+        used = used.saturating_add(3 * n);
+        let (param, rest) = whole.split_at(n);
+        let (m, v) = rest.split_at(n);
+        let t = TensorState {
+            shape: e.shape,
+            param: param.to_vec(),
+            m: m.to_vec(),
+            v: v.to_vec(),
+        };
+        if tensors.insert(e.name.clone(), t).is_some() {
+            return Err(io_err(
+                &hpath,
+                format!("tensor '{}' is listed twice", e.name),
+            ));
+        }
+    }
+    if used != floats.len() {
+        return Err(io_err(
+            &bpath,
+            format!(
+                "holds {} values, the tensors listed in state.json {used}",
+                floats.len()
+            ),
+        ));
     }
     Ok(ModelState {
         step: header.step,
@@ -231,6 +294,63 @@ mod tests {
         assert_eq!(load(&dir).unwrap().step, 4);
         assert_eq!(load(&dir.join("step-00000003")).unwrap().step, 3);
         assert!(load(&dir.join("nope")).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// What `--resume` must refuse: a flipped byte, NaN values, an offset that would wrap, a
+    /// tensor listed twice, trailing bytes, a step that cannot be continued.
+    #[test]
+    fn corrupt_checkpoints_are_refused_with_the_reason() {
+        let dir = std::env::temp_dir().join(format!("parallax-ck-bad-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut s = ModelState {
+            step: 1,
+            tensors: BTreeMap::new(),
+        };
+        for name in ["a", "b"] {
+            s.tensors.insert(
+                name.into(),
+                TensorState {
+                    shape: vec![3],
+                    param: vec![1.0, 2.0, 3.0],
+                    m: vec![0.0; 3],
+                    v: vec![0.0; 3],
+                },
+            );
+        }
+        let ck = save(&dir, &s, serde_json::Value::Null).unwrap();
+        let (bin, json) = (ck.join("tensors.bin"), ck.join("state.json"));
+        let good_bin = std::fs::read(&bin).unwrap();
+        let good_json = std::fs::read_to_string(&json).unwrap();
+        let reason = |bin_bytes: &[u8], header: &str| {
+            std::fs::write(&bin, bin_bytes).unwrap();
+            std::fs::write(&json, header).unwrap();
+            load(&dir).err().map(|(_, r)| r).unwrap_or_default()
+        };
+        let mut flipped = good_bin.clone();
+        flipped[5] ^= 0x40;
+        assert!(reason(&flipped, &good_json).contains("checksum"));
+        // Without the checksum, the content itself is checked.
+        let v: serde_json::Value = serde_json::from_str(&good_json).unwrap();
+        let edit = |f: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = v.clone();
+            v.as_object_mut().unwrap().remove("checksum");
+            f(&mut v);
+            v.to_string()
+        };
+        let mut nan = good_bin.clone();
+        nan[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+        assert!(reason(&nan, &edit(&|_| ())).contains("non-finite"));
+        let wrap = edit(&|v| v["tensors"][1]["offset"] = serde_json::json!(u64::MAX));
+        assert!(reason(&good_bin, &wrap).contains("runs past the end"));
+        let twice = edit(&|v| v["tensors"][1]["name"] = serde_json::json!("a"));
+        assert!(reason(&good_bin, &twice).contains("listed twice"));
+        let mut longer = good_bin.clone();
+        longer.extend_from_slice(&[0; 8]);
+        assert!(reason(&longer, &edit(&|_| ())).contains("holds 20 values"));
+        let last = edit(&|v| v["step"] = serde_json::json!(u64::MAX));
+        assert!(reason(&good_bin, &last).contains("cannot be continued"));
+        assert_eq!(reason(&good_bin, &edit(&|_| ())), "");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -708,7 +708,14 @@ pub fn cross_entropy(logits: &mut [f32], targets: &[u32], vocab: usize, scale: f
             sum += *x;
         }
         let t = t as usize;
-        total -= f64::from((row[t] / sum).max(f32::MIN_POSITIVE).ln());
+        // `max` would turn a NaN probability into MIN_POSITIVE (a finite 87.34): keep it NaN, so
+        // that a diverged run is seen as one.
+        let p = row[t] / sum;
+        total -= if p.is_nan() {
+            f64::NAN
+        } else {
+            f64::from(p.max(f32::MIN_POSITIVE).ln())
+        };
         for x in row.iter_mut() {
             *x *= scale / sum;
         }

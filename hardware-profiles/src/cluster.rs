@@ -77,7 +77,9 @@ impl Cluster {
                         let n: u32 = v.parse().map_err(|_| {
                             spec_err(format!("gpus must be a whole number >= 1, got `{v}`"))
                         })?;
-                        gpus = Some(n);
+                        if gpus.replace(n).is_some() {
+                            return Err(spec_err("gpus given twice".into()));
+                        }
                     }
                     other => {
                         return Err(spec_err(format!(

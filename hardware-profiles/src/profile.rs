@@ -495,14 +495,17 @@ impl ClusterProfile {
             }
         };
 
-        if self.name.trim().is_empty() {
-            return Err(self.invalid("name", "must not be empty"));
+        // Names are echoed to terminals: no escapes or line breaks.
+        for (field, name) in [("name", &self.name), ("device.name", &self.device.name)] {
+            if name.trim().is_empty() {
+                return Err(self.invalid(field, "must not be empty"));
+            }
+            if name.chars().any(char::is_control) {
+                return Err(self.invalid(field, "must not contain control characters"));
+            }
         }
 
         let d = &self.device;
-        if d.name.trim().is_empty() {
-            return Err(self.invalid("device.name", "must not be empty"));
-        }
         pos("device.hbm_gib", d.hbm_gib)?;
         pos("device.hbm_gbps", d.hbm_gbps)?;
         pos("device.peak_tflops_fp32", d.peak_tflops_fp32)?;
@@ -627,6 +630,9 @@ impl ClusterProfile {
         if let Some(cal) = &self.calibration {
             if cal.provenance.trim().is_empty() {
                 return Err(self.invalid("calibration.provenance", "must not be empty"));
+            }
+            if let Some(b) = cal.step_time_band {
+                non_neg("calibration.step_time_band", b)?;
             }
         }
         Ok(())

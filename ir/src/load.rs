@@ -83,6 +83,14 @@ pub struct Model {
 /// Default sequence length of sequence models that have no table limiting it (PTB-style BPTT).
 const DEFAULT_RNN_SEQ: u64 = 35;
 
+/// The longest sequence parallax models: 16 Mi tokens, beyond the longest contexts trained
+/// (1–10 M tokens) and far below where token counts could overflow.
+pub const MAX_SEQ: u64 = 1 << 24;
+
+/// The largest global batch parallax models, in samples: 16 Mi, far beyond any published run
+/// (tens of thousands of sequences), so that sample and token counts stay exact.
+pub const MAX_GLOBAL_BATCH: u64 = 1 << 24;
+
 impl Model {
     /// The transformer dimensions, when the model is one.
     pub fn transformer(&self) -> Option<&TransformerConfig> {
@@ -101,15 +109,47 @@ impl Model {
         }
     }
 
+    /// The file (or zoo name) errors about this model name.
+    fn shown(&self) -> &str {
+        if self.origin == "zoo" {
+            &self.name
+        } else {
+            &self.origin
+        }
+    }
+
+    /// Whether the model can be trained on sequences of `seq` tokens: at least one, at most
+    /// [`MAX_SEQ`], and no more than a transformer's learned positions.
+    pub fn check_seq(&self, seq: u64) -> Result<(), ModelError> {
+        let err = |message: String| ModelError::Field {
+            file: self.shown().to_string(),
+            field: "seq".into(),
+            message,
+        };
+        if seq == 0 {
+            return Err(err("must be at least 1".into()));
+        }
+        if seq > MAX_SEQ {
+            return Err(err(format!(
+                "{seq} is beyond the {MAX_SEQ} tokens parallax models"
+            )));
+        }
+        if let ModelKind::Transformer(c) = &self.kind {
+            if c.position == Position::Learned && seq > c.max_seq {
+                return Err(err(format!(
+                    "{seq} exceeds the model's {} learned positions",
+                    c.max_seq
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// The training graph for `batch` samples of `seq` tokens (`seq` is ignored by graph files,
     /// ONNX models and image models; `batch` by graph files).
     pub fn graph(&self, batch: u64, seq: u64, fused_attention: bool) -> Result<Graph, ModelError> {
         // Zoo models are named by their name, file models by their path.
-        let file = if self.origin == "zoo" {
-            &self.name
-        } else {
-            &self.origin
-        };
+        let file = &self.shown().to_string();
         let err = |field: &str, message: String| ModelError::Field {
             file: file.clone(),
             field: field.into(),
@@ -118,22 +158,14 @@ impl Model {
         if batch == 0 {
             return Err(err("batch", "must be at least 1".into()));
         }
-        if seq == 0 {
-            return Err(err("seq", "must be at least 1".into()));
-        }
+        self.check_seq(seq)?;
         let graph_err = |source| ModelError::Graph {
             file: file.clone(),
             source: Box::new(source),
         };
         match &self.kind {
-            ModelKind::Transformer(c) => {
-                if c.position == Position::Learned && seq > c.max_seq {
-                    return Err(err(
-                        "seq",
-                        format!("{seq} exceeds the model's {} learned positions", c.max_seq),
-                    ));
-                }
-                c.build(
+            ModelKind::Transformer(c) => c
+                .build(
                     &self.name,
                     BuildOptions {
                         batch,
@@ -141,8 +173,7 @@ impl Model {
                         fused_attention,
                     },
                 )
-                .map_err(graph_err)
-            }
+                .map_err(graph_err),
             ModelKind::Batched(f) => f(batch).map_err(graph_err),
             ModelKind::Sequence(f) => f(batch, seq).map_err(graph_err),
             ModelKind::Fixed(g) => Ok(g.clone()),

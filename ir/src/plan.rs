@@ -173,6 +173,10 @@ impl Default for Layout {
     }
 }
 
+/// The most micro-batches one optimizer step of a replica may have: each is simulated, and
+/// published runs use at most a few hundred.
+pub const MAX_MICRO_BATCHES: u64 = 1 << 16;
+
 impl Layout {
     /// Devices the layout occupies: dp × tp × pp × cp.
     pub fn devices(&self) -> u64 {
@@ -210,10 +214,16 @@ impl Layout {
         if self.dp % self.ep != 0 {
             return Err(format!("layout.ep {} must divide dp {}", self.ep, self.dp));
         }
-        let per_step = u64::from(self.dp) * self.micro_batch;
+        let per_step = u64::from(self.dp).saturating_mul(self.micro_batch);
         if global_batch % per_step != 0 {
             return Err(format!(
                 "global batch {global_batch} is not a multiple of dp × micro_batch = {per_step}"
+            ));
+        }
+        let m = global_batch / per_step;
+        if m > MAX_MICRO_BATCHES {
+            return Err(format!(
+                "{m} micro-batches per data-parallel replica is beyond what is simulated (at most {MAX_MICRO_BATCHES}): raise the micro-batch size"
             ));
         }
         if self.pp == 1 && !matches!(self.schedule, Schedule::None) && self.interleave > 1 {
@@ -423,11 +433,23 @@ impl PartialLayout {
     /// Parses the inline form. Errors name the key.
     pub fn parse(s: &str) -> Result<Self, String> {
         let mut p = PartialLayout::default();
+        let mut seen: Vec<String> = Vec::new();
         for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
             let (k, v) = item
                 .split_once('=')
                 .ok_or_else(|| format!("'{item}' is not key=value"))?;
             let (k, v) = (k.trim().to_ascii_lowercase(), v.trim());
+            let canonical = match k.as_str() {
+                "interleave" | "vp" => "v",
+                "micro_batch" => "mb",
+                "zero_stage" => "zero",
+                "sequence_parallel" => "sp",
+                other => other,
+            }
+            .to_string();
+            if seen.contains(&canonical) {
+                return Err(format!("{canonical} given twice"));
+            }
             let num = |what: &str| -> Result<u64, String> {
                 let n: u64 = v
                     .parse()
@@ -470,6 +492,12 @@ impl PartialLayout {
                         "unknown key '{k}' (expected dp, tp, pp, cp, ep, zero, mb, recompute, sp, schedule, v)"
                     ))
                 }
+            }
+            seen.push(canonical);
+        }
+        if let Some(v) = p.interleave.filter(|&v| v > 1) {
+            if p.pp.unwrap_or(1) == 1 {
+                return Err(format!("v={v} needs pp > 1 (give pp too)"));
             }
         }
         Ok(p)
