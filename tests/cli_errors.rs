@@ -234,6 +234,23 @@ fn bad_inputs_end_in_one_line_and_status_2() {
         args
     };
     let a_file = write(d, "afile", b"not a folder");
+    let huge_ffn = write(
+        d,
+        "hugeffn.json",
+        llama("")
+            .replace(
+                "\"intermediate_size\":128",
+                "\"intermediate_size\":4611686018427387904",
+            )
+            .as_bytes(),
+    );
+    let deep = write(
+        d,
+        "deep.json",
+        llama("")
+            .replace("\"num_hidden_layers\":2", "\"num_hidden_layers\":10000000")
+            .as_bytes(),
+    );
     let sim = |extra: &[&str]| -> Vec<String> {
         let mut args: Vec<String> = [
             "simulate",
@@ -494,6 +511,41 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             &["seq", "18446744073709551615"],
         ),
         case(&sim(&["--plan", "v=1000"]), &["v=1000 needs pp > 1"]),
+        // D9, D12: sizes the machine cannot hold, counts that would overflow.
+        case(
+            &[
+                "run",
+                "--model",
+                "gpt3-175b",
+                "--plan",
+                "dp=1",
+                "--global-batch",
+                "1",
+                "--seq",
+                "16",
+                "--steps",
+                "1",
+            ],
+            &["--model gpt3-175b", "GiB", "available"],
+        ),
+        case(
+            &["inspect", "--model", &huge_ffn],
+            &["hugeffn.json", "intermediate_size", "too large"],
+        ),
+        case(
+            &["inspect", "--model", &deep],
+            &["deep.json", "layers 10000000", "beyond"],
+        ),
+        case(
+            &[
+                "inspect",
+                "--model",
+                "llama3-8b",
+                "--batch",
+                "18446744073709551615",
+            ],
+            &["--batch"],
+        ),
         case(&sim(&["--plan", "tp=2,tp=4"]), &["tp given twice"]),
         case(
             &sim(&["--cluster", "dgx-a100-80gb:gpus=8,gpus=16"]),

@@ -261,9 +261,18 @@ fn prediction_cluster(spec: Option<&str>, devices: u32) -> anyhow::Result<Cluste
     }
 }
 
-/// Predicted step time of the executor's way of running (fp32, unfused attention, gradient
-/// reduction and tensor-parallel collectives not overlapped, non-blocking sends).
-fn predict(job: &Job) -> Result<(f64, String), String> {
+/// What the simulator predicts for the executor's run.
+struct Predicted {
+    step_time_s: f64,
+    /// Peak memory of the fullest rank, GiB.
+    peak_gib: f64,
+    /// The cluster it was predicted on.
+    cluster: String,
+}
+
+/// The executor's way of running predicted (fp32, unfused attention, gradient reduction and
+/// tensor-parallel collectives not overlapped, non-blocking sends).
+fn predict(job: &Job) -> Result<Predicted, String> {
     let devices =
         u32::try_from(job.layout.devices()).map_err(|_| "too many devices".to_string())?;
     let cluster = prediction_cluster(job.cluster.as_deref(), devices).map_err(|e| e.to_string())?;
@@ -282,7 +291,33 @@ fn predict(job: &Job) -> Result<(f64, String), String> {
         },
     };
     let sim = parallax_sim::simulate_step(&setup, &job.layout).map_err(|e| e.to_string())?;
-    Ok((sim.prediction.step_time_s, cluster.to_string()))
+    Ok(Predicted {
+        step_time_s: sim.prediction.step_time_s,
+        peak_gib: sim.prediction.peak_memory_gib,
+        cluster: cluster.to_string(),
+    })
+}
+
+/// Memory this machine can still give, GiB (`MemAvailable`), where the system says.
+fn host_available_gib() -> Option<f64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / (1024.0 * 1024.0))
+}
+
+/// Ranks on this host hold their parameters, gradients, Adam state and activations in host
+/// memory: refuse, before allocating, a run the memory model says cannot fit.
+fn check_host_memory(job: &Job, predicted: &Predicted) -> anyhow::Result<()> {
+    let ranks = job.layout.devices() as f64;
+    let need = predicted.peak_gib * ranks;
+    match host_available_gib() {
+        Some(have) if need > have => Err(user(format!(
+            "--model {}: the CPU executor needs ~{need:.1} GiB ({ranks} ranks × {:.2} GiB of fp32 parameters, gradients, Adam state and activations); this machine has {have:.1} GiB available",
+            job.model_name, predicted.peak_gib
+        ))),
+        _ => Ok(()),
+    }
 }
 
 fn median(xs: &[f64]) -> f64 {
@@ -397,6 +432,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     }));
     let predicted = predict(&job);
+    if let (Ok(p), Backend::Threads) = (&predicted, backend) {
+        check_host_memory(&job, p)?;
+    }
     let report = exec_run(&spec, backend);
     if let (Err(_), Some(dir)) = (&report, created_save_dir) {
         // The folder made for this run's checkpoints stays only if one was written into it.
@@ -434,7 +472,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let tokens = (job.global_batch * job.seq) as f64;
     if a.json {
         let (pred, pred_err, cluster) = match &predicted {
-            Ok((t, c)) => (json!(t), Value::Null, json!(c)),
+            Ok(p) => (json!(p.step_time_s), Value::Null, json!(p.cluster)),
             Err(e) => (Value::Null, json!(e), Value::Null),
         };
         let doc = json!({
@@ -460,16 +498,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn summary(r: &RunReport, measured: f64, predicted: &Result<(f64, String), String>, tokens: f64) {
+fn summary(r: &RunReport, measured: f64, predicted: &Result<Predicted, String>, tokens: f64) {
     println!(
         "measured step time {measured:.4} s (median of steps after the first), {:.0} tokens/s, {} ranks",
         tokens / measured.max(1e-12),
         r.ranks
     );
     match predicted {
-        Ok((p, c)) => println!(
-            "predicted step time {p:.4} s on {c} ({:+.1} % vs measured)",
-            (p / measured - 1.0) * 100.0
+        Ok(p) => println!(
+            "predicted step time {:.4} s on {} ({:+.1} % vs measured)",
+            p.step_time_s,
+            p.cluster,
+            (p.step_time_s / measured - 1.0) * 100.0
         ),
         Err(e) => println!("no prediction: {e}"),
     }

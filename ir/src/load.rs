@@ -325,12 +325,15 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                 Some(x) => {
                     return match x.as_u64() {
                         Some(0) => Err(field_err(k, "must be positive".into())),
+                        // Far above any dimension; keeps products such as 4 × n_embd exact
+                        // until TransformerConfig::validate bounds each dimension.
+                        Some(n) if n > 1 << 32 => Err(field_err(k, format!("{n} is too large"))),
                         Some(n) => Ok(n),
                         None => Err(field_err(
                             k,
                             format!("expected a positive integer, found {x}"),
                         )),
-                    }
+                    };
                 }
             }
         }

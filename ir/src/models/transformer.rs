@@ -94,6 +94,9 @@ pub struct BuildOptions {
     pub fused_attention: bool,
 }
 
+/// The most parameters a model may have: 10^15, a thousand times the largest trained.
+const MAX_PARAMS: f64 = 1e15;
+
 impl TransformerConfig {
     /// A GPT-style model (LayerNorm, GeLU, learned positions, biases, tied head, dropout).
     pub fn gpt(
@@ -171,6 +174,30 @@ impl TransformerConfig {
         if let Some((k, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{k} must be positive"));
         }
+        // Bounds far above any published model (the deepest have ~100 layers, the widest a
+        // hidden size of ~25 k, the largest vocabularies ~256 k) that keep every count exact.
+        let at_most = [
+            ("layers", u64::from(self.layers), 1u64 << 14),
+            ("hidden", self.hidden, 1 << 20),
+            ("heads", self.heads, 1 << 16),
+            ("kv_heads", self.kv_heads, 1 << 16),
+            ("head_dim", self.head_dim, 1 << 16),
+            ("ffn_hidden", self.ffn_hidden, 1 << 22),
+            ("vocab", self.vocab, 1 << 24),
+            ("max_seq", self.max_seq, crate::load::MAX_SEQ),
+            ("moe.experts", self.moe.map_or(1, |m| m.experts), 1 << 16),
+        ];
+        if let Some((k, v, max)) = at_most.iter().find(|(_, v, max)| v > max) {
+            return Err(format!("{k} {v} is beyond the {max} parallax models"));
+        }
+        // In f64: each factor is bounded above, their products are not.
+        let params = f64::from(self.layers) * self.block_params_f64()
+            + (self.vocab as f64) * (self.hidden as f64);
+        if params > MAX_PARAMS {
+            return Err(format!(
+                "{params:.3e} parameters is beyond the {MAX_PARAMS:e} parallax models"
+            ));
+        }
         if self.heads % self.kv_heads != 0 {
             return Err(format!(
                 "heads ({}) must be a multiple of kv_heads ({})",
@@ -192,6 +219,19 @@ impl TransformerConfig {
             ));
         }
         Ok(())
+    }
+
+    /// [`TransformerConfig::block_params`] in f64, for bounds on configurations whose exact
+    /// count could overflow.
+    fn block_params_f64(&self) -> f64 {
+        let (h, q, kv, f) = (
+            self.hidden as f64,
+            (self.heads * self.head_dim) as f64,
+            (self.kv_heads * self.head_dim) as f64,
+            self.ffn_hidden as f64,
+        );
+        let experts = self.moe.map_or(1.0, |m| m.experts as f64);
+        h * (q + 2.0 * kv) + q * h + 3.0 * experts * h * f
     }
 
     /// Parameters of one block, computed in closed form (equals the graph's count).
