@@ -126,6 +126,19 @@ fn bad_inputs_end_in_one_line_and_status_2() {
         "unknownfield.json",
         g.replacen("\"name\":", "\"nmae\":", 1).as_bytes(),
     );
+    let op_key = write(
+        d,
+        "opkey.json",
+        g.replacen(
+            "\"out_features\":",
+            "\"in_features\":1,\"out_features\":",
+            1,
+        )
+        .as_bytes(),
+    );
+    assert!(std::fs::read_to_string(&op_key)
+        .unwrap()
+        .contains("in_features"));
     let shape = write(
         d,
         "shape.json",
@@ -234,6 +247,30 @@ fn bad_inputs_end_in_one_line_and_status_2() {
         args
     };
     let a_file = write(d, "afile", b"not a folder");
+    let tiny_plan_dir = dir.join("tiny-plan");
+    let planned = Command::new(bin())
+        .args([
+            "plan",
+            "--model",
+            "gpt-tiny",
+            "--cluster",
+            "dgx-a100-80gb:gpus=8",
+        ])
+        .args(["--global-batch", "8", "--seq", "64", "--out"])
+        .arg(&tiny_plan_dir)
+        .output()
+        .unwrap();
+    assert!(planned.status.success());
+    let tiny_plan = std::fs::read_to_string(tiny_plan_dir.join("plan.json")).unwrap();
+    let tiny_plan_path = tiny_plan_dir.join("plan.json").display().to_string();
+    assert!(tiny_plan.contains("\"global_batch\": 8"));
+    let zero_batch_plan = write(
+        d,
+        "zerobatch.json",
+        tiny_plan
+            .replace("\"global_batch\": 8", "\"global_batch\": 0")
+            .as_bytes(),
+    );
     let huge_ffn = write(
         d,
         "hugeffn.json",
@@ -346,6 +383,10 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             &["unknownfield.json", "nmae"],
         ),
         case(&["inspect", "--model", &shape], &["shape.json", "node"]),
+        case(
+            &["inspect", "--model", &op_key],
+            &["opkey.json", "in_features"],
+        ),
         case(
             &["inspect", "--model", &no_nodes],
             &["nonodes.json", "no nodes"],
@@ -496,6 +537,11 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             &["--save-every"],
         ),
         case(&tiny(&["--seed", "-1"]), &["'-1'", "--seed"]),
+        case(&tiny(&["--cluster", "dgx-z900:gpus=8"]), &["dgx-z900"]),
+        case(
+            &tiny(&["--cluster", "dgx-a100-80gb:gpus=8"]),
+            &["--cluster", "8 devices", "1 ranks"],
+        ),
         case(
             &["run", &plan_file, "--model", "llama-tiny"],
             &["--model llama-tiny", "not both"],
@@ -511,6 +557,14 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             &["seq", "18446744073709551615"],
         ),
         case(&sim(&["--plan", "v=1000"]), &["v=1000 needs pp > 1"]),
+        case(
+            &sim(&["--plan", &tiny_plan_path]),
+            &["made for model gpt-tiny, not gpt3-1.3b"],
+        ),
+        case(
+            &sim(&["--plan", &zero_batch_plan]),
+            &["zerobatch.json", "training.global_batch"],
+        ),
         // D9, D12: sizes the machine cannot hold, counts that would overflow.
         case(
             &[

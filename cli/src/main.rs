@@ -114,6 +114,23 @@ pub fn read_plan(path: &std::path::Path) -> anyhow::Result<parallax_ir::Plan> {
     parallax_ir::Plan::from_json(&text, &shown).map_err(user)
 }
 
+/// The searches and simulations run on rayon's pool. Where threads are scarce (`ulimit -u`,
+/// a pids cgroup) the pool cannot start its workers: fall back to running on this thread
+/// alone rather than fail later inside a search.
+fn start_thread_pool() {
+    if rayon::ThreadPoolBuilder::new().build_global().is_err() {
+        let alone = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .use_current_thread()
+            .build_global();
+        if let Err(e) = alone {
+            tracing::warn!("no thread pool ({e}); parallel work may fail");
+        } else {
+            tracing::warn!("cannot start worker threads: running on one thread");
+        }
+    }
+}
+
 fn main() -> ExitCode {
     // Never show a backtrace to a user: one line, and a non-zero status distinct from 2.
     std::panic::set_hook(Box::new(|info| {
@@ -143,6 +160,7 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    start_thread_pool();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {

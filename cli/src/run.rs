@@ -350,6 +350,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return Err(user("--lr must be a positive number"));
     }
     let job = resolve(&a)?;
+    if let Some(spec) = &job.cluster {
+        let c = Cluster::parse(spec).map_err(user)?;
+        if u64::from(c.gpus) != job.layout.devices() {
+            return Err(user(format!(
+                "--cluster {spec}: has {} devices, the layout runs {} ranks",
+                c.gpus,
+                job.layout.devices()
+            )));
+        }
+    }
     // Output paths are checked before the first step, not after the last.
     if let Some(path) = &a.trace {
         check_trace_path(path, a.force)?;

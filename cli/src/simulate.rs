@@ -47,7 +47,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     };
     let setup = job.setup(Runtime::default());
-    let layout = resolve_layout(&a.plan, &setup)?;
+    let layout = resolve_layout(&a.plan, &setup, &a.job.model)?;
     let sim = simulate_step(&setup, &layout)
         .map_err(|e| user(format!("--plan {}: {e}", layout_string(&layout))))?;
     let band = step_time_band(&job.cluster.profile);
@@ -71,11 +71,27 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The layout from a plan file or an inline spec (left-out keys completed by simulation).
-fn resolve_layout(spec: &str, setup: &Setup) -> anyhow::Result<Layout> {
+/// The layout from a plan file or an inline spec (left-out keys completed by the search). A
+/// plan made for another model is refused; one made for another batch or sequence length is
+/// simulated at the flags' values, with a note saying so.
+fn resolve_layout(spec: &str, setup: &Setup, model: &str) -> anyhow::Result<Layout> {
     let path = std::path::Path::new(spec);
     if spec.ends_with(".json") || path.is_file() {
-        return Ok(crate::read_plan(path)?.layout);
+        let plan = crate::read_plan(path)?;
+        if plan.model.name != model {
+            return Err(user(format!(
+                "--plan {spec}: made for model {}, not {model}",
+                plan.model.name
+            )));
+        }
+        let t = &plan.training;
+        if (t.global_batch, t.seq_len) != (setup.global_batch, setup.seq) {
+            eprintln!(
+                "note: {spec} was made for global batch {} × seq {}; simulating its layout at {} × {}",
+                t.global_batch, t.seq_len, setup.global_batch, setup.seq
+            );
+        }
+        return Ok(plan.layout);
     }
     let partial = PartialLayout::parse(spec).map_err(|e| user(format!("--plan: {e}")))?;
     match complete_layout(setup, &partial) {

@@ -114,6 +114,7 @@ pub fn save(
     about: serde_json::Value,
 ) -> Result<PathBuf, (String, String)> {
     std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+    remove_abandoned_saves(dir);
     let name = format!("step-{:08}", state.step);
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let fin = dir.join(&name);
@@ -153,6 +154,37 @@ pub fn save(
     write_synced(&latest_tmp, format!("{name}\n").as_bytes())?;
     std::fs::rename(&latest_tmp, dir.join("LATEST")).map_err(|e| io_err(&dir.join("LATEST"), e))?;
     Ok(fin)
+}
+
+/// Removes the temporary folders and files of saves whose process is gone (killed during a
+/// save): `.step-N.tmp-PID/` and `.LATEST.tmp-PID`. Where processes cannot be looked up
+/// (no `/proc`), nothing is removed; a live process's save is never touched.
+fn remove_abandoned_saves(dir: &Path) {
+    let proc_fs = Path::new("/proc");
+    if !proc_fs.join("self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let ours = name.starts_with(".step-") || name.starts_with(".LATEST");
+        let Some((_, pid)) = name.rsplit_once(".tmp-") else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<u32>() else {
+            continue;
+        };
+        if ours && pid != std::process::id() && !proc_fs.join(pid.to_string()).exists() {
+            let p = entry.path();
+            let _ = if p.is_dir() {
+                std::fs::remove_dir_all(&p)
+            } else {
+                std::fs::remove_file(&p)
+            };
+        }
+    }
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), (String, String)> {
@@ -294,6 +326,19 @@ mod tests {
         assert_eq!(load(&dir).unwrap().step, 4);
         assert_eq!(load(&dir.join("step-00000003")).unwrap().step, 3);
         assert!(load(&dir.join("nope")).is_err());
+        // A save killed midway (its process gone) leaves litter that the next save removes;
+        // one of a live process stays.
+        let dead = dir.join(".step-00000009.tmp-4294967295");
+        let alive = dir.join(format!(".step-00000009.tmp-{}", std::process::id()));
+        std::fs::create_dir_all(&dead).unwrap();
+        std::fs::write(dir.join(".LATEST.tmp-4294967295"), b"x").unwrap();
+        std::fs::create_dir_all(&alive).unwrap();
+        s.step = 5;
+        save(&dir, &s, serde_json::Value::Null).unwrap();
+        if Path::new("/proc/self").exists() {
+            assert!(!dead.exists());
+            assert!(!dir.join(".LATEST.tmp-4294967295").exists());
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

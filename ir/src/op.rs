@@ -18,6 +18,7 @@ use thiserror::Error;
 
 /// Embedding lookup: `[ids(...), table(vocab, dim)] -> [..., dim]`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct EmbeddingAttrs {
     pub vocab: u64,
     pub dim: u64,
@@ -25,6 +26,7 @@ pub struct EmbeddingAttrs {
 
 /// Fully connected layer: `[x(..., in), w(in, out), bias(out)?] -> [..., out]`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LinearAttrs {
     pub out_features: u64,
     pub bias: bool,
@@ -33,6 +35,7 @@ pub struct LinearAttrs {
 /// Matrix product: `[a(..., m, k), b(k, n) | b(..., k, n)] -> [..., m, n]`; with `transpose_b`
 /// the second operand is `(n, k)` (a tied LM head reads the `(vocab, hidden)` embedding table).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MatMulAttrs {
     pub transpose_b: bool,
 }
@@ -41,6 +44,7 @@ pub struct MatMulAttrs {
 /// v(b, t, kv_heads, d)] -> [b, s, heads, d]`. `heads == kv_heads` is MHA, `kv_heads == 1` MQA,
 /// anything dividing `heads` GQA. Projections are separate Linear ops.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct AttentionAttrs {
     pub causal: bool,
     /// A fused (flash) kernel: scores are never materialized, backward recomputes them.
@@ -63,18 +67,21 @@ pub enum Activation {
 
 /// An elementwise nonlinearity: `[x] -> [x]`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ActivationAttrs {
     pub kind: Activation,
 }
 
 /// Softmax over one axis (negative counts from the end).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SoftmaxAttrs {
     pub axis: i64,
 }
 
 /// Dropout with rate `rate_permille / 1000`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DropoutAttrs {
     pub rate_permille: u32,
 }
@@ -82,6 +89,7 @@ pub struct DropoutAttrs {
 /// Mixture of experts layer (router + experts, top-k routing):
 /// `[x(..., h), router(h, E), w_in(E, h, f), w_out(E, f, h), w_gate(E, h, f)?] -> [..., h]`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MoeAttrs {
     pub experts: u64,
     pub top_k: u64,
@@ -92,6 +100,7 @@ pub struct MoeAttrs {
 
 /// 2-D convolution, NCHW: `[x(n, c, h, w), w(o, c/groups, kh, kw), bias(o)?] -> [n, o, oh, ow]`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Conv2dAttrs {
     pub out_channels: u64,
     pub kernel: [u64; 2],
@@ -112,6 +121,7 @@ pub enum PoolKind {
 
 /// Windowed 2-D pooling, NCHW.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Pool2dAttrs {
     pub kind: PoolKind,
     pub kernel: [u64; 2],
@@ -121,12 +131,14 @@ pub struct Pool2dAttrs {
 
 /// An axis argument (negative counts from the end).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct AxisAttrs {
     pub axis: i64,
 }
 
 /// Split one axis into pieces of the given sizes.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SplitAttrs {
     pub axis: i64,
     pub sizes: Vec<u64>,
@@ -134,12 +146,14 @@ pub struct SplitAttrs {
 
 /// Reshape to a fixed shape with the same element count.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ReshapeAttrs {
     pub shape: Vec<u64>,
 }
 
 /// Permute dimensions: output dim `i` is input dim `perm[i]`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TransposeAttrs {
     pub perm: Vec<usize>,
 }
@@ -147,13 +161,14 @@ pub struct TransposeAttrs {
 /// One recurrent layer, batch first: `[x(b, s, i), w_ih(i, G·h), w_hh(h, G·h), bias(G·h)] ->
 /// [b, s, h]` with G = 4 gates for LSTM and 3 for GRU.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct RnnAttrs {
     pub hidden: u64,
 }
 
 /// The closed set of ops.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum OpKind {
     Embedding(EmbeddingAttrs),
     Linear(LinearAttrs),

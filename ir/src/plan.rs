@@ -364,6 +364,21 @@ impl Plan {
                 plan.schema
             ));
         }
+        let t = &plan.training;
+        if !(1..=crate::load::MAX_GLOBAL_BATCH).contains(&t.global_batch) {
+            return Err(format!(
+                "{origin}: training.global_batch: {} is not in 1..={}",
+                t.global_batch,
+                crate::load::MAX_GLOBAL_BATCH
+            ));
+        }
+        if !(1..=crate::load::MAX_SEQ).contains(&t.seq_len) {
+            return Err(format!(
+                "{origin}: training.seq_len: {} is not in 1..={}",
+                t.seq_len,
+                crate::load::MAX_SEQ
+            ));
+        }
         if plan.op_configs.is_empty() {
             plan.layout
                 .validate(plan.training.global_batch, None)
