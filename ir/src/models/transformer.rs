@@ -112,7 +112,8 @@ impl TransformerConfig {
             hidden,
             heads,
             kv_heads: heads,
-            head_dim: hidden / heads,
+            // 0 heads leave head_dim 0, which `validate` reports (no division by zero here).
+            head_dim: hidden.checked_div(heads).unwrap_or(0),
             ffn_hidden,
             vocab,
             max_seq,
@@ -143,7 +144,8 @@ impl TransformerConfig {
             hidden,
             heads,
             kv_heads,
-            head_dim: hidden / heads,
+            // 0 heads leave head_dim 0, which `validate` reports (no division by zero here).
+            head_dim: hidden.checked_div(heads).unwrap_or(0),
             ffn_hidden,
             vocab,
             max_seq,
