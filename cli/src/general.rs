@@ -434,10 +434,21 @@ fn describe(costs: &OpCosts, i: usize, c: &ParallelConfig) -> String {
         .degrees
         .iter()
         .map(|(l, d)| {
+            // Generated labels (views, concatenations) are private-use characters: name them
+            // by their dimension of the first tensor that has them.
+            let name = if l.is_alphanumeric() {
+                l.to_string()
+            } else {
+                m.outputs
+                    .iter()
+                    .chain(&m.inputs)
+                    .find_map(|t| t.iter().position(|c| c == l))
+                    .map_or_else(|| "?".to_string(), |d| format!("dim {d}"))
+            };
             let role = match m.axes.get(l).map(|a| a.role) {
                 Some(AxisRole::Sample) => "sample".to_string(),
-                Some(AxisRole::Attribute) => format!("attribute({l})"),
-                _ => format!("parameter({l})"),
+                Some(AxisRole::Attribute) => format!("attribute({name})"),
+                _ => format!("parameter({name})"),
             };
             format!("{role} {d}")
         })

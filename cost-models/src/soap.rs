@@ -33,6 +33,7 @@ pub use crate::memory::Optimizer;
 use parallax_hardware::{ClusterProfile, HwError};
 use parallax_ir::graph::{Node, NodeId, TensorId, TensorRole};
 use parallax_ir::{AxesMapping, AxisRole, Bytes, Graph, OpKind, Precision, Seconds, Shape};
+use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -583,10 +584,10 @@ pub struct OpCosts<'a> {
     consumers: Vec<Vec<(NodeId, usize)>>,
     /// Producer of each tensor.
     producer: Vec<Option<NodeId>>,
-    compute_memo: HashMap<(OpKind, Vec<Shape>, Vec<Shape>), OpTimes>,
+    compute_memo: FxHashMap<(OpKind, Vec<Shape>, Vec<Shape>), OpTimes>,
     /// Per node, the splits already priced (a front to `compute_memo`).
     node_compute: Vec<Vec<(BTreeMap<char, u32>, OpTimes)>>,
-    reshard_memo: HashMap<(TensorLayout, TensorLayout, u64), Transfer>,
+    reshard_memo: FxHashMap<(TensorLayout, TensorLayout, u64), Transfer>,
 }
 
 /// How data-parallel replicas combine their gradients.
@@ -671,9 +672,9 @@ impl<'a> OpCosts<'a> {
             mappings,
             consumers,
             producer,
-            compute_memo: HashMap::new(),
+            compute_memo: FxHashMap::default(),
             node_compute: vec![Vec::new(); graph.nodes.len()],
-            reshard_memo: HashMap::new(),
+            reshard_memo: FxHashMap::default(),
         })
     }
 
