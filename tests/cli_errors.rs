@@ -789,3 +789,30 @@ fn a_failed_write_to_stdout_is_one_line_and_status_1() {
         "error: cannot write to stdout: No space left on device"
     );
 }
+
+/// hostile-input D5: a run resumed from an older checkpoint does not replace a newer one.
+#[test]
+fn a_resumed_run_never_replaces_a_checkpoint() {
+    let dir = scratch("no-replace");
+    let ck = dir.join("ck");
+    let ck_s = ck.to_str().unwrap();
+    let first = Command::new(bin())
+        .args(tiny_run_args("4", &["--save-every", "2", "--save", ck_s]))
+        .output()
+        .unwrap();
+    assert!(first.status.success());
+    let newest = std::fs::read(ck.join("step-00000004/tensors.bin")).unwrap();
+    let older = ck.join("step-00000002").display().to_string();
+    let again = Command::new(bin())
+        .args(tiny_run_args("2", &["--resume", &older, "--save", ck_s]))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert_eq!(again.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("step-00000004"), "{stderr}");
+    assert_eq!(
+        std::fs::read(ck.join("step-00000004/tensors.bin")).unwrap(),
+        newest
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -2,9 +2,10 @@
 //! JSON (model files), plan JSON, validation case files, cluster-profile TOML, ONNX and
 //! checkpoints. Each target starts from a valid document and mutates it (bytes flipped,
 //! inserted or cut; JSON leaves replaced by hostile values); every parse must return — a value
-//! or an error — without panicking, and an accepted model must build its graph. The number of
-//! cases per target is proptest's (`PROPTEST_CASES`, 256 by default): CI runs a short pass, a
-//! long run sets it higher.
+//! or an error — without panicking, and an accepted model must build its graph. CI runs a
+//! short, seeded pass (the same inputs every time); a long fuzzing run sets `PROPTEST_CASES`
+//! and a random `PROPTEST_RNG_SEED`, e.g. `PROPTEST_CASES=20000 PROPTEST_RNG_SEED=$RANDOM
+//! cargo test -p parallax --release --test fuzz_inputs`.
 
 use parallax_hardware::ClusterProfile;
 use parallax_ir::load::load_json;
@@ -13,12 +14,23 @@ use proptest::prelude::*;
 use serde_json::Value;
 use std::path::Path;
 
-/// `PROPTEST_CASES` where set (a long fuzzing run), else `default`.
-fn cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES")
+/// `default` cases from a fixed seed, unless `PROPTEST_CASES` / `PROPTEST_RNG_SEED` say
+/// otherwise (a long fuzzing run).
+fn config(default: u32) -> ProptestConfig {
+    let cases = std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+        .unwrap_or(default);
+    let rng_seed = match std::env::var("PROPTEST_RNG_SEED") {
+        Ok(_) => ProptestConfig::default().rng_seed,
+        Err(_) => proptest::test_runner::RngSeed::Fixed(0x5eed_2026),
+    };
+    ProptestConfig {
+        cases,
+        rng_seed,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
 }
 
 fn fixture(name: &str) -> Vec<u8> {
@@ -192,7 +204,7 @@ fn plan_json() -> String {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(config(256))]
 
     #[test]
     fn hf_configs_never_panic(seed in 0usize..4, (picks, values) in json_edits(), edits in byte_edits(), bytes_too in any::<bool>()) {
@@ -273,7 +285,7 @@ proptest! {
 
 proptest! {
     // Each case writes a checkpoint to disk: fewer of them.
-    #![proptest_config(ProptestConfig { cases: cases(64), failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(config(64))]
 
     #[test]
     fn checkpoints_never_panic((picks, values) in json_edits(), edits in byte_edits(), which in any::<bool>()) {
@@ -310,7 +322,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(48), failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(config(48))]
 
     /// Whatever job is asked, a prediction is physical: MFU and HFU at most 100 %, a positive
     /// finite step time, and a plan that "fits" needs no more memory than a device has.

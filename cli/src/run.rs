@@ -246,6 +246,38 @@ fn check_save_dir(
         .map_err(|e| user(format!("--save {shown}: cannot write: {e}")))
 }
 
+/// A complete checkpoint is never replaced without `--force`: refuse a run (resumed from an
+/// older step) that would write a step `dir` already holds.
+fn refuse_replacing_checkpoints(
+    dir: &std::path::Path,
+    start: u64,
+    steps: u64,
+    every: Option<u64>,
+) -> anyhow::Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(());
+    };
+    let end = start.saturating_add(steps);
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(n) = name
+            .strip_prefix("step-")
+            .and_then(|n| n.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        let written =
+            n > start && n <= end && (n == end || every.is_some_and(|k| (n - start) % k == 0));
+        if written {
+            return Err(user(format!(
+                "--save {}: this run would replace the checkpoint {name}; pass --force to replace it, or save elsewhere",
+                dir.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The cluster for the prediction: the one asked for, else cpu-local with one core per rank
 /// (a copy with more cores per node when the layout needs more ranks than this machine has).
 fn prediction_cluster(spec: Option<&str>, devices: u32) -> anyhow::Result<Cluster> {
@@ -391,6 +423,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             Some(Arc::new(st))
         }
     };
+    if let (Some(dir), false) = (&a.save, a.force) {
+        let start = resume.as_ref().map_or(0, |r| r.step);
+        refuse_replacing_checkpoints(dir, start, a.steps, a.save_every)?;
+    }
     let mut spec = RunSpec::new(
         job.model.clone(),
         job.layout.clone(),

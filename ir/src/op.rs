@@ -375,14 +375,22 @@ fn window_out(
     if kernel == 0 || stride == 0 || dilation == 0 {
         return Err(invalid(op, "kernel, stride and dilation must be positive"));
     }
-    let span = dilation * (kernel - 1) + 1;
-    if size + 2 * pad < span {
+    let too_large = || invalid(op, "kernel, dilation or padding too large");
+    let span = dilation
+        .checked_mul(kernel - 1)
+        .and_then(|s| s.checked_add(1))
+        .ok_or_else(too_large)?;
+    let padded = pad
+        .checked_mul(2)
+        .and_then(|p| p.checked_add(size))
+        .ok_or_else(too_large)?;
+    if padded < span {
         return Err(invalid(
             op,
-            format!("window {span} larger than padded input {}", size + 2 * pad),
+            format!("window {span} larger than padded input {padded}"),
         ));
     }
-    Ok((size + 2 * pad - span) / stride + 1)
+    Ok((padded - span) / stride + 1)
 }
 
 /// Numpy broadcasting of two shapes.
