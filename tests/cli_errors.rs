@@ -247,6 +247,15 @@ fn bad_inputs_end_in_one_line_and_status_2() {
         args
     };
     let a_file = write(d, "afile", b"not a folder");
+    let typo_case = {
+        let text = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../validation/held-out.json"),
+        )
+        .unwrap();
+        let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["cases"][0]["model"]["kv_head"] = serde_json::json!(8);
+        write(d, "typo.json", v.to_string().as_bytes())
+    };
     let tiny_plan_dir = dir.join("tiny-plan");
     let planned = Command::new(bin())
         .args([
@@ -622,6 +631,10 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             &["micro-batches per data-parallel replica"],
         ),
         case(&["validate", &wrong_schema], &["schema.json"]),
+        case(
+            &["validate", &typo_case],
+            &["typo.json", "unknown field `kv_head`"],
+        ),
         case(
             &tiny_run("llama-tiny", "--resume", &ckpt),
             &["--resume", "gpt-ckpt", "tensor", "the model needs"],

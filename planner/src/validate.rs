@@ -330,8 +330,10 @@ pub struct CaseCluster {
     pub gpus: u32,
 }
 
-/// The model dimensions of a case.
+/// The model dimensions of a case. Unknown keys are refused: a misspelt optional key
+/// (`kv_head`) would otherwise silently change the prediction.
 #[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct CaseModel {
     #[serde(default)]
     pub name: String,
@@ -346,8 +348,9 @@ pub struct CaseModel {
     pub mlp: Option<String>,
 }
 
-/// The published layout; `None` where the source did not say.
+/// The published layout; `None` where the source did not say. Unknown keys are refused.
 #[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct CasePlan {
     pub tp: Option<u32>,
     pub pp: Option<u32>,
