@@ -148,24 +148,7 @@ fn bad_inputs_end_in_one_line_and_status_2() {
     let no_nodes = write(d, "nonodes.json", br#"{"schema":"parallax-graph/1","graph":{"name":"x","tensors":[],"nodes":[],"outputs":[]}}"#);
 
     // A checkpoint of gpt-tiny, to resume a llama-tiny run from.
-    let tiny_run = |model: &str, flag: &str, dir: &str| {
-        [
-            "run",
-            "--model",
-            model,
-            "--plan",
-            "dp=1",
-            "--global-batch",
-            "2",
-            "--seq",
-            "16",
-            "--steps",
-            "1",
-            flag,
-            dir,
-        ]
-        .map(String::from)
-    };
+    let tiny_run = |model: &str, flag: &str, dir: &str| run_args(model, 1, "1", &[flag, dir]);
     let ckpt = dir.join("gpt-ckpt").display().to_string();
     let saved = Command::new(bin())
         .args(tiny_run("gpt-tiny", "--save", &ckpt))
@@ -227,25 +210,7 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             .as_bytes(),
     );
     let plan_file = write(d, "runnable.json", br#"{"schema":"parallax-plan/1"}"#);
-    let tiny = |extra: &[&str]| -> Vec<String> {
-        let mut args: Vec<String> = [
-            "run",
-            "--model",
-            "gpt-tiny",
-            "--plan",
-            "dp=1",
-            "--global-batch",
-            "2",
-            "--seq",
-            "16",
-            "--steps",
-            "1",
-        ]
-        .map(String::from)
-        .to_vec();
-        args.extend(extra.iter().map(|s| s.to_string()));
-        args
-    };
+    let tiny = |extra: &[&str]| run_args("gpt-tiny", 1, "1", extra);
     let a_file = write(d, "afile", b"not a folder");
     let typo_case = {
         let text = std::fs::read_to_string(
@@ -689,24 +654,22 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-fn tiny_run_args(steps: &str, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "run",
-        "--model",
-        "gpt-tiny",
-        "--plan",
-        "dp=2",
-        "--global-batch",
-        "4",
-        "--seq",
-        "16",
-        "--steps",
-        steps,
-    ]
-    .map(String::from)
-    .to_vec();
+/// `parallax run` of `model` over `dp` ranks (two sequences of 16 tokens each), `steps` steps,
+/// then `extra`.
+fn run_args(model: &str, dp: u32, steps: &str, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = ["run", "--model", model, "--plan"]
+        .map(String::from)
+        .to_vec();
+    args.push(format!("dp={dp}"));
+    args.extend(["--global-batch".into(), (2 * dp).to_string()]);
+    args.extend(["--seq", "16", "--steps", steps].map(String::from));
     args.extend(extra.iter().map(|s| s.to_string()));
     args
+}
+
+/// gpt-tiny on two ranks.
+fn tiny_run_args(steps: &str, extra: &[&str]) -> Vec<String> {
+    run_args("gpt-tiny", 2, steps, extra)
 }
 
 /// hostile-input D3: a reader that goes away (`run … | head -n 1`) neither ends the run nor
