@@ -212,15 +212,20 @@ fn bad_inputs_end_in_one_line_and_status_2() {
     let plan_file = write(d, "runnable.json", br#"{"schema":"parallax-plan/1"}"#);
     let tiny = |extra: &[&str]| run_args("gpt-tiny", 1, "1", extra);
     let a_file = write(d, "afile", b"not a folder");
-    let typo_case = {
+    // held-out.json with its first case changed by `edit`, under `name`.
+    let edited_cases = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| {
         let text = std::fs::read_to_string(
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../validation/held-out.json"),
         )
         .unwrap();
         let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
-        v["cases"][0]["model"]["kv_head"] = serde_json::json!(8);
-        write(d, "typo.json", v.to_string().as_bytes())
+        edit(&mut v["cases"][0]);
+        write(d, name, v.to_string().as_bytes())
     };
+    let typo_case = edited_cases("typo.json", &|c| c["model"]["kv_head"] = 8.into());
+    let tp3_case = edited_cases("tp3.json", &|c| c["plan"]["tp"] = 3.into());
+    let zero7_case = edited_cases("zero7.json", &|c| c["plan"]["zero_stage"] = 7.into());
+    let rwkv_case = edited_cases("rwkv.json", &|c| c["model"]["arch"] = "rwkv".into());
     let tiny_plan_dir = dir.join("tiny-plan");
     let planned = Command::new(bin())
         .args([
@@ -599,6 +604,18 @@ fn bad_inputs_end_in_one_line_and_status_2() {
         case(
             &["validate", &typo_case],
             &["typo.json", "unknown field `kv_head`"],
+        ),
+        case(
+            &["validate", &tp3_case],
+            &["tp3.json", "case '", "plan", "GPUs"],
+        ),
+        case(
+            &["validate", &zero7_case],
+            &["zero7.json", "plan.zero_stage"],
+        ),
+        case(
+            &["validate", &rwkv_case],
+            &["rwkv.json", "model.arch 'rwkv'"],
         ),
         case(
             &tiny_run("llama-tiny", "--resume", &ckpt),

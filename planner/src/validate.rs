@@ -285,6 +285,35 @@ impl Case {
         if let Err(e) = parallax_hardware::preset(self.preset()) {
             return Err(err("cluster.preset", e.to_string()));
         }
+        if let Case::Transformer(c) = self {
+            // A model or layout no run can have had is refused; a well-formed one out of the
+            // planner's reach is skipped when scored.
+            c.transformer().map_err(|e| err("model", e))?;
+            let p = &c.plan;
+            if let Some(z) = p.zero_stage.filter(|z| *z > 3) {
+                return Err(err("plan.zero_stage", format!("{z} must be 0, 1, 2 or 3")));
+            }
+            if p.global_batch == 0 {
+                return Err(err("plan.global_batch", "must be at least 1".into()));
+            }
+            let degrees = [("tp", p.tp), ("pp", p.pp), ("dp", p.dp), ("cp", p.cp)];
+            let mut product = 1u64;
+            for (k, d) in degrees {
+                match d {
+                    Some(0) => return Err(err("plan", format!("{k} must be at least 1"))),
+                    Some(d) => product = product.saturating_mul(u64::from(d)),
+                    None => {}
+                }
+            }
+            let gpus = u64::from(c.cluster.gpus);
+            if gpus % product != 0 || (degrees.iter().all(|(_, d)| d.is_some()) && product != gpus)
+            {
+                return Err(err(
+                    "plan",
+                    format!("the published degrees (product {product}) do not make up {gpus} GPUs"),
+                ));
+            }
+        }
         Ok(())
     }
 
