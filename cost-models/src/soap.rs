@@ -587,7 +587,11 @@ pub struct OpCosts<'a> {
     compute_memo: FxHashMap<(OpKind, Vec<Shape>, Vec<Shape>), OpTimes>,
     /// Per node, the splits already priced (a front to `compute_memo`).
     node_compute: Vec<Vec<(BTreeMap<char, u32>, OpTimes)>>,
-    reshard_memo: FxHashMap<(TensorLayout, TensorLayout, u64), Transfer>,
+    /// Every tensor layout met, interned: the resharding memo is keyed by their ids, so a
+    /// lookup neither clones nor hashes layouts.
+    layout_ids: FxHashMap<TensorLayout, u32>,
+    layouts: Vec<TensorLayout>,
+    reshard_memo: FxHashMap<(u32, u32, u64), Transfer>,
 }
 
 /// How data-parallel replicas combine their gradients.
@@ -674,6 +678,8 @@ impl<'a> OpCosts<'a> {
             producer,
             compute_memo: FxHashMap::default(),
             node_compute: vec![Vec::new(); graph.nodes.len()],
+            layout_ids: FxHashMap::default(),
+            layouts: Vec::new(),
             reshard_memo: FxHashMap::default(),
         })
     }
@@ -816,7 +822,19 @@ impl<'a> OpCosts<'a> {
         )
     }
 
-    fn priced(&mut self, src: TensorLayout, dst: TensorLayout, elem: u64) -> Transfer {
+    /// The id of `l`, interned on first sight.
+    fn intern(&mut self, l: TensorLayout) -> u32 {
+        if let Some(&id) = self.layout_ids.get(&l) {
+            return id;
+        }
+        let id = self.layouts.len() as u32;
+        self.layouts.push(l.clone());
+        self.layout_ids.insert(l, id);
+        id
+    }
+
+    /// Moving `elem`-byte elements from layout `src` to layout `dst` (interned ids), memoized.
+    fn priced(&mut self, src: u32, dst: u32, elem: u64) -> Transfer {
         let key = (src, dst, elem);
         if let Some(t) = self.reshard_memo.get(&key) {
             return *t;
@@ -824,12 +842,86 @@ impl<'a> OpCosts<'a> {
         let t = reshard(
             &self.net,
             self.profile.node.gpus_per_node,
-            &key.0,
-            &key.1,
-            key.2,
+            &self.layouts[src as usize],
+            &self.layouts[dst as usize],
+            elem,
         );
         self.reshard_memo.insert(key, t);
         t
+    }
+
+    /// Interned (forward source, backward destination) layouts of output `out` of `p` under
+    /// each of `configs`: the layout, and the same without partial sums (every partial-sum
+    /// holder of the producer needs the whole gradient).
+    fn producer_layouts(
+        &mut self,
+        p: NodeId,
+        out: usize,
+        configs: &[ParallelConfig],
+    ) -> Vec<(u32, u32)> {
+        configs
+            .iter()
+            .map(|pc| {
+                let src = self.output_layout(p, out, pc);
+                let summed = src.summed();
+                (self.intern(src), self.intern(summed))
+            })
+            .collect()
+    }
+
+    /// Interned (forward destination, backward source) layouts of input `k` of `c` under each
+    /// of `configs`.
+    fn consumer_layouts(
+        &mut self,
+        c: NodeId,
+        k: usize,
+        configs: &[ParallelConfig],
+    ) -> Vec<(u32, u32)> {
+        configs
+            .iter()
+            .map(|cc| {
+                let dst = self.input_layout(c, k, cc);
+                let grad = dst.as_gradient_source();
+                (self.intern(dst), self.intern(grad))
+            })
+            .collect()
+    }
+
+    /// Forward and backward transfers between interned producer and consumer layouts.
+    fn transfers(
+        &mut self,
+        t: TensorId,
+        (src, summed): (u32, u32),
+        (dst, grad): (u32, u32),
+    ) -> (Transfer, Transfer) {
+        let elem = self.graph.elem_bytes(t, self.float_bytes);
+        let fwd = self.priced(src, dst, elem);
+        let bwd = if self.graph.tensor(t).dtype.is_float() {
+            self.priced(grad, summed, self.float_bytes)
+        } else {
+            Transfer::default()
+        };
+        (fwd, bwd)
+    }
+
+    /// [`OpCosts::edge`] for every pair of `pcs` × `ccs`: seconds of both directions, row-major
+    /// (`[a * ccs.len() + b]`). Each configuration's layouts are built once.
+    pub fn edge_table(
+        &mut self,
+        t: TensorId,
+        (p, out, pcs): (NodeId, usize, &[ParallelConfig]),
+        (c, k, ccs): (NodeId, usize, &[ParallelConfig]),
+    ) -> Vec<f64> {
+        let src = self.producer_layouts(p, out, pcs);
+        let dst = self.consumer_layouts(c, k, ccs);
+        let mut table = Vec::with_capacity(src.len() * dst.len());
+        for &s in &src {
+            for &d in &dst {
+                let (f, b) = self.transfers(t, s, d);
+                table.push(f.time.0 + b.time.0);
+            }
+        }
+        table
     }
 
     /// Forward and backward resharding of tensor `t` from its producer (output `out` of node
@@ -840,17 +932,9 @@ impl<'a> OpCosts<'a> {
         (p, out, pc): (NodeId, usize, &ParallelConfig),
         (c, k, cc): (NodeId, usize, &ParallelConfig),
     ) -> (Transfer, Transfer) {
-        let src = self.output_layout(p, out, pc);
-        let dst = self.input_layout(c, k, cc);
-        let elem = self.graph.elem_bytes(t, self.float_bytes);
-        let fwd = self.priced(src.clone(), dst.clone(), elem);
-        let bwd = if self.graph.tensor(t).dtype.is_float() {
-            // Every partial-sum holder of the producer needs the whole gradient.
-            self.priced(dst.as_gradient_source(), src.summed(), self.float_bytes)
-        } else {
-            Transfer::default()
-        };
-        (fwd, bwd)
+        let src = self.producer_layouts(p, out, std::slice::from_ref(pc))[0];
+        let dst = self.consumer_layouts(c, k, std::slice::from_ref(cc))[0];
+        self.transfers(t, src, dst)
     }
 
     /// The weights a node reads first (a weight shared by several nodes is synchronised once,

@@ -211,14 +211,8 @@ impl CostTables {
                 };
                 let u = p.0 as usize;
                 let out = g.nodes[u].outputs.iter().position(|x| x == t).unwrap_or(0);
-                let (cu, cv) = (cands[u].len(), cands[v].len());
-                let mut table = vec![0.0; cu * cv];
-                for (a, pc) in cands[u].iter().enumerate() {
-                    for (b, cc) in cands[v].iter().enumerate() {
-                        let (f, bw) = costs.edge(*t, (p, out, pc), (NodeId(v as u32), k, cc));
-                        table[a * cv + b] = f.time.0 + bw.time.0;
-                    }
-                }
+                let table =
+                    costs.edge_table(*t, (p, out, &cands[u]), (NodeId(v as u32), k, &cands[v]));
                 match edges.get_mut(&(u, v)) {
                     Some(e) => e.iter_mut().zip(&table).for_each(|(x, y)| *x += y),
                     None => {
