@@ -267,14 +267,6 @@ pub fn eliminate(t: &CostTables, brute_force_limit: f64) -> (Vec<usize>, bool) {
     }
     let mut alive: BTreeSet<usize> = (0..n).collect();
     let mut log: Vec<Elimination> = Vec::new();
-    let get =
-        |edges: &BTreeMap<(usize, usize), Vec<f64>>, a: usize, b: usize, ca: usize, cb: usize| {
-            if a < b {
-                edges[&(a, b)][ca * sizes[b] + cb]
-            } else {
-                edges[&(b, a)][cb * sizes[a] + ca]
-            }
-        };
     loop {
         if alive.len() <= 1 {
             break;
@@ -290,10 +282,11 @@ pub fn eliminate(t: &CostTables, brute_force_limit: f64) -> (Vec<usize>, bool) {
             1 => {
                 let u = nb[0];
                 let mut arg = vec![0; sizes[u]];
+                let uv = pair(&edges, &sizes, u, v);
                 for (cu, a) in arg.iter_mut().enumerate() {
                     let (mut bv, mut bc) = (f64::INFINITY, 0);
                     for (cv, nv) in node[v].iter().enumerate() {
-                        let x = get(&edges, u, v, cu, cv) + nv;
+                        let x = uv(cu, cv) + nv;
                         if x < bv {
                             (bv, bc) = (x, cv);
                         }
@@ -310,11 +303,12 @@ pub fn eliminate(t: &CostTables, brute_force_limit: f64) -> (Vec<usize>, bool) {
                 let (su, sw) = (sizes[u], sizes[w]);
                 let mut table = vec![0.0; su * sw];
                 let mut arg = vec![0; su * sw];
+                let (uv, vw) = (pair(&edges, &sizes, u, v), pair(&edges, &sizes, v, w));
                 for cu in 0..su {
                     for cw in 0..sw {
                         let (mut bv, mut bc) = (f64::INFINITY, 0);
                         for (cv, nv) in node[v].iter().enumerate() {
-                            let x = get(&edges, u, v, cu, cv) + nv + get(&edges, v, w, cv, cw);
+                            let x = uv(cu, cv) + nv + vw(cv, cw);
                             if x < bv {
                                 (bv, bc) = (x, cv);
                             }
@@ -377,6 +371,25 @@ pub fn eliminate(t: &CostTables, brute_force_limit: f64) -> (Vec<usize>, bool) {
         }
     }
     (choice, exact)
+}
+
+/// The cost of edge (a, b) as a function of (choice of a, choice of b), whichever way the
+/// table is stored (keyed (low, high), row-major in the low node's choice); the table is
+/// looked up once, not per access.
+fn pair<'e>(
+    edges: &'e BTreeMap<(usize, usize), Vec<f64>>,
+    sizes: &[usize],
+    a: usize,
+    b: usize,
+) -> impl Fn(usize, usize) -> f64 + Copy + 'e {
+    let (table, sa, sb) = (&edges[&(a.min(b), a.max(b))], sizes[a], sizes[b]);
+    move |ca, cb| {
+        if a < b {
+            table[ca * sb + cb]
+        } else {
+            table[cb * sa + ca]
+        }
+    }
 }
 
 fn argmin(xs: &[f64]) -> usize {
