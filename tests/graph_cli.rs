@@ -47,9 +47,19 @@ fn a_cnn_plans_and_its_plan_reloads_with_the_same_prediction() {
     assert!(doc["search"]["exact"].as_bool().unwrap());
     let ops = doc["plan"]["op_configs"].as_array().unwrap();
     assert!(ops.len() > 100, "{}", ops.len());
-    for f in ["plan.json", "report.md", "trace.json"] {
+    for f in [
+        "plan.json",
+        "report.md",
+        "trace.json",
+        "timeline.svg",
+        "memory.svg",
+    ] {
         assert!(dir.join(f).is_file(), "{f}");
     }
+    let memory = std::fs::read_to_string(dir.join("memory.svg")).unwrap();
+    assert!(memory.contains("Peak memory per device"));
+    let timeline = std::fs::read_to_string(dir.join("timeline.svg")).unwrap();
+    assert!(timeline.matches("<rect").count() > 10);
     // Re-simulating the written plan gives the same step time.
     let plan = dir.join("plan.json");
     let p = plan.to_string_lossy().into_owned();

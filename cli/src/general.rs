@@ -12,6 +12,7 @@ use parallax_ir::{
     AxisRole, Graph, Layout, Model, OpKind, PartialLayout, Plan, Recompute, Schedule, GIB,
     PLAN_SCHEMA,
 };
+use parallax_planner::plots::{device_memory_svg, gantt_svg};
 use parallax_planner::soap::{layout_plan, plan_graph, GraphJob, GraphPlan, SoapOptions};
 use parallax_sim::perop::{simulate_op_plan, OpPlan, OpStepPrediction, SimulatedOpStep};
 use serde_json::json;
@@ -643,7 +644,13 @@ fn batchnorm_warning(costs: &OpCosts, plan: &OpPlan) -> Option<String> {
     })
 }
 
-const OUT_FILES: [&str; 3] = ["plan.json", "report.md", "trace.json"];
+const OUT_FILES: [&str; 5] = [
+    "plan.json",
+    "report.md",
+    "trace.json",
+    "timeline.svg",
+    "memory.svg",
+];
 
 fn write_out(
     dir: &Path,
@@ -656,12 +663,19 @@ fn write_out(
             .map_err(|e| user(format!("--out {}: cannot write {name}: {e}", dir.display())))
     };
     write("plan.json", plan.to_json())?;
+    let timeline = gantt_svg(&sim.graph, &sim.resources, &sim.trace).map_err(user)?;
+    let p = &sim.prediction;
+    let memory = device_memory_svg(&p.device_memory_gib, p.capacity_gib).map_err(user)?;
+    write("timeline.svg", timeline)?;
+    write("memory.svg", memory)?;
     let mut md = String::from("# parallax plan\n\n```\n");
     for l in report {
         md.push_str(l);
         md.push('\n');
     }
-    md.push_str("```\n");
+    md.push_str(
+        "```\n\n![predicted timeline](timeline.svg)\n\n![peak memory per device](memory.svg)\n",
+    );
     write("report.md", md)?;
     let trace = sim.trace.to_chrome_trace(&sim.graph, &sim.resources);
     write("trace.json", serde_json::to_string(&trace)?)?;

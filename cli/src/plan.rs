@@ -344,7 +344,10 @@ fn write_out(
                 best.prediction.capacity_gib,
             )?,
         ),
-        ("timeline.svg".into(), gantt_svg(&step)?),
+        (
+            "timeline.svg".into(),
+            gantt_svg(&step.graph, &step.resources, &step.trace)?,
+        ),
     ];
     let points: Vec<(u32, f64)> = input
         .sweep

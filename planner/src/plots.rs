@@ -3,7 +3,7 @@
 //! same anywhere and embed inline in the HTML report.
 
 use crate::search::Evaluated;
-use parallax_sim::{SimulatedStep, TaskKind};
+use parallax_sim::{Resources, TaskGraph, TaskKind, Trace};
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -171,13 +171,28 @@ pub fn breakdown_svg(plans: &[Evaluated], labels: &[String]) -> Result<String, P
 
 /// Peak memory of each pipeline stage of a plan against the device capacity.
 pub fn memory_svg(stage_gib: &[f64], capacity_gib: f64) -> Result<String, PlotError> {
+    memory_bars_svg(stage_gib, capacity_gib, "stage")
+}
+
+/// Peak memory of each device of a per-op plan against the device's capacity.
+pub fn device_memory_svg(device_gib: &[f64], capacity_gib: f64) -> Result<String, PlotError> {
+    memory_bars_svg(device_gib, capacity_gib, "device")
+}
+
+/// One bar of peak memory per `what` (a pipeline stage, a device), the capacity as a line.
+fn memory_bars_svg(stage_gib: &[f64], capacity_gib: f64, what: &str) -> Result<String, PlotError> {
     let e = err("memory");
     let n = stage_gib.len().max(1);
     let ymax = stage_gib.iter().copied().fold(capacity_gib, f64::max) * 1.1;
+    let title = if what == "stage" {
+        "Peak memory per pipeline stage (best plan)".to_string()
+    } else {
+        format!("Peak memory per {what} (best plan)")
+    };
     svg(&e, (900, 360), |root| {
         let mut chart = chart(
             root,
-            "Peak memory per pipeline stage (best plan)",
+            &title,
             (35, 50),
             -0.5..n as f64 - 0.5,
             0.0..ymax.max(1e-9),
@@ -195,7 +210,7 @@ pub fn memory_svg(stage_gib: &[f64], capacity_gib: f64) -> Result<String, PlotEr
                     String::new()
                 }
             })
-            .x_desc("stage")
+            .x_desc(what)
             .y_desc("GiB")
             .draw()
             .map_err(|x| e(x.to_string()))?;
@@ -245,12 +260,16 @@ pub const GANTT_MAX_ROWS: usize = 48;
 
 /// The predicted timeline of one step: a row per resource (stage compute streams, pipeline
 /// links, gradient-reduction streams), a bar per task coloured by kind.
-pub fn gantt_svg(step: &SimulatedStep) -> Result<String, PlotError> {
+pub fn gantt_svg(
+    graph: &TaskGraph,
+    resources: &Resources,
+    trace: &Trace,
+) -> Result<String, PlotError> {
     let e = err("timeline");
-    let resources = step.resources.as_slice();
+    let resources = resources.as_slice();
     // Rows: resources that ran something, compute streams first, in resource order.
     let mut used = vec![false; resources.len()];
-    for s in &step.trace.spans {
+    for s in &trace.spans {
         if let Some(u) = used.get_mut(s.resource.index()) {
             *u = true;
         }
@@ -263,7 +282,7 @@ pub fn gantt_svg(step: &SimulatedStep) -> Result<String, PlotError> {
         row_of[r] = i;
     }
     let n = rows.len().max(1);
-    let makespan = step.trace.makespan.0.max(1e-9);
+    let makespan = trace.makespan.0.max(1e-9);
     let height = 110 + 22 * n as u32;
     svg(&e, (1100, height), |root| {
         let mut chart = chart(
@@ -283,8 +302,7 @@ pub fn gantt_svg(step: &SimulatedStep) -> Result<String, PlotError> {
             .draw()
             .map_err(|x| e(x.to_string()))?;
         row_labels(root, &chart, &names, 0.0).map_err(&e)?;
-        let graph = &step.graph;
-        let bars = step.trace.spans.iter().filter_map(|s| {
+        let bars = trace.spans.iter().filter_map(|s| {
             let row = *row_of.get(s.resource.index())?;
             if row == usize::MAX || s.end.0 <= s.start.0 {
                 return None;

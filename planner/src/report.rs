@@ -726,7 +726,10 @@ mod tests {
                 "memory.svg".into(),
                 memory_svg(&r.best().prediction.stage_memory_gib, 80.0).unwrap(),
             ),
-            ("timeline.svg".into(), gantt_svg(&step).unwrap()),
+            (
+                "timeline.svg".into(),
+                gantt_svg(&step.graph, &step.resources, &step.trace).unwrap(),
+            ),
             (
                 "sweep.svg".into(),
                 sweep_svg(&[(16, 1.0), (32, 1.9)]).unwrap(),
