@@ -221,14 +221,26 @@ impl<'a> DeviceModel<'a> {
             (ComputeClass::Attention, OpKind::Attention(a)) => {
                 self.attention(a, ins, w, float_bytes)
             }
-            (ComputeClass::Gemm, OpKind::Lstm(_) | OpKind::Gru(_)) => {
+            (ComputeClass::Gemm, OpKind::Lstm(a) | OpKind::Gru(a)) => {
                 // The recurrence runs one small GEMM per time step (the input projection of all
                 // steps batches into one GEMM, but is timed with the steps for simplicity);
                 // weight gradients accumulate in one GEMM over all steps.
-                let steps = ins.first().and_then(|x| x.dim(1)).unwrap_or(1).max(1) as f64;
+                let x = ins.first();
+                let steps = x.and_then(|x| x.dim(1)).unwrap_or(1).max(1) as f64;
+                let rows = x.and_then(|x| x.dim(0)).unwrap_or(1) as f64;
+                // Each step also runs the cell's pointwise kernel (cuDNN's per-step elementwise
+                // kernel): forward reads the g gate pre-activations and c(t-1), writes h(t),
+                // c(t) and the g activations saved for backward (2g + 3 tensors of rows × h);
+                // backward reads the saved activations, c, dh and dc and writes the g gate
+                // gradients and dc(t-1) (2g + 5). Memory-bound, one launch per step each way.
+                let g = op.rnn_gates() as f64;
+                let cell = |tensors: f64| {
+                    self.memory(tensors * rows * a.hidden as f64 * float_bytes as f64) * steps
+                };
                 OpTimes {
-                    fwd: self.gemm(w.fwd_flops.0 / steps) * steps,
-                    bwd_input: self.gemm(w.bwd_input_flops.0 / steps) * steps,
+                    fwd: self.gemm(w.fwd_flops.0 / steps) * steps + cell(2.0 * g + 3.0),
+                    bwd_input: self.gemm(w.bwd_input_flops.0 / steps) * steps
+                        + cell(2.0 * g + 5.0),
                     bwd_weight: self.gemm(w.bwd_weight_flops.0),
                 }
             }

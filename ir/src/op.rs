@@ -817,7 +817,7 @@ impl OpKind {
         }
     }
 
-    fn rnn_gates(&self) -> u64 {
+    pub fn rnn_gates(&self) -> u64 {
         match self {
             OpKind::Gru(_) => 3,
             _ => 4,
