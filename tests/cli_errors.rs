@@ -516,6 +516,14 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             &["--save-every"],
         ),
         case(&tiny(&["--seed", "-1"]), &["'-1'", "--seed"]),
+        case(
+            &tiny(&["--data", &empty]),
+            &["--data", "empty.json", "0 bytes"],
+        ),
+        case(
+            &run_args("bert-large", 1, "1", &[]),
+            &["--model bert-large", "executor"],
+        ),
         case(&tiny(&["--cluster", "dgx-z900:gpus=8"]), &["dgx-z900"]),
         case(
             &tiny(&["--cluster", "dgx-a100-80gb:gpus=8"]),

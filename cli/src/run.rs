@@ -498,6 +498,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 .unwrap_or(std::path::Path::new(""))
                 .display()
         )),
+        parallax_executor::ExecError::Data(why) => match &a.data {
+            Some(path) => user(format!("--data {}: {why}", path.display())),
+            None => user(format!("data: {why}")),
+        },
+        parallax_executor::ExecError::Model(why) => {
+            user(format!("--model {}: {why}", job.model_name))
+        }
         other => user(other),
     })?;
     // Under MPI every process runs this command; rank 0 speaks for the run.

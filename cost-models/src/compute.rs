@@ -239,8 +239,7 @@ impl<'a> DeviceModel<'a> {
                 };
                 OpTimes {
                     fwd: self.gemm(w.fwd_flops.0 / steps) * steps + cell(2.0 * g + 3.0),
-                    bwd_input: self.gemm(w.bwd_input_flops.0 / steps) * steps
-                        + cell(2.0 * g + 5.0),
+                    bwd_input: self.gemm(w.bwd_input_flops.0 / steps) * steps + cell(2.0 * g + 5.0),
                     bwd_weight: self.gemm(w.bwd_weight_flops.0),
                 }
             }
