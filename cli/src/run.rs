@@ -225,7 +225,13 @@ fn check_save_dir(
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             let checkpoint = name.starts_with("step-") && entry.path().join("state.json").is_file();
-            let ours = checkpoint || name == "LATEST" || name.starts_with(".step-");
+            // Checkpoints, LATEST, and the temporary names saves and these checks use (another
+            // MPI rank's probe included).
+            let ours = checkpoint
+                || name == "LATEST"
+                || [".step-", ".LATEST.tmp-", ".parallax-probe-"]
+                    .iter()
+                    .any(|p| name.starts_with(p));
             if !ours {
                 return Err(user(format!(
                     "--save {shown}: holds {name}, which is not a checkpoint; pass --force to save beside it"

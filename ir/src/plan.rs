@@ -180,12 +180,15 @@ pub const MAX_MICRO_BATCHES: u64 = 1 << 16;
 impl Layout {
     /// Devices the layout occupies: dp × tp × pp × cp.
     pub fn devices(&self) -> u64 {
-        u64::from(self.dp) * u64::from(self.tp) * u64::from(self.pp) * u64::from(self.cp)
+        // Saturating: degrees read from a file may be anything up to u32::MAX each.
+        [self.tp, self.pp, self.cp]
+            .iter()
+            .fold(u64::from(self.dp), |n, &d| n.saturating_mul(u64::from(d)))
     }
 
     /// Micro-batches per step per pipeline for a global batch.
     pub fn micro_batches(&self, global_batch: u64) -> u64 {
-        global_batch / (u64::from(self.dp) * self.micro_batch.max(1))
+        global_batch / u64::from(self.dp).saturating_mul(self.micro_batch.max(1))
     }
 
     /// Checks internal consistency for a global batch; one line naming the field.
