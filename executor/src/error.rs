@@ -26,7 +26,7 @@ pub enum ExecError {
     },
     /// The loss stopped being a finite number: training diverged. Nothing is saved at or after
     /// this step, so the last checkpoint written holds finite parameters.
-    #[error("step {step}: loss is {loss} (parameters diverged; lower --lr); no checkpoint was written for this step")]
+    #[error("step {step}: loss is {loss} (parameters diverged; a lower learning rate may help); no checkpoint was written for this step")]
     Diverged {
         /// The 1-based global step whose loss is not finite.
         step: u64,
