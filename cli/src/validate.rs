@@ -93,14 +93,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             &rows
         )
     );
+    // No measured memory is no score, not a perfect one.
+    let memory = match summary.memory_n {
+        0 => "no measured peak memory".to_string(),
+        n => format!(
+            "peak memory MAPE {:.2} % over {n} cases",
+            summary.memory_mape * 100.0
+        ),
+    };
     println!(
-        "\n{} cases: MAPE {:.2} %, median {:.2} %, max {:.2} %; peak memory MAPE {:.2} % over {} cases; {} skipped",
+        "\n{} cases: MAPE {:.2} %, median {:.2} %, max {:.2} %; {memory}; {} skipped",
         summary.n,
         summary.mape * 100.0,
         summary.median_ape * 100.0,
         summary.max_ape * 100.0,
-        summary.memory_mape * 100.0,
-        summary.memory_n,
         summary.skipped
     );
     Ok(())
