@@ -40,13 +40,7 @@ pub struct Args {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let precision = a.precision;
-    if a.batch > parallax_ir::MAX_GLOBAL_BATCH {
-        return Err(user(format!(
-            "--batch {}: beyond the {} samples parallax models",
-            a.batch,
-            parallax_ir::MAX_GLOBAL_BATCH
-        )));
-    }
+    crate::job::check_batch("--batch", a.batch)?;
     let model = load_model(&a.model).map_err(user)?;
     let seq = a.seq.unwrap_or_else(|| model.default_seq());
     let g = model

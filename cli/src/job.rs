@@ -45,14 +45,15 @@ pub enum Loaded {
     Graph(GraphModel),
 }
 
-/// `--global-batch` within what is modelled: at least 1, at most [`MAX_GLOBAL_BATCH`].
-pub fn check_global_batch(global_batch: u64) -> anyhow::Result<()> {
-    if global_batch == 0 {
-        return Err(user("--global-batch: must be at least 1"));
+/// A batch flag (`--global-batch`, `--batch`) within what is modelled: at least 1, at most
+/// [`MAX_GLOBAL_BATCH`].
+pub fn check_batch(flag: &str, batch: u64) -> anyhow::Result<()> {
+    if batch == 0 {
+        return Err(user(format!("{flag}: must be at least 1")));
     }
-    if global_batch > MAX_GLOBAL_BATCH {
+    if batch > MAX_GLOBAL_BATCH {
         return Err(user(format!(
-            "--global-batch {global_batch}: beyond the {MAX_GLOBAL_BATCH} samples parallax models"
+            "{flag} {batch}: beyond the {MAX_GLOBAL_BATCH} samples parallax models"
         )));
     }
     Ok(())
@@ -61,7 +62,7 @@ pub fn check_global_batch(global_batch: u64) -> anyhow::Result<()> {
 impl JobArgs {
     /// Loads the model and the cluster once; bad input is one line naming the flag.
     pub fn load(&self) -> anyhow::Result<Loaded> {
-        check_global_batch(self.global_batch)?;
+        check_batch("--global-batch", self.global_batch)?;
         let loaded = load_model(&self.model).map_err(user)?;
         let seq = self.seq.unwrap_or(loaded.default_seq());
         loaded.check_seq(seq).map_err(user)?;

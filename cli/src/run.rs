@@ -122,7 +122,7 @@ fn resolve(a: &Args) -> anyhow::Result<Job> {
             Some(a.seq.unwrap_or(plan.training.seq_len)),
         )?;
         let global_batch = a.global_batch.unwrap_or(plan.training.global_batch);
-        crate::job::check_global_batch(global_batch)?;
+        crate::job::check_batch("--global-batch", global_batch)?;
         return Ok(Job {
             model_name: plan.model.name.clone(),
             model,
@@ -138,7 +138,7 @@ fn resolve(a: &Args) -> anyhow::Result<Job> {
         ));
     };
     let (model, seq) = transformer(name, a.seq)?;
-    crate::job::check_global_batch(gb)?;
+    crate::job::check_batch("--global-batch", gb)?;
     let p = PartialLayout::parse(inline).map_err(|e| user(format!("--plan: {e}")))?;
     let (tp, pp) = (p.tp.unwrap_or(1), p.pp.unwrap_or(1));
     let dp = match (p.dp, &a.cluster) {
@@ -203,12 +203,15 @@ fn check_trace_path(path: &std::path::Path, force: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--save DIR` must be a folder that can be written and that holds nothing but this run's
-/// checkpoints: another run's checkpoints (other than the one resumed) or a user's files are
-/// only written beside with `force`. Created here, before the first step.
+/// `--save DIR` must be a folder that can be written and that holds nothing but checkpoints of
+/// this run: a user's files, another run's checkpoints (unless `DIR` holds the one resumed)
+/// and a checkpoint this run would replace (a resumed run writes steps `start+1 ..= start+steps`,
+/// every `every` steps and the last) are only written over with `force`. Created here, before
+/// the first step.
 fn check_save_dir(
     dir: &std::path::Path,
     resume: Option<&std::path::Path>,
+    (start, steps, every): (u64, u64, Option<u64>),
     force: bool,
 ) -> anyhow::Result<()> {
     let shown = dir.display();
@@ -220,14 +223,18 @@ fn check_save_dir(
             let canon = |p: &std::path::Path| std::fs::canonicalize(p).ok();
             canon(r).is_some_and(|r| canon(dir).is_some_and(|d| r == d || r.starts_with(&d)))
         });
+        let end = start.saturating_add(steps);
         let entries = std::fs::read_dir(dir)
             .map_err(|e| user(format!("--save {shown}: cannot read: {e}")))?;
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            let checkpoint = name.starts_with("step-") && entry.path().join("state.json").is_file();
+            let step = name
+                .strip_prefix("step-")
+                .and_then(|n| n.parse::<u64>().ok())
+                .filter(|_| entry.path().join("state.json").is_file());
             // Checkpoints, LATEST, and the temporary names saves and these checks use (another
             // MPI rank's probe included).
-            let ours = checkpoint
+            let ours = step.is_some()
                 || name == "LATEST"
                 || [".step-", ".LATEST.tmp-", ".parallax-probe-"]
                     .iter()
@@ -237,9 +244,17 @@ fn check_save_dir(
                     "--save {shown}: holds {name}, which is not a checkpoint; pass --force to save beside it"
                 )));
             }
-            if checkpoint && !resuming_here {
+            let Some(n) = step else { continue };
+            if !resuming_here {
                 return Err(user(format!(
                     "--save {shown}: holds another run's checkpoint {name}; pass --resume {shown} to continue it, or --force to save beside it"
+                )));
+            }
+            let written =
+                n > start && n <= end && (n == end || every.is_some_and(|k| (n - start) % k == 0));
+            if written {
+                return Err(user(format!(
+                    "--save {shown}: this run would replace the checkpoint {name}; pass --force to replace it, or save elsewhere"
                 )));
             }
         }
@@ -252,51 +267,14 @@ fn check_save_dir(
         .map_err(|e| user(format!("--save {shown}: cannot write: {e}")))
 }
 
-/// A complete checkpoint is never replaced without `--force`: refuse a run (resumed from an
-/// older step) that would write a step `dir` already holds.
-fn refuse_replacing_checkpoints(
-    dir: &std::path::Path,
-    start: u64,
-    steps: u64,
-    every: Option<u64>,
-) -> anyhow::Result<()> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Ok(());
-    };
-    let end = start.saturating_add(steps);
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(n) = name
-            .strip_prefix("step-")
-            .and_then(|n| n.parse::<u64>().ok())
-        else {
-            continue;
-        };
-        let written =
-            n > start && n <= end && (n == end || every.is_some_and(|k| (n - start) % k == 0));
-        if written {
-            return Err(user(format!(
-                "--save {}: this run would replace the checkpoint {name}; pass --force to replace it, or save elsewhere",
-                dir.display()
-            )));
-        }
+/// The cluster for the prediction when none is given: cpu-local with one core per rank (a
+/// copy with more cores per node when the layout needs more ranks than this machine has).
+fn cpu_local_cluster(devices: u32) -> anyhow::Result<Cluster> {
+    let mut p = preset(CPU_LOCAL).map_err(user)?;
+    if p.node.gpus_per_node < devices {
+        p.node.gpus_per_node = devices;
     }
-    Ok(())
-}
-
-/// The cluster for the prediction: the one asked for, else cpu-local with one core per rank
-/// (a copy with more cores per node when the layout needs more ranks than this machine has).
-fn prediction_cluster(spec: Option<&str>, devices: u32) -> anyhow::Result<Cluster> {
-    match spec {
-        Some(s) => Cluster::parse(s).map_err(user),
-        None => {
-            let mut p = preset(CPU_LOCAL).map_err(user)?;
-            if p.node.gpus_per_node < devices {
-                p.node.gpus_per_node = devices;
-            }
-            Cluster::new(p, devices).map_err(user)
-        }
-    }
+    Cluster::new(p, devices).map_err(user)
 }
 
 /// What the simulator predicts for the executor's run.
@@ -310,10 +288,15 @@ struct Predicted {
 
 /// The executor's way of running predicted (fp32, unfused attention, gradient reduction and
 /// tensor-parallel collectives not overlapped, non-blocking sends).
-fn predict(job: &Job) -> Result<Predicted, String> {
-    let devices =
-        u32::try_from(job.layout.devices()).map_err(|_| "too many devices".to_string())?;
-    let cluster = prediction_cluster(job.cluster.as_deref(), devices).map_err(|e| e.to_string())?;
+fn predict(job: &Job, given: Option<&Cluster>) -> Result<Predicted, String> {
+    let cluster = match given {
+        Some(c) => c.clone(),
+        None => {
+            let devices =
+                u32::try_from(job.layout.devices()).map_err(|_| "too many devices".to_string())?;
+            cpu_local_cluster(devices).map_err(|e| e.to_string())?
+        }
+    };
     let setup = Setup {
         model: &job.model,
         profile: &cluster.profile,
@@ -388,23 +371,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return Err(user("--lr must be a positive number"));
     }
     let job = resolve(&a)?;
-    if let Some(spec) = &job.cluster {
-        let c = Cluster::parse(spec).map_err(user)?;
-        if u64::from(c.gpus) != job.layout.devices() {
-            return Err(user(format!(
-                "--cluster {spec}: has {} devices, the layout runs {} ranks",
-                c.gpus,
-                job.layout.devices()
-            )));
+    // The cluster the run is predicted on, checked before anything runs.
+    let given_cluster = match &job.cluster {
+        Some(spec) => {
+            let c = Cluster::parse(spec).map_err(user)?;
+            if u64::from(c.gpus) != job.layout.devices() {
+                return Err(user(format!(
+                    "--cluster {spec}: has {} devices, the layout runs {} ranks",
+                    c.gpus,
+                    job.layout.devices()
+                )));
+            }
+            Some(c)
         }
-    }
+        None => None,
+    };
     // Output paths are checked before the first step, not after the last.
     if let Some(path) = &a.trace {
         check_trace_path(path, a.force)?;
-    }
-    let created_save_dir = a.save.as_deref().filter(|d| !d.exists());
-    if let Some(dir) = &a.save {
-        check_save_dir(dir, a.resume.as_deref(), a.force)?;
     }
     let data = match &a.data {
         None => DataSource::Synthetic,
@@ -429,9 +413,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             Some(Arc::new(st))
         }
     };
-    if let (Some(dir), false) = (&a.save, a.force) {
+    let created_save_dir = a.save.as_deref().filter(|d| !d.exists());
+    if let Some(dir) = &a.save {
         let start = resume.as_ref().map_or(0, |r| r.step);
-        refuse_replacing_checkpoints(dir, start, a.steps, a.save_every)?;
+        check_save_dir(
+            dir,
+            a.resume.as_deref(),
+            (start, a.steps, a.save_every),
+            a.force,
+        )?;
     }
     let mut spec = RunSpec::new(
         job.model.clone(),
@@ -483,7 +473,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             printing.store(false, Ordering::Relaxed);
         }
     }));
-    let predicted = predict(&job);
+    let predicted = predict(&job, given_cluster.as_ref());
     if let (Ok(p), Backend::Threads) = (&predicted, backend) {
         check_host_memory(&job, p)?;
     }
@@ -638,7 +628,7 @@ mod tests {
 
     #[test]
     fn prediction_cluster_grows_cpu_local_to_the_layout() {
-        let c = prediction_cluster(None, 64).unwrap();
+        let c = cpu_local_cluster(64).unwrap();
         assert_eq!(c.gpus, 64);
         assert_eq!(c.nodes(), 1);
     }

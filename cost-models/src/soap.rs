@@ -850,41 +850,52 @@ impl<'a> OpCosts<'a> {
         t
     }
 
-    /// Interned (forward source, backward destination) layouts of output `out` of `p` under
-    /// each of `configs`: the layout, and the same without partial sums (every partial-sum
-    /// holder of the producer needs the whole gradient).
+    /// Interned layouts of one side of an edge under each of `configs`: `layout`'s, and the
+    /// one its gradient takes (`gradient`).
+    fn interned(
+        &mut self,
+        configs: &[ParallelConfig],
+        layout: impl Fn(&Self, &ParallelConfig) -> TensorLayout,
+        gradient: fn(&TensorLayout) -> TensorLayout,
+    ) -> Vec<(u32, u32)> {
+        configs
+            .iter()
+            .map(|cfg| {
+                let l = layout(self, cfg);
+                let g = gradient(&l);
+                (self.intern(l), self.intern(g))
+            })
+            .collect()
+    }
+
+    /// (forward source, backward destination) of output `out` of `p` under each of `configs`:
+    /// the backward destination has no partial sums (every partial-sum holder of the producer
+    /// needs the whole gradient).
     fn producer_layouts(
         &mut self,
         p: NodeId,
         out: usize,
         configs: &[ParallelConfig],
     ) -> Vec<(u32, u32)> {
-        configs
-            .iter()
-            .map(|pc| {
-                let src = self.output_layout(p, out, pc);
-                let summed = src.summed();
-                (self.intern(src), self.intern(summed))
-            })
-            .collect()
+        self.interned(
+            configs,
+            |c, cfg| c.output_layout(p, out, cfg),
+            TensorLayout::summed,
+        )
     }
 
-    /// Interned (forward destination, backward source) layouts of input `k` of `c` under each
-    /// of `configs`.
+    /// (forward destination, backward source) of input `k` of `c` under each of `configs`.
     fn consumer_layouts(
         &mut self,
         c: NodeId,
         k: usize,
         configs: &[ParallelConfig],
     ) -> Vec<(u32, u32)> {
-        configs
-            .iter()
-            .map(|cc| {
-                let dst = self.input_layout(c, k, cc);
-                let grad = dst.as_gradient_source();
-                (self.intern(dst), self.intern(grad))
-            })
-            .collect()
+        self.interned(
+            configs,
+            |s, cfg| s.input_layout(c, k, cfg),
+            TensorLayout::as_gradient_source,
+        )
     }
 
     /// Forward and backward transfers between interned producer and consumer layouts.

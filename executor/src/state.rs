@@ -339,6 +339,7 @@ mod tests {
             assert!(!dead.exists());
             assert!(!dir.join(".LATEST.tmp-4294967295").exists());
         }
+        assert!(alive.exists(), "a live process's save is never touched");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

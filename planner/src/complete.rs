@@ -6,7 +6,6 @@ use crate::search::{search, SearchError, SearchOptions, Space};
 use parallax_cost::transformer::Setup;
 use parallax_ir::{Layout, PartialLayout};
 use parallax_sim::StepPrediction;
-use std::collections::BTreeMap;
 use thiserror::Error;
 
 /// Why no layout could be completed.
@@ -29,9 +28,6 @@ pub enum CompleteError {
 pub struct Completed {
     pub layout: Layout,
     pub prediction: StepPrediction,
-    /// Candidates considered, and rejections by reason.
-    pub tried: u64,
-    pub rejected: BTreeMap<String, u64>,
 }
 
 /// Chooses the fastest layout that fits among the completions of `p`, any option allowed.
@@ -60,8 +56,6 @@ pub fn complete_within(
             Ok(Completed {
                 layout: best.layout.clone(),
                 prediction: best.prediction.clone(),
-                tried: r.counts.candidates,
-                rejected: r.counts.rejected.clone(),
             })
         }
         Err(SearchError::DoesNotFit {

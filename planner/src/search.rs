@@ -323,14 +323,20 @@ impl Counts {
         }
     }
 
-    /// [`Counts::reject`] of one candidate, keeping its whole reason.
-    fn reject_because(&mut self, reason: &str, why: String) {
+    /// [`Counts::reject`] of one candidate, keeping its whole reason (`why` is only
+    /// formatted when it is kept: rejections are counted on the search's hot path).
+    fn reject_because(&mut self, reason: &str, why: impl FnOnce() -> String) {
         self.reject(reason, 1);
         let wide = reason == TP_ACROSS_NODES;
-        if self.why.is_none() || (self.why_is_wide_tp && !wide) {
-            self.why = Some(why);
+        if self.keeps_why(wide) {
+            self.why = Some(why());
             self.why_is_wide_tp = wide;
         }
+    }
+
+    /// Whether a reason (about a too-wide tensor-parallel group or not) replaces the kept one.
+    fn keeps_why(&self, wide: bool) -> bool {
+        self.why.is_none() || (self.why_is_wide_tp && !wide)
     }
 
     fn merge(&mut self, o: &Counts) {
@@ -340,11 +346,9 @@ impl Counts {
         for (k, v) in &o.rejected {
             *self.rejected.entry(k.clone()).or_default() += v;
         }
-        if let Some(why) = &o.why {
-            if self.why.is_none() || (self.why_is_wide_tp && !o.why_is_wide_tp) {
-                self.why = Some(why.clone());
-                self.why_is_wide_tp = o.why_is_wide_tp;
-            }
+        if let Some(why) = o.why.as_ref().filter(|_| self.keeps_why(o.why_is_wide_tp)) {
+            self.why = Some(why.clone());
+            self.why_is_wide_tp = o.why_is_wide_tp;
         }
     }
 }
@@ -556,7 +560,7 @@ fn run(
             Ok(c) => live.push((group_bound(setup, &g.base, c), i)),
             Err(e) => {
                 counts.candidates += 1;
-                counts.reject_because(e.kind(), e.to_string());
+                counts.reject_because(e.kind(), || e.to_string());
             }
         }
     }
@@ -743,7 +747,7 @@ fn run(
                         }
                     }
                 }
-                Err(StepError::Infeasible(e)) => counts.reject_because(e.kind(), e.to_string()),
+                Err(StepError::Infeasible(e)) => counts.reject_because(e.kind(), || e.to_string()),
                 Err(e) => counts.reject(&format!("simulation error: {e}"), 1),
             }
         }
@@ -1111,7 +1115,7 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
     let f = &opts.force;
     let mut reject = |kind: &'static str, why: String| {
         counts.candidates += 1;
-        counts.reject_because(kind, why);
+        counts.reject_because(kind, || why);
     };
     let mut groups = Vec::new();
     let recomputes = recompute_options(f, &opts.space);
@@ -1200,10 +1204,9 @@ fn expand(
     );
     if scheds.is_empty() {
         x.counts.candidates += 1;
-        x.counts.reject_because(
-            "indivisible",
-            why.unwrap_or_else(|| "no pipeline schedule applies".into()),
-        );
+        x.counts.reject_because("indivisible", || {
+            why.unwrap_or_else(|| "no pipeline schedule applies".into())
+        });
         return x;
     }
     let capacity = setup.profile.device.hbm_gib;

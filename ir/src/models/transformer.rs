@@ -192,8 +192,9 @@ impl TransformerConfig {
         if let Some((k, v, max)) = at_most.iter().find(|(_, v, max)| v > max) {
             return Err(format!("{k} {v} is beyond the {max} parallax models"));
         }
-        // In f64: each factor is bounded above, their products are not.
-        let params = f64::from(self.layers) * self.block_params_f64()
+        // One block's count fits u64 under the bounds above (< 2^62); the whole model, summed
+        // in f64, may not.
+        let params = f64::from(self.layers) * self.block_params() as f64
             + (self.vocab as f64) * (self.hidden as f64);
         if params > MAX_PARAMS {
             return Err(format!(
@@ -221,19 +222,6 @@ impl TransformerConfig {
             ));
         }
         Ok(())
-    }
-
-    /// [`TransformerConfig::block_params`] in f64, for bounds on configurations whose exact
-    /// count could overflow.
-    fn block_params_f64(&self) -> f64 {
-        let (h, q, kv, f) = (
-            self.hidden as f64,
-            (self.heads * self.head_dim) as f64,
-            (self.kv_heads * self.head_dim) as f64,
-            self.ffn_hidden as f64,
-        );
-        let experts = self.moe.map_or(1.0, |m| m.experts as f64);
-        h * (q + 2.0 * kv) + q * h + 3.0 * experts * h * f
     }
 
     /// Parameters of one block, computed in closed form (equals the graph's count).
