@@ -5,7 +5,7 @@ use crate::user;
 use clap::Args as ClapArgs;
 use parallax_executor::calibrate::{calibrate, to_profile, CalibrateOptions};
 use parallax_executor::{Backend, ExecError};
-use parallax_hardware::{preset, CPU_LOCAL};
+use parallax_hardware::{preset, preset_for_device, CPU_LOCAL};
 use std::path::PathBuf;
 
 /// Measure matmul throughput, memory bandwidth and collective bandwidth/latency; write a profile.
@@ -63,8 +63,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         // An MPI rank other than 0: rank 0 writes the profile.
         return Ok(());
     };
-    let base = preset(CPU_LOCAL).map_err(user)?;
-    let mut p = to_profile(&m, &base);
+    // A GPU's unmeasured fields (tensor-core peaks, fabric, network) come from the preset of
+    // its model; CPU cores are `cpu-local`'s.
+    let base_name = m
+        .device
+        .as_ref()
+        .and_then(|d| preset_for_device(&d.name, d.mem_gib))
+        .unwrap_or(CPU_LOCAL);
+    let base = preset(base_name).map_err(user)?;
+    let mut p = to_profile(&m, &base, base_name);
+    let unit = if m.device.is_some() { "GPU" } else { "core" };
     p.name = a
         .out
         .file_stem()
@@ -72,37 +80,49 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .unwrap_or(CPU_LOCAL)
         .to_string();
     p.save(&a.out).map_err(user)?;
+    let what = match &m.device {
+        Some(d) => format!("{} x {}", m.threads, d.name),
+        None => format!("{} {unit}s", m.threads),
+    };
     match &m.inter {
-        None => println!("calibrated {} cores ({} backend):", m.threads, m.backend),
+        None => println!("calibrated {what} ({} backend):", m.backend),
         Some(x) => println!(
-            "calibrated {} nodes x {} cores ({} backend):",
-            x.nodes, m.threads, m.backend
+            "calibrated {} nodes x {what} ({} backend):",
+            x.nodes, m.backend
         ),
     }
     for (f, r) in &m.compute.matmul {
         println!(
-            "  matmul {:>9.3} GFLOP {:>8.2} GFLOP/s per core",
+            "  matmul {:>9.3} GFLOP {:>8.2} GFLOP/s per {unit}",
             f / 1e9,
             r / 1e9
         );
     }
     println!(
-        "  copy bandwidth      {:>8.2} GB/s per core",
+        "  copy bandwidth      {:>8.2} GB/s per {unit}",
         m.compute.copy_bytes_per_s / 1e9
     );
     println!(
-        "  pointwise kernels   {:>8.2} GB/s per core",
+        "  pointwise kernels   {:>8.2} GB/s per {unit}",
         m.compute.pointwise_bytes_per_s / 1e9
     );
     println!(
         "  op overhead         {:>8.3} us",
         m.compute.op_overhead_s * 1e6
     );
-    println!(
-        "  all-reduce busbw    {:>8.2} GB/s",
-        m.busbw_bytes_per_s / 1e9
-    );
-    println!("  collective step     {:>8.2} us", m.step_latency_s * 1e6);
+    match &m.intra {
+        Some(c) => {
+            println!(
+                "  all-reduce busbw    {:>8.2} GB/s",
+                c.busbw_bytes_per_s / 1e9
+            );
+            println!("  collective step     {:>8.2} us", c.step_latency_s * 1e6);
+        }
+        None => println!(
+            "  all-reduce          not measured (one {} per node); the node's links are {}'s",
+            unit, base_name
+        ),
+    }
     if let Some(x) = &m.inter {
         println!(
             "  across nodes: all-reduce busbw {:.2} GB/s, step {:.2} us",

@@ -33,10 +33,9 @@ pub struct Measurements {
     pub threads: usize,
     /// GEMM curve, copy and pointwise bandwidth, per-op overhead of one rank.
     pub compute: ComputeFigures,
-    /// Achieved bus bandwidth of large all-reduces across threads, bytes per second.
-    pub busbw_bytes_per_s: f64,
-    /// Latency of one collective algorithm step, seconds.
-    pub step_latency_s: f64,
+    /// All-reduce across the ranks of one node; `None` when a node has one rank (one GPU, or
+    /// one MPI process per node): nothing inside the node was measured.
+    pub intra: Option<CollectiveFit>,
     /// Across nodes, when the ranks span several.
     pub inter: Option<InterNode>,
     /// The accelerator measured, when the ranks are GPUs (`cuda`); `None` for CPU cores.
@@ -50,6 +49,15 @@ pub struct MeasuredDevice {
     pub name: String,
     /// Its memory, GiB.
     pub mem_gib: f64,
+}
+
+/// Collective figures fitted to all-reduce times.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CollectiveFit {
+    /// Achieved bus bandwidth of large all-reduces, bytes per second.
+    pub busbw_bytes_per_s: f64,
+    /// Latency of one collective algorithm step, seconds.
+    pub step_latency_s: f64,
 }
 
 /// Collective figures across nodes (one rank per node).
@@ -258,13 +266,11 @@ pub fn measure(opts: CalibrateOptions) -> Result<Measurements, ExecError> {
             message: "calibration thread panicked".into(),
         },
     )?;
-    let (busbw, step) = slowest.fit(n);
     Ok(Measurements {
         backend: "threads",
         threads,
         compute,
-        busbw_bytes_per_s: busbw,
-        step_latency_s: step,
+        intra: Some(slowest.fit(n)),
         inter: None,
         device: None,
     })
@@ -380,13 +386,16 @@ impl AllReduceTimes {
 
     /// Bus bandwidth (bytes/s) and per-step latency (s) over `n` ranks, fitted to the cost
     /// model's ring all-reduce `t = 2(n−1)/n · S / busbw + 2(n−1) · step`.
-    pub fn fit(&self, n: usize) -> (f64, f64) {
+    pub fn fit(&self, n: usize) -> CollectiveFit {
         let nf = n.max(2) as f64;
         let steps = 2.0 * (nf - 1.0);
         let step = self.small_s / steps;
         let busbw =
             2.0 * (nf - 1.0) / nf * self.large_bytes / (self.large_s - steps * step).max(1e-9);
-        (busbw, step)
+        CollectiveFit {
+            busbw_bytes_per_s: busbw,
+            step_latency_s: step,
+        }
     }
 }
 
@@ -425,9 +434,10 @@ pub fn time_all_reduce(
 /// Lowest efficiency written to a curve (validation needs a positive value).
 const MIN_EFFICIENCY: f64 = 1e-3;
 
-/// A profile of `base`'s schema (the `cpu-local` preset) with the measured values in place of
-/// the nominal ones, and a `[calibration]` table saying so.
-pub fn to_profile(m: &Measurements, base: &ClusterProfile) -> ClusterProfile {
+/// A profile of `base` (the preset named `base_name`: `cpu-local` for CPU cores, the GPU's
+/// model for GPUs) with the measured values in place of its nominal ones, and a
+/// `[calibration]` table saying which.
+pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> ClusterProfile {
     let mut p = base.clone();
     let best = m.compute.matmul.iter().map(|x| x.1).fold(0.0, f64::max);
     // The peak is the nominal FMA peak unless this machine's best GEMM beats it.
@@ -445,10 +455,6 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile) -> ClusterProfile {
         (m.compute.pointwise_bytes_per_s / m.compute.copy_bytes_per_s).clamp(MIN_EFFICIENCY, 1.0);
     p.device.kernel_overhead_us = m.compute.op_overhead_s * 1e6;
     p.node.gpus_per_node = u32::try_from(m.threads).unwrap_or(u32::MAX).max(1);
-    p.node.intra_gbps = m.compute.copy_bytes_per_s / 1e9;
-    p.node.intra_latency_us = m.step_latency_s * 1e6;
-    p.collectives.intra_busbw_efficiency =
-        (m.busbw_bytes_per_s / m.compute.copy_bytes_per_s).clamp(MIN_EFFICIENCY, 1.0);
     let mut fields = vec![
         "device.peak_tflops_fp32",
         "device.matmul_efficiency",
@@ -456,21 +462,38 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile) -> ClusterProfile {
         "device.memory_efficiency",
         "device.kernel_overhead_us",
         "node.gpus_per_node",
-        "node.intra_gbps",
-        "node.intra_latency_us",
-        "collectives.intra_busbw_efficiency",
     ];
     if let Some(d) = &m.device {
         p.device.name = d.name.clone();
         p.device.hbm_gib = d.mem_gib;
-        // The link between the GPUs is not named by the driver; a bus bandwidth above what a
-        // PCIe 5.0 x16 link carries (63 GB/s) means NVLink.
-        p.node.intra_fabric = if m.busbw_bytes_per_s > 63e9 {
-            parallax_hardware::FabricKind::NvlinkMesh
+        fields.extend(["device.name", "device.hbm_gib"]);
+    }
+    // With one rank per node nothing inside a node was measured: the base's fabric stays.
+    if let Some(c) = &m.intra {
+        if m.device.is_some() {
+            // The link between the GPUs is not named by the driver; a bus bandwidth above
+            // what a PCIe 5.0 x16 link carries (63 GB/s) means NVLink.
+            p.node.intra_fabric = if c.busbw_bytes_per_s > 63e9 {
+                parallax_hardware::FabricKind::NvlinkMesh
+            } else {
+                parallax_hardware::FabricKind::Pcie
+            };
+            // The line rate is not measured apart from what collectives achieve over it.
+            p.node.intra_gbps = c.busbw_bytes_per_s / 1e9;
+            p.collectives.intra_busbw_efficiency = 1.0;
+            fields.push("node.intra_fabric");
         } else {
-            parallax_hardware::FabricKind::Pcie
-        };
-        fields.extend(["device.name", "device.hbm_gib", "node.intra_fabric"]);
+            // Cores share the host's memory: its copy bandwidth is the line rate.
+            p.node.intra_gbps = m.compute.copy_bytes_per_s / 1e9;
+            p.collectives.intra_busbw_efficiency =
+                (c.busbw_bytes_per_s / m.compute.copy_bytes_per_s).clamp(MIN_EFFICIENCY, 1.0);
+        }
+        p.node.intra_latency_us = c.step_latency_s * 1e6;
+        fields.extend([
+            "node.intra_gbps",
+            "node.intra_latency_us",
+            "collectives.intra_busbw_efficiency",
+        ]);
     }
     let mut across = String::new();
     if let Some(x) = &m.inter {
@@ -490,7 +513,8 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile) -> ClusterProfile {
     }
     p.description = if m.device.is_some() {
         format!(
-            "{} GPUs of this machine ({} executor: cuBLAS, NCCL), calibrated",
+            "{} GPUs of this machine ({} executor: cuBLAS, NCCL), calibrated; fields not \
+             measured are preset {base_name}'s",
             m.threads, m.backend
         )
     } else if let Some(x) = &m.inter {
@@ -507,13 +531,18 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile) -> ClusterProfile {
     // Built from JSON so that optional fields added to the table later keep their defaults.
     p.calibration = serde_json::from_value::<Provenance>(serde_json::json!({
         "provenance": format!(
-            "parallax calibrate --backend {}: {} concurrent ranks per node; {}, all-reduce over the ranks of one node{across}",
+            "parallax calibrate --backend {}: {} concurrent ranks per node; {}{}{across}; other fields from preset {base_name}",
             m.backend,
             m.threads,
             if m.device.is_some() {
                 "cuBLAS sgemm over square sizes, device copy and Adam-kernel bandwidth"
             } else {
                 "training-shaped fp32 GEMMs (forward, input- and weight-gradient forms), a copy stream and the pointwise mix of a layer (norm, add, GeLU, softmax, Adam)"
+            },
+            if m.intra.is_some() {
+                ", all-reduce over the ranks of one node"
+            } else {
+                ""
             }
         ),
         "fitted_fields": fields,
@@ -536,9 +565,10 @@ mod tests {
         assert_eq!(m.backend, "threads");
         assert!(m.compute.matmul.windows(2).all(|w| w[0].0 < w[1].0));
         assert!(m.compute.matmul.iter().all(|x| x.1 > 0.0));
-        assert!(m.busbw_bytes_per_s > 0.0 && m.step_latency_s > 0.0);
+        let c = m.intra.unwrap();
+        assert!(c.busbw_bytes_per_s > 0.0 && c.step_latency_s > 0.0);
         let base = parallax_hardware::preset("cpu-local").unwrap();
-        let p = to_profile(&m, &base);
+        let p = to_profile(&m, &base, "cpu-local");
         p.validate().unwrap();
         let text = p.to_toml_string().unwrap();
         let back = ClusterProfile::from_toml_str(&text, "calibrated").unwrap();
@@ -566,8 +596,9 @@ mod tests {
             large_s: 6.0 * step + 1.5 * bytes / busbw,
             large_bytes: bytes,
         };
-        let (b, s) = t.fit(n);
-        assert!((b / busbw - 1.0).abs() < 1e-9 && (s / step - 1.0).abs() < 1e-9);
+        let f = t.fit(n);
+        assert!((f.busbw_bytes_per_s / busbw - 1.0).abs() < 1e-9);
+        assert!((f.step_latency_s / step - 1.0).abs() < 1e-9);
     }
 
     #[test]
@@ -581,8 +612,10 @@ mod tests {
                 pointwise_bytes_per_s: 5e9,
                 op_overhead_s: 1e-7,
             },
-            busbw_bytes_per_s: 4e9,
-            step_latency_s: 2e-6,
+            intra: Some(CollectiveFit {
+                busbw_bytes_per_s: 4e9,
+                step_latency_s: 2e-6,
+            }),
             inter: Some(InterNode {
                 nodes: 2,
                 busbw_bytes_per_s: 1.25e9,
@@ -590,11 +623,48 @@ mod tests {
             }),
             device: None,
         };
-        let p = to_profile(&m, &parallax_hardware::preset("cpu-local").unwrap());
+        let p = to_profile(
+            &m,
+            &parallax_hardware::preset("cpu-local").unwrap(),
+            "cpu-local",
+        );
         p.validate().unwrap();
         let net = p.network.as_ref().unwrap();
         assert!((net.nic_gbit - 10.0).abs() < 1e-9 && (net.latency_us - 20.0).abs() < 1e-9);
         assert_eq!(p.node.gpus_per_node, 4);
         assert!(p.calibration.unwrap().provenance.contains("across 2 nodes"));
+    }
+
+    /// One GPU measures no collective: the profile keeps the matched preset's fabric and
+    /// tensor-core peaks and claims only what was measured.
+    #[test]
+    fn a_one_gpu_calibration_keeps_its_presets_links() {
+        let m = Measurements {
+            backend: "cuda",
+            threads: 1,
+            compute: ComputeFigures {
+                matmul: vec![(3.4e7, 2.4e12), (1.1e12, 5.1e13)],
+                copy_bytes_per_s: 4.1e12,
+                pointwise_bytes_per_s: 2.8e12,
+                op_overhead_s: 6.8e-6,
+            },
+            intra: None,
+            inter: None,
+            device: Some(MeasuredDevice {
+                name: "NVIDIA H200".into(),
+                mem_gib: 139.8,
+            }),
+        };
+        let name = parallax_hardware::preset_for_device("NVIDIA H200", 139.8).unwrap();
+        let base = parallax_hardware::preset(name).unwrap();
+        let p = to_profile(&m, &base, name);
+        p.validate().unwrap();
+        assert_eq!(p.node.intra_gbps, base.node.intra_gbps);
+        assert_eq!(p.node.intra_fabric, base.node.intra_fabric);
+        assert_eq!(p.device.peak_tflops_bf16, base.device.peak_tflops_bf16);
+        assert_eq!(p.node.gpus_per_node, 1);
+        let c = p.calibration.unwrap();
+        assert!(!c.fitted_fields.iter().any(|f| f.starts_with("node.intra")));
+        assert!(c.provenance.contains(name) && !c.provenance.contains("all-reduce"));
     }
 }

@@ -163,26 +163,134 @@ fn require(lib: Lib) -> Result<(), ExecError> {
             message: FIX_DRIVER.into(),
         });
     }
-    #[cfg(feature = "nccl")]
-    if lib == Lib::Nccl {
-        return Err(ExecError::Backend {
-            backend: "cuda",
-            message: "libnccl.so.2 could not be loaded: install NCCL (package libnccl2) or add \
-                      its directory to LD_LIBRARY_PATH"
-                .into(),
-        });
-    }
-    let (name, what) = LIBRARIES
-        .iter()
-        .find(|(l, _, _)| *l == lib)
-        .map_or(("a CUDA library", "it"), |(_, n, w)| (*n, *w));
+    let (stem, what) = match lib {
+        #[cfg(feature = "nccl")]
+        Lib::Nccl => ("libnccl", "NCCL (packages libnccl2 and libnccl-dev)"),
+        _ => LIBRARIES
+            .iter()
+            .find(|(l, _, _)| *l == lib)
+            .map_or(("a CUDA library", "it"), |(_, n, w)| (*n, *w)),
+    };
+    let found = find_library(stem, &library_folders());
     Err(ExecError::Backend {
         backend: "cuda",
-        message: format!(
-            "{name}.so could not be loaded: install {what}, or add its directory to \
-             LD_LIBRARY_PATH"
-        ),
+        message: missing_library_message(stem, what, &found),
     })
+}
+
+/// Major versions of a CUDA library cudarc loads by name: `{stem}.so`, or `{stem}.so.N` for
+/// these N. Other versions (CUDA 13's `.so.13`, NCCL's `.so.2`) load through a `{stem}.so`
+/// link.
+const LOADABLE_MAJORS: [&str; 5] = ["12", "11", "10", "9", "1"];
+
+/// Folders where CUDA libraries are usually installed: `$CUDA_HOME`, `$CUDA_PATH`, each
+/// `/usr/local/cuda*` toolkit, and the system library folders.
+fn library_folders() -> Vec<std::path::PathBuf> {
+    use std::path::PathBuf;
+    let mut roots: Vec<PathBuf> = ["CUDA_HOME", "CUDA_PATH"]
+        .iter()
+        .filter_map(|v| std::env::var_os(v).map(PathBuf::from))
+        .collect();
+    if let Ok(dir) = std::fs::read_dir("/usr/local") {
+        let mut toolkits: Vec<PathBuf> = dir
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("cuda"))
+            })
+            .collect();
+        toolkits.sort();
+        roots.extend(toolkits);
+    }
+    let mut folders: Vec<PathBuf> = roots
+        .iter()
+        .flat_map(|r| {
+            [
+                r.join("lib64"),
+                r.join("lib"),
+                r.join("targets/x86_64-linux/lib"),
+                r.join("targets/sbsa-linux/lib"),
+            ]
+        })
+        .collect();
+    folders.extend(
+        [
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib/aarch64-linux-gnu",
+            "/usr/lib64",
+            "/usr/lib",
+        ]
+        .map(PathBuf::from),
+    );
+    folders
+}
+
+/// Files named `{stem}.so` or `{stem}.so.N…` in `folders`, in folder order.
+fn find_library(stem: &str, folders: &[std::path::PathBuf]) -> Vec<std::path::PathBuf> {
+    let so = format!("{stem}.so");
+    let mut found = Vec::new();
+    for folder in folders {
+        let Ok(dir) = std::fs::read_dir(folder) else {
+            continue;
+        };
+        let mut here: Vec<_> = dir
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                    n == so || n.strip_prefix(&so).is_some_and(|v| v.starts_with('.'))
+                })
+            })
+            .collect();
+        here.sort();
+        found.extend(here);
+    }
+    found
+}
+
+/// What to do when `stem` could not be loaded, given the copies of it `found` on disk: add the
+/// folder of a loadable name to LD_LIBRARY_PATH, or link a version cudarc does not try as
+/// `{stem}.so`.
+fn missing_library_message(stem: &str, what: &str, found: &[std::path::PathBuf]) -> String {
+    let loadable = |p: &std::path::Path| {
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let version = name.strip_prefix(stem).unwrap_or("");
+        version == ".so"
+            || LOADABLE_MAJORS
+                .iter()
+                .any(|m| version == format!(".so.{m}"))
+    };
+    let tried = format!(
+        "{stem}.so or {}",
+        LOADABLE_MAJORS
+            .iter()
+            .map(|m| format!("{stem}.so.{m}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if let Some(p) = found.iter().find(|p| loadable(p)) {
+        let folder = p.parent().unwrap_or(p).display();
+        format!(
+            "{stem} could not be loaded ({tried}); {} is installed: add {folder} to \
+             LD_LIBRARY_PATH",
+            p.display()
+        )
+    } else if let Some(p) = found.first() {
+        format!(
+            "{stem} could not be loaded ({tried}); {} is installed under another name: link \
+             it, e.g. `mkdir -p ~/.parallax/lib && ln -s {} ~/.parallax/lib/{stem}.so`, and \
+             add that folder to LD_LIBRARY_PATH",
+            p.display(),
+            p.display()
+        )
+    } else {
+        format!(
+            "{stem} could not be loaded ({tried}): install {what}, or add the folder that \
+             holds it to LD_LIBRARY_PATH"
+        )
+    }
 }
 
 /// Finds the CUDA devices of this machine. Errors (typed, with a fix-it message) when the
@@ -723,11 +831,7 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
         let f = gpu.sgemm_flops(8, 8, 8, 100)?;
         2.0 * 512.0 / f
     };
-    let times = collective_times(n, quick)?;
-    let (busbw, step) = match times {
-        Some(t) => t.fit(n),
-        None => (copy, 1e-6),
-    };
+    let intra = collective_times(n, quick)?.map(|t| t.fit(n));
     Ok(Measurements {
         backend: "cuda",
         threads: n,
@@ -737,8 +841,7 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
             pointwise_bytes_per_s: pointwise,
             op_overhead_s: op_overhead,
         },
-        busbw_bytes_per_s: busbw,
-        step_latency_s: step,
+        intra,
         inter: None,
         device: Some(MeasuredDevice {
             name: gpu.info().name.clone(),
@@ -1173,6 +1276,50 @@ mod tests {
         }
     }
 
+    /// A CUDA 13 toolkit ships `libcublas.so.13` (and a `libcublas.so` link in the toolkit,
+    /// not in pip wheels), NCCL's runtime package `libnccl.so.2`: names cudarc does not try.
+    #[test]
+    fn a_missing_library_message_says_which_folder_or_link_fixes_it() {
+        let dir = std::env::temp_dir().join(format!("parallax-libs-{}", std::process::id()));
+        let (toolkit, wheel) = (dir.join("toolkit"), dir.join("wheel"));
+        std::fs::create_dir_all(&toolkit).unwrap();
+        std::fs::create_dir_all(&wheel).unwrap();
+        for f in ["libcublas.so", "libcublas.so.13", "libcublasLt.so.13"] {
+            std::fs::write(toolkit.join(f), b"").unwrap();
+        }
+        std::fs::write(wheel.join("libnccl.so.2"), b"").unwrap();
+        let folders = [dir.join("absent"), wheel.clone(), toolkit.clone()];
+
+        let cublas = find_library("libcublas", &folders);
+        assert_eq!(
+            cublas,
+            [
+                toolkit.join("libcublas.so"),
+                toolkit.join("libcublas.so.13")
+            ]
+        );
+        let m = missing_library_message("libcublas", "cuBLAS", &cublas);
+        assert!(
+            m.contains(&format!("add {} to LD_LIBRARY_PATH", toolkit.display())),
+            "{m}"
+        );
+
+        let nccl = find_library("libnccl", &folders);
+        let m = missing_library_message("libnccl", "NCCL", &nccl);
+        assert!(
+            m.contains("under another name")
+                && m.contains(&format!("ln -s {}", wheel.join("libnccl.so.2").display())),
+            "{m}"
+        );
+
+        let m = missing_library_message("libnvrtc", "NVRTC (the CUDA toolkit)", &[]);
+        assert!(
+            m.contains("install NVRTC") && m.contains("libnvrtc.so.12"),
+            "{m}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn probe_is_an_error_or_a_device_list_never_a_panic() {
         match probe() {
@@ -1220,8 +1367,17 @@ mod tests {
             return;
         }
         let m = calibrate(true).unwrap();
-        let p = crate::calibrate::to_profile(&m, &parallax_hardware::preset("cpu-local").unwrap());
+        let d = m.device.as_ref().unwrap();
+        let base = parallax_hardware::preset_for_device(&d.name, d.mem_gib).unwrap_or("cpu-local");
+        let p = crate::calibrate::to_profile(&m, &parallax_hardware::preset(base).unwrap(), base);
         p.validate().unwrap();
+        // One GPU measures no collective: the node's links stay the preset's.
+        if m.intra.is_none() {
+            assert_eq!(
+                p.node.intra_gbps,
+                parallax_hardware::preset(base).unwrap().node.intra_gbps
+            );
+        }
         eprintln!("{}: {:?}", p.device.name, m.compute.matmul);
     }
 

@@ -641,25 +641,18 @@ impl MpiRuntime {
             let n = local.size() as f64;
             let mean: Vec<f64> = v.iter().map(|x| f64::from(*x) / n).collect();
             let c = ComputeFigures::from_vec(&mean);
-            let (busbw, step) = if local.size() > 1 {
-                times(0, bytes).fit(local.size())
-            } else {
-                // One rank per node: nothing to measure inside a node; the copy bandwidth
-                // stands in for it.
-                (c.copy_bytes_per_s, 1e-6)
-            };
             Ok(Some(Measurements {
                 backend: "mpi",
                 threads: local.size(),
                 compute: c,
-                busbw_bytes_per_s: busbw,
-                step_latency_s: step,
+                // One rank per node: nothing to measure inside a node.
+                intra: (local.size() > 1).then(|| times(0, bytes).fit(local.size())),
                 inter: (leaders.size() > 1).then(|| {
-                    let (busbw, step) = times(2, bytes).fit(leaders.size());
+                    let f = times(2, bytes).fit(leaders.size());
                     InterNode {
                         nodes: leaders.size(),
-                        busbw_bytes_per_s: busbw,
-                        step_latency_s: step,
+                        busbw_bytes_per_s: f.busbw_bytes_per_s,
+                        step_latency_s: f.step_latency_s,
                     }
                 }),
                 device: None,

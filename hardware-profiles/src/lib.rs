@@ -27,7 +27,9 @@ mod profile;
 pub use cluster::Cluster;
 pub use curve::EfficiencyCurve;
 pub use error::HwError;
-pub use presets::{is_preset, preset, preset_names, preset_toml, presets, CPU_LOCAL};
+pub use presets::{
+    is_preset, preset, preset_for_device, preset_names, preset_toml, presets, CPU_LOCAL,
+};
 pub use profile::{
     Calibration, ClusterProfile, CollectiveSpec, DeviceSpec, FabricKind, NetworkSpec, NodeSpec,
     PrecisionScale, Topology, MAX_SUSTAINED,

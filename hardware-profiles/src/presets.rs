@@ -102,3 +102,34 @@ pub fn preset(name: &str) -> Result<ClusterProfile, HwError> {
 pub fn is_preset(name: &str) -> bool {
     PRESETS.iter().any(|p| p.name == name)
 }
+
+/// The preset whose device is the GPU the driver names `driver_name` with `mem_gib` of memory
+/// (e.g. "NVIDIA H200", 139.8 → `hgx-h200-141gb`): the model in its device name (the part
+/// before the first `-`, e.g. `H200`, `A100`, `TITAN RTX`) appears among the driver name's
+/// words, and its memory is the nearest within 15 %. `None` for a GPU no preset has.
+pub fn preset_for_device(driver_name: &str, mem_gib: f64) -> Option<&'static str> {
+    let words = |s: &str| -> Vec<String> {
+        s.split(|c: char| !c.is_ascii_alphanumeric())
+            .filter(|w| !w.is_empty())
+            .map(str::to_ascii_uppercase)
+            .collect()
+    };
+    let driver = words(driver_name);
+    PRESETS
+        .iter()
+        .filter(|p| p.name != CPU_LOCAL)
+        .filter_map(|p| {
+            let prof = ClusterProfile::from_toml_str(p.toml, p.name).ok()?;
+            let model = prof.device.name.split('-').next().unwrap_or("");
+            let wanted = words(model);
+            let off = (prof.device.hbm_gib - mem_gib).abs() / prof.device.hbm_gib;
+            (!wanted.is_empty() && wanted.iter().all(|w| driver.contains(w)) && off <= 0.15)
+                .then_some((p.name, off))
+        })
+        // The first of equally near presets (the vendor's own system before a cloud's).
+        .fold(None, |best: Option<(&str, f64)>, (name, off)| match best {
+            Some((_, b)) if b <= off => best,
+            _ => Some((name, off)),
+        })
+        .map(|(name, _)| name)
+}

@@ -796,3 +796,36 @@ fn invalid_file_error_names_the_path() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_driver_device_name_finds_its_preset() {
+    use crate::preset_for_device;
+    // Names as `nvidia-smi` / cuDeviceGetName report them, with the memory the driver gives.
+    assert_eq!(
+        preset_for_device("NVIDIA H200", 139.8),
+        Some("hgx-h200-141gb")
+    );
+    assert_eq!(
+        preset_for_device("NVIDIA H100 80GB HBM3", 79.1),
+        Some("dgx-h100-80gb")
+    );
+    assert_eq!(
+        preset_for_device("NVIDIA A100-SXM4-40GB", 39.4),
+        Some("dgx-a100-40gb")
+    );
+    assert_eq!(
+        preset_for_device("NVIDIA A100-SXM4-80GB", 79.2),
+        Some("dgx-a100-80gb")
+    );
+    let v100 = preset_for_device("Tesla V100-SXM2-16GB", 15.8).unwrap();
+    assert_eq!(crate::preset(v100).unwrap().device.name, "V100-SXM2-16GB");
+    assert_eq!(
+        preset_for_device("NVIDIA TITAN RTX", 23.6),
+        Some("titan-rtx-2x-nvlink")
+    );
+    assert_eq!(preset_for_device("NVIDIA GeForce RTX 4090", 23.6), None);
+    assert_eq!(
+        preset_for_device("NVIDIA H100 NVL", 93.0),
+        Some("grand-teton-h100-96gb")
+    );
+}
