@@ -57,6 +57,27 @@ fn kernels(op: &OpKind) -> f64 {
     }
 }
 
+/// Traffic of a bandwidth-bound op's forward and backward kernels, in multiples of its
+/// forward operands (inputs read plus outputs written once).
+///
+/// - Batch normalization runs two kernels each way (cuDNN's `bn_fw_tr` / `bn_bw`, PyTorch's
+///   channels-last `collect_statistics` + `transform_input` and `backward_reduce` +
+///   `backward_elemt`, as profiled on an H200): the forward reads the input for the batch
+///   statistics, then reads it again and writes the output (three passes); the backward reads
+///   input and output gradient for the reductions, then both again and writes the input
+///   gradient (five).
+/// - Anything else: the backward reads the saved input and the output gradient and writes
+///   the input gradient, about twice the forward's traffic. (An activation's backward kernel
+///   alone moves 1.5× and an addition's gradient sum at the residual fork 1×, as profiled;
+///   at those factors the eager mixed-precision runs of `general.json`, already predicted
+///   fast for costs not modelled yet — autocast's fp32 casts — get further off.)
+fn pointwise_passes(op: &OpKind) -> (f64, f64) {
+    match op {
+        OpKind::BatchNorm => (1.5, 2.5),
+        _ => (1.0, 2.0),
+    }
+}
+
 /// Forward, input-gradient and weight-gradient time of one op.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OpTimes {
@@ -136,7 +157,7 @@ impl<'a> DeviceModel<'a> {
 
     /// Time of one GEMM of `flops` FLOPs (launch included).
     pub fn gemm(&self, flops: f64) -> Seconds {
-        self.gemm_tiled(flops, 1.0)
+        self.gemm_tiled(flops, 0.0, 1.0)
     }
 
     /// Time of a bandwidth-bound kernel moving `bytes` (launch included).
@@ -147,13 +168,20 @@ impl<'a> DeviceModel<'a> {
         Seconds(bytes / self.dev.effective_memory_bandwidth().0) + self.overhead(1.0)
     }
 
-    /// A GEMM of `flops` whose output tiles are filled to `fill` (see [`tile_fill`]).
-    fn gemm_tiled(&self, flops: f64, fill: f64) -> Seconds {
+    /// A GEMM of `flops` that moves `bytes` through device memory (its operands read and its
+    /// result written once) and whose output tiles are filled to `fill` (see [`tile_fill`]):
+    /// the slower of its arithmetic at the size's efficiency and its traffic at the
+    /// achievable bandwidth (the roofline; a 1×1 convolution over 64 channels or a
+    /// small-batch recurrent step is bound by memory on tensor cores, whose ridge point is
+    /// 100–300 FLOP per byte).
+    fn gemm_tiled(&self, flops: f64, bytes: f64, fill: f64) -> Seconds {
         if flops <= 0.0 {
             return Seconds(0.0);
         }
         let eff = self.dev.matmul_efficiency_for(self.precision, flops) * self.dev.sustained();
-        Seconds(flops / (self.gemm_peak * eff * fill)) + self.overhead(1.0)
+        let arithmetic = flops / (self.gemm_peak * eff * fill);
+        let traffic = bytes.max(0.0) / self.dev.effective_memory_bandwidth().0;
+        Seconds(arithmetic.max(traffic)) + self.overhead(1.0)
     }
 
     /// A convolution as the three implicit GEMMs cuDNN runs (forward: batch·pixels × output
@@ -184,10 +212,13 @@ impl<'a> DeviceModel<'a> {
         } else {
             1.0
         };
+        // Each pass reads two of input, weight and output (or their gradients) and writes
+        // the third: the forward's traffic.
+        let bytes = (w.bytes_read.0 + w.bytes_written.0) as f64;
         OpTimes {
-            fwd: self.gemm_tiled(w.fwd_flops.0 / g, fills[0]),
-            bwd_input: self.gemm_tiled(w.bwd_input_flops.0 / g, fills[1]),
-            bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0 / g, fills[2]),
+            fwd: self.gemm_tiled(w.fwd_flops.0 / g, bytes, fills[0]),
+            bwd_input: self.gemm_tiled(w.bwd_input_flops.0 / g, bytes, fills[1]),
+            bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0 / g, bytes, fills[2]),
         }
     }
 
@@ -244,18 +275,21 @@ impl<'a> DeviceModel<'a> {
                 }
             }
             (ComputeClass::Gemm, OpKind::Conv2d(c)) => self.conv(op, c, ins, w),
-            (ComputeClass::Gemm, _) => OpTimes {
-                fwd: self.gemm(w.fwd_flops.0) + self.overhead(k - 1.0),
-                bwd_input: self.gemm(w.bwd_input_flops.0) + self.overhead(k - 1.0),
-                bwd_weight: self.gemm(w.bwd_weight_flops.0),
-            },
+            (ComputeClass::Gemm, _) => {
+                let bytes = (w.bytes_read.0 + w.bytes_written.0) as f64;
+                OpTimes {
+                    fwd: self.gemm_tiled(w.fwd_flops.0, bytes, 1.0) + self.overhead(k - 1.0),
+                    bwd_input: self.gemm_tiled(w.bwd_input_flops.0, bytes, 1.0)
+                        + self.overhead(k - 1.0),
+                    bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0, bytes, 1.0),
+                }
+            }
             _ => {
                 let bytes = (w.bytes_read.0 + w.bytes_written.0) as f64;
-                // Backward reads the saved input and the output gradient and writes the input
-                // gradient: about twice the forward traffic.
+                let (fwd, bwd) = pointwise_passes(op);
                 OpTimes {
-                    fwd: self.memory(bytes),
-                    bwd_input: self.memory(2.0 * bytes),
+                    fwd: self.memory(fwd * bytes),
+                    bwd_input: self.memory(bwd * bytes),
                     bwd_weight: Seconds(0.0),
                 }
             }
@@ -374,6 +408,48 @@ mod tests {
         let t = m.op(&op, &ins, &w, 2);
         assert!((t.bwd_input.0 + t.bwd_weight.0) / t.fwd.0 > 1.99);
         assert!((t.bwd_input.0 + t.bwd_weight.0) / t.fwd.0 < 2.01);
+    }
+
+    /// A decoder GEMM over a few rows reads its whole weight: it takes the time of that
+    /// traffic, not of its FLOPs, so shrinking the rows below the ridge point saves nothing.
+    #[test]
+    fn a_gemm_over_few_rows_is_bound_by_reading_its_weight() {
+        let p = preset("dgx-h100-80gb").unwrap();
+        let m = DeviceModel::new(&p, Precision::Bf16).unwrap();
+        let op = OpKind::Linear(LinearAttrs {
+            out_features: 32768,
+            bias: false,
+        });
+        let time = |rows: u64| {
+            let ins = [Shape::new([rows, 8192]), Shape::new([8192, 32768])];
+            let outs = [Shape::new([rows, 32768])];
+            let w = op.work(&ins, &outs, &[false, true], 2);
+            (m.op(&op, &ins, &w, 2).fwd.0, w)
+        };
+        let (t, w) = time(4);
+        let traffic = (w.bytes_read.0 + w.bytes_written.0) as f64
+            / p.device.effective_memory_bandwidth().0
+            + p.device.kernel_overhead().0;
+        assert!((t / traffic - 1.0).abs() < 1e-9, "{t} vs {traffic}");
+        assert!((time(8).0 / t - 1.0).abs() < 0.01);
+    }
+
+    /// Batch normalization reads its input for the statistics before it normalizes, and
+    /// reduces before it differentiates: 1.5× and 2.5× the traffic of a pointwise op of the
+    /// same tensors.
+    #[test]
+    fn batch_norm_pays_for_its_statistics_pass() {
+        let p = preset("dgx-a100-80gb").unwrap();
+        let m = DeviceModel::new(&p, Precision::Bf16).unwrap();
+        let ins = [Shape::new([256, 64, 56, 56])];
+        let bn = OpKind::BatchNorm;
+        let w = bn.work(&ins, &ins, &[false], 2);
+        let t = m.op(&bn, &ins, &w, 2);
+        let pass =
+            m.memory((w.bytes_read.0 + w.bytes_written.0) as f64).0 - p.device.kernel_overhead().0;
+        let o = p.device.kernel_overhead().0;
+        assert!((t.fwd.0 - (1.5 * pass + o)).abs() < 1e-12);
+        assert!((t.bwd_input.0 - (2.5 * pass + o)).abs() < 1e-12);
     }
 
     #[test]

@@ -584,6 +584,12 @@ pub struct OpCosts<'a> {
     consumers: Vec<Vec<(NodeId, usize)>>,
     /// Producer of each tensor.
     producer: Vec<Option<NodeId>>,
+    /// Per node, the tensors (view roots) whose saved copy it holds: a tensor kept for
+    /// backward by several nodes (a ReLU's output and the next convolution's input) is one
+    /// buffer, held by the first of them.
+    holds: Vec<Vec<TensorId>>,
+    /// The view root of every tensor.
+    roots: Vec<TensorId>,
     compute_memo: FxHashMap<(OpKind, Vec<Shape>, Vec<Shape>), OpTimes>,
     /// Per node, the splits already priced (a front to `compute_memo`).
     node_compute: Vec<Vec<(BTreeMap<char, u32>, OpTimes)>>,
@@ -658,9 +664,17 @@ impl<'a> OpCosts<'a> {
                 })
             })
             .collect();
+        let mut holds = vec![Vec::new(); graph.nodes.len()];
+        for item in graph.saved_items(1, |_| true) {
+            if let Some(t) = item.tensor {
+                holds[item.node.0 as usize].push(t);
+            }
+        }
         Ok(OpCosts {
             graph,
             needs_input_grad,
+            holds,
+            roots: graph.view_roots(),
             profile,
             gpus,
             precision,
@@ -1037,7 +1051,14 @@ impl<'a> OpCosts<'a> {
         }
         let s = node.op.saves(&si, &self.weights[n.0 as usize]);
         let fb = self.float_bytes;
-        let bytes_of = |shape: &Shape, t: TensorId| shape.elems() * self.graph.elem_bytes(t, fb);
+        let holds = &self.holds[n.0 as usize];
+        let bytes_of = |shape: &Shape, t: TensorId| {
+            if holds.contains(&self.roots[t.0 as usize]) {
+                shape.elems() * self.graph.elem_bytes(t, fb)
+            } else {
+                0
+            }
+        };
         for &i in &s.inputs {
             m.saved += bytes_of(&si[i], node.inputs[i]) as f64;
         }
@@ -1130,6 +1151,46 @@ mod tests {
             .find(|i| matches!(g.nodes[*i].op, OpKind::Conv2d(_)))
             .unwrap();
         assert!(c.compute(NodeId(next as u32), &one).bwd_input.0 > 0.0);
+    }
+
+    /// Unsplit, the nodes' saved tensors add up to the graph's activation memory: a ReLU's
+    /// output that the next convolution keeps too is one buffer, and the max pool keeps its
+    /// 8-byte argmax indices.
+    #[test]
+    fn a_tensor_kept_by_two_nodes_is_counted_once() {
+        let g = resnet50();
+        let p = preset("dgx1-p100-16gb").unwrap();
+        let c = OpCosts::new(&g, &p, 1, Precision::Fp32).unwrap();
+        let one = ParallelConfig::single(0);
+        let saved: f64 = (0..g.nodes.len())
+            .map(|i| c.memory(NodeId(i as u32), &one).saved)
+            .sum();
+        let graph = g.activation_bytes(4, |_| true).0 as f64;
+        assert!((saved - graph).abs() < 1.0, "{saved} vs {graph}");
+        // conv → batch norm → in-place ReLU → conv keeps the convolution output and the ReLU
+        // output only: a convolution fed by a ReLU holds nothing of its own.
+        let fed_by_relu = g
+            .nodes
+            .iter()
+            .position(|n| {
+                matches!(n.op, OpKind::Conv2d(_))
+                    && g.nodes.iter().any(|m| {
+                        matches!(m.op, OpKind::Activation(_)) && m.outputs[0] == n.inputs[0]
+                    })
+            })
+            .unwrap();
+        assert_eq!(c.memory(NodeId(fed_by_relu as u32), &one).saved, 0.0);
+        // The stem's max pool reads the ReLU output (held there) and keeps its indices.
+        let pool = g
+            .nodes
+            .iter()
+            .position(|n| matches!(n.op, OpKind::Pool2d(_)))
+            .unwrap();
+        let y = &g.output_shapes(&g.nodes[pool])[0];
+        assert_eq!(
+            c.memory(NodeId(pool as u32), &one).saved,
+            (y.elems() * 8) as f64
+        );
     }
 
     #[test]

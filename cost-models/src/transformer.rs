@@ -768,11 +768,12 @@ mod tests {
         assert_eq!(all.head.working.0, 128 * m.vocab * LOSS_BYTES_PER_LOGIT);
         assert_eq!(masked.head.working.0, 20 * m.vocab * LOSS_BYTES_PER_LOGIT);
         // 20 / 128 of the work (the pooler reads the first token either way); smaller GEMMs
-        // run further down the efficiency curve, so the time falls less.
+        // run further down the efficiency curve, and at one sequence the decoder reads its
+        // whole 30522 × 1024 weight for 20 rows (bound by memory), so the time falls less.
         let work = masked.head.hardware_flops / all.head.hardware_flops;
         assert!((0.15..0.17).contains(&work), "{work}");
         let time = masked.head.compute.total().0 / all.head.compute.total().0;
-        assert!(time > work && time < 0.6, "{time}");
+        assert!(time > work && time < 0.9, "{time}");
     }
 
     #[test]

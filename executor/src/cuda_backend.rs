@@ -17,8 +17,9 @@
 //! toolkit, and a machine without a GPU gets a typed error with a fix-it message instead of a
 //! panic — tract's `is_culib_present` pattern. The column-major GEMM mapping is checked on
 //! the host against an emulation of cuBLAS's `sgemm` (`tensor.rs` tests); everything that
-//! needs a device skips its test with a message when none is found. No GPU was available to
-//! this repository's CI or development, so none of the device paths has run yet.
+//! needs a device skips its test with a message when none is found. CI has no GPU; the device
+//! tests and `calibrate --backend cuda` first ran on one H200 on 2026-11-26 (README, Backends),
+//! the two-GPU run and NCCL across GPUs have not run yet.
 
 use crate::calibrate::{AllReduceTimes, ComputeFigures, MeasuredDevice, Measurements};
 use crate::engine::{AdamConfig, RankReport};

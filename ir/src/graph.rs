@@ -8,7 +8,7 @@ use crate::op::{
 use crate::shape::Shape;
 use crate::units::Bytes;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use thiserror::Error;
 
 /// Index of a tensor in [`Graph::tensors`].
@@ -252,15 +252,8 @@ impl Graph {
     /// (de-duplicated across nodes, views resolved to the tensor they alias) or extra state,
     /// attributed to the first node that keeps it.
     pub fn saved_items(&self, float_bytes: u64, filter: impl Fn(&Node) -> bool) -> Vec<SavedItem> {
-        let mut alias: HashMap<TensorId, TensorId> = HashMap::new();
-        for n in &self.nodes {
-            if n.op.is_view() {
-                let src = n.inputs[0];
-                let root = alias.get(&src).copied().unwrap_or(src);
-                alias.insert(n.outputs[0], root);
-            }
-        }
-        let root = |t: TensorId| alias.get(&t).copied().unwrap_or(t);
+        let roots = self.view_roots();
+        let root = |t: TensorId| roots[t.0 as usize];
         let mut kept: HashSet<TensorId> = HashSet::new();
         let mut items = Vec::new();
         for (i, n) in self.nodes.iter().enumerate().filter(|(_, n)| filter(n)) {
@@ -292,6 +285,18 @@ impl Graph {
             }
         }
         items
+    }
+
+    /// For every tensor, the tensor whose storage it is: a view (reshape, flatten, …) aliases
+    /// its input's root; any other tensor is its own.
+    pub fn view_roots(&self) -> Vec<TensorId> {
+        let mut roots: Vec<TensorId> = (0..self.tensors.len() as u32).map(TensorId).collect();
+        for n in &self.nodes {
+            if n.op.is_view() {
+                roots[n.outputs[0].0 as usize] = roots[n.inputs[0].0 as usize];
+            }
+        }
+        roots
     }
 
     /// Bytes of a tensor: floating tensors at `float_bytes`, others at their own size.

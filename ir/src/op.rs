@@ -1216,6 +1216,21 @@ impl OpKind {
                 },
                 ..Saved::default()
             },
+            // ReLU, sigmoid and tanh differentiate from their output (PyTorch saves the result:
+            // `threshold_backward(grad, result)`, `sigmoid_backward(grad, result)`), so an
+            // in-place ReLU after a batch norm keeps one tensor, not the norm's output and its
+            // own; the others need their input.
+            OpKind::Activation(a)
+                if matches!(
+                    a.kind,
+                    Activation::Relu | Activation::Sigmoid | Activation::Tanh
+                ) =>
+            {
+                Saved {
+                    outputs: vec![0],
+                    ..Saved::default()
+                }
+            }
             OpKind::Activation(_) => Saved {
                 inputs: data(&[0]),
                 ..Saved::default()
@@ -1246,8 +1261,15 @@ impl OpKind {
                     ..Saved::default()
                 }
             }
+            // The input and the argmax of every output element as an 8-byte index
+            // (`max_pool2d_with_indices`).
             OpKind::Pool2d(p) if p.kind == PoolKind::Max => Saved {
                 inputs: data(&[0]),
+                extra_bytes: self
+                    .infer(ins)
+                    .ok()
+                    .and_then(|o| o.first().map(|y| y.elems() * 8))
+                    .unwrap_or(0),
                 ..Saved::default()
             },
             OpKind::Lstm(a) | OpKind::Gru(a) => {
