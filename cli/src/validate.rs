@@ -10,8 +10,8 @@ use std::path::PathBuf;
 /// Score predicted step time and memory against published runs.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
-    /// A case file (`parallax-validation-cases/1` or `/2`), e.g.
-    /// ../shared/ground-truth/public.json or general.json.
+    /// A case file (`parallax-validation-cases/1`, `/1.1` or `/2`), e.g.
+    /// ../shared/ground-truth/public.json, moe-zero-offload.json or general.json.
     cases: PathBuf,
     /// Only cases of this group (e.g. `core`, `fp8`).
     #[arg(long)]

@@ -35,6 +35,8 @@ const PRESETS: &[Preset] = &[
     preset!("aws-p3dn-v100-32gb", "AWS p3dn.24xlarge: 8x V100-SXM2 32GB, NVLink hybrid cube mesh, 100 Gb/s EFA"),
     preset!("aws-p4d-a100-40gb", "AWS p4d.24xlarge: 8x A100-SXM4 40GB, NVSwitch, 4x 100 Gb/s EFA"),
     preset!("aws-p5-h100-80gb", "AWS p5.48xlarge: 8x H100-SXM5 80GB, NVSwitch with NVLS, 32x 100 Gb/s EFA"),
+    preset!("ibm-a100-80gb-400g", "IBM's A100 80GB cluster of the PyTorch FSDP blog (2024): 8 GPUs per node assumed, 400 Gb/s per node with GPUDirect RDMA"),
+    preset!("ibm-h100-80gb-800g", "IBM's H100 80GB cluster of the PyTorch FSDP blog (2024): 8 GPUs per node assumed, 800 Gb/s per node"),
     preset!("dgx1-p100-16gb", "NVIDIA DGX-1 (Pascal): 8x Tesla P100-SXM2 16GB, NVLink 1.0 hybrid cube mesh, 4x 100 Gb/s EDR InfiniBand"),
     preset!("dgx1-v100-16gb", "NVIDIA DGX-1 (Volta): 8x V100-SXM2 16GB (300 W), NVLink 2.0 hybrid cube mesh, 4x 100 Gb/s EDR InfiniBand"),
     preset!("dgx1-v100-32gb", "NVIDIA DGX-1 (Volta): 8x V100-SXM2 32GB (300 W), NVLink 2.0 hybrid cube mesh, 4x 100 Gb/s EDR InfiniBand"),

@@ -9,7 +9,7 @@ pub use crate::general_cases::{GeneralCase, GENERAL_CASES_SCHEMA};
 use crate::search::Space;
 use parallax_cost::transformer::{Runtime, SelectivePolicy, Setup};
 use parallax_hardware::{Cluster, ClusterProfile};
-use parallax_ir::models::{Mlp, TransformerConfig};
+use parallax_ir::models::{Mlp, MoeConfig, TransformerConfig};
 use parallax_ir::{PartialLayout, Precision, Recompute, Schedule};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -17,6 +17,11 @@ use thiserror::Error;
 
 /// Schema tag of case files.
 pub const CASES_SCHEMA: &str = "parallax-validation-cases/1";
+
+/// Schema `/1` extended with what MoE, ZeRO/FSDP and offload runs publish (attention and MoE
+/// shape, expert parallelism, FSDP, offload, the fp8 recipe, the stack as `name@version`):
+/// read into the same cases, each extension either modelled or named when a case is skipped.
+pub const CASES_SCHEMA_1_1: &str = "parallax-validation-cases/1.1";
 
 /// The software a published run used: its kernels and the options it offered for the knobs the
 /// publication leaves out. The planner itself always uses a current stack
@@ -175,6 +180,50 @@ impl Framework {
             }
         }
     }
+
+    /// The stack a `/1.1` case names in its `framework` field (`name@version`, then the
+    /// research wording), or `None` for one this table does not hold:
+    /// - `deepspeed@0.3` (DeepSpeed ZeRO with Megatron-LM v1.1.5's GPT-2, Sept 2020):
+    ///   Megatron's batched-GEMM attention (FlashAttention is from 2022), fp16 gradients,
+    ///   ZeRO's reduction after the backward (`overlap_comm` is off by default in 0.3).
+    /// - `pytorch-fsdp@2.x` (FSDP1, IBM's fms-fsdp): SDPA flash attention (PyTorch 2.2
+    ///   ships FlashAttention-2), gradient reduce-scatter overlapped with the backward and the
+    ///   next parameter all-gather prefetched (`BACKWARD_PRE`), no tensor parallelism.
+    /// - `megatron-bridge@25.x` and later: Megatron-Core (Transformer Engine attention,
+    ///   overlapped reduce-scatter and gather, TP communication overlap), as
+    ///   `megatron-core 2024`.
+    pub fn for_stack(framework: &str) -> Option<Framework> {
+        let name = framework
+            .split_whitespace()
+            .next()
+            .unwrap_or("")
+            .to_ascii_lowercase();
+        let (stack, version) = name.split_once('@').unwrap_or((name.as_str(), ""));
+        match stack {
+            "deepspeed" if version.starts_with("0.") => {
+                let mut fw = Framework::for_source("megatron-lm-readme-2020");
+                fw.name = "deepspeed 0.x + megatron-lm v1";
+                fw.space.zero_stages = vec![0, 1, 2, 3];
+                Some(fw)
+            }
+            "pytorch-fsdp" => Some(Framework {
+                name: "pytorch fsdp",
+                runtime: Runtime {
+                    tp_comm_overlap: false,
+                    ..Runtime::default()
+                },
+                space: Space {
+                    schedules: vec![Schedule::None],
+                    ..Space::default()
+                },
+                sequence_parallel: false,
+            }),
+            "megatron-bridge" | "megatron-core" | "nemo" => {
+                Some(Framework::for_source("megatron-core"))
+            }
+            _ => None,
+        }
+    }
 }
 
 /// A case file of either schema.
@@ -246,7 +295,7 @@ impl Case {
     /// is fitted to).
     pub fn fused_attention(&self) -> bool {
         match self {
-            Case::Transformer(c) => Framework::for_source(&c.source).runtime.fused_attention,
+            Case::Transformer(c) => c.framework().runtime.fused_attention,
             Case::General(c) => c.fused_attention(),
         }
     }
@@ -288,7 +337,9 @@ impl Case {
         if let Case::Transformer(c) = self {
             // A model or layout no run can have had is refused; a well-formed one out of the
             // planner's reach is skipped when scored.
-            c.transformer().map_err(|e| err("model", e))?;
+            if c.unmodelled().is_none() {
+                c.transformer().map_err(|e| err("model", e))?;
+            }
             let p = &c.plan;
             if let Some(z) = p.zero_stage.filter(|z| *z > 3) {
                 return Err(err("plan.zero_stage", format!("{z} must be 0, 1, 2 or 3")));
@@ -337,12 +388,15 @@ impl Case {
     }
 }
 
-/// One published transformer run with its dimensions (schema `/1`).
+/// One published transformer run with its dimensions (schema `/1` and `/1.1`).
 #[derive(Clone, Debug, Deserialize)]
 pub struct TransformerCase {
     pub id: String,
     #[serde(default)]
     pub source: String,
+    /// The stack that ran it, `name@version (detail)` (`/1.1`).
+    #[serde(default)]
+    pub framework: Option<String>,
     pub cluster: CaseCluster,
     pub precision: Precision,
     pub model: CaseModel,
@@ -375,6 +429,83 @@ pub struct CaseModel {
     pub seq_len: u64,
     pub vocab: u64,
     pub mlp: Option<String>,
+    /// `/1.1`: attention shape; `head_dim` where heads × head_dim ≠ hidden.
+    #[serde(default)]
+    pub attention: Option<CaseAttention>,
+    /// `/1.1`: mixture-of-experts shape.
+    #[serde(default)]
+    pub moe: Option<CaseMoe>,
+    /// `/1.1`: a Mamba/attention hybrid's layer pattern (not modelled: such a case is
+    /// skipped).
+    #[serde(default)]
+    pub hybrid: Option<serde_json::Value>,
+    /// `/1.1`: multi-token prediction heads (not modelled: skipped).
+    #[serde(default)]
+    pub mtp: Option<serde_json::Value>,
+    /// `/1.1`, informational: parameter counts and where the shape comes from.
+    #[serde(default)]
+    pub params_b: Option<f64>,
+    #[serde(default)]
+    pub active_params_b: Option<f64>,
+    #[serde(default)]
+    pub shape_source: Option<serde_json::Value>,
+    #[serde(default)]
+    pub hf_config: Option<serde_json::Value>,
+    #[serde(default)]
+    pub hf_config_source: Option<serde_json::Value>,
+    #[serde(default)]
+    pub hf_config_note: Option<serde_json::Value>,
+}
+
+/// The attention of a `/1.1` case.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CaseAttention {
+    /// `mha`, `gqa` or `mla`.
+    pub kind: String,
+    pub head_dim: Option<u64>,
+    /// Multi-head latent attention's ranks and head widths (DeepSeek-V2/V3).
+    pub q_lora_rank: Option<u64>,
+    pub kv_lora_rank: Option<u64>,
+    pub qk_nope_head_dim: Option<u64>,
+    pub qk_rope_head_dim: Option<u64>,
+    pub v_head_dim: Option<u64>,
+    pub qk_norm: Option<bool>,
+    pub bias: Option<bool>,
+    pub sinks: Option<bool>,
+    pub sliding_window: Option<serde_json::Value>,
+    pub position_embedding: Option<String>,
+}
+
+/// The mixture of experts of a `/1.1` case.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CaseMoe {
+    pub experts: u64,
+    pub top_k: u64,
+    pub expert_ffn_hidden: Option<u64>,
+    pub shared_experts: Option<u64>,
+    pub shared_expert_ffn_hidden: Option<u64>,
+    pub dense_layers_first: Option<u32>,
+    pub dense_ffn_hidden: Option<u64>,
+    pub moe_layer_frequency: Option<u32>,
+    pub router: Option<String>,
+    pub router_detail: Option<serde_json::Value>,
+    pub dropless: Option<bool>,
+    pub capacity_factor: Option<f64>,
+    pub min_capacity: Option<u64>,
+    pub routing: Option<String>,
+    pub expert_activation: Option<String>,
+    pub latent_size: Option<u64>,
+}
+
+/// What a `/1.1` run offloaded to the host or NVMe.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CaseOffload {
+    pub optimizer: Option<String>,
+    pub params: Option<String>,
+    pub optimizer_step: Option<String>,
 }
 
 /// The published layout; `None` where the source did not say. Unknown keys are refused.
@@ -392,6 +523,25 @@ pub struct CasePlan {
     pub sequence_parallel: Option<bool>,
     pub interleave: Option<u32>,
     pub schedule: Option<Schedule>,
+    /// `/1.1`: expert parallelism and expert tensor parallelism.
+    #[serde(default)]
+    pub ep: Option<u32>,
+    #[serde(default)]
+    pub etp: Option<u32>,
+    /// `/1.1`: FSDP (parameters, gradients and optimizer states sharded: ZeRO-3).
+    #[serde(default)]
+    pub fsdp: Option<bool>,
+    /// `/1.1`: micro-batches per optimizer step (follows from the batch sizes).
+    #[serde(default)]
+    pub grad_accum: Option<u64>,
+    #[serde(default)]
+    pub recompute_detail: Option<String>,
+    /// `/1.1`: what was offloaded (not modelled yet: such a case is skipped).
+    #[serde(default)]
+    pub offload: Option<CaseOffload>,
+    /// `/1.1`: fp8 scaling recipe, as published.
+    #[serde(default)]
+    pub fp8_recipe: Option<String>,
 }
 
 /// What was measured.
@@ -420,7 +570,7 @@ pub enum CaseError {
     },
     #[error("{file}: cases: the list is empty")]
     Empty { file: String },
-    #[error("{file}: schema: expected \"{CASES_SCHEMA}\" or \"{GENERAL_CASES_SCHEMA}\", found \"{found}\"")]
+    #[error("{file}: schema: expected \"{CASES_SCHEMA}\", \"{CASES_SCHEMA_1_1}\" or \"{GENERAL_CASES_SCHEMA}\", found \"{found}\"")]
     Schema { file: String, found: String },
 }
 
@@ -436,7 +586,7 @@ pub fn parse_cases(text: &str, file: &str) -> Result<CaseFile, CaseError> {
     }
     let schema = parse::<Head>(text, file)?.schema;
     let cases: Vec<Case> = match schema.as_str() {
-        CASES_SCHEMA => parse::<Cases<TransformerCase>>(text, file)?
+        CASES_SCHEMA | CASES_SCHEMA_1_1 => parse::<Cases<TransformerCase>>(text, file)?
             .cases
             .into_iter()
             .map(Case::Transformer)
@@ -492,6 +642,60 @@ pub struct Summary {
 }
 
 impl TransformerCase {
+    /// Why the published run is out of the model's reach, naming the field: an MoE, attention,
+    /// hybrid or offload feature parallax does not model yet. Such a case is skipped with
+    /// this reason (not refused: the run is real).
+    pub fn unmodelled(&self) -> Option<String> {
+        let m = &self.model;
+        if m.hybrid.is_some() || m.arch == "nemotron-h" {
+            return Some("model.hybrid: Mamba/attention hybrids are not modelled yet".into());
+        }
+        if m.mtp.is_some() {
+            return Some("model.mtp: multi-token prediction heads are not modelled yet".into());
+        }
+        if m.attention.as_ref().is_some_and(|a| a.kind == "mla") {
+            return Some(
+                "model.attention: multi-head latent attention (MLA) is not modelled yet".into(),
+            );
+        }
+        if let Some(moe) = &m.moe {
+            if moe.shared_experts.is_some_and(|n| n > 0) {
+                return Some(
+                    "model.moe.shared_experts: shared experts are not modelled yet".into(),
+                );
+            }
+            if moe.dense_layers_first.is_some_and(|n| n > 0)
+                || moe.moe_layer_frequency.is_some_and(|k| k > 1)
+            {
+                return Some(
+                    "model.moe: dense layers between MoE layers are not modelled yet".into(),
+                );
+            }
+            if moe.latent_size.is_some() {
+                return Some("model.moe.latent_size: LatentMoE is not modelled yet".into());
+            }
+        }
+        let p = &self.plan;
+        if let Some(o) = &p.offload {
+            if o.optimizer.is_some() || o.params.is_some() {
+                return Some(
+                    "plan.offload: optimizer-state and parameter offload are not modelled yet"
+                        .into(),
+                );
+            }
+        }
+        if let Some(etp) = p.etp {
+            if etp != p.tp.unwrap_or(1) {
+                return Some(format!(
+                    "plan.etp: expert tensor parallelism {etp} apart from tp {} is not modelled \
+                     yet",
+                    p.tp.unwrap_or(1)
+                ));
+            }
+        }
+        None
+    }
+
     /// The model the case describes.
     pub fn transformer(&self) -> Result<TransformerConfig, String> {
         let m = &self.model;
@@ -524,6 +728,20 @@ impl TransformerCase {
             Some("squared_relu") => Mlp::SquaredRelu,
             Some(other) => return Err(format!("model.mlp '{other}' is not supported")),
         };
+        if let Some(d) = m.attention.as_ref().and_then(|a| a.head_dim) {
+            cfg.head_dim = d;
+        }
+        if let Some(moe) = &m.moe {
+            // Every layer's MLP is routed over the experts, each `expert_ffn_hidden` wide
+            // (`ffn_hidden` of a model without dense layers).
+            cfg.moe = Some(MoeConfig {
+                experts: moe.experts,
+                top_k: moe.top_k,
+            });
+            if let Some(f) = moe.expert_ffn_hidden {
+                cfg.ffn_hidden = f;
+            }
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -537,8 +755,18 @@ impl TransformerCase {
             tp: p.tp,
             pp: p.pp,
             cp: p.cp,
-            ep: Some(1),
-            zero_stage: p.zero_stage,
+            // A dense model has no experts to split; an MoE run that did not publish its
+            // expert parallelism leaves it open.
+            ep: if self.model.moe.is_some() {
+                p.ep
+            } else {
+                Some(1)
+            },
+            zero_stage: if p.fsdp == Some(true) {
+                Some(3)
+            } else {
+                p.zero_stage
+            },
             micro_batch: p.micro_batch,
             recompute: p.recompute,
             sequence_parallel: p
@@ -549,10 +777,22 @@ impl TransformerCase {
         }
     }
 
+    /// The stack that ran it: the one its `framework` field names where the table has it,
+    /// else the one its source implies ([`Framework::for_source`]).
+    pub fn framework(&self) -> Framework {
+        self.framework
+            .as_deref()
+            .and_then(Framework::for_stack)
+            .unwrap_or_else(|| Framework::for_source(&self.source))
+    }
+
     /// Predicts the case on a profile changed by `adjust` first: null knobs are chosen as the
     /// fastest feasible values.
     fn predict(&self, adjust: &(dyn Fn(&mut ClusterProfile) + Sync)) -> Result<Predicted, String> {
-        let fw = Framework::for_source(&self.source);
+        if let Some(why) = self.unmodelled() {
+            return Err(why);
+        }
+        let fw = self.framework();
         let cfg = self.transformer()?;
         let cluster = self.cluster.build(adjust)?;
         let setup = Setup {
@@ -732,6 +972,62 @@ mod tests {
         .to_string();
         assert!(e.starts_with("d.json: line 1"), "{e}");
         assert!(!fw_fused("dle-pytorch-bert"));
+    }
+
+    /// The MoE, ZeRO and offload file (`/1.1`) is read whole: its runs are predicted or
+    /// skipped with the field that is out of reach named, never refused.
+    #[test]
+    fn the_moe_zero_offload_file_is_read_and_every_case_predicted_or_named() {
+        let cases = ground_truth("moe-zero-offload.json");
+        assert_eq!(cases.len(), 24);
+        let results: Vec<CaseResult> = cases.iter().map(Case::run).collect();
+        for r in &results {
+            assert!(
+                r.status == "ok"
+                    || ["model.", "plan.", "no layout"]
+                        .iter()
+                        .any(|p| r.status.starts_with(&format!("skipped: {p}"))),
+                "{}: {}",
+                r.id,
+                r.status
+            );
+        }
+        let by_id = |id: &str| results.iter().find(|r| r.id == id).unwrap();
+        assert!(by_id("ds-tut-zero-offload-gpt2-10b-1xv100")
+            .status
+            .contains("plan.offload"));
+        assert!(by_id("mb260401-nemotron3nano-16xh100-fp8")
+            .status
+            .contains("model.hybrid"));
+        // FSDP runs are ZeRO-3 and dense; Mixtral is routed over its 8 experts with the
+        // published expert parallelism.
+        let fsdp = by_id("ibm-fsdp-llama2-70b-128xa100");
+        assert!(
+            fsdp.layout.as_deref().unwrap().contains("zero=3"),
+            "{fsdp:?}"
+        );
+        let mixtral = by_id("mcore-moe-readme-mixtral8x7b-64xh100-bf16");
+        assert!(
+            mixtral.layout.as_deref().unwrap().contains("ep=8"),
+            "{mixtral:?}"
+        );
+        let zero: Vec<_> = results.iter().filter(|r| r.group == "zero").collect();
+        assert!(zero.iter().all(|r| r.status == "ok"));
+    }
+
+    #[test]
+    fn a_stack_named_name_at_version_picks_its_runtime() {
+        let ds = Framework::for_stack("deepspeed@0.3 (megatron-lm v1.1.5 gpt2 example)").unwrap();
+        assert!(!ds.runtime.fused_attention && ds.space.zero_stages.contains(&2));
+        let fsdp = Framework::for_stack("pytorch-fsdp@2.2-nightly (ibm fms-fsdp, fsdp1)").unwrap();
+        assert!(fsdp.runtime.fused_attention && !fsdp.sequence_parallel);
+        assert_eq!(
+            Framework::for_stack("megatron-bridge@25.09 (megatron-fsdp)")
+                .unwrap()
+                .name,
+            "megatron-core 2024"
+        );
+        assert!(Framework::for_stack("jax@0.4").is_none());
     }
 
     fn fw_fused(source: &str) -> bool {
