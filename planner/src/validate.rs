@@ -12,6 +12,7 @@ use parallax_hardware::{Cluster, ClusterProfile};
 use parallax_ir::models::{Mlp, MoeConfig, TransformerConfig};
 use parallax_ir::{PartialLayout, Precision, Recompute, Schedule};
 use rayon::prelude::*;
+use serde::de::IgnoredAny;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -431,30 +432,30 @@ pub struct CaseModel {
     pub mlp: Option<String>,
     /// `/1.1`: attention shape; `head_dim` where heads × head_dim ≠ hidden.
     #[serde(default)]
-    pub attention: Option<CaseAttention>,
+    pub attention: Option<Box<CaseAttention>>,
     /// `/1.1`: mixture-of-experts shape.
     #[serde(default)]
-    pub moe: Option<CaseMoe>,
+    pub moe: Option<Box<CaseMoe>>,
     /// `/1.1`: a Mamba/attention hybrid's layer pattern (not modelled: such a case is
     /// skipped).
     #[serde(default)]
-    pub hybrid: Option<serde_json::Value>,
+    pub hybrid: Option<IgnoredAny>,
     /// `/1.1`: multi-token prediction heads (not modelled: skipped).
     #[serde(default)]
-    pub mtp: Option<serde_json::Value>,
+    pub mtp: Option<IgnoredAny>,
     /// `/1.1`, informational: parameter counts and where the shape comes from.
     #[serde(default)]
     pub params_b: Option<f64>,
     #[serde(default)]
     pub active_params_b: Option<f64>,
     #[serde(default)]
-    pub shape_source: Option<serde_json::Value>,
+    pub shape_source: Option<IgnoredAny>,
     #[serde(default)]
-    pub hf_config: Option<serde_json::Value>,
+    pub hf_config: Option<IgnoredAny>,
     #[serde(default)]
-    pub hf_config_source: Option<serde_json::Value>,
+    pub hf_config_source: Option<IgnoredAny>,
     #[serde(default)]
-    pub hf_config_note: Option<serde_json::Value>,
+    pub hf_config_note: Option<IgnoredAny>,
 }
 
 /// The attention of a `/1.1` case.
@@ -473,7 +474,7 @@ pub struct CaseAttention {
     pub qk_norm: Option<bool>,
     pub bias: Option<bool>,
     pub sinks: Option<bool>,
-    pub sliding_window: Option<serde_json::Value>,
+    pub sliding_window: Option<IgnoredAny>,
     pub position_embedding: Option<String>,
 }
 
@@ -490,7 +491,7 @@ pub struct CaseMoe {
     pub dense_ffn_hidden: Option<u64>,
     pub moe_layer_frequency: Option<u32>,
     pub router: Option<String>,
-    pub router_detail: Option<serde_json::Value>,
+    pub router_detail: Option<IgnoredAny>,
     pub dropless: Option<bool>,
     pub capacity_factor: Option<f64>,
     pub min_capacity: Option<u64>,
@@ -538,7 +539,7 @@ pub struct CasePlan {
     pub recompute_detail: Option<String>,
     /// `/1.1`: what was offloaded (not modelled yet: such a case is skipped).
     #[serde(default)]
-    pub offload: Option<CaseOffload>,
+    pub offload: Option<Box<CaseOffload>>,
     /// `/1.1`: fp8 scaling recipe, as published.
     #[serde(default)]
     pub fp8_recipe: Option<String>,
