@@ -64,7 +64,7 @@ fn good_profile_parses() {
 #[test]
 fn every_preset_parses_and_validates() {
     let list = presets();
-    assert_eq!(list.len(), 24);
+    assert_eq!(list.len(), 26);
     for (name, desc) in list {
         let p = preset(name).unwrap_or_else(|e| panic!("{name}: {e}"));
         p.validate().unwrap();
@@ -92,6 +92,8 @@ fn preset_names_are_the_required_ones() {
         "aws-p3dn-v100-32gb",
         "aws-p4d-a100-40gb",
         "aws-p5-h100-80gb",
+        "ibm-a100-80gb-400g",
+        "ibm-h100-80gb-800g",
         "dgx1-p100-16gb",
         "dgx1-v100-16gb",
         "dgx1-v100-32gb",
