@@ -58,7 +58,7 @@ fn out_writes_every_file_and_refuses_to_overwrite() {
     let _ = std::fs::remove_dir_all(&dir);
     let d = dir.to_string_lossy().into_owned();
     let mut args: Vec<&str> = SMALL.to_vec();
-    args.extend(["--out", &d, "--export", "torchtitan", "--max-gpus", "16"]);
+    args.extend(["--out", &d, "--export", "megatron", "--max-gpus", "16"]);
     let out = plan(&args);
     assert!(
         out.status.success(),
@@ -74,7 +74,7 @@ fn out_writes_every_file_and_refuses_to_overwrite() {
         "memory.svg",
         "timeline.svg",
         "sweep.svg",
-        "torchtitan.toml",
+        "megatron_args.sh",
     ] {
         assert!(dir.join(f).is_file(), "{f}");
     }

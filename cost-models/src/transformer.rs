@@ -157,6 +157,10 @@ pub struct PartCost {
     pub working: Bytes,
     /// Parameters held by one device.
     pub params: u64,
+    /// Of `params`, the routed experts' (an MoE layer's experts are replicated over the
+    /// expert-data-parallel group, dp × cp / ep ranks, not over all dp × cp: ZeRO shards
+    /// their states that much less).
+    pub expert_params: u64,
     /// Model FLOPs (no recomputation) of this part on one device.
     pub model_flops: f64,
     /// FLOPs actually executed (with recomputation) on one device.
@@ -440,6 +444,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
             * hidden
             * shard.ffn_hidden;
         layer.params -= expert_params - expert_params / u64::from(l.ep);
+        layer.expert_params = expert_params / u64::from(l.ep);
     }
     // Recomputation.
     let layer_input = if sp { act.0 / tp } else { act.0 };

@@ -71,6 +71,10 @@ impl Engine {
         match self {
             Engine::Megatron => Space {
                 schedules: vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
+                // The distributed optimizer shards optimizer states only: every rank keeps the
+                // full fp32 gradient buffer (ZeRO-1 in memory, as Megatron's own estimator
+                // counts it), so ZeRO-2 is not a Megatron layout.
+                zero_stages: vec![0, 1, 3],
                 uneven_stages: false,
                 ..Space::default()
             },
@@ -94,22 +98,53 @@ impl Engine {
     /// Why the engine cannot run `l`, or `None` when it can. No engine takes the planner's
     /// balanced stage ranges; beyond that:
     ///
-    /// - Megatron-LM: 1F1B and interleaved 1F1B only; ZeRO 0 (DDP), 1–2 (distributed
-    ///   optimizer) or 3 (`--use-torch-fsdp2`, FSDP2 needs pp = 1 there); every (virtual)
-    ///   stage holds the same number of layers.
+    /// - Megatron-LM: 1F1B and interleaved 1F1B only; ZeRO 0 (DDP), 1 (distributed
+    ///   optimizer) or 3 (`--use-torch-fsdp2`: pp = 1, ep = 1 and untied embeddings there);
+    ///   every (virtual) stage holds the same number of layers.
     /// - DeepSpeed: its pipeline engine runs 1F1B with ZeRO 0–1 only; no context parallelism;
     ///   recompute none or full (activation checkpointing); its `uniform` partition.
     /// - torchtitan: GPipe, 1F1B, interleaved 1F1B; DDP (ZeRO 0), FSDP with or without
     ///   resharding after forward (ZeRO 3 and 2; FSDP shards gradients too, so no ZeRO-1);
     ///   its own split points, uneven where the layers do not divide.
-    pub fn supports(self, l: &Layout, layers: u32) -> Option<String> {
-        self.supports_within(&self.space(), l, layers)
+    pub fn supports(
+        self,
+        l: &Layout,
+        model: &TransformerConfig,
+        precision: Precision,
+    ) -> Option<String> {
+        self.supports_within(&self.space(), l, model, precision)
+    }
+
+    /// Why the engine's export cannot train at `precision`, or `None` when it can (a check
+    /// before any search: no layout changes it).
+    pub fn supports_precision(self, precision: Precision) -> Option<String> {
+        match (self, precision) {
+            (Engine::DeepSpeed, Precision::Fp8) => {
+                Some("deepspeed's config has no fp8 training".into())
+            }
+            (Engine::Torchtitan, Precision::Fp16) => Some(
+                "torchtitan's mixed precision is bf16 (mixed_precision_param takes bfloat16 or \
+                 float32)"
+                    .into(),
+            ),
+            _ => None,
+        }
     }
 
     /// [`Engine::supports`] with the engine's [`Engine::space`] built once by the caller (the
     /// search asks for every candidate).
-    pub(crate) fn supports_within(self, space: &Space, l: &Layout, layers: u32) -> Option<String> {
+    pub(crate) fn supports_within(
+        self,
+        space: &Space,
+        l: &Layout,
+        model: &TransformerConfig,
+        precision: Precision,
+    ) -> Option<String> {
         let name = self.name();
+        let layers = model.layers;
+        if let Some(why) = self.supports_precision(precision) {
+            return Some(why);
+        }
         if !l.stages.is_empty() {
             return Some(format!("{name} splits stages evenly"));
         }
@@ -132,16 +167,41 @@ impl Engine {
             Engine::Megatron if l.zero_stage == 3 && l.pp > 1 => {
                 Some("megatron runs FSDP (ZeRO-3) without pipeline parallelism only".into())
             }
+            Engine::Megatron if l.zero_stage == 3 && l.ep > 1 => {
+                Some("megatron runs FSDP (ZeRO-3) without expert parallelism only".into())
+            }
+            Engine::Megatron if l.zero_stage == 3 && model.tied_embeddings => Some(
+                "megatron's FSDP (ZeRO-3) needs untied embeddings; this model ties them".into(),
+            ),
             Engine::DeepSpeed if l.pp > 1 && l.zero_stage >= 2 => {
                 Some("deepspeed's pipeline engine supports ZeRO 0 and 1 only".into())
             }
             Engine::DeepSpeed if l.cp > 1 => Some("deepspeed has no context parallelism".into()),
+            Engine::DeepSpeed if l.tp > 1 && l.pp > 1 => Some(
+                "deepspeed's AutoTP is for tensor + data parallelism with ZeRO: it builds its \
+                 tensor-parallel groups over all ranks, ignoring pipeline stages"
+                    .into(),
+            ),
+            Engine::DeepSpeed if l.tp > 1 && l.sequence_parallel => Some(
+                "deepspeed's AutoTP has no sequence parallelism (activations stay replicated \
+                 over the tensor-parallel group)"
+                    .into(),
+            ),
             Engine::DeepSpeed if l.ep > 1 => {
                 Some("deepspeed export does not cover expert parallelism".into())
             }
             Engine::Torchtitan if l.ep > 1 => {
                 Some("torchtitan export does not cover expert parallelism".into())
             }
+            Engine::Torchtitan if torchtitan_flavor(model).is_none() => Some(
+                "torchtitan has no model of these dimensions (its llama3 flavors: 8B, 70B, 405B)"
+                    .into(),
+            ),
+            Engine::Torchtitan if l.zero_stage == 0 && (l.tp > 1 || l.pp > 1 || l.cp > 1) => Some(
+                "torchtitan's DDP (ZeRO-0) runs without tensor, pipeline or context \
+                     parallelism"
+                    .into(),
+            ),
             _ => None,
         }
     }
@@ -183,7 +243,7 @@ pub fn export(
     plan: &Plan,
     model: &TransformerConfig,
 ) -> Result<String, ExportError> {
-    if let Some(reason) = engine.supports(&plan.layout, model.layers) {
+    if let Some(reason) = engine.supports(&plan.layout, model, plan.training.precision) {
         return Err(ExportError::Unsupported { engine, reason });
     }
     Ok(match engine {
@@ -254,8 +314,12 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
     }
     match l.zero_stage {
         0 => {}
-        1 | 2 => a.push("--use-distributed-optimizer".into()),
-        _ => a.push("--use-torch-fsdp2".into()),
+        1 => a.push("--use-distributed-optimizer".into()),
+        _ => {
+            // FSDP2 cannot fuse gradient accumulation into the weight-gradient GEMMs.
+            a.push("--use-torch-fsdp2".into());
+            a.push("--no-gradient-accumulation-fusion".into());
+        }
     }
     match t.precision {
         Precision::Bf16 => a.push("--bf16".into()),
@@ -266,16 +330,44 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
         }
         Precision::Fp32 | Precision::Tf32 => {}
     }
+    let per_node = plan.cluster.gpus.min(gpus_per_node_hint(plan)).max(1);
+    let nodes = plan.cluster.gpus.div_ceil(per_node);
     let mut s = format!(
         "#!/bin/sh\n# parallax plan: {} on {} ({} GPUs), dp {} (implied by the world size)\n\
-         # launch on every node with torchrun; Megatron-LM derives dp = world / (tp × pp × cp).\n\
-         torchrun --nproc-per-node {} pretrain_gpt.py \\\n",
-        plan.model.name,
-        plan.cluster.spec,
-        plan.cluster.gpus,
-        l.dp,
-        plan.cluster.gpus.min(gpus_per_node_hint(plan)),
+         # Megatron-LM derives dp = world / (tp × pp × cp). Add the model's data and tokenizer\n\
+         # (--data-path, --tokenizer-type, --tokenizer-model), --train-iters and --lr after the\n\
+         # script's name; they are passed through.\n",
+        plan.model.name, plan.cluster.spec, plan.cluster.gpus, l.dp,
     );
+    if l.zero_stage == 3 {
+        s.push_str(
+            "# Megatron's FSDP overlaps its collectives on several CUDA streams.\n\
+             unset CUDA_DEVICE_MAX_CONNECTIONS\n",
+        );
+    } else if l.tp > 1 || l.cp > 1 {
+        s.push_str(
+            "# Megatron orders tensor/context-parallel communication before compute on one\n\
+             # hardware queue; it refuses tp or cp > 1 without this.\n\
+             export CUDA_DEVICE_MAX_CONNECTIONS=1\n",
+        );
+    }
+    if nodes > 1 {
+        // Every node runs this script (e.g. `srun --ntasks-per-node=1 sh megatron_args.sh`
+        // in an sbatch job); torchrun's rendezvous forms the one world of all nodes.
+        s.push_str(&format!(
+            "# Run on each of the {nodes} nodes (e.g. srun --nodes={nodes} --ntasks-per-node=1 sh \
+             megatron_args.sh)\n\
+             # with MASTER_ADDR set to the first node's address.\n\
+             torchrun --nproc-per-node {per_node} --nnodes {nodes} \\\n    \
+             --rdzv-backend c10d --rdzv-endpoint \"${{MASTER_ADDR:?set MASTER_ADDR to the first \
+             node}}:${{MASTER_PORT:-29500}}\" \\\n    \
+             --rdzv-id \"${{SLURM_JOB_ID:-parallax}}\" pretrain_gpt.py \\\n"
+        ));
+    } else {
+        s.push_str(&format!(
+            "torchrun --nproc-per-node {per_node} pretrain_gpt.py \\\n"
+        ));
+    }
     let n = a.len();
     for (i, arg) in a.iter().enumerate() {
         s.push_str("    ");
@@ -312,9 +404,10 @@ fn deepspeed(plan: &Plan) -> String {
         "wall_clock_breakdown": false,
     });
     if l.pp > 1 {
+        // DeepSpeed's pipeline engine reads only these keys here; the stages and their
+        // partition are `PipelineModule(layers, num_stages=pp, partition_method="uniform")`
+        // in the training script (the plan's split is uniform).
         doc["pipeline"] = json!({
-            "stages": l.pp,
-            "partition_method": "uniform",
             "activation_checkpoint_interval": if l.recompute == Recompute::Full { 1 } else { 0 },
         });
     }
@@ -329,6 +422,63 @@ fn deepspeed(plan: &Plan) -> String {
         });
     }
     serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n"
+}
+
+/// The torchtitan `llama3` flavor whose dimensions `m` has (`torchtitan/models/llama3`:
+/// 8B, 70B, 405B, the zoo's `llama3-*`).
+fn torchtitan_flavor(m: &TransformerConfig) -> Option<&'static str> {
+    [
+        ("8B", "llama3-8b"),
+        ("70B", "llama3-70b"),
+        ("405B", "llama3-405b"),
+    ]
+    .into_iter()
+    .find(|(_, zoo_name)| {
+        parallax_ir::models::zoo::transformer(zoo_name).is_some_and(|z| {
+            (
+                z.layers,
+                z.hidden,
+                z.heads,
+                z.kv_heads,
+                z.ffn_hidden,
+                z.vocab,
+            ) == (
+                m.layers,
+                m.hidden,
+                m.heads,
+                m.kv_heads,
+                m.ffn_hidden,
+                m.vocab,
+            )
+        })
+    })
+    .map(|(flavor, _)| flavor)
+}
+
+/// The modules of each model chunk torchtitan pipelines (`module_fqns_per_model_part`): the
+/// plan's layers per virtual stage, the token embedding on the first, the final norm and
+/// output projection on the last.
+fn torchtitan_model_parts(layers: u32, l: &Layout) -> Vec<Vec<String>> {
+    let counts = parallax_sim::stage_layers(layers, l);
+    let last = counts.len() - 1;
+    let mut next = 0;
+    counts
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let mut part: Vec<String> = Vec::new();
+            if i == 0 {
+                part.push("tok_embeddings".into());
+            }
+            part.extend((next..next + n).map(|k| format!("layers.{k}")));
+            next += n;
+            if i == last {
+                part.push("norm".into());
+                part.push("output".into());
+            }
+            part
+        })
+        .collect()
 }
 
 /// torchtitan's `[parallelism]`, `[training]` and `[activation_checkpoint]` sections.
@@ -371,13 +521,16 @@ fn torchtitan(plan: &Plan, m: &TransformerConfig) -> String {
             "pipeline_parallel_microbatch_size".into(),
             (l.micro_batch as i64).into(),
         );
-        let chunks = l.pp * l.interleave;
-        if m.layers % chunks == 0 {
-            p.insert(
-                "pipeline_parallel_layers_per_stage".into(),
-                i64::from(m.layers / chunks).into(),
-            );
-        }
+        // torchtitan counts the embedding and the output as layers when it splits by
+        // `pipeline_parallel_layers_per_stage`; the plan's split is written module by module.
+        let parts: Vec<toml::Value> = torchtitan_model_parts(m.layers, l)
+            .into_iter()
+            .map(|part| toml::Value::Array(part.into_iter().map(Into::into).collect()))
+            .collect();
+        p.insert(
+            "module_fqns_per_model_part".into(),
+            toml::Value::Array(parts),
+        );
     }
     let mut tr = toml::Table::new();
     // Per data-parallel rank: the whole share with a pipeline (split into micro-batches), one
@@ -413,24 +566,38 @@ fn torchtitan(plan: &Plan, m: &TransformerConfig) -> String {
     if l.recompute == Recompute::Selective {
         ac.insert("selective_ac_option".into(), "op".into());
     }
+    let mut model = toml::Table::new();
+    model.insert("name".into(), "llama3".into());
+    model.insert(
+        "flavor".into(),
+        torchtitan_flavor(m).unwrap_or("debugmodel").into(),
+    );
     let mut doc = toml::Table::new();
     doc.insert("parallelism".into(), p.into());
     doc.insert("training".into(), tr.into());
     doc.insert("activation_checkpoint".into(), ac.into());
     if t.precision == Precision::Fp8 {
+        // torchao's float8 linear layers with per-tensor ("tensorwise") scales, the recipe
+        // parallax prices; under FSDP the weights are gathered already cast.
+        let sharded = l.zero_stage >= 2;
         let mut f = toml::Table::new();
+        f.insert("recipe_name".into(), "tensorwise".into());
+        f.insert("enable_fsdp_float8_all_gather".into(), sharded.into());
         f.insert(
-            "enable_fsdp_float8_all_gather".into(),
-            (l.zero_stage >= 2).into(),
+            "precompute_float8_dynamic_scale_for_fsdp".into(),
+            sharded.into(),
         );
-        let mut mc = toml::Table::new();
-        mc.insert(
+        let mut linear = toml::Table::new();
+        linear.insert("float8".into(), f.into());
+        let mut quantize = toml::Table::new();
+        quantize.insert("linear".into(), linear.into());
+        model.insert(
             "converters".into(),
-            toml::Value::Array(vec!["float8".into()]),
+            toml::Value::Array(vec!["quantize.linear.float8".into()]),
         );
-        doc.insert("model".into(), mc.into());
-        doc.insert("float8".into(), f.into());
+        doc.insert("quantize".into(), quantize.into());
     }
+    doc.insert("model".into(), model.into());
     format!(
         "# parallax plan: {} on {} ({} GPUs)\n{}",
         plan.model.name,
@@ -551,9 +718,14 @@ mod tests {
         assert_eq!(arg(&s, "--seq-length"), Some("8192"));
         assert_eq!(arg(&s, "--swiglu"), Some(""));
         // Megatron-LM takes dp from the world size (world / (tp × pp × cp)): the script
-        // launches a node's GPUs per node and names the dp it implies.
+        // starts a node's GPUs on each of the 64 nodes, joined by one rendezvous, and names
+        // the dp it implies; tp > 1 needs one hardware queue.
         assert!(
-            s.contains("torchrun --nproc-per-node 8 pretrain_gpt.py"),
+            s.contains("torchrun --nproc-per-node 8 --nnodes 64 \\\n    --rdzv-backend c10d"),
+            "{s}"
+        );
+        assert!(
+            s.contains("\nexport CUDA_DEVICE_MAX_CONNECTIONS=1\n"),
             "{s}"
         );
         assert!(s.contains("(512 GPUs), dp 8 (implied"), "{s}");
@@ -572,14 +744,59 @@ mod tests {
         assert_eq!(arg(&s, "--sequence-parallel"), None);
         assert_eq!(arg(&s, "--num-layers-per-virtual-pipeline-stage"), None);
         assert_eq!(arg(&s, "--fp16"), Some(""));
+
+        // ZeRO-3 is FSDP2: no fused gradient accumulation, several CUDA streams, one node
+        // needs no rendezvous. ZeRO-2 is not Megatron's (its distributed optimizer keeps
+        // whole gradients), nor FSDP with tied embeddings or experts.
+        let fsdp = Layout {
+            dp: 8,
+            tp: 1,
+            pp: 1,
+            cp: 1,
+            zero_stage: 3,
+            micro_batch: 1,
+            recompute: Recompute::None,
+            sequence_parallel: false,
+            schedule: Schedule::None,
+            interleave: 1,
+            ..Layout::default()
+        };
+        let mut p8 = plan(fsdp.clone(), Precision::Bf16);
+        p8.cluster = ClusterRef {
+            spec: "dgx-h100-80gb:gpus=8".into(),
+            gpus: 8,
+        };
+        let s = export(Engine::Megatron, &p8, &m).unwrap();
+        assert_eq!(arg(&s, "--use-torch-fsdp2"), Some(""));
+        assert_eq!(arg(&s, "--no-gradient-accumulation-fusion"), Some(""));
+        assert!(s.contains("\nunset CUDA_DEVICE_MAX_CONNECTIONS\n"), "{s}");
+        assert!(
+            s.contains("torchrun --nproc-per-node 8 pretrain_gpt.py"),
+            "{s}"
+        );
+        let zero2 = Layout {
+            zero_stage: 2,
+            ..fsdp.clone()
+        };
+        assert!(export(Engine::Megatron, &plan(zero2, Precision::Bf16), &m)
+            .unwrap_err()
+            .to_string()
+            .contains("ZeRO-2"));
+        let tied = model("gpt3-1.3b");
+        assert!(
+            export(Engine::Megatron, &plan(fsdp, Precision::Bf16), &tied)
+                .unwrap_err()
+                .to_string()
+                .contains("untied embeddings")
+        );
     }
 
     #[test]
     fn deepspeed_config_carries_every_knob() {
         let m = model("llama3-70b");
         let l = Layout {
-            dp: 16,
-            tp: 4,
+            dp: 64,
+            tp: 1,
             pp: 8,
             zero_stage: 1,
             micro_batch: 4,
@@ -592,13 +809,60 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(&s).unwrap();
         assert_eq!(v["train_batch_size"], 1024);
         assert_eq!(v["train_micro_batch_size_per_gpu"], 4);
-        assert_eq!(v["gradient_accumulation_steps"], 1024 / (16 * 4));
+        assert_eq!(v["gradient_accumulation_steps"], 1024 / (64 * 4));
         assert_eq!(v["zero_optimization"]["stage"], 1);
         assert_eq!(v["bf16"]["enabled"], true);
         assert_eq!(v["fp16"]["enabled"], false);
-        assert_eq!(v["pipeline"]["stages"], 8);
+        // The pipeline engine reads only its checkpoint interval here: the stages are
+        // PipelineModule's, in the training script.
         assert_eq!(v["pipeline"]["activation_checkpoint_interval"], 1);
+        assert!(v["pipeline"].get("stages").is_none());
+        assert!(v.get("tensor_parallel").is_none());
+        // AutoTP neither spans pipeline stages nor shards activations (no sp), nor is there
+        // an fp8 knob.
+        let tp_pp = Layout {
+            dp: 16,
+            tp: 4,
+            ..p.layout.clone()
+        };
+        assert!(export(Engine::DeepSpeed, &plan(tp_pp, Precision::Bf16), &m)
+            .unwrap_err()
+            .to_string()
+            .contains("ignoring pipeline stages"));
+        let tp_sp = Layout {
+            dp: 128,
+            tp: 4,
+            pp: 1,
+            sequence_parallel: true,
+            schedule: Schedule::None,
+            ..p.layout.clone()
+        };
+        assert!(
+            export(Engine::DeepSpeed, &plan(tp_sp.clone(), Precision::Bf16), &m)
+                .unwrap_err()
+                .to_string()
+                .contains("no sequence parallelism")
+        );
+        let tp_only = Layout {
+            sequence_parallel: false,
+            ..tp_sp
+        };
+        let v: serde_json::Value = serde_json::from_str(
+            &export(
+                Engine::DeepSpeed,
+                &plan(tp_only.clone(), Precision::Bf16),
+                &m,
+            )
+            .unwrap(),
+        )
+        .unwrap();
         assert_eq!(v["tensor_parallel"]["autotp_size"], 4);
+        assert!(
+            export(Engine::DeepSpeed, &plan(tp_only, Precision::Fp8), &m)
+                .unwrap_err()
+                .to_string()
+                .contains("fp8")
+        );
 
         // ZeRO-3 only without a pipeline; no context parallelism; no selective recompute.
         let bad = Layout {
@@ -659,10 +923,23 @@ mod tests {
             Some(2)
         );
         assert_eq!(par["fsdp_reshard_after_forward"].as_str(), Some("default"));
-        assert_eq!(
-            par["pipeline_parallel_layers_per_stage"].as_integer(),
-            Some(10)
-        );
+        // 8 model parts of 10 layers, the embedding on the first, norm and output on the last.
+        let parts = par["module_fqns_per_model_part"].as_array().unwrap();
+        assert_eq!(parts.len(), 8);
+        let names = |i: usize| -> Vec<&str> {
+            parts[i]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_str().unwrap())
+                .collect()
+        };
+        assert_eq!(names(0)[..2], ["tok_embeddings", "layers.0"]);
+        assert_eq!(names(0).len(), 11);
+        assert_eq!(names(1)[0], "layers.10");
+        assert_eq!(names(7)[9..], ["layers.79", "norm", "output"]);
+        assert_eq!(v["model"]["name"].as_str(), Some("llama3"));
+        assert_eq!(v["model"]["flavor"].as_str(), Some("70B"));
         let tr = v["training"].as_table().unwrap();
         assert_eq!(tr["global_batch_size"].as_integer(), Some(1024));
         assert_eq!(tr["local_batch_size"].as_integer(), Some(1024 / 8));
@@ -674,8 +951,8 @@ mod tests {
         );
 
         let ddp = Layout {
-            dp: 64,
-            tp: 8,
+            dp: 512,
+            tp: 1,
             pp: 1,
             cp: 1,
             zero_stage: 0,
@@ -685,16 +962,63 @@ mod tests {
             interleave: 1,
             ..Layout::default()
         };
-        let v: toml::Table = export(Engine::Torchtitan, &plan(ddp, Precision::Bf16), &m)
+        let v: toml::Table = export(Engine::Torchtitan, &plan(ddp.clone(), Precision::Bf16), &m)
             .unwrap()
             .parse()
             .unwrap();
         let par = v["parallelism"].as_table().unwrap();
-        assert_eq!(par["data_parallel_replicate_degree"].as_integer(), Some(64));
+        assert_eq!(
+            par["data_parallel_replicate_degree"].as_integer(),
+            Some(512)
+        );
         assert_eq!(par["data_parallel_shard_degree"].as_integer(), Some(1));
         assert!(par.get("pipeline_parallel_schedule").is_none());
         assert_eq!(v["training"]["local_batch_size"].as_integer(), Some(1));
         assert_eq!(v["activation_checkpoint"]["mode"].as_str(), Some("none"));
+        // DDP is one-dimensional in torchtitan; fp8 is torchao's float8 linear converter.
+        let ddp_tp = Layout {
+            dp: 64,
+            tp: 8,
+            ..ddp
+        };
+        assert!(
+            export(Engine::Torchtitan, &plan(ddp_tp, Precision::Bf16), &m)
+                .unwrap_err()
+                .to_string()
+                .contains("DDP")
+        );
+        let v: toml::Table = export(Engine::Torchtitan, &p_fp8(), &m)
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(
+            v["model"]["converters"].as_array().unwrap()[0].as_str(),
+            Some("quantize.linear.float8")
+        );
+        assert_eq!(
+            v["quantize"]["linear"]["float8"]["recipe_name"].as_str(),
+            Some("tensorwise")
+        );
+        // Models torchtitan has no flavor of, and fp16, are not torchtitan's.
+        assert!(export(Engine::Torchtitan, &p_fp8(), &model("gpt3-1.3b"))
+            .unwrap_err()
+            .to_string()
+            .contains("no model of these dimensions"));
+        let mut fp16 = p_fp8();
+        fp16.training.precision = Precision::Fp16;
+        assert!(export(Engine::Torchtitan, &fp16, &m).is_err());
+    }
+
+    /// An FSDP llama3-70b plan in fp8.
+    fn p_fp8() -> Plan {
+        plan(
+            Layout {
+                dp: 512,
+                zero_stage: 3,
+                ..Layout::default()
+            },
+            Precision::Fp8,
+        )
     }
 
     /// A search inside an engine's space returns what a search over every option returns
@@ -704,7 +1028,7 @@ mod tests {
     fn an_engines_space_keeps_out_only_what_it_refuses() {
         use crate::search::{search, SearchOptions};
         use parallax_cost::transformer::Setup;
-        let m = model("gpt3-1.3b");
+        let m = model("llama3-8b");
         let c = parallax_hardware::Cluster::parse("dgx-a100-80gb:gpus=16").unwrap();
         for e in Engine::ALL {
             let s = Setup {
@@ -727,7 +1051,12 @@ mod tests {
             };
             assert_eq!(layouts(&inside), layouts(&everywhere), "{e}");
             for p in &inside.top {
-                assert_eq!(e.supports(&p.layout, m.layers), None, "{e}: {:?}", p.layout);
+                assert_eq!(
+                    e.supports(&p.layout, &m, s.precision),
+                    None,
+                    "{e}: {:?}",
+                    p.layout
+                );
             }
             let refused = |r: &crate::search::SearchResult| {
                 r.counts
@@ -760,13 +1089,37 @@ mod tests {
             dp: 16,
             tp: 8,
             pp: 4,
+            zero_stage: 3,
             schedule: Schedule::Interleaved1F1B,
             interleave: 3,
             ..Layout::default()
         };
         let err = export(Engine::Megatron, &plan(uneven.clone(), Precision::Bf16), &m).unwrap_err();
         assert!(err.to_string().contains("evenly over pp × v = 12"), "{err}");
-        assert!(export(Engine::Torchtitan, &plan(uneven, Precision::Bf16), &m).is_ok());
+        // torchtitan is told the simulated split module by module: 6 layers a chunk, the 8 left
+        // over to middle chunks (the first and last hold the embedding and the head).
+        let v: toml::Table = export(
+            Engine::Torchtitan,
+            &plan(uneven.clone(), Precision::Bf16),
+            &m,
+        )
+        .unwrap()
+        .parse()
+        .unwrap();
+        let parts = v["parallelism"]["module_fqns_per_model_part"]
+            .as_array()
+            .unwrap();
+        let layers_in = |i: usize| {
+            parts[i]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|x| x.as_str().unwrap().starts_with("layers."))
+                .count() as u32
+        };
+        let counts: Vec<u32> = (0..parts.len()).map(layers_in).collect();
+        assert_eq!(counts, parallax_sim::stage_layers(80, &uneven));
+        assert_eq!(counts.iter().sum::<u32>(), 80);
         assert_eq!("DeepSpeed".parse::<Engine>(), Ok(Engine::DeepSpeed));
         assert!("jax".parse::<Engine>().is_err());
     }

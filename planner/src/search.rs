@@ -307,14 +307,30 @@ pub struct Counts {
     /// Candidates rejected, by reason: `out of memory` (by bound or simulation), `indivisible`,
     /// `tp across nodes`, `pruned by step-time bound`, …
     pub rejected: BTreeMap<String, u64>,
-    /// The first rejection's whole reason (one about a tensor-parallel group too wide for a
-    /// node only when there is no other, as every search of several nodes meets one): what
-    /// an error says when nothing is left.
+    /// The first rejection's whole reason, of the most telling kind met (see
+    /// [`why_rank`]): what an error says when nothing is left.
     #[serde(skip)]
     pub why: Option<String>,
     #[serde(skip)]
-    why_is_wide_tp: bool,
+    why_rank: u8,
 }
+
+/// How telling a rejection reason is when no layout is left: that the export's engine cannot
+/// run a layout (every candidate of a plan meant for export meets it) over any other, and a
+/// tensor-parallel group too wide for a node (every search of several nodes meets one) only
+/// when there is nothing else.
+fn why_rank(reason: &str) -> u8 {
+    if reason == TP_ACROSS_NODES {
+        0
+    } else if reason.starts_with(NOT_SUPPORTED_BY) {
+        2
+    } else {
+        1
+    }
+}
+
+/// Prefix of the rejection reason of a layout the export's engine cannot run.
+const NOT_SUPPORTED_BY: &str = "not supported by ";
 
 impl Counts {
     fn reject(&mut self, reason: &str, n: u64) {
@@ -327,16 +343,16 @@ impl Counts {
     /// formatted when it is kept: rejections are counted on the search's hot path).
     fn reject_because(&mut self, reason: &str, why: impl FnOnce() -> String) {
         self.reject(reason, 1);
-        let wide = reason == TP_ACROSS_NODES;
-        if self.keeps_why(wide) {
+        let rank = why_rank(reason);
+        if self.keeps_why(rank) {
             self.why = Some(why());
-            self.why_is_wide_tp = wide;
+            self.why_rank = rank;
         }
     }
 
-    /// Whether a reason (about a too-wide tensor-parallel group or not) replaces the kept one.
-    fn keeps_why(&self, wide: bool) -> bool {
-        self.why.is_none() || (self.why_is_wide_tp && !wide)
+    /// Whether a reason of `rank` replaces the kept one.
+    fn keeps_why(&self, rank: u8) -> bool {
+        self.why.is_none() || rank > self.why_rank
     }
 
     fn merge(&mut self, o: &Counts) {
@@ -346,9 +362,9 @@ impl Counts {
         for (k, v) in &o.rejected {
             *self.rejected.entry(k.clone()).or_default() += v;
         }
-        if let Some(why) = o.why.as_ref().filter(|_| self.keeps_why(o.why_is_wide_tp)) {
+        if let Some(why) = o.why.as_ref().filter(|_| self.keeps_why(o.why_rank)) {
             self.why = Some(why.clone());
-            self.why_is_wide_tp = o.why_is_wide_tp;
+            self.why_rank = o.why_rank;
         }
     }
 }
@@ -1252,8 +1268,9 @@ fn expand(
                     continue;
                 };
                 if let Some((e, space)) = &engine {
-                    if e.supports_within(space, &l, setup.model.layers).is_some() {
-                        x.counts.reject(&format!("not supported by {e}"), 1);
+                    if let Some(why) = e.supports_within(space, &l, setup.model, setup.precision) {
+                        x.counts
+                            .reject_because(&format!("{NOT_SUPPORTED_BY}{e}"), || why);
                         continue;
                     }
                 }

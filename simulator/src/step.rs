@@ -271,11 +271,21 @@ pub fn stage_memory_of(
     let nv = (pp * v) as usize;
     let zero = setup.zero_stage(l);
     let (wb, gb, ob) = state_bytes_per_param(setup.precision, zero, l.dp * l.cp);
+    // Routed experts are replicated over dp × cp / ep ranks only (Megatron's expert data
+    // parallel group): ZeRO shards their states over those.
+    let (ewb, egb, eob) =
+        state_bytes_per_param(setup.precision, zero, (l.dp * l.cp / l.ep.max(1)).max(1));
     let chunks: Vec<usize> = (0..v).map(|ch| (ch * pp + s) as usize).collect();
     let params: u64 = chunks
         .iter()
         .map(|&vs| virtual_stage_params(c, layers, vs))
         .sum();
+    let experts: u64 = chunks
+        .iter()
+        .map(|&vs| c.layer.expert_params * u64::from(layers[vs]))
+        .sum();
+    let dense = params - experts;
+    let states = |dense_b: f64, expert_b: f64| dense as f64 * dense_b + experts as f64 * expert_b;
     let saved_per_chunk = chunks
         .iter()
         .map(|&vs| virtual_stage_saved(c, layers, vs))
@@ -292,9 +302,9 @@ pub fn stage_memory_of(
         buffers += 2.0 * p * if setup.precision.is_mixed() { 2.0 } else { 4.0 } + p * 4.0;
     }
     Ok(MemoryBreakdown {
-        params: Bytes((params as f64 * wb) as u64),
-        grads: Bytes((params as f64 * gb) as u64),
-        optimizer: Bytes((params as f64 * ob) as u64),
+        params: Bytes(states(wb, ewb) as u64),
+        grads: Bytes(states(gb, egb) as u64),
+        optimizer: Bytes(states(ob, eob) as u64),
         activations: Bytes((saved_per_chunk * f64::from(in_flight)) as u64),
         buffers: Bytes(buffers as u64),
         allocator: Bytes(0),
