@@ -818,6 +818,37 @@ mod tests {
         assert_eq!(t(&base).memory, t(&kept).memory);
     }
 
+    /// Under the distributed optimizer an MoE layer's experts are replicated over dp / ep
+    /// ranks only (Megatron's expert data parallel group), so their optimizer states shard
+    /// ep times less than the dense parameters'.
+    #[test]
+    fn expert_states_shard_over_the_expert_data_parallel_group() {
+        let m = zoo::transformer("mixtral-8x7b").unwrap();
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup::new(&m, &p, 64, 4096, 256);
+        let l = Layout {
+            dp: 64,
+            ep: 8,
+            zero_stage: 1,
+            micro_batch: 1,
+            recompute: Recompute::Full,
+            ..Layout::default()
+        };
+        let c = parallax_cost::transformer::transformer_costs(&s, &l).unwrap();
+        let (layers, e) = (u64::from(m.layers), c.layer.expert_params);
+        assert!(e > 0 && e < c.layer.params);
+        let params = virtual_stage_params(&c, &[m.layers], 0);
+        let mem = stage_memory_of(&s, &l, &c, &[m.layers], 1, 0).unwrap();
+        let (_, _, dense_ob) = state_bytes_per_param(s.precision, 1, 64);
+        let (_, _, expert_ob) = state_bytes_per_param(s.precision, 1, 8);
+        let want = (params - e * layers) as f64 * dense_ob + (e * layers) as f64 * expert_ob;
+        assert!(
+            (mem.optimizer.0 as f64 - want).abs() <= 2.0,
+            "{mem:?} vs {want}"
+        );
+        assert!(expert_ob == 8.0 * dense_ob);
+    }
+
     #[test]
     fn the_embedding_bucket_reduces_after_backward() {
         // GPT-2 small in fp32 DDP over PCIe: the tied 50257 × 768 table is a third of the
