@@ -123,6 +123,9 @@ pub struct DeviceModel<'a> {
     gemm_peak: f64,
     /// Dense peak for attention (fp8 training keeps attention in bf16), FLOP/s.
     attention_peak: f64,
+    /// Activations are stored NCHW (PyTorch's default) rather than channels-last: see
+    /// [`DeviceModel::with_nchw`].
+    nchw: bool,
 }
 
 impl<'a> DeviceModel<'a> {
@@ -138,7 +141,20 @@ impl<'a> DeviceModel<'a> {
             precision,
             gemm_peak,
             attention_peak,
+            nchw: false,
         })
+    }
+
+    /// The model with activations stored NCHW (`nchw`) or channels-last. Tensor-core
+    /// convolution kernels are NHWC-native: on an NCHW tensor cuDNN transposes the input and
+    /// output of every convolution it runs as an implicit GEMM, each way (`nchwToNhwcKernel`
+    /// / `nhwcToNchwKernel`, 6.9 of 59.8 ms of a TF32 ResNet-50 step on an H200). A 1×1
+    /// stride-1 convolution is a plain GEMM over NCHW and needs none; fp32 on the SIMT pipes
+    /// runs NCHW natively. Channels-last (the default) is what a tuned mixed-precision stack
+    /// uses (NVIDIA's DeepLearningExamples set it for AMP).
+    pub fn with_nchw(mut self, nchw: bool) -> Self {
+        self.nchw = nchw;
+        self
     }
 
     /// The device.
@@ -194,6 +210,7 @@ impl<'a> DeviceModel<'a> {
         c: &parallax_ir::op::Conv2dAttrs,
         ins: &[Shape],
         w: &Work,
+        float_bytes: u64,
     ) -> OpTimes {
         let fill = |m: u64, n: u64| tile_fill(m) * tile_fill(n);
         let fills = match (ins.first(), ins.get(1), op.infer(ins)) {
@@ -215,10 +232,23 @@ impl<'a> DeviceModel<'a> {
         // Each pass reads two of input, weight and output (or their gradients) and writes
         // the third: the forward's traffic.
         let bytes = (w.bytes_read.0 + w.bytes_written.0) as f64;
+        // NCHW on tensor cores: each pass transposes the two activation tensors it touches
+        // (x and y forward, dy and dx for the input gradient, x and dy for the weight
+        // gradient), each read and written once.
+        let pointwise_1x1 = c.kernel == [1, 1] && c.stride == [1, 1];
+        let transposes = match (ins.first(), op.infer(ins)) {
+            (Some(x), Ok(outs))
+                if self.nchw && self.precision != Precision::Fp32 && !pointwise_1x1 =>
+            {
+                let tensors = (x.elems() + outs[0].elems()) as f64 * float_bytes as f64;
+                self.memory(2.0 * tensors)
+            }
+            _ => Seconds(0.0),
+        };
         OpTimes {
-            fwd: self.gemm_tiled(w.fwd_flops.0 / g, bytes, fills[0]),
-            bwd_input: self.gemm_tiled(w.bwd_input_flops.0 / g, bytes, fills[1]),
-            bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0 / g, bytes, fills[2]),
+            fwd: self.gemm_tiled(w.fwd_flops.0 / g, bytes, fills[0]) + transposes,
+            bwd_input: self.gemm_tiled(w.bwd_input_flops.0 / g, bytes, fills[1]) + transposes,
+            bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0 / g, bytes, fills[2]) + transposes,
         }
     }
 
@@ -274,7 +304,7 @@ impl<'a> DeviceModel<'a> {
                     bwd_weight: self.gemm(w.bwd_weight_flops.0),
                 }
             }
-            (ComputeClass::Gemm, OpKind::Conv2d(c)) => self.conv(op, c, ins, w),
+            (ComputeClass::Gemm, OpKind::Conv2d(c)) => self.conv(op, c, ins, w, float_bytes),
             (ComputeClass::Gemm, _) => {
                 let bytes = (w.bytes_read.0 + w.bytes_written.0) as f64;
                 OpTimes {
@@ -352,6 +382,44 @@ mod tests {
         let tiny = m.gemm(2.0 * 64.0 * 64.0 * 64.0).0;
         assert!(tiny >= p.device.kernel_overhead().0);
         assert!(DeviceModel::new(&preset("dgx2-v100-32gb").unwrap(), Precision::Bf16).is_err());
+    }
+
+    /// NCHW activations cost tensor-core convolutions a transpose of the two activation
+    /// tensors of each pass; 1×1 stride-1 convolutions (plain GEMMs) and fp32 (SIMT, NCHW
+    /// native) pay none, and channels-last none at all.
+    #[test]
+    fn nchw_tensor_core_convolutions_pay_their_transposes() {
+        let p = preset("dgx-a100-80gb").unwrap();
+        let conv = |k: u64, precision, nchw| {
+            let m = DeviceModel::new(&p, precision).unwrap().with_nchw(nchw);
+            let op = OpKind::Conv2d(parallax_ir::op::Conv2dAttrs {
+                out_channels: 128,
+                kernel: [k, k],
+                stride: [1, 1],
+                padding: [k / 2, k / 2],
+                dilation: [1, 1],
+                groups: 1,
+                bias: false,
+            });
+            let ins = [Shape::new([64, 128, 28, 28]), Shape::new([128, 128, k, k])];
+            let outs = [Shape::new([64, 128, 28, 28])];
+            let w = op.work(&ins, &outs, &[false, true], 4);
+            (m.op(&op, &ins, &w, 4), m)
+        };
+        let (nchw, m) = conv(3, Precision::Tf32, true);
+        let (nhwc, _) = conv(3, Precision::Tf32, false);
+        // x and y, 64·128·28·28 fp32 values each, read and written once per pass.
+        let pass = m.memory(2.0 * 2.0 * (64 * 128 * 28 * 28) as f64 * 4.0).0;
+        assert!((nchw.fwd.0 - nhwc.fwd.0 - pass).abs() < 1e-12);
+        assert!((nchw.total().0 - nhwc.total().0 - 3.0 * pass).abs() < 1e-12);
+        assert_eq!(
+            conv(1, Precision::Tf32, true).0,
+            conv(1, Precision::Tf32, false).0
+        );
+        assert_eq!(
+            conv(3, Precision::Fp32, true).0,
+            conv(3, Precision::Fp32, false).0
+        );
     }
 
     #[test]

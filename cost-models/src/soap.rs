@@ -698,6 +698,16 @@ impl<'a> OpCosts<'a> {
         })
     }
 
+    /// Activations stored NCHW rather than channels-last ([`DeviceModel::with_nchw`]); set
+    /// before anything is priced (the compute memo is cleared).
+    pub fn set_nchw(&mut self, nchw: bool) {
+        self.device = self.device.with_nchw(nchw);
+        self.compute_memo.clear();
+        for n in &mut self.node_compute {
+            n.clear();
+        }
+    }
+
     /// Size of an activation element at the training precision.
     pub fn float_bytes(&self) -> u64 {
         self.float_bytes

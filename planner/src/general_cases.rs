@@ -173,6 +173,14 @@ impl GeneralCase {
         }
     }
 
+    /// Whether the run kept its activations NCHW: the default of TensorFlow's benchmarks on
+    /// GPUs (`data_format=NCHW`) and of PyTorch; DeepLearningExamples' ConvNets switch to
+    /// channels-last for AMP only (`memory_format: nhwc` under `AMP` in its `configs.yml`,
+    /// not under TF32 or FP32).
+    fn nchw(&self, precision: Precision) -> bool {
+        !(self.source.starts_with("dle-pytorch") && precision.is_mixed())
+    }
+
     /// Whether the run loaded its samples through DeepLearningExamples BERT's binned phase-2
     /// loader.
     fn lddl_binned(&self) -> bool {
@@ -255,6 +263,7 @@ impl GeneralCase {
             .map_err(|e| format!("precision: {e}"))?;
         costs.optimizer = Optimizer::default_for(&graph);
         costs.sync = self.grad_sync()?;
+        costs.set_nchw(self.nchw(precision));
         let mut plan = layout_plan(&mut costs, p.dp, p.tp, p.pp);
         if let Some(g) = &p.pipeline {
             plan.schedule = Schedule::GPipe;
