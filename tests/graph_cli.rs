@@ -117,3 +117,25 @@ fn inline_layouts_simulate_data_parallelism_and_pipelines() {
     assert!(pp["bubble_fraction"].as_f64().unwrap() > 0.0);
     assert_eq!(simulate("cp=2", &[]).status.code(), Some(2));
 }
+
+/// `--memory-format nchw` prices cuDNN's transposes around tensor-core convolutions: slower
+/// in TF32 than channels-last, the same in fp32 (the SIMT pipes run NCHW natively).
+#[test]
+fn nchw_costs_tensor_core_convolutions_their_transposes() {
+    let step = |precision: &str, format: &str| {
+        let mut args = vec!["simulate"];
+        args.extend(JOB);
+        args.extend([
+            "--plan",
+            "dp=8",
+            "--precision",
+            precision,
+            "--memory-format",
+            format,
+            "--json",
+        ]);
+        json(&parallax(&args))["step_time_s"].as_f64().unwrap()
+    };
+    assert!(step("tf32", "nchw") > 1.05 * step("tf32", "channels-last"));
+    assert_eq!(step("fp32", "nchw"), step("fp32", "channels-last"));
+}

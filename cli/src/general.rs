@@ -34,6 +34,8 @@ pub struct GraphModel {
     pub global_batch: u64,
     pub precision: parallax_ir::Precision,
     pub optimizer: Optimizer,
+    /// Activations stored NCHW rather than channels-last.
+    pub nchw: bool,
 }
 
 impl GraphModel {
@@ -44,6 +46,7 @@ impl GraphModel {
         seq: u64,
         global_batch: u64,
         precision: parallax_ir::Precision,
+        nchw: bool,
     ) -> anyhow::Result<GraphModel> {
         let probe = model.graph(1, seq.min(8), true).map_err(user)?;
         Ok(GraphModel {
@@ -54,6 +57,7 @@ impl GraphModel {
             global_batch,
             precision,
             optimizer: Optimizer::default_for(&probe),
+            nchw,
         })
     }
 
@@ -64,10 +68,23 @@ impl GraphModel {
     }
 
     fn costs<'a>(&'a self, g: &'a Graph) -> anyhow::Result<OpCosts<'a>> {
-        let mut c = OpCosts::new(g, &self.cluster.profile, self.cluster.gpus, self.precision)
-            .map_err(|e| user(format!("--precision: {e}")))?;
-        c.optimizer = self.optimizer;
-        Ok(c)
+        // `costs` prices the graph given; it builds none.
+        self.job(&|_| Err(String::new()))
+            .costs(g)
+            .map_err(|e| user(format!("--precision: {e}")))
+    }
+
+    /// The planner's view of this job, its graphs built by `build`.
+    fn job<'a>(&'a self, build: &'a dyn Fn(u64) -> Result<Graph, String>) -> GraphJob<'a> {
+        GraphJob {
+            build,
+            profile: &self.cluster.profile,
+            gpus: self.cluster.gpus,
+            precision: self.precision,
+            optimizer: self.optimizer,
+            global_batch: self.global_batch,
+            nchw: self.nchw,
+        }
     }
 }
 
@@ -83,14 +100,7 @@ pub fn plan(
         crate::prepare_out(dir, OUT_FILES, force)?;
     }
     let build = |b: u64| job.build(b);
-    let gj = GraphJob {
-        build: &build,
-        profile: &job.cluster.profile,
-        gpus: job.cluster.gpus,
-        precision: job.precision,
-        optimizer: job.optimizer,
-        global_batch: job.global_batch,
-    };
+    let gj = job.job(&build);
     let r = plan_graph(&gj, &SoapOptions::default()).map_err(|e| {
         user(format!(
             "--model {} on --cluster {cluster_spec}: {e}",

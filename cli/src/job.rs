@@ -26,6 +26,10 @@ pub struct JobArgs {
     /// Training precision: fp32, tf32, fp16, bf16 or fp8.
     #[arg(long, default_value = "bf16")]
     pub precision: Precision,
+    /// How convolutional graphs store activations: channels-last (what tuned mixed-precision
+    /// stacks use) or nchw (PyTorch's default: cuDNN transposes around tensor-core convolutions).
+    #[arg(long, default_value = "channels-last", value_parser = ["channels-last", "nchw"])]
+    pub memory_format: String,
 }
 
 /// A job with its transformer and cluster loaded.
@@ -82,6 +86,7 @@ impl JobArgs {
                 seq,
                 self.global_batch,
                 self.precision,
+                self.memory_format == "nchw",
             )?),
         })
     }

@@ -820,6 +820,22 @@ pub struct GraphJob<'a> {
     pub precision: parallax_ir::Precision,
     pub optimizer: parallax_cost::soap::Optimizer,
     pub global_batch: u64,
+    /// Activations stored NCHW rather than channels-last ([`OpCosts::set_nchw`]).
+    pub nchw: bool,
+}
+
+impl<'a> GraphJob<'a> {
+    /// The cost model of `g` for this job: its cluster, precision, optimizer and memory format.
+    pub fn costs<'g>(&self, g: &'g parallax_ir::Graph) -> Result<OpCosts<'g>, String>
+    where
+        'a: 'g,
+    {
+        let mut c =
+            OpCosts::new(g, self.profile, self.gpus, self.precision).map_err(|e| e.to_string())?;
+        c.optimizer = self.optimizer;
+        c.set_nchw(self.nchw);
+        Ok(c)
+    }
 }
 
 impl std::fmt::Debug for GraphJob<'_> {
@@ -837,9 +853,7 @@ impl std::fmt::Debug for GraphJob<'_> {
 /// fastest plan that fits wins.
 pub fn plan_graph(job: &GraphJob, opts: &SoapOptions) -> Result<GraphPlan, SoapError> {
     let g = (job.build)(job.global_batch).map_err(SoapError::Setup)?;
-    let mut costs = OpCosts::new(&g, job.profile, job.gpus, job.precision)
-        .map_err(|e| SoapError::Setup(e.to_string()))?;
-    costs.optimizer = job.optimizer;
+    let mut costs = job.costs(&g).map_err(SoapError::Setup)?;
     let r = search_ops(&mut costs, job.global_batch, opts)?;
     let mut best = GraphPlan {
         plan: r.plan,
@@ -858,10 +872,9 @@ pub fn plan_graph(job: &GraphJob, opts: &SoapOptions) -> Result<GraphPlan, SoapE
             }
             let mb = job.global_batch / m;
             let Ok(g) = (job.build)(mb) else { continue };
-            let Ok(mut c) = OpCosts::new(&g, job.profile, job.gpus, job.precision) else {
+            let Ok(mut c) = job.costs(&g) else {
                 continue;
             };
-            c.optimizer = job.optimizer;
             let mut plan = layout_plan(&mut c, job.gpus / pp, 1, pp);
             plan.micro_batches = m as u32;
             let p = simulate_fitting(&mut c, &plan, job.global_batch, &mut best.counts);
