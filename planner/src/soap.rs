@@ -720,16 +720,15 @@ pub fn layout_plan(costs: &mut OpCosts, dp: u32, tp: u32, pp: u32) -> OpPlan {
             })
             .map(|(l, _)| l)
             .collect();
-        // Under tensor parallelism the whole split with each parameter axis is a candidate
-        // (Megatron-LM's column or row split of a linear layer, heads of attention), and so is
-        // the sample split over the whole stage (Megatron's sequence-parallel norms and
-        // dropouts, on tokens instead of channels); the cheapest assignment over the graph is
-        // chosen exactly below.
+        // Under tensor parallelism an op with a parameter axis splits it (Megatron-LM's column
+        // or row split of a linear layer, heads of attention): which one is chosen exactly
+        // below, as the cheapest assignment over the graph. Ops without one (norms, dropouts)
+        // take the sample split over the whole stage below (Megatron's sequence-parallel
+        // norms, on tokens instead of channels).
         let tp_splits: Vec<BTreeMap<char, u32>> = match sample {
             Some(s) if tp > 1 && !params.is_empty() => params
                 .iter()
                 .map(|p| split(&[(s, dp), (*p, tp)]))
-                .chain([split(&[(s, dp * tp)])])
                 .filter(|d| legal(d))
                 .collect(),
             _ => Vec::new(),
@@ -980,6 +979,61 @@ mod tests {
             .configs
             .iter()
             .all(|c| c.degrees.len() <= 1 && c.degrees.keys().all(|l| !['k', 'n'].contains(l))));
+    }
+
+    /// A transformer graph under the per-op equivalents of structured layouts against the
+    /// structured simulator (same stack: no TP communication overlap, sequence-parallel norms):
+    /// weights shard the same (optimizer time) and the kernels match; the step times are
+    /// printed (the per-op path exposes every reshard, so TP steps come out slower).
+    #[test]
+    fn per_op_tensor_parallelism_shards_like_the_structured_path() {
+        use parallax_cost::transformer::{Runtime, Setup};
+        use parallax_ir::Layout;
+        let p = preset("dgx-a100-80gb").unwrap();
+        let cfg = zoo::transformer("gpt3-1.3b").unwrap();
+        let g = parallax_ir::load_model("gpt3-1.3b")
+            .unwrap()
+            .graph(8, 2048, true)
+            .unwrap();
+        for (dp, tp) in [(8, 1), (4, 2), (2, 4), (1, 8)] {
+            let mut c = OpCosts::new(&g, &p, 8, Precision::Bf16).unwrap();
+            let plan = layout_plan(&mut c, dp, tp, 1);
+            let per_op = simulate_op_plan(&mut c, &plan, 8).unwrap().prediction;
+            let setup = Setup {
+                runtime: Runtime {
+                    tp_comm_overlap: false,
+                    ..Runtime::default()
+                },
+                ..Setup::new(&cfg, &p, 8, 2048, 8)
+            };
+            let l = Layout {
+                dp,
+                tp,
+                micro_batch: u64::from(8 / dp),
+                sequence_parallel: tp > 1,
+                ..Layout::default()
+            };
+            let s = parallax_sim::simulate_step(&setup, &l).unwrap().prediction;
+            let rel = |a: f64, b: f64| (a / b - 1.0).abs();
+            assert!(
+                rel(per_op.breakdown.optimizer_s, s.breakdown.optimizer_s) < 0.05,
+                "dp{dp} tp{tp}: optimizer {} vs {}",
+                per_op.breakdown.optimizer_s,
+                s.breakdown.optimizer_s
+            );
+            assert!(
+                rel(per_op.breakdown.compute_s, s.breakdown.compute_s) < 0.10,
+                "dp{dp} tp{tp}: compute {} vs {}",
+                per_op.breakdown.compute_s,
+                s.breakdown.compute_s
+            );
+            eprintln!(
+                "dp{dp} tp{tp}: per-op {:.4} s, structured {:.4} s ({:+.1} %)",
+                per_op.step_time_s,
+                s.step_time_s,
+                (per_op.step_time_s / s.step_time_s - 1.0) * 100.0
+            );
+        }
     }
 
     #[test]
