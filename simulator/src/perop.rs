@@ -29,7 +29,7 @@ use crate::schedule::{
 };
 use crate::step::{Breakdown, MemoryGib};
 use parallax_cost::memory::{MemoryBreakdown, WORKSPACE_GIB};
-use parallax_cost::soap::{ConfigError, MachineView, OpCosts, ParallelConfig};
+use parallax_cost::soap::{ConfigError, MachineView, OpCosts, ParallelConfig, TensorLayout};
 use parallax_ir::graph::NodeId;
 use parallax_ir::{Bytes, Schedule, Seconds};
 use serde::{Deserialize, Serialize};
@@ -193,6 +193,11 @@ struct EdgeCost {
     consumer: usize,
     fwd: Seconds,
     bwd: Seconds,
+    /// Edges of one tensor to consumers that want the same layout share one id: the tensor is
+    /// resharded once forward for all of them (Megatron gathers a norm's output once for the
+    /// q, k and v projections) and their gradients are summed where they are, then resharded
+    /// once backward.
+    shared: usize,
 }
 
 /// The one-micro-batch task graph.
@@ -250,6 +255,10 @@ fn build_micro(
         sync: vec![Vec::new(); n],
     };
     let mut times = Vec::with_capacity(n);
+    // Each (tensor, layout a consumer wants) is resharded once: its id, and its forward task
+    // per device class.
+    let mut shared_ids: HashMap<(u32, TensorLayout), usize> = HashMap::new();
+    let mut shared_tasks: HashMap<(usize, usize), TaskId> = HashMap::new();
     // Forward.
     for i in 0..n {
         let id = NodeId(i as u32);
@@ -269,18 +278,36 @@ fn build_micro(
                 .position(|x| x == tid)
                 .unwrap_or(0);
             let (f, b) = costs.edge(*tid, (p, out, &plan.configs[pi]), (id, k, cfg));
+            // Only a resharded edge needs its layout key (most edges move nothing).
+            let shared = if f.time.0 > 0.0 || b.time.0 > 0.0 {
+                let next = shared_ids.len();
+                *shared_ids
+                    .entry((tid.0, costs.input_layout(id, k, cfg)))
+                    .or_insert(next)
+            } else {
+                usize::MAX
+            };
             mg.edges.push(EdgeCost {
                 producer: pi,
                 consumer: i,
                 fwd: f.time,
                 bwd: b.time,
+                shared,
             });
             let from = mg.fwd[pi].clone();
             for (ci, c) in node_classes.iter().enumerate() {
                 if f.time.0 > 0.0 {
-                    let task = Task::new("reshard", TaskKind::Comm(CommKind::Reshard), comm[*c])
-                        .with_index(i as u32);
-                    let r = mg.add(task, f.time, &from);
+                    let r = match shared_tasks.get(&(shared, *c)) {
+                        Some(r) => *r,
+                        None => {
+                            let task =
+                                Task::new("reshard", TaskKind::Comm(CommKind::Reshard), comm[*c])
+                                    .with_index(i as u32);
+                            let r = mg.add(task, f.time, &from);
+                            shared_tasks.insert((shared, *c), r);
+                            r
+                        }
+                    };
                     deps[ci].push(r);
                 } else {
                     deps[ci].extend(same_class_or_all(&cls.of_node[pi], &from, *c));
@@ -301,19 +328,28 @@ fn build_micro(
     for i in (0..n).rev() {
         let node_classes = &cls.of_node[i];
         let mut deps: Vec<Vec<TaskId>> = mg.fwd[i].iter().map(|f| vec![*f]).collect();
+        // One gradient reshard per shared id, after every consumer that feeds it.
+        let mut grads: Vec<(usize, Seconds, Vec<TaskId>)> = Vec::new();
         for &e in &by_producer[i] {
             let ec = mg.edges[e];
             let from = mg.bwd[ec.consumer].clone();
-            for (ci, c) in node_classes.iter().enumerate() {
-                if ec.bwd.0 > 0.0 {
-                    let task =
-                        Task::new("reshard grad", TaskKind::Comm(CommKind::Reshard), comm[*c])
-                            .with_index(i as u32);
-                    let r = mg.add(task, ec.bwd, &from);
-                    deps[ci].push(r);
-                } else {
-                    deps[ci].extend(same_class_or_all(&cls.of_node[ec.consumer], &from, *c));
+            if ec.bwd.0 > 0.0 {
+                match grads.iter_mut().find(|g| g.0 == ec.shared) {
+                    Some(g) => g.2.extend(from),
+                    None => grads.push((ec.shared, ec.bwd, from)),
                 }
+                continue;
+            }
+            for (ci, c) in node_classes.iter().enumerate() {
+                deps[ci].extend(same_class_or_all(&cls.of_node[ec.consumer], &from, *c));
+            }
+        }
+        for (_, time, from) in grads {
+            for (ci, c) in node_classes.iter().enumerate() {
+                let task = Task::new("reshard grad", TaskKind::Comm(CommKind::Reshard), comm[*c])
+                    .with_index(i as u32);
+                let r = mg.add(task, time, &from);
+                deps[ci].push(r);
             }
         }
         let t = times[i];
