@@ -817,3 +817,39 @@ fn a_resumed_run_never_replaces_a_checkpoint() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// hostile-input D5: two runs saving into one folder at once would interleave their
+/// checkpoints; the second is refused while the first lives, and a killed run's lock is
+/// taken over.
+#[test]
+fn a_folder_another_live_run_saves_into_is_refused() {
+    let dir = scratch("save-lock");
+    let lock = dir.join(".parallax-lock");
+    // This test's own process stands for a live run holding the folder.
+    std::fs::write(&lock, std::process::id().to_string()).unwrap();
+    let out = Command::new(bin())
+        .args(tiny_run_args("1", &["--save", dir.to_str().unwrap()]))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!("process {}", std::process::id())) && stderr.contains("--save"),
+        "{stderr}"
+    );
+    assert!(!dir.join("LATEST").exists());
+    // A lock left by a process that is gone is taken over, and released at the end.
+    std::fs::write(&lock, "4294967295").unwrap();
+    let out = Command::new(bin())
+        .args(tiny_run_args("1", &["--save", dir.to_str().unwrap()]))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(dir.join("LATEST").exists());
+    assert!(!lock.exists());
+    std::fs::remove_dir_all(&dir).ok();
+}

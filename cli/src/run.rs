@@ -236,6 +236,7 @@ fn check_save_dir(
             // MPI rank's probe included).
             let ours = step.is_some()
                 || name == "LATEST"
+                || name == SAVE_LOCK
                 || [".step-", ".LATEST.tmp-", ".parallax-probe-"]
                     .iter()
                     .any(|p| name.starts_with(p));
@@ -265,6 +266,76 @@ fn check_save_dir(
     std::fs::write(&probe, b"")
         .and_then(|()| std::fs::remove_file(&probe))
         .map_err(|e| user(format!("--save {shown}: cannot write: {e}")))
+}
+
+/// The file a run holds in its `--save` folder while it may write checkpoints there.
+const SAVE_LOCK: &str = ".parallax-lock";
+
+/// Held while a run may save into its `--save` folder: two runs saving into one folder at
+/// once would interleave their checkpoints and `LATEST`. The file names the holder's process;
+/// a lock whose process is gone (a killed run) is taken over, and `--force` takes over any.
+/// Under MPI only rank 0 takes it (it alone writes checkpoints).
+struct SaveLock(std::path::PathBuf);
+
+impl SaveLock {
+    fn take(dir: &std::path::Path, force: bool) -> anyhow::Result<Option<SaveLock>> {
+        let rank = ["OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok());
+        if rank.is_some_and(|r| r != "0") {
+            return Ok(None);
+        }
+        let path = dir.join(SAVE_LOCK);
+        let me = std::process::id();
+        for _ in 0..2 {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+            {
+                Ok(mut f) => {
+                    use std::io::Write;
+                    f.write_all(me.to_string().as_bytes()).map_err(|e| {
+                        user(format!("--save {}: cannot write: {e}", dir.display()))
+                    })?;
+                    return Ok(Some(SaveLock(path)));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let holder = std::fs::read_to_string(&path)
+                        .ok()
+                        .and_then(|t| t.trim().parse::<u32>().ok());
+                    let alive = holder.is_some_and(|pid| {
+                        pid != me
+                            && (!std::path::Path::new("/proc/self").exists()
+                                || std::path::Path::new("/proc").join(pid.to_string()).exists())
+                    });
+                    if alive && !force {
+                        return Err(user(format!(
+                            "--save {}: another run (process {}) is saving here; wait for it to end, save elsewhere, or pass --force if it is gone",
+                            dir.display(),
+                            holder.unwrap_or_default()
+                        )));
+                    }
+                    std::fs::remove_file(&path).ok();
+                }
+                Err(e) => return Err(user(format!("--save {}: cannot write: {e}", dir.display()))),
+            }
+        }
+        Err(user(format!(
+            "--save {}: another run took the folder at the same moment; save elsewhere",
+            dir.display()
+        )))
+    }
+}
+
+impl Drop for SaveLock {
+    fn drop(&mut self) {
+        let mine = std::fs::read_to_string(&self.0)
+            .is_ok_and(|t| t.trim() == std::process::id().to_string());
+        if mine {
+            std::fs::remove_file(&self.0).ok();
+        }
+    }
 }
 
 /// The cluster for the prediction when none is given: cpu-local with one core per rank (a
@@ -414,6 +485,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     };
     let created_save_dir = a.save.as_deref().filter(|d| !d.exists());
+    let mut save_lock = None;
     if let Some(dir) = &a.save {
         let start = resume.as_ref().map_or(0, |r| r.step);
         check_save_dir(
@@ -422,6 +494,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             (start, a.steps, a.save_every),
             a.force,
         )?;
+        save_lock = SaveLock::take(dir, a.force)?;
     }
     let mut spec = RunSpec::new(
         job.model.clone(),
@@ -480,6 +553,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let report = exec_run(&spec, backend);
     if let (Err(_), Some(dir)) = (&report, created_save_dir) {
         // The folder made for this run's checkpoints stays only if one was written into it.
+        drop(save_lock.take());
         let _ = std::fs::remove_dir(dir);
     }
     let report = report.map_err(|e| match e {
