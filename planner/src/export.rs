@@ -427,32 +427,36 @@ fn deepspeed(plan: &Plan) -> String {
 /// The torchtitan `llama3` flavor whose dimensions `m` has (`torchtitan/models/llama3`:
 /// 8B, 70B, 405B, the zoo's `llama3-*`).
 fn torchtitan_flavor(m: &TransformerConfig) -> Option<&'static str> {
-    [
-        ("8B", "llama3-8b"),
-        ("70B", "llama3-70b"),
-        ("405B", "llama3-405b"),
-    ]
-    .into_iter()
-    .find(|(_, zoo_name)| {
-        parallax_ir::models::zoo::transformer(zoo_name).is_some_and(|z| {
-            (
-                z.layers,
-                z.hidden,
-                z.heads,
-                z.kv_heads,
-                z.ffn_hidden,
-                z.vocab,
-            ) == (
-                m.layers,
-                m.hidden,
-                m.heads,
-                m.kv_heads,
-                m.ffn_hidden,
-                m.vocab,
-            )
+    type Dims = (u32, u64, u64, u64, u64, u64);
+    let dims = |z: &TransformerConfig| -> Dims {
+        (
+            z.layers,
+            z.hidden,
+            z.heads,
+            z.kv_heads,
+            z.ffn_hidden,
+            z.vocab,
+        )
+    };
+    // Built once: the search asks for every candidate layout.
+    static FLAVORS: std::sync::OnceLock<Vec<(&'static str, Dims)>> = std::sync::OnceLock::new();
+    let flavors = FLAVORS.get_or_init(|| {
+        [
+            ("8B", "llama3-8b"),
+            ("70B", "llama3-70b"),
+            ("405B", "llama3-405b"),
+        ]
+        .into_iter()
+        .filter_map(|(flavor, zoo_name)| {
+            parallax_ir::models::zoo::transformer(zoo_name).map(|z| (flavor, dims(&z)))
         })
-    })
-    .map(|(flavor, _)| flavor)
+        .collect()
+    });
+    let want = dims(m);
+    flavors
+        .iter()
+        .find(|(_, d)| *d == want)
+        .map(|(flavor, _)| *flavor)
 }
 
 /// The modules of each model chunk torchtitan pipelines (`module_fqns_per_model_part`): the
