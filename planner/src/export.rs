@@ -215,13 +215,45 @@ impl fmt::Display for Engine {
 
 impl FromStr for Engine {
     type Err = String;
+    /// `megatron`, `deepspeed` or `torchtitan`, the last optionally `@VERSION`: torchtitan
+    /// read TOML job configs up to v0.2.2 (what the export writes); later releases take Python
+    /// config modules (`--module … --config …`), which are not written yet.
     fn from_str(s: &str) -> Result<Self, String> {
-        Engine::ALL
+        let lower = s.to_ascii_lowercase();
+        let (name, version) = match lower.split_once('@') {
+            Some((n, v)) => (n, Some(v)),
+            None => (lower.as_str(), None),
+        };
+        let engine = Engine::ALL
             .into_iter()
-            .find(|e| e.name() == s.to_ascii_lowercase())
+            .find(|e| e.name() == name)
             .ok_or_else(|| {
                 format!("unknown engine '{s}' (expected megatron, deepspeed or torchtitan)")
-            })
+            })?;
+        match (engine, version) {
+            (_, None) => Ok(engine),
+            (Engine::Torchtitan, Some(v)) => {
+                let v = v.trim_start_matches('v');
+                let mut parts = v.split('.').map(str::parse::<u32>);
+                let release = match (parts.next(), parts.next(), parts.next()) {
+                    (Some(Ok(major)), Some(Ok(minor)), patch) => {
+                        patch.unwrap_or(Ok(0)).ok().map(|p| (major, minor, p))
+                    }
+                    _ => None,
+                };
+                match release {
+                    Some(r) if r <= (0, 2, 2) => Ok(engine),
+                    _ => Err(format!(
+                        "'{s}': torchtitan after v0.2.2 reads Python config modules (--module, \
+                         --config), which parallax does not write yet; torchtitan@0.2.2 (the \
+                         last TOML release) is what --export torchtitan writes"
+                    )),
+                }
+            }
+            (_, Some(_)) => Err(format!(
+                "'{s}': {name} exports are written for its current release; name it without a version"
+            )),
+        }
     }
 }
 
@@ -1126,5 +1158,20 @@ mod tests {
         assert_eq!(counts.iter().sum::<u32>(), 80);
         assert_eq!("DeepSpeed".parse::<Engine>(), Ok(Engine::DeepSpeed));
         assert!("jax".parse::<Engine>().is_err());
+        assert_eq!(
+            "torchtitan@v0.2.2".parse::<Engine>(),
+            Ok(Engine::Torchtitan)
+        );
+        assert_eq!("torchtitan@0.1.0".parse::<Engine>(), Ok(Engine::Torchtitan));
+        for newer in [
+            "torchtitan@0.2.3",
+            "torchtitan@0.3.0",
+            "torchtitan@head",
+            "torchtitan@1.0",
+        ] {
+            let e = newer.parse::<Engine>().unwrap_err();
+            assert!(e.contains("Python config modules"), "{e}");
+        }
+        assert!("megatron@0.9".parse::<Engine>().is_err());
     }
 }
