@@ -697,6 +697,14 @@ fn tiny_run_args(steps: &str, extra: &[&str]) -> Vec<String> {
     run_args("gpt-tiny", 2, steps, extra)
 }
 
+/// One step of gpt-tiny saving into `dir`.
+fn run_one_step_saving_into(dir: &std::path::Path) -> std::process::Output {
+    Command::new(bin())
+        .args(tiny_run_args("1", &["--save", dir.to_str().unwrap()]))
+        .output()
+        .unwrap()
+}
+
 /// hostile-input D3: a reader that goes away (`run … | head -n 1`) neither ends the run nor
 /// makes it report success without its last checkpoint.
 #[test]
@@ -756,10 +764,7 @@ fn save_refuses_a_folder_with_a_users_files() {
     let dir = scratch("save-user-files");
     std::fs::write(dir.join("notes.txt"), b"mine").unwrap();
     std::fs::write(dir.join("LATEST"), b"my own latest").unwrap();
-    let out = Command::new(bin())
-        .args(tiny_run_args("1", &["--save", dir.to_str().unwrap()]))
-        .output()
-        .unwrap();
+    let out = run_one_step_saving_into(&dir);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
@@ -827,10 +832,7 @@ fn a_folder_another_live_run_saves_into_is_refused() {
     let lock = dir.join(".parallax-lock");
     // This test's own process stands for a live run holding the folder.
     std::fs::write(&lock, std::process::id().to_string()).unwrap();
-    let out = Command::new(bin())
-        .args(tiny_run_args("1", &["--save", dir.to_str().unwrap()]))
-        .output()
-        .unwrap();
+    let out = run_one_step_saving_into(&dir);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
@@ -840,10 +842,7 @@ fn a_folder_another_live_run_saves_into_is_refused() {
     assert!(!dir.join("LATEST").exists());
     // A lock left by a process that is gone is taken over, and released at the end.
     std::fs::write(&lock, "4294967295").unwrap();
-    let out = Command::new(bin())
-        .args(tiny_run_args("1", &["--save", dir.to_str().unwrap()]))
-        .output()
-        .unwrap();
+    let out = run_one_step_saving_into(&dir);
     assert!(
         out.status.success(),
         "{}",

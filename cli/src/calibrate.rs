@@ -126,8 +126,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(x) = &m.inter {
         println!(
             "  across nodes: all-reduce busbw {:.2} GB/s, step {:.2} us",
-            x.busbw_bytes_per_s / 1e9,
-            x.step_latency_s * 1e6
+            x.fit.busbw_bytes_per_s / 1e9,
+            x.fit.step_latency_s * 1e6
         );
     }
     println!("wrote {}", a.out.display());

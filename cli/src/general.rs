@@ -13,7 +13,9 @@ use parallax_ir::{
     PLAN_SCHEMA,
 };
 use parallax_planner::plots::{device_memory_svg, gantt_svg};
-use parallax_planner::soap::{layout_plan, plan_graph, GraphJob, GraphPlan, SoapOptions};
+use parallax_planner::soap::{
+    graph_costs, layout_plan, plan_graph, GraphJob, GraphPlan, SoapOptions,
+};
 use parallax_sim::perop::{simulate_op_plan, OpPlan, OpStepPrediction, SimulatedOpStep};
 use serde_json::json;
 use std::path::Path;
@@ -68,10 +70,15 @@ impl GraphModel {
     }
 
     fn costs<'a>(&'a self, g: &'a Graph) -> anyhow::Result<OpCosts<'a>> {
-        // `costs` prices the graph given; it builds none.
-        self.job(&|_| Err(String::new()))
-            .costs(g)
-            .map_err(|e| user(format!("--precision: {e}")))
+        graph_costs(
+            g,
+            &self.cluster.profile,
+            self.cluster.gpus,
+            self.precision,
+            self.optimizer,
+            self.nchw,
+        )
+        .map_err(|e| user(format!("--precision: {e}")))
     }
 
     /// The planner's view of this job, its graphs built by `build`.

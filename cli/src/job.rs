@@ -28,8 +28,15 @@ pub struct JobArgs {
     pub precision: Precision,
     /// How convolutional graphs store activations: channels-last (what tuned mixed-precision
     /// stacks use) or nchw (PyTorch's default: cuDNN transposes around tensor-core convolutions).
-    #[arg(long, default_value = "channels-last", value_parser = ["channels-last", "nchw"])]
-    pub memory_format: String,
+    #[arg(long, value_enum, default_value_t = MemoryFormat::ChannelsLast)]
+    pub memory_format: MemoryFormat,
+}
+
+/// How activations are laid out in memory (`--memory-format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MemoryFormat {
+    ChannelsLast,
+    Nchw,
 }
 
 /// A job with its transformer and cluster loaded.
@@ -86,7 +93,7 @@ impl JobArgs {
                 seq,
                 self.global_batch,
                 self.precision,
-                self.memory_format == "nchw",
+                self.memory_format == MemoryFormat::Nchw,
             )?),
         })
     }

@@ -137,7 +137,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             return crate::general::plan(&g, &a.job.cluster, a.json, a.out.as_deref(), a.force);
         }
     };
-    if let Some(why) = engine.and_then(|e| e.supports_precision(job.precision)) {
+    if let Some(why) = engine.and_then(|e| e.supports_job(&job.model, job.precision)) {
         return Err(user(format!(
             "--export {}: {why}",
             a.export.as_deref().unwrap_or("")

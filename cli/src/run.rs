@@ -304,11 +304,7 @@ impl SaveLock {
                     let holder = std::fs::read_to_string(&path)
                         .ok()
                         .and_then(|t| t.trim().parse::<u32>().ok());
-                    let alive = holder.is_some_and(|pid| {
-                        pid != me
-                            && (!std::path::Path::new("/proc/self").exists()
-                                || std::path::Path::new("/proc").join(pid.to_string()).exists())
-                    });
+                    let alive = holder.is_some_and(|pid| pid != me && !state::process_gone(pid));
                     if alive && !force {
                         return Err(user(format!(
                             "--save {}: another run (process {}) is saving here; wait for it to end, save elsewhere, or pass --force if it is gone",

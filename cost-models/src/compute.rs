@@ -215,11 +215,15 @@ impl<'a> DeviceModel<'a> {
         float_bytes: u64,
     ) -> OpTimes {
         let fill = |m: u64, n: u64| tile_fill(m) * tile_fill(n);
-        let fills = match (ins.first(), ins.get(1), op.infer(ins)) {
-            (Some(x), Some(k), Ok(outs)) if x.rank() == 4 && k.rank() == 4 => {
+        let (x, y) = (
+            ins.first(),
+            op.infer(ins).ok().and_then(|o| o.into_iter().next()),
+        );
+        let fills = match (x, ins.get(1), &y) {
+            (Some(x), Some(k), Some(y)) if x.rank() == 4 && k.rank() == 4 => {
                 let (x, k) = (&x.0, &k.0);
                 [
-                    fill(outs[0].elems() / k[0].max(1), k[0]),
+                    fill(y.elems() / k[0].max(1), k[0]),
                     fill(x[0] * x[2] * x[3], x[1]),
                     fill(k[0], k[1] * k[2] * k[3]),
                 ]
@@ -233,16 +237,16 @@ impl<'a> DeviceModel<'a> {
         };
         // Each pass reads two of input, weight and output (or their gradients) and writes
         // the third: the forward's traffic.
-        let bytes = (w.bytes_read.0 + w.bytes_written.0) as f64;
+        let bytes = w.traffic().0 as f64;
         // NCHW on tensor cores: each pass transposes the two activation tensors it touches
         // (x and y forward, dy and dx for the input gradient, x and dy for the weight
         // gradient), each read and written once.
         let pointwise_1x1 = c.kernel == [1, 1] && c.stride == [1, 1];
-        let transposes = match (ins.first(), op.infer(ins)) {
-            (Some(x), Ok(outs))
+        let transposes = match (x, &y) {
+            (Some(x), Some(y))
                 if self.nchw && self.precision != Precision::Fp32 && !pointwise_1x1 =>
             {
-                let tensors = (x.elems() + outs[0].elems()) as f64 * float_bytes as f64;
+                let tensors = (x.elems() + y.elems()) as f64 * float_bytes as f64;
                 self.memory(2.0 * tensors)
             }
             _ => Seconds(0.0),
@@ -308,7 +312,7 @@ impl<'a> DeviceModel<'a> {
             }
             (ComputeClass::Gemm, OpKind::Conv2d(c)) => self.conv(op, c, ins, w, float_bytes),
             (ComputeClass::Gemm, _) => {
-                let bytes = (w.bytes_read.0 + w.bytes_written.0) as f64;
+                let bytes = w.traffic().0 as f64;
                 OpTimes {
                     fwd: self.gemm_tiled(w.fwd_flops.0, bytes, 1.0) + self.overhead(k - 1.0),
                     bwd_input: self.gemm_tiled(w.bwd_input_flops.0, bytes, 1.0)
@@ -317,7 +321,7 @@ impl<'a> DeviceModel<'a> {
                 }
             }
             _ => {
-                let bytes = (w.bytes_read.0 + w.bytes_written.0) as f64;
+                let bytes = w.traffic().0 as f64;
                 let (fwd, bwd) = pointwise_passes(op);
                 // `memory` pays one launch; the op's other kernels pay theirs.
                 let more = self.overhead(k - 1.0);
@@ -499,8 +503,7 @@ mod tests {
             (m.op(&op, &ins, &w, 2).fwd.0, w)
         };
         let (t, w) = time(4);
-        let traffic = (w.bytes_read.0 + w.bytes_written.0) as f64
-            / p.device.effective_memory_bandwidth().0
+        let traffic = w.traffic().0 as f64 / p.device.effective_memory_bandwidth().0
             + p.device.kernel_overhead().0;
         assert!((t / traffic - 1.0).abs() < 1e-9, "{t} vs {traffic}");
         assert!((time(8).0 / t - 1.0).abs() < 0.01);
@@ -517,8 +520,7 @@ mod tests {
         let bn = OpKind::BatchNorm;
         let w = bn.work(&ins, &ins, &[false], 2);
         let t = m.op(&bn, &ins, &w, 2);
-        let pass =
-            m.memory((w.bytes_read.0 + w.bytes_written.0) as f64).0 - p.device.kernel_overhead().0;
+        let pass = m.memory(w.traffic().0 as f64).0 - p.device.kernel_overhead().0;
         let o = p.device.kernel_overhead().0;
         // Two kernels each way, two launches.
         assert!((t.fwd.0 - (1.5 * pass + 2.0 * o)).abs() < 1e-12);

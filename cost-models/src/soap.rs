@@ -960,16 +960,18 @@ impl<'a> OpCosts<'a> {
     }
 
     /// Forward and backward resharding of tensor `t` from its producer (output `out` of node
-    /// `p` under `pc`) to input `k` of node `c` under `cc`.
+    /// `p` under `pc`) to input `k` of node `c` under `cc`, and the interned id of the layout
+    /// the consumer takes it in (consumers wanting the same layout have the same id).
     pub fn edge(
         &mut self,
         t: TensorId,
         (p, out, pc): (NodeId, usize, &ParallelConfig),
         (c, k, cc): (NodeId, usize, &ParallelConfig),
-    ) -> (Transfer, Transfer) {
+    ) -> (Transfer, Transfer, u32) {
         let src = self.producer_layouts(p, out, std::slice::from_ref(pc))[0];
         let dst = self.consumer_layouts(c, k, std::slice::from_ref(cc))[0];
-        self.transfers(t, src, dst)
+        let (f, b) = self.transfers(t, src, dst);
+        (f, b, dst.0)
     }
 
     /// The weights a node reads first (a weight shared by several nodes is synchronised once,

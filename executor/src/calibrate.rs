@@ -65,10 +65,8 @@ pub struct CollectiveFit {
 pub struct InterNode {
     /// Nodes in the job.
     pub nodes: usize,
-    /// Achieved bus bandwidth of large all-reduces across nodes, bytes per second.
-    pub busbw_bytes_per_s: f64,
-    /// Latency of one collective algorithm step across nodes, seconds.
-    pub step_latency_s: f64,
+    /// All-reduce across the nodes.
+    pub fit: CollectiveFit,
 }
 
 /// The compute figures of one rank while every rank runs the same benchmarks.
@@ -501,8 +499,8 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
         // between nodes (NIC, switches, MPI transport) is measured as a whole, not split.
         p.network = Some(parallax_hardware::NetworkSpec {
             nics_per_node: 1,
-            nic_gbit: x.busbw_bytes_per_s * 8.0 / 1e9,
-            latency_us: x.step_latency_s * 1e6,
+            nic_gbit: x.fit.busbw_bytes_per_s * 8.0 / 1e9,
+            latency_us: x.fit.step_latency_s * 1e6,
             topology: parallax_hardware::Topology::FatTree,
             oversubscription: 1.0,
             nodes_per_leaf: None,
@@ -618,8 +616,10 @@ mod tests {
             }),
             inter: Some(InterNode {
                 nodes: 2,
-                busbw_bytes_per_s: 1.25e9,
-                step_latency_s: 2e-5,
+                fit: CollectiveFit {
+                    busbw_bytes_per_s: 1.25e9,
+                    step_latency_s: 2e-5,
+                },
             }),
             device: None,
         };

@@ -179,11 +179,6 @@ fn require(lib: Lib) -> Result<(), ExecError> {
     })
 }
 
-/// Major versions of a CUDA library cudarc loads by name: `{stem}.so`, or `{stem}.so.N` for
-/// these N. Other versions (CUDA 13's `.so.13`, NCCL's `.so.2`) load through a `{stem}.so`
-/// link.
-const LOADABLE_MAJORS: [&str; 5] = ["12", "11", "10", "9", "1"];
-
 /// Folders where CUDA libraries are usually installed: `$CUDA_HOME`, `$CUDA_PATH`, each
 /// `/usr/local/cuda*` toolkit, and the system library folders.
 fn library_folders() -> Vec<std::path::PathBuf> {
@@ -255,22 +250,24 @@ fn find_library(stem: &str, folders: &[std::path::PathBuf]) -> Vec<std::path::Pa
 /// folder of a loadable name to LD_LIBRARY_PATH, or link a version cudarc does not try as
 /// `{stem}.so`.
 fn missing_library_message(stem: &str, what: &str, found: &[std::path::PathBuf]) -> String {
+    // The file names cudarc tries (`{stem}.so`, `.so.12`, …; not CUDA 13's `.so.13` nor
+    // NCCL's `.so.2`, which load through a `{stem}.so` link).
+    let names = cudarc::get_lib_name_candidates(stem.trim_start_matches("lib"));
     let loadable = |p: &std::path::Path| {
-        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        let version = name.strip_prefix(stem).unwrap_or("");
-        version == ".so"
-            || LOADABLE_MAJORS
-                .iter()
-                .any(|m| version == format!(".so.{m}"))
+        p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| names.iter().any(|c| c == n))
     };
-    let tried = format!(
-        "{stem}.so or {}",
-        LOADABLE_MAJORS
-            .iter()
-            .map(|m| format!("{stem}.so.{m}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+    let mut tried: Vec<&str> = Vec::new();
+    for n in names
+        .iter()
+        .filter(|n| n.starts_with(&format!("{stem}.so")))
+    {
+        if !tried.contains(&n.as_str()) {
+            tried.push(n);
+        }
+    }
+    let tried = tried.join(", ");
     if let Some(p) = found.iter().find(|p| loadable(p)) {
         let folder = p.parent().unwrap_or(p).display();
         format!(

@@ -647,13 +647,9 @@ impl MpiRuntime {
                 compute: c,
                 // One rank per node: nothing to measure inside a node.
                 intra: (local.size() > 1).then(|| times(0, bytes).fit(local.size())),
-                inter: (leaders.size() > 1).then(|| {
-                    let f = times(2, bytes).fit(leaders.size());
-                    InterNode {
-                        nodes: leaders.size(),
-                        busbw_bytes_per_s: f.busbw_bytes_per_s,
-                        step_latency_s: f.step_latency_s,
-                    }
+                inter: (leaders.size() > 1).then(|| InterNode {
+                    nodes: leaders.size(),
+                    fit: times(2, bytes).fit(leaders.size()),
                 }),
                 device: None,
             }))

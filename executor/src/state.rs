@@ -160,10 +160,6 @@ pub fn save(
 /// save): `.step-N.tmp-PID/` and `.LATEST.tmp-PID`. Where processes cannot be looked up
 /// (no `/proc`), nothing is removed; a live process's save is never touched.
 fn remove_abandoned_saves(dir: &Path) {
-    let proc_fs = Path::new("/proc");
-    if !proc_fs.join("self").exists() {
-        return;
-    }
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
@@ -176,7 +172,7 @@ fn remove_abandoned_saves(dir: &Path) {
         let Ok(pid) = pid.parse::<u32>() else {
             continue;
         };
-        if ours && pid != std::process::id() && !proc_fs.join(pid.to_string()).exists() {
+        if ours && pid != std::process::id() && process_gone(pid) {
             let p = entry.path();
             let _ = if p.is_dir() {
                 std::fs::remove_dir_all(&p)
@@ -185,6 +181,13 @@ fn remove_abandoned_saves(dir: &Path) {
             };
         }
     }
+}
+
+/// Whether process `pid` is known to have ended: false where processes cannot be looked up
+/// (no `/proc`), so that nothing of a live process is ever taken for abandoned.
+pub fn process_gone(pid: u32) -> bool {
+    let proc_fs = Path::new("/proc");
+    proc_fs.join("self").exists() && !proc_fs.join(pid.to_string()).exists()
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), (String, String)> {

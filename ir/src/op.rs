@@ -241,6 +241,11 @@ impl Work {
     pub fn train_flops(&self) -> Flops {
         self.fwd_flops + self.bwd_input_flops + self.bwd_weight_flops
     }
+
+    /// Bytes the forward moves through memory: its inputs read and outputs written once.
+    pub fn traffic(&self) -> Bytes {
+        self.bytes_read + self.bytes_written
+    }
 }
 
 impl std::ops::Add for Work {

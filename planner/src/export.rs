@@ -112,12 +112,13 @@ impl Engine {
         model: &TransformerConfig,
         precision: Precision,
     ) -> Option<String> {
-        self.supports_within(&self.space(), l, model, precision)
+        self.supports_job(model, precision)
+            .or_else(|| self.supports_within(&self.space(), l, model))
     }
 
-    /// Why the engine's export cannot train at `precision`, or `None` when it can (a check
-    /// before any search: no layout changes it).
-    pub fn supports_precision(self, precision: Precision) -> Option<String> {
+    /// Why the engine cannot train `model` at `precision` under any layout, or `None` (asked
+    /// once, before a search).
+    pub fn supports_job(self, model: &TransformerConfig, precision: Precision) -> Option<String> {
         match (self, precision) {
             (Engine::DeepSpeed, Precision::Fp8) => {
                 Some("deepspeed's config has no fp8 training".into())
@@ -127,24 +128,25 @@ impl Engine {
                  float32)"
                     .into(),
             ),
+            (Engine::Torchtitan, _) if torchtitan_flavor(model).is_none() => Some(
+                "torchtitan has no model of these dimensions (its llama3 flavors: 8B, 70B, 405B)"
+                    .into(),
+            ),
             _ => None,
         }
     }
 
-    /// [`Engine::supports`] with the engine's [`Engine::space`] built once by the caller (the
-    /// search asks for every candidate).
+    /// Why the engine cannot run layout `l` of `model` (what depends on the layout; see
+    /// [`Engine::supports_job`] for the rest), with the engine's [`Engine::space`] built once
+    /// by the caller (the search asks for every candidate).
     pub(crate) fn supports_within(
         self,
         space: &Space,
         l: &Layout,
         model: &TransformerConfig,
-        precision: Precision,
     ) -> Option<String> {
         let name = self.name();
         let layers = model.layers;
-        if let Some(why) = self.supports_precision(precision) {
-            return Some(why);
-        }
         if !l.stages.is_empty() {
             return Some(format!("{name} splits stages evenly"));
         }
@@ -193,10 +195,6 @@ impl Engine {
             Engine::Torchtitan if l.ep > 1 => {
                 Some("torchtitan export does not cover expert parallelism".into())
             }
-            Engine::Torchtitan if torchtitan_flavor(model).is_none() => Some(
-                "torchtitan has no model of these dimensions (its llama3 flavors: 8B, 70B, 405B)"
-                    .into(),
-            ),
             Engine::Torchtitan if l.zero_stage == 0 && (l.tp > 1 || l.pp > 1 || l.cp > 1) => Some(
                 "torchtitan's DDP (ZeRO-0) runs without tensor, pipeline or context \
                      parallelism"

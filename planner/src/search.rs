@@ -1226,7 +1226,16 @@ fn expand(
         return x;
     }
     let capacity = setup.profile.device.hbm_gib;
-    let engine = opts.engine.map(|e| (e, e.space()));
+    // The engine's space, why it cannot train this job at all (asked once), and the label of
+    // its rejections.
+    let engine = opts.engine.map(|e| {
+        (
+            e,
+            e.space(),
+            e.supports_job(setup.model, setup.precision),
+            format!("{NOT_SUPPORTED_BY}{e}"),
+        )
+    });
     let mut local = 0u64;
     // Stage partitions depend on the interleave only.
     let mut parts_of: HashMap<u32, Vec<(Vec<u32>, bool)>> = HashMap::new();
@@ -1267,10 +1276,13 @@ fn expand(
                     x.counts.reject("indivisible", 1);
                     continue;
                 };
-                if let Some((e, space)) = &engine {
-                    if let Some(why) = e.supports_within(space, &l, setup.model, setup.precision) {
-                        x.counts
-                            .reject_because(&format!("{NOT_SUPPORTED_BY}{e}"), || why);
+                if let Some((e, space, job_why, label)) = &engine {
+                    if let Some(why) = job_why {
+                        x.counts.reject_because(label, || why.clone());
+                        continue;
+                    }
+                    if let Some(why) = e.supports_within(space, &l, setup.model) {
+                        x.counts.reject_because(label, || why);
                         continue;
                     }
                 }

@@ -824,17 +824,36 @@ pub struct GraphJob<'a> {
 }
 
 impl<'a> GraphJob<'a> {
-    /// The cost model of `g` for this job: its cluster, precision, optimizer and memory format.
+    /// The cost model of `g` for this job ([`graph_costs`]).
     pub fn costs<'g>(&self, g: &'g parallax_ir::Graph) -> Result<OpCosts<'g>, String>
     where
         'a: 'g,
     {
-        let mut c =
-            OpCosts::new(g, self.profile, self.gpus, self.precision).map_err(|e| e.to_string())?;
-        c.optimizer = self.optimizer;
-        c.set_nchw(self.nchw);
-        Ok(c)
+        graph_costs(
+            g,
+            self.profile,
+            self.gpus,
+            self.precision,
+            self.optimizer,
+            self.nchw,
+        )
     }
+}
+
+/// The cost model of `g` on `gpus` devices of `profile` at `precision`, with `optimizer` and
+/// activations stored NCHW (`nchw`) or channels-last.
+pub fn graph_costs<'g>(
+    g: &'g parallax_ir::Graph,
+    profile: &'g parallax_hardware::ClusterProfile,
+    gpus: u32,
+    precision: parallax_ir::Precision,
+    optimizer: parallax_cost::soap::Optimizer,
+    nchw: bool,
+) -> Result<OpCosts<'g>, String> {
+    let mut c = OpCosts::new(g, profile, gpus, precision).map_err(|e| e.to_string())?;
+    c.optimizer = optimizer;
+    c.set_nchw(nchw);
+    Ok(c)
 }
 
 impl std::fmt::Debug for GraphJob<'_> {

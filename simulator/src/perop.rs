@@ -29,7 +29,7 @@ use crate::schedule::{
 };
 use crate::step::{Breakdown, MemoryGib};
 use parallax_cost::memory::{MemoryBreakdown, WORKSPACE_GIB};
-use parallax_cost::soap::{ConfigError, MachineView, OpCosts, ParallelConfig, TensorLayout};
+use parallax_cost::soap::{ConfigError, MachineView, OpCosts, ParallelConfig};
 use parallax_ir::graph::NodeId;
 use parallax_ir::{Bytes, Schedule, Seconds};
 use serde::{Deserialize, Serialize};
@@ -257,7 +257,7 @@ fn build_micro(
     let mut times = Vec::with_capacity(n);
     // Each (tensor, layout a consumer wants) is resharded once: its id, and its forward task
     // per device class.
-    let mut shared_ids: HashMap<(u32, TensorLayout), usize> = HashMap::new();
+    let mut shared_ids: HashMap<(u32, u32), usize> = HashMap::new();
     let mut shared_tasks: HashMap<(usize, usize), TaskId> = HashMap::new();
     // Forward.
     for i in 0..n {
@@ -277,16 +277,9 @@ fn build_micro(
                 .iter()
                 .position(|x| x == tid)
                 .unwrap_or(0);
-            let (f, b) = costs.edge(*tid, (p, out, &plan.configs[pi]), (id, k, cfg));
-            // Only a resharded edge needs its layout key (most edges move nothing).
-            let shared = if f.time.0 > 0.0 || b.time.0 > 0.0 {
-                let next = shared_ids.len();
-                *shared_ids
-                    .entry((tid.0, costs.input_layout(id, k, cfg)))
-                    .or_insert(next)
-            } else {
-                usize::MAX
-            };
+            let (f, b, wanted) = costs.edge(*tid, (p, out, &plan.configs[pi]), (id, k, cfg));
+            let next = shared_ids.len();
+            let shared = *shared_ids.entry((tid.0, wanted)).or_insert(next);
             mg.edges.push(EdgeCost {
                 producer: pi,
                 consumer: i,
