@@ -112,11 +112,41 @@ impl<'a> Network<'a> {
         (bw, net.latency())
     }
 
-    /// Latency of a collective with `steps_ring` ring steps over `n` ranks: NCCL switches to
-    /// trees / hierarchical algorithms at scale, whose step count grows with log2(n).
-    fn latency(step: Seconds, n: u32, steps_ring: f64) -> Seconds {
-        let tree = 2.0 * f64::from(n.max(2)).log2();
-        step * steps_ring.min(tree.max(1.0))
+    /// Latency of `passes` passes of a ring over `g`, as NCCL's tuning model counts it
+    /// (`src/graph/tuning.cc`): each pass takes n−1 steps, of which N−1 cross nodes (at the
+    /// network's per-message latency) and the rest stay inside one (at the intra-node link's).
+    /// All-gather, reduce-scatter and broadcast have only ring algorithms in NCCL before 2.23's
+    /// PAT (which serves one rank per node), so at thousands of ranks a single call costs
+    /// milliseconds however small its buffer.
+    fn ring_latency(&self, g: Group, passes: f64) -> Seconds {
+        let nodes = g.nodes();
+        let intra = self.profile.node.intra_latency();
+        let (inter, inter_steps) = match &self.profile.network {
+            Some(net) if nodes > 1 => (net.latency(), f64::from(nodes - 1)),
+            _ => (intra, 0.0),
+        };
+        let intra_steps = (f64::from(g.size) - 1.0 - inter_steps).max(0.0);
+        (intra * intra_steps + inter * inter_steps) * passes
+    }
+
+    /// Latency of an all-reduce: the ring's two passes, or NCCL's double binary tree where
+    /// that is shorter (a chain of the k ranks inside each node, a tree of depth log2(N) over
+    /// the nodes, up and down).
+    fn all_reduce_latency(&self, g: Group) -> Seconds {
+        let ring = self.ring_latency(g, 2.0);
+        let nodes = g.nodes();
+        let intra = self.profile.node.intra_latency();
+        let inter = match &self.profile.network {
+            Some(net) if nodes > 1 => net.latency(),
+            _ => intra,
+        };
+        let k = f64::from(g.per_node.min(g.size).max(1));
+        let tree = (intra * (k - 1.0) + inter * f64::from(nodes).log2().ceil()) * 2.0;
+        if tree.0 < ring.0 {
+            tree
+        } else {
+            ring
+        }
     }
 
     /// Time of a collective over `g` of a buffer of `bytes` (the full, unsharded buffer for
@@ -129,10 +159,10 @@ impl<'a> Network<'a> {
         let nf = f64::from(n);
         let (bw, step) = self.ring_tier(g);
         let s = bytes.0 as f64;
+        let ring_pass = self.ring_latency(g, 1.0);
         match c {
             Collective::AllReduce => {
-                let ring = Seconds(2.0 * (nf - 1.0) / nf * s / bw.0)
-                    + Self::latency(step, n, 2.0 * (nf - 1.0));
+                let ring = Seconds(2.0 * (nf - 1.0) / nf * s / bw.0) + self.all_reduce_latency(g);
                 match self.nvls(g) {
                     Some(algbw) => {
                         let t = Seconds(s / algbw.0) + step * 2.0;
@@ -146,9 +176,9 @@ impl<'a> Network<'a> {
                 }
             }
             Collective::AllGather | Collective::ReduceScatter => {
-                Seconds((nf - 1.0) / nf * s / bw.0) + Self::latency(step, n, nf - 1.0)
+                Seconds((nf - 1.0) / nf * s / bw.0) + ring_pass
             }
-            Collective::Broadcast => Seconds(s / bw.0) + Self::latency(step, n, nf - 1.0),
+            Collective::Broadcast => Seconds(s / bw.0) + ring_pass,
             Collective::AllToAll => {
                 // Each rank keeps 1/n, sends (k−1)/n inside its node and (n−k)/n across nodes.
                 let k = f64::from(g.per_node.min(n));
@@ -239,6 +269,33 @@ mod tests {
             .0;
         let busbw = 8e9 / ag * 7.0 / 8.0 / 1e9;
         assert!((busbw - 370.0).abs() < 10.0, "H100 ring {busbw}");
+    }
+
+    #[test]
+    fn ring_only_collectives_pay_a_step_per_rank_at_scale() {
+        // NCCL has only rings for all-gather: at 2,048 ranks over 256 nodes a tiny buffer
+        // still takes 1,792 NVLink steps and 255 network steps; an all-reduce takes the tree.
+        let p = preset("dgx-a100-80gb").unwrap();
+        let net = Network::new(&p);
+        let g = Group::strided(2048, 1, 8);
+        let tiny = Bytes(1024);
+        let ag = net.collective(Collective::AllGather, tiny, g).0;
+        let want =
+            1792.0 * p.node.intra_latency().0 + 255.0 * p.network.as_ref().unwrap().latency().0;
+        assert!((ag - want).abs() < 0.01 * want, "{ag} vs {want}");
+        let ar = net.collective(Collective::AllReduce, tiny, g).0;
+        assert!(
+            ar < 0.05 * ag,
+            "tree all-reduce {ar} vs ring all-gather {ag}"
+        );
+        // Inside one node the ring's steps are NVLink steps only.
+        let small = net
+            .collective(Collective::AllGather, tiny, Group::strided(8, 1, 8))
+            .0;
+        assert!(
+            (small - 7.0 * p.node.intra_latency().0).abs() < 1e-7,
+            "{small}"
+        );
     }
 
     #[test]
