@@ -35,6 +35,15 @@ fn bad_plan_inputs_end_in_one_line_and_status_2() {
         (vec!["--cluster", "nope:gpus=8"], "nope"),
         (vec!["--top", "0"], "--top"),
         (vec!["--max-gpus", "0"], "--max-gpus"),
+        (vec!["--framework", "jax@0.4"], "unknown stack 'jax@0.4'"),
+        (
+            vec!["--framework", "megatron-lm@soon"],
+            "cannot read the version",
+        ),
+        (
+            vec!["--model", "resnet50", "--framework", "megatron-lm@2022"],
+            "not a transformer",
+        ),
     ] {
         // The small case with `extra` replacing its value of the same flag.
         let mut args: Vec<&str> = Vec::new();
@@ -131,4 +140,80 @@ fn json_carries_the_contract_keys() {
     assert_eq!(v["plan"]["layout"], v["layout"]);
     assert_eq!(v["export"]["engine"], "deepspeed");
     assert!(v["step_time_s_low"].as_f64() < v["step_time_s"].as_f64());
+}
+
+/// The stack is an input: named in the report, limiting the search, implied by `--export`.
+#[test]
+fn the_framework_is_named_in_reports_and_export_implies_its_own() {
+    let mut args: Vec<&str> = SMALL.to_vec();
+    args.extend(["--framework", "megatron-lm@2021", "--json"]);
+    let out = plan(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["framework"], "megatron-lm@2021");
+    assert_eq!(doc["plan"]["prediction"]["framework"], "megatron-lm@2021");
+    let layout = &doc["plan"]["layout"];
+    assert_eq!(layout["sequence_parallel"], false, "{layout}");
+    assert_eq!(layout["zero_stage"], 0, "{layout}");
+    // Text reports name the default stack too.
+    let out = plan(&SMALL);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("stack       current"));
+    // --export E is E's current stack: another stack beside it is refused, its own accepted.
+    let mut args: Vec<&str> = SMALL.to_vec();
+    args.extend(["--export", "deepspeed", "--framework", "megatron-lm@2021"]);
+    let out = plan(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--export deepspeed plans for deepspeed's current stack"),
+        "{err}"
+    );
+    let mut args: Vec<&str> = SMALL.to_vec();
+    args.extend([
+        "--export",
+        "deepspeed",
+        "--framework",
+        "deepspeed@0.19",
+        "--json",
+    ]);
+    let out = plan(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["framework"], "deepspeed@0.19");
+}
+
+#[test]
+fn frameworks_lists_every_stack_with_sources() {
+    let out = Command::new(env!("CARGO_BIN_EXE_parallax"))
+        .args(["frameworks", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = doc["frameworks"].as_array().unwrap();
+    for name in [
+        "megatron-lm@2023",
+        "megatron-deepspeed@2021",
+        "deepspeed-zero3@2021",
+        "megascale@2024",
+        "meta-llama3@2024",
+        "nvidia-mlperf@3.1",
+        "pytorch-dataparallel@1.8",
+    ] {
+        let row = rows
+            .iter()
+            .find(|r| r["name"] == name)
+            .unwrap_or_else(|| panic!("{name}"));
+        assert!(row["features"].as_array().is_some_and(|f| !f.is_empty()
+            && f.iter()
+                .all(|x| !x["source"].as_str().unwrap_or("").is_empty())));
+    }
 }

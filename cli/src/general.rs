@@ -410,6 +410,7 @@ fn plan_document(
             mfu: p.mfu,
             peak_memory_gib: p.peak_memory_gib,
             fits: p.fits,
+            framework: None,
         }),
     }
 }

@@ -3,10 +3,11 @@
 use crate::general::GraphModel;
 use crate::user;
 use clap::Args as ClapArgs;
-use parallax_cost::transformer::{Runtime, Setup};
+use parallax_cost::transformer::Setup;
 use parallax_hardware::Cluster;
 use parallax_ir::models::TransformerConfig;
 use parallax_ir::{load_model, Precision, MAX_GLOBAL_BATCH};
+use parallax_planner::Framework;
 
 /// The flags that name a training job.
 #[derive(Debug, ClapArgs)]
@@ -30,6 +31,11 @@ pub struct JobArgs {
     /// stacks use) or nchw (PyTorch's default: cuDNN transposes around tensor-core convolutions).
     #[arg(long, value_enum, default_value_t = MemoryFormat::ChannelsLast)]
     pub memory_format: MemoryFormat,
+    /// The software stack that runs the job, `NAME@VERSION` (e.g. megatron-lm@2022,
+    /// deepspeed-zero3@2021, torchtitan; `parallax frameworks` lists them): its kernels,
+    /// overlap and options. Default: a current stack. Transformer models only.
+    #[arg(long, value_name = "NAME@VERSION")]
+    pub framework: Option<String>,
 }
 
 /// How activations are laid out in memory (`--memory-format`).
@@ -48,6 +54,8 @@ pub struct Job {
     pub seq: u64,
     pub global_batch: u64,
     pub precision: Precision,
+    /// The stack that runs it (`--framework`, else a current one).
+    pub framework: Framework,
 }
 
 /// A loaded job: a transformer for the structured path, or any other graph for the per-op path.
@@ -78,6 +86,10 @@ impl JobArgs {
         let seq = self.seq.unwrap_or(loaded.default_seq());
         loaded.check_seq(seq).map_err(user)?;
         let cluster = Cluster::parse(&self.cluster).map_err(user)?;
+        let framework = match &self.framework {
+            Some(spec) => Framework::parse(spec).map_err(|e| user(format!("--framework: {e}")))?,
+            None => Framework::current(),
+        };
         Ok(match loaded.transformer().cloned() {
             Some(model) => Loaded::Transformer(Job {
                 name: loaded.name,
@@ -86,7 +98,14 @@ impl JobArgs {
                 seq,
                 global_batch: self.global_batch,
                 precision: self.precision,
+                framework,
             }),
+            None if self.framework.is_some() => {
+                return Err(user(format!(
+                    "--framework: {} is not a transformer; its per-op plans are costed op by op, not by a stack's transformer kernels",
+                    self.model
+                )))
+            }
             None => Loaded::Graph(GraphModel::new(
                 loaded,
                 cluster,
@@ -100,11 +119,11 @@ impl JobArgs {
 }
 
 impl Job {
-    /// The costing setup of this job under `runtime`.
-    pub fn setup(&self, runtime: Runtime) -> Setup<'_> {
+    /// The costing setup of this job on its stack.
+    pub fn setup(&self) -> Setup<'_> {
         Setup {
             precision: self.precision,
-            runtime,
+            runtime: self.framework.runtime,
             ..Setup::new(
                 &self.model,
                 &self.cluster.profile,

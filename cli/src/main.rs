@@ -3,6 +3,7 @@
 mod calibrate;
 mod clusters;
 mod fmt;
+mod frameworks;
 mod general;
 mod inspect;
 mod job;
@@ -31,6 +32,8 @@ enum Command {
     /// List the built-in hardware presets.
     #[command(allow_negative_numbers = true)]
     Clusters(clusters::Args),
+    /// List the software stacks `--framework` takes, their features and sources.
+    Frameworks(frameworks::Args),
     /// Parameters, FLOPs per token, layers, op histogram and activation memory of a model.
     #[command(allow_negative_numbers = true)]
     Inspect(inspect::Args),
@@ -195,6 +198,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Models(a) => models::run(a),
         Command::Clusters(a) => clusters::run(a),
+        Command::Frameworks(a) => frameworks::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Simulate(a) => simulate::run(a),
         Command::Plan(a) => plan::run(a),

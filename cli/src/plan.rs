@@ -7,7 +7,7 @@ use crate::user;
 use anyhow::Context;
 use clap::Args as ClapArgs;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use parallax_cost::transformer::{Runtime, Setup};
+use parallax_cost::transformer::Setup;
 use parallax_hardware::Cluster;
 use parallax_ir::PartialLayout;
 use parallax_planner::export::{export, Engine};
@@ -20,6 +20,7 @@ use parallax_planner::search;
 use parallax_planner::search::{
     search_with_progress, Progress, SearchError, SearchOptions, SearchResult,
 };
+use parallax_planner::Framework;
 use parallax_sim::simulate_step;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -125,7 +126,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Some(s) => PartialLayout::parse(s).map_err(|e| user(format!("--fix: {e}")))?,
         None => PartialLayout::default(),
     };
-    let job = match a.job.load()? {
+    let mut job = match a.job.load()? {
         Loaded::Transformer(job) => job,
         Loaded::Graph(g) => {
             if engine.is_some() || a.fix.is_some() || a.max_gpus.is_some() {
@@ -153,16 +154,26 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let names = OUT_FILES.into_iter().chain(engine.map(|e| e.file_name()));
         crate::prepare_out(dir, names, a.force)?;
     }
-    // Predict what the engine the plan is exported to will run.
-    let setup = job.setup(Runtime {
-        allow_tp_across_nodes: a.allow_tp_across_nodes,
-        ..engine.map(Engine::runtime).unwrap_or_default()
-    });
+    // Predict what the engine the plan is exported to will run: `--export E` is E's current
+    // stack, and a `--framework` beside it must be that stack.
+    if let Some(e) = engine {
+        let stack = Framework::for_engine(e);
+        let same = |f: &Framework| f.runtime == stack.runtime && f.space == stack.space;
+        if a.job.framework.is_some() && !same(&job.framework) {
+            return Err(user(format!(
+                "--framework {}: --export {e} plans for {e}'s current stack ({}); leave --framework out",
+                job.framework.name, stack.name
+            )));
+        }
+        job.framework = stack;
+    }
+    let mut setup = job.setup();
+    setup.runtime.allow_tp_across_nodes = a.allow_tp_across_nodes;
     let opts = SearchOptions {
         top_k: a.top,
         force: fix,
         force_even_stages: a.even_stages,
-        space: engine.map(Engine::space).unwrap_or_default(),
+        space: job.framework.space.clone(),
         engine,
         ..SearchOptions::default()
     };
@@ -194,6 +205,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         result: &result,
         band: parallax_cost::step_time_band(&cluster.profile),
         sweep: &sweep,
+        framework: &job.framework.name,
     };
     let best = result.best();
     let plan = plan_document(&input, best);

@@ -3,13 +3,14 @@
 
 use crate::user;
 use clap::Args as ClapArgs;
-use parallax_cost::transformer::{Runtime, Setup};
+use parallax_cost::transformer::Setup;
 use parallax_executor::{
     run as exec_run, state, Backend, DataSource, ModelState, RunReport, RunSpec, Span, StepStats,
 };
 use parallax_hardware::{preset, Cluster, CPU_LOCAL};
 use parallax_ir::models::TransformerConfig;
 use parallax_ir::{load_model, Layout, PartialLayout, Precision, Schedule};
+use parallax_planner::Framework;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -64,6 +65,10 @@ pub struct Args {
     /// Seconds a rank waits for another before the run is ended with an error naming it.
     #[arg(long, default_value_t = 120.0)]
     timeout: f64,
+    /// The stack the prediction beside the measurement models, `NAME@VERSION` (`parallax
+    /// frameworks`); default: parallax's own executor, the one that runs.
+    #[arg(long, value_name = "NAME@VERSION")]
+    framework: Option<String>,
     /// Print one JSON document.
     #[arg(long)]
     json: bool,
@@ -351,11 +356,18 @@ struct Predicted {
     peak_gib: f64,
     /// The cluster it was predicted on.
     cluster: String,
+    /// The stack it was predicted on.
+    framework: String,
 }
 
-/// The executor's way of running predicted (fp32, unfused attention, gradient reduction and
-/// tensor-parallel collectives not overlapped, non-blocking sends).
-fn predict(job: &Job, given: Option<&Cluster>, backend: Backend) -> Result<Predicted, String> {
+/// The run predicted on `stack` (the executor's own: fp32, unfused attention, gradient
+/// reduction and tensor-parallel collectives not overlapped, non-blocking sends).
+fn predict(
+    job: &Job,
+    given: Option<&Cluster>,
+    backend: Backend,
+    stack: &Framework,
+) -> Result<Predicted, String> {
     let cluster = match given {
         Some(c) => c.clone(),
         // The CPU cores are not what a GPU run computes on, and its GPU path is not what the
@@ -382,18 +394,14 @@ fn predict(job: &Job, given: Option<&Cluster>, backend: Backend) -> Result<Predi
         precision: Precision::Fp32,
         seq: job.seq,
         global_batch: job.global_batch,
-        runtime: Runtime {
-            fused_attention: false,
-            overlap_grad_reduce: false,
-            tp_comm_overlap: false,
-            ..Runtime::default()
-        },
+        runtime: stack.runtime,
     };
     let sim = parallax_sim::simulate_step(&setup, &job.layout).map_err(|e| e.to_string())?;
     Ok(Predicted {
         step_time_s: sim.prediction.step_time_s,
         peak_gib: sim.prediction.peak_memory_gib,
         cluster: cluster.to_string(),
+        framework: stack.name.clone(),
     })
 }
 
@@ -449,6 +457,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return Err(user("--lr must be a positive number"));
     }
     let job = resolve(&a)?;
+    let own = Framework::parse("parallax").map_err(user)?;
+    let stack = match &a.framework {
+        Some(s) => Framework::parse(s).map_err(|e| user(format!("--framework: {e}")))?,
+        None => own.clone(),
+    };
     // The cluster the run is predicted on, checked before anything runs.
     let given_cluster = match &job.cluster {
         Some(spec) => {
@@ -553,10 +566,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             printing.store(false, Ordering::Relaxed);
         }
     }));
-    let predicted = predict(&job, given_cluster.as_ref(), backend);
-    if let (Ok(p), Backend::Threads) = (&predicted, backend) {
-        check_host_memory(&job, p)?;
+    // Host memory is what the executor itself will allocate, whatever stack is predicted.
+    if backend == Backend::Threads {
+        if let Ok(p) = predict(&job, given_cluster.as_ref(), backend, &own) {
+            check_host_memory(&job, &p)?;
+        }
     }
+    let predicted = predict(&job, given_cluster.as_ref(), backend, &stack);
     let report = exec_run(&spec, backend);
     if let (Err(_), Some(dir)) = (&report, created_save_dir) {
         // The folder made for this run's checkpoints stays only if one was written into it.
@@ -601,9 +617,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let measured = median(times);
     let tokens = (job.global_batch * job.seq) as f64;
     if a.json {
-        let (pred, pred_err, cluster) = match &predicted {
-            Ok(p) => (json!(p.step_time_s), Value::Null, json!(p.cluster)),
-            Err(e) => (Value::Null, json!(e), Value::Null),
+        let (pred, pred_err, cluster, framework) = match &predicted {
+            Ok(p) => (
+                json!(p.step_time_s),
+                Value::Null,
+                json!(p.cluster),
+                json!(p.framework),
+            ),
+            Err(e) => (Value::Null, json!(e), Value::Null, Value::Null),
         };
         let doc = json!({
             "model": job.model_name,
@@ -619,6 +640,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "tokens_per_s": tokens / measured.max(1e-12),
             "predicted_step_time_s": pred,
             "prediction_cluster": cluster,
+            "prediction_framework": framework,
             "prediction_error": pred_err,
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
@@ -636,9 +658,10 @@ fn summary(r: &RunReport, measured: f64, predicted: &Result<Predicted, String>, 
     );
     match predicted {
         Ok(p) => println!(
-            "predicted step time {:.4} s on {} ({:+.1} % vs measured)",
+            "predicted step time {:.4} s on {} as {} ({:+.1} % vs measured)",
             p.step_time_s,
             p.cluster,
+            p.framework,
             (p.step_time_s / measured - 1.0) * 100.0
         ),
         Err(e) => println!("no prediction: {e}"),
@@ -690,6 +713,7 @@ mod tests {
             resume: None,
             lr: 1e-3,
             timeout: 1.0,
+            framework: None,
             json: false,
             trace: None,
             force: false,
@@ -719,12 +743,14 @@ mod tests {
             seq: 64,
             cluster: None,
         };
-        let e = predict(&job, None, Backend::Cuda).err().unwrap();
+        let own = Framework::parse("parallax").unwrap();
+        let e = predict(&job, None, Backend::Cuda, &own).err().unwrap();
         assert!(e.contains("--cluster") && e.contains("PCIe"), "{e}");
-        assert!(predict(&job, None, Backend::Threads).is_ok());
+        assert!(predict(&job, None, Backend::Threads, &own).is_ok());
         let c = Cluster::parse("hgx-h200-141gb:gpus=1").unwrap();
-        let p = predict(&job, Some(&c), Backend::Cuda).unwrap();
+        let p = predict(&job, Some(&c), Backend::Cuda, &own).unwrap();
         assert!(p.cluster.starts_with("hgx-h200-141gb"), "{}", p.cluster);
+        assert_eq!(p.framework, "parallax");
     }
 
     #[test]

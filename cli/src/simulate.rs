@@ -4,9 +4,9 @@ use crate::fmt::{bytes, table};
 use crate::job::{JobArgs, Loaded};
 use crate::user;
 use clap::Args as ClapArgs;
-use parallax_cost::{step_time_band, Runtime, Setup};
+use parallax_cost::{step_time_band, Setup};
 use parallax_ir::{Layout, PartialLayout, GIB};
-use parallax_planner::{complete_layout, layout_string, report::part_name, CompleteError};
+use parallax_planner::{complete_within, layout_string, report::part_name, CompleteError, Space};
 use parallax_sim::{simulate_step, SimulatedStep};
 use std::path::PathBuf;
 
@@ -46,8 +46,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             )
         }
     };
-    let setup = job.setup(Runtime::default());
-    let layout = resolve_layout(&a.plan, &setup, &a.job.model)?;
+    let setup = job.setup();
+    let layout = resolve_layout(&a.plan, &setup, &a.job.model, &job.framework.space)?;
     let sim = simulate_step(&setup, &layout)
         .map_err(|e| user(format!("--plan {}: {e}", layout_string(&layout))))?;
     let band = step_time_band(&job.cluster.profile);
@@ -57,16 +57,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .map_err(|e| user(format!("{}: cannot write: {e}", t.display())))?;
     }
     if a.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&parallax_planner::report::prediction_json(
-                &sim.prediction,
-                &layout,
-                band
-            ))?
-        );
+        let mut doc = parallax_planner::report::prediction_json(&sim.prediction, &layout, band);
+        doc["framework"] = job.framework.name.clone().into();
+        println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
-        print_report(&job.name, &a.job.cluster, &sim, &layout, band);
+        let title = format!("{} on {}", job.name, a.job.cluster);
+        print_report(&title, &job.framework.name, &sim, &layout, band);
     }
     Ok(())
 }
@@ -74,7 +70,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 /// The layout from a plan file or an inline spec (left-out keys completed by the search). A
 /// plan made for another model is refused; one made for another batch or sequence length is
 /// simulated at the flags' values, with a note saying so.
-fn resolve_layout(spec: &str, setup: &Setup, model: &str) -> anyhow::Result<Layout> {
+fn resolve_layout(spec: &str, setup: &Setup, model: &str, space: &Space) -> anyhow::Result<Layout> {
     let path = std::path::Path::new(spec);
     if spec.ends_with(".json") || path.is_file() {
         let plan = crate::read_plan(path)?;
@@ -94,7 +90,7 @@ fn resolve_layout(spec: &str, setup: &Setup, model: &str) -> anyhow::Result<Layo
         return Ok(plan.layout);
     }
     let partial = PartialLayout::parse(spec).map_err(|e| user(format!("--plan: {e}")))?;
-    match complete_layout(setup, &partial) {
+    match complete_within(setup, &partial, space) {
         Ok(done) => Ok(done.layout),
         // Nothing fits: simulate the completion that needs the least memory and say by how
         // much it is over.
@@ -103,9 +99,10 @@ fn resolve_layout(spec: &str, setup: &Setup, model: &str) -> anyhow::Result<Layo
     }
 }
 
-fn print_report(model: &str, cluster: &str, sim: &SimulatedStep, layout: &Layout, band: f64) {
+fn print_report(title: &str, stack: &str, sim: &SimulatedStep, layout: &Layout, band: f64) {
     let p = &sim.prediction;
-    println!("{model} on {cluster}: {}", layout_string(layout));
+    println!("{title}: {}", layout_string(layout));
+    println!("stack       {stack}");
     let (low, high) = parallax_cost::band_range(p.step_time_s, band);
     println!(
         "step time   {:.3} s  (band {low:.3} – {high:.3} s)   {:.0} tokens/s   MFU {:.1} %   HFU {:.1} %",

@@ -16,6 +16,10 @@ pub struct Args {
     /// Only cases of this group (e.g. `core`, `fp8`).
     #[arg(long)]
     group: Option<String>,
+    /// Predict every transformer case as run on this stack (`NAME@VERSION`, `parallax
+    /// frameworks`) instead of the one its `framework` field names.
+    #[arg(long, value_name = "NAME@VERSION")]
+    framework: Option<String>,
     /// Print one JSON document.
     #[arg(long)]
     json: bool,
@@ -37,6 +41,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         cf.cases.retain(|c| c.group() == g);
         if cf.cases.is_empty() {
             return Err(user(format!("{file}: no case has group '{g}'")));
+        }
+    }
+    if let Some(spec) = &a.framework {
+        parallax_planner::Framework::parse(spec).map_err(|e| user(format!("--framework: {e}")))?;
+        for c in &mut cf.cases {
+            c.set_framework(spec);
         }
     }
     if a.fit {
@@ -92,6 +102,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             ],
             &rows
         )
+    );
+    // The stacks the cases were predicted on, in the order they first appear.
+    let mut stacks: Vec<(&str, usize)> = Vec::new();
+    for r in &results {
+        match stacks.iter_mut().find(|(s, _)| *s == r.framework) {
+            Some((_, n)) => *n += 1,
+            None => stacks.push((&r.framework, 1)),
+        }
+    }
+    println!(
+        "\nstacks: {}",
+        stacks
+            .iter()
+            .map(|(s, n)| format!("{s} ×{n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     // No measured memory is no score, not a perfect one.
     let memory = match summary.memory_n {

@@ -91,6 +91,11 @@ pub struct Runtime {
     /// not on every token as HuggingFace's `BertForPreTraining` does.
     #[serde(default)]
     pub mlm_masked_only: bool,
+    /// Single-process data parallelism (`torch.nn.DataParallel`): every forward replicates
+    /// the module from the first GPU, scatters the inputs and gathers the outputs onto it;
+    /// every backward reduces the replicas' gradients onto it. None of it overlaps compute.
+    #[serde(default)]
+    pub single_process_dp: bool,
 }
 
 /// Fraction of the tokens BERT masks for its masked-LM objective (Devlin et al. 2019, §3.1).
@@ -130,6 +135,7 @@ impl Default for Runtime {
             selective: SelectivePolicy::CheapOps,
             zero3_gathered_under_pp: false,
             mlm_masked_only: false,
+            single_process_dp: false,
         }
     }
 }

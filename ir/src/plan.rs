@@ -325,6 +325,9 @@ pub struct Prediction {
     pub mfu: f64,
     pub peak_memory_gib: f64,
     pub fits: bool,
+    /// The software stack the prediction models (`name@version`, see `parallax frameworks`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub framework: Option<String>,
 }
 
 /// A complete plan.
@@ -574,6 +577,7 @@ mod tests {
                 mfu: 0.52,
                 peak_memory_gib: 61.2,
                 fits: true,
+                framework: None,
             }),
         }
     }

@@ -81,6 +81,8 @@ impl Engine {
             Engine::DeepSpeed => Space {
                 schedules: vec![Schedule::OneFOneB],
                 recompute: vec![Recompute::None, Recompute::Full],
+                // AutoTP shards weights only: DeepSpeed has no sequence parallelism.
+                sequence_parallel: false,
                 ..Space::default()
             },
             Engine::Torchtitan => Space {

@@ -7,7 +7,7 @@ use crate::search::Space;
 use crate::soap::layout_plan;
 use crate::validate::{complete_predicted, Framework, Measured, Predicted};
 use parallax_cost::soap::{GradSync, OpCosts, Optimizer};
-use parallax_cost::transformer::Setup;
+use parallax_cost::transformer::{Runtime, Setup};
 use parallax_hardware::ClusterProfile;
 use parallax_ir::graph::TensorRole;
 use parallax_ir::{load_model, Model, PartialLayout, Precision, Schedule};
@@ -137,7 +137,26 @@ impl GeneralCase {
     pub fn fused_attention(&self) -> bool {
         load_model(zoo_name(&self.model.name, self.framework_id()))
             .is_ok_and(|m| m.transformer().is_some())
-            && Framework::for_source(&self.source).runtime.fused_attention
+            && self.runtime().fused_attention
+    }
+
+    /// How the run's stack ([`Framework`], from its `framework` field) behaves, with what its
+    /// training script did on top: DeepLearningExamples' BERT pretraining script
+    /// (`run_pretraining.py`) all-reduces once after its accumulation steps
+    /// (`allreduce_post_accumulation`), not overlapped with backward, and runs its masked-LM
+    /// head on the masked positions only (`dense_sequence_output`, on unless
+    /// `--no_dense_sequence_output`).
+    fn runtime(&self) -> Runtime {
+        let rt = Framework::for_case(Some(&self.framework)).0.runtime;
+        if self.source.starts_with("dle-pytorch-bert") {
+            Runtime {
+                overlap_grad_reduce: false,
+                mlm_masked_only: true,
+                ..rt
+            }
+        } else {
+            rt
+        }
     }
 
     /// How gradients were combined: the published mechanism.
@@ -216,10 +235,10 @@ impl GeneralCase {
         let ran = p.micro_batch * u64::from(p.dp) * u64::from(chunks);
         let scale = p.global_batch as f64 / ran as f64;
         if let Some(cfg) = model.transformer() {
-            let fw = Framework::for_source(&self.source);
+            let fw = Framework::for_case(Some(&self.framework)).0;
             let setup = Setup {
                 precision,
-                runtime: fw.runtime,
+                runtime: self.runtime(),
                 ..Setup::new(cfg, &cluster.profile, cluster.gpus, seq, ran)
             };
             let partial = PartialLayout {

@@ -4,6 +4,7 @@ pub mod bounds;
 pub mod complete;
 pub mod export;
 pub mod fit;
+pub mod framework;
 pub mod general_cases;
 pub mod plots;
 pub mod report;

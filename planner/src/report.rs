@@ -34,6 +34,8 @@ pub struct ReportInput<'a> {
     /// calibration residuals of the profile).
     pub band: f64,
     pub sweep: &'a [SweepPoint],
+    /// The software stack predicted (`name@version`).
+    pub framework: &'a str,
 }
 
 /// The Plan document of one evaluated layout, with its prediction and band.
@@ -66,6 +68,7 @@ pub fn plan_document(input: &ReportInput, e: &Evaluated) -> Plan {
             mfu: p.mfu,
             peak_memory_gib: p.peak_memory_gib,
             fits: p.fits,
+            framework: Some(input.framework.into()),
         }),
     }
 }
@@ -451,6 +454,7 @@ pub fn json_document(input: &ReportInput) -> Value {
             "feasible": r.counts.feasible,
         },
         "summary": r.summary_line(),
+        "framework": input.framework,
         "flops_bound_s": r.flops_bound_s,
         "band": input.band,
         "families": r.families.iter().map(|f| json!({
@@ -489,6 +493,7 @@ pub fn headline(input: &ReportInput) -> Vec<String> {
             "{} on {} ({} GPUs), global batch {} × seq {}, {}",
             input.model_name, input.cluster_spec, s.gpus, s.global_batch, s.seq, s.precision
         ),
+        format!("stack       {}", input.framework),
         format!(
             "best plan   {}",
             crate::complete::layout_string(&best.layout)
@@ -670,6 +675,7 @@ mod tests {
             result: &r,
             band: 0.1,
             sweep: &sweep,
+            framework: "current",
         };
         let doc = json_document(&input);
         for key in [

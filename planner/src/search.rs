@@ -90,6 +90,11 @@ pub struct Space {
     /// DeepSpeed's uniform partition; the default); otherwise (Megatron-LM) every stage holds
     /// the same number, and an interleave left out must divide the layers evenly.
     pub uneven_stages: bool,
+    /// Megatron-style sequence parallelism may be chosen with tensor parallelism.
+    pub sequence_parallel: bool,
+    /// Tensor, context and expert parallelism may be chosen (data-parallel-only stacks such
+    /// as `torch.nn.DataParallel` or plain FSDP have none).
+    pub model_parallel: bool,
 }
 
 impl Default for Space {
@@ -102,6 +107,8 @@ impl Default for Space {
             zero_stages: vec![0, 1, 2, 3],
             recompute: Recompute::ALL.to_vec(),
             uneven_stages: true,
+            sequence_parallel: true,
+            model_parallel: true,
         }
     }
 }
@@ -1136,7 +1143,24 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
     let mut groups = Vec::new();
     let recomputes = recompute_options(f, &opts.space);
     for (d, mbs) in degree_tuples(setup, f, opts.max_micro_batch, &mut reject) {
-        let sps = f.sequence_parallel_options(d.tp);
+        let unforced = |degree: u32, fixed: Option<u32>| degree > 1 && fixed.is_none();
+        if !opts.space.model_parallel
+            && (unforced(d.tp, f.tp) || unforced(d.cp, f.cp) || unforced(d.ep, f.ep))
+        {
+            reject(
+                "stack",
+                format!(
+                    "tp {} × cp {} × ep {}: the stack has no tensor, context or expert parallelism",
+                    d.tp, d.cp, d.ep
+                ),
+            );
+            continue;
+        }
+        let sps = if opts.space.sequence_parallel || f.sequence_parallel.is_some() {
+            f.sequence_parallel_options(d.tp)
+        } else {
+            vec![false]
+        };
         for &mb in &mbs {
             for &recompute in &recomputes {
                 for &sp in &sps {

@@ -4,10 +4,10 @@
 //! [`crate::general_cases`]).
 
 use crate::complete::{complete_within, layout_string};
-use crate::export::Engine;
+pub use crate::framework::Framework;
 pub use crate::general_cases::{GeneralCase, GENERAL_CASES_SCHEMA};
 use crate::search::Space;
-use parallax_cost::transformer::{Runtime, SelectivePolicy, Setup};
+use parallax_cost::transformer::Setup;
 use parallax_hardware::{Cluster, ClusterProfile};
 use parallax_ir::models::{Mlp, MoeConfig, TransformerConfig};
 use parallax_ir::{PartialLayout, Precision, Recompute, Schedule};
@@ -23,209 +23,6 @@ pub const CASES_SCHEMA: &str = "parallax-validation-cases/1";
 /// shape, expert parallelism, FSDP, offload, the fp8 recipe, the stack as `name@version`):
 /// read into the same cases, each extension either modelled or named when a case is skipped.
 pub const CASES_SCHEMA_1_1: &str = "parallax-validation-cases/1.1";
-
-/// The software a published run used: its kernels and the options it offered for the knobs the
-/// publication leaves out. The planner itself always uses a current stack
-/// ([`Framework::current`]); validation must model the one the run had.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Framework {
-    pub name: &'static str,
-    pub runtime: Runtime,
-    /// Values the framework offered for left-out knobs.
-    pub space: Space,
-    /// Whether it had sequence parallelism.
-    pub sequence_parallel: bool,
-}
-
-impl Framework {
-    /// A current stack: fused attention, overlapped gradient reduction, every option.
-    pub fn current() -> Framework {
-        Framework {
-            name: "current",
-            runtime: Runtime::default(),
-            space: Space::default(),
-            sequence_parallel: true,
-        }
-    }
-
-    /// The framework behind a publication (`source` of a case); an unknown source gets a
-    /// current stack without framework-specific tricks (no TE TP-communication overlap) and the
-    /// 1F1B / interleaved schedules published runs use. Facts, by release:
-    /// - Megatron-LM 2020 (v1/v2 README): tensor parallelism, activation checkpointing, 1F1B
-    ///   pipeline; no sequence parallelism, selective recompute, distributed optimizer or
-    ///   interleaving; attention as batched GEMMs with a fused scale-mask-softmax kernel;
-    ///   fp16 gradients all-reduced after backward (`LocalDDP`; fp32 gradient accumulation
-    ///   came with PTD-P).
-    /// - Megatron-LM PTD-P (Narayanan et al. 2021): adds the interleaved schedule.
-    /// - Megatron-LM 2022 (Korthikanti et al.): adds sequence parallelism and selective
-    ///   recompute; still before FlashAttention (Dao et al., mid-2022).
-    /// - Megatron-Core 2024 (H100 README table): Transformer Engine fused attention,
-    ///   distributed optimizer, overlapped gradient reduce-scatter and parameter gather,
-    ///   tensor-parallel communication overlap. NeMo (since 2023) trains on Megatron-Core, so
-    ///   its published runs get the same stack.
-    /// - torchtitan ([`Engine::runtime`]): FSDP2, PyTorch SDPA flash attention, op-level
-    ///   selective activation checkpointing that saves matmul outputs except every second one;
-    ///   with pipeline parallelism FSDP keeps each stage gathered across micro-batches.
-    /// - HuggingFace Trainer with PyTorch DDP (2020–21 GPT-2): eager attention, overlapped
-    ///   bucketed all-reduce.
-    pub fn for_source(source: &str) -> Framework {
-        let pre_flash = |overlap| Runtime {
-            fused_attention: false,
-            overlap_grad_reduce: overlap,
-            tp_comm_overlap: false,
-            overlap_p2p: false,
-            grad_reduce_fp32: true,
-            allow_tp_across_nodes: false,
-            selective: SelectivePolicy::CheapOps,
-            zero3_gathered_under_pp: false,
-            mlm_masked_only: false,
-        };
-        let megatron = |schedules: Vec<Schedule>, recompute: Vec<Recompute>, sp| Framework {
-            name: "megatron-lm (pre-flash)",
-            runtime: pre_flash(false),
-            space: Space {
-                schedules,
-                zero_stages: vec![0],
-                recompute,
-                uneven_stages: false,
-            },
-            sequence_parallel: sp,
-        };
-        let s = source.to_ascii_lowercase();
-        if s.starts_with("megatron-lm-readme-2020") {
-            let mut fw = megatron(
-                vec![Schedule::OneFOneB],
-                vec![Recompute::None, Recompute::Full],
-                false,
-            );
-            // fp16 gradients were all-reduced in fp16.
-            fw.runtime.grad_reduce_fp32 = false;
-            fw
-        } else if s.starts_with("narayanan2021") {
-            megatron(
-                vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
-                vec![Recompute::None, Recompute::Full],
-                false,
-            )
-        } else if s.starts_with("korthikanti2022") {
-            megatron(
-                vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
-                Recompute::ALL.to_vec(),
-                true,
-            )
-        } else if ["megatron-lm-readme-h100-2024", "megatron-core", "nemo"]
-            .iter()
-            .any(|p| s.starts_with(p))
-        {
-            Framework {
-                name: "megatron-core 2024",
-                space: Space {
-                    schedules: vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
-                    zero_stages: vec![0, 1],
-                    uneven_stages: false,
-                    ..Space::default()
-                },
-                ..Framework::current()
-            }
-        } else if s.starts_with("dle-pytorch") {
-            // NVIDIA DeepLearningExamples PyTorch (NGC 20.x–21.x): apex fused softmax, no
-            // flash attention; BERT pretraining all-reduces once after its accumulation
-            // steps (`allreduce_post_accumulation`), not overlapped with backward, and runs
-            // its masked-LM head on the masked positions only (`dense_sequence_output`, on
-            // unless `--no_dense_sequence_output`).
-            Framework {
-                name: "nvidia deeplearningexamples pytorch",
-                runtime: Runtime {
-                    mlm_masked_only: true,
-                    ..pre_flash(false)
-                },
-                space: Space {
-                    schedules: vec![Schedule::GPipe],
-                    zero_stages: vec![0],
-                    ..Space::default()
-                },
-                ..Framework::current()
-            }
-        } else if s.starts_with("hf-transformers") {
-            Framework {
-                name: "huggingface trainer + ddp",
-                runtime: pre_flash(true),
-                space: Space {
-                    schedules: vec![Schedule::GPipe],
-                    zero_stages: vec![0],
-                    ..Space::default()
-                },
-                ..Framework::current()
-            }
-        } else if s.starts_with("torchtitan") {
-            Framework {
-                name: "torchtitan",
-                runtime: Engine::Torchtitan.runtime(),
-                space: Engine::Torchtitan.space(),
-                ..Framework::current()
-            }
-        } else {
-            // Another team's run: a current stack, but without the framework-specific
-            // tricks (TE's TP overlap) and with the schedules published runs use.
-            Framework {
-                name: "unknown (current stack)",
-                runtime: Runtime {
-                    tp_comm_overlap: false,
-                    ..Runtime::default()
-                },
-                space: Space {
-                    schedules: vec![Schedule::OneFOneB, Schedule::Interleaved1F1B],
-                    ..Space::default()
-                },
-                ..Framework::current()
-            }
-        }
-    }
-
-    /// The stack a `/1.1` case names in its `framework` field (`name@version`, then the
-    /// research wording), or `None` for one this table does not hold:
-    /// - `deepspeed@0.3` (DeepSpeed ZeRO with Megatron-LM v1.1.5's GPT-2, Sept 2020):
-    ///   Megatron's batched-GEMM attention (FlashAttention is from 2022), fp16 gradients,
-    ///   ZeRO's reduction after the backward (`overlap_comm` is off by default in 0.3).
-    /// - `pytorch-fsdp@2.x` (FSDP1, IBM's fms-fsdp): SDPA flash attention (PyTorch 2.2
-    ///   ships FlashAttention-2), gradient reduce-scatter overlapped with the backward and the
-    ///   next parameter all-gather prefetched (`BACKWARD_PRE`), no tensor parallelism.
-    /// - `megatron-bridge@25.x` and later: Megatron-Core (Transformer Engine attention,
-    ///   overlapped reduce-scatter and gather, TP communication overlap), as
-    ///   `megatron-core 2024`.
-    pub fn for_stack(framework: &str) -> Option<Framework> {
-        let name = framework
-            .split_whitespace()
-            .next()
-            .unwrap_or("")
-            .to_ascii_lowercase();
-        let (stack, version) = name.split_once('@').unwrap_or((name.as_str(), ""));
-        match stack {
-            "deepspeed" if version.starts_with("0.") => {
-                let mut fw = Framework::for_source("megatron-lm-readme-2020");
-                fw.name = "deepspeed 0.x + megatron-lm v1";
-                fw.space.zero_stages = vec![0, 1, 2, 3];
-                Some(fw)
-            }
-            "pytorch-fsdp" => Some(Framework {
-                name: "pytorch fsdp",
-                runtime: Runtime {
-                    tp_comm_overlap: false,
-                    ..Runtime::default()
-                },
-                space: Space {
-                    schedules: vec![Schedule::None],
-                    ..Space::default()
-                },
-                sequence_parallel: false,
-            }),
-            "megatron-bridge" | "megatron-core" | "nemo" => {
-                Some(Framework::for_source("megatron-core"))
-            }
-            _ => None,
-        }
-    }
-}
 
 /// A case file of either schema.
 #[derive(Clone, Debug)]
@@ -287,9 +84,28 @@ impl Case {
         self.shared().group
     }
 
-    /// The publication (see [`Framework::for_source`]).
+    /// The publication.
     pub fn source(&self) -> &str {
         self.shared().source
+    }
+
+    /// The stack the case is predicted on: the row of the table its `framework` field names
+    /// (as `name@version (as row)` where they differ), or the fallback for one the table does
+    /// not hold.
+    pub fn stack(&self) -> String {
+        match self {
+            Case::Transformer(c) => c.framework().name,
+            Case::General(c) => Framework::for_case(Some(&c.framework)).0.name,
+        }
+    }
+
+    /// Predicts a transformer case as run on `spec` instead of the stack it names
+    /// (`validate --framework`); a case of any other model keeps its own, which also names
+    /// the model variant it ran.
+    pub fn set_framework(&mut self, spec: &str) {
+        if let Case::Transformer(c) = self {
+            c.framework = Some(spec.to_string());
+        }
     }
 
     /// Whether the run's attention was a fused kernel (what the attention efficiency scale
@@ -628,6 +444,8 @@ pub struct CaseResult {
     pub status: String,
     /// The layout used (published knobs plus the chosen ones).
     pub layout: Option<String>,
+    /// The stack it was predicted on ([`Case::stack`]).
+    pub framework: String,
 }
 
 /// Summary over cases (errors as fractions).
@@ -747,9 +565,8 @@ impl TransformerCase {
         Ok(cfg)
     }
 
-    /// The published layout, with unpublished knobs left open (or fixed where the framework
-    /// offered a single value).
-    pub fn partial_layout(&self, fw: &Framework) -> PartialLayout {
+    /// The published layout, with unpublished knobs left open (the stack's space limits them).
+    pub fn partial_layout(&self) -> PartialLayout {
         let p = &self.plan;
         PartialLayout {
             dp: p.dp,
@@ -770,21 +587,16 @@ impl TransformerCase {
             },
             micro_batch: p.micro_batch,
             recompute: p.recompute,
-            sequence_parallel: p
-                .sequence_parallel
-                .or((!fw.sequence_parallel).then_some(false)),
+            sequence_parallel: p.sequence_parallel,
             schedule: p.schedule,
             interleave: p.interleave,
         }
     }
 
-    /// The stack that ran it: the one its `framework` field names where the table has it,
-    /// else the one its source implies ([`Framework::for_source`]).
+    /// The stack that ran it: the row of [`crate::framework::STACKS`] its `framework` field
+    /// names, or a current stack without framework-specific tricks where the table has none.
     pub fn framework(&self) -> Framework {
-        self.framework
-            .as_deref()
-            .and_then(Framework::for_stack)
-            .unwrap_or_else(|| Framework::for_source(&self.source))
+        Framework::for_case(self.framework.as_deref()).0
     }
 
     /// Predicts the case on a profile changed by `adjust` first: null knobs are chosen as the
@@ -807,7 +619,7 @@ impl TransformerCase {
                 self.plan.global_batch,
             )
         };
-        complete_predicted(&setup, &self.partial_layout(&fw), &fw.space)
+        complete_predicted(&setup, &self.partial_layout(), &fw.space)
     }
 }
 
@@ -857,6 +669,7 @@ impl CaseResult {
             group: case.group().into(),
             measured_step_time_s: m.step_time_s,
             measured_peak_memory_gib: m.peak_memory_gib,
+            framework: case.stack(),
             ..CaseResult::default()
         };
         match prediction {
@@ -972,7 +785,6 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.starts_with("d.json: line 1"), "{e}");
-        assert!(!fw_fused("dle-pytorch-bert"));
     }
 
     /// The MoE, ZeRO and offload file (`/1.1`) is read whole: its runs are predicted or
@@ -1017,44 +829,21 @@ mod tests {
     }
 
     #[test]
-    fn a_stack_named_name_at_version_picks_its_runtime() {
-        let ds = Framework::for_stack("deepspeed@0.3 (megatron-lm v1.1.5 gpt2 example)").unwrap();
-        assert!(!ds.runtime.fused_attention && ds.space.zero_stages.contains(&2));
-        let fsdp = Framework::for_stack("pytorch-fsdp@2.2-nightly (ibm fms-fsdp, fsdp1)").unwrap();
-        assert!(fsdp.runtime.fused_attention && !fsdp.sequence_parallel);
-        assert_eq!(
-            Framework::for_stack("megatron-bridge@25.09 (megatron-fsdp)")
-                .unwrap()
-                .name,
-            "megatron-core 2024"
-        );
-        assert!(Framework::for_stack("jax@0.4").is_none());
-    }
-
-    fn fw_fused(source: &str) -> bool {
-        Framework::for_source(source).runtime.fused_attention
-    }
-
-    #[test]
-    fn sources_map_to_the_stack_they_ran() {
-        let fw = Framework::for_source;
-        assert_eq!(
-            fw("megatron-lm-readme-h100-2024").name,
-            "megatron-core 2024"
-        );
-        assert_eq!(
-            fw("NeMo-performance-summary-24.07").name,
-            "megatron-core 2024"
-        );
-        assert!(fw("nemo-long-sequence").runtime.tp_comm_overlap);
-        let titan = fw("torchtitan-benchmarks");
-        // Published torchtitan runs and plans exported to torchtitan are predicted alike.
-        assert_eq!(titan.runtime, Engine::Torchtitan.runtime());
-        assert!(titan.runtime.zero3_gathered_under_pp && titan.space.uneven_stages);
-        assert!(!titan.runtime.tp_comm_overlap);
-        let other = fw("another-lab-2025");
-        assert_eq!(other.name, "unknown (current stack)");
-        assert!(!other.runtime.tp_comm_overlap && !other.runtime.zero3_gathered_under_pp);
-        assert!(!fw("narayanan2021-ptdp").runtime.fused_attention);
+    fn every_case_file_names_a_stack_the_table_holds() {
+        for f in ["public.json", "moe-zero-offload.json", "general.json"] {
+            let path = format!(
+                "{}/../../shared/ground-truth/{f}",
+                env!("CARGO_MANIFEST_DIR")
+            );
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                eprintln!("skipping: {path} not found");
+                continue;
+            };
+            let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+            for c in doc["cases"].as_array().unwrap() {
+                let spec = c["framework"].as_str().unwrap();
+                assert!(Framework::parse(spec).is_ok(), "{f}: {spec}");
+            }
+        }
     }
 }

@@ -6,7 +6,7 @@
 use parallax_cost::transformer::Setup;
 use parallax_hardware::Cluster;
 use parallax_ir::Layout;
-use parallax_planner::{parse_cases, search, Case, Framework, SearchOptions, TransformerCase};
+use parallax_planner::{parse_cases, search, Case, SearchOptions, TransformerCase};
 use parallax_sim::simulate_step;
 use rayon::prelude::*;
 use std::path::PathBuf;
@@ -60,7 +60,7 @@ fn the_planner_is_never_worse_than_a_published_layout() {
                 case.cluster.preset, case.cluster.gpus
             ))
             .unwrap();
-            let fw = Framework::for_source(&case.source);
+            let fw = case.framework();
             let setup = Setup {
                 precision: case.precision,
                 runtime: fw.runtime,

@@ -205,12 +205,12 @@ pub fn virtual_stage_params(c: &TransformerCosts, layers: &[u32], vs: usize) -> 
 
 /// Pass costs of every virtual stage from the per-part costs: `layers[vs]` layers, the
 /// embedding on the first and the head on the last, plus `per_layer` (fwd, bwd) added to each
-/// layer and `per_pass` added to each forward and input-gradient pass.
+/// layer and `per_pass` (fwd, bwd) added to each forward and input-gradient pass.
 pub fn pass_costs(
     c: &TransformerCosts,
     layers: &[u32],
     per_layer: (Seconds, Seconds),
-    per_pass: Seconds,
+    per_pass: (Seconds, Seconds),
     p2p: Seconds,
 ) -> PipelineCosts {
     let nv = layers.len();
@@ -222,8 +222,8 @@ pub fn pass_costs(
     };
     for (vs, &nl) in layers.iter().enumerate() {
         let n = f64::from(nl);
-        let mut f = (c.layer.fwd() + per_layer.0) * n + per_pass;
-        let mut b = (c.layer.bwd_input() + per_layer.1) * n + per_pass;
+        let mut f = (c.layer.fwd() + per_layer.0) * n + per_pass.0;
+        let mut b = (c.layer.bwd_input() + per_layer.1) * n + per_pass.1;
         let mut w = c.layer.bwd_weight() * n;
         if vs == 0 {
             f += c.embedding.fwd();
@@ -321,6 +321,9 @@ pub struct StepTerms {
     pub costs: PipelineCosts,
     /// ZeRO-3 gathers not hidden behind each layer's forward and backward.
     pub zero3: (Seconds, Seconds),
+    /// Single-process DataParallel's per-micro-batch replication (forward: parameters
+    /// broadcast and outputs gathered; backward: gradients reduced), on the compute stream.
+    pub replicate: (Seconds, Seconds),
     pub dp: Vec<Seconds>,
     pub adam: Vec<Seconds>,
     pub param_gather: Vec<Seconds>,
@@ -369,7 +372,37 @@ pub fn step_terms(
     } else {
         (Seconds(0.0), c.p2p)
     };
-    let costs = pass_costs(c, layers, zero3, p2p_stream, p2p_link);
+    // Single-process DataParallel (PyTorch `nn.DataParallel`, `parallel/data_parallel.py`):
+    // each forward call broadcasts the module's parameters from the first GPU to the replicas
+    // (`replicate` → `Broadcast`) and gathers the replicas' outputs onto it (for a language
+    // model its logits); the backward of that broadcast reduces every replica's gradients onto
+    // the first GPU (`ReduceAddCoalesced`) once they are all complete. Each stands between
+    // computations: nothing overlaps.
+    let single_process = setup.runtime.single_process_dp && shard > 1;
+    let replicate = if single_process {
+        let params: u64 = (0..layers.len())
+            .map(|vs| virtual_stage_params(c, layers, vs))
+            .sum();
+        let outputs = l.micro_batch * setup.seq * setup.model.vocab * wbytes * u64::from(shard);
+        let broadcast = net.collective(Collective::Broadcast, Bytes(params * wbytes), dp_group);
+        let gather = net.collective(Collective::AllGather, Bytes(outputs), dp_group);
+        // A reduce to one rank is the broadcast's chain run backwards: the same time.
+        let reduce = net.collective(
+            Collective::Broadcast,
+            Bytes(params * setup.grad_reduce_bytes()),
+            dp_group,
+        );
+        (broadcast + gather, reduce)
+    } else {
+        (Seconds(0.0), Seconds(0.0))
+    };
+    let costs = pass_costs(
+        c,
+        layers,
+        zero3,
+        (p2p_stream + replicate.0, p2p_stream + replicate.1),
+        p2p_link,
+    );
 
     let mut dp = vec![Seconds(0.0); layers.len()];
     let mut adam = vec![Seconds(0.0); pp as usize];
@@ -380,7 +413,7 @@ pub fn step_terms(
             let vs = (chunk * pp + s) as usize;
             let p = virtual_stage_params(c, layers, vs);
             stage_params += p;
-            if shard <= 1 || zero >= 3 {
+            if shard <= 1 || zero >= 3 || single_process {
                 continue;
             }
             let reduce = |params: u64| {
@@ -435,6 +468,7 @@ pub fn step_terms(
     Ok(StepTerms {
         costs,
         zero3,
+        replicate,
         dp,
         adam,
         param_gather,
@@ -510,7 +544,7 @@ fn simulate_costed(
             let Some(after) = pg.last_weight_grad(s, Some(chunk)) else {
                 continue;
             };
-            if shard <= 1 || zero >= 3 {
+            if shard <= 1 || zero >= 3 || setup.runtime.single_process_dp {
                 last.push(after);
                 continue;
             }
@@ -575,12 +609,16 @@ fn simulate_costed(
     let cp = per_mb_stage(&|vs| nl(vs) * (c.layer.cp_fwd + c.layer.cp_bwd).0);
     let ep = per_mb_stage(&|vs| nl(vs) * (c.layer.ep_fwd + c.layer.ep_bwd).0);
     let z3 = per_mb_stage(&|vs| nl(vs) * (z3_fwd + z3_bwd).0);
-    for (k, x) in COMM_KINDS.into_iter().zip([tp, cp, ep, z3, dp_time[bs].0]) {
+    let replicate = per_mb_stage(&|_| (terms.replicate.0 + terms.replicate.1).0);
+    for (k, x) in COMM_KINDS
+        .into_iter()
+        .zip([tp, cp, ep, z3, dp_time[bs].0 + replicate])
+    {
         if x > 0.0 {
             exposed.insert(k.to_string(), x);
         }
     }
-    let compute = b_busy - tp - cp - ep - z3;
+    let compute = b_busy - tp - cp - ep - z3 - replicate;
     // Clamp rounding noise of the subtraction to zero.
     let bubble = match step - b_busy - adam_time[bs].0 - dp_time[bs].0 {
         x if x > 1e-9 * step => x,
