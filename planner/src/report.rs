@@ -719,7 +719,11 @@ mod tests {
             why[0].starts_with("Step ") && why[0].contains("compute"),
             "{why:?}"
         );
-        assert!(why.iter().any(|l| l.contains("binds")), "{why:?}");
+        // The second line names what limits the plan: a binding resource or its largest loss.
+        assert!(
+            why[1].contains("binds") || why[1].starts_with("The largest loss is"),
+            "{why:?}"
+        );
 
         let labels: Vec<String> = r.top.iter().map(|e| short_layout(&e.layout)).collect();
         let step = parallax_sim::simulate_step(&s, &r.best().layout).unwrap();

@@ -531,8 +531,8 @@ fn simulate_costed(
     let mut pg = build_pipeline(&schedule, &terms.costs)?;
 
     // Data-parallel gradient reduction per chunk, then the optimizer, per stage.
-    let mut dp_time = vec![Seconds(0.0); pp as usize];
     let mut opt_task = vec![Seconds(0.0); pp as usize];
+    let mut opt_ids = Vec::with_capacity(pp as usize);
     let adam_time = &terms.adam;
     for s in 0..pp {
         let comm = pg
@@ -561,17 +561,16 @@ fn simulate_costed(
                 .at(s, m.saturating_sub(1), chunk),
                 terms.dp[vs],
             );
-            dp_time[s as usize] += terms.dp[vs];
             pg.graph.add_data(after, t);
             last.push(t);
         }
-        dp_time[s as usize] += terms.param_gather[s as usize];
         let opt = terms.adam[s as usize] + terms.param_gather[s as usize];
         opt_task[s as usize] = opt;
         let t = pg.add_task(
             Task::new("optimizer", TaskKind::Optimizer, pg.compute[s as usize]).at(s, 0, 0),
             opt,
         );
+        opt_ids.push(t);
         for a in last {
             pg.graph.add_data(a, t);
         }
@@ -594,6 +593,20 @@ fn simulate_costed(
         (0..v).map(|ch| f((ch * pp) as usize + bs)).sum::<f64>() * f64::from(m)
     };
     let nl = |vs: usize| f64::from(layers[vs]);
+    // The stage's compute stream waits for its gradient reductions between its last backward
+    // and its optimizer (the reductions of earlier chunks ran beside later compute): that
+    // wait is the exposed data-parallel time; the distributed optimizer's parameter gather is
+    // part of the optimizer task and counted with it.
+    let opt_span = trace.span(opt_ids[bs]);
+    let last_compute_end = trace
+        .spans
+        .iter()
+        .enumerate()
+        .filter(|(i, sp)| sp.resource == pg.compute[bs] && *i != opt_ids[bs].index())
+        .map(|(_, sp)| sp.end.0)
+        .fold(0.0, f64::max);
+    let dp_wait = (opt_span.start.0 - last_compute_end).max(0.0);
+    let dp_exposed = dp_wait + terms.param_gather[bs].0;
     let mut exposed = BTreeMap::new();
     let tp = per_mb_stage(&|vs| nl(vs) * (c.layer.tp_fwd + c.layer.tp_bwd).0)
         + if bs == 0 {
@@ -612,15 +625,16 @@ fn simulate_costed(
     let replicate = per_mb_stage(&|_| (terms.replicate.0 + terms.replicate.1).0);
     for (k, x) in COMM_KINDS
         .into_iter()
-        .zip([tp, cp, ep, z3, dp_time[bs].0 + replicate])
+        .zip([tp, cp, ep, z3, dp_exposed + replicate])
     {
         if x > 0.0 {
             exposed.insert(k.to_string(), x);
         }
     }
     let compute = b_busy - tp - cp - ep - z3 - replicate;
-    // Clamp rounding noise of the subtraction to zero.
-    let bubble = match step - b_busy - adam_time[bs].0 - dp_time[bs].0 {
+    // Whatever else the stage's compute stream spends idle is pipeline bubble (warm-up,
+    // cool-down, waiting for other stages). Clamp rounding noise of the subtraction to zero.
+    let bubble = match step - b_busy - opt_task[bs].0 - dp_wait {
         x if x > 1e-9 * step => x,
         _ => 0.0,
     };
@@ -716,6 +730,70 @@ mod tests {
             interleave: v,
             ..Layout::default()
         }
+    }
+
+    /// The breakdown describes the busiest stage's step: its parts add up to the step time
+    /// for any layout (interleaved, ZeRO, overlapped or not), and a pipeline has a bubble.
+    #[test]
+    fn the_breakdown_adds_up_to_the_step() {
+        use proptest::prelude::*;
+        let m = zoo::transformer("llama3-8b").unwrap();
+        let p = preset("dgx-h100-80gb").unwrap();
+        let layouts = (
+            prop::sample::select(vec![1u32, 2, 4]),
+            prop::sample::select(vec![1u32, 2, 4]),
+            prop::sample::select(vec![1u32, 2, 4]),
+            0u8..4,
+            prop::sample::select(vec![1u32, 2, 4, 8]),
+            any::<bool>(),
+            prop::sample::select(vec![Recompute::None, Recompute::Selective, Recompute::Full]),
+        );
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        runner
+            .run(&layouts, |(tp, pp, v, zero, m_per, overlap, recompute)| {
+                let dp = 64 / (tp * pp);
+                let l = Layout {
+                    dp,
+                    tp,
+                    pp,
+                    micro_batch: 1,
+                    zero_stage: zero,
+                    recompute,
+                    sequence_parallel: tp > 1,
+                    schedule: match (pp, v) {
+                        (1, _) => Schedule::None,
+                        (_, 1) => Schedule::OneFOneB,
+                        _ => Schedule::Interleaved1F1B,
+                    },
+                    interleave: if pp > 1 { v } else { 1 },
+                    ..Layout::default()
+                };
+                let batch = u64::from(dp) * u64::from(pp * m_per);
+                let s = Setup {
+                    runtime: Runtime {
+                        overlap_grad_reduce: overlap,
+                        ..Runtime::default()
+                    },
+                    ..Setup::new(&m, &p, 64, 4096, batch)
+                };
+                let Ok(r) = simulate_step(&s, &l) else {
+                    return Ok(());
+                };
+                let pr = &r.prediction;
+                let sum: f64 = pr.breakdown.parts().iter().map(|(_, x)| x).sum();
+                prop_assert!(
+                    (sum - pr.step_time_s).abs() <= 1e-6 * pr.step_time_s,
+                    "{l:?}: parts {:?} sum {sum} vs step {}",
+                    pr.breakdown.parts(),
+                    pr.step_time_s
+                );
+                prop_assert!(pr.breakdown.parts().iter().all(|(_, x)| *x >= 0.0));
+                if pp > 1 {
+                    prop_assert!(pr.breakdown.bubble_s > 0.0, "{l:?}: no bubble");
+                }
+                Ok(())
+            })
+            .unwrap();
     }
 
     #[test]
