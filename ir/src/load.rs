@@ -14,7 +14,21 @@ use thiserror::Error;
 pub const GRAPH_SCHEMA: &str = "parallax-graph/1";
 
 /// HuggingFace `model_type`s the importer understands.
-pub const SUPPORTED_HF_TYPES: &[&str] = &["gpt2", "llama", "mistral", "mixtral", "bert"];
+pub const SUPPORTED_HF_TYPES: &[&str] = &[
+    "gpt2",
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "nemotron",
+    "bert",
+];
 
 /// Why a model could not be loaded. Every message is one line naming the file or name.
 #[derive(Debug, Error)]
@@ -367,7 +381,8 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                 )
             }
         }
-        "llama" | "mistral" | "mixtral" => {
+        "llama" | "mistral" | "mixtral" | "qwen2" | "qwen3" | "qwen3_moe" | "phi3" | "gemma"
+        | "gemma2" | "gemma3_text" | "nemotron" => {
             let h = int(&["hidden_size"], None)?;
             let heads = int(&["num_attention_heads"], None)?;
             let mut c = TransformerConfig::llama(
@@ -383,14 +398,59 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                 int(&["vocab_size"], None)?,
                 int(&["max_position_embeddings"], Some(4096))?,
             );
-            c.head_dim = int(&["head_dim"], Some(h / heads))?;
-            c.tied_embeddings = flag("tie_word_embeddings", false)?;
-            c.bias = flag("attention_bias", false)?;
-            if model_type == "mixtral" {
-                c.moe = Some(MoeConfig {
-                    experts: int(&["num_local_experts"], None)?,
-                    top_k: int(&["num_experts_per_tok"], Some(2))?,
-                });
+            c.head_dim = int(&["head_dim", "kv_channels"], Some(h / heads))?;
+            // Gemma ties its LM head to the embedding unless told otherwise.
+            let gemma = model_type.starts_with("gemma");
+            c.tied_embeddings = flag("tie_word_embeddings", gemma)?;
+            // Qwen2 has biases on the query, key and value projections (its modelling code,
+            // not a config field); the others say so in `attention_bias`.
+            c.bias = flag("attention_bias", model_type == "qwen2")?;
+            let act = v
+                .get("hidden_act")
+                .or_else(|| v.get("hidden_activation"))
+                .and_then(Value::as_str);
+            c.mlp = match (model_type, act) {
+                // Nemotron: an ungated squared-ReLU MLP and LayerNorm (`layernorm1p`).
+                ("nemotron", _) | (_, Some("relu2")) => {
+                    c.norm = Norm::LayerNorm;
+                    Mlp::SquaredRelu
+                }
+                // Gemma's GeGLU has SwiGLU's three GEMMs and one pointwise gate.
+                _ => Mlp::Swiglu,
+            };
+            match model_type {
+                "mixtral" => {
+                    c.moe = Some(MoeConfig {
+                        experts: int(&["num_local_experts"], None)?,
+                        top_k: int(&["num_experts_per_tok"], Some(2))?,
+                    });
+                }
+                "qwen3_moe" => {
+                    // Every layer routed (decoder_sparse_step 1, no mlp_only_layers) over
+                    // experts `moe_intermediate_size` wide; dense layers among them are not
+                    // modelled.
+                    let step = int(&["decoder_sparse_step"], Some(1))?;
+                    let dense = v
+                        .get("mlp_only_layers")
+                        .and_then(Value::as_array)
+                        .is_some_and(|a| !a.is_empty());
+                    if step != 1 || dense {
+                        return Err(field_err(
+                            if dense {
+                                "mlp_only_layers"
+                            } else {
+                                "decoder_sparse_step"
+                            },
+                            "dense layers among the MoE layers are not modelled yet".into(),
+                        ));
+                    }
+                    c.ffn_hidden = int(&["moe_intermediate_size"], None)?;
+                    c.moe = Some(MoeConfig {
+                        experts: int(&["num_experts"], None)?,
+                        top_k: int(&["num_experts_per_tok"], Some(8))?,
+                    });
+                }
+                _ => {}
             }
             c
         }
@@ -482,6 +542,47 @@ mod tests {
         let mistral = load(r#"{"model_type":"mistral","hidden_size":4096,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":14336,"vocab_size":32000}"#).unwrap();
         let g = mistral.graph(1, 16, true).unwrap();
         assert_eq!(g.param_count(), 7_241_732_096); // Mistral-7B-v0.1, HF num_parameters()
+    }
+
+    /// Current open models import with their published parameter counts (HuggingFace
+    /// `num_parameters()` of each model card's checkpoint; within 1 %).
+    #[test]
+    fn hf_configs_of_current_models_match_their_parameter_counts() {
+        let cases: [(&str, f64); 5] = [
+            (
+                r#"{"model_type":"qwen2","hidden_size":3584,"intermediate_size":18944,"num_hidden_layers":28,"num_attention_heads":28,"num_key_value_heads":4,"vocab_size":152064,"max_position_embeddings":32768,"tie_word_embeddings":false}"#,
+                7.6156e9, // Qwen2.5-7B
+            ),
+            (
+                r#"{"model_type":"qwen3","hidden_size":4096,"intermediate_size":12288,"num_hidden_layers":36,"num_attention_heads":32,"num_key_value_heads":8,"head_dim":128,"vocab_size":151936,"max_position_embeddings":40960,"tie_word_embeddings":false,"attention_bias":false}"#,
+                8.1907e9, // Qwen3-8B
+            ),
+            (
+                r#"{"model_type":"qwen3_moe","hidden_size":2048,"intermediate_size":6144,"moe_intermediate_size":768,"num_hidden_layers":48,"num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,"num_experts":128,"num_experts_per_tok":8,"decoder_sparse_step":1,"mlp_only_layers":[],"vocab_size":151936,"max_position_embeddings":40960,"tie_word_embeddings":false}"#,
+                30.532e9, // Qwen3-30B-A3B
+            ),
+            (
+                r#"{"model_type":"gemma2","hidden_size":3584,"intermediate_size":14336,"num_hidden_layers":42,"num_attention_heads":16,"num_key_value_heads":8,"head_dim":256,"vocab_size":256000,"max_position_embeddings":8192,"hidden_activation":"gelu_pytorch_tanh"}"#,
+                9.2417e9, // Gemma-2-9B
+            ),
+            (
+                r#"{"model_type":"phi3","hidden_size":3072,"intermediate_size":8192,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":32,"vocab_size":32064,"max_position_embeddings":4096,"tie_word_embeddings":false}"#,
+                3.8211e9, // Phi-3-mini-4k-instruct
+            ),
+        ];
+        for (text, published) in cases {
+            let m = load(text).unwrap();
+            let n = m.graph(1, 16, true).unwrap().param_count() as f64;
+            assert!(
+                (n / published - 1.0).abs() < 0.01,
+                "{text}: {n} vs {published}"
+            );
+        }
+        let nemotron = load(r#"{"model_type":"nemotron","hidden_size":4096,"intermediate_size":16384,"num_hidden_layers":32,"num_attention_heads":48,"num_key_value_heads":8,"head_dim":128,"vocab_size":256000,"hidden_act":"relu2"}"#).unwrap();
+        let t = nemotron.transformer().unwrap();
+        assert_eq!((t.mlp, t.norm), (Mlp::SquaredRelu, Norm::LayerNorm));
+        let e = load(r#"{"model_type":"qwen3_moe","hidden_size":2048,"intermediate_size":6144,"moe_intermediate_size":768,"num_hidden_layers":48,"num_attention_heads":32,"num_experts":128,"decoder_sparse_step":2,"vocab_size":151936}"#).unwrap_err();
+        assert!(e.to_string().contains("decoder_sparse_step"), "{e}");
     }
 
     #[test]

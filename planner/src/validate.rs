@@ -544,7 +544,11 @@ impl TransformerCase {
             Some("gelu") | None => cfg.mlp,
             Some("swiglu") => Mlp::Swiglu,
             Some("relu") => Mlp::Relu,
-            Some("squared_relu") => Mlp::SquaredRelu,
+            // Nemotron's squared ReLU, as Megatron-Core (`squared_relu`) and HuggingFace's
+            // Nemotron config (`hidden_act: "relu2"`) spell it.
+            Some("squared_relu" | "squared-relu" | "relu2") => Mlp::SquaredRelu,
+            // A gated GeLU (Gemma) has SwiGLU's three GEMMs and one pointwise gate.
+            Some("geglu") => Mlp::Swiglu,
             Some(other) => return Err(format!("model.mlp '{other}' is not supported")),
         };
         if let Some(d) = m.attention.as_ref().and_then(|a| a.head_dim) {
@@ -826,6 +830,27 @@ mod tests {
         );
         let zero: Vec<_> = results.iter().filter(|r| r.group == "zero").collect();
         assert!(zero.iter().all(|r| r.status == "ok"));
+    }
+
+    /// Nemotron's squared ReLU under each of its spellings predicts as `squared_relu`.
+    #[test]
+    fn relu2_is_squared_relu() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/ground-truth/public.json");
+        let mut doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let cases = doc["cases"].as_array_mut().unwrap();
+        cases.truncate(1);
+        let time = |mlp: &str, doc: &mut serde_json::Value| {
+            doc["cases"][0]["model"]["mlp"] = mlp.into();
+            let cf = parse_cases(&doc.to_string(), "t.json").unwrap();
+            let r = cf.cases[0].run();
+            assert_eq!(r.status, "ok", "{mlp}: {r:?}");
+            r.predicted_step_time_s.unwrap()
+        };
+        let reference = time("squared_relu", &mut doc);
+        assert_eq!(time("relu2", &mut doc), reference);
+        assert_eq!(time("squared-relu", &mut doc), reference);
     }
 
     #[test]
