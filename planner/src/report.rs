@@ -124,7 +124,7 @@ pub fn part_name(k: &str) -> &'static str {
         "cp" => "context-parallel key/value exchange",
         "ep" => "expert all-to-all",
         "dp" => "data-parallel gradient reduction and parameter gather",
-        "zero" => "ZeRO-3 parameter gathers",
+        "zero" => "ZeRO-2/3 per-micro-batch gathers and reductions",
         _ => "other communication",
     }
 }

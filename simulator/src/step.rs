@@ -319,7 +319,8 @@ pub fn stage_memory_of(
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepTerms {
     pub costs: PipelineCosts,
-    /// ZeRO-3 gathers not hidden behind each layer's forward and backward.
+    /// ZeRO-3 gathers (and ZeRO-2's per-micro-batch reduce-scatters) not hidden behind each
+    /// layer's forward and backward.
     pub zero3: (Seconds, Seconds),
     /// Single-process DataParallel's per-micro-batch replication (forward: parameters
     /// broadcast and outputs gathered; backward: gradients reduced), on the compute stream.
@@ -327,6 +328,13 @@ pub struct StepTerms {
     pub dp: Vec<Seconds>,
     pub adam: Vec<Seconds>,
     pub param_gather: Vec<Seconds>,
+}
+
+/// Whether `l` reduce-scatters its gradients after every micro-batch rather than once a
+/// step: ZeRO-2 (it keeps only a shard of the gradients) with more than one micro-batch.
+fn reduces_per_micro_batch(setup: &Setup, l: &Layout) -> bool {
+    let m = setup.global_batch / (u64::from(l.dp) * l.micro_batch).max(1);
+    setup.zero_stage(l) == 2 && l.dp * l.cp > 1 && m > 1
 }
 
 /// The [`StepTerms`] of `l` with `layers` per virtual stage.
@@ -362,6 +370,22 @@ pub fn step_terms(
         (
             exposed(ag, c.layer.fwd()),
             exposed(ag + rs, c.layer.bwd_input() + c.layer.bwd_weight()),
+        )
+    } else if reduces_per_micro_batch(setup, l) {
+        // ZeRO-2 keeps only its shard of the gradients, so it cannot accumulate whole
+        // gradients over micro-batches: each micro-batch's are reduce-scattered as its
+        // backward produces them (DeepSpeed stage 2 reduces every micro-step into the
+        // partitioned buffer; FSDP without resharding after forward reduces every backward),
+        // hidden behind the layers' backward where they can be. With one micro-batch this is
+        // the end-of-step reduction below.
+        let rs = net.collective(
+            Collective::ReduceScatter,
+            Bytes(c.layer.params * setup.grad_reduce_bytes()),
+            dp_group,
+        );
+        (
+            Seconds(0.0),
+            exposed(rs, c.layer.bwd_input() + c.layer.bwd_weight()),
         )
     } else {
         (Seconds(0.0), Seconds(0.0))
@@ -413,7 +437,7 @@ pub fn step_terms(
             let vs = (chunk * pp + s) as usize;
             let p = virtual_stage_params(c, layers, vs);
             stage_params += p;
-            if shard <= 1 || zero >= 3 || single_process {
+            if shard <= 1 || zero >= 3 || single_process || reduces_per_micro_batch(setup, l) {
                 continue;
             }
             let reduce = |params: u64| {
@@ -544,7 +568,11 @@ fn simulate_costed(
             let Some(after) = pg.last_weight_grad(s, Some(chunk)) else {
                 continue;
             };
-            if shard <= 1 || zero >= 3 || setup.runtime.single_process_dp {
+            if shard <= 1
+                || zero >= 3
+                || setup.runtime.single_process_dp
+                || reduces_per_micro_batch(setup, l)
+            {
                 last.push(after);
                 continue;
             }
