@@ -79,7 +79,7 @@ pub struct Runtime {
     pub allow_tp_across_nodes: bool,
     /// What selective recomputation redoes.
     pub selective: SelectivePolicy,
-    /// Under pipeline parallelism, ZeRO-3 / FSDP keeps a stage's parameters gathered and
+    /// Under pipeline parallelism, ZeRO-2/3 (FSDP) keeps a stage's parameters gathered and
     /// accumulates its gradients unsharded (in the reduce type) across the step's
     /// micro-batches, reducing them once after the last: torchtitan sets
     /// `reshard_after_forward=False` on pipelined models, and PyTorch's pipeline stages run
@@ -247,13 +247,14 @@ impl Setup<'_> {
         self.runtime.fused_attention && self.profile.device.has_fused_attention()
     }
 
-    /// The ZeRO stage `l` runs as: its own, except ZeRO-3 under pipeline parallelism with a
-    /// runtime that keeps stages gathered across micro-batches, which runs as ZeRO-1
+    /// The ZeRO stage `l` runs as: its own, except ZeRO-2 and -3 under pipeline parallelism
+    /// with a runtime that keeps stages gathered across micro-batches, which run as ZeRO-1
     /// (parameters and gradients whole on each device for the step, optimizer states sharded,
     /// gradients reduce-scattered after the last backward and parameters gathered before the
-    /// first forward).
+    /// first forward): PyTorch's pipeline schedules skip gradient sync on every backward but
+    /// the last, so FSDP accumulates whole gradients whichever way it reshards parameters.
     pub fn zero_stage(&self, l: &Layout) -> u8 {
-        if l.zero_stage >= 3 && l.pp > 1 && self.runtime.zero3_gathered_under_pp {
+        if l.zero_stage >= 2 && l.pp > 1 && self.runtime.zero3_gathered_under_pp {
             1
         } else {
             l.zero_stage
@@ -409,9 +410,11 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     };
     let block_prices = NodePrices::new(&dev, &block, fb, sp, l.tp, hidden, cp);
     let mut layer = price(&block, &block_prices, fb, sp, l.tp, hidden);
-    let tp_layer = if s.runtime.tp_comm_overlap && l.tp > 1 {
+    let tp_layer = if s.runtime.tp_comm_overlap && l.tp > 1 && sp {
         // Each collective hides behind the GEMM it is pipelined with: the four linear layers
-        // of a block share the forward (and, mirrored, the backward) collectives.
+        // of a block share the forward (and, mirrored, the backward) collectives. Only the
+        // all-gather / reduce-scatter pairs of sequence parallelism are pipelined this way
+        // (Megatron asserts sequence parallelism for `--tp-comm-overlap`); all-reduces wait.
         let gemm_fwd = block_prices
             .time(&block, |op| matches!(op, OpKind::Linear(_)))
             .fwd;

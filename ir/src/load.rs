@@ -399,6 +399,18 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                 int(&["max_position_embeddings"], Some(4096))?,
             );
             c.head_dim = int(&["head_dim", "kv_channels"], Some(h / heads))?;
+            c.rope_theta = match v.get("rope_theta") {
+                None | Some(Value::Null) => c.rope_theta,
+                Some(x) => match x.as_f64() {
+                    Some(t) if t.is_finite() && (1.0..=1e12).contains(&t) => t.round() as u64,
+                    _ => {
+                        return Err(field_err(
+                            "rope_theta",
+                            format!("expected a number between 1 and 1e12, found {x}"),
+                        ))
+                    }
+                },
+            };
             // Gemma ties its LM head to the embedding unless told otherwise.
             let gemma = model_type.starts_with("gemma");
             c.tied_embeddings = flag("tie_word_embeddings", gemma)?;
@@ -522,7 +534,7 @@ mod tests {
                 "gpt2",
             ),
             (
-                r#"{"model_type":"llama","hidden_size":4096,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":14336,"vocab_size":128256,"max_position_embeddings":8192,"tie_word_embeddings":false}"#,
+                r#"{"model_type":"llama","hidden_size":4096,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":14336,"vocab_size":128256,"max_position_embeddings":8192,"tie_word_embeddings":false,"rope_theta":500000.0}"#,
                 "llama3-8b",
             ),
             (

@@ -309,6 +309,7 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
     }
     if m.position == Position::Rope {
         a.push("--position-embedding-type rope".into());
+        a.push(format!("--rotary-base {}", m.rope_theta));
     }
     if !m.tied_embeddings {
         a.push("--untie-embeddings-and-output-weights".into());
@@ -344,6 +345,19 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
             a.push("--recompute-num-layers 1".into());
         }
     }
+    // The overlap the prediction assumes (`Engine::runtime`): gradient reduction behind the
+    // backward and, with the distributed optimizer, the parameter gather behind the next
+    // forward; tensor-parallel collectives pipelined with their GEMMs (Transformer Engine
+    // userbuffers, which need sequence parallelism).
+    if l.zero_stage <= 1 && l.dp * l.cp > 1 {
+        a.push("--overlap-grad-reduce".into());
+        if l.zero_stage == 1 {
+            a.push("--overlap-param-gather".into());
+        }
+    }
+    if l.tp > 1 && l.sequence_parallel {
+        a.push("--tp-comm-overlap".into());
+    }
     match l.zero_stage {
         0 => {}
         1 => a.push("--use-distributed-optimizer".into()),
@@ -362,13 +376,33 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
         }
         Precision::Fp32 | Precision::Tf32 => {}
     }
+    // What the plan does not say but Megatron needs to start: synthetic data through its
+    // null tokenizer at the model's vocabulary (the plan's step, measurable as pasted), a run
+    // length and a learning rate. Later arguments win: pass `--data-path PREFIX
+    // --tokenizer-type HuggingFaceTokenizer --tokenizer-model NAME` (and drop `--mock-data`
+    // by editing) to train on real data.
+    a.extend([
+        "--mock-data".to_string(),
+        "--tokenizer-type NullTokenizer".to_string(),
+        format!("--vocab-size {}", m.vocab),
+        "--train-iters 100".to_string(),
+        "--lr 3e-4".to_string(),
+        "--lr-decay-style cosine".to_string(),
+        "--lr-warmup-iters 10".to_string(),
+        "--min-lr 3e-5".to_string(),
+        "--weight-decay 0.1".to_string(),
+        "--clip-grad 1.0".to_string(),
+    ]);
     let per_node = plan.cluster.gpus.min(gpus_per_node_hint(plan)).max(1);
     let nodes = plan.cluster.gpus.div_ceil(per_node);
     let mut s = format!(
         "#!/bin/sh\n# parallax plan: {} on {} ({} GPUs), dp {} (implied by the world size)\n\
-         # Megatron-LM derives dp = world / (tp × pp × cp). Add the model's data and tokenizer\n\
-         # (--data-path, --tokenizer-type, --tokenizer-model), --train-iters and --lr after the\n\
-         # script's name; they are passed through.\n",
+         # Megatron-LM derives dp = world / (tp × pp × cp). As written it trains on synthetic\n\
+         # data (--mock-data, the null tokenizer at the model's vocabulary) for 100 steps: the\n\
+         # plan's step time, measurable as pasted. Arguments after the script's name are passed\n\
+         # through and override these (e.g. --train-iters, --lr); for real data replace\n\
+         # --mock-data and the tokenizer with --data-path PREFIX --tokenizer-type\n\
+         # HuggingFaceTokenizer --tokenizer-model NAME.\n",
         plan.model.name, plan.cluster.spec, plan.cluster.gpus, l.dp,
     );
     if l.zero_stage == 3 {
@@ -753,6 +787,19 @@ mod tests {
         assert_eq!(arg(&s, "--ffn-hidden-size"), Some("28672"));
         assert_eq!(arg(&s, "--seq-length"), Some("8192"));
         assert_eq!(arg(&s, "--swiglu"), Some(""));
+        assert_eq!(arg(&s, "--rotary-base"), Some("500000"));
+        // It starts as pasted: synthetic data at the model's vocabulary, a length and a rate.
+        assert_eq!(arg(&s, "--mock-data"), Some(""));
+        assert_eq!(arg(&s, "--vocab-size"), Some("128256"));
+        assert!(arg(&s, "--train-iters").is_some() && arg(&s, "--lr").is_some());
+        // The overlap the prediction assumes is switched on.
+        for flag in [
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+            "--tp-comm-overlap",
+        ] {
+            assert_eq!(arg(&s, flag), Some(""), "{flag}");
+        }
         // Megatron-LM takes dp from the world size (world / (tp × pp × cp)): the script
         // starts a node's GPUs on each of the 64 nodes, joined by one rendezvous, and names
         // the dp it implies; tp > 1 needs one hardware queue.

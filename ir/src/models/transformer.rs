@@ -75,6 +75,17 @@ pub struct TransformerConfig {
     /// Post-norm blocks with an embedding norm and pooler / MLM head (BERT).
     pub bert: bool,
     pub moe: Option<MoeConfig>,
+    /// Base of the rotary frequencies (θ of RoFormer: 10 000; Llama 3: 500 000). It costs
+    /// nothing; engines need it to build the same model.
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: u64,
+}
+
+/// RoFormer's rotary base (Su et al. 2021), every engine's default.
+pub const DEFAULT_ROPE_THETA: u64 = 10_000;
+
+fn default_rope_theta() -> u64 {
+    DEFAULT_ROPE_THETA
 }
 
 /// A part of a transformer, for [`TransformerConfig::build_section`].
@@ -126,6 +137,7 @@ impl TransformerConfig {
             causal: true,
             bert: false,
             moe: None,
+            rope_theta: DEFAULT_ROPE_THETA,
         }
     }
 
@@ -158,6 +170,7 @@ impl TransformerConfig {
             causal: true,
             bert: false,
             moe: None,
+            rope_theta: DEFAULT_ROPE_THETA,
         }
     }
 

@@ -61,6 +61,14 @@ fn llama(layers: u32, hidden: u64, heads: u64, kv: u64, ffn: u64, vocab: u64, se
     ))
 }
 
+/// Llama 3's shape: rotary base 500 000 (Llama Team 2024, §3.2; `rope_theta` of its HF config).
+fn llama3(layers: u32, hidden: u64, heads: u64, ffn: u64) -> ZooDef {
+    ZooDef::Transformer(TransformerConfig {
+        rope_theta: 500_000,
+        ..TransformerConfig::llama(layers, hidden, heads, 8, ffn, 128_256, 8192)
+    })
+}
+
 /// Relative precision of a figure published to `digits` significant digits after the point
 /// of its unit (e.g. 1.3B → 0.05 / 1.3).
 fn rounded(value: f64, half_unit: f64) -> f64 {
@@ -132,7 +140,7 @@ pub fn entries() -> Vec<ZooEntry> {
             8_030_261_248.0,
             exact,
             "HuggingFace meta-llama/Meta-Llama-3-8B model card (8.03B safetensors parameters)",
-            llama(32, 4096, 32, 8, 14336, 128256, 8192),
+            llama3(32, 4096, 32, 14336),
         ),
         e(
             "llama3-70b",
@@ -140,7 +148,7 @@ pub fn entries() -> Vec<ZooEntry> {
             70_553_706_496.0,
             exact,
             "HuggingFace meta-llama/Meta-Llama-3-70B model card (70.6B safetensors parameters)",
-            llama(80, 8192, 64, 8, 28672, 128256, 8192),
+            llama3(80, 8192, 64, 28672),
         ),
         e(
             "llama3-405b",
@@ -148,7 +156,7 @@ pub fn entries() -> Vec<ZooEntry> {
             405.0 * b,
             rounded(405.0, 0.5),
             "Llama Team 2024, 'The Llama 3 Herd of Models', Table 3 (405B: 126 layers, 16384 model dim, 53248 FFN dim, 128 heads, 8 KV heads)",
-            llama(126, 16384, 128, 8, 53248, 128256, 8192),
+            llama3(126, 16384, 128, 53248),
         ),
         e(
             "mixtral-8x7b",
