@@ -230,10 +230,12 @@ impl TensorLayout {
             .zip(&self.dim_axis)
             .map(|(d, a)| match a {
                 Some(a) => {
+                    // Shards of ceil(d / k): a padded split's last shards hold fewer (or no)
+                    // real elements.
                     let k = u64::from(self.radix[*a as usize]);
-                    let w = d / k;
-                    let lo = u64::from(c[*a as usize]) * w;
-                    (lo, lo + w)
+                    let w = d.div_ceil(k);
+                    let lo = (u64::from(c[*a as usize]) * w).min(*d);
+                    (lo, (lo + w).min(*d))
                 }
                 None => (0, *d),
             })
@@ -254,7 +256,7 @@ impl TensorLayout {
         self.dims
             .iter()
             .zip(&self.dim_axis)
-            .map(|(d, a)| a.map_or(*d, |a| d / u64::from(self.radix[a as usize])))
+            .map(|(d, a)| a.map_or(*d, |a| d.div_ceil(u64::from(self.radix[a as usize]))))
             .product()
     }
 

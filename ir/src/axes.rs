@@ -36,6 +36,12 @@ pub struct AxisInfo {
     /// False where a split would need communication the mapping cannot express (the axis a
     /// softmax or norm reduces over, the time axis of a recurrence).
     pub splittable: bool,
+    /// A degree that does not divide the size pads the last shard instead of being refused:
+    /// every device holds ceil(size / degree), the last one fewer real elements. Vocabulary
+    /// and output-feature axes (Megatron pads the vocabulary to a multiple of the
+    /// tensor-parallel degree; padded weight columns compute zeros nobody reads).
+    #[serde(default)]
+    pub paddable: bool,
 }
 
 /// Labels of every dimension of an op's inputs and outputs, and what each label is.
@@ -64,7 +70,7 @@ impl TensorDegrees {
             full.0
                 .iter()
                 .zip(&self.shard)
-                .map(|(d, s)| d / u64::from(*s))
+                .map(|(d, s)| d.div_ceil(u64::from(*s)))
                 .collect(),
         )
     }
@@ -130,7 +136,16 @@ impl AxesMapping {
             outputs: side(outs),
             axes: axes
                 .iter()
-                .map(|&(c, role, splittable)| (c, AxisInfo { role, splittable }))
+                .map(|&(c, role, splittable)| {
+                    (
+                        c,
+                        AxisInfo {
+                            role,
+                            splittable,
+                            paddable: false,
+                        },
+                    )
+                })
                 .collect(),
         };
         for l in m.inputs.iter().chain(&m.outputs).flatten() {
@@ -194,10 +209,9 @@ impl AxesMapping {
             if degree > 1 && !info.splittable {
                 return Err(SplitError::NotSplittable(axis));
             }
-            if let Some(size) = self
-                .sizes(axis, ins, outs)
-                .find(|s| s % u64::from(degree) != 0)
-            {
+            let uneven =
+                |s: &u64| s % u64::from(degree) != 0 && !(info.paddable && *s >= u64::from(degree));
+            if let Some(size) = self.sizes(axis, ins, outs).find(uneven) {
                 return Err(SplitError::Indivisible { axis, degree, size });
             }
         }
@@ -238,7 +252,8 @@ impl AxesMapping {
     }
 
     /// Every legal split whose total degree is at most `max_degree`, the unsplit one first.
-    /// Degrees of each label range over the common divisors of the sizes it names.
+    /// Degrees of each label range over the common divisors of the sizes it names, and for a
+    /// paddable label also over the powers of two up to its smallest size.
     pub fn legal_splits(&self, ins: &[Shape], outs: &[Shape], max_degree: u32) -> Vec<Split> {
         let mut options: Vec<(char, Vec<u32>)> = Vec::new();
         for (label, info) in self.labels() {
@@ -246,10 +261,23 @@ impl AxesMapping {
                 continue;
             }
             let g = self.sizes(label, ins, outs).fold(0u64, gcd);
-            let divs: Vec<u32> = (2..=u64::from(max_degree).min(g))
+            let mut divs: Vec<u32> = (2..=u64::from(max_degree).min(g))
                 .filter(|d| g % d == 0)
                 .map(|d| d as u32)
                 .collect();
+            if info.paddable {
+                // Padded splits by powers of two (what engines pad a vocabulary to), up to
+                // the smallest size the label names.
+                let smallest = self.sizes(label, ins, outs).min().unwrap_or(0);
+                let mut d = 2u64;
+                while d <= u64::from(max_degree).min(smallest) {
+                    if !divs.contains(&(d as u32)) {
+                        divs.push(d as u32);
+                    }
+                    d *= 2;
+                }
+                divs.sort_unstable();
+            }
             if !divs.is_empty() {
                 options.push((label, divs));
             }
@@ -340,6 +368,32 @@ mod tests {
             .unwrap();
         assert_eq!(dp.inputs[1].replica, 8);
         assert_eq!(dp.inputs[0].shard_shape(&ins[0]), Shape::new([1, 16, 32]));
+    }
+
+    /// A vocabulary that no degree divides (GPT-2's 50,257) splits padded: every shard holds
+    /// ceil(v / degree) rows; a contraction axis still refuses an uneven degree.
+    #[test]
+    fn paddable_axes_split_unevenly() {
+        let m = AxesMapping::parse(
+            "bk,kn->bn",
+            &[
+                ('b', AxisRole::Sample, true),
+                ('k', AxisRole::Parameter, true),
+                ('n', AxisRole::Parameter, true),
+            ],
+        );
+        let mut padded = m.clone();
+        padded.axes.get_mut(&'n').unwrap().paddable = true;
+        let ins = [Shape::new([8, 64]), Shape::new([64, 50257])];
+        let outs = [Shape::new([8, 50257])];
+        let n8 = BTreeMap::from([('n', 8)]);
+        assert!(matches!(
+            m.derive_split(&ins, &outs, &n8),
+            Err(SplitError::Indivisible { axis: 'n', .. })
+        ));
+        let s = padded.derive_split(&ins, &outs, &n8).unwrap();
+        assert_eq!(s.outputs[0].shard_shape(&outs[0]), Shape::new([8, 6283]));
+        assert_eq!(s.inputs[1].shard_shape(&ins[1]), Shape::new([64, 6283]));
     }
 
     #[test]

@@ -836,12 +836,12 @@ impl OpKind {
         match self {
             OpKind::Embedding(_) => {
                 let lead = b.lead(ins[0].rank());
-                b.param('v', true).param('d', true);
+                b.padded_param('v').param('d', true);
                 b.input(&lead).input("vd").output_with(&lead, "d");
             }
             OpKind::Linear(a) => {
                 let lead = b.lead(ins[0].rank() - 1);
-                b.param('k', true).param('n', true);
+                b.param('k', true).padded_param('n');
                 b.input_with(&lead, "k").input("kn");
                 if a.bias {
                     b.input("n");
@@ -850,7 +850,7 @@ impl OpKind {
             }
             OpKind::MatMul(a) => {
                 let wb = if a.transpose_b { "nk" } else { "kn" };
-                b.param('k', true).param('n', true);
+                b.param('k', true).padded_param('n');
                 if ins[1].rank() == 2 {
                     let lead = b.lead(ins[0].rank() - 1);
                     b.input_with(&lead, "k").input(wb).output_with(&lead, "n");
@@ -933,7 +933,7 @@ impl OpKind {
             }
             OpKind::CrossEntropy => {
                 let lead = b.lead(ins[0].rank() - 1);
-                b.param('v', true);
+                b.padded_param('v');
                 b.input_with(&lead, "v").input(&lead).output("");
             }
             OpKind::Moe(a) => {
@@ -1372,9 +1372,27 @@ struct MappingBuilder {
 
 impl MappingBuilder {
     fn axis(&mut self, c: char, role: AxisRole, splittable: bool) -> &mut Self {
-        self.m
-            .axes
-            .insert(c, crate::axes::AxisInfo { role, splittable });
+        self.m.axes.insert(
+            c,
+            crate::axes::AxisInfo {
+                role,
+                splittable,
+                paddable: false,
+            },
+        );
+        self
+    }
+    /// A parameter axis split unevenly by padding its last shard (vocabularies, output
+    /// features).
+    fn padded_param(&mut self, c: char) -> &mut Self {
+        self.m.axes.insert(
+            c,
+            crate::axes::AxisInfo {
+                role: AxisRole::Parameter,
+                splittable: true,
+                paddable: true,
+            },
+        );
         self
     }
     fn param(&mut self, c: char, splittable: bool) -> &mut Self {
