@@ -1055,9 +1055,10 @@ mod tests {
                 (per_op.step_time_s / s.step_time_s - 1.0) * 100.0
             );
             // The vocabulary (50,257) splits padded, as Megatron pads it: the head is
-            // vocab-parallel and its logits are never gathered.
+            // vocab-parallel and its logits are never gathered; gradient buckets use their own
+            // stream and slow the backward they hide behind as the structured path charges.
             assert!(
-                rel(per_op.step_time_s, s.step_time_s) < 0.08,
+                rel(per_op.step_time_s, s.step_time_s) < 0.06,
                 "dp{dp} tp{tp}: step {} vs {}",
                 per_op.step_time_s,
                 s.step_time_s

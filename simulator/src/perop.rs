@@ -28,6 +28,7 @@ use crate::schedule::{
     build_pipeline, PipelineCosts, PipelineSchedule, ScheduleError, ScheduleKind,
 };
 use crate::step::{Breakdown, MemoryGib};
+use parallax_cost::comm::OVERLAP_INTERFERENCE;
 use parallax_cost::memory::{MemoryBreakdown, WORKSPACE_GIB};
 use parallax_cost::soap::{ConfigError, MachineView, OpCosts, ParallelConfig};
 use parallax_ir::graph::NodeId;
@@ -235,6 +236,9 @@ fn build_micro(
     let mut resources = Resources::new();
     let mut compute = Vec::new();
     let mut comm = Vec::new();
+    // Gradient buckets go over their own communicator and stream (DDP's), beside the
+    // resharding collectives the forward and backward wait on.
+    let mut sync = Vec::new();
     for (c, m) in cls.members.iter().enumerate() {
         let what = if m.len() == 1 {
             format!("gpu {}", m[0])
@@ -243,6 +247,7 @@ fn build_micro(
         };
         compute.push(resources.add_in_group(format!("{what} compute"), 1, c as u32));
         comm.push(resources.add_in_group(format!("{what} comm"), 1, c as u32));
+        sync.push(resources.add_in_group(format!("{what} grad sync"), 1, c as u32));
     }
     let mut mg = MicroGraph {
         graph: TaskGraph::with_capacity(4 * n * cls.members.len(), 8 * n),
@@ -355,7 +360,7 @@ fn build_micro(
         mg.sync[i] = costs.grad_sync(NodeId(i as u32), &plan.configs[i]);
     }
     if with_sync {
-        add_sync_and_optimizer(costs, plan, cls, &mut mg, &comm);
+        add_sync_and_optimizer(costs, plan, cls, &mut mg, &sync);
     }
     Ok(mg)
 }
@@ -380,6 +385,9 @@ fn add_sync_and_optimizer(
 ) {
     let n = plan.configs.len();
     let mut sync_tasks: Vec<Vec<TaskId>> = vec![Vec::new(); cls.members.len()];
+    // Seconds of each class's bucket all-reduces, and of its last one (the bucket the final
+    // backward op fills, which nothing is left to hide behind).
+    let mut sync_time = vec![(Seconds(0.0), Seconds(0.0)); cls.members.len()];
     let mut bucket: Option<(MachineView, parallax_cost::Group, u64, Vec<usize>)> = None;
     let mut flush = |b: (MachineView, parallax_cost::Group, u64, Vec<usize>),
                      mg: &mut MicroGraph| {
@@ -391,6 +399,7 @@ fn add_sync_and_optimizer(
                 .with_index(nodes[0] as u32);
             let s = mg.add(task, t, &deps);
             sync_tasks[c].push(s);
+            sync_time[c] = (sync_time[c].0 + t, t);
         }
     };
     for i in (0..n).rev() {
@@ -423,6 +432,20 @@ fn add_sync_and_optimizer(
                 params += costs.updated_params(NodeId(i as u32), &plan.configs[i]);
                 deps.push(mg.bwd[i][ci]);
             }
+        }
+        // The all-reduces that ran beside the backward slowed it (NCCL kernels take SMs and
+        // memory bandwidth): the same interference the structured path charges in
+        // `parallax_cost::exposed`, on the stream before the optimizer.
+        let (all, last) = sync_time[c];
+        let hidden = (all - last).0.max(0.0);
+        if hidden > 0.0 {
+            let task = Task::new(
+                "overlap interference",
+                TaskKind::Comm(CommKind::DpAllReduce),
+                mg.compute[c],
+            );
+            let t = mg.add(task, Seconds(OVERLAP_INTERFERENCE * hidden), &deps);
+            deps.push(t);
         }
         let task = Task::new("optimizer", TaskKind::Optimizer, mg.compute[c]);
         mg.add(task, costs.optimizer_time(params), &deps);
@@ -806,8 +829,8 @@ mod tests {
             view: MachineView::block(0, 8),
         });
         let step = simulate_op_plan(&mut c, &plan, 64).unwrap();
-        // One class: every device is alike.
-        assert_eq!(step.resources.len(), 2);
+        // One class: every device is alike (compute, resharding and gradient-sync streams).
+        assert_eq!(step.resources.len(), 3);
         // fc2's and fc1's gradients (4 MiB each) share one bucket, all-reduced over 8 GPUs
         // once backward is done.
         let sync = c.sync_time(
