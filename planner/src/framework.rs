@@ -42,6 +42,8 @@ pub struct Stack {
     pub name: &'static str,
     /// The `name@version` spellings the row answers to.
     pub covers: &'static str,
+    /// The stack names (before `@`) the row answers to.
+    pub names: &'static [&'static str],
     pub features: &'static [Feature],
     matches: fn(&str, &Version) -> bool,
     build: fn() -> Parts,
@@ -636,6 +638,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "current",
         covers: "current (the default)",
+        names: &["current"],
         features: CURRENT,
         matches: |n, _| n == "current",
         build: current,
@@ -643,6 +646,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "megatron-lm@2020",
         covers: "megatron-lm@2019, @2020, @v1.x",
+        names: &["megatron-lm"],
         features: MEGATRON_2020,
         matches: |n, v| n == "megatron-lm" && (v.year.is_some_and(|y| y <= 2020) || v.semver_in((1, 0), (1, 99))),
         build: megatron_2020,
@@ -650,6 +654,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "megatron-lm@2021",
         covers: "megatron-lm@2021, @v2.x",
+        names: &["megatron-lm"],
         features: MEGATRON_2021,
         matches: |n, v| n == "megatron-lm" && (v.year_in(2021, 2021) || v.semver_in((2, 0), (2, 99))),
         build: megatron_2021,
@@ -657,6 +662,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "megatron-lm@2022",
         covers: "megatron-lm@2022, @v3.x",
+        names: &["megatron-lm"],
         features: MEGATRON_2022,
         matches: |n, v| n == "megatron-lm" && (v.year_in(2022, 2022) || v.semver_in((3, 0), (3, 99))),
         build: megatron_2022,
@@ -664,6 +670,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "megatron-lm@2023",
         covers: "megatron-lm@2023 (23.xx), megatron-core@0.1–0.3, nemo@23.xx",
+        names: &["megatron-lm", "megatron-core", "nemo"],
         features: MEGATRON_2023,
         matches: |n, v| match n {
             "megatron-lm" => v.year_in(2023, 2023),
@@ -676,6 +683,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "megatron-core@2024",
         covers: "megatron-core@2024, @0.4–0.10, megatron-lm@2024, nemo@24.xx",
+        names: &["megatron-core", "megatron-lm", "nemo"],
         features: MEGATRON_CORE_2024,
         matches: |n, v| match n {
             "megatron-core" => v.year_in(2024, 2024) || v.semver_in((0, 4), (0, 10)),
@@ -687,6 +695,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "megatron-core@2025",
         covers: "megatron-core@2025+, @0.11+, megatron-lm@2025+, megatron-bridge (any), nemo@25.xx+ / 2.x; what --export megatron writes for",
+        names: &["megatron-bridge", "megatron-core", "megatron-lm", "megatron", "nemo"],
         features: MEGATRON_CORE_2025,
         matches: |n, v| match n {
             "megatron-bridge" => true,
@@ -700,6 +709,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "nvidia-mlperf@3.1",
         covers: "nvidia-mlperf@3.x–5.x (NVIDIA's GPT-3 / Llama submissions)",
+        names: &["nvidia-mlperf"],
         features: MLPERF_31,
         matches: |n, _| n == "nvidia-mlperf",
         build: megatron_core_2024,
@@ -707,6 +717,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "megascale@2024",
         covers: "megascale@2024",
+        names: &["megascale"],
         features: MEGASCALE,
         matches: |n, _| n == "megascale",
         build: megascale,
@@ -714,6 +725,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "megatron-deepspeed@2021",
         covers: "megatron-deepspeed@2021 and earlier",
+        names: &["megatron-deepspeed"],
         features: MEGATRON_DEEPSPEED_2021,
         matches: |n, v| n == "megatron-deepspeed" && v.year.is_some_and(|y| y <= 2021),
         build: || megatron_deepspeed(false),
@@ -721,6 +733,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "megatron-deepspeed@2022",
         covers: "megatron-deepspeed@2022 and later",
+        names: &["megatron-deepspeed"],
         features: MEGATRON_DEEPSPEED_2022,
         matches: |n, v| n == "megatron-deepspeed" && v.year.is_none_or(|y| y > 2021),
         build: || megatron_deepspeed(true),
@@ -728,6 +741,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "deepspeed@0.3",
         covers: "deepspeed@0.1–0.5 (with Megatron-LM v1's GPT-2)",
+        names: &["deepspeed"],
         features: DEEPSPEED_2020,
         matches: |n, v| n == "deepspeed" && (v.semver_in((0, 0), (0, 5)) || v.year.is_some_and(|y| y <= 2020)),
         build: deepspeed_2020,
@@ -735,6 +749,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "deepspeed-zero3@2021",
         covers: "deepspeed-zero3@2021, deepspeed@2021",
+        names: &["deepspeed-zero3", "deepspeed"],
         features: DEEPSPEED_ZERO3_2021,
         matches: |n, v| n == "deepspeed-zero3" || (n == "deepspeed" && v.year_in(2021, 2021)),
         build: deepspeed_zero3_2021,
@@ -742,6 +757,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "deepspeed@0.19",
         covers: "deepspeed@0.6+ / 2022+; what --export deepspeed writes for",
+        names: &["deepspeed"],
         features: DEEPSPEED_CURRENT,
         matches: |n, v| n == "deepspeed" && (v.none() || v.semver_in((0, 6), (99, 0)) || v.year.is_some_and(|y| y >= 2022)),
         build: deepspeed_current,
@@ -749,6 +765,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "torchtitan",
         covers: "torchtitan (any version); what --export torchtitan writes for",
+        names: &["torchtitan"],
         features: TORCHTITAN,
         matches: |n, _| n == "torchtitan",
         build: torchtitan,
@@ -756,6 +773,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "meta-llama3@2024",
         covers: "meta-llama3@2024",
+        names: &["meta-llama3"],
         features: LLAMA3,
         matches: |n, _| n == "meta-llama3",
         build: llama3,
@@ -763,6 +781,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "pytorch-fsdp@2.x",
         covers: "pytorch-fsdp@2.x",
+        names: &["pytorch-fsdp"],
         features: PYTORCH_FSDP,
         matches: |n, _| n == "pytorch-fsdp",
         build: pytorch_fsdp,
@@ -770,6 +789,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "hf-trainer-ddp@4.x",
         covers: "hf-trainer-ddp@4.x, hf-trainer",
+        names: &["hf-trainer-ddp", "hf-trainer"],
         features: HF_TRAINER_DDP,
         matches: |n, _| n == "hf-trainer-ddp" || n == "hf-trainer",
         build: pytorch_ddp,
@@ -777,6 +797,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "pytorch-dataparallel@1.8",
         covers: "pytorch-dataparallel (torch.nn.DataParallel, any version)",
+        names: &["pytorch-dataparallel"],
         features: PYTORCH_DATAPARALLEL,
         matches: |n, _| n == "pytorch-dataparallel",
         build: pytorch_dataparallel,
@@ -784,6 +805,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "pytorch-ddp@1.x",
         covers: "pytorch-ddp (PyTorch 1.x, NGC 20.x–21.x)",
+        names: &["pytorch-ddp"],
         features: PYTORCH_DDP,
         matches: |n, _| n == "pytorch-ddp",
         build: pytorch_ddp,
@@ -791,6 +813,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "pytorch-apex-ddp",
         covers: "pytorch-apex-ddp",
+        names: &["pytorch-apex-ddp"],
         features: APEX_DDP,
         matches: |n, _| n == "pytorch-apex-ddp",
         build: pytorch_ddp,
@@ -798,6 +821,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "tensorflow-1.x/tf_cnn_benchmarks",
         covers: "tensorflow-1.x/tf_cnn_benchmarks",
+        names: &["tensorflow-1.x/tf_cnn_benchmarks"],
         features: TF_CNN_BENCHMARKS,
         matches: |n, _| n == "tensorflow-1.x/tf_cnn_benchmarks",
         build: pytorch_ddp,
@@ -805,6 +829,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "torchgpipe",
         covers: "torchgpipe",
+        names: &["torchgpipe"],
         features: TORCHGPIPE,
         matches: |n, _| n == "torchgpipe",
         build: single_process_pipeline,
@@ -812,6 +837,7 @@ pub const STACKS: &[Stack] = &[
     Stack {
         name: "parallax",
         covers: "parallax (what `parallax run` executes)",
+        names: &["parallax"],
         features: PARALLAX,
         matches: |n, _| n == "parallax",
         build: parallax_executor,
@@ -847,40 +873,36 @@ impl Framework {
         let v = Version::parse(version);
         let names = || {
             let mut all: Vec<&str> = Vec::new();
-            for s in STACKS {
-                let n = s.name.split('@').next().unwrap_or(s.name);
-                if !all.contains(&n) {
+            for n in STACKS.iter().flat_map(|s| s.names) {
+                if !all.contains(n) {
                     all.push(n);
                 }
             }
             all.join(", ")
         };
+        // What the user wrote, cut short for the one line that echoes it.
+        let shown: String = spec.trim().chars().take(80).collect();
         let Some(row) = STACKS.iter().find(|s| (s.matches)(name, &v)) else {
-            return Err(
-                if STACKS
-                    .iter()
-                    .any(|s| s.name.split('@').next() == Some(name))
-                {
-                    FrameworkError::Version(
-                        spec.trim().to_string(),
-                        format!(
-                            "no row of the table covers this version ({})",
-                            STACKS
-                                .iter()
-                                .filter(|s| s.name.split('@').next() == Some(name))
-                                .map(|s| s.covers)
-                                .collect::<Vec<_>>()
-                                .join("; ")
-                        ),
-                    )
-                } else {
-                    FrameworkError::Unknown(spec.trim().to_string(), names())
-                },
-            );
+            let rows: Vec<&str> = STACKS
+                .iter()
+                .filter(|s| s.names.contains(&name))
+                .map(|s| s.covers)
+                .collect();
+            return Err(if rows.is_empty() {
+                FrameworkError::Unknown(shown, names())
+            } else {
+                FrameworkError::Version(
+                    shown,
+                    format!(
+                        "no row of the table covers this version ({})",
+                        rows.join("; ")
+                    ),
+                )
+            });
         };
         if !version.is_empty() && v.none() {
             return Err(FrameworkError::Version(
-                spec.trim().to_string(),
+                shown,
                 "cannot read the version (a year like 2022, a release like 24.07, or a version like 0.3)".into(),
             ));
         }
@@ -982,6 +1004,11 @@ mod tests {
                 .features
                 .iter()
                 .all(|f| !f.source.is_empty() && !f.what.is_empty()));
+            assert!(
+                s.names.contains(&s.name.split('@').next().unwrap()),
+                "{}",
+                s.name
+            );
             let fw = Framework::parse(s.name).unwrap();
             assert!(
                 fw.name.starts_with(s.name.split('@').next().unwrap()),
@@ -1142,6 +1169,10 @@ mod tests {
     fn unknown_stacks_and_versions_are_named() {
         let e = Framework::parse("jax@0.4").unwrap_err();
         assert!(e.to_string().contains("unknown stack 'jax@0.4'"), "{e}");
+        let e = Framework::parse("nemo@24.13").unwrap_err();
+        assert!(e.to_string().contains("no row of the table covers"), "{e}");
+        let long = "x".repeat(5000);
+        assert!(Framework::parse(&long).unwrap_err().to_string().len() < 600);
         let e = Framework::parse("megatron-deepspeed@x").unwrap_err();
         assert!(e.to_string().contains("cannot read the version"), "{e}");
         assert_eq!(
