@@ -96,6 +96,16 @@ pub struct Runtime {
     /// every backward reduces the replicas' gradients onto it. None of it overlaps compute.
     #[serde(default)]
     pub single_process_dp: bool,
+    /// Separate all-gathers ZeRO-3 issues for one layer's parameters per pass: 1 where a layer
+    /// is one gathered unit (FSDP's wrapped block, Megatron FSDP's buckets); DeepSpeed's
+    /// ZeRO-3 fetches each parameterised submodule on its own hook. Each call pays the
+    /// collective's latency, which at thousands of ranks is milliseconds.
+    #[serde(default = "one")]
+    pub zero3_gathers_per_layer: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// Fraction of the tokens BERT masks for its masked-LM objective (Devlin et al. 2019, §3.1).
@@ -136,6 +146,7 @@ impl Default for Runtime {
             zero3_gathered_under_pp: false,
             mlm_masked_only: false,
             single_process_dp: false,
+            zero3_gathers_per_layer: 1,
         }
     }
 }

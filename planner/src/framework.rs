@@ -131,8 +131,14 @@ fn pre_flash(overlap_grad_reduce: bool, grad_reduce_fp32: bool) -> Runtime {
         zero3_gathered_under_pp: false,
         mlm_masked_only: false,
         single_process_dp: false,
+        zero3_gathers_per_layer: 1,
     }
 }
+
+/// Parameterised submodules of a Megatron-style GPT block (two LayerNorms, the fused QKV
+/// projection, the attention output, the two MLP linears): DeepSpeed's ZeRO-3 gathers each on
+/// its own pre-forward (and pre-backward) hook.
+const DEEPSPEED_SUBMODULES_PER_LAYER: u32 = 6;
 
 fn megatron_space(schedules: &[Schedule], zero: &[u8], recompute: &[Recompute]) -> Space {
     Space {
@@ -300,7 +306,7 @@ const DEEPSPEED_ZERO3_2021: &[Feature] = &[
         source: "Rajbhandari et al. 2021 (ZeRO-Infinity, SC21), §5–6; DeepSpeed 0.3.13 stage3.py",
     },
     Feature {
-        what: "gathers prefetched behind the previous layer (stage3_prefetch_bucket_size), reduce-scatter overlapped (overlap_comm defaults on for stage 3)",
+        what: "one all-gather per parameterised submodule (its pre-forward / pre-backward hook: six per GPT block), prefetched behind the previous one (stage3_prefetch_bucket_size); reduce-scatter bucketed and overlapped (overlap_comm defaults on for stage 3)",
         source: "DeepSpeed config docs, zero_optimization stage 3 options",
     },
     Feature {
@@ -493,7 +499,10 @@ fn megatron_deepspeed(grad_reduce_fp32: bool) -> Parts {
 
 fn deepspeed_2020() -> Parts {
     Parts {
-        runtime: pre_flash(false, false),
+        runtime: Runtime {
+            zero3_gathers_per_layer: DEEPSPEED_SUBMODULES_PER_LAYER,
+            ..pre_flash(false, false)
+        },
         space: Space {
             zero_stages: vec![0, 1, 2, 3],
             ..megatron_space(&ONE_F_ONE_B, &[], &NO_OR_FULL)
@@ -504,7 +513,10 @@ fn deepspeed_2020() -> Parts {
 
 fn deepspeed_zero3_2021() -> Parts {
     Parts {
-        runtime: pre_flash(true, false),
+        runtime: Runtime {
+            zero3_gathers_per_layer: DEEPSPEED_SUBMODULES_PER_LAYER,
+            ..pre_flash(true, false)
+        },
         space: Space {
             schedules: NO_PIPELINE.to_vec(),
             zero_stages: vec![3],
@@ -984,6 +996,16 @@ pub fn table_text() -> String {
                 .join(", "),
             yes(p.space.uneven_stages),
         );
+        if r.zero3_gathers_per_layer > 1 {
+            let _ = writeln!(
+                out,
+                "  ZeRO-3 gathers a layer in {} collectives",
+                r.zero3_gathers_per_layer
+            );
+        }
+        if r.single_process_dp {
+            let _ = writeln!(out, "  one process drives every GPU (DataParallel)");
+        }
         for f in s.features {
             let _ = writeln!(out, "  - {} [{}]", f.what, f.source);
         }
@@ -1154,6 +1176,50 @@ mod tests {
         );
         // Published degrees stand even where the stack would not choose them.
         assert_eq!(done("pytorch-fsdp@2.2", &tp4).tp, 4);
+    }
+
+    /// DeepSpeed's 2021 ZeRO-3 gathers each submodule with its own collective: at thousands
+    /// of ranks every ring all-gather costs milliseconds of latency, so the step falls behind
+    /// the same stack gathering a layer at once, more so the more ranks.
+    #[test]
+    fn per_submodule_gathers_cost_latency_at_scale() {
+        use parallax_cost::transformer::Setup;
+        use parallax_hardware::Cluster;
+        use parallax_ir::{Layout, Precision, Recompute};
+        let m = parallax_ir::models::zoo::transformer("gpt3-13b").unwrap();
+        let ds = Framework::parse("deepspeed-zero3@2021").unwrap().runtime;
+        assert_eq!(ds.zero3_gathers_per_layer, DEEPSPEED_SUBMODULES_PER_LAYER);
+        let step = |gpus: u32, runtime: Runtime| {
+            let c = Cluster::parse(&format!("dgx2-v100-32gb:gpus={gpus}")).unwrap();
+            let setup = Setup {
+                precision: Precision::Fp16,
+                runtime,
+                ..Setup::new(&m, &c.profile, gpus, 1024, u64::from(gpus))
+            };
+            let l = Layout {
+                dp: gpus,
+                zero_stage: 3,
+                recompute: Recompute::Full,
+                ..Layout::default()
+            };
+            parallax_sim::simulate_step(&setup, &l)
+                .unwrap()
+                .prediction
+                .step_time_s
+        };
+        let ratio = |gpus: u32| {
+            let whole = Runtime {
+                zero3_gathers_per_layer: 1,
+                ..ds
+            };
+            step(gpus, ds) / step(gpus, whole)
+        };
+        let (small, large) = (ratio(64), ratio(2048));
+        assert!(small < 1.05, "64 ranks: {small}");
+        assert!(
+            large > 1.2 && large > small,
+            "2048 ranks: {large} vs {small}"
+        );
     }
 
     #[test]

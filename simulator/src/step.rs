@@ -361,7 +361,12 @@ pub fn step_terms(
     // reduce-scatters its gradients, per micro-batch, prefetched behind the previous layer.
     let zero3 = if zero >= 3 && shard > 1 {
         let p = c.layer.params;
-        let ag = net.collective(Collective::AllGather, Bytes(p * wbytes), dp_group);
+        let calls = setup.runtime.zero3_gathers_per_layer.max(1);
+        let ag = net.collective(
+            Collective::AllGather,
+            Bytes(p * wbytes / u64::from(calls)),
+            dp_group,
+        ) * f64::from(calls);
         let rs = net.collective(
             Collective::ReduceScatter,
             Bytes(p * setup.grad_reduce_bytes()),
