@@ -142,18 +142,24 @@ fn json_carries_the_contract_keys() {
     assert!(v["step_time_s_low"].as_f64() < v["step_time_s"].as_f64());
 }
 
-/// The stack is an input: named in the report, limiting the search, implied by `--export`.
-#[test]
-fn the_framework_is_named_in_reports_and_export_implies_its_own() {
+/// `plan` with `extra` after the small case, succeeding, as its JSON document.
+fn plan_json(extra: &[&str]) -> serde_json::Value {
     let mut args: Vec<&str> = SMALL.to_vec();
-    args.extend(["--framework", "megatron-lm@2021", "--json"]);
+    args.extend(extra);
+    args.push("--json");
     let out = plan(&args);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The stack is an input: named in the report, limiting the search, implied by `--export`.
+#[test]
+fn the_framework_is_named_in_reports_and_export_implies_its_own() {
+    let doc = plan_json(&["--framework", "megatron-lm@2021"]);
     assert_eq!(doc["framework"], "megatron-lm@2021");
     assert_eq!(doc["plan"]["prediction"]["framework"], "megatron-lm@2021");
     let layout = &doc["plan"]["layout"];
@@ -172,21 +178,7 @@ fn the_framework_is_named_in_reports_and_export_implies_its_own() {
         err.contains("--export deepspeed plans for deepspeed's current stack"),
         "{err}"
     );
-    let mut args: Vec<&str> = SMALL.to_vec();
-    args.extend([
-        "--export",
-        "deepspeed",
-        "--framework",
-        "deepspeed@0.19",
-        "--json",
-    ]);
-    let out = plan(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let doc = plan_json(&["--export", "deepspeed", "--framework", "deepspeed@0.19"]);
     assert_eq!(doc["framework"], "deepspeed@0.19");
 }
 

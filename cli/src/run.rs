@@ -459,8 +459,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let job = resolve(&a)?;
     let own = Framework::parse("parallax").map_err(user)?;
     let stack = match &a.framework {
-        Some(s) => Framework::parse(s).map_err(|e| user(format!("--framework: {e}")))?,
-        None => own.clone(),
+        Some(s) => Some(Framework::parse(s).map_err(|e| user(format!("--framework: {e}")))?),
+        None => None,
     };
     // The cluster the run is predicted on, checked before anything runs.
     let given_cluster = match &job.cluster {
@@ -567,12 +567,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     }));
     // Host memory is what the executor itself will allocate, whatever stack is predicted.
-    if backend == Backend::Threads {
-        if let Ok(p) = predict(&job, given_cluster.as_ref(), backend, &own) {
-            check_host_memory(&job, &p)?;
-        }
+    let own_prediction = predict(&job, given_cluster.as_ref(), backend, &own);
+    if let (Ok(p), Backend::Threads) = (&own_prediction, backend) {
+        check_host_memory(&job, p)?;
     }
-    let predicted = predict(&job, given_cluster.as_ref(), backend, &stack);
+    let predicted = match &stack {
+        Some(s) => predict(&job, given_cluster.as_ref(), backend, s),
+        None => own_prediction,
+    };
     let report = exec_run(&spec, backend);
     if let (Err(_), Some(dir)) = (&report, created_save_dir) {
         // The folder made for this run's checkpoints stays only if one was written into it.

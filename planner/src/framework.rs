@@ -12,7 +12,7 @@
 
 use crate::export::Engine;
 use crate::search::Space;
-use parallax_cost::transformer::{Runtime, SelectivePolicy};
+use parallax_cost::transformer::Runtime;
 use parallax_ir::{Recompute, Schedule};
 use std::fmt::Write as _;
 use thiserror::Error;
@@ -126,12 +126,7 @@ fn pre_flash(overlap_grad_reduce: bool, grad_reduce_fp32: bool) -> Runtime {
         tp_comm_overlap: false,
         overlap_p2p: false,
         grad_reduce_fp32,
-        allow_tp_across_nodes: false,
-        selective: SelectivePolicy::CheapOps,
-        zero3_gathered_under_pp: false,
-        mlm_masked_only: false,
-        single_process_dp: false,
-        zero3_gathers_per_layer: 1,
+        ..Runtime::default()
     }
 }
 
