@@ -57,6 +57,13 @@ impl Infeasible {
 /// the log-probabilities).
 const LOSS_BYTES_PER_LOGIT: u64 = 12;
 
+/// Bytes per logit at the peak of Megatron's vocab-parallel cross-entropy
+/// (`megatron/core/tensor_parallel/cross_entropy.py`): one fp32 copy of the logits, turned into
+/// the softmax in place (`torch.exp(..., out=)`, `div_`), saved, and turned into the gradient in
+/// place in backward (`grad_input = softmax; mul_`), plus the 16-bit logits or gradient beside
+/// it while the cast runs.
+const IN_PLACE_LOSS_BYTES_PER_LOGIT: u64 = 6;
+
 /// Framework behaviour that is not part of the layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Runtime {
@@ -102,6 +109,11 @@ pub struct Runtime {
     /// collective's latency, which at thousands of ranks is milliseconds.
     #[serde(default = "one")]
     pub zero3_gathers_per_layer: u32,
+    /// The loss is Megatron's vocab-parallel cross-entropy, which keeps one fp32 buffer for
+    /// the softmax and its gradient, rather than PyTorch's (log-probabilities, the dense
+    /// gradient and the input gradient, each fp32).
+    #[serde(default)]
+    pub in_place_cross_entropy: bool,
 }
 
 fn one() -> u32 {
@@ -147,6 +159,7 @@ impl Default for Runtime {
             mlm_masked_only: false,
             single_process_dp: false,
             zero3_gathers_per_layer: 1,
+            in_place_cross_entropy: false,
         }
     }
 }
@@ -507,7 +520,14 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     // The loss peaks at the start of backward (see `LOSS_BYTES_PER_LOGIT`); the logits are not
     // saved.
     let logits = l.micro_batch * head_seq * shard.vocab;
-    head_cost.working = Bytes(logits * LOSS_BYTES_PER_LOGIT);
+    head_cost.working = Bytes(
+        logits
+            * if s.runtime.in_place_cross_entropy {
+                IN_PLACE_LOSS_BYTES_PER_LOGIT
+            } else {
+                LOSS_BYTES_PER_LOGIT
+            },
+    );
     head_cost.saved = Bytes(head_cost.saved.0.saturating_sub(logits * fb));
     if s.model.tied_embeddings && l.pp == 1 {
         // A single-stage tied model shares the table with the embedding; across stages the
@@ -855,6 +875,17 @@ mod tests {
             let c = transformer_costs(&s, &layout(tp, false, Recompute::None)).unwrap();
             let logits = 2048 * m.vocab / u64::from(tp);
             assert_eq!(c.head.working.0, 12 * logits, "{precision:?} tp={tp}");
+            // Megatron's vocab-parallel loss turns one fp32 copy into the softmax and its
+            // gradient in place.
+            let megatron = Setup {
+                runtime: Runtime {
+                    in_place_cross_entropy: true,
+                    ..s.runtime
+                },
+                ..s
+            };
+            let c = transformer_costs(&megatron, &layout(tp, false, Recompute::None)).unwrap();
+            assert_eq!(c.head.working.0, 6 * logits, "{precision:?} tp={tp}");
             // What the head saves is its input, the norm's output and statistics: nothing
             // vocabulary-sized.
             let fb = if precision == Precision::Fp32 { 4 } else { 2 };

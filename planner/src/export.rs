@@ -59,7 +59,12 @@ impl Engine {
                 zero3_gathered_under_pp: true,
                 ..Runtime::default()
             },
-            Engine::Megatron | Engine::DeepSpeed => Runtime::default(),
+            // Megatron's vocab-parallel cross-entropy works in one fp32 buffer.
+            Engine::Megatron => Runtime {
+                in_place_cross_entropy: true,
+                ..Runtime::default()
+            },
+            Engine::DeepSpeed => Runtime::default(),
         }
     }
 

@@ -135,6 +135,15 @@ fn pre_flash(overlap_grad_reduce: bool, grad_reduce_fp32: bool) -> Runtime {
 /// its own pre-forward (and pre-backward) hook.
 const DEEPSPEED_SUBMODULES_PER_LAYER: u32 = 6;
 
+/// `rt` with Megatron's vocab-parallel cross-entropy (every stack built on Megatron-LM's
+/// model code).
+fn megatron_loss(rt: Runtime) -> Runtime {
+    Runtime {
+        in_place_cross_entropy: true,
+        ..rt
+    }
+}
+
 fn megatron_space(schedules: &[Schedule], zero: &[u8], recompute: &[Recompute]) -> Space {
     Space {
         schedules: schedules.to_vec(),
@@ -167,6 +176,10 @@ const MEGATRON_2020: &[Feature] = &[
     Feature {
         what: "blocking pipeline sends",
         source: "megatron/p2p_communication.py (v2.0)",
+    },
+    Feature {
+        what: "vocab-parallel cross-entropy in one fp32 buffer: softmax and its gradient computed in place (every Megatron-based stack below)",
+        source: "megatron/mpu/cross_entropy.py (v1.x); megatron/core/tensor_parallel/cross_entropy.py",
     },
 ];
 
@@ -420,7 +433,7 @@ const CURRENT: &[Feature] = &[Feature {
 
 fn megatron_2020() -> Parts {
     Parts {
-        runtime: pre_flash(false, false),
+        runtime: megatron_loss(pre_flash(false, false)),
         space: megatron_space(&ONE_F_ONE_B, &[0], &NO_OR_FULL),
         sequence_parallel: false,
     }
@@ -428,7 +441,7 @@ fn megatron_2020() -> Parts {
 
 fn megatron_2021() -> Parts {
     Parts {
-        runtime: pre_flash(false, true),
+        runtime: megatron_loss(pre_flash(false, true)),
         space: megatron_space(&MEGATRON_SCHEDULES, &[0], &NO_OR_FULL),
         sequence_parallel: false,
     }
@@ -436,7 +449,7 @@ fn megatron_2021() -> Parts {
 
 fn megatron_2022() -> Parts {
     Parts {
-        runtime: pre_flash(false, true),
+        runtime: megatron_loss(pre_flash(false, true)),
         space: megatron_space(&MEGATRON_SCHEDULES, &[0], &Recompute::ALL),
         sequence_parallel: true,
     }
@@ -445,8 +458,9 @@ fn megatron_2022() -> Parts {
 fn megatron_2023() -> Parts {
     Parts {
         runtime: Runtime {
+            // The flash-attn package's FlashAttention-2.
             fused_attention: true,
-            ..pre_flash(false, true)
+            ..megatron_loss(pre_flash(false, true))
         },
         space: megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL),
         sequence_parallel: true,
@@ -455,7 +469,7 @@ fn megatron_2023() -> Parts {
 
 fn megatron_core_2024() -> Parts {
     Parts {
-        runtime: Runtime::default(),
+        runtime: megatron_loss(Runtime::default()),
         space: megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL),
         sequence_parallel: true,
     }
@@ -471,7 +485,7 @@ fn megatron_core_2025() -> Parts {
 
 fn megascale() -> Parts {
     Parts {
-        runtime: Runtime::default(),
+        runtime: megatron_loss(Runtime::default()),
         space: megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL),
         sequence_parallel: true,
     }
@@ -479,7 +493,7 @@ fn megascale() -> Parts {
 
 fn megatron_deepspeed(grad_reduce_fp32: bool) -> Parts {
     Parts {
-        runtime: pre_flash(false, grad_reduce_fp32),
+        runtime: megatron_loss(pre_flash(false, grad_reduce_fp32)),
         space: Space {
             schedules: ONE_F_ONE_B.to_vec(),
             zero_stages: vec![0, 1],
@@ -496,7 +510,7 @@ fn deepspeed_2020() -> Parts {
     Parts {
         runtime: Runtime {
             zero3_gathers_per_layer: DEEPSPEED_SUBMODULES_PER_LAYER,
-            ..pre_flash(false, false)
+            ..megatron_loss(pre_flash(false, false))
         },
         space: Space {
             zero_stages: vec![0, 1, 2, 3],
@@ -510,7 +524,7 @@ fn deepspeed_zero3_2021() -> Parts {
     Parts {
         runtime: Runtime {
             zero3_gathers_per_layer: DEEPSPEED_SUBMODULES_PER_LAYER,
-            ..pre_flash(true, false)
+            ..megatron_loss(pre_flash(true, false))
         },
         space: Space {
             schedules: NO_PIPELINE.to_vec(),
@@ -996,6 +1010,12 @@ pub fn table_text() -> String {
                 out,
                 "  ZeRO-3 gathers a layer in {} collectives",
                 r.zero3_gathers_per_layer
+            );
+        }
+        if r.in_place_cross_entropy {
+            let _ = writeln!(
+                out,
+                "  loss: Megatron's in-place vocab-parallel cross-entropy"
             );
         }
         if r.single_process_dp {
