@@ -3,24 +3,9 @@
 //! data parallelism is never beaten by the chosen plan's prediction of it, and a broken plan
 //! file is one line with status 2.
 
-use serde_json::Value;
-use std::process::{Command, Output};
+mod common;
 
-fn parallax(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_parallax"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn json(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
+use common::{json_of as json, parallax};
 
 const JOB: [&str; 6] = [
     "--model",

@@ -2,14 +2,12 @@
 //! file and never overwrites an earlier report without `--force`; `--json` carries the contract
 //! keys; `--export` writes the engine's file.
 
-use std::process::{Command, Output};
+mod common;
+
+use std::process::Output;
 
 fn plan(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_parallax"))
-        .arg("plan")
-        .args(args)
-        .output()
-        .unwrap()
+    common::parallax(&[&["plan"], args].concat())
 }
 
 const SMALL: [&str; 6] = [
@@ -111,13 +109,7 @@ fn out_writes_every_file_and_refuses_to_overwrite() {
 fn json_carries_the_contract_keys() {
     let mut args: Vec<&str> = SMALL.to_vec();
     args.extend(["--json", "--top", "3", "--export", "deepspeed"]);
-    let out = plan(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = common::json_of(&plan(&args));
     for key in [
         "step_time_s",
         "step_time_s_low",
@@ -147,13 +139,7 @@ fn plan_json(extra: &[&str]) -> serde_json::Value {
     let mut args: Vec<&str> = SMALL.to_vec();
     args.extend(extra);
     args.push("--json");
-    let out = plan(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    common::json_of(&plan(&args))
 }
 
 /// The stack is an input: named in the report, limiting the search, implied by `--export`.
@@ -184,12 +170,7 @@ fn the_framework_is_named_in_reports_and_export_implies_its_own() {
 
 #[test]
 fn frameworks_lists_every_stack_with_sources() {
-    let out = Command::new(env!("CARGO_BIN_EXE_parallax"))
-        .args(["frameworks", "--json"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let doc = common::parallax_json(&["frameworks", "--json"]);
     let rows = doc["frameworks"].as_array().unwrap();
     for name in [
         "megatron-lm@2023",

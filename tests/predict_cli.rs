@@ -1,21 +1,10 @@
 //! The `--json` contracts of `simulate` and `validate` (../shared/DESIGN.md, issue 3), and the
 //! Chrome trace of a predicted step.
 
-use serde_json::Value;
-use std::process::Command;
+mod common;
 
-fn run(args: &[&str]) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_parallax"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
+use common::parallax_json as run;
+use serde_json::Value;
 
 #[test]
 fn simulate_json_has_every_contract_key() {

@@ -28,8 +28,14 @@ pub const OVERLAP_INTERFERENCE: f64 = 0.2;
 /// of work it can hide behind: the part that does not fit, plus the interference on the part
 /// that does.
 pub fn exposed(comm: Seconds, compute: Seconds) -> Seconds {
-    let hidden = comm.0.min(compute.0).max(0.0);
-    Seconds((comm.0 - compute.0).max(0.0) + OVERLAP_INTERFERENCE * hidden)
+    let hidden = Seconds(comm.0.min(compute.0).max(0.0));
+    Seconds((comm.0 - compute.0).max(0.0)) + interference(hidden)
+}
+
+/// What `hidden` seconds of communication beside compute cost that compute
+/// ([`OVERLAP_INTERFERENCE`]).
+pub fn interference(hidden: Seconds) -> Seconds {
+    hidden * OVERLAP_INTERFERENCE
 }
 
 /// Kind of collective.
@@ -119,14 +125,20 @@ impl<'a> Network<'a> {
     /// PAT (which serves one rank per node), so at thousands of ranks a single call costs
     /// milliseconds however small its buffer.
     fn ring_latency(&self, g: Group, passes: f64) -> Seconds {
-        let nodes = g.nodes();
-        let intra = self.profile.node.intra_latency();
-        let (inter, inter_steps) = match &self.profile.network {
-            Some(net) if nodes > 1 => (net.latency(), f64::from(nodes - 1)),
-            _ => (intra, 0.0),
-        };
+        let (intra, inter) = self.step_latencies(g);
+        let inter_steps = f64::from(g.nodes() - 1);
         let intra_steps = (f64::from(g.size) - 1.0 - inter_steps).max(0.0);
         (intra * intra_steps + inter * inter_steps) * passes
+    }
+
+    /// Latency of one algorithm step of `g` inside a node, and across nodes (the intra-node
+    /// one where `g` stays in a node).
+    fn step_latencies(&self, g: Group) -> (Seconds, Seconds) {
+        let intra = self.profile.node.intra_latency();
+        match &self.profile.network {
+            Some(net) if g.nodes() > 1 => (intra, net.latency()),
+            _ => (intra, intra),
+        }
     }
 
     /// Latency of an all-reduce: the ring's two passes, or NCCL's double binary tree where
@@ -134,14 +146,9 @@ impl<'a> Network<'a> {
     /// the nodes, up and down).
     fn all_reduce_latency(&self, g: Group) -> Seconds {
         let ring = self.ring_latency(g, 2.0);
-        let nodes = g.nodes();
-        let intra = self.profile.node.intra_latency();
-        let inter = match &self.profile.network {
-            Some(net) if nodes > 1 => net.latency(),
-            _ => intra,
-        };
+        let (intra, inter) = self.step_latencies(g);
         let k = f64::from(g.per_node.min(g.size).max(1));
-        let tree = (intra * (k - 1.0) + inter * f64::from(nodes).log2().ceil()) * 2.0;
+        let tree = (intra * (k - 1.0) + inter * f64::from(g.nodes()).log2().ceil()) * 2.0;
         if tree.0 < ring.0 {
             tree
         } else {
@@ -159,7 +166,6 @@ impl<'a> Network<'a> {
         let nf = f64::from(n);
         let (bw, step) = self.ring_tier(g);
         let s = bytes.0 as f64;
-        let ring_pass = self.ring_latency(g, 1.0);
         match c {
             Collective::AllReduce => {
                 let ring = Seconds(2.0 * (nf - 1.0) / nf * s / bw.0) + self.all_reduce_latency(g);
@@ -176,9 +182,9 @@ impl<'a> Network<'a> {
                 }
             }
             Collective::AllGather | Collective::ReduceScatter => {
-                Seconds((nf - 1.0) / nf * s / bw.0) + ring_pass
+                Seconds((nf - 1.0) / nf * s / bw.0) + self.ring_latency(g, 1.0)
             }
-            Collective::Broadcast => Seconds(s / bw.0) + ring_pass,
+            Collective::Broadcast => Seconds(s / bw.0) + self.ring_latency(g, 1.0),
             Collective::AllToAll => {
                 // Each rank keeps 1/n, sends (k−1)/n inside its node and (n−k)/n across nodes.
                 let k = f64::from(g.per_node.min(n));

@@ -392,6 +392,19 @@ mod tests {
         assert!(DeviceModel::new(&preset("dgx2-v100-32gb").unwrap(), Precision::Bf16).is_err());
     }
 
+    /// A stride-1 `k`×`k` convolution to `out` channels that keeps the spatial size.
+    fn same_conv(out: u64, k: u64) -> OpKind {
+        OpKind::Conv2d(parallax_ir::op::Conv2dAttrs {
+            out_channels: out,
+            kernel: [k, k],
+            stride: [1, 1],
+            padding: [k / 2, k / 2],
+            dilation: [1, 1],
+            groups: 1,
+            bias: false,
+        })
+    }
+
     /// NCHW activations cost tensor-core convolutions a transpose of the two activation
     /// tensors of each pass; 1×1 stride-1 convolutions (plain GEMMs) and fp32 (SIMT, NCHW
     /// native) pay none, and channels-last none at all.
@@ -400,15 +413,7 @@ mod tests {
         let p = preset("dgx-a100-80gb").unwrap();
         let conv = |k: u64, precision, nchw| {
             let m = DeviceModel::new(&p, precision).unwrap().with_nchw(nchw);
-            let op = OpKind::Conv2d(parallax_ir::op::Conv2dAttrs {
-                out_channels: 128,
-                kernel: [k, k],
-                stride: [1, 1],
-                padding: [k / 2, k / 2],
-                dilation: [1, 1],
-                groups: 1,
-                bias: false,
-            });
+            let op = same_conv(128, k);
             let ins = [Shape::new([64, 128, 28, 28]), Shape::new([128, 128, k, k])];
             let outs = [Shape::new([64, 128, 28, 28])];
             let w = op.work(&ins, &outs, &[false, true], 4);
@@ -440,15 +445,7 @@ mod tests {
         let p = preset("dgx1-p100-16gb").unwrap();
         let conv = |k: u64, cout: u64, precision| {
             let m = DeviceModel::new(&p, precision).unwrap();
-            let op = OpKind::Conv2d(parallax_ir::op::Conv2dAttrs {
-                out_channels: cout,
-                kernel: [k, k],
-                stride: [1, 1],
-                padding: [k / 2, k / 2],
-                dilation: [1, 1],
-                groups: 1,
-                bias: false,
-            });
+            let op = same_conv(cout, k);
             let ins = [Shape::new([32, 256, 28, 28]), Shape::new([cout, 256, k, k])];
             let outs = [Shape::new([32, cout, 28, 28])];
             let w = op.work(&ins, &outs, &[false, true], 4);

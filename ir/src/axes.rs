@@ -44,6 +44,17 @@ pub struct AxisInfo {
     pub paddable: bool,
 }
 
+impl AxisInfo {
+    /// An axis of `role` that pads no split.
+    pub fn new(role: AxisRole, splittable: bool) -> Self {
+        AxisInfo {
+            role,
+            splittable,
+            paddable: false,
+        }
+    }
+}
+
 /// Labels of every dimension of an op's inputs and outputs, and what each label is.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AxesMapping {
@@ -136,16 +147,7 @@ impl AxesMapping {
             outputs: side(outs),
             axes: axes
                 .iter()
-                .map(|&(c, role, splittable)| {
-                    (
-                        c,
-                        AxisInfo {
-                            role,
-                            splittable,
-                            paddable: false,
-                        },
-                    )
-                })
+                .map(|&(c, role, splittable)| (c, AxisInfo::new(role, splittable)))
                 .collect(),
         };
         for l in m.inputs.iter().chain(&m.outputs).flatten() {

@@ -1372,14 +1372,9 @@ struct MappingBuilder {
 
 impl MappingBuilder {
     fn axis(&mut self, c: char, role: AxisRole, splittable: bool) -> &mut Self {
-        self.m.axes.insert(
-            c,
-            crate::axes::AxisInfo {
-                role,
-                splittable,
-                paddable: false,
-            },
-        );
+        self.m
+            .axes
+            .insert(c, crate::axes::AxisInfo::new(role, splittable));
         self
     }
     /// A parameter axis split unevenly by padding its last shard (vocabularies, output
@@ -1388,9 +1383,8 @@ impl MappingBuilder {
         self.m.axes.insert(
             c,
             crate::axes::AxisInfo {
-                role: AxisRole::Parameter,
-                splittable: true,
                 paddable: true,
+                ..crate::axes::AxisInfo::new(AxisRole::Parameter, true)
             },
         );
         self

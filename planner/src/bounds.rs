@@ -60,9 +60,9 @@ pub fn pass_times(c: &TransformerCosts, layers: &[u32]) -> PassTimes {
 }
 
 /// What the step simulator adds to the pipeline for some layouts ([`parallax_sim::step_terms`],
-/// the very terms the simulator uses): ZeRO-3 gathers and ZeRO-2 per-micro-batch reductions on every layer's passes, the
-/// exposed data-parallel gradient reduction of each virtual stage, and each stage's optimizer
-/// task. They tighten the step bound a lot (they separate ZeRO stages and data-parallel sizes);
+/// the very terms the simulator uses): ZeRO-3 gathers and ZeRO-2's per-micro-batch
+/// reductions on every layer's passes, the exposed data-parallel gradient reduction of each
+/// virtual stage, and each stage's optimizer task. They tighten the step bound a lot (they separate ZeRO stages and data-parallel sizes);
 /// the search still checks every simulated candidate against its bound and, on any violation,
 /// searches again without them.
 #[derive(Clone, Debug, PartialEq)]

@@ -49,12 +49,11 @@ pub struct Stack {
     build: fn() -> Parts,
 }
 
-/// Runtime, space and sequence parallelism of a row.
+/// Runtime and space of a row.
 #[derive(Debug)]
 struct Parts {
     runtime: Runtime,
     space: Space,
-    sequence_parallel: bool,
 }
 
 /// Why a `--framework` value was refused.
@@ -144,14 +143,38 @@ fn megatron_loss(rt: Runtime) -> Runtime {
     }
 }
 
-fn megatron_space(schedules: &[Schedule], zero: &[u8], recompute: &[Recompute]) -> Space {
+/// A space offering `schedules`, ZeRO stages `zero` and `recompute`, with uneven stages,
+/// sequence and model parallelism.
+fn space(schedules: &[Schedule], zero: &[u8], recompute: &[Recompute]) -> Space {
     Space {
         schedules: schedules.to_vec(),
         zero_stages: zero.to_vec(),
         recompute: recompute.to_vec(),
+        ..Space::default()
+    }
+}
+
+/// Megatron-LM's space: every stage holds the same number of layers; sequence parallelism
+/// from 2022.
+fn megatron_space(
+    schedules: &[Schedule],
+    zero: &[u8],
+    recompute: &[Recompute],
+    sequence_parallel: bool,
+) -> Space {
+    Space {
         uneven_stages: false,
-        sequence_parallel: true,
-        model_parallel: true,
+        sequence_parallel,
+        ..space(schedules, zero, recompute)
+    }
+}
+
+/// `s` without tensor, context, expert or sequence parallelism.
+fn data_parallel_only(s: Space) -> Space {
+    Space {
+        sequence_parallel: false,
+        model_parallel: false,
+        ..s
     }
 }
 
@@ -434,24 +457,21 @@ const CURRENT: &[Feature] = &[Feature {
 fn megatron_2020() -> Parts {
     Parts {
         runtime: megatron_loss(pre_flash(false, false)),
-        space: megatron_space(&ONE_F_ONE_B, &[0], &NO_OR_FULL),
-        sequence_parallel: false,
+        space: megatron_space(&ONE_F_ONE_B, &[0], &NO_OR_FULL, false),
     }
 }
 
 fn megatron_2021() -> Parts {
     Parts {
         runtime: megatron_loss(pre_flash(false, true)),
-        space: megatron_space(&MEGATRON_SCHEDULES, &[0], &NO_OR_FULL),
-        sequence_parallel: false,
+        space: megatron_space(&MEGATRON_SCHEDULES, &[0], &NO_OR_FULL, false),
     }
 }
 
 fn megatron_2022() -> Parts {
     Parts {
         runtime: megatron_loss(pre_flash(false, true)),
-        space: megatron_space(&MEGATRON_SCHEDULES, &[0], &Recompute::ALL),
-        sequence_parallel: true,
+        space: megatron_space(&MEGATRON_SCHEDULES, &[0], &Recompute::ALL, true),
     }
 }
 
@@ -462,32 +482,22 @@ fn megatron_2023() -> Parts {
             fused_attention: true,
             ..megatron_loss(pre_flash(false, true))
         },
-        space: megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL),
-        sequence_parallel: true,
+        space: megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL, true),
     }
 }
 
 fn megatron_core_2024() -> Parts {
     Parts {
         runtime: megatron_loss(Runtime::default()),
-        space: megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL),
-        sequence_parallel: true,
+        space: megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL, true),
     }
 }
 
-fn megatron_core_2025() -> Parts {
+/// A row that is an engine's current release: what `--export` to it plans with.
+fn engine(e: Engine) -> Parts {
     Parts {
-        runtime: Engine::Megatron.runtime(),
-        space: Engine::Megatron.space(),
-        sequence_parallel: true,
-    }
-}
-
-fn megascale() -> Parts {
-    Parts {
-        runtime: megatron_loss(Runtime::default()),
-        space: megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL),
-        sequence_parallel: true,
+        runtime: e.runtime(),
+        space: e.space(),
     }
 }
 
@@ -495,14 +505,9 @@ fn megatron_deepspeed(grad_reduce_fp32: bool) -> Parts {
     Parts {
         runtime: megatron_loss(pre_flash(false, grad_reduce_fp32)),
         space: Space {
-            schedules: ONE_F_ONE_B.to_vec(),
-            zero_stages: vec![0, 1],
-            recompute: NO_OR_FULL.to_vec(),
-            uneven_stages: true,
             sequence_parallel: false,
-            model_parallel: true,
+            ..space(&ONE_F_ONE_B, &[0, 1], &NO_OR_FULL)
         },
-        sequence_parallel: false,
     }
 }
 
@@ -512,11 +517,7 @@ fn deepspeed_2020() -> Parts {
             zero3_gathers_per_layer: DEEPSPEED_SUBMODULES_PER_LAYER,
             ..megatron_loss(pre_flash(false, false))
         },
-        space: Space {
-            zero_stages: vec![0, 1, 2, 3],
-            ..megatron_space(&ONE_F_ONE_B, &[], &NO_OR_FULL)
-        },
-        sequence_parallel: false,
+        space: megatron_space(&ONE_F_ONE_B, &[0, 1, 2, 3], &NO_OR_FULL, false),
     }
 }
 
@@ -526,31 +527,7 @@ fn deepspeed_zero3_2021() -> Parts {
             zero3_gathers_per_layer: DEEPSPEED_SUBMODULES_PER_LAYER,
             ..megatron_loss(pre_flash(true, false))
         },
-        space: Space {
-            schedules: NO_PIPELINE.to_vec(),
-            zero_stages: vec![3],
-            recompute: NO_OR_FULL.to_vec(),
-            uneven_stages: true,
-            sequence_parallel: false,
-            model_parallel: false,
-        },
-        sequence_parallel: false,
-    }
-}
-
-fn deepspeed_current() -> Parts {
-    Parts {
-        runtime: Engine::DeepSpeed.runtime(),
-        space: Engine::DeepSpeed.space(),
-        sequence_parallel: false,
-    }
-}
-
-fn torchtitan() -> Parts {
-    Parts {
-        runtime: Engine::Torchtitan.runtime(),
-        space: Engine::Torchtitan.space(),
-        sequence_parallel: true,
+        space: data_parallel_only(space(&NO_PIPELINE, &[3], &NO_OR_FULL)),
     }
 }
 
@@ -561,15 +538,7 @@ fn llama3() -> Parts {
             zero3_gathered_under_pp: true,
             ..Runtime::default()
         },
-        space: Space {
-            schedules: MEGATRON_SCHEDULES.to_vec(),
-            zero_stages: vec![1, 2, 3],
-            recompute: Recompute::ALL.to_vec(),
-            uneven_stages: true,
-            sequence_parallel: true,
-            model_parallel: true,
-        },
-        sequence_parallel: true,
+        space: space(&MEGATRON_SCHEDULES, &[1, 2, 3], &Recompute::ALL),
     }
 }
 
@@ -579,12 +548,10 @@ fn pytorch_fsdp() -> Parts {
             tp_comm_overlap: false,
             ..Runtime::default()
         },
-        space: Space {
+        space: data_parallel_only(Space {
             schedules: NO_PIPELINE.to_vec(),
-            model_parallel: false,
             ..Space::default()
-        },
-        sequence_parallel: false,
+        }),
     }
 }
 
@@ -595,41 +562,32 @@ fn pytorch_dataparallel() -> Parts {
             single_process_dp: true,
             ..pre_flash(false, true)
         },
-        space: Space {
-            schedules: NO_PIPELINE.to_vec(),
-            zero_stages: vec![0],
-            recompute: NO_OR_FULL.to_vec(),
-            uneven_stages: true,
-            sequence_parallel: false,
-            model_parallel: false,
-        },
+        space: data_parallel_only(space(&NO_PIPELINE, &[0], &NO_OR_FULL)),
+    }
+}
+
+/// The space of PyTorch 1.x stacks without a pipeline engine or ZeRO (DDP, apex DDP, the HF
+/// Trainer on them, torchgpipe's single-process GPipe).
+fn pytorch_1x_space() -> Space {
+    Space {
         sequence_parallel: false,
+        ..space(&[Schedule::GPipe], &[0], &Recompute::ALL)
     }
 }
 
 /// PyTorch 1.x data parallelism (DDP, apex DDP, the HF Trainer on them): eager attention,
-/// overlapped bucketed all-reduce, no pipeline engine or ZeRO.
+/// overlapped bucketed all-reduce.
 fn pytorch_ddp() -> Parts {
     Parts {
         runtime: pre_flash(true, true),
-        space: Space {
-            schedules: vec![Schedule::GPipe],
-            zero_stages: vec![0],
-            ..Space::default()
-        },
-        sequence_parallel: false,
+        space: pytorch_1x_space(),
     }
 }
 
 fn single_process_pipeline() -> Parts {
     Parts {
         runtime: pre_flash(false, true),
-        space: Space {
-            schedules: vec![Schedule::GPipe],
-            zero_stages: vec![0],
-            ..Space::default()
-        },
-        sequence_parallel: false,
+        space: pytorch_1x_space(),
     }
 }
 
@@ -642,7 +600,6 @@ fn parallax_executor() -> Parts {
             ..Runtime::default()
         },
         space: Space::default(),
-        sequence_parallel: true,
     }
 }
 
@@ -650,7 +607,6 @@ fn current() -> Parts {
     Parts {
         runtime: Runtime::default(),
         space: Space::default(),
-        sequence_parallel: true,
     }
 }
 
@@ -725,7 +681,7 @@ pub const STACKS: &[Stack] = &[
             "nemo" => v.none() || v.year.is_some_and(|y| y >= 2025) || v.semver_in((2, 0), (9, 99)),
             _ => false,
         },
-        build: megatron_core_2025,
+        build: || engine(Engine::Megatron),
     },
     Stack {
         name: "nvidia-mlperf@3.1",
@@ -741,7 +697,9 @@ pub const STACKS: &[Stack] = &[
         names: &["megascale"],
         features: MEGASCALE,
         matches: |n, _| n == "megascale",
-        build: megascale,
+        // Megatron-Core's runtime and options; its parallel block and sliding-window attention
+        // are model changes the case's dimensions carry.
+        build: megatron_core_2024,
     },
     Stack {
         name: "megatron-deepspeed@2021",
@@ -781,7 +739,7 @@ pub const STACKS: &[Stack] = &[
         names: &["deepspeed"],
         features: DEEPSPEED_CURRENT,
         matches: |n, v| n == "deepspeed" && (v.none() || v.semver_in((0, 6), (99, 0)) || v.year.is_some_and(|y| y >= 2022)),
-        build: deepspeed_current,
+        build: || engine(Engine::DeepSpeed),
     },
     Stack {
         name: "torchtitan",
@@ -789,7 +747,7 @@ pub const STACKS: &[Stack] = &[
         names: &["torchtitan"],
         features: TORCHTITAN,
         matches: |n, _| n == "torchtitan",
-        build: torchtitan,
+        build: || engine(Engine::Torchtitan),
     },
     Stack {
         name: "meta-llama3@2024",
@@ -938,33 +896,27 @@ impl Framework {
         Ok(Framework {
             name: label,
             runtime: parts.runtime,
-            space: Space {
-                sequence_parallel: parts.sequence_parallel,
-                ..parts.space
-            },
+            space: parts.space,
         })
     }
 
     /// The stack a published run names, or a current stack without framework-specific
     /// tricks (no TE TP-communication overlap; the 1F1B and interleaved schedules published
-    /// runs use) where the table does not hold it; the second value says which.
-    pub fn for_case(spec: Option<&str>) -> (Framework, bool) {
+    /// runs use) where the table does not hold it, named so.
+    pub fn for_case(spec: Option<&str>) -> Framework {
         match spec.map(Framework::parse) {
-            Some(Ok(fw)) => (fw, true),
-            _ => (
-                Framework {
-                    name: format!("{} (unknown: as current)", spec.unwrap_or("unnamed")),
-                    runtime: Runtime {
-                        tp_comm_overlap: false,
-                        ..Runtime::default()
-                    },
-                    space: Space {
-                        schedules: MEGATRON_SCHEDULES.to_vec(),
-                        ..Space::default()
-                    },
+            Some(Ok(fw)) => fw,
+            _ => Framework {
+                name: format!("{} (unknown: as current)", spec.unwrap_or("unnamed")),
+                runtime: Runtime {
+                    tp_comm_overlap: false,
+                    ..Runtime::default()
                 },
-                false,
-            ),
+                space: Space {
+                    schedules: MEGATRON_SCHEDULES.to_vec(),
+                    ..Space::default()
+                },
+            },
         }
     }
 }
@@ -985,7 +937,7 @@ pub fn table_text() -> String {
             yes(r.tp_comm_overlap),
             yes(r.overlap_p2p),
             if r.grad_reduce_fp32 { "fp32" } else { "16-bit" },
-            yes(p.sequence_parallel),
+            yes(p.space.sequence_parallel),
         );
         let _ = writeln!(
             out,
@@ -1261,8 +1213,8 @@ mod tests {
             "megatron-core@0.9 (as megatron-core@2024)"
         );
         assert_eq!(Framework::parse("torchtitan").unwrap().name, "torchtitan");
-        let (fw, known) = Framework::for_case(Some("another-lab@2025"));
-        assert!(!known && !fw.runtime.tp_comm_overlap);
-        assert!(fw.name.contains("another-lab@2025"));
+        let fw = Framework::for_case(Some("another-lab@2025"));
+        assert!(!fw.runtime.tp_comm_overlap);
+        assert!(fw.name.contains("another-lab@2025 (unknown"), "{}", fw.name);
     }
 }

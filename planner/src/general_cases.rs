@@ -137,26 +137,24 @@ impl GeneralCase {
     pub fn fused_attention(&self) -> bool {
         load_model(zoo_name(&self.model.name, self.framework_id()))
             .is_ok_and(|m| m.transformer().is_some())
-            && self.runtime().fused_attention
+            && self.framework().runtime.fused_attention
     }
 
-    /// How the run's stack ([`Framework`], from its `framework` field) behaves, with what its
-    /// training script did on top: DeepLearningExamples' BERT pretraining script
-    /// (`run_pretraining.py`) all-reduces once after its accumulation steps
-    /// (`allreduce_post_accumulation`), not overlapped with backward, and runs its masked-LM
-    /// head on the masked positions only (`dense_sequence_output`, on unless
-    /// `--no_dense_sequence_output`).
-    fn runtime(&self) -> Runtime {
-        let rt = Framework::for_case(Some(&self.framework)).0.runtime;
+    /// The run's stack (from its `framework` field), with what its training script did on
+    /// top: DeepLearningExamples' BERT pretraining script (`run_pretraining.py`) all-reduces
+    /// once after its accumulation steps (`allreduce_post_accumulation`), not overlapped with
+    /// backward, and runs its masked-LM head on the masked positions only
+    /// (`dense_sequence_output`, on unless `--no_dense_sequence_output`).
+    pub fn framework(&self) -> Framework {
+        let mut fw = Framework::for_case(Some(&self.framework));
         if self.source.starts_with("dle-pytorch-bert") {
-            Runtime {
+            fw.runtime = Runtime {
                 overlap_grad_reduce: false,
                 mlm_masked_only: true,
-                ..rt
-            }
-        } else {
-            rt
+                ..fw.runtime
+            };
         }
+        fw
     }
 
     /// How gradients were combined: the published mechanism.
@@ -235,10 +233,10 @@ impl GeneralCase {
         let ran = p.micro_batch * u64::from(p.dp) * u64::from(chunks);
         let scale = p.global_batch as f64 / ran as f64;
         if let Some(cfg) = model.transformer() {
-            let fw = Framework::for_case(Some(&self.framework)).0;
+            let fw = self.framework();
             let setup = Setup {
                 precision,
-                runtime: self.runtime(),
+                runtime: fw.runtime,
                 ..Setup::new(cfg, &cluster.profile, cluster.gpus, seq, ran)
             };
             let partial = PartialLayout {

@@ -95,7 +95,7 @@ impl Case {
     pub fn stack(&self) -> String {
         match self {
             Case::Transformer(c) => c.framework().name,
-            Case::General(c) => Framework::for_case(Some(&c.framework)).0.name,
+            Case::General(c) => c.framework().name,
         }
     }
 
@@ -600,7 +600,7 @@ impl TransformerCase {
     /// The stack that ran it: the row of [`crate::framework::STACKS`] its `framework` field
     /// names, or a current stack without framework-specific tricks where the table has none.
     pub fn framework(&self) -> Framework {
-        Framework::for_case(self.framework.as_deref()).0
+        Framework::for_case(self.framework.as_deref())
     }
 
     /// Predicts the case on a profile changed by `adjust` first: null knobs are chosen as the

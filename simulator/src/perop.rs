@@ -28,7 +28,7 @@ use crate::schedule::{
     build_pipeline, PipelineCosts, PipelineSchedule, ScheduleError, ScheduleKind,
 };
 use crate::step::{Breakdown, MemoryGib};
-use parallax_cost::comm::OVERLAP_INTERFERENCE;
+use parallax_cost::comm::interference;
 use parallax_cost::memory::{MemoryBreakdown, WORKSPACE_GIB};
 use parallax_cost::soap::{ConfigError, MachineView, OpCosts, ParallelConfig};
 use parallax_ir::graph::NodeId;
@@ -434,17 +434,17 @@ fn add_sync_and_optimizer(
             }
         }
         // The all-reduces that ran beside the backward slowed it (NCCL kernels take SMs and
-        // memory bandwidth): the same interference the structured path charges in
+        // memory bandwidth): the interference the structured path charges in
         // `parallax_cost::exposed`, on the stream before the optimizer.
         let (all, last) = sync_time[c];
-        let hidden = (all - last).0.max(0.0);
-        if hidden > 0.0 {
+        let hidden = interference(Seconds((all - last).0.max(0.0)));
+        if hidden.0 > 0.0 {
             let task = Task::new(
                 "overlap interference",
                 TaskKind::Comm(CommKind::DpAllReduce),
                 mg.compute[c],
             );
-            let t = mg.add(task, Seconds(OVERLAP_INTERFERENCE * hidden), &deps);
+            let t = mg.add(task, hidden, &deps);
             deps.push(t);
         }
         let task = Task::new("optimizer", TaskKind::Optimizer, mg.compute[c]);

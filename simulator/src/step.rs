@@ -337,6 +337,17 @@ fn reduces_per_micro_batch(setup: &Setup, l: &Layout) -> bool {
     setup.zero_stage(l) == 2 && l.dp * l.cp > 1 && m > 1
 }
 
+/// Whether each virtual stage reduces its gradients over data × context parallel ranks once,
+/// after its last backward: not without data parallelism, not under ZeRO-3 or ZeRO-2 with
+/// accumulation (per layer and micro-batch instead), not single-process DataParallel (onto
+/// one GPU every micro-batch).
+fn reduces_at_step_end(setup: &Setup, l: &Layout) -> bool {
+    l.dp * l.cp > 1
+        && setup.zero_stage(l) < 3
+        && !setup.runtime.single_process_dp
+        && !reduces_per_micro_batch(setup, l)
+}
+
 /// The [`StepTerms`] of `l` with `layers` per virtual stage.
 pub fn step_terms(
     setup: &Setup,
@@ -433,6 +444,7 @@ pub fn step_terms(
         p2p_link,
     );
 
+    let step_end_reduction = reduces_at_step_end(setup, l);
     let mut dp = vec![Seconds(0.0); layers.len()];
     let mut adam = vec![Seconds(0.0); pp as usize];
     let mut param_gather = vec![Seconds(0.0); pp as usize];
@@ -442,7 +454,7 @@ pub fn step_terms(
             let vs = (chunk * pp + s) as usize;
             let p = virtual_stage_params(c, layers, vs);
             stage_params += p;
-            if shard <= 1 || zero >= 3 || single_process || reduces_per_micro_batch(setup, l) {
+            if !step_end_reduction {
                 continue;
             }
             let reduce = |params: u64| {
@@ -551,7 +563,6 @@ fn simulate_costed(
     let m = (setup.global_batch / (u64::from(l.dp) * l.micro_batch)) as u32;
     let layers = stage_layers(setup.model.layers, l);
     let precision = setup.precision;
-    let shard = l.dp * l.cp;
     let zero = setup.zero_stage(l);
     let terms = step_terms(setup, l, c, &layers)?;
     let (z3_fwd, z3_bwd) = terms.zero3;
@@ -561,7 +572,9 @@ fn simulate_costed(
 
     // Data-parallel gradient reduction per chunk, then the optimizer, per stage.
     let mut opt_task = vec![Seconds(0.0); pp as usize];
+    // Each stage's optimizer, and its last backward task.
     let mut opt_ids = Vec::with_capacity(pp as usize);
+    let step_end_reduction = reduces_at_step_end(setup, l);
     let adam_time = &terms.adam;
     for s in 0..pp {
         let comm = pg
@@ -573,11 +586,7 @@ fn simulate_costed(
             let Some(after) = pg.last_weight_grad(s, Some(chunk)) else {
                 continue;
             };
-            if shard <= 1
-                || zero >= 3
-                || setup.runtime.single_process_dp
-                || reduces_per_micro_batch(setup, l)
-            {
+            if !step_end_reduction {
                 last.push(after);
                 continue;
             }
@@ -603,13 +612,14 @@ fn simulate_costed(
             Task::new("optimizer", TaskKind::Optimizer, pg.compute[s as usize]).at(s, 0, 0),
             opt,
         );
-        opt_ids.push(t);
         for a in last {
             pg.graph.add_data(a, t);
         }
-        if let Some(after) = pg.last_weight_grad(s, None) {
+        let last_backward = pg.last_weight_grad(s, None);
+        if let Some(after) = last_backward {
             pg.graph.add_schedule(after, t);
         }
+        opt_ids.push((t, last_backward));
     }
     let trace = pg.simulate()?;
     let step = trace.makespan.0;
@@ -630,15 +640,9 @@ fn simulate_costed(
     // and its optimizer (the reductions of earlier chunks ran beside later compute): that
     // wait is the exposed data-parallel time; the distributed optimizer's parameter gather is
     // part of the optimizer task and counted with it.
-    let opt_span = trace.span(opt_ids[bs]);
-    let last_compute_end = trace
-        .spans
-        .iter()
-        .enumerate()
-        .filter(|(i, sp)| sp.resource == pg.compute[bs] && *i != opt_ids[bs].index())
-        .map(|(_, sp)| sp.end.0)
-        .fold(0.0, f64::max);
-    let dp_wait = (opt_span.start.0 - last_compute_end).max(0.0);
+    let (opt_id, last_backward) = opt_ids[bs];
+    let last_compute_end = last_backward.map_or(0.0, |t| trace.span(t).end.0);
+    let dp_wait = (trace.span(opt_id).start.0 - last_compute_end).max(0.0);
     let dp_exposed = dp_wait + terms.param_gather[bs].0;
     let mut exposed = BTreeMap::new();
     let tp = per_mb_stage(&|vs| nl(vs) * (c.layer.tp_fwd + c.layer.tp_bwd).0)
