@@ -132,8 +132,9 @@ fn role_rank(r: AxisRole) -> u8 {
 }
 
 /// The split labels of `cfg` in coordinate order (slowest first): Sample, Attribute,
-/// Parameter, then by label.
-fn coordinate_axes(mapping: &AxesMapping, cfg: &ParallelConfig) -> Vec<(char, u32)> {
+/// Parameter, then by label. A device's position in the view is the mixed-radix number of its
+/// coordinates on these axes.
+pub fn coordinate_axes(mapping: &AxesMapping, cfg: &ParallelConfig) -> Vec<(char, u32)> {
     let mut axes: Vec<(u8, char, u32)> = cfg
         .degrees
         .iter()
@@ -163,7 +164,7 @@ pub struct TensorLayout {
 }
 
 /// A half-open box of element indices, one range per dimension.
-type Region = Vec<(u64, u64)>;
+pub type Region = Vec<(u64, u64)>;
 
 fn region_elems(r: &Region) -> u64 {
     r.iter().map(|(a, b)| b - a).product()
@@ -212,7 +213,9 @@ impl TensorLayout {
         }
     }
 
-    fn coords(&self, pos: u32) -> Vec<u32> {
+    /// The coordinates of the device at `pos` of the view on the coordinate axes (slowest
+    /// first, see [`coordinate_axes`]).
+    pub fn coords(&self, pos: u32) -> Vec<u32> {
         let mut c = vec![0; self.radix.len()];
         let mut p = pos;
         for (i, r) in self.radix.iter().enumerate().rev() {
@@ -222,8 +225,9 @@ impl TensorLayout {
         c
     }
 
-    /// The region held by the device at `pos` of the view.
-    fn region(&self, pos: u32) -> Region {
+    /// The region held by the device at `pos` of the view (empty ranges where a padded split
+    /// leaves it no real elements).
+    pub fn region(&self, pos: u32) -> Region {
         let c = self.coords(pos);
         self.dims
             .iter()
@@ -243,7 +247,7 @@ impl TensorLayout {
     }
 
     /// The region's block index in the grid of distinct regions.
-    fn block(&self, pos: u32) -> Vec<u32> {
+    pub fn block(&self, pos: u32) -> Vec<u32> {
         let c = self.coords(pos);
         self.dim_axis
             .iter()
@@ -258,6 +262,13 @@ impl TensorLayout {
             .zip(&self.dim_axis)
             .map(|(d, a)| a.map_or(*d, |a| d.div_ceil(u64::from(self.radix[a as usize]))))
             .product()
+    }
+
+    /// Which partial sum the device at `pos` holds: its coordinates on the partial-sum axes
+    /// (empty when the value is complete).
+    pub fn sum_coords(&self, pos: u32) -> Vec<u32> {
+        let c = self.coords(pos);
+        self.sum_axes.iter().map(|a| c[*a as usize]).collect()
     }
 
     /// Number of partial sums (1 when the value is complete).
@@ -281,7 +292,7 @@ impl TensorLayout {
     }
 
     /// The same layout with partial sums complete.
-    fn summed(&self) -> Self {
+    pub fn summed(&self) -> Self {
         TensorLayout {
             sum_axes: Vec::new(),
             ..self.clone()
@@ -302,7 +313,7 @@ impl TensorLayout {
 
     /// Positions of the view that share the device at `pos`'s coordinates on every axis but
     /// `axes` (its group along `axes`), in position order.
-    fn group_along(&self, pos: u32, axes: &[u8]) -> Vec<u32> {
+    pub fn group_along(&self, pos: u32, axes: &[u8]) -> Vec<u32> {
         let me = self.coords(pos);
         (0..self.view.size)
             .filter(|p| {

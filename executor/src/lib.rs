@@ -29,6 +29,7 @@ pub mod cuda_backend;
 pub mod data;
 pub mod engine;
 pub mod error;
+pub mod graph;
 pub mod model;
 #[cfg(feature = "mpi")]
 pub mod mpi_backend;
@@ -152,19 +153,31 @@ pub(crate) fn run_threads_with(
     rank_main: &RankMain<'_>,
 ) -> Result<RunReport, ExecError> {
     let prep = Prepared::new(spec)?;
-    let world = prep.topology().world();
-    let (comms, shared) = ThreadComm::create(world, spec.timeout);
     let epoch = Instant::now();
+    spawn_ranks(prep.topology().world(), spec.timeout, &|comm| {
+        rank_main(spec, &prep, comm, epoch)
+    })
+}
+
+/// Runs `world` ranks, one thread each, every one calling `rank_main` with its endpoint; the
+/// report holds rank 0's losses, step times and state and every rank's spans. A failing rank
+/// (error, panic, or a stall past `timeout`) ends the whole run with an error naming it.
+pub(crate) fn spawn_ranks(
+    world: usize,
+    timeout: std::time::Duration,
+    rank_main: &(dyn Fn(&mut ThreadComm) -> Result<RankReport, ExecError> + Sync),
+) -> Result<RunReport, ExecError> {
+    let (comms, shared) = ThreadComm::create(world, timeout);
     let results: Vec<Result<RankReport, ExecError>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
             .map(|mut comm| {
-                let (prep, rank_shared) = (&prep, shared.clone());
+                let rank_shared = shared.clone();
                 let rank = comm.rank();
                 let h = std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(s, move || {
-                        let r = caught(rank, || rank_main(spec, prep, &mut comm, epoch));
+                        let r = caught(rank, || rank_main(&mut comm));
                         if let Err(e) = &r {
                             let (who, why) = blame(rank, e);
                             rank_shared.fail(who, why);

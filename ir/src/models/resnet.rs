@@ -9,7 +9,7 @@
 use super::cnn::{classifier, conv_bn, pool};
 use crate::dtype::DType;
 use crate::graph::{conv, Graph, GraphBuilder, GraphError, Segment, TensorId};
-use crate::op::{Activation, Conv2dAttrs, OpKind, PoolKind};
+use crate::op::{Activation, AxisAttrs, Conv2dAttrs, OpKind, PoolKind};
 
 /// Side of the square ResNet input (torchvision's reference training crop).
 pub const RESNET_IMAGE_SIZE: u64 = 224;
@@ -84,6 +84,77 @@ pub fn resnet152(batch: u64) -> Result<Graph, GraphError> {
 /// count, 88,791,336 (tested below).
 pub fn resnext101_32x4d(batch: u64) -> Result<Graph, GraphError> {
     resnet("resnext101_32x4d", batch, RESNET101_LAYERS, RESNEXT_32X4D)
+}
+
+/// Side of [`resnet_tiny`]'s square input.
+pub const RESNET_TINY_IMAGE_SIZE: u64 = 16;
+
+/// Classes of [`resnet_tiny`].
+pub const RESNET_TINY_CLASSES: u64 = 10;
+
+/// parallax's own CPU CNN, a CIFAR-style ResNet (He et al. 2016, §4.2) shrunk to run in a test:
+/// 16×16×3 images, a 3×3 conv of 8 channels with BatchNorm and ReLU, a max pool, two basic
+/// blocks (the second doubles the width with stride 2 and a 1×1 projection shortcut), global
+/// average pooling and a 10-class fc; every op of the ResNet family (conv with and without
+/// stride, BatchNorm, ReLU, max pooling, residual add, global pooling, flatten, fc, loss).
+///
+/// 5,266 parameters: stem conv 216 + BatchNorm 16; block 1 2 × (576 + 16); block 2
+/// 1,152 + 32 + 2,304 + 32 and its projection 128 + 32; fc 160 + 10.
+pub fn resnet_tiny(batch: u64) -> Result<Graph, GraphError> {
+    let s = RESNET_TINY_IMAGE_SIZE;
+    let mut g = GraphBuilder::new("resnet_tiny");
+    let images = g.input("images", [batch, 3, s, s], DType::F32);
+    let labels = g.input("labels", [batch], DType::I64);
+    let x = conv_bn(
+        &mut g,
+        "conv1",
+        "bn1",
+        images,
+        conv(8, 3, 1, 1),
+        Some("relu"),
+    )?;
+    let mut x = g.op1("maxpool", pool(PoolKind::Max, 2, 2, 0), &[x])?;
+    for (i, (planes, stride)) in [(8, 1), (16, 2)].into_iter().enumerate() {
+        g.segment(Segment::Block(i as u32));
+        let p = format!("layer{}.0", i + 1);
+        let inplanes = g.shape(x).0[1];
+        let y = conv_bn(
+            &mut g,
+            &format!("{p}.conv1"),
+            &format!("{p}.bn1"),
+            x,
+            conv(planes, 3, stride, 1),
+            Some(&format!("{p}.relu1")),
+        )?;
+        let y = conv_bn(
+            &mut g,
+            &format!("{p}.conv2"),
+            &format!("{p}.bn2"),
+            y,
+            conv(planes, 3, 1, 1),
+            None,
+        )?;
+        let shortcut = if stride != 1 || inplanes != planes {
+            conv_bn(
+                &mut g,
+                &format!("{p}.downsample.0"),
+                &format!("{p}.downsample.1"),
+                x,
+                conv(planes, 1, stride, 0),
+                None,
+            )?
+        } else {
+            x
+        };
+        let sum = g.op1(format!("{p}.add"), OpKind::Add, &[y, shortcut])?;
+        x = g.activation(&format!("{p}.relu"), Activation::Relu, sum)?;
+    }
+    g.segment(Segment::Post);
+    let x = g.op1("avgpool", OpKind::GlobalAvgPool, &[x])?;
+    let x = g.op1("flatten", OpKind::Flatten(AxisAttrs { axis: 1 }), &[x])?;
+    let logits = g.linear("fc", x, RESNET_TINY_CLASSES, true)?;
+    let loss = g.op1("loss", OpKind::CrossEntropy, &[logits, labels])?;
+    g.finish(&[loss])
 }
 
 fn resnet(

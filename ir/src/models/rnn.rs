@@ -139,6 +139,29 @@ fn ptb_lm(
     g.finish(&[loss])
 }
 
+/// Vocabulary of [`lstm_tiny`].
+pub const LSTM_TINY_VOCAB: u64 = 64;
+
+/// parallax's own CPU language model, [`lstm_lm`]'s architecture shrunk to run in a test:
+/// embedding 64 × 32 → LSTM(32) → LSTM(32) → Linear(32 → 64, bias) → cross-entropy.
+///
+/// 20,800 parameters: embedding 2,048; per layer 32 × 128 + 32 × 128 + 128 = 8,320; head
+/// 2,048 + 64.
+pub fn lstm_tiny(batch: u64, seq: u64) -> Result<Graph, GraphError> {
+    let mut g = GraphBuilder::new("lstm_tiny");
+    let tokens = g.input("tokens", [batch, seq], DType::I64);
+    let labels = g.input("labels", [batch, seq], DType::I64);
+    let (mut x, _) = g.embedding("encoder", tokens, LSTM_TINY_VOCAB, 32)?;
+    for layer in 0..LSTM_LM_LAYERS {
+        g.segment(Segment::Block(layer));
+        x = lstm_layer(&mut g, &format!("rnn.l{layer}"), x, 32)?;
+    }
+    g.segment(Segment::Post);
+    let logits = g.linear("decoder", x, LSTM_TINY_VOCAB, true)?;
+    let loss = g.op1("loss", OpKind::CrossEntropy, &[logits, labels])?;
+    g.finish(&[loss])
+}
+
 /// Vocabulary of the Movie Reviews sentence-polarity dataset (Pang & Lee 2005) as Kim 2014
 /// (table 1) preprocesses it: 18,765 words.
 pub const MR_VOCAB: u64 = 18_765;

@@ -247,6 +247,20 @@ fn extra_entries() -> Vec<ZooEntry> {
             "timm resnext101_32x4d (model card: 44.2 M params, 8.0 GMACs; Xie et al. 2017's ResNeXt-101 32x4d, as ported by pretrainedmodels); torchvision ships only 32x8d",
             ZooDef::Batched(resnet::resnext101_32x4d),
         ),
+        e(
+            "resnet-tiny",
+            "tiny",
+            5_266.0,
+            "parallax's own CPU CNN: a CIFAR-style ResNet on 16x16x3 images (8-channel stem, two basic blocks of 8 and 16 channels, 10 classes), counted from its layer shapes",
+            ZooDef::Batched(resnet::resnet_tiny),
+        ),
+        e(
+            "lstm-tiny",
+            "tiny",
+            20_800.0,
+            "parallax's own CPU language model: lstm-lm's architecture with vocab 64, 2 x 32 LSTM, counted from its layer shapes",
+            ZooDef::Sequence(rnn::lstm_tiny),
+        ),
         e("inception-v3", "inception", 27_161_264.0, "torchvision inception_v3 weights table (with the auxiliary head)", ZooDef::Batched(cnn::inception_v3)),
         e(
             "lstm-lm",

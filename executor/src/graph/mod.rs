@@ -1,0 +1,1152 @@
+//! The general-graph trainer: runs the per-operator plans the SOAP search writes (any graph of
+//! the IR whose ops have [`kernels`]) over a [`Collectives`] backend.
+//!
+//! Each op runs on the devices of its configuration's view; each device computes the region of
+//! every output its coordinates give it (the layout convention of
+//! [`parallax_cost::soap::TensorLayout`], the one the cost model prices), from the regions of
+//! the inputs it needs: the input layout's region, widened to the receptive field of its
+//! output region for convolutions and pooling over a spatial split. Between a producer and a
+//! consumer the data moves by regions: each consumer device takes every block of the
+//! producer's layout that meets its region, from the device of that block (itself if it holds
+//! one), and adds the partial sums of a contracted split. The backward is the same movement
+//! reversed: every consumer device sends the gradient of the region it read to every producer
+//! device whose region meets it, and the producer adds them (replicated reads, halos and
+//! partial sums all come out as sums). Weights live on the devices of their op, each with the
+//! region its coordinates give; after the step's micro-batches the devices holding the same
+//! region all-reduce its gradient and apply the same update, so replicas stay identical.
+//!
+//! BatchNorm under a sample split is synchronised (statistics of the whole micro-batch, as
+//! one device computes them); a cross-entropy over a vocabulary split reduces its row maxima
+//! and sums over the split (Megatron's vocabulary-parallel loss). Micro-batches run
+//! forward, all of them, then backward in reverse (GPipe's order; point-to-point sends never
+//! wait for the receiver, so devices holding different ops overlap their micro-batches as a
+//! pipeline); the plan's 1F1B schedule and recomputation change when memory is freed, not
+//! the values, and are run in this order. ZeRO sharding of the optimizer state is not done:
+//! every replica keeps the whole state of its region.
+
+pub mod kernels;
+
+use crate::comm::{Collectives, CommError, Group};
+use crate::engine::{AdamConfig, RankReport};
+use crate::error::ExecError;
+use crate::state::{ModelState, TensorState};
+use crate::{spawn_ranks, RunReport};
+use kernels::{Ctx, Reduce, Saved};
+use parallax_cost::soap::{coordinate_axes, ParallelConfig, Region, TensorLayout};
+use parallax_ir::graph::{TensorId, TensorRole};
+use parallax_ir::{AxesMapping, Graph, OpKind, Shape};
+use parallax_sim::perop::OpPlan;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// A device's part of a tensor: its region (global element indices) and values, row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Local {
+    pub region: Region,
+    pub data: Vec<f32>,
+}
+
+/// The optimizer of a general-graph run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GraphOptimizer {
+    /// SGD with (PyTorch-style) momentum: `b = μ·b + g; p -= lr·b`.
+    Sgd {
+        lr: f32,
+        momentum: f32,
+    },
+    Adam(AdamConfig),
+}
+
+/// Everything a general-graph run needs.
+#[derive(Clone, Debug)]
+pub struct GraphRunSpec {
+    /// The model at the micro-batch's size.
+    pub graph: Graph,
+    /// Configuration of every node, micro-batches per step.
+    pub plan: OpPlan,
+    pub steps: u64,
+    pub seed: u64,
+    pub optimizer: GraphOptimizer,
+    /// How long a rank waits for a message before declaring the sender stalled.
+    pub timeout: Duration,
+    /// Gather the final parameters into the report (rank 0).
+    pub collect_state: bool,
+}
+
+impl GraphRunSpec {
+    /// A spec with seed 0, SGD (lr 0.05, momentum 0.9) and a 120 s timeout.
+    pub fn new(graph: Graph, plan: OpPlan, steps: u64) -> Self {
+        GraphRunSpec {
+            graph,
+            plan,
+            steps,
+            seed: 0,
+            optimizer: GraphOptimizer::Sgd {
+                lr: 0.05,
+                momentum: 0.9,
+            },
+            timeout: Duration::from_secs(120),
+            collect_state: false,
+        }
+    }
+
+    /// Every op on device 0, the same micro-batches: the single-device run a plan must match.
+    pub fn single_device(&self) -> Self {
+        let mut s = self.clone();
+        s.plan.configs = vec![ParallelConfig::single(0); self.graph.nodes.len()];
+        s
+    }
+}
+
+/// What the synthetic data of an input tensor is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Feed {
+    /// Images whose pattern depends on the sample's class (`classes`).
+    Images { classes: u64 },
+    /// The class of each sample.
+    Classes { classes: u64 },
+    /// Token ids of a sequence.
+    Tokens { vocab: u64 },
+    /// The next token of each position.
+    NextTokens { vocab: u64 },
+    /// Gaussian-ish noise.
+    Noise,
+}
+
+/// How a consumer reads one input.
+#[derive(Clone, Debug)]
+enum Source {
+    /// A weight held by this op's devices.
+    Weight,
+    /// Fed by the data.
+    Data(Feed),
+    /// Output `slot` of node `node`.
+    Node { node: usize, slot: usize },
+}
+
+/// Per node, input and consumer position: the producer positions it exchanges data with and
+/// the region of each.
+type Routes = Vec<Vec<Vec<Vec<(u32, Region)>>>>;
+
+/// What every rank computes the same way before running.
+#[derive(Debug)]
+pub struct GraphPrepared {
+    world: usize,
+    mappings: Vec<AxesMapping>,
+    ins_full: Vec<Vec<Shape>>,
+    outs_full: Vec<Vec<Shape>>,
+    out_layouts: Vec<Vec<TensorLayout>>,
+    in_layouts: Vec<Vec<TensorLayout>>,
+    sources: Vec<Vec<Source>>,
+    /// Per tensor, its consumers `(node, slot)`.
+    consumers: Vec<Vec<(usize, usize)>>,
+    /// Per node, input and position: the region it needs.
+    need: Vec<Vec<Vec<Region>>>,
+    /// Per node, input and position: the producer positions it reads and what of each.
+    fetch: Routes,
+    /// Per node, input and position: the producer positions its gradient goes to.
+    scatter: Routes,
+    /// Per node, whether an input gradient is needed for each input.
+    needs_grad: Vec<Vec<bool>>,
+    /// The scalar losses (their sum is minimised).
+    losses: Vec<TensorId>,
+    samples_per_step: u64,
+}
+
+fn intersect(a: &Region, b: &Region) -> Option<Region> {
+    let r: Region = a
+        .iter()
+        .zip(b)
+        .map(|((a0, a1), (b0, b1))| (*a0.max(b0), *a1.min(b1)))
+        .collect();
+    r.iter().all(|(x, y)| x < y).then_some(r)
+}
+
+/// Copies the part `sub` of `src` (held over `src_r`) out, row-major.
+fn extract(src: &[f32], src_r: &Region, sub: &Region) -> Vec<f32> {
+    let mut out = Vec::with_capacity(kernels::elems(sub));
+    walk(src_r, sub, |off, n| {
+        out.extend_from_slice(&src[off..off + n])
+    });
+    out
+}
+
+/// Adds `piece` (over `sub`) into `dst` (held over `dst_r`).
+fn add_piece(dst: &mut [f32], dst_r: &Region, sub: &Region, piece: &[f32]) {
+    let mut i = 0;
+    walk(dst_r, sub, |off, n| {
+        for (d, p) in dst[off..off + n].iter_mut().zip(&piece[i..i + n]) {
+            *d += p;
+        }
+        i += n;
+    });
+}
+
+/// Calls `f(offset in outer, run length)` for every contiguous run of `sub` inside `outer`.
+fn walk(outer: &Region, sub: &Region, mut f: impl FnMut(usize, usize)) {
+    let r = outer.len();
+    if r == 0 {
+        f(0, 1);
+        return;
+    }
+    let od = kernels::dims(outer);
+    let sd = kernels::dims(sub);
+    if sd.contains(&0) {
+        return;
+    }
+    let mut strides = vec![1usize; r];
+    for i in (0..r - 1).rev() {
+        strides[i] = strides[i + 1] * od[i + 1];
+    }
+    let run = sd[r - 1];
+    let mut c = vec![0usize; r - 1];
+    loop {
+        let off: usize = (0..r)
+            .map(|i| {
+                let x = (sub[i].0 - outer[i].0) as usize + if i < r - 1 { c[i] } else { 0 };
+                x * strides[i]
+            })
+            .sum();
+        f(off, run);
+        let mut d = r - 1;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            c[d] += 1;
+            if c[d] < sd[d] {
+                break;
+            }
+            c[d] = 0;
+        }
+    }
+}
+
+/// Tags of the general trainer's point-to-point messages (distinct from the transformer
+/// engine's and from collectives').
+const TAG_FWD: u64 = 4 << 48;
+const TAG_BWD: u64 = 5 << 48;
+const TAG_STATE: u64 = 6 << 48;
+
+fn tag(kind: u64, node: usize, slot: usize, mb: usize) -> u64 {
+    kind | ((node as u64 & 0x7f_ffff) << 24) | ((slot as u64 & 0xff) << 16) | (mb as u64 & 0xffff)
+}
+
+impl GraphPrepared {
+    /// Checks the plan against the graph and derives every region and route.
+    pub fn new(spec: &GraphRunSpec) -> Result<Self, ExecError> {
+        let g = &spec.graph;
+        let plan = &spec.plan;
+        let layout = |m: String| ExecError::Layout(m);
+        if plan.configs.len() != g.nodes.len() {
+            return Err(layout(format!(
+                "{} op configurations for {} ops",
+                plan.configs.len(),
+                g.nodes.len()
+            )));
+        }
+        if plan.micro_batches == 0 {
+            return Err(layout("micro_batches must be at least 1".into()));
+        }
+        let nn = g.nodes.len();
+        let mut producer: Vec<Option<(usize, usize)>> = vec![None; g.tensors.len()];
+        let mut consumers: Vec<Vec<(usize, usize)>> = vec![Vec::new(); g.tensors.len()];
+        for (i, n) in g.nodes.iter().enumerate() {
+            kernels::supported(&n.op)
+                .map_err(|e| ExecError::Model(format!("op '{}': {e}", n.name)))?;
+            for (k, t) in n.inputs.iter().enumerate() {
+                if g.tensor(*t).role == TensorRole::Activation && producer[t.0 as usize].is_none() {
+                    return Err(ExecError::Model(format!(
+                        "op '{}' reads '{}' before it is produced (nodes must be in topological order)",
+                        n.name,
+                        g.tensor(*t).name
+                    )));
+                }
+                consumers[t.0 as usize].push((i, k));
+            }
+            for (o, t) in n.outputs.iter().enumerate() {
+                producer[t.0 as usize] = Some((i, o));
+            }
+        }
+        if g.outputs.is_empty() || g.outputs.iter().any(|t| g.tensor(*t).shape.rank() != 0) {
+            return Err(ExecError::Model(format!(
+                "graph '{}' must end in scalar losses to be trained",
+                g.name
+            )));
+        }
+        let losses = g.outputs.clone();
+        for (t, cons) in consumers.iter().enumerate() {
+            let tensor = &g.tensors[t];
+            if tensor.role == TensorRole::Weight && cons.len() > 1 {
+                let names: Vec<&str> = cons
+                    .iter()
+                    .map(|(n, _)| g.nodes[*n].name.as_str())
+                    .collect();
+                return Err(ExecError::Model(format!(
+                    "weight '{}' is shared by ops {}: the general-graph executor does not run tied weights yet",
+                    tensor.name,
+                    names.join(", ")
+                )));
+            }
+        }
+        let world = plan
+            .configs
+            .iter()
+            .map(|c| c.view.end() as usize)
+            .max()
+            .unwrap_or(1);
+        let mut mappings = Vec::with_capacity(nn);
+        let mut ins_full = Vec::with_capacity(nn);
+        let mut outs_full = Vec::with_capacity(nn);
+        let mut in_layouts = Vec::with_capacity(nn);
+        let mut out_layouts = Vec::with_capacity(nn);
+        for (i, n) in g.nodes.iter().enumerate() {
+            let ins = g.input_shapes(n);
+            let outs = g.output_shapes(n);
+            let m = n.op.axes(&ins, &outs);
+            let cfg = &plan.configs[i];
+            check_config(&m, &ins, &outs, cfg)
+                .map_err(|e| layout(format!("op '{}': {e}", n.name)))?;
+            in_layouts.push(
+                ins.iter()
+                    .zip(&m.inputs)
+                    .map(|(s, l)| TensorLayout::new(&m, l, s.dims(), cfg, false))
+                    .collect::<Vec<_>>(),
+            );
+            out_layouts.push(
+                outs.iter()
+                    .zip(&m.outputs)
+                    .map(|(s, l)| TensorLayout::new(&m, l, s.dims(), cfg, true))
+                    .collect::<Vec<_>>(),
+            );
+            mappings.push(m);
+            ins_full.push(ins);
+            outs_full.push(outs);
+        }
+        let feeds = feeds(g, &consumers)?;
+        let sources: Vec<Vec<Source>> = g
+            .nodes
+            .iter()
+            .map(|n| {
+                n.inputs
+                    .iter()
+                    .map(|t| match g.tensor(*t).role {
+                        TensorRole::Weight => Source::Weight,
+                        TensorRole::Input => Source::Data(feeds[t.0 as usize]),
+                        TensorRole::Activation => {
+                            let (node, slot) = producer[t.0 as usize].expect("checked above");
+                            Source::Node { node, slot }
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut need = Vec::with_capacity(nn);
+        for (i, n) in g.nodes.iter().enumerate() {
+            let cfg = &plan.configs[i];
+            let per_input: Vec<Vec<Region>> = (0..n.inputs.len())
+                .map(|k| {
+                    (0..cfg.view.size)
+                        .map(|pos| {
+                            let mut r = in_layouts[i][k].region(pos);
+                            if k == 0 {
+                                widen(
+                                    &n.op,
+                                    &ins_full[i][0],
+                                    &out_layouts[i][0].region(pos),
+                                    &mut r,
+                                );
+                            }
+                            r
+                        })
+                        .collect()
+                })
+                .collect();
+            need.push(per_input);
+        }
+        let device = |node: usize, pos: u32| plan.configs[node].view.device(pos);
+        let mut fetch = Vec::with_capacity(nn);
+        let mut scatter = Vec::with_capacity(nn);
+        for i in 0..nn {
+            let mut f_in = Vec::new();
+            let mut s_in = Vec::new();
+            for (k, src) in sources[i].iter().enumerate() {
+                let (mut f_pos, mut s_pos) = (Vec::new(), Vec::new());
+                for pos in 0..plan.configs[i].view.size {
+                    let (mut f, mut s) = (Vec::new(), Vec::new());
+                    if let Source::Node { node: p, slot } = src {
+                        let lp = &out_layouts[*p][*slot];
+                        let me = device(i, pos);
+                        let mut chosen: HashMap<(Vec<u32>, Vec<u32>), u32> = HashMap::new();
+                        for q in 0..plan.configs[*p].view.size {
+                            if let Some(inter) = intersect(&lp.region(q), &need[i][k][pos as usize])
+                            {
+                                s.push((q, inter));
+                                let key = (lp.block(q), lp.sum_coords(q));
+                                let e = chosen.entry(key).or_insert(q);
+                                if device(*p, q) == me && device(*p, *e) != me {
+                                    *e = q;
+                                }
+                            }
+                        }
+                        let mut picks: Vec<u32> = chosen.into_values().collect();
+                        picks.sort_unstable();
+                        f = s
+                            .iter()
+                            .filter(|(q, _)| picks.contains(q))
+                            .cloned()
+                            .collect();
+                    }
+                    f_pos.push(f);
+                    s_pos.push(s);
+                }
+                f_in.push(f_pos);
+                s_in.push(s_pos);
+            }
+            fetch.push(f_in);
+            scatter.push(s_in);
+        }
+        let needs_grad = g
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                n.inputs
+                    .iter()
+                    .enumerate()
+                    .map(|(k, t)| {
+                        matches!(sources[i][k], Source::Node { .. } | Source::Weight)
+                            && g.tensor(*t).dtype.is_float()
+                    })
+                    .collect()
+            })
+            .collect();
+        let batch = g
+            .tensors
+            .iter()
+            .find(|t| t.role == TensorRole::Input)
+            .and_then(|t| t.shape.0.first().copied())
+            .unwrap_or(1);
+        Ok(GraphPrepared {
+            world,
+            mappings,
+            ins_full,
+            outs_full,
+            out_layouts,
+            in_layouts,
+            sources,
+            consumers,
+            need,
+            fetch,
+            scatter,
+            needs_grad,
+            losses,
+            samples_per_step: batch * u64::from(plan.micro_batches),
+        })
+    }
+
+    /// Ranks the plan uses.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+}
+
+/// Checks that a configuration splits only splittable labels of its op, by degrees that fit,
+/// over a view of as many devices.
+fn check_config(
+    m: &AxesMapping,
+    ins: &[Shape],
+    outs: &[Shape],
+    cfg: &ParallelConfig,
+) -> Result<(), String> {
+    if cfg.total_degree() != cfg.view.size {
+        return Err(format!(
+            "degrees multiply to {} on a view of {} devices",
+            cfg.total_degree(),
+            cfg.view.size
+        ));
+    }
+    for (l, d) in &cfg.degrees {
+        if *d <= 1 {
+            continue;
+        }
+        let info = m
+            .axes
+            .get(l)
+            .ok_or_else(|| format!("label '{l}' is not an axis of the op"))?;
+        if !info.splittable {
+            return Err(format!("label '{l}' cannot be split"));
+        }
+        for (labels, shape) in m.inputs.iter().zip(ins).chain(m.outputs.iter().zip(outs)) {
+            for (c, size) in labels.iter().zip(shape.dims()) {
+                if c == l && u64::from(*d) > *size {
+                    return Err(format!("label '{l}': degree {d} exceeds its size {size}"));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Widens the region a convolution or pooling reads of its input to the receptive field of
+/// the output region `out` (the halo of a spatial split).
+fn widen(op: &OpKind, full: &Shape, out: &Region, r: &mut Region) {
+    let (kernel, stride, pad, dil) = match op {
+        OpKind::Conv2d(a) => (a.kernel, a.stride, a.padding, a.dilation),
+        OpKind::Pool2d(a) => (a.kernel, a.stride, a.padding, [1, 1]),
+        _ => return,
+    };
+    for i in 0..2 {
+        r[2 + i] = kernels::receptive(
+            out[2 + i],
+            full.0[2 + i],
+            kernel[i],
+            stride[i],
+            pad[i],
+            dil[i],
+        );
+    }
+}
+
+/// What the synthetic data of each input tensor is, from how the graph reads it.
+fn feeds(g: &Graph, consumers: &[Vec<(usize, usize)>]) -> Result<Vec<Feed>, ExecError> {
+    let mut classes = None;
+    let mut vocab = None;
+    for n in &g.nodes {
+        match &n.op {
+            OpKind::CrossEntropy => classes = Some(g.tensor(n.inputs[0]).shape.last()),
+            OpKind::Embedding(a) => vocab = vocab.or(Some(a.vocab)),
+            _ => {}
+        }
+    }
+    let has_tokens = vocab.is_some();
+    g.tensors
+        .iter()
+        .enumerate()
+        .map(|(t, tensor)| {
+            if tensor.role != TensorRole::Input {
+                return Ok(Feed::Noise);
+            }
+            let read_by = |f: fn(&OpKind, usize) -> bool| {
+                consumers[t]
+                    .iter()
+                    .any(|(n, k)| f(&g.nodes[*n].op, *k))
+            };
+            if tensor.dtype.is_float() {
+                return Ok(match classes {
+                    Some(c) if tensor.shape.rank() == 4 => Feed::Images { classes: c },
+                    _ => Feed::Noise,
+                });
+            }
+            if read_by(|op, k| matches!(op, OpKind::CrossEntropy) && k == 1) {
+                let c = classes.unwrap_or(1);
+                return Ok(if has_tokens && tensor.shape.rank() >= 2 {
+                    Feed::NextTokens { vocab: c }
+                } else {
+                    Feed::Classes { classes: c }
+                });
+            }
+            if read_by(|op, k| matches!(op, OpKind::Embedding(_)) && k == 0) {
+                return Ok(Feed::Tokens {
+                    vocab: vocab.unwrap_or(1),
+                });
+            }
+            Err(ExecError::Model(format!(
+                "input '{}': the general-graph executor feeds images, class labels and token ids; it cannot tell what this integer input is",
+                tensor.name
+            )))
+        })
+        .collect()
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A uniform number in [-1, 1) from a hash.
+fn unit(h: u64) -> f32 {
+    ((h >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+/// The class of global sample `s`.
+fn class_of(seed: u64, s: u64, classes: u64) -> u64 {
+    mix(seed ^ mix(s ^ 0xc1a5)) % classes.max(1)
+}
+
+/// Token `t` of global sample `s`: an arithmetic progression modulo the vocabulary whose
+/// start and step depend on the sample (learnable from two tokens).
+fn token(seed: u64, s: u64, t: u64, vocab: u64) -> u64 {
+    let h = mix(seed ^ mix(s ^ 0x70c3));
+    let v = vocab.max(1);
+    let step = 1 + (h >> 32) % 7.min(v);
+    (h % v + t * step) % v
+}
+
+/// The values of `region` of a data input for the micro-batch whose first global sample is
+/// `first`.
+fn feed_region(feed: Feed, shape: &Shape, region: &Region, seed: u64, first: u64) -> Vec<f32> {
+    let d = kernels::dims(region);
+    let total: usize = d.iter().product();
+    let mut out = Vec::with_capacity(total);
+    let mut c = vec![0usize; d.len()];
+    for _ in 0..total {
+        let at = |i: usize| region[i].0 + c[i] as u64;
+        let sample = first + if d.is_empty() { 0 } else { at(0) };
+        let v = match feed {
+            Feed::Images { classes } => {
+                let k = class_of(seed, sample, classes);
+                let (ch, y, x) = (at(1), at(2), at(3));
+                let (h, w) = (shape.0[2].max(1), shape.0[3].max(1));
+                // A class-specific oriented wave on one channel, plus noise.
+                let angle = k as f32 * std::f32::consts::PI / classes.max(1) as f32;
+                let (fy, fx) = (angle.sin(), angle.cos());
+                let phase = 6.0 * (fy * y as f32 / h as f32 + fx * x as f32 / w as f32);
+                let signal = if ch == k % shape.0[1].max(1) {
+                    phase.sin()
+                } else {
+                    0.0
+                };
+                let mut gi = 0u64;
+                for (i, ci) in c.iter().enumerate() {
+                    gi = gi * shape.0[i] + region[i].0 + *ci as u64;
+                }
+                signal + 0.5 * unit(mix(seed ^ mix(first.wrapping_add(0x1111) ^ mix(gi))))
+            }
+            Feed::Classes { classes } => class_of(seed, sample, classes) as f32,
+            Feed::Tokens { vocab } => token(seed, sample, at(1), vocab) as f32,
+            Feed::NextTokens { vocab } => token(seed, sample, at(1) + 1, vocab) as f32,
+            Feed::Noise => {
+                let mut gi = 0u64;
+                for (i, ci) in c.iter().enumerate() {
+                    gi = gi * shape.0[i] + region[i].0 + *ci as u64;
+                }
+                unit(mix(seed ^ mix(first ^ mix(gi ^ 0x5eed))))
+            }
+        };
+        out.push(v);
+        for i in (0..d.len()).rev() {
+            c[i] += 1;
+            if c[i] < d[i] {
+                break;
+            }
+            c[i] = 0;
+        }
+    }
+    out
+}
+
+/// The initial value of a weight, whole: uniform ±1/√fan-in for matrices and convolution
+/// kernels (PyTorch's default bound), ones and zeros for normalisation scales and shifts,
+/// zeros for biases, uniform ±0.1 for embeddings; seeded by the weight's name.
+fn init_weight(g: &Graph, node: usize, slot: usize, t: TensorId, seed: u64) -> Vec<f32> {
+    let tensor = g.tensor(t);
+    let n = tensor.shape.elems() as usize;
+    let op = &g.nodes[node].op;
+    let mut h = seed ^ 0x1417;
+    for b in tensor.name.bytes() {
+        h = mix(h ^ u64::from(b));
+    }
+    let uniform = |bound: f32| -> Vec<f32> {
+        (0..n as u64)
+            .map(|i| bound * unit(mix(h ^ mix(i))))
+            .collect()
+    };
+    match (op, slot) {
+        (OpKind::BatchNorm | OpKind::LayerNorm | OpKind::RmsNorm, 1) => vec![1.0; n],
+        (OpKind::BatchNorm | OpKind::LayerNorm, 2) => vec![0.0; n],
+        (OpKind::Linear(_), 2) | (OpKind::Conv2d(_), 2) => vec![0.0; n],
+        (OpKind::Lstm(_) | OpKind::Gru(_), 3) => vec![0.0; n],
+        (OpKind::Embedding(_), _) => uniform(0.1),
+        (OpKind::Lstm(a) | OpKind::Gru(a), _) => uniform(1.0 / (a.hidden as f32).sqrt()),
+        (OpKind::Conv2d(_), 1) => {
+            let d = tensor.shape.dims();
+            let fan_in = d[1..].iter().product::<u64>().max(1);
+            uniform(1.0 / (fan_in as f32).sqrt())
+        }
+        _ => {
+            let fan_in = tensor.shape.0.first().copied().unwrap_or(1).max(1);
+            uniform(1.0 / (fan_in as f32).sqrt())
+        }
+    }
+}
+
+/// One held weight region with its gradient and optimizer state.
+struct Held {
+    node: usize,
+    slot: usize,
+    local: Local,
+    grad: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// One rank of a general-graph run.
+struct Rank<'a> {
+    spec: &'a GraphRunSpec,
+    prep: &'a GraphPrepared,
+    comm: &'a mut dyn Collectives,
+    me: usize,
+    weights: Vec<Held>,
+    /// (node, slot) → index into `weights`.
+    weight_at: HashMap<(usize, usize), usize>,
+}
+
+/// Per micro-batch state of the forward kept for the backward.
+#[derive(Default)]
+struct Tape {
+    /// Outputs this device produced, by tensor.
+    outs: HashMap<TensorId, Local>,
+    /// Inputs this device read, per node, and what the kernel saved.
+    ins: HashMap<usize, (Vec<Local>, Saved)>,
+    /// Pieces a device sends itself: forward by (node, slot), backward by (consumer node,
+    /// slot, producer node).
+    local_fwd: HashMap<(usize, usize), Vec<f32>>,
+    local_bwd: HashMap<(usize, usize), Vec<f32>>,
+    loss: f64,
+    /// The step, which dropout masks mix in forward and backward alike.
+    step: u64,
+}
+
+impl<'a> Rank<'a> {
+    fn pos(&self, node: usize) -> Option<u32> {
+        self.spec.plan.configs[node].view.position(self.me as u32)
+    }
+
+    fn device(&self, node: usize, pos: u32) -> usize {
+        self.spec.plan.configs[node].view.device(pos) as usize
+    }
+
+    /// The reduction group of node `n` for the device at `pos`: the devices that differ from
+    /// it only in the labels the kernel reduces inside (BatchNorm's sample axis, a loss's
+    /// vocabulary).
+    fn reduce_group(&self, n: usize, pos: u32) -> Option<Group> {
+        let cfg = &self.spec.plan.configs[n];
+        let m = &self.prep.mappings[n];
+        let reduced: &[char] = match self.spec.graph.nodes[n].op {
+            OpKind::BatchNorm => &['n'],
+            OpKind::CrossEntropy => &['v'],
+            _ => return None,
+        };
+        let axes = coordinate_axes(m, cfg);
+        let along: Vec<u8> = axes
+            .iter()
+            .enumerate()
+            .filter(|(_, (l, _))| reduced.contains(l))
+            .map(|(i, _)| i as u8)
+            .collect();
+        if along.is_empty() {
+            return None;
+        }
+        let layout = &self.prep.in_layouts[n][0];
+        let ranks = layout
+            .group_along(pos, &along)
+            .into_iter()
+            .map(|p| cfg.view.device(p) as usize)
+            .collect();
+        Some(Group::new(ranks))
+    }
+
+    fn init_weights(&mut self) {
+        let g = &self.spec.graph;
+        for (i, n) in g.nodes.iter().enumerate() {
+            let Some(pos) = self.pos(i) else { continue };
+            for (k, t) in n.inputs.iter().enumerate() {
+                if !matches!(self.prep.sources[i][k], Source::Weight) {
+                    continue;
+                }
+                let full = init_weight(g, i, k, *t, self.spec.seed);
+                let shape = &g.tensor(*t).shape;
+                let whole: Region = shape.dims().iter().map(|d| (0, *d)).collect();
+                let region = self.prep.need[i][k][pos as usize].clone();
+                let data = extract(&full, &whole, &region);
+                let len = data.len();
+                self.weight_at.insert((i, k), self.weights.len());
+                self.weights.push(Held {
+                    node: i,
+                    slot: k,
+                    local: Local { region, data },
+                    grad: vec![0.0; len],
+                    m: vec![0.0; len],
+                    v: vec![0.0; len],
+                });
+            }
+        }
+    }
+
+    fn forward(&mut self, step: u64, mb: usize, tape: &mut Tape) -> Result<(), ExecError> {
+        let g = &self.spec.graph;
+        let prep = self.prep;
+        let first = step * prep.samples_per_step
+            + mb as u64 * (prep.samples_per_step / u64::from(self.spec.plan.micro_batches));
+        for (i, n) in g.nodes.iter().enumerate() {
+            // Send what this device holds of the inputs of node i to the devices that read it.
+            for (k, src) in prep.sources[i].iter().enumerate() {
+                let Source::Node { node: p, slot } = src else {
+                    continue;
+                };
+                let Some(q) = self.pos(*p) else { continue };
+                let held = &tape.outs[&n.inputs[k]];
+                debug_assert_eq!(held.region, prep.out_layouts[*p][*slot].region(q));
+                for c in 0..self.spec.plan.configs[i].view.size {
+                    let Some((_, inter)) =
+                        prep.fetch[i][k][c as usize].iter().find(|(s, _)| *s == q)
+                    else {
+                        continue;
+                    };
+                    let piece = extract(&held.data, &held.region, inter);
+                    let to = self.device(i, c);
+                    if to == self.me {
+                        tape.local_fwd.insert((i, k), piece);
+                    } else {
+                        self.comm.send(to, tag(TAG_FWD, i, k, mb), &piece)?;
+                    }
+                }
+            }
+            let Some(pos) = self.pos(i) else { continue };
+            let mut ins = Vec::with_capacity(n.inputs.len());
+            for (k, t) in n.inputs.iter().enumerate() {
+                let region = prep.need[i][k][pos as usize].clone();
+                let local = match &prep.sources[i][k] {
+                    Source::Weight => self.weights[self.weight_at[&(i, k)]].local.clone(),
+                    Source::Data(feed) => {
+                        let data =
+                            feed_region(*feed, &g.tensor(*t).shape, &region, self.spec.seed, first);
+                        Local { region, data }
+                    }
+                    Source::Node { node: p, .. } => {
+                        let mut data = vec![0.0; kernels::elems(&region)];
+                        for (q, inter) in &prep.fetch[i][k][pos as usize] {
+                            let from = self.device(*p, *q);
+                            let piece = if from == self.me {
+                                tape.local_fwd.remove(&(i, k)).expect("local piece")
+                            } else {
+                                let mut buf = vec![0.0; kernels::elems(inter)];
+                                self.comm.recv(
+                                    from,
+                                    tag(TAG_FWD, i, k, mb),
+                                    &mut buf,
+                                    "forward resharding",
+                                )?;
+                                buf
+                            };
+                            add_piece(&mut data, &region, inter, &piece);
+                        }
+                        Local { region, data }
+                    }
+                };
+                ins.push(local);
+            }
+            let out_regions: Vec<Region> =
+                prep.out_layouts[i].iter().map(|l| l.region(pos)).collect();
+            let group = self.reduce_group(i, pos);
+            let coords = self.coords_fn(i, pos);
+            let key = mix(self.spec.seed ^ mix(step ^ mix(mb as u64 ^ mix(i as u64))));
+            let comm = &mut *self.comm;
+            let mut reduce =
+                |buf: &mut [f32], op: Reduce| group_reduce(comm, group.as_ref(), buf, op);
+            let mut ctx = Ctx {
+                op: &n.op,
+                ins_full: &prep.ins_full[i],
+                outs_full: &prep.outs_full[i],
+                out_regions: &out_regions,
+                coord: &coords,
+                key,
+                reduce: &mut reduce,
+            };
+            let refs: Vec<&Local> = ins.iter().collect();
+            let (outs, saved) = kernels::forward(&mut ctx, &refs)?;
+            for ((t, data), region) in n.outputs.iter().zip(outs).zip(out_regions) {
+                if prep.losses.contains(t) {
+                    tape.loss += f64::from(data[0]);
+                }
+                tape.outs.insert(*t, Local { region, data });
+            }
+            tape.ins.insert(i, (ins, saved));
+        }
+        Ok(())
+    }
+
+    fn coords_fn(&self, n: usize, pos: u32) -> impl Fn(char) -> (u32, u32) {
+        let cfg = &self.spec.plan.configs[n];
+        let axes = coordinate_axes(&self.prep.mappings[n], cfg);
+        let c = self.prep.in_layouts[n]
+            .first()
+            .or(self.prep.out_layouts[n].first())
+            .map(|l| l.coords(pos))
+            .unwrap_or_default();
+        move |l: char| {
+            axes.iter()
+                .position(|(a, _)| *a == l)
+                .map_or((0, 1), |i| (c[i], axes[i].1))
+        }
+    }
+
+    fn backward(&mut self, mb: usize, tape: &mut Tape) -> Result<(), ExecError> {
+        let g = &self.spec.graph;
+        let prep = self.prep;
+        let scale = 1.0 / self.spec.plan.micro_batches as f32;
+        for (i, n) in g.nodes.iter().enumerate().rev() {
+            let Some(pos) = self.pos(i) else { continue };
+            let out_regions: Vec<Region> =
+                prep.out_layouts[i].iter().map(|l| l.region(pos)).collect();
+            let mut dys = Vec::with_capacity(n.outputs.len());
+            for (t, region) in n.outputs.iter().zip(&out_regions) {
+                let mut dy = vec![0.0; kernels::elems(region)];
+                if prep.losses.contains(t) {
+                    dy.fill(scale);
+                }
+                for (c, k) in &prep.consumers[t.0 as usize] {
+                    for cpos in 0..self.spec.plan.configs[*c].view.size {
+                        let Some((_, inter)) = prep.scatter[*c][*k][cpos as usize]
+                            .iter()
+                            .find(|(q, _)| *q == pos)
+                        else {
+                            continue;
+                        };
+                        let from = self.device(*c, cpos);
+                        let piece = if from == self.me {
+                            tape.local_bwd.remove(&(*c, *k)).expect("local gradient")
+                        } else {
+                            let mut buf = vec![0.0; kernels::elems(inter)];
+                            self.comm.recv(
+                                from,
+                                tag(TAG_BWD, *c, *k, mb),
+                                &mut buf,
+                                "backward resharding",
+                            )?;
+                            buf
+                        };
+                        add_piece(&mut dy, region, inter, &piece);
+                    }
+                }
+                dys.push(dy);
+            }
+            let (ins, saved) = tape.ins.remove(&i).expect("forward ran");
+            let group = self.reduce_group(i, pos);
+            let coords = self.coords_fn(i, pos);
+            let key = mix(self.spec.seed ^ mix(tape.step ^ mix(mb as u64 ^ mix(i as u64))));
+            let comm = &mut *self.comm;
+            let mut reduce =
+                |buf: &mut [f32], op: Reduce| group_reduce(comm, group.as_ref(), buf, op);
+            let mut ctx = Ctx {
+                op: &n.op,
+                ins_full: &prep.ins_full[i],
+                outs_full: &prep.outs_full[i],
+                out_regions: &out_regions,
+                coord: &coords,
+                key,
+                reduce: &mut reduce,
+            };
+            let refs: Vec<&Local> = ins.iter().collect();
+            let grads = kernels::backward(&mut ctx, &refs, &saved, &dys, &prep.needs_grad[i])?;
+            for (k, gk) in grads.into_iter().enumerate() {
+                if !prep.needs_grad[i][k] {
+                    continue;
+                }
+                let gk = gk.unwrap_or_else(|| vec![0.0; ins[k].data.len()]);
+                match &prep.sources[i][k] {
+                    Source::Weight => {
+                        let w = &mut self.weights[self.weight_at[&(i, k)]];
+                        crate::tensor::add_into(&mut w.grad, &gk);
+                    }
+                    Source::Node { node: p, .. } => {
+                        for (q, inter) in &prep.scatter[i][k][pos as usize] {
+                            let piece = extract(&gk, &ins[k].region, inter);
+                            let to = self.device(*p, *q);
+                            if to == self.me {
+                                tape.local_bwd.insert((i, k), piece);
+                            } else {
+                                self.comm.send(to, tag(TAG_BWD, i, k, mb), &piece)?;
+                            }
+                        }
+                    }
+                    Source::Data(_) => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// All-reduces each weight region's gradient over the devices holding the same region.
+    fn sync_grads(&mut self) -> Result<(), ExecError> {
+        for w in &mut self.weights {
+            let cfg = &self.spec.plan.configs[w.node];
+            let layout = &self.prep.in_layouts[w.node][w.slot];
+            let pos = cfg.view.position(self.me as u32).expect("held");
+            let block = layout.block(pos);
+            let ranks: Vec<usize> = (0..cfg.view.size)
+                .filter(|q| layout.block(*q) == block)
+                .map(|q| cfg.view.device(q) as usize)
+                .collect();
+            if ranks.len() > 1 {
+                self.comm.all_reduce_sum(&Group::new(ranks), &mut w.grad)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn update(&mut self, step: u64) {
+        for w in &mut self.weights {
+            match self.spec.optimizer {
+                GraphOptimizer::Sgd { lr, momentum } => {
+                    for ((p, g), b) in w.local.data.iter_mut().zip(&w.grad).zip(&mut w.m) {
+                        *b = momentum * *b + g;
+                        *p -= lr * *b;
+                    }
+                }
+                GraphOptimizer::Adam(a) => {
+                    let bc = a.bias_corrections(step + 1);
+                    a.update(bc, &mut w.local.data, &w.grad, &mut w.m, &mut w.v);
+                }
+            }
+            w.grad.iter_mut().for_each(|g| *g = 0.0);
+        }
+    }
+
+    /// Gathers every weight whole on rank 0 (each region from the lowest device holding it).
+    fn gather_state(&mut self, step: u64) -> Result<Option<ModelState>, ExecError> {
+        let g = &self.spec.graph;
+        let mut state = ModelState {
+            step,
+            ..ModelState::default()
+        };
+        for (i, n) in g.nodes.iter().enumerate() {
+            for (k, t) in n.inputs.iter().enumerate() {
+                if !matches!(self.prep.sources[i][k], Source::Weight) {
+                    continue;
+                }
+                let cfg = &self.spec.plan.configs[i];
+                let layout = &self.prep.in_layouts[i][k];
+                let shape = g.tensor(*t).shape.dims().to_vec();
+                let whole: Region = shape.iter().map(|d| (0, *d)).collect();
+                let mut full = vec![0.0; kernels::elems(&whole)];
+                let mut seen: Vec<Vec<u32>> = Vec::new();
+                for q in 0..cfg.view.size {
+                    let b = layout.block(q);
+                    if seen.contains(&b) {
+                        continue;
+                    }
+                    seen.push(b);
+                    let holder = cfg.view.device(q) as usize;
+                    let region = self.prep.need[i][k][q as usize].clone();
+                    let tg = tag(TAG_STATE, i, k, 0);
+                    if holder == self.me {
+                        let w = &self.weights[self.weight_at[&(i, k)]];
+                        if self.me == 0 {
+                            add_piece(&mut full, &whole, &region, &w.local.data);
+                        } else {
+                            self.comm.send(0, tg, &w.local.data)?;
+                        }
+                    } else if self.me == 0 {
+                        let mut buf = vec![0.0; kernels::elems(&region)];
+                        self.comm.recv(holder, tg, &mut buf, "state gather")?;
+                        add_piece(&mut full, &whole, &region, &buf);
+                    }
+                }
+                if self.me == 0 {
+                    state.tensors.insert(
+                        g.tensor(*t).name.clone(),
+                        TensorState {
+                            shape: shape.iter().map(|d| *d as usize).collect(),
+                            param: full,
+                            m: Vec::new(),
+                            v: Vec::new(),
+                        },
+                    );
+                }
+            }
+        }
+        Ok((self.me == 0).then_some(state))
+    }
+}
+
+fn group_reduce(
+    comm: &mut dyn Collectives,
+    group: Option<&Group>,
+    buf: &mut [f32],
+    op: Reduce,
+) -> Result<(), CommError> {
+    let Some(g) = group else { return Ok(()) };
+    match op {
+        Reduce::Sum => comm.all_reduce_sum(g, buf),
+        Reduce::Max => {
+            let mut all = vec![0.0; buf.len() * g.size()];
+            comm.all_gather(g, buf, &mut all)?;
+            for chunk in all.chunks_exact(buf.len().max(1)) {
+                for (b, c) in buf.iter_mut().zip(chunk) {
+                    *b = b.max(*c);
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Trains `spec` on this rank: every step runs the micro-batches forward then backward,
+/// synchronises the gradients and updates; the loss is summed over every device.
+pub fn run_graph_rank(
+    spec: &GraphRunSpec,
+    prep: &GraphPrepared,
+    comm: &mut dyn Collectives,
+) -> Result<RankReport, ExecError> {
+    let me = comm.rank();
+    let world = Group::new((0..prep.world).collect());
+    let mut rank = Rank {
+        spec,
+        prep,
+        comm,
+        me,
+        weights: Vec::new(),
+        weight_at: HashMap::new(),
+    };
+    rank.init_weights();
+    let mut report = RankReport::default();
+    let m = spec.plan.micro_batches as usize;
+    for step in 0..spec.steps {
+        let t0 = Instant::now();
+        let mut tapes: Vec<Tape> = (0..m)
+            .map(|_| Tape {
+                step,
+                ..Tape::default()
+            })
+            .collect();
+        for (mb, tape) in tapes.iter_mut().enumerate() {
+            rank.forward(step, mb, tape)?;
+        }
+        for (mb, tape) in tapes.iter_mut().enumerate().rev() {
+            rank.backward(mb, tape)?;
+        }
+        rank.sync_grads()?;
+        rank.update(step);
+        let mut loss = [tapes.iter().map(|t| t.loss).sum::<f64>() as f32 / m as f32];
+        rank.comm.all_reduce_sum(&world, &mut loss)?;
+        let loss = f64::from(loss[0]);
+        if !loss.is_finite() {
+            return Err(ExecError::Diverged {
+                step: step + 1,
+                loss,
+            });
+        }
+        report.losses.push(loss);
+        report.step_times.push(t0.elapsed().as_secs_f64());
+    }
+    if spec.collect_state {
+        report.state = rank.gather_state(spec.steps)?;
+    }
+    Ok(report)
+}
+
+/// Runs `spec` with one thread per device of its plan.
+pub fn run_graph_threads(spec: &GraphRunSpec) -> Result<RunReport, ExecError> {
+    let prep = GraphPrepared::new(spec)?;
+    spawn_ranks(prep.world(), spec.timeout, &|comm| {
+        run_graph_rank(spec, &prep, comm)
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,543 @@
+//! Kernel gradients against finite differences, and per-op plans against one device.
+
+use super::kernels::{self, Ctx, Reduce};
+use super::*;
+use parallax_cost::soap::MachineView;
+use parallax_ir::graph::{conv, GraphBuilder};
+use parallax_ir::models::{resnet::resnet_tiny, rnn::lstm_tiny};
+use parallax_ir::op::{
+    Activation, AxisAttrs, Conv2dAttrs, Pool2dAttrs, PoolKind, RnnAttrs, SoftmaxAttrs, SplitAttrs,
+    TransposeAttrs,
+};
+use parallax_ir::{AxisRole, DType, Schedule};
+use std::collections::BTreeMap;
+
+fn full(s: &Shape) -> Region {
+    s.dims().iter().map(|d| (0, *d)).collect()
+}
+
+/// Largest relative error of the analytic gradients of node `node` of `g` (at full regions,
+/// one device) against central differences of `Σ r · y` for a random `r`.
+fn grad_error(g: &Graph, node: usize) -> f64 {
+    let n = &g.nodes[node];
+    let ins_full = g.input_shapes(n);
+    let outs_full = g.output_shapes(n);
+    let out_regions: Vec<Region> = outs_full.iter().map(full).collect();
+    let ints: Vec<Option<u64>> = n
+        .inputs
+        .iter()
+        .map(|t| {
+            (!g.tensor(*t).dtype.is_float()).then(|| match &n.op {
+                OpKind::Embedding(a) => a.vocab,
+                _ => ins_full[0].last(),
+            })
+        })
+        .collect();
+    let ins: Vec<Local> = ins_full
+        .iter()
+        .zip(&ints)
+        .enumerate()
+        .map(|(k, (s, int))| Local {
+            region: full(s),
+            data: (0..s.elems())
+                .map(|i| {
+                    let h = mix(mix(k as u64 * 7919 + i));
+                    match int {
+                        Some(v) => (h % v) as f32,
+                        None => unit(h),
+                    }
+                })
+                .collect(),
+        })
+        .collect();
+    let coord = |_: char| (0u32, 1u32);
+    let run = |ins: &[Local]| -> (Vec<Vec<f32>>, kernels::Saved) {
+        let mut reduce = |_: &mut [f32], _: Reduce| Ok(());
+        let mut ctx = Ctx {
+            op: &n.op,
+            ins_full: &ins_full,
+            outs_full: &outs_full,
+            out_regions: &out_regions,
+            coord: &coord,
+            key: 7,
+            reduce: &mut reduce,
+        };
+        let refs: Vec<&Local> = ins.iter().collect();
+        kernels::forward(&mut ctx, &refs).unwrap()
+    };
+    let (outs, saved) = run(&ins);
+    let r: Vec<Vec<f32>> = outs
+        .iter()
+        .enumerate()
+        .map(|(o, y)| {
+            (0..y.len())
+                .map(|i| unit(mix(99 + o as u64 * 31 + i as u64)))
+                .collect()
+        })
+        .collect();
+    let objective = |outs: &[Vec<f32>]| -> f64 {
+        outs.iter()
+            .zip(&r)
+            .map(|(y, r)| y.iter().zip(r).map(|(a, b)| f64::from(a * b)).sum::<f64>())
+            .sum()
+    };
+    let need: Vec<bool> = ints.iter().map(|i| i.is_none()).collect();
+    let grads = {
+        let mut reduce = |_: &mut [f32], _: Reduce| Ok(());
+        let mut ctx = Ctx {
+            op: &n.op,
+            ins_full: &ins_full,
+            outs_full: &outs_full,
+            out_regions: &out_regions,
+            coord: &coord,
+            key: 7,
+            reduce: &mut reduce,
+        };
+        let refs: Vec<&Local> = ins.iter().collect();
+        kernels::backward(&mut ctx, &refs, &saved, &r, &need).unwrap()
+    };
+    let mut worst = 0.0f64;
+    for (k, gk) in grads.iter().enumerate() {
+        let Some(gk) = gk else {
+            assert!(!need[k], "{}: input {k} got no gradient", n.name);
+            continue;
+        };
+        assert_eq!(gk.len(), ins[k].data.len(), "{}: input {k}", n.name);
+        let len = gk.len();
+        for j in (0..len).step_by((len / 23).max(1)) {
+            let eps = 1e-2f32;
+            let mut plus = ins.clone();
+            plus[k].data[j] += eps;
+            let mut minus = ins.clone();
+            minus[k].data[j] -= eps;
+            let num =
+                (objective(&run(&plus).0) - objective(&run(&minus).0)) / (2.0 * f64::from(eps));
+            let err =
+                (num - f64::from(gk[j])).abs() / (num.abs().max(f64::from(gk[j]).abs()).max(0.1));
+            if err > worst {
+                worst = err;
+            }
+        }
+    }
+    worst
+}
+
+fn one_op(build: impl FnOnce(&mut GraphBuilder) -> TensorId) -> Graph {
+    let mut b = GraphBuilder::new("op");
+    let y = build(&mut b);
+    let mut g = b.finish(&[y]).unwrap();
+    g.outputs.clear();
+    g
+}
+
+#[test]
+fn every_kernel_matches_finite_differences() {
+    let x4 = |b: &mut GraphBuilder| b.input("x", [2, 4, 7, 6], DType::F32);
+    let cases: Vec<(&str, Graph)> = vec![
+        (
+            "conv stride 2 pad 1 bias",
+            one_op(|b| {
+                let x = x4(b);
+                let mut a = conv(6, 3, 2, 1);
+                a.bias = true;
+                b.conv2d("c", x, a).unwrap()
+            }),
+        ),
+        (
+            "grouped conv dilated",
+            one_op(|b| {
+                let x = x4(b);
+                let a = Conv2dAttrs {
+                    groups: 2,
+                    dilation: [2, 1],
+                    ..conv(4, 3, 1, 2)
+                };
+                b.conv2d("c", x, a).unwrap()
+            }),
+        ),
+        (
+            "max pool",
+            one_op(|b| {
+                let x = x4(b);
+                b.op1(
+                    "p",
+                    OpKind::Pool2d(Pool2dAttrs {
+                        kind: PoolKind::Max,
+                        kernel: [3, 3],
+                        stride: [2, 2],
+                        padding: [1, 1],
+                    }),
+                    &[x],
+                )
+                .unwrap()
+            }),
+        ),
+        (
+            "avg pool",
+            one_op(|b| {
+                let x = x4(b);
+                b.op1(
+                    "p",
+                    OpKind::Pool2d(Pool2dAttrs {
+                        kind: PoolKind::Avg,
+                        kernel: [3, 2],
+                        stride: [1, 2],
+                        padding: [1, 0],
+                    }),
+                    &[x],
+                )
+                .unwrap()
+            }),
+        ),
+        (
+            "global avg pool",
+            one_op(|b| {
+                let x = x4(b);
+                b.op1("p", OpKind::GlobalAvgPool, &[x]).unwrap()
+            }),
+        ),
+        (
+            "batch norm",
+            one_op(|b| {
+                let x = x4(b);
+                b.batch_norm("bn", x).unwrap()
+            }),
+        ),
+        (
+            "linear",
+            one_op(|b| {
+                let x = b.input("x", [3, 2, 5], DType::F32);
+                b.linear("l", x, 4, true).unwrap()
+            }),
+        ),
+        (
+            "embedding",
+            one_op(|b| {
+                let x = b.input("ids", [3, 4], DType::I64);
+                b.embedding("e", x, 9, 5).unwrap().0
+            }),
+        ),
+        (
+            "gelu",
+            one_op(|b| {
+                let x = b.input("x", [3, 5], DType::F32);
+                b.activation("a", Activation::Gelu, x).unwrap()
+            }),
+        ),
+        (
+            "tanh",
+            one_op(|b| {
+                let x = b.input("x", [3, 5], DType::F32);
+                b.activation("a", Activation::Tanh, x).unwrap()
+            }),
+        ),
+        (
+            "add broadcast",
+            one_op(|b| {
+                let x = b.input("x", [3, 4, 5], DType::F32);
+                let y = b.input("y", [4, 1], DType::F32);
+                b.op1("a", OpKind::Add, &[x, y]).unwrap()
+            }),
+        ),
+        (
+            "mul",
+            one_op(|b| {
+                let x = b.input("x", [3, 4], DType::F32);
+                let y = b.input("y", [3, 4], DType::F32);
+                b.op1("m", OpKind::Mul, &[x, y]).unwrap()
+            }),
+        ),
+        (
+            "softmax",
+            one_op(|b| {
+                let x = b.input("x", [3, 4, 5], DType::F32);
+                b.op1("s", OpKind::Softmax(SoftmaxAttrs { axis: 1 }), &[x])
+                    .unwrap()
+            }),
+        ),
+        (
+            "cross-entropy",
+            one_op(|b| {
+                let x = b.input("x", [3, 4, 6], DType::F32);
+                let l = b.input("labels", [3, 4], DType::I64);
+                b.op1("ce", OpKind::CrossEntropy, &[x, l]).unwrap()
+            }),
+        ),
+        (
+            "concat",
+            one_op(|b| {
+                let x = b.input("x", [2, 3, 4], DType::F32);
+                let y = b.input("y", [2, 2, 4], DType::F32);
+                b.op1("c", OpKind::Concat(AxisAttrs { axis: 1 }), &[x, y])
+                    .unwrap()
+            }),
+        ),
+        (
+            "split",
+            one_op(|b| {
+                let x = b.input("x", [2, 5, 3], DType::F32);
+                b.op(
+                    "s",
+                    OpKind::Split(SplitAttrs {
+                        axis: 1,
+                        sizes: vec![2, 3],
+                    }),
+                    &[x],
+                )
+                .unwrap()[1]
+            }),
+        ),
+        (
+            "transpose",
+            one_op(|b| {
+                let x = b.input("x", [2, 3, 4], DType::F32);
+                b.op1(
+                    "t",
+                    OpKind::Transpose(TransposeAttrs {
+                        perm: vec![2, 0, 1],
+                    }),
+                    &[x],
+                )
+                .unwrap()
+            }),
+        ),
+        (
+            "layer norm",
+            one_op(|b| {
+                let x = b.input("x", [3, 6], DType::F32);
+                b.layer_norm("ln", x).unwrap()
+            }),
+        ),
+        (
+            "lstm",
+            one_op(|b| {
+                let x = b.input("x", [2, 4, 3], DType::F32);
+                let w = b.weight("w_ih", [3, 20]);
+                let u = b.weight("w_hh", [5, 20]);
+                let c = b.weight("b", [20]);
+                b.op1("lstm", OpKind::Lstm(RnnAttrs { hidden: 5 }), &[x, w, u, c])
+                    .unwrap()
+            }),
+        ),
+        (
+            "gru",
+            one_op(|b| {
+                let x = b.input("x", [2, 4, 3], DType::F32);
+                let w = b.weight("w_ih", [3, 15]);
+                let u = b.weight("w_hh", [5, 15]);
+                let c = b.weight("b", [15]);
+                b.op1("gru", OpKind::Gru(RnnAttrs { hidden: 5 }), &[x, w, u, c])
+                    .unwrap()
+            }),
+        ),
+    ];
+    for (what, g) in cases {
+        let node = g.nodes.len() - 1;
+        let e = grad_error(&g, node);
+        assert!(e < 2e-2, "{what}: relative gradient error {e:.2e}");
+    }
+}
+
+/// A configuration splitting the first splittable label that `pick` accepts by `d` over
+/// devices `start..start + d`, else the op alone on `start`.
+fn split_by(
+    g: &Graph,
+    node: usize,
+    d: u32,
+    start: u32,
+    pick: &dyn Fn(char, AxisRole) -> bool,
+) -> ParallelConfig {
+    let n = &g.nodes[node];
+    let (ins, outs) = (g.input_shapes(n), g.output_shapes(n));
+    let m = n.op.axes(&ins, &outs);
+    let size = |l: char| {
+        m.inputs
+            .iter()
+            .zip(&ins)
+            .chain(m.outputs.iter().zip(&outs))
+            .flat_map(|(ls, s)| {
+                ls.iter()
+                    .zip(s.dims())
+                    .filter(move |(c, _)| **c == l)
+                    .map(|(_, z)| *z)
+            })
+            .min()
+            .unwrap_or(0)
+    };
+    let label = m
+        .axes
+        .iter()
+        .find(|(l, i)| i.splittable && pick(**l, i.role) && size(**l) >= u64::from(d));
+    match label {
+        Some((l, _)) if d > 1 => ParallelConfig {
+            degrees: BTreeMap::from([(*l, d)]),
+            view: MachineView::block(start, d),
+        },
+        _ => ParallelConfig::single(start),
+    }
+}
+
+fn plan_of(g: &Graph, micro_batches: u32, f: impl Fn(usize) -> ParallelConfig) -> OpPlan {
+    OpPlan {
+        configs: (0..g.nodes.len()).map(f).collect(),
+        micro_batches,
+        schedule: if micro_batches > 1 {
+            Schedule::GPipe
+        } else {
+            Schedule::None
+        },
+        recompute: false,
+    }
+}
+
+/// Runs `plan` and the same run on one device for 5 steps; returns the largest relative
+/// loss and parameter differences.
+fn against_one_device(g: Graph, plan: OpPlan, opt: GraphOptimizer) -> (f64, f64) {
+    let mut spec = GraphRunSpec::new(g, plan, 5);
+    spec.optimizer = opt;
+    spec.collect_state = true;
+    spec.timeout = Duration::from_secs(60);
+    let got = run_graph_threads(&spec).unwrap();
+    let want = run_graph_threads(&spec.single_device()).unwrap();
+    let loss = got
+        .losses
+        .iter()
+        .zip(&want.losses)
+        .map(|(a, b)| (a - b).abs() / b.abs().max(1e-12))
+        .fold(0.0, f64::max);
+    let (params, worst) = got
+        .state
+        .unwrap()
+        .max_relative_diff_where(want.state.as_ref().unwrap(), |_| true);
+    assert!(
+        want.losses.iter().all(|l| l.is_finite()),
+        "single-device losses {:?}",
+        want.losses
+    );
+    eprintln!("loss {loss:.2e} params {params:.2e} (worst {worst})");
+    (loss, params)
+}
+
+const SGD: GraphOptimizer = GraphOptimizer::Sgd {
+    lr: 0.05,
+    momentum: 0.9,
+};
+
+fn assert_equivalent(what: &str, (loss, params): (f64, f64)) {
+    assert!(
+        loss < 1e-4 && params < 1e-4,
+        "{what}: loss {loss:.2e}, params {params:.2e}"
+    );
+}
+
+#[test]
+fn resnet_tiny_under_data_parallelism_matches_one_device() {
+    let g = resnet_tiny(4).unwrap();
+    let plan = plan_of(&g, 1, |i| {
+        split_by(&g, i, 2, 0, &|_, r| r == AxisRole::Sample)
+    });
+    assert_equivalent("dp2", against_one_device(g, plan, SGD));
+}
+
+#[test]
+fn resnet_tiny_under_channel_and_spatial_splits_matches_one_device() {
+    let g = resnet_tiny(2).unwrap();
+    // Output channels of convolutions and fc columns, BatchNorm and pooling channels.
+    let channels = plan_of(&g, 1, |i| {
+        split_by(&g, i, 2, 0, &|l, r| {
+            r == AxisRole::Parameter && l != 'c'
+                || matches!(
+                    g.nodes[i].op,
+                    OpKind::BatchNorm | OpKind::Pool2d(_) | OpKind::GlobalAvgPool
+                ) && l == 'c'
+        })
+    });
+    assert_equivalent(
+        "channel split",
+        against_one_device(g.clone(), channels, SGD),
+    );
+    // Input channels: partial sums reduced by the consumer.
+    let partial = plan_of(&g, 1, |i| {
+        split_by(&g, i, 2, 0, &|l, _| {
+            matches!(g.nodes[i].op, OpKind::Conv2d(_)) && l == 'c'
+        })
+    });
+    assert_equivalent(
+        "contracted split",
+        against_one_device(g.clone(), partial, SGD),
+    );
+    // Image rows: halos for convolution and pooling windows, partial sums of the global pool.
+    let spatial = plan_of(&g, 1, |i| split_by(&g, i, 2, 0, &|l, _| l == 'h'));
+    assert_equivalent("spatial split", against_one_device(g, spatial, SGD));
+}
+
+#[test]
+fn resnet_tiny_as_a_pipeline_and_a_mixed_plan_matches_one_device() {
+    let g = resnet_tiny(4).unwrap();
+    let half = g.nodes.len() / 2;
+    let pipeline = plan_of(&g, 2, |i| ParallelConfig::single(u32::from(i >= half)));
+    assert_equivalent(
+        "2-stage pipeline",
+        against_one_device(g.clone(), pipeline, SGD),
+    );
+    // Every op its own choice: sample splits over 0..4, channel splits over 2..4, a row split
+    // over 1..3 and single devices, so data crosses between views of different shapes.
+    let mixed = plan_of(&g, 1, |i| match i % 4 {
+        0 => split_by(&g, i, 4, 0, &|_, r| r == AxisRole::Sample),
+        1 => split_by(&g, i, 2, 2, &|l, r| r == AxisRole::Parameter && l != 'c'),
+        2 => split_by(&g, i, 2, 1, &|l, _| l == 'h'),
+        _ => ParallelConfig::single((i % 3) as u32),
+    });
+    assert_equivalent("mixed", against_one_device(g, mixed, SGD));
+}
+
+#[test]
+fn lstm_tiny_under_data_parallelism_pipeline_and_vocabulary_split_matches_one_device() {
+    let adam = GraphOptimizer::Adam(AdamConfig::default());
+    let g = lstm_tiny(4, 6).unwrap();
+    let dp = plan_of(&g, 1, |i| {
+        split_by(&g, i, 2, 0, &|_, r| r == AxisRole::Sample)
+    });
+    assert_equivalent("lstm dp2", against_one_device(g.clone(), dp, adam));
+    let pipeline = plan_of(&g, 2, |i| ParallelConfig::single(u32::from(i >= 2)));
+    assert_equivalent(
+        "lstm pipeline",
+        against_one_device(g.clone(), pipeline, adam),
+    );
+    // The embedding's and decoder's vocabulary over two devices: partial-sum lookups and the
+    // vocabulary-parallel loss.
+    let vocab = plan_of(&g, 1, |i| {
+        split_by(&g, i, 2, 0, &|l, _| matches!(l, 'v' | 'n'))
+    });
+    assert_equivalent("lstm vocabulary split", against_one_device(g, vocab, adam));
+}
+
+#[test]
+fn the_tiny_cnn_learns_its_synthetic_images() {
+    let g = resnet_tiny(16).unwrap();
+    let plan = plan_of(&g, 1, |_| ParallelConfig::single(0));
+    let mut spec = GraphRunSpec::new(g, plan, 40);
+    spec.optimizer = GraphOptimizer::Adam(AdamConfig {
+        lr: 3e-3,
+        ..AdamConfig::default()
+    });
+    let r = run_graph_threads(&spec).unwrap();
+    let first: f64 = r.losses[..5].iter().sum::<f64>() / 5.0;
+    let last: f64 = r.losses[35..].iter().sum::<f64>() / 5.0;
+    assert!(last < 0.8 * first, "loss {first:.3} → {last:.3}");
+}
+
+#[test]
+fn plans_the_executor_cannot_run_are_refused_with_the_op_named() {
+    let g = resnet_tiny(2).unwrap();
+    let mut plan = plan_of(&g, 1, |_| ParallelConfig::single(0));
+    plan.configs[0] = ParallelConfig {
+        degrees: BTreeMap::from([('n', 4)]),
+        view: MachineView::block(0, 2),
+    };
+    let e = GraphPrepared::new(&GraphRunSpec::new(g.clone(), plan, 1)).unwrap_err();
+    assert!(e.to_string().contains("op 'conv1'"), "{e}");
+    plan = plan_of(&g, 1, |_| ParallelConfig::single(0));
+    plan.configs.pop();
+    assert!(GraphPrepared::new(&GraphRunSpec::new(g, plan, 1)).is_err());
+}
