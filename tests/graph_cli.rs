@@ -124,3 +124,86 @@ fn nchw_costs_tensor_core_convolutions_their_transposes() {
     assert!(step("tf32", "nchw") > 1.05 * step("tf32", "channels-last"));
     assert_eq!(step("fp32", "nchw"), step("fp32", "channels-last"));
 }
+
+/// `run` trains a model that is not a transformer under an inline layout of every kind the
+/// per-op path lays out (sample, parameter and pipeline splits) and under the plans `plan`
+/// writes for it, with the per-op simulator's prediction beside the measurement.
+#[test]
+fn run_trains_cnns_and_rnns_under_inline_layouts_and_searched_plans() {
+    for (model, seq) in [("resnet-tiny", "1"), ("lstm-tiny", "12")] {
+        for layout in ["dp=2", "dp=1,tp=2", "pp=2,mb=2"] {
+            let doc = json(&parallax(&[
+                "run",
+                "--model",
+                model,
+                "--plan",
+                layout,
+                "--global-batch",
+                "8",
+                "--seq",
+                seq,
+                "--steps",
+                "3",
+                "--json",
+            ]));
+            let losses = doc["losses"].as_array().unwrap();
+            assert_eq!(losses.len(), 3, "{model} {layout}");
+            assert!(losses.iter().all(|l| l.as_f64().unwrap().is_finite()));
+            assert_eq!(doc["ranks"], 2, "{model} {layout}");
+            assert!(doc["predicted_step_time_s"].as_f64().unwrap() > 0.0);
+        }
+        let dir = std::env::temp_dir().join(format!("parallax-run-{model}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let d = dir.to_string_lossy().into_owned();
+        json(&parallax(&[
+            "plan",
+            "--model",
+            model,
+            "--cluster",
+            "cpu-local:gpus=2",
+            "--precision",
+            "fp32",
+            "--global-batch",
+            "8",
+            "--seq",
+            seq,
+            "--json",
+            "--out",
+            &d,
+        ]));
+        let plan = dir.join("plan.json").to_string_lossy().into_owned();
+        let doc = json(&parallax(&["run", &plan, "--steps", "2", "--json"]));
+        assert_eq!(
+            doc["losses"].as_array().unwrap().len(),
+            2,
+            "{model}: searched plan"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// What the general-graph trainer does not do yet is refused before anything runs.
+#[test]
+fn run_of_a_cnn_refuses_what_its_trainer_lacks_in_one_line() {
+    for extra in [
+        ["--save", "/tmp/parallax-never"],
+        ["--data", "/etc/hostname"],
+    ] {
+        let mut args = vec![
+            "run",
+            "--model",
+            "resnet-tiny",
+            "--plan",
+            "dp=2",
+            "--global-batch",
+            "8",
+        ];
+        args.extend(extra);
+        let out = parallax(&args);
+        assert_eq!(out.status.code(), Some(2));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains(extra[0]), "{err}");
+    }
+    assert!(!std::path::Path::new("/tmp/parallax-never").exists());
+}

@@ -153,30 +153,8 @@ pub fn simulate(
     json_out: bool,
     trace: Option<&Path>,
 ) -> anyhow::Result<()> {
-    let path = Path::new(spec);
-    let (source, micro_batch) = if spec.ends_with(".json") || path.is_file() {
-        let p = crate::read_plan(path)?;
-        let m = u64::from(p.micro_batches.unwrap_or(1));
-        (Source::File(Box::new(p)), job.global_batch / m)
-    } else {
-        let l = Inline::parse(job, spec)?;
-        let per_step = l.samples_per_micro_batch;
-        (Source::Inline(l), per_step)
-    };
-    let g = job.build(micro_batch).map_err(user)?;
+    let (g, plan) = op_plan(job, spec)?;
     let mut costs = job.costs(&g)?;
-    let plan = match &source {
-        Source::File(p) => from_plan(&costs, p, spec)?,
-        Source::Inline(l) => {
-            let mut p = layout_plan(&mut costs, l.dp, l.tp, l.pp);
-            p.micro_batches = l.micro_batches;
-            if let Some(s) = l.schedule {
-                p.schedule = s;
-            }
-            p.recompute = l.recompute;
-            p
-        }
-    };
     let sim = simulate_op_plan(&mut costs, &plan, job.global_batch)
         .map_err(|e| user(format!("--plan {spec}: {e}")))?;
     let band = step_time_band(&job.cluster.profile);
@@ -199,6 +177,47 @@ pub fn simulate(
         }
     }
     Ok(())
+}
+
+/// The graph at the micro-batch's size and the per-op plan that `spec` gives: a plan file
+/// with per-op configurations, or an inline layout (`dp`, `tp`, `pp`, `mb`, `schedule`,
+/// `recompute=full`) laid out op by op.
+pub fn op_plan(job: &GraphModel, spec: &str) -> anyhow::Result<(Graph, OpPlan)> {
+    let path = Path::new(spec);
+    let (source, micro_batch) = if spec.ends_with(".json") || path.is_file() {
+        let p = crate::read_plan(path)?;
+        let m = u64::from(p.micro_batches.unwrap_or(1));
+        (Source::File(Box::new(p)), job.global_batch / m)
+    } else {
+        let l = Inline::parse(job, spec)?;
+        let per_step = l.samples_per_micro_batch;
+        (Source::Inline(l), per_step)
+    };
+    let g = job.build(micro_batch).map_err(user)?;
+    let plan = {
+        let mut costs = job.costs(&g)?;
+        match &source {
+            Source::File(p) => from_plan(&costs, p, spec)?,
+            Source::Inline(l) => {
+                let mut p = layout_plan(&mut costs, l.dp, l.tp, l.pp);
+                p.micro_batches = l.micro_batches;
+                if let Some(s) = l.schedule {
+                    p.schedule = s;
+                }
+                p.recompute = l.recompute;
+                p
+            }
+        }
+    };
+    Ok((g, plan))
+}
+
+/// The prediction of `plan` (of graph `g`) for `job`.
+pub fn predict(job: &GraphModel, g: &Graph, plan: &OpPlan) -> anyhow::Result<OpStepPrediction> {
+    let mut costs = job.costs(g)?;
+    Ok(simulate_op_plan(&mut costs, plan, job.global_batch)
+        .map_err(user)?
+        .prediction)
 }
 
 /// Where `simulate --plan` takes the per-op plan from.

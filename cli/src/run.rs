@@ -1,9 +1,11 @@
 //! `parallax run`: train a model under a layout with the executor, and compare the measured
 //! step time with the simulator's prediction for the same layout.
 
+use crate::general::{self, GraphModel};
 use crate::user;
 use clap::Args as ClapArgs;
 use parallax_cost::transformer::Setup;
+use parallax_executor::graph::{GraphOptimizer, GraphRunSpec};
 use parallax_executor::{
     run as exec_run, state, Backend, DataSource, ModelState, RunReport, RunSpec, Span, StepStats,
 };
@@ -436,6 +438,180 @@ fn median(xs: &[f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// A run of a model that is not a transformer: its per-op job and the plan (`--plan` inline
+/// layout or a plan file), or `None` for a transformer.
+fn general_job(a: &Args) -> anyhow::Result<Option<(GraphModel, String)>> {
+    let file = match (&a.plan_file, &a.plan) {
+        (Some(p), None) => Some(p.clone()),
+        (None, Some(p)) if p.ends_with(".json") => Some(PathBuf::from(p)),
+        _ => None,
+    };
+    // A plan file and --model together: the transformer path's check says which to drop.
+    if file.is_some() && a.model.is_some() {
+        return Ok(None);
+    }
+    let plan = match &file {
+        Some(path) => Some(crate::read_plan(path)?),
+        None => None,
+    };
+    let name = match (&plan, &a.model) {
+        (Some(p), _) => p.model.name.clone(),
+        (None, Some(m)) => m.clone(),
+        (None, None) => return Ok(None),
+    };
+    let model = load_model(&name).map_err(user)?;
+    if model.transformer().is_some() {
+        return Ok(None);
+    }
+    if a.framework.is_some() {
+        return Err(user(format!(
+            "--framework: {name} is not a transformer; its per-op plans are costed op by op, not by a stack's transformer kernels"
+        )));
+    }
+    for (flag, given) in [
+        ("--data", a.data.is_some()),
+        ("--save", a.save.is_some()),
+        ("--resume", a.resume.is_some()),
+        ("--trace", a.trace.is_some()),
+    ] {
+        if given {
+            return Err(user(format!(
+                "{flag}: not supported yet for {name}: the general-graph trainer (CNNs, RNNs, per-op plans) trains on synthetic data without checkpoints or traces"
+            )));
+        }
+    }
+    let spec = match (&file, &a.plan) {
+        (Some(f), _) => f.display().to_string(),
+        (None, Some(p)) => p.clone(),
+        (None, None) => {
+            return Err(user(format!(
+                "--model {name}: give --plan (an inline layout such as dp=2, or a plan file) and --global-batch"
+            )))
+        }
+    };
+    let global_batch = match (a.global_batch, &plan) {
+        (Some(b), _) => b,
+        (None, Some(p)) => p.training.global_batch,
+        (None, None) => return Err(user(format!("--model {name}: give --global-batch"))),
+    };
+    crate::job::check_batch("--global-batch", global_batch)?;
+    let seq = a
+        .seq
+        .or(plan.as_ref().map(|p| p.training.seq_len))
+        .unwrap_or(model.default_seq());
+    model.check_seq(seq).map_err(user)?;
+    let cluster = match (&a.cluster, &plan) {
+        (Some(c), _) => Cluster::parse(c).map_err(user)?,
+        (None, Some(p)) => Cluster::parse(&p.cluster.spec).map_err(user)?,
+        (None, None) => {
+            let l = PartialLayout::parse(&spec).map_err(|e| user(format!("--plan: {e}")))?;
+            let devices = u64::from(l.dp.unwrap_or(1))
+                * u64::from(l.tp.unwrap_or(1))
+                * u64::from(l.pp.unwrap_or(1));
+            let devices = u32::try_from(devices)
+                .map_err(|_| user(format!("--plan {spec}: too many devices")))?;
+            cpu_local_cluster(devices)?
+        }
+    };
+    let job = GraphModel::new(model, cluster, seq, global_batch, Precision::Fp32, true)?;
+    Ok(Some((job, spec)))
+}
+
+/// `parallax run` of a per-op plan: trains the graph with the general-graph trainer and
+/// compares its step time with the per-op simulator's prediction of the same plan.
+fn run_general(a: &Args, job: GraphModel, plan_spec: &str, backend: Backend) -> anyhow::Result<()> {
+    let (graph, plan) = general::op_plan(&job, plan_spec)?;
+    let predicted = general::predict(&job, &graph, &plan);
+    let ranks = plan
+        .configs
+        .iter()
+        .map(|c| u64::from(c.view.end()))
+        .max()
+        .unwrap_or(1);
+    if let (Ok(p), Backend::Threads, Some(have)) = (&predicted, backend, host_available_gib()) {
+        let need = p.peak_memory_gib * ranks as f64;
+        if need > have {
+            return Err(user(format!(
+                "--model {}: the CPU executor needs ~{need:.1} GiB ({ranks} ranks × {:.2} GiB of fp32 weights, gradients, optimizer state and activations); this machine has {have:.1} GiB available",
+                job.name, p.peak_memory_gib
+            )));
+        }
+    }
+    let mut spec = GraphRunSpec::new(graph, plan, a.steps);
+    spec.seed = a.seed;
+    spec.optimizer = GraphOptimizer::Adam(parallax_executor::AdamConfig {
+        lr: a.lr,
+        ..Default::default()
+    });
+    spec.timeout = Duration::from_secs_f64(a.timeout);
+    let report = parallax_executor::run_graph(&spec, backend).map_err(|e| match e {
+        parallax_executor::ExecError::Rank { .. }
+        | parallax_executor::ExecError::Comm(_)
+        | parallax_executor::ExecError::Diverged { .. } => anyhow::Error::new(e),
+        parallax_executor::ExecError::Model(why) | parallax_executor::ExecError::Layout(why) => {
+            user(format!("--plan {plan_spec}: {why}"))
+        }
+        other => user(other),
+    })?;
+    if report.rank != 0 {
+        return Ok(());
+    }
+    let times = if report.step_times.len() > 1 {
+        &report.step_times[1..]
+    } else {
+        &report.step_times[..]
+    };
+    let measured = median(times);
+    let samples = job.global_batch as f64;
+    if a.json {
+        let (pred, peak, err) = match &predicted {
+            Ok(p) => (json!(p.step_time_s), json!(p.peak_memory_gib), Value::Null),
+            Err(e) => (Value::Null, Value::Null, json!(e.to_string())),
+        };
+        let doc = json!({
+            "model": job.name,
+            "backend": backend.name(),
+            "ranks": report.ranks,
+            "global_batch": job.global_batch,
+            "seq": job.seq,
+            "micro_batches": spec.plan.micro_batches,
+            "losses": report.losses,
+            "step_times_s": report.step_times,
+            "measured_step_time_s": measured,
+            "measured_step_time_min_s": times.iter().copied().fold(f64::INFINITY, f64::min),
+            "samples_per_s": samples / measured.max(1e-12),
+            "predicted_step_time_s": pred,
+            "predicted_peak_memory_gib": peak,
+            "prediction_cluster": job.cluster.to_string(),
+            "prediction_error": err,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    for (i, (l, t)) in report.losses.iter().zip(&report.step_times).enumerate() {
+        println!(
+            "step {:>5}  loss {l:.4}  time {t:.3} s  {:.0} samples/s",
+            i + 1,
+            samples / t.max(1e-12)
+        );
+    }
+    println!(
+        "measured step time {measured:.4} s (median of steps after the first), {:.0} samples/s, {} ranks",
+        samples / measured.max(1e-12),
+        report.ranks
+    );
+    match &predicted {
+        Ok(p) => println!(
+            "predicted step time {:.4} s on {} ({:+.1} % vs measured)",
+            p.step_time_s,
+            job.cluster,
+            (p.step_time_s / measured - 1.0) * 100.0
+        ),
+        Err(e) => println!("no prediction: {e}"),
+    }
+    Ok(())
+}
+
 pub fn run(a: Args) -> anyhow::Result<()> {
     let backend: Backend = a
         .backend
@@ -455,6 +631,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if !(a.lr.is_finite() && a.lr > 0.0) {
         return Err(user("--lr must be a positive number"));
+    }
+    if let Some((job, spec)) = general_job(&a)? {
+        return run_general(&a, job, &spec, backend);
     }
     let job = resolve(&a)?;
     let own = Framework::parse("parallax").map_err(user)?;

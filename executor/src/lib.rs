@@ -133,6 +133,25 @@ pub fn run(spec: &RunSpec, backend: Backend) -> Result<RunReport, ExecError> {
     }
 }
 
+/// Runs a per-op plan of any graph on `backend`: the threads backend, or MPI when compiled
+/// in. The general-graph trainer has no CUDA kernels yet.
+pub fn run_graph(spec: &graph::GraphRunSpec, backend: Backend) -> Result<RunReport, ExecError> {
+    match backend {
+        Backend::Threads => graph::run_graph_threads(spec),
+        #[cfg(feature = "mpi")]
+        Backend::Mpi => mpi_backend::MpiRuntime::init()?.run_graph(spec),
+        #[cfg(not(feature = "mpi"))]
+        Backend::Mpi => Err(ExecError::NotCompiled {
+            backend: "mpi",
+            feature: "mpi",
+        }),
+        Backend::Cuda => Err(ExecError::Backend {
+            backend: "cuda",
+            message: "the general-graph trainer (CNNs, RNNs, per-op plans) runs on the threads and mpi backends; its CUDA kernels are not written yet".into(),
+        }),
+    }
+}
+
 /// Runs `spec` with one thread per rank. A failing rank (error, panic, or a stall past
 /// `spec.timeout`) ends the whole run with an error naming it.
 pub fn run_threads(spec: &RunSpec) -> Result<RunReport, ExecError> {

@@ -22,8 +22,9 @@ use crate::calibrate::{
     measure_compute, time_all_reduce, AllReduceTimes, ComputeFigures, InterNode, Measurements,
 };
 use crate::comm::{Collectives, CommError, Group};
-use crate::engine::{run_rank, Prepared, RunSpec, Span};
+use crate::engine::{run_rank, Prepared, RankReport, RunSpec, Span};
 use crate::error::ExecError;
+use crate::graph::{run_graph_rank, GraphPrepared, GraphRunSpec};
 use crate::RunReport;
 use mpi::collective::CommunicatorCollectives;
 use mpi::environment::Universe;
@@ -500,7 +501,33 @@ impl MpiRuntime {
         rank_main: &MpiRankMain<'_>,
     ) -> Result<RunReport, ExecError> {
         let prep = Prepared::new(spec)?;
-        let need = prep.topology().world();
+        let epoch = Instant::now();
+        self.drive(
+            prep.topology().world(),
+            spec.timeout,
+            spec.trace,
+            &|comm: &mut MpiComm| rank_main(spec, &prep, comm, epoch),
+        )
+    }
+
+    /// Runs a per-op plan of any graph (the general-graph trainer) with every process of
+    /// the job as one device of the plan.
+    pub fn run_graph(&mut self, spec: &GraphRunSpec) -> Result<RunReport, ExecError> {
+        let prep = GraphPrepared::new(spec)?;
+        self.drive(prep.world(), spec.timeout, false, &|comm: &mut MpiComm| {
+            run_graph_rank(spec, &prep, comm)
+        })
+    }
+
+    /// Checks the job has the `need` processes a run takes, then runs `rank_main` on this
+    /// process's endpoint between barriers, gathering every rank's spans when `trace`.
+    fn drive(
+        &mut self,
+        need: usize,
+        timeout: Duration,
+        trace: bool,
+        rank_main: &dyn Fn(&mut MpiComm) -> Result<RankReport, ExecError>,
+    ) -> Result<RunReport, ExecError> {
         if need != self.world {
             return Err(ExecError::Layout(format!(
                 "the layout needs {need} ranks but the MPI job has {} processes (start it with \
@@ -510,18 +537,17 @@ impl MpiRuntime {
         }
         self.runs += 1;
         let data_tag = MPI_TAG_DATA + (self.runs % DATA_TAGS) as i32;
-        let mut comm = MpiComm::new(self.rank, self.world, data_tag, spec.timeout);
+        let mut comm = MpiComm::new(self.rank, self.world, data_tag, timeout);
         let all = Group::new((0..self.world).collect());
         if let Err(e) = comm.barrier(&all) {
             self.abort(e.into());
         }
-        let epoch = Instant::now();
-        let result = crate::caught(self.rank, || rank_main(spec, &prep, &mut comm, epoch));
+        let result = crate::caught(self.rank, || rank_main(&mut comm));
         let report = match result {
             Ok(r) => r,
             Err(e) => self.abort(e),
         };
-        let spans = if spec.trace {
+        let spans = if trace {
             match gather_spans(&mut comm, &all, report.spans) {
                 Ok(s) => s,
                 Err(e) => self.abort(e.into()),

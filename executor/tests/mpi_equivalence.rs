@@ -1,4 +1,5 @@
-//! The equivalence matrix on the MPI backend (feature `mpi`; needs OpenMPI's `mpirun`).
+//! The equivalence matrix on the MPI backend (feature `mpi`; needs OpenMPI's `mpirun`):
+//! the transformer trainer's layouts and the general-graph trainer's per-op plans.
 //!
 //! `cargo test -p parallax-executor --features mpi --test mpi_equivalence` starts this binary
 //! under `mpirun --oversubscribe -np N` for N = 2, 4 and 8. Each MPI job runs the layouts of
@@ -12,10 +13,14 @@
 //! Environment: `PARALLAX_MPIRUN` replaces `mpirun` (e.g. a full path); `--allow-run-as-root`
 //! is passed through OpenMPI's environment variables so CI can run as root.
 
+use parallax_cost::soap::ParallelConfig;
+use parallax_executor::graph::{
+    op_plan, run_graph_threads, split_label, GraphOptimizer, GraphPrepared, GraphRunSpec,
+};
 use parallax_executor::mpi_backend::MpiRuntime;
 use parallax_executor::{run_threads, AdamConfig, Fault, FaultKind, RunSpec};
-use parallax_ir::models::TransformerConfig;
-use parallax_ir::{Layout, Recompute, Schedule};
+use parallax_ir::models::{resnet::resnet_tiny, rnn::lstm_tiny, TransformerConfig};
+use parallax_ir::{AxisRole, Layout, OpKind, Recompute, Schedule};
 use std::io::Read;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -160,6 +165,104 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
     ]
 }
 
+/// The general-graph matrix: a small ResNet with BatchNorm and an LSTM language model under
+/// the per-op plans of the threads backend's equivalence tests.
+fn graph_matrix() -> Vec<(&'static str, GraphRunSpec)> {
+    let sample = |_: char, r: AxisRole| r == AxisRole::Sample;
+    let cnn = resnet_tiny(4).unwrap();
+    let lstm = lstm_tiny(4, 6).unwrap();
+    let spec = |g: &parallax_ir::Graph, m: u32, f: &dyn Fn(usize) -> ParallelConfig| {
+        let mut s = GraphRunSpec::new(g.clone(), op_plan(g, m, f), STEPS);
+        s.seed = 42;
+        s.collect_state = true;
+        s.timeout = Duration::from_secs(60);
+        s
+    };
+    let half = cnn.nodes.len() / 2;
+    let mut lstm_dp = spec(&lstm, 1, &|i| split_label(&lstm, i, 2, 0, &sample));
+    lstm_dp.optimizer = GraphOptimizer::Adam(AdamConfig::default());
+    vec![
+        (
+            "resnet_dp2",
+            spec(&cnn, 1, &|i| split_label(&cnn, i, 2, 0, &sample)),
+        ),
+        (
+            "resnet_channels2",
+            spec(&cnn, 1, &|i| {
+                split_label(&cnn, i, 2, 0, &|l, r| {
+                    r == AxisRole::Parameter && l != 'c'
+                        || matches!(
+                            cnn.nodes[i].op,
+                            OpKind::BatchNorm | OpKind::Pool2d(_) | OpKind::GlobalAvgPool
+                        ) && l == 'c'
+                })
+            }),
+        ),
+        (
+            "resnet_rows2",
+            spec(&cnn, 1, &|i| split_label(&cnn, i, 2, 0, &|l, _| l == 'h')),
+        ),
+        (
+            "resnet_pipeline2",
+            spec(&cnn, 2, &|i| ParallelConfig::single(u32::from(i >= half))),
+        ),
+        (
+            "resnet_mixed4",
+            spec(&cnn, 1, &|i| match i % 4 {
+                0 => split_label(&cnn, i, 4, 0, &sample),
+                1 => split_label(&cnn, i, 2, 2, &|l, r| r == AxisRole::Parameter && l != 'c'),
+                2 => split_label(&cnn, i, 2, 1, &|l, _| l == 'h'),
+                _ => ParallelConfig::single((i % 3) as u32),
+            }),
+        ),
+        ("lstm_dp2", lstm_dp),
+        (
+            "lstm_pipeline2",
+            spec(&lstm, 2, &|i| ParallelConfig::single(u32::from(i >= 2))),
+        ),
+        (
+            "lstm_vocab2",
+            spec(&lstm, 1, &|i| {
+                split_label(&lstm, i, 2, 0, &|l, _| matches!(l, 'v' | 'n'))
+            }),
+        ),
+    ]
+}
+
+fn graph_ranks(s: &GraphRunSpec) -> usize {
+    GraphPrepared::new(s).map_or(0, |p| p.world())
+}
+
+/// Compares a finished MPI run of a graph (rank 0) with the single-device and the threads
+/// runs of the same spec.
+fn compare_graph(
+    spec: &GraphRunSpec,
+    losses: &[f64],
+    state: &parallax_executor::ModelState,
+) -> Result<(f64, f64), String> {
+    let one = run_graph_threads(&spec.single_device()).map_err(|e| e.to_string())?;
+    let one_state = one.state.ok_or("the single-device run returned no state")?;
+    let mut worst_loss: f64 = 0.0;
+    for (i, (a, b)) in losses.iter().zip(&one.losses).enumerate() {
+        let rel = (a - b).abs() / b.abs();
+        if rel.is_nan() || rel > TOL {
+            return Err(format!(
+                "step {i}: loss {a} vs single-device {b} (rel {rel:e})"
+            ));
+        }
+        worst_loss = worst_loss.max(rel);
+    }
+    let (d, name) = state.max_relative_diff_where(&one_state, |_| true);
+    if d.is_nan() || d > TOL {
+        return Err(format!("parameter {name} differs by {d:e} (relative)"));
+    }
+    let threads = run_graph_threads(spec).map_err(|e| e.to_string())?;
+    if threads.losses != losses || threads.state.as_ref() != Some(state) {
+        return Err("not bit-identical to the same plan on the threads backend".into());
+    }
+    Ok((worst_loss, d))
+}
+
 fn ranks(l: &Layout) -> usize {
     l.devices() as usize
 }
@@ -264,6 +367,34 @@ fn worker(mode: &str) -> ExitCode {
                 let outcome = r.map_err(|e| e.to_string()).and_then(|r| {
                     let state = r.state.ok_or("rank 0 got no state")?;
                     compare(&model, &layout, &r.losses, &state)
+                });
+                match outcome {
+                    Ok((l, p)) => println!(
+                        "CASE ok {name} ({world} ranks, {secs:.2} s): max relative error \
+                         loss {l:.2e}, params {p:.2e}; bit-identical to threads"
+                    ),
+                    Err(e) => {
+                        failed += 1;
+                        println!("CASE FAILED {name} ({world} ranks): {e}");
+                    }
+                }
+            }
+            for (name, spec) in graph_matrix() {
+                if graph_ranks(&spec) != world {
+                    continue;
+                }
+                let t0 = Instant::now();
+                let r = rt.run_graph(&spec);
+                let secs = t0.elapsed().as_secs_f64();
+                if !root {
+                    if let Err(e) = r {
+                        eprintln!("error: rank {}: {name}: {e}", rt.rank());
+                    }
+                    continue;
+                }
+                let outcome = r.map_err(|e| e.to_string()).and_then(|r| {
+                    let state = r.state.ok_or("rank 0 got no state")?;
+                    compare_graph(&spec, &r.losses, &state)
                 });
                 match outcome {
                     Ok((l, p)) => println!(
@@ -382,11 +513,14 @@ fn mpirun(np: usize, mode: &str, limit: Duration) -> Result<Job, String> {
 
 fn launcher() -> ExitCode {
     let (mut passed, mut failed) = (0usize, 0usize);
+    let graphs: Vec<usize> = graph_matrix().iter().map(|(_, s)| graph_ranks(s)).collect();
     let mut sizes: Vec<usize> = matrix().iter().map(|(_, _, l)| ranks(l)).collect();
+    sizes.extend(&graphs);
     sizes.sort_unstable();
     sizes.dedup();
     for np in sizes {
-        let expected = matrix().iter().filter(|(_, _, l)| ranks(l) == np).count();
+        let expected = matrix().iter().filter(|(_, _, l)| ranks(l) == np).count()
+            + graphs.iter().filter(|g| **g == np).count();
         let job = match mpirun(np, "matrix", JOB_LIMIT) {
             Ok(j) => j,
             Err(e) => {

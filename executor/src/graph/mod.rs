@@ -452,6 +452,62 @@ impl GraphPrepared {
     }
 }
 
+/// The configuration of node `node` that splits the first splittable label `pick` accepts
+/// (in label order, given its role) `degree` ways over devices `start..start + degree`; the
+/// op alone on `start` when no label qualifies or `degree` is 1. Hand-made plans (tests,
+/// examples) are built from it.
+pub fn split_label(
+    g: &Graph,
+    node: usize,
+    degree: u32,
+    start: u32,
+    pick: &dyn Fn(char, parallax_ir::AxisRole) -> bool,
+) -> ParallelConfig {
+    let n = &g.nodes[node];
+    let (ins, outs) = (g.input_shapes(n), g.output_shapes(n));
+    let m = n.op.axes(&ins, &outs);
+    let size = |l: char| {
+        m.inputs
+            .iter()
+            .zip(&ins)
+            .chain(m.outputs.iter().zip(&outs))
+            .flat_map(|(ls, s)| {
+                ls.iter()
+                    .zip(s.dims())
+                    .filter(move |(c, _)| **c == l)
+                    .map(|(_, z)| *z)
+            })
+            .min()
+            .unwrap_or(0)
+    };
+    let label = m
+        .axes
+        .iter()
+        .find(|(l, i)| i.splittable && pick(**l, i.role) && size(**l) >= u64::from(degree));
+    match label {
+        Some((l, _)) if degree > 1 => ParallelConfig {
+            degrees: std::collections::BTreeMap::from([(*l, degree)]),
+            view: parallax_cost::soap::MachineView::block(start, degree),
+        },
+        _ => ParallelConfig::single(start),
+    }
+}
+
+/// A per-op plan of `g` with node `i` configured as `f(i)`, fed `micro_batches`
+/// micro-batches in GPipe order.
+pub fn op_plan(g: &Graph, micro_batches: u32, f: impl Fn(usize) -> ParallelConfig) -> OpPlan {
+    OpPlan {
+        configs: (0..g.nodes.len()).map(f).collect(),
+        micro_batches,
+        schedule: if micro_batches > 1 {
+            parallax_ir::Schedule::GPipe
+        } else {
+            parallax_ir::Schedule::None
+        },
+        recompute: false,
+    }
+}
+
 /// Checks that a configuration splits only splittable labels of its op, by degrees that fit,
 /// over a view of as many devices.
 fn check_config(

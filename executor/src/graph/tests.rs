@@ -9,7 +9,7 @@ use parallax_ir::op::{
     Activation, AxisAttrs, Conv2dAttrs, Pool2dAttrs, PoolKind, RnnAttrs, SoftmaxAttrs, SplitAttrs,
     TransposeAttrs,
 };
-use parallax_ir::{AxisRole, DType, Schedule};
+use parallax_ir::{AxisRole, DType};
 use std::collections::BTreeMap;
 
 fn full(s: &Shape) -> Region {
@@ -338,58 +338,6 @@ fn every_kernel_matches_finite_differences() {
     }
 }
 
-/// A configuration splitting the first splittable label that `pick` accepts by `d` over
-/// devices `start..start + d`, else the op alone on `start`.
-fn split_by(
-    g: &Graph,
-    node: usize,
-    d: u32,
-    start: u32,
-    pick: &dyn Fn(char, AxisRole) -> bool,
-) -> ParallelConfig {
-    let n = &g.nodes[node];
-    let (ins, outs) = (g.input_shapes(n), g.output_shapes(n));
-    let m = n.op.axes(&ins, &outs);
-    let size = |l: char| {
-        m.inputs
-            .iter()
-            .zip(&ins)
-            .chain(m.outputs.iter().zip(&outs))
-            .flat_map(|(ls, s)| {
-                ls.iter()
-                    .zip(s.dims())
-                    .filter(move |(c, _)| **c == l)
-                    .map(|(_, z)| *z)
-            })
-            .min()
-            .unwrap_or(0)
-    };
-    let label = m
-        .axes
-        .iter()
-        .find(|(l, i)| i.splittable && pick(**l, i.role) && size(**l) >= u64::from(d));
-    match label {
-        Some((l, _)) if d > 1 => ParallelConfig {
-            degrees: BTreeMap::from([(*l, d)]),
-            view: MachineView::block(start, d),
-        },
-        _ => ParallelConfig::single(start),
-    }
-}
-
-fn plan_of(g: &Graph, micro_batches: u32, f: impl Fn(usize) -> ParallelConfig) -> OpPlan {
-    OpPlan {
-        configs: (0..g.nodes.len()).map(f).collect(),
-        micro_batches,
-        schedule: if micro_batches > 1 {
-            Schedule::GPipe
-        } else {
-            Schedule::None
-        },
-        recompute: false,
-    }
-}
-
 /// Runs `plan` and the same run on one device for 5 steps; returns the largest relative
 /// loss and parameter differences.
 fn against_one_device(g: Graph, plan: OpPlan, opt: GraphOptimizer) -> (f64, f64) {
@@ -433,8 +381,8 @@ fn assert_equivalent(what: &str, (loss, params): (f64, f64)) {
 #[test]
 fn resnet_tiny_under_data_parallelism_matches_one_device() {
     let g = resnet_tiny(4).unwrap();
-    let plan = plan_of(&g, 1, |i| {
-        split_by(&g, i, 2, 0, &|_, r| r == AxisRole::Sample)
+    let plan = op_plan(&g, 1, |i| {
+        split_label(&g, i, 2, 0, &|_, r| r == AxisRole::Sample)
     });
     assert_equivalent("dp2", against_one_device(g, plan, SGD));
 }
@@ -443,8 +391,8 @@ fn resnet_tiny_under_data_parallelism_matches_one_device() {
 fn resnet_tiny_under_channel_and_spatial_splits_matches_one_device() {
     let g = resnet_tiny(2).unwrap();
     // Output channels of convolutions and fc columns, BatchNorm and pooling channels.
-    let channels = plan_of(&g, 1, |i| {
-        split_by(&g, i, 2, 0, &|l, r| {
+    let channels = op_plan(&g, 1, |i| {
+        split_label(&g, i, 2, 0, &|l, r| {
             r == AxisRole::Parameter && l != 'c'
                 || matches!(
                     g.nodes[i].op,
@@ -457,8 +405,8 @@ fn resnet_tiny_under_channel_and_spatial_splits_matches_one_device() {
         against_one_device(g.clone(), channels, SGD),
     );
     // Input channels: partial sums reduced by the consumer.
-    let partial = plan_of(&g, 1, |i| {
-        split_by(&g, i, 2, 0, &|l, _| {
+    let partial = op_plan(&g, 1, |i| {
+        split_label(&g, i, 2, 0, &|l, _| {
             matches!(g.nodes[i].op, OpKind::Conv2d(_)) && l == 'c'
         })
     });
@@ -467,7 +415,7 @@ fn resnet_tiny_under_channel_and_spatial_splits_matches_one_device() {
         against_one_device(g.clone(), partial, SGD),
     );
     // Image rows: halos for convolution and pooling windows, partial sums of the global pool.
-    let spatial = plan_of(&g, 1, |i| split_by(&g, i, 2, 0, &|l, _| l == 'h'));
+    let spatial = op_plan(&g, 1, |i| split_label(&g, i, 2, 0, &|l, _| l == 'h'));
     assert_equivalent("spatial split", against_one_device(g, spatial, SGD));
 }
 
@@ -475,17 +423,17 @@ fn resnet_tiny_under_channel_and_spatial_splits_matches_one_device() {
 fn resnet_tiny_as_a_pipeline_and_a_mixed_plan_matches_one_device() {
     let g = resnet_tiny(4).unwrap();
     let half = g.nodes.len() / 2;
-    let pipeline = plan_of(&g, 2, |i| ParallelConfig::single(u32::from(i >= half)));
+    let pipeline = op_plan(&g, 2, |i| ParallelConfig::single(u32::from(i >= half)));
     assert_equivalent(
         "2-stage pipeline",
         against_one_device(g.clone(), pipeline, SGD),
     );
     // Every op its own choice: sample splits over 0..4, channel splits over 2..4, a row split
     // over 1..3 and single devices, so data crosses between views of different shapes.
-    let mixed = plan_of(&g, 1, |i| match i % 4 {
-        0 => split_by(&g, i, 4, 0, &|_, r| r == AxisRole::Sample),
-        1 => split_by(&g, i, 2, 2, &|l, r| r == AxisRole::Parameter && l != 'c'),
-        2 => split_by(&g, i, 2, 1, &|l, _| l == 'h'),
+    let mixed = op_plan(&g, 1, |i| match i % 4 {
+        0 => split_label(&g, i, 4, 0, &|_, r| r == AxisRole::Sample),
+        1 => split_label(&g, i, 2, 2, &|l, r| r == AxisRole::Parameter && l != 'c'),
+        2 => split_label(&g, i, 2, 1, &|l, _| l == 'h'),
         _ => ParallelConfig::single((i % 3) as u32),
     });
     assert_equivalent("mixed", against_one_device(g, mixed, SGD));
@@ -495,19 +443,19 @@ fn resnet_tiny_as_a_pipeline_and_a_mixed_plan_matches_one_device() {
 fn lstm_tiny_under_data_parallelism_pipeline_and_vocabulary_split_matches_one_device() {
     let adam = GraphOptimizer::Adam(AdamConfig::default());
     let g = lstm_tiny(4, 6).unwrap();
-    let dp = plan_of(&g, 1, |i| {
-        split_by(&g, i, 2, 0, &|_, r| r == AxisRole::Sample)
+    let dp = op_plan(&g, 1, |i| {
+        split_label(&g, i, 2, 0, &|_, r| r == AxisRole::Sample)
     });
     assert_equivalent("lstm dp2", against_one_device(g.clone(), dp, adam));
-    let pipeline = plan_of(&g, 2, |i| ParallelConfig::single(u32::from(i >= 2)));
+    let pipeline = op_plan(&g, 2, |i| ParallelConfig::single(u32::from(i >= 2)));
     assert_equivalent(
         "lstm pipeline",
         against_one_device(g.clone(), pipeline, adam),
     );
     // The embedding's and decoder's vocabulary over two devices: partial-sum lookups and the
     // vocabulary-parallel loss.
-    let vocab = plan_of(&g, 1, |i| {
-        split_by(&g, i, 2, 0, &|l, _| matches!(l, 'v' | 'n'))
+    let vocab = op_plan(&g, 1, |i| {
+        split_label(&g, i, 2, 0, &|l, _| matches!(l, 'v' | 'n'))
     });
     assert_equivalent("lstm vocabulary split", against_one_device(g, vocab, adam));
 }
@@ -515,7 +463,7 @@ fn lstm_tiny_under_data_parallelism_pipeline_and_vocabulary_split_matches_one_de
 #[test]
 fn the_tiny_cnn_learns_its_synthetic_images() {
     let g = resnet_tiny(16).unwrap();
-    let plan = plan_of(&g, 1, |_| ParallelConfig::single(0));
+    let plan = op_plan(&g, 1, |_| ParallelConfig::single(0));
     let mut spec = GraphRunSpec::new(g, plan, 40);
     spec.optimizer = GraphOptimizer::Adam(AdamConfig {
         lr: 3e-3,
@@ -530,14 +478,14 @@ fn the_tiny_cnn_learns_its_synthetic_images() {
 #[test]
 fn plans_the_executor_cannot_run_are_refused_with_the_op_named() {
     let g = resnet_tiny(2).unwrap();
-    let mut plan = plan_of(&g, 1, |_| ParallelConfig::single(0));
+    let mut plan = op_plan(&g, 1, |_| ParallelConfig::single(0));
     plan.configs[0] = ParallelConfig {
         degrees: BTreeMap::from([('n', 4)]),
         view: MachineView::block(0, 2),
     };
     let e = GraphPrepared::new(&GraphRunSpec::new(g.clone(), plan, 1)).unwrap_err();
     assert!(e.to_string().contains("op 'conv1'"), "{e}");
-    plan = plan_of(&g, 1, |_| ParallelConfig::single(0));
+    plan = op_plan(&g, 1, |_| ParallelConfig::single(0));
     plan.configs.pop();
     assert!(GraphPrepared::new(&GraphRunSpec::new(g, plan, 1)).is_err());
 }
