@@ -125,12 +125,12 @@ fn nchw_costs_tensor_core_convolutions_their_transposes() {
     assert_eq!(step("fp32", "nchw"), step("fp32", "channels-last"));
 }
 
-/// `run` trains a model that is not a transformer under an inline layout of every kind the
+/// `run` trains a model that is not a GPT or Llama (a CNN, an RNN, a ViT) under an inline layout of every kind the
 /// per-op path lays out (sample, parameter and pipeline splits) and under the plans `plan`
 /// writes for it, with the per-op simulator's prediction beside the measurement.
 #[test]
 fn run_trains_cnns_and_rnns_under_inline_layouts_and_searched_plans() {
-    for (model, seq) in [("resnet-tiny", "1"), ("lstm-tiny", "12")] {
+    for (model, seq) in [("resnet-tiny", "1"), ("lstm-tiny", "12"), ("vit-tiny", "1")] {
         for layout in ["dp=2", "dp=1,tp=2", "pp=2,mb=2"] {
             let doc = json(&parallax(&[
                 "run",

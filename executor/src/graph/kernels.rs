@@ -18,7 +18,7 @@ use super::Local;
 use crate::comm::CommError;
 use crate::tensor::{gelu, gelu_grad, mm, mm_nt, mm_tn, sigmoid};
 use parallax_cost::soap::Region;
-use parallax_ir::op::{Activation, Conv2dAttrs, PoolKind};
+use parallax_ir::op::{Activation, AttentionAttrs, Conv2dAttrs, PoolKind};
 use parallax_ir::{OpKind, Shape};
 
 /// BatchNorm epsilon (PyTorch's default).
@@ -89,7 +89,7 @@ fn lo(r: &Region, d: usize) -> usize {
 /// Whether this kernel can run `op`.
 pub fn supported(op: &OpKind) -> Result<(), String> {
     match op {
-        OpKind::Attention(_) | OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope => Err(format!(
+        OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope => Err(format!(
             "the general-graph executor has no kernel for op '{}' yet (transformers run on the transformer trainer)",
             op.name()
         )),
@@ -220,7 +220,12 @@ pub fn forward(ctx: &mut Ctx<'_>, ins: &[&Local]) -> Result<(Vec<Vec<f32>>, Save
             saved.f.push(stats);
             vec![y]
         }
-        OpKind::Attention(_) | OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope => {
+        OpKind::Attention(a) => {
+            let (y, probs) = attention_fwd(ctx, a, ins);
+            saved.f.push(probs);
+            vec![y]
+        }
+        OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope => {
             return Err(CommError::Backend(supported(ctx.op).unwrap_err()))
         }
     };
@@ -399,7 +404,8 @@ pub fn backward(
                 matches!(ctx.op, OpKind::RmsNorm),
             ))
         }
-        OpKind::Attention(_) | OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope => {
+        OpKind::Attention(a) => return Ok(attention_bwd(ctx, a, ins, &saved.f[0], dy)),
+        OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope => {
             return Err(CommError::Backend(supported(ctx.op).unwrap_err()))
         }
     }
@@ -1476,4 +1482,212 @@ fn gru_bwd(ins: &[&Local], saved: &Saved, dy: &[f32], hd: usize) -> Vec<Option<V
         mm_tn(&mut dw_hh, &hprev, &dgh, b, hd, g3, true);
     }
     rnn_input_grads(ins, &dxg, dw_hh, g3)
+}
+
+/// Geometry of an attention op's local regions: `(batch, query rows, query heads, head size,
+/// key rows, key heads)`, the first query position and head, the first key head, and query
+/// heads per key head.
+struct AttnDims {
+    b: usize,
+    s: usize,
+    h: usize,
+    d: usize,
+    t: usize,
+    kv: usize,
+    s0: u64,
+    h0: u64,
+    kv0: u64,
+    group: u64,
+}
+
+impl AttnDims {
+    fn new(ctx: &Ctx<'_>, ins: &[&Local]) -> AttnDims {
+        let q = dims(&ins[0].region);
+        let k = dims(&ins[1].region);
+        let heads = ctx.ins_full[0].0[2];
+        let kv_heads = ctx.ins_full[1].0[2].max(1);
+        AttnDims {
+            b: q[0],
+            s: q[1],
+            h: q[2],
+            d: q[3],
+            t: k[1],
+            kv: k[2],
+            s0: ins[0].region[1].0,
+            h0: ins[0].region[2].0,
+            kv0: ins[1].region[2].0,
+            group: (heads / kv_heads).max(1),
+        }
+    }
+
+    /// Local key head of local query head `hh`.
+    fn kv_of(&self, hh: usize) -> usize {
+        let g = (self.h0 + hh as u64) / self.group;
+        debug_assert!(g >= self.kv0, "key head {g} not held");
+        (g - self.kv0) as usize
+    }
+
+    /// Views of query-like (`heads` wide) and key-like rows of sample `b`, head `h`.
+    fn q_off(&self, b: usize, h: usize) -> usize {
+        (b * self.s * self.h + h) * self.d
+    }
+    fn k_off(&self, b: usize, kv: usize) -> usize {
+        (b * self.t * self.kv + kv) * self.d
+    }
+}
+
+/// The dropout multipliers of the attention probabilities of sample `b`, head `h` (local),
+/// hashed from global indices so every split drops the same ones.
+fn attn_dropout(
+    ctx: &Ctx<'_>,
+    a: &AttentionAttrs,
+    dm: &AttnDims,
+    b0: u64,
+    b: usize,
+    h: usize,
+) -> Option<Vec<f32>> {
+    if !a.dropout {
+        return None;
+    }
+    const RATE_PERMILLE: u64 = 100;
+    let heads = ctx.ins_full[0].0[2];
+    let full_s = ctx.ins_full[0].0[1];
+    let scale = 1000.0 / (1000 - RATE_PERMILLE) as f32;
+    let mut m = Vec::with_capacity(dm.s * dm.t);
+    for i in 0..dm.s {
+        for j in 0..dm.t {
+            let g = (((b0 + b as u64) * heads + dm.h0 + h as u64) * full_s + dm.s0 + i as u64)
+                * dm.t as u64
+                + j as u64;
+            let keep = mix(ctx.key ^ mix(g ^ 0xa77)) % 1000 >= RATE_PERMILLE;
+            m.push(if keep { scale } else { 0.0 });
+        }
+    }
+    Some(m)
+}
+
+/// Softmax attention, unfused: saves the probabilities `(b, h, s, t)` for the backward.
+/// Attention dropout, where the op has it, drops 10 % of the probabilities (the IR does not
+/// carry a rate; BERT's and GPT-2's default).
+fn attention_fwd(ctx: &Ctx<'_>, a: &AttentionAttrs, ins: &[&Local]) -> (Vec<f32>, Vec<f32>) {
+    use crate::tensor::{matmul, MatMut, MatRef, Threads};
+    let dm = AttnDims::new(ctx, ins);
+    let (q, k, v) = (&ins[0].data, &ins[1].data, &ins[2].data);
+    let scale = 1.0 / (dm.d as f32).sqrt();
+    let mut y = vec![0.0; q.len()];
+    let mut probs = vec![0.0; dm.b * dm.h * dm.s * dm.t];
+    let b0 = ins[0].region[0].0;
+    for b in 0..dm.b {
+        for h in 0..dm.h {
+            let kv = dm.kv_of(h);
+            let p = &mut probs[((b * dm.h + h) * dm.s) * dm.t..((b * dm.h + h + 1) * dm.s) * dm.t];
+            matmul(
+                MatMut::new(p, dm.s, dm.t),
+                MatRef::strided(q, dm.q_off(b, h), dm.s, dm.d, dm.h * dm.d, 1),
+                MatRef::strided(k, dm.k_off(b, kv), dm.t, dm.d, dm.kv * dm.d, 1).t(),
+                false,
+                Threads::One,
+            );
+            for (i, row) in p.chunks_exact_mut(dm.t.max(1)).enumerate() {
+                let pos = dm.s0 as usize + i;
+                for (j, x) in row.iter_mut().enumerate() {
+                    *x = if a.causal && j > pos {
+                        f32::NEG_INFINITY
+                    } else {
+                        *x * scale
+                    };
+                }
+            }
+            softmax_inplace(p, dm.s, dm.t, 1);
+            let dropped;
+            let used: &[f32] = match attn_dropout(ctx, a, &dm, b0, b, h) {
+                Some(m) => {
+                    dropped = p.iter().zip(&m).map(|(x, k)| x * k).collect::<Vec<f32>>();
+                    &dropped
+                }
+                None => p,
+            };
+            matmul(
+                MatMut::strided(&mut y, dm.q_off(b, h), dm.s, dm.d, dm.h * dm.d, 1),
+                MatRef::new(used, dm.s, dm.t),
+                MatRef::strided(v, dm.k_off(b, kv), dm.t, dm.d, dm.kv * dm.d, 1),
+                false,
+                Threads::One,
+            );
+        }
+    }
+    (y, probs)
+}
+
+fn attention_bwd(
+    ctx: &Ctx<'_>,
+    a: &AttentionAttrs,
+    ins: &[&Local],
+    probs: &[f32],
+    dy: &[f32],
+) -> Vec<Option<Vec<f32>>> {
+    use crate::tensor::{matmul, MatMut, MatRef, Threads};
+    let dm = AttnDims::new(ctx, ins);
+    let (q, k, v) = (&ins[0].data, &ins[1].data, &ins[2].data);
+    let scale = 1.0 / (dm.d as f32).sqrt();
+    let mut dq = vec![0.0; q.len()];
+    let mut dk = vec![0.0; k.len()];
+    let mut dv = vec![0.0; v.len()];
+    let b0 = ins[0].region[0].0;
+    let mut dp = vec![0.0; dm.s * dm.t];
+    for b in 0..dm.b {
+        for h in 0..dm.h {
+            let kv = dm.kv_of(h);
+            let p = &probs[((b * dm.h + h) * dm.s) * dm.t..((b * dm.h + h + 1) * dm.s) * dm.t];
+            let mask = attn_dropout(ctx, a, &dm, b0, b, h);
+            let dropped: Option<Vec<f32>> = mask
+                .as_ref()
+                .map(|m| p.iter().zip(m).map(|(x, k)| x * k).collect());
+            let used = dropped.as_deref().unwrap_or(p);
+            // dV += Pᵀ · dO
+            matmul(
+                MatMut::strided(&mut dv, dm.k_off(b, kv), dm.t, dm.d, dm.kv * dm.d, 1),
+                MatRef::new(used, dm.s, dm.t).t(),
+                MatRef::strided(dy, dm.q_off(b, h), dm.s, dm.d, dm.h * dm.d, 1),
+                true,
+                Threads::One,
+            );
+            // dP = dO · Vᵀ (through the dropout mask)
+            matmul(
+                MatMut::new(&mut dp, dm.s, dm.t),
+                MatRef::strided(dy, dm.q_off(b, h), dm.s, dm.d, dm.h * dm.d, 1),
+                MatRef::strided(v, dm.k_off(b, kv), dm.t, dm.d, dm.kv * dm.d, 1).t(),
+                false,
+                Threads::One,
+            );
+            if let Some(m) = &mask {
+                dp.iter_mut().zip(m).for_each(|(x, k)| *x *= k);
+            }
+            for (row, prow) in dp
+                .chunks_exact_mut(dm.t.max(1))
+                .zip(p.chunks_exact(dm.t.max(1)))
+            {
+                let dot: f32 = row.iter().zip(prow).map(|(a, b)| a * b).sum();
+                for (x, pv) in row.iter_mut().zip(prow) {
+                    *x = pv * (*x - dot) * scale;
+                }
+            }
+            // dQ = dS · K, dK += dSᵀ · Q
+            matmul(
+                MatMut::strided(&mut dq, dm.q_off(b, h), dm.s, dm.d, dm.h * dm.d, 1),
+                MatRef::new(&dp, dm.s, dm.t),
+                MatRef::strided(k, dm.k_off(b, kv), dm.t, dm.d, dm.kv * dm.d, 1),
+                false,
+                Threads::One,
+            );
+            matmul(
+                MatMut::strided(&mut dk, dm.k_off(b, kv), dm.t, dm.d, dm.kv * dm.d, 1),
+                MatRef::new(&dp, dm.s, dm.t).t(),
+                MatRef::strided(q, dm.q_off(b, h), dm.s, dm.d, dm.h * dm.d, 1),
+                true,
+                Threads::One,
+            );
+        }
+    }
+    vec![Some(dq), Some(dk), Some(dv)]
 }

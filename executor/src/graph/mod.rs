@@ -109,8 +109,9 @@ enum Feed {
     Tokens { vocab: u64 },
     /// The next token of each position.
     NextTokens { vocab: u64 },
-    /// Gaussian-ish noise.
-    Noise,
+    /// Zeros: a float input that is not an image (ViT's class-token slot, which broadcasts
+    /// the token over the batch).
+    Zeros,
 }
 
 /// How a consumer reads one input.
@@ -582,7 +583,7 @@ fn feeds(g: &Graph, consumers: &[Vec<(usize, usize)>]) -> Result<Vec<Feed>, Exec
         .enumerate()
         .map(|(t, tensor)| {
             if tensor.role != TensorRole::Input {
-                return Ok(Feed::Noise);
+                return Ok(Feed::Zeros);
             }
             let read_by = |f: fn(&OpKind, usize) -> bool| {
                 consumers[t]
@@ -592,7 +593,7 @@ fn feeds(g: &Graph, consumers: &[Vec<(usize, usize)>]) -> Result<Vec<Feed>, Exec
             if tensor.dtype.is_float() {
                 return Ok(match classes {
                     Some(c) if tensor.shape.rank() == 4 => Feed::Images { classes: c },
-                    _ => Feed::Noise,
+                    _ => Feed::Zeros,
                 });
             }
             if read_by(|op, k| matches!(op, OpKind::CrossEntropy) && k == 1) {
@@ -675,13 +676,7 @@ fn feed_region(feed: Feed, shape: &Shape, region: &Region, seed: u64, first: u64
             Feed::Classes { classes } => class_of(seed, sample, classes) as f32,
             Feed::Tokens { vocab } => token(seed, sample, at(1), vocab) as f32,
             Feed::NextTokens { vocab } => token(seed, sample, at(1) + 1, vocab) as f32,
-            Feed::Noise => {
-                let mut gi = 0u64;
-                for (i, ci) in c.iter().enumerate() {
-                    gi = gi * shape.0[i] + region[i].0 + *ci as u64;
-                }
-                unit(mix(seed ^ mix(first ^ mix(gi ^ 0x5eed))))
-            }
+            Feed::Zeros => 0.0,
         };
         out.push(v);
         for i in (0..d.len()).rev() {

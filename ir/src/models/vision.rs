@@ -77,6 +77,28 @@ pub fn vit_b16(batch: u64) -> Result<Graph, GraphError> {
     vit("vit_b16", batch, VIT_B16)
 }
 
+/// parallax's own CPU vision transformer, [`vit_b16`]'s architecture shrunk to run in a test:
+/// 16×16 images in 4×4 patches (16 patches and the class token), width 32, 2 blocks of 4
+/// heads, MLP 64, 10 classes.
+///
+/// 19,626 parameters: patch embedding 1,568, class token 32, position embedding 544, per
+/// block 8,544, final norm 64, head 330.
+pub fn vit_tiny(batch: u64) -> Result<Graph, GraphError> {
+    vit(
+        "vit_tiny",
+        batch,
+        VitConfig {
+            image: 16,
+            patch: 4,
+            hidden: 32,
+            layers: 2,
+            heads: 4,
+            mlp: 64,
+            classes: 10,
+        },
+    )
+}
+
 /// ViT-giant/14 at 224×224, built as [`vit_l16`] with 40 blocks of width 1408, MLP 6144 and 16
 /// heads: 257 tokens (256 patches and the class token).
 ///

@@ -255,6 +255,13 @@ fn extra_entries() -> Vec<ZooEntry> {
             ZooDef::Batched(resnet::resnet_tiny),
         ),
         e(
+            "vit-tiny",
+            "tiny",
+            19_626.0,
+            "parallax's own CPU vision transformer: vit-b16's architecture on 16x16 images in 4x4 patches, width 32, 2 blocks of 4 heads, MLP 64, 10 classes, counted from its layer shapes",
+            ZooDef::Batched(vision::vit_tiny),
+        ),
+        e(
             "lstm-tiny",
             "tiny",
             20_800.0,
