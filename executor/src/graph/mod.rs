@@ -9,11 +9,14 @@
 //! consumer the data moves by regions: each consumer device takes every block of the
 //! producer's layout that meets its region, from the device of that block (itself if it holds
 //! one), and adds the partial sums of a contracted split. The backward is the same movement
-//! reversed: every consumer device sends the gradient of the region it read to every producer
-//! device whose region meets it, and the producer adds them (replicated reads, halos and
-//! partial sums all come out as sums). Weights live on the devices of their op, each with the
+//! reversed: every consumer device sends the gradient of each part it read to the producer
+//! device it read it from, and the producer adds them (replicated reads, halos and partial
+//! sums all come out as sums; of an op replicated over a label none of its tensors carries,
+//! each copy gets the gradient of what was read from it). Weights live on the devices of their op, each with the
 //! region its coordinates give; after the step's micro-batches the devices holding the same
-//! region all-reduce its gradient and apply the same update, so replicas stay identical.
+//! region all-reduce its gradient (a weight several ops read — tied embeddings — sums the
+//! overlapping parts of every holder's gradient) and apply the same update, so every copy
+//! stays identical.
 //!
 //! BatchNorm under a sample split is synchronised (statistics of the whole micro-batch, as
 //! one device computes them); a cross-entropy over a vocabulary split reduces its row maxima
@@ -143,10 +146,10 @@ pub struct GraphPrepared {
     consumers: Vec<Vec<(usize, usize)>>,
     /// Per node, input and position: the region it needs.
     need: Vec<Vec<Vec<Region>>>,
-    /// Per node, input and position: the producer positions it reads and what of each.
+    /// Per node, input and position: the producer positions it reads and what of each; its
+    /// input gradient goes back to the same positions (every partial-sum holder needs the
+    /// whole gradient; of replicas, only the one read from computed what was read).
     fetch: Routes,
-    /// Per node, input and position: the producer positions its gradient goes to.
-    scatter: Routes,
     /// Per node, whether an input gradient is needed for each input.
     needs_grad: Vec<Vec<bool>>,
     /// The scalar losses (their sum is minimised).
@@ -229,6 +232,7 @@ fn walk(outer: &Region, sub: &Region, mut f: impl FnMut(usize, usize)) {
 const TAG_FWD: u64 = 4 << 48;
 const TAG_BWD: u64 = 5 << 48;
 const TAG_STATE: u64 = 6 << 48;
+const TAG_WSYNC: u64 = 7 << 48;
 
 fn tag(kind: u64, node: usize, slot: usize, mb: usize) -> u64 {
     kind | ((node as u64 & 0x7f_ffff) << 24) | ((slot as u64 & 0xff) << 16) | (mb as u64 & 0xffff)
@@ -277,20 +281,6 @@ impl GraphPrepared {
             )));
         }
         let losses = g.outputs.clone();
-        for (t, cons) in consumers.iter().enumerate() {
-            let tensor = &g.tensors[t];
-            if tensor.role == TensorRole::Weight && cons.len() > 1 {
-                let names: Vec<&str> = cons
-                    .iter()
-                    .map(|(n, _)| g.nodes[*n].name.as_str())
-                    .collect();
-                return Err(ExecError::Model(format!(
-                    "weight '{}' is shared by ops {}: the general-graph executor does not run tied weights yet",
-                    tensor.name,
-                    names.join(", ")
-                )));
-            }
-        }
         let world = plan
             .configs
             .iter()
@@ -368,12 +358,10 @@ impl GraphPrepared {
         }
         let device = |node: usize, pos: u32| plan.configs[node].view.device(pos);
         let mut fetch = Vec::with_capacity(nn);
-        let mut scatter = Vec::with_capacity(nn);
         for i in 0..nn {
             let mut f_in = Vec::new();
-            let mut s_in = Vec::new();
             for (k, src) in sources[i].iter().enumerate() {
-                let (mut f_pos, mut s_pos) = (Vec::new(), Vec::new());
+                let mut f_pos = Vec::new();
                 for pos in 0..plan.configs[i].view.size {
                     let (mut f, mut s) = (Vec::new(), Vec::new());
                     if let Source::Node { node: p, slot } = src {
@@ -400,13 +388,10 @@ impl GraphPrepared {
                             .collect();
                     }
                     f_pos.push(f);
-                    s_pos.push(s);
                 }
                 f_in.push(f_pos);
-                s_in.push(s_pos);
             }
             fetch.push(f_in);
-            scatter.push(s_in);
         }
         let needs_grad = g
             .nodes
@@ -440,7 +425,6 @@ impl GraphPrepared {
             consumers,
             need,
             fetch,
-            scatter,
             needs_grad,
             losses,
             samples_per_step: batch * u64::from(plan.micro_batches),
@@ -809,7 +793,9 @@ impl<'a> Rank<'a> {
                 if !matches!(self.prep.sources[i][k], Source::Weight) {
                     continue;
                 }
-                let full = init_weight(g, i, k, *t, self.spec.seed);
+                // A weight shared by several ops starts as its first reader initialises it.
+                let (first, fk) = self.prep.consumers[t.0 as usize][0];
+                let full = init_weight(g, first, fk, *t, self.spec.seed);
                 let shape = &g.tensor(*t).shape;
                 let whole: Region = shape.dims().iter().map(|d| (0, *d)).collect();
                 let region = self.prep.need[i][k][pos as usize].clone();
@@ -952,7 +938,7 @@ impl<'a> Rank<'a> {
                 }
                 for (c, k) in &prep.consumers[t.0 as usize] {
                     for cpos in 0..self.spec.plan.configs[*c].view.size {
-                        let Some((_, inter)) = prep.scatter[*c][*k][cpos as usize]
+                        let Some((_, inter)) = prep.fetch[*c][*k][cpos as usize]
                             .iter()
                             .find(|(q, _)| *q == pos)
                         else {
@@ -1005,7 +991,7 @@ impl<'a> Rank<'a> {
                         crate::tensor::add_into(&mut w.grad, &gk);
                     }
                     Source::Node { node: p, .. } => {
-                        for (q, inter) in &prep.scatter[i][k][pos as usize] {
+                        for (q, inter) in &prep.fetch[i][k][pos as usize] {
                             let piece = extract(&gk, &ins[k].region, inter);
                             let to = self.device(*p, *q);
                             if to == self.me {
@@ -1022,9 +1008,17 @@ impl<'a> Rank<'a> {
         Ok(())
     }
 
-    /// All-reduces each weight region's gradient over the devices holding the same region.
+    /// Sums each weight region's gradient over every device holding any of it: an all-reduce
+    /// over the devices holding the same region where one op reads the weight, an exchange of
+    /// the overlapping parts between every holder where several ops read it (tied weights).
     fn sync_grads(&mut self) -> Result<(), ExecError> {
+        self.sync_shared()?;
         for w in &mut self.weights {
+            if self.prep.consumers[self.spec.graph.nodes[w.node].inputs[w.slot].0 as usize].len()
+                > 1
+            {
+                continue;
+            }
             let cfg = &self.spec.plan.configs[w.node];
             let layout = &self.prep.in_layouts[w.node][w.slot];
             let pos = cfg.view.position(self.me as u32).expect("held");
@@ -1035,6 +1029,84 @@ impl<'a> Rank<'a> {
                 .collect();
             if ranks.len() > 1 {
                 self.comm.all_reduce_sum(&Group::new(ranks), &mut w.grad)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The gradient exchange of weights read by several ops: every holder (op, position) of
+    /// the weight sends the part of its gradient that overlaps each other holder's region, and
+    /// each holder sums every holder's part over its own region in holder order.
+    fn sync_shared(&mut self) -> Result<(), ExecError> {
+        let spec = self.spec;
+        let g = &spec.graph;
+        let prep = self.prep;
+        for (t, cons) in prep.consumers.iter().enumerate() {
+            if g.tensors[t].role != TensorRole::Weight || cons.len() < 2 {
+                continue;
+            }
+            let holders: Vec<(usize, usize, usize, &Region)> = cons
+                .iter()
+                .flat_map(|&(n, k)| {
+                    let view = spec.plan.configs[n].view;
+                    (0..view.size)
+                        .map(move |p| (n, k, view.device(p) as usize, &prep.need[n][k][p as usize]))
+                })
+                .collect();
+            let mine: Vec<usize> = (0..holders.len())
+                .filter(|h| holders[*h].2 == self.me)
+                .collect();
+            let mut local: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
+            for (j, &(_, _, to, rj)) in holders.iter().enumerate() {
+                for &h in &mine {
+                    let (n, k, _, rh) = holders[h];
+                    if h == j {
+                        continue;
+                    }
+                    let Some(inter) = intersect(rh, rj) else {
+                        continue;
+                    };
+                    let w = &self.weights[self.weight_at[&(n, k)]];
+                    let piece = extract(&w.grad, &w.local.region, &inter);
+                    if to == self.me {
+                        local.insert((h, j), piece);
+                    } else {
+                        self.comm.send(to, tag(TAG_WSYNC, t, 0, j), &piece)?;
+                    }
+                }
+            }
+            let mut totals = Vec::with_capacity(mine.len());
+            for &j in &mine {
+                let (n, k, _, rj) = holders[j];
+                let mut total = vec![0.0; kernels::elems(rj)];
+                for (h, &(hn, hk, from, rh)) in holders.iter().enumerate() {
+                    if h == j {
+                        let w = &self.weights[self.weight_at[&(hn, hk)]];
+                        crate::tensor::add_into(&mut total, &w.grad);
+                        continue;
+                    }
+                    let Some(inter) = intersect(rh, rj) else {
+                        continue;
+                    };
+                    let piece = if from == self.me {
+                        local.remove(&(h, j)).expect("local gradient part")
+                    } else {
+                        let mut buf = vec![0.0; kernels::elems(&inter)];
+                        self.comm.recv(
+                            from,
+                            tag(TAG_WSYNC, t, 0, j),
+                            &mut buf,
+                            "tied weight gradient",
+                        )?;
+                        buf
+                    };
+                    add_piece(&mut total, rj, &inter, &piece);
+                }
+                totals.push(((n, k), total));
+            }
+            for (at, total) in totals {
+                let i = self.weight_at[&at];
+                self.weights[i].grad = total;
             }
         }
         Ok(())
@@ -1097,6 +1169,20 @@ impl<'a> Rank<'a> {
                         self.comm.recv(holder, tg, &mut buf, "state gather")?;
                         add_piece(&mut full, &whole, &region, &buf);
                     }
+                }
+                // Every reader of a shared weight holds a copy: they must agree bit for bit.
+                let name = &g.tensor(*t).name;
+                if let Some(first) = state.tensors.get(name).filter(|_| self.me == 0) {
+                    if first.param != full {
+                        return Err(ExecError::Rank {
+                            rank: 0,
+                            message: format!(
+                                "weight '{name}': the copy op '{}' holds differs from its first reader's after step {step}",
+                                n.name
+                            ),
+                        });
+                    }
+                    continue;
                 }
                 if self.me == 0 {
                     state.tensors.insert(

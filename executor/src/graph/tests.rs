@@ -537,3 +537,32 @@ fn vit_tiny_under_data_head_and_sequence_splits_matches_one_device() {
     });
     assert_equivalent("vit sequence", against_one_device(g, rows, adam));
 }
+
+#[test]
+fn a_tied_embedding_and_head_under_different_splits_matches_one_device() {
+    let mut b = GraphBuilder::new("tied");
+    let tokens = b.input("tokens", [4, 5], DType::I64);
+    let labels = b.input("labels", [4, 5], DType::I64);
+    let (x, table) = b.embedding("wte", tokens, 12, 8).unwrap();
+    let x = b.linear("mix", x, 8, true).unwrap();
+    let logits = b
+        .op1(
+            "head",
+            OpKind::MatMul(parallax_ir::op::MatMulAttrs { transpose_b: true }),
+            &[x, table],
+        )
+        .unwrap();
+    let loss = b
+        .op1("loss", OpKind::CrossEntropy, &[logits, labels])
+        .unwrap();
+    let g = b.finish(&[loss]).unwrap();
+    // The table split by rows for the lookup on devices 0-1, by columns of the logits for the
+    // head on devices 1-2, the rest split by samples over 0-3.
+    let plan = op_plan(&g, 1, |i| match g.nodes[i].name.as_str() {
+        "wte" => split_label(&g, i, 2, 0, &|l, _| l == 'v'),
+        "head" => split_label(&g, i, 2, 1, &|l, _| l == 'n'),
+        _ => split_label(&g, i, 4, 0, &|_, r| r == AxisRole::Sample),
+    });
+    assert!(plan.configs.iter().all(|c| c.view.size > 1));
+    assert_equivalent("tied", against_one_device(g, plan, SGD));
+}

@@ -1,0 +1,82 @@
+//! Nothing the per-op search can choose is refused by the executor: every configuration the
+//! SOAP search considers for every op of every zoo model that is not a GPT or Llama is
+//! accepted by the general-graph trainer, and on the tiny models, plans that cycle through
+//! those configurations op by op train as one device does.
+
+use parallax_cost::soap::{Optimizer, ParallelConfig};
+use parallax_executor::graph::{op_plan, run_graph_threads, GraphPrepared, GraphRunSpec};
+use parallax_hardware::Cluster;
+use parallax_ir::graph::NodeId;
+use parallax_ir::models::zoo::{entries, ZooDef};
+use parallax_ir::{load_model, Graph, Precision};
+use parallax_planner::soap::{configurations, graph_costs};
+
+/// Every op's candidate configurations on `gpus` devices of an A100 node.
+fn candidates(g: &Graph, gpus: u32) -> Vec<Vec<ParallelConfig>> {
+    let cluster = Cluster::parse(&format!("dgx-a100-80gb:gpus={gpus}")).unwrap();
+    let costs = graph_costs(
+        g,
+        &cluster.profile,
+        gpus,
+        Precision::Bf16,
+        Optimizer::Adam,
+        false,
+    )
+    .unwrap();
+    (0..g.nodes.len())
+        .map(|n| configurations(&costs, NodeId(n as u32), gpus))
+        .collect()
+}
+
+/// Plans whose op `i` takes candidate `k mod count` of its own, for every `k` up to the
+/// longest list: together they cover every candidate of every op.
+fn cycling_plans(g: &Graph, cands: &[Vec<ParallelConfig>]) -> Vec<parallax_sim::perop::OpPlan> {
+    let longest = cands.iter().map(Vec::len).max().unwrap_or(1);
+    (0..longest)
+        .map(|k| op_plan(g, 1, |i| cands[i][k % cands[i].len()].clone()))
+        .collect()
+}
+
+#[test]
+fn the_executor_accepts_every_configuration_the_search_considers() {
+    for e in entries() {
+        let (ZooDef::Batched(_) | ZooDef::Sequence(_)) = e.def else {
+            continue;
+        };
+        let model = load_model(e.name).unwrap();
+        let g = model.graph(8, 8, true).unwrap();
+        let cands = candidates(&g, 8);
+        for (k, plan) in cycling_plans(&g, &cands).into_iter().enumerate() {
+            if let Err(err) = GraphPrepared::new(&GraphRunSpec::new(g.clone(), plan, 1)) {
+                panic!("{}: cycling plan {k}: {err}", e.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn cycling_plans_of_the_tiny_models_train_as_one_device() {
+    for name in ["resnet-tiny", "lstm-tiny", "vit-tiny"] {
+        let g = load_model(name).unwrap().graph(8, 6, true).unwrap();
+        let cands = candidates(&g, 4);
+        for (k, plan) in cycling_plans(&g, &cands).into_iter().enumerate() {
+            let mut spec = GraphRunSpec::new(g.clone(), plan, 2);
+            spec.collect_state = true;
+            let got = run_graph_threads(&spec).unwrap();
+            let want = run_graph_threads(&spec.single_device()).unwrap();
+            for (a, b) in got.losses.iter().zip(&want.losses) {
+                assert!(
+                    (a - b).abs() <= 1e-4 * b.abs(),
+                    "{name} plan {k}: loss {a} vs {b}"
+                );
+            }
+            let (d, worst) = got
+                .state
+                .unwrap()
+                .max_relative_diff_where(want.state.as_ref().unwrap(), |n| {
+                    !n.ends_with("attn.k.bias")
+                });
+            assert!(d <= 1e-4, "{name} plan {k}: {worst} differs by {d:e}");
+        }
+    }
+}
