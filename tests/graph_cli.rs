@@ -207,3 +207,28 @@ fn run_of_a_cnn_refuses_what_its_trainer_lacks_in_one_line() {
     }
     assert!(!std::path::Path::new("/tmp/parallax-never").exists());
 }
+
+/// An ONNX export of an inference graph trains against a cross-entropy on its logits.
+#[test]
+fn run_trains_an_onnx_classifier_against_its_logits() {
+    let mlp =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../ir/tests/fixtures/mlp.onnx");
+    let m = mlp.to_string_lossy().into_owned();
+    let doc = json(&parallax(&[
+        "run",
+        "--model",
+        &m,
+        "--plan",
+        "dp=2",
+        "--global-batch",
+        "8",
+        "--steps",
+        "3",
+        "--json",
+    ]));
+    let losses = doc["losses"].as_array().unwrap();
+    assert_eq!(losses.len(), 3);
+    assert!(losses
+        .iter()
+        .all(|l| l.as_f64().unwrap().is_finite() && l.as_f64().unwrap() > 0.0));
+}

@@ -5,7 +5,7 @@ use crate::general::{self, GraphModel};
 use crate::user;
 use clap::Args as ClapArgs;
 use parallax_cost::transformer::Setup;
-use parallax_executor::graph::{GraphOptimizer, GraphRunSpec};
+use parallax_executor::graph::{with_training_loss, GraphOptimizer, GraphRunSpec};
 use parallax_executor::{
     run as exec_run, state, Backend, DataSource, ModelState, RunReport, RunSpec, Span, StepStats,
 };
@@ -522,6 +522,8 @@ fn general_job(a: &Args) -> anyhow::Result<Option<(GraphModel, String)>> {
 fn run_general(a: &Args, job: GraphModel, plan_spec: &str, backend: Backend) -> anyhow::Result<()> {
     let (graph, plan) = general::op_plan(&job, plan_spec)?;
     let predicted = general::predict(&job, &graph, &plan);
+    // An inference graph (an ONNX classifier) trains against a cross-entropy on its logits.
+    let (graph, plan) = with_training_loss(&graph, &plan).unwrap_or((graph, plan));
     let ranks = plan
         .configs
         .iter()

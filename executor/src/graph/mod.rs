@@ -112,9 +112,11 @@ enum Feed {
     Tokens { vocab: u64 },
     /// The next token of each position.
     NextTokens { vocab: u64 },
-    /// Zeros: a float input that is not an image (ViT's class-token slot, which broadcasts
-    /// the token over the batch).
+    /// Zeros: a float input only added to (ViT's class-token slot, which broadcasts the token
+    /// over the batch).
     Zeros,
+    /// Uniform noise in [-1, 1): any other float input (an MLP's features).
+    Noise,
 }
 
 /// How a consumer reads one input.
@@ -493,6 +495,71 @@ pub fn op_plan(g: &Graph, micro_batches: u32, f: impl Fn(usize) -> ParallelConfi
     }
 }
 
+/// A graph that ends in logits rather than a loss (an ONNX export of a classifier or a
+/// language model is an inference graph) with a mean cross-entropy against synthetic labels
+/// appended to each non-scalar output, and the plan with a configuration for each loss: the
+/// sample split of the op producing the logits on the same devices where it has one, else
+/// the first device of that op. `None` when every output is already a scalar loss.
+pub fn with_training_loss(g: &Graph, plan: &OpPlan) -> Option<(Graph, OpPlan)> {
+    use parallax_ir::graph::{Node, Segment, Tensor};
+    if g.outputs.iter().all(|t| g.tensor(*t).shape.rank() == 0) {
+        return None;
+    }
+    let mut g2 = g.clone();
+    let mut plan2 = plan.clone();
+    let mut outputs = Vec::new();
+    for (j, &t) in g.outputs.iter().enumerate() {
+        let out = g.tensor(t).clone();
+        if out.shape.rank() == 0 || !out.dtype.is_float() {
+            outputs.push(t);
+            continue;
+        }
+        let lead = parallax_ir::Shape(out.shape.0[..out.shape.rank() - 1].to_vec());
+        let labels = TensorId(g2.tensors.len() as u32);
+        g2.tensors.push(Tensor {
+            name: format!("{}.labels", out.name),
+            shape: lead,
+            dtype: parallax_ir::DType::I64,
+            role: TensorRole::Input,
+        });
+        let loss = TensorId(g2.tensors.len() as u32);
+        g2.tensors.push(Tensor {
+            name: format!("{}.loss", out.name),
+            shape: parallax_ir::Shape(Vec::new()),
+            dtype: parallax_ir::DType::F32,
+            role: TensorRole::Activation,
+        });
+        g2.nodes.push(Node {
+            name: format!("loss{}", if j == 0 { String::new() } else { j.to_string() }),
+            op: OpKind::CrossEntropy,
+            inputs: vec![t, labels],
+            outputs: vec![loss],
+            segment: Segment::Post,
+        });
+        outputs.push(loss);
+        let producer = g.nodes.iter().position(|n| n.outputs.contains(&t));
+        let cfg = producer.map_or(ParallelConfig::single(0), |p| {
+            let pc = &plan.configs[p];
+            let n = &g.nodes[p];
+            let m = n.op.axes(&g.input_shapes(n), &g.output_shapes(n));
+            let slot = n.outputs.iter().position(|o| *o == t).unwrap_or(0);
+            let d = m.outputs[slot].first().map_or(1, |l| pc.degree(*l));
+            let node = g2.nodes.len() - 1;
+            let split = split_label(&g2, node, d, pc.view.start, &|_, r| {
+                r == parallax_ir::AxisRole::Sample
+            });
+            if d > 1 && d == pc.view.size && pc.view.stride == 1 {
+                split
+            } else {
+                ParallelConfig::single(pc.view.start)
+            }
+        });
+        plan2.configs.push(cfg);
+    }
+    g2.outputs = outputs;
+    Some((g2, plan2))
+}
+
 /// Checks that a configuration splits only splittable labels of its op, by degrees that fit,
 /// over a view of as many devices.
 fn check_config(
@@ -575,9 +642,13 @@ fn feeds(g: &Graph, consumers: &[Vec<(usize, usize)>]) -> Result<Vec<Feed>, Exec
                     .any(|(n, k)| f(&g.nodes[*n].op, *k))
             };
             if tensor.dtype.is_float() {
+                let slot = consumers[t]
+                    .iter()
+                    .all(|(n, _)| matches!(g.nodes[*n].op, OpKind::Add));
                 return Ok(match classes {
                     Some(c) if tensor.shape.rank() == 4 => Feed::Images { classes: c },
-                    _ => Feed::Zeros,
+                    _ if slot => Feed::Zeros,
+                    _ => Feed::Noise,
                 });
             }
             if read_by(|op, k| matches!(op, OpKind::CrossEntropy) && k == 1) {
@@ -661,6 +732,13 @@ fn feed_region(feed: Feed, shape: &Shape, region: &Region, seed: u64, first: u64
             Feed::Tokens { vocab } => token(seed, sample, at(1), vocab) as f32,
             Feed::NextTokens { vocab } => token(seed, sample, at(1) + 1, vocab) as f32,
             Feed::Zeros => 0.0,
+            Feed::Noise => {
+                let mut gi = 0u64;
+                for (i, ci) in c.iter().enumerate() {
+                    gi = gi * shape.0[i] + region[i].0 + *ci as u64;
+                }
+                unit(mix(seed ^ mix(first ^ mix(gi ^ 0x5eed))))
+            }
         };
         out.push(v);
         for i in (0..d.len()).rev() {

@@ -566,3 +566,21 @@ fn a_tied_embedding_and_head_under_different_splits_matches_one_device() {
     assert!(plan.configs.iter().all(|c| c.view.size > 1));
     assert_equivalent("tied", against_one_device(g, plan, SGD));
 }
+
+#[test]
+fn an_inference_graph_gets_a_loss_on_its_logits_split_as_they_are() {
+    let mut b = GraphBuilder::new("mlp");
+    let x = b.input("x", [4, 6], DType::F32);
+    let h = b.linear("fc1", x, 8, true).unwrap();
+    let h = b.activation("relu", Activation::Relu, h).unwrap();
+    let logits = b.linear("fc2", h, 5, true).unwrap();
+    let g = b.finish(&[logits]).unwrap();
+    let plan = op_plan(&g, 1, |i| {
+        split_label(&g, i, 2, 0, &|_, r| r == AxisRole::Sample)
+    });
+    let (g2, plan2) = with_training_loss(&g, &plan).unwrap();
+    assert_eq!(g2.nodes.len(), 4);
+    assert_eq!(plan2.configs[3].view.size, 2, "{:?}", plan2.configs[3]);
+    assert!(with_training_loss(&g2, &plan2).is_none());
+    assert_equivalent("mlp", against_one_device(g2, plan2, SGD));
+}
