@@ -232,3 +232,85 @@ fn run_trains_an_onnx_classifier_against_its_logits() {
         .iter()
         .all(|l| l.as_f64().unwrap().is_finite() && l.as_f64().unwrap() > 0.0));
 }
+
+/// Real data: the byte-level LSTM language model learns a text file, and the tiny ResNet an
+/// image set written by `scripts/make_shapes.py`, over 200 steps each.
+#[test]
+fn run_learns_a_text_file_and_an_image_set_over_200_steps() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let falls = |doc: &serde_json::Value| {
+        let l: Vec<f64> = doc["losses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        let first = l[..10].iter().sum::<f64>() / 10.0;
+        let last = l[l.len() - 10..].iter().sum::<f64>() / 10.0;
+        (first, last)
+    };
+    let text = root.join("README.md").to_string_lossy().into_owned();
+    let doc = json(&parallax(&[
+        "run",
+        "--model",
+        "lstm-tiny",
+        "--data",
+        &text,
+        "--plan",
+        "dp=2",
+        "--global-batch",
+        "16",
+        "--seq",
+        "32",
+        "--steps",
+        "200",
+        "--lr",
+        "3e-3",
+        "--json",
+    ]));
+    let (first, last) = falls(&doc);
+    assert!(
+        last < 0.8 * first,
+        "lstm-tiny on README.md: loss {first:.3} → {last:.3}"
+    );
+    let dir = std::env::temp_dir().join(format!("parallax-shapes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let set = dir.join("shapes.pximg");
+    let made = std::process::Command::new("python3")
+        .arg(root.join("scripts/make_shapes.py"))
+        .args(["--count", "1024", "--out"])
+        .arg(&set)
+        .status();
+    match made {
+        Ok(s) if s.success() => {}
+        other => {
+            eprintln!(
+                "skipping the image half: python3 scripts/make_shapes.py did not run ({other:?})"
+            );
+            return;
+        }
+    }
+    let s = set.to_string_lossy().into_owned();
+    let doc = json(&parallax(&[
+        "run",
+        "--model",
+        "resnet-tiny",
+        "--data",
+        &s,
+        "--plan",
+        "dp=2",
+        "--global-batch",
+        "32",
+        "--steps",
+        "200",
+        "--lr",
+        "3e-3",
+        "--json",
+    ]));
+    let (first, last) = falls(&doc);
+    assert!(
+        last < 0.5 * first,
+        "resnet-tiny on shapes: loss {first:.3} → {last:.3}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -5,7 +5,9 @@ use crate::general::{self, GraphModel};
 use crate::user;
 use clap::Args as ClapArgs;
 use parallax_cost::transformer::Setup;
-use parallax_executor::graph::{with_training_loss, GraphOptimizer, GraphRunSpec};
+use parallax_executor::graph::{
+    with_training_loss, GraphData, GraphOptimizer, GraphRunSpec, ImageSet,
+};
 use parallax_executor::{
     run as exec_run, state, Backend, DataSource, ModelState, RunReport, RunSpec, Span, StepStats,
 };
@@ -469,14 +471,13 @@ fn general_job(a: &Args) -> anyhow::Result<Option<(GraphModel, String)>> {
         )));
     }
     for (flag, given) in [
-        ("--data", a.data.is_some()),
         ("--save", a.save.is_some()),
         ("--resume", a.resume.is_some()),
         ("--trace", a.trace.is_some()),
     ] {
         if given {
             return Err(user(format!(
-                "{flag}: not supported yet for {name}: the general-graph trainer (CNNs, RNNs, per-op plans) trains on synthetic data without checkpoints or traces"
+                "{flag}: not supported yet for {name}: the general-graph trainer (CNNs, RNNs, per-op plans) runs without checkpoints or traces"
             )));
         }
     }
@@ -546,10 +547,28 @@ fn run_general(a: &Args, job: GraphModel, plan_spec: &str, backend: Backend) -> 
         ..Default::default()
     });
     spec.timeout = Duration::from_secs_f64(a.timeout);
+    if let Some(path) = &a.data {
+        let bytes = std::fs::read(path)
+            .map_err(|e| user(format!("--data {}: cannot read: {e}", path.display())))?;
+        spec.data = if bytes.starts_with(&parallax_executor::graph::data::IMAGES_MAGIC[..6]) {
+            let set = ImageSet::parse(&bytes)
+                .map_err(|e| user(format!("--data {}: {e}", path.display())))?;
+            GraphData::Images(Arc::new(set))
+        } else {
+            GraphData::Text(Arc::new(bytes))
+        };
+    }
     let report = parallax_executor::run_graph(&spec, backend).map_err(|e| match e {
         parallax_executor::ExecError::Rank { .. }
         | parallax_executor::ExecError::Comm(_)
         | parallax_executor::ExecError::Diverged { .. } => anyhow::Error::new(e),
+        parallax_executor::ExecError::Data(why) => user(format!(
+            "--data {}: {why}",
+            a.data
+                .as_deref()
+                .unwrap_or(std::path::Path::new(""))
+                .display()
+        )),
         parallax_executor::ExecError::Model(why) | parallax_executor::ExecError::Layout(why) => {
             user(format!("--plan {plan_spec}: {why}"))
         }

@@ -27,7 +27,10 @@
 //! the values, and are run in this order. ZeRO sharding of the optimizer state is not done:
 //! every replica keeps the whole state of its region.
 
+pub mod data;
 pub mod kernels;
+
+pub use data::{GraphData, ImageSet};
 
 use crate::comm::{Collectives, CommError, Group};
 use crate::engine::{AdamConfig, RankReport};
@@ -74,6 +77,8 @@ pub struct GraphRunSpec {
     pub timeout: Duration,
     /// Gather the final parameters into the report (rank 0).
     pub collect_state: bool,
+    /// Where the inputs come from.
+    pub data: GraphData,
 }
 
 impl GraphRunSpec {
@@ -90,6 +95,7 @@ impl GraphRunSpec {
             },
             timeout: Duration::from_secs(120),
             collect_state: false,
+            data: GraphData::Synthetic,
         }
     }
 
@@ -317,7 +323,7 @@ impl GraphPrepared {
             ins_full.push(ins);
             outs_full.push(outs);
         }
-        let feeds = feeds(g, &consumers)?;
+        let feeds = feeds(g, &consumers, &spec.data)?;
         let sources: Vec<Vec<Source>> = g
             .nodes
             .iter()
@@ -618,7 +624,11 @@ fn widen(op: &OpKind, full: &Shape, out: &Region, r: &mut Region) {
 }
 
 /// What the synthetic data of each input tensor is, from how the graph reads it.
-fn feeds(g: &Graph, consumers: &[Vec<(usize, usize)>]) -> Result<Vec<Feed>, ExecError> {
+fn feeds(
+    g: &Graph,
+    consumers: &[Vec<(usize, usize)>],
+    data: &GraphData,
+) -> Result<Vec<Feed>, ExecError> {
     let mut classes = None;
     let mut vocab = None;
     for n in &g.nodes {
@@ -629,6 +639,59 @@ fn feeds(g: &Graph, consumers: &[Vec<(usize, usize)>]) -> Result<Vec<Feed>, Exec
         }
     }
     let has_tokens = vocab.is_some();
+    match data {
+        GraphData::Synthetic => {}
+        GraphData::Images(set) => {
+            let image = g
+                .tensors
+                .iter()
+                .find(|t| t.role == TensorRole::Input && t.dtype.is_float() && t.shape.rank() == 4);
+            let Some(image) = image else {
+                return Err(ExecError::Data(format!(
+                    "an image set, but {} reads no images",
+                    g.name
+                )));
+            };
+            let want = &image.shape.0[1..];
+            let have = [set.channels as u64, set.height as u64, set.width as u64];
+            if want != have {
+                return Err(ExecError::Data(format!(
+                    "images of {}×{}×{}, but {} reads {}×{}×{}",
+                    have[0], have[1], have[2], g.name, want[0], want[1], want[2]
+                )));
+            }
+            if classes.is_some_and(|c| set.classes > c) {
+                return Err(ExecError::Data(format!(
+                    "{} classes, but {} tells {} apart",
+                    set.classes,
+                    g.name,
+                    classes.unwrap_or(0)
+                )));
+            }
+        }
+        GraphData::Text(bytes) => {
+            if vocab.is_none_or(|v| v < 256) {
+                return Err(ExecError::Data(format!(
+                    "text is read as bytes (256 tokens), but {} has {}",
+                    g.name,
+                    vocab.map_or("no token embedding".to_string(), |v| format!(
+                        "a vocabulary of {v}"
+                    ))
+                )));
+            }
+            let seq = g
+                .tensors
+                .iter()
+                .find(|t| t.role == TensorRole::Input && !t.dtype.is_float())
+                .map_or(1, |t| t.shape.last());
+            if (bytes.len() as u64) < seq + 2 {
+                return Err(ExecError::Data(format!(
+                    "{} bytes, fewer than a sequence of {seq} and its next token",
+                    bytes.len()
+                )));
+            }
+        }
+    }
     g.tensors
         .iter()
         .enumerate()
@@ -700,7 +763,14 @@ fn token(seed: u64, s: u64, t: u64, vocab: u64) -> u64 {
 
 /// The values of `region` of a data input for the micro-batch whose first global sample is
 /// `first`.
-fn feed_region(feed: Feed, shape: &Shape, region: &Region, seed: u64, first: u64) -> Vec<f32> {
+fn feed_region(
+    feed: Feed,
+    data: &GraphData,
+    shape: &Shape,
+    region: &Region,
+    seed: u64,
+    first: u64,
+) -> Vec<f32> {
     let d = kernels::dims(region);
     let total: usize = d.iter().product();
     let mut out = Vec::with_capacity(total);
@@ -708,8 +778,24 @@ fn feed_region(feed: Feed, shape: &Shape, region: &Region, seed: u64, first: u64
     for _ in 0..total {
         let at = |i: usize| region[i].0 + c[i] as u64;
         let sample = first + if d.is_empty() { 0 } else { at(0) };
-        let v = match feed {
-            Feed::Images { classes } => {
+        let v = match (feed, data) {
+            (Feed::Images { .. }, GraphData::Images(set)) => set.pixel(
+                (sample % set.count as u64) as usize,
+                at(1) as usize,
+                at(2) as usize,
+                at(3) as usize,
+            ),
+            (Feed::Classes { .. }, GraphData::Images(set)) => {
+                f32::from(set.labels[(sample % set.count as u64) as usize])
+            }
+            (Feed::Tokens { .. } | Feed::NextTokens { .. }, GraphData::Text(bytes)) => {
+                let seq = shape.last();
+                let span = bytes.len() as u64 - seq - 1;
+                let off = mix(seed ^ mix(sample ^ 0x7e47)) % span.max(1);
+                let next = u64::from(matches!(feed, Feed::NextTokens { .. }));
+                f32::from(bytes[(off + at(1) + next) as usize])
+            }
+            (Feed::Images { classes }, _) => {
                 let k = class_of(seed, sample, classes);
                 let (ch, y, x) = (at(1), at(2), at(3));
                 let (h, w) = (shape.0[2].max(1), shape.0[3].max(1));
@@ -728,11 +814,11 @@ fn feed_region(feed: Feed, shape: &Shape, region: &Region, seed: u64, first: u64
                 }
                 signal + 0.5 * unit(mix(seed ^ mix(first.wrapping_add(0x1111) ^ mix(gi))))
             }
-            Feed::Classes { classes } => class_of(seed, sample, classes) as f32,
-            Feed::Tokens { vocab } => token(seed, sample, at(1), vocab) as f32,
-            Feed::NextTokens { vocab } => token(seed, sample, at(1) + 1, vocab) as f32,
-            Feed::Zeros => 0.0,
-            Feed::Noise => {
+            (Feed::Classes { classes }, _) => class_of(seed, sample, classes) as f32,
+            (Feed::Tokens { vocab }, _) => token(seed, sample, at(1), vocab) as f32,
+            (Feed::NextTokens { vocab }, _) => token(seed, sample, at(1) + 1, vocab) as f32,
+            (Feed::Zeros, _) => 0.0,
+            (Feed::Noise, _) => {
                 let mut gi = 0u64;
                 for (i, ci) in c.iter().enumerate() {
                     gi = gi * shape.0[i] + region[i].0 + *ci as u64;
@@ -928,8 +1014,14 @@ impl<'a> Rank<'a> {
                 let local = match &prep.sources[i][k] {
                     Source::Weight => self.weights[self.weight_at[&(i, k)]].local.clone(),
                     Source::Data(feed) => {
-                        let data =
-                            feed_region(*feed, &g.tensor(*t).shape, &region, self.spec.seed, first);
+                        let data = feed_region(
+                            *feed,
+                            &self.spec.data,
+                            &g.tensor(*t).shape,
+                            &region,
+                            self.spec.seed,
+                            first,
+                        );
                         Local { region, data }
                     }
                     Source::Node { node: p, .. } => {

@@ -584,3 +584,35 @@ fn an_inference_graph_gets_a_loss_on_its_logits_split_as_they_are() {
     assert!(with_training_loss(&g2, &plan2).is_none());
     assert_equivalent("mlp", against_one_device(g2, plan2, SGD));
 }
+
+#[test]
+fn image_sets_parse_and_refuse_what_is_wrong() {
+    let mut bytes = data::IMAGES_MAGIC.to_vec();
+    for v in [2u32, 1, 2, 2, 3] {
+        bytes.extend(v.to_le_bytes());
+    }
+    bytes.extend([1, 0, 255, 128, 64]);
+    bytes.extend([2, 10, 20, 30, 40]);
+    let set = ImageSet::parse(&bytes).unwrap();
+    assert_eq!((set.count, set.classes), (2, 3));
+    assert_eq!(set.labels, vec![1, 2]);
+    assert_eq!(set.pixel(0, 0, 0, 0), -2.0);
+    assert_eq!(set.pixel(0, 0, 0, 1), 2.0);
+    let mut bad_label = bytes.clone();
+    bad_label[28 + 5] = 3;
+    assert!(ImageSet::parse(&bad_label)
+        .unwrap_err()
+        .contains("image 1: label 3"));
+    assert!(ImageSet::parse(&bytes[..bytes.len() - 1])
+        .unwrap_err()
+        .contains("needs 38"));
+    assert!(ImageSet::parse(b"hello")
+        .unwrap_err()
+        .contains("parallax-images/1"));
+    // An image set of the wrong size for the model is refused before training.
+    let g = resnet_tiny(2).unwrap();
+    let mut spec = GraphRunSpec::new(g.clone(), op_plan(&g, 1, |_| ParallelConfig::single(0)), 1);
+    spec.data = GraphData::Images(std::sync::Arc::new(set));
+    let e = GraphPrepared::new(&spec).unwrap_err().to_string();
+    assert!(e.contains("images of 1×2×2"), "{e}");
+}

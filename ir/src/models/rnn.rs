@@ -139,14 +139,15 @@ fn ptb_lm(
     g.finish(&[loss])
 }
 
-/// Vocabulary of [`lstm_tiny`].
-pub const LSTM_TINY_VOCAB: u64 = 64;
+/// Vocabulary of [`lstm_tiny`]: bytes, so it trains on any text file.
+pub const LSTM_TINY_VOCAB: u64 = 256;
 
-/// parallax's own CPU language model, [`lstm_lm`]'s architecture shrunk to run in a test:
-/// embedding 64 × 32 → LSTM(32) → LSTM(32) → Linear(32 → 64, bias) → cross-entropy.
+/// parallax's own CPU language model, [`lstm_lm`]'s architecture shrunk to run in a test and
+/// read bytes: embedding 256 × 32 → LSTM(32) → LSTM(32) → Linear(32 → 256, bias) →
+/// cross-entropy.
 ///
-/// 20,800 parameters: embedding 2,048; per layer 32 × 128 + 32 × 128 + 128 = 8,320; head
-/// 2,048 + 64.
+/// 33,280 parameters: embedding 8,192; per layer 32 × 128 + 32 × 128 + 128 = 8,320; head
+/// 8,192 + 256.
 pub fn lstm_tiny(batch: u64, seq: u64) -> Result<Graph, GraphError> {
     let mut g = GraphBuilder::new("lstm_tiny");
     let tokens = g.input("tokens", [batch, seq], DType::I64);

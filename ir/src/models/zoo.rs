@@ -264,8 +264,8 @@ fn extra_entries() -> Vec<ZooEntry> {
         e(
             "lstm-tiny",
             "tiny",
-            20_800.0,
-            "parallax's own CPU language model: lstm-lm's architecture with vocab 64, 2 x 32 LSTM, counted from its layer shapes",
+            33_280.0,
+            "parallax's own CPU language model: lstm-lm's architecture with a byte vocabulary (256), 2 x 32 LSTM, counted from its layer shapes",
             ZooDef::Sequence(rnn::lstm_tiny),
         ),
         e("inception-v3", "inception", 27_161_264.0, "torchvision inception_v3 weights table (with the auxiliary head)", ZooDef::Batched(cnn::inception_v3)),
