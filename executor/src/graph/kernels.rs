@@ -635,6 +635,9 @@ fn broadcast_fwd(ctx: &Ctx<'_>, ins: &[&Local]) -> Vec<f32> {
 fn broadcast_bwd(ctx: &Ctx<'_>, ins: &[&Local], dy: &[f32]) -> Vec<Option<Vec<f32>>> {
     let out = dims(&ctx.out_regions[0]);
     let mul = matches!(ctx.op, OpKind::Mul);
+    if !mul && ins.iter().all(|x| dims(&x.region) == out) {
+        return ins.iter().map(|_| Some(dy.to_vec())).collect();
+    }
     let index: Vec<Vec<usize>> = ins
         .iter()
         .map(|x| broadcast_index(&out, &dims(&x.region)))
@@ -1019,20 +1022,40 @@ fn axes2(
     })
 }
 
+/// For each output position `o` and tap `k` of an axis, the local input index read, or
+/// `usize::MAX` in the padding (`out_len × kernel`, row-major).
+fn taps(ax: &Axis) -> Vec<usize> {
+    let mut t = Vec::with_capacity(ax.out_len * ax.kernel);
+    for o in 0..ax.out_len {
+        for k in 0..ax.kernel {
+            t.push(ax.at(o, k).unwrap_or(usize::MAX));
+        }
+    }
+    t
+}
+
 /// One sample's im2col for the channels `chans` (local indices): `(chans · kh · kw) × (oh · ow)`.
 fn im2col(x: &[f32], (h, w): (usize, usize), chans: &[usize], ax: &[Axis; 2]) -> Vec<f32> {
     let (kh, kw) = (ax[0].kernel, ax[1].kernel);
-    let p = ax[0].out_len * ax[1].out_len;
+    let (oh, ow) = (ax[0].out_len, ax[1].out_len);
+    let (ty, tx) = (taps(&ax[0]), taps(&ax[1]));
+    let p = oh * ow;
     let mut cols = vec![0.0; chans.len() * kh * kw * p];
     for (ci, c) in chans.iter().enumerate() {
+        let plane = &x[c * h * w..(c + 1) * h * w];
         for i in 0..kh {
             for j in 0..kw {
-                let row = ((ci * kh + i) * kw + j) * p;
-                for oy in 0..ax[0].out_len {
-                    let Some(iy) = ax[0].at(oy, i) else { continue };
-                    for ox in 0..ax[1].out_len {
-                        if let Some(ix) = ax[1].at(ox, j) {
-                            cols[row + oy * ax[1].out_len + ox] = x[(c * h + iy) * w + ix];
+                let row = &mut cols[((ci * kh + i) * kw + j) * p..((ci * kh + i) * kw + j + 1) * p];
+                for oy in 0..oh {
+                    let iy = ty[oy * kh + i];
+                    if iy == usize::MAX {
+                        continue;
+                    }
+                    let src = &plane[iy * w..(iy + 1) * w];
+                    for (ox, dst) in row[oy * ow..(oy + 1) * ow].iter_mut().enumerate() {
+                        let ix = tx[ox * kw + j];
+                        if ix != usize::MAX {
+                            *dst = src[ix];
                         }
                     }
                 }
@@ -1044,16 +1067,24 @@ fn im2col(x: &[f32], (h, w): (usize, usize), chans: &[usize], ax: &[Axis; 2]) ->
 
 fn col2im(cols: &[f32], dx: &mut [f32], (h, w): (usize, usize), chans: &[usize], ax: &[Axis; 2]) {
     let (kh, kw) = (ax[0].kernel, ax[1].kernel);
-    let p = ax[0].out_len * ax[1].out_len;
+    let (oh, ow) = (ax[0].out_len, ax[1].out_len);
+    let (ty, tx) = (taps(&ax[0]), taps(&ax[1]));
+    let p = oh * ow;
     for (ci, c) in chans.iter().enumerate() {
+        let plane = &mut dx[c * h * w..(c + 1) * h * w];
         for i in 0..kh {
             for j in 0..kw {
-                let row = ((ci * kh + i) * kw + j) * p;
-                for oy in 0..ax[0].out_len {
-                    let Some(iy) = ax[0].at(oy, i) else { continue };
-                    for ox in 0..ax[1].out_len {
-                        if let Some(ix) = ax[1].at(ox, j) {
-                            dx[(c * h + iy) * w + ix] += cols[row + oy * ax[1].out_len + ox];
+                let row = &cols[((ci * kh + i) * kw + j) * p..((ci * kh + i) * kw + j + 1) * p];
+                for oy in 0..oh {
+                    let iy = ty[oy * kh + i];
+                    if iy == usize::MAX {
+                        continue;
+                    }
+                    let dst = &mut plane[iy * w..(iy + 1) * w];
+                    for (ox, v) in row[oy * ow..(oy + 1) * ow].iter().enumerate() {
+                        let ix = tx[ox * kw + j];
+                        if ix != usize::MAX {
+                            dst[ix] += v;
                         }
                     }
                 }

@@ -206,21 +206,25 @@ fn walk(outer: &Region, sub: &Region, mut f: impl FnMut(usize, usize)) {
     if sd.contains(&0) {
         return;
     }
+    // Trailing dimensions `sub` covers whole are contiguous with the one before them: one run.
+    let mut k = r - 1;
+    while k > 0 && sd[k] == od[k] {
+        k -= 1;
+    }
+    let run: usize = sd[k..].iter().product();
     let mut strides = vec![1usize; r];
     for i in (0..r - 1).rev() {
         strides[i] = strides[i + 1] * od[i + 1];
     }
-    let run = sd[r - 1];
-    let mut c = vec![0usize; r - 1];
+    let base: usize = (0..r)
+        .map(|i| (sub[i].0 - outer[i].0) as usize * strides[i])
+        .sum();
+    // Counters over the dimensions before `k`.
+    let mut c = vec![0usize; k];
     loop {
-        let off: usize = (0..r)
-            .map(|i| {
-                let x = (sub[i].0 - outer[i].0) as usize + if i < r - 1 { c[i] } else { 0 };
-                x * strides[i]
-            })
-            .sum();
+        let off = base + c.iter().zip(&strides).map(|(a, b)| a * b).sum::<usize>();
         f(off, run);
-        let mut d = r - 1;
+        let mut d = k;
         loop {
             if d == 0 {
                 return;
@@ -775,6 +779,8 @@ fn feed_region(
     let total: usize = d.iter().product();
     let mut out = Vec::with_capacity(total);
     let mut c = vec![0usize; d.len()];
+    // (sample, class, direction) of the image being written.
+    let mut cached = (u64::MAX, 0u64, 0.0f32, 0.0f32);
     for _ in 0..total {
         let at = |i: usize| region[i].0 + c[i] as u64;
         let sample = first + if d.is_empty() { 0 } else { at(0) };
@@ -796,14 +802,17 @@ fn feed_region(
                 f32::from(bytes[(off + at(1) + next) as usize])
             }
             (Feed::Images { classes }, _) => {
-                let k = class_of(seed, sample, classes);
+                // A class-specific oriented wave on one channel, plus noise.
+                if cached.0 != sample {
+                    let k = class_of(seed, sample, classes);
+                    let angle = k as f32 * std::f32::consts::PI / classes.max(1) as f32;
+                    cached = (sample, k, angle.sin(), angle.cos());
+                }
+                let (_, k, fy, fx) = cached;
                 let (ch, y, x) = (at(1), at(2), at(3));
                 let (h, w) = (shape.0[2].max(1), shape.0[3].max(1));
-                // A class-specific oriented wave on one channel, plus noise.
-                let angle = k as f32 * std::f32::consts::PI / classes.max(1) as f32;
-                let (fy, fx) = (angle.sin(), angle.cos());
-                let phase = 6.0 * (fy * y as f32 / h as f32 + fx * x as f32 / w as f32);
                 let signal = if ch == k % shape.0[1].max(1) {
+                    let phase = 6.0 * (fy * y as f32 / h as f32 + fx * x as f32 / w as f32);
                     phase.sin()
                 } else {
                     0.0
@@ -894,13 +903,31 @@ struct Rank<'a> {
     weight_at: HashMap<(usize, usize), usize>,
 }
 
+/// The inputs of node `n` as its kernel reads them: the held weights in place of `None`.
+fn refs<'s>(
+    weights: &'s [Held],
+    weight_at: &HashMap<(usize, usize), usize>,
+    n: usize,
+    ins: &'s [Option<Local>],
+) -> Vec<&'s Local> {
+    ins.iter()
+        .enumerate()
+        .map(|(k, l)| match l {
+            Some(l) => l,
+            None => &weights[weight_at[&(n, k)]].local,
+        })
+        .collect()
+}
+
 /// Per micro-batch state of the forward kept for the backward.
 #[derive(Default)]
 struct Tape {
     /// Outputs this device produced, by tensor.
     outs: HashMap<TensorId, Local>,
     /// Inputs this device read, per node, and what the kernel saved.
-    ins: HashMap<usize, (Vec<Local>, Saved)>,
+    /// (Weights are not copied: `None` stands for the op's weight, held unchanged until the
+    /// update.)
+    ins: HashMap<usize, (Vec<Option<Local>>, Saved)>,
     /// Pieces a device sends itself: forward by (node, slot), backward by (consumer node,
     /// slot, producer node).
     local_fwd: HashMap<(usize, usize), Vec<f32>>,
@@ -1012,7 +1039,10 @@ impl<'a> Rank<'a> {
             for (k, t) in n.inputs.iter().enumerate() {
                 let region = prep.need[i][k][pos as usize].clone();
                 let local = match &prep.sources[i][k] {
-                    Source::Weight => self.weights[self.weight_at[&(i, k)]].local.clone(),
+                    Source::Weight => {
+                        ins.push(None);
+                        continue;
+                    }
                     Source::Data(feed) => {
                         let data = feed_region(
                             *feed,
@@ -1025,8 +1055,16 @@ impl<'a> Rank<'a> {
                         Local { region, data }
                     }
                     Source::Node { node: p, .. } => {
-                        let mut data = vec![0.0; kernels::elems(&region)];
-                        for (q, inter) in &prep.fetch[i][k][pos as usize] {
+                        let sources = &prep.fetch[i][k][pos as usize];
+                        // One part covering the whole region (the common case of layouts that
+                        // agree) is taken as it comes.
+                        let whole = matches!(sources.as_slice(), [(_, r)] if *r == region);
+                        let mut data = if whole {
+                            Vec::new()
+                        } else {
+                            vec![0.0; kernels::elems(&region)]
+                        };
+                        for (q, inter) in sources {
                             let from = self.device(*p, *q);
                             let piece = if from == self.me {
                                 tape.local_fwd.remove(&(i, k)).expect("local piece")
@@ -1040,12 +1078,16 @@ impl<'a> Rank<'a> {
                                 )?;
                                 buf
                             };
-                            add_piece(&mut data, &region, inter, &piece);
+                            if whole {
+                                data = piece;
+                            } else {
+                                add_piece(&mut data, &region, inter, &piece);
+                            }
                         }
                         Local { region, data }
                     }
                 };
-                ins.push(local);
+                ins.push(Some(local));
             }
             let out_regions: Vec<Region> =
                 prep.out_layouts[i].iter().map(|l| l.region(pos)).collect();
@@ -1064,7 +1106,7 @@ impl<'a> Rank<'a> {
                 key,
                 reduce: &mut reduce,
             };
-            let refs: Vec<&Local> = ins.iter().collect();
+            let refs = refs(&self.weights, &self.weight_at, i, &ins);
             let (outs, saved) = kernels::forward(&mut ctx, &refs)?;
             for ((t, data), region) in n.outputs.iter().zip(outs).zip(out_regions) {
                 if prep.losses.contains(t) {
@@ -1148,13 +1190,17 @@ impl<'a> Rank<'a> {
                 key,
                 reduce: &mut reduce,
             };
-            let refs: Vec<&Local> = ins.iter().collect();
+            let refs = refs(&self.weights, &self.weight_at, i, &ins);
             let grads = kernels::backward(&mut ctx, &refs, &saved, &dys, &prep.needs_grad[i])?;
+            let held: Vec<(Region, usize)> = refs
+                .iter()
+                .map(|l| (l.region.clone(), l.data.len()))
+                .collect();
             for (k, gk) in grads.into_iter().enumerate() {
                 if !prep.needs_grad[i][k] {
                     continue;
                 }
-                let gk = gk.unwrap_or_else(|| vec![0.0; ins[k].data.len()]);
+                let gk = gk.unwrap_or_else(|| vec![0.0; held[k].1]);
                 match &prep.sources[i][k] {
                     Source::Weight => {
                         let w = &mut self.weights[self.weight_at[&(i, k)]];
@@ -1162,7 +1208,7 @@ impl<'a> Rank<'a> {
                     }
                     Source::Node { node: p, .. } => {
                         for (q, inter) in &prep.fetch[i][k][pos as usize] {
-                            let piece = extract(&gk, &ins[k].region, inter);
+                            let piece = extract(&gk, &held[k].0, inter);
                             let to = self.device(*p, *q);
                             if to == self.me {
                                 tape.local_bwd.insert((i, k), piece);

@@ -616,3 +616,35 @@ fn image_sets_parse_and_refuse_what_is_wrong() {
     let e = GraphPrepared::new(&spec).unwrap_err().to_string();
     assert!(e.contains("images of 1×2×2"), "{e}");
 }
+
+#[test]
+fn regions_copy_out_and_add_back_exactly() {
+    // Every sub-box of a 3 × 4 × 5 box, copied out and added back into zeros, lands where it
+    // came from and nowhere else.
+    let outer: Region = vec![(2, 5), (0, 4), (10, 15)];
+    let n = kernels::elems(&outer);
+    let src: Vec<f32> = (0..n).map(|i| i as f32 + 1.0).collect();
+    let ranges = |(a, b): (u64, u64)| {
+        (a..b)
+            .flat_map(move |x| (x + 1..=b).map(move |y| (x, y)))
+            .collect::<Vec<_>>()
+    };
+    for r0 in ranges(outer[0]) {
+        for r1 in ranges(outer[1]) {
+            for r2 in ranges(outer[2]).into_iter().step_by(3) {
+                let sub: Region = vec![r0, r1, r2];
+                let piece = extract(&src, &outer, &sub);
+                assert_eq!(piece.len(), kernels::elems(&sub));
+                let mut back = vec![0.0; n];
+                add_piece(&mut back, &outer, &sub, &piece);
+                for (i, (b, s)) in back.iter().zip(&src).enumerate() {
+                    let (z, y, x) = (i / 20, i / 5 % 4, i % 5);
+                    let inside = (r0.0..r0.1).contains(&(z as u64 + 2))
+                        && (r1.0..r1.1).contains(&(y as u64))
+                        && (r2.0..r2.1).contains(&(x as u64 + 10));
+                    assert_eq!(*b, if inside { *s } else { 0.0 }, "{sub:?} at {i}");
+                }
+            }
+        }
+    }
+}
