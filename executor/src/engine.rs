@@ -8,8 +8,8 @@ use crate::data::{micro_batch, DataSource};
 use crate::error::ExecError;
 use crate::model::{
     block_bwd, block_fwd, build_wpe, build_wte, embed_bwd, embed_fwd, head_bwd, head_fwd,
-    head_own_weight, BlockCache, BlockLayout, Dims, HeadCache, HeadLayout, Keep, Pass, Slot,
-    SlotBuilder, Split, Tp,
+    head_own_weight, positions_bwd, positions_fwd, BlockCache, BlockLayout, Dims, HeadCache,
+    HeadLayout, Keep, Pass, Slot, SlotBuilder, Split, Tp, VocabParallel, VocabWindow,
 };
 use crate::state::{ModelState, TensorState};
 use parallax_ir::models::TransformerConfig;
@@ -839,6 +839,18 @@ impl Engine<'_> {
         Ok(f64::from(loss[0]))
     }
 
+    /// Whether the embedding and the LM head are split by vocabulary over the tensor-parallel
+    /// group (where it divides the vocabulary), and the token rows this rank holds.
+    fn vocab_window(&self) -> (bool, VocabWindow) {
+        let (v, tp) = (self.prep.dims.vocab, self.prep.topo.tp);
+        if tp > 1 && v % tp == 0 {
+            let t = self.coords.2;
+            (true, t * (v / tp)..(t + 1) * (v / tp))
+        } else {
+            (false, 0..v)
+        }
+    }
+
     fn local_rows(&self) -> Range<usize> {
         let rows = self.prep.mbs * self.prep.seq;
         if self.prep.sp {
@@ -905,14 +917,30 @@ impl Engine<'_> {
         } else {
             (Vec::new(), Vec::new())
         };
+        let (vp, window) = self.vocab_window();
         let mut x = if let Some(wu) = ch.wte {
             self.gather(wu)?;
             if let Some(pu) = ch.wpe {
                 self.gather(pu)?;
             }
-            let wte = &self.units[wu].params[..d.vocab * d.h];
-            let wpe = ch.wpe.map(|pu| &self.units[pu].params[..d.max_seq * d.h]);
-            let x = embed_fwd(d, wte, wpe, &tokens, rows.clone(), prep.seq);
+            let wte = &self.units[wu].params[..window.len() * d.h];
+            let mut x = if vp {
+                // Every row's partial lookup, summed over the group (scattered to the local
+                // rows under sequence parallelism).
+                let part = embed_fwd(d, wte, window.clone(), &tokens, 0..prep.mbs * prep.seq);
+                let mut tp = Tp {
+                    comm: &mut *self.comm,
+                    group: &self.tp_g,
+                    sp: prep.sp,
+                };
+                tp.reduce_rows(part)?
+            } else {
+                embed_fwd(d, wte, window.clone(), &tokens, rows.clone())
+            };
+            if let Some(pu) = ch.wpe {
+                let wpe = &self.units[pu].params[..d.max_seq * d.h];
+                positions_fwd(d, &mut x, wpe, rows.clone(), prep.seq);
+            }
             self.release(wu);
             if let Some(pu) = ch.wpe {
                 self.release(pu);
@@ -951,12 +979,28 @@ impl Engine<'_> {
             let p = &self.units[*hu].params;
             let w_out = match (head_own_weight(hl, p), ch.head_w) {
                 (Some(w), _) => w,
-                (None, Some(wu)) => &self.units[wu].params[..d.vocab * d.h],
+                (None, Some(wu)) => &self.units[wu].params[..window.len() * d.h],
                 (None, None) => unreachable!("a tied head has a weight unit"),
             };
             let scale = 1.0 / (self.spec.global_batch * self.spec.seq) as f32;
-            let (loss, hc) = head_fwd(d, hl, p, w_out, x, &targets[rows.clone()], scale);
-            if prep.sp || self.coords.2 == 0 {
+            let mut tp = Tp {
+                comm: &mut *self.comm,
+                group: &self.tp_g,
+                sp: prep.sp,
+            };
+            // A vocabulary-parallel head computes every row's loss on every rank of the
+            // group; otherwise the local rows' (each rank its own under sequence parallelism).
+            let (targets, vp_head) = if vp {
+                let vp_head = VocabParallel {
+                    tp: &mut tp,
+                    vocab: window.clone(),
+                };
+                (&targets[..], Some(vp_head))
+            } else {
+                (&targets[rows.clone()], None)
+            };
+            let (loss, hc) = head_fwd(d, hl, p, w_out, x, targets, scale, vp_head)?;
+            if (prep.sp && !vp) || self.coords.2 == 0 {
                 self.loss_part += loss * f64::from(scale);
             }
             self.release(*hu);
@@ -996,14 +1040,26 @@ impl Engine<'_> {
                 ),
             });
         };
+        let (vp, window) = self.vocab_window();
         let mut dx = match (cache.head, &ch.head) {
             (Some(hc), Some((hu, hl))) => {
                 self.gather(*hu)?;
+                if let Some(wu) = ch.head_w.filter(|wu| wu != hu) {
+                    self.gather(wu)?;
+                }
+                let mut tp = Tp {
+                    comm: &mut *self.comm,
+                    group: &self.tp_g,
+                    sp: prep.sp,
+                };
+                let vp_head = vp.then(|| VocabParallel {
+                    tp: &mut tp,
+                    vocab: window.clone(),
+                });
                 let dx = match ch.head_w {
                     Some(wu) if wu != *hu => {
-                        self.gather(wu)?;
                         let (h, w) = two_mut(&mut self.units, *hu, wu);
-                        let n = d.vocab * d.h;
+                        let n = window.len() * d.h;
                         let dx = head_bwd(
                             d,
                             hl,
@@ -1012,7 +1068,8 @@ impl Engine<'_> {
                             &w.params[..n],
                             Some(&mut w.grads[..n]),
                             hc,
-                        );
+                            vp_head,
+                        )?;
                         self.release(wu);
                         dx
                     }
@@ -1021,7 +1078,7 @@ impl Engine<'_> {
                         // written, with no copy of the (vocab × hidden) head.
                         let h = &mut self.units[*hu];
                         let w = head_own_weight(hl, &h.params).unwrap_or_default();
-                        head_bwd(d, hl, &h.params, &mut h.grads, w, None, hc)
+                        head_bwd(d, hl, &h.params, &mut h.grads, w, None, hc, vp_head)?
                     }
                 };
                 self.release(*hu);
@@ -1051,32 +1108,24 @@ impl Engine<'_> {
             self.release(*u);
         }
         if let Some(wu) = ch.wte {
-            let n = d.vocab * d.h;
-            match ch.wpe {
-                Some(pu) => {
-                    let (w, p) = two_mut(&mut self.units, wu, pu);
-                    embed_bwd(
-                        d,
-                        &mut w.grads[..n],
-                        Some(&mut p.grads[..d.max_seq * d.h]),
-                        &cache.tokens,
-                        rows,
-                        prep.seq,
-                        &dx,
-                    );
-                }
-                None => {
-                    embed_bwd(
-                        d,
-                        &mut self.units[wu].grads[..n],
-                        None,
-                        &cache.tokens,
-                        rows,
-                        prep.seq,
-                        &dx,
-                    );
-                }
+            let n = window.len() * d.h;
+            if let Some(pu) = ch.wpe {
+                let dwpe = &mut self.units[pu].grads[..d.max_seq * d.h];
+                positions_bwd(d, dwpe, rows.clone(), prep.seq, &dx);
             }
+            // A vocabulary-parallel table takes every row's gradient for its own tokens.
+            let (dx_rows, rows) = if vp {
+                let mut tp = Tp {
+                    comm: &mut *self.comm,
+                    group: &self.tp_g,
+                    sp: prep.sp,
+                };
+                (tp.gather_rows(dx)?, 0..prep.mbs * prep.seq)
+            } else {
+                (dx, rows)
+            };
+            let dwte = &mut self.units[wu].grads[..n];
+            embed_bwd(d, dwte, window, &cache.tokens, rows, &dx_rows);
         } else {
             let to = self.neighbour(ch.vs + nv - 1);
             self.comm.send(to, p2p_tag(TAG_GRAD, ch.vs - 1, mb), &dx)?;

@@ -239,6 +239,17 @@ impl SlotBuilder {
         range
     }
 
+    /// How a `[vocab, hidden]` table splits: by vocabulary rows over the tensor-parallel
+    /// ranks where they divide it (Megatron's vocabulary-parallel embedding and LM head), else
+    /// replicated.
+    pub fn vocab_split(&self, vocab: usize) -> Split {
+        if self.tp > 1 && vocab % self.tp == 0 {
+            Split::Dim(0)
+        } else {
+            Split::Replicated
+        }
+    }
+
     /// Marks the last slot added as a tied copy.
     pub fn mark_tied_copy(&mut self) {
         if let Some(s) = self.slots.last_mut() {
@@ -363,7 +374,7 @@ impl HeadLayout {
             b.add(
                 "lm_head".into(),
                 &[d.vocab, d.h],
-                Split::Replicated,
+                b.vocab_split(d.vocab),
                 Init::Normal(INIT_STD),
             )
         });
@@ -381,7 +392,7 @@ pub fn build_wte(d: &Dims, b: &mut SlotBuilder, copy: bool) -> Range<usize> {
     let r = b.add(
         "embed.wte".into(),
         &[d.vocab, d.h],
-        Split::Replicated,
+        b.vocab_split(d.vocab),
         Init::Normal(INIT_STD),
     );
     if copy {
@@ -418,7 +429,7 @@ impl Tp<'_> {
     }
 
     /// All-gather of row slices (sequence parallel), else identity.
-    fn gather_rows(&mut self, x: Vec<f32>) -> Result<Vec<f32>, CommError> {
+    pub(crate) fn gather_rows(&mut self, x: Vec<f32>) -> Result<Vec<f32>, CommError> {
         if !self.sp || self.size() == 1 {
             return Ok(x);
         }
@@ -428,7 +439,7 @@ impl Tp<'_> {
     }
 
     /// Sum of partial results: reduce-scatter over rows (sequence parallel), else all-reduce.
-    fn reduce_rows(&mut self, mut x: Vec<f32>) -> Result<Vec<f32>, CommError> {
+    pub(crate) fn reduce_rows(&mut self, mut x: Vec<f32>) -> Result<Vec<f32>, CommError> {
         let n = self.size();
         if n == 1 {
             return Ok(x);
@@ -786,50 +797,68 @@ fn split_two<'a>(
     }
 }
 
-/// Embedding forward for local rows `rows` of a micro-batch (`tokens` are the micro-batch's,
-/// all rows; positions are `row % seq`).
+/// The rows `vocab.start..vocab.end` of the token table a rank holds (all of them unless the
+/// table is split by vocabulary).
+pub type VocabWindow = Range<usize>;
+
+/// Token embedding of rows `rows` of a micro-batch (`tokens` are the micro-batch's, all
+/// rows) from the part `wte` of the table holding tokens `vocab`: rows whose token lies
+/// outside it stay zero (partial sums of a vocabulary-parallel table, summed over the
+/// tensor-parallel group by the caller).
 pub fn embed_fwd(
     d: &Dims,
     wte: &[f32],
-    wpe: Option<&[f32]>,
+    vocab: VocabWindow,
     tokens: &[u32],
     rows: Range<usize>,
-    seq: usize,
 ) -> Vec<f32> {
     let h = d.h;
     let mut x = vec![0.0; rows.len() * h];
     for (i, r) in rows.enumerate() {
         let t = tokens[r] as usize;
-        let xr = &mut x[i * h..(i + 1) * h];
-        xr.copy_from_slice(&wte[t * h..(t + 1) * h]);
-        if let Some(wpe) = wpe {
-            let pos = r % seq;
-            add_into(xr, &wpe[pos * h..(pos + 1) * h]);
+        if vocab.contains(&t) {
+            let t = t - vocab.start;
+            x[i * h..(i + 1) * h].copy_from_slice(&wte[t * h..(t + 1) * h]);
         }
     }
     x
 }
 
-/// Embedding backward: scatter-adds `dx` into the table gradients.
+/// Adds learned positions to rows `rows` of a micro-batch (positions are `row % seq`).
+pub fn positions_fwd(d: &Dims, x: &mut [f32], wpe: &[f32], rows: Range<usize>, seq: usize) {
+    let h = d.h;
+    for (i, r) in rows.enumerate() {
+        let pos = r % seq;
+        add_into(&mut x[i * h..(i + 1) * h], &wpe[pos * h..(pos + 1) * h]);
+    }
+}
+
+/// Token embedding backward: scatter-adds `dx` (rows `rows`) into the gradient of the part
+/// of the table holding tokens `vocab`.
 pub fn embed_bwd(
     d: &Dims,
     dwte: &mut [f32],
-    dwpe: Option<&mut [f32]>,
+    vocab: VocabWindow,
     tokens: &[u32],
     rows: Range<usize>,
-    seq: usize,
     dx: &[f32],
 ) {
     let h = d.h;
-    let mut dwpe = dwpe;
     for (i, r) in rows.enumerate() {
         let t = tokens[r] as usize;
-        let g = &dx[i * h..(i + 1) * h];
-        add_into(&mut dwte[t * h..(t + 1) * h], g);
-        if let Some(dwpe) = dwpe.as_deref_mut() {
-            let pos = r % seq;
-            add_into(&mut dwpe[pos * h..(pos + 1) * h], g);
+        if vocab.contains(&t) {
+            let t = t - vocab.start;
+            add_into(&mut dwte[t * h..(t + 1) * h], &dx[i * h..(i + 1) * h]);
         }
+    }
+}
+
+/// Learned positions backward.
+pub fn positions_bwd(d: &Dims, dwpe: &mut [f32], rows: Range<usize>, seq: usize, dx: &[f32]) {
+    let h = d.h;
+    for (i, r) in rows.enumerate() {
+        let pos = r % seq;
+        add_into(&mut dwpe[pos * h..(pos + 1) * h], &dx[i * h..(i + 1) * h]);
     }
 }
 
@@ -837,14 +866,26 @@ pub fn embed_bwd(
 #[derive(Debug)]
 pub struct HeadCache {
     x: Vec<f32>,
+    /// The normalised rows the logits were computed from (every row of the micro-batch under a
+    /// vocabulary-parallel head with sequence parallelism).
     hf: Vec<f32>,
     st: Vec<[f32; 2]>,
     dlogits: Vec<f32>,
 }
 
-/// Head forward on local rows: final norm, logits against `w_out` (`[vocab, hidden]`: the
-/// embedding when tied), cross-entropy against `targets` (the local rows'). Returns the summed
-/// loss; the gradient of `scale · loss` is kept for backward.
+/// The vocabulary split of a head: the tensor-parallel group over which the logits' columns
+/// are split and the columns this rank holds.
+#[derive(Debug)]
+pub struct VocabParallel<'a, 'b> {
+    pub tp: &'a mut Tp<'b>,
+    pub vocab: VocabWindow,
+}
+
+/// Head forward on local rows: final norm, logits against `w_out` (`[vocab, hidden]`, or its
+/// rows `vp.vocab` when the head is vocabulary-parallel: the embedding when tied),
+/// cross-entropy against `targets` (the local rows', or every row of the micro-batch when
+/// vocabulary-parallel). Returns the summed loss (of every row when vocabulary-parallel: each
+/// rank of the group has it); the gradient of `scale · loss` is kept for backward.
 #[allow(clippy::too_many_arguments)]
 pub fn head_fwd(
     d: &Dims,
@@ -854,8 +895,9 @@ pub fn head_fwd(
     x: Vec<f32>,
     targets: &[u32],
     scale: f32,
-) -> (f64, HeadCache) {
-    let (h, v) = (d.h, d.vocab);
+    vp: Option<VocabParallel<'_, '_>>,
+) -> Result<(f64, HeadCache), CommError> {
+    let h = d.h;
     let rows = x.len() / h;
     let mut hf = vec![0.0; rows * h];
     let st = norm_fwd(
@@ -865,10 +907,25 @@ pub fn head_fwd(
         slice(p, &l.norm_b),
         d.rms,
     );
-    let mut logits = vec![0.0; rows * v];
-    mm_nt(&mut logits, &hf, w_out, rows, v, h, false);
-    let loss = cross_entropy(&mut logits, targets, v, scale);
-    (
+    let (hf, loss, logits) = match vp {
+        None => {
+            let v = d.vocab;
+            let mut logits = vec![0.0; rows * v];
+            mm_nt(&mut logits, &hf, w_out, rows, v, h, false);
+            let loss = cross_entropy(&mut logits, targets, v, scale);
+            (hf, loss, logits)
+        }
+        Some(vp) => {
+            let hf = vp.tp.gather_rows(hf)?;
+            let all = hf.len() / h;
+            let lv = vp.vocab.len();
+            let mut logits = vec![0.0; all * lv];
+            mm_nt(&mut logits, &hf, w_out, all, lv, h, false);
+            let loss = vocab_parallel_cross_entropy(vp.tp, &mut logits, targets, vp.vocab, scale)?;
+            (hf, loss, logits)
+        }
+    };
+    Ok((
         loss,
         HeadCache {
             x,
@@ -876,7 +933,64 @@ pub fn head_fwd(
             st,
             dlogits: logits,
         },
-    )
+    ))
+}
+
+/// Megatron's vocabulary-parallel cross-entropy (`tensor_parallel/cross_entropy.py`): each
+/// rank holds the columns `vocab` of every row's logits; the row maxima, the sums of
+/// exponentials and the target logits are reduced over the tensor-parallel group, so every
+/// rank ends with the loss of every row and the gradient of `scale · loss` for its columns (in
+/// `logits`, in place).
+fn vocab_parallel_cross_entropy(
+    tp: &mut Tp<'_>,
+    logits: &mut [f32],
+    targets: &[u32],
+    vocab: VocabWindow,
+    scale: f32,
+) -> Result<f64, CommError> {
+    let lv = vocab.len();
+    let rows = targets.len();
+    let n = tp.size();
+    // Row maxima over the group: every rank's maxima gathered, the largest taken.
+    let local_max: Vec<f32> = logits
+        .chunks_exact(lv)
+        .map(|r| r.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+        .collect();
+    let mut all = vec![0.0; rows * n];
+    tp.comm.all_gather(tp.group, &local_max, &mut all)?;
+    let max: Vec<f32> = (0..rows)
+        .map(|r| {
+            (0..n)
+                .map(|k| all[k * rows + r])
+                .fold(f32::NEG_INFINITY, f32::max)
+        })
+        .collect();
+    // Σ exp and the target logit of every row.
+    let mut sums = vec![0.0f32; 2 * rows];
+    for (r, row) in logits.chunks_exact_mut(lv).enumerate() {
+        let t = targets[r] as usize;
+        if vocab.contains(&t) {
+            sums[rows + r] = row[t - vocab.start] - max[r];
+        }
+        for x in row.iter_mut() {
+            *x = (*x - max[r]).exp();
+            sums[r] += *x;
+        }
+    }
+    tp.comm.all_reduce_sum(tp.group, &mut sums)?;
+    let mut total = 0.0f64;
+    for (r, row) in logits.chunks_exact_mut(lv).enumerate() {
+        let (sum, target) = (sums[r], sums[rows + r]);
+        total += f64::from(sum.ln() - target);
+        for x in row.iter_mut() {
+            *x *= scale / sum;
+        }
+        let t = targets[r] as usize;
+        if vocab.contains(&t) {
+            row[t - vocab.start] -= scale;
+        }
+    }
+    Ok(total)
 }
 
 /// The head's unembedding weight: the untied LM head in `p`, else `None` (use the embedding).
@@ -885,8 +999,9 @@ pub fn head_own_weight<'a>(l: &HeadLayout, p: &'a [f32]) -> Option<&'a [f32]> {
 }
 
 /// Head backward: accumulates the final norm's gradients (and the untied LM head's) into `g`,
-/// the tied embedding's gradient into `tied_dw`, and returns the input gradient. `w_out` is
-/// the unembedding weight used in forward.
+/// the tied embedding's gradient into `tied_dw`, and returns the input gradient of the local
+/// rows. `w_out` is the unembedding weight used in forward; `vp` the vocabulary split forward
+/// used.
 #[allow(clippy::too_many_arguments)]
 pub fn head_bwd(
     d: &Dims,
@@ -896,8 +1011,11 @@ pub fn head_bwd(
     w_out: &[f32],
     tied_dw: Option<&mut [f32]>,
     c: HeadCache,
-) -> Vec<f32> {
-    let (h, v) = (d.h, d.vocab);
+    vp: Option<VocabParallel<'_, '_>>,
+) -> Result<Vec<f32>, CommError> {
+    let h = d.h;
+    let v = vp.as_ref().map_or(d.vocab, |vp| vp.vocab.len());
+    let all = c.hf.len() / h;
     let rows = c.x.len() / h;
     let (gn, dw) = match &l.lm_head {
         Some(r) => {
@@ -907,10 +1025,15 @@ pub fn head_bwd(
         None => (g, tied_dw),
     };
     if let Some(dw) = dw {
-        mm_tn(dw, &c.dlogits, &c.hf, rows, v, h, true);
+        mm_tn(dw, &c.dlogits, &c.hf, all, v, h, true);
     }
-    let mut dhf = vec![0.0; rows * h];
-    mm(&mut dhf, &c.dlogits, w_out, rows, v, h, false);
+    let mut dhf = vec![0.0; all * h];
+    mm(&mut dhf, &c.dlogits, w_out, all, v, h, false);
+    // Each rank's columns give a partial input gradient: summed over the group (scattered
+    // back to the local rows under sequence parallelism).
+    if let Some(vp) = vp {
+        dhf = vp.tp.reduce_rows(dhf)?;
+    }
     let mut dx = vec![0.0; rows * h];
     let (lo, hi) = split_two(gn, &l.norm_w, &l.norm_b);
     norm_bwd(
@@ -924,5 +1047,5 @@ pub fn head_bwd(
         d.rms,
         false,
     );
-    dx
+    Ok(dx)
 }

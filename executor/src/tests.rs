@@ -133,6 +133,21 @@ equivalence! {
     llama_tp2_sp_full_recompute: llama(4), Layout { tp: 2, sequence_parallel: true, recompute: Recompute::Full, ..Layout::default() };
     llama_dp2_pp2_zero3_interleaved: llama(4), Layout { dp: 2, zero_stage: 3, interleave: 2, ..pp(2, Schedule::Interleaved1F1B) };
     llama_dp2_tp2_sp_zero2_selective: llama(4), Layout { dp: 2, tp: 2, sequence_parallel: true, zero_stage: 2, recompute: Recompute::Selective, ..Layout::default() };
+    // A vocabulary tp does not divide: the embedding and head stay whole on every rank.
+    tp2_sp_odd_vocab: TransformerConfig::gpt(2, 32, 4, 64, 65, 16), Layout { tp: 2, sequence_parallel: true, ..Layout::default() };
+}
+
+#[test]
+fn embedding_and_head_split_by_vocabulary_where_tp_divides_it() {
+    use crate::model::{SlotBuilder, Split};
+    assert_eq!(SlotBuilder::new(2).vocab_split(64), Split::Dim(0));
+    assert_eq!(SlotBuilder::new(2).vocab_split(65), Split::Replicated);
+    assert_eq!(SlotBuilder::new(1).vocab_split(64), Split::Replicated);
+    // Each of two ranks holds half the table: 32 of 64 rows of width 32.
+    let d = crate::model::Dims::from_config(&gpt(2)).unwrap();
+    let mut b = SlotBuilder::new(2);
+    let r = crate::model::build_wte(&d, &mut b, false);
+    assert_eq!(r.len(), 32 * 32);
 }
 
 #[test]
