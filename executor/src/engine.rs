@@ -545,6 +545,9 @@ struct Unit {
     v: Vec<f32>,
     /// Slots that every tensor-parallel rank holds whole (reduced over TP under SP).
     replicated: Vec<Range<usize>>,
+    /// Ranges of tensors whose tensor-parallel part other ranks hold too (replicated key/value
+    /// heads), each rank with part of the gradient.
+    kv_shared: Vec<Range<usize>>,
 }
 
 /// Gradients are all-reduced in buckets of at most this many elements (PyTorch DDP's default
@@ -673,6 +676,12 @@ fn init_unit(spec: &RunSpec, prep: &Prepared, plan: UnitPlan, d: usize, t: usize
         .filter(|s| s.split == Split::Replicated)
         .map(|s| s.range.clone())
         .collect();
+    let kv_shared = plan
+        .slots
+        .iter()
+        .filter(|s| s.split.shared_part(tp))
+        .map(|s| s.range.clone())
+        .collect();
     let (params, pshard) = if zero >= 3 {
         (Vec::new(), params[shard.clone()].to_vec())
     } else {
@@ -697,6 +706,7 @@ fn init_unit(spec: &RunSpec, prep: &Prepared, plan: UnitPlan, d: usize, t: usize
         m,
         v,
         replicated,
+        kv_shared,
     }
 }
 
@@ -1167,6 +1177,37 @@ impl Engine<'_> {
         }
     }
 
+    /// All-reduces over `g` the parts of unit `u`'s held gradient that lie in `ranges`.
+    fn all_reduce_ranges(
+        &mut self,
+        u: usize,
+        ranges: &[Range<usize>],
+        g: &Group,
+    ) -> Result<(), ExecError> {
+        let (held, start) = self.held_grads(u);
+        let n = held.len();
+        let pieces: Vec<Range<usize>> = ranges
+            .iter()
+            .filter_map(|r| {
+                let lo = r.start.max(start);
+                let hi = r.end.min(start + n);
+                (lo < hi).then(|| lo - start..hi - start)
+            })
+            .collect();
+        let mut buf: Vec<f32> = pieces
+            .iter()
+            .flat_map(|r| held[r.clone()].to_vec())
+            .collect();
+        self.comm.all_reduce_sum(g, &mut buf)?;
+        let (held, _) = self.held_grads(u);
+        let mut at = 0;
+        for r in pieces {
+            held[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
+            at += r.len();
+        }
+        Ok(())
+    }
+
     fn reduce_grads(&mut self) -> Result<(), ExecError> {
         let prep = self.prep;
         // Data parallel.
@@ -1181,29 +1222,27 @@ impl Engine<'_> {
         }
         // Sequence parallel: replicated tensors saw only this rank's tokens.
         if prep.sp {
+            let tp_g = self.tp_g.clone();
             for u in 0..self.units.len() {
                 let ranges = self.units[u].replicated.clone();
-                let tp_g = self.tp_g.clone();
-                let (held, start) = self.held_grads(u);
-                let n = held.len();
-                let pieces: Vec<Range<usize>> = ranges
-                    .iter()
-                    .filter_map(|r| {
-                        let lo = r.start.max(start);
-                        let hi = r.end.min(start + n);
-                        (lo < hi).then(|| lo - start..hi - start)
-                    })
-                    .collect();
-                let mut buf: Vec<f32> = pieces
-                    .iter()
-                    .flat_map(|r| held[r.clone()].to_vec())
-                    .collect();
-                self.comm.all_reduce_sum(&tp_g, &mut buf)?;
-                let (held, _) = self.held_grads(u);
-                let mut at = 0;
-                for r in pieces {
-                    held[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
-                    at += r.len();
+                self.all_reduce_ranges(u, &ranges, &tp_g)?;
+            }
+        }
+        // Replicated key/value heads: each rank saw only its own query heads' use of them.
+        let (t, tp) = (self.coords.2, prep.topo.tp);
+        if prep.dims.kv_heads < tp {
+            let parts = prep.dims.kv_heads;
+            let ranks = self.tp_g.ranks();
+            let kv_g = Group::new(
+                (0..tp)
+                    .filter(|o| o * parts / tp == t * parts / tp)
+                    .map(|o| ranks[o])
+                    .collect(),
+            );
+            for u in 0..self.units.len() {
+                let ranges = self.units[u].kv_shared.clone();
+                if !ranges.is_empty() {
+                    self.all_reduce_ranges(u, &ranges, &kv_g)?;
                 }
             }
         }

@@ -96,15 +96,36 @@ impl Dims {
         })
     }
 
-    /// Checks that `tp` divides heads, key/value heads and the MLP width.
+    /// Checks that `tp` divides heads and the MLP width, and divides or is a multiple of the
+    /// key/value heads (more ranks than key/value heads replicate each over `tp / kv_heads`
+    /// ranks, as Megatron-LM does).
     pub fn check_tp(&self, tp: usize) -> Result<(), String> {
-        if self.heads % tp != 0 || self.kv_heads % tp != 0 || self.ffn % tp != 0 {
+        let kv_ok = self.kv_heads % tp == 0 || tp % self.kv_heads == 0;
+        if self.heads % tp != 0 || !kv_ok || self.ffn % tp != 0 {
             return Err(format!(
-                "tp {tp} must divide heads {}, kv heads {} and ffn {} (the executor does not replicate key/value heads)",
-                self.heads, self.kv_heads, self.ffn
+                "tp {tp} must divide heads {} and ffn {}, and divide or be a multiple of kv heads {}",
+                self.heads, self.ffn, self.kv_heads
             ));
         }
         Ok(())
+    }
+
+    /// Key/value heads a tensor-parallel rank holds (one, replicated, where `tp` exceeds them).
+    pub fn local_kv_heads(&self, tp: usize) -> usize {
+        (self.kv_heads / tp).max(1)
+    }
+
+    /// How key/value projections split over `tp` ranks: into `tp` parts, or into one part per
+    /// head, each held by `tp / kv_heads` ranks.
+    fn kv_split(&self, tp: usize) -> Split {
+        if self.kv_heads % tp == 0 {
+            Split::Dim(1)
+        } else {
+            Split::Parts {
+                dim: 1,
+                parts: self.kv_heads,
+            }
+        }
     }
 }
 
@@ -115,6 +136,26 @@ pub enum Split {
     Replicated,
     /// Split along this dimension into `tp` equal parts.
     Dim(usize),
+    /// Split along `dim` into `parts` (dividing `tp`) equal parts, rank `t` holding part
+    /// `t · parts / tp`: replicated key/value heads.
+    Parts { dim: usize, parts: usize },
+}
+
+impl Split {
+    /// The dimension split, the number of parts and which part rank `t` of `tp` holds.
+    fn part(self, t: usize, tp: usize) -> Option<(usize, usize, usize)> {
+        match self {
+            Split::Replicated => None,
+            Split::Dim(d) => Some((d, tp, t)),
+            Split::Parts { dim, parts } => Some((dim, parts, t * parts / tp)),
+        }
+    }
+
+    /// Whether ranks holding the same part each see only some of its gradient (a replicated
+    /// key/value head: each rank's own query heads).
+    pub fn shared_part(self, tp: usize) -> bool {
+        matches!(self, Split::Parts { parts, .. } if parts < tp)
+    }
 }
 
 /// How a tensor is initialised.
@@ -148,14 +189,14 @@ pub struct Slot {
 impl Slot {
     /// This rank's part of the global tensor `full` (for tensor-parallel rank `t` of `tp`).
     pub fn local_part(&self, full: &[f32], t: usize, tp: usize) -> Vec<f32> {
-        match self.split {
-            Split::Replicated => full.to_vec(),
-            Split::Dim(d) => {
+        match self.split.part(t, tp) {
+            None => full.to_vec(),
+            Some((d, parts, k)) => {
                 let (outer, dim, inner) = dims3(&self.global_shape, d);
-                let part = dim / tp;
+                let part = dim / parts;
                 let mut out = Vec::with_capacity(outer * part * inner);
                 for o in 0..outer {
-                    let at = (o * dim + t * part) * inner;
+                    let at = (o * dim + k * part) * inner;
                     out.extend_from_slice(&full[at..at + part * inner]);
                 }
                 out
@@ -165,13 +206,13 @@ impl Slot {
 
     /// Writes this rank's part `local` into the global tensor `full`.
     pub fn place(&self, full: &mut [f32], local: &[f32], t: usize, tp: usize) {
-        match self.split {
-            Split::Replicated => full.copy_from_slice(local),
-            Split::Dim(d) => {
+        match self.split.part(t, tp) {
+            None => full.copy_from_slice(local),
+            Some((d, parts, k)) => {
                 let (outer, dim, inner) = dims3(&self.global_shape, d);
-                let part = dim / tp;
+                let part = dim / parts;
                 for o in 0..outer {
-                    let at = (o * dim + t * part) * inner;
+                    let at = (o * dim + k * part) * inner;
                     full[at..at + part * inner]
                         .copy_from_slice(&local[o * part * inner..(o + 1) * part * inner]);
                 }
@@ -222,8 +263,10 @@ impl SlotBuilder {
     /// Adds a tensor and returns its range in the unit buffer.
     pub fn add(&mut self, name: String, shape: &[usize], split: Split, init: Init) -> Range<usize> {
         let mut local = shape.to_vec();
-        if let Split::Dim(d) = split {
-            local[d] /= self.tp;
+        match split {
+            Split::Replicated => {}
+            Split::Dim(d) => local[d] /= self.tp,
+            Split::Parts { dim, parts } => local[dim] /= parts,
         }
         let n: usize = local.iter().product();
         let range = self.len..self.len + n;
@@ -300,10 +343,15 @@ impl BlockLayout {
         let ln1_b = opt(b, nb, "ln1.bias", &[h], Split::Replicated);
         let wq = b.add(p("attn.wq"), &[h, qw], Split::Dim(1), w);
         let bq = opt(b, d.bias, "attn.bq", &[qw], Split::Dim(0));
-        let wk = b.add(p("attn.wk"), &[h, kw], Split::Dim(1), w);
-        let bk = opt(b, d.bias, "attn.bk", &[kw], Split::Dim(0));
-        let wv = b.add(p("attn.wv"), &[h, kw], Split::Dim(1), w);
-        let bv = opt(b, d.bias, "attn.bv", &[kw], Split::Dim(0));
+        let kv = d.kv_split(b.tp);
+        let kv_bias = match kv {
+            Split::Parts { parts, .. } => Split::Parts { dim: 0, parts },
+            _ => Split::Dim(0),
+        };
+        let wk = b.add(p("attn.wk"), &[h, kw], kv, w);
+        let bk = opt(b, d.bias, "attn.bk", &[kw], kv_bias);
+        let wv = b.add(p("attn.wv"), &[h, kw], kv, w);
+        let bv = opt(b, d.bias, "attn.bv", &[kw], kv_bias);
         let wo = b.add(p("attn.wo"), &[qw, h], Split::Dim(0), Init::Normal(out_std));
         let bo = opt(b, d.bias, "attn.bo", &[h], Split::Replicated);
         let ln2_w = b.add(p("ln2.weight"), &[h], Split::Replicated, Init::Ones);
@@ -549,7 +597,7 @@ fn block_fwd_inner(
 ) -> Result<(Vec<f32>, Option<BlockSaved>), CommError> {
     let t = tp.size();
     let (h, hd) = (d.h, d.hd);
-    let (nh, nkv, f) = (d.heads / t, d.kv_heads / t, d.ffn / t);
+    let (nh, nkv, f) = (d.heads / t, d.local_kv_heads(t), d.ffn / t);
     let (qw, kw) = (nh * hd, nkv * hd);
     let rows = x.len() / h;
     let mut n1 = vec![0.0; rows * h];
@@ -663,7 +711,7 @@ pub fn block_bwd(
     };
     let t = tp.size();
     let (h, hd) = (d.h, d.hd);
-    let (nh, nkv, f) = (d.heads / t, d.kv_heads / t, d.ffn / t);
+    let (nh, nkv, f) = (d.heads / t, d.local_kv_heads(t), d.ffn / t);
     let (qw, kw) = (nh * hd, nkv * hd);
     let rows = x.len() / h;
     let tt = s.n1.len() / h;

@@ -133,6 +133,9 @@ equivalence! {
     llama_tp2_sp_full_recompute: llama(4), Layout { tp: 2, sequence_parallel: true, recompute: Recompute::Full, ..Layout::default() };
     llama_dp2_pp2_zero3_interleaved: llama(4), Layout { dp: 2, zero_stage: 3, interleave: 2, ..pp(2, Schedule::Interleaved1F1B) };
     llama_dp2_tp2_sp_zero2_selective: llama(4), Layout { dp: 2, tp: 2, sequence_parallel: true, zero_stage: 2, recompute: Recompute::Selective, ..Layout::default() };
+    // More tensor-parallel ranks than key/value heads (4 > 2): each head on two ranks.
+    llama_tp4_replicated_kv: llama(4), Layout { tp: 4, ..Layout::default() };
+    llama_dp2_tp4_sp_zero1_replicated_kv: llama(2), Layout { dp: 2, tp: 4, sequence_parallel: true, zero_stage: 1, ..Layout::default() };
     // A vocabulary tp does not divide: the embedding and head stay whole on every rank.
     tp2_sp_odd_vocab: TransformerConfig::gpt(2, 32, 4, 64, 65, 16), Layout { tp: 2, sequence_parallel: true, ..Layout::default() };
 }

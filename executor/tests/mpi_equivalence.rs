@@ -156,6 +156,15 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
             },
         ),
         (
+            "llama_tp4_replicated_kv_sp",
+            llama(4),
+            Layout {
+                tp: 4,
+                sequence_parallel: true,
+                ..d()
+            },
+        ),
+        (
             "dp2_tp2_pp2",
             gpt(4),
             Layout {
