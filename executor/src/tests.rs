@@ -97,6 +97,25 @@ fn same_training(r: &crate::RunReport, reference: &(Vec<f64>, ModelState), what:
     worst.max(d)
 }
 
+/// Stage ranges of `counts` blocks each, the embedding on the first and the head on the last.
+fn uneven(counts: &[u32]) -> Vec<parallax_ir::plan::StageRange> {
+    let mut first = 0;
+    counts
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let r = parallax_ir::plan::StageRange {
+                first_layer: first,
+                end_layer: first + c,
+                embedding: i == 0,
+                head: i + 1 == counts.len(),
+            };
+            first += c;
+            r
+        })
+        .collect()
+}
+
 fn pp(stages: u32, schedule: Schedule) -> Layout {
     Layout {
         pp: stages,
@@ -136,6 +155,10 @@ equivalence! {
     // More tensor-parallel ranks than key/value heads (4 > 2): each head on two ranks.
     llama_tp4_replicated_kv: llama(4), Layout { tp: 4, ..Layout::default() };
     llama_dp2_tp4_sp_zero1_replicated_kv: llama(2), Layout { dp: 2, tp: 4, sequence_parallel: true, zero_stage: 1, ..Layout::default() };
+    // Uneven (balanced) stages: the embedding's stage holds fewer blocks, as the planner
+    // balances them.
+    pp2_uneven_1f1b: gpt(5), Layout { stages: uneven(&[2, 3]), ..pp(2, Schedule::OneFOneB) };
+    pp2_uneven_interleaved: gpt(8), Layout { stages: uneven(&[1, 2, 3, 2]), interleave: 2, ..pp(2, Schedule::Interleaved1F1B) };
     // A vocabulary tp does not divide: the embedding and head stay whole on every rank.
     tp2_sp_odd_vocab: TransformerConfig::gpt(2, 32, 4, 64, 65, 16), Layout { tp: 2, sequence_parallel: true, ..Layout::default() };
 }
