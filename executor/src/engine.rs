@@ -9,7 +9,7 @@ use crate::error::ExecError;
 use crate::model::{
     block_bwd, block_fwd, build_wpe, build_wte, embed_bwd, embed_fwd, head_bwd, head_fwd,
     head_own_weight, positions_bwd, positions_fwd, BlockCache, BlockLayout, Dims, HeadCache,
-    HeadLayout, Keep, Pass, Slot, SlotBuilder, Split, Tp, VocabParallel, VocabWindow,
+    HeadLayout, Keep, Pass, Slot, SlotBuilder, Split, Tp, VocabParallel, VocabWindow, WeightGrad,
 };
 use crate::state::{ModelState, TensorState};
 use parallax_ir::models::TransformerConfig;
@@ -297,9 +297,10 @@ impl Prepared {
             (_, Schedule::GPipe) => ScheduleKind::GPipe,
             (_, Schedule::OneFOneB) => ScheduleKind::OneFOneB,
             (_, Schedule::Interleaved1F1B) => ScheduleKind::Interleaved1F1B,
+            (_, Schedule::ZeroBubbleH1) => ScheduleKind::ZeroBubbleH1,
             (_, s) => {
                 return bad(format!(
-                    "schedule {s} is not supported by the executor (gpipe, 1f1b, interleaved-1f1b)"
+                    "schedule {s} is not supported by the executor (gpipe, 1f1b, interleaved-1f1b, zb-h1)"
                 ))
             }
         };
@@ -583,6 +584,9 @@ struct Engine<'a> {
     tied_g: Option<Group>,
     world_g: Group,
     caches: HashMap<(usize, usize), ChunkCache>,
+    /// Weight gradients a split backward (`B`) left for its `W`, per (micro-batch, chunk):
+    /// the unit and its deferred products.
+    deferred: HashMap<(usize, usize), Vec<(usize, Vec<WeightGrad>)>>,
     loss_part: f64,
     epoch: Instant,
     spans: Vec<Span>,
@@ -629,6 +633,7 @@ pub fn run_rank(
         tied_g,
         world_g,
         caches: HashMap::new(),
+        deferred: HashMap::new(),
         loss_part: 0.0,
         epoch,
         spans: Vec::new(),
@@ -831,9 +836,17 @@ impl Engine<'_> {
                     self.forward(global_step, mb, c)?;
                     self.record(|| format!("F mb{mb} c{c}"), "forward", t0);
                 }
-                Op::BW | Op::B | Op::W => {
-                    self.backward(mb, c)?;
+                Op::BW => {
+                    self.backward(mb, c, false)?;
                     self.record(|| format!("BW mb{mb} c{c}"), "backward", t0);
+                }
+                Op::B => {
+                    self.backward(mb, c, true)?;
+                    self.record(|| format!("B mb{mb} c{c}"), "backward", t0);
+                }
+                Op::W => {
+                    self.weight_pass(mb, c)?;
+                    self.record(|| format!("W mb{mb} c{c}"), "backward", t0);
                 }
             }
         }
@@ -1034,7 +1047,9 @@ impl Engine<'_> {
         Ok(())
     }
 
-    fn backward(&mut self, mb: usize, c: usize) -> Result<(), ExecError> {
+    /// The backward of micro-batch `mb` on chunk `c`; with `split` (a zero-bubble `B`) the
+    /// blocks' weight-gradient GEMMs are left for [`Engine::weight_pass`].
+    fn backward(&mut self, mb: usize, c: usize, split: bool) -> Result<(), ExecError> {
         let chunks = self.chunks.clone();
         let ch = &chunks[c];
         let prep = self.prep;
@@ -1114,7 +1129,22 @@ impl Engine<'_> {
                 group: &self.tp_g,
                 sp: prep.sp,
             };
-            dx = block_bwd(d, lay, &unit.params, &mut unit.grads, bc, dx, &mut tp, pass)?;
+            let mut later = Vec::new();
+            let defer = split.then_some(&mut later);
+            dx = block_bwd(
+                d,
+                lay,
+                &unit.params,
+                &mut unit.grads,
+                bc,
+                dx,
+                &mut tp,
+                pass,
+                defer,
+            )?;
+            if split {
+                self.deferred.entry((mb, c)).or_default().push((*u, later));
+            }
             self.release(*u);
         }
         if let Some(wu) = ch.wte {
@@ -1140,8 +1170,31 @@ impl Engine<'_> {
             let to = self.neighbour(ch.vs + nv - 1);
             self.comm.send(to, p2p_tag(TAG_GRAD, ch.vs - 1, mb), &dx)?;
         }
-        if prep.zero >= 2 {
+        if prep.zero >= 2 && !split {
             for u in ch.units() {
+                self.reduce_scatter_unit(u, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The `W` of a zero-bubble schedule: the weight gradients `B` of micro-batch `mb` on
+    /// chunk `c` left, then (ZeRO-2/3) the chunk's gradients reduce-scattered.
+    fn weight_pass(&mut self, mb: usize, c: usize) -> Result<(), ExecError> {
+        let Some(work) = self.deferred.remove(&(mb, c)) else {
+            return Err(ExecError::Rank {
+                rank: self.rank,
+                message: format!("schedule runs W of micro-batch {mb} chunk {c} before its B"),
+            });
+        };
+        for (u, list) in work {
+            for wg in list {
+                wg.apply(&mut self.units[u].grads);
+            }
+        }
+        if self.prep.zero >= 2 {
+            let chunk = self.chunks[c].clone();
+            for u in chunk.units() {
                 self.reduce_scatter_unit(u, true)?;
             }
         }

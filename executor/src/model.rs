@@ -691,6 +691,7 @@ fn activation(u: &[f32], up: Option<&[f32]>) -> Vec<f32> {
 /// Backward of one block: accumulates parameter gradients into `g` (the unit's gradient
 /// buffer) and returns the input gradient. Full recomputation reruns the forward first.
 #[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)]
 pub fn block_bwd(
     d: &Dims,
     l: &BlockLayout,
@@ -700,7 +701,21 @@ pub fn block_bwd(
     dy: Vec<f32>,
     tp: &mut Tp<'_>,
     pass: Pass,
+    mut defer: Option<&mut Vec<WeightGrad>>,
 ) -> Result<Vec<f32>, CommError> {
+    let mut wgrad = |g: &mut [f32], r: &Range<usize>, x: &[f32], dy: &[f32], rows, k, n| match defer
+        .as_deref_mut()
+    {
+        Some(list) => list.push(WeightGrad {
+            range: r.clone(),
+            x: x.to_vec(),
+            dy: dy.to_vec(),
+            rows,
+            k,
+            n,
+        }),
+        None => mm_tn(&mut g[r.clone()], x, dy, rows, k, n, true),
+    };
     let x = cache.x;
     let s = match cache.inner {
         Some(s) => s,
@@ -726,7 +741,7 @@ pub fn block_bwd(
         Some(a) => a,
         None => activation(&s.u, s.up.as_deref()),
     };
-    mm_tn(&mut g[l.w_out.clone()], &act, &dm, tt, f, h, true);
+    wgrad(g, &l.w_out, &act, &dm, tt, f, h);
     drop(act);
     let mut dact = vec![0.0; tt * f];
     mm_nt(&mut dact, &dm, &p[l.w_out.clone()], tt, f, h, false);
@@ -741,7 +756,7 @@ pub fn block_bwd(
                 dup[i] = dact[i] * gt * sg;
                 dact[i] *= up[i] * sg * (1.0 + gt * (1.0 - sg));
             }
-            mm_tn(&mut g[w_up.clone()], &s.n2, &dup, tt, h, f, true);
+            wgrad(g, w_up, &s.n2, &dup, tt, h, f);
             mm_nt(&mut dn2, &dup, &p[w_up.clone()], tt, h, f, false);
         }
         _ => {
@@ -754,7 +769,7 @@ pub fn block_bwd(
     if let Some(r) = &l.b_in {
         bias_grad(&mut g[r.clone()], &du);
     }
-    mm_tn(&mut g[l.w_in.clone()], &s.n2, &du, tt, h, f, true);
+    wgrad(g, &l.w_in, &s.n2, &du, tt, h, f);
     mm_nt(&mut dn2, &du, &p[l.w_in.clone()], tt, h, f, true);
     let dn2 = tp.enter_bwd(dn2)?;
     let (lo, hi) = split_two(g, &l.ln2_w, &l.ln2_b);
@@ -775,7 +790,7 @@ pub fn block_bwd(
         bias_grad(&mut g[r.clone()], &dx2);
     }
     let da = tp.exit_bwd(dx2.clone())?;
-    mm_tn(&mut g[l.wo.clone()], &s.o, &da, tt, qw, h, true);
+    wgrad(g, &l.wo, &s.o, &da, tt, qw, h);
     let mut d_o = vec![0.0; tt * qw];
     mm_nt(&mut d_o, &da, &p[l.wo.clone()], tt, qw, h, false);
     let (mut dq, mut dk, mut dv) = (vec![0.0; tt * qw], vec![0.0; tt * kw], vec![0.0; tt * kw]);
@@ -808,7 +823,7 @@ pub fn block_bwd(
         if let Some(r) = b {
             bias_grad(&mut g[r.clone()], dz);
         }
-        mm_tn(&mut g[w.clone()], &s.n1, dz, tt, h, n, true);
+        wgrad(g, w, &s.n1, dz, tt, h, n);
         mm_nt(&mut dn1, dz, &p[w.clone()], tt, h, n, true);
     }
     let dn1 = tp.enter_bwd(dn1)?;
@@ -907,6 +922,34 @@ pub fn positions_bwd(d: &Dims, dwpe: &mut [f32], rows: Range<usize>, seq: usize,
     for (i, r) in rows.enumerate() {
         let pos = r % seq;
         add_into(&mut dwpe[pos * h..(pos + 1) * h], &dx[i * h..(i + 1) * h]);
+    }
+}
+
+/// A weight gradient a split backward leaves for later (zero-bubble schedules run the input
+/// gradient, `B`, as soon as it can and these, `W`, where the pipeline would idle):
+/// `g[range] += xᵀ · dy` with `x` of `rows × k` and `dy` of `rows × n`.
+#[derive(Debug)]
+pub struct WeightGrad {
+    pub range: Range<usize>,
+    x: Vec<f32>,
+    dy: Vec<f32>,
+    rows: usize,
+    k: usize,
+    n: usize,
+}
+
+impl WeightGrad {
+    /// Adds the gradient into the unit's gradient buffer `g`.
+    pub fn apply(self, g: &mut [f32]) {
+        mm_tn(
+            &mut g[self.range],
+            &self.x,
+            &self.dy,
+            self.rows,
+            self.k,
+            self.n,
+            true,
+        );
     }
 }
 

@@ -159,6 +159,10 @@ equivalence! {
     // balances them.
     pp2_uneven_1f1b: gpt(5), Layout { stages: uneven(&[2, 3]), ..pp(2, Schedule::OneFOneB) };
     pp2_uneven_interleaved: gpt(8), Layout { stages: uneven(&[1, 2, 3, 2]), interleave: 2, ..pp(2, Schedule::Interleaved1F1B) };
+    // Zero-bubble (ZB-H1): input gradients first, weight gradients where the pipeline idles.
+    pp2_zb_h1: gpt(4), pp(2, Schedule::ZeroBubbleH1);
+    llama_dp2_pp2_zb_h1_zero2_tp2_sp: llama(4), Layout { dp: 2, tp: 2, sequence_parallel: true, zero_stage: 2, ..pp(2, Schedule::ZeroBubbleH1) };
+    pp4_zb_h1_full_recompute: gpt(4), Layout { recompute: Recompute::Full, ..pp(4, Schedule::ZeroBubbleH1) };
     // A vocabulary tp does not divide: the embedding and head stay whole on every rank.
     tp2_sp_odd_vocab: TransformerConfig::gpt(2, 32, 4, 64, 65, 16), Layout { tp: 2, sequence_parallel: true, ..Layout::default() };
 }
@@ -372,4 +376,15 @@ fn offloading_gemms_and_adam_trains_like_the_cpu_kernels() {
             &format!("offloaded {:?}", s.layout),
         );
     }
+}
+
+#[test]
+fn zb_h1_runs_weight_gradients_as_their_own_passes() {
+    let mut s = spec(gpt(4), pp(2, Schedule::ZeroBubbleH1));
+    s.trace = true;
+    let r = crate::run_threads(&s).unwrap();
+    let names: Vec<&str> = r.spans.iter().map(|x| x.name.as_str()).collect();
+    assert!(names.iter().any(|n| n.starts_with("W mb")), "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with("B mb")), "{names:?}");
+    assert!(!names.iter().any(|n| n.starts_with("BW mb")), "{names:?}");
 }

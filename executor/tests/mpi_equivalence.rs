@@ -63,6 +63,7 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
         ("tp2", gpt(4), Layout { tp: 2, ..d() }),
         ("pp2_gpipe", gpt(4), pp(2, Schedule::GPipe)),
         ("pp2_1f1b", gpt(4), pp(2, Schedule::OneFOneB)),
+        ("pp2_zb_h1", gpt(4), pp(2, Schedule::ZeroBubbleH1)),
         (
             "dp2_zero1",
             gpt(4),
