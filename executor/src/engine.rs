@@ -569,6 +569,9 @@ struct ChunkCache {
     head: Option<HeadCache>,
 }
 
+/// The weight gradients one `B` left: per unit, its deferred products.
+type Deferred = Vec<(usize, Vec<WeightGrad>)>;
+
 /// One rank's engine.
 struct Engine<'a> {
     spec: &'a RunSpec,
@@ -586,7 +589,7 @@ struct Engine<'a> {
     caches: HashMap<(usize, usize), ChunkCache>,
     /// Weight gradients a split backward (`B`) left for its `W`, per (micro-batch, chunk):
     /// the unit and its deferred products.
-    deferred: HashMap<(usize, usize), Vec<(usize, Vec<WeightGrad>)>>,
+    deferred: HashMap<(usize, usize), Deferred>,
     loss_part: f64,
     epoch: Instant,
     spans: Vec<Span>,

@@ -691,7 +691,6 @@ fn activation(u: &[f32], up: Option<&[f32]>) -> Vec<f32> {
 /// Backward of one block: accumulates parameter gradients into `g` (the unit's gradient
 /// buffer) and returns the input gradient. Full recomputation reruns the forward first.
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::too_many_arguments)]
 pub fn block_bwd(
     d: &Dims,
     l: &BlockLayout,
