@@ -149,12 +149,12 @@ fn resolve(a: &Args) -> anyhow::Result<Job> {
     let (model, seq) = transformer(name, a.seq)?;
     crate::job::check_batch("--global-batch", gb)?;
     let p = PartialLayout::parse(inline).map_err(|e| user(format!("--plan: {e}")))?;
-    let (tp, pp) = (p.tp.unwrap_or(1), p.pp.unwrap_or(1));
+    let (tp, pp, cp) = (p.tp.unwrap_or(1), p.pp.unwrap_or(1), p.cp.unwrap_or(1));
     let dp = match (p.dp, &a.cluster) {
         (Some(dp), _) => dp,
         (None, Some(c)) => {
             let cl = Cluster::parse(c).map_err(user)?;
-            (cl.gpus / (tp * pp)).max(1)
+            (cl.gpus / tp.saturating_mul(pp).saturating_mul(cp).max(1)).max(1)
         }
         (None, None) => 1,
     };
@@ -168,7 +168,7 @@ fn resolve(a: &Args) -> anyhow::Result<Job> {
         dp,
         tp,
         pp,
-        cp: p.cp.unwrap_or(1),
+        cp,
         ep: p.ep.unwrap_or(1),
         zero_stage: p.zero_stage.unwrap_or(0),
         micro_batch: p.micro_batch.unwrap_or(1),

@@ -230,6 +230,10 @@ pub struct RankReport {
 pub struct Topology {
     /// Data-parallel degree.
     pub dp: usize,
+    /// Context-parallel degree: each data-parallel replica is `cp` ranks holding chunks of the
+    /// same sequences. Ranks, gradients and ZeRO shards count `dp · cp` replicas (Megatron-LM
+    /// reduces gradients over its data-and-context-parallel group).
+    pub cp: usize,
     /// Tensor-parallel degree.
     pub tp: usize,
     /// Pipeline stages.
@@ -241,15 +245,22 @@ pub struct Topology {
 impl Topology {
     /// Ranks in all.
     pub fn world(&self) -> usize {
-        self.dp * self.tp * self.pp
+        self.replicas() * self.tp * self.pp
     }
-    /// The rank at `(d, stage, t)`.
-    pub fn rank(&self, d: usize, s: usize, t: usize) -> usize {
-        (s * self.dp + d) * self.tp + t
+    /// Ranks of a stage's tensor-parallel position that hold the same parameters: the
+    /// data-parallel replicas times the context-parallel ranks of each.
+    pub fn replicas(&self) -> usize {
+        self.dp * self.cp
     }
-    /// `(d, stage, t)` of a rank.
-    pub fn coords(&self, r: usize) -> (usize, usize, usize) {
-        (r / self.tp % self.dp, r / (self.tp * self.dp), r % self.tp)
+    /// The rank at `(r, stage, t)`, `r = d · cp + c` the replica (data-parallel index `d`,
+    /// context-parallel index `c`): tensor-parallel peers adjacent, then context, data, stage.
+    pub fn rank(&self, r: usize, s: usize, t: usize) -> usize {
+        (s * self.replicas() + r) * self.tp + t
+    }
+    /// `(r, stage, t)` of a rank.
+    pub fn coords(&self, rank: usize) -> (usize, usize, usize) {
+        let n = self.replicas();
+        (rank / self.tp % n, rank / (self.tp * n), rank % self.tp)
     }
 }
 
@@ -280,12 +291,6 @@ impl Prepared {
         l.validate(spec.global_batch, Some(spec.model.layers))
             .map_err(ExecError::Layout)?;
         let bad = |m: String| Err(ExecError::Layout(m));
-        if l.cp != 1 {
-            return bad(format!(
-                "cp {} is not supported by the executor (cp must be 1)",
-                l.cp
-            ));
-        }
         if l.ep != 1 {
             return bad(format!(
                 "ep {} needs a mixture-of-experts model, which the executor does not run",
@@ -307,6 +312,7 @@ impl Prepared {
         dims.check_tp(l.tp as usize).map_err(ExecError::Layout)?;
         let topo = Topology {
             dp: l.dp as usize,
+            cp: l.cp as usize,
             tp: l.tp as usize,
             pp: l.pp as usize,
             v: l.interleave as usize,
@@ -328,15 +334,21 @@ impl Prepared {
                 dims.max_seq
             )));
         }
+        if topo.cp > 1 && seq % (2 * topo.cp) != 0 {
+            return bad(format!(
+                "context parallelism splits each sequence into 2 × cp = {} chunks: seq {seq} is not a multiple",
+                2 * topo.cp
+            ));
+        }
         let mbs = l.micro_batch as usize;
         let micro = l.micro_batches(spec.global_batch);
         let micro =
             u32::try_from(micro).map_err(|_| ExecError::Layout("too many micro-batches".into()))?;
         let sp = l.sequence_parallel && topo.tp > 1;
-        if sp && (mbs * seq) % topo.tp != 0 {
+        if sp && (mbs * seq / topo.cp) % topo.tp != 0 {
             return bad(format!(
-                "sequence parallelism needs micro_batch × seq = {} to be a multiple of tp {}",
-                mbs * seq,
+                "sequence parallelism needs micro_batch × seq / cp = {} to be a multiple of tp {}",
+                mbs * seq / topo.cp,
                 topo.tp
             ));
         }
@@ -371,7 +383,7 @@ impl Prepared {
             seq,
             keep,
             sp,
-            zero: if topo.dp > 1 { l.zero_stage } else { 0 },
+            zero: if topo.replicas() > 1 { l.zero_stage } else { 0 },
         };
         if let Some(r) = &spec.resume {
             prep.check_state_matches(r)?;
@@ -584,6 +596,8 @@ struct Engine<'a> {
     chunks: std::rc::Rc<[ChunkPlan]>,
     dp_g: Group,
     tp_g: Group,
+    /// The context-parallel group (ranks holding the other chunks of this rank's sequences).
+    cp_g: Option<Group>,
     tied_g: Option<Group>,
     world_g: Group,
     caches: HashMap<(usize, usize), ChunkCache>,
@@ -614,7 +628,11 @@ pub fn run_rank(
     let rank = comm.rank();
     let (d, s, t) = topo.coords(rank);
     let (plans, chunks) = prep.plan_rank(rank);
-    let dp_g = Group::new((0..topo.dp).map(|x| topo.rank(x, s, t)).collect());
+    let dp_g = Group::new((0..topo.replicas()).map(|x| topo.rank(x, s, t)).collect());
+    let cp_g = (topo.cp > 1).then(|| {
+        let first = d / topo.cp * topo.cp;
+        Group::new((0..topo.cp).map(|c| topo.rank(first + c, s, t)).collect())
+    });
     let tp_g = Group::new((0..topo.tp).map(|x| topo.rank(d, s, x)).collect());
     let tied_g = (prep.dims.tied && topo.pp > 1 && (s == 0 || s == topo.pp - 1))
         .then(|| Group::new(vec![topo.rank(d, 0, t), topo.rank(d, topo.pp - 1, t)]));
@@ -633,6 +651,7 @@ pub fn run_rank(
         chunks: chunks.into(),
         dp_g,
         tp_g,
+        cp_g,
         tied_g,
         world_g,
         caches: HashMap::new(),
@@ -646,7 +665,7 @@ pub fn run_rank(
 }
 
 fn init_unit(spec: &RunSpec, prep: &Prepared, plan: UnitPlan, d: usize, t: usize) -> Unit {
-    let dp = prep.topo.dp;
+    let dp = prep.topo.replicas();
     let tp = prep.topo.tp;
     let zero = prep.zero;
     let padded = if zero > 0 {
@@ -878,7 +897,7 @@ impl Engine<'_> {
     }
 
     fn local_rows(&self) -> Range<usize> {
-        let rows = self.prep.mbs * self.prep.seq;
+        let rows = self.prep.mbs * self.prep.seq / self.prep.topo.cp;
         if self.prep.sp {
             let r = rows / self.prep.topo.tp;
             let t = self.coords.2;
@@ -889,9 +908,12 @@ impl Engine<'_> {
     }
 
     fn pass(&self) -> Pass {
+        let cp = self.prep.topo.cp;
         Pass {
             batch: self.prep.mbs,
             seq: self.prep.seq,
+            cp,
+            c: self.coords.0 % cp,
         }
     }
 
@@ -930,8 +952,10 @@ impl Engine<'_> {
         let width = rows.len() * d.h;
         let needs_data = ch.vs == 0 || ch.vs == nv - 1;
         let (tokens, targets) = if needs_data {
-            let first = ((self.coords.0 * prep.micro + mb) * prep.mbs) as u64;
-            micro_batch(
+            // Context-parallel ranks of a replica read the same sequences, each its chunks.
+            let sample = self.coords.0 / prep.topo.cp;
+            let first = ((sample * prep.micro + mb) * prep.mbs) as u64;
+            let (tokens, targets) = micro_batch(
                 &self.spec.data,
                 self.spec.seed,
                 step,
@@ -939,10 +963,22 @@ impl Engine<'_> {
                 prep.mbs,
                 prep.seq,
                 d.vocab,
-            )
+            );
+            if prep.topo.cp > 1 {
+                let pos = pass.positions();
+                let pick = |all: &[u32]| -> Vec<u32> {
+                    (0..prep.mbs)
+                        .flat_map(|b| pos.iter().map(move |p| all[b * prep.seq + p]))
+                        .collect()
+                };
+                (pick(&tokens), pick(&targets))
+            } else {
+                (tokens, targets)
+            }
         } else {
             (Vec::new(), Vec::new())
         };
+        let all_rows = prep.mbs * pass.local_seq();
         let (vp, window) = self.vocab_window();
         let mut x = if let Some(wu) = ch.wte {
             self.gather(wu)?;
@@ -953,11 +989,12 @@ impl Engine<'_> {
             let mut x = if vp {
                 // Every row's partial lookup, summed over the group (scattered to the local
                 // rows under sequence parallelism).
-                let part = embed_fwd(d, wte, window.clone(), &tokens, 0..prep.mbs * prep.seq);
+                let part = embed_fwd(d, wte, window.clone(), &tokens, 0..all_rows);
                 let mut tp = Tp {
                     comm: &mut *self.comm,
                     group: &self.tp_g,
                     sp: prep.sp,
+                    cp: self.cp_g.as_ref(),
                 };
                 tp.reduce_rows(part)?
             } else {
@@ -965,7 +1002,7 @@ impl Engine<'_> {
             };
             if let Some(pu) = ch.wpe {
                 let wpe = &self.units[pu].params[..d.max_seq * d.h];
-                positions_fwd(d, &mut x, wpe, rows.clone(), prep.seq);
+                positions_fwd(d, &mut x, wpe, rows.clone(), &pass);
             }
             self.release(wu);
             if let Some(pu) = ch.wpe {
@@ -990,6 +1027,7 @@ impl Engine<'_> {
                 comm: &mut *self.comm,
                 group: &self.tp_g,
                 sp: prep.sp,
+                cp: self.cp_g.as_ref(),
             };
             let (y, cache) =
                 block_fwd(d, lay, &self.units[*u].params, x, &mut tp, pass, prep.keep)?;
@@ -1013,6 +1051,7 @@ impl Engine<'_> {
                 comm: &mut *self.comm,
                 group: &self.tp_g,
                 sp: prep.sp,
+                cp: self.cp_g.as_ref(),
             };
             // A vocabulary-parallel head computes every row's loss on every rank of the
             // group; otherwise the local rows' (each rank its own under sequence parallelism).
@@ -1079,6 +1118,7 @@ impl Engine<'_> {
                     comm: &mut *self.comm,
                     group: &self.tp_g,
                     sp: prep.sp,
+                    cp: self.cp_g.as_ref(),
                 };
                 let vp_head = vp.then(|| VocabParallel {
                     tp: &mut tp,
@@ -1131,6 +1171,7 @@ impl Engine<'_> {
                 comm: &mut *self.comm,
                 group: &self.tp_g,
                 sp: prep.sp,
+                cp: self.cp_g.as_ref(),
             };
             let mut later = Vec::new();
             let defer = split.then_some(&mut later);
@@ -1154,7 +1195,7 @@ impl Engine<'_> {
             let n = window.len() * d.h;
             if let Some(pu) = ch.wpe {
                 let dwpe = &mut self.units[pu].grads[..d.max_seq * d.h];
-                positions_bwd(d, dwpe, rows.clone(), prep.seq, &dx);
+                positions_bwd(d, dwpe, rows.clone(), &pass, &dx);
             }
             // A vocabulary-parallel table takes every row's gradient for its own tokens.
             let (dx_rows, rows) = if vp {
@@ -1162,8 +1203,9 @@ impl Engine<'_> {
                     comm: &mut *self.comm,
                     group: &self.tp_g,
                     sp: prep.sp,
+                    cp: self.cp_g.as_ref(),
                 };
-                (tp.gather_rows(dx)?, 0..prep.mbs * prep.seq)
+                (tp.gather_rows(dx)?, 0..prep.mbs * pass.local_seq())
             } else {
                 (dx, rows)
             };
@@ -1268,7 +1310,7 @@ impl Engine<'_> {
         let prep = self.prep;
         // Data parallel.
         match prep.zero {
-            0 if prep.topo.dp > 1 => self.bucketed_all_reduce()?,
+            0 if prep.topo.replicas() > 1 => self.bucketed_all_reduce()?,
             1 => {
                 for u in 0..self.units.len() {
                     self.reduce_scatter_unit(u, false)?;
@@ -1414,7 +1456,7 @@ impl Engine<'_> {
                 let (plans, _) = self.prep.plan_rank(r);
                 for (i, plan) in plans.iter().enumerate() {
                     let padded = if zero > 0 {
-                        plan.len.div_ceil(topo.dp) * topo.dp
+                        plan.len.div_ceil(topo.replicas()) * topo.replicas()
                     } else {
                         plan.len
                     };

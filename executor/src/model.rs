@@ -469,6 +469,9 @@ pub struct Tp<'a> {
     pub group: &'a Group,
     /// Sequence parallelism.
     pub sp: bool,
+    /// The context-parallel group (ranks holding other chunks of the same sequences, in
+    /// chunk order), when context parallelism is on.
+    pub cp: Option<&'a Group>,
 }
 
 impl Tp<'_> {
@@ -540,8 +543,91 @@ pub enum Keep {
 pub struct Pass {
     /// Sequences.
     pub batch: usize,
-    /// Tokens per sequence.
+    /// Tokens per sequence (the whole sequence, whatever part a rank holds).
     pub seq: usize,
+    /// Context-parallel degree and this rank's index in its group: the rank holds chunks `c`
+    /// and `2·cp − 1 − c` of the `2·cp` equal chunks of each sequence, so that every rank has
+    /// as much causal attention to compute (Megatron-LM's load balancing).
+    pub cp: usize,
+    pub c: usize,
+}
+
+impl Pass {
+    /// Tokens of each sequence this rank holds.
+    pub fn local_seq(&self) -> usize {
+        self.seq / self.cp
+    }
+
+    /// Position in the sequence of local token `i` on context-parallel rank `c`.
+    pub fn position_of(&self, c: usize, i: usize) -> usize {
+        if self.cp == 1 {
+            return i;
+        }
+        let chunk = self.seq / (2 * self.cp);
+        if i < chunk {
+            c * chunk + i
+        } else {
+            (2 * self.cp - 1 - c) * chunk + (i - chunk)
+        }
+    }
+
+    /// Positions of this rank's tokens of one sequence.
+    pub fn positions(&self) -> Vec<usize> {
+        (0..self.local_seq())
+            .map(|i| self.position_of(self.c, i))
+            .collect()
+    }
+}
+
+/// Keys or values of every position of the micro-batch's sequences, in position order: the
+/// context-parallel group's tokens all-gathered and put in place (the all-gather variant of
+/// context parallelism, as Llama 3 trains: Llama Team 2024, §3.3.2).
+fn cp_gather(
+    comm: &mut dyn Collectives,
+    g: &Group,
+    x: &[f32],
+    pass: &Pass,
+    width: usize,
+) -> Result<Vec<f32>, CommError> {
+    let mut all = vec![0.0; x.len() * g.size()];
+    comm.all_gather(g, x, &mut all)?;
+    let lseq = pass.local_seq();
+    let mut out = vec![0.0; pass.batch * pass.seq * width];
+    for c in 0..g.size() {
+        for b in 0..pass.batch {
+            for i in 0..lseq {
+                let src = ((c * pass.batch + b) * lseq + i) * width;
+                let dst = (b * pass.seq + pass.position_of(c, i)) * width;
+                out[dst..dst + width].copy_from_slice(&all[src..src + width]);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Backward of [`cp_gather`]: every rank's gradient of every position, summed over the group,
+/// each rank keeping its own tokens' (a reduce-scatter).
+fn cp_scatter(
+    comm: &mut dyn Collectives,
+    g: &Group,
+    dfull: &[f32],
+    pass: &Pass,
+    width: usize,
+) -> Result<Vec<f32>, CommError> {
+    let lseq = pass.local_seq();
+    let mut blocks = vec![0.0; dfull.len()];
+    for c in 0..g.size() {
+        for b in 0..pass.batch {
+            for i in 0..lseq {
+                let dst = ((c * pass.batch + b) * lseq + i) * width;
+                let src = (b * pass.seq + pass.position_of(c, i)) * width;
+                blocks[dst..dst + width].copy_from_slice(&dfull[src..src + width]);
+            }
+        }
+    }
+    let mut out = vec![0.0; dfull.len() / g.size()];
+    comm.reduce_scatter_sum(g, &blocks, &mut out)?;
+    Ok(out)
 }
 
 /// Activations of one block kept for backward.
@@ -614,11 +700,17 @@ fn block_fwd_inner(
     };
     let mut q = lin(&n1, &l.wq, &l.bq, qw);
     let mut k = lin(&n1, &l.wk, &l.bk, kw);
-    let v = lin(&n1, &l.wv, &l.bv, kw);
+    let mut v = lin(&n1, &l.wv, &l.bv, kw);
+    let pos = pass.positions();
+    let lseq = pos.len();
     if d.rope {
-        let s = pass.seq;
-        rope(&mut q, nh, hd, |r| r % s, false);
-        rope(&mut k, nkv, hd, |r| r % s, false);
+        rope(&mut q, nh, hd, |r| pos[r % lseq], false);
+        rope(&mut k, nkv, hd, |r| pos[r % lseq], false);
+    }
+    // Under context parallelism the local queries attend to every position's keys and values.
+    if let Some(g) = tp.cp {
+        k = cp_gather(&mut *tp.comm, g, &k, &pass, kw)?;
+        v = cp_gather(&mut *tp.comm, g, &v, &pass, kw)?;
     }
     let mut o = vec![0.0; tt * qw];
     let probs = attention_fwd(
@@ -627,6 +719,7 @@ fn block_fwd_inner(
         &k,
         &v,
         pass.batch,
+        &pos,
         pass.seq,
         nh,
         nkv,
@@ -792,7 +885,15 @@ pub fn block_bwd(
     wgrad(g, &l.wo, &s.o, &da, tt, qw, h);
     let mut d_o = vec![0.0; tt * qw];
     mm_nt(&mut d_o, &da, &p[l.wo.clone()], tt, qw, h, false);
-    let (mut dq, mut dk, mut dv) = (vec![0.0; tt * qw], vec![0.0; tt * kw], vec![0.0; tt * kw]);
+    // Keys and values cover every position under context parallelism (gathered in forward).
+    let kv_rows = s.k.len() / kw.max(1);
+    let (mut dq, mut dk, mut dv) = (
+        vec![0.0; tt * qw],
+        vec![0.0; kv_rows * kw],
+        vec![0.0; kv_rows * kw],
+    );
+    let pos = pass.positions();
+    let lseq = pos.len();
     attention_bwd(
         &mut dq,
         &mut dk,
@@ -803,15 +904,19 @@ pub fn block_bwd(
         &s.v,
         s.probs.as_deref(),
         pass.batch,
+        &pos,
         pass.seq,
         nh,
         nkv,
         hd,
     );
+    if let Some(g) = tp.cp {
+        dk = cp_scatter(&mut *tp.comm, g, &dk, &pass, kw)?;
+        dv = cp_scatter(&mut *tp.comm, g, &dv, &pass, kw)?;
+    }
     if d.rope {
-        let sq = pass.seq;
-        rope(&mut dq, nh, hd, |r| r % sq, true);
-        rope(&mut dk, nkv, hd, |r| r % sq, true);
+        rope(&mut dq, nh, hd, |r| pos[r % lseq], true);
+        rope(&mut dk, nkv, hd, |r| pos[r % lseq], true);
     }
     let mut dn1 = vec![0.0; tt * h];
     for (dz, w, b, n) in [
@@ -886,11 +991,13 @@ pub fn embed_fwd(
     x
 }
 
-/// Adds learned positions to rows `rows` of a micro-batch (positions are `row % seq`).
-pub fn positions_fwd(d: &Dims, x: &mut [f32], wpe: &[f32], rows: Range<usize>, seq: usize) {
+/// Adds learned positions to rows `rows` of this rank's tokens of a micro-batch (row `r` is
+/// token `r mod local_seq` of its sequence, at the position `pass` gives it).
+pub fn positions_fwd(d: &Dims, x: &mut [f32], wpe: &[f32], rows: Range<usize>, pass: &Pass) {
     let h = d.h;
+    let lseq = pass.local_seq();
     for (i, r) in rows.enumerate() {
-        let pos = r % seq;
+        let pos = pass.position_of(pass.c, r % lseq);
         add_into(&mut x[i * h..(i + 1) * h], &wpe[pos * h..(pos + 1) * h]);
     }
 }
@@ -916,10 +1023,11 @@ pub fn embed_bwd(
 }
 
 /// Learned positions backward.
-pub fn positions_bwd(d: &Dims, dwpe: &mut [f32], rows: Range<usize>, seq: usize, dx: &[f32]) {
+pub fn positions_bwd(d: &Dims, dwpe: &mut [f32], rows: Range<usize>, pass: &Pass, dx: &[f32]) {
     let h = d.h;
+    let lseq = pass.local_seq();
     for (i, r) in rows.enumerate() {
-        let pos = r % seq;
+        let pos = pass.position_of(pass.c, r % lseq);
         add_into(&mut dwpe[pos * h..(pos + 1) * h], &dx[i * h..(i + 1) * h]);
     }
 }

@@ -533,10 +533,13 @@ pub fn rope(x: &mut [f32], heads: usize, hd: usize, pos: impl Fn(usize) -> usize
     }
 }
 
-/// Causal softmax attention of `batch` sequences of `seq` tokens, `heads` query heads sharing
-/// `kv_heads` key/value heads (GQA), head size `hd`. `q` is `T × heads·hd`, `k`/`v` are
-/// `T × kv_heads·hd` with `T = batch·seq`. Writes `o` (`T × heads·hd`) and returns the
-/// attention probabilities (`batch · heads · seq · seq`) when `keep_probs`.
+/// Causal softmax attention of `batch` sequences: each has `q_pos.len()` query rows at
+/// positions `q_pos` of the sequence and `sk` key/value rows at positions `0..sk` (the whole
+/// sequence: the square case when `q_pos` is `0..sk`; a context-parallel rank's chunks
+/// against the gathered keys otherwise), `heads` query heads sharing `kv_heads` key/value
+/// heads (GQA), head size `hd`. `q` is `batch·sq × heads·hd`, `k`/`v` are
+/// `batch·sk × kv_heads·hd`. Writes `o` (`batch·sq × heads·hd`) and returns the attention
+/// probabilities (`batch · heads · sq · sk`) when `keep_probs`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_fwd(
     o: &mut [f32],
@@ -544,36 +547,39 @@ pub fn attention_fwd(
     k: &[f32],
     v: &[f32],
     batch: usize,
-    seq: usize,
+    q_pos: &[usize],
+    sk: usize,
     heads: usize,
     kv_heads: usize,
     hd: usize,
     keep_probs: bool,
 ) -> Option<Vec<f32>> {
-    let mut all = keep_probs.then(|| vec![0.0f32; batch * heads * seq * seq]);
-    let mut p = vec![0.0f32; seq * seq];
+    let sq = q_pos.len();
+    let mut all = keep_probs.then(|| vec![0.0f32; batch * heads * sq * sk]);
+    let mut p = vec![0.0f32; sq * sk];
     for b in 0..batch {
         for hh in 0..heads {
-            attention_probs(&mut p, q, k, b, hh, seq, heads, kv_heads, hd);
+            attention_probs(&mut p, q, k, b, hh, q_pos, sk, heads, kv_heads, hd);
             let kvh = hh / (heads / kv_heads);
             let (qw, kw) = (heads * hd, kv_heads * hd);
             matmul(
-                MatMut::strided(o, b * seq * qw + hh * hd, seq, hd, qw, 1),
-                MatRef::new(&p, seq, seq),
-                MatRef::strided(v, b * seq * kw + kvh * hd, seq, hd, kw, 1),
+                MatMut::strided(o, b * sq * qw + hh * hd, sq, hd, qw, 1),
+                MatRef::new(&p, sq, sk),
+                MatRef::strided(v, b * sk * kw + kvh * hd, sk, hd, kw, 1),
                 false,
                 Threads::One,
             );
             if let Some(all) = all.as_mut() {
-                let at = (b * heads + hh) * seq * seq;
-                all[at..at + seq * seq].copy_from_slice(&p);
+                let at = (b * heads + hh) * sq * sk;
+                all[at..at + sq * sk].copy_from_slice(&p);
             }
         }
     }
     all
 }
 
-/// Softmax(q kᵀ / √hd) with a causal mask for one sequence and head, into `p` (`seq × seq`).
+/// Softmax(q kᵀ / √hd) with a causal mask (key position ≤ query position) for one sequence
+/// and head, into `p` (`sq × sk`).
 #[allow(clippy::too_many_arguments)]
 fn attention_probs(
     p: &mut [f32],
@@ -581,35 +587,38 @@ fn attention_probs(
     k: &[f32],
     b: usize,
     hh: usize,
-    seq: usize,
+    q_pos: &[usize],
+    sk: usize,
     heads: usize,
     kv_heads: usize,
     hd: usize,
 ) {
+    let sq = q_pos.len();
     let kvh = hh / (heads / kv_heads);
     let (qw, kw) = (heads * hd, kv_heads * hd);
     matmul(
-        MatMut::new(p, seq, seq),
-        MatRef::strided(q, b * seq * qw + hh * hd, seq, hd, qw, 1),
-        MatRef::strided(k, b * seq * kw + kvh * hd, seq, hd, kw, 1).t(),
+        MatMut::new(p, sq, sk),
+        MatRef::strided(q, b * sq * qw + hh * hd, sq, hd, qw, 1),
+        MatRef::strided(k, b * sk * kw + kvh * hd, sk, hd, kw, 1).t(),
         false,
         Threads::One,
     );
     let scale = 1.0 / (hd as f32).sqrt();
-    for i in 0..seq {
-        let row = &mut p[i * seq..(i + 1) * seq];
+    for (i, &pos) in q_pos.iter().enumerate() {
+        let row = &mut p[i * sk..(i + 1) * sk];
+        let seen = (pos + 1).min(sk);
         let mut mx = f32::NEG_INFINITY;
-        for x in row.iter_mut().take(i + 1) {
+        for x in row.iter_mut().take(seen) {
             *x *= scale;
             mx = mx.max(*x);
         }
         let mut sum = 0.0;
-        for x in row.iter_mut().take(i + 1) {
+        for x in row.iter_mut().take(seen) {
             *x = (*x - mx).exp();
             sum += *x;
         }
         for (j, x) in row.iter_mut().enumerate() {
-            *x = if j <= i { *x / sum } else { 0.0 };
+            *x = if j < seen { *x / sum } else { 0.0 };
         }
     }
 }
@@ -628,49 +637,51 @@ pub fn attention_bwd(
     v: &[f32],
     probs: Option<&[f32]>,
     batch: usize,
-    seq: usize,
+    q_pos: &[usize],
+    sk: usize,
     heads: usize,
     kv_heads: usize,
     hd: usize,
 ) {
+    let sq = q_pos.len();
     let (qw, kw) = (heads * hd, kv_heads * hd);
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut p_buf = vec![0.0f32; seq * seq];
-    let mut dp = vec![0.0f32; seq * seq];
+    let mut p_buf = vec![0.0f32; sq * sk];
+    let mut dp = vec![0.0f32; sq * sk];
     for b in 0..batch {
         for hh in 0..heads {
             let kvh = hh / (heads / kv_heads);
             let p: &[f32] = match probs {
                 Some(all) => {
-                    let at = (b * heads + hh) * seq * seq;
-                    &all[at..at + seq * seq]
+                    let at = (b * heads + hh) * sq * sk;
+                    &all[at..at + sq * sk]
                 }
                 None => {
-                    attention_probs(&mut p_buf, q, k, b, hh, seq, heads, kv_heads, hd);
+                    attention_probs(&mut p_buf, q, k, b, hh, q_pos, sk, heads, kv_heads, hd);
                     &p_buf
                 }
             };
-            let qoff = b * seq * qw + hh * hd;
-            let koff = b * seq * kw + kvh * hd;
+            let qoff = b * sq * qw + hh * hd;
+            let koff = b * sk * kw + kvh * hd;
             // dV += Pᵀ dO; dP = dO Vᵀ
             matmul(
-                MatMut::strided(dv, koff, seq, hd, kw, 1),
-                MatRef::new(p, seq, seq).t(),
-                MatRef::strided(d_o, qoff, seq, hd, qw, 1),
+                MatMut::strided(dv, koff, sk, hd, kw, 1),
+                MatRef::new(p, sq, sk).t(),
+                MatRef::strided(d_o, qoff, sq, hd, qw, 1),
                 true,
                 Threads::One,
             );
             matmul(
-                MatMut::new(&mut dp, seq, seq),
-                MatRef::strided(d_o, qoff, seq, hd, qw, 1),
-                MatRef::strided(v, koff, seq, hd, kw, 1).t(),
+                MatMut::new(&mut dp, sq, sk),
+                MatRef::strided(d_o, qoff, sq, hd, qw, 1),
+                MatRef::strided(v, koff, sk, hd, kw, 1).t(),
                 false,
                 Threads::One,
             );
             // dS = P ⊙ (dP − rowsum(dP ⊙ P)) · scale
-            for i in 0..seq {
-                let pr = &p[i * seq..(i + 1) * seq];
-                let dr = &mut dp[i * seq..(i + 1) * seq];
+            for i in 0..sq {
+                let pr = &p[i * sk..(i + 1) * sk];
+                let dr = &mut dp[i * sk..(i + 1) * sk];
                 let dot: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
                 for (d, pv) in dr.iter_mut().zip(pr) {
                     *d = pv * (*d - dot) * scale;
@@ -678,16 +689,16 @@ pub fn attention_bwd(
             }
             // dQ += dS K; dK += dSᵀ Q
             matmul(
-                MatMut::strided(dq, qoff, seq, hd, qw, 1),
-                MatRef::new(&dp, seq, seq),
-                MatRef::strided(k, koff, seq, hd, kw, 1),
+                MatMut::strided(dq, qoff, sq, hd, qw, 1),
+                MatRef::new(&dp, sq, sk),
+                MatRef::strided(k, koff, sk, hd, kw, 1),
                 true,
                 Threads::One,
             );
             matmul(
-                MatMut::strided(dk, koff, seq, hd, kw, 1),
-                MatRef::new(&dp, seq, seq).t(),
-                MatRef::strided(q, qoff, seq, hd, qw, 1),
+                MatMut::strided(dk, koff, sk, hd, kw, 1),
+                MatRef::new(&dp, sq, sk).t(),
+                MatRef::strided(q, qoff, sq, hd, qw, 1),
                 true,
                 Threads::One,
             );
@@ -903,31 +914,37 @@ mod tests {
 
     #[test]
     fn attention_gradients_match_finite_differences() {
-        let (batch, seq, heads, kvh, hd) = (2, 4, 4, 2, 4);
-        let t = batch * seq;
-        let q = rand(t * heads * hd, 7);
-        let k = rand(t * kvh * hd, 8);
-        let v = rand(t * kvh * hd, 9);
-        let d_o = rand(t * heads * hd, 10);
-        let run = |q: &[f32], k: &[f32], v: &[f32]| {
-            let mut o = vec![0.0; t * heads * hd];
-            attention_fwd(&mut o, q, k, v, batch, seq, heads, kvh, hd, false);
-            o.iter()
-                .zip(&d_o)
-                .map(|(a, b)| f64::from(a * b))
-                .sum::<f64>()
-        };
-        let mut o = vec![0.0; t * heads * hd];
-        let probs = attention_fwd(&mut o, &q, &k, &v, batch, seq, heads, kvh, hd, true);
-        for saved in [probs.as_deref(), None] {
-            let (mut dq, mut dk, mut dv) =
-                (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-            attention_bwd(
-                &mut dq, &mut dk, &mut dv, &d_o, &q, &k, &v, saved, batch, seq, heads, kvh, hd,
-            );
-            check_grad(&q, &dq, |x| run(x, &k, &v));
-            check_grad(&k, &dk, |x| run(&q, x, &v));
-            check_grad(&v, &dv, |x| run(&q, &k, x));
+        // The square case, and a context-parallel rank's two chunks (positions 1 and 6 of 8
+        // with cp = 4... here 2 of 2·cp chunks of one row each) against every key.
+        let square: Vec<usize> = (0..4).collect();
+        for (q_pos, sk) in [(square, 4), (vec![1, 6], 8)] {
+            let (batch, heads, kvh, hd) = (2, 4, 2, 4);
+            let sq = q_pos.len();
+            let q = rand(batch * sq * heads * hd, 7);
+            let k = rand(batch * sk * kvh * hd, 8);
+            let v = rand(batch * sk * kvh * hd, 9);
+            let d_o = rand(batch * sq * heads * hd, 10);
+            let run = |q: &[f32], k: &[f32], v: &[f32]| {
+                let mut o = vec![0.0; batch * sq * heads * hd];
+                attention_fwd(&mut o, q, k, v, batch, &q_pos, sk, heads, kvh, hd, false);
+                o.iter()
+                    .zip(&d_o)
+                    .map(|(a, b)| f64::from(a * b))
+                    .sum::<f64>()
+            };
+            let mut o = vec![0.0; batch * sq * heads * hd];
+            let probs = attention_fwd(&mut o, &q, &k, &v, batch, &q_pos, sk, heads, kvh, hd, true);
+            for saved in [probs.as_deref(), None] {
+                let (mut dq, mut dk, mut dv) =
+                    (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+                attention_bwd(
+                    &mut dq, &mut dk, &mut dv, &d_o, &q, &k, &v, saved, batch, &q_pos, sk, heads,
+                    kvh, hd,
+                );
+                check_grad(&q, &dq, |x| run(x, &k, &v));
+                check_grad(&k, &dk, |x| run(&q, x, &v));
+                check_grad(&v, &dv, |x| run(&q, &k, x));
+            }
         }
     }
 

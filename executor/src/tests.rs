@@ -163,6 +163,12 @@ equivalence! {
     pp2_zb_h1: gpt(4), pp(2, Schedule::ZeroBubbleH1);
     llama_dp2_pp2_zb_h1_zero2_tp2_sp: llama(4), Layout { dp: 2, tp: 2, sequence_parallel: true, zero_stage: 2, ..pp(2, Schedule::ZeroBubbleH1) };
     pp4_zb_h1_full_recompute: gpt(4), Layout { recompute: Recompute::Full, ..pp(4, Schedule::ZeroBubbleH1) };
+    // Context parallelism: each rank two load-balanced chunks of every sequence, keys and
+    // values all-gathered for attention.
+    cp2: gpt(4), Layout { cp: 2, ..Layout::default() };
+    cp4_learned_positions: gpt(2), Layout { cp: 4, ..Layout::default() };
+    llama_cp2_tp2_sp_selective: llama(4), Layout { cp: 2, tp: 2, sequence_parallel: true, recompute: Recompute::Selective, ..Layout::default() };
+    llama_dp2_cp2_pp2_zero1_full_recompute: llama(4), Layout { dp: 2, cp: 2, zero_stage: 1, recompute: Recompute::Full, ..pp(2, Schedule::OneFOneB) };
     // A vocabulary tp does not divide: the embedding and head stay whole on every rank.
     tp2_sp_odd_vocab: TransformerConfig::gpt(2, 32, 4, 64, 65, 16), Layout { tp: 2, sequence_parallel: true, ..Layout::default() };
 }
@@ -289,15 +295,15 @@ fn unsupported_inputs_are_errors_not_panics() {
         }
     )
     .contains("tp 3"));
+    // cp 3 cannot cut 16 tokens into 6 equal chunks.
     assert!(bad(
         gpt(4),
         Layout {
-            cp: 2,
+            cp: 3,
             ..Layout::default()
         }
     )
-    .contains("cp"));
-    assert!(bad(gpt(4), pp(2, Schedule::ZeroBubbleH1)).contains("zb-h1"));
+    .contains("2 × cp = 6 chunks"));
     assert!(bad(
         gpt(4),
         Layout {

@@ -64,6 +64,17 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
         ("pp2_gpipe", gpt(4), pp(2, Schedule::GPipe)),
         ("pp2_1f1b", gpt(4), pp(2, Schedule::OneFOneB)),
         ("pp2_zb_h1", gpt(4), pp(2, Schedule::ZeroBubbleH1)),
+        ("cp2", gpt(4), Layout { cp: 2, ..d() }),
+        (
+            "llama_cp2_tp2_sp",
+            llama(4),
+            Layout {
+                cp: 2,
+                tp: 2,
+                sequence_parallel: true,
+                ..d()
+            },
+        ),
         (
             "dp2_zero1",
             gpt(4),
