@@ -314,3 +314,36 @@ fn run_learns_a_text_file_and_an_image_set_over_200_steps() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The transformer layouts the executor gained: expert, context and zero-bubble pipeline
+/// parallelism, each trained from the command line.
+#[test]
+fn run_trains_expert_context_and_zero_bubble_layouts() {
+    for (model, plan) in [
+        ("mixtral-tiny", "dp=2,ep=2"),
+        ("llama-tiny", "cp=2"),
+        ("gpt-tiny", "pp=2,schedule=zb-h1"),
+    ] {
+        let doc = json(&parallax(&[
+            "run",
+            "--model",
+            model,
+            "--plan",
+            plan,
+            "--global-batch",
+            "4",
+            "--seq",
+            "32",
+            "--steps",
+            "2",
+            "--json",
+        ]));
+        let losses = doc["losses"].as_array().unwrap();
+        assert_eq!(losses.len(), 2, "{model} {plan}");
+        assert!(
+            losses.iter().all(|l| l.as_f64().unwrap().is_finite()),
+            "{model} {plan}"
+        );
+        assert_eq!(doc["ranks"], 2, "{model} {plan}");
+    }
+}

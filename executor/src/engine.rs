@@ -9,7 +9,8 @@ use crate::error::ExecError;
 use crate::model::{
     block_bwd, block_fwd, build_wpe, build_wte, embed_bwd, embed_fwd, head_bwd, head_fwd,
     head_own_weight, positions_bwd, positions_fwd, BlockCache, BlockLayout, Dims, HeadCache,
-    HeadLayout, Keep, Pass, Slot, SlotBuilder, Split, Tp, VocabParallel, VocabWindow, WeightGrad,
+    HeadLayout, Keep, Part, Pass, Slot, SlotBuilder, Split, Tp, VocabParallel, VocabWindow,
+    WeightGrad,
 };
 use crate::state::{ModelState, TensorState};
 use parallax_ir::models::TransformerConfig;
@@ -234,6 +235,9 @@ pub struct Topology {
     /// same sequences. Ranks, gradients and ZeRO shards count `dp · cp` replicas (Megatron-LM
     /// reduces gradients over its data-and-context-parallel group).
     pub cp: usize,
+    /// Expert-parallel degree, carved out of the data-parallel ranks (ep divides dp): each
+    /// group of `ep` consecutive data-parallel indices splits every MoE layer's experts.
+    pub ep: usize,
     /// Tensor-parallel degree.
     pub tp: usize,
     /// Pipeline stages.
@@ -256,6 +260,15 @@ impl Topology {
     /// context-parallel index `c`): tensor-parallel peers adjacent, then context, data, stage.
     pub fn rank(&self, r: usize, s: usize, t: usize) -> usize {
         (s * self.replicas() + r) * self.tp + t
+    }
+    /// The tensor and expert parts replica `r`, tensor-parallel rank `t` holds.
+    pub fn part(&self, r: usize, t: usize) -> Part {
+        Part {
+            t,
+            tp: self.tp,
+            e: r / self.cp % self.ep,
+            ep: self.ep,
+        }
     }
     /// `(r, stage, t)` of a rank.
     pub fn coords(&self, rank: usize) -> (usize, usize, usize) {
@@ -291,11 +304,31 @@ impl Prepared {
         l.validate(spec.global_batch, Some(spec.model.layers))
             .map_err(ExecError::Layout)?;
         let bad = |m: String| Err(ExecError::Layout(m));
-        if l.ep != 1 {
-            return bad(format!(
-                "ep {} needs a mixture-of-experts model, which the executor does not run",
-                l.ep
-            ));
+        match dims.moe {
+            None if l.ep != 1 => {
+                return bad(format!(
+                    "ep {} needs a mixture-of-experts model; {} has a dense MLP",
+                    l.ep, "this one"
+                ))
+            }
+            Some((experts, _)) => {
+                if experts % l.ep as usize != 0 {
+                    return bad(format!("ep {} must divide the {experts} experts", l.ep));
+                }
+                if l.tp != 1 {
+                    return bad(format!(
+                        "tp {}: the executor runs mixture-of-experts models without tensor parallelism (tp 1; experts split by ep)",
+                        l.tp
+                    ));
+                }
+                if l.ep > 1 && l.zero_stage > 0 {
+                    return bad(format!(
+                        "zero {} with ep {}: the executor shards no optimizer state of an expert-parallel model (zero 0)",
+                        l.zero_stage, l.ep
+                    ));
+                }
+            }
+            None => {}
         }
         let kind = match (l.pp, l.schedule) {
             (1, _) => ScheduleKind::OneFOneB,
@@ -313,6 +346,7 @@ impl Prepared {
         let topo = Topology {
             dp: l.dp as usize,
             cp: l.cp as usize,
+            ep: l.ep as usize,
             tp: l.tp as usize,
             pp: l.pp as usize,
             v: l.interleave as usize,
@@ -447,7 +481,7 @@ impl Prepared {
         let mut units = Vec::new();
         let mut chunks = Vec::new();
         let mut new_unit = |name: String, f: &mut dyn FnMut(&mut SlotBuilder)| -> usize {
-            let mut b = SlotBuilder::new(self.topo.tp);
+            let mut b = SlotBuilder::with_ep(self.topo.tp, self.topo.ep);
             f(&mut b);
             let (slots, len) = b.finish();
             units.push(UnitPlan { name, slots, len });
@@ -561,6 +595,8 @@ struct Unit {
     /// Ranges of tensors whose tensor-parallel part other ranks hold too (replicated key/value
     /// heads), each rank with part of the gradient.
     kv_shared: Vec<Range<usize>>,
+    /// Ranges of this rank's experts: reduced over the ranks holding the same experts.
+    experts: Vec<Range<usize>>,
 }
 
 /// Gradients are all-reduced in buckets of at most this many elements (PyTorch DDP's default
@@ -598,6 +634,10 @@ struct Engine<'a> {
     tp_g: Group,
     /// The context-parallel group (ranks holding the other chunks of this rank's sequences).
     cp_g: Option<Group>,
+    /// The expert-parallel group (in expert order) and the replicas holding this rank's
+    /// experts.
+    ep_g: Option<Group>,
+    edp_g: Option<Group>,
     tied_g: Option<Group>,
     world_g: Group,
     caches: HashMap<(usize, usize), ChunkCache>,
@@ -629,6 +669,25 @@ pub fn run_rank(
     let (d, s, t) = topo.coords(rank);
     let (plans, chunks) = prep.plan_rank(rank);
     let dp_g = Group::new((0..topo.replicas()).map(|x| topo.rank(x, s, t)).collect());
+    let ep_g = (topo.ep > 1).then(|| {
+        let (data, c) = (d / topo.cp, d % topo.cp);
+        let first = data / topo.ep * topo.ep;
+        Group::new(
+            (0..topo.ep)
+                .map(|x| topo.rank((first + x) * topo.cp + c, s, t))
+                .collect(),
+        )
+    });
+    // The replicas holding the same experts (expert-data-parallel).
+    let edp_g = (topo.ep > 1).then(|| {
+        let e = d / topo.cp % topo.ep;
+        Group::new(
+            (0..topo.replicas())
+                .filter(|r| r / topo.cp % topo.ep == e)
+                .map(|r| topo.rank(r, s, t))
+                .collect(),
+        )
+    });
     let cp_g = (topo.cp > 1).then(|| {
         let first = d / topo.cp * topo.cp;
         Group::new((0..topo.cp).map(|c| topo.rank(first + c, s, t)).collect())
@@ -652,6 +711,8 @@ pub fn run_rank(
         dp_g,
         tp_g,
         cp_g,
+        ep_g,
+        edp_g,
         tied_g,
         world_g,
         caches: HashMap::new(),
@@ -667,6 +728,7 @@ pub fn run_rank(
 fn init_unit(spec: &RunSpec, prep: &Prepared, plan: UnitPlan, d: usize, t: usize) -> Unit {
     let dp = prep.topo.replicas();
     let tp = prep.topo.tp;
+    let at = prep.topo.part(d, t);
     let zero = prep.zero;
     let padded = if zero > 0 {
         plan.len.div_ceil(dp) * dp
@@ -687,13 +749,13 @@ fn init_unit(spec: &RunSpec, prep: &Prepared, plan: UnitPlan, d: usize, t: usize
         // `check_state_matches` has seen every slot in a resumed checkpoint at its shape.
         match saved {
             Some(ts) => {
-                params[slot.range.clone()].copy_from_slice(&slot.local_part(&ts.param, t, tp));
-                m[slot.range.clone()].copy_from_slice(&slot.local_part(&ts.m, t, tp));
-                v[slot.range.clone()].copy_from_slice(&slot.local_part(&ts.v, t, tp));
+                params[slot.range.clone()].copy_from_slice(&slot.local_part(&ts.param, at));
+                m[slot.range.clone()].copy_from_slice(&slot.local_part(&ts.m, at));
+                v[slot.range.clone()].copy_from_slice(&slot.local_part(&ts.v, at));
             }
             None => {
                 let full = slot.init_global(spec.seed);
-                params[slot.range.clone()].copy_from_slice(&slot.local_part(&full, t, tp));
+                params[slot.range.clone()].copy_from_slice(&slot.local_part(&full, at));
             }
         }
     }
@@ -707,6 +769,12 @@ fn init_unit(spec: &RunSpec, prep: &Prepared, plan: UnitPlan, d: usize, t: usize
         .slots
         .iter()
         .filter(|s| s.split.shared_part(tp))
+        .map(|s| s.range.clone())
+        .collect();
+    let experts = plan
+        .slots
+        .iter()
+        .filter(|s| s.split == Split::Experts)
         .map(|s| s.range.clone())
         .collect();
     let (params, pshard) = if zero >= 3 {
@@ -734,6 +802,7 @@ fn init_unit(spec: &RunSpec, prep: &Prepared, plan: UnitPlan, d: usize, t: usize
         v,
         replicated,
         kv_shared,
+        experts,
     }
 }
 
@@ -995,6 +1064,7 @@ impl Engine<'_> {
                     group: &self.tp_g,
                     sp: prep.sp,
                     cp: self.cp_g.as_ref(),
+                    ep: self.ep_g.as_ref(),
                 };
                 tp.reduce_rows(part)?
             } else {
@@ -1028,6 +1098,7 @@ impl Engine<'_> {
                 group: &self.tp_g,
                 sp: prep.sp,
                 cp: self.cp_g.as_ref(),
+                ep: self.ep_g.as_ref(),
             };
             let (y, cache) =
                 block_fwd(d, lay, &self.units[*u].params, x, &mut tp, pass, prep.keep)?;
@@ -1052,6 +1123,7 @@ impl Engine<'_> {
                 group: &self.tp_g,
                 sp: prep.sp,
                 cp: self.cp_g.as_ref(),
+                ep: self.ep_g.as_ref(),
             };
             // A vocabulary-parallel head computes every row's loss on every rank of the
             // group; otherwise the local rows' (each rank its own under sequence parallelism).
@@ -1119,6 +1191,7 @@ impl Engine<'_> {
                     group: &self.tp_g,
                     sp: prep.sp,
                     cp: self.cp_g.as_ref(),
+                    ep: self.ep_g.as_ref(),
                 };
                 let vp_head = vp.then(|| VocabParallel {
                     tp: &mut tp,
@@ -1172,6 +1245,7 @@ impl Engine<'_> {
                 group: &self.tp_g,
                 sp: prep.sp,
                 cp: self.cp_g.as_ref(),
+                ep: self.ep_g.as_ref(),
             };
             let mut later = Vec::new();
             let defer = split.then_some(&mut later);
@@ -1204,6 +1278,7 @@ impl Engine<'_> {
                     group: &self.tp_g,
                     sp: prep.sp,
                     cp: self.cp_g.as_ref(),
+                    ep: self.ep_g.as_ref(),
                 };
                 (tp.gather_rows(dx)?, 0..prep.mbs * pass.local_seq())
             } else {
@@ -1310,6 +1385,30 @@ impl Engine<'_> {
         let prep = self.prep;
         // Data parallel.
         match prep.zero {
+            // Expert parallelism: experts over the replicas holding them, the rest over all.
+            0 if self.edp_g.is_some() => {
+                let dp_g = self.dp_g.clone();
+                let edp_g = self.edp_g.clone().unwrap_or_else(|| dp_g.clone());
+                for u in 0..self.units.len() {
+                    let experts = self.units[u].experts.clone();
+                    let len = self.units[u].grads.len();
+                    let mut shared = Vec::new();
+                    let mut at = 0;
+                    for r in &experts {
+                        if r.start > at {
+                            shared.push(at..r.start);
+                        }
+                        at = r.end;
+                    }
+                    if at < len {
+                        shared.push(at..len);
+                    }
+                    self.all_reduce_ranges(u, &shared, &dp_g)?;
+                    if !experts.is_empty() {
+                        self.all_reduce_ranges(u, &experts, &edp_g)?;
+                    }
+                }
+            }
             0 if prep.topo.replicas() > 1 => self.bucketed_all_reduce()?,
             1 => {
                 for u in 0..self.units.len() {
@@ -1439,8 +1538,11 @@ impl Engine<'_> {
         }
         let topo = self.prep.topo;
         let (d, _, _) = self.coords;
+        // Replica 0 holds everything but other expert-parallel ranks' experts: the first
+        // replica of each expert-parallel index sends too.
+        let exporter = d % topo.cp == 0 && d / topo.cp < topo.ep;
         if self.rank != 0 {
-            if d == 0 {
+            if exporter {
                 for (i, bufs) in full.iter().enumerate() {
                     for (k, b) in bufs.iter().enumerate() {
                         self.comm.send(0, TAG_EXPORT | (i * 3 + k) as u64, b)?;
@@ -1450,9 +1552,12 @@ impl Engine<'_> {
             return Ok(None);
         }
         let mut tensors: BTreeMap<String, TensorState> = BTreeMap::new();
-        for s in 0..topo.pp {
-            for t in 0..topo.tp {
-                let r = topo.rank(0, s, t);
+        for (s, t, ex) in (0..topo.pp)
+            .flat_map(|s| (0..topo.tp).map(move |t| (s, t)))
+            .flat_map(|(s, t)| (0..topo.ep).map(move |ex| (s, t, ex)))
+        {
+            {
+                let r = topo.rank(ex * topo.cp, s, t);
                 let (plans, _) = self.prep.plan_rank(r);
                 for (i, plan) in plans.iter().enumerate() {
                     let padded = if zero > 0 {
@@ -1488,12 +1593,15 @@ impl Engine<'_> {
                                 m: vec![0.0; n],
                                 v: vec![0.0; n],
                             });
-                        if slot.split == Split::Replicated && t != 0 {
+                        if slot.split == Split::Replicated && t != 0
+                            || slot.split != Split::Experts && ex != 0
+                        {
                             continue;
                         }
-                        slot.place(&mut e.param, &bufs[0][slot.range.clone()], t, topo.tp);
-                        slot.place(&mut e.m, &bufs[1][slot.range.clone()], t, topo.tp);
-                        slot.place(&mut e.v, &bufs[2][slot.range.clone()], t, topo.tp);
+                        let at = topo.part(ex * topo.cp, t);
+                        slot.place(&mut e.param, &bufs[0][slot.range.clone()], at);
+                        slot.place(&mut e.m, &bufs[1][slot.range.clone()], at);
+                        slot.place(&mut e.v, &bufs[2][slot.range.clone()], at);
                     }
                 }
             }

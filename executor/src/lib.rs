@@ -31,6 +31,7 @@ pub mod engine;
 pub mod error;
 pub mod graph;
 pub mod model;
+pub mod moe;
 #[cfg(feature = "mpi")]
 pub mod mpi_backend;
 pub mod rng;

@@ -15,6 +15,7 @@
 //! ranks (not vocabulary-parallel).
 
 use crate::comm::{Collectives, CommError, Group};
+use crate::moe::{moe_bwd, moe_fwd, Ep, MoeLayout, MoeSaved};
 use crate::rng::SplitMix64;
 use crate::tensor::{
     add_bias, add_into, attention_bwd, attention_fwd, bias_grad, cross_entropy, gelu, gelu_grad,
@@ -55,14 +56,19 @@ pub struct Dims {
     pub bias: bool,
     /// LM head shares the embedding table.
     pub tied: bool,
+    /// Mixture-of-experts MLPs: (experts, top-k).
+    pub moe: Option<(usize, usize)>,
 }
 
 impl Dims {
     /// Checks that the executor can train `c`; errors name the unsupported feature.
     pub fn from_config(c: &TransformerConfig) -> Result<Dims, String> {
         c.validate()?;
-        if c.moe.is_some() {
-            return Err("mixture-of-experts MLPs are not supported by the executor".into());
+        if c.moe.is_some() && c.bias {
+            return Err(
+                "mixture-of-experts MLPs with biases are not run by the executor (its experts have none, as Mixtral's)"
+                    .into(),
+            );
         }
         if c.bert || !c.causal {
             return Err(
@@ -93,6 +99,10 @@ impl Dims {
             rope: c.position == Position::Rope,
             bias: c.bias,
             tied: c.tied_embeddings,
+            moe: match &c.moe {
+                Some(m) => Some((us(m.experts)?, us(m.top_k)?)),
+                None => None,
+            },
         })
     }
 
@@ -139,15 +149,34 @@ pub enum Split {
     /// Split along `dim` into `parts` (dividing `tp`) equal parts, rank `t` holding part
     /// `t · parts / tp`: replicated key/value heads.
     Parts { dim: usize, parts: usize },
+    /// Split along dimension 0 (experts) over the expert-parallel ranks.
+    Experts,
+}
+
+/// Which part of a tensor a rank holds: its tensor- and expert-parallel positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Part {
+    pub t: usize,
+    pub tp: usize,
+    pub e: usize,
+    pub ep: usize,
+}
+
+impl Part {
+    /// Tensor-parallel rank `t` of `tp`, no expert parallelism.
+    pub fn tp(t: usize, tp: usize) -> Part {
+        Part { t, tp, e: 0, ep: 1 }
+    }
 }
 
 impl Split {
-    /// The dimension split, the number of parts and which part rank `t` of `tp` holds.
-    fn part(self, t: usize, tp: usize) -> Option<(usize, usize, usize)> {
+    /// The dimension split, the number of parts and which part the rank at `at` holds.
+    fn part(self, at: Part) -> Option<(usize, usize, usize)> {
         match self {
             Split::Replicated => None,
-            Split::Dim(d) => Some((d, tp, t)),
-            Split::Parts { dim, parts } => Some((dim, parts, t * parts / tp)),
+            Split::Dim(d) => Some((d, at.tp, at.t)),
+            Split::Parts { dim, parts } => Some((dim, parts, at.t * parts / at.tp)),
+            Split::Experts => Some((0, at.ep, at.e)),
         }
     }
 
@@ -187,9 +216,9 @@ pub struct Slot {
 }
 
 impl Slot {
-    /// This rank's part of the global tensor `full` (for tensor-parallel rank `t` of `tp`).
-    pub fn local_part(&self, full: &[f32], t: usize, tp: usize) -> Vec<f32> {
-        match self.split.part(t, tp) {
+    /// The part of the global tensor `full` the rank at `at` holds.
+    pub fn local_part(&self, full: &[f32], at: Part) -> Vec<f32> {
+        match self.split.part(at) {
             None => full.to_vec(),
             Some((d, parts, k)) => {
                 let (outer, dim, inner) = dims3(&self.global_shape, d);
@@ -204,9 +233,9 @@ impl Slot {
         }
     }
 
-    /// Writes this rank's part `local` into the global tensor `full`.
-    pub fn place(&self, full: &mut [f32], local: &[f32], t: usize, tp: usize) {
-        match self.split.part(t, tp) {
+    /// Writes the part `local` the rank at `at` holds into the global tensor `full`.
+    pub fn place(&self, full: &mut [f32], local: &[f32], at: Part) {
+        match self.split.part(at) {
             None => full.copy_from_slice(local),
             Some((d, parts, k)) => {
                 let (outer, dim, inner) = dims3(&self.global_shape, d);
@@ -248,15 +277,22 @@ pub struct SlotBuilder {
     slots: Vec<Slot>,
     len: usize,
     tp: usize,
+    ep: usize,
 }
 
 impl SlotBuilder {
     /// A builder for tensor-parallel degree `tp`.
     pub fn new(tp: usize) -> Self {
+        SlotBuilder::with_ep(tp, 1)
+    }
+
+    /// A builder for tensor-parallel degree `tp` and expert-parallel degree `ep`.
+    pub fn with_ep(tp: usize, ep: usize) -> Self {
         SlotBuilder {
             slots: Vec::new(),
             len: 0,
             tp,
+            ep,
         }
     }
 
@@ -267,6 +303,7 @@ impl SlotBuilder {
             Split::Replicated => {}
             Split::Dim(d) => local[d] /= self.tp,
             Split::Parts { dim, parts } => local[dim] /= parts,
+            Split::Experts => local[0] /= self.ep,
         }
         let n: usize = local.iter().product();
         let range = self.len..self.len + n;
@@ -326,6 +363,8 @@ pub struct BlockLayout {
     w_up: Option<Range<usize>>,
     w_out: Range<usize>,
     b_out: Option<Range<usize>>,
+    /// The mixture-of-experts MLP, in place of the dense one.
+    moe: Option<MoeLayout>,
 }
 
 impl BlockLayout {
@@ -357,7 +396,34 @@ impl BlockLayout {
         let ln2_w = b.add(p("ln2.weight"), &[h], Split::Replicated, Init::Ones);
         let ln2_b = opt(b, nb, "ln2.bias", &[h], Split::Replicated);
         let (w_in, b_in, w_up, w_out, b_out);
-        if d.swiglu {
+        let mut moe = None;
+        if let Some((experts, top_k)) = d.moe {
+            let router = b.add(p("mlp.router"), &[h, experts], Split::Replicated, w);
+            let (gi, go) = if d.swiglu {
+                ("mlp.experts.wg", "mlp.experts.wd")
+            } else {
+                ("mlp.experts.w1", "mlp.experts.w2")
+            };
+            let wi = b.add(p(gi), &[experts, h, f], Split::Experts, w);
+            let wu = d
+                .swiglu
+                .then(|| b.add(p("mlp.experts.wu"), &[experts, h, f], Split::Experts, w));
+            let wo = b.add(
+                p(go),
+                &[experts, f, h],
+                Split::Experts,
+                Init::Normal(out_std),
+            );
+            moe = Some(MoeLayout {
+                router,
+                w_in: wi,
+                w_up: wu,
+                w_out: wo,
+                experts,
+                top_k,
+            });
+            (w_in, b_in, w_up, w_out, b_out) = (0..0, None, None, 0..0, None);
+        } else if d.swiglu {
             w_in = b.add(p("mlp.wg"), &[h, f], Split::Dim(1), w);
             b_in = opt(b, d.bias, "mlp.bg", &[f], Split::Dim(0));
             w_up = Some(b.add(p("mlp.wu"), &[h, f], Split::Dim(1), w));
@@ -388,7 +454,13 @@ impl BlockLayout {
             w_up,
             w_out,
             b_out,
+            moe,
         }
+    }
+
+    /// Whether the MLP is a mixture of experts.
+    pub fn is_moe(&self) -> bool {
+        self.moe.is_some()
     }
 }
 
@@ -472,6 +544,8 @@ pub struct Tp<'a> {
     /// The context-parallel group (ranks holding other chunks of the same sequences, in
     /// chunk order), when context parallelism is on.
     pub cp: Option<&'a Group>,
+    /// The expert-parallel group (in expert order), when expert parallelism is on.
+    pub ep: Option<&'a Group>,
 }
 
 impl Tp<'_> {
@@ -652,6 +726,7 @@ struct BlockSaved {
     u: Vec<f32>,
     up: Option<Vec<f32>>,
     act: Option<Vec<f32>>,
+    moe: Option<MoeSaved>,
 }
 
 fn slice<'a>(p: &'a [f32], r: &Option<Range<usize>>) -> Option<&'a [f32]> {
@@ -737,6 +812,32 @@ fn block_fwd_inner(
     let mut n2 = vec![0.0; rows * h];
     let st2 = norm_fwd(&mut n2, &x2, &p[l.ln2_w.clone()], slice(p, &l.ln2_b), d.rms);
     let n2 = tp.enter_fwd(n2)?;
+    if let Some(ml) = &l.moe {
+        // Tensor parallelism is 1 here (checked by the engine): the MoE output is whole.
+        let mut ep = Ep {
+            comm: &mut *tp.comm,
+            group: tp.ep,
+        };
+        let (mut m, ms) = moe_fwd(ml, p, &n2, h, d.ffn, &mut ep)?;
+        add_into(&mut m, &x2);
+        let saved = (keep != Keep::Input).then(|| BlockSaved {
+            n1,
+            st1,
+            q,
+            k,
+            v,
+            probs,
+            o,
+            x2,
+            n2,
+            st2,
+            u: Vec::new(),
+            up: None,
+            act: None,
+            moe: Some(ms),
+        });
+        return Ok((m, saved));
+    }
     let mut u = vec![0.0; tt * f];
     mm(&mut u, &n2, &p[l.w_in.clone()], tt, h, f, false);
     if let Some(b) = slice(p, &l.b_in) {
@@ -769,6 +870,7 @@ fn block_fwd_inner(
         u,
         up,
         act: (keep == Keep::All).then_some(act),
+        moe: None,
     });
     Ok((m, saved))
 }
@@ -825,44 +927,53 @@ pub fn block_bwd(
 
     // MLP.
     let mut dx2 = dy;
-    if let Some(r) = &l.b_out {
-        bias_grad(&mut g[r.clone()], &dx2);
-    }
-    let dm = tp.exit_bwd(dx2.clone())?;
-    let act = match s.act {
-        Some(a) => a,
-        None => activation(&s.u, s.up.as_deref()),
+    let dn2 = if let (Some(ml), Some(ms)) = (&l.moe, s.moe) {
+        let mut ep = Ep {
+            comm: &mut *tp.comm,
+            group: tp.ep,
+        };
+        moe_bwd(ml, p, g, &s.n2, ms, &dx2, h, f, &mut ep)?
+    } else {
+        if let Some(r) = &l.b_out {
+            bias_grad(&mut g[r.clone()], &dx2);
+        }
+        let dm = tp.exit_bwd(dx2.clone())?;
+        let act = match s.act {
+            Some(a) => a,
+            None => activation(&s.u, s.up.as_deref()),
+        };
+        wgrad(g, &l.w_out, &act, &dm, tt, f, h);
+        drop(act);
+        let mut dact = vec![0.0; tt * f];
+        mm_nt(&mut dact, &dm, &p[l.w_out.clone()], tt, f, h, false);
+        let mut dn2 = vec![0.0; tt * h];
+        match (&s.up, &l.w_up) {
+            (Some(up), Some(w_up)) => {
+                // act = silu(u) · up
+                let mut dup = vec![0.0; tt * f];
+                for i in 0..tt * f {
+                    let gt = s.u[i];
+                    let sg = sigmoid(gt);
+                    dup[i] = dact[i] * gt * sg;
+                    dact[i] *= up[i] * sg * (1.0 + gt * (1.0 - sg));
+                }
+                wgrad(g, w_up, &s.n2, &dup, tt, h, f);
+                mm_nt(&mut dn2, &dup, &p[w_up.clone()], tt, h, f, false);
+            }
+            _ => {
+                for (da, u) in dact.iter_mut().zip(&s.u) {
+                    *da *= gelu_grad(*u);
+                }
+            }
+        }
+        let du = dact;
+        if let Some(r) = &l.b_in {
+            bias_grad(&mut g[r.clone()], &du);
+        }
+        wgrad(g, &l.w_in, &s.n2, &du, tt, h, f);
+        mm_nt(&mut dn2, &du, &p[l.w_in.clone()], tt, h, f, true);
+        dn2
     };
-    wgrad(g, &l.w_out, &act, &dm, tt, f, h);
-    drop(act);
-    let mut dact = vec![0.0; tt * f];
-    mm_nt(&mut dact, &dm, &p[l.w_out.clone()], tt, f, h, false);
-    let mut dn2 = vec![0.0; tt * h];
-    match (&s.up, &l.w_up) {
-        (Some(up), Some(w_up)) => {
-            // act = silu(u) · up
-            let mut dup = vec![0.0; tt * f];
-            for i in 0..tt * f {
-                let gt = s.u[i];
-                let sg = sigmoid(gt);
-                dup[i] = dact[i] * gt * sg;
-                dact[i] *= up[i] * sg * (1.0 + gt * (1.0 - sg));
-            }
-            wgrad(g, w_up, &s.n2, &dup, tt, h, f);
-            mm_nt(&mut dn2, &dup, &p[w_up.clone()], tt, h, f, false);
-        }
-        _ => {
-            for (da, u) in dact.iter_mut().zip(&s.u) {
-                *da *= gelu_grad(*u);
-            }
-        }
-    }
-    let du = dact;
-    if let Some(r) = &l.b_in {
-        bias_grad(&mut g[r.clone()], &du);
-    }
-    wgrad(g, &l.w_in, &s.n2, &du, tt, h, f);
-    mm_nt(&mut dn2, &du, &p[l.w_in.clone()], tt, h, f, true);
     let dn2 = tp.enter_bwd(dn2)?;
     let (lo, hi) = split_two(g, &l.ln2_w, &l.ln2_b);
     norm_bwd(

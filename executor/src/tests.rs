@@ -23,6 +23,17 @@ fn llama(layers: u32) -> TransformerConfig {
     TransformerConfig::llama(layers, 32, 4, 2, 64, 64, 16)
 }
 
+/// A Mixtral-shaped tiny model: Llama layers whose MLP is 4 SwiGLU experts, top-2.
+fn mixtral(layers: u32) -> TransformerConfig {
+    TransformerConfig {
+        moe: Some(parallax_ir::models::MoeConfig {
+            experts: 4,
+            top_k: 2,
+        }),
+        ..llama(layers)
+    }
+}
+
 fn spec(model: TransformerConfig, layout: Layout) -> RunSpec {
     let mut s = RunSpec::new(model, layout, GLOBAL_BATCH, SEQ, STEPS);
     s.seed = 42;
@@ -169,6 +180,14 @@ equivalence! {
     cp4_learned_positions: gpt(2), Layout { cp: 4, ..Layout::default() };
     llama_cp2_tp2_sp_selective: llama(4), Layout { cp: 2, tp: 2, sequence_parallel: true, recompute: Recompute::Selective, ..Layout::default() };
     llama_dp2_cp2_pp2_zero1_full_recompute: llama(4), Layout { dp: 2, cp: 2, zero_stage: 1, recompute: Recompute::Full, ..pp(2, Schedule::OneFOneB) };
+    // Expert parallelism: experts split over ep data-parallel ranks, tokens dispatched to them
+    // and combined back in all-to-alls.
+    moe_dp2: mixtral(2), Layout { dp: 2, ..Layout::default() };
+    moe_dp2_ep2: mixtral(2), Layout { dp: 2, ep: 2, ..Layout::default() };
+    moe_dp4_ep2: mixtral(2), Layout { dp: 4, ep: 2, ..Layout::default() };
+    moe_dp4_ep4_selective: mixtral(2), Layout { dp: 4, ep: 4, recompute: Recompute::Selective, ..Layout::default() };
+    moe_dp2_ep2_pp2: mixtral(4), Layout { dp: 2, ep: 2, ..pp(2, Schedule::OneFOneB) };
+    moe_dp2_ep2_cp2_full_recompute: mixtral(2), Layout { dp: 2, ep: 2, cp: 2, recompute: Recompute::Full, ..Layout::default() };
     // A vocabulary tp does not divide: the embedding and head stay whole on every rank.
     tp2_sp_odd_vocab: TransformerConfig::gpt(2, 32, 4, 64, 65, 16), Layout { tp: 2, sequence_parallel: true, ..Layout::default() };
 }

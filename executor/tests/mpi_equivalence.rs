@@ -47,6 +47,17 @@ fn llama(layers: u32) -> TransformerConfig {
     TransformerConfig::llama(layers, 32, 4, 2, 64, 64, 16)
 }
 
+/// Llama layers with 4 SwiGLU experts, top-2 (Mixtral's shape).
+fn mixtral(layers: u32) -> TransformerConfig {
+    TransformerConfig {
+        moe: Some(parallax_ir::models::MoeConfig {
+            experts: 4,
+            top_k: 2,
+        }),
+        ..llama(layers)
+    }
+}
+
 fn pp(stages: u32, schedule: Schedule) -> Layout {
     Layout {
         pp: stages,
@@ -65,6 +76,24 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
         ("pp2_1f1b", gpt(4), pp(2, Schedule::OneFOneB)),
         ("pp2_zb_h1", gpt(4), pp(2, Schedule::ZeroBubbleH1)),
         ("cp2", gpt(4), Layout { cp: 2, ..d() }),
+        (
+            "moe_dp2_ep2",
+            mixtral(2),
+            Layout {
+                dp: 2,
+                ep: 2,
+                ..d()
+            },
+        ),
+        (
+            "moe_dp4_ep2",
+            mixtral(2),
+            Layout {
+                dp: 4,
+                ep: 2,
+                ..d()
+            },
+        ),
         (
             "llama_cp2_tp2_sp",
             llama(4),

@@ -191,6 +191,17 @@ pub fn entries() -> Vec<ZooEntry> {
             ZooDef::Transformer(TransformerConfig::gpt(4, 256, 4, 1024, 256, 256)),
         ),
         e(
+            "mixtral-tiny",
+            "tiny",
+            1_838_208.0,
+            exact,
+            "parallax's own CPU mixture of experts: Mixtral's layout (Llama attention, 4 SwiGLU experts, top-2, untied) with l=4, h=128, 4 heads, 2 KV heads, expert FFN 256, V=256 (bytes)",
+            ZooDef::Transformer(TransformerConfig {
+                moe: Some(MoeConfig { experts: 4, top_k: 2 }),
+                ..TransformerConfig::llama(4, 128, 4, 2, 256, 256, 256)
+            }),
+        ),
+        e(
             "llama-tiny",
             "tiny",
             3_033_344.0,

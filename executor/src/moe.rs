@@ -1,0 +1,433 @@
+//! A mixture-of-experts MLP with expert parallelism, Mixtral's shape (Jiang et al. 2024): a
+//! linear router, softmax over the experts, the top-k kept and renormalised to sum to one,
+//! each token's hidden state sent to its k experts and their outputs summed with those
+//! weights. Dropless: every token reaches its experts, however many pick one.
+//!
+//! Under expert parallelism the `ep` ranks of an expert-parallel group each hold `E / ep`
+//! experts; tokens travel to the rank of their expert and back in two all-to-alls (dispatch,
+//! combine), and again in the backward. No auxiliary load-balancing loss is added (the
+//! executor trains the model's main loss only).
+
+use crate::comm::{Collectives, CommError, Group};
+use crate::tensor::{gelu, gelu_grad, mm, mm_nt, mm_tn, sigmoid};
+use std::ops::Range;
+
+/// Where a block's mixture-of-experts tensors lie in its unit buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MoeLayout {
+    /// `[hidden, experts]`, whole on every rank.
+    pub router: Range<usize>,
+    /// This rank's experts' `[local, hidden, ffn]` gate (or first) projection.
+    pub w_in: Range<usize>,
+    /// SwiGLU's up projection, `[local, hidden, ffn]`.
+    pub w_up: Option<Range<usize>>,
+    /// `[local, ffn, hidden]`.
+    pub w_out: Range<usize>,
+    /// Experts in all, and top-k.
+    pub experts: usize,
+    pub top_k: usize,
+}
+
+/// What the forward keeps for the backward.
+#[derive(Debug)]
+pub struct MoeSaved {
+    /// Router probabilities, `tokens × experts`.
+    probs: Vec<f32>,
+    /// Per token, its k experts (global index) and their normalised weights.
+    picks: Vec<(usize, f32)>,
+    /// Per destination rank, the (token, pick) pairs sent there, in order.
+    routes: Vec<Vec<(usize, usize)>>,
+    /// Per source rank, the (local expert, row in that expert's batch) of each row received.
+    arrivals: Vec<Vec<(usize, usize)>>,
+    /// Per local expert: its input rows, pre-activation(s) and activation.
+    x: Vec<Vec<f32>>,
+    gate: Vec<Vec<f32>>,
+    up: Vec<Vec<f32>>,
+    act: Vec<Vec<f32>>,
+    /// Each (token, pick)'s expert output, `tokens·k × hidden`.
+    y: Vec<f32>,
+}
+
+/// The expert-parallel context: the group (in expert order) when `ep > 1`.
+pub struct Ep<'a> {
+    pub comm: &'a mut dyn Collectives,
+    pub group: Option<&'a Group>,
+}
+
+impl std::fmt::Debug for Ep<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ep").field("group", &self.group).finish()
+    }
+}
+
+impl Ep<'_> {
+    fn size(&self) -> usize {
+        self.group.map_or(1, Group::size)
+    }
+
+    /// Sends `rows[k]` (rows of `width`) to member `k` and returns what each member sent
+    /// here: the row counts first, then the rows.
+    fn all_to_all(
+        &mut self,
+        rows: Vec<Vec<f32>>,
+        width: usize,
+    ) -> Result<Vec<Vec<f32>>, CommError> {
+        let Some(g) = self.group else {
+            return Ok(rows);
+        };
+        let me = g.index_of(self.comm.rank())?;
+        let tag = self.comm.next_tag(g);
+        for (k, r) in g.ranks().iter().enumerate() {
+            if k != me {
+                self.comm
+                    .send(*r, tag, &[(rows[k].len() / width.max(1)) as f32])?;
+                self.comm.send(*r, tag, &rows[k])?;
+            }
+        }
+        let mut out = Vec::with_capacity(g.size());
+        for (k, r) in g.ranks().iter().enumerate() {
+            if k == me {
+                out.push(rows[me].clone());
+                continue;
+            }
+            let mut n = [0.0f32];
+            self.comm.recv(*r, tag, &mut n, "expert all-to-all")?;
+            let mut buf = vec![0.0; n[0] as usize * width];
+            self.comm.recv(*r, tag, &mut buf, "expert all-to-all")?;
+            out.push(buf);
+        }
+        Ok(out)
+    }
+}
+
+/// The experts' activation of a pre-activation `g` (and SwiGLU's `u`).
+fn activate(g: &[f32], u: Option<&[f32]>) -> Vec<f32> {
+    match u {
+        Some(u) => g.iter().zip(u).map(|(a, b)| a * sigmoid(*a) * b).collect(),
+        None => g.iter().map(|a| gelu(*a)).collect(),
+    }
+}
+
+/// Mixture-of-experts forward of `x` (`tokens × hidden`) with this rank's parameters `p`.
+pub fn moe_fwd(
+    l: &MoeLayout,
+    p: &[f32],
+    x: &[f32],
+    h: usize,
+    f: usize,
+    ep: &mut Ep<'_>,
+) -> Result<(Vec<f32>, MoeSaved), CommError> {
+    let (e, k) = (l.experts, l.top_k);
+    let tokens = x.len() / h;
+    let n = ep.size();
+    let per = e / n;
+    // Router: softmax over the experts, the top k renormalised.
+    let mut probs = vec![0.0; tokens * e];
+    mm(&mut probs, x, &p[l.router.clone()], tokens, h, e, false);
+    for row in probs.chunks_exact_mut(e) {
+        let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut s = 0.0;
+        for v in row.iter_mut() {
+            *v = (*v - mx).exp();
+            s += *v;
+        }
+        row.iter_mut().for_each(|v| *v /= s);
+    }
+    let mut picks = Vec::with_capacity(tokens * k);
+    for row in probs.chunks_exact(e) {
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|a, b| row[*b].total_cmp(&row[*a]).then(a.cmp(b)));
+        let s: f32 = order[..k].iter().map(|i| row[*i]).sum();
+        picks.extend(order[..k].iter().map(|i| (*i, row[*i] / s)));
+    }
+    // Dispatch: each (token, pick) to the rank of its expert, the expert's local index first.
+    let mut routes = vec![Vec::new(); n];
+    let mut sends = vec![Vec::new(); n];
+    for (i, (expert, _)) in picks.iter().enumerate() {
+        let dst = expert / per;
+        routes[dst].push((i / k, i % k));
+        sends[dst].push((expert % per) as f32);
+        sends[dst].extend_from_slice(&x[(i / k) * h..(i / k + 1) * h]);
+    }
+    let got = ep.all_to_all(sends, h + 1)?;
+    let mut xs: Vec<Vec<f32>> = vec![Vec::new(); per];
+    let mut arrivals = Vec::with_capacity(n);
+    for rows in &got {
+        let mut here = Vec::with_capacity(rows.len() / (h + 1));
+        for row in rows.chunks_exact(h + 1) {
+            let j = row[0] as usize;
+            here.push((j, xs[j].len() / h));
+            xs[j].extend_from_slice(&row[1..]);
+        }
+        arrivals.push(here);
+    }
+    // Each local expert on its batch of rows.
+    let (mut gate, mut up, mut act, mut ys) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (j, xj) in xs.iter().enumerate() {
+        let rows = xj.len() / h;
+        let mut g = vec![0.0; rows * f];
+        mm(
+            &mut g,
+            xj,
+            &p[l.w_in.start + j * h * f..][..h * f],
+            rows,
+            h,
+            f,
+            false,
+        );
+        let u = l.w_up.as_ref().map(|w| {
+            let mut u = vec![0.0; rows * f];
+            mm(
+                &mut u,
+                xj,
+                &p[w.start + j * h * f..][..h * f],
+                rows,
+                h,
+                f,
+                false,
+            );
+            u
+        });
+        let a = activate(&g, u.as_deref());
+        let mut y = vec![0.0; rows * h];
+        mm(
+            &mut y,
+            &a,
+            &p[l.w_out.start + j * f * h..][..f * h],
+            rows,
+            f,
+            h,
+            false,
+        );
+        gate.push(g);
+        up.push(u.unwrap_or_default());
+        act.push(a);
+        ys.push(y);
+    }
+    // Combine: outputs back in the order they came, weighted into their tokens.
+    let back: Vec<Vec<f32>> = arrivals
+        .iter()
+        .map(|rows| {
+            rows.iter()
+                .flat_map(|(j, r)| ys[*j][r * h..(r + 1) * h].iter().copied())
+                .collect()
+        })
+        .collect();
+    let returned = ep.all_to_all(back, h)?;
+    let mut out = vec![0.0; tokens * h];
+    let mut y = vec![0.0; tokens * k * h];
+    for (dst, list) in routes.iter().enumerate() {
+        for (m, (t, j)) in list.iter().enumerate() {
+            let row = &returned[dst][m * h..(m + 1) * h];
+            let w = picks[t * k + j].1;
+            y[(t * k + j) * h..(t * k + j + 1) * h].copy_from_slice(row);
+            for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(row) {
+                *o += w * v;
+            }
+        }
+    }
+    Ok((
+        out,
+        MoeSaved {
+            probs,
+            picks,
+            routes,
+            arrivals,
+            x: xs,
+            gate,
+            up,
+            act,
+            y,
+        },
+    ))
+}
+
+/// Mixture-of-experts backward: accumulates the router's and this rank's experts' gradients
+/// into `g` and returns the input gradient.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_bwd(
+    l: &MoeLayout,
+    p: &[f32],
+    g: &mut [f32],
+    x: &[f32],
+    s: MoeSaved,
+    dout: &[f32],
+    h: usize,
+    f: usize,
+    ep: &mut Ep<'_>,
+) -> Result<Vec<f32>, CommError> {
+    let (e, k) = (l.experts, l.top_k);
+    let tokens = x.len() / h;
+    let n = ep.size();
+    let per = e / n;
+    // Gradients of the expert outputs (weighted) and of the weights.
+    let mut dw = vec![0.0f32; tokens * k];
+    let mut sends = vec![Vec::new(); n];
+    for (dst, list) in s.routes.iter().enumerate() {
+        for (t, j) in list {
+            let d = &dout[t * h..(t + 1) * h];
+            let w = s.picks[t * k + j].1;
+            dw[t * k + j] = d
+                .iter()
+                .zip(&s.y[(t * k + j) * h..(t * k + j + 1) * h])
+                .map(|(a, b)| a * b)
+                .sum();
+            sends[dst].extend(d.iter().map(|v| w * v));
+        }
+    }
+    let got = ep.all_to_all(sends, h)?;
+    let mut dys: Vec<Vec<f32>> = s.x.iter().map(|xj| vec![0.0; xj.len()]).collect();
+    for (src, rows) in s.arrivals.iter().enumerate() {
+        for (m, (j, r)) in rows.iter().enumerate() {
+            dys[*j][r * h..(r + 1) * h].copy_from_slice(&got[src][m * h..(m + 1) * h]);
+        }
+    }
+    let mut dxs = Vec::with_capacity(per);
+    for (j, dy) in dys.iter().enumerate() {
+        let rows = s.x[j].len() / h;
+        let (wi, wo) = (
+            l.w_in.start + j * h * f..l.w_in.start + (j + 1) * h * f,
+            l.w_out.start + j * f * h..l.w_out.start + (j + 1) * f * h,
+        );
+        mm_tn(&mut g[wo.clone()], &s.act[j], dy, rows, f, h, true);
+        let mut da = vec![0.0; rows * f];
+        mm_nt(&mut da, dy, &p[wo], rows, f, h, false);
+        let mut dx = vec![0.0; rows * h];
+        match &l.w_up {
+            Some(wu) => {
+                let wu = wu.start + j * h * f..wu.start + (j + 1) * h * f;
+                let (gt, ut) = (&s.gate[j], &s.up[j]);
+                let mut du = vec![0.0; rows * f];
+                for i in 0..rows * f {
+                    let sg = sigmoid(gt[i]);
+                    du[i] = da[i] * gt[i] * sg;
+                    da[i] *= ut[i] * sg * (1.0 + gt[i] * (1.0 - sg));
+                }
+                mm_tn(&mut g[wu.clone()], &s.x[j], &du, rows, h, f, true);
+                mm_nt(&mut dx, &du, &p[wu], rows, h, f, false);
+            }
+            None => {
+                for (d, gv) in da.iter_mut().zip(&s.gate[j]) {
+                    *d *= gelu_grad(*gv);
+                }
+            }
+        }
+        mm_tn(&mut g[wi.clone()], &s.x[j], &da, rows, h, f, true);
+        mm_nt(&mut dx, &da, &p[wi], rows, h, f, true);
+        dxs.push(dx);
+    }
+    let back: Vec<Vec<f32>> = s
+        .arrivals
+        .iter()
+        .map(|rows| {
+            rows.iter()
+                .flat_map(|(j, r)| dxs[*j][r * h..(r + 1) * h].iter().copied())
+                .collect()
+        })
+        .collect();
+    let returned = ep.all_to_all(back, h)?;
+    let mut dx = vec![0.0; tokens * h];
+    for (dst, list) in s.routes.iter().enumerate() {
+        for (m, (t, _)) in list.iter().enumerate() {
+            for (o, v) in dx[t * h..(t + 1) * h]
+                .iter_mut()
+                .zip(&returned[dst][m * h..(m + 1) * h])
+            {
+                *o += v;
+            }
+        }
+    }
+    // Router: through the renormalised top-k and the softmax.
+    let mut dlogits = vec![0.0; tokens * e];
+    for t in 0..tokens {
+        let pr = &s.probs[t * e..(t + 1) * e];
+        let chosen = &s.picks[t * k..(t + 1) * k];
+        let sum: f32 = chosen.iter().map(|(i, _)| pr[*i]).sum();
+        let dot: f32 = chosen
+            .iter()
+            .enumerate()
+            .map(|(j, (i, _))| dw[t * k + j] * pr[*i])
+            .sum();
+        let mut dp = vec![0.0f32; e];
+        for (j, (i, _)) in chosen.iter().enumerate() {
+            dp[*i] = dw[t * k + j] / sum - dot / (sum * sum);
+        }
+        let inner: f32 = dp.iter().zip(pr).map(|(a, b)| a * b).sum();
+        for i in 0..e {
+            dlogits[t * e + i] = pr[i] * (dp[i] - inner);
+        }
+    }
+    mm_tn(&mut g[l.router.clone()], x, &dlogits, tokens, h, e, true);
+    mm_nt(&mut dx, &dlogits, &p[l.router.clone()], tokens, h, e, true);
+    Ok(dx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::ThreadComm;
+
+    fn rand(n: usize, seed: u64) -> Vec<f32> {
+        let mut g = crate::rng::SplitMix64::for_stream(seed, "moe");
+        (0..n).map(|_| (g.normal() * 0.5) as f32).collect()
+    }
+
+    /// Router, experts and input gradients of the layer against central differences of
+    /// `Σ r · out`, SwiGLU and GeLU experts.
+    #[test]
+    fn moe_gradients_match_finite_differences() {
+        for swiglu in [true, false] {
+            let (tokens, h, f, e, k) = (5, 4, 3, 4, 2);
+            let router = 0..h * e;
+            let w_in = router.end..router.end + e * h * f;
+            let w_up = swiglu.then(|| w_in.end..w_in.end + e * h * f);
+            let w_out_start = w_up.as_ref().map_or(w_in.end, |r| r.end);
+            let w_out = w_out_start..w_out_start + e * f * h;
+            let l = MoeLayout {
+                router,
+                w_in,
+                w_up,
+                w_out: w_out.clone(),
+                experts: e,
+                top_k: k,
+            };
+            let p = rand(w_out.end, 1);
+            let x = rand(tokens * h, 2);
+            let r = rand(tokens * h, 3);
+            let (mut comms, _) = ThreadComm::create(1, std::time::Duration::from_secs(5));
+            let comm = &mut comms[0];
+            let objective = |p: &[f32], x: &[f32], comm: &mut ThreadComm| -> f64 {
+                let mut ep = Ep { comm, group: None };
+                let (y, _) = moe_fwd(&l, p, x, h, f, &mut ep).unwrap();
+                y.iter().zip(&r).map(|(a, b)| f64::from(a * b)).sum()
+            };
+            let mut ep = Ep {
+                comm: &mut *comm,
+                group: None,
+            };
+            let (_, saved) = moe_fwd(&l, &p, &x, h, f, &mut ep).unwrap();
+            let mut g = vec![0.0; p.len()];
+            let dx = moe_bwd(&l, &p, &mut g, &x, saved, &r, h, f, &mut ep).unwrap();
+            let eps = 1e-2f32;
+            let check = |what: &str, analytic: f32, plus: f64, minus: f64| {
+                let num = (plus - minus) / (2.0 * f64::from(eps));
+                let err = (num - f64::from(analytic)).abs() / num.abs().max(0.05);
+                assert!(err < 2e-2, "{what} (swiglu {swiglu}): {analytic} vs {num}");
+            };
+            for i in (0..x.len()).step_by(3) {
+                let (mut a, mut b) = (x.clone(), x.clone());
+                a[i] += eps;
+                b[i] -= eps;
+                let (pa, pb) = (objective(&p, &a, comm), objective(&p, &b, comm));
+                check(&format!("dx[{i}]"), dx[i], pa, pb);
+            }
+            for i in (0..p.len()).step_by(5) {
+                let (mut a, mut b) = (p.clone(), p.clone());
+                a[i] += eps;
+                b[i] -= eps;
+                let (pa, pb) = (objective(&a, &x, comm), objective(&b, &x, comm));
+                check(&format!("dp[{i}]"), g[i], pa, pb);
+            }
+        }
+    }
+}
