@@ -321,12 +321,6 @@ impl Prepared {
                         l.tp
                     ));
                 }
-                if l.ep > 1 && l.zero_stage > 0 {
-                    return bad(format!(
-                        "zero {} with ep {}: the executor shards no optimizer state of an expert-parallel model (zero 0)",
-                        l.zero_stage, l.ep
-                    ));
-                }
             }
             None => {}
         }
@@ -480,11 +474,15 @@ impl Prepared {
         let nv = self.topo.pp * self.topo.v;
         let mut units = Vec::new();
         let mut chunks = Vec::new();
-        let mut new_unit = |name: String, f: &mut dyn FnMut(&mut SlotBuilder)| -> usize {
-            let mut b = SlotBuilder::with_ep(self.topo.tp, self.topo.ep);
-            f(&mut b);
+        let builder = || SlotBuilder::with_ep(self.topo.tp, self.topo.ep);
+        let mut push = |name: String, b: SlotBuilder, experts: bool| -> usize {
             let (slots, len) = b.finish();
-            units.push(UnitPlan { name, slots, len });
+            units.push(UnitPlan {
+                name,
+                slots,
+                len,
+                experts,
+            });
             units.len() - 1
         };
         for c in 0..self.topo.v {
@@ -498,37 +496,36 @@ impl Prepared {
                 head_w: None,
             };
             if vs == 0 {
-                ch.wte = Some(new_unit("embed.wte".into(), &mut |b| {
-                    build_wte(d, b, false);
-                }));
+                let mut b = builder();
+                build_wte(d, &mut b, false);
+                ch.wte = Some(push("embed.wte".into(), b, false));
                 if !d.rope {
-                    ch.wpe = Some(new_unit("embed.wpe".into(), &mut |b| {
-                        build_wpe(d, b);
-                    }));
+                    let mut b = builder();
+                    build_wpe(d, &mut b);
+                    ch.wpe = Some(push("embed.wpe".into(), b, false));
                 }
             }
             for layer in self.bounds[vs]..self.bounds[vs + 1] {
-                let mut lay = None;
-                let u = new_unit(format!("layers.{layer}"), &mut |b| {
-                    lay = Some(BlockLayout::build(d, layer, b));
-                });
-                if let Some(lay) = lay {
-                    ch.blocks.push((u, lay));
-                }
+                let (mut b, mut eb) = (builder(), builder());
+                let lay = BlockLayout::build(d, layer, &mut b, &mut eb);
+                let u = push(format!("layers.{layer}"), b, false);
+                // A mixture of experts keeps its experts in a unit of their own.
+                let eu = lay
+                    .is_moe()
+                    .then(|| push(format!("layers.{layer}.experts"), eb, true));
+                ch.blocks.push((u, eu, lay));
             }
             if vs == nv - 1 {
-                let mut lay = None;
-                let u = new_unit("head".into(), &mut |b| lay = Some(HeadLayout::build(d, b)));
-                if let Some(lay) = lay {
-                    ch.head = Some((u, lay));
-                }
+                let mut b = builder();
+                let lay = HeadLayout::build(d, &mut b);
+                ch.head = Some((push("head".into(), b, false), lay));
                 if d.tied {
                     ch.head_w = if vs == 0 {
                         ch.wte
                     } else {
-                        Some(new_unit("head.wte".into(), &mut |b| {
-                            build_wte(d, b, true);
-                        }))
+                        let mut b = builder();
+                        build_wte(d, &mut b, true);
+                        Some(push("head.wte".into(), b, false))
                     };
                 }
             }
@@ -543,6 +540,9 @@ struct UnitPlan {
     name: String,
     slots: Vec<Slot>,
     len: usize,
+    /// A mixture-of-experts layer's experts: reduced and sharded over the replicas holding
+    /// the same experts, not all replicas.
+    experts: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -550,7 +550,8 @@ struct ChunkPlan {
     vs: usize,
     wte: Option<usize>,
     wpe: Option<usize>,
-    blocks: Vec<(usize, BlockLayout)>,
+    /// Each block's unit, its experts' unit (mixture of experts) and layout.
+    blocks: Vec<(usize, Option<usize>, BlockLayout)>,
     head: Option<(usize, HeadLayout)>,
     /// The unit holding the tied unembedding (the embedding itself, or the last stage's copy).
     head_w: Option<usize>,
@@ -559,7 +560,10 @@ struct ChunkPlan {
 impl ChunkPlan {
     fn units(&self) -> Vec<usize> {
         let mut u: Vec<usize> = self.wte.iter().chain(self.wpe.iter()).copied().collect();
-        u.extend(self.blocks.iter().map(|b| b.0));
+        for (b, e, _) in &self.blocks {
+            u.push(*b);
+            u.extend(e);
+        }
         u.extend(self.head.iter().map(|h| h.0));
         if let Some(w) = self.head_w {
             if !u.contains(&w) {
@@ -595,8 +599,34 @@ struct Unit {
     /// Ranges of tensors whose tensor-parallel part other ranks hold too (replicated key/value
     /// heads), each rank with part of the gradient.
     kv_shared: Vec<Range<usize>>,
-    /// Ranges of this rank's experts: reduced over the ranks holding the same experts.
-    experts: Vec<Range<usize>>,
+    /// The replicas this unit's gradients are reduced and its state sharded over: every
+    /// replica, or for experts those holding the same ones.
+    group: Group,
+}
+
+impl Unit {
+    /// A unit with nothing in it (the experts of a block that has none).
+    fn empty() -> Unit {
+        Unit {
+            plan: UnitPlan {
+                name: String::new(),
+                slots: Vec::new(),
+                len: 0,
+                experts: false,
+            },
+            padded: 0,
+            shard: 0..0,
+            params: Vec::new(),
+            pshard: Vec::new(),
+            grads: Vec::new(),
+            gshard: Vec::new(),
+            m: Vec::new(),
+            v: Vec::new(),
+            replicated: Vec::new(),
+            kv_shared: Vec::new(),
+            group: Group::new(Vec::new()),
+        }
+    }
 }
 
 /// Gradients are all-reduced in buckets of at most this many elements (PyTorch DDP's default
@@ -634,10 +664,8 @@ struct Engine<'a> {
     tp_g: Group,
     /// The context-parallel group (ranks holding the other chunks of this rank's sequences).
     cp_g: Option<Group>,
-    /// The expert-parallel group (in expert order) and the replicas holding this rank's
-    /// experts.
+    /// The expert-parallel group (in expert order).
     ep_g: Option<Group>,
-    edp_g: Option<Group>,
     tied_g: Option<Group>,
     world_g: Group,
     caches: HashMap<(usize, usize), ChunkCache>,
@@ -698,7 +726,14 @@ pub fn run_rank(
     let world_g = Group::new((0..topo.world()).collect());
     let units = plans
         .into_iter()
-        .map(|p| init_unit(spec, prep, p, d, t))
+        .map(|p| {
+            let g = match (&edp_g, p.experts) {
+                (Some(e), true) => e.clone(),
+                _ => dp_g.clone(),
+            };
+            let me = g.index_of(rank).unwrap_or(0);
+            init_unit(spec, prep, p, (d, t), (g, me))
+        })
         .collect();
     let mut e = Engine {
         spec,
@@ -712,7 +747,6 @@ pub fn run_rank(
         tp_g,
         cp_g,
         ep_g,
-        edp_g,
         tied_g,
         world_g,
         caches: HashMap::new(),
@@ -725,10 +759,18 @@ pub fn run_rank(
     e.run()
 }
 
-fn init_unit(spec: &RunSpec, prep: &Prepared, plan: UnitPlan, d: usize, t: usize) -> Unit {
-    let dp = prep.topo.replicas();
+/// A unit's parameters and optimizer state for the rank at replica `r`, tensor-parallel
+/// rank `t`, sharded (ZeRO) over `group`, of which this rank is member `d`.
+fn init_unit(
+    spec: &RunSpec,
+    prep: &Prepared,
+    plan: UnitPlan,
+    (r, t): (usize, usize),
+    (group, d): (Group, usize),
+) -> Unit {
+    let dp = group.size();
     let tp = prep.topo.tp;
-    let at = prep.topo.part(d, t);
+    let at = prep.topo.part(r, t);
     let zero = prep.zero;
     let padded = if zero > 0 {
         plan.len.div_ceil(dp) * dp
@@ -771,12 +813,7 @@ fn init_unit(spec: &RunSpec, prep: &Prepared, plan: UnitPlan, d: usize, t: usize
         .filter(|s| s.split.shared_part(tp))
         .map(|s| s.range.clone())
         .collect();
-    let experts = plan
-        .slots
-        .iter()
-        .filter(|s| s.split == Split::Experts)
-        .map(|s| s.range.clone())
-        .collect();
+
     let (params, pshard) = if zero >= 3 {
         (Vec::new(), params[shard.clone()].to_vec())
     } else {
@@ -802,7 +839,7 @@ fn init_unit(spec: &RunSpec, prep: &Prepared, plan: UnitPlan, d: usize, t: usize
         v,
         replicated,
         kv_shared,
-        experts,
+        group,
     }
 }
 
@@ -1001,7 +1038,7 @@ impl Engine<'_> {
         }
         unit.params = vec![0.0; unit.padded];
         self.comm
-            .all_gather(&self.dp_g, &unit.pshard, &mut unit.params)
+            .all_gather(&unit.group, &unit.pshard, &mut unit.params)
     }
 
     fn release(&mut self, u: usize) {
@@ -1091,8 +1128,11 @@ impl Engine<'_> {
             x
         };
         let mut caches = Vec::with_capacity(ch.blocks.len());
-        for (u, lay) in &ch.blocks {
+        for (u, eu, lay) in &ch.blocks {
             self.gather(*u)?;
+            if let Some(eu) = eu {
+                self.gather(*eu)?;
+            }
             let mut tp = Tp {
                 comm: &mut *self.comm,
                 group: &self.tp_g,
@@ -1100,9 +1140,21 @@ impl Engine<'_> {
                 cp: self.cp_g.as_ref(),
                 ep: self.ep_g.as_ref(),
             };
-            let (y, cache) =
-                block_fwd(d, lay, &self.units[*u].params, x, &mut tp, pass, prep.keep)?;
+            let pe: &[f32] = eu.map_or(&[], |eu| &self.units[eu].params);
+            let (y, cache) = block_fwd(
+                d,
+                lay,
+                &self.units[*u].params,
+                pe,
+                x,
+                &mut tp,
+                pass,
+                prep.keep,
+            )?;
             self.release(*u);
+            if let Some(eu) = eu {
+                self.release(*eu);
+            }
             x = y;
             caches.push(cache);
         }
@@ -1237,9 +1289,16 @@ impl Engine<'_> {
                 dx
             }
         };
-        for ((u, lay), bc) in ch.blocks.iter().zip(cache.blocks).rev() {
+        for ((u, eu, lay), bc) in ch.blocks.iter().zip(cache.blocks).rev() {
             self.gather(*u)?;
-            let unit = &mut self.units[*u];
+            if let Some(eu) = eu {
+                self.gather(*eu)?;
+            }
+            let mut none = Unit::empty();
+            let (unit, experts) = match eu {
+                Some(eu) => two_mut(&mut self.units, *u, *eu),
+                None => (&mut self.units[*u], &mut none),
+            };
             let mut tp = Tp {
                 comm: &mut *self.comm,
                 group: &self.tp_g,
@@ -1252,8 +1311,8 @@ impl Engine<'_> {
             dx = block_bwd(
                 d,
                 lay,
-                &unit.params,
-                &mut unit.grads,
+                (&unit.params, &mut unit.grads),
+                (&experts.params, &mut experts.grads),
                 bc,
                 dx,
                 &mut tp,
@@ -1264,6 +1323,9 @@ impl Engine<'_> {
                 self.deferred.entry((mb, c)).or_default().push((*u, later));
             }
             self.release(*u);
+            if let Some(eu) = eu {
+                self.release(*eu);
+            }
         }
         if let Some(wu) = ch.wte {
             let n = window.len() * d.h;
@@ -1327,7 +1389,7 @@ impl Engine<'_> {
         let unit = &mut self.units[u];
         let mut part = vec![0.0; unit.shard.len()];
         self.comm
-            .reduce_scatter_sum(&self.dp_g, &unit.grads, &mut part)?;
+            .reduce_scatter_sum(&unit.group, &unit.grads, &mut part)?;
         if accumulate {
             for (g, p) in unit.gshard.iter_mut().zip(&part) {
                 *g += p;
@@ -1385,30 +1447,6 @@ impl Engine<'_> {
         let prep = self.prep;
         // Data parallel.
         match prep.zero {
-            // Expert parallelism: experts over the replicas holding them, the rest over all.
-            0 if self.edp_g.is_some() => {
-                let dp_g = self.dp_g.clone();
-                let edp_g = self.edp_g.clone().unwrap_or_else(|| dp_g.clone());
-                for u in 0..self.units.len() {
-                    let experts = self.units[u].experts.clone();
-                    let len = self.units[u].grads.len();
-                    let mut shared = Vec::new();
-                    let mut at = 0;
-                    for r in &experts {
-                        if r.start > at {
-                            shared.push(at..r.start);
-                        }
-                        at = r.end;
-                    }
-                    if at < len {
-                        shared.push(at..len);
-                    }
-                    self.all_reduce_ranges(u, &shared, &dp_g)?;
-                    if !experts.is_empty() {
-                        self.all_reduce_ranges(u, &experts, &edp_g)?;
-                    }
-                }
-            }
             0 if prep.topo.replicas() > 1 => self.bucketed_all_reduce()?,
             1 => {
                 for u in 0..self.units.len() {
@@ -1461,11 +1499,25 @@ impl Engine<'_> {
     }
 
     fn bucketed_all_reduce(&mut self) -> Result<(), CommError> {
+        // Experts reduce over the replicas holding them, one unit at a time.
+        for u in 0..self.units.len() {
+            if self.units[u].plan.experts {
+                let g = self.units[u].group.clone();
+                self.comm.all_reduce_sum(&g, &mut self.units[u].grads)?;
+            }
+        }
         let mut start = 0;
         while start < self.units.len() {
+            if self.units[start].plan.experts {
+                start += 1;
+                continue;
+            }
             let mut end = start + 1;
             let mut n = self.units[start].grads.len();
-            while end < self.units.len() && n + self.units[end].grads.len() <= BUCKET_ELEMS {
+            while end < self.units.len()
+                && !self.units[end].plan.experts
+                && n + self.units[end].grads.len() <= BUCKET_ELEMS
+            {
                 n += self.units[end].grads.len();
                 end += 1;
             }
@@ -1502,7 +1554,7 @@ impl Engine<'_> {
             }
             if zero == 1 || zero == 2 {
                 let mine = unit.params[unit.shard.clone()].to_vec();
-                self.comm.all_gather(&self.dp_g, &mine, &mut unit.params)?;
+                self.comm.all_gather(&unit.group, &mine, &mut unit.params)?;
             }
             let unit = &mut self.units[u];
             unit.grads.iter_mut().for_each(|x| *x = 0.0);
@@ -1525,12 +1577,12 @@ impl Engine<'_> {
                 0 => (unit.params.clone(), unit.m.clone(), unit.v.clone()),
                 _ => {
                     let p = if zero >= 3 {
-                        gather(&mut *self.comm, &self.dp_g, &unit.pshard, unit.padded)?
+                        gather(&mut *self.comm, &unit.group, &unit.pshard, unit.padded)?
                     } else {
                         unit.params.clone()
                     };
-                    let m = gather(&mut *self.comm, &self.dp_g, &unit.m, unit.padded)?;
-                    let v = gather(&mut *self.comm, &self.dp_g, &unit.v, unit.padded)?;
+                    let m = gather(&mut *self.comm, &unit.group, &unit.m, unit.padded)?;
+                    let v = gather(&mut *self.comm, &unit.group, &unit.v, unit.padded)?;
                     (p, m, v)
                 }
             };
@@ -1560,8 +1612,13 @@ impl Engine<'_> {
                 let r = topo.rank(ex * topo.cp, s, t);
                 let (plans, _) = self.prep.plan_rank(r);
                 for (i, plan) in plans.iter().enumerate() {
+                    let n = if plan.experts {
+                        topo.replicas() / topo.ep
+                    } else {
+                        topo.replicas()
+                    };
                     let padded = if zero > 0 {
-                        plan.len.div_ceil(topo.replicas()) * topo.replicas()
+                        plan.len.div_ceil(n) * n
                     } else {
                         plan.len
                     };

@@ -368,8 +368,9 @@ pub struct BlockLayout {
 }
 
 impl BlockLayout {
-    /// Adds block `layer`'s tensors to `b`.
-    pub fn build(d: &Dims, layer: usize, b: &mut SlotBuilder) -> BlockLayout {
+    /// Adds block `layer`'s tensors to `b`, a mixture-of-experts MLP's experts to `eb` (their
+    /// own unit: they are reduced and sharded over the replicas holding the same experts).
+    pub fn build(d: &Dims, layer: usize, b: &mut SlotBuilder, eb: &mut SlotBuilder) -> BlockLayout {
         let p = |s: &str| format!("layers.{layer}.{s}");
         let (h, qw, kw, f) = (d.h, d.heads * d.hd, d.kv_heads * d.hd, d.ffn);
         let out_std = INIT_STD / (2.0 * d.layers as f64).sqrt();
@@ -404,11 +405,11 @@ impl BlockLayout {
             } else {
                 ("mlp.experts.w1", "mlp.experts.w2")
             };
-            let wi = b.add(p(gi), &[experts, h, f], Split::Experts, w);
+            let wi = eb.add(p(gi), &[experts, h, f], Split::Experts, w);
             let wu = d
                 .swiglu
-                .then(|| b.add(p("mlp.experts.wu"), &[experts, h, f], Split::Experts, w));
-            let wo = b.add(
+                .then(|| eb.add(p("mlp.experts.wu"), &[experts, h, f], Split::Experts, w));
+            let wo = eb.add(
                 p(go),
                 &[experts, f, h],
                 Split::Experts,
@@ -733,24 +734,28 @@ fn slice<'a>(p: &'a [f32], r: &Option<Range<usize>>) -> Option<&'a [f32]> {
     r.as_ref().map(|r| &p[r.clone()])
 }
 
-/// Forward of one block on local rows `x` with (local) parameters `p`.
+/// Forward of one block on local rows `x` with (local) parameters `p` (and experts `pe`).
+#[allow(clippy::too_many_arguments)]
 pub fn block_fwd(
     d: &Dims,
     l: &BlockLayout,
     p: &[f32],
+    pe: &[f32],
     x: Vec<f32>,
     tp: &mut Tp<'_>,
     pass: Pass,
     keep: Keep,
 ) -> Result<(Vec<f32>, BlockCache), CommError> {
-    let (y, saved) = block_fwd_inner(d, l, p, &x, tp, pass, keep)?;
+    let (y, saved) = block_fwd_inner(d, l, p, pe, &x, tp, pass, keep)?;
     Ok((y, BlockCache { x, inner: saved }))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn block_fwd_inner(
     d: &Dims,
     l: &BlockLayout,
     p: &[f32],
+    pe: &[f32],
     x: &[f32],
     tp: &mut Tp<'_>,
     pass: Pass,
@@ -818,7 +823,7 @@ fn block_fwd_inner(
             comm: &mut *tp.comm,
             group: tp.ep,
         };
-        let (mut m, ms) = moe_fwd(ml, p, &n2, h, d.ffn, &mut ep)?;
+        let (mut m, ms) = moe_fwd(ml, p, pe, &n2, h, d.ffn, &mut ep)?;
         add_into(&mut m, &x2);
         let saved = (keep != Keep::Input).then(|| BlockSaved {
             n1,
@@ -889,8 +894,8 @@ fn activation(u: &[f32], up: Option<&[f32]>) -> Vec<f32> {
 pub fn block_bwd(
     d: &Dims,
     l: &BlockLayout,
-    p: &[f32],
-    g: &mut [f32],
+    (p, g): (&[f32], &mut [f32]),
+    (pe, ge): (&[f32], &mut [f32]),
     cache: BlockCache,
     dy: Vec<f32>,
     tp: &mut Tp<'_>,
@@ -913,7 +918,7 @@ pub fn block_bwd(
     let x = cache.x;
     let s = match cache.inner {
         Some(s) => s,
-        None => match block_fwd_inner(d, l, p, &x, tp, pass, Keep::All)?.1 {
+        None => match block_fwd_inner(d, l, p, pe, &x, tp, pass, Keep::All)?.1 {
             Some(s) => s,
             None => unreachable!("Keep::All saves activations"),
         },
@@ -932,7 +937,7 @@ pub fn block_bwd(
             comm: &mut *tp.comm,
             group: tp.ep,
         };
-        moe_bwd(ml, p, g, &s.n2, ms, &dx2, h, f, &mut ep)?
+        moe_bwd(ml, (p, g), (pe, ge), &s.n2, ms, &dx2, h, f, &mut ep)?
     } else {
         if let Some(r) = &l.b_out {
             bias_grad(&mut g[r.clone()], &dx2);

@@ -12,7 +12,8 @@ use crate::comm::{Collectives, CommError, Group};
 use crate::tensor::{gelu, gelu_grad, mm, mm_nt, mm_tn, sigmoid};
 use std::ops::Range;
 
-/// Where a block's mixture-of-experts tensors lie in its unit buffer.
+/// Where a block's mixture-of-experts tensors lie: the router in the block's unit buffer, the
+/// experts in the experts' unit buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MoeLayout {
     /// `[hidden, experts]`, whole on every rank.
@@ -108,10 +109,12 @@ fn activate(g: &[f32], u: Option<&[f32]>) -> Vec<f32> {
     }
 }
 
-/// Mixture-of-experts forward of `x` (`tokens × hidden`) with this rank's parameters `p`.
+/// Mixture-of-experts forward of `x` (`tokens × hidden`) with the router in `p` and this
+/// rank's experts in `pe`.
 pub fn moe_fwd(
     l: &MoeLayout,
     p: &[f32],
+    pe: &[f32],
     x: &[f32],
     h: usize,
     f: usize,
@@ -169,7 +172,7 @@ pub fn moe_fwd(
         mm(
             &mut g,
             xj,
-            &p[l.w_in.start + j * h * f..][..h * f],
+            &pe[l.w_in.start + j * h * f..][..h * f],
             rows,
             h,
             f,
@@ -180,7 +183,7 @@ pub fn moe_fwd(
             mm(
                 &mut u,
                 xj,
-                &p[w.start + j * h * f..][..h * f],
+                &pe[w.start + j * h * f..][..h * f],
                 rows,
                 h,
                 f,
@@ -193,7 +196,7 @@ pub fn moe_fwd(
         mm(
             &mut y,
             &a,
-            &p[l.w_out.start + j * f * h..][..f * h],
+            &pe[l.w_out.start + j * f * h..][..f * h],
             rows,
             f,
             h,
@@ -242,13 +245,13 @@ pub fn moe_fwd(
     ))
 }
 
-/// Mixture-of-experts backward: accumulates the router's and this rank's experts' gradients
-/// into `g` and returns the input gradient.
+/// Mixture-of-experts backward: accumulates the router's gradient into `g` and this rank's
+/// experts' into `ge`, and returns the input gradient.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_bwd(
     l: &MoeLayout,
-    p: &[f32],
-    g: &mut [f32],
+    (p, g): (&[f32], &mut [f32]),
+    (pe, ge): (&[f32], &mut [f32]),
     x: &[f32],
     s: MoeSaved,
     dout: &[f32],
@@ -289,9 +292,9 @@ pub fn moe_bwd(
             l.w_in.start + j * h * f..l.w_in.start + (j + 1) * h * f,
             l.w_out.start + j * f * h..l.w_out.start + (j + 1) * f * h,
         );
-        mm_tn(&mut g[wo.clone()], &s.act[j], dy, rows, f, h, true);
+        mm_tn(&mut ge[wo.clone()], &s.act[j], dy, rows, f, h, true);
         let mut da = vec![0.0; rows * f];
-        mm_nt(&mut da, dy, &p[wo], rows, f, h, false);
+        mm_nt(&mut da, dy, &pe[wo], rows, f, h, false);
         let mut dx = vec![0.0; rows * h];
         match &l.w_up {
             Some(wu) => {
@@ -303,8 +306,8 @@ pub fn moe_bwd(
                     du[i] = da[i] * gt[i] * sg;
                     da[i] *= ut[i] * sg * (1.0 + gt[i] * (1.0 - sg));
                 }
-                mm_tn(&mut g[wu.clone()], &s.x[j], &du, rows, h, f, true);
-                mm_nt(&mut dx, &du, &p[wu], rows, h, f, false);
+                mm_tn(&mut ge[wu.clone()], &s.x[j], &du, rows, h, f, true);
+                mm_nt(&mut dx, &du, &pe[wu], rows, h, f, false);
             }
             None => {
                 for (d, gv) in da.iter_mut().zip(&s.gate[j]) {
@@ -312,8 +315,8 @@ pub fn moe_bwd(
                 }
             }
         }
-        mm_tn(&mut g[wi.clone()], &s.x[j], &da, rows, h, f, true);
-        mm_nt(&mut dx, &da, &p[wi], rows, h, f, true);
+        mm_tn(&mut ge[wi.clone()], &s.x[j], &da, rows, h, f, true);
+        mm_nt(&mut dx, &da, &pe[wi], rows, h, f, true);
         dxs.push(dx);
     }
     let back: Vec<Vec<f32>> = s
@@ -379,6 +382,7 @@ mod tests {
         for swiglu in [true, false] {
             let (tokens, h, f, e, k) = (5, 4, 3, 4, 2);
             let router = 0..h * e;
+            // Experts in their own buffer, after the router's in one vector for the test.
             let w_in = router.end..router.end + e * h * f;
             let w_up = swiglu.then(|| w_in.end..w_in.end + e * h * f);
             let w_out_start = w_up.as_ref().map_or(w_in.end, |r| r.end);
@@ -398,16 +402,29 @@ mod tests {
             let comm = &mut comms[0];
             let objective = |p: &[f32], x: &[f32], comm: &mut ThreadComm| -> f64 {
                 let mut ep = Ep { comm, group: None };
-                let (y, _) = moe_fwd(&l, p, x, h, f, &mut ep).unwrap();
+                let (y, _) = moe_fwd(&l, p, p, x, h, f, &mut ep).unwrap();
                 y.iter().zip(&r).map(|(a, b)| f64::from(a * b)).sum()
             };
             let mut ep = Ep {
                 comm: &mut *comm,
                 group: None,
             };
-            let (_, saved) = moe_fwd(&l, &p, &x, h, f, &mut ep).unwrap();
+            let (_, saved) = moe_fwd(&l, &p, &p, &x, h, f, &mut ep).unwrap();
             let mut g = vec![0.0; p.len()];
-            let dx = moe_bwd(&l, &p, &mut g, &x, saved, &r, h, f, &mut ep).unwrap();
+            let mut ge = vec![0.0; p.len()];
+            let dx = moe_bwd(
+                &l,
+                (&p, &mut g),
+                (&p, &mut ge),
+                &x,
+                saved,
+                &r,
+                h,
+                f,
+                &mut ep,
+            )
+            .unwrap();
+            crate::tensor::add_into(&mut g, &ge);
             let eps = 1e-2f32;
             let check = |what: &str, analytic: f32, plus: f64, minus: f64| {
                 let num = (plus - minus) / (2.0 * f64::from(eps));

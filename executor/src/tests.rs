@@ -188,6 +188,9 @@ equivalence! {
     moe_dp4_ep4_selective: mixtral(2), Layout { dp: 4, ep: 4, recompute: Recompute::Selective, ..Layout::default() };
     moe_dp2_ep2_pp2: mixtral(4), Layout { dp: 2, ep: 2, ..pp(2, Schedule::OneFOneB) };
     moe_dp2_ep2_cp2_full_recompute: mixtral(2), Layout { dp: 2, ep: 2, cp: 2, recompute: Recompute::Full, ..Layout::default() };
+    moe_dp4_ep2_zero1: mixtral(2), Layout { dp: 4, ep: 2, zero_stage: 1, ..Layout::default() };
+    moe_dp4_ep2_zero3_pp2_zb_h1: mixtral(4), Layout { dp: 4, ep: 2, zero_stage: 3, ..pp(2, Schedule::ZeroBubbleH1) };
+    moe_dp2_ep2_zero2: mixtral(2), Layout { dp: 2, ep: 2, zero_stage: 2, ..Layout::default() };
     // A vocabulary tp does not divide: the embedding and head stay whole on every rank.
     tp2_sp_odd_vocab: TransformerConfig::gpt(2, 32, 4, 64, 65, 16), Layout { tp: 2, sequence_parallel: true, ..Layout::default() };
 }
