@@ -307,22 +307,14 @@ impl Prepared {
         match dims.moe {
             None if l.ep != 1 => {
                 return bad(format!(
-                    "ep {} needs a mixture-of-experts model; {} has a dense MLP",
-                    l.ep, "this one"
+                    "ep {} needs a mixture-of-experts model; this one has a dense MLP",
+                    l.ep
                 ))
             }
-            Some((experts, _)) => {
-                if experts % l.ep as usize != 0 {
-                    return bad(format!("ep {} must divide the {experts} experts", l.ep));
-                }
-                if l.tp != 1 {
-                    return bad(format!(
-                        "tp {}: the executor runs mixture-of-experts models without tensor parallelism (tp 1; experts split by ep)",
-                        l.tp
-                    ));
-                }
+            Some((experts, _)) if experts % l.ep as usize != 0 => {
+                return bad(format!("ep {} must divide the {experts} experts", l.ep));
             }
-            None => {}
+            _ => {}
         }
         let kind = match (l.pp, l.schedule) {
             (1, _) => ScheduleKind::OneFOneB,
@@ -1650,7 +1642,7 @@ impl Engine<'_> {
                                 m: vec![0.0; n],
                                 v: vec![0.0; n],
                             });
-                        if slot.split == Split::Replicated && t != 0
+                        if matches!(slot.split, Split::Replicated | Split::Whole) && t != 0
                             || slot.split != Split::Experts && ex != 0
                         {
                             continue;

@@ -151,6 +151,9 @@ pub enum Split {
     Parts { dim: usize, parts: usize },
     /// Split along dimension 0 (experts) over the expert-parallel ranks.
     Experts,
+    /// Whole on every rank and computed from every token on each (a mixture-of-experts
+    /// router, which the tensor-parallel ranks run redundantly): never reduced over them.
+    Whole,
 }
 
 /// Which part of a tensor a rank holds: its tensor- and expert-parallel positions.
@@ -173,7 +176,7 @@ impl Split {
     /// The dimension split, the number of parts and which part the rank at `at` holds.
     fn part(self, at: Part) -> Option<(usize, usize, usize)> {
         match self {
-            Split::Replicated => None,
+            Split::Replicated | Split::Whole => None,
             Split::Dim(d) => Some((d, at.tp, at.t)),
             Split::Parts { dim, parts } => Some((dim, parts, at.t * parts / at.tp)),
             Split::Experts => Some((0, at.ep, at.e)),
@@ -300,7 +303,7 @@ impl SlotBuilder {
     pub fn add(&mut self, name: String, shape: &[usize], split: Split, init: Init) -> Range<usize> {
         let mut local = shape.to_vec();
         match split {
-            Split::Replicated => {}
+            Split::Replicated | Split::Whole => {}
             Split::Dim(d) => local[d] /= self.tp,
             Split::Parts { dim, parts } => local[dim] /= parts,
             Split::Experts => local[0] /= self.ep,
@@ -399,7 +402,7 @@ impl BlockLayout {
         let (w_in, b_in, w_up, w_out, b_out);
         let mut moe = None;
         if let Some((experts, top_k)) = d.moe {
-            let router = b.add(p("mlp.router"), &[h, experts], Split::Replicated, w);
+            let router = b.add(p("mlp.router"), &[h, experts], Split::Whole, w);
             let (gi, go) = if d.swiglu {
                 ("mlp.experts.wg", "mlp.experts.wd")
             } else {
@@ -578,6 +581,17 @@ impl Tp<'_> {
             self.comm.all_reduce_sum(self.group, &mut x)?;
             Ok(x)
         }
+    }
+
+    /// This rank's rows of a whole result every rank computed (sequence parallel), else all.
+    pub(crate) fn own_rows(&self, x: Vec<f32>) -> Result<Vec<f32>, CommError> {
+        let n = self.size();
+        if !self.sp || n == 1 {
+            return Ok(x);
+        }
+        let me = self.group.index_of(self.comm.rank())?;
+        let r = x.len() / n;
+        Ok(x[me * r..(me + 1) * r].to_vec())
     }
 
     /// Entering the tensor-parallel region, forward (`f` / `ḡ`).
@@ -818,12 +832,14 @@ fn block_fwd_inner(
     let st2 = norm_fwd(&mut n2, &x2, &p[l.ln2_w.clone()], slice(p, &l.ln2_b), d.rms);
     let n2 = tp.enter_fwd(n2)?;
     if let Some(ml) = &l.moe {
-        // Tensor parallelism is 1 here (checked by the engine): the MoE output is whole.
+        // Every tensor-parallel rank runs the whole mixture of experts on every row (experts
+        // replicated over them): its output needs no reduction, only this rank's rows.
         let mut ep = Ep {
             comm: &mut *tp.comm,
             group: tp.ep,
         };
-        let (mut m, ms) = moe_fwd(ml, p, pe, &n2, h, d.ffn, &mut ep)?;
+        let (m, ms) = moe_fwd(ml, p, pe, &n2, h, d.ffn, &mut ep)?;
+        let mut m = tp.own_rows(m)?;
         add_into(&mut m, &x2);
         let saved = (keep != Keep::Input).then(|| BlockSaved {
             n1,
@@ -933,11 +949,14 @@ pub fn block_bwd(
     // MLP.
     let mut dx2 = dy;
     let dn2 = if let (Some(ml), Some(ms)) = (&l.moe, s.moe) {
+        let dm = tp.gather_rows(dx2.clone())?;
         let mut ep = Ep {
             comm: &mut *tp.comm,
             group: tp.ep,
         };
-        moe_bwd(ml, (p, g), (pe, ge), &s.n2, ms, &dx2, h, f, &mut ep)?
+        let dn2 = moe_bwd(ml, (p, g), (pe, ge), &s.n2, ms, &dm, h, d.ffn, &mut ep)?;
+        // The input gradient is whole on every rank: no reduction, this rank's rows.
+        tp.own_rows(dn2)?
     } else {
         if let Some(r) = &l.b_out {
             bias_grad(&mut g[r.clone()], &dx2);
@@ -977,9 +996,8 @@ pub fn block_bwd(
         }
         wgrad(g, &l.w_in, &s.n2, &du, tt, h, f);
         mm_nt(&mut dn2, &du, &p[l.w_in.clone()], tt, h, f, true);
-        dn2
+        tp.enter_bwd(dn2)?
     };
-    let dn2 = tp.enter_bwd(dn2)?;
     let (lo, hi) = split_two(g, &l.ln2_w, &l.ln2_b);
     norm_bwd(
         &mut dx2,

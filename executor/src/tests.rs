@@ -191,6 +191,9 @@ equivalence! {
     moe_dp4_ep2_zero1: mixtral(2), Layout { dp: 4, ep: 2, zero_stage: 1, ..Layout::default() };
     moe_dp4_ep2_zero3_pp2_zb_h1: mixtral(4), Layout { dp: 4, ep: 2, zero_stage: 3, ..pp(2, Schedule::ZeroBubbleH1) };
     moe_dp2_ep2_zero2: mixtral(2), Layout { dp: 2, ep: 2, zero_stage: 2, ..Layout::default() };
+    // Tensor parallelism runs the mixture of experts whole on every tensor-parallel rank.
+    moe_tp2_sp: mixtral(2), Layout { tp: 2, sequence_parallel: true, ..Layout::default() };
+    moe_dp2_ep2_tp2: mixtral(2), Layout { dp: 2, ep: 2, tp: 2, ..Layout::default() };
     // A vocabulary tp does not divide: the embedding and head stay whole on every rank.
     tp2_sp_odd_vocab: TransformerConfig::gpt(2, 32, 4, 64, 65, 16), Layout { tp: 2, sequence_parallel: true, ..Layout::default() };
 }
