@@ -80,3 +80,64 @@ fn cycling_plans_of_the_tiny_models_train_as_one_device() {
         }
     }
 }
+
+/// The structured search's plans for the tiny transformers (dense, GQA, mixture of experts)
+/// on 8 and 16 GPUs, the hundred best of each: the transformer trainer accepts every one.
+#[test]
+fn the_executor_accepts_the_structured_search_s_plans() {
+    use parallax_cost::transformer::Setup;
+    use parallax_executor::{Prepared, RunSpec};
+    use parallax_planner::search::{search, SearchOptions};
+    for name in ["gpt-tiny", "llama-tiny", "mixtral-tiny"] {
+        let model = parallax_ir::models::zoo::transformer(name).unwrap();
+        for gpus in [8u32, 16] {
+            let cluster = Cluster::parse(&format!("dgx-a100-80gb:gpus={gpus}")).unwrap();
+            let (seq, batch) = (128, 64);
+            let setup = Setup::new(&model, &cluster.profile, gpus, seq, batch);
+            let opts = SearchOptions {
+                top_k: 100,
+                families: false,
+                ..SearchOptions::default()
+            };
+            let r = search(&setup, &opts).unwrap();
+            assert!(!r.top.is_empty(), "{name} on {gpus}");
+            let kinds: std::collections::BTreeSet<String> = r
+                .top
+                .iter()
+                .map(|e| {
+                    format!(
+                        "tp{} pp{} cp{} ep{} z{} {}",
+                        e.layout.tp,
+                        e.layout.pp,
+                        e.layout.cp,
+                        e.layout.ep,
+                        e.layout.zero_stage,
+                        e.layout.schedule.name()
+                    )
+                })
+                .collect();
+            // The plans span the space: context parallelism, zero-bubble pipelines and, for
+            // the mixture of experts, expert parallelism.
+            assert!(
+                kinds.iter().any(|k| !k.contains("cp1 ")),
+                "{name}: {kinds:?}"
+            );
+            assert!(
+                kinds.iter().any(|k| k.ends_with("zb-h1")),
+                "{name}: {kinds:?}"
+            );
+            if name == "mixtral-tiny" {
+                assert!(
+                    kinds.iter().any(|k| !k.contains("ep1 ")),
+                    "{name}: {kinds:?}"
+                );
+            }
+            for e in &r.top {
+                let spec = RunSpec::new(model.clone(), e.layout.clone(), batch, seq, 1);
+                if let Err(err) = Prepared::new(&spec) {
+                    panic!("{name} on {gpus} GPUs: {:?}: {err}", e.layout);
+                }
+            }
+        }
+    }
+}
