@@ -759,6 +759,19 @@ fn train_on_gpu<C: crate::Collectives>(
     comm: &mut C,
     epoch: Instant,
 ) -> Result<RankReport, ExecError> {
+    on_gpu(ordinal, comm, spec.timeout, &mut |c| {
+        crate::engine::run_rank(spec, prep, c, epoch)
+    })
+}
+
+/// Runs `train` on GPU `ordinal`: every GEMM (and Adam) of this thread offloaded to it, the
+/// collectives through NCCL bootstrapped over `comm` (`comm` itself without feature `nccl`).
+fn on_gpu<C: crate::Collectives>(
+    ordinal: usize,
+    comm: &mut C,
+    timeout: std::time::Duration,
+    train: &mut dyn FnMut(&mut dyn crate::Collectives) -> Result<RankReport, ExecError>,
+) -> Result<RankReport, ExecError> {
     #[cfg(feature = "nccl")]
     require(Lib::Nccl)?;
     let gpu = std::rc::Rc::new(Gpu::open(ordinal)?);
@@ -766,16 +779,42 @@ fn train_on_gpu<C: crate::Collectives>(
     let r = {
         #[cfg(feature = "nccl")]
         {
-            let mut c = NcclCollectives::new(comm, gpu.stream.clone(), spec.timeout);
-            crate::engine::run_rank(spec, prep, &mut c, epoch)
+            let mut c = NcclCollectives::new(comm, gpu.stream.clone(), timeout);
+            train(&mut c)
         }
         #[cfg(not(feature = "nccl"))]
         {
-            crate::engine::run_rank(spec, prep, comm, epoch)
+            let _ = timeout;
+            train(comm)
         }
     };
     set_device_offload(None);
     r
+}
+
+/// Runs a per-op plan of any graph (the general-graph trainer) with one thread per device of
+/// the plan, device `r` on GPU `r`: its GEMMs (convolutions as im2col GEMMs, recurrences,
+/// attention, linear layers) through cuBLAS and its collectives through NCCL; the other
+/// kernels on the host, as the transformer trainer's.
+pub fn run_graph(spec: &crate::graph::GraphRunSpec) -> Result<RunReport, ExecError> {
+    let prep = crate::graph::GraphPrepared::new(spec)?;
+    let gpus = device_count()?;
+    let world = prep.world();
+    if world > gpus {
+        return Err(ExecError::Backend {
+            backend: "cuda",
+            message: format!(
+                "the plan needs {world} devices, one GPU each, but this machine has {gpus}; use \
+                 a smaller plan or --backend threads|mpi"
+            ),
+        });
+    }
+    crate::spawn_ranks(world, spec.timeout, &|comm| {
+        let ordinal = crate::Collectives::rank(comm);
+        on_gpu(ordinal, comm, spec.timeout, &mut |c| {
+            crate::graph::run_graph_rank(spec, &prep, c)
+        })
+    })
 }
 
 /// Runs `spec` with this MPI process as its rank (`mpirun -np N parallax run … --backend
@@ -1355,6 +1394,27 @@ mod tests {
             assert_eq!(gpu.losses.len(), cpu.losses.len());
             for (g, c) in gpu.losses.iter().zip(&cpu.losses) {
                 assert!((g - c).abs() <= 1e-4 * c.abs(), "loss {g} vs {c}");
+            }
+        }
+    }
+
+    /// The general-graph trainer on GPUs 0 and 1: a CNN under a channel split and data
+    /// parallelism against the threads backend (skipped without two GPUs).
+    #[test]
+    fn a_gpu_graph_run_matches_the_threads_backend() {
+        use crate::graph::{op_plan, run_graph_threads, split_label, GraphRunSpec};
+        use parallax_ir::AxisRole;
+        if gpus_for("a_gpu_graph_run_matches_the_threads_backend", 2).is_none() {
+            return;
+        }
+        let g = parallax_ir::models::resnet::resnet_tiny(8).unwrap();
+        for role in [AxisRole::Sample, AxisRole::Parameter] {
+            let plan = op_plan(&g, 1, |i| split_label(&g, i, 2, 0, &|_, r| r == role));
+            let spec = GraphRunSpec::new(g.clone(), plan, 3);
+            let gpu = run_graph(&spec).unwrap();
+            let cpu = run_graph_threads(&spec).unwrap();
+            for (a, b) in gpu.losses.iter().zip(&cpu.losses) {
+                assert!((a - b).abs() <= 1e-4 * b.abs(), "{role:?}: loss {a} vs {b}");
             }
         }
     }

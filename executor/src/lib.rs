@@ -134,8 +134,8 @@ pub fn run(spec: &RunSpec, backend: Backend) -> Result<RunReport, ExecError> {
     }
 }
 
-/// Runs a per-op plan of any graph on `backend`: the threads backend, or MPI when compiled
-/// in. The general-graph trainer has no CUDA kernels yet.
+/// Runs a per-op plan of any graph on `backend`: threads, MPI, or one GPU per device of this
+/// machine (GEMMs through cuBLAS) when compiled in.
 pub fn run_graph(spec: &graph::GraphRunSpec, backend: Backend) -> Result<RunReport, ExecError> {
     match backend {
         Backend::Threads => graph::run_graph_threads(spec),
@@ -146,9 +146,12 @@ pub fn run_graph(spec: &graph::GraphRunSpec, backend: Backend) -> Result<RunRepo
             backend: "mpi",
             feature: "mpi",
         }),
-        Backend::Cuda => Err(ExecError::Backend {
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => cuda_backend::run_graph(spec),
+        #[cfg(not(feature = "cuda"))]
+        Backend::Cuda => Err(ExecError::NotCompiled {
             backend: "cuda",
-            message: "the general-graph trainer (CNNs, RNNs, per-op plans) runs on the threads and mpi backends; its CUDA kernels are not written yet".into(),
+            feature: "cuda,nccl",
         }),
     }
 }
