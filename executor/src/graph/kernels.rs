@@ -1034,11 +1034,34 @@ fn taps(ax: &Axis) -> Vec<usize> {
     t
 }
 
+/// For each tap `j` of the width axis, the run of output columns that read inside the image
+/// and the input column the first of them reads, when those columns are consecutive (stride
+/// 1): `(first output, count, first input)`; `None` where the stride is larger.
+fn contiguous_taps(ax: &Axis, taps: &[usize]) -> Option<Vec<(usize, usize, usize)>> {
+    if ax.stride != 1 {
+        return None;
+    }
+    Some(
+        (0..ax.kernel)
+            .map(|j| {
+                let valid: Vec<usize> = (0..ax.out_len)
+                    .filter(|o| taps[o * ax.kernel + j] != usize::MAX)
+                    .collect();
+                match (valid.first(), valid.last()) {
+                    (Some(&a), Some(&b)) => (a, b + 1 - a, taps[a * ax.kernel + j]),
+                    _ => (0, 0, 0),
+                }
+            })
+            .collect(),
+    )
+}
+
 /// One sample's im2col for the channels `chans` (local indices): `(chans · kh · kw) × (oh · ow)`.
 fn im2col(x: &[f32], (h, w): (usize, usize), chans: &[usize], ax: &[Axis; 2]) -> Vec<f32> {
     let (kh, kw) = (ax[0].kernel, ax[1].kernel);
     let (oh, ow) = (ax[0].out_len, ax[1].out_len);
     let (ty, tx) = (taps(&ax[0]), taps(&ax[1]));
+    let runs = contiguous_taps(&ax[1], &tx);
     let p = oh * ow;
     let mut cols = vec![0.0; chans.len() * kh * kw * p];
     for (ci, c) in chans.iter().enumerate() {
@@ -1052,10 +1075,19 @@ fn im2col(x: &[f32], (h, w): (usize, usize), chans: &[usize], ax: &[Axis; 2]) ->
                         continue;
                     }
                     let src = &plane[iy * w..(iy + 1) * w];
-                    for (ox, dst) in row[oy * ow..(oy + 1) * ow].iter_mut().enumerate() {
-                        let ix = tx[ox * kw + j];
-                        if ix != usize::MAX {
-                            *dst = src[ix];
+                    let dst = &mut row[oy * ow..(oy + 1) * ow];
+                    match &runs {
+                        Some(r) => {
+                            let (o, n, ix) = r[j];
+                            dst[o..o + n].copy_from_slice(&src[ix..ix + n]);
+                        }
+                        None => {
+                            for (ox, d) in dst.iter_mut().enumerate() {
+                                let ix = tx[ox * kw + j];
+                                if ix != usize::MAX {
+                                    *d = src[ix];
+                                }
+                            }
                         }
                     }
                 }
@@ -1069,6 +1101,7 @@ fn col2im(cols: &[f32], dx: &mut [f32], (h, w): (usize, usize), chans: &[usize],
     let (kh, kw) = (ax[0].kernel, ax[1].kernel);
     let (oh, ow) = (ax[0].out_len, ax[1].out_len);
     let (ty, tx) = (taps(&ax[0]), taps(&ax[1]));
+    let runs = contiguous_taps(&ax[1], &tx);
     let p = oh * ow;
     for (ci, c) in chans.iter().enumerate() {
         let plane = &mut dx[c * h * w..(c + 1) * h * w];
@@ -1081,10 +1114,21 @@ fn col2im(cols: &[f32], dx: &mut [f32], (h, w): (usize, usize), chans: &[usize],
                         continue;
                     }
                     let dst = &mut plane[iy * w..(iy + 1) * w];
-                    for (ox, v) in row[oy * ow..(oy + 1) * ow].iter().enumerate() {
-                        let ix = tx[ox * kw + j];
-                        if ix != usize::MAX {
-                            dst[ix] += v;
+                    let src = &row[oy * ow..(oy + 1) * ow];
+                    match &runs {
+                        Some(r) => {
+                            let (o, n, ix) = r[j];
+                            for (d, v) in dst[ix..ix + n].iter_mut().zip(&src[o..o + n]) {
+                                *d += v;
+                            }
+                        }
+                        None => {
+                            for (ox, v) in src.iter().enumerate() {
+                                let ix = tx[ox * kw + j];
+                                if ix != usize::MAX {
+                                    dst[ix] += v;
+                                }
+                            }
                         }
                     }
                 }
