@@ -639,6 +639,22 @@ struct ChunkCache {
     head: Option<HeadCache>,
 }
 
+/// The tensor-parallel context of a rank: its communicator, tensor-, context- and
+/// expert-parallel groups, and whether sequence parallelism is on.
+fn tp_ctx<'a>(
+    comm: &'a mut dyn Collectives,
+    (group, cp, ep): (&'a Group, Option<&'a Group>, Option<&'a Group>),
+    sp: bool,
+) -> Tp<'a> {
+    Tp {
+        comm,
+        group,
+        sp,
+        cp,
+        ep,
+    }
+}
+
 /// The weight gradients one `B` left: per unit, its deferred products.
 type Deferred = Vec<(usize, Vec<WeightGrad>)>;
 
@@ -1088,13 +1104,11 @@ impl Engine<'_> {
                 // Every row's partial lookup, summed over the group (scattered to the local
                 // rows under sequence parallelism).
                 let part = embed_fwd(d, wte, window.clone(), &tokens, 0..all_rows);
-                let mut tp = Tp {
-                    comm: &mut *self.comm,
-                    group: &self.tp_g,
-                    sp: prep.sp,
-                    cp: self.cp_g.as_ref(),
-                    ep: self.ep_g.as_ref(),
-                };
+                let mut tp = tp_ctx(
+                    &mut *self.comm,
+                    (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+                    prep.sp,
+                );
                 tp.reduce_rows(part)?
             } else {
                 embed_fwd(d, wte, window.clone(), &tokens, rows.clone())
@@ -1125,13 +1139,11 @@ impl Engine<'_> {
             if let Some(eu) = eu {
                 self.gather(*eu)?;
             }
-            let mut tp = Tp {
-                comm: &mut *self.comm,
-                group: &self.tp_g,
-                sp: prep.sp,
-                cp: self.cp_g.as_ref(),
-                ep: self.ep_g.as_ref(),
-            };
+            let mut tp = tp_ctx(
+                &mut *self.comm,
+                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+                prep.sp,
+            );
             let pe: &[f32] = eu.map_or(&[], |eu| &self.units[eu].params);
             let (y, cache) = block_fwd(
                 d,
@@ -1162,13 +1174,11 @@ impl Engine<'_> {
                 (None, None) => unreachable!("a tied head has a weight unit"),
             };
             let scale = 1.0 / (self.spec.global_batch * self.spec.seq) as f32;
-            let mut tp = Tp {
-                comm: &mut *self.comm,
-                group: &self.tp_g,
-                sp: prep.sp,
-                cp: self.cp_g.as_ref(),
-                ep: self.ep_g.as_ref(),
-            };
+            let mut tp = tp_ctx(
+                &mut *self.comm,
+                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+                prep.sp,
+            );
             // A vocabulary-parallel head computes every row's loss on every rank of the
             // group; otherwise the local rows' (each rank its own under sequence parallelism).
             let (targets, vp_head) = if vp {
@@ -1230,13 +1240,11 @@ impl Engine<'_> {
                 if let Some(wu) = ch.head_w.filter(|wu| wu != hu) {
                     self.gather(wu)?;
                 }
-                let mut tp = Tp {
-                    comm: &mut *self.comm,
-                    group: &self.tp_g,
-                    sp: prep.sp,
-                    cp: self.cp_g.as_ref(),
-                    ep: self.ep_g.as_ref(),
-                };
+                let mut tp = tp_ctx(
+                    &mut *self.comm,
+                    (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+                    prep.sp,
+                );
                 let vp_head = vp.then(|| VocabParallel {
                     tp: &mut tp,
                     vocab: window.clone(),
@@ -1291,13 +1299,11 @@ impl Engine<'_> {
                 Some(eu) => two_mut(&mut self.units, *u, *eu),
                 None => (&mut self.units[*u], &mut none),
             };
-            let mut tp = Tp {
-                comm: &mut *self.comm,
-                group: &self.tp_g,
-                sp: prep.sp,
-                cp: self.cp_g.as_ref(),
-                ep: self.ep_g.as_ref(),
-            };
+            let mut tp = tp_ctx(
+                &mut *self.comm,
+                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+                prep.sp,
+            );
             let mut later = Vec::new();
             let defer = split.then_some(&mut later);
             dx = block_bwd(
@@ -1327,13 +1333,11 @@ impl Engine<'_> {
             }
             // A vocabulary-parallel table takes every row's gradient for its own tokens.
             let (dx_rows, rows) = if vp {
-                let mut tp = Tp {
-                    comm: &mut *self.comm,
-                    group: &self.tp_g,
-                    sp: prep.sp,
-                    cp: self.cp_g.as_ref(),
-                    ep: self.ep_g.as_ref(),
-                };
+                let mut tp = tp_ctx(
+                    &mut *self.comm,
+                    (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+                    prep.sp,
+                );
                 (tp.gather_rows(dx)?, 0..prep.mbs * pass.local_seq())
             } else {
                 (dx, rows)

@@ -1169,25 +1169,56 @@ fn conv_runs(
     runs
 }
 
+/// A convolution's local geometry: output sizes, window axes, input sample shape
+/// `(n, channels, h, w)`, output positions `p`, weight row length `kk` and the runs of output
+/// channels sharing input channels.
+struct ConvGeom {
+    od: Vec<usize>,
+    ax: [Axis; 2],
+    x: (usize, usize, usize, usize),
+    p: usize,
+    kk: usize,
+    runs: Vec<(usize, usize, Vec<usize>)>,
+}
+
+impl ConvGeom {
+    fn new(ctx: &Ctx<'_>, a: &Conv2dAttrs, x: &Local, w: &Local) -> ConvGeom {
+        let out = &ctx.out_regions[0];
+        let od = dims(out);
+        let ax = axes2(
+            x,
+            &ctx.ins_full[0],
+            out,
+            a.kernel,
+            a.stride,
+            a.padding,
+            a.dilation,
+        );
+        let xd = dims(&x.region);
+        let p = od[2] * od[3];
+        let kk = (w.region[1].1 - w.region[1].0) as usize * ax[0].kernel * ax[1].kernel;
+        ConvGeom {
+            runs: conv_runs(a, x, w, ctx.ins_full[0].0[1], out),
+            od,
+            ax,
+            x: (xd[0], xd[1], xd[2], xd[3]),
+            p,
+            kk,
+        }
+    }
+}
+
 fn conv_fwd(ctx: &Ctx<'_>, a: &Conv2dAttrs, ins: &[&Local]) -> Vec<f32> {
     let (x, w) = (ins[0], ins[1]);
-    let out = &ctx.out_regions[0];
-    let od = dims(out);
-    let ax = axes2(
-        x,
-        &ctx.ins_full[0],
-        out,
-        a.kernel,
-        a.stride,
-        a.padding,
-        a.dilation,
-    );
-    let xd = dims(&x.region);
-    let (n, cl, h, wd) = (xd[0], xd[1], xd[2], xd[3]);
-    let p = od[2] * od[3];
-    let kk = (w.region[1].1 - w.region[1].0) as usize * ax[0].kernel * ax[1].kernel;
+    let ConvGeom {
+        od,
+        ax,
+        x: (n, cl, h, wd),
+        p,
+        kk,
+        runs,
+    } = ConvGeom::new(ctx, a, x, w);
     let mut y = vec![0.0; od.iter().product()];
-    let runs = conv_runs(a, x, w, ctx.ins_full[0].0[1], out);
     for s in 0..n {
         let xs = &x.data[s * cl * h * wd..(s + 1) * cl * h * wd];
         for (oa, cnt, chans) in &runs {
@@ -1221,24 +1252,16 @@ fn conv_bwd(
     need_dx: bool,
 ) -> (Option<Vec<f32>>, Vec<f32>, Vec<f32>) {
     let (x, w) = (ins[0], ins[1]);
-    let out = &ctx.out_regions[0];
-    let od = dims(out);
-    let ax = axes2(
-        x,
-        &ctx.ins_full[0],
-        out,
-        a.kernel,
-        a.stride,
-        a.padding,
-        a.dilation,
-    );
-    let xd = dims(&x.region);
-    let (n, cl, h, wd) = (xd[0], xd[1], xd[2], xd[3]);
-    let p = od[2] * od[3];
-    let kk = (w.region[1].1 - w.region[1].0) as usize * ax[0].kernel * ax[1].kernel;
+    let ConvGeom {
+        od,
+        ax,
+        x: (n, cl, h, wd),
+        p,
+        kk,
+        runs,
+    } = ConvGeom::new(ctx, a, x, w);
     let mut dx = need_dx.then(|| vec![0.0; x.data.len()]);
     let mut dw = vec![0.0; w.data.len()];
-    let runs = conv_runs(a, x, w, ctx.ins_full[0].0[1], out);
     for s in 0..n {
         let xs = &x.data[s * cl * h * wd..(s + 1) * cl * h * wd];
         for (oa, cnt, chans) in &runs {

@@ -1091,23 +1091,10 @@ impl<'a> Rank<'a> {
             }
             let out_regions: Vec<Region> =
                 prep.out_layouts[i].iter().map(|l| l.region(pos)).collect();
-            let group = self.reduce_group(i, pos);
-            let coords = self.coords_fn(i, pos);
-            let key = mix(self.spec.seed ^ mix(step ^ mix(mb as u64 ^ mix(i as u64))));
-            let comm = &mut *self.comm;
-            let mut reduce =
-                |buf: &mut [f32], op: Reduce| group_reduce(comm, group.as_ref(), buf, op);
-            let mut ctx = Ctx {
-                op: &n.op,
-                ins_full: &prep.ins_full[i],
-                outs_full: &prep.outs_full[i],
-                out_regions: &out_regions,
-                coord: &coords,
-                key,
-                reduce: &mut reduce,
-            };
-            let refs = refs(&self.weights, &self.weight_at, i, &ins);
-            let (outs, saved) = kernels::forward(&mut ctx, &refs)?;
+            let (outs, saved) =
+                self.with_kernel(i, pos, (step, mb), &out_regions, &ins, |ctx, refs| {
+                    kernels::forward(ctx, refs)
+                })?;
             for ((t, data), region) in n.outputs.iter().zip(outs).zip(out_regions) {
                 if prep.losses.contains(t) {
                     tape.loss += f64::from(data[0]);
@@ -1117,6 +1104,36 @@ impl<'a> Rank<'a> {
             tape.ins.insert(i, (ins, saved));
         }
         Ok(())
+    }
+
+    /// Runs `f` with node `i`'s kernel context on this device (position `pos`; dropout masks
+    /// keyed by step and micro-batch) and its inputs, the held weights read in place.
+    fn with_kernel<T>(
+        &mut self,
+        i: usize,
+        pos: u32,
+        (step, mb): (u64, usize),
+        out_regions: &[Region],
+        ins: &[Option<Local>],
+        f: impl FnOnce(&mut Ctx<'_>, &[&Local]) -> Result<T, CommError>,
+    ) -> Result<T, CommError> {
+        let (spec, prep) = (self.spec, self.prep);
+        let group = self.reduce_group(i, pos);
+        let coords = self.coords_fn(i, pos);
+        let key = mix(spec.seed ^ mix(step ^ mix(mb as u64 ^ mix(i as u64))));
+        let comm = &mut *self.comm;
+        let mut reduce = |buf: &mut [f32], op: Reduce| group_reduce(comm, group.as_ref(), buf, op);
+        let mut ctx = Ctx {
+            op: &spec.graph.nodes[i].op,
+            ins_full: &prep.ins_full[i],
+            outs_full: &prep.outs_full[i],
+            out_regions,
+            coord: &coords,
+            key,
+            reduce: &mut reduce,
+        };
+        let refs = refs(&self.weights, &self.weight_at, i, ins);
+        f(&mut ctx, &refs)
     }
 
     fn coords_fn(&self, n: usize, pos: u32) -> impl Fn(char) -> (u32, u32) {
@@ -1175,27 +1192,16 @@ impl<'a> Rank<'a> {
                 dys.push(dy);
             }
             let (ins, saved) = tape.ins.remove(&i).expect("forward ran");
-            let group = self.reduce_group(i, pos);
-            let coords = self.coords_fn(i, pos);
-            let key = mix(self.spec.seed ^ mix(tape.step ^ mix(mb as u64 ^ mix(i as u64))));
-            let comm = &mut *self.comm;
-            let mut reduce =
-                |buf: &mut [f32], op: Reduce| group_reduce(comm, group.as_ref(), buf, op);
-            let mut ctx = Ctx {
-                op: &n.op,
-                ins_full: &prep.ins_full[i],
-                outs_full: &prep.outs_full[i],
-                out_regions: &out_regions,
-                coord: &coords,
-                key,
-                reduce: &mut reduce,
-            };
-            let refs = refs(&self.weights, &self.weight_at, i, &ins);
-            let grads = kernels::backward(&mut ctx, &refs, &saved, &dys, &prep.needs_grad[i])?;
-            let held: Vec<(Region, usize)> = refs
-                .iter()
-                .map(|l| (l.region.clone(), l.data.len()))
-                .collect();
+            let needs = &prep.needs_grad[i];
+            let (grads, held) =
+                self.with_kernel(i, pos, (tape.step, mb), &out_regions, &ins, |ctx, refs| {
+                    let g = kernels::backward(ctx, refs, &saved, &dys, needs)?;
+                    let held: Vec<(Region, usize)> = refs
+                        .iter()
+                        .map(|l| (l.region.clone(), l.data.len()))
+                        .collect();
+                    Ok((g, held))
+                })?;
             for (k, gk) in grads.into_iter().enumerate() {
                 if !prep.needs_grad[i][k] {
                     continue;
