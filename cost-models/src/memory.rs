@@ -24,8 +24,19 @@ pub const ADAM_BYTES_PER_PARAM: f64 = 34.0;
 /// above `max_memory_allocated` in large-model training (PyTorch CUDA caching allocator notes).
 pub const ALLOCATOR_FRACTION: f64 = 0.07;
 
-/// Fixed workspace outside the model: cuBLAS / cuDNN workspaces and NCCL buffers, GiB.
+/// Fixed workspace outside the model on a GPU: cuBLAS / cuDNN workspaces and NCCL buffers,
+/// GiB.
 pub const WORKSPACE_GIB: f64 = 1.0;
+
+/// The fixed workspace of one device of `profile`: [`WORKSPACE_GIB`] on a GPU; nothing on
+/// host cores (the CPU executor allocates no library workspaces or communication buffers
+/// beyond the tensors it moves).
+pub fn workspace_gib(profile: &parallax_hardware::ClusterProfile) -> f64 {
+    match profile.node.intra_fabric {
+        parallax_hardware::FabricKind::HostMemory => 0.0,
+        _ => WORKSPACE_GIB,
+    }
+}
 
 /// Bytes an SGD-with-momentum step moves per fp32 parameter: read weight, gradient and momentum,
 /// write weight and momentum (5 × 4), as `torch.optim.SGD(momentum=…)` and tf_cnn_benchmarks'

@@ -29,7 +29,7 @@ use crate::schedule::{
 };
 use crate::step::{Breakdown, MemoryGib};
 use parallax_cost::comm::interference;
-use parallax_cost::memory::{MemoryBreakdown, WORKSPACE_GIB};
+use parallax_cost::memory::{workspace_gib, MemoryBreakdown};
 use parallax_cost::soap::{ConfigError, MachineView, OpCosts, ParallelConfig};
 use parallax_ir::graph::NodeId;
 use parallax_ir::{Bytes, Schedule, Seconds};
@@ -481,7 +481,7 @@ fn class_memory(
     }
     mem.into_iter()
         .map(|mut x| {
-            x.buffers = Bytes::from_gib(WORKSPACE_GIB);
+            x.buffers = Bytes::from_gib(workspace_gib(costs.profile));
             MemoryGib::from(x.with_allocator())
         })
         .collect()

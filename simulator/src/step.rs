@@ -13,7 +13,7 @@ use crate::schedule::{
 use parallax_cost::comm::{exposed, Collective, Group, Network};
 use parallax_cost::compute::DeviceModel;
 use parallax_cost::memory::{
-    state_bytes_per_param, MemoryBreakdown, ADAM_BYTES_PER_PARAM, WORKSPACE_GIB,
+    state_bytes_per_param, workspace_gib, MemoryBreakdown, ADAM_BYTES_PER_PARAM,
 };
 use parallax_cost::transformer::{
     check_layout, model_flops_per_step, transformer_costs, Infeasible, Setup, TransformerCosts,
@@ -292,7 +292,8 @@ pub fn stage_memory_of(
         .sum::<f64>()
         / f64::from(v);
     let in_flight = max_in_flight(ScheduleKind::of(l.schedule, pp), pp, m, v, s)?;
-    let mut buffers = Bytes::from_gib(WORKSPACE_GIB).0 as f64 + c.layer.working.0 as f64;
+    let mut buffers =
+        Bytes::from_gib(workspace_gib(setup.profile)).0 as f64 + c.layer.working.0 as f64;
     if chunks.contains(&(nv - 1)) {
         buffers += c.head.working.0 as f64;
     }
