@@ -186,7 +186,7 @@ fn run_trains_cnns_and_rnns_under_inline_layouts_and_searched_plans() {
 #[test]
 fn run_of_a_cnn_refuses_what_its_trainer_lacks_in_one_line() {
     for extra in [
-        ["--save", "/tmp/parallax-never"],
+        ["--trace", "/tmp/parallax-never"],
         ["--data", "/etc/hostname"],
     ] {
         let mut args = vec![
@@ -346,4 +346,67 @@ fn run_trains_expert_context_and_zero_bubble_layouts() {
         );
         assert_eq!(doc["ranks"], 2, "{model} {plan}");
     }
+}
+
+/// A CNN run saves checkpoints and a later run resumes from them, under another plan, to the
+/// losses the uninterrupted run has.
+#[test]
+fn a_cnn_run_saves_and_resumes_to_the_same_losses() {
+    let dir = std::env::temp_dir().join(format!("parallax-cnn-ck-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_string_lossy().into_owned();
+    let run = |plan: &str, steps: &str, extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "--model",
+            "resnet-tiny",
+            "--plan",
+            plan,
+            "--global-batch",
+            "8",
+            "--steps",
+            steps,
+            "--json",
+        ];
+        args.extend(extra);
+        json(&parallax(&args))
+    };
+    let whole = run("dp=2", "4", &[]);
+    run("dp=2", "2", &["--save", &d]);
+    assert!(dir.join("LATEST").is_file());
+    let resumed = run("dp=1,tp=2", "2", &["--resume", &d]);
+    let a: Vec<f64> = whole["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let b: Vec<f64> = resumed["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    for (x, y) in b.iter().zip(&a[2..]) {
+        assert!((x - y).abs() <= 1e-4 * y.abs(), "resumed {b:?} vs {a:?}");
+    }
+    // A checkpoint of another model is refused in one line naming --resume.
+    let out = parallax(&[
+        "run",
+        "--model",
+        "lstm-tiny",
+        "--plan",
+        "dp=2",
+        "--global-batch",
+        "4",
+        "--resume",
+        &d,
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--resume") && err.trim().lines().count() == 1,
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -440,6 +440,73 @@ fn median(xs: &[f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// The state `--resume` names, checked to continue for `--steps`.
+fn load_resume(a: &Args) -> anyhow::Result<Option<Arc<ModelState>>> {
+    let Some(dir) = &a.resume else {
+        return Ok(None);
+    };
+    let st = state::load(dir).map_err(|(p, r)| user(format!("--resume {p}: {r}")))?;
+    if st.step.checked_add(a.steps).is_none() {
+        return Err(user(format!(
+            "--resume {}: step {} cannot be continued by {} steps",
+            dir.display(),
+            st.step,
+            a.steps
+        )));
+    }
+    Ok(Some(Arc::new(st)))
+}
+
+/// Checks and locks the `--save` folder before the first step; returns the lock and the
+/// folder when this run created it (removed again if the run fails before saving).
+fn prepare_save(
+    a: &Args,
+    resume: Option<&ModelState>,
+) -> anyhow::Result<(Option<SaveLock>, Option<PathBuf>)> {
+    let Some(dir) = &a.save else {
+        return Ok((None, None));
+    };
+    let created = (!dir.exists()).then(|| dir.clone());
+    let start = resume.map_or(0, |r| r.step);
+    check_save_dir(
+        dir,
+        a.resume.as_deref(),
+        (start, a.steps, a.save_every),
+        a.force,
+    )?;
+    Ok((SaveLock::take(dir, a.force)?, created))
+}
+
+/// Writes each checkpoint into `dir` with `about` in its header.
+fn checkpoint_hook(dir: PathBuf, about: Value) -> parallax_executor::engine::CheckpointHook {
+    Arc::new(move |st: &ModelState| state::save(&dir, st, about.clone()).map(|_| ()))
+}
+
+/// Prints a line per step (to stderr under `--json`); a reader that goes away (`| head -n 1`)
+/// must not end the run: the lines stop and training goes on to its last step and checkpoint.
+fn step_printer(quiet: bool, unit: &'static str) -> parallax_executor::engine::StepHook {
+    let printing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    Arc::new(move |s: &StepStats| {
+        use std::io::Write;
+        use std::sync::atomic::Ordering;
+        let line = format!(
+            "step {:>5}  loss {:.4}  time {:.3} s  {:.0} {unit}",
+            s.step, s.loss, s.time_s, s.tokens_per_s
+        );
+        if !printing.load(Ordering::Relaxed) {
+            return;
+        }
+        let written = if quiet {
+            writeln!(std::io::stderr(), "{line}")
+        } else {
+            writeln!(std::io::stdout(), "{line}")
+        };
+        if written.is_err() {
+            printing.store(false, Ordering::Relaxed);
+        }
+    })
+}
+
 /// A run of a model that is not a transformer: its per-op job and the plan (`--plan` inline
 /// layout or a plan file), or `None` for a transformer.
 fn general_job(a: &Args) -> anyhow::Result<Option<(GraphModel, String)>> {
@@ -470,16 +537,10 @@ fn general_job(a: &Args) -> anyhow::Result<Option<(GraphModel, String)>> {
             "--framework: {name} is not a transformer; its per-op plans are costed op by op, not by a stack's transformer kernels"
         )));
     }
-    for (flag, given) in [
-        ("--save", a.save.is_some()),
-        ("--resume", a.resume.is_some()),
-        ("--trace", a.trace.is_some()),
-    ] {
-        if given {
-            return Err(user(format!(
-                "{flag}: not supported yet for {name}: the general-graph trainer (CNNs, RNNs, per-op plans) runs without checkpoints or traces"
-            )));
-        }
+    if a.trace.is_some() {
+        return Err(user(format!(
+            "--trace: not supported yet for {name}: the general-graph trainer (CNNs, RNNs, per-op plans) records no timeline"
+        )));
     }
     let spec = match (&file, &a.plan) {
         (Some(f), _) => f.display().to_string(),
@@ -540,7 +601,23 @@ fn run_general(a: &Args, job: GraphModel, plan_spec: &str, backend: Backend) -> 
             )));
         }
     }
+    let resume = load_resume(a)?;
+    let (mut save_lock, created_save_dir) = prepare_save(a, resume.as_deref())?;
     let mut spec = GraphRunSpec::new(graph, plan, a.steps);
+    spec.resume = resume;
+    if let Some(dir) = a.save.clone() {
+        let about = json!({
+            "model": job.name,
+            "plan": plan_spec,
+            "global_batch": job.global_batch,
+            "seq": job.seq,
+            "seed": a.seed,
+            "lr": a.lr,
+        });
+        spec.checkpoint_every = a.save_every;
+        spec.on_checkpoint = Some(checkpoint_hook(dir, about));
+    }
+    spec.on_step = Some(step_printer(a.json, "samples/s"));
     spec.seed = a.seed;
     spec.optimizer = GraphOptimizer::Adam(parallax_executor::AdamConfig {
         lr: a.lr,
@@ -558,10 +635,23 @@ fn run_general(a: &Args, job: GraphModel, plan_spec: &str, backend: Backend) -> 
             GraphData::Text(Arc::new(bytes))
         };
     }
-    let report = parallax_executor::run_graph(&spec, backend).map_err(|e| match e {
+    let report = parallax_executor::run_graph(&spec, backend);
+    if let (Err(_), Some(dir)) = (&report, &created_save_dir) {
+        drop(save_lock.take());
+        let _ = std::fs::remove_dir(dir);
+    }
+    let report = report.map_err(|e| match e {
         parallax_executor::ExecError::Rank { .. }
         | parallax_executor::ExecError::Comm(_)
-        | parallax_executor::ExecError::Diverged { .. } => anyhow::Error::new(e),
+        | parallax_executor::ExecError::Diverged { .. }
+        | parallax_executor::ExecError::Checkpoint { .. } => anyhow::Error::new(e),
+        parallax_executor::ExecError::Resume(why) => user(format!(
+            "--resume {}: {why}",
+            a.resume
+                .as_deref()
+                .unwrap_or(std::path::Path::new(""))
+                .display()
+        )),
         parallax_executor::ExecError::Data(why) => user(format!(
             "--data {}: {why}",
             a.data
@@ -608,13 +698,6 @@ fn run_general(a: &Args, job: GraphModel, plan_spec: &str, backend: Backend) -> 
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(());
-    }
-    for (i, (l, t)) in report.losses.iter().zip(&report.step_times).enumerate() {
-        println!(
-            "step {:>5}  loss {l:.4}  time {t:.3} s  {:.0} samples/s",
-            i + 1,
-            samples / t.max(1e-12)
-        );
     }
     println!(
         "measured step time {measured:.4} s (median of steps after the first), {:.0} samples/s, {} ranks",
@@ -689,33 +772,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             DataSource::Bytes(Arc::new(bytes))
         }
     };
-    let resume = match &a.resume {
-        None => None,
-        Some(dir) => {
-            let st = state::load(dir).map_err(|(p, r)| user(format!("--resume {p}: {r}")))?;
-            if st.step.checked_add(a.steps).is_none() {
-                return Err(user(format!(
-                    "--resume {}: step {} cannot be continued by {} steps",
-                    dir.display(),
-                    st.step,
-                    a.steps
-                )));
-            }
-            Some(Arc::new(st))
-        }
-    };
-    let created_save_dir = a.save.as_deref().filter(|d| !d.exists());
-    let mut save_lock = None;
-    if let Some(dir) = &a.save {
-        let start = resume.as_ref().map_or(0, |r| r.step);
-        check_save_dir(
-            dir,
-            a.resume.as_deref(),
-            (start, a.steps, a.save_every),
-            a.force,
-        )?;
-        save_lock = SaveLock::take(dir, a.force)?;
-    }
+    let resume = load_resume(&a)?;
+    let (mut save_lock, created_save_dir) = prepare_save(&a, resume.as_deref())?;
     let mut spec = RunSpec::new(
         job.model.clone(),
         job.layout.clone(),
@@ -739,33 +797,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "lr": a.lr,
         });
         spec.checkpoint_every = a.save_every;
-        spec.on_checkpoint = Some(Arc::new(move |st: &ModelState| {
-            state::save(&dir, st, about.clone()).map(|_| ())
-        }));
+        spec.on_checkpoint = Some(checkpoint_hook(dir, about));
     }
-    let quiet = a.json;
-    // A reader that goes away (`| head -n 1`) must not end the run: the step lines stop and
-    // training goes on to its last step and checkpoint.
-    let printing = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    spec.on_step = Some(Arc::new(move |s: &StepStats| {
-        use std::io::Write;
-        use std::sync::atomic::Ordering;
-        let line = format!(
-            "step {:>5}  loss {:.4}  time {:.3} s  {:.0} tokens/s",
-            s.step, s.loss, s.time_s, s.tokens_per_s
-        );
-        if !printing.load(Ordering::Relaxed) {
-            return;
-        }
-        let written = if quiet {
-            writeln!(std::io::stderr(), "{line}")
-        } else {
-            writeln!(std::io::stdout(), "{line}")
-        };
-        if written.is_err() {
-            printing.store(false, Ordering::Relaxed);
-        }
-    }));
+    spec.on_step = Some(step_printer(a.json, "tokens/s"));
     // Host memory is what the executor itself will allocate, whatever stack is predicted.
     let own_prediction = predict(&job, given_cluster.as_ref(), backend, &own);
     if let (Ok(p), Backend::Threads) = (&own_prediction, backend) {
@@ -776,7 +810,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         None => own_prediction,
     };
     let report = exec_run(&spec, backend);
-    if let (Err(_), Some(dir)) = (&report, created_save_dir) {
+    if let (Err(_), Some(dir)) = (&report, &created_save_dir) {
         // The folder made for this run's checkpoints stays only if one was written into it.
         drop(save_lock.take());
         let _ = std::fs::remove_dir(dir);

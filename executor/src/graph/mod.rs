@@ -33,7 +33,7 @@ pub mod kernels;
 pub use data::{GraphData, ImageSet};
 
 use crate::comm::{Collectives, CommError, Group};
-use crate::engine::{AdamConfig, RankReport};
+use crate::engine::{AdamConfig, CheckpointHook, RankReport, StepHook, StepStats};
 use crate::error::ExecError;
 use crate::state::{ModelState, TensorState};
 use crate::{spawn_ranks, RunReport};
@@ -43,6 +43,7 @@ use parallax_ir::graph::{TensorId, TensorRole};
 use parallax_ir::{AxesMapping, Graph, OpKind, Shape};
 use parallax_sim::perop::OpPlan;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A device's part of a tensor: its region (global element indices) and values, row-major.
@@ -64,7 +65,7 @@ pub enum GraphOptimizer {
 }
 
 /// Everything a general-graph run needs.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct GraphRunSpec {
     /// The model at the micro-batch's size.
     pub graph: Graph,
@@ -79,6 +80,26 @@ pub struct GraphRunSpec {
     pub collect_state: bool,
     /// Where the inputs come from.
     pub data: GraphData,
+    /// Start from this state (parameters and optimizer moments, whole) instead of a fresh
+    /// initialisation; its step counts on.
+    pub resume: Option<Arc<ModelState>>,
+    /// Call [`GraphRunSpec::on_checkpoint`] every this many steps (and after the last).
+    pub checkpoint_every: Option<u64>,
+    /// Receives the gathered state at checkpoints (rank 0).
+    pub on_checkpoint: Option<CheckpointHook>,
+    /// Receives per-step statistics (rank 0; `tokens_per_s` counts samples).
+    pub on_step: Option<StepHook>,
+}
+
+impl std::fmt::Debug for GraphRunSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GraphRunSpec")
+            .field("graph", &self.graph.name)
+            .field("plan", &self.plan)
+            .field("steps", &self.steps)
+            .field("seed", &self.seed)
+            .finish_non_exhaustive()
+    }
 }
 
 impl GraphRunSpec {
@@ -96,6 +117,10 @@ impl GraphRunSpec {
             timeout: Duration::from_secs(120),
             collect_state: false,
             data: GraphData::Synthetic,
+            resume: None,
+            checkpoint_every: None,
+            on_checkpoint: None,
+            on_step: None,
         }
     }
 
@@ -420,6 +445,9 @@ impl GraphPrepared {
                     .collect()
             })
             .collect();
+        if let Some(st) = &spec.resume {
+            check_resume(g, st)?;
+        }
         let batch = g
             .tensors
             .iter()
@@ -568,6 +596,49 @@ pub fn with_training_loss(g: &Graph, plan: &OpPlan) -> Option<(Graph, OpPlan)> {
     }
     g2.outputs = outputs;
     Some((g2, plan2))
+}
+
+/// A checkpoint resumes a run only if it holds exactly the graph's weights at their shapes,
+/// each with its optimizer moments.
+fn check_resume(g: &Graph, st: &ModelState) -> Result<(), ExecError> {
+    let bad = |m: String| Err(ExecError::Resume(m));
+    let weights: Vec<&parallax_ir::graph::Tensor> = g
+        .tensors
+        .iter()
+        .filter(|t| t.role == TensorRole::Weight)
+        .collect();
+    for w in &weights {
+        let shape: Vec<usize> = w.shape.dims().iter().map(|d| *d as usize).collect();
+        match st.tensors.get(&w.name) {
+            None => {
+                return bad(format!(
+                    "tensor {} is missing: not a checkpoint of {}",
+                    w.name, g.name
+                ))
+            }
+            Some(t) if t.shape != shape => {
+                return bad(format!(
+                    "tensor {} has shape {:?}, the model needs {shape:?}",
+                    w.name, t.shape
+                ))
+            }
+            Some(t) if t.param.len() != t.m.len() || t.param.len() != t.v.len() => {
+                return bad(format!(
+                    "tensor {}: optimizer moments of another size",
+                    w.name
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    if let Some(extra) = st
+        .tensors
+        .keys()
+        .find(|n| !weights.iter().any(|w| &w.name == *n))
+    {
+        return bad(format!("tensor {extra} is not part of {}", g.name));
+    }
+    Ok(())
 }
 
 /// Checks that a configuration splits only splittable labels of its op, by degrees that fit,
@@ -985,12 +1056,28 @@ impl<'a> Rank<'a> {
                     continue;
                 }
                 // A weight shared by several ops starts as its first reader initialises it.
-                let (first, fk) = self.prep.consumers[t.0 as usize][0];
-                let full = init_weight(g, first, fk, *t, self.spec.seed);
                 let shape = &g.tensor(*t).shape;
                 let whole: Region = shape.dims().iter().map(|d| (0, *d)).collect();
                 let region = self.prep.need[i][k][pos as usize].clone();
-                let data = extract(&full, &whole, &region);
+                let saved = self
+                    .spec
+                    .resume
+                    .as_ref()
+                    .and_then(|r| r.tensors.get(&g.tensor(*t).name));
+                let (data, m, v) = match saved {
+                    Some(ts) => (
+                        extract(&ts.param, &whole, &region),
+                        extract(&ts.m, &whole, &region),
+                        extract(&ts.v, &whole, &region),
+                    ),
+                    None => {
+                        let (first, fk) = self.prep.consumers[t.0 as usize][0];
+                        let full = init_weight(g, first, fk, *t, self.spec.seed);
+                        let data = extract(&full, &whole, &region);
+                        let n = data.len();
+                        (data, vec![0.0; n], vec![0.0; n])
+                    }
+                };
                 let len = data.len();
                 self.weight_at.insert((i, k), self.weights.len());
                 self.weights.push(Held {
@@ -998,8 +1085,8 @@ impl<'a> Rank<'a> {
                     slot: k,
                     local: Local { region, data },
                     grad: vec![0.0; len],
-                    m: vec![0.0; len],
-                    v: vec![0.0; len],
+                    m,
+                    v,
                 });
             }
         }
@@ -1368,7 +1455,13 @@ impl<'a> Rank<'a> {
                 let layout = &self.prep.in_layouts[i][k];
                 let shape = g.tensor(*t).shape.dims().to_vec();
                 let whole: Region = shape.iter().map(|d| (0, *d)).collect();
-                let mut full = vec![0.0; kernels::elems(&whole)];
+                // Parameters and both optimizer moments, each region from the first device
+                // holding it.
+                let mut full = [
+                    vec![0.0; kernels::elems(&whole)],
+                    vec![0.0; kernels::elems(&whole)],
+                    vec![0.0; kernels::elems(&whole)],
+                ];
                 let mut seen: Vec<Vec<u32>> = Vec::new();
                 for q in 0..cfg.view.size {
                     let b = layout.block(q);
@@ -1378,24 +1471,28 @@ impl<'a> Rank<'a> {
                     seen.push(b);
                     let holder = cfg.view.device(q) as usize;
                     let region = self.prep.need[i][k][q as usize].clone();
-                    let tg = tag(TAG_STATE, i, k, 0);
-                    if holder == self.me {
-                        let w = &self.weights[self.weight_at[&(i, k)]];
-                        if self.me == 0 {
-                            add_piece(&mut full, &whole, &region, &w.local.data);
-                        } else {
-                            self.comm.send(0, tg, &w.local.data)?;
+                    for (part, out) in full.iter_mut().enumerate() {
+                        let tg = tag(TAG_STATE, i, k, part);
+                        if holder == self.me {
+                            let w = &self.weights[self.weight_at[&(i, k)]];
+                            let src = [&w.local.data, &w.m, &w.v][part];
+                            if self.me == 0 {
+                                add_piece(out, &whole, &region, src);
+                            } else {
+                                self.comm.send(0, tg, src)?;
+                            }
+                        } else if self.me == 0 {
+                            let mut buf = vec![0.0; kernels::elems(&region)];
+                            self.comm.recv(holder, tg, &mut buf, "state gather")?;
+                            add_piece(out, &whole, &region, &buf);
                         }
-                    } else if self.me == 0 {
-                        let mut buf = vec![0.0; kernels::elems(&region)];
-                        self.comm.recv(holder, tg, &mut buf, "state gather")?;
-                        add_piece(&mut full, &whole, &region, &buf);
                     }
                 }
+                let [param, m, v] = full;
                 // Every reader of a shared weight holds a copy: they must agree bit for bit.
                 let name = &g.tensor(*t).name;
                 if let Some(first) = state.tensors.get(name).filter(|_| self.me == 0) {
-                    if first.param != full {
+                    if first.param != param {
                         return Err(ExecError::Rank {
                             rank: 0,
                             message: format!(
@@ -1411,9 +1508,9 @@ impl<'a> Rank<'a> {
                         g.tensor(*t).name.clone(),
                         TensorState {
                             shape: shape.iter().map(|d| *d as usize).collect(),
-                            param: full,
-                            m: Vec::new(),
-                            v: Vec::new(),
+                            param,
+                            m,
+                            v,
                         },
                     );
                 }
@@ -1465,7 +1562,9 @@ pub fn run_graph_rank(
     rank.init_weights();
     let mut report = RankReport::default();
     let m = spec.plan.micro_batches as usize;
-    for step in 0..spec.steps {
+    let start = spec.resume.as_ref().map_or(0, |r| r.step);
+    for i in 0..spec.steps {
+        let step = start + i;
         let t0 = Instant::now();
         let mut tapes: Vec<Tape> = (0..m)
             .map(|_| Tape {
@@ -1490,11 +1589,34 @@ pub fn run_graph_rank(
                 loss,
             });
         }
+        let dt = t0.elapsed().as_secs_f64();
         report.losses.push(loss);
-        report.step_times.push(t0.elapsed().as_secs_f64());
-    }
-    if spec.collect_state {
-        report.state = rank.gather_state(spec.steps)?;
+        report.step_times.push(dt);
+        if me == 0 {
+            if let Some(h) = &spec.on_step {
+                h(&StepStats {
+                    step: step + 1,
+                    loss,
+                    time_s: dt,
+                    tokens_per_s: prep.samples_per_step as f64 / dt.max(1e-12),
+                });
+            }
+        }
+        let done = i + 1 == spec.steps;
+        let ck_due = spec.on_checkpoint.is_some()
+            && (done
+                || spec
+                    .checkpoint_every
+                    .is_some_and(|k| k > 0 && (i + 1) % k == 0));
+        if ck_due || (done && spec.collect_state) {
+            let st = rank.gather_state(step + 1)?;
+            if let (Some(st), Some(h), true) = (&st, &spec.on_checkpoint, ck_due) {
+                h(st).map_err(|(path, reason)| ExecError::Checkpoint { path, reason })?;
+            }
+            if done && spec.collect_state {
+                report.state = st;
+            }
+        }
     }
     Ok(report)
 }

@@ -648,3 +648,64 @@ fn regions_copy_out_and_add_back_exactly() {
         }
     }
 }
+
+#[test]
+fn a_resumed_run_continues_exactly_where_it_stopped() {
+    use std::sync::{Arc, Mutex};
+    let g = resnet_tiny(4).unwrap();
+    // A split that shards every weight differently across devices: channel splits.
+    let plan = op_plan(&g, 1, |i| {
+        split_label(&g, i, 2, 0, &|l, r| r == AxisRole::Parameter && l != 'c')
+    });
+    let adam = GraphOptimizer::Adam(AdamConfig::default());
+    let mut whole = GraphRunSpec::new(g.clone(), plan.clone(), 4);
+    whole.optimizer = adam;
+    whole.collect_state = true;
+    let uninterrupted = run_graph_threads(&whole).unwrap();
+    let saved: Arc<Mutex<Vec<ModelState>>> = Arc::default();
+    let mut first = GraphRunSpec::new(g.clone(), plan.clone(), 2);
+    first.optimizer = adam;
+    let sink = saved.clone();
+    first.on_checkpoint = Some(Arc::new(move |st: &ModelState| {
+        sink.lock().unwrap().push(st.clone());
+        Ok(())
+    }));
+    let a = run_graph_threads(&first).unwrap();
+    let st = saved.lock().unwrap().pop().unwrap();
+    assert_eq!(st.step, 2);
+    // Resumed on one device: the state is layout-independent.
+    let mut second = GraphRunSpec::new(g, plan, 2).single_device();
+    second.optimizer = adam;
+    second.collect_state = true;
+    second.resume = Some(Arc::new(st));
+    let b = run_graph_threads(&second).unwrap();
+    let losses: Vec<f64> = a.losses.iter().chain(&b.losses).copied().collect();
+    for (x, y) in losses.iter().zip(&uninterrupted.losses) {
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs(),
+            "{losses:?} vs {:?}",
+            uninterrupted.losses
+        );
+    }
+    let (d, worst) = b
+        .state
+        .unwrap()
+        .max_relative_diff_where(uninterrupted.state.as_ref().unwrap(), |_| true);
+    assert!(d < 1e-4, "{worst} differs by {d:e}");
+    // A checkpoint of another model is refused naming the tensor.
+    let mut other = GraphRunSpec::new(
+        lstm_tiny(2, 4).unwrap(),
+        op_plan(&lstm_tiny(2, 4).unwrap(), 1, |_| ParallelConfig::single(0)),
+        1,
+    );
+    other.resume = Some(Arc::new(saved_state_of_resnet()));
+    let e = GraphPrepared::new(&other).unwrap_err().to_string();
+    assert!(e.contains("resume:") && e.contains("missing"), "{e}");
+}
+
+fn saved_state_of_resnet() -> ModelState {
+    let g = resnet_tiny(2).unwrap();
+    let mut s = GraphRunSpec::new(g.clone(), op_plan(&g, 1, |_| ParallelConfig::single(0)), 1);
+    s.collect_state = true;
+    run_graph_threads(&s).unwrap().state.unwrap()
+}
