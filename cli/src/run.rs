@@ -537,11 +537,6 @@ fn general_job(a: &Args) -> anyhow::Result<Option<(GraphModel, String)>> {
             "--framework: {name} is not a transformer; its per-op plans are costed op by op, not by a stack's transformer kernels"
         )));
     }
-    if a.trace.is_some() {
-        return Err(user(format!(
-            "--trace: not supported yet for {name}: the general-graph trainer (CNNs, RNNs, per-op plans) records no timeline"
-        )));
-    }
     let spec = match (&file, &a.plan) {
         (Some(f), _) => f.display().to_string(),
         (None, Some(p)) => p.clone(),
@@ -601,9 +596,13 @@ fn run_general(a: &Args, job: GraphModel, plan_spec: &str, backend: Backend) -> 
             )));
         }
     }
+    if let Some(path) = &a.trace {
+        check_trace_path(path, a.force)?;
+    }
     let resume = load_resume(a)?;
     let (mut save_lock, created_save_dir) = prepare_save(a, resume.as_deref())?;
     let mut spec = GraphRunSpec::new(graph, plan, a.steps);
+    spec.trace = a.trace.is_some();
     spec.resume = resume;
     if let Some(dir) = a.save.clone() {
         let about = json!({
@@ -666,6 +665,11 @@ fn run_general(a: &Args, job: GraphModel, plan_spec: &str, backend: Backend) -> 
     })?;
     if report.rank != 0 {
         return Ok(());
+    }
+    if let Some(path) = &a.trace {
+        let doc = chrome_trace(&report.spans);
+        std::fs::write(path, serde_json::to_string(&doc)?)
+            .map_err(|e| user(format!("--trace {}: cannot write: {e}", path.display())))?;
     }
     let times = if report.step_times.len() > 1 {
         &report.step_times[1..]

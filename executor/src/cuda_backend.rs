@@ -809,10 +809,11 @@ pub fn run_graph(spec: &crate::graph::GraphRunSpec) -> Result<RunReport, ExecErr
             ),
         });
     }
+    let epoch = Instant::now();
     crate::spawn_ranks(world, spec.timeout, &|comm| {
         let ordinal = crate::Collectives::rank(comm);
         on_gpu(ordinal, comm, spec.timeout, &mut |c| {
-            crate::graph::run_graph_rank(spec, &prep, c)
+            crate::graph::run_graph_rank(spec, &prep, c, epoch)
         })
     })
 }

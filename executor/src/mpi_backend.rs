@@ -514,9 +514,13 @@ impl MpiRuntime {
     /// the job as one device of the plan.
     pub fn run_graph(&mut self, spec: &GraphRunSpec) -> Result<RunReport, ExecError> {
         let prep = GraphPrepared::new(spec)?;
-        self.drive(prep.world(), spec.timeout, false, &|comm: &mut MpiComm| {
-            run_graph_rank(spec, &prep, comm)
-        })
+        let epoch = Instant::now();
+        self.drive(
+            prep.world(),
+            spec.timeout,
+            spec.trace,
+            &|comm: &mut MpiComm| run_graph_rank(spec, &prep, comm, epoch),
+        )
     }
 
     /// Checks the job has the `need` processes a run takes, then runs `rank_main` on this

@@ -33,7 +33,7 @@ pub mod kernels;
 pub use data::{GraphData, ImageSet};
 
 use crate::comm::{Collectives, CommError, Group};
-use crate::engine::{AdamConfig, CheckpointHook, RankReport, StepHook, StepStats};
+use crate::engine::{AdamConfig, CheckpointHook, RankReport, Span, StepHook, StepStats};
 use crate::error::ExecError;
 use crate::state::{ModelState, TensorState};
 use crate::{spawn_ranks, RunReport};
@@ -89,6 +89,9 @@ pub struct GraphRunSpec {
     pub on_checkpoint: Option<CheckpointHook>,
     /// Receives per-step statistics (rank 0; `tokens_per_s` counts samples).
     pub on_step: Option<StepHook>,
+    /// Record a timeline: every op's forward and backward per micro-batch, gradient
+    /// synchronisation and the optimizer, per device.
+    pub trace: bool,
 }
 
 impl std::fmt::Debug for GraphRunSpec {
@@ -121,6 +124,7 @@ impl GraphRunSpec {
             checkpoint_every: None,
             on_checkpoint: None,
             on_step: None,
+            trace: false,
         }
     }
 
@@ -972,6 +976,10 @@ struct Rank<'a> {
     weights: Vec<Held>,
     /// (node, slot) → index into `weights`.
     weight_at: HashMap<(usize, usize), usize>,
+    /// The measured timeline (when traced), from `epoch`.
+    spans: Vec<Span>,
+    epoch: Instant,
+    step_idx: u64,
 }
 
 /// The inputs of node `n` as its kernel reads them: the held weights in place of `None`.
@@ -1009,6 +1017,21 @@ struct Tape {
 }
 
 impl<'a> Rank<'a> {
+    /// Records what ran from `t0` to now, when traced.
+    fn record(&mut self, name: impl FnOnce() -> String, cat: &'static str, t0: Instant) {
+        if self.spec.trace {
+            self.spans.push(Span {
+                rank: self.me,
+                stage: 0,
+                name: name(),
+                cat,
+                step: self.step_idx,
+                start_s: t0.duration_since(self.epoch).as_secs_f64(),
+                dur_s: t0.elapsed().as_secs_f64(),
+            });
+        }
+    }
+
     fn pos(&self, node: usize) -> Option<u32> {
         self.spec.plan.configs[node].view.position(self.me as u32)
     }
@@ -1122,6 +1145,7 @@ impl<'a> Rank<'a> {
                 }
             }
             let Some(pos) = self.pos(i) else { continue };
+            let t0 = Instant::now();
             let mut ins = Vec::with_capacity(n.inputs.len());
             for (k, t) in n.inputs.iter().enumerate() {
                 let region = prep.need[i][k][pos as usize].clone();
@@ -1189,6 +1213,7 @@ impl<'a> Rank<'a> {
                 tape.outs.insert(*t, Local { region, data });
             }
             tape.ins.insert(i, (ins, saved));
+            self.record(|| format!("F {} mb{mb}", n.name), "forward", t0);
         }
         Ok(())
     }
@@ -1244,6 +1269,7 @@ impl<'a> Rank<'a> {
         let scale = 1.0 / self.spec.plan.micro_batches as f32;
         for (i, n) in g.nodes.iter().enumerate().rev() {
             let Some(pos) = self.pos(i) else { continue };
+            let t0 = Instant::now();
             let out_regions: Vec<Region> =
                 prep.out_layouts[i].iter().map(|l| l.region(pos)).collect();
             let mut dys = Vec::with_capacity(n.outputs.len());
@@ -1313,6 +1339,7 @@ impl<'a> Rank<'a> {
                     Source::Data(_) => {}
                 }
             }
+            self.record(|| format!("B {} mb{mb}", n.name), "backward", t0);
         }
         Ok(())
     }
@@ -1548,6 +1575,7 @@ pub fn run_graph_rank(
     spec: &GraphRunSpec,
     prep: &GraphPrepared,
     comm: &mut dyn Collectives,
+    epoch: Instant,
 ) -> Result<RankReport, ExecError> {
     let me = comm.rank();
     let world = Group::new((0..prep.world).collect());
@@ -1558,6 +1586,9 @@ pub fn run_graph_rank(
         me,
         weights: Vec::new(),
         weight_at: HashMap::new(),
+        spans: Vec::new(),
+        epoch,
+        step_idx: 0,
     };
     rank.init_weights();
     let mut report = RankReport::default();
@@ -1565,6 +1596,7 @@ pub fn run_graph_rank(
     let start = spec.resume.as_ref().map_or(0, |r| r.step);
     for i in 0..spec.steps {
         let step = start + i;
+        rank.step_idx = i;
         let t0 = Instant::now();
         let mut tapes: Vec<Tape> = (0..m)
             .map(|_| Tape {
@@ -1578,8 +1610,12 @@ pub fn run_graph_rank(
         for (mb, tape) in tapes.iter_mut().enumerate().rev() {
             rank.backward(mb, tape)?;
         }
+        let ts = Instant::now();
         rank.sync_grads()?;
+        rank.record(|| "grad-sync".into(), "comm", ts);
+        let ts = Instant::now();
         rank.update(step);
+        rank.record(|| "optimizer".into(), "optimizer", ts);
         let mut loss = [tapes.iter().map(|t| t.loss).sum::<f64>() as f32 / m as f32];
         rank.comm.all_reduce_sum(&world, &mut loss)?;
         let loss = f64::from(loss[0]);
@@ -1618,14 +1654,16 @@ pub fn run_graph_rank(
             }
         }
     }
+    report.spans = std::mem::take(&mut rank.spans);
     Ok(report)
 }
 
 /// Runs `spec` with one thread per device of its plan.
 pub fn run_graph_threads(spec: &GraphRunSpec) -> Result<RunReport, ExecError> {
     let prep = GraphPrepared::new(spec)?;
+    let epoch = Instant::now();
     spawn_ranks(prep.world(), spec.timeout, &|comm| {
-        run_graph_rank(spec, &prep, comm)
+        run_graph_rank(spec, &prep, comm, epoch)
     })
 }
 
