@@ -34,6 +34,7 @@ pub mod model;
 pub mod moe;
 #[cfg(feature = "mpi")]
 pub mod mpi_backend;
+pub mod ring;
 pub mod rng;
 pub mod state;
 pub mod tensor;

@@ -16,6 +16,7 @@
 
 use crate::comm::{Collectives, CommError, Group};
 use crate::moe::{moe_bwd, moe_fwd, Ep, MoeLayout, MoeSaved};
+use crate::ring::{ring_bwd, ring_fwd, RingShape};
 use crate::rng::SplitMix64;
 use crate::tensor::{
     add_bias, add_into, attention_bwd, attention_fwd, bias_grad, cross_entropy, gelu, gelu_grad,
@@ -641,6 +642,17 @@ pub struct Pass {
     pub c: usize,
 }
 
+/// The ring attention shape of a pass with `heads`, `kv_heads` of size `hd` on this rank.
+fn ring_shape(pass: &Pass, heads: usize, kv_heads: usize, hd: usize) -> RingShape {
+    RingShape {
+        batch: pass.batch,
+        lseq: pass.local_seq(),
+        heads,
+        kv_heads,
+        hd,
+    }
+}
+
 impl Pass {
     /// Tokens of each sequence this rank holds.
     pub fn local_seq(&self) -> usize {
@@ -668,57 +680,6 @@ impl Pass {
     }
 }
 
-/// Keys or values of every position of the micro-batch's sequences, in position order: the
-/// context-parallel group's tokens all-gathered and put in place (the all-gather variant of
-/// context parallelism, as Llama 3 trains: Llama Team 2024, §3.3.2).
-fn cp_gather(
-    comm: &mut dyn Collectives,
-    g: &Group,
-    x: &[f32],
-    pass: &Pass,
-    width: usize,
-) -> Result<Vec<f32>, CommError> {
-    let mut all = vec![0.0; x.len() * g.size()];
-    comm.all_gather(g, x, &mut all)?;
-    let lseq = pass.local_seq();
-    let mut out = vec![0.0; pass.batch * pass.seq * width];
-    for c in 0..g.size() {
-        for b in 0..pass.batch {
-            for i in 0..lseq {
-                let src = ((c * pass.batch + b) * lseq + i) * width;
-                let dst = (b * pass.seq + pass.position_of(c, i)) * width;
-                out[dst..dst + width].copy_from_slice(&all[src..src + width]);
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// Backward of [`cp_gather`]: every rank's gradient of every position, summed over the group,
-/// each rank keeping its own tokens' (a reduce-scatter).
-fn cp_scatter(
-    comm: &mut dyn Collectives,
-    g: &Group,
-    dfull: &[f32],
-    pass: &Pass,
-    width: usize,
-) -> Result<Vec<f32>, CommError> {
-    let lseq = pass.local_seq();
-    let mut blocks = vec![0.0; dfull.len()];
-    for c in 0..g.size() {
-        for b in 0..pass.batch {
-            for i in 0..lseq {
-                let dst = ((c * pass.batch + b) * lseq + i) * width;
-                let src = (b * pass.seq + pass.position_of(c, i)) * width;
-                blocks[dst..dst + width].copy_from_slice(&dfull[src..src + width]);
-            }
-        }
-    }
-    let mut out = vec![0.0; dfull.len() / g.size()];
-    comm.reduce_scatter_sum(g, &blocks, &mut out)?;
-    Ok(out)
-}
-
 /// Activations of one block kept for backward.
 #[derive(Debug)]
 pub struct BlockCache {
@@ -734,6 +695,8 @@ struct BlockSaved {
     k: Vec<f32>,
     v: Vec<f32>,
     probs: Option<Vec<f32>>,
+    /// Ring attention's log-sum-exp per query row (context parallelism).
+    lse: Option<Vec<f32>>,
     o: Vec<f32>,
     x2: Vec<f32>,
     n2: Vec<f32>,
@@ -794,32 +757,38 @@ fn block_fwd_inner(
     };
     let mut q = lin(&n1, &l.wq, &l.bq, qw);
     let mut k = lin(&n1, &l.wk, &l.bk, kw);
-    let mut v = lin(&n1, &l.wv, &l.bv, kw);
+    let v = lin(&n1, &l.wv, &l.bv, kw);
     let pos = pass.positions();
     let lseq = pos.len();
     if d.rope {
         rope(&mut q, nh, hd, |r| pos[r % lseq], false);
         rope(&mut k, nkv, hd, |r| pos[r % lseq], false);
     }
-    // Under context parallelism the local queries attend to every position's keys and values.
-    if let Some(g) = tp.cp {
-        k = cp_gather(&mut *tp.comm, g, &k, &pass, kw)?;
-        v = cp_gather(&mut *tp.comm, g, &v, &pass, kw)?;
-    }
-    let mut o = vec![0.0; tt * qw];
-    let probs = attention_fwd(
-        &mut o,
-        &q,
-        &k,
-        &v,
-        pass.batch,
-        &pos,
-        pass.seq,
-        nh,
-        nkv,
-        hd,
-        keep == Keep::All,
-    );
+    // Under context parallelism the keys and values travel the ring of context-parallel ranks.
+    let (o, probs, lse) = match tp.cp {
+        Some(g) => {
+            let r = ring_shape(&pass, nh, nkv, hd);
+            let (o, lse) = ring_fwd(&mut *tp.comm, g, (&q, &k, &v), &pass, &r)?;
+            (o, None, Some(lse))
+        }
+        None => {
+            let mut o = vec![0.0; tt * qw];
+            let probs = attention_fwd(
+                &mut o,
+                &q,
+                &k,
+                &v,
+                pass.batch,
+                &pos,
+                pass.seq,
+                nh,
+                nkv,
+                hd,
+                keep == Keep::All,
+            );
+            (o, probs, None)
+        }
+    };
     let mut a = vec![0.0; tt * h];
     mm(&mut a, &o, &p[l.wo.clone()], tt, qw, h, false);
     let mut a = tp.exit_fwd(a)?;
@@ -848,6 +817,7 @@ fn block_fwd_inner(
             k,
             v,
             probs,
+            lse,
             o,
             x2,
             n2,
@@ -884,6 +854,7 @@ fn block_fwd_inner(
         k,
         v,
         probs,
+        lse,
         o,
         x2,
         n2,
@@ -1019,35 +990,43 @@ pub fn block_bwd(
     wgrad(g, &l.wo, &s.o, &da, tt, qw, h);
     let mut d_o = vec![0.0; tt * qw];
     mm_nt(&mut d_o, &da, &p[l.wo.clone()], tt, qw, h, false);
-    // Keys and values cover every position under context parallelism (gathered in forward).
-    let kv_rows = s.k.len() / kw.max(1);
-    let (mut dq, mut dk, mut dv) = (
-        vec![0.0; tt * qw],
-        vec![0.0; kv_rows * kw],
-        vec![0.0; kv_rows * kw],
-    );
     let pos = pass.positions();
     let lseq = pos.len();
-    attention_bwd(
-        &mut dq,
-        &mut dk,
-        &mut dv,
-        &d_o,
-        &s.q,
-        &s.k,
-        &s.v,
-        s.probs.as_deref(),
-        pass.batch,
-        &pos,
-        pass.seq,
-        nh,
-        nkv,
-        hd,
-    );
-    if let Some(g) = tp.cp {
-        dk = cp_scatter(&mut *tp.comm, g, &dk, &pass, kw)?;
-        dv = cp_scatter(&mut *tp.comm, g, &dv, &pass, kw)?;
-    }
+    let (mut dq, mut dk, dv) = match (tp.cp, &s.lse) {
+        (Some(g), Some(lse)) => {
+            let r = ring_shape(&pass, nh, nkv, hd);
+            ring_bwd(
+                &mut *tp.comm,
+                g,
+                &d_o,
+                (&s.q, &s.k, &s.v),
+                (&s.o, lse),
+                &pass,
+                &r,
+            )?
+        }
+        _ => {
+            let (mut dq, mut dk, mut dv) =
+                (vec![0.0; tt * qw], vec![0.0; tt * kw], vec![0.0; tt * kw]);
+            attention_bwd(
+                &mut dq,
+                &mut dk,
+                &mut dv,
+                &d_o,
+                &s.q,
+                &s.k,
+                &s.v,
+                s.probs.as_deref(),
+                pass.batch,
+                &pos,
+                pass.seq,
+                nh,
+                nkv,
+                hd,
+            );
+            (dq, dk, dv)
+        }
+    };
     if d.rope {
         rope(&mut dq, nh, hd, |r| pos[r % lseq], true);
         rope(&mut dk, nkv, hd, |r| pos[r % lseq], true);

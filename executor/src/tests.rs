@@ -174,8 +174,8 @@ equivalence! {
     pp2_zb_h1: gpt(4), pp(2, Schedule::ZeroBubbleH1);
     llama_dp2_pp2_zb_h1_zero2_tp2_sp: llama(4), Layout { dp: 2, tp: 2, sequence_parallel: true, zero_stage: 2, ..pp(2, Schedule::ZeroBubbleH1) };
     pp4_zb_h1_full_recompute: gpt(4), Layout { recompute: Recompute::Full, ..pp(4, Schedule::ZeroBubbleH1) };
-    // Context parallelism: each rank two load-balanced chunks of every sequence, keys and
-    // values all-gathered for attention.
+    // Context parallelism: each rank two load-balanced chunks of every sequence, ring
+    // attention over them.
     cp2: gpt(4), Layout { cp: 2, ..Layout::default() };
     cp4_learned_positions: gpt(2), Layout { cp: 4, ..Layout::default() };
     llama_cp2_tp2_sp_selective: llama(4), Layout { cp: 2, tp: 2, sequence_parallel: true, recompute: Recompute::Selective, ..Layout::default() };

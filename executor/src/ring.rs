@@ -1,0 +1,259 @@
+//! Ring attention for context parallelism (Liu et al. 2023; Megatron-Core's
+//! `context_parallel` p2p path): each of the `cp` ranks holds two load-balanced chunks of every
+//! sequence (see [`Pass`]); its queries stay put while the keys and values travel around the
+//! ring, one rank's block per step, and each step's scores are merged into a running softmax
+//! (the row maximum, the sum of exponentials and the weighted values, rescaled as the maximum
+//! grows). The backward recomputes each step's probabilities from the saved log-sum-exp and
+//! sends the key/value gradients around the ring with their block, so that after `cp` steps
+//! every rank holds the gradient of its own keys and values. Causal masking compares the
+//! positions the chunks hold; a block entirely in a query row's future contributes nothing.
+
+use crate::comm::{Collectives, CommError, Group};
+use crate::model::Pass;
+use crate::tensor::{matmul, MatMut, MatRef, Threads};
+
+/// Shapes of one rank's attention: sequences, local tokens per sequence, query and key/value
+/// heads, head size.
+#[derive(Clone, Copy, Debug)]
+pub struct RingShape {
+    pub batch: usize,
+    pub lseq: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub hd: usize,
+}
+
+impl RingShape {
+    fn qw(&self) -> usize {
+        self.heads * self.hd
+    }
+    fn kw(&self) -> usize {
+        self.kv_heads * self.hd
+    }
+}
+
+/// Sends this step's block to the next rank of the ring and receives the previous rank's.
+fn rotate(
+    comm: &mut dyn Collectives,
+    g: &Group,
+    bufs: &mut [&mut Vec<f32>],
+) -> Result<(), CommError> {
+    let n = g.size();
+    let me = g.index_of(comm.rank())?;
+    let (next, prev) = (g.ranks()[(me + 1) % n], g.ranks()[(me + n - 1) % n]);
+    let tag = comm.next_tag(g);
+    for b in bufs.iter() {
+        comm.send(next, tag, b)?;
+    }
+    for b in bufs.iter_mut() {
+        let mut got = vec![0.0; b.len()];
+        comm.recv(prev, tag, &mut got, "ring attention")?;
+        **b = got;
+    }
+    Ok(())
+}
+
+/// Masked, scaled scores of queries `q` (rows at `q_pos`) against keys `k` (rows at `k_pos`)
+/// of sequence `b`, head `h`, into `s` (`lseq × lseq`); `false` where every key is masked
+/// for every query (nothing to do).
+fn scores(
+    s: &mut [f32],
+    (q, k): (&[f32], &[f32]),
+    (b, h): (usize, usize),
+    (q_pos, k_pos): (&[usize], &[usize]),
+    r: &RingShape,
+) -> bool {
+    if q_pos.iter().max() < k_pos.iter().min() {
+        return false;
+    }
+    let kvh = h / (r.heads / r.kv_heads);
+    let n = r.lseq;
+    matmul(
+        MatMut::new(s, n, n),
+        MatRef::strided(q, b * n * r.qw() + h * r.hd, n, r.hd, r.qw(), 1),
+        MatRef::strided(k, b * n * r.kw() + kvh * r.hd, n, r.hd, r.kw(), 1).t(),
+        false,
+        Threads::One,
+    );
+    let scale = 1.0 / (r.hd as f32).sqrt();
+    for (i, row) in s.chunks_exact_mut(n).enumerate() {
+        for (j, x) in row.iter_mut().enumerate() {
+            *x = if k_pos[j] > q_pos[i] {
+                f32::NEG_INFINITY
+            } else {
+                *x * scale
+            };
+        }
+    }
+    true
+}
+
+/// Ring attention forward: the output of this rank's queries (`batch·lseq × heads·hd`) and
+/// the log-sum-exp of every query row (`batch · heads · lseq`), which the backward needs.
+pub fn ring_fwd(
+    comm: &mut dyn Collectives,
+    g: &Group,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    pass: &Pass,
+    r: &RingShape,
+) -> Result<(Vec<f32>, Vec<f32>), CommError> {
+    let n = r.lseq;
+    let cp = g.size();
+    let me = g.index_of(comm.rank())?;
+    let q_pos = pass.positions();
+    let rows = r.batch * r.heads * n;
+    let (mut m, mut l) = (vec![f32::NEG_INFINITY; rows], vec![0.0f32; rows]);
+    let mut o = vec![0.0; q.len()];
+    let (mut kb, mut vb) = (k.to_vec(), v.to_vec());
+    let mut s = vec![0.0; n * n];
+    for step in 0..cp {
+        let src = (me + cp - step) % cp;
+        let k_pos: Vec<usize> = (0..n).map(|i| pass.position_of(src, i)).collect();
+        for b in 0..r.batch {
+            for h in 0..r.heads {
+                if !scores(&mut s, (q, &kb), (b, h), (&q_pos, &k_pos), r) {
+                    continue;
+                }
+                let base = (b * r.heads + h) * n;
+                for (i, row) in s.chunks_exact_mut(n).enumerate() {
+                    let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let at = base + i;
+                    if mx == f32::NEG_INFINITY {
+                        row.fill(0.0);
+                        continue;
+                    }
+                    let m_new = m[at].max(mx);
+                    let keep = (m[at] - m_new).exp();
+                    let mut sum = 0.0;
+                    for x in row.iter_mut() {
+                        *x = (*x - m_new).exp();
+                        sum += *x;
+                    }
+                    l[at] = l[at] * keep + sum;
+                    m[at] = m_new;
+                    let oi = (b * n + i) * r.qw() + h * r.hd;
+                    o[oi..oi + r.hd].iter_mut().for_each(|x| *x *= keep);
+                }
+                let kvh = h / (r.heads / r.kv_heads);
+                matmul(
+                    MatMut::strided(&mut o, b * n * r.qw() + h * r.hd, n, r.hd, r.qw(), 1),
+                    MatRef::new(&s, n, n),
+                    MatRef::strided(&vb, b * n * r.kw() + kvh * r.hd, n, r.hd, r.kw(), 1),
+                    true,
+                    Threads::One,
+                );
+            }
+        }
+        if step + 1 < cp {
+            rotate(comm, g, &mut [&mut kb, &mut vb])?;
+        }
+    }
+    let mut lse = vec![0.0; rows];
+    for b in 0..r.batch {
+        for h in 0..r.heads {
+            for i in 0..n {
+                let at = (b * r.heads + h) * n + i;
+                let oi = (b * n + i) * r.qw() + h * r.hd;
+                o[oi..oi + r.hd].iter_mut().for_each(|x| *x /= l[at]);
+                lse[at] = m[at] + l[at].ln();
+            }
+        }
+    }
+    Ok((o, lse))
+}
+
+/// The gradients of a rank's queries, keys and values.
+pub type QkvGrads = (Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// Ring attention backward: the gradients of this rank's queries, keys and values.
+#[allow(clippy::too_many_arguments)]
+pub fn ring_bwd(
+    comm: &mut dyn Collectives,
+    g: &Group,
+    d_o: &[f32],
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    (o, lse): (&[f32], &[f32]),
+    pass: &Pass,
+    r: &RingShape,
+) -> Result<QkvGrads, CommError> {
+    let n = r.lseq;
+    let cp = g.size();
+    let me = g.index_of(comm.rank())?;
+    let q_pos = pass.positions();
+    let scale = 1.0 / (r.hd as f32).sqrt();
+    // D_i = dO_i · O_i per query row and head.
+    let mut dsum = vec![0.0f32; r.batch * r.heads * n];
+    for b in 0..r.batch {
+        for h in 0..r.heads {
+            for i in 0..n {
+                let oi = (b * n + i) * r.qw() + h * r.hd;
+                dsum[(b * r.heads + h) * n + i] = d_o[oi..oi + r.hd]
+                    .iter()
+                    .zip(&o[oi..oi + r.hd])
+                    .map(|(a, b)| a * b)
+                    .sum();
+            }
+        }
+    }
+    let mut dq = vec![0.0; q.len()];
+    let (mut kb, mut vb) = (k.to_vec(), v.to_vec());
+    let (mut dkb, mut dvb) = (vec![0.0; k.len()], vec![0.0; v.len()]);
+    let (mut s, mut dp) = (vec![0.0; n * n], vec![0.0; n * n]);
+    for step in 0..cp {
+        let src = (me + cp - step) % cp;
+        let k_pos: Vec<usize> = (0..n).map(|i| pass.position_of(src, i)).collect();
+        for b in 0..r.batch {
+            for h in 0..r.heads {
+                if !scores(&mut s, (q, &kb), (b, h), (&q_pos, &k_pos), r) {
+                    continue;
+                }
+                let base = (b * r.heads + h) * n;
+                for (i, row) in s.chunks_exact_mut(n).enumerate() {
+                    for x in row.iter_mut() {
+                        *x = (*x - lse[base + i]).exp();
+                    }
+                }
+                let kvh = h / (r.heads / r.kv_heads);
+                let (qo, ko) = (b * n * r.qw() + h * r.hd, b * n * r.kw() + kvh * r.hd);
+                // dV += Pᵀ dO; dP = dO Vᵀ
+                matmul(
+                    MatMut::strided(&mut dvb, ko, n, r.hd, r.kw(), 1),
+                    MatRef::new(&s, n, n).t(),
+                    MatRef::strided(d_o, qo, n, r.hd, r.qw(), 1),
+                    true,
+                    Threads::One,
+                );
+                matmul(
+                    MatMut::new(&mut dp, n, n),
+                    MatRef::strided(d_o, qo, n, r.hd, r.qw(), 1),
+                    MatRef::strided(&vb, ko, n, r.hd, r.kw(), 1).t(),
+                    false,
+                    Threads::One,
+                );
+                for (i, (drow, prow)) in dp.chunks_exact_mut(n).zip(s.chunks_exact(n)).enumerate() {
+                    for (d, p) in drow.iter_mut().zip(prow) {
+                        *d = p * (*d - dsum[base + i]) * scale;
+                    }
+                }
+                // dQ += dS K; dK += dSᵀ Q
+                matmul(
+                    MatMut::strided(&mut dq, qo, n, r.hd, r.qw(), 1),
+                    MatRef::new(&dp, n, n),
+                    MatRef::strided(&kb, ko, n, r.hd, r.kw(), 1),
+                    true,
+                    Threads::One,
+                );
+                matmul(
+                    MatMut::strided(&mut dkb, ko, n, r.hd, r.kw(), 1),
+                    MatRef::new(&dp, n, n).t(),
+                    MatRef::strided(q, qo, n, r.hd, r.qw(), 1),
+                    true,
+                    Threads::One,
+                );
+            }
+        }
+        // The block and its gradients move on; after cp moves each rank holds its own again.
+        rotate(comm, g, &mut [&mut kb, &mut vb, &mut dkb, &mut dvb])?;
+    }
+    Ok((dq, dkb, dvb))
+}
