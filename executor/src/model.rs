@@ -166,13 +166,6 @@ pub struct Part {
     pub ep: usize,
 }
 
-impl Part {
-    /// Tensor-parallel rank `t` of `tp`, no expert parallelism.
-    pub fn tp(t: usize, tp: usize) -> Part {
-        Part { t, tp, e: 0, ep: 1 }
-    }
-}
-
 impl Split {
     /// The dimension split, the number of parts and which part the rank at `at` holds.
     fn part(self, at: Part) -> Option<(usize, usize, usize)> {
