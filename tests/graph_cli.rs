@@ -230,6 +230,28 @@ fn run_trains_an_onnx_classifier_against_its_logits() {
     assert!(losses
         .iter()
         .all(|l| l.as_f64().unwrap().is_finite() && l.as_f64().unwrap() > 0.0));
+    // The plan a search writes for it names the file, so `run PLAN.json` trains the same graph.
+    let dir = std::env::temp_dir().join(format!("parallax-onnx-plan-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_string_lossy().into_owned();
+    json(&parallax(&[
+        "plan",
+        "--model",
+        &m,
+        "--cluster",
+        "cpu-local:gpus=2",
+        "--precision",
+        "fp32",
+        "--global-batch",
+        "8",
+        "--json",
+        "--out",
+        &d,
+    ]));
+    let plan = dir.join("plan.json").to_string_lossy().into_owned();
+    let doc = json(&parallax(&["run", &plan, "--steps", "2", "--json"]));
+    assert_eq!(doc["model"], "mlp");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Real data: the byte-level LSTM language model learns a text file, and the tiny ResNet an

@@ -392,8 +392,13 @@ fn plan_document(
     let pp = p.stages.max(1);
     Plan {
         schema: PLAN_SCHEMA.into(),
+        // A model read from a file is named by its path, so the plan re-loads it.
         model: ModelRef {
-            name: job.name.clone(),
+            name: if job.model.origin == "zoo" {
+                job.name.clone()
+            } else {
+                job.model.origin.clone()
+            },
         },
         cluster: ClusterRef {
             spec: cluster_spec.to_string(),
