@@ -328,6 +328,12 @@ impl GraphPrepared {
             .map(|c| c.view.end() as usize)
             .max()
             .unwrap_or(1);
+        if world > crate::engine::MAX_RANKS {
+            return Err(layout(format!(
+                "the plan spans {world} devices, beyond the executor's {} ranks",
+                crate::engine::MAX_RANKS
+            )));
+        }
         let mut mappings = Vec::with_capacity(nn);
         let mut ins_full = Vec::with_capacity(nn);
         let mut outs_full = Vec::with_capacity(nn);

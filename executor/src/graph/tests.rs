@@ -510,7 +510,11 @@ fn plans_the_executor_cannot_run_are_refused_with_the_op_named() {
     assert!(e.to_string().contains("op 'conv1'"), "{e}");
     plan = op_plan(&g, 1, |_| ParallelConfig::single(0));
     plan.configs.pop();
-    assert!(GraphPrepared::new(&GraphRunSpec::new(g, plan, 1)).is_err());
+    assert!(GraphPrepared::new(&GraphRunSpec::new(g.clone(), plan, 1)).is_err());
+    // A plan over more devices than the executor starts threads for.
+    let far = op_plan(&g, 1, |_| ParallelConfig::single(100_000));
+    let e = GraphPrepared::new(&GraphRunSpec::new(g, far, 1)).unwrap_err();
+    assert!(e.to_string().contains("100001 devices"), "{e}");
 }
 
 #[test]
