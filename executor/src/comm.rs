@@ -151,6 +151,24 @@ pub trait Collectives: Send + std::fmt::Debug {
     /// A fresh tag for the next collective on `group` (all members call collectives on a group
     /// in the same order, so they agree on it).
     fn next_tag(&mut self, group: &Group) -> u64;
+    /// [`Collectives::send`] of a buffer the caller gives up (a backend may hand it over
+    /// without a copy).
+    fn send_owned(&mut self, to: usize, tag: u64, data: Vec<f32>) -> Result<(), CommError> {
+        self.send(to, tag, &data)
+    }
+    /// [`Collectives::recv`] of `len` elements into a buffer of its own (a backend may hand
+    /// over the one it received without a copy).
+    fn recv_owned(
+        &mut self,
+        from: usize,
+        tag: u64,
+        len: usize,
+        what: &str,
+    ) -> Result<Vec<f32>, CommError> {
+        let mut out = vec![0.0; len];
+        self.recv(from, tag, &mut out, what)?;
+        Ok(out)
+    }
     /// Checks whether another rank has failed (cheap; called between passes).
     fn check_peers(&mut self) -> Result<(), CommError> {
         Ok(())
@@ -577,16 +595,7 @@ impl Collectives for ThreadComm {
     }
 
     fn send(&mut self, to: usize, tag: u64, data: &[f32]) -> Result<(), CommError> {
-        let tx = self
-            .peers
-            .get(to)
-            .ok_or(CommError::Disconnected { peer: to })?;
-        tx.send(Msg {
-            from: self.rank,
-            tag,
-            data: data.to_vec(),
-        })
-        .map_err(|_| CommError::Disconnected { peer: to })
+        self.send_owned(to, tag, data.to_vec())
     }
 
     fn recv(
@@ -596,6 +605,31 @@ impl Collectives for ThreadComm {
         out: &mut [f32],
         what: &str,
     ) -> Result<(), CommError> {
+        let data = self.recv_owned(from, tag, out.len(), what)?;
+        out.copy_from_slice(&data);
+        Ok(())
+    }
+
+    fn send_owned(&mut self, to: usize, tag: u64, data: Vec<f32>) -> Result<(), CommError> {
+        let tx = self
+            .peers
+            .get(to)
+            .ok_or(CommError::Disconnected { peer: to })?;
+        tx.send(Msg {
+            from: self.rank,
+            tag,
+            data,
+        })
+        .map_err(|_| CommError::Disconnected { peer: to })
+    }
+
+    fn recv_owned(
+        &mut self,
+        from: usize,
+        tag: u64,
+        len: usize,
+        what: &str,
+    ) -> Result<Vec<f32>, CommError> {
         let start = Instant::now();
         let result = loop {
             if let Some(q) = self.pending.get_mut(&(from, tag)) {
@@ -603,14 +637,13 @@ impl Collectives for ThreadComm {
                     if q.is_empty() {
                         self.pending.remove(&(from, tag));
                     }
-                    break if data.len() == out.len() {
-                        out.copy_from_slice(&data);
-                        Ok(())
+                    break if data.len() == len {
+                        Ok(data)
                     } else {
                         Err(CommError::Size {
                             what: "recv",
                             got: data.len(),
-                            expected: out.len(),
+                            expected: len,
                         })
                     };
                 }

@@ -1146,7 +1146,7 @@ impl<'a> Rank<'a> {
                     if to == self.me {
                         tape.local_fwd.insert((i, k), piece);
                     } else {
-                        self.comm.send(to, tag(TAG_FWD, i, k, mb), &piece)?;
+                        self.comm.send_owned(to, tag(TAG_FWD, i, k, mb), piece)?;
                     }
                 }
             }
@@ -1186,14 +1186,12 @@ impl<'a> Rank<'a> {
                             let piece = if from == self.me {
                                 tape.local_fwd.remove(&(i, k)).expect("local piece")
                             } else {
-                                let mut buf = vec![0.0; kernels::elems(inter)];
-                                self.comm.recv(
+                                self.comm.recv_owned(
                                     from,
                                     tag(TAG_FWD, i, k, mb),
-                                    &mut buf,
+                                    kernels::elems(inter),
                                     "forward resharding",
-                                )?;
-                                buf
+                                )?
                             };
                             if whole {
                                 data = piece;
@@ -1296,14 +1294,12 @@ impl<'a> Rank<'a> {
                         let piece = if from == self.me {
                             tape.local_bwd.remove(&(*c, *k)).expect("local gradient")
                         } else {
-                            let mut buf = vec![0.0; kernels::elems(inter)];
-                            self.comm.recv(
+                            self.comm.recv_owned(
                                 from,
                                 tag(TAG_BWD, *c, *k, mb),
-                                &mut buf,
+                                kernels::elems(inter),
                                 "backward resharding",
-                            )?;
-                            buf
+                            )?
                         };
                         add_piece(&mut dy, region, inter, &piece);
                     }
@@ -1338,7 +1334,7 @@ impl<'a> Rank<'a> {
                             if to == self.me {
                                 tape.local_bwd.insert((i, k), piece);
                             } else {
-                                self.comm.send(to, tag(TAG_BWD, i, k, mb), &piece)?;
+                                self.comm.send_owned(to, tag(TAG_BWD, i, k, mb), piece)?;
                             }
                         }
                     }
