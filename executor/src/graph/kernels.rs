@@ -680,8 +680,16 @@ fn softmax_inplace(y: &mut [f32], outer: usize, n: usize, inner: usize) {
     }
 }
 
+/// Row-major index in a tensor of dimensions `full` of the element at offsets `c` inside
+/// `region`.
+pub(crate) fn global_index(full: &[u64], region: &Region, c: &[usize]) -> u64 {
+    c.iter()
+        .enumerate()
+        .fold(0, |g, (i, ci)| g * full[i] + region[i].0 + *ci as u64)
+}
+
 /// splitmix64.
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -698,10 +706,7 @@ fn dropout_mask(ctx: &Ctx<'_>, rate_permille: u32, region: &Region) -> Vec<f32> 
     let mut out = Vec::with_capacity(total);
     let mut c = vec![0usize; d.len()];
     for _ in 0..total {
-        let mut g: u64 = 0;
-        for (i, ci) in c.iter().enumerate() {
-            g = g * full[i] + region[i].0 + *ci as u64;
-        }
+        let g = global_index(full, region, &c);
         let keep = mix(ctx.key ^ mix(g)) % 1000 >= u64::from(rate_permille);
         out.push(if keep { scale } else { 0.0 });
         for i in (0..d.len()).rev() {

@@ -37,7 +37,7 @@ use crate::engine::{AdamConfig, CheckpointHook, RankReport, Span, StepHook, Step
 use crate::error::ExecError;
 use crate::state::{ModelState, TensorState};
 use crate::{spawn_ranks, RunReport};
-use kernels::{Ctx, Reduce, Saved};
+use kernels::{mix, Ctx, Reduce, Saved};
 use parallax_cost::soap::{coordinate_axes, ParallelConfig, Region, TensorLayout};
 use parallax_ir::graph::{TensorId, TensorRole};
 use parallax_ir::{AxesMapping, Graph, OpKind, Shape};
@@ -820,13 +820,6 @@ fn feeds(
         .collect()
 }
 
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 /// A uniform number in [-1, 1) from a hash.
 fn unit(h: u64) -> f32 {
     ((h >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
@@ -898,10 +891,7 @@ fn feed_region(
                 } else {
                     0.0
                 };
-                let mut gi = 0u64;
-                for (i, ci) in c.iter().enumerate() {
-                    gi = gi * shape.0[i] + region[i].0 + *ci as u64;
-                }
+                let gi = kernels::global_index(&shape.0, region, &c);
                 signal + 0.5 * unit(mix(seed ^ mix(first.wrapping_add(0x1111) ^ mix(gi))))
             }
             (Feed::Classes { classes }, _) => class_of(seed, sample, classes) as f32,
@@ -909,10 +899,7 @@ fn feed_region(
             (Feed::NextTokens { vocab }, _) => token(seed, sample, at(1) + 1, vocab) as f32,
             (Feed::Zeros, _) => 0.0,
             (Feed::Noise, _) => {
-                let mut gi = 0u64;
-                for (i, ci) in c.iter().enumerate() {
-                    gi = gi * shape.0[i] + region[i].0 + *ci as u64;
-                }
+                let gi = kernels::global_index(&shape.0, region, &c);
                 unit(mix(seed ^ mix(first ^ mix(gi ^ 0x5eed))))
             }
         };
