@@ -1201,7 +1201,8 @@ impl Engine<'_> {
             Some(hc)
         } else {
             let to = self.neighbour(ch.vs + 1);
-            self.comm.send_owned(to, p2p_tag(TAG_ACT, ch.vs + 1, mb), x)?;
+            self.comm
+                .send_owned(to, p2p_tag(TAG_ACT, ch.vs + 1, mb), x)?;
             None
         };
         self.caches.insert(
@@ -1346,7 +1347,8 @@ impl Engine<'_> {
             embed_bwd(d, dwte, window, &cache.tokens, rows, &dx_rows);
         } else {
             let to = self.neighbour(ch.vs + nv - 1);
-            self.comm.send_owned(to, p2p_tag(TAG_GRAD, ch.vs - 1, mb), dx)?;
+            self.comm
+                .send_owned(to, p2p_tag(TAG_GRAD, ch.vs - 1, mb), dx)?;
         }
         if prep.zero >= 2 && !split {
             for u in ch.units() {
