@@ -9,7 +9,8 @@ use parallax_executor::graph::{
     with_training_loss, GraphData, GraphOptimizer, GraphRunSpec, ImageSet,
 };
 use parallax_executor::{
-    run as exec_run, state, Backend, DataSource, ModelState, RunReport, RunSpec, Span, StepStats,
+    run as exec_run, state, Backend, DataSource, ExecError, ModelState, RunReport, RunSpec, Span,
+    StepStats,
 };
 use parallax_hardware::{preset, Cluster, CPU_LOCAL};
 use parallax_ir::models::TransformerConfig;
@@ -477,9 +478,18 @@ fn prepare_save(
     Ok((SaveLock::take(dir, a.force)?, created))
 }
 
-/// Writes each checkpoint into `dir` with `about` in its header.
-fn checkpoint_hook(dir: PathBuf, about: Value) -> parallax_executor::engine::CheckpointHook {
-    Arc::new(move |st: &ModelState| state::save(&dir, st, about.clone()).map(|_| ()))
+/// With `--save DIR`: writes each checkpoint into `DIR` with `about` (what was run) and the
+/// seed and learning rate in its header.
+fn checkpoint_hook(
+    a: &Args,
+    mut about: Value,
+) -> Option<parallax_executor::engine::CheckpointHook> {
+    let dir = a.save.clone()?;
+    about["seed"] = json!(a.seed);
+    about["lr"] = json!(a.lr);
+    Some(Arc::new(move |st: &ModelState| {
+        state::save(&dir, st, about.clone()).map(|_| ())
+    }))
 }
 
 /// Prints a line per step (to stderr under `--json`); a reader that goes away (`| head -n 1`)
@@ -505,6 +515,59 @@ fn step_printer(quiet: bool, unit: &'static str) -> parallax_executor::engine::S
             printing.store(false, Ordering::Relaxed);
         }
     })
+}
+
+/// A finished run as the command reports it: on failure the save folder this run created
+/// is removed again (a folder made for checkpoints stays only if one was written into it),
+/// and the error becomes one line naming the flag at fault — `rest` names the model or plan
+/// for the errors that differ between the two trainers.
+fn settle(
+    a: &Args,
+    report: Result<RunReport, ExecError>,
+    (lock, created): (&mut Option<SaveLock>, &Option<PathBuf>),
+    rest: &dyn Fn(ExecError) -> anyhow::Error,
+) -> anyhow::Result<RunReport> {
+    if let (Err(_), Some(dir)) = (&report, created) {
+        drop(lock.take());
+        let _ = std::fs::remove_dir(dir);
+    }
+    report.map_err(|e| match e {
+        ExecError::Rank { .. }
+        | ExecError::Comm(_)
+        | ExecError::Diverged { .. }
+        | ExecError::Checkpoint { .. } => anyhow::Error::new(e),
+        ExecError::Resume(why) => user(format!(
+            "--resume {}: {why}",
+            a.resume
+                .as_deref()
+                .unwrap_or(std::path::Path::new(""))
+                .display()
+        )),
+        ExecError::Data(why) => match &a.data {
+            Some(path) => user(format!("--data {}: {why}", path.display())),
+            None => user(format!("data: {why}")),
+        },
+        other => rest(other),
+    })
+}
+
+/// Writes `--trace` and returns the median step time of the steps after the first (all of
+/// them when there is one), with those step times.
+fn write_trace_and_measure<'r>(
+    a: &Args,
+    report: &'r RunReport,
+) -> anyhow::Result<(f64, &'r [f64])> {
+    if let Some(path) = &a.trace {
+        let doc = chrome_trace(&report.spans);
+        std::fs::write(path, serde_json::to_string(&doc)?)
+            .map_err(|e| user(format!("--trace {}: cannot write: {e}", path.display())))?;
+    }
+    let times = if report.step_times.len() > 1 {
+        &report.step_times[1..]
+    } else {
+        &report.step_times[..]
+    };
+    Ok((median(times), times))
 }
 
 /// A run of a model that is not a transformer: its per-op job and the plan (`--plan` inline
@@ -604,18 +667,11 @@ fn run_general(a: &Args, job: GraphModel, plan_spec: &str, backend: Backend) -> 
     let mut spec = GraphRunSpec::new(graph, plan, a.steps);
     spec.trace = a.trace.is_some();
     spec.resume = resume;
-    if let Some(dir) = a.save.clone() {
-        let about = json!({
-            "model": job.name,
-            "plan": plan_spec,
-            "global_batch": job.global_batch,
-            "seq": job.seq,
-            "seed": a.seed,
-            "lr": a.lr,
-        });
-        spec.checkpoint_every = a.save_every;
-        spec.on_checkpoint = Some(checkpoint_hook(dir, about));
-    }
+    spec.checkpoint_every = a.save_every;
+    spec.on_checkpoint = checkpoint_hook(
+        a,
+        json!({"model": job.name, "plan": plan_spec, "global_batch": job.global_batch, "seq": job.seq}),
+    );
     spec.on_step = Some(step_printer(a.json, "samples/s"));
     spec.seed = a.seed;
     spec.optimizer = GraphOptimizer::Adam(parallax_executor::AdamConfig {
@@ -635,48 +691,22 @@ fn run_general(a: &Args, job: GraphModel, plan_spec: &str, backend: Backend) -> 
         };
     }
     let report = parallax_executor::run_graph(&spec, backend);
-    if let (Err(_), Some(dir)) = (&report, &created_save_dir) {
-        drop(save_lock.take());
-        let _ = std::fs::remove_dir(dir);
-    }
-    let report = report.map_err(|e| match e {
-        parallax_executor::ExecError::Rank { .. }
-        | parallax_executor::ExecError::Comm(_)
-        | parallax_executor::ExecError::Diverged { .. }
-        | parallax_executor::ExecError::Checkpoint { .. } => anyhow::Error::new(e),
-        parallax_executor::ExecError::Resume(why) => user(format!(
-            "--resume {}: {why}",
-            a.resume
-                .as_deref()
-                .unwrap_or(std::path::Path::new(""))
-                .display()
-        )),
-        parallax_executor::ExecError::Data(why) => user(format!(
-            "--data {}: {why}",
-            a.data
-                .as_deref()
-                .unwrap_or(std::path::Path::new(""))
-                .display()
-        )),
-        parallax_executor::ExecError::Model(why) | parallax_executor::ExecError::Layout(why) => {
-            user(format!("--plan {plan_spec}: {why}"))
-        }
-        other => user(other),
-    })?;
+    let report = settle(
+        a,
+        report,
+        (&mut save_lock, &created_save_dir),
+        &|e| match e {
+            ExecError::Model(why) | ExecError::Layout(why) => {
+                user(format!("--plan {plan_spec}: {why}"))
+            }
+            other => user(other),
+        },
+    )?;
+    // Under MPI every process runs this command; rank 0 speaks for the run.
     if report.rank != 0 {
         return Ok(());
     }
-    if let Some(path) = &a.trace {
-        let doc = chrome_trace(&report.spans);
-        std::fs::write(path, serde_json::to_string(&doc)?)
-            .map_err(|e| user(format!("--trace {}: cannot write: {e}", path.display())))?;
-    }
-    let times = if report.step_times.len() > 1 {
-        &report.step_times[1..]
-    } else {
-        &report.step_times[..]
-    };
-    let measured = median(times);
+    let (measured, times) = write_trace_and_measure(a, &report)?;
     let samples = job.global_batch as f64;
     if a.json {
         let (pred, peak, err) = match &predicted {
@@ -791,18 +821,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     spec.timeout = Duration::from_secs_f64(a.timeout);
     spec.resume = resume;
     spec.trace = a.trace.is_some();
-    if let Some(dir) = a.save.clone() {
-        let about = json!({
-            "model": job.model_name,
-            "layout": job.layout,
-            "global_batch": job.global_batch,
-            "seq": job.seq,
-            "seed": a.seed,
-            "lr": a.lr,
-        });
-        spec.checkpoint_every = a.save_every;
-        spec.on_checkpoint = Some(checkpoint_hook(dir, about));
-    }
+    spec.checkpoint_every = a.save_every;
+    spec.on_checkpoint = checkpoint_hook(
+        &a,
+        json!({"model": job.model_name, "layout": job.layout, "global_batch": job.global_batch, "seq": job.seq}),
+    );
     spec.on_step = Some(step_printer(a.json, "tokens/s"));
     // Host memory is what the executor itself will allocate, whatever stack is predicted.
     let own_prediction = predict(&job, given_cluster.as_ref(), backend, &own);
@@ -814,47 +837,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         None => own_prediction,
     };
     let report = exec_run(&spec, backend);
-    if let (Err(_), Some(dir)) = (&report, &created_save_dir) {
-        // The folder made for this run's checkpoints stays only if one was written into it.
-        drop(save_lock.take());
-        let _ = std::fs::remove_dir(dir);
-    }
-    let report = report.map_err(|e| match e {
-        parallax_executor::ExecError::Rank { .. }
-        | parallax_executor::ExecError::Comm(_)
-        | parallax_executor::ExecError::Diverged { .. }
-        | parallax_executor::ExecError::Checkpoint { .. } => anyhow::Error::new(e),
-        parallax_executor::ExecError::Resume(why) => user(format!(
-            "--resume {}: {why}",
-            a.resume
-                .as_deref()
-                .unwrap_or(std::path::Path::new(""))
-                .display()
-        )),
-        parallax_executor::ExecError::Data(why) => match &a.data {
-            Some(path) => user(format!("--data {}: {why}", path.display())),
-            None => user(format!("data: {why}")),
+    let report = settle(
+        &a,
+        report,
+        (&mut save_lock, &created_save_dir),
+        &|e| match e {
+            ExecError::Model(why) => user(format!("--model {}: {why}", job.model_name)),
+            other => user(other),
         },
-        parallax_executor::ExecError::Model(why) => {
-            user(format!("--model {}: {why}", job.model_name))
-        }
-        other => user(other),
-    })?;
+    )?;
     // Under MPI every process runs this command; rank 0 speaks for the run.
     if report.rank != 0 {
         return Ok(());
     }
-    if let Some(path) = &a.trace {
-        let doc = chrome_trace(&report.spans);
-        std::fs::write(path, serde_json::to_string(&doc)?)
-            .map_err(|e| user(format!("--trace {}: cannot write: {e}", path.display())))?;
-    }
-    let times = if report.step_times.len() > 1 {
-        &report.step_times[1..]
-    } else {
-        &report.step_times[..]
-    };
-    let measured = median(times);
+    let (measured, times) = write_trace_and_measure(&a, &report)?;
     let tokens = (job.global_batch * job.seq) as f64;
     if a.json {
         let (pred, pred_err, cluster, framework) = match &predicted {

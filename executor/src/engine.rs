@@ -192,6 +192,12 @@ impl RunSpec {
     }
 }
 
+/// Whether a run of `steps` steps that checkpoints every `every` steps (and after the last)
+/// writes one after step `i` (0-based).
+pub(crate) fn checkpoint_due(every: Option<u64>, i: u64, steps: u64) -> bool {
+    i + 1 == steps || every.is_some_and(|k| k > 0 && (i + 1) % k == 0)
+}
+
 /// A timed pass on one rank, for the measured trace.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Span {
@@ -896,11 +902,7 @@ impl Engine<'_> {
             }
             let done = i + 1 == self.spec.steps;
             let ck_due = self.spec.on_checkpoint.is_some()
-                && (done
-                    || self
-                        .spec
-                        .checkpoint_every
-                        .is_some_and(|k| k > 0 && (i + 1) % k == 0));
+                && checkpoint_due(self.spec.checkpoint_every, i, self.spec.steps);
             if ck_due || (done && self.spec.collect_state) {
                 let st = self.export(global_step + 1)?;
                 if let (Some(st), Some(h)) = (&st, &self.spec.on_checkpoint) {

@@ -793,52 +793,40 @@ fn block_fwd_inner(
     let mut n2 = vec![0.0; rows * h];
     let st2 = norm_fwd(&mut n2, &x2, &p[l.ln2_w.clone()], slice(p, &l.ln2_b), d.rms);
     let n2 = tp.enter_fwd(n2)?;
-    if let Some(ml) = &l.moe {
-        // Every tensor-parallel rank runs the whole mixture of experts on every row (experts
-        // replicated over them): its output needs no reduction, only this rank's rows.
-        let mut ep = Ep {
-            comm: &mut *tp.comm,
-            group: tp.ep,
-        };
-        let (m, ms) = moe_fwd(ml, p, pe, &n2, h, d.ffn, &mut ep)?;
-        let mut m = tp.own_rows(m)?;
-        add_into(&mut m, &x2);
-        let saved = (keep != Keep::Input).then(|| BlockSaved {
-            n1,
-            st1,
-            q,
-            k,
-            v,
-            probs,
-            lse,
-            o,
-            x2,
-            n2,
-            st2,
-            u: Vec::new(),
-            up: None,
-            act: None,
-            moe: Some(ms),
-        });
-        return Ok((m, saved));
-    }
-    let mut u = vec![0.0; tt * f];
-    mm(&mut u, &n2, &p[l.w_in.clone()], tt, h, f, false);
-    if let Some(b) = slice(p, &l.b_in) {
-        add_bias(&mut u, b);
-    }
-    let up = l.w_up.as_ref().map(|w| {
-        let mut y = vec![0.0; tt * f];
-        mm(&mut y, &n2, &p[w.clone()], tt, h, f, false);
-        y
-    });
-    let act = activation(&u, up.as_deref());
-    let mut m = vec![0.0; tt * h];
-    mm(&mut m, &act, &p[l.w_out.clone()], tt, f, h, false);
-    let mut m = tp.exit_fwd(m)?;
-    if let Some(b) = slice(p, &l.b_out) {
-        add_bias(&mut m, b);
-    }
+    // The MLP: its output, and (dense) its pre-activations and activation or (mixture of
+    // experts) what the experts' backward needs.
+    let (mut m, u, up, act, moe) = match &l.moe {
+        Some(ml) => {
+            // Every tensor-parallel rank runs the whole mixture on every row (experts
+            // replicated over them): its output needs no reduction, only this rank's rows.
+            let mut ep = Ep {
+                comm: &mut *tp.comm,
+                group: tp.ep,
+            };
+            let (m, ms) = moe_fwd(ml, p, pe, &n2, h, d.ffn, &mut ep)?;
+            (tp.own_rows(m)?, Vec::new(), None, None, Some(ms))
+        }
+        None => {
+            let mut u = vec![0.0; tt * f];
+            mm(&mut u, &n2, &p[l.w_in.clone()], tt, h, f, false);
+            if let Some(b) = slice(p, &l.b_in) {
+                add_bias(&mut u, b);
+            }
+            let up = l.w_up.as_ref().map(|w| {
+                let mut y = vec![0.0; tt * f];
+                mm(&mut y, &n2, &p[w.clone()], tt, h, f, false);
+                y
+            });
+            let act = activation(&u, up.as_deref());
+            let mut m = vec![0.0; tt * h];
+            mm(&mut m, &act, &p[l.w_out.clone()], tt, f, h, false);
+            let mut m = tp.exit_fwd(m)?;
+            if let Some(b) = slice(p, &l.b_out) {
+                add_bias(&mut m, b);
+            }
+            (m, u, up, Some(act), None)
+        }
+    };
     add_into(&mut m, &x2);
     let saved = (keep != Keep::Input).then(|| BlockSaved {
         n1,
@@ -854,8 +842,8 @@ fn block_fwd_inner(
         st2,
         u,
         up,
-        act: (keep == Keep::All).then_some(act),
-        moe: None,
+        act: act.filter(|_| keep == Keep::All),
+        moe,
     });
     Ok((m, saved))
 }

@@ -2,6 +2,12 @@
 //! initialisation and synthetic data. Chosen over a crate so that streams are fixed by this
 //! file alone: the same seed gives the same model and tokens on every backend and release.
 
+/// SplitMix64's output function of one state `z` (a stateless hash: the first draw of
+/// [`SplitMix64::new`]`(z)`), for values keyed by an index rather than drawn in order.
+pub fn mix(z: u64) -> u64 {
+    SplitMix64::new(z).next_u64()
+}
+
 /// SplitMix64: 64 bits of state, passes BigCrush, one add and three xor-shift-multiplies per draw.
 #[derive(Clone, Debug)]
 pub struct SplitMix64 {

@@ -294,6 +294,27 @@ fn graph_ranks(s: &GraphRunSpec) -> usize {
     GraphPrepared::new(s).map_or(0, |p| p.world())
 }
 
+/// The largest relative difference of `losses` from the `reference` run's (named `what`), or
+/// the first step beyond the tolerance.
+fn worst_loss(losses: &[f64], reference: &[f64], what: &str) -> Result<f64, String> {
+    if losses.len() != reference.len() {
+        return Err(format!(
+            "{} losses, expected {}",
+            losses.len(),
+            reference.len()
+        ));
+    }
+    let mut worst: f64 = 0.0;
+    for (i, (a, b)) in losses.iter().zip(reference).enumerate() {
+        let rel = (a - b).abs() / b.abs();
+        if rel.is_nan() || rel > TOL {
+            return Err(format!("step {i}: loss {a} vs {what} {b} (rel {rel:e})"));
+        }
+        worst = worst.max(rel);
+    }
+    Ok(worst)
+}
+
 /// Compares a finished MPI run of a graph (rank 0) with the single-device and the threads
 /// runs of the same spec.
 fn compare_graph(
@@ -303,16 +324,7 @@ fn compare_graph(
 ) -> Result<(f64, f64), String> {
     let one = run_graph_threads(&spec.single_device()).map_err(|e| e.to_string())?;
     let one_state = one.state.ok_or("the single-device run returned no state")?;
-    let mut worst_loss: f64 = 0.0;
-    for (i, (a, b)) in losses.iter().zip(&one.losses).enumerate() {
-        let rel = (a - b).abs() / b.abs();
-        if rel.is_nan() || rel > TOL {
-            return Err(format!(
-                "step {i}: loss {a} vs single-device {b} (rel {rel:e})"
-            ));
-        }
-        worst_loss = worst_loss.max(rel);
-    }
+    let worst_loss = worst_loss(losses, &one.losses, "single-device")?;
     // An attention key bias has an identically zero gradient: it starts at zero and moves by
     // rounding noise only, so it is checked to stay near zero rather than compared.
     let key_bias = |n: &str| n.ends_with("attn.k.bias");
@@ -363,23 +375,7 @@ fn compare(
 ) -> Result<(f64, f64), String> {
     let one = run_threads(&spec(model.clone(), Layout::default())).map_err(|e| e.to_string())?;
     let one_state = one.state.ok_or("the single-rank run returned no state")?;
-    if losses.len() != one.losses.len() {
-        return Err(format!(
-            "{} losses, expected {}",
-            losses.len(),
-            one.losses.len()
-        ));
-    }
-    let mut worst_loss: f64 = 0.0;
-    for (i, (a, b)) in losses.iter().zip(&one.losses).enumerate() {
-        let rel = (a - b).abs() / b.abs();
-        if rel.is_nan() || rel > TOL {
-            return Err(format!(
-                "step {i}: loss {a} vs single-rank {b} (rel {rel:e})"
-            ));
-        }
-        worst_loss = worst_loss.max(rel);
-    }
+    let worst_loss = worst_loss(losses, &one.losses, "single-rank")?;
     if one.losses[STEPS as usize - 1] >= one.losses[0] - 0.05 {
         return Err(format!("the loss does not fall: {:?}", one.losses));
     }

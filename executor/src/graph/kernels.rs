@@ -16,6 +16,7 @@
 
 use super::Local;
 use crate::comm::CommError;
+pub(crate) use crate::rng::mix;
 use crate::tensor::{gelu, gelu_grad, mm, mm_nt, mm_tn, sigmoid};
 use parallax_cost::soap::Region;
 use parallax_ir::op::{Activation, AttentionAttrs, Conv2dAttrs, PoolKind};
@@ -588,19 +589,10 @@ fn broadcast_index(out: &[usize], x: &[usize]) -> Vec<usize> {
         strides[off + i] = if x[i] == 1 && out[off + i] != 1 { 0 } else { s };
         s *= x[i];
     }
-    let total: usize = out.iter().product();
-    let mut idx = Vec::with_capacity(total);
-    let mut c = vec![0usize; r];
-    for _ in 0..total {
-        idx.push(c.iter().zip(&strides).map(|(a, b)| a * b).sum());
-        for d in (0..r).rev() {
-            c[d] += 1;
-            if c[d] < out[d] {
-                break;
-            }
-            c[d] = 0;
-        }
-    }
+    let mut idx = Vec::with_capacity(out.iter().product());
+    for_each_index(out, |c| {
+        idx.push(c.iter().zip(&strides).map(|(a, b)| a * b).sum())
+    });
     idx
 }
 
@@ -688,27 +680,28 @@ pub(crate) fn global_index(full: &[u64], region: &Region, c: &[usize]) -> u64 {
         .fold(0, |g, (i, ci)| g * full[i] + region[i].0 + *ci as u64)
 }
 
-/// splitmix64.
-pub(crate) fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 /// The dropout multipliers of `region` (0 or `1 / (1 − rate)`): a hash of the key and each
 /// element's global index, so every split of the tensor drops the same elements.
 fn dropout_mask(ctx: &Ctx<'_>, rate_permille: u32, region: &Region) -> Vec<f32> {
     let full = ctx.outs_full[0].dims();
     let scale = 1000.0 / (1000.0 - rate_permille.min(999) as f32);
     let d = dims(region);
-    let total: usize = d.iter().product();
-    let mut out = Vec::with_capacity(total);
-    let mut c = vec![0usize; d.len()];
-    for _ in 0..total {
-        let g = global_index(full, region, &c);
+    let mut out = Vec::with_capacity(d.iter().product());
+    for_each_index(&d, |c| {
+        let g = global_index(full, region, c);
         let keep = mix(ctx.key ^ mix(g)) % 1000 >= u64::from(rate_permille);
         out.push(if keep { scale } else { 0.0 });
+    });
+    out
+}
+
+/// Calls `f` with every index of a box of sizes `d`, row-major (once, with no index, for a
+/// scalar).
+pub(crate) fn for_each_index(d: &[usize], mut f: impl FnMut(&[usize])) {
+    let total: usize = d.iter().product();
+    let mut c = vec![0usize; d.len()];
+    for _ in 0..total {
+        f(&c);
         for i in (0..d.len()).rev() {
             c[i] += 1;
             if c[i] < d[i] {
@@ -717,7 +710,6 @@ fn dropout_mask(ctx: &Ctx<'_>, rate_permille: u32, region: &Region) -> Vec<f32> 
             c[i] = 0;
         }
     }
-    out
 }
 
 /// Mean cross-entropy's share of this device: `(Σ rows' losses / all labels, probabilities)`.
@@ -927,10 +919,9 @@ fn transpose(x: &[f32], in_dims: &[usize], perm: &[usize], inverse: bool) -> Vec
     for i in (0..r.saturating_sub(1)).rev() {
         in_strides[i] = in_strides[i + 1] * in_dims[i + 1];
     }
-    let total: usize = in_dims.iter().product();
-    let mut y = vec![0.0; total];
-    let mut c = vec![0usize; r];
-    for o in 0..total {
+    let mut y = vec![0.0; in_dims.iter().product()];
+    let mut o = 0;
+    for_each_index(&out_dims, |c| {
         let i: usize = c
             .iter()
             .enumerate()
@@ -942,14 +933,8 @@ fn transpose(x: &[f32], in_dims: &[usize], perm: &[usize], inverse: bool) -> Vec
         } else {
             y[o] = x[i];
         }
-        for k in (0..r).rev() {
-            c[k] += 1;
-            if c[k] < out_dims[k] {
-                break;
-            }
-            c[k] = 0;
-        }
-    }
+        o += 1;
+    });
     y
 }
 

@@ -850,12 +850,10 @@ fn feed_region(
     first: u64,
 ) -> Vec<f32> {
     let d = kernels::dims(region);
-    let total: usize = d.iter().product();
-    let mut out = Vec::with_capacity(total);
-    let mut c = vec![0usize; d.len()];
+    let mut out = Vec::with_capacity(d.iter().product());
     // (sample, class, direction) of the image being written.
     let mut cached = (u64::MAX, 0u64, 0.0f32, 0.0f32);
-    for _ in 0..total {
+    kernels::for_each_index(&d, |c| {
         let at = |i: usize| region[i].0 + c[i] as u64;
         let sample = first + if d.is_empty() { 0 } else { at(0) };
         let v = match (feed, data) {
@@ -891,7 +889,7 @@ fn feed_region(
                 } else {
                     0.0
                 };
-                let gi = kernels::global_index(&shape.0, region, &c);
+                let gi = kernels::global_index(&shape.0, region, c);
                 signal + 0.5 * unit(mix(seed ^ mix(first.wrapping_add(0x1111) ^ mix(gi))))
             }
             (Feed::Classes { classes }, _) => class_of(seed, sample, classes) as f32,
@@ -899,19 +897,12 @@ fn feed_region(
             (Feed::NextTokens { vocab }, _) => token(seed, sample, at(1) + 1, vocab) as f32,
             (Feed::Zeros, _) => 0.0,
             (Feed::Noise, _) => {
-                let gi = kernels::global_index(&shape.0, region, &c);
+                let gi = kernels::global_index(&shape.0, region, c);
                 unit(mix(seed ^ mix(first ^ mix(gi ^ 0x5eed))))
             }
         };
         out.push(v);
-        for i in (0..d.len()).rev() {
-            c[i] += 1;
-            if c[i] < d[i] {
-                break;
-            }
-            c[i] = 0;
-        }
-    }
+    });
     out
 }
 
@@ -922,10 +913,11 @@ fn init_weight(g: &Graph, node: usize, slot: usize, t: TensorId, seed: u64) -> V
     let tensor = g.tensor(t);
     let n = tensor.shape.elems() as usize;
     let op = &g.nodes[node].op;
-    let mut h = seed ^ 0x1417;
-    for b in tensor.name.bytes() {
-        h = mix(h ^ u64::from(b));
-    }
+    // A stream per weight name (its bytes folded in), so inits do not depend on node order.
+    let h = tensor
+        .name
+        .bytes()
+        .fold(seed ^ 0x1417, |h, b| mix(h ^ u64::from(b)));
     let uniform = |bound: f32| -> Vec<f32> {
         (0..n as u64)
             .map(|i| bound * unit(mix(h ^ mix(i))))
@@ -1629,10 +1621,7 @@ pub fn run_graph_rank(
         }
         let done = i + 1 == spec.steps;
         let ck_due = spec.on_checkpoint.is_some()
-            && (done
-                || spec
-                    .checkpoint_every
-                    .is_some_and(|k| k > 0 && (i + 1) % k == 0));
+            && crate::engine::checkpoint_due(spec.checkpoint_every, i, spec.steps);
         if ck_due || (done && spec.collect_state) {
             let st = rank.gather_state(step + 1)?;
             if let (Some(st), Some(h), true) = (&st, &spec.on_checkpoint, ck_due) {
