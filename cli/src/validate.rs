@@ -10,9 +10,11 @@ use std::path::PathBuf;
 /// Score predicted step time and memory against published runs.
 #[derive(Debug, ClapArgs)]
 pub struct Args {
-    /// A case file (`parallax-validation-cases/1`, `/1.1` or `/2`), e.g.
-    /// ../shared/ground-truth/public.json, moe-zero-offload.json or general.json.
-    cases: PathBuf,
+    /// Case files (`parallax-validation-cases/1`, `/1.1` or `/2`), e.g.
+    /// ../shared/ground-truth/public.json, moe-zero-offload.json or general.json; each is
+    /// scored on its own, and `--fit` fits every chip over the cases of all of them.
+    #[arg(required = true, num_args = 1..)]
+    cases: Vec<PathBuf>,
     /// Only cases of this group (e.g. `core`, `fp8`).
     #[arg(long)]
     group: Option<String>,
@@ -33,10 +35,44 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let file = a.cases.display().to_string();
+    let mut files = Vec::new();
+    for path in &a.cases {
+        let file = path.display().to_string();
+        let cases = load(&a, path, &file)?;
+        files.push((file, cases));
+    }
+    if a.fit {
+        let names: Vec<&str> = files.iter().map(|(f, _)| f.as_str()).collect();
+        let all: Vec<parallax_planner::Case> =
+            files.iter().flat_map(|(_, c)| c.iter().cloned()).collect();
+        return fit(&a, &names.join(" "), &all);
+    }
+    let mut docs = Vec::new();
+    for (i, (file, cases)) in files.iter().enumerate() {
+        if files.len() > 1 && !a.json {
+            println!("{}== {file}", if i > 0 { "\n" } else { "" });
+        }
+        docs.push(score(&a, file, cases)?);
+    }
+    if a.json {
+        let doc = match docs.len() {
+            1 => docs.remove(0),
+            _ => json!({ "files": docs }),
+        };
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    }
+    Ok(())
+}
+
+/// The cases of one file, filtered by `--group` and re-stacked by `--framework`.
+fn load(
+    a: &Args,
+    path: &std::path::Path,
+    file: &str,
+) -> anyhow::Result<Vec<parallax_planner::Case>> {
     let text =
-        std::fs::read_to_string(&a.cases).map_err(|e| user(format!("{file}: cannot read: {e}")))?;
-    let mut cf = parse_cases(&text, &file).map_err(user)?;
+        std::fs::read_to_string(path).map_err(|e| user(format!("{file}: cannot read: {e}")))?;
+    let mut cf = parse_cases(&text, file).map_err(user)?;
     if let Some(g) = &a.group {
         cf.cases.retain(|c| c.group() == g);
         if cf.cases.is_empty() {
@@ -49,10 +85,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             c.set_framework(spec);
         }
     }
-    if a.fit {
-        return fit(&a, &file, &cf.cases);
-    }
-    let (results, summary) = validate(&cf.cases);
+    Ok(cf.cases)
+}
+
+/// Scores the cases of one file: the table and summary, or (with `--json`) their document.
+fn score(
+    a: &Args,
+    file: &str,
+    cases: &[parallax_planner::Case],
+) -> anyhow::Result<serde_json::Value> {
+    let (results, summary) = validate(cases);
     if summary.n == 0 {
         let why = results.first().map(|r| r.status.as_str()).unwrap_or("");
         return Err(user(format!(
@@ -60,9 +102,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         )));
     }
     if a.json {
-        let doc = json!({ "cases": results, "summary": summary });
-        println!("{}", serde_json::to_string_pretty(&doc)?);
-        return Ok(());
+        return Ok(json!({ "file": file, "cases": results, "summary": summary }));
     }
     let pct = |x: Option<f64>| {
         x.map(|v| format!("{:.1}", v * 100.0))
@@ -135,7 +175,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         summary.max_ape * 100.0,
         summary.skipped
     );
-    Ok(())
+    Ok(serde_json::Value::Null)
 }
 
 fn fit(a: &Args, file: &str, cases: &[parallax_planner::Case]) -> anyhow::Result<()> {

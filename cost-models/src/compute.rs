@@ -175,7 +175,22 @@ impl<'a> DeviceModel<'a> {
 
     /// Time of one GEMM of `flops` FLOPs (launch included).
     pub fn gemm(&self, flops: f64) -> Seconds {
-        self.gemm_tiled(flops, 0.0, 1.0)
+        self.gemm_tiled(flops, 0.0, 1.0, 0.0)
+    }
+
+    /// Time of the epilogues of a tensor-core GEMM writing `out_bytes`: each output tile is
+    /// stored after its main loop, at memory bandwidth, with nothing to hide behind where
+    /// one thread block fills an SM (see [`DeviceSpec::gemm_epilogue_overlapped`]). This is
+    /// what makes a GEMM with a short reduction run below a square GEMM of the same FLOPs:
+    /// the store is `bytes · peak / (2 · K · bandwidth)` of the arithmetic, 16 % for
+    /// BERT-large's K = 1024 on an A100 and under 2 % for GPT-3's K = 12,288. SIMT kernels
+    /// (fp32, and every precision on a GPU without tensor cores) run two or more smaller
+    /// blocks per SM, which overlap one another's epilogues.
+    fn epilogue(&self, out_bytes: f64) -> Seconds {
+        if self.precision == Precision::Fp32 || self.dev.gemm_epilogue_hidden() {
+            return Seconds(0.0);
+        }
+        Seconds(out_bytes.max(0.0) / self.dev.effective_memory_bandwidth().0)
     }
 
     /// Time of a bandwidth-bound kernel moving `bytes` (launch included).
@@ -187,19 +202,29 @@ impl<'a> DeviceModel<'a> {
     }
 
     /// A GEMM of `flops` that moves `bytes` through device memory (its operands read and its
-    /// result written once) and whose output tiles are filled to `fill` (see [`tile_fill`]):
-    /// the slower of its arithmetic at the size's efficiency and its traffic at the
-    /// achievable bandwidth (the roofline; a 1×1 convolution over 64 channels or a
-    /// small-batch recurrent step is bound by memory on tensor cores, whose ridge point is
-    /// 100–300 FLOP per byte).
-    fn gemm_tiled(&self, flops: f64, bytes: f64, fill: f64) -> Seconds {
+    /// result written once), whose output tiles are filled to `fill` (see [`tile_fill`]) and
+    /// which writes `out_bytes`: the slower of its arithmetic at the size's efficiency and its
+    /// traffic at the achievable bandwidth (the roofline; a 1×1 convolution over 64 channels
+    /// or a small-batch recurrent step is bound by memory on tensor cores, whose ridge point
+    /// is 100–300 FLOP per byte), then its epilogue ([`DeviceModel::epilogue`]).
+    fn gemm_tiled(&self, flops: f64, bytes: f64, fill: f64, out_bytes: f64) -> Seconds {
         if flops <= 0.0 {
             return Seconds(0.0);
         }
         let eff = self.dev.matmul_efficiency_for(self.precision, flops) * self.dev.sustained();
         let arithmetic = flops / (self.gemm_peak * eff * fill);
         let traffic = bytes.max(0.0) / self.dev.effective_memory_bandwidth().0;
-        Seconds(arithmetic.max(traffic)) + self.overhead(1.0)
+        Seconds(arithmetic.max(traffic)) + self.epilogue(out_bytes) + self.overhead(1.0)
+    }
+
+    /// Bytes each pass of a GEMM-class op writes: the forward its outputs, the input gradient
+    /// one tensor like its first (activation) input, the weight gradient the rest of its
+    /// inputs (weights, bias; a matmul's second operand).
+    fn pass_outputs(ins: &[Shape], w: &Work, float_bytes: u64) -> [f64; 3] {
+        let bytes =
+            |s: &[Shape]| s.iter().map(|x| x.elems() as f64).sum::<f64>() * float_bytes as f64;
+        let (first, rest) = ins.split_at(ins.len().min(1));
+        [w.bytes_written.0 as f64, bytes(first), bytes(rest)]
     }
 
     /// A convolution as the three implicit GEMMs cuDNN runs (forward: batch·pixels × output
@@ -251,10 +276,13 @@ impl<'a> DeviceModel<'a> {
             }
             _ => Seconds(0.0),
         };
+        let outs = Self::pass_outputs(ins, w, float_bytes);
         OpTimes {
-            fwd: self.gemm_tiled(w.fwd_flops.0 / g, bytes, fills[0]) + transposes,
-            bwd_input: self.gemm_tiled(w.bwd_input_flops.0 / g, bytes, fills[1]) + transposes,
-            bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0 / g, bytes, fills[2]) + transposes,
+            fwd: self.gemm_tiled(w.fwd_flops.0 / g, bytes, fills[0], outs[0]) + transposes,
+            bwd_input: self.gemm_tiled(w.bwd_input_flops.0 / g, bytes, fills[1], outs[1])
+                + transposes,
+            bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0 / g, bytes, fills[2], outs[2])
+                + transposes,
         }
     }
 
@@ -313,11 +341,13 @@ impl<'a> DeviceModel<'a> {
             (ComputeClass::Gemm, OpKind::Conv2d(c)) => self.conv(op, c, ins, w, float_bytes),
             (ComputeClass::Gemm, _) => {
                 let bytes = w.traffic().0 as f64;
+                let outs = Self::pass_outputs(ins, w, float_bytes);
                 OpTimes {
-                    fwd: self.gemm_tiled(w.fwd_flops.0, bytes, 1.0) + self.overhead(k - 1.0),
-                    bwd_input: self.gemm_tiled(w.bwd_input_flops.0, bytes, 1.0)
+                    fwd: self.gemm_tiled(w.fwd_flops.0, bytes, 1.0, outs[0])
                         + self.overhead(k - 1.0),
-                    bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0, bytes, 1.0),
+                    bwd_input: self.gemm_tiled(w.bwd_input_flops.0, bytes, 1.0, outs[1])
+                        + self.overhead(k - 1.0),
+                    bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0, bytes, 1.0, outs[2]),
                 }
             }
             _ => {
@@ -481,6 +511,46 @@ mod tests {
         let t = m.op(&op, &ins, &w, 2);
         assert!((t.bwd_input.0 + t.bwd_weight.0) / t.fwd.0 > 1.99);
         assert!((t.bwd_input.0 + t.bwd_weight.0) / t.fwd.0 < 2.01);
+    }
+
+    /// A GEMM with a short reduction pays for storing its output after the main loop on a
+    /// tensor-core GPU that does not overlap epilogues: at the FLOPs of a GPT-3 GEMM
+    /// (K = 12,288) a BERT-large one (K = 1,024, twelve times the rows) runs about 16 % slower
+    /// on an A100 (2 bytes · 312 TFLOP/s / (2 · 1,024 · the achievable bandwidth)), and alike
+    /// on an H100 (persistent kernels) and in fp32 on the SIMT pipes.
+    #[test]
+    fn short_reduction_gemms_pay_their_epilogue_where_it_is_exposed() {
+        let op = OpKind::Linear(LinearAttrs {
+            out_features: 4096,
+            bias: false,
+        });
+        let fwd = |name: &str, precision: Precision, k: u64| {
+            let p = preset(name).unwrap();
+            let m = DeviceModel::new(&p, precision).unwrap();
+            let rows = 12 * 12288 * 1024 / k;
+            let ins = [Shape::new([rows, k]), Shape::new([k, 4096])];
+            let outs = [Shape::new([rows, 4096])];
+            let fb = precision.activation_dtype().size_bytes();
+            let w = op.work(&ins, &outs, &[false, true], fb);
+            let t = m.op(&op, &ins, &w, fb);
+            let out_bytes = (rows * 4096 * fb) as f64;
+            let store = out_bytes / p.device.effective_memory_bandwidth().0;
+            (t.fwd.0, store, t.bwd_weight.0)
+        };
+        let (short, store, _) = fwd("dgx-a100-80gb", Precision::Bf16, 1024);
+        let (long, long_store, _) = fwd("dgx-a100-80gb", Precision::Bf16, 12288);
+        assert!((short - long - (store - long_store)).abs() < 1e-3 * short);
+        let r = short / long;
+        assert!((1.10..1.25).contains(&r), "{r}");
+        for (name, precision) in [
+            ("dgx-h100-80gb", Precision::Bf16),
+            ("dgx-a100-80gb", Precision::Fp32),
+            ("dgx1-p100-16gb", Precision::Fp16),
+        ] {
+            let (short, ..) = fwd(name, precision, 1024);
+            let (long, ..) = fwd(name, precision, 12288);
+            assert!((short - long).abs() < 1e-3 * long, "{name} {precision:?}");
+        }
     }
 
     /// A decoder GEMM over a few rows reads its whole weight: it takes the time of that

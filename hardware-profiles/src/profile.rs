@@ -98,6 +98,16 @@ pub struct DeviceSpec {
     /// (Volta has none), so attention there runs as batched GEMMs and a softmax.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fused_attention: Option<bool>,
+    /// Whether tensor-core GEMMs hide the store of each output tile behind the main loop of
+    /// the next; absent means no. A GEMM kernel computes an output tile in a main loop over
+    /// the reduction dimension, then writes it in an epilogue (CUTLASS, "Efficient GEMM in
+    /// CUDA"). The large tensor-core tiles of Volta and Ampere kernels fill an SM with one
+    /// thread block, so the epilogue's stores wait for nothing to overlap; Hopper's persistent
+    /// warp-specialized kernels (CUTLASS 3 "ping-pong", cuBLAS 12 on sm_90) run one tile's
+    /// epilogue while another warp group runs the next tile's main loop. GPUs without tensor
+    /// cores run SIMT kernels only, several blocks per SM, which hide one another's epilogues.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm_epilogue_overlapped: Option<bool>,
 }
 
 /// Optional per-precision factors (used for [`DeviceSpec::matmul_efficiency_scale`]).
@@ -301,6 +311,11 @@ impl DeviceSpec {
     /// Whether fused attention kernels run on this device.
     pub fn has_fused_attention(&self) -> bool {
         self.fused_attention.unwrap_or(true)
+    }
+
+    /// Whether tensor-core GEMMs hide their epilogue ([`DeviceSpec::gemm_epilogue_overlapped`]).
+    pub fn gemm_epilogue_hidden(&self) -> bool {
+        self.gemm_epilogue_overlapped.unwrap_or(false)
     }
 
     /// [`DeviceSpec::sustained_efficiency`], 1 when not given.
