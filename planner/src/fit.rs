@@ -49,27 +49,9 @@ pub struct ChipFit {
     pub band: f64,
 }
 
-/// The fit's objective: the mean absolute percentage error with each case's error capped
-/// at [`ROBUST_CAP`]. A case the cost model misses by more than that lacks physics the model
-/// does not have yet (offload, multi-token prediction, a stack's overheads); it stays in the
-/// objective at the cap, but does not pull the chip's physical parameters toward itself.
-/// A skipped case counts as a miss at the cap, so the fit cannot win by making cases
-/// infeasible.
-fn objective(results: &[CaseResult]) -> f64 {
-    let n = results.len().max(1) as f64;
-    results
-        .iter()
-        .map(|r| r.ape.map_or(ROBUST_CAP, |e| e.min(ROBUST_CAP)))
-        .sum::<f64>()
-        / n
-}
-
-/// Error beyond which a case stops pulling the fit (see [`objective`]).
-pub const ROBUST_CAP: f64 = 0.25;
-
 fn mape(results: &[CaseResult]) -> f64 {
     let s = summarize(results);
-    // A skipped case counts as a 100 % miss.
+    // A skipped case counts as a 100 % miss, so the fit cannot win by making cases infeasible.
     (s.mape * s.n as f64 + s.skipped as f64) / (s.n + s.skipped).max(1) as f64
 }
 
@@ -154,7 +136,7 @@ pub fn fit(cases: &[Case]) -> Vec<ChipFit> {
         let fused = mine.iter().any(|c| c.fused_attention());
         // The error jumps where a layout choice flips, so it has local minima: a coarse grid
         // first, then line searches within one grid step of its best point.
-        let objective = |s: f64, a: Option<f64>| objective(&run(&mine, s, a));
+        let objective = |s: f64, a: Option<f64>| mape(&run(&mine, s, a));
         let sustained_grid = grid(SUSTAINED_RANGE);
         let attention_grid: Vec<Option<f64>> = if fused {
             grid(ATTENTION_RANGE).into_iter().map(Some).collect()

@@ -212,6 +212,8 @@ struct MicroGraph {
     edges: Vec<EdgeCost>,
     /// Per node: (sync bytes, group, time) of its weights.
     sync: Vec<Vec<(u64, parallax_cost::Group, Seconds)>>,
+    /// Reshard tasks with the producer and a consumer of the tensor they move.
+    reshards: Vec<(TaskId, usize, usize)>,
 }
 
 impl MicroGraph {
@@ -258,6 +260,7 @@ fn build_micro(
         bwd: vec![Vec::new(); n],
         edges: Vec::new(),
         sync: vec![Vec::new(); n],
+        reshards: Vec::new(),
     };
     let mut times = Vec::with_capacity(n);
     // Each (tensor, layout a consumer wants) is resharded once: its id, and its forward task
@@ -302,6 +305,7 @@ fn build_micro(
                                 Task::new("reshard", TaskKind::Comm(CommKind::Reshard), comm[*c])
                                     .with_index(i as u32);
                             let r = mg.add(task, f.time, &from);
+                            mg.reshards.push((r, pi, i));
                             shared_tasks.insert((shared, *c), r);
                             r
                         }
@@ -327,14 +331,14 @@ fn build_micro(
         let node_classes = &cls.of_node[i];
         let mut deps: Vec<Vec<TaskId>> = mg.fwd[i].iter().map(|f| vec![*f]).collect();
         // One gradient reshard per shared id, after every consumer that feeds it.
-        let mut grads: Vec<(usize, Seconds, Vec<TaskId>)> = Vec::new();
+        let mut grads: Vec<(usize, Seconds, Vec<TaskId>, usize)> = Vec::new();
         for &e in &by_producer[i] {
             let ec = mg.edges[e];
             let from = mg.bwd[ec.consumer].clone();
             if ec.bwd.0 > 0.0 {
                 match grads.iter_mut().find(|g| g.0 == ec.shared) {
                     Some(g) => g.2.extend(from),
-                    None => grads.push((ec.shared, ec.bwd, from)),
+                    None => grads.push((ec.shared, ec.bwd, from, ec.consumer)),
                 }
                 continue;
             }
@@ -342,11 +346,12 @@ fn build_micro(
                 deps[ci].extend(same_class_or_all(&cls.of_node[ec.consumer], &from, *c));
             }
         }
-        for (_, time, from) in grads {
+        for (_, time, from, consumer) in grads {
             for (ci, c) in node_classes.iter().enumerate() {
                 let task = Task::new("reshard grad", TaskKind::Comm(CommKind::Reshard), comm[*c])
                     .with_index(i as u32);
                 let r = mg.add(task, time, &from);
+                mg.reshards.push((r, i, consumer));
                 deps[ci].push(r);
             }
         }
@@ -650,33 +655,60 @@ fn pipeline_step(
 ) -> Result<Simulated, OpStepError> {
     let n = stage.len();
     let pp = stage.iter().max().map_or(1, |s| s + 1);
-    let span_of = |tasks: &[Vec<TaskId>], s: u32| -> f64 {
-        let mut lo = f64::INFINITY;
-        let mut hi: f64 = 0.0;
-        for (i, ts) in tasks.iter().enumerate() {
-            if stage[i] != s {
-                continue;
-            }
-            for t in ts {
-                let sp = micro.span(*t);
-                lo = lo.min(sp.start.0);
-                hi = hi.max(sp.end.0);
-            }
+    // A stage's time per micro-batch: the busiest of its device classes, its ops' kernels
+    // plus the resharding inside the stage, as if its inputs were there (what crosses from
+    // other stages is the boundary's transfer below). Not the span of its tasks in the
+    // one-micro-batch step: where a cut leaves a branch's input to arrive early, a stage
+    // starts before the previous one ends, and the span would count both.
+    let group = |t: &Task| mg.resources.get(t.resource).map_or(0, |r| r.group);
+    let mut busy: BTreeMap<(u32, u32, bool), f64> = BTreeMap::new();
+    for (sp, t) in micro.spans.iter().zip(mg.graph.tasks()) {
+        let backward = match t.kind {
+            TaskKind::Forward => false,
+            TaskKind::BackwardInput | TaskKind::BackwardWeight => true,
+            _ => continue,
+        };
+        *busy
+            .entry((stage[t.index as usize], group(t), backward))
+            .or_default() += sp.duration().0;
+    }
+    for &(task, producer, consumer) in &mg.reshards {
+        if stage[producer] != stage[consumer] {
+            continue;
         }
-        if lo.is_finite() {
-            hi - lo
-        } else {
-            0.0
-        }
+        let t = mg.graph.task(task);
+        let backward = t.label != "reshard";
+        *busy
+            .entry((stage[consumer], group(t), backward))
+            .or_default() += micro.span(task).duration().0;
+    }
+    let stage_time = |s: u32, backward: bool| -> Seconds {
+        Seconds(
+            busy.iter()
+                .filter(|((st, _, b), _)| *st == s && *b == backward)
+                .map(|(_, t)| *t)
+                .fold(0.0, f64::max),
+        )
     };
-    let forward: Vec<Seconds> = (0..pp).map(|s| Seconds(span_of(&mg.fwd, s))).collect();
-    let backward: Vec<Seconds> = (0..pp).map(|s| Seconds(span_of(&mg.bwd, s))).collect();
-    let p2p = mg
-        .edges
-        .iter()
-        .filter(|e| stage[e.producer] != stage[e.consumer])
-        .map(|e| e.fwd.0.max(e.bwd.0))
-        .fold(0.0, f64::max);
+    let forward: Vec<Seconds> = (0..pp).map(|s| stage_time(s, false)).collect();
+    let backward: Vec<Seconds> = (0..pp).map(|s| stage_time(s, true)).collect();
+    // The boundary into a stage carries every tensor the stage reads from earlier stages,
+    // once however many of its ops read it (a cut through a multi-branch cell sends each
+    // branch's input); a skip connection goes straight to the stage that reads it, as
+    // torchgpipe's `skippable` stash and pop do, so it loads that stage's boundary only.
+    let p2p_boundaries: Vec<Seconds> = (0..pp.saturating_sub(1))
+        .map(|b| {
+            let mut sent: BTreeMap<usize, f64> = BTreeMap::new();
+            for e in &mg.edges {
+                if stage[e.producer] <= b && stage[e.consumer] == b + 1 {
+                    let t = sent.entry(e.shared).or_default();
+                    *t = t.max(e.fwd.0.max(e.bwd.0));
+                }
+            }
+            Seconds(sent.values().sum())
+        })
+        .collect();
+    let p2p = p2p_boundaries.iter().map(|t| t.0).fold(0.0, f64::max);
     let kind = ScheduleKind::of(plan.schedule, pp);
     let schedule = PipelineSchedule::generate(kind, pp, m, 1)?;
     let pc = PipelineCosts {
@@ -684,6 +716,7 @@ fn pipeline_step(
         backward_input: backward,
         backward_weight: vec![Seconds(0.0); pp as usize],
         p2p: Seconds(p2p),
+        p2p_boundaries,
     };
     let mut pg = build_pipeline(&schedule, &pc)?;
     // Gradient sync and optimizer per stage, after its last backward.
@@ -719,6 +752,7 @@ fn pipeline_step(
     let mut comp = vec![0.0; pp as usize];
     let mut opt = vec![0.0; pp as usize];
     let mut last_compute = vec![0.0f64; pp as usize];
+    let mut sync_end = vec![0.0f64; pp as usize];
     for (sp, t) in trace.spans.iter().zip(pg.graph.tasks()) {
         let s = t.stage as usize;
         match t.kind {
@@ -727,6 +761,7 @@ fn pipeline_step(
                 last_compute[s] = last_compute[s].max(sp.end.0);
             }
             TaskKind::Optimizer => opt[s] += sp.duration().0,
+            TaskKind::Comm(CommKind::DpAllReduce) => sync_end[s] = sync_end[s].max(sp.end.0),
             _ => {}
         }
     }
@@ -734,7 +769,9 @@ fn pipeline_step(
         .max_by(|a, b| comp[*a].total_cmp(&comp[*b]))
         .unwrap_or(0);
     let step = trace.makespan.0;
-    let dp = (step - last_compute[s] - opt[s]).max(0.0);
+    // The busiest stage waits for its own gradient sync after its last backward; the rest of
+    // its idle time is waiting for other stages (the bubble).
+    let dp = (sync_end[s] - last_compute[s]).max(0.0);
     let bubble = (step - comp[s] - opt[s] - dp).max(0.0);
     let mut exposed = BTreeMap::new();
     exposed.insert("dp".to_string(), dp);

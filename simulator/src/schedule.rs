@@ -469,6 +469,10 @@ pub struct PipelineCosts {
     /// Time of one point-to-point transfer (activation or gradient) between two stages. Each
     /// transfer is a task on the link resource for its (source, destination) pair.
     pub p2p: Seconds,
+    /// Where boundaries differ (a per-op pipeline cuts the graph where tensors of different
+    /// sizes cross): entry `vs` is the transfer between virtual stages `vs` and `vs + 1`; empty
+    /// means `p2p` at every boundary.
+    pub p2p_boundaries: Vec<Seconds>,
 }
 
 impl PipelineCosts {
@@ -480,7 +484,16 @@ impl PipelineCosts {
             backward_input: vec![b; n],
             backward_weight: vec![w; n],
             p2p,
+            p2p_boundaries: Vec::new(),
         }
+    }
+
+    /// The transfer between virtual stages `vs` and `vs + 1`.
+    pub fn p2p_at(&self, vs: u32) -> Seconds {
+        self.p2p_boundaries
+            .get(vs as usize)
+            .copied()
+            .unwrap_or(self.p2p)
     }
 
     fn check(&self, n: usize) -> Result<(), ScheduleError> {
@@ -604,7 +617,7 @@ pub fn build_pipeline(
     costs: &PipelineCosts,
 ) -> Result<PipelineGraph, ScheduleError> {
     costs.check((schedule.pp * schedule.v) as usize)?;
-    build_pipeline_with(schedule, costs.p2p, |pg, ctx| {
+    build_pipeline_with(schedule, &|vs| costs.p2p_at(vs), |pg, ctx| {
         let vs = ctx.virtual_stage as usize;
         let (label, kind, cost) = match ctx.op {
             Op::F => ("F", TaskKind::Forward, costs.forward[vs]),
@@ -624,12 +637,12 @@ pub fn build_pipeline(
 /// the entry and exit task of the pass. The builder then adds: stream order (a `Schedule` edge
 /// from each op's exit to the next op's entry on the same stage), `F -> B` and `B -> W` of the
 /// same (virtual stage, micro-batch), and the cross-stage `F(vs) -> F(vs+1)` and
-/// `B(vs+1) -> B(vs)` through a p2p task of cost `p2p` on the link resource of the (source,
-/// destination) stage pair (a direct edge when both virtual stages are on one stage). A fused
-/// `BW` is expanded as `B` then `W`, and its gradient leaves after the `W` part.
+/// `B(vs+1) -> B(vs)` through a p2p task of cost `p2p(vs)` on the link resource of the
+/// (source, destination) stage pair (a direct edge when both virtual stages are on one stage).
+/// A fused `BW` is expanded as `B` then `W`, and its gradient leaves after the `W` part.
 pub fn build_pipeline_with<E, X>(
     schedule: &PipelineSchedule,
-    p2p: Seconds,
+    p2p: &dyn Fn(u32) -> Seconds,
     mut expand: X,
 ) -> Result<PipelineGraph, E>
 where
@@ -720,7 +733,8 @@ where
                        to: TaskId,
                        (src, dst): (u32, u32),
                        label: &'static str,
-                       (mb, chunk): (u32, u32)| {
+                       (mb, chunk): (u32, u32),
+                       cost: Seconds| {
         if src == dst {
             pg.graph.add_data(from, to);
             return;
@@ -733,7 +747,7 @@ where
             r
         });
         let task = Task::new(label, TaskKind::Comm(CommKind::PipelineP2p), link).at(src, mb, chunk);
-        let t = pg.add_task(task, p2p);
+        let t = pg.add_task(task, cost);
         pg.graph.add_data(from, t);
         pg.graph.add_data(t, to);
     };
@@ -756,6 +770,7 @@ where
                     (here, next),
                     "send act",
                     (mb, chunk(vs)),
+                    p2p(vs),
                 );
                 connect(
                     &mut pg,
@@ -764,6 +779,7 @@ where
                     (next, here),
                     "send grad",
                     (mb, chunk(vs + 1)),
+                    p2p(vs),
                 );
             }
         }
@@ -1154,7 +1170,7 @@ mod tests {
     #[test]
     fn expander_and_appended_dp_reduction() {
         let sched = PipelineSchedule::generate(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
-        let mut pg = build_pipeline_with::<ScheduleError, _>(&sched, S0, |pg, ctx| {
+        let mut pg = build_pipeline_with::<ScheduleError, _>(&sched, &|_| S0, |pg, ctx| {
             let at = |t: Task| t.at(ctx.stage, ctx.micro_batch, ctx.chunk);
             match ctx.op {
                 Op::F => {
@@ -1224,6 +1240,7 @@ mod tests {
             backward_input: vec![s(1.0), s(2.0)],
             backward_weight: vec![s(1.0), s(2.0)],
             p2p: S0,
+            p2p_boundaries: Vec::new(),
         };
         let (_, t) = simulate_schedule(ScheduleKind::OneFOneB, 2, 2, 1, &costs).unwrap();
         assert_eq!(t.makespan, s(15.0));

@@ -219,6 +219,7 @@ pub fn pass_costs(
         backward_input: vec![Seconds(0.0); nv],
         backward_weight: vec![Seconds(0.0); nv],
         p2p,
+        p2p_boundaries: Vec::new(),
     };
     for (vs, &nl) in layers.iter().enumerate() {
         let n = f64::from(nl);
