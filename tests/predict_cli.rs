@@ -113,3 +113,30 @@ fn validate_scores_the_held_out_runs() {
     assert!(s["mape"].as_f64().unwrap() <= 0.11, "{s}");
     assert!(s["max_ape"].as_f64().unwrap() <= 0.30, "{s}");
 }
+
+#[test]
+fn validate_scores_several_files_each_on_its_own() {
+    // Two files: one JSON document with a summary per file; `--group` keeps the files that
+    // have the group and is an error only when none has it.
+    let held_out = concat!(env!("CARGO_MANIFEST_DIR"), "/../validation/held-out.json");
+    let moe = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/ground-truth/moe-zero-offload.json"
+    );
+    let d = run(&["validate", held_out, moe, "--json"]);
+    let files = d["files"].as_array().unwrap();
+    assert_eq!(files.len(), 2);
+    assert_eq!(files[0]["file"], held_out);
+    assert_eq!(files[0]["summary"]["n"], 17);
+    assert!(files[1]["summary"]["n"].as_u64().unwrap() > 0);
+    let d = run(&["validate", held_out, moe, "--group", "moe", "--json"]);
+    assert_eq!(d["file"], moe, "only the MoE file has group moe");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_parallax"))
+        .args(["validate", held_out, moe, "--group", "no-such-group"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("no case has group 'no-such-group'"), "{err}");
+}

@@ -41,6 +41,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let cases = load(&a, path, &file)?;
         files.push((file, cases));
     }
+    // `--group` keeps the files that have the group; none having it is the error.
+    if let Some(g) = &a.group {
+        files.retain(|(_, cases)| !cases.is_empty());
+        if files.is_empty() {
+            let names: Vec<String> = a.cases.iter().map(|p| p.display().to_string()).collect();
+            return Err(user(format!(
+                "{}: no case has group '{g}'",
+                names.join(", ")
+            )));
+        }
+    }
     if a.fit {
         let names: Vec<&str> = files.iter().map(|(f, _)| f.as_str()).collect();
         let all: Vec<parallax_planner::Case> =
@@ -75,9 +86,6 @@ fn load(
     let mut cf = parse_cases(&text, file).map_err(user)?;
     if let Some(g) = &a.group {
         cf.cases.retain(|c| c.group() == g);
-        if cf.cases.is_empty() {
-            return Err(user(format!("{file}: no case has group '{g}'")));
-        }
     }
     if let Some(spec) = &a.framework {
         parallax_planner::Framework::parse(spec).map_err(|e| user(format!("--framework: {e}")))?;
