@@ -177,6 +177,7 @@ fn resolve(a: &Args) -> anyhow::Result<Job> {
         sequence_parallel: p.sequence_parallel.unwrap_or(false),
         schedule,
         interleave,
+        offload: p.offload.unwrap_or_default(),
         stages: Vec::new(),
     };
     Ok(Job {
@@ -774,6 +775,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return run_general(&a, job, &spec, backend);
     }
     let job = resolve(&a)?;
+    if job.layout.offload != parallax_ir::Offload::None {
+        // The executor keeps every state where it trains; offload is planned, simulated and
+        // exported (DeepSpeed), not run.
+        return Err(user(format!(
+            "offload {}: the executor keeps parameters and optimizer states on its devices; plan or export this layout, or run it without offload",
+            job.layout.offload
+        )));
+    }
     let own = Framework::parse("parallax").map_err(user)?;
     let stack = match &a.framework {
         Some(s) => Some(Framework::parse(s).map_err(|e| user(format!("--framework: {e}")))?),

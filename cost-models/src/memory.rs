@@ -19,6 +19,16 @@ pub const FP32_OPTIMIZER_BYTES: f64 = 8.0;
 /// gradient-norm read for clipping (4).
 pub const ADAM_BYTES_PER_PARAM: f64 = 34.0;
 
+/// Host-memory traffic of one parameter's offloaded Adam step on the CPU (DeepSpeed's
+/// `DeepSpeedCPUAdam`, ZeRO-Offload §5): read the fp32 weight, gradient, momentum and variance
+/// (16 bytes), write the three states back (12) and the 16-bit copy sent to the device (2).
+pub const HOST_ADAM_BYTES_PER_PARAM: f64 = 30.0;
+
+/// Fraction of a two-socket server's DRAM peak a streaming kernel sustains: STREAM triad on
+/// Skylake-SP, Ice Lake and Rome/Milan servers reaches 70–80 % of channels × rate × 8 bytes
+/// (McCalpin, STREAM results; vendors' STREAM disclosures).
+pub const HOST_STREAM_EFFICIENCY: f64 = 0.75;
+
 /// Memory the caching allocator holds beyond live tensors (fragmentation and rounding of
 /// blocks), as a fraction of live bytes. PyTorch's `max_memory_reserved` typically runs 5–10 %
 /// above `max_memory_allocated` in large-model training (PyTorch CUDA caching allocator notes).

@@ -352,6 +352,15 @@ pub fn check_layout(s: &Setup, l: &Layout) -> Result<(), Infeasible> {
             l.tp
         ));
     }
+    if l.offload != parallax_ir::Offload::None {
+        let node = &s.profile.node;
+        if node.host_link_bandwidth().is_none() || node.host_memory_bandwidth().is_none() {
+            return Err(Infeasible::Unsupported(format!(
+                "offload {}: the profile gives no host link or host memory bandwidth (node.pcie_host_gbps, node.host_memory_gbps)",
+                l.offload
+            )));
+        }
+    }
     if let Some(moe) = m.moe {
         if moe.experts % u64::from(l.ep) != 0 {
             return ind(format!("ep {} must divide {} experts", l.ep, moe.experts));

@@ -198,6 +198,14 @@ pub struct NodeSpec {
     /// the devices are host cores.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pcie_host_gbps: Option<f64>,
+    /// DRAM bandwidth of the node's host CPUs, GB/s, all sockets (channels × transfer rate ×
+    /// 8 bytes): what an offloaded optimizer step streams its states through. Absent: offload
+    /// cannot be priced on this profile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_memory_gbps: Option<f64>,
+    /// Host memory of the node, GiB: where offloaded states must fit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_memory_gib: Option<f64>,
 }
 
 /// The inter-node network.
@@ -341,6 +349,10 @@ impl NodeSpec {
     /// Per-device host link, if any.
     pub fn host_link_bandwidth(&self) -> Option<BytesPerSec> {
         self.pcie_host_gbps.map(BytesPerSec::from_gbps_bytes)
+    }
+    /// DRAM bandwidth of the node's host, if given.
+    pub fn host_memory_bandwidth(&self) -> Option<BytesPerSec> {
+        self.host_memory_gbps.map(BytesPerSec::from_gbps_bytes)
     }
 }
 
@@ -571,6 +583,12 @@ impl ClusterProfile {
         }
         pos("node.intra_gbps", n.intra_gbps)?;
         non_neg("node.intra_latency_us", n.intra_latency_us)?;
+        if let Some(h) = n.host_memory_gbps {
+            pos("node.host_memory_gbps", h)?;
+        }
+        if let Some(h) = n.host_memory_gib {
+            pos("node.host_memory_gib", h)?;
+        }
         if let Some(h) = n.pcie_host_gbps {
             pos("node.pcie_host_gbps", h)?;
         }

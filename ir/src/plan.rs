@@ -113,6 +113,75 @@ impl FromStr for Recompute {
     }
 }
 
+/// What lives in host memory rather than on the device (ZeRO-Offload, ZeRO-Infinity, FSDP CPU
+/// offload).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Offload {
+    /// Everything on the device.
+    #[default]
+    None,
+    /// Optimizer states and fp32 master weights on the host, the optimizer step on its CPUs
+    /// (ZeRO-Offload, Ren et al. 2021: gradients go down, updated 16-bit weights come back).
+    Optimizer,
+    /// Optimizer offload plus the 16-bit parameters themselves, fetched layer by layer for
+    /// forward and backward (ZeRO-Infinity's `offload_param`, FSDP `CPUOffload(params)`);
+    /// needs ZeRO-3.
+    Params,
+}
+
+impl Offload {
+    /// All settings, none first.
+    pub const ALL: [Offload; 3] = [Offload::None, Offload::Optimizer, Offload::Params];
+
+    /// Why this offload cannot go with ZeRO stage `zero`, if it cannot: ZeRO-Offload
+    /// partitions what it offloads (stage 1 or more), and parameters are fetched like ZeRO-3's
+    /// gathers.
+    pub fn conflict(self, zero: u8) -> Option<String> {
+        match self {
+            Offload::Optimizer if zero == 0 => {
+                Some("offload optimizer needs zero 1, 2 or 3 (ZeRO-Offload partitions what it offloads)".into())
+            }
+            Offload::Params if zero != 3 => Some(format!(
+                "offload params needs zero 3 (parameters are fetched like ZeRO-3's gathers), not zero {zero}"
+            )),
+            _ => None,
+        }
+    }
+
+    /// Name as written in plans and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Offload::None => "none",
+            Offload::Optimizer => "optimizer",
+            Offload::Params => "params",
+        }
+    }
+
+    fn is_none(&self) -> bool {
+        *self == Offload::None
+    }
+}
+
+impl fmt::Display for Offload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Offload {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.to_ascii_lowercase();
+        Offload::ALL
+            .into_iter()
+            .find(|x| x.name() == s || (s == "cpu" && *x == Offload::Optimizer))
+            .ok_or_else(|| format!("unknown offload '{s}' (expected none, optimizer or params)"))
+    }
+}
+
 /// Layers held by one pipeline stage (per virtual chunk when interleaved, in order).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -148,6 +217,9 @@ pub struct Layout {
     pub schedule: Schedule,
     /// Virtual stages per device (interleaved 1F1B); 1 otherwise.
     pub interleave: u32,
+    /// Model states kept in host memory (absent in a plan file: none).
+    #[serde(default, skip_serializing_if = "Offload::is_none")]
+    pub offload: Offload,
     /// Stage → layer ranges; `pp × interleave` entries in pipeline order, or empty for an even
     /// split chosen by the tool.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -168,6 +240,7 @@ impl Default for Layout {
             sequence_parallel: false,
             schedule: Schedule::None,
             interleave: 1,
+            offload: Offload::None,
             stages: Vec::new(),
         }
     }
@@ -438,6 +511,7 @@ pub struct PartialLayout {
     pub sequence_parallel: Option<bool>,
     pub schedule: Option<Schedule>,
     pub interleave: Option<u32>,
+    pub offload: Option<Offload>,
 }
 
 impl PartialLayout {
@@ -508,9 +582,10 @@ impl PartialLayout {
                     })
                 }
                 "schedule" => p.schedule = Some(v.parse()?),
+                "offload" => p.offload = Some(v.parse()?),
                 _ => {
                     return Err(format!(
-                        "unknown key '{k}' (expected dp, tp, pp, cp, ep, zero, mb, recompute, sp, schedule, v)"
+                        "unknown key '{k}' (expected dp, tp, pp, cp, ep, zero, mb, recompute, sp, schedule, v, offload)"
                     ))
                 }
             }
@@ -648,5 +723,38 @@ mod tests {
         ] {
             assert!(PartialLayout::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn offload_parses_round_trips_and_names_its_zero_stage() {
+        let p = PartialLayout::parse("dp=4,zero=2,offload=optimizer").unwrap();
+        assert_eq!(p.offload, Some(Offload::Optimizer));
+        assert_eq!(
+            PartialLayout::parse("offload=cpu").unwrap().offload,
+            Some(Offload::Optimizer)
+        );
+        let e = PartialLayout::parse("offload=disk").unwrap_err();
+        assert!(e.contains("unknown offload 'disk'"), "{e}");
+        // Absent in a plan file is none; none is not written.
+        let mut pl = plan();
+        assert!(!pl.to_json().contains("offload"));
+        pl.layout.zero_stage = 3;
+        pl.layout.offload = Offload::Params;
+        let text = pl.to_json();
+        assert!(text.contains("\"offload\": \"params\""), "{text}");
+        assert_eq!(
+            Plan::from_json(&text, "p.json").unwrap().layout.offload,
+            Offload::Params
+        );
+        assert!(Offload::Optimizer
+            .conflict(0)
+            .unwrap()
+            .contains("zero 1, 2 or 3"));
+        assert!(Offload::Optimizer.conflict(1).is_none());
+        assert!(Offload::Params
+            .conflict(2)
+            .unwrap()
+            .contains("needs zero 3"));
+        assert!(Offload::Params.conflict(3).is_none() && Offload::None.conflict(0).is_none());
     }
 }

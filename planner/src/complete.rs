@@ -114,6 +114,9 @@ pub fn layout_string(l: &Layout) -> String {
     if l.interleave > 1 {
         s.push_str(&format!(",v={}", l.interleave));
     }
+    if l.offload != parallax_ir::Offload::None {
+        s.push_str(&format!(",offload={}", l.offload));
+    }
     s
 }
 

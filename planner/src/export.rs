@@ -8,7 +8,7 @@
 use crate::search::Space;
 use parallax_cost::transformer::{Runtime, SelectivePolicy};
 use parallax_ir::models::{Mlp, Norm, Position, TransformerConfig};
-use parallax_ir::{Layout, Plan, Precision, Recompute, Schedule};
+use parallax_ir::{Layout, Offload, Plan, Precision, Recompute, Schedule};
 use serde_json::json;
 use std::fmt;
 use std::str::FromStr;
@@ -81,6 +81,7 @@ impl Engine {
                 // counts it), so ZeRO-2 is not a Megatron layout.
                 zero_stages: vec![0, 1, 3],
                 uneven_stages: false,
+                offload: Vec::new(),
                 ..Space::default()
             },
             Engine::DeepSpeed => Space {
@@ -97,6 +98,7 @@ impl Engine {
                     Schedule::Interleaved1F1B,
                 ],
                 zero_stages: vec![0, 2, 3],
+                offload: Vec::new(),
                 ..Space::default()
             },
         }
@@ -165,6 +167,9 @@ impl Engine {
         }
         if !space.zero_stages.contains(&l.zero_stage) {
             return Some(format!("{name} has no ZeRO-{}", l.zero_stage));
+        }
+        if l.offload != Offload::None && !space.offload.contains(&l.offload) {
+            return Some(format!("{name} export has no {} offload", l.offload));
         }
         let chunks = l.pp * l.interleave.max(1);
         if !space.uneven_stages && layers % chunks != 0 {
@@ -460,6 +465,21 @@ fn gpus_per_node_hint(plan: &Plan) -> u32 {
         .map_or(plan.layout.tp.max(8), |c| c.profile.node.gpus_per_node)
 }
 
+/// DeepSpeed's `zero_optimization` block: the stage, and what goes to host memory
+/// (`offload_optimizer` — ZeRO-Offload, with DeepSpeed's CPU Adam — and `offload_param` —
+/// ZeRO-Infinity, stage 3 only), pinned for the transfers.
+fn zero_optimization(l: &Layout) -> serde_json::Value {
+    let cpu = json!({ "device": "cpu", "pin_memory": true });
+    let mut z = json!({ "stage": l.zero_stage });
+    if l.offload != Offload::None {
+        z["offload_optimizer"] = cpu.clone();
+    }
+    if l.offload == Offload::Params {
+        z["offload_param"] = cpu;
+    }
+    z
+}
+
 /// A DeepSpeed `ds_config.json`.
 fn deepspeed(plan: &Plan) -> String {
     let l = &plan.layout;
@@ -468,7 +488,7 @@ fn deepspeed(plan: &Plan) -> String {
         "train_batch_size": t.global_batch,
         "train_micro_batch_size_per_gpu": l.micro_batch,
         "gradient_accumulation_steps": accumulation(plan),
-        "zero_optimization": { "stage": l.zero_stage },
+        "zero_optimization": zero_optimization(l),
         "bf16": { "enabled": matches!(t.precision, Precision::Bf16 | Precision::Fp8) },
         "fp16": { "enabled": t.precision == Precision::Fp16 },
         "gradient_clipping": 1.0,
@@ -871,12 +891,45 @@ mod tests {
             .to_string()
             .contains("ZeRO-2"));
         let tied = model("gpt3-1.3b");
-        assert!(
-            export(Engine::Megatron, &plan(fsdp, Precision::Bf16), &tied)
-                .unwrap_err()
-                .to_string()
-                .contains("untied embeddings")
-        );
+        assert!(export(
+            Engine::Megatron,
+            &plan(fsdp.clone(), Precision::Bf16),
+            &tied
+        )
+        .unwrap_err()
+        .to_string()
+        .contains("untied embeddings"));
+        // Offload is DeepSpeed's: ZeRO-Offload's `offload_optimizer`, ZeRO-Infinity's
+        // `offload_param` beside it; Megatron and torchtitan exports refuse it by name.
+        let offload = |o: Offload, zero: u8| Layout {
+            zero_stage: zero,
+            offload: o,
+            ..fsdp.clone()
+        };
+        let ds = |l: Layout| -> serde_json::Value {
+            serde_json::from_str(&export(Engine::DeepSpeed, &plan(l, Precision::Bf16), &m).unwrap())
+                .unwrap()
+        };
+        let z = &ds(offload(Offload::Optimizer, 2))["zero_optimization"];
+        assert_eq!(z["stage"], 2);
+        assert_eq!(z["offload_optimizer"]["device"], "cpu");
+        assert!(z.get("offload_param").is_none(), "{z}");
+        let z = &ds(offload(Offload::Params, 3))["zero_optimization"];
+        assert_eq!(z["offload_param"]["device"], "cpu");
+        assert_eq!(z["offload_optimizer"]["device"], "cpu");
+        assert!(ds(fsdp.clone())["zero_optimization"]
+            .get("offload_optimizer")
+            .is_none());
+        for e in [Engine::Megatron, Engine::Torchtitan] {
+            let err = export(
+                e,
+                &plan(offload(Offload::Optimizer, 3), Precision::Bf16),
+                &m,
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("no optimizer offload"), "{err}");
+        }
     }
 
     #[test]

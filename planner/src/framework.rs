@@ -13,7 +13,7 @@
 use crate::export::Engine;
 use crate::search::Space;
 use parallax_cost::transformer::Runtime;
-use parallax_ir::{Recompute, Schedule};
+use parallax_ir::{Offload, Recompute, Schedule};
 use std::fmt::Write as _;
 use thiserror::Error;
 
@@ -150,6 +150,7 @@ fn space(schedules: &[Schedule], zero: &[u8], recompute: &[Recompute]) -> Space 
         schedules: schedules.to_vec(),
         zero_stages: zero.to_vec(),
         recompute: recompute.to_vec(),
+        offload: Vec::new(),
         ..Space::default()
     }
 }
@@ -517,7 +518,11 @@ fn deepspeed_2020() -> Parts {
             zero3_gathers_per_layer: DEEPSPEED_SUBMODULES_PER_LAYER,
             ..megatron_loss(pre_flash(false, false))
         },
-        space: megatron_space(&ONE_F_ONE_B, &[0, 1, 2, 3], &NO_OR_FULL, false),
+        // ZeRO-Offload shipped in DeepSpeed 0.3 (September 2020): optimizer states only.
+        space: Space {
+            offload: vec![Offload::Optimizer],
+            ..megatron_space(&ONE_F_ONE_B, &[0, 1, 2, 3], &NO_OR_FULL, false)
+        },
     }
 }
 
@@ -527,7 +532,11 @@ fn deepspeed_zero3_2021() -> Parts {
             zero3_gathers_per_layer: DEEPSPEED_SUBMODULES_PER_LAYER,
             ..megatron_loss(pre_flash(true, false))
         },
-        space: data_parallel_only(space(&NO_PIPELINE, &[3], &NO_OR_FULL)),
+        // ZeRO-Infinity (DeepSpeed 0.3.15, April 2021): optimizer and parameters to the host.
+        space: Space {
+            offload: vec![Offload::Optimizer, Offload::Params],
+            ..data_parallel_only(space(&NO_PIPELINE, &[3], &NO_OR_FULL))
+        },
     }
 }
 
@@ -548,8 +557,11 @@ fn pytorch_fsdp() -> Parts {
             tp_comm_overlap: false,
             ..Runtime::default()
         },
+        // `CPUOffload(offload_params=True)` moves parameters, gradients and the optimizer step
+        // to the host together.
         space: data_parallel_only(Space {
             schedules: NO_PIPELINE.to_vec(),
+            offload: vec![Offload::Params],
             ..Space::default()
         }),
     }
@@ -570,6 +582,7 @@ fn pytorch_dataparallel() -> Parts {
 /// Trainer on them, torchgpipe's single-process GPipe).
 fn pytorch_1x_space() -> Space {
     Space {
+        offload: Vec::new(),
         sequence_parallel: false,
         ..space(&[Schedule::GPipe], &[0], &Recompute::ALL)
     }
@@ -599,7 +612,11 @@ fn parallax_executor() -> Parts {
             tp_comm_overlap: false,
             ..Runtime::default()
         },
-        space: Space::default(),
+        // The executor keeps every state on its devices.
+        space: Space {
+            offload: Vec::new(),
+            ..Space::default()
+        },
     }
 }
 

@@ -18,7 +18,7 @@ use parallax_cost::compute::DeviceModel;
 use parallax_cost::transformer::{
     model_flops_per_step, transformer_costs, Infeasible, Setup, TransformerCosts,
 };
-use parallax_ir::{Layout, PartialLayout, Recompute, Schedule, StageRange};
+use parallax_ir::{Layout, Offload, PartialLayout, Recompute, Schedule, StageRange};
 use parallax_sim::{simulate_priced, stage_layers, ScheduleKind, StepError, StepPrediction};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -95,6 +95,9 @@ pub struct Space {
     /// Tensor, context and expert parallelism may be chosen (data-parallel-only stacks such
     /// as `torch.nn.DataParallel` or plain FSDP have none).
     pub model_parallel: bool,
+    /// What may be offloaded to host memory, tried in this order when nothing fits without
+    /// it (offload is slower wherever the states fit on the device).
+    pub offload: Vec<Offload>,
 }
 
 impl Default for Space {
@@ -109,14 +112,23 @@ impl Default for Space {
             uneven_stages: true,
             sequence_parallel: true,
             model_parallel: true,
+            offload: vec![Offload::Optimizer, Offload::Params],
         }
     }
 }
 
 /// ZeRO stages a completion with `dp` data-parallel ranks may take.
 pub(crate) fn zero_options(fixed: &PartialLayout, space: &Space, dp: u32) -> Vec<u8> {
+    let offload = fixed.offload.unwrap_or_default();
     match fixed.zero_stage {
         Some(z) => vec![z],
+        // Offload runs on one device too: the stages it works with.
+        None if offload != Offload::None => space
+            .zero_stages
+            .iter()
+            .copied()
+            .filter(|z| offload.conflict(*z).is_none())
+            .collect(),
         None if dp > 1 => space.zero_stages.clone(),
         None => vec![0],
     }
@@ -534,15 +546,42 @@ pub fn search_with_progress(
     opts: &SearchOptions,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<SearchResult, SearchError> {
-    match run(setup, opts, progress, true)? {
-        Some(r) => Ok(r),
-        None => {
-            let mut r = run(setup, opts, progress, false)?
-                .expect("pipeline-only bounds are never violated");
-            r.bounds_fell_back = true;
-            Ok(r)
+    // Offload is tried when memory binds: first everything on the device, then each offload
+    // the stack has, until a layout fits.
+    let tries: Vec<Option<Offload>> = match opts.force.offload {
+        Some(o) => vec![Some(o)],
+        None => std::iter::once(Some(Offload::None))
+            .chain(opts.space.offload.iter().map(|o| Some(*o)))
+            .collect(),
+    };
+    let mut first_error = None;
+    for o in tries {
+        let o_opts = SearchOptions {
+            force: PartialLayout {
+                offload: o,
+                ..opts.force.clone()
+            },
+            ..opts.clone()
+        };
+        let r = match run(setup, &o_opts, progress, true) {
+            Ok(Some(r)) => Ok(r),
+            Ok(None) => run(setup, &o_opts, progress, false).map(|r| {
+                let mut r = r.expect("pipeline-only bounds are never violated");
+                r.bounds_fell_back = true;
+                r
+            }),
+            Err(e) => Err(e),
+        };
+        match r {
+            Ok(r) => return Ok(r),
+            Err(e @ SearchError::DoesNotFit { .. }) if first_error.is_none() => {
+                first_error = Some(e)
+            }
+            Err(SearchError::DoesNotFit { .. }) => {}
+            Err(e) => return Err(first_error.unwrap_or(e)),
         }
     }
+    Err(first_error.expect("at least one try"))
 }
 
 /// One branch and bound; `tight` adds the mirrored simulator terms ([`crate::bounds::Extras`])
@@ -1156,6 +1195,12 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
             );
             continue;
         }
+        if let Some(o) = f.offload.filter(|o| *o != Offload::None) {
+            if !opts.space.offload.contains(&o) {
+                reject("stack", format!("the stack has no {o} offload"));
+                continue;
+            }
+        }
         let sps = if opts.space.sequence_parallel || f.sequence_parallel.is_some() {
             f.sequence_parallel_options(d.tp)
         } else {
@@ -1180,6 +1225,7 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
                             Schedule::None
                         },
                         interleave: 1,
+                        offload: f.offload.unwrap_or_default(),
                         stages: Vec::new(),
                     };
                     groups.push(Group {
@@ -1589,5 +1635,40 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// Offload is tried when memory binds, and only then: Llama-3 8B (fp16 states 16 bytes a
+    /// parameter, ~120 GiB) on one 32 GiB V100 fits only with the optimizer on the host; on
+    /// an 80 GiB A100 at 8 GPUs, where ZeRO fits it, nothing is offloaded; a stack without
+    /// offload says nothing fits.
+    #[test]
+    fn offload_is_tried_when_nothing_fits_on_the_device() {
+        let m = parallax_ir::models::zoo::transformer("llama3-8b").unwrap();
+        let v100 = parallax_hardware::preset("dgx2-v100-32gb").unwrap();
+        let s = Setup {
+            precision: parallax_ir::Precision::Fp16,
+            ..Setup::new(&m, &v100, 1, 1024, 8)
+        };
+        let opts = SearchOptions {
+            top_k: 1,
+            ..SearchOptions::default()
+        };
+        let best = search(&s, &opts).unwrap().best().layout.clone();
+        assert_ne!(best.offload, Offload::None, "{best:?}");
+        let a100 = parallax_hardware::preset("dgx-a100-80gb").unwrap();
+        let roomy = Setup::new(&m, &a100, 8, 1024, 64);
+        let best = search(&roomy, &opts).unwrap().best().layout.clone();
+        assert_eq!(best.offload, Offload::None, "{best:?}");
+        let no_offload = SearchOptions {
+            space: Space {
+                offload: Vec::new(),
+                ..Space::default()
+            },
+            ..opts
+        };
+        assert!(matches!(
+            search(&s, &no_offload),
+            Err(SearchError::DoesNotFit { .. })
+        ));
     }
 }

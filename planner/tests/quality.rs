@@ -31,6 +31,7 @@ fn published(c: &TransformerCase) -> Option<Layout> {
         sequence_parallel: p.sequence_parallel?,
         schedule,
         interleave: p.interleave?,
+        offload: parallax_ir::Offload::None,
         stages: Vec::new(),
     })
 }

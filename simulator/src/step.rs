@@ -13,12 +13,13 @@ use crate::schedule::{
 use parallax_cost::comm::{exposed, Collective, Group, Network};
 use parallax_cost::compute::DeviceModel;
 use parallax_cost::memory::{
-    state_bytes_per_param, workspace_gib, MemoryBreakdown, ADAM_BYTES_PER_PARAM,
+    state_bytes_per_param, workspace_gib, MemoryBreakdown, ADAM_BYTES_PER_PARAM, FP32_GRAD_BYTES,
+    HOST_ADAM_BYTES_PER_PARAM, HOST_STREAM_EFFICIENCY, MIXED_WEIGHT_BYTES,
 };
 use parallax_cost::transformer::{
     check_layout, model_flops_per_step, transformer_costs, Infeasible, Setup, TransformerCosts,
 };
-use parallax_ir::{Bytes, Layout, Seconds, GIB};
+use parallax_ir::{Bytes, Layout, Offload, Seconds, GIB};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use thiserror::Error;
@@ -255,6 +256,10 @@ fn virtual_stage_saved(c: &TransformerCosts, layers: &[u32], vs: usize) -> f64 {
     b
 }
 
+/// Gradient elements an offloading stack holds on the device before sending them to the host:
+/// DeepSpeed's `reduce_bucket_size` default (5e8; ZeRO config docs).
+const OFFLOAD_GRAD_BUCKET_ELEMENTS: f64 = 5e8;
+
 /// Peak memory of pipeline stage `s` of `l` with `layers` per virtual stage and `m`
 /// micro-batches: its model states (sharded over data × context parallel ranks as ZeRO says),
 /// the activations of its most micro-batches in flight, the workspace, the working buffers of
@@ -271,11 +276,21 @@ pub fn stage_memory_of(
     let (pp, v) = (l.pp, l.interleave);
     let nv = (pp * v) as usize;
     let zero = setup.zero_stage(l);
-    let (wb, gb, ob) = state_bytes_per_param(setup.precision, zero, l.dp * l.cp);
+    // ZeRO-3 serves its parameters from the sharded fp32 master; with that master offloaded
+    // the device keeps the 16-bit shard instead (DeepSpeed's fp16 partitions).
+    let states_of = |ranks: u32| {
+        let (w, g, o) = state_bytes_per_param(setup.precision, zero, ranks);
+        match l.offload {
+            Offload::Optimizer if zero >= 3 && setup.precision.is_mixed() => {
+                (MIXED_WEIGHT_BYTES / f64::from(ranks.max(1)), g, o)
+            }
+            _ => (w, g, o),
+        }
+    };
+    let (wb, gb, ob) = states_of(l.dp * l.cp);
     // Routed experts are replicated over dp × cp / ep ranks only (Megatron's expert data
     // parallel group): ZeRO shards their states over those.
-    let (ewb, egb, eob) =
-        state_bytes_per_param(setup.precision, zero, (l.dp * l.cp / l.ep.max(1)).max(1));
+    let (ewb, egb, eob) = states_of((l.dp * l.cp / l.ep.max(1)).max(1));
     let chunks: Vec<usize> = (0..v).map(|ch| (ch * pp + s) as usize).collect();
     let params: u64 = chunks
         .iter()
@@ -303,10 +318,25 @@ pub fn stage_memory_of(
         let p = c.layer.params as f64;
         buffers += 2.0 * p * if setup.precision.is_mixed() { 2.0 } else { 4.0 } + p * 4.0;
     }
+    // Offloaded states live in host memory: the optimizer's and the gradients, which go down
+    // bucket by bucket as backward produces them (ZeRO-Offload), so the device holds one
+    // bucket; with the parameters offloaded those too.
+    let on_device = |b: f64, kept: bool| if kept { b } else { 0.0 };
+    let (keep_params, keep_rest) = match l.offload {
+        Offload::None => (true, true),
+        Offload::Optimizer => (true, false),
+        Offload::Params => (false, false),
+    };
+    let grads = if keep_rest {
+        states(gb, egb)
+    } else {
+        let bucket = OFFLOAD_GRAD_BUCKET_ELEMENTS * setup.grad_reduce_bytes() as f64;
+        states(gb, egb).min(bucket)
+    };
     Ok(MemoryBreakdown {
-        params: Bytes(states(wb, ewb) as u64),
-        grads: Bytes(states(gb, egb) as u64),
-        optimizer: Bytes(states(ob, eob) as u64),
+        params: Bytes(states(on_device(wb, keep_params), on_device(ewb, keep_params)) as u64),
+        grads: Bytes(grads as u64),
+        optimizer: Bytes(states(on_device(ob, keep_rest), on_device(eob, keep_rest)) as u64),
         activations: Bytes((saved_per_chunk * f64::from(in_flight)) as u64),
         buffers: Bytes(buffers as u64),
         allocator: Bytes(0),
@@ -350,6 +380,40 @@ fn reduces_at_step_end(setup: &Setup, l: &Layout) -> bool {
         && !reduces_per_micro_batch(setup, l)
 }
 
+/// The host side of an offloaded layout: each device's PCIe link to host memory, and its share
+/// of the host's DRAM bandwidth for the optimizer step on the CPUs (the devices of a node step
+/// at once and stream through the same memory).
+struct HostOffload {
+    link: f64,
+    memory_share: f64,
+}
+
+impl HostOffload {
+    /// `None` without offload (or on a profile without the host's figures, which
+    /// `check_layout` refuses).
+    fn of(setup: &Setup, l: &Layout) -> Option<HostOffload> {
+        if l.offload == Offload::None {
+            return None;
+        }
+        let node = &setup.profile.node;
+        let sharing = f64::from(node.gpus_per_node.min(setup.gpus).max(1));
+        Some(HostOffload {
+            link: node.host_link_bandwidth()?.0,
+            memory_share: node.host_memory_bandwidth()?.0 * HOST_STREAM_EFFICIENCY / sharing,
+        })
+    }
+
+    /// Moving `bytes` over the device's host link.
+    fn link(&self, bytes: u64) -> Seconds {
+        Seconds(bytes as f64 / self.link)
+    }
+
+    /// Adam over `params` on the host's CPUs: bound by streaming their states through DRAM.
+    fn adam(&self, params: u64) -> Seconds {
+        Seconds(params as f64 * HOST_ADAM_BYTES_PER_PARAM / self.memory_share)
+    }
+}
+
 /// The [`StepTerms`] of `l` with `layers` per virtual stage.
 pub fn step_terms(
     setup: &Setup,
@@ -372,7 +436,19 @@ pub fn step_terms(
 
     // ZeRO-3 gathers each layer's parameters before its forward and backward and
     // reduce-scatters its gradients, per micro-batch, prefetched behind the previous layer.
-    let zero3 = if zero >= 3 && shard > 1 {
+    let host = HostOffload::of(setup, l);
+    // Offloaded parameters: each layer's shard comes up from the host before its forward and
+    // again before its backward, and its gradient shard goes down after (ZeRO-Infinity
+    // prefetches them behind the previous layer, as ZeRO-3 does its gathers).
+    let (fetch_fwd, fetch_bwd) = match (&host, l.offload) {
+        (Some(h), Offload::Params) => {
+            let shard_params = c.layer.params / u64::from(shard);
+            let up = h.link(shard_params * wbytes);
+            (up, up + h.link(shard_params * setup.grad_reduce_bytes()))
+        }
+        _ => (Seconds(0.0), Seconds(0.0)),
+    };
+    let zero3 = if zero >= 3 && (shard > 1 || l.offload == Offload::Params) {
         let p = c.layer.params;
         let calls = setup.runtime.zero3_gathers_per_layer.max(1);
         let ag = net.collective(
@@ -385,9 +461,17 @@ pub fn step_terms(
             Bytes(p * setup.grad_reduce_bytes()),
             dp_group,
         );
+        let (ag, rs) = if shard > 1 {
+            (ag, rs)
+        } else {
+            (Seconds(0.0), Seconds(0.0))
+        };
         (
-            exposed(ag, c.layer.fwd()),
-            exposed(ag + rs, c.layer.bwd_input() + c.layer.bwd_weight()),
+            exposed(ag + fetch_fwd, c.layer.fwd()),
+            exposed(
+                ag + rs + fetch_bwd,
+                c.layer.bwd_input() + c.layer.bwd_weight(),
+            ),
         )
     } else if reduces_per_micro_batch(setup, l) {
         // ZeRO-2 keeps only its shard of the gradients, so it cannot accumulate whole
@@ -489,7 +573,21 @@ pub fn step_terms(
         } else {
             stage_params
         };
-        adam[s as usize] = dev.memory(opt_params as f64 * ADAM_BYTES_PER_PARAM);
+        adam[s as usize] = match &host {
+            // ZeRO-Offload: the gradient shard goes down, the CPUs step, the updated 16-bit
+            // weights come back up; with the parameters offloaded both already live there.
+            Some(h) => {
+                let (down, up) = match l.offload {
+                    Offload::Params => (Seconds(0.0), Seconds(0.0)),
+                    _ => (
+                        h.link(opt_params * setup.grad_reduce_bytes()),
+                        h.link(opt_params * wbytes),
+                    ),
+                };
+                down + h.adam(opt_params) + up
+            }
+            None => dev.memory(opt_params as f64 * ADAM_BYTES_PER_PARAM),
+        };
         if (1..3).contains(&zero) && shard > 1 {
             // Distributed optimizer: gather the updated 16-bit parameters. With overlapped
             // gathers (Megatron-Core `--overlap-param-gather`) each bucket is fetched just
@@ -552,6 +650,47 @@ pub fn simulate_priced(
     simulate_costed(setup, layout, c, model_flops)
 }
 
+/// Offloaded states must fit in the node's host memory: per device, its shard's optimizer
+/// states and fp32 gradient buffer (and with the parameters offloaded, their 16-bit copy),
+/// times the node's devices.
+fn check_host_memory(setup: &Setup, l: &Layout, c: &TransformerCosts) -> Result<(), StepError> {
+    if l.offload == Offload::None {
+        return Ok(());
+    }
+    let node = &setup.profile.node;
+    let Some(have_gib) = node.host_memory_gib else {
+        return Err(Infeasible::Unsupported(format!(
+            "offload {}: the profile gives no host memory size (node.host_memory_gib)",
+            l.offload
+        ))
+        .into());
+    };
+    let params = (c.layer.params * u64::from(setup.model.layers)
+        + c.embedding.params
+        + c.head.params) as f64
+        / f64::from(l.pp);
+    let shard = if setup.zero_stage(l) >= 1 {
+        f64::from((l.dp * l.cp).max(1))
+    } else {
+        1.0
+    };
+    let (w, _, o) = state_bytes_per_param(setup.precision, 0, 1);
+    let mut per_param = o + FP32_GRAD_BYTES;
+    if l.offload == Offload::Params {
+        per_param += w;
+    }
+    let devices = f64::from(node.gpus_per_node.min(setup.gpus).max(1));
+    let need_gib = params / shard * per_param * devices / GIB;
+    if need_gib > have_gib {
+        return Err(Infeasible::Unsupported(format!(
+            "offload {}: {need_gib:.0} GiB of host memory per node needed, the node has {have_gib:.0} GiB",
+            l.offload
+        ))
+        .into());
+    }
+    Ok(())
+}
+
 /// [`simulate_priced`] of a layout already checked.
 fn simulate_costed(
     setup: &Setup,
@@ -559,6 +698,10 @@ fn simulate_costed(
     c: &TransformerCosts,
     model_flops: f64,
 ) -> Result<SimulatedStep, StepError> {
+    if let Some(why) = layout.offload.conflict(setup.zero_stage(layout)) {
+        return Err(Infeasible::Unsupported(why).into());
+    }
+    check_host_memory(setup, layout, c)?;
     let l = layout;
     let (pp, v) = (l.pp, l.interleave);
     let nv = (pp * v) as usize;
@@ -1076,5 +1219,70 @@ mod tests {
         let r = simulate_step(&s, &l).unwrap().prediction;
         assert!(!r.fits);
         assert!(r.peak_memory_gib > 3.0 * r.capacity_gib);
+    }
+
+    /// ZeRO-Offload by hand: Llama-3 8B on one DGX-2 V100 slot (fp16, ZeRO-2, one device)
+    /// keeps no optimizer state and one gradient bucket on the device, and its optimizer step
+    /// is the gradient's trip down the 15.75 GB/s link (at the stack's reduce precision),
+    /// Adam streaming 30 bytes a parameter through the host's 255.9 GB/s at 75 % (the one
+    /// device training has the host to itself), and the 16-bit weights' trip up.
+    /// Parameter offload (ZeRO-3) leaves no parameter on the device either and steps on the
+    /// host alone; a stage it cannot go with is refused by name.
+    #[test]
+    fn an_offloaded_optimizer_lives_on_the_host_and_pays_the_trip() {
+        let m = zoo::transformer("llama3-8b").unwrap();
+        let p = preset("dgx2-v100-32gb").unwrap();
+        let s = Setup {
+            precision: parallax_ir::Precision::Fp16,
+            ..Setup::new(&m, &p, 1, 1024, 4)
+        };
+        let base = Layout {
+            zero_stage: 2,
+            micro_batch: 1,
+            recompute: Recompute::Full,
+            ..Layout::default()
+        };
+        let off = Layout {
+            offload: Offload::Optimizer,
+            ..base.clone()
+        };
+        let on_device = simulate_step(&s, &base).unwrap().prediction;
+        let host = simulate_step(&s, &off).unwrap().prediction;
+        assert!(host.memory.optimizer < 1e-9, "{:?}", host.memory);
+        assert!(on_device.memory.optimizer > 80.0, "{:?}", on_device.memory);
+        let gbytes = s.grad_reduce_bytes() as f64;
+        assert!((host.memory.grads - 5e8 * gbytes / GIB).abs() < 1e-6);
+        let params = transformer_costs(&s, &off).unwrap();
+        let n = (params.layer.params * u64::from(m.layers)
+            + params.embedding.params
+            + params.head.params) as f64;
+        let link = 15.75e9;
+        let cpu = 255.9e9 * 0.75;
+        let expect = n * gbytes / link + n * 30.0 / cpu + n * 2.0 / link;
+        let got = host.breakdown.optimizer_s;
+        assert!((got / expect - 1.0).abs() < 0.02, "{got} vs {expect}");
+        assert!(host.step_time_s > on_device.step_time_s);
+        // Parameters offloaded too: nothing of the model's states stays but buffers.
+        let params_off = Layout {
+            zero_stage: 3,
+            offload: Offload::Params,
+            ..base.clone()
+        };
+        let h = simulate_step(&s, &params_off).unwrap().prediction;
+        assert!(
+            h.memory.params < 1e-9 && h.memory.optimizer < 1e-9,
+            "{:?}",
+            h.memory
+        );
+        assert!((h.breakdown.optimizer_s / (n * 30.0 / cpu) - 1.0).abs() < 0.02);
+        let e = simulate_step(
+            &s,
+            &Layout {
+                zero_stage: 2,
+                ..params_off
+            },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("needs zero 3"), "{e}");
     }
 }
