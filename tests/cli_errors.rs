@@ -194,6 +194,17 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             .replace("nic_gbit = 200.0", "nic_gbit = -200.0")
             .as_bytes(),
     );
+    let host = |v: &str| {
+        parallax_preset("dgx-a100-80gb")
+            .lines()
+            .map(|l| match l.starts_with("host_memory_gib =") {
+                true => format!("host_memory_gib = {v}"),
+                false => l.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let neg_host = write(d, "neghost.toml", host("-1.0").as_bytes());
     let existing = write(d, "existing.json", b"precious user data");
     let bad_plan = write(d, "badplan.json", br#"{"schema":"other/1"}"#);
     // The fitted band's value changes with every refit: replace its whole line.
@@ -448,6 +459,38 @@ fn bad_inputs_end_in_one_line_and_status_2() {
         case(
             &["clusters", "--show", &neg_nic],
             &["negnic.toml", "nic_gbit"],
+        ),
+        case(
+            &["clusters", "--show", &neg_host],
+            &["neghost.toml", "host_memory_gib"],
+        ),
+        // Offload names its values and the ZeRO stage it needs; the executor refuses it.
+        case(
+            &sim(&["--model", "gpt3-1.3b", "--plan", "dp=8,offload=disk"]),
+            &["--plan", "unknown offload 'disk'"],
+        ),
+        case(
+            &sim(&[
+                "--model",
+                "gpt3-1.3b",
+                "--plan",
+                "dp=8,zero=0,offload=optimizer",
+            ]),
+            &["offload optimizer needs zero 1, 2 or 3"],
+        ),
+        case(
+            &[
+                "run",
+                "--model",
+                "gpt-tiny",
+                "--plan",
+                "dp=1,zero=1,offload=optimizer",
+                "--global-batch",
+                "2",
+                "--steps",
+                "1",
+            ],
+            &["offload optimizer", "executor"],
         ),
         // A per-op plan takes dp, tp, pp, mb, schedule and recompute; cp is a transformer knob.
         case(

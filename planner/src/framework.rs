@@ -330,6 +330,10 @@ const DEEPSPEED_2020: &[Feature] = &[
         what: "fp16 gradients reduced in fp16 after the backward (overlap_comm off by default)",
         source: "DeepSpeed 0.3 config docs: zero_optimization.overlap_comm",
     },
+    Feature {
+        what: "ZeRO-Offload: optimizer states, fp32 master weights and the Adam step (DeepSpeedCPUAdam) on the host, ZeRO 1–2",
+        source: "Ren et al. 2021 (ZeRO-Offload, USENIX ATC), §4–5; DeepSpeed ZeRO-Offload tutorial (September 2020)",
+    },
 ];
 
 const DEEPSPEED_ZERO3_2021: &[Feature] = &[
@@ -345,12 +349,16 @@ const DEEPSPEED_ZERO3_2021: &[Feature] = &[
         what: "fp16 gradients reduced in fp16; no FlashAttention (2021)",
         source: "DeepSpeed 0.4 fp16 optimizer",
     },
+    Feature {
+        what: "ZeRO-Infinity offload: optimizer (offload_optimizer) and parameters (offload_param) in host memory",
+        source: "Rajbhandari et al. 2021 (ZeRO-Infinity, SC21), §5; DeepSpeed config docs, zero_optimization offload options",
+    },
 ];
 
 const DEEPSPEED_CURRENT: &[Feature] = &[
     Feature {
-        what: "ZeRO 0–3 with overlapped reduction; pipeline engine with 1F1B only; full checkpointing; AutoTP without sequence parallelism",
-        source: "DeepSpeed 0.19 docs (config, pipeline, AutoTP)",
+        what: "ZeRO 0–3 with overlapped reduction; pipeline engine with 1F1B only; full checkpointing; AutoTP without sequence parallelism; optimizer and parameter offload to the host",
+        source: "DeepSpeed 0.19 docs (config: zero_optimization offload_optimizer / offload_param, pipeline, AutoTP)",
     },
     Feature {
         what: "attention as the model implements it (SDPA flash attention in current PyTorch)",
@@ -392,6 +400,10 @@ const PYTORCH_FSDP: &[Feature] = &[
     Feature {
         what: "FSDP (1 or 2) ZeRO-3 sharding without tensor or pipeline parallelism",
         source: "PyTorch FSDP docs; Zhao et al. 2023 (PyTorch FSDP, VLDB)",
+    },
+    Feature {
+        what: "CPU offload of parameters, gradients and the optimizer step (CPUOffload(offload_params=True); FSDP2 CPUOffloadPolicy)",
+        source: "PyTorch FSDP docs: torch.distributed.fsdp.CPUOffload, fully_shard(offload_policy=)",
     },
     Feature {
         what: "SDPA flash attention (PyTorch ≥ 2.2 ships FlashAttention-2); gradient reduce-scatter overlapped, next all-gather prefetched (BACKWARD_PRE)",
@@ -451,7 +463,7 @@ const PARALLAX: &[Feature] = &[Feature {
 }];
 
 const CURRENT: &[Feature] = &[Feature {
-    what: "a current stack: fused attention, overlapped gradient reduction and parameter gathers, TP communication overlap, overlapped sends, every schedule, ZeRO stage and recompute policy",
+    what: "a current stack: fused attention, overlapped gradient reduction and parameter gathers, TP communication overlap, overlapped sends, every schedule, ZeRO stage and recompute policy, optimizer and parameter offload when nothing fits",
     source: "the union of the current Megatron-Core, DeepSpeed and torchtitan releases",
 }];
 
@@ -958,7 +970,7 @@ pub fn table_text() -> String {
         );
         let _ = writeln!(
             out,
-            "  schedules {}; ZeRO stages {:?}; recompute {}; uneven stages {}",
+            "  schedules {}; ZeRO stages {:?}; recompute {}; uneven stages {}; offload {}",
             p.space
                 .schedules
                 .iter()
@@ -973,6 +985,14 @@ pub fn table_text() -> String {
                 .collect::<Vec<_>>()
                 .join(", "),
             yes(p.space.uneven_stages),
+            match p.space.offload.as_slice() {
+                [] => "none".to_string(),
+                o => o
+                    .iter()
+                    .map(|x| x.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            },
         );
         if r.zero3_gathers_per_layer > 1 {
             let _ = writeln!(
