@@ -170,6 +170,44 @@ pub fn entries() -> Vec<ZooEntry> {
             }),
         ),
         e(
+            "mixtral-8x22b",
+            "mixtral",
+            141.0 * b,
+            rounded(141.0, 0.5),
+            "Mistral AI, 'Cheaper, Better, Faster, Stronger' (Mixtral 8x22B, April 2024): 141B total, 39B active; HuggingFace mistralai/Mixtral-8x22B-v0.1 config (56 layers, 6144 hidden, 48 heads, 8 KV heads, 16384 expert FFN, 8 experts top-2, vocab 32000, 65536 positions)",
+            ZooDef::Transformer(TransformerConfig {
+                moe: Some(MoeConfig { experts: 8, top_k: 2 }),
+                rope_theta: 1_000_000,
+                ..TransformerConfig::llama(56, 6144, 48, 8, 16384, 32000, 65536)
+            }),
+        ),
+        e(
+            "qwen3-30b-a3b",
+            "qwen3-moe",
+            30.5 * b,
+            rounded(30.5, 0.05),
+            "Qwen team, HuggingFace Qwen/Qwen3-30B-A3B model card: 30.5B total, 3.3B activated; its config (48 layers, 2048 hidden, 32 heads of 128, 4 KV heads, 128 experts of FFN 768, top-8, vocab 151936, 40960 positions, untied); q/k RMSNorms (256 weights a layer) omitted",
+            ZooDef::Transformer(TransformerConfig {
+                head_dim: 128,
+                moe: Some(MoeConfig { experts: 128, top_k: 8 }),
+                rope_theta: 1_000_000,
+                ..TransformerConfig::llama(48, 2048, 32, 4, 768, 151_936, 40960)
+            }),
+        ),
+        e(
+            "qwen3-235b-a22b",
+            "qwen3-moe",
+            235.0 * b,
+            rounded(235.0, 0.5),
+            "Qwen team, HuggingFace Qwen/Qwen3-235B-A22B model card: 235B total, 22B activated; its config (94 layers, 4096 hidden, 64 heads of 128, 4 KV heads, 128 experts of FFN 1536, top-8, vocab 151936, 40960 positions, untied); q/k RMSNorms omitted",
+            ZooDef::Transformer(TransformerConfig {
+                head_dim: 128,
+                moe: Some(MoeConfig { experts: 128, top_k: 8 }),
+                rope_theta: 1_000_000,
+                ..TransformerConfig::llama(94, 4096, 64, 4, 1536, 151_936, 40960)
+            }),
+        ),
+        e(
             "bert-large",
             "bert",
             336_226_108.0,
@@ -448,6 +486,35 @@ mod tests {
             );
         }
         println!("{table}");
+    }
+
+    /// Mixture-of-experts entries activate what their model cards say: every parameter but
+    /// the experts a token does not reach (`(experts − top_k) / experts` of each layer's
+    /// expert weights), within 1 % or the card's rounding.
+    #[test]
+    fn moe_entries_activate_the_published_share() {
+        let published = [
+            ("mixtral-8x7b", 12.9, 0.05),
+            ("mixtral-8x22b", 39.0, 0.5),
+            // The card's "3.3B" truncates: 3.35B by its config.
+            ("qwen3-30b-a3b", 3.3, 0.1),
+            ("qwen3-235b-a22b", 22.0, 0.5),
+        ];
+        for (name, active_b, precision) in published {
+            let e = find(name).unwrap();
+            let ZooDef::Transformer(c) = &e.def else {
+                panic!("{name} is a transformer")
+            };
+            let moe = c.moe.unwrap();
+            let expert_weights_per_layer = moe.experts * 3 * c.hidden * c.ffn_hidden;
+            let idle = (moe.experts - moe.top_k) as f64 / moe.experts as f64
+                * expert_weights_per_layer as f64
+                * f64::from(c.layers);
+            let active = params(&e) as f64 - idle;
+            let err = (active / (active_b * 1e9) - 1.0).abs();
+            let allowed = 0.01f64.max(rounded(active_b, precision));
+            assert!(err <= allowed, "{name}: {active} active vs {active_b}B");
+        }
     }
 
     #[test]
