@@ -542,6 +542,18 @@ mod tests {
                 "mixtral-8x7b",
             ),
             (
+                r#"{"model_type":"mixtral","hidden_size":6144,"num_hidden_layers":56,"num_attention_heads":48,"num_key_value_heads":8,"intermediate_size":16384,"vocab_size":32000,"max_position_embeddings":65536,"num_local_experts":8,"num_experts_per_tok":2,"rope_theta":1000000.0}"#,
+                "mixtral-8x22b",
+            ),
+            (
+                r#"{"model_type":"qwen3_moe","hidden_size":2048,"num_hidden_layers":48,"num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,"intermediate_size":6144,"moe_intermediate_size":768,"num_experts":128,"num_experts_per_tok":8,"vocab_size":151936,"max_position_embeddings":40960,"rope_theta":1000000.0,"tie_word_embeddings":false,"decoder_sparse_step":1,"mlp_only_layers":[],"attention_bias":false,"hidden_act":"silu"}"#,
+                "qwen3-30b-a3b",
+            ),
+            (
+                r#"{"model_type":"qwen3_moe","hidden_size":4096,"num_hidden_layers":94,"num_attention_heads":64,"num_key_value_heads":4,"head_dim":128,"intermediate_size":12288,"moe_intermediate_size":1536,"num_experts":128,"num_experts_per_tok":8,"vocab_size":151936,"max_position_embeddings":40960,"rope_theta":1000000.0,"tie_word_embeddings":false,"decoder_sparse_step":1,"mlp_only_layers":[],"attention_bias":false,"hidden_act":"silu"}"#,
+                "qwen3-235b-a22b",
+            ),
+            (
                 r#"{"model_type":"bert","hidden_size":1024,"num_hidden_layers":24,"num_attention_heads":16,"intermediate_size":4096,"vocab_size":30522,"max_position_embeddings":512,"hidden_act":"gelu"}"#,
                 "bert-large",
             ),
