@@ -723,7 +723,7 @@ fn stage_cuts(costs: &OpCosts, weight: &[f64], pp: u32) -> Vec<u32> {
     for k in 1..pp as usize {
         let target = share * k as f64;
         // Leave at least one node to every stage after this one.
-        let hi = n - (pp as usize - k);
+        let hi = n.saturating_sub(pp as usize - k);
         let best = (lo..=hi.max(lo))
             .filter(|&i| (before[i] - target).abs() <= share / 4.0)
             .min_by(|&a, &b| {
