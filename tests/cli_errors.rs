@@ -464,6 +464,35 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             &["clusters", "--show", &neg_host],
             &["neghost.toml", "host_memory_gib"],
         ),
+        // A search budget is a positive number of seconds, for per-op plans.
+        case(
+            &[
+                "plan",
+                "--model",
+                "resnet50",
+                "--cluster",
+                "dgx-a100-80gb:gpus=8",
+                "--global-batch",
+                "64",
+                "--search-seconds",
+                "nan",
+            ],
+            &["--search-seconds", "(0, 86400]"],
+        ),
+        case(
+            &[
+                "plan",
+                "--model",
+                "gpt3-1.3b",
+                "--cluster",
+                "dgx-a100-80gb:gpus=8",
+                "--global-batch",
+                "8",
+                "--search-seconds",
+                "1",
+            ],
+            &["--search-seconds applies to per-op plans"],
+        ),
         // Offload names its values and the ZeRO stage it needs; the executor refuses it.
         case(
             &sim(&["--model", "gpt3-1.3b", "--plan", "dp=8,offload=disk"]),

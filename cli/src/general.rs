@@ -102,13 +102,18 @@ pub fn plan(
     json_out: bool,
     out: Option<&Path>,
     force: bool,
+    budget: Option<std::time::Duration>,
 ) -> anyhow::Result<()> {
     if let Some(dir) = out {
         crate::prepare_out(dir, OUT_FILES, force)?;
     }
     let build = |b: u64| job.build(b);
     let gj = job.job(&build);
-    let r = plan_graph(&gj, &SoapOptions::default()).map_err(|e| {
+    let opts = SoapOptions {
+        mcmc_budget: budget,
+        ..SoapOptions::default()
+    };
+    let r = plan_graph(&gj, &opts).map_err(|e| {
         user(format!(
             "--model {} on --cluster {cluster_spec}: {e}",
             job.name

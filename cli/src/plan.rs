@@ -59,6 +59,11 @@ pub struct Args {
     /// Only even stage splits (no balanced partitions).
     #[arg(long)]
     even_stages: bool,
+    /// Per-op plans of non-transformer graphs: refine by MCMC for this many seconds instead of
+    /// the default 200 proposals (more proposals, but the plan then depends on the machine's
+    /// speed).
+    #[arg(long, value_name = "SECONDS")]
+    search_seconds: Option<f64>,
 }
 
 /// Files `--out` writes.
@@ -126,8 +131,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Some(s) => PartialLayout::parse(s).map_err(|e| user(format!("--fix: {e}")))?,
         None => PartialLayout::default(),
     };
+    let budget = match a.search_seconds {
+        Some(x) if !(x.is_finite() && x > 0.0 && x <= 86_400.0) => {
+            return Err(user(format!(
+                "--search-seconds {x}: must be a number of seconds in (0, 86400]"
+            )))
+        }
+        x => x.map(std::time::Duration::from_secs_f64),
+    };
     let mut job = match a.job.load()? {
-        Loaded::Transformer(job) => job,
+        Loaded::Transformer(job) => {
+            if budget.is_some() {
+                return Err(user(format!(
+                    "--model {}: --search-seconds applies to per-op plans of other graphs; the transformer search is exhaustive (pruned), not timed",
+                    a.job.model
+                )));
+            }
+            job
+        }
         Loaded::Graph(g) => {
             if engine.is_some() || a.fix.is_some() || a.max_gpus.is_some() {
                 return Err(user(format!(
@@ -135,7 +156,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     a.job.model
                 )));
             }
-            return crate::general::plan(&g, &a.job.cluster, a.json, a.out.as_deref(), a.force);
+            return crate::general::plan(
+                &g,
+                &a.job.cluster,
+                a.json,
+                a.out.as_deref(),
+                a.force,
+                budget,
+            );
         }
     };
     if let Some(why) = engine.and_then(|e| e.supports_job(&job.model, job.precision)) {

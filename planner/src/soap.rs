@@ -41,6 +41,11 @@ pub struct SoapOptions {
     pub brute_force_limit: f64,
     /// Proposals the MCMC refinement simulates (0 turns it off). 200.
     pub mcmc_iterations: u32,
+    /// A time budget for the refinement instead of the proposal count: proposals go on until
+    /// it is spent (FlexFlow's search runs under a budget). `None` (the default) keeps the
+    /// fixed count, so the same inputs give the same plan; under a budget the plan can depend
+    /// on the machine's speed.
+    pub mcmc_budget: Option<std::time::Duration>,
     /// Metropolis sharpness: a proposal `x` % slower than the current plan is accepted with
     /// probability `exp(-beta · x / 100)`. 20.
     pub mcmc_beta: f64,
@@ -56,6 +61,7 @@ impl Default for SoapOptions {
             max_candidates: 32,
             brute_force_limit: 1e6,
             mcmc_iterations: 200,
+            mcmc_budget: None,
             mcmc_beta: 20.0,
             seed: 0,
             force_data_parallel_start: false,
@@ -458,13 +464,30 @@ fn conditional_modes(t: &CostTables) -> Vec<usize> {
     choice
 }
 
+/// How long a refinement goes on: a number of proposals, or until a deadline.
+#[derive(Clone, Copy, Debug)]
+pub enum McmcStop {
+    Proposals(u32),
+    Deadline(std::time::Instant),
+}
+
+impl McmcStop {
+    /// Whether proposal `i` (from 0) is still to be made.
+    fn go_on(&self, i: u64) -> bool {
+        match self {
+            McmcStop::Proposals(n) => i < u64::from(*n),
+            McmcStop::Deadline(t) => std::time::Instant::now() < *t,
+        }
+    }
+}
+
 /// Metropolis–Hastings over states of type `S`: `propose` draws a neighbour, `cost` prices it
 /// (infinite for an infeasible state), `beta` sets how readily a worse state is accepted
 /// (relative to the current cost). Returns the best state seen, its cost and the acceptances.
 pub fn run_mcmc<S: Clone>(
     start: S,
     start_cost: f64,
-    iterations: u32,
+    stop: McmcStop,
     beta: f64,
     rng: &mut XorShiftRng,
     mut propose: impl FnMut(&S, &mut XorShiftRng) -> Option<S>,
@@ -473,7 +496,9 @@ pub fn run_mcmc<S: Clone>(
     let mut cur = (start.clone(), start_cost);
     let mut best = (start, start_cost);
     let mut accepted = 0;
-    for _ in 0..iterations {
+    let mut i = 0u64;
+    while stop.go_on(i) {
+        i += 1;
         let Some(next) = propose(&cur.0, rng) else {
             continue;
         };
@@ -644,10 +669,14 @@ pub fn search_ops(
         next.configs[v] = cfg;
         Some(next)
     };
+    let stop = match opts.mcmc_budget {
+        Some(b) => McmcStop::Deadline(std::time::Instant::now() + b),
+        None => McmcStop::Proposals(opts.mcmc_iterations),
+    };
     let (best, _, accepted) = run_mcmc(
         start,
         start_pred.step_time_s,
-        opts.mcmc_iterations,
+        stop,
         opts.mcmc_beta,
         &mut rng,
         propose,
@@ -1033,7 +1062,7 @@ mod tests {
             run_mcmc(
                 0i64,
                 290.0,
-                300,
+                McmcStop::Proposals(300),
                 5.0,
                 &mut rng,
                 |s, r| Some(s + if unit(r) < 0.5 { -1 } else { 1 }),
@@ -1159,6 +1188,22 @@ mod tests {
         // Same inputs, same plan.
         let again = search_ops(&mut c, 64, &opts).unwrap();
         assert_eq!(again.plan, r.plan);
+        // Under a time budget the refinement goes on until the budget is spent: more
+        // proposals than the fixed count, never a worse plan than where it started.
+        let timed = SoapOptions {
+            mcmc_budget: Some(std::time::Duration::from_millis(300)),
+            ..opts
+        };
+        let start = std::time::Instant::now();
+        let t = search_ops(&mut c, 64, &timed).unwrap();
+        assert!(start.elapsed() >= std::time::Duration::from_millis(300));
+        assert!(
+            t.counts.simulated > r.counts.simulated,
+            "{:?} vs {:?}",
+            t.counts,
+            r.counts
+        );
+        assert!(t.prediction.step_time_s <= dp.step_time_s * (1.0 + 1e-12));
     }
 
     /// Stages of a multi-branch network are cut where few activations cross: no boundary of
