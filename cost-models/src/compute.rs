@@ -332,10 +332,22 @@ impl<'a> DeviceModel<'a> {
                 let cell = |tensors: f64| {
                     self.memory(tensors * rows * a.hidden as f64 * float_bytes as f64) * steps
                 };
+                // Each step's GEMM stores its gate pre-activations (forward) or the gradients
+                // of its input and state (backward) in its epilogue, like every tensor-core GEMM
+                // (see `epilogue`); the weight gradient is written once.
+                let width = x.and_then(|x| x.dim(2)).unwrap_or(0) as f64;
+                let fb = float_bytes as f64;
+                let h = a.hidden as f64;
+                let outs = Self::pass_outputs(ins, w, float_bytes);
                 OpTimes {
-                    fwd: self.gemm(w.fwd_flops.0 / steps) * steps + cell(2.0 * g + 3.0),
-                    bwd_input: self.gemm(w.bwd_input_flops.0 / steps) * steps + cell(2.0 * g + 5.0),
-                    bwd_weight: self.gemm(w.bwd_weight_flops.0),
+                    fwd: (self.gemm(w.fwd_flops.0 / steps) + self.epilogue(rows * g * h * fb))
+                        * steps
+                        + cell(2.0 * g + 3.0),
+                    bwd_input: (self.gemm(w.bwd_input_flops.0 / steps)
+                        + self.epilogue(rows * (width + h) * fb))
+                        * steps
+                        + cell(2.0 * g + 5.0),
+                    bwd_weight: self.gemm(w.bwd_weight_flops.0) + self.epilogue(outs[2]),
                 }
             }
             (ComputeClass::Gemm, OpKind::Conv2d(c)) => self.conv(op, c, ins, w, float_bytes),
