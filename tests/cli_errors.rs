@@ -194,30 +194,26 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             .replace("nic_gbit = 200.0", "nic_gbit = -200.0")
             .as_bytes(),
     );
-    let host = |v: &str| {
+    // The A100 preset with the whole line of `key` set to `v` (fitted values change with
+    // every refit, so the line is matched by its key).
+    let with_line = |key: &str, v: &str| {
         parallax_preset("dgx-a100-80gb")
             .lines()
-            .map(|l| match l.starts_with("host_memory_gib =") {
-                true => format!("host_memory_gib = {v}"),
+            .map(|l| match l.starts_with(&format!("{key} =")) {
+                true => format!("{key} = {v}"),
                 false => l.to_string(),
             })
             .collect::<Vec<_>>()
             .join("\n")
     };
-    let neg_host = write(d, "neghost.toml", host("-1.0").as_bytes());
+    let neg_host = write(
+        d,
+        "neghost.toml",
+        with_line("host_memory_gib", "-1.0").as_bytes(),
+    );
     let existing = write(d, "existing.json", b"precious user data");
     let bad_plan = write(d, "badplan.json", br#"{"schema":"other/1"}"#);
-    // The fitted band's value changes with every refit: replace its whole line.
-    let band = |v: &str| {
-        parallax_preset("dgx-a100-80gb")
-            .lines()
-            .map(|l| match l.starts_with("step_time_band =") {
-                true => format!("step_time_band = {v}"),
-                false => l.to_string(),
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
+    let band = |v: &str| with_line("step_time_band", v);
     let nan_band = write(d, "nanband.toml", band("nan").as_bytes());
     let neg_band = write(d, "negband.toml", band("-1.0").as_bytes());
     let escape_name = write(

@@ -69,6 +69,20 @@ fn llama3(layers: u32, hidden: u64, heads: u64, ffn: u64) -> ZooDef {
     })
 }
 
+/// Qwen3-MoE's shape (its HF configs): heads of 128 whatever the width, 4 KV heads, 128 experts
+/// `ffn` wide with 8 per token, vocabulary 151,936, 40,960 positions, rotary base 10^6, untied.
+fn qwen3_moe(layers: u32, hidden: u64, heads: u64, ffn: u64) -> ZooDef {
+    ZooDef::Transformer(TransformerConfig {
+        head_dim: 128,
+        moe: Some(MoeConfig {
+            experts: 128,
+            top_k: 8,
+        }),
+        rope_theta: 1_000_000,
+        ..TransformerConfig::llama(layers, hidden, heads, 4, ffn, 151_936, 40960)
+    })
+}
+
 /// Relative precision of a figure published to `digits` significant digits after the point
 /// of its unit (e.g. 1.3B → 0.05 / 1.3).
 fn rounded(value: f64, half_unit: f64) -> f64 {
@@ -187,12 +201,7 @@ pub fn entries() -> Vec<ZooEntry> {
             30.5 * b,
             rounded(30.5, 0.05),
             "Qwen team, HuggingFace Qwen/Qwen3-30B-A3B model card: 30.5B total, 3.3B activated; its config (48 layers, 2048 hidden, 32 heads of 128, 4 KV heads, 128 experts of FFN 768, top-8, vocab 151936, 40960 positions, untied); q/k RMSNorms (256 weights a layer) omitted",
-            ZooDef::Transformer(TransformerConfig {
-                head_dim: 128,
-                moe: Some(MoeConfig { experts: 128, top_k: 8 }),
-                rope_theta: 1_000_000,
-                ..TransformerConfig::llama(48, 2048, 32, 4, 768, 151_936, 40960)
-            }),
+            qwen3_moe(48, 2048, 32, 768),
         ),
         e(
             "qwen3-235b-a22b",
@@ -200,12 +209,7 @@ pub fn entries() -> Vec<ZooEntry> {
             235.0 * b,
             rounded(235.0, 0.5),
             "Qwen team, HuggingFace Qwen/Qwen3-235B-A22B model card: 235B total, 22B activated; its config (94 layers, 4096 hidden, 64 heads of 128, 4 KV heads, 128 experts of FFN 1536, top-8, vocab 151936, 40960 positions, untied); q/k RMSNorms omitted",
-            ZooDef::Transformer(TransformerConfig {
-                head_dim: 128,
-                moe: Some(MoeConfig { experts: 128, top_k: 8 }),
-                rope_theta: 1_000_000,
-                ..TransformerConfig::llama(94, 4096, 64, 4, 1536, 151_936, 40960)
-            }),
+            qwen3_moe(94, 4096, 64, 1536),
         ),
         e(
             "bert-large",
