@@ -555,7 +555,8 @@ pub fn search_with_progress(
             .collect(),
     };
     let mut first_error = None;
-    for o in tries {
+    let mut offload_notes = Vec::new();
+    for (i, o) in tries.into_iter().enumerate() {
         let o_opts = SearchOptions {
             force: PartialLayout {
                 offload: o,
@@ -574,14 +575,40 @@ pub fn search_with_progress(
         };
         match r {
             Ok(r) => return Ok(r),
-            Err(e @ SearchError::DoesNotFit { .. }) if first_error.is_none() => {
-                first_error = Some(e)
-            }
-            Err(SearchError::DoesNotFit { .. }) => {}
-            Err(e) => return Err(first_error.unwrap_or(e)),
+            // Only memory sends the search on to offload.
+            Err(e @ SearchError::DoesNotFit { .. }) if i == 0 => first_error = Some(e),
+            Err(e) if i == 0 => return Err(e),
+            Err(e) => offload_notes.push(format!(
+                "with offload {}: {}",
+                o.unwrap_or_default(),
+                match e {
+                    SearchError::DoesNotFit { need_gib, .. } => {
+                        format!("still {need_gib:.1} GiB per GPU")
+                    }
+                    SearchError::NoCandidate { summary, .. } => summary,
+                    SearchError::Unsupported(why) => why,
+                }
+            )),
         }
     }
-    Err(first_error.expect("at least one try"))
+    match first_error.expect("at least one try") {
+        SearchError::DoesNotFit {
+            gpus,
+            need_gib,
+            have_gib,
+            layout,
+            smallest,
+            summary,
+        } if !offload_notes.is_empty() => Err(SearchError::DoesNotFit {
+            gpus,
+            need_gib,
+            have_gib,
+            layout,
+            smallest,
+            summary: format!("{summary}; {}", offload_notes.join("; ")),
+        }),
+        e => Err(e),
+    }
 }
 
 /// One branch and bound; `tight` adds the mirrored simulator terms ([`crate::bounds::Extras`])
