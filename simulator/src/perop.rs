@@ -212,8 +212,9 @@ struct MicroGraph {
     edges: Vec<EdgeCost>,
     /// Per node: (sync bytes, group, time) of its weights.
     sync: Vec<Vec<(u64, parallax_cost::Group, Seconds)>>,
-    /// Reshard tasks with the producer and a consumer of the tensor they move.
-    reshards: Vec<(TaskId, usize, usize)>,
+    /// Reshard tasks with the producer and a consumer of the tensor they move, and whether
+    /// they move its gradient (backward).
+    reshards: Vec<(TaskId, usize, usize, bool)>,
 }
 
 impl MicroGraph {
@@ -305,7 +306,7 @@ fn build_micro(
                                 Task::new("reshard", TaskKind::Comm(CommKind::Reshard), comm[*c])
                                     .with_index(i as u32);
                             let r = mg.add(task, f.time, &from);
-                            mg.reshards.push((r, pi, i));
+                            mg.reshards.push((r, pi, i, false));
                             shared_tasks.insert((shared, *c), r);
                             r
                         }
@@ -351,7 +352,7 @@ fn build_micro(
                 let task = Task::new("reshard grad", TaskKind::Comm(CommKind::Reshard), comm[*c])
                     .with_index(i as u32);
                 let r = mg.add(task, time, &from);
-                mg.reshards.push((r, i, consumer));
+                mg.reshards.push((r, i, consumer, true));
                 deps[ci].push(r);
             }
         }
@@ -672,12 +673,11 @@ fn pipeline_step(
             .entry((stage[t.index as usize], group(t), backward))
             .or_default() += sp.duration().0;
     }
-    for &(task, producer, consumer) in &mg.reshards {
+    for &(task, producer, consumer, backward) in &mg.reshards {
         if stage[producer] != stage[consumer] {
             continue;
         }
         let t = mg.graph.task(task);
-        let backward = t.label != "reshard";
         *busy
             .entry((stage[consumer], group(t), backward))
             .or_default() += micro.span(task).duration().0;
