@@ -152,34 +152,44 @@ fn run_trains_cnns_and_rnns_under_inline_layouts_and_searched_plans() {
             assert_eq!(doc["ranks"], 2, "{model} {layout}");
             assert!(doc["predicted_step_time_s"].as_f64().unwrap() > 0.0);
         }
-        let dir = std::env::temp_dir().join(format!("parallax-run-{model}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let d = dir.to_string_lossy().into_owned();
-        json(&parallax(&[
-            "plan",
-            "--model",
-            model,
-            "--cluster",
-            "cpu-local:gpus=2",
-            "--precision",
-            "fp32",
-            "--global-batch",
-            "8",
-            "--seq",
-            seq,
-            "--json",
-            "--out",
-            &d,
-        ]));
-        let plan = dir.join("plan.json").to_string_lossy().into_owned();
-        let doc = json(&parallax(&["run", &plan, "--steps", "2", "--json"]));
+        let doc = run_searched_plan(model, &["--seq", seq]);
         assert_eq!(
             doc["losses"].as_array().unwrap().len(),
             2,
             "{model}: searched plan"
         );
-        let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// Plans `model` on two CPU cores (8 samples, fp32, `extra` flags) into a fresh folder, runs
+/// the written plan.json for two steps and returns the run's JSON document.
+fn run_searched_plan(model: &str, extra: &[&str]) -> serde_json::Value {
+    let name = std::path::Path::new(model)
+        .file_stem()
+        .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+    let dir = std::env::temp_dir().join(format!("parallax-run-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_string_lossy().into_owned();
+    let mut args = vec![
+        "plan",
+        "--model",
+        model,
+        "--cluster",
+        "cpu-local:gpus=2",
+        "--precision",
+        "fp32",
+        "--global-batch",
+        "8",
+        "--json",
+        "--out",
+        &d,
+    ];
+    args.extend_from_slice(extra);
+    json(&parallax(&args));
+    let plan = dir.join("plan.json").to_string_lossy().into_owned();
+    let doc = json(&parallax(&["run", &plan, "--steps", "2", "--json"]));
+    let _ = std::fs::remove_dir_all(&dir);
+    doc
 }
 
 /// Unusable data and an unwritable trace are refused before anything runs.
@@ -231,27 +241,8 @@ fn run_trains_an_onnx_classifier_against_its_logits() {
         .iter()
         .all(|l| l.as_f64().unwrap().is_finite() && l.as_f64().unwrap() > 0.0));
     // The plan a search writes for it names the file, so `run PLAN.json` trains the same graph.
-    let dir = std::env::temp_dir().join(format!("parallax-onnx-plan-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let d = dir.to_string_lossy().into_owned();
-    json(&parallax(&[
-        "plan",
-        "--model",
-        &m,
-        "--cluster",
-        "cpu-local:gpus=2",
-        "--precision",
-        "fp32",
-        "--global-batch",
-        "8",
-        "--json",
-        "--out",
-        &d,
-    ]));
-    let plan = dir.join("plan.json").to_string_lossy().into_owned();
-    let doc = json(&parallax(&["run", &plan, "--steps", "2", "--json"]));
+    let doc = run_searched_plan(&m, &[]);
     assert_eq!(doc["model"], "mlp");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Real data: the byte-level LSTM language model learns a text file, and the tiny ResNet an

@@ -354,9 +354,12 @@ pub fn check_layout(s: &Setup, l: &Layout) -> Result<(), Infeasible> {
     }
     if l.offload != parallax_ir::Offload::None {
         let node = &s.profile.node;
-        if node.host_link_bandwidth().is_none() || node.host_memory_bandwidth().is_none() {
+        if node.host_link_bandwidth().is_none()
+            || node.host_memory_bandwidth().is_none()
+            || node.host_memory_gib.is_none()
+        {
             return Err(Infeasible::Unsupported(format!(
-                "offload {}: the profile gives no host link or host memory bandwidth (node.pcie_host_gbps, node.host_memory_gbps)",
+                "offload {}: the profile gives no host link, host memory bandwidth or host memory size (node.pcie_host_gbps, node.host_memory_gbps, node.host_memory_gib)",
                 l.offload
             )));
         }

@@ -729,21 +729,28 @@ impl DeviceOffload for Gpu {
     }
 }
 
-/// Runs `spec` with one thread per rank, rank `r` on GPU `r`: GEMMs on the GPU through
-/// cuBLAS, collectives through NCCL (feature `nccl`; host channels without it). Needs as many
-/// GPUs as the layout has ranks.
-pub fn run(spec: &RunSpec) -> Result<RunReport, ExecError> {
+/// Whether this machine has a GPU for each of the `world` ranks a `what` (layout or
+/// plan) needs.
+fn enough_gpus(world: usize, what: &str) -> Result<(), ExecError> {
     let gpus = device_count()?;
-    let world = spec.layout.devices() as usize;
     if world > gpus {
         return Err(ExecError::Backend {
             backend: "cuda",
             message: format!(
-                "the layout needs {world} ranks, one GPU each, but this machine has {gpus}; use \
-                 a smaller layout or --backend threads|mpi"
+                "the {what} needs {world} ranks, one GPU each, but this machine has {gpus}; use \
+                 a smaller {what} or --backend threads|mpi"
             ),
         });
     }
+    Ok(())
+}
+
+/// Runs `spec` with one thread per rank, rank `r` on GPU `r`: GEMMs on the GPU through
+/// cuBLAS, collectives through NCCL (feature `nccl`; host channels without it). Needs as many
+/// GPUs as the layout has ranks.
+pub fn run(spec: &RunSpec) -> Result<RunReport, ExecError> {
+    let world = spec.layout.devices() as usize;
+    enough_gpus(world, "layout")?;
     run_threads_with(spec, &|spec, prep, comm, epoch| {
         let ordinal = crate::Collectives::rank(comm);
         train_on_gpu(ordinal, spec, prep, comm, epoch)
@@ -798,17 +805,8 @@ fn on_gpu<C: crate::Collectives>(
 /// kernels on the host, as the transformer trainer's.
 pub fn run_graph(spec: &crate::graph::GraphRunSpec) -> Result<RunReport, ExecError> {
     let prep = crate::graph::GraphPrepared::new(spec)?;
-    let gpus = device_count()?;
     let world = prep.world();
-    if world > gpus {
-        return Err(ExecError::Backend {
-            backend: "cuda",
-            message: format!(
-                "the plan needs {world} devices, one GPU each, but this machine has {gpus}; use \
-                 a smaller plan or --backend threads|mpi"
-            ),
-        });
-    }
+    enough_gpus(world, "plan")?;
     let epoch = Instant::now();
     crate::spawn_ranks(world, spec.timeout, &|comm| {
         let ordinal = crate::Collectives::rank(comm);
@@ -1050,6 +1048,21 @@ mod nccl_impl {
             what: &str,
         ) -> Result<(), CommError> {
             self.inner.recv(from, tag, out, what)
+        }
+
+        // Handed to the inner runtime as they are, so its zero-copy hand-over stays.
+        fn send_owned(&mut self, to: usize, tag: u64, data: Vec<f32>) -> Result<(), CommError> {
+            self.inner.send_owned(to, tag, data)
+        }
+
+        fn recv_owned(
+            &mut self,
+            from: usize,
+            tag: u64,
+            len: usize,
+            what: &str,
+        ) -> Result<Vec<f32>, CommError> {
+            self.inner.recv_owned(from, tag, len, what)
         }
 
         fn next_tag(&mut self, group: &Group) -> u64 {

@@ -696,18 +696,18 @@ fn pipeline_step(
     // once however many of its ops read it (a cut through a multi-branch cell sends each
     // branch's input); a skip connection goes straight to the stage that reads it, as
     // torchgpipe's `skippable` stash and pop do, so it loads that stage's boundary only.
-    let p2p_boundaries: Vec<Seconds> = (0..pp.saturating_sub(1))
-        .map(|b| {
-            let mut sent: BTreeMap<usize, f64> = BTreeMap::new();
-            for e in &mg.edges {
-                if stage[e.producer] <= b && stage[e.consumer] == b + 1 {
-                    let t = sent.entry(e.shared).or_default();
-                    *t = t.max(e.fwd.0.max(e.bwd.0));
-                }
-            }
-            Seconds(sent.values().sum())
-        })
-        .collect();
+    let mut sent: BTreeMap<(u32, usize), f64> = BTreeMap::new();
+    for e in &mg.edges {
+        let (from, to) = (stage[e.producer], stage[e.consumer]);
+        if from < to {
+            let t = sent.entry((to - 1, e.shared)).or_default();
+            *t = t.max(e.fwd.0.max(e.bwd.0));
+        }
+    }
+    let mut p2p_boundaries = vec![Seconds(0.0); pp.saturating_sub(1) as usize];
+    for ((b, _), t) in sent {
+        p2p_boundaries[b as usize] += Seconds(t);
+    }
     let p2p = p2p_boundaries.iter().map(|t| t.0).fold(0.0, f64::max);
     let kind = ScheduleKind::of(plan.schedule, pp);
     let schedule = PipelineSchedule::generate(kind, pp, m, 1)?;
