@@ -30,6 +30,14 @@ fn a_cnn_plans_and_its_plan_reloads_with_the_same_prediction() {
     assert!(doc["mfu"].as_f64().unwrap() < 1.0);
     assert!(doc["speedup_over_data_parallel"].as_f64().unwrap() >= 1.0 - 1e-9);
     assert!(doc["search"]["exact"].as_bool().unwrap());
+    // The ZeRO stage the search settled on is written with the plan and named in its summary.
+    let zero = doc["plan"]["layout"]["zero_stage"].as_u64().unwrap();
+    let layout = doc["layout"].as_str().unwrap();
+    assert_eq!(
+        layout.contains(&format!("ZeRO-{zero}")),
+        zero > 0,
+        "{layout}"
+    );
     let ops = doc["plan"]["op_configs"].as_array().unwrap();
     assert!(ops.len() > 100, "{}", ops.len());
     for f in [
@@ -101,6 +109,50 @@ fn inline_layouts_simulate_data_parallelism_and_pipelines() {
     assert_eq!(pp["micro_batches"], 8);
     assert!(pp["bubble_fraction"].as_f64().unwrap() > 0.0);
     assert_eq!(simulate("cp=2", &[]).status.code(), Some(2));
+}
+
+/// `zero=` on a graph's inline layout: each stage keeps less per device (optimizer states,
+/// then gradients, then the weights, sharded over their replicas), the summary names it, a
+/// per-op pipeline refuses ZeRO-3 in one line, and the executor trains a ZeRO plan to the
+/// losses of plain data parallelism.
+#[test]
+fn zero_stages_shard_a_graphs_states_and_train_as_data_parallelism() {
+    let simulate = |plan: &str| {
+        let mut args = vec!["simulate"];
+        args.extend(JOB);
+        args.extend(["--plan", plan, "--json"]);
+        parallax(&args)
+    };
+    let mut last = f64::INFINITY;
+    for z in 0..=3 {
+        let doc = json(&simulate(&format!("dp=8,zero={z}")));
+        let peak = doc["peak_memory_gib"].as_f64().unwrap();
+        assert!(peak < last, "zero={z}: {peak} GiB after {last}");
+        last = peak;
+        let layout = doc["layout"].as_str().unwrap();
+        assert_eq!(layout.contains(&format!("ZeRO-{z}")), z > 0, "{layout}");
+    }
+    let out = simulate("dp=4,pp=2,zero=3");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("zero stage 3"), "{err}");
+    let run = |plan: &str| {
+        json(&parallax(&[
+            "run",
+            "--model",
+            "resnet-tiny",
+            "--plan",
+            plan,
+            "--global-batch",
+            "8",
+            "--steps",
+            "3",
+            "--json",
+        ]))["losses"]
+            .clone()
+    };
+    assert_eq!(run("dp=2,zero=2"), run("dp=2"));
 }
 
 /// `--memory-format nchw` prices cuDNN's transposes around tensor-core convolutions: slower

@@ -210,6 +210,7 @@ pub fn op_plan(job: &GraphModel, spec: &str) -> anyhow::Result<(Graph, OpPlan)> 
                     p.schedule = s;
                 }
                 p.recompute = l.recompute;
+                p.zero_stage = l.zero_stage;
                 p
             }
         }
@@ -241,17 +242,19 @@ struct Inline {
     samples_per_micro_batch: u64,
     schedule: Option<Schedule>,
     recompute: bool,
+    zero_stage: u8,
 }
 
 impl Inline {
-    /// Parses and checks `dp`, `tp`, `pp`, `mb`, `schedule` and `recompute` against the job.
+    /// Parses and checks `dp`, `tp`, `pp`, `mb`, `schedule`, `recompute` and `zero` against
+    /// the job.
     fn parse(job: &GraphModel, spec: &str) -> anyhow::Result<Inline> {
         let gpus = u64::from(job.cluster.gpus);
         let l = PartialLayout::parse(spec).map_err(|e| user(format!("--plan: {e}")))?;
         for (k, v) in [("cp", l.cp), ("ep", l.ep), ("interleave", l.interleave)] {
             if v.is_some_and(|v| v > 1) {
                 return Err(user(format!(
-                    "--plan: {k}: {} is a transformer knob; per-op plans of this model take dp, tp, pp, mb, schedule and recompute",
+                    "--plan: {k}: {} is a transformer knob; per-op plans of this model take dp, tp, pp, zero, mb, schedule and recompute",
                     job.name
                 )));
             }
@@ -290,6 +293,7 @@ impl Inline {
             samples_per_micro_batch: per_step,
             schedule: l.schedule,
             recompute: l.recompute == Some(Recompute::Full),
+            zero_stage: l.zero_stage.unwrap_or(0),
         })
     }
 }
@@ -348,6 +352,7 @@ fn from_plan(costs: &OpCosts, p: &Plan, origin: &str) -> anyhow::Result<OpPlan> 
         micro_batches: p.micro_batches.unwrap_or(1),
         schedule: p.layout.schedule,
         recompute: p.layout.recompute == Recompute::Full,
+        zero_stage: p.layout.zero_stage,
     })
 }
 
@@ -427,6 +432,7 @@ fn plan_document(
             } else {
                 Schedule::None
             },
+            zero_stage: plan.zero_stage,
             ..Layout::default()
         },
         op_configs,
@@ -524,11 +530,15 @@ fn summary(costs: &OpCosts, plan: &OpPlan) -> String {
     let stages: std::collections::BTreeSet<MachineView> =
         plan.configs.iter().map(|c| c.view).collect();
     format!(
-        "per-op plan: {} distinct configurations on {} device groups, {} micro-batch{}",
+        "per-op plan: {} distinct configurations on {} device groups, {} micro-batch{}{}",
         kinds.len(),
         stages.len(),
         plan.micro_batches,
-        if plan.micro_batches == 1 { "" } else { "es" }
+        if plan.micro_batches == 1 { "" } else { "es" },
+        match plan.zero_stage {
+            0 => String::new(),
+            z => format!(", ZeRO-{z} over each weight's replicas"),
+        }
     )
 }
 

@@ -28,8 +28,8 @@
 
 use crate::comm::{Collective, Group, Network};
 use crate::compute::{DeviceModel, OpTimes};
-use crate::memory::state_bytes_per_param_for;
 pub use crate::memory::Optimizer;
+use crate::memory::{state_bytes_per_param_for, FP32_WEIGHT_BYTES, MIXED_WEIGHT_BYTES};
 use parallax_hardware::{ClusterProfile, HwError};
 use parallax_ir::graph::{Node, NodeId, TensorId, TensorRole};
 use parallax_ir::{AxesMapping, AxisRole, Bytes, Graph, OpKind, Precision, Seconds, Shape};
@@ -579,7 +579,8 @@ pub struct OpCosts<'a> {
     pub gpus: u32,
     pub precision: Precision,
     pub optimizer: Optimizer,
-    /// 0: weights replicated; 1–3: optimizer states, gradients, weights sharded over replicas.
+    /// The ZeRO stage being priced (0: weights replicated; 1–3: optimizer states, gradients,
+    /// weights sharded over replicas); the simulator sets it from the plan it simulates.
     pub zero_stage: u8,
     /// How replicas combine their gradients.
     pub sync: GradSync,
@@ -1041,10 +1042,11 @@ impl<'a> OpCosts<'a> {
             .collect()
     }
 
-    /// Time to synchronise `bytes` of gradient over `g`: an all-reduce; under ZeRO 2/3 a
+    /// Time to synchronise `bytes` of gradient over `g`: an all-reduce; under ZeRO 2 a
     /// reduce-scatter plus the all-gather of the updated parameters (the same bytes moved);
-    /// with a host parameter server, a push of the gradient and a pull of the updated weights
-    /// over each device's share of its host link.
+    /// under ZeRO 3 the reduce-scatter alone (the next step gathers the weights where they are
+    /// used, [`OpCosts::param_gather`]); with a host parameter server, a push of the gradient
+    /// and a pull of the updated weights over each device's share of its host link.
     pub fn sync_time(&self, bytes: Bytes, g: Group) -> Seconds {
         if self.sync == GradSync::HostParameterServer {
             let node = &self.profile.node;
@@ -1053,12 +1055,42 @@ impl<'a> OpCosts<'a> {
                 .unwrap_or_else(|| node.intra_bandwidth());
             return Seconds(2.0 * bytes.0 as f64 / link.0) + node.intra_latency() * 2.0;
         }
-        if self.zero_stage >= 2 {
+        if self.zero_stage >= 3 {
+            self.net.collective(Collective::ReduceScatter, bytes, g)
+        } else if self.zero_stage == 2 {
             self.net.collective(Collective::ReduceScatter, bytes, g)
                 + self.net.collective(Collective::AllGather, bytes, g)
         } else {
             self.net.collective(Collective::AllReduce, bytes, g)
         }
+    }
+
+    /// Under ZeRO 3, the all-gather of the weights a node owns before each pass over it: the
+    /// bytes of its replicated weight shards in the training type (what the pass reads) and
+    /// the time to gather them from their replicas; `(0, 0)` where nothing is sharded.
+    pub fn param_gather(&self, n: NodeId, cfg: &ParallelConfig) -> (f64, Seconds) {
+        if self.zero_stage < 3 {
+            return (0.0, Seconds(0.0));
+        }
+        let gpn = self.profile.node.gpus_per_node;
+        let w = if self.precision.is_mixed() {
+            MIXED_WEIGHT_BYTES
+        } else {
+            FP32_WEIGHT_BYTES
+        };
+        self.weight_layouts(n, cfg)
+            .filter(|(_, grad)| grad.sum_degree() > 1)
+            .fold((0.0, Seconds(0.0)), |(b, t), (layout, grad)| {
+                let group = grad.group_along(0, &grad.sum_axes);
+                let devices: Vec<u32> = group.iter().map(|p| layout.view.device(*p)).collect();
+                let bytes = layout.shard_elems() as f64 * w;
+                let time = self.net.collective(
+                    Collective::AllGather,
+                    Bytes(bytes as u64),
+                    group_of(&devices, gpn),
+                );
+                (b + bytes, t + time)
+            })
     }
 
     /// Per-device memory of one node under `cfg`: the weights it owns (states sharded over

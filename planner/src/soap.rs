@@ -564,8 +564,18 @@ pub fn search_ops(
         .collect();
     counts.candidates = all.iter().map(Vec::len).sum();
     // Uniform patterns: data parallelism and parameter splits wherever an op has one.
-    let dp = OpPlan::uniform(n, |i| widest_sample(&all[i], costs, NodeId(i as u32)));
-    let par = OpPlan::uniform(n, |i| widest_parameter(&all[i], costs, NodeId(i as u32)));
+    // Every plan is priced at the stage the search runs at.
+    let zero = costs.zero_stage;
+    let staged = |mut p: OpPlan| {
+        p.zero_stage = zero;
+        p
+    };
+    let dp = staged(OpPlan::uniform(n, |i| {
+        widest_sample(&all[i], costs, NodeId(i as u32))
+    }));
+    let par = staged(OpPlan::uniform(n, |i| {
+        widest_parameter(&all[i], costs, NodeId(i as u32))
+    }));
     // Candidates of the exact search: cheapest by node cost, the unsplit and widest sample
     // split always kept.
     let (cands, node): (Vec<Vec<ParallelConfig>>, Vec<Vec<f64>>) = (0..n)
@@ -606,7 +616,7 @@ pub fn search_ops(
         let tables = CostTables::build(costs, &cands, node);
         let (choice, exact) = eliminate(&tables, opts.brute_force_limit);
         counts.exact = exact;
-        let plan = OpPlan::uniform(n, |i| cands[i][choice[i]].clone());
+        let plan = staged(OpPlan::uniform(n, |i| cands[i][choice[i]].clone()));
         if let Some(p) = simulate_fitting(costs, &plan, global_batch, &mut counts) {
             pool.push((plan, p));
         }
@@ -888,6 +898,7 @@ pub fn layout_plan(costs: &mut OpCosts, dp: u32, tp: u32, pp: u32) -> OpPlan {
         .map(|(mut c, k)| c.swap_remove(k))
         .collect();
     OpPlan {
+        zero_stage: costs.zero_stage,
         configs,
         micro_batches: 1,
         schedule: if pp > 1 {
@@ -909,6 +920,9 @@ pub struct GraphPlan {
     pub data_parallel: Option<OpStepPrediction>,
     pub best_uniform: Option<(String, OpStepPrediction)>,
     pub counts: SoapCounts,
+    /// The ZeRO stage the plan's weights, gradients and optimizer states are stored under
+    /// (the lowest at which anything fits).
+    pub zero_stage: u8,
 }
 
 /// What [`plan_graph`] needs of the job.
@@ -969,10 +983,56 @@ impl std::fmt::Debug for GraphJob<'_> {
 
 /// Searches the per-op plan of the whole batch ([`search_ops`]), then pipelines: balanced
 /// stages over 2, 4, … device groups fed `pp`, `2 pp` or `4 pp` micro-batches (1F1B); the
-/// fastest plan that fits wins.
+/// fastest plan that fits wins. Weights are replicated where they are split alike; when nothing
+/// fits so, the search is run again with ZeRO 1, 2 and 3 in turn (optimizer states, then
+/// gradients, then the weights sharded over their replicas), as memory binds.
 pub fn plan_graph(job: &GraphJob, opts: &SoapOptions) -> Result<GraphPlan, SoapError> {
+    let mut first = None;
+    for zero in 0..=3 {
+        match plan_graph_at(job, opts, zero) {
+            Ok(p) => return shard_states(job, p),
+            Err(e @ SoapError::NothingFits(_)) => {
+                first.get_or_insert(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(first.expect("four stages tried"))
+}
+
+/// Smallest gain that moves a plan to a higher ZeRO stage: 1 % of its step.
+const ZERO_GAIN: f64 = 0.01;
+
+/// The winning plan at the higher ZeRO stages: sharding the optimizer states spreads the
+/// update of replicated weights over their replicas (ZeRO-1 moves the same bytes as the
+/// all-reduce), which a large replicated layer can gain from; a stage is taken when it
+/// shortens the step by at least [`ZERO_GAIN`].
+fn shard_states(job: &GraphJob, mut best: GraphPlan) -> Result<GraphPlan, SoapError> {
+    let g = (job.build)(best.micro_batch).map_err(SoapError::Setup)?;
+    let mut costs = job.costs(&g).map_err(SoapError::Setup)?;
+    for zero in best.zero_stage + 1..=3 {
+        let mut plan = best.plan.clone();
+        plan.zero_stage = zero;
+        best.counts.simulated += 1;
+        // ZeRO 3 is refused under a pipeline; a stage that does not fit is not taken.
+        let Ok(s) = simulate_op_plan(&mut costs, &plan, job.global_batch) else {
+            continue;
+        };
+        let p = s.prediction;
+        if p.fits && p.step_time_s < best.prediction.step_time_s * (1.0 - ZERO_GAIN) {
+            best.plan = plan;
+            best.prediction = p;
+            best.zero_stage = zero;
+        }
+    }
+    Ok(best)
+}
+
+/// [`plan_graph`] at one ZeRO stage.
+fn plan_graph_at(job: &GraphJob, opts: &SoapOptions, zero: u8) -> Result<GraphPlan, SoapError> {
     let g = (job.build)(job.global_batch).map_err(SoapError::Setup)?;
     let mut costs = job.costs(&g).map_err(SoapError::Setup)?;
+    costs.zero_stage = zero;
     let r = search_ops(&mut costs, job.global_batch, opts)?;
     let mut best = GraphPlan {
         plan: r.plan,
@@ -981,10 +1041,12 @@ pub fn plan_graph(job: &GraphJob, opts: &SoapOptions) -> Result<GraphPlan, SoapE
         data_parallel: r.data_parallel,
         best_uniform: r.best_uniform,
         counts: r.counts,
+        zero_stage: zero,
     };
     let nodes = g.nodes.len() as u32;
     let mut pp = 2;
-    while pp <= job.gpus && job.gpus % pp == 0 && 2 * pp <= nodes {
+    // A per-op pipeline keeps its stages' weights gathered: no ZeRO 3 there.
+    while zero < 3 && pp <= job.gpus && job.gpus % pp == 0 && 2 * pp <= nodes {
         for m in [pp, 2 * pp, 4 * pp].map(u64::from) {
             if job.global_batch % m != 0 {
                 continue;
@@ -994,6 +1056,7 @@ pub fn plan_graph(job: &GraphJob, opts: &SoapOptions) -> Result<GraphPlan, SoapE
             let Ok(mut c) = job.costs(&g) else {
                 continue;
             };
+            c.zero_stage = zero;
             let mut plan = layout_plan(&mut c, job.gpus / pp, 1, pp);
             plan.micro_batches = m as u32;
             let p = simulate_fitting(&mut c, &plan, job.global_batch, &mut best.counts);

@@ -43,13 +43,17 @@ pub const DDP_BUCKET_BYTES: u64 = 25 * 1024 * 1024;
 /// A per-op plan of one graph: a configuration per node (in node order), how many
 /// micro-batches one step feeds (the graph is built at the micro-batch's size), the pipeline
 /// schedule where the placement forms stages, and whether stages recompute their forward in
-/// backward (GPipe's checkpointing).
+/// backward (GPipe's checkpointing), and the ZeRO stage its replicated weights' states are
+/// stored under (0: each replica keeps them whole; 1–3: optimizer states, then gradients,
+/// then the weights themselves sharded over the replicas).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct OpPlan {
     pub configs: Vec<ParallelConfig>,
     pub micro_batches: u32,
     pub schedule: Schedule,
     pub recompute: bool,
+    #[serde(default)]
+    pub zero_stage: u8,
 }
 
 impl OpPlan {
@@ -60,6 +64,7 @@ impl OpPlan {
             micro_batches: 1,
             schedule: Schedule::None,
             recompute: false,
+            zero_stage: 0,
         }
     }
 }
@@ -73,6 +78,8 @@ pub enum OpStepError {
     Schedule(#[from] ScheduleError),
     #[error(transparent)]
     Sim(#[from] SimError),
+    #[error("zero stage {stage}: {why}")]
+    Zero { stage: u8, why: &'static str },
 }
 
 /// The prediction for one step of a per-op plan.
@@ -264,6 +271,32 @@ fn build_micro(
         reshards: Vec::new(),
     };
     let mut times = Vec::with_capacity(n);
+    // ZeRO 3: each pass over an op gathers its weights on the gradient stream first, one op
+    // ahead (FSDP's default prefetch): the gather for a class's k-th pass over a weighted op
+    // (forward passes, then backward ones in reverse) waits for its (k−2)-th pass.
+    let gathers: Vec<Seconds> = (0..n)
+        .map(|i| costs.param_gather(NodeId(i as u32), &plan.configs[i]).1)
+        .collect();
+    let mut passed: Vec<Vec<TaskId>> = vec![Vec::new(); cls.members.len()];
+    let gather = |mg: &mut MicroGraph,
+                  passed: &[Vec<TaskId>],
+                  i: usize,
+                  c: usize,
+                  deps: &mut Vec<TaskId>|
+     -> bool {
+        if gathers[i].0 <= 0.0 {
+            return false;
+        }
+        let after: Vec<TaskId> = passed[c].iter().rev().nth(1).copied().into_iter().collect();
+        let task = Task::new(
+            "param gather",
+            TaskKind::Comm(CommKind::ZeroAllGather),
+            sync[c],
+        )
+        .with_index(i as u32);
+        deps.push(mg.add(task, gathers[i], &after));
+        true
+    };
     // Each (tensor, layout a consumer wants) is resharded once: its id, and its forward task
     // per device class.
     let mut shared_ids: HashMap<(u32, u32), usize> = HashMap::new();
@@ -318,9 +351,13 @@ fn build_micro(
             }
         }
         for (ci, c) in node_classes.iter().enumerate() {
+            let gathered = gather(&mut mg, &passed, i, *c, &mut deps[ci]);
             let task = Task::new("F", TaskKind::Forward, compute[*c]).with_index(i as u32);
             let f = mg.add(task, t.fwd, &deps[ci]);
             mg.fwd[i].push(f);
+            if gathered {
+                passed[*c].push(f);
+            }
         }
     }
     // Backward, in reverse topological order.
@@ -359,9 +396,13 @@ fn build_micro(
         let t = times[i];
         let recompute = if plan.recompute { t.fwd } else { Seconds(0.0) };
         for (ci, c) in node_classes.iter().enumerate() {
+            let gathered = gather(&mut mg, &passed, i, *c, &mut deps[ci]);
             let task = Task::new("B", TaskKind::BackwardInput, compute[*c]).with_index(i as u32);
             let b = mg.add(task, t.bwd_input + t.bwd_weight + recompute, &deps[ci]);
             mg.bwd[i].push(b);
+            if gathered {
+                passed[*c].push(b);
+            }
         }
         mg.sync[i] = costs.grad_sync(NodeId(i as u32), &plan.configs[i]);
     }
@@ -468,7 +509,13 @@ fn class_memory(
     in_flight: &[f64],
 ) -> Vec<MemoryGib> {
     let mut mem = vec![MemoryBreakdown::default(); cls.members.len()];
+    // ZeRO 3: the weights of the op being run and of the one gathered ahead of it.
+    let mut gathered = vec![0.0f64; cls.members.len()];
     for (i, cfg) in plan.configs.iter().enumerate() {
+        let g = costs.param_gather(NodeId(i as u32), cfg).0;
+        for &c in &cls.of_node[i] {
+            gathered[c] = gathered[c].max(2.0 * g);
+        }
         let m = costs.memory(NodeId(i as u32), cfg);
         let saved = if plan.recompute {
             // Checkpointing keeps each stage's input per micro-batch and one micro-batch's
@@ -486,8 +533,9 @@ fn class_memory(
         }
     }
     mem.into_iter()
-        .map(|mut x| {
-            x.buffers = Bytes::from_gib(workspace_gib(costs.profile));
+        .zip(gathered)
+        .map(|(mut x, g)| {
+            x.buffers = Bytes::from_gib(workspace_gib(costs.profile)) + Bytes(g as u64);
             MemoryGib::from(x.with_allocator())
         })
         .collect()
@@ -525,6 +573,14 @@ pub fn simulate_op_plan(
     for (i, c) in plan.configs.iter().enumerate() {
         costs.check(NodeId(i as u32), c)?;
     }
+    // The plan's stage prices its states (memory, gradient sync, gathers).
+    costs.zero_stage = plan.zero_stage;
+    if costs.zero_stage > 3 {
+        return Err(OpStepError::Zero {
+            stage: costs.zero_stage,
+            why: "must be 0, 1, 2 or 3",
+        });
+    }
     let m = plan.micro_batches.max(1);
     let cls = classes(costs.gpus, &plan.configs);
     let stages = if m > 1 || plan.schedule != Schedule::None {
@@ -532,6 +588,12 @@ pub fn simulate_op_plan(
     } else {
         None
     };
+    if stages.is_some() && costs.zero_stage >= 3 {
+        return Err(OpStepError::Zero {
+            stage: costs.zero_stage,
+            why: "a per-op pipeline keeps its stages' weights gathered; use zero 0-2",
+        });
+    }
     let r = match stages {
         None => {
             let mg = build_micro(costs, plan, &cls, true)?;
@@ -626,11 +688,45 @@ fn accumulation_breakdown(mg: &MicroGraph, trace: &Trace, m: u32) -> (f64, Break
     let mf = f64::from(m);
     let step = (mf - 1.0) * fb_end + trace.makespan.0;
     let compute = mf * busy[r];
-    let reshard = mf * (fb_end - busy[r]).max(0.0);
+    let waiting = mf * (fb_end - busy[r]).max(0.0);
+    // The busiest stream's idle time before its forward and backward passes, charged to ZeRO 3's
+    // weight gathers where one was the last thing a pass waited for, else to resharding.
+    let mut last_dep: Vec<Option<usize>> = vec![None; trace.spans.len()];
+    for e in mg.graph.edges() {
+        let (from, to) = (e.from.index(), e.to.index());
+        if last_dep[to].is_none_or(|d| trace.spans[from].end.0 > trace.spans[d].end.0) {
+            last_dep[to] = Some(from);
+        }
+    }
+    let mut passes: Vec<usize> = (0..trace.spans.len())
+        .filter(|&t| {
+            trace.spans[t].resource.index() == r
+                && matches!(
+                    mg.graph.tasks()[t].kind,
+                    TaskKind::Forward | TaskKind::BackwardInput | TaskKind::BackwardWeight
+                )
+        })
+        .collect();
+    passes.sort_by(|a, b| trace.spans[*a].start.0.total_cmp(&trace.spans[*b].start.0));
+    let mut gathering = 0.0;
+    let mut free = 0.0f64;
+    for t in passes {
+        let idle = (trace.spans[t].start.0 - free).max(0.0);
+        let by_gather = last_dep[t]
+            .is_some_and(|d| mg.graph.tasks()[d].kind == TaskKind::Comm(CommKind::ZeroAllGather));
+        if by_gather {
+            gathering += idle;
+        }
+        free = free.max(trace.spans[t].end.0);
+    }
+    let gathering = (mf * gathering).min(waiting);
+    let reshard = waiting - gathering;
     let optimizer = opt[r];
     let dp = (step - compute - reshard - optimizer).max(0.0);
     let mut exposed = BTreeMap::new();
     exposed.insert("reshard".to_string(), reshard);
+    // Gradient synchronisation after backward and, under ZeRO 3, the weight gathers the passes
+    // waited for.
     exposed.insert("dp".to_string(), dp);
     (
         step,
@@ -891,6 +987,117 @@ mod tests {
         let step4 = simulate_op_plan(&mut c, &acc, 256).unwrap();
         let want = 4.0 * fb + sync.0 + c.optimizer_time(params).0;
         assert!((step4.prediction.step_time_s - want).abs() < 1e-12);
+    }
+
+    /// ZeRO 3 under data parallelism, by hand: each pass over fc1 and fc2 first gathers the
+    /// weight on the gradient stream, one op ahead; after backward the gradients are only
+    /// reduce-scattered; each device keeps an eighth of the weights and two gathered ones.
+    #[test]
+    fn zero3_gathers_each_weight_one_pass_ahead_and_only_reduce_scatters() {
+        let p = preset("dgx-a100-80gb").unwrap();
+        let g = mlp(64);
+        let mut c = OpCosts::new(&g, &p, 8, Precision::Fp32).unwrap();
+        let sample = |i: usize| {
+            let m = c.mapping(NodeId(i as u32));
+            m.axes
+                .iter()
+                .find(|(_, a)| a.role == parallax_ir::AxisRole::Sample)
+                .map(|(l, _)| *l)
+                .unwrap()
+        };
+        let labels: Vec<char> = (0..g.nodes.len()).map(sample).collect();
+        let plan = OpPlan::uniform(g.nodes.len(), |i| ParallelConfig {
+            degrees: BTreeMap::from([(labels[i], 8)]),
+            view: MachineView::block(0, 8),
+        });
+        let plain = simulate_op_plan(&mut c, &plan, 64).unwrap().prediction;
+        let mut plan = plan;
+        plan.zero_stage = 3;
+        let step = simulate_op_plan(&mut c, &plan, 64).unwrap();
+        assert_eq!(
+            step.graph
+                .tasks()
+                .iter()
+                .filter(|t| t.kind == TaskKind::Comm(CommKind::ZeroAllGather))
+                .count(),
+            4
+        );
+        let group = parallax_cost::Group::strided(8, 1, 8);
+        let weight = Bytes(1024 * 1024 * 4);
+        let net = parallax_cost::comm::Network::new(&p);
+        let gt = net
+            .collective(parallax_cost::Collective::AllGather, weight, group)
+            .0;
+        assert!((c.param_gather(NodeId(0), &plan.configs[0]).1 .0 - gt).abs() < 1e-15);
+        let rs = net
+            .collective(
+                parallax_cost::Collective::ReduceScatter,
+                Bytes(2 * weight.0),
+                group,
+            )
+            .0;
+        assert!((c.sync_time(Bytes(2 * weight.0), group).0 - rs).abs() < 1e-15);
+        let t: Vec<_> = (0..3)
+            .map(|i| c.compute(NodeId(i), &plan.configs[i as usize]))
+            .collect();
+        let (f1, f2, fl) = (t[0].fwd.0, t[1].fwd.0, t[2].fwd.0);
+        let b = |i: usize| t[i].bwd_input.0 + t[i].bwd_weight.0;
+        // Gradient stream: G(F1) [0, g], G(F2) [g, 2g], G(B2) after F1, G(B1) after F2.
+        let e2 = (gt + f1).max(2.0 * gt) + f2;
+        let ebl = e2 + fl + b(2);
+        let g3 = (gt + f1).max(2.0 * gt) + gt;
+        let eb2 = ebl.max(g3) + b(1);
+        let g4 = e2.max(g3) + gt;
+        let eb1 = eb2.max(g4) + b(0);
+        let params: f64 = (0..3)
+            .map(|i| c.updated_params(NodeId(i), &plan.configs[i as usize]))
+            .sum();
+        let expect = eb1 + rs + c.optimizer_time(params).0;
+        let got = step.prediction.step_time_s;
+        assert!((got - expect).abs() < 1e-12, "{got} vs {expect}");
+        let parts: f64 = step.prediction.breakdown.parts().iter().map(|x| x.1).sum();
+        assert!((parts - got).abs() < 1e-9, "{parts} vs {got}");
+        // Memory: an eighth of fp32 weights, gradients and Adam moments; two gathered weights.
+        let (m0, m3) = (plain.memory, step.prediction.memory);
+        assert!(
+            (m3.params * 8.0 - m0.params).abs() < 1e-9,
+            "{m3:?} vs {m0:?}"
+        );
+        assert!((m3.optimizer * 8.0 - m0.optimizer).abs() < 1e-9);
+        let two = 2.0 * weight.0 as f64 / (1u64 << 30) as f64;
+        assert!(
+            (m3.buffers - m0.buffers - two).abs() < 1e-9,
+            "{m3:?} vs {m0:?}"
+        );
+        // A pipelined per-op plan keeps its weights: ZeRO 3 is refused there.
+        let mut piped = OpPlan::uniform(g.nodes.len(), |i| ParallelConfig {
+            degrees: BTreeMap::from([(labels[i], 4)]),
+            view: MachineView::block(if i == 0 { 0 } else { 4 }, 4),
+        });
+        piped.micro_batches = 2;
+        piped.schedule = Schedule::GPipe;
+        piped.zero_stage = 3;
+        let err = simulate_op_plan(&mut c, &piped, 128)
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("zero stage 3: a per-op pipeline"), "{err}");
+        // Accumulated micro-batches on the same devices gather again for each (FSDP frees
+        // the weights after each pass).
+        let mut acc = plan.clone();
+        acc.micro_batches = 2;
+        let two = simulate_op_plan(&mut c, &acc, 128).unwrap();
+        let count = |s: &SimulatedOpStep| {
+            s.graph
+                .tasks()
+                .iter()
+                .filter(|t| t.kind == TaskKind::Comm(CommKind::ZeroAllGather))
+                .count()
+        };
+        assert_eq!(count(&two), 4);
+        let want = eb1 + expect;
+        assert!((two.prediction.step_time_s - want).abs() < 1e-12);
+        plan.zero_stage = 4;
+        assert!(simulate_op_plan(&mut c, &plan, 64).is_err());
     }
 
     #[test]

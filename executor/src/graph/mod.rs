@@ -24,8 +24,10 @@
 //! forward, all of them, then backward in reverse (GPipe's order; point-to-point sends never
 //! wait for the receiver, so devices holding different ops overlap their micro-batches as a
 //! pipeline); the plan's 1F1B schedule and recomputation change when memory is freed, not
-//! the values, and are run in this order. ZeRO sharding of the optimizer state is not done:
-//! every replica keeps the whole state of its region.
+//! the values, and are run in this order. A plan's ZeRO stage (`OpPlan::zero_stage`, which
+//! the planner prices as sharded states) changes where states are kept, not the values: it
+//! is run with every replica keeping the whole state of its region, so the step's values are
+//! those of the sharded run and its memory is not.
 
 pub mod data;
 pub mod kernels;
@@ -532,6 +534,7 @@ pub fn split_label(
 /// micro-batches in GPipe order.
 pub fn op_plan(g: &Graph, micro_batches: u32, f: impl Fn(usize) -> ParallelConfig) -> OpPlan {
     OpPlan {
+        zero_stage: 0,
         configs: (0..g.nodes.len()).map(f).collect(),
         micro_batches,
         schedule: if micro_batches > 1 {
