@@ -638,11 +638,17 @@ fn general_job(a: &Args) -> anyhow::Result<Option<(GraphModel, String)>> {
 /// compares its step time with the per-op simulator's prediction of the same plan.
 fn run_general(a: &Args, job: GraphModel, plan_spec: &str, backend: Backend) -> anyhow::Result<()> {
     let (graph, plan) = general::op_plan(&job, plan_spec)?;
+    // The executor keeps every replica's whole state (a ZeRO stage changes where states live,
+    // not the values): it is predicted as the plan without ZeRO.
+    let as_run = parallax_sim::perop::OpPlan {
+        zero_stage: 0,
+        ..plan.clone()
+    };
     let on_host_cores = job.cluster.profile.node.intra_fabric == FabricKind::HostMemory;
     let predicted = if backend == Backend::Cuda && on_host_cores {
         Err(anyhow::anyhow!(CUDA_NOT_PREDICTED))
     } else {
-        general::predict(&job, &graph, &plan)
+        general::predict(&job, &graph, &as_run)
     };
     // An inference graph (an ONNX classifier) trains against a cross-entropy on its logits.
     let (graph, plan) = with_training_loss(&graph, &plan).unwrap_or((graph, plan));
@@ -653,11 +659,12 @@ fn run_general(a: &Args, job: GraphModel, plan_spec: &str, backend: Backend) -> 
         .max()
         .unwrap_or(1);
     if let (Ok(p), Backend::Threads, Some(have)) = (&predicted, backend, host_available_gib()) {
-        let need = p.peak_memory_gib * ranks as f64;
+        let peak = p.peak_memory_gib;
+        let need = peak * ranks as f64;
         if need > have {
             return Err(user(format!(
-                "--model {}: the CPU executor needs ~{need:.1} GiB ({ranks} ranks × {:.2} GiB of fp32 weights, gradients, optimizer state and activations); this machine has {have:.1} GiB available",
-                job.name, p.peak_memory_gib
+                "--model {}: the CPU executor needs ~{need:.1} GiB ({ranks} ranks × {peak:.2} GiB of fp32 weights, gradients, optimizer state and activations); this machine has {have:.1} GiB available",
+                job.name
             )));
         }
     }
