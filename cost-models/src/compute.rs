@@ -128,6 +128,8 @@ pub struct DeviceModel<'a> {
     /// Activations are stored NCHW (PyTorch's default) rather than channels-last: see
     /// [`DeviceModel::with_nchw`].
     nchw: bool,
+    /// Eager PyTorch module code: see [`DeviceModel::with_eager`].
+    eager: bool,
 }
 
 impl<'a> DeviceModel<'a> {
@@ -144,6 +146,7 @@ impl<'a> DeviceModel<'a> {
             gemm_peak,
             attention_peak,
             nchw: false,
+            eager: false,
         })
     }
 
@@ -156,6 +159,24 @@ impl<'a> DeviceModel<'a> {
     /// uses (NVIDIA's DeepLearningExamples set it for AMP).
     pub fn with_nchw(mut self, nchw: bool) -> Self {
         self.nchw = nchw;
+        self
+    }
+
+    /// The model with the kernels eager PyTorch module code launches where fused stacks
+    /// (Megatron-LM's fused kernels, Transformer Engine) run fewer (`eager`), as profiled
+    /// for HuggingFace's BERT-large in fp16 on an H100 (forward and backward of 64 × 128
+    /// tokens: 22 % of the kernel time in the three below):
+    /// - an unfused attention core copies q, k and v into the `[batch, heads, seq, dim]`
+    ///   layout its batched GEMMs need and the context back (`transpose_for_scores` /
+    ///   `permute(...).contiguous()`: four copies forward, four backward; 8 of 2,350
+    ///   kernels per layer, 6.4 of 52.7 ms);
+    /// - a linear layer's bias gradient is a separate reduction over the output gradient
+    ///   (autograd's `grad.sum(0)`, 3.0 ms), which cuBLASLt's `BGRADB` epilogue fuses in
+    ///   Transformer Engine;
+    /// - LayerNorm's backward reads the input and the output gradient a second time for the
+    ///   weight and bias gradients (`GammaBetaBackward`, 2.1 ms, twice the forward's 1.0).
+    pub fn with_eager(mut self, eager: bool) -> Self {
+        self.eager = eager;
         self
     }
 
@@ -354,12 +375,18 @@ impl<'a> DeviceModel<'a> {
             (ComputeClass::Gemm, _) => {
                 let bytes = w.traffic().0 as f64;
                 let outs = Self::pass_outputs(ins, w, float_bytes);
+                // Eager bias gradient: a reduction reading the output gradient once.
+                let bias_grad = match op {
+                    OpKind::Linear(l) if l.bias && self.eager => self.memory(outs[0]),
+                    _ => Seconds(0.0),
+                };
                 OpTimes {
                     fwd: self.gemm_tiled(w.fwd_flops.0, bytes, 1.0, outs[0])
                         + self.overhead(k - 1.0),
                     bwd_input: self.gemm_tiled(w.bwd_input_flops.0, bytes, 1.0, outs[1])
                         + self.overhead(k - 1.0),
-                    bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0, bytes, 1.0, outs[2]),
+                    bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0, bytes, 1.0, outs[2])
+                        + bias_grad,
                 }
             }
             _ => {
@@ -367,10 +394,16 @@ impl<'a> DeviceModel<'a> {
                 let (fwd, bwd) = pointwise_passes(op);
                 // `memory` pays one launch; the op's other kernels pay theirs.
                 let more = self.overhead(k - 1.0);
+                // Eager LayerNorm: the weight-gradient kernel reads the input and the output
+                // gradient again (the forward's traffic once more).
+                let gamma_beta = match op {
+                    OpKind::LayerNorm | OpKind::RmsNorm if self.eager => self.memory(bytes),
+                    _ => Seconds(0.0),
+                };
                 OpTimes {
                     fwd: self.memory(fwd * bytes) + more,
                     bwd_input: self.memory(bwd * bytes) + more,
-                    bwd_weight: Seconds(0.0),
+                    bwd_weight: gamma_beta,
                 }
             }
         }
@@ -401,9 +434,18 @@ impl<'a> DeviceModel<'a> {
             let matmul = (fwd - 5.0 * scores).max(0.0);
             let bytes = scores * float_bytes as f64 * UNFUSED_SCORE_PASSES_FWD;
             let per_gemm = matmul / 2.0;
+            // Eager module code copies q, k, v into the batched GEMMs' layout and the
+            // context back, each read and written once; backward copies their gradients.
+            let copies = if self.eager {
+                let qkv: f64 = ins.iter().take(3).map(|x| x.elems() as f64).sum();
+                let context = ins.first().map_or(0.0, |q| q.elems() as f64);
+                self.memory(2.0 * (qkv + context) * float_bytes as f64)
+            } else {
+                Seconds(0.0)
+            };
             OpTimes {
-                fwd: self.gemm(per_gemm) * 2.0 + self.memory(bytes),
-                bwd_input: self.gemm(per_gemm) * 4.0 + self.memory(2.0 * bytes),
+                fwd: self.gemm(per_gemm) * 2.0 + self.memory(bytes) + copies,
+                bwd_input: self.gemm(per_gemm) * 4.0 + self.memory(2.0 * bytes) + copies,
                 bwd_weight: Seconds(0.0),
             }
         }
@@ -604,6 +646,47 @@ mod tests {
         // Two kernels each way, two launches.
         assert!((t.fwd.0 - (1.5 * pass + 2.0 * o)).abs() < 1e-12);
         assert!((t.bwd_input.0 - (2.5 * pass + 2.0 * o)).abs() < 1e-12);
+    }
+
+    /// Eager module code, by hand: the attention core copies q, k, v and the context each
+    /// way, a biased linear reduces its output gradient once more, a LayerNorm's backward
+    /// reads its forward operands again for the weight gradients.
+    #[test]
+    fn eager_kernels_add_copies_bias_reductions_and_a_norm_weight_pass() {
+        let p = preset("dgx-a100-80gb").unwrap();
+        let fused = DeviceModel::new(&p, Precision::Fp16).unwrap();
+        let eager = fused.with_eager(true);
+        let q = Shape::new([64, 128, 16, 64]);
+        let ins = [q.clone(), q.clone(), q.clone()];
+        let op = OpKind::Attention(AttentionAttrs {
+            causal: false,
+            fused: false,
+            dropout: true,
+        });
+        let w = op.work(&ins, std::slice::from_ref(&q), &[false; 3], 2);
+        let (a, b) = (fused.op(&op, &ins, &w, 2), eager.op(&op, &ins, &w, 2));
+        let copies = eager.memory(2.0 * 4.0 * q.elems() as f64 * 2.0).0;
+        assert!((b.fwd.0 - a.fwd.0 - copies).abs() < 1e-12);
+        assert!((b.bwd_input.0 - a.bwd_input.0 - copies).abs() < 1e-12);
+        let x = Shape::new([8192, 1024]);
+        let lin = OpKind::Linear(LinearAttrs {
+            out_features: 4096,
+            bias: true,
+        });
+        let lins = [x.clone(), Shape::new([1024, 4096]), Shape::new([4096])];
+        let y = Shape::new([8192, 4096]);
+        let w = lin.work(&lins, std::slice::from_ref(&y), &[false, true, true], 2);
+        let (a, b) = (fused.op(&lin, &lins, &w, 2), eager.op(&lin, &lins, &w, 2));
+        assert_eq!(a.fwd, b.fwd);
+        let reduce = eager.memory(y.elems() as f64 * 2.0).0;
+        assert!((b.bwd_weight.0 - a.bwd_weight.0 - reduce).abs() < 1e-12);
+        let ln = OpKind::LayerNorm;
+        let nins = [x.clone(), Shape::new([1024]), Shape::new([1024])];
+        let w = ln.work(&nins, std::slice::from_ref(&x), &[false, true, true], 2);
+        let (a, b) = (fused.op(&ln, &nins, &w, 2), eager.op(&ln, &nins, &w, 2));
+        assert_eq!(a.bwd_weight.0, 0.0);
+        assert!((b.bwd_weight.0 - eager.memory(w.traffic().0 as f64).0).abs() < 1e-12);
+        assert_eq!((a.fwd, a.bwd_input), (b.fwd, b.bwd_input));
     }
 
     #[test]

@@ -114,6 +114,10 @@ pub struct Runtime {
     /// gradient and the input gradient, each fp32).
     #[serde(default)]
     pub in_place_cross_entropy: bool,
+    /// Eager PyTorch module code runs the layer (HuggingFace and DeepLearningExamples BERT /
+    /// GPT-2 blocks): see [`DeviceModel::with_eager`] for the kernels that adds.
+    #[serde(default)]
+    pub eager_kernels: bool,
 }
 
 fn one() -> u32 {
@@ -160,6 +164,7 @@ impl Default for Runtime {
             single_process_dp: false,
             zero3_gathers_per_layer: 1,
             in_place_cross_entropy: false,
+            eager_kernels: false,
         }
     }
 }
@@ -388,7 +393,8 @@ pub fn check_layout(s: &Setup, l: &Layout) -> Result<(), Infeasible> {
 pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infeasible> {
     check_layout(s, l)?;
     let dev = DeviceModel::new(s.profile, s.precision)
-        .map_err(|e| Infeasible::Unsupported(e.to_string()))?;
+        .map_err(|e| Infeasible::Unsupported(e.to_string()))?
+        .with_eager(s.runtime.eager_kernels);
     let net = Network::new(s.profile);
     let gpn = s.profile.node.gpus_per_node;
     let fb = s.float_bytes();

@@ -420,7 +420,14 @@ const HF_TRAINER_DDP: &[Feature] = &[
         what: "eager attention (the models' own matmul + softmax)",
         source: "transformers 4.x GPT2Attention",
     },
+    EAGER_KERNELS,
 ];
+
+/// What eager PyTorch module code launches beyond a fused stack's kernels.
+const EAGER_KERNELS: Feature = Feature {
+    what: "eager module code: q, k, v and the attention context copied between the token and head layouts (four copies each way), bias gradients as separate reductions, LayerNorm weight gradients as their own pass",
+    source: "transformers BertSelfAttention.transpose_for_scores / GPT2Attention._split_heads; DeepLearningExamples BERT modeling.py; PyTorch autograd (linear bias: grad.sum); profiled on an H100 (HF BERT-large fp16, 2026-11-26)",
+};
 
 const PYTORCH_DATAPARALLEL: &[Feature] = &[
     Feature {
@@ -435,17 +442,24 @@ const PYTORCH_DATAPARALLEL: &[Feature] = &[
         what: "one node, data parallelism only: no tensor or pipeline parallelism, no ZeRO",
         source: "PyTorch DataParallel docs",
     },
+    EAGER_KERNELS,
 ];
 
-const PYTORCH_DDP: &[Feature] = &[Feature {
-    what: "PyTorch 1.x DDP (NGC 20.x–21.x): bucketed all-reduce overlapped with backward; eager attention (no SDPA before PyTorch 2.0)",
-    source: "PyTorch DDP docs; PyTorch 2.0 release notes (SDPA)",
-}];
+const PYTORCH_DDP: &[Feature] = &[
+    Feature {
+        what: "PyTorch 1.x DDP (NGC 20.x–21.x): bucketed all-reduce overlapped with backward; eager attention (no SDPA before PyTorch 2.0)",
+        source: "PyTorch DDP docs; PyTorch 2.0 release notes (SDPA)",
+    },
+    EAGER_KERNELS,
+];
 
-const APEX_DDP: &[Feature] = &[Feature {
-    what: "apex DistributedDataParallel: all-reduce overlapped with backward; eager attention",
-    source: "NVIDIA apex.parallel docs",
-}];
+const APEX_DDP: &[Feature] = &[
+    Feature {
+        what: "apex DistributedDataParallel: all-reduce overlapped with backward; eager attention",
+        source: "NVIDIA apex.parallel docs",
+    },
+    EAGER_KERNELS,
+];
 
 const TF_CNN_BENCHMARKS: &[Feature] = &[Feature {
     what: "TensorFlow 1.x tf_cnn_benchmarks: replicated variables with NCCL all-reduce, or parameter servers (its variable_update flag)",
@@ -584,6 +598,7 @@ fn pytorch_dataparallel() -> Parts {
     Parts {
         runtime: Runtime {
             single_process_dp: true,
+            eager_kernels: true,
             ..pre_flash(false, true)
         },
         space: data_parallel_only(space(&NO_PIPELINE, &[0], &NO_OR_FULL)),
@@ -604,7 +619,10 @@ fn pytorch_1x_space() -> Space {
 /// overlapped bucketed all-reduce.
 fn pytorch_ddp() -> Parts {
     Parts {
-        runtime: pre_flash(true, true),
+        runtime: Runtime {
+            eager_kernels: true,
+            ..pre_flash(true, true)
+        },
         space: pytorch_1x_space(),
     }
 }
