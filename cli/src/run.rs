@@ -638,10 +638,10 @@ fn general_job(a: &Args) -> anyhow::Result<Option<(GraphModel, String)>> {
 /// compares its step time with the per-op simulator's prediction of the same plan.
 fn run_general(a: &Args, job: GraphModel, plan_spec: &str, backend: Backend) -> anyhow::Result<()> {
     let (graph, plan) = general::op_plan(&job, plan_spec)?;
-    // The executor keeps every replica's whole state (a ZeRO stage changes where states live,
-    // not the values): it is predicted as the plan without ZeRO.
+    // The executor shards the optimizer state of a ZeRO plan (stage 1) and keeps gradients and
+    // weights whole between steps: it is predicted as it runs.
     let as_run = parallax_sim::perop::OpPlan {
-        zero_stage: 0,
+        zero_stage: plan.zero_stage.min(1),
         ..plan.clone()
     };
     let on_host_cores = job.cluster.profile.node.intra_fabric == FabricKind::HostMemory;

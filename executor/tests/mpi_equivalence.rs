@@ -234,6 +234,10 @@ fn graph_matrix() -> Vec<(&'static str, GraphRunSpec)> {
     let half = cnn.nodes.len() / 2;
     let mut lstm_dp = spec(&lstm, 1, &|i| split_label(&lstm, i, 2, 0, &sample));
     lstm_dp.optimizer = GraphOptimizer::Adam(AdamConfig::default());
+    // ZeRO: four replicas split every region's Adam step and all-gather the weights.
+    let mut cnn_zero = spec(&cnn, 1, &|i| split_label(&cnn, i, 4, 0, &sample));
+    cnn_zero.plan.zero_stage = 1;
+    cnn_zero.optimizer = GraphOptimizer::Adam(AdamConfig::default());
     vec![
         (
             "resnet_dp2",
@@ -269,6 +273,7 @@ fn graph_matrix() -> Vec<(&'static str, GraphRunSpec)> {
             }),
         ),
         ("lstm_dp2", lstm_dp),
+        ("resnet_dp4_zero1", cnn_zero),
         (
             "vit_heads2",
             spec(&vit, 1, &|i| {

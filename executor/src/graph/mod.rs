@@ -24,10 +24,11 @@
 //! forward, all of them, then backward in reverse (GPipe's order; point-to-point sends never
 //! wait for the receiver, so devices holding different ops overlap their micro-batches as a
 //! pipeline); the plan's 1F1B schedule and recomputation change when memory is freed, not
-//! the values, and are run in this order. A plan's ZeRO stage (`OpPlan::zero_stage`, which
-//! the planner prices as sharded states) changes where states are kept, not the values: it
-//! is run with every replica keeping the whole state of its region, so the step's values are
-//! those of the sharded run and its memory is not.
+//! the values, and are run in this order. Under a plan's ZeRO stage (`OpPlan::zero_stage`
+//! ≥ 1) the replicas of a region read by one op split its optimizer step: each keeps the
+//! moments of one shard, updates that shard after the gradient all-reduce and all-gathers the
+//! updated weights (ZeRO-1's state sharding, run for every stage: gradients and weights stay
+//! whole between steps, the values are those of the sharded run).
 
 pub mod data;
 pub mod kernels;
@@ -951,8 +952,29 @@ struct Held {
     slot: usize,
     local: Local,
     grad: Vec<f32>,
+    /// Optimizer moments: of the whole region, or of this replica's shard under ZeRO.
     m: Vec<f32>,
     v: Vec<f32>,
+    /// Under ZeRO (plan stage ≥ 1), where this device's replicas of the region split its
+    /// update: each keeps the moments of one shard, updates it and all-gathers the weights.
+    shard: Option<Shard>,
+}
+
+/// One replica's share of a region's update under ZeRO: the replicas in group order, this
+/// replica's index among them, and the shard length (the region's length over the replicas,
+/// rounded up; the last shard is padded).
+struct Shard {
+    group: Group,
+    index: usize,
+    piece: usize,
+}
+
+impl Shard {
+    /// This replica's element range of a region of `len` elements.
+    fn range(&self, len: usize) -> std::ops::Range<usize> {
+        let lo = (self.index * self.piece).min(len);
+        lo..(lo + self.piece).min(len)
+    }
 }
 
 /// One rank of a general-graph run.
@@ -968,6 +990,41 @@ struct Rank<'a> {
     spans: Vec<Span>,
     epoch: Instant,
     step_idx: u64,
+}
+
+/// The devices holding the same region of weight `slot` of node `n` as device `me` (its
+/// replicas, `me` included), in view order.
+fn replicas(
+    spec: &GraphRunSpec,
+    prep: &GraphPrepared,
+    n: usize,
+    slot: usize,
+    me: usize,
+) -> Vec<usize> {
+    let cfg = &spec.plan.configs[n];
+    let layout = &prep.in_layouts[n][slot];
+    let pos = cfg.view.position(me as u32).expect("held");
+    let block = layout.block(pos);
+    (0..cfg.view.size)
+        .filter(|q| layout.block(*q) == block)
+        .map(|q| cfg.view.device(q) as usize)
+        .collect()
+}
+
+/// The region of `len` elements whose shards the replicas of `sh` hold, `mine` being this
+/// replica's: every shard padded to the same length, all-gathered, the padding dropped.
+fn all_gather_shards(
+    comm: &mut dyn Collectives,
+    sh: &Shard,
+    mine: &[f32],
+    len: usize,
+) -> Result<Vec<f32>, CommError> {
+    let mut padded = vec![0.0; sh.piece];
+    padded[..mine.len()].copy_from_slice(mine);
+    let mut all = vec![0.0; sh.piece * sh.group.size()];
+    comm.all_gather(&sh.group, &padded, &mut all)?;
+    all.truncate(len);
+    Ok(all)
 }
 
 /// The inputs of node `n` as its kernel reads them: the held weights in place of `None`.
@@ -1090,6 +1147,19 @@ impl<'a> Rank<'a> {
                     }
                 };
                 let len = data.len();
+                // ZeRO: the replicas of a region read by one op split its optimizer state.
+                let ranks = replicas(self.spec, self.prep, i, k, self.me);
+                let single_reader = self.prep.consumers[t.0 as usize].len() == 1;
+                let shard = (self.spec.plan.zero_stage >= 1 && ranks.len() > 1 && single_reader)
+                    .then(|| Shard {
+                        index: ranks.iter().position(|r| *r == self.me).expect("a replica"),
+                        piece: len.div_ceil(ranks.len()),
+                        group: Group::new(ranks),
+                    });
+                let (m, v) = match &shard {
+                    Some(sh) => (m[sh.range(len)].to_vec(), v[sh.range(len)].to_vec()),
+                    None => (m, v),
+                };
                 self.weight_at.insert((i, k), self.weights.len());
                 self.weights.push(Held {
                     node: i,
@@ -1098,6 +1168,7 @@ impl<'a> Rank<'a> {
                     grad: vec![0.0; len],
                     m,
                     v,
+                    shard,
                 });
             }
         }
@@ -1339,14 +1410,7 @@ impl<'a> Rank<'a> {
             {
                 continue;
             }
-            let cfg = &self.spec.plan.configs[w.node];
-            let layout = &self.prep.in_layouts[w.node][w.slot];
-            let pos = cfg.view.position(self.me as u32).expect("held");
-            let block = layout.block(pos);
-            let ranks: Vec<usize> = (0..cfg.view.size)
-                .filter(|q| layout.block(*q) == block)
-                .map(|q| cfg.view.device(q) as usize)
-                .collect();
+            let ranks = replicas(self.spec, self.prep, w.node, w.slot, self.me);
             if ranks.len() > 1 {
                 self.comm.all_reduce_sum(&Group::new(ranks), &mut w.grad)?;
             }
@@ -1432,22 +1496,44 @@ impl<'a> Rank<'a> {
         Ok(())
     }
 
-    fn update(&mut self, step: u64) {
+    /// The optimizer step of every held region; under ZeRO each replica updates its shard
+    /// and the replicas all-gather the updated weights.
+    fn update(&mut self, step: u64) -> Result<(), ExecError> {
         for w in &mut self.weights {
+            let len = w.local.data.len();
+            let range = w.shard.as_ref().map_or(0..len, |sh| sh.range(len));
+            let (p, g) = (&mut w.local.data[range.clone()], &w.grad[range.clone()]);
             match self.spec.optimizer {
                 GraphOptimizer::Sgd { lr, momentum } => {
-                    for ((p, g), b) in w.local.data.iter_mut().zip(&w.grad).zip(&mut w.m) {
+                    for ((p, g), b) in p.iter_mut().zip(g).zip(&mut w.m) {
                         *b = momentum * *b + g;
                         *p -= lr * *b;
                     }
                 }
                 GraphOptimizer::Adam(a) => {
                     let bc = a.bias_corrections(step + 1);
-                    a.update(bc, &mut w.local.data, &w.grad, &mut w.m, &mut w.v);
+                    a.update(bc, p, g, &mut w.m, &mut w.v);
                 }
             }
             w.grad.iter_mut().for_each(|g| *g = 0.0);
+            if let Some(sh) = &w.shard {
+                w.local.data = all_gather_shards(self.comm, sh, &w.local.data[range], len)?;
+            }
         }
+        Ok(())
+    }
+
+    /// A held region's optimizer moments whole: gathered from its replicas under ZeRO.
+    fn moments(&mut self, at: usize) -> Result<[Vec<f32>; 2], ExecError> {
+        let w = &self.weights[at];
+        let Some(sh) = &w.shard else {
+            return Ok([w.m.clone(), w.v.clone()]);
+        };
+        let len = w.local.data.len();
+        Ok([
+            all_gather_shards(self.comm, sh, &w.m, len)?,
+            all_gather_shards(self.comm, sh, &w.v, len)?,
+        ])
     }
 
     /// Gathers every weight whole on rank 0 (each region from the lowest device holding it).
@@ -1473,6 +1559,11 @@ impl<'a> Rank<'a> {
                     vec![0.0; kernels::elems(&whole)],
                     vec![0.0; kernels::elems(&whole)],
                 ];
+                // Every replica joins the gather of its sharded moments.
+                let moments = match self.weight_at.get(&(i, k)) {
+                    Some(&at) => Some(self.moments(at)?),
+                    None => None,
+                };
                 let mut seen: Vec<Vec<u32>> = Vec::new();
                 for q in 0..cfg.view.size {
                     let b = layout.block(q);
@@ -1486,7 +1577,8 @@ impl<'a> Rank<'a> {
                         let tg = tag(TAG_STATE, i, k, part);
                         if holder == self.me {
                             let w = &self.weights[self.weight_at[&(i, k)]];
-                            let src = [&w.local.data, &w.m, &w.v][part];
+                            let [m, v] = moments.as_ref().expect("held");
+                            let src = [&w.local.data, m, v][part];
                             if self.me == 0 {
                                 add_piece(out, &whole, &region, src);
                             } else {
@@ -1598,7 +1690,7 @@ pub fn run_graph_rank(
         rank.sync_grads()?;
         rank.record(|| "grad-sync".into(), "comm", ts);
         let ts = Instant::now();
-        rank.update(step);
+        rank.update(step)?;
         rank.record(|| "optimizer".into(), "optimizer", ts);
         let mut loss = [tapes.iter().map(|t| t.loss).sum::<f64>() as f32 / m as f32];
         rank.comm.all_reduce_sum(&world, &mut loss)?;
