@@ -229,10 +229,26 @@ impl<'a> DeviceModel<'a> {
     /// or a small-batch recurrent step is bound by memory on tensor cores, whose ridge point
     /// is 100–300 FLOP per byte), then its epilogue ([`DeviceModel::epilogue`]).
     fn gemm_tiled(&self, flops: f64, bytes: f64, fill: f64, out_bytes: f64) -> Seconds {
+        self.gemm_grouped(flops, 1.0, bytes, fill, out_bytes)
+    }
+
+    /// [`DeviceModel::gemm_tiled`] for a grouped GEMM of `groups` equal problems launched as
+    /// one kernel (CUTLASS's grouped GEMM, as Megatron-Core and TE run an MoE layer's local
+    /// experts): each problem runs at the efficiency of its own size, the launch is paid once.
+    fn gemm_grouped(
+        &self,
+        flops: f64,
+        groups: f64,
+        bytes: f64,
+        fill: f64,
+        out_bytes: f64,
+    ) -> Seconds {
         if flops <= 0.0 {
             return Seconds(0.0);
         }
-        let eff = self.dev.matmul_efficiency_for(self.precision, flops) * self.dev.sustained();
+        let per_problem = flops / groups.max(1.0);
+        let eff =
+            self.dev.matmul_efficiency_for(self.precision, per_problem) * self.dev.sustained();
         let arithmetic = flops / (self.gemm_peak * eff * fill);
         let traffic = bytes.max(0.0) / self.dev.effective_memory_bandwidth().0;
         Seconds(arithmetic.max(traffic)) + self.epilogue(out_bytes) + self.overhead(1.0)
@@ -372,6 +388,21 @@ impl<'a> DeviceModel<'a> {
                 }
             }
             (ComputeClass::Gemm, OpKind::Conv2d(c)) => self.conv(op, c, ins, w, float_bytes),
+            (ComputeClass::Gemm, OpKind::Moe(a)) => {
+                // Each local expert's projections are problems of their own: the tokens routed
+                // to one expert (top-k of the shard's tokens over the experts) by its slice of
+                // the weights, each matrix one problem of a grouped GEMM per pass.
+                let local = ins.get(2).and_then(|x| x.dim(0)).unwrap_or(1).max(1) as f64;
+                let groups = local * if a.gated { 3.0 } else { 2.0 };
+                let bytes = w.traffic().0 as f64;
+                let outs = Self::pass_outputs(ins, w, float_bytes);
+                let pass = |flops: f64, out: f64| self.gemm_grouped(flops, groups, bytes, 1.0, out);
+                OpTimes {
+                    fwd: pass(w.fwd_flops.0, outs[0]) + self.overhead(k - 1.0),
+                    bwd_input: pass(w.bwd_input_flops.0, outs[1]) + self.overhead(k - 1.0),
+                    bwd_weight: pass(w.bwd_weight_flops.0, outs[2]),
+                }
+            }
             (ComputeClass::Gemm, _) => {
                 let bytes = w.traffic().0 as f64;
                 let outs = Self::pass_outputs(ins, w, float_bytes);
@@ -646,6 +677,52 @@ mod tests {
         // Two kernels each way, two launches.
         assert!((t.fwd.0 - (1.5 * pass + 2.0 * o)).abs() < 1e-12);
         assert!((t.bwd_input.0 - (2.5 * pass + 2.0 * o)).abs() < 1e-12);
+    }
+
+    /// An MoE layer's local experts are problems of their own size: 128 experts of 768
+    /// (Qwen3-30B-A3B) take longer than 16 experts of the same width at the same expert FLOPs
+    /// (the same tokens and top-k), and run at the curve's efficiency for one expert's projection.
+    #[test]
+    fn an_moe_layer_runs_each_expert_at_its_own_size() {
+        use parallax_ir::op::MoeAttrs;
+        let p = preset("dgx-h100-80gb").unwrap();
+        let m = DeviceModel::new(&p, Precision::Bf16).unwrap();
+        let layer = |experts: u64| {
+            let op = OpKind::Moe(MoeAttrs {
+                experts,
+                top_k: 8,
+                ffn_hidden: 768,
+                gated: true,
+            });
+            let up = Shape::new([experts, 2048, 768]);
+            let ins = [
+                Shape::new([4096, 2048]),
+                Shape::new([2048, experts]),
+                up.clone(),
+                Shape::new([experts, 768, 2048]),
+                up,
+            ];
+            let w = op.work(
+                &ins,
+                &[Shape::new([4096, 2048])],
+                &[false, true, true, true, true],
+                2,
+            );
+            (m.op(&op, &ins, &w, 2), w)
+        };
+        let (fine, w) = layer(128);
+        let (coarse, wc) = layer(16);
+        // The same expert FLOPs; only the router's (h × experts per token) differ.
+        assert!((w.fwd_flops.0 / wc.fwd_flops.0 - 1.0).abs() < 0.01);
+        assert!(fine.fwd.0 > 1.2 * coarse.fwd.0, "{fine:?} vs {coarse:?}");
+        let per_problem = w.fwd_flops.0 / (128.0 * 3.0);
+        let eff =
+            p.device.matmul_efficiency_for(Precision::Bf16, per_problem) * p.device.sustained();
+        let arithmetic = w.fwd_flops.0 / (m.gemm_peak() * eff);
+        assert!(
+            fine.fwd.0 >= arithmetic && fine.fwd.0 < 1.5 * arithmetic,
+            "{fine:?}"
+        );
     }
 
     /// Eager module code, by hand: the attention core copies q, k, v and the context each

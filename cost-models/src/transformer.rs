@@ -450,7 +450,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     } else {
         net.collective(Collective::AllReduce, act, tp_group)
     };
-    let block_prices = NodePrices::new(&dev, &block, fb, sp, l.tp, hidden, cp);
+    let block_prices = NodePrices::new(&dev, &block, fb, sp, l.tp, hidden, cp, l.ep);
     let mut layer = price(&block, &block_prices, fb, sp, l.tp, hidden);
     let tp_layer = if s.runtime.tp_comm_overlap && l.tp > 1 && sp {
         // Each collective hides behind the GEMM it is pipelined with: the four linear layers
@@ -526,7 +526,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     // cross-entropy: small all-reduces of per-token max and sum).
     // Both see only their own tokens (no attention): priced without the CP factor.
     let price_local = |g: &Graph| {
-        let prices = NodePrices::new(&dev, g, fb, sp, l.tp, hidden, 1);
+        let prices = NodePrices::new(&dev, g, fb, sp, l.tp, hidden, 1, 1);
         price(g, &prices, fb, sp, l.tp, hidden)
     };
     let mut embedding = price_local(&embed);
@@ -587,8 +587,20 @@ struct NodePrices {
 }
 
 impl NodePrices {
+    /// Prices every node of `g`; under expert parallelism (`ep` > 1) an MoE layer is priced
+    /// as its rank runs it: `experts / ep` local experts over the tokens of all `ep` ranks
+    /// (the same FLOPs, each expert's problem `ep` times larger).
     #[allow(clippy::too_many_arguments)]
-    fn new(dev: &DeviceModel, g: &Graph, fb: u64, sp: bool, tp: u32, hidden: u64, cp: u64) -> Self {
+    fn new(
+        dev: &DeviceModel,
+        g: &Graph,
+        fb: u64,
+        sp: bool,
+        tp: u32,
+        hidden: u64,
+        cp: u64,
+        ep: u32,
+    ) -> Self {
         let mut p = NodePrices {
             times: Vec::with_capacity(g.nodes.len()),
             train_flops: Vec::with_capacity(g.nodes.len()),
@@ -597,7 +609,20 @@ impl NodePrices {
         for n in &g.nodes {
             let w = g.node_work(n, fb);
             let k = local_share(g, n, sp, tp, hidden, cp);
-            p.times.push(dev.op(&n.op, &g.input_shapes(n), &w, fb) * k);
+            let ins = match (&n.op, u64::from(ep)) {
+                (OpKind::Moe(a), ep) if ep > 1 && a.experts % ep == 0 => {
+                    let mut ins = g.input_shapes(n);
+                    if let Some(x) = ins.first_mut() {
+                        x.0[0] *= ep;
+                    }
+                    for wt in ins.iter_mut().skip(2) {
+                        wt.0[0] /= ep;
+                    }
+                    ins
+                }
+                _ => g.input_shapes(n),
+            };
+            p.times.push(dev.op(&n.op, &ins, &w, fb) * k);
             p.train_flops.push(w.train_flops().0 * k);
             p.fwd_flops.push(w.fwd_flops.0 * k);
         }
@@ -988,6 +1013,39 @@ mod tests {
         let r = c1.layer.compute.fwd.0 / c4.layer.compute.fwd.0;
         assert!((2.5..4.5).contains(&r), "{r}");
         assert!(c4.layer.model_flops * 4.0 > 0.95 * c1.layer.model_flops);
+    }
+
+    #[test]
+    fn expert_parallel_ranks_run_fewer_larger_expert_problems() {
+        // Qwen3-30B-A3B (128 experts of 768, top-8): at ep 16 a rank runs 8 experts over the
+        // tokens of 16 ranks, each problem 16 times larger than its share at ep 1, so the
+        // same FLOPs take less time; the model FLOPs do not change.
+        let m = cfg("qwen3-30b-a3b");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup {
+            seq: 4096,
+            ..setup(&m, &p, 16, Runtime::default())
+        };
+        let at = |ep| {
+            transformer_costs(
+                &s,
+                &Layout {
+                    ep,
+                    dp: 16,
+                    ..layout(1, false, Recompute::None)
+                },
+            )
+            .unwrap()
+            .layer
+        };
+        let (one, sixteen) = (at(1), at(16));
+        assert!(
+            sixteen.compute.fwd.0 < 0.9 * one.compute.fwd.0,
+            "{:?} vs {:?}",
+            sixteen.compute,
+            one.compute
+        );
+        assert!((sixteen.model_flops / one.model_flops - 1.0).abs() < 1e-9);
     }
 
     #[test]
