@@ -137,22 +137,26 @@ fn zero_stages_shard_a_graphs_states_and_train_as_data_parallelism() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("zero stage 3"), "{err}");
-    let run = |plan: &str| {
-        json(&parallax(&[
-            "run",
-            "--model",
-            "resnet-tiny",
-            "--plan",
-            plan,
-            "--global-batch",
-            "8",
-            "--steps",
-            "3",
-            "--json",
-        ]))["losses"]
-            .clone()
-    };
-    assert_eq!(run("dp=2,zero=2"), run("dp=2"));
+    let losses = |plan: &str| run_resnet_tiny(plan, "3", &[])["losses"].clone();
+    assert_eq!(losses("dp=2,zero=2"), losses("dp=2"));
+}
+
+/// `run --json` of resnet-tiny (8 samples a step) under an inline `plan`, `extra` flags added.
+fn run_resnet_tiny(plan: &str, steps: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "run",
+        "--model",
+        "resnet-tiny",
+        "--plan",
+        plan,
+        "--global-batch",
+        "8",
+        "--steps",
+        steps,
+        "--json",
+    ];
+    args.extend(extra);
+    json(&parallax(&args))
 }
 
 /// `--memory-format nchw` prices cuDNN's transposes around tensor-core convolutions: slower
@@ -419,22 +423,7 @@ fn a_cnn_run_saves_and_resumes_to_the_same_losses() {
     let dir = std::env::temp_dir().join(format!("parallax-cnn-ck-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let d = dir.to_string_lossy().into_owned();
-    let run = |plan: &str, steps: &str, extra: &[&str]| {
-        let mut args = vec![
-            "run",
-            "--model",
-            "resnet-tiny",
-            "--plan",
-            plan,
-            "--global-batch",
-            "8",
-            "--steps",
-            steps,
-            "--json",
-        ];
-        args.extend(extra);
-        json(&parallax(&args))
-    };
+    let run = run_resnet_tiny;
     let whole = run("dp=2", "4", &[]);
     let trace = dir.with_extension("trace.json");
     let t = trace.to_string_lossy().into_owned();

@@ -920,6 +920,23 @@ mod tests {
         })
     }
 
+    /// Every op of `c`'s graph split `d` ways along its Sample axis (the builder's leading
+    /// label), on the `d` devices from `start(op)`.
+    fn sample_split_over(c: &OpCosts, d: u32, start: impl Fn(usize) -> u32) -> OpPlan {
+        OpPlan::uniform(c.len(), |i| {
+            let m = c.mapping(NodeId(i as u32));
+            let (label, _) = m
+                .axes
+                .iter()
+                .find(|(_, a)| a.role == parallax_ir::AxisRole::Sample)
+                .unwrap();
+            ParallelConfig {
+                degrees: BTreeMap::from([(*label, d)]),
+                view: MachineView::block(start(i), d),
+            }
+        })
+    }
+
     #[test]
     fn one_device_runs_forward_backward_and_optimizer_back_to_back() {
         let p = preset("dgx-a100-80gb").unwrap();
@@ -947,20 +964,7 @@ mod tests {
         let p = preset("dgx-a100-80gb").unwrap();
         let g = mlp(64);
         let mut c = OpCosts::new(&g, &p, 8, Precision::Fp32).unwrap();
-        // The graph's labels: sample is the leading label of every op ('a' from the builder).
-        let sample = |i: usize| {
-            let m = c.mapping(NodeId(i as u32));
-            m.axes
-                .iter()
-                .find(|(_, a)| a.role == parallax_ir::AxisRole::Sample)
-                .map(|(l, _)| *l)
-                .unwrap()
-        };
-        let labels: Vec<char> = (0..g.nodes.len()).map(sample).collect();
-        let plan = OpPlan::uniform(g.nodes.len(), |i| ParallelConfig {
-            degrees: BTreeMap::from([(labels[i], 8)]),
-            view: MachineView::block(0, 8),
-        });
+        let plan = sample_split_over(&c, 8, |_| 0);
         let step = simulate_op_plan(&mut c, &plan, 64).unwrap();
         // One class: every device is alike (compute, resharding and gradient-sync streams).
         assert_eq!(step.resources.len(), 3);
@@ -997,19 +1001,7 @@ mod tests {
         let p = preset("dgx-a100-80gb").unwrap();
         let g = mlp(64);
         let mut c = OpCosts::new(&g, &p, 8, Precision::Fp32).unwrap();
-        let sample = |i: usize| {
-            let m = c.mapping(NodeId(i as u32));
-            m.axes
-                .iter()
-                .find(|(_, a)| a.role == parallax_ir::AxisRole::Sample)
-                .map(|(l, _)| *l)
-                .unwrap()
-        };
-        let labels: Vec<char> = (0..g.nodes.len()).map(sample).collect();
-        let plan = OpPlan::uniform(g.nodes.len(), |i| ParallelConfig {
-            degrees: BTreeMap::from([(labels[i], 8)]),
-            view: MachineView::block(0, 8),
-        });
+        let plan = sample_split_over(&c, 8, |_| 0);
         let plain = simulate_op_plan(&mut c, &plan, 64).unwrap().prediction;
         let mut plan = plan;
         plan.zero_stage = 3;
@@ -1070,10 +1062,7 @@ mod tests {
             "{m3:?} vs {m0:?}"
         );
         // A pipelined per-op plan keeps its weights: ZeRO 3 is refused there.
-        let mut piped = OpPlan::uniform(g.nodes.len(), |i| ParallelConfig {
-            degrees: BTreeMap::from([(labels[i], 4)]),
-            view: MachineView::block(if i == 0 { 0 } else { 4 }, 4),
-        });
+        let mut piped = sample_split_over(&c, 4, |i| if i == 0 { 0 } else { 4 });
         piped.micro_batches = 2;
         piped.schedule = Schedule::GPipe;
         piped.zero_stage = 3;

@@ -432,7 +432,7 @@ fn moments_diff(a: &ModelState, b: &ModelState) -> (f64, String) {
 /// device where the sharded run goes on.
 #[test]
 fn zero_shards_the_optimizer_step_over_replicas_and_matches_one_device() {
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
     let g = resnet_tiny(8).unwrap();
     let mut plan = op_plan(&g, 1, |i| {
         split_label(&g, i, 4, 0, &|_, r| r == AxisRole::Sample)
@@ -451,19 +451,11 @@ fn zero_shards_the_optimizer_step_over_replicas_and_matches_one_device() {
     let (d, worst) = moments_diff(whole.state.as_ref().unwrap(), one.state.as_ref().unwrap());
     assert!(d < 1e-4, "moments of {worst} differ by {d:e}");
     // Two steps under ZeRO, checkpointed, then two on one device.
-    let saved: Arc<Mutex<Vec<ModelState>>> = Arc::default();
-    let mut first = GraphRunSpec::new(g.clone(), plan.clone(), 2);
-    first.optimizer = adam;
-    let sink = saved.clone();
-    first.on_checkpoint = Some(Arc::new(move |st: &ModelState| {
-        sink.lock().unwrap().push(st.clone());
-        Ok(())
-    }));
-    let a = run_graph_threads(&first).unwrap();
+    let (a, st) = run_and_checkpoint(&g, &plan, 2, adam);
     let mut second = GraphRunSpec::new(g, plan, 2).single_device();
     second.optimizer = adam;
     second.collect_state = true;
-    second.resume = Some(Arc::new(saved.lock().unwrap().pop().unwrap()));
+    second.resume = Some(Arc::new(st));
     let b = run_graph_threads(&second).unwrap();
     for (x, y) in a.losses.iter().chain(&b.losses).zip(&whole.losses) {
         assert!((x - y).abs() <= 1e-5 * y.abs(), "{x} vs {y}");
@@ -717,7 +709,7 @@ fn regions_copy_out_and_add_back_exactly() {
 
 #[test]
 fn a_resumed_run_continues_exactly_where_it_stopped() {
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
     let g = resnet_tiny(4).unwrap();
     // A split that shards every weight differently across devices: channel splits.
     let plan = op_plan(&g, 1, |i| {
@@ -728,16 +720,7 @@ fn a_resumed_run_continues_exactly_where_it_stopped() {
     whole.optimizer = adam;
     whole.collect_state = true;
     let uninterrupted = run_graph_threads(&whole).unwrap();
-    let saved: Arc<Mutex<Vec<ModelState>>> = Arc::default();
-    let mut first = GraphRunSpec::new(g.clone(), plan.clone(), 2);
-    first.optimizer = adam;
-    let sink = saved.clone();
-    first.on_checkpoint = Some(Arc::new(move |st: &ModelState| {
-        sink.lock().unwrap().push(st.clone());
-        Ok(())
-    }));
-    let a = run_graph_threads(&first).unwrap();
-    let st = saved.lock().unwrap().pop().unwrap();
+    let (a, st) = run_and_checkpoint(&g, &plan, 2, adam);
     assert_eq!(st.step, 2);
     // Resumed on one device: the state is layout-independent.
     let mut second = GraphRunSpec::new(g, plan, 2).single_device();
@@ -767,6 +750,27 @@ fn a_resumed_run_continues_exactly_where_it_stopped() {
     other.resume = Some(Arc::new(saved_state_of_resnet()));
     let e = GraphPrepared::new(&other).unwrap_err().to_string();
     assert!(e.contains("resume:") && e.contains("missing"), "{e}");
+}
+
+/// Runs `plan` for `steps` steps under `opt` and returns the run and its last checkpoint.
+fn run_and_checkpoint(
+    g: &Graph,
+    plan: &OpPlan,
+    steps: u64,
+    opt: GraphOptimizer,
+) -> (RunReport, ModelState) {
+    use std::sync::{Arc, Mutex};
+    let saved: Arc<Mutex<Vec<ModelState>>> = Arc::default();
+    let mut spec = GraphRunSpec::new(g.clone(), plan.clone(), steps);
+    spec.optimizer = opt;
+    let sink = saved.clone();
+    spec.on_checkpoint = Some(Arc::new(move |st: &ModelState| {
+        sink.lock().unwrap().push(st.clone());
+        Ok(())
+    }));
+    let run = run_graph_threads(&spec).unwrap();
+    let st = saved.lock().unwrap().pop().unwrap();
+    (run, st)
 }
 
 fn saved_state_of_resnet() -> ModelState {
