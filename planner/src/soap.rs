@@ -1119,6 +1119,74 @@ mod tests {
         }
     }
 
+    /// When nothing fits with replicated states, the search runs again at ZeRO 1, 2, 3: a
+    /// LayerNorm over 16 M features (its weights replicated under any split of the batch,
+    /// Adam's moments 256 MiB per replica) on devices too small for them whole plans ZeRO,
+    /// and the plan fits; with room enough, it does not.
+    #[test]
+    fn memory_brings_zero_stages_in_when_nothing_fits_without() {
+        use parallax_ir::graph::GraphBuilder;
+        use parallax_ir::DType;
+        const H: u64 = 16 << 20;
+        let build = |b: u64| -> Result<parallax_ir::Graph, String> {
+            let mut g = GraphBuilder::new("wide-norm");
+            let x = g.input("x", [b, H], DType::F32);
+            let labels = g.input("labels", [b], DType::I64);
+            let y = g.layer_norm("norm", x).map_err(|e| e.to_string())?;
+            let loss = g
+                .op1("loss", parallax_ir::OpKind::CrossEntropy, &[y, labels])
+                .map_err(|e| e.to_string())?;
+            g.finish(&[loss]).map_err(|e| e.to_string())
+        };
+        let plan_on = |hbm_gib: f64| {
+            let mut p = preset("dgx-a100-80gb").unwrap();
+            p.device.hbm_gib = hbm_gib;
+            let job = GraphJob {
+                build: &build,
+                profile: &p,
+                gpus: 8,
+                precision: Precision::Fp32,
+                optimizer: parallax_cost::soap::Optimizer::Adam,
+                global_batch: 8,
+                nchw: false,
+            };
+            plan_graph(&job, &SoapOptions::default())
+        };
+        let roomy = plan_on(80.0).unwrap();
+        assert!(roomy.zero_stage <= 1, "{}", roomy.zero_stage);
+        // The roomy plan's peak at each stage: sharding the moments, then the gradients,
+        // saves memory stage by stage.
+        let g = build(roomy.micro_batch).unwrap();
+        let p80 = preset("dgx-a100-80gb").unwrap();
+        let mut c = graph_costs(
+            &g,
+            &p80,
+            8,
+            Precision::Fp32,
+            parallax_cost::soap::Optimizer::Adam,
+            false,
+        )
+        .unwrap();
+        let mut peak = |zero: u8| {
+            let plan = OpPlan {
+                zero_stage: zero,
+                ..roomy.plan.clone()
+            };
+            simulate_op_plan(&mut c, &plan, 8)
+                .unwrap()
+                .prediction
+                .peak_memory_gib
+        };
+        let (zero, one, two) = (peak(0), peak(1), peak(2));
+        assert!(zero > one && one > two, "{zero} {one} {two}");
+        // Room for ZeRO-2 but not ZeRO-1: the search at stages 0 and 1 finds nothing.
+        let tight = (one + two) / 2.0;
+        let p = plan_on(tight).unwrap();
+        assert_eq!(p.zero_stage, 2);
+        assert!(p.prediction.fits && p.prediction.peak_memory_gib <= tight);
+        assert!(matches!(plan_on(two - 0.5), Err(SoapError::NothingFits(_))));
+    }
+
     #[test]
     fn mcmc_is_deterministic_for_a_seed() {
         let run = |seed| {
