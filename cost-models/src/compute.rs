@@ -130,6 +130,8 @@ pub struct DeviceModel<'a> {
     nchw: bool,
     /// Eager PyTorch module code: see [`DeviceModel::with_eager`].
     eager: bool,
+    /// Convolutions as the CPU executor runs them: see [`DeviceModel::with_host_convolutions`].
+    host_convolutions: bool,
 }
 
 impl<'a> DeviceModel<'a> {
@@ -147,6 +149,7 @@ impl<'a> DeviceModel<'a> {
             attention_peak,
             nchw: false,
             eager: false,
+            host_convolutions: false,
         })
     }
 
@@ -177,6 +180,19 @@ impl<'a> DeviceModel<'a> {
     ///   weight and bias gradients (`GammaBetaBackward`, 2.1 ms, twice the forward's 1.0).
     pub fn with_eager(mut self, eager: bool) -> Self {
         self.eager = eager;
+        self
+    }
+
+    /// The model with convolutions run as parallax's CPU executor runs them on host cores
+    /// (`executor/src/graph/kernels.rs`): no Winograd transform (that is cuDNN's), and per
+    /// sample an im2col of the input into a `(channels · kh · kw) × (oh · ow)` matrix before
+    /// the forward GEMM, again before the weight-gradient GEMM, and a col2im scatter after the
+    /// input-gradient GEMM, each a pass over that matrix at the pointwise-kernel bandwidth.
+    /// The matrix spans every input channel the device reads, so an output-channel split
+    /// repeats it in full on every device (resnet-tiny under tp 2 measured twice as slow as a
+    /// cost model halving the convolution had it).
+    pub fn with_host_convolutions(mut self, host: bool) -> Self {
+        self.host_convolutions = host;
         self
     }
 
@@ -282,6 +298,8 @@ impl<'a> DeviceModel<'a> {
             op.infer(ins).ok().and_then(|o| o.into_iter().next()),
         );
         let fills = match (x, ins.get(1), &y) {
+            // GPU block tiles; the CPU executor's GEMM runs on the calibrated curve alone.
+            _ if self.host_convolutions => [1.0; 3],
             (Some(x), Some(k), Some(y)) if x.rank() == 4 && k.rank() == 4 => {
                 let (x, k) = (&x.0, &k.0);
                 [
@@ -292,10 +310,19 @@ impl<'a> DeviceModel<'a> {
             }
             _ => [1.0; 3],
         };
-        let g = if self.winograd(c) {
+        let g = if self.winograd(c) && !self.host_convolutions {
             winograd_reduction(c.kernel[0])
         } else {
             1.0
+        };
+        // The CPU executor's im2col matrix: input channels × window × output pixels per sample.
+        let cols = match (x, &y) {
+            (Some(x), Some(y)) if self.host_convolutions && x.rank() == 4 && y.rank() == 4 => {
+                let (x, y) = (&x.0, &y.0);
+                let elems = x[0] * x[1] * c.kernel[0] * c.kernel[1] * y[2] * y[3];
+                self.memory(elems as f64 * float_bytes as f64)
+            }
+            _ => Seconds(0.0),
         };
         // Each pass reads two of input, weight and output (or their gradients) and writes
         // the third: the forward's traffic.
@@ -315,11 +342,13 @@ impl<'a> DeviceModel<'a> {
         };
         let outs = Self::pass_outputs(ins, w, float_bytes);
         OpTimes {
-            fwd: self.gemm_tiled(w.fwd_flops.0 / g, bytes, fills[0], outs[0]) + transposes,
+            fwd: self.gemm_tiled(w.fwd_flops.0 / g, bytes, fills[0], outs[0]) + transposes + cols,
             bwd_input: self.gemm_tiled(w.bwd_input_flops.0 / g, bytes, fills[1], outs[1])
-                + transposes,
+                + transposes
+                + cols,
             bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0 / g, bytes, fills[2], outs[2])
-                + transposes,
+                + transposes
+                + cols,
         }
     }
 
@@ -677,6 +706,32 @@ mod tests {
         // Two kernels each way, two launches.
         assert!((t.fwd.0 - (1.5 * pass + 2.0 * o)).abs() < 1e-12);
         assert!((t.bwd_input.0 - (2.5 * pass + 2.0 * o)).abs() < 1e-12);
+    }
+
+    /// Host cores run the CPU executor's convolutions: no Winograd, no GPU tile waste, and an
+    /// im2col pass per sample that an output-channel split does not shrink.
+    #[test]
+    fn host_convolutions_pay_their_im2col_whole_under_an_output_channel_split() {
+        let p = preset("cpu-local").unwrap();
+        let m = DeviceModel::new(&p, Precision::Fp32)
+            .unwrap()
+            .with_host_convolutions(true);
+        let x = Shape::new([4, 8, 8, 8]);
+        let time = |out: u64| {
+            let op = same_conv(out, 3);
+            let ins = [x.clone(), Shape::new([out, 8, 3, 3])];
+            let outs = [Shape::new([4, out, 8, 8])];
+            let w = op.work(&ins, &outs, &[false, true], 4);
+            let gemm = m.gemm_tiled(w.fwd_flops.0, w.traffic().0 as f64, 1.0, 0.0);
+            (m.op(&op, &ins, &w, 4).fwd.0, gemm.0)
+        };
+        // The im2col matrix: 4 samples × (8 channels · 3 · 3) × 64 pixels, fp32.
+        let cols = m.memory((4 * 8 * 9 * 64 * 4) as f64).0;
+        for out in [16, 8] {
+            let (t, gemm) = time(out);
+            assert!((t - gemm - cols).abs() < 1e-12, "{out}: {t} vs {gemm} + {cols}");
+        }
+        assert!(time(8).0 > 0.5 * time(16).0);
     }
 
     /// An MoE layer's local experts are problems of their own size: 128 experts of 768

@@ -648,7 +648,10 @@ impl<'a> OpCosts<'a> {
         gpus: u32,
         precision: Precision,
     ) -> Result<Self, HwError> {
-        let device = DeviceModel::new(profile, precision)?;
+        // Host cores run the CPU executor's convolutions (im2col + GEMM, no Winograd).
+        let device = DeviceModel::new(profile, precision)?.with_host_convolutions(
+            profile.node.intra_fabric == parallax_hardware::FabricKind::HostMemory,
+        );
         let ins: Vec<Vec<Shape>> = graph.nodes.iter().map(|n| graph.input_shapes(n)).collect();
         let outs: Vec<Vec<Shape>> = graph.nodes.iter().map(|n| graph.output_shapes(n)).collect();
         let weights: Vec<Vec<bool>> = graph.nodes.iter().map(|n| graph.weight_flags(n)).collect();
