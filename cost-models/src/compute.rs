@@ -729,7 +729,10 @@ mod tests {
         let cols = m.memory((4 * 8 * 9 * 64 * 4) as f64).0;
         for out in [16, 8] {
             let (t, gemm) = time(out);
-            assert!((t - gemm - cols).abs() < 1e-12, "{out}: {t} vs {gemm} + {cols}");
+            assert!(
+                (t - gemm - cols).abs() < 1e-12,
+                "{out}: {t} vs {gemm} + {cols}"
+            );
         }
         assert!(time(8).0 > 0.5 * time(16).0);
     }

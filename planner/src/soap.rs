@@ -1010,20 +1010,22 @@ const ZERO_GAIN: f64 = 0.01;
 /// and per-op hooks (not priced here) for memory: they are reached only when nothing fits
 /// without them ([`plan_graph`]).
 fn shard_states(job: &GraphJob, mut best: GraphPlan) -> Result<GraphPlan, SoapError> {
+    if best.zero_stage > 0 {
+        return Ok(best);
+    }
     let g = (job.build)(best.micro_batch).map_err(SoapError::Setup)?;
     let mut costs = job.costs(&g).map_err(SoapError::Setup)?;
-    for zero in best.zero_stage + 1..=1 {
-        let mut plan = best.plan.clone();
-        plan.zero_stage = zero;
-        best.counts.simulated += 1;
-        let Ok(s) = simulate_op_plan(&mut costs, &plan, job.global_batch) else {
-            continue;
-        };
+    let plan = OpPlan {
+        zero_stage: 1,
+        ..best.plan.clone()
+    };
+    best.counts.simulated += 1;
+    if let Ok(s) = simulate_op_plan(&mut costs, &plan, job.global_batch) {
         let p = s.prediction;
         if p.fits && p.step_time_s < best.prediction.step_time_s * (1.0 - ZERO_GAIN) {
             best.plan = plan;
             best.prediction = p;
-            best.zero_stage = zero;
+            best.zero_stage = 1;
         }
     }
     Ok(best)
