@@ -171,8 +171,8 @@ impl<'a> DeviceModel<'a> {
     /// tokens: 22 % of the kernel time in the three below):
     /// - an unfused attention core copies q, k and v into the `[batch, heads, seq, dim]`
     ///   layout its batched GEMMs need and the context back (`transpose_for_scores` /
-    ///   `permute(...).contiguous()`: four copies forward, four backward; 8 of 2,350
-    ///   kernels per layer, 6.4 of 52.7 ms);
+    ///   `permute(...).contiguous()`: four copies forward, four backward per layer, 192 of
+    ///   the step's 2,350 kernels, 6.4 of 52.7 ms);
     /// - a linear layer's bias gradient is a separate reduction over the output gradient
     ///   (autograd's `grad.sum(0)`, 3.0 ms), which cuBLASLt's `BGRADB` epilogue fuses in
     ///   Transformer Engine;
