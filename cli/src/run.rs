@@ -12,7 +12,7 @@ use parallax_executor::{
     run as exec_run, state, Backend, DataSource, ExecError, ModelState, RunReport, RunSpec, Span,
     StepStats,
 };
-use parallax_hardware::{preset, Cluster, FabricKind, CPU_LOCAL};
+use parallax_hardware::{preset, Cluster, CPU_LOCAL};
 use parallax_ir::models::TransformerConfig;
 use parallax_ir::{load_model, Layout, PartialLayout, Precision, Schedule};
 use parallax_planner::Framework;
@@ -644,8 +644,8 @@ fn run_general(a: &Args, job: GraphModel, plan_spec: &str, backend: Backend) -> 
         zero_stage: plan.zero_stage.min(1),
         ..plan.clone()
     };
-    let on_host_cores = job.cluster.profile.node.intra_fabric == FabricKind::HostMemory;
-    let predicted = if backend == Backend::Cuda && on_host_cores {
+    let predicted = if backend == Backend::Cuda && job.cluster.profile.node.devices_are_host_cores()
+    {
         Err(anyhow::anyhow!(CUDA_NOT_PREDICTED))
     } else {
         general::predict(&job, &graph, &as_run)

@@ -42,9 +42,10 @@ pub const WORKSPACE_GIB: f64 = 1.0;
 /// host cores (the CPU executor allocates no library workspaces or communication buffers
 /// beyond the tensors it moves).
 pub fn workspace_gib(profile: &parallax_hardware::ClusterProfile) -> f64 {
-    match profile.node.intra_fabric {
-        parallax_hardware::FabricKind::HostMemory => 0.0,
-        _ => WORKSPACE_GIB,
+    if profile.node.devices_are_host_cores() {
+        0.0
+    } else {
+        WORKSPACE_GIB
     }
 }
 

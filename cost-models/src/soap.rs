@@ -649,9 +649,8 @@ impl<'a> OpCosts<'a> {
         precision: Precision,
     ) -> Result<Self, HwError> {
         // Host cores run the CPU executor's convolutions (im2col + GEMM, no Winograd).
-        let device = DeviceModel::new(profile, precision)?.with_host_convolutions(
-            profile.node.intra_fabric == parallax_hardware::FabricKind::HostMemory,
-        );
+        let device = DeviceModel::new(profile, precision)?
+            .with_host_convolutions(profile.node.devices_are_host_cores());
         let ins: Vec<Vec<Shape>> = graph.nodes.iter().map(|n| graph.input_shapes(n)).collect();
         let outs: Vec<Vec<Shape>> = graph.nodes.iter().map(|n| graph.output_shapes(n)).collect();
         let weights: Vec<Vec<bool>> = graph.nodes.iter().map(|n| graph.weight_flags(n)).collect();
@@ -1029,20 +1028,32 @@ impl<'a> OpCosts<'a> {
     /// Gradient synchronisation of the weights a node owns: one collective per weight over its
     /// replicas, as `(bytes per device, group, time)`; empty when nothing is replicated.
     pub fn grad_sync(&self, n: NodeId, cfg: &ParallelConfig) -> Vec<(u64, Group, Seconds)> {
-        let gpn = self.profile.node.gpus_per_node;
         // Gradients are reduced at their accumulation size (an fp32 main gradient under mixed
         // precision).
         let grad_bytes = self.state_bytes(1).1 as u64;
-        self.weight_layouts(n, cfg)
-            .filter(|(_, grad)| grad.sum_degree() > 1)
-            .map(|(layout, grad)| {
-                let group = grad.group_along(0, &grad.sum_axes);
-                let devices: Vec<u32> = group.iter().map(|p| layout.view.device(*p)).collect();
-                let g = group_of(&devices, gpn);
+        self.replicated_weights(n, cfg)
+            .map(|(layout, g)| {
                 let bytes = Bytes(layout.shard_elems() * grad_bytes);
                 (bytes.0, g, self.sync_time(bytes, g))
             })
             .collect()
+    }
+
+    /// The weights a node owns that several devices hold alike under `cfg`, each with the group
+    /// of its replicas (who sum its gradient, and under ZeRO share its states).
+    fn replicated_weights(
+        &self,
+        n: NodeId,
+        cfg: &ParallelConfig,
+    ) -> impl Iterator<Item = (TensorLayout, Group)> + '_ {
+        let gpn = self.profile.node.gpus_per_node;
+        self.weight_layouts(n, cfg)
+            .filter(|(_, grad)| grad.sum_degree() > 1)
+            .map(move |(layout, grad)| {
+                let group = grad.group_along(0, &grad.sum_axes);
+                let devices: Vec<u32> = group.iter().map(|p| layout.view.device(*p)).collect();
+                (layout, group_of(&devices, gpn))
+            })
     }
 
     /// Time to synchronise `bytes` of gradient over `g`: an all-reduce; under ZeRO 2 a
@@ -1075,23 +1086,17 @@ impl<'a> OpCosts<'a> {
         if self.zero_stage < 3 {
             return (0.0, Seconds(0.0));
         }
-        let gpn = self.profile.node.gpus_per_node;
         let w = if self.precision.is_mixed() {
             MIXED_WEIGHT_BYTES
         } else {
             FP32_WEIGHT_BYTES
         };
-        self.weight_layouts(n, cfg)
-            .filter(|(_, grad)| grad.sum_degree() > 1)
-            .fold((0.0, Seconds(0.0)), |(b, t), (layout, grad)| {
-                let group = grad.group_along(0, &grad.sum_axes);
-                let devices: Vec<u32> = group.iter().map(|p| layout.view.device(*p)).collect();
+        self.replicated_weights(n, cfg)
+            .fold((0.0, Seconds(0.0)), |(b, t), (layout, g)| {
                 let bytes = layout.shard_elems() as f64 * w;
-                let time = self.net.collective(
-                    Collective::AllGather,
-                    Bytes(bytes as u64),
-                    group_of(&devices, gpn),
-                );
+                let time = self
+                    .net
+                    .collective(Collective::AllGather, Bytes(bytes as u64), g);
                 (b + bytes, t + time)
             })
     }

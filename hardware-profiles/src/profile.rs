@@ -354,6 +354,11 @@ impl NodeSpec {
     pub fn host_memory_bandwidth(&self) -> Option<BytesPerSec> {
         self.host_memory_gbps.map(BytesPerSec::from_gbps_bytes)
     }
+    /// Whether the node's devices are host CPU cores (they share host memory), on which the
+    /// CPU executor runs, rather than GPUs.
+    pub fn devices_are_host_cores(&self) -> bool {
+        self.intra_fabric == FabricKind::HostMemory
+    }
 }
 
 impl NetworkSpec {

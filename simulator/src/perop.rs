@@ -222,6 +222,8 @@ struct MicroGraph {
     /// Reshard tasks with the producer and a consumer of the tensor they move, and whether
     /// they move its gradient (backward).
     reshards: Vec<(TaskId, usize, usize, bool)>,
+    /// Whether any pass waits for a ZeRO-3 weight gather.
+    gathers: bool,
 }
 
 impl MicroGraph {
@@ -269,6 +271,7 @@ fn build_micro(
         edges: Vec::new(),
         sync: vec![Vec::new(); n],
         reshards: Vec::new(),
+        gathers: false,
     };
     let mut times = Vec::with_capacity(n);
     // ZeRO 3: each pass over an op gathers its weights on the gradient stream first, one op
@@ -295,6 +298,7 @@ fn build_micro(
         )
         .with_index(i as u32);
         deps.push(mg.add(task, gathers[i], &after));
+        mg.gathers = true;
         true
     };
     // Each (tensor, layout a consumer wants) is resharded once: its id, and its forward task
@@ -689,8 +693,34 @@ fn accumulation_breakdown(mg: &MicroGraph, trace: &Trace, m: u32) -> (f64, Break
     let step = (mf - 1.0) * fb_end + trace.makespan.0;
     let compute = mf * busy[r];
     let waiting = mf * (fb_end - busy[r]).max(0.0);
-    // The busiest stream's idle time before its forward and backward passes, charged to ZeRO 3's
-    // weight gathers where one was the last thing a pass waited for, else to resharding.
+    let gathering = if mg.gathers {
+        (mf * gather_waits(mg, trace, r)).min(waiting)
+    } else {
+        0.0
+    };
+    let reshard = waiting - gathering;
+    let optimizer = opt[r];
+    let dp = (step - compute - reshard - optimizer).max(0.0);
+    let mut exposed = BTreeMap::new();
+    exposed.insert("reshard".to_string(), reshard);
+    // Gradient synchronisation after backward and, under ZeRO 3, the weight gathers the passes
+    // waited for.
+    exposed.insert("dp".to_string(), dp);
+    (
+        step,
+        Breakdown {
+            compute_s: compute,
+            bubble_s: 0.0,
+            optimizer_s: optimizer,
+            exposed_comm_s: exposed,
+        },
+    )
+}
+
+/// Idle time of compute stream `r` in one micro-batch's forward and backward, before passes
+/// whose last input to arrive was a ZeRO-3 weight gather (the rest of its idle time waits for
+/// resharding).
+fn gather_waits(mg: &MicroGraph, trace: &Trace, r: usize) -> f64 {
     let mut last_dep: Vec<Option<usize>> = vec![None; trace.spans.len()];
     for e in mg.graph.edges() {
         let (from, to) = (e.from.index(), e.to.index());
@@ -719,24 +749,7 @@ fn accumulation_breakdown(mg: &MicroGraph, trace: &Trace, m: u32) -> (f64, Break
         }
         free = free.max(trace.spans[t].end.0);
     }
-    let gathering = (mf * gathering).min(waiting);
-    let reshard = waiting - gathering;
-    let optimizer = opt[r];
-    let dp = (step - compute - reshard - optimizer).max(0.0);
-    let mut exposed = BTreeMap::new();
-    exposed.insert("reshard".to_string(), reshard);
-    // Gradient synchronisation after backward and, under ZeRO 3, the weight gathers the passes
-    // waited for.
-    exposed.insert("dp".to_string(), dp);
-    (
-        step,
-        Breakdown {
-            compute_s: compute,
-            bubble_s: 0.0,
-            optimizer_s: optimizer,
-            exposed_comm_s: exposed,
-        },
-    )
+    gathering
 }
 
 /// The pipeline of the plan's stages fed `m` micro-batches: per-stage forward and backward
@@ -1006,14 +1019,14 @@ mod tests {
         let mut plan = plan;
         plan.zero_stage = 3;
         let step = simulate_op_plan(&mut c, &plan, 64).unwrap();
-        assert_eq!(
-            step.graph
+        let gathers = |s: &SimulatedOpStep| {
+            s.graph
                 .tasks()
                 .iter()
                 .filter(|t| t.kind == TaskKind::Comm(CommKind::ZeroAllGather))
-                .count(),
-            4
-        );
+                .count()
+        };
+        assert_eq!(gathers(&step), 4);
         let group = parallax_cost::Group::strided(8, 1, 8);
         let weight = Bytes(1024 * 1024 * 4);
         let net = parallax_cost::comm::Network::new(&p);
@@ -1075,14 +1088,7 @@ mod tests {
         let mut acc = plan.clone();
         acc.micro_batches = 2;
         let two = simulate_op_plan(&mut c, &acc, 128).unwrap();
-        let count = |s: &SimulatedOpStep| {
-            s.graph
-                .tasks()
-                .iter()
-                .filter(|t| t.kind == TaskKind::Comm(CommKind::ZeroAllGather))
-                .count()
-        };
-        assert_eq!(count(&two), 4);
+        assert_eq!(gathers(&two), 4);
         let want = eb1 + expect;
         assert!((two.prediction.step_time_s - want).abs() < 1e-12);
         plan.zero_stage = 4;

@@ -380,6 +380,11 @@ fn reduces_at_step_end(setup: &Setup, l: &Layout) -> bool {
         && !reduces_per_micro_batch(setup, l)
 }
 
+/// Devices of a node the job uses (they share the node's host).
+fn devices_per_node(setup: &Setup) -> f64 {
+    f64::from(setup.profile.node.gpus_per_node.min(setup.gpus).max(1))
+}
+
 /// The host side of an offloaded layout: each device's PCIe link to host memory, and its share
 /// of the host's DRAM bandwidth for the optimizer step on the CPUs (the devices of a node step
 /// at once and stream through the same memory).
@@ -396,10 +401,10 @@ impl HostOffload {
             return None;
         }
         let node = &setup.profile.node;
-        let sharing = f64::from(node.gpus_per_node.min(setup.gpus).max(1));
         Some(HostOffload {
             link: node.host_link_bandwidth()?.0,
-            memory_share: node.host_memory_bandwidth()?.0 * HOST_STREAM_EFFICIENCY / sharing,
+            memory_share: node.host_memory_bandwidth()?.0 * HOST_STREAM_EFFICIENCY
+                / devices_per_node(setup),
         })
     }
 
@@ -676,8 +681,7 @@ fn check_host_memory(setup: &Setup, l: &Layout, c: &TransformerCosts) -> Result<
     if l.offload == Offload::Params {
         per_param += w;
     }
-    let devices = f64::from(node.gpus_per_node.min(setup.gpus).max(1));
-    let need_gib = params / shard * per_param * devices / GIB;
+    let need_gib = params / shard * per_param * devices_per_node(setup) / GIB;
     if need_gib > have_gib {
         return Err(Infeasible::Unsupported(format!(
             "offload {}: {need_gib:.0} GiB of host memory per node needed, the node has {have_gib:.0} GiB",

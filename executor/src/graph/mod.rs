@@ -1523,17 +1523,18 @@ impl<'a> Rank<'a> {
         Ok(())
     }
 
-    /// A held region's optimizer moments whole: gathered from its replicas under ZeRO.
-    fn moments(&mut self, at: usize) -> Result<[Vec<f32>; 2], ExecError> {
+    /// A sharded region's optimizer moments whole, gathered from its replicas (ZeRO); `None`
+    /// where this device holds them whole already.
+    fn gathered_moments(&mut self, at: usize) -> Result<Option<[Vec<f32>; 2]>, ExecError> {
         let w = &self.weights[at];
         let Some(sh) = &w.shard else {
-            return Ok([w.m.clone(), w.v.clone()]);
+            return Ok(None);
         };
         let len = w.local.data.len();
-        Ok([
+        Ok(Some([
             all_gather_shards(self.comm, sh, &w.m, len)?,
             all_gather_shards(self.comm, sh, &w.v, len)?,
-        ])
+        ]))
     }
 
     /// Gathers every weight whole on rank 0 (each region from the lowest device holding it).
@@ -1560,8 +1561,8 @@ impl<'a> Rank<'a> {
                     vec![0.0; kernels::elems(&whole)],
                 ];
                 // Every replica joins the gather of its sharded moments.
-                let moments = match self.weight_at.get(&(i, k)) {
-                    Some(&at) => Some(self.moments(at)?),
+                let gathered = match self.weight_at.get(&(i, k)) {
+                    Some(&at) => self.gathered_moments(at)?,
                     None => None,
                 };
                 let mut seen: Vec<Vec<u32>> = Vec::new();
@@ -1577,7 +1578,7 @@ impl<'a> Rank<'a> {
                         let tg = tag(TAG_STATE, i, k, part);
                         if holder == self.me {
                             let w = &self.weights[self.weight_at[&(i, k)]];
-                            let [m, v] = moments.as_ref().expect("held");
+                            let (m, v) = gathered.as_ref().map_or((&w.m, &w.v), |[m, v]| (m, v));
                             let src = [&w.local.data, m, v][part];
                             if self.me == 0 {
                                 add_piece(out, &whole, &region, src);
