@@ -25,7 +25,7 @@
 use parallax_cost::soap::{MachineView, OpCosts, ParallelConfig};
 use parallax_ir::graph::NodeId;
 use parallax_ir::{AxisRole, ComputeClass, Schedule};
-use parallax_sim::perop::{simulate_op_plan, OpPlan, OpStepPrediction};
+use parallax_sim::perop::{simulate_op_plan, DeltaSimulator, OpPlan, OpStepPrediction};
 use rand_core::{Rng, SeedableRng};
 use rand_xorshift::XorShiftRng;
 use std::collections::{BTreeMap, BTreeSet};
@@ -530,13 +530,14 @@ fn below(rng: &mut XorShiftRng, n: usize) -> usize {
 
 /// Simulates a plan; `None` (counted by reason) when it does not fit or cannot run.
 fn simulate_fitting(
+    sim: &mut DeltaSimulator,
     costs: &mut OpCosts,
     plan: &OpPlan,
     global_batch: u64,
     counts: &mut SoapCounts,
 ) -> Option<OpStepPrediction> {
     counts.simulated += 1;
-    match simulate_op_plan(costs, plan, global_batch) {
+    match sim.simulate(costs, plan, global_batch) {
         Ok(s) if s.prediction.fits => Some(s.prediction),
         Ok(_) => {
             *counts.rejected.entry("out of memory".into()).or_default() += 1;
@@ -595,8 +596,11 @@ pub fn search_ops(
             scored.into_iter().map(|(t, c)| (c, t)).unzip()
         })
         .unzip();
-    let dp_pred = simulate_fitting(costs, &dp, global_batch, &mut counts);
-    let par_pred = simulate_fitting(costs, &par, global_batch, &mut counts);
+    // Every plan of the search is simulated by one delta simulator: a plan re-prices only the
+    // ops and edges whose configurations no earlier plan had.
+    let mut sim = DeltaSimulator::new();
+    let dp_pred = simulate_fitting(&mut sim, costs, &dp, global_batch, &mut counts);
+    let par_pred = simulate_fitting(&mut sim, costs, &par, global_batch, &mut counts);
     let mut pool: Vec<(OpPlan, OpStepPrediction)> = Vec::new();
     if let Some(p) = &dp_pred {
         pool.push((dp.clone(), p.clone()));
@@ -617,7 +621,7 @@ pub fn search_ops(
         let (choice, exact) = eliminate(&tables, opts.brute_force_limit);
         counts.exact = exact;
         let plan = staged(OpPlan::uniform(n, |i| cands[i][choice[i]].clone()));
-        if let Some(p) = simulate_fitting(costs, &plan, global_batch, &mut counts) {
+        if let Some(p) = simulate_fitting(&mut sim, costs, &plan, global_batch, &mut counts) {
             pool.push((plan, p));
         }
     }
@@ -691,12 +695,12 @@ pub fn search_ops(
         &mut rng,
         propose,
         |p| {
-            simulate_fitting(costs, p, global_batch, &mut counts)
+            simulate_fitting(&mut sim, costs, p, global_batch, &mut counts)
                 .map_or(f64::INFINITY, |p| p.step_time_s)
         },
     );
     counts.accepted = accepted;
-    let prediction = simulate_op_plan(costs, &best, global_batch)?.prediction;
+    let prediction = sim.simulate(costs, &best, global_batch)?.prediction;
     Ok(SoapResult {
         plan: best,
         prediction,
@@ -1062,7 +1066,13 @@ fn plan_graph_at(job: &GraphJob, opts: &SoapOptions, zero: u8) -> Result<GraphPl
             c.zero_stage = zero;
             let mut plan = layout_plan(&mut c, job.gpus / pp, 1, pp);
             plan.micro_batches = m as u32;
-            let p = simulate_fitting(&mut c, &plan, job.global_batch, &mut best.counts);
+            let p = simulate_fitting(
+                &mut DeltaSimulator::new(),
+                &mut c,
+                &plan,
+                job.global_batch,
+                &mut best.counts,
+            );
             if let Some(p) = p.filter(|p| p.step_time_s < best.prediction.step_time_s) {
                 best.plan = plan;
                 best.prediction = p;
@@ -1187,6 +1197,81 @@ mod tests {
         assert_eq!(p.zero_stage, 2);
         assert!(p.prediction.fits && p.prediction.peak_memory_gib <= tight);
         assert!(matches!(plan_on(two - 0.5), Err(SoapError::NothingFits(_))));
+    }
+
+    /// The delta simulator gives a fresh simulation's prediction for every plan of a random
+    /// walk of one-op changes (splits, other device blocks, ZeRO stages, micro-batches), and
+    /// re-prices only the changed op and its edges.
+    #[test]
+    fn delta_simulation_matches_a_fresh_one_and_reprices_only_the_change() {
+        let p = preset("dgx1-v100-16gb").unwrap();
+        let entry = zoo::find("inception-v3").unwrap();
+        let zoo::ZooDef::Batched(build) = entry.def else {
+            panic!("inception-v3 is built by batch")
+        };
+        let g = build(32).unwrap();
+        let mut c = OpCosts::new(&g, &p, 8, Precision::Fp32).unwrap();
+        let n = c.len();
+        let all: Vec<Vec<ParallelConfig>> = (0..n)
+            .map(|i| configurations(&c, NodeId(i as u32), 8))
+            .collect();
+        let start = OpPlan::uniform(n, |i| widest_sample(&all[i], &c, NodeId(i as u32)));
+        let json = |r: Result<parallax_sim::SimulatedOpStep, _>| {
+            r.map(|s| serde_json::to_string(&s.prediction).unwrap())
+                .map_err(|e: parallax_sim::OpStepError| e.to_string())
+        };
+        let mut sim = DeltaSimulator::new();
+        let mut rng = XorShiftRng::seed_from_u64(3);
+        let mut cur = start.clone();
+        for step in 0..80 {
+            let v = below(&mut rng, n);
+            let mut cfg = all[v][below(&mut rng, all[v].len())].clone();
+            let blocks = 8 / cfg.view.size;
+            cfg.view = MachineView::block(
+                below(&mut rng, blocks as usize) as u32 * cfg.view.size,
+                cfg.view.size,
+            );
+            cur.configs[v] = cfg;
+            cur.zero_stage = [0, 1, 2, 3][step / 20];
+            cur.micro_batches = if step % 7 == 0 { 4 } else { 1 };
+            let fresh = json(simulate_op_plan(&mut c, &cur, 32));
+            let delta = json(sim.simulate(&mut c, &cur, 32));
+            assert_eq!(fresh, delta, "step {step}");
+            if unit(&mut rng) < 0.3 {
+                cur = start.clone();
+            }
+        }
+        // One op on a configuration it never had: that op and the edges into and out of it.
+        let base = start.clone();
+        sim.simulate(&mut c, &base, 32).unwrap();
+        let v = (0..n)
+            .find(|&i| g.nodes[i].inputs.len() > 1 && all[i].len() > 3)
+            .unwrap();
+        let incident = g
+            .nodes
+            .iter()
+            .enumerate()
+            .flat_map(|(i, nd)| nd.inputs.iter().map(move |t| (i, *t)))
+            .filter(|(i, t)| c.producer(*t).is_some_and(|p| p.0 as usize == v) || *i == v)
+            .filter(|(_, t)| c.producer(*t).is_some())
+            .count();
+        let mut changed = base.clone();
+        changed.configs[v] = ParallelConfig {
+            view: MachineView::block(4, 4),
+            ..all[v].iter().find(|x| x.view.size == 4).unwrap().clone()
+        };
+        let before = sim.counts;
+        sim.simulate(&mut c, &changed, 32).unwrap();
+        assert_eq!(sim.counts.nodes_priced - before.nodes_priced, 1);
+        assert_eq!(
+            sim.counts.edges_priced - before.edges_priced,
+            incident as u64
+        );
+        // Undoing it (a rejected proposal) re-prices nothing.
+        let before = sim.counts;
+        sim.simulate(&mut c, &base, 32).unwrap();
+        assert_eq!(sim.counts.nodes_priced, before.nodes_priced);
+        assert_eq!(sim.counts.edges_priced, before.edges_priced);
     }
 
     #[test]

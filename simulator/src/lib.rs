@@ -24,4 +24,7 @@ pub use step::{
     StepError, StepPrediction, StepTerms,
 };
 pub mod perop;
-pub use perop::{simulate_op_plan, OpPlan, OpStepError, OpStepPrediction, SimulatedOpStep};
+pub use perop::{
+    simulate_op_plan, DeltaCounts, DeltaSimulator, OpPlan, OpStepError, OpStepPrediction,
+    SimulatedOpStep,
+};
