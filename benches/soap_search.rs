@@ -21,6 +21,7 @@ fn bench_case(c: &mut Criterion, name: &str, spec: &str, batch: u64, seq: u64) {
         |b: u64| -> Result<Graph, String> { model.graph(b, seq, true).map_err(|e| e.to_string()) };
     let job = GraphJob {
         nchw: false,
+        batch_norm: Default::default(),
         build: &build,
         profile: &cluster.profile,
         gpus: cluster.gpus,

@@ -141,6 +141,80 @@ fn zero_stages_shard_a_graphs_states_and_train_as_data_parallelism() {
     assert_eq!(losses("dp=2,zero=2"), losses("dp=2"));
 }
 
+/// `bn=local` keeps BatchNorm's statistics per device: the step no longer waits for their
+/// all-reduces, the summary and the written plan say so, the plan re-loads with the same
+/// prediction, the executor trains it (differently from the synchronised default), and a
+/// transformer refuses the key in one line.
+#[test]
+fn local_batch_norm_is_a_plan_setting_priced_and_run() {
+    let dir = std::env::temp_dir().join(format!("parallax-bn-{}", std::process::id()));
+    let simulate = |plan: &str| {
+        let mut args = vec!["simulate"];
+        args.extend(JOB);
+        args.extend(["--plan", plan, "--json"]);
+        json(&parallax(&args))
+    };
+    let sync = simulate("dp=8");
+    let local = simulate("dp=8,bn=local");
+    let step = |d: &serde_json::Value| d["step_time_s"].as_f64().unwrap();
+    assert!(
+        step(&local) < step(&sync),
+        "{} vs {}",
+        step(&local),
+        step(&sync)
+    );
+    assert!(sync["layout"]
+        .as_str()
+        .unwrap()
+        .contains("synchronised BatchNorm"));
+    assert!(local["layout"]
+        .as_str()
+        .unwrap()
+        .contains("per-device BatchNorm"));
+    // The search keeps what --fix says, writes it and re-loads it.
+    let out = dir.join("local");
+    let mut args = vec!["plan"];
+    args.extend(JOB);
+    args.extend([
+        "--fix",
+        "bn=local",
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let planned = json(&parallax(&args));
+    assert!(planned["layout"]
+        .as_str()
+        .unwrap()
+        .contains("per-device BatchNorm"));
+    let written = out.join("plan.json");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&written).unwrap()).unwrap();
+    assert_eq!(doc["layout"]["batch_norm"], "local");
+    let again = simulate(written.to_str().unwrap());
+    assert_eq!(step(&again), step(&planned));
+    let losses = |plan: &str| run_resnet_tiny(plan, "3", &[])["losses"].clone();
+    assert_ne!(losses("dp=2,bn=local"), losses("dp=2"));
+    for (cmd, flag) in [("simulate", "--plan"), ("plan", "--fix")] {
+        let refused = parallax(&[
+            cmd,
+            "--model",
+            "gpt-tiny",
+            "--cluster",
+            "dgx-a100-80gb:gpus=2",
+            "--global-batch",
+            "8",
+            flag,
+            "dp=2,bn=local",
+        ]);
+        assert_eq!(refused.status.code(), Some(2));
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains("bn"), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// `run --json` of resnet-tiny (8 samples a step) under an inline `plan`, `extra` flags added.
 fn run_resnet_tiny(plan: &str, steps: &str, extra: &[&str]) -> serde_json::Value {
     let mut args = vec![

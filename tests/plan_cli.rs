@@ -30,6 +30,7 @@ fn bad_plan_inputs_end_in_one_line_and_status_2() {
             vec!["--model", "resnet50", "--export", "megatron"],
             "apply to transformers",
         ),
+        (vec!["--model", "resnet50", "--fix", "tp=2"], "fix only bn"),
         (vec!["--cluster", "nope:gpus=8"], "nope"),
         (vec!["--top", "0"], "--top"),
         (vec!["--max-gpus", "0"], "--max-gpus"),

@@ -9,8 +9,8 @@ use parallax_hardware::Cluster;
 use parallax_ir::graph::NodeId;
 use parallax_ir::plan::{ClusterRef, ModelRef, OpConfig, Prediction, Training};
 use parallax_ir::{
-    AxisRole, Graph, Layout, Model, OpKind, PartialLayout, Plan, Recompute, Schedule, GIB,
-    PLAN_SCHEMA,
+    AxisRole, BatchNormStats, Graph, Layout, Model, OpKind, PartialLayout, Plan, Recompute,
+    Schedule, GIB, PLAN_SCHEMA,
 };
 use parallax_planner::plots::{device_memory_svg, gantt_svg};
 use parallax_planner::soap::{
@@ -38,6 +38,8 @@ pub struct GraphModel {
     pub optimizer: Optimizer,
     /// Activations stored NCHW rather than channels-last.
     pub nchw: bool,
+    /// BatchNorm statistics of the plans `plan` searches (`--fix bn=local`).
+    pub batch_norm: BatchNormStats,
 }
 
 impl GraphModel {
@@ -60,6 +62,7 @@ impl GraphModel {
             precision,
             optimizer: Optimizer::default_for(&probe),
             nchw,
+            batch_norm: BatchNormStats::Sync,
         })
     }
 
@@ -91,6 +94,7 @@ impl GraphModel {
             optimizer: self.optimizer,
             global_batch: self.global_batch,
             nchw: self.nchw,
+            batch_norm: self.batch_norm,
         }
     }
 }
@@ -211,6 +215,7 @@ pub fn op_plan(job: &GraphModel, spec: &str) -> anyhow::Result<(Graph, OpPlan)> 
                 }
                 p.recompute = l.recompute;
                 p.zero_stage = l.zero_stage;
+                p.batch_norm = l.batch_norm;
                 p
             }
         }
@@ -243,10 +248,11 @@ struct Inline {
     schedule: Option<Schedule>,
     recompute: bool,
     zero_stage: u8,
+    batch_norm: BatchNormStats,
 }
 
 impl Inline {
-    /// Parses and checks `dp`, `tp`, `pp`, `mb`, `schedule`, `recompute` and `zero` against
+    /// Parses and checks `dp`, `tp`, `pp`, `mb`, `schedule`, `recompute`, `zero` and `bn` against
     /// the job.
     fn parse(job: &GraphModel, spec: &str) -> anyhow::Result<Inline> {
         let gpus = u64::from(job.cluster.gpus);
@@ -254,7 +260,7 @@ impl Inline {
         for (k, v) in [("cp", l.cp), ("ep", l.ep), ("interleave", l.interleave)] {
             if v.is_some_and(|v| v > 1) {
                 return Err(user(format!(
-                    "--plan: {k}: {} is a transformer knob; per-op plans of this model take dp, tp, pp, zero, mb, schedule and recompute",
+                    "--plan: {k}: {} is a transformer knob; per-op plans of this model take dp, tp, pp, zero, mb, schedule, recompute and bn",
                     job.name
                 )));
             }
@@ -294,6 +300,7 @@ impl Inline {
             schedule: l.schedule,
             recompute: l.recompute == Some(Recompute::Full),
             zero_stage: l.zero_stage.unwrap_or(0),
+            batch_norm: l.batch_norm.unwrap_or_default(),
         })
     }
 }
@@ -353,6 +360,7 @@ fn from_plan(costs: &OpCosts, p: &Plan, origin: &str) -> anyhow::Result<OpPlan> 
         schedule: p.layout.schedule,
         recompute: p.layout.recompute == Recompute::Full,
         zero_stage: p.layout.zero_stage,
+        batch_norm: p.layout.batch_norm,
     })
 }
 
@@ -433,6 +441,7 @@ fn plan_document(
                 Schedule::None
             },
             zero_stage: plan.zero_stage,
+            batch_norm: plan.batch_norm,
             ..Layout::default()
         },
         op_configs,
@@ -529,8 +538,13 @@ fn summary(costs: &OpCosts, plan: &OpPlan) -> String {
     kinds.dedup();
     let stages: std::collections::BTreeSet<MachineView> =
         plan.configs.iter().map(|c| c.view).collect();
+    let batch_norm = costs
+        .graph
+        .nodes
+        .iter()
+        .any(|n| matches!(n.op, OpKind::BatchNorm));
     format!(
-        "per-op plan: {} distinct configurations on {} device groups, {} micro-batch{}{}",
+        "per-op plan: {} distinct configurations on {} device groups, {} micro-batch{}{}{}",
         kinds.len(),
         stages.len(),
         plan.micro_batches,
@@ -538,6 +552,11 @@ fn summary(costs: &OpCosts, plan: &OpPlan) -> String {
         match plan.zero_stage {
             0 => String::new(),
             z => format!(", ZeRO-{z} over each weight's replicas"),
+        },
+        match (batch_norm, plan.batch_norm) {
+            (false, _) => "",
+            (true, BatchNormStats::Sync) => ", synchronised BatchNorm",
+            (true, BatchNormStats::Local) => ", per-device BatchNorm statistics",
         }
     )
 }

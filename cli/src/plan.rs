@@ -141,6 +141,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let mut job = match a.job.load()? {
         Loaded::Transformer(job) => {
+            fix.check_transformer()
+                .map_err(|e| user(format!("--fix: {e}")))?;
             if budget.is_some() {
                 return Err(user(format!(
                     "--model {}: --search-seconds applies to per-op plans of other graphs; the transformer search is exhaustive (pruned), not timed",
@@ -149,13 +151,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
             job
         }
-        Loaded::Graph(g) => {
-            if engine.is_some() || a.fix.is_some() || a.max_gpus.is_some() {
+        Loaded::Graph(mut g) => {
+            if engine.is_some() || a.max_gpus.is_some() {
                 return Err(user(format!(
-                    "--model {}: --export, --fix and --max-gpus apply to transformers; per-op plans of other graphs take --top, --json and --out",
+                    "--model {}: --export and --max-gpus apply to transformers; per-op plans of other graphs take --top, --json, --out and --fix bn=…",
                     a.job.model
                 )));
             }
+            if fix
+                != (PartialLayout {
+                    batch_norm: fix.batch_norm,
+                    ..PartialLayout::default()
+                })
+            {
+                return Err(user(format!(
+                    "--fix: per-op plans of {} fix only bn (sync or local); their splits are searched op by op",
+                    a.job.model
+                )));
+            }
+            g.batch_norm = fix.batch_norm.unwrap_or_default();
             return crate::general::plan(
                 &g,
                 &a.job.cluster,

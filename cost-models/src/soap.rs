@@ -32,7 +32,9 @@ pub use crate::memory::Optimizer;
 use crate::memory::{state_bytes_per_param_for, FP32_WEIGHT_BYTES, MIXED_WEIGHT_BYTES};
 use parallax_hardware::{ClusterProfile, HwError};
 use parallax_ir::graph::{Node, NodeId, TensorId, TensorRole};
-use parallax_ir::{AxesMapping, AxisRole, Bytes, Graph, OpKind, Precision, Seconds, Shape};
+use parallax_ir::{
+    AxesMapping, AxisRole, BatchNormStats, Bytes, Graph, OpKind, Precision, Seconds, Shape,
+};
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
@@ -584,6 +586,9 @@ pub struct OpCosts<'a> {
     pub zero_stage: u8,
     /// How replicas combine their gradients.
     pub sync: GradSync,
+    /// Whether BatchNorm under a sample split synchronises its statistics (the simulator
+    /// sets it from the plan it simulates).
+    pub batch_norm: BatchNormStats,
     device: DeviceModel<'a>,
     net: Network<'a>,
     float_bytes: u64,
@@ -697,6 +702,7 @@ impl<'a> OpCosts<'a> {
             optimizer: Optimizer::Adam,
             zero_stage: 0,
             sync: GradSync::AllReduce,
+            batch_norm: BatchNormStats::Sync,
             device,
             net: Network::new(profile),
             float_bytes: precision.activation_dtype().size_bytes(),
@@ -1079,6 +1085,55 @@ impl<'a> OpCosts<'a> {
         }
     }
 
+    /// The collectives a node's kernels run inside themselves over the devices that split what
+    /// they reduce, forward and backward seconds: synchronised BatchNorm under a sample split
+    /// all-reduces its per-channel sums and then its squared deviations forward (two passes, as
+    /// the executor computes mean then variance) and the two per-channel gradient sums backward;
+    /// a cross-entropy under a vocabulary split all-reduces each row's maximum, then its sum of
+    /// exponentials with the target's logit (Megatron's vocabulary-parallel loss). Statistics
+    /// are fp32. `(0, 0)` where the node reduces nothing across devices.
+    pub fn kernel_collectives(&self, n: NodeId, cfg: &ParallelConfig) -> (Seconds, Seconds) {
+        let none = (Seconds(0.0), Seconds(0.0));
+        let reduced = match self.node(n).op {
+            OpKind::BatchNorm if self.batch_norm == BatchNormStats::Sync => 'n',
+            OpKind::CrossEntropy => 'v',
+            _ => return none,
+        };
+        let m = self.mapping(n);
+        let along: Vec<u8> = coordinate_axes(m, cfg)
+            .iter()
+            .enumerate()
+            .filter(|(_, (l, _))| *l == reduced)
+            .map(|(i, _)| i as u8)
+            .collect();
+        if along.is_empty() {
+            return none;
+        }
+        let layout = self.input_layout(n, 0, cfg);
+        let devices: Vec<u32> = layout
+            .group_along(0, &along)
+            .iter()
+            .map(|p| layout.view.device(*p))
+            .collect();
+        if devices.len() < 2 {
+            return none;
+        }
+        let group = group_of(&devices, self.profile.node.gpus_per_node);
+        let (ins, _) = self.shard_shapes(n, &cfg.degrees);
+        let x = ins[0].dims();
+        let all_reduce = |elems: u64| {
+            self.net
+                .collective(Collective::AllReduce, Bytes(4 * elems), group)
+        };
+        if reduced == 'n' {
+            let channels = x.get(1).copied().unwrap_or(1);
+            (all_reduce(channels) * 2.0, all_reduce(2 * channels))
+        } else {
+            let rows: u64 = x[..x.len().saturating_sub(1)].iter().product();
+            (all_reduce(rows) + all_reduce(2 * rows), Seconds(0.0))
+        }
+    }
+
     /// Under ZeRO 3, the all-gather of the weights a node owns before each pass over it: the
     /// bytes of its replicated weight shards in the training type (what the pass reads) and
     /// the time to gather them from their replicas; `(0, 0)` where nothing is sharded.
@@ -1363,5 +1418,66 @@ mod tests {
         // Sample split: x sharded, nothing to sum.
         let x = TensorLayout::new(&m, &['b', 'k'], &[8, 32], &cfg(&[('b', 4)], 0), false);
         assert_eq!(x.as_gradient_source().sum_degree(), 1);
+    }
+
+    /// Synchronised BatchNorm under a sample split all-reduces its per-channel statistics
+    /// (two C-float all-reduces forward, one of 2C backward) over the split; local statistics,
+    /// an unsplit BatchNorm and a channel split pay nothing; a vocabulary-split loss
+    /// all-reduces each row's maximum and (sum, target logit).
+    #[test]
+    fn kernel_collectives_of_batch_norm_and_a_vocabulary_split_loss() {
+        let mut b = parallax_ir::GraphBuilder::new("bn");
+        let x = b.input("x", [16, 32, 8, 8], parallax_ir::DType::F32);
+        let y = b.batch_norm("bn", x).unwrap();
+        let logits = b.input("logits", [16, 1000], parallax_ir::DType::F32);
+        let labels = b.input("labels", [16], parallax_ir::DType::I64);
+        let _ = y;
+        let loss = b
+            .op1("loss", OpKind::CrossEntropy, &[logits, labels])
+            .unwrap();
+        let g = b.finish(&[y, loss]).unwrap();
+        let p = preset("dgx-a100-80gb").unwrap();
+        let mut c = OpCosts::new(&g, &p, 8, Precision::Fp32).unwrap();
+        let bn = NodeId(0);
+        let group = Group::strided(8, 1, 8);
+        let ar = |floats: u64| {
+            c.net
+                .collective(Collective::AllReduce, Bytes(4 * floats), group)
+        };
+        let (f, bw) = c.kernel_collectives(bn, &cfg(&[('n', 8)], 0));
+        assert_eq!(f, ar(32) * 2.0);
+        assert_eq!(bw, ar(64));
+        assert!(f.0 > 0.0);
+        // Channel split: each device has whole channels' statistics.
+        assert_eq!(
+            c.kernel_collectives(bn, &cfg(&[('c', 8)], 0)).0,
+            Seconds(0.0)
+        );
+        // Sample × channel: the sample group of 2 reduces a quarter of the channels.
+        let (f2, _) = c.kernel_collectives(bn, &cfg(&[('n', 2), ('c', 4)], 0));
+        assert_eq!(
+            f2,
+            c.net
+                .collective(Collective::AllReduce, Bytes(4 * 8), Group::strided(2, 4, 8))
+                * 2.0
+        );
+        assert_eq!(
+            c.kernel_collectives(bn, &ParallelConfig::single(0)).0,
+            Seconds(0.0)
+        );
+        c.batch_norm = BatchNormStats::Local;
+        assert_eq!(
+            c.kernel_collectives(bn, &cfg(&[('n', 8)], 0)).0,
+            Seconds(0.0)
+        );
+        // The loss over a vocabulary split of 4: 16 maxima, then 32 sums, forward only.
+        let (f, bw) = c.kernel_collectives(NodeId(1), &cfg(&[('v', 4)], 0));
+        let g4 = Group::strided(4, 1, 8);
+        let ar4 = |floats: u64| {
+            c.net
+                .collective(Collective::AllReduce, Bytes(4 * floats), g4)
+        };
+        assert_eq!(f, ar4(16) + ar4(32));
+        assert_eq!(bw, Seconds(0.0));
     }
 }

@@ -20,7 +20,8 @@ pub use graph::{
 pub mod models;
 pub mod plan;
 pub use plan::{
-    Layout, Offload, PartialLayout, Plan, Recompute, Schedule, StageRange, PLAN_SCHEMA,
+    BatchNormStats, Layout, Offload, PartialLayout, Plan, Recompute, Schedule, StageRange,
+    PLAN_SCHEMA,
 };
 pub mod load;
 pub use load::{load_model, Model, ModelError, ModelKind, MAX_GLOBAL_BATCH, MAX_SEQ};

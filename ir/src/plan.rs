@@ -165,6 +165,55 @@ impl Offload {
     }
 }
 
+/// Where BatchNorm under a sample split takes its statistics from (per-op plans).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum BatchNormStats {
+    /// The whole micro-batch's, as one device computes them: the devices of the sample split
+    /// all-reduce per-channel sums (synchronised BatchNorm, PyTorch's `SyncBatchNorm`): what
+    /// `parallax run` does unless told otherwise, so a split plan trains as one device does.
+    #[default]
+    Sync,
+    /// Each device's own samples' (PyTorch's `BatchNorm2d` under DDP, TensorFlow's per-tower
+    /// batch norm): no communication, statistics of the per-device batch.
+    Local,
+}
+
+impl BatchNormStats {
+    /// Name as written in plans and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            BatchNormStats::Sync => "sync",
+            BatchNormStats::Local => "local",
+        }
+    }
+
+    pub fn is_sync(&self) -> bool {
+        *self == BatchNormStats::Sync
+    }
+}
+
+impl fmt::Display for BatchNormStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for BatchNormStats {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "sync" | "synchronised" | "synchronized" | "global" => Ok(BatchNormStats::Sync),
+            "local" => Ok(BatchNormStats::Local),
+            other => Err(format!(
+                "unknown batch-norm statistics '{other}' (expected sync or local)"
+            )),
+        }
+    }
+}
+
 impl fmt::Display for Offload {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -224,6 +273,9 @@ pub struct Layout {
     /// split chosen by the tool.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stages: Vec<StageRange>,
+    /// BatchNorm statistics under sample splits (per-op plans; absent in a plan file: sync).
+    #[serde(default, skip_serializing_if = "BatchNormStats::is_sync")]
+    pub batch_norm: BatchNormStats,
 }
 
 impl Default for Layout {
@@ -242,6 +294,7 @@ impl Default for Layout {
             interleave: 1,
             offload: Offload::None,
             stages: Vec::new(),
+            batch_norm: BatchNormStats::Sync,
         }
     }
 }
@@ -512,6 +565,8 @@ pub struct PartialLayout {
     pub schedule: Option<Schedule>,
     pub interleave: Option<u32>,
     pub offload: Option<Offload>,
+    /// BatchNorm statistics (per-op plans only).
+    pub batch_norm: Option<BatchNormStats>,
 }
 
 impl PartialLayout {
@@ -522,6 +577,14 @@ impl PartialLayout {
             Some(s) => vec![s],
             None if tp > 1 => vec![true, false],
             None => vec![false],
+        }
+    }
+
+    /// Refuses the keys of per-op plans only, for a transformer's structured layout.
+    pub fn check_transformer(&self) -> Result<(), String> {
+        match self.batch_norm {
+            Some(_) => Err("bn: BatchNorm statistics are a knob of per-op plans; a transformer layout has no BatchNorm".into()),
+            None => Ok(()),
         }
     }
 
@@ -539,6 +602,7 @@ impl PartialLayout {
                 "micro_batch" => "mb",
                 "zero_stage" => "zero",
                 "sequence_parallel" => "sp",
+                "batch_norm" => "bn",
                 other => other,
             }
             .to_string();
@@ -583,9 +647,10 @@ impl PartialLayout {
                 }
                 "schedule" => p.schedule = Some(v.parse()?),
                 "offload" => p.offload = Some(v.parse()?),
+                "bn" | "batch_norm" => p.batch_norm = Some(v.parse().map_err(|e| format!("bn: {e}"))?),
                 _ => {
                     return Err(format!(
-                        "unknown key '{k}' (expected dp, tp, pp, cp, ep, zero, mb, recompute, sp, schedule, v, offload)"
+                        "unknown key '{k}' (expected dp, tp, pp, cp, ep, zero, mb, recompute, sp, schedule, v, offload, bn)"
                     ))
                 }
             }

@@ -10,7 +10,7 @@ use parallax_cost::soap::{GradSync, OpCosts, Optimizer};
 use parallax_cost::transformer::{Runtime, Setup};
 use parallax_hardware::ClusterProfile;
 use parallax_ir::graph::TensorRole;
-use parallax_ir::{load_model, Model, PartialLayout, Precision, Schedule};
+use parallax_ir::{load_model, BatchNormStats, Model, PartialLayout, Precision, Schedule};
 use parallax_sim::perop::simulate_op_plan;
 use serde::Deserialize;
 
@@ -291,6 +291,10 @@ impl GeneralCase {
             };
         }
         plan.micro_batches = chunks;
+        // Every stack of these cases keeps BatchNorm's statistics per device (TensorFlow's
+        // per-tower batch norm in tf_cnn_benchmarks, `nn.BatchNorm2d` under PyTorch DDP and in
+        // torchgpipe's partitions); none synchronises them.
+        plan.batch_norm = BatchNormStats::Local;
         let sim = simulate_op_plan(&mut costs, &plan, ran).map_err(|e| e.to_string())?;
         let layout = format!(
             "dp={} tp={} pp={} mb={} m={}{}{}",

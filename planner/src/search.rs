@@ -1254,6 +1254,7 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
                         interleave: 1,
                         offload: f.offload.unwrap_or_default(),
                         stages: Vec::new(),
+                        batch_norm: Default::default(),
                     };
                     groups.push(Group {
                         index: groups.len() as u64,

@@ -567,8 +567,10 @@ pub fn search_ops(
     // Uniform patterns: data parallelism and parameter splits wherever an op has one.
     // Every plan is priced at the stage the search runs at.
     let zero = costs.zero_stage;
+    let bn = costs.batch_norm;
     let staged = |mut p: OpPlan| {
         p.zero_stage = zero;
+        p.batch_norm = bn;
         p
     };
     let dp = staged(OpPlan::uniform(n, |i| {
@@ -903,6 +905,7 @@ pub fn layout_plan(costs: &mut OpCosts, dp: u32, tp: u32, pp: u32) -> OpPlan {
         .collect();
     OpPlan {
         zero_stage: costs.zero_stage,
+        batch_norm: costs.batch_norm,
         configs,
         micro_batches: 1,
         schedule: if pp > 1 {
@@ -940,6 +943,8 @@ pub struct GraphJob<'a> {
     pub global_batch: u64,
     /// Activations stored NCHW rather than channels-last ([`OpCosts::set_nchw`]).
     pub nchw: bool,
+    /// BatchNorm statistics the plans keep under sample splits (priced by their collectives).
+    pub batch_norm: parallax_ir::BatchNormStats,
 }
 
 impl<'a> GraphJob<'a> {
@@ -948,14 +953,16 @@ impl<'a> GraphJob<'a> {
     where
         'a: 'g,
     {
-        graph_costs(
+        let mut c = graph_costs(
             g,
             self.profile,
             self.gpus,
             self.precision,
             self.optimizer,
             self.nchw,
-        )
+        )?;
+        c.batch_norm = self.batch_norm;
+        Ok(c)
     }
 }
 
@@ -1161,6 +1168,7 @@ mod tests {
                 optimizer: parallax_cost::soap::Optimizer::Adam,
                 global_batch: 8,
                 nchw: false,
+                batch_norm: Default::default(),
             };
             plan_graph(&job, &SoapOptions::default())
         };

@@ -587,6 +587,7 @@ impl TransformerCase {
             schedule: p.schedule,
             interleave: p.interleave,
             offload: Some(self.offload()),
+            batch_norm: None,
         }
     }
 

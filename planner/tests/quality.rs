@@ -33,6 +33,7 @@ fn published(c: &TransformerCase) -> Option<Layout> {
         interleave: p.interleave?,
         offload: parallax_ir::Offload::None,
         stages: Vec::new(),
+        batch_norm: Default::default(),
     })
 }
 

@@ -40,7 +40,7 @@ use parallax_cost::memory::{workspace_gib, MemoryBreakdown};
 use parallax_cost::soap::{ConfigError, GradSync, MachineView, OpCosts, OpMemory, ParallelConfig};
 use parallax_cost::Group;
 use parallax_ir::graph::{NodeId, TensorId};
-use parallax_ir::{Bytes, Schedule, Seconds};
+use parallax_ir::{BatchNormStats, Bytes, Schedule, Seconds};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use thiserror::Error;
@@ -62,6 +62,10 @@ pub struct OpPlan {
     pub recompute: bool,
     #[serde(default)]
     pub zero_stage: u8,
+    /// Whether BatchNorm under a sample split synchronises its statistics over the split
+    /// (the default, as `parallax run` trains) or keeps each device's own.
+    #[serde(default)]
+    pub batch_norm: BatchNormStats,
 }
 
 impl OpPlan {
@@ -73,6 +77,7 @@ impl OpPlan {
             schedule: Schedule::None,
             recompute: false,
             zero_stage: 0,
+            batch_norm: BatchNormStats::Sync,
         }
     }
 }
@@ -98,7 +103,8 @@ pub struct OpStepPrediction {
     pub samples_per_s: f64,
     pub mfu: f64,
     /// Where the step goes on the busiest device: compute, bubble, optimizer, and exposed
-    /// communication (`reshard`: layout changes and waiting for other devices' parts; `dp`:
+    /// communication (`reshard`: layout changes, collectives inside kernels such as synchronised
+    /// BatchNorm, and waiting for other devices' parts; `dp`:
     /// gradient synchronisation left after backward).
     pub breakdown: Breakdown,
     /// Pipeline stages (1 without a pipeline).
@@ -227,6 +233,9 @@ struct NodePrice {
     sync: Vec<(u64, Group, Seconds)>,
     /// ZeRO 3: (bytes, time) of the weight gather before each pass.
     gather: (f64, Seconds),
+    /// Collectives inside the node's forward and backward kernels (synchronised BatchNorm,
+    /// a vocabulary-parallel loss).
+    collectives: (Seconds, Seconds),
     memory: OpMemory,
     /// Parameters one device of the view updates.
     updated: f64,
@@ -283,7 +292,7 @@ pub struct DeltaCounts {
 pub struct DeltaSimulator {
     /// What the prices were computed for: the graph (by address), devices, ZeRO stage, optimizer
     /// and gradient synchronisation of the [`OpCosts`]; any change starts afresh.
-    key: Option<(usize, u32, u8, Optimizer, GradSync)>,
+    key: Option<(usize, u32, u8, Optimizer, GradSync, BatchNormStats)>,
     nodes: Vec<NodeSlot>,
     edges: Vec<EdgeSlot>,
     /// Edges of each node's inputs, in input order (indices into `edges`).
@@ -316,6 +325,7 @@ impl DeltaSimulator {
             costs.zero_stage,
             costs.optimizer,
             costs.sync,
+            costs.batch_norm,
         );
         if self.key == Some(key) {
             return;
@@ -366,6 +376,7 @@ impl DeltaSimulator {
                 times: costs.compute(n, cfg),
                 sync: costs.grad_sync(n, cfg),
                 gather: costs.param_gather(n, cfg),
+                collectives: costs.kernel_collectives(n, cfg),
                 memory: costs.memory(n, cfg),
                 updated: costs.updated_params(n, cfg),
             });
@@ -545,6 +556,7 @@ fn build_micro(
         }
         for (ci, c) in node_classes.iter().enumerate() {
             let gathered = gather(&mut mg, &passed, i, *c, &mut deps[ci]);
+            kernel_collective(&mut mg, compute[*c], i, false, prices, &mut deps[ci]);
             let task = Task::new("F", TaskKind::Forward, compute[*c]).with_index(i as u32);
             let f = mg.add(task, prices.nodes[i].times.fwd, &deps[ci]);
             mg.fwd[i].push(f);
@@ -590,6 +602,7 @@ fn build_micro(
         let recompute = if plan.recompute { t.fwd } else { Seconds(0.0) };
         for (ci, c) in node_classes.iter().enumerate() {
             let gathered = gather(&mut mg, &passed, i, *c, &mut deps[ci]);
+            kernel_collective(&mut mg, compute[*c], i, true, prices, &mut deps[ci]);
             let task = Task::new("B", TaskKind::BackwardInput, compute[*c]).with_index(i as u32);
             let b = mg.add(task, t.bwd_input + t.bwd_weight + recompute, &deps[ci]);
             mg.bwd[i].push(b);
@@ -602,6 +615,33 @@ fn build_micro(
         add_sync_and_optimizer(costs, prices, plan, cls, &mut mg, &sync);
     }
     mg
+}
+
+/// The collectives inside node `i`'s forward (or backward) kernel, on the compute stream they
+/// block, before the pass's task (which then waits for them); also counted where a pipeline
+/// stage's time sums its resharding.
+fn kernel_collective(
+    mg: &mut MicroGraph,
+    compute: ResourceId,
+    i: usize,
+    backward: bool,
+    prices: &Prices,
+    deps: &mut Vec<TaskId>,
+) {
+    let (fwd, bwd) = prices.nodes[i].collectives;
+    let time = if backward { bwd } else { fwd };
+    if time.0 <= 0.0 {
+        return;
+    }
+    let task = Task::new(
+        "kernel all-reduce",
+        TaskKind::Comm(CommKind::Other),
+        compute,
+    )
+    .with_index(i as u32);
+    let t = mg.add(task, time, deps);
+    mg.reshards.push((t, i, i, backward));
+    *deps = vec![t];
 }
 
 /// Where a tensor keeps its layout, the consumer on class `c` waits for the producer on the
@@ -783,8 +823,10 @@ impl DeltaSimulator {
                 why: "must be 0, 1, 2 or 3",
             });
         }
-        // The plan's stage prices its states (memory, gradient sync, gathers).
+        // The plan's stage prices its states (memory, gradient sync, gathers), and its
+        // BatchNorm statistics its kernels' collectives.
         costs.zero_stage = plan.zero_stage;
+        costs.batch_norm = plan.batch_norm;
         self.reset_for(costs);
         self.counts.simulations += 1;
         let flops = self.flops;
@@ -1185,6 +1227,31 @@ mod tests {
         let parts: f64 = step.prediction.breakdown.parts().iter().map(|x| x.1).sum();
         assert!((parts - got).abs() < 1e-9, "{parts} vs {got}");
         assert_eq!(step.prediction.used_devices, 1);
+    }
+
+    /// Synchronised BatchNorm's statistics all-reduces block each device's compute stream:
+    /// a data-parallel ResNet pays them in full (charged to `reshard`); local statistics do not.
+    #[test]
+    fn synchronised_batch_norm_pays_its_all_reduces() {
+        let p = preset("dgx1-v100-16gb").unwrap();
+        let g = parallax_ir::models::resnet::resnet_tiny(64).unwrap();
+        let mut c = OpCosts::new(&g, &p, 8, Precision::Fp32).unwrap();
+        let mut plan = sample_split_over(&c, 8, |_| 0);
+        let sync = simulate_op_plan(&mut c, &plan, 64).unwrap().prediction;
+        plan.batch_norm = BatchNormStats::Local;
+        let local = simulate_op_plan(&mut c, &plan, 64).unwrap().prediction;
+        c.batch_norm = BatchNormStats::Sync;
+        let paid: f64 = (0..c.len())
+            .map(|i| {
+                let (f, b) = c.kernel_collectives(NodeId(i as u32), &plan.configs[i]);
+                f.0 + b.0
+            })
+            .sum();
+        assert!(paid > 0.0);
+        let extra = sync.step_time_s - local.step_time_s;
+        assert!((extra - paid).abs() < 1e-3 * paid, "{extra} vs {paid}");
+        let reshard = |p: &OpStepPrediction| p.breakdown.exposed_comm_s["reshard"];
+        assert!((reshard(&sync) - reshard(&local) - paid).abs() < 1e-3 * paid);
     }
 
     #[test]

@@ -55,6 +55,9 @@ pub struct Ctx<'a> {
     /// Reduces a buffer over the devices that split the labels this op reduces inside
     /// (identity when they are not split).
     pub reduce: &'a mut ReduceFn<'a>,
+    /// BatchNorm takes the statistics of this device's samples only (the plan's
+    /// `batch_norm: local`); otherwise those of the whole micro-batch.
+    pub local_stats: bool,
 }
 
 impl std::fmt::Debug for Ctx<'_> {
@@ -757,6 +760,17 @@ fn ce_fwd(ctx: &mut Ctx<'_>, ins: &[&Local]) -> Result<(f32, Vec<f32>), CommErro
     Ok((if first { (loss / n_full) as f32 } else { 0.0 }, probs))
 }
 
+/// Elements each BatchNorm statistic covers: the whole micro-batch's samples, or this
+/// device's `n` under local statistics.
+fn bn_count(ctx: &Ctx<'_>, n: usize, sp: usize) -> f32 {
+    if ctx.local_stats {
+        (n * sp) as f32
+    } else {
+        let full = ctx.ins_full[0].dims();
+        (full[0] * full[2..].iter().product::<u64>()) as f32
+    }
+}
+
 /// Per channel mean and 1/std over every device of the sample group (synchronised BatchNorm);
 /// returns the output and `[mean…, rstd…]`.
 fn bn_fwd(ctx: &mut Ctx<'_>, ins: &[&Local]) -> Result<(Vec<f32>, Vec<f32>), CommError> {
@@ -764,8 +778,7 @@ fn bn_fwd(ctx: &mut Ctx<'_>, ins: &[&Local]) -> Result<(Vec<f32>, Vec<f32>), Com
     let (n, c) = (d[0], d[1]);
     let sp: usize = d[2..].iter().product();
     let x = &ins[0].data;
-    let full = ctx.ins_full[0].dims();
-    let count = (full[0] * full[2..].iter().product::<u64>()) as f32;
+    let count = bn_count(ctx, n, sp);
     let mut mean = vec![0.0f32; c];
     for i in 0..n {
         for (ch, m) in mean.iter_mut().enumerate() {
@@ -817,8 +830,7 @@ fn bn_bwd(
     let sp: usize = d[2..].iter().product();
     let x = &ins[0].data;
     let (mean, rstd) = stats.split_at(c);
-    let full = ctx.ins_full[0].dims();
-    let count = (full[0] * full[2..].iter().product::<u64>()) as f32;
+    let count = bn_count(ctx, n, sp);
     let mut dbeta = vec![0.0f32; c];
     let mut dgamma = vec![0.0f32; c];
     for i in 0..n {

@@ -19,7 +19,8 @@
 //! stays identical.
 //!
 //! BatchNorm under a sample split is synchronised (statistics of the whole micro-batch, as
-//! one device computes them); a cross-entropy over a vocabulary split reduces its row maxima
+//! one device computes them) unless the plan says `batch_norm: local` (each device's own
+//! samples, as `BatchNorm2d` under DDP); a cross-entropy over a vocabulary split reduces its row maxima
 //! and sums over the split (Megatron's vocabulary-parallel loss). Micro-batches run
 //! forward, all of them, then backward in reverse (GPipe's order; point-to-point sends never
 //! wait for the receiver, so devices holding different ops overlap their micro-batches as a
@@ -536,6 +537,7 @@ pub fn split_label(
 pub fn op_plan(g: &Graph, micro_batches: u32, f: impl Fn(usize) -> ParallelConfig) -> OpPlan {
     OpPlan {
         zero_stage: 0,
+        batch_norm: Default::default(),
         configs: (0..g.nodes.len()).map(f).collect(),
         micro_batches,
         schedule: if micro_batches > 1 {
@@ -860,6 +862,9 @@ fn feed_region(
     kernels::for_each_index(&d, |c| {
         let at = |i: usize| region[i].0 + c[i] as u64;
         let sample = first + if d.is_empty() { 0 } else { at(0) };
+        // The element's index within its sample: noise is a function of the sample, however
+        // the step's samples are cut into micro-batches and devices.
+        let inner = (1..c.len()).fold(0u64, |g, i| g * shape.0[i] + at(i));
         let v = match (feed, data) {
             (Feed::Images { .. }, GraphData::Images(set)) => set.pixel(
                 (sample % set.count as u64) as usize,
@@ -893,17 +898,13 @@ fn feed_region(
                 } else {
                     0.0
                 };
-                let gi = kernels::global_index(&shape.0, region, c);
-                signal + 0.5 * unit(mix(seed ^ mix(first.wrapping_add(0x1111) ^ mix(gi))))
+                signal + 0.5 * unit(mix(seed ^ mix(sample.wrapping_add(0x1111) ^ mix(inner))))
             }
             (Feed::Classes { classes }, _) => class_of(seed, sample, classes) as f32,
             (Feed::Tokens { vocab }, _) => token(seed, sample, at(1), vocab) as f32,
             (Feed::NextTokens { vocab }, _) => token(seed, sample, at(1) + 1, vocab) as f32,
             (Feed::Zeros, _) => 0.0,
-            (Feed::Noise, _) => {
-                let gi = kernels::global_index(&shape.0, region, c);
-                unit(mix(seed ^ mix(first ^ mix(gi ^ 0x5eed))))
-            }
+            (Feed::Noise, _) => unit(mix(seed ^ mix(sample ^ mix(inner ^ 0x5eed)))),
         };
         out.push(v);
     });
@@ -1092,7 +1093,7 @@ impl<'a> Rank<'a> {
         let cfg = &self.spec.plan.configs[n];
         let m = &self.prep.mappings[n];
         let reduced: &[char] = match self.spec.graph.nodes[n].op {
-            OpKind::BatchNorm => &['n'],
+            OpKind::BatchNorm if self.spec.plan.batch_norm.is_sync() => &['n'],
             OpKind::CrossEntropy => &['v'],
             _ => return None,
         };
@@ -1300,6 +1301,7 @@ impl<'a> Rank<'a> {
             coord: &coords,
             key,
             reduce: &mut reduce,
+            local_stats: !spec.plan.batch_norm.is_sync(),
         };
         let refs = refs(&self.weights, &self.weight_at, i, ins);
         f(&mut ctx, &refs)

@@ -9,7 +9,7 @@ use parallax_ir::op::{
     Activation, AttentionAttrs, AxisAttrs, Conv2dAttrs, Pool2dAttrs, PoolKind, RnnAttrs,
     SoftmaxAttrs, SplitAttrs, TransposeAttrs,
 };
-use parallax_ir::{AxisRole, DType};
+use parallax_ir::{AxisRole, BatchNormStats, DType};
 use std::collections::BTreeMap;
 
 fn full(s: &Shape) -> Region {
@@ -61,6 +61,7 @@ fn grad_error(g: &Graph, node: usize) -> f64 {
             coord: &coord,
             key: 7,
             reduce: &mut reduce,
+            local_stats: false,
         };
         let refs: Vec<&Local> = ins.iter().collect();
         kernels::forward(&mut ctx, &refs).unwrap()
@@ -92,6 +93,7 @@ fn grad_error(g: &Graph, node: usize) -> f64 {
             coord: &coord,
             key: 7,
             reduce: &mut reduce,
+            local_stats: false,
         };
         let refs: Vec<&Local> = ins.iter().collect();
         kernels::backward(&mut ctx, &refs, &saved, &r, &need).unwrap()
@@ -408,6 +410,54 @@ fn resnet_tiny_under_data_parallelism_matches_one_device() {
         split_label(&g, i, 2, 0, &|_, r| r == AxisRole::Sample)
     });
     assert_equivalent("dp2", against_one_device(g, plan, SGD));
+}
+
+/// Local BatchNorm statistics under a sample split are each device's own: dp2 over a batch
+/// of 4 trains as one device accumulating two micro-batches of 2 (each normalised by itself),
+/// and differs from the synchronised run.
+#[test]
+fn local_batch_norm_normalises_each_devices_samples() {
+    let run = |g: Graph, mut plan: OpPlan, bn: BatchNormStats| {
+        plan.batch_norm = bn;
+        let mut spec = GraphRunSpec::new(g, plan, 5);
+        spec.optimizer = SGD;
+        spec.collect_state = true;
+        spec.timeout = Duration::from_secs(60);
+        run_graph_threads(&spec).unwrap()
+    };
+    let g4 = resnet_tiny(4).unwrap();
+    let dp2 = op_plan(&g4, 1, |i| {
+        split_label(&g4, i, 2, 0, &|_, r| r == AxisRole::Sample)
+    });
+    let local = run(g4.clone(), dp2.clone(), BatchNormStats::Local);
+    let sync = run(g4, dp2, BatchNormStats::Sync);
+    let g2 = resnet_tiny(2).unwrap();
+    let accumulated = op_plan(&g2, 2, |_| ParallelConfig::single(0));
+    let one = run(g2, accumulated, BatchNormStats::Sync);
+    let rel = |a: &[f64], b: &[f64]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs() / y.abs().max(1e-12))
+            .fold(0.0, f64::max)
+    };
+    assert!(
+        rel(&local.losses, &one.losses) < 1e-4,
+        "{:?} vs {:?}",
+        local.losses,
+        one.losses
+    );
+    let (params, worst) = local
+        .state
+        .as_ref()
+        .unwrap()
+        .max_relative_diff_where(one.state.as_ref().unwrap(), |_| true);
+    assert!(params < 1e-4, "{params:.2e} at {worst}");
+    assert!(
+        rel(&local.losses, &sync.losses) > 1e-3,
+        "{:?} vs {:?}",
+        local.losses,
+        sync.losses
+    );
 }
 
 /// Norm-relative difference of the Adam moments of two states, worst tensor.
