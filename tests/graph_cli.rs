@@ -193,6 +193,24 @@ fn local_batch_norm_is_a_plan_setting_priced_and_run() {
     assert_eq!(doc["layout"]["batch_norm"], "local");
     let again = simulate(written.to_str().unwrap());
     assert_eq!(step(&again), step(&planned));
+    // 8 samples per device: local statistics are warned about, synchronised ones cover 64.
+    let warned = |fix: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--model",
+            "resnet50",
+            "--cluster",
+            "dgx-a100-80gb:gpus=8",
+            "--global-batch",
+            "64",
+        ];
+        args.extend(fix);
+        let out = parallax(&args);
+        assert_eq!(out.status.code(), Some(0));
+        String::from_utf8_lossy(&out.stdout).contains("statistics cover 8 samples per device")
+    };
+    assert!(warned(&["--fix", "bn=local"]));
+    assert!(!warned(&[]));
     let losses = |plan: &str| run_resnet_tiny(plan, "3", &[])["losses"].clone();
     assert_ne!(losses("dp=2,bn=local"), losses("dp=2"));
     for (cmd, flag) in [("simulate", "--plan"), ("plan", "--fix")] {

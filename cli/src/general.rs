@@ -693,8 +693,10 @@ fn report_lines(
     v
 }
 
-/// A warning when BatchNorm sees too few samples per device.
+/// A warning when BatchNorm's statistics cover too few samples: a micro-batch's under
+/// synchronised statistics, each device's share of it under local ones.
 fn batchnorm_warning(costs: &OpCosts, plan: &OpPlan) -> Option<String> {
+    let local = plan.batch_norm == BatchNormStats::Local;
     let g = costs.graph;
     let smallest = g
         .nodes
@@ -705,6 +707,9 @@ fn batchnorm_warning(costs: &OpCosts, plan: &OpPlan) -> Option<String> {
             let (ins, _) = costs.shapes(NodeId(i as u32));
             let m = costs.mapping(NodeId(i as u32));
             let n = ins[0].dims().first().copied().unwrap_or(1);
+            if !local {
+                return n;
+            }
             let split = m
                 .labels()
                 .filter(|(_, a)| a.role == AxisRole::Sample)
@@ -715,7 +720,9 @@ fn batchnorm_warning(costs: &OpCosts, plan: &OpPlan) -> Option<String> {
         .min()?;
     (smallest < BATCHNORM_MIN_PER_DEVICE).then(|| {
         format!(
-            "BatchNorm sees {smallest} samples per device (below {BATCHNORM_MIN_PER_DEVICE}): its batch statistics get noisy and convergence can suffer; use synchronised BatchNorm, GroupNorm, or a larger batch"
+            "BatchNorm's statistics cover {smallest} samples{} (below {BATCHNORM_MIN_PER_DEVICE}): they get noisy and convergence can suffer; use {}GroupNorm, or a larger batch",
+            if local { " per device" } else { " per micro-batch" },
+            if local { "synchronised BatchNorm (drop bn=local), " } else { "fewer micro-batches, " }
         )
     })
 }
