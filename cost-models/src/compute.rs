@@ -373,10 +373,21 @@ impl<'a> DeviceModel<'a> {
             .min(1.0)
     }
 
+    /// A pointwise kernel taking `memory` to stream its bytes that also evaluates `count`
+    /// transcendentals: bound by the slower of the two where the device's transcendental rate
+    /// is known (host cores), by memory elsewhere.
+    fn pointwise(&self, memory: Seconds, count: f64) -> Seconds {
+        match self.dev.transcendentals_per_s {
+            Some(rate) if count > 0.0 => Seconds(memory.0.max(count / rate)),
+            _ => memory,
+        }
+    }
+
     /// Times of one op from its input shapes and work; `float_bytes` is the activation element
     /// size the work was computed with (for unfused attention's score traffic).
     pub fn op(&self, op: &OpKind, ins: &[Shape], w: &Work, float_bytes: u64) -> OpTimes {
         let k = kernels(op);
+        let (tf, tb) = op.transcendentals(ins);
         match (op.compute_class(), op) {
             (ComputeClass::View, _) => OpTimes::default(),
             (ComputeClass::Attention, OpKind::Attention(a)) => {
@@ -408,11 +419,11 @@ impl<'a> DeviceModel<'a> {
                 OpTimes {
                     fwd: (self.gemm(w.fwd_flops.0 / steps) + self.epilogue(rows * g * h * fb))
                         * steps
-                        + cell(2.0 * g + 3.0),
+                        + self.pointwise(cell(2.0 * g + 3.0), tf),
                     bwd_input: (self.gemm(w.bwd_input_flops.0 / steps)
                         + self.epilogue(rows * (width + h) * fb))
                         * steps
-                        + cell(2.0 * g + 5.0),
+                        + self.pointwise(cell(2.0 * g + 5.0), tb),
                     bwd_weight: self.gemm(w.bwd_weight_flops.0) + self.epilogue(outs[2]),
                 }
             }
@@ -461,8 +472,8 @@ impl<'a> DeviceModel<'a> {
                     _ => Seconds(0.0),
                 };
                 OpTimes {
-                    fwd: self.memory(fwd * bytes) + more,
-                    bwd_input: self.memory(bwd * bytes) + more,
+                    fwd: self.pointwise(self.memory(fwd * bytes), tf) + more,
+                    bwd_input: self.pointwise(self.memory(bwd * bytes), tb) + more,
                     bwd_weight: gamma_beta,
                 }
             }
@@ -577,6 +588,47 @@ mod tests {
             conv(3, Precision::Fp32, true).0,
             conv(3, Precision::Fp32, false).0
         );
+    }
+
+    /// Where a device's transcendental rate is known (host cores), an LSTM cell and a smooth
+    /// activation take at least their sigmoids and tanh at that rate; a GPU's pointwise
+    /// kernels stay memory-bound, and ReLU has none.
+    #[test]
+    fn transcendentals_bound_pointwise_kernels_on_host_cores() {
+        let mut p = preset("cpu-local").unwrap();
+        p.device.transcendentals_per_s = Some(1e7);
+        let m = DeviceModel::new(&p, Precision::Fp32).unwrap();
+        let g = parallax_ir::models::rnn::lstm_tiny(4, 16).unwrap();
+        let node = g
+            .nodes
+            .iter()
+            .find(|n| matches!(n.op, OpKind::Lstm(_)))
+            .unwrap();
+        let (ins, outs) = (g.input_shapes(node), g.output_shapes(node));
+        let OpKind::Lstm(a) = &node.op else {
+            unreachable!()
+        };
+        let w = node.op.work(&ins, &outs, &g.weight_flags(node), 4);
+        let t = m.op(&node.op, &ins, &w, 4);
+        // Five evaluations per hidden unit and step forward, one backward.
+        let units = (ins[0].dims()[0] * ins[0].dims()[1] * a.hidden) as f64;
+        assert!(t.fwd.0 >= 5.0 * units / 1e7);
+        assert!(t.bwd_input.0 >= units / 1e7);
+        let gelu = OpKind::Activation(parallax_ir::op::ActivationAttrs {
+            kind: parallax_ir::op::Activation::Gelu,
+        });
+        let a = [Shape(vec![1000, 100])];
+        let wg = gelu.work(&a, &a, &[false], 4);
+        assert!((m.op(&gelu, &a, &wg, 4).fwd.0 - 1e5 / 1e7).abs() < 1e-9);
+        p.device.transcendentals_per_s = None;
+        let memory_bound = DeviceModel::new(&p, Precision::Fp32).unwrap();
+        assert!(memory_bound.op(&gelu, &a, &wg, 4).fwd.0 < 1e-3);
+        let relu = OpKind::Activation(parallax_ir::op::ActivationAttrs {
+            kind: parallax_ir::op::Activation::Relu,
+        });
+        p.device.transcendentals_per_s = Some(1e7);
+        let m = DeviceModel::new(&p, Precision::Fp32).unwrap();
+        assert!(m.op(&relu, &a, &relu.work(&a, &a, &[false], 4), 4).fwd.0 < 1e-3);
     }
 
     #[test]

@@ -11,7 +11,7 @@
 use crate::comm::{Collectives, Group, ThreadComm};
 use crate::engine::AdamConfig;
 use crate::error::ExecError;
-use crate::tensor::{add_into, gelu, mm, mm_nt, mm_tn, norm_fwd};
+use crate::tensor::{add_into, gelu, mm, mm_nt, mm_tn, norm_fwd, sigmoid};
 use parallax_hardware::{Calibration as Provenance, ClusterProfile, EfficiencyCurve};
 use std::time::{Duration, Instant};
 
@@ -81,6 +81,9 @@ pub struct ComputeFigures {
     pub pointwise_bytes_per_s: f64,
     /// Fixed cost of one small op, seconds.
     pub op_overhead_s: f64,
+    /// Sigmoids and tanh the executor's elementwise kernels evaluate per second, cache-resident
+    /// (an LSTM cell's mix: three sigmoids to two tanh); `None` where the ranks are GPUs.
+    pub transcendentals_per_s: Option<f64>,
 }
 
 impl ComputeFigures {
@@ -91,18 +94,20 @@ impl ComputeFigures {
             self.copy_bytes_per_s,
             self.pointwise_bytes_per_s,
             self.op_overhead_s,
+            self.transcendentals_per_s.unwrap_or(0.0),
         ]);
         v
     }
 
     /// The inverse of [`ComputeFigures::to_vec`].
     pub fn from_vec(v: &[f64]) -> ComputeFigures {
-        let (curve, rest) = v.split_at(v.len().saturating_sub(3));
+        let (curve, rest) = v.split_at(v.len().saturating_sub(4));
         ComputeFigures {
             matmul: curve.chunks_exact(2).map(|p| (p[0], p[1])).collect(),
             copy_bytes_per_s: rest.first().copied().unwrap_or(0.0),
             pointwise_bytes_per_s: rest.get(1).copied().unwrap_or(0.0),
             op_overhead_s: rest.get(2).copied().unwrap_or(0.0),
+            transcendentals_per_s: rest.get(3).copied().filter(|r| *r > 0.0),
         }
     }
 }
@@ -353,11 +358,24 @@ pub fn measure_compute(threads: usize, quick: bool) -> ComputeFigures {
             std::hint::black_box(&mut c);
         })
     });
+    // The executor's sigmoid and tanh on a cache-resident buffer, in an LSTM cell's mix.
+    let transcendentals = concurrently(threads, || {
+        let x: Vec<f32> = (0..4000).map(|i| (i % 17) as f32 * 0.25 - 2.0).collect();
+        let mut y = vec![0.0f32; x.len()];
+        let t = time_best(min_time, || {
+            for (i, (o, v)) in y.iter_mut().zip(&x).enumerate() {
+                *o = if i % 5 < 3 { sigmoid(*v) } else { v.tanh() };
+            }
+            std::hint::black_box(&mut y);
+        });
+        x.len() as f64 / t
+    });
     ComputeFigures {
         matmul: curve,
         copy_bytes_per_s: copy,
         pointwise_bytes_per_s: pointwise,
         op_overhead_s: op_overhead,
+        transcendentals_per_s: Some(transcendentals),
     }
 }
 
@@ -461,6 +479,10 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
         "device.kernel_overhead_us",
         "node.gpus_per_node",
     ];
+    if let Some(r) = m.compute.transcendentals_per_s {
+        p.device.transcendentals_per_s = Some(r);
+        fields.push("device.transcendentals_per_s");
+    }
     if let Some(d) = &m.device {
         p.device.name = d.name.clone();
         p.device.hbm_gib = d.mem_gib;
@@ -565,6 +587,7 @@ mod tests {
         assert!(m.compute.matmul.iter().all(|x| x.1 > 0.0));
         let c = m.intra.unwrap();
         assert!(c.busbw_bytes_per_s > 0.0 && c.step_latency_s > 0.0);
+        assert!(m.compute.transcendentals_per_s.is_some_and(|r| r > 0.0));
         let base = parallax_hardware::preset("cpu-local").unwrap();
         let p = to_profile(&m, &base, "cpu-local");
         p.validate().unwrap();
@@ -581,8 +604,14 @@ mod tests {
             copy_bytes_per_s: 1e10,
             pointwise_bytes_per_s: 5e9,
             op_overhead_s: 1e-7,
+            transcendentals_per_s: Some(2e8),
         };
         assert_eq!(ComputeFigures::from_vec(&c.to_vec()), c);
+        let gpu = ComputeFigures {
+            transcendentals_per_s: None,
+            ..c
+        };
+        assert_eq!(ComputeFigures::from_vec(&gpu.to_vec()), gpu);
     }
 
     #[test]
@@ -609,6 +638,7 @@ mod tests {
                 copy_bytes_per_s: 1e10,
                 pointwise_bytes_per_s: 5e9,
                 op_overhead_s: 1e-7,
+                transcendentals_per_s: Some(2e8),
             },
             intra: Some(CollectiveFit {
                 busbw_bytes_per_s: 4e9,
@@ -647,6 +677,7 @@ mod tests {
                 copy_bytes_per_s: 4.1e12,
                 pointwise_bytes_per_s: 2.8e12,
                 op_overhead_s: 6.8e-6,
+                transcendentals_per_s: None,
             },
             intra: None,
             inter: None,

@@ -876,6 +876,8 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
             copy_bytes_per_s: copy,
             pointwise_bytes_per_s: pointwise,
             op_overhead_s: op_overhead,
+            // Special-function units: pointwise kernels stay memory-bound on a GPU.
+            transcendentals_per_s: None,
         },
         intra,
         inter: None,

@@ -108,6 +108,12 @@ pub struct DeviceSpec {
     /// cores run SIMT kernels only, several blocks per SM, which hide one another's epilogues.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gemm_epilogue_overlapped: Option<bool>,
+    /// Elementwise transcendental evaluations (exp, tanh, a sigmoid) one device sustains per
+    /// second, where they rather than memory bound a pointwise kernel: a CPU core evaluates
+    /// each in libm, tens of cycles (measured by `parallax calibrate`). Absent for GPUs, whose
+    /// special-function units keep such kernels memory-bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transcendentals_per_s: Option<f64>,
 }
 
 /// Optional per-precision factors (used for [`DeviceSpec::matmul_efficiency_scale`]).
@@ -570,6 +576,9 @@ impl ClusterProfile {
         non_neg("device.kernel_overhead_us", d.kernel_overhead_us)?;
         if let Some(a) = d.attention_efficiency_scale {
             frac("device.attention_efficiency_scale", a)?;
+        }
+        if let Some(t) = d.transcendentals_per_s {
+            pos("device.transcendentals_per_s", t)?;
         }
         if let Some(a) = d.sustained_efficiency {
             // Above 1 when the isolated-GEMM curve of a chip without measured reference points

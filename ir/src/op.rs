@@ -822,6 +822,37 @@ impl OpKind {
         }
     }
 
+    /// Elementwise transcendental evaluations (an exp, a tanh or a sigmoid each) of one
+    /// forward and one backward pass at input shapes `ins`, as a framework's elementwise
+    /// kernels evaluate them: an LSTM cell three sigmoids and two tanh per hidden unit and
+    /// step forward, the tanh of its cell state again backward; a GRU cell two sigmoids and a
+    /// tanh forward (backward reads the saved gates); a smooth activation one per element each
+    /// way (its gradient re-evaluates it from the input); a softmax or a cross-entropy an exp
+    /// per element forward. Zero for the rest.
+    pub fn transcendentals(&self, ins: &[Shape]) -> (f64, f64) {
+        let elems = ins.first().map_or(0.0, |x| x.elems() as f64);
+        match self {
+            OpKind::Lstm(a) | OpKind::Gru(a) => {
+                let units = ins.first().map_or(0.0, |x| {
+                    (x.dim(0).unwrap_or(1) * x.dim(1).unwrap_or(1) * a.hidden) as f64
+                });
+                if matches!(self, OpKind::Lstm(_)) {
+                    (5.0 * units, units)
+                } else {
+                    (3.0 * units, 0.0)
+                }
+            }
+            OpKind::Activation(a) => match a.kind {
+                Activation::Relu | Activation::SquaredRelu => (0.0, 0.0),
+                Activation::Gelu | Activation::Silu | Activation::Sigmoid | Activation::Tanh => {
+                    (elems, elems)
+                }
+            },
+            OpKind::Softmax(_) | OpKind::CrossEntropy => (elems, 0.0),
+            _ => (0.0, 0.0),
+        }
+    }
+
     pub fn rnn_gates(&self) -> u64 {
         match self {
             OpKind::Gru(_) => 3,
