@@ -636,6 +636,18 @@ pub enum GradSync {
     HostParameterServer,
 }
 
+/// A tensor from the node that produces it to one input of a node that reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DataEdge {
+    pub tensor: TensorId,
+    pub producer: usize,
+    /// Which output of the producer the tensor is.
+    pub out: usize,
+    pub consumer: usize,
+    /// Input index at the consumer.
+    pub input: usize,
+}
+
 /// Per-device memory of a configuration of one op, bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct OpMemory {
@@ -979,6 +991,32 @@ impl<'a> OpCosts<'a> {
             }
         }
         table
+    }
+
+    /// Every data edge of the graph: each input of each node that another node produces, in
+    /// node and input order.
+    pub fn data_edges(&self) -> impl Iterator<Item = DataEdge> + '_ {
+        let g = self.graph;
+        g.nodes.iter().enumerate().flat_map(move |(c, node)| {
+            node.inputs
+                .iter()
+                .enumerate()
+                .filter_map(move |(input, t)| {
+                    let p = self.producer(*t)?;
+                    let out = g.nodes[p.0 as usize]
+                        .outputs
+                        .iter()
+                        .position(|x| x == t)
+                        .unwrap_or(0);
+                    Some(DataEdge {
+                        tensor: *t,
+                        producer: p.0 as usize,
+                        out,
+                        consumer: c,
+                        input,
+                    })
+                })
+        })
     }
 
     /// Forward and backward resharding of tensor `t` from its producer (output `out` of node

@@ -208,22 +208,19 @@ impl CostTables {
     /// Builds the tables for `cands` (one list per node), whose node costs ([`node_cost`])
     /// are given in `node`.
     pub fn build(costs: &mut OpCosts, cands: &[Vec<ParallelConfig>], node: Vec<Vec<f64>>) -> Self {
-        let g = costs.graph;
         let mut edges: BTreeMap<(usize, usize), Vec<f64>> = BTreeMap::new();
-        for (v, nd) in g.nodes.iter().enumerate() {
-            for (k, t) in nd.inputs.iter().enumerate() {
-                let Some(p) = costs.producer(*t) else {
-                    continue;
-                };
-                let u = p.0 as usize;
-                let out = g.nodes[u].outputs.iter().position(|x| x == t).unwrap_or(0);
-                let table =
-                    costs.edge_table(*t, (p, out, &cands[u]), (NodeId(v as u32), k, &cands[v]));
-                match edges.get_mut(&(u, v)) {
-                    Some(e) => e.iter_mut().zip(&table).for_each(|(x, y)| *x += y),
-                    None => {
-                        edges.insert((u, v), table);
-                    }
+        let all: Vec<_> = costs.data_edges().collect();
+        for e in all {
+            let (u, v) = (e.producer, e.consumer);
+            let table = costs.edge_table(
+                e.tensor,
+                (NodeId(u as u32), e.out, &cands[u]),
+                (NodeId(v as u32), e.input, &cands[v]),
+            );
+            match edges.get_mut(&(u, v)) {
+                Some(t) => t.iter_mut().zip(&table).for_each(|(x, y)| *x += y),
+                None => {
+                    edges.insert((u, v), table);
                 }
             }
         }
@@ -641,13 +638,9 @@ pub fn search_ops(
     // Refinement.
     let mut rng = XorShiftRng::seed_from_u64(opts.seed);
     let mut neighbours: Vec<Vec<usize>> = vec![Vec::new(); n];
-    for (v, nd) in costs.graph.nodes.iter().enumerate() {
-        for t in &nd.inputs {
-            if let Some(p) = costs.producer(*t) {
-                neighbours[v].push(p.0 as usize);
-                neighbours[p.0 as usize].push(v);
-            }
-        }
+    for e in costs.data_edges() {
+        neighbours[e.consumer].push(e.producer);
+        neighbours[e.producer].push(e.consumer);
     }
     let heavy: Vec<usize> = (0..n)
         .filter(|i| !matches!(costs.graph.nodes[*i].op.compute_class(), ComputeClass::View))
@@ -1255,13 +1248,9 @@ mod tests {
         let v = (0..n)
             .find(|&i| g.nodes[i].inputs.len() > 1 && all[i].len() > 3)
             .unwrap();
-        let incident = g
-            .nodes
-            .iter()
-            .enumerate()
-            .flat_map(|(i, nd)| nd.inputs.iter().map(move |t| (i, *t)))
-            .filter(|(i, t)| c.producer(*t).is_some_and(|p| p.0 as usize == v) || *i == v)
-            .filter(|(_, t)| c.producer(*t).is_some())
+        let incident = c
+            .data_edges()
+            .filter(|e| e.producer == v || e.consumer == v)
             .count();
         let mut changed = base.clone();
         changed.configs[v] = ParallelConfig {

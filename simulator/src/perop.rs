@@ -37,9 +37,11 @@ use parallax_cost::comm::interference;
 use parallax_cost::compute::OpTimes;
 use parallax_cost::memory::Optimizer;
 use parallax_cost::memory::{workspace_gib, MemoryBreakdown};
-use parallax_cost::soap::{ConfigError, GradSync, MachineView, OpCosts, OpMemory, ParallelConfig};
+use parallax_cost::soap::{
+    ConfigError, DataEdge, GradSync, MachineView, OpCosts, OpMemory, ParallelConfig,
+};
 use parallax_cost::Group;
-use parallax_ir::graph::{NodeId, TensorId};
+use parallax_ir::graph::NodeId;
 use parallax_ir::{BatchNormStats, Bytes, Schedule, Seconds};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
@@ -261,13 +263,7 @@ struct NodeSlot {
 /// the last plan's first.
 #[derive(Debug)]
 struct EdgeSlot {
-    tensor: TensorId,
-    producer: usize,
-    /// Which output of the producer the tensor is.
-    out: usize,
-    consumer: usize,
-    /// Input index at the consumer.
-    input: usize,
+    edge: DataEdge,
     seen: Vec<((u64, u64), EdgePrice)>,
 }
 
@@ -335,23 +331,12 @@ impl DeltaSimulator {
         self.nodes = (0..g.nodes.len()).map(|_| NodeSlot::default()).collect();
         self.edges.clear();
         self.inputs = vec![Vec::new(); g.nodes.len()];
-        for (i, node) in g.nodes.iter().enumerate() {
-            for (k, t) in node.inputs.iter().enumerate() {
-                let Some(p) = costs.producer(*t) else {
-                    continue;
-                };
-                let pi = p.0 as usize;
-                let out = g.nodes[pi].outputs.iter().position(|x| x == t).unwrap_or(0);
-                self.inputs[i].push(self.edges.len());
-                self.edges.push(EdgeSlot {
-                    tensor: *t,
-                    producer: pi,
-                    out,
-                    consumer: i,
-                    input: k,
-                    seen: Vec::new(),
-                });
-            }
+        for edge in costs.data_edges() {
+            self.inputs[edge.consumer].push(self.edges.len());
+            self.edges.push(EdgeSlot {
+                edge,
+                seen: Vec::new(),
+            });
         }
         self.flops = g.total_work(costs.float_bytes()).train_flops().0;
     }
@@ -385,15 +370,17 @@ impl DeltaSimulator {
         }
         let nodes: Vec<&NodePrice> = self.nodes.iter().map(|s| &s.seen[s.current]).collect();
         let mut edges = Vec::with_capacity(self.edges.len());
-        for e in &mut self.edges {
+        for slot in &mut self.edges {
+            let e = slot.edge;
             let (p, c) = (nodes[e.producer], nodes[e.consumer]);
             let key = (p.id, c.id);
-            let price = match e.seen.iter().position(|(k, _)| *k == key) {
-                Some(0) => e.seen[0].1,
+            let seen = &mut slot.seen;
+            let price = match seen.iter().position(|(k, _)| *k == key) {
+                Some(0) => seen[0].1,
                 Some(k) => {
                     // The last plan's pair first: the next simulation meets it again.
-                    e.seen.swap(0, k);
-                    e.seen[0].1
+                    seen.swap(0, k);
+                    seen[0].1
                 }
                 None => {
                     self.counts.edges_priced += 1;
@@ -407,9 +394,9 @@ impl DeltaSimulator {
                         bwd: b.time,
                         wanted,
                     };
-                    e.seen.push((key, price));
-                    let last = e.seen.len() - 1;
-                    e.seen.swap(0, last);
+                    seen.push((key, price));
+                    let last = seen.len() - 1;
+                    seen.swap(0, last);
                     price
                 }
             };
@@ -521,10 +508,10 @@ fn build_micro(
         let mut deps: Vec<Vec<TaskId>> = vec![Vec::new(); node_classes.len()];
         for &e in &prices.inputs[i] {
             let EdgePrice { fwd, bwd, wanted } = prices.edges[e];
-            let pi = prices.slots[e].producer;
+            let pi = prices.slots[e].edge.producer;
             let next = shared_ids.len();
             let shared = *shared_ids
-                .entry((prices.slots[e].tensor.0, wanted))
+                .entry((prices.slots[e].edge.tensor.0, wanted))
                 .or_insert(next);
             mg.edges.push(EdgeCost {
                 producer: pi,
