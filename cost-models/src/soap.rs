@@ -1090,14 +1090,23 @@ impl<'a> OpCosts<'a> {
         n: NodeId,
         cfg: &ParallelConfig,
     ) -> impl Iterator<Item = (TensorLayout, Group)> + '_ {
-        let gpn = self.profile.node.gpus_per_node;
         self.weight_layouts(n, cfg)
             .filter(|(_, grad)| grad.sum_degree() > 1)
             .map(move |(layout, grad)| {
-                let group = grad.group_along(0, &grad.sum_axes);
-                let devices: Vec<u32> = group.iter().map(|p| layout.view.device(*p)).collect();
-                (layout, group_of(&devices, gpn))
+                let group = self.group_along(&grad, &grad.sum_axes);
+                (layout, group)
             })
+    }
+
+    /// The collective group of the devices of `layout`'s view that differ from its first
+    /// device only along `axes` (its coordinate axes' indices).
+    fn group_along(&self, layout: &TensorLayout, axes: &[u8]) -> Group {
+        let devices: Vec<u32> = layout
+            .group_along(0, axes)
+            .iter()
+            .map(|p| layout.view.device(*p))
+            .collect();
+        group_of(&devices, self.profile.node.gpus_per_node)
     }
 
     /// Time to synchronise `bytes` of gradient over `g`: an all-reduce; under ZeRO 2 a
@@ -1147,16 +1156,10 @@ impl<'a> OpCosts<'a> {
         if along.is_empty() {
             return none;
         }
-        let layout = self.input_layout(n, 0, cfg);
-        let devices: Vec<u32> = layout
-            .group_along(0, &along)
-            .iter()
-            .map(|p| layout.view.device(*p))
-            .collect();
-        if devices.len() < 2 {
+        let group = self.group_along(&self.input_layout(n, 0, cfg), &along);
+        if group.size < 2 {
             return none;
         }
-        let group = group_of(&devices, self.profile.node.gpus_per_node);
         let (ins, _) = self.shard_shapes(n, &cfg.degrees);
         let x = ins[0].dims();
         let all_reduce = |elems: u64| {

@@ -286,8 +286,10 @@ pub struct DeltaCounts {
 /// [`simulate_op_plan`] (a test holds them equal bit for bit).
 #[derive(Debug, Default)]
 pub struct DeltaSimulator {
-    /// What the prices were computed for: the graph (by address), devices, ZeRO stage, optimizer
-    /// and gradient synchronisation of the [`OpCosts`]; any change starts afresh.
+    /// What the prices were computed for: the graph (by address), devices, ZeRO stage,
+    /// optimizer, gradient synchronisation and BatchNorm statistics of the [`OpCosts`]; any
+    /// change starts afresh. Keep one simulator per `OpCosts`: what is fixed when the costs are
+    /// made (profile, precision, memory format) is not checked.
     key: Option<(usize, u32, u8, Optimizer, GradSync, BatchNormStats)>,
     nodes: Vec<NodeSlot>,
     edges: Vec<EdgeSlot>,
