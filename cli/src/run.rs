@@ -149,9 +149,7 @@ fn resolve(a: &Args) -> anyhow::Result<Job> {
     };
     let (model, seq) = transformer(name, a.seq)?;
     crate::job::check_batch("--global-batch", gb)?;
-    let p = PartialLayout::parse(inline)
-        .and_then(|p| p.check_transformer().map(|()| p))
-        .map_err(|e| user(format!("--plan: {e}")))?;
+    let p = PartialLayout::parse_transformer(inline).map_err(|e| user(format!("--plan: {e}")))?;
     let (tp, pp, cp) = (p.tp.unwrap_or(1), p.pp.unwrap_or(1), p.cp.unwrap_or(1));
     let dp = match (p.dp, &a.cluster) {
         (Some(dp), _) => dp,

@@ -89,9 +89,8 @@ fn resolve_layout(spec: &str, setup: &Setup, model: &str, space: &Space) -> anyh
         }
         return Ok(plan.layout);
     }
-    let partial = PartialLayout::parse(spec)
-        .and_then(|p| p.check_transformer().map(|()| p))
-        .map_err(|e| user(format!("--plan: {e}")))?;
+    let partial =
+        PartialLayout::parse_transformer(spec).map_err(|e| user(format!("--plan: {e}")))?;
     match complete_within(setup, &partial, space) {
         Ok(done) => Ok(done.layout),
         // Nothing fits: simulate the completion that needs the least memory and say by how

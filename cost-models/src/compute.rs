@@ -387,7 +387,12 @@ impl<'a> DeviceModel<'a> {
     /// size the work was computed with (for unfused attention's score traffic).
     pub fn op(&self, op: &OpKind, ins: &[Shape], w: &Work, float_bytes: u64) -> OpTimes {
         let k = kernels(op);
-        let (tf, tb) = op.transcendentals(ins);
+        // Counted only where a rate prices them (host cores): every op of every search passes here.
+        let (tf, tb) = if self.dev.transcendentals_per_s.is_some() {
+            op.transcendentals(ins)
+        } else {
+            (0.0, 0.0)
+        };
         match (op.compute_class(), op) {
             (ComputeClass::View, _) => OpTimes::default(),
             (ComputeClass::Attention, OpKind::Attention(a)) => {

@@ -636,6 +636,28 @@ pub enum GradSync {
     HostParameterServer,
 }
 
+/// The indices (into [`coordinate_axes`] of `cfg`) of the axes along which `op`'s kernel
+/// reduces across the devices that split them: synchronised BatchNorm its sample axis, a
+/// cross-entropy its vocabulary; empty for every other op and where those axes are unsplit.
+pub fn kernel_reduction_axes(
+    op: &OpKind,
+    m: &AxesMapping,
+    cfg: &ParallelConfig,
+    batch_norm: BatchNormStats,
+) -> Vec<u8> {
+    let reduced = match op {
+        OpKind::BatchNorm if batch_norm == BatchNormStats::Sync => 'n',
+        OpKind::CrossEntropy => 'v',
+        _ => return Vec::new(),
+    };
+    coordinate_axes(m, cfg)
+        .iter()
+        .enumerate()
+        .filter(|(_, (l, _))| *l == reduced)
+        .map(|(i, _)| i as u8)
+        .collect()
+}
+
 /// A tensor from the node that produces it to one input of a node that reads it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DataEdge {
@@ -1141,18 +1163,8 @@ impl<'a> OpCosts<'a> {
     /// are fp32. `(0, 0)` where the node reduces nothing across devices.
     pub fn kernel_collectives(&self, n: NodeId, cfg: &ParallelConfig) -> (Seconds, Seconds) {
         let none = (Seconds(0.0), Seconds(0.0));
-        let reduced = match self.node(n).op {
-            OpKind::BatchNorm if self.batch_norm == BatchNormStats::Sync => 'n',
-            OpKind::CrossEntropy => 'v',
-            _ => return none,
-        };
-        let m = self.mapping(n);
-        let along: Vec<u8> = coordinate_axes(m, cfg)
-            .iter()
-            .enumerate()
-            .filter(|(_, (l, _))| *l == reduced)
-            .map(|(i, _)| i as u8)
-            .collect();
+        let op = &self.node(n).op;
+        let along = kernel_reduction_axes(op, self.mapping(n), cfg, self.batch_norm);
         if along.is_empty() {
             return none;
         }
@@ -1166,7 +1178,7 @@ impl<'a> OpCosts<'a> {
             self.net
                 .collective(Collective::AllReduce, Bytes(4 * elems), group)
         };
-        if reduced == 'n' {
+        if matches!(op, OpKind::BatchNorm) {
             let channels = x.get(1).copied().unwrap_or(1);
             (all_reduce(channels) * 2.0, all_reduce(2 * channels))
         } else {
@@ -1472,7 +1484,6 @@ mod tests {
         let y = b.batch_norm("bn", x).unwrap();
         let logits = b.input("logits", [16, 1000], parallax_ir::DType::F32);
         let labels = b.input("labels", [16], parallax_ir::DType::I64);
-        let _ = y;
         let loss = b
             .op1("loss", OpKind::CrossEntropy, &[logits, labels])
             .unwrap();

@@ -588,6 +588,13 @@ impl PartialLayout {
         }
     }
 
+    /// [`PartialLayout::parse`] of a transformer's layout: per-op keys refused.
+    pub fn parse_transformer(s: &str) -> Result<Self, String> {
+        let p = Self::parse(s)?;
+        p.check_transformer()?;
+        Ok(p)
+    }
+
     /// Parses the inline form. Errors name the key.
     pub fn parse(s: &str) -> Result<Self, String> {
         let mut p = PartialLayout::default();

@@ -267,6 +267,13 @@ struct EdgeSlot {
     seen: Vec<((u64, u64), EdgePrice)>,
 }
 
+impl EdgeSlot {
+    /// The price for the plan last priced (kept first).
+    fn current(&self) -> EdgePrice {
+        self.seen[0].1
+    }
+}
+
 /// How many node and edge prices a [`DeltaSimulator`] has computed (the rest it reused).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeltaCounts {
@@ -301,11 +308,10 @@ pub struct DeltaSimulator {
     pub counts: DeltaCounts,
 }
 
-/// The prices of one plan: an entry per node and per edge, borrowed from the simulator.
+/// The prices of one plan, borrowed from the simulator: an entry per node, and the edge slots
+/// (each with this plan's price first).
 struct Prices<'a> {
     nodes: Vec<&'a NodePrice>,
-    /// Per edge of [`DeltaSimulator::edges`].
-    edges: Vec<EdgePrice>,
     slots: &'a [EdgeSlot],
     inputs: &'a [Vec<usize>],
 }
@@ -371,19 +377,16 @@ impl DeltaSimulator {
             slot.current = slot.seen.len() - 1;
         }
         let nodes: Vec<&NodePrice> = self.nodes.iter().map(|s| &s.seen[s.current]).collect();
-        let mut edges = Vec::with_capacity(self.edges.len());
         for slot in &mut self.edges {
             let e = slot.edge;
             let (p, c) = (nodes[e.producer], nodes[e.consumer]);
             let key = (p.id, c.id);
             let seen = &mut slot.seen;
-            let price = match seen.iter().position(|(k, _)| *k == key) {
-                Some(0) => seen[0].1,
-                Some(k) => {
-                    // The last plan's pair first: the next simulation meets it again.
-                    seen.swap(0, k);
-                    seen[0].1
-                }
+            // The plan's pair goes first: `EdgeSlot::current` reads it there, and the next
+            // simulation most likely meets it again.
+            match seen.iter().position(|(k, _)| *k == key) {
+                Some(0) => {}
+                Some(k) => seen.swap(0, k),
                 None => {
                     self.counts.edges_priced += 1;
                     let (f, b, wanted) = costs.edge(
@@ -399,14 +402,11 @@ impl DeltaSimulator {
                     seen.push((key, price));
                     let last = seen.len() - 1;
                     seen.swap(0, last);
-                    price
                 }
-            };
-            edges.push(price);
+            }
         }
         Ok(Prices {
             nodes,
-            edges,
             slots: &self.edges,
             inputs: &self.inputs,
         })
@@ -509,7 +509,7 @@ fn build_micro(
         let node_classes = &cls.of_node[i];
         let mut deps: Vec<Vec<TaskId>> = vec![Vec::new(); node_classes.len()];
         for &e in &prices.inputs[i] {
-            let EdgePrice { fwd, bwd, wanted } = prices.edges[e];
+            let EdgePrice { fwd, bwd, wanted } = prices.slots[e].current();
             let pi = prices.slots[e].edge.producer;
             let next = shared_ids.len();
             let shared = *shared_ids

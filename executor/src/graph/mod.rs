@@ -42,7 +42,9 @@ use crate::error::ExecError;
 use crate::state::{ModelState, TensorState};
 use crate::{spawn_ranks, RunReport};
 use kernels::{mix, Ctx, Reduce, Saved};
-use parallax_cost::soap::{coordinate_axes, ParallelConfig, Region, TensorLayout};
+use parallax_cost::soap::{
+    coordinate_axes, kernel_reduction_axes, ParallelConfig, Region, TensorLayout,
+};
 use parallax_ir::graph::{TensorId, TensorRole};
 use parallax_ir::{AxesMapping, Graph, OpKind, Shape};
 use parallax_sim::perop::OpPlan;
@@ -1091,19 +1093,12 @@ impl<'a> Rank<'a> {
     /// vocabulary).
     fn reduce_group(&self, n: usize, pos: u32) -> Option<Group> {
         let cfg = &self.spec.plan.configs[n];
-        let m = &self.prep.mappings[n];
-        let reduced: &[char] = match self.spec.graph.nodes[n].op {
-            OpKind::BatchNorm if self.spec.plan.batch_norm.is_sync() => &['n'],
-            OpKind::CrossEntropy => &['v'],
-            _ => return None,
-        };
-        let axes = coordinate_axes(m, cfg);
-        let along: Vec<u8> = axes
-            .iter()
-            .enumerate()
-            .filter(|(_, (l, _))| reduced.contains(l))
-            .map(|(i, _)| i as u8)
-            .collect();
+        let along = kernel_reduction_axes(
+            &self.spec.graph.nodes[n].op,
+            &self.prep.mappings[n],
+            cfg,
+            self.spec.plan.batch_norm,
+        );
         if along.is_empty() {
             return None;
         }
