@@ -10,9 +10,9 @@
 use crate::comm::{exposed, Collective, Group, Network};
 use crate::compute::{DeviceModel, OpTimes};
 use parallax_hardware::ClusterProfile;
-use parallax_ir::models::{BuildOptions, Section, TransformerConfig};
+use parallax_ir::models::{BuildOptions, MoeConfig, Section, TransformerConfig};
 use parallax_ir::op::OpKind;
-use parallax_ir::{Bytes, ComputeClass, Graph, Layout, Precision, Recompute, Seconds};
+use parallax_ir::{Bytes, ComputeClass, Graph, Layout, Precision, Recompute, Seconds, Shape};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -369,12 +369,31 @@ pub fn check_layout(s: &Setup, l: &Layout) -> Result<(), Infeasible> {
             )));
         }
     }
+    let etp = l.expert_tp();
     if let Some(moe) = m.moe {
         if moe.experts % u64::from(l.ep) != 0 {
             return ind(format!("ep {} must divide {} experts", l.ep, moe.experts));
         }
-    } else if l.ep > 1 {
-        return ind("ep > 1 needs a mixture-of-experts model".into());
+        if m.ffn_hidden % u64::from(etp) != 0 {
+            return ind(format!(
+                "etp {etp} must divide the experts' FFN width {}",
+                m.ffn_hidden
+            ));
+        }
+        if etp != l.tp && l.tp > 1 && !l.sequence_parallel {
+            // Without sequence parallelism every TP rank holds all the tokens, and the MoE
+            // layer is inside the tensor-parallel region (Megatron-Core requires sequence
+            // parallelism for MoE with tp > 1).
+            return ind(format!(
+                "etp {etp} apart from tp {} needs sequence parallelism",
+                l.tp
+            ));
+        }
+    } else if l.ep > 1 || etp != l.tp {
+        return ind(format!(
+            "ep {} / etp {etp}: expert parallelism needs a mixture-of-experts model",
+            l.ep
+        ));
     }
     // Degrees against the batch and the layers (micro-batch ≥ 1, divisibility, stages).
     l.validate(s.global_batch, Some(m.layers))
@@ -450,8 +469,16 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     } else {
         net.collective(Collective::AllReduce, act, tp_group)
     };
-    let block_prices = NodePrices::new(&dev, &block, fb, sp, l.tp, hidden, cp, l.ep);
+    let experts = s
+        .model
+        .moe
+        .map(|moe| ExpertRanks::of(s.model, moe, l, &opts));
+    let block_prices = NodePrices::new(&dev, &block, fb, sp, l.tp, hidden, cp, experts);
     let mut layer = price(&block, &block_prices, fb, sp, l.tp, hidden);
+    // Under sequence parallelism an MoE layer reads the sequence-split tokens directly: its
+    // dispatcher replaces the MLP's gather and reduce-scatter over the TP group, so only the
+    // attention's pair remains.
+    let tp_regions = if experts.is_some() && sp { 1.0 } else { 2.0 };
     let tp_layer = if s.runtime.tp_comm_overlap && l.tp > 1 && sp {
         // Each collective hides behind the GEMM it is pipelined with: the four linear layers
         // of a block share the forward (and, mirrored, the backward) collectives. Only the
@@ -462,9 +489,9 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
             .fwd;
         // Transformer Engine's ring exchange moves data with copy engines (userbuffers), not
         // NCCL kernels, so the GEMMs it hides behind keep their SMs: no interference term.
-        Seconds((tp_one.0 * 2.0 - gemm_fwd.0).max(0.0))
+        Seconds((tp_one.0 * tp_regions - gemm_fwd.0).max(0.0))
     } else {
-        tp_one * 2.0
+        tp_one * tp_regions
     };
     layer.tp_fwd = tp_layer;
     layer.tp_bwd = tp_layer;
@@ -478,24 +505,31 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         layer.cp_fwd = exposed(fwd_comm, attn.fwd * (steps / cp as f64));
         layer.cp_bwd = exposed(fwd_comm * 2.0, attn.bwd_input * (steps / cp as f64));
     }
-    // Expert parallelism: dispatch and combine all-to-alls of the routed tokens.
-    if let (Some(moe), true) = (s.model.moe, l.ep > 1) {
-        let routed = Bytes(act.0 * moe.top_k);
-        let ep_group = Group::strided(l.ep, l.tp * l.cp, gpn);
-        let a2a = net.collective(Collective::AllToAll, routed, ep_group) * 2.0;
-        layer.ep_fwd = a2a;
-        layer.ep_bwd = a2a;
-        // Expert weights are spread over the EP group.
-        let expert_params = moe.experts
-            * if shard.mlp == parallax_ir::models::Mlp::Swiglu {
-                3
-            } else {
-                2
-            }
-            * hidden
-            * shard.ffn_hidden;
-        layer.params -= expert_params - expert_params / u64::from(l.ep);
-        layer.expert_params = expert_params / u64::from(l.ep);
+    // The MoE dispatcher (Megatron-Core's all-to-all dispatcher): each rank sends its routed
+    // token copies to the ranks holding their experts and receives them back after the
+    // experts (dispatch and combine, mirrored in backward); with the experts split over etp
+    // ranks, the received tokens are gathered over those and the outputs reduce-scattered
+    // back (top-k times the dense MLP's gather, which is why recipes fold etp to 1).
+    if let Some(e) = experts {
+        let row = hidden * fb;
+        let routed = Bytes(e.tokens * e.top_k * row);
+        let mut one = Seconds(0.0);
+        if l.ep > 1 {
+            let ep_group = Group::strided(l.ep, e.etp, gpn);
+            one += net.collective(Collective::AllToAll, routed, ep_group) * 2.0;
+        }
+        if e.gathers_over_etp() {
+            let etp_group = Group::strided(e.etp, 1, gpn);
+            let gathered = Bytes(routed.0 * u64::from(e.etp));
+            one += net.collective(Collective::AllGather, gathered, etp_group)
+                + net.collective(Collective::ReduceScatter, gathered, etp_group);
+        }
+        layer.ep_fwd = one;
+        layer.ep_bwd = one;
+        // Expert weights are spread over ep × etp ranks; the graph's shard split them over tp.
+        let whole = e.experts * e.mats * hidden * s.model.ffn_hidden;
+        layer.params = layer.params - whole / tp + whole / u64::from(l.ep * e.etp);
+        layer.expert_params = whole / u64::from(l.ep * e.etp);
     }
     // Recomputation.
     let layer_input = if sp { act.0 / tp } else { act.0 };
@@ -514,8 +548,9 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         }
         Recompute::Full => {
             layer.recompute = layer.compute.fwd;
-            // The recomputed forward repeats its collectives.
+            // The recomputed forward repeats its collectives (and an MoE layer its dispatch).
             layer.tp_bwd += tp_layer;
+            layer.ep_bwd += layer.ep_fwd;
             layer.working = layer.saved;
             layer.saved = Bytes(layer_input);
             layer.hardware_flops += block_prices.recompute(None).1;
@@ -526,7 +561,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     // cross-entropy: small all-reduces of per-token max and sum).
     // Both see only their own tokens (no attention): priced without the CP factor.
     let price_local = |g: &Graph| {
-        let prices = NodePrices::new(&dev, g, fb, sp, l.tp, hidden, 1, 1);
+        let prices = NodePrices::new(&dev, g, fb, sp, l.tp, hidden, 1, None);
         price(g, &prices, fb, sp, l.tp, hidden)
     };
     let mut embedding = price_local(&embed);
@@ -587,9 +622,9 @@ struct NodePrices {
 }
 
 impl NodePrices {
-    /// Prices every node of `g`; under expert parallelism (`ep` > 1) an MoE layer is priced
-    /// as its rank runs it: `experts / ep` local experts over the tokens of all `ep` ranks
-    /// (the same FLOPs, each expert's problem `ep` times larger).
+    /// Prices every node of `g`; an MoE layer is priced as its rank runs it under `experts`
+    /// ([`ExpertRanks`]): `experts / ep` local experts, each `ffn / etp` wide, over the
+    /// tokens routed to them from all `ep` ranks (gathered over `etp`).
     #[allow(clippy::too_many_arguments)]
     fn new(
         dev: &DeviceModel,
@@ -599,7 +634,7 @@ impl NodePrices {
         tp: u32,
         hidden: u64,
         cp: u64,
-        ep: u32,
+        experts: Option<ExpertRanks>,
     ) -> Self {
         let mut p = NodePrices {
             times: Vec::with_capacity(g.nodes.len()),
@@ -607,20 +642,15 @@ impl NodePrices {
             fwd_flops: Vec::with_capacity(g.nodes.len()),
         };
         for n in &g.nodes {
-            let w = g.node_work(n, fb);
             let k = local_share(g, n, sp, tp, hidden, cp);
-            let ins = match (&n.op, u64::from(ep)) {
-                (OpKind::Moe(a), ep) if ep > 1 && a.experts % ep == 0 => {
-                    let mut ins = g.input_shapes(n);
-                    if let Some(x) = ins.first_mut() {
-                        x.0[0] *= ep;
-                    }
-                    for wt in ins.iter_mut().skip(2) {
-                        wt.0[0] /= ep;
-                    }
-                    ins
+            let (ins, w) = match (&n.op, experts) {
+                (OpKind::Moe(_), Some(e)) => {
+                    let ins = e.rank_inputs(&g.input_shapes(n));
+                    let outs = [Shape::new([e.expert_rows(), hidden])];
+                    let w = n.op.work(&ins, &outs, &g.weight_flags(n), fb);
+                    (ins, w)
                 }
-                _ => g.input_shapes(n),
+                _ => (g.input_shapes(n), g.node_work(n, fb)),
             };
             p.times.push(dev.op(&n.op, &ins, &w, fb) * k);
             p.train_flops.push(w.train_flops().0 * k);
@@ -642,6 +672,84 @@ impl NodePrices {
         let idx = (0..self.times.len()).filter(picked);
         let t = idx.clone().map(|i| self.times[i].fwd).sum();
         (t, idx.map(|i| self.fwd_flops[i]).sum())
+    }
+}
+
+/// How one rank runs an MoE layer under a layout's (ep, etp): Megatron-Core's folded expert
+/// parallelism, where each stage's dp × cp × tp ranks are regrouped as etp × ep × edp.
+#[derive(Clone, Copy, Debug)]
+struct ExpertRanks {
+    experts: u64,
+    top_k: u64,
+    /// Weight matrices per expert (3 gated, 2 plain).
+    mats: u64,
+    ep: u64,
+    etp: u32,
+    /// Every TP rank holds all the tokens (tp > 1 without sequence parallelism; the layout
+    /// check then keeps etp = tp: the experts inside the TP region).
+    replicated: bool,
+    /// Tokens this rank routes per micro-batch: its sequence-parallel share, or all of them
+    /// when replicated.
+    tokens: u64,
+    /// Expert FFN width.
+    ffn: u64,
+    hidden: u64,
+}
+
+impl ExpertRanks {
+    fn of(m: &TransformerConfig, moe: MoeConfig, l: &Layout, opts: &BuildOptions) -> Self {
+        let split = l.sequence_parallel && l.tp > 1;
+        let tokens = opts.batch * opts.seq / if split { u64::from(l.tp) } else { 1 };
+        ExpertRanks {
+            experts: moe.experts,
+            top_k: moe.top_k,
+            mats: if m.mlp == parallax_ir::models::Mlp::Swiglu {
+                3
+            } else {
+                2
+            },
+            ep: u64::from(l.ep),
+            etp: l.expert_tp(),
+            replicated: l.tp > 1 && !split,
+            tokens,
+            ffn: m.ffn_hidden,
+            hidden: m.hidden,
+        }
+    }
+
+    /// Whether routed tokens are gathered over the etp ranks of an expert after dispatch:
+    /// the expert is split and its ranks hold different tokens.
+    fn gathers_over_etp(&self) -> bool {
+        self.etp > 1 && !self.replicated
+    }
+
+    /// Rows of the local experts' input on this rank, over all of them: the top-k copies of
+    /// the tokens routed here (from `ep` ranks, gathered over `etp` unless every TP rank
+    /// already holds them) — `rows × top_k` expert visits, as the op counts them.
+    fn expert_rows(&self) -> u64 {
+        if self.replicated {
+            self.tokens
+        } else {
+            self.tokens * u64::from(self.etp)
+        }
+    }
+
+    /// The MoE op's inputs as this rank runs it (`graph` are the inputs of the graph's op:
+    /// tokens, router, expert weights): the expert rows, the whole router, `experts / ep`
+    /// local experts each `ffn / etp` wide.
+    fn rank_inputs(&self, graph: &[Shape]) -> Vec<Shape> {
+        let (local, width) = (self.experts / self.ep, self.ffn / u64::from(self.etp));
+        graph
+            .iter()
+            .enumerate()
+            .map(|(i, x)| match i {
+                0 => Shape::new([self.expert_rows(), x.last()]),
+                1 => x.clone(),
+                // The MoE op's weights: up `ehf`, down `efh`, gate `ehf` (`OpKind::Moe`).
+                3 => Shape::new([local, width, self.hidden]),
+                _ => Shape::new([local, self.hidden, width]),
+            })
+            .collect()
     }
 }
 
@@ -1046,6 +1154,84 @@ mod tests {
             one.compute
         );
         assert!((sixteen.model_flops / one.model_flops - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn folded_experts_dispatch_sequence_split_tokens() {
+        // Qwen3-235B-A22B as Megatron-Bridge runs it on 256 H100s: tp 2 with sequence
+        // parallelism, ep 32 over the stage's dp × tp ranks, etp 1. Each rank routes its
+        // half of a micro-batch's tokens (top-8 copies) over an all-to-all among 32 ranks
+        // (four nodes), holds 4 whole experts, and pays the TP pair of the attention only.
+        let m = cfg("qwen3-235b-a22b");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup {
+            seq: 4096,
+            precision: Precision::Bf16,
+            ..setup(&m, &p, 256, Runtime::default())
+        };
+        let at = |ep, etp| {
+            let l = Layout {
+                dp: 16,
+                pp: 8,
+                ep,
+                etp: Some(etp),
+                schedule: parallax_ir::Schedule::OneFOneB,
+                ..layout(2, true, Recompute::None)
+            };
+            transformer_costs(&s, &l).unwrap().layer
+        };
+        let (folded, inside) = (at(32, 1), at(16, 2));
+        let whole = 128 * 3 * 4096 * 1536;
+        assert_eq!(folded.expert_params, whole / 32);
+        assert_eq!(inside.expert_params, whole / 32);
+        let net = Network::new(&p);
+        let routed = Bytes(4096 / 2 * 8 * 4096 * 2);
+        let a2a = |ep| net.collective(Collective::AllToAll, routed, Group::strided(ep, 32 / ep, 8));
+        assert!((folded.ep_fwd.0 - 2.0 * a2a(32).0).abs() < 1e-12);
+        // etp 2 gathers the received copies over its pair and reduce-scatters the outputs.
+        let pair = Group::strided(2, 1, 8);
+        let gathered = Bytes(routed.0 * 2);
+        let etp_pair = net.collective(Collective::AllGather, gathered, pair)
+            + net.collective(Collective::ReduceScatter, gathered, pair);
+        assert!((inside.ep_fwd.0 - (2.0 * a2a(16).0 + etp_pair.0)).abs() < 1e-12);
+        // Only the attention's all-gather / reduce-scatter over TP remains in either.
+        let ep1 = transformer_costs(
+            &s,
+            &Layout {
+                ep: 1,
+                etp: None,
+                ..Layout {
+                    dp: 16,
+                    pp: 8,
+                    schedule: parallax_ir::Schedule::OneFOneB,
+                    ..layout(2, true, Recompute::None)
+                }
+            },
+        )
+        .unwrap()
+        .layer;
+        assert!((folded.tp_fwd.0 - inside.tp_fwd.0).abs() < 1e-15);
+        // Expert FLOPs per rank do not depend on how the experts fold, all experts on each
+        // TP pair included (the router, run on the gathered rows under etp 2, differs by a
+        // fraction of a percent).
+        for other in [&inside, &ep1] {
+            let r = folded.model_flops / other.model_flops;
+            assert!((0.99..=1.0).contains(&r), "{r}");
+        }
+        // A fold that needs sequence-split tokens is refused without sequence parallelism.
+        let e = transformer_costs(
+            &s,
+            &Layout {
+                dp: 16,
+                pp: 8,
+                ep: 32,
+                etp: Some(1),
+                schedule: parallax_ir::Schedule::OneFOneB,
+                ..layout(2, false, Recompute::None)
+            },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("needs sequence parallelism"), "{e}");
     }
 
     #[test]

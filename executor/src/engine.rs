@@ -241,9 +241,14 @@ pub struct Topology {
     /// same sequences. Ranks, gradients and ZeRO shards count `dp · cp` replicas (Megatron-LM
     /// reduces gradients over its data-and-context-parallel group).
     pub cp: usize,
-    /// Expert-parallel degree, carved out of the data-parallel ranks (ep divides dp): each
-    /// group of `ep` consecutive data-parallel indices splits every MoE layer's experts.
+    /// Expert-parallel degree: each group of `ep` consecutive expert indices
+    /// ([`Topology::expert_index`]) splits every MoE layer's experts; the ranks with the same
+    /// index modulo `ep` hold the same experts (expert data parallel).
     pub ep: usize,
+    /// Experts folded over the tensor-parallel ranks too (etp 1 with tp > 1, Megatron-Core's
+    /// MoE parallel folding): each TP rank routes its own sequence-parallel rows. Otherwise
+    /// the TP ranks run the whole mixture on every row, redundantly.
+    pub fold: bool,
     /// Tensor-parallel degree.
     pub tp: usize,
     /// Pipeline stages.
@@ -272,9 +277,35 @@ impl Topology {
         Part {
             t,
             tp: self.tp,
-            e: r / self.cp % self.ep,
+            e: self.expert_index(r, t) % self.ep,
             ep: self.ep,
         }
+    }
+    /// Position of replica `r`, tensor-parallel rank `t` among a stage's expert ranks:
+    /// `r · tp + t` when experts fold over the TP ranks, else `r` (Megatron's order: TP
+    /// innermost, then context, then data).
+    pub fn expert_index(&self, r: usize, t: usize) -> usize {
+        if self.fold {
+            r * self.tp + t
+        } else {
+            r
+        }
+    }
+    /// Ranks of a stage holding the same experts: the expert indices over `ep`.
+    pub fn expert_replicas(&self) -> usize {
+        self.replicas() * if self.fold { self.tp } else { 1 } / self.ep
+    }
+    /// The (replica, tensor-parallel rank) pairs of a stage whose expert index satisfies
+    /// `keep`, in expert-index order; unfolded, only those at tensor-parallel rank `t`.
+    fn expert_ranks(&self, t: usize, keep: impl Fn(usize) -> bool) -> Vec<(usize, usize)> {
+        let mut out: Vec<(usize, (usize, usize))> = (0..self.replicas())
+            .flat_map(|r| (0..self.tp).map(move |x| (r, x)))
+            .filter(|&(_, x)| self.fold || x == t)
+            .map(|(r, x)| (self.expert_index(r, x), (r, x)))
+            .filter(|(i, _)| keep(*i))
+            .collect();
+        out.sort_unstable();
+        out.into_iter().map(|x| x.1).collect()
     }
     /// `(r, stage, t)` of a rank.
     pub fn coords(&self, rank: usize) -> (usize, usize, usize) {
@@ -322,6 +353,23 @@ impl Prepared {
             }
             _ => {}
         }
+        // Experts are whole on every rank that holds them: replicated over the TP group
+        // (etp = tp, each TP rank running the mixture on every row) or folded over it (etp 1,
+        // each TP rank routing its own sequence-parallel rows).
+        let fold = l.tp > 1 && l.expert_tp() == 1;
+        if l.expert_tp() != l.tp && !fold {
+            return bad(format!(
+                "etp {} with tp {}: the executor runs experts split over all of the tensor-parallel group (etp = tp) or folded over it (etp 1)",
+                l.expert_tp(),
+                l.tp
+            ));
+        }
+        if fold && !l.sequence_parallel {
+            return bad(format!(
+                "etp 1 with tp {} needs sequence parallelism: each tensor-parallel rank routes its own rows",
+                l.tp
+            ));
+        }
         let kind = match (l.pp, l.schedule) {
             (1, _) => ScheduleKind::OneFOneB,
             (_, Schedule::GPipe) => ScheduleKind::GPipe,
@@ -339,6 +387,7 @@ impl Prepared {
             dp: l.dp as usize,
             cp: l.cp as usize,
             ep: l.ep as usize,
+            fold,
             tp: l.tp as usize,
             pp: l.pp as usize,
             v: l.interleave as usize,
@@ -472,7 +521,7 @@ impl Prepared {
         let nv = self.topo.pp * self.topo.v;
         let mut units = Vec::new();
         let mut chunks = Vec::new();
-        let builder = || SlotBuilder::with_ep(self.topo.tp, self.topo.ep);
+        let builder = || SlotBuilder::with_experts(self.topo.tp, self.topo.ep, self.topo.fold);
         let mut push = |name: String, b: SlotBuilder, experts: bool| -> usize {
             let (slots, len) = b.finish();
             units.push(UnitPlan {
@@ -650,14 +699,15 @@ struct ChunkCache {
 fn tp_ctx<'a>(
     comm: &'a mut dyn Collectives,
     (group, cp, ep): (&'a Group, Option<&'a Group>, Option<&'a Group>),
-    sp: bool,
+    prep: &Prepared,
 ) -> Tp<'a> {
     Tp {
         comm,
         group,
-        sp,
+        sp: prep.sp,
         cp,
         ep,
+        fold: prep.topo.fold,
     }
 }
 
@@ -711,25 +761,18 @@ pub fn run_rank(
     let (d, s, t) = topo.coords(rank);
     let (plans, chunks) = prep.plan_rank(rank);
     let dp_g = Group::new((0..topo.replicas()).map(|x| topo.rank(x, s, t)).collect());
-    let ep_g = (topo.ep > 1).then(|| {
-        let (data, c) = (d / topo.cp, d % topo.cp);
-        let first = data / topo.ep * topo.ep;
+    // The expert-parallel group (in expert order) and the ranks holding the same experts.
+    let me = topo.expert_index(d, t);
+    let expert_group = |keep: &dyn Fn(usize) -> bool| {
         Group::new(
-            (0..topo.ep)
-                .map(|x| topo.rank((first + x) * topo.cp + c, s, t))
+            topo.expert_ranks(t, keep)
+                .into_iter()
+                .map(|(r, x)| topo.rank(r, s, x))
                 .collect(),
         )
-    });
-    // The replicas holding the same experts (expert-data-parallel).
-    let edp_g = (topo.ep > 1).then(|| {
-        let e = d / topo.cp % topo.ep;
-        Group::new(
-            (0..topo.replicas())
-                .filter(|r| r / topo.cp % topo.ep == e)
-                .map(|r| topo.rank(r, s, t))
-                .collect(),
-        )
-    });
+    };
+    let ep_g = (topo.ep > 1).then(|| expert_group(&|i| i / topo.ep == me / topo.ep));
+    let edp_g = (topo.ep > 1 || topo.fold).then(|| expert_group(&|i| i % topo.ep == me % topo.ep));
     let cp_g = (topo.cp > 1).then(|| {
         let first = d / topo.cp * topo.cp;
         Group::new((0..topo.cp).map(|c| topo.rank(first + c, s, t)).collect())
@@ -1109,7 +1152,7 @@ impl Engine<'_> {
                 let mut tp = tp_ctx(
                     &mut *self.comm,
                     (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                    prep.sp,
+                    prep,
                 );
                 tp.reduce_rows(part)?
             } else {
@@ -1144,7 +1187,7 @@ impl Engine<'_> {
             let mut tp = tp_ctx(
                 &mut *self.comm,
                 (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                prep.sp,
+                prep,
             );
             let pe: &[f32] = eu.map_or(&[], |eu| &self.units[eu].params);
             let (y, cache) = block_fwd(
@@ -1179,7 +1222,7 @@ impl Engine<'_> {
             let mut tp = tp_ctx(
                 &mut *self.comm,
                 (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                prep.sp,
+                prep,
             );
             // A vocabulary-parallel head computes every row's loss on every rank of the
             // group; otherwise the local rows' (each rank its own under sequence parallelism).
@@ -1246,7 +1289,7 @@ impl Engine<'_> {
                 let mut tp = tp_ctx(
                     &mut *self.comm,
                     (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                    prep.sp,
+                    prep,
                 );
                 let vp_head = vp.then(|| VocabParallel {
                     tp: &mut tp,
@@ -1305,7 +1348,7 @@ impl Engine<'_> {
             let mut tp = tp_ctx(
                 &mut *self.comm,
                 (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                prep.sp,
+                prep,
             );
             let mut later = Vec::new();
             let defer = split.then_some(&mut later);
@@ -1339,7 +1382,7 @@ impl Engine<'_> {
                 let mut tp = tp_ctx(
                     &mut *self.comm,
                     (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                    prep.sp,
+                    prep,
                 );
                 (tp.gather_rows(dx)?, 0..prep.mbs * pass.local_seq())
             } else {
@@ -1447,7 +1490,11 @@ impl Engine<'_> {
         let prep = self.prep;
         // Data parallel.
         match prep.zero {
-            0 if prep.topo.replicas() > 1 => self.bucketed_all_reduce()?,
+            // Folded experts have replicas over the tensor-parallel ranks even without
+            // data parallelism.
+            0 if prep.topo.replicas() > 1 || prep.topo.expert_replicas() > 1 => {
+                self.bucketed_all_reduce()?
+            }
             1 => {
                 for u in 0..self.units.len() {
                     self.reduce_scatter_unit(u, false)?;
@@ -1589,12 +1636,12 @@ impl Engine<'_> {
             full.push([p, m, v]);
         }
         let topo = self.prep.topo;
-        let (d, _, _) = self.coords;
-        // Replica 0 holds everything but other expert-parallel ranks' experts: the first
-        // replica of each expert-parallel index sends too.
-        let exporter = d % topo.cp == 0 && d / topo.cp < topo.ep;
+        // Replica 0 of every stage and tensor-parallel rank holds everything but the other
+        // expert indices' experts: the first rank of each expert index sends too.
+        let exports = |r: usize, x: usize| (r == 0, topo.expert_index(r, x) < topo.ep);
+        let (d, _, t) = self.coords;
         if self.rank != 0 {
-            if exporter {
+            if exports(d, t) != (false, false) {
                 for (i, bufs) in full.iter().enumerate() {
                     for (k, b) in bufs.iter().enumerate() {
                         self.comm.send(0, TAG_EXPORT | (i * 3 + k) as u64, b)?;
@@ -1604,62 +1651,63 @@ impl Engine<'_> {
             return Ok(None);
         }
         let mut tensors: BTreeMap<String, TensorState> = BTreeMap::new();
-        for (s, t, ex) in (0..topo.pp)
-            .flat_map(|s| (0..topo.tp).map(move |t| (s, t)))
-            .flat_map(|(s, t)| (0..topo.ep).map(move |ex| (s, t, ex)))
+        for (s, x, r) in (0..topo.pp)
+            .flat_map(|s| (0..topo.tp).map(move |x| (s, x)))
+            .flat_map(|(s, x)| (0..topo.replicas()).map(move |r| (s, x, r)))
         {
-            {
-                let r = topo.rank(ex * topo.cp, s, t);
-                let (plans, _) = self.prep.plan_rank(r);
-                for (i, plan) in plans.iter().enumerate() {
-                    let n = if plan.experts {
-                        topo.replicas() / topo.ep
-                    } else {
-                        topo.replicas()
-                    };
-                    let padded = if zero > 0 {
-                        plan.len.div_ceil(n) * n
-                    } else {
-                        plan.len
-                    };
-                    let bufs: [Vec<f32>; 3] = if r == 0 {
-                        std::mem::take(&mut full[i])
-                    } else {
-                        let mut out: [Vec<f32>; 3] = Default::default();
-                        for (k, o) in out.iter_mut().enumerate() {
-                            *o = vec![0.0; padded];
-                            self.comm.recv(
-                                r,
-                                TAG_EXPORT | (i * 3 + k) as u64,
-                                o,
-                                "state export",
-                            )?;
-                        }
-                        out
-                    };
-                    for slot in &plan.slots {
-                        if slot.tied_copy {
-                            continue;
-                        }
-                        let n: usize = slot.global_shape.iter().product();
-                        let e = tensors
-                            .entry(slot.name.clone())
-                            .or_insert_with(|| TensorState {
-                                shape: slot.global_shape.clone(),
-                                param: vec![0.0; n],
-                                m: vec![0.0; n],
-                                v: vec![0.0; n],
-                            });
-                        if matches!(slot.split, Split::Replicated | Split::Whole) && t != 0
-                            || slot.split != Split::Experts && ex != 0
-                        {
-                            continue;
-                        }
-                        let at = topo.part(ex * topo.cp, t);
-                        slot.place(&mut e.param, &bufs[0][slot.range.clone()], at);
-                        slot.place(&mut e.m, &bufs[1][slot.range.clone()], at);
-                        slot.place(&mut e.v, &bufs[2][slot.range.clone()], at);
+            let (dense, experts) = exports(r, x);
+            if !dense && !experts {
+                continue;
+            }
+            let rank = topo.rank(r, s, x);
+            let (plans, _) = self.prep.plan_rank(rank);
+            for (i, plan) in plans.iter().enumerate() {
+                let n = if plan.experts {
+                    topo.expert_replicas()
+                } else {
+                    topo.replicas()
+                };
+                let padded = if zero > 0 {
+                    plan.len.div_ceil(n) * n
+                } else {
+                    plan.len
+                };
+                let bufs: [Vec<f32>; 3] = if rank == 0 {
+                    std::mem::take(&mut full[i])
+                } else {
+                    let mut out: [Vec<f32>; 3] = Default::default();
+                    for (k, o) in out.iter_mut().enumerate() {
+                        *o = vec![0.0; padded];
+                        self.comm
+                            .recv(rank, TAG_EXPORT | (i * 3 + k) as u64, o, "state export")?;
                     }
+                    out
+                };
+                for slot in &plan.slots {
+                    if slot.tied_copy {
+                        continue;
+                    }
+                    let n: usize = slot.global_shape.iter().product();
+                    let e = tensors
+                        .entry(slot.name.clone())
+                        .or_insert_with(|| TensorState {
+                            shape: slot.global_shape.clone(),
+                            param: vec![0.0; n],
+                            m: vec![0.0; n],
+                            v: vec![0.0; n],
+                        });
+                    let keep = match slot.split {
+                        Split::Experts => experts,
+                        Split::Replicated | Split::Whole => dense && x == 0,
+                        _ => dense,
+                    };
+                    if !keep {
+                        continue;
+                    }
+                    let at = topo.part(r, x);
+                    slot.place(&mut e.param, &bufs[0][slot.range.clone()], at);
+                    slot.place(&mut e.m, &bufs[1][slot.range.clone()], at);
+                    slot.place(&mut e.v, &bufs[2][slot.range.clone()], at);
                 }
             }
         }

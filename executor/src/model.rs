@@ -275,6 +275,8 @@ pub struct SlotBuilder {
     len: usize,
     tp: usize,
     ep: usize,
+    /// Experts folded over the tensor-parallel ranks (see `Topology::fold`).
+    fold: bool,
 }
 
 impl SlotBuilder {
@@ -285,11 +287,18 @@ impl SlotBuilder {
 
     /// A builder for tensor-parallel degree `tp` and expert-parallel degree `ep`.
     pub fn with_ep(tp: usize, ep: usize) -> Self {
+        SlotBuilder::with_experts(tp, ep, false)
+    }
+
+    /// A builder for tensor-parallel degree `tp`, expert-parallel degree `ep`, with the
+    /// experts folded over the tensor-parallel ranks or not.
+    pub fn with_experts(tp: usize, ep: usize, fold: bool) -> Self {
         SlotBuilder {
             slots: Vec::new(),
             len: 0,
             tp,
             ep,
+            fold,
         }
     }
 
@@ -396,7 +405,14 @@ impl BlockLayout {
         let (w_in, b_in, w_up, w_out, b_out);
         let mut moe = None;
         if let Some((experts, top_k)) = d.moe {
-            let router = b.add(p("mlp.router"), &[h, experts], Split::Whole, w);
+            // Folded, each TP rank routes its own rows: the router's gradient is summed
+            // over them like any replicated weight's under sequence parallelism.
+            let router_split = if b.fold {
+                Split::Replicated
+            } else {
+                Split::Whole
+            };
+            let router = b.add(p("mlp.router"), &[h, experts], router_split, w);
             let (gi, go) = if d.swiglu {
                 ("mlp.experts.wg", "mlp.experts.wd")
             } else {
@@ -544,6 +560,9 @@ pub struct Tp<'a> {
     pub cp: Option<&'a Group>,
     /// The expert-parallel group (in expert order), when expert parallelism is on.
     pub ep: Option<&'a Group>,
+    /// Experts folded over the tensor-parallel ranks: the mixture runs on this rank's own
+    /// (sequence-parallel) rows, not on all of them.
+    pub fold: bool,
 }
 
 impl Tp<'_> {
@@ -792,19 +811,22 @@ fn block_fwd_inner(
     let x2 = a;
     let mut n2 = vec![0.0; rows * h];
     let st2 = norm_fwd(&mut n2, &x2, &p[l.ln2_w.clone()], slice(p, &l.ln2_b), d.rms);
-    let n2 = tp.enter_fwd(n2)?;
+    let folded = l.moe.is_some() && tp.fold;
+    let n2 = if folded { n2 } else { tp.enter_fwd(n2)? };
     // The MLP: its output, and (dense) its pre-activations and activation or (mixture of
     // experts) what the experts' backward needs.
     let (mut m, u, up, act, moe) = match &l.moe {
         Some(ml) => {
-            // Every tensor-parallel rank runs the whole mixture on every row (experts
-            // replicated over them): its output needs no reduction, only this rank's rows.
+            // Folded, the mixture runs on this rank's own rows; otherwise every
+            // tensor-parallel rank runs it on every row (experts replicated over them): its
+            // output needs no reduction, only this rank's rows.
             let mut ep = Ep {
                 comm: &mut *tp.comm,
                 group: tp.ep,
             };
             let (m, ms) = moe_fwd(ml, p, pe, &n2, h, d.ffn, &mut ep)?;
-            (tp.own_rows(m)?, Vec::new(), None, None, Some(ms))
+            let m = if folded { m } else { tp.own_rows(m)? };
+            (m, Vec::new(), None, None, Some(ms))
         }
         None => {
             let mut u = vec![0.0; tt * f];
@@ -901,14 +923,24 @@ pub fn block_bwd(
     // MLP.
     let mut dx2 = dy;
     let dn2 = if let (Some(ml), Some(ms)) = (&l.moe, s.moe) {
-        let dm = tp.gather_rows(dx2.clone())?;
+        let folded = tp.fold;
+        let dm = if folded {
+            dx2.clone()
+        } else {
+            tp.gather_rows(dx2.clone())?
+        };
         let mut ep = Ep {
             comm: &mut *tp.comm,
             group: tp.ep,
         };
         let dn2 = moe_bwd(ml, (p, g), (pe, ge), &s.n2, ms, &dm, h, d.ffn, &mut ep)?;
-        // The input gradient is whole on every rank: no reduction, this rank's rows.
-        tp.own_rows(dn2)?
+        // Folded, the input gradient is this rank's rows already; otherwise it is whole on
+        // every rank: no reduction, this rank's rows.
+        if folded {
+            dn2
+        } else {
+            tp.own_rows(dn2)?
+        }
     } else {
         if let Some(r) = &l.b_out {
             bias_grad(&mut g[r.clone()], &dx2);

@@ -194,6 +194,12 @@ equivalence! {
     // Tensor parallelism runs the mixture of experts whole on every tensor-parallel rank.
     moe_tp2_sp: mixtral(2), Layout { tp: 2, sequence_parallel: true, ..Layout::default() };
     moe_dp2_ep2_tp2: mixtral(2), Layout { dp: 2, ep: 2, tp: 2, ..Layout::default() };
+    // Folded over the tensor-parallel ranks (etp 1): each routes its own rows, the expert
+    // group spans data and tensor ranks (Megatron-Core's MoE parallel folding).
+    moe_dp2_tp2_sp_ep4_etp1: mixtral(2), Layout { dp: 2, tp: 2, sequence_parallel: true, ep: 4, etp: Some(1), ..Layout::default() };
+    moe_tp2_sp_etp1: mixtral(2), Layout { tp: 2, sequence_parallel: true, etp: Some(1), ..Layout::default() };
+    moe_dp2_tp2_sp_ep2_etp1_zero1_pp2: mixtral(4), Layout { dp: 2, tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), zero_stage: 1, ..pp(2, Schedule::OneFOneB) };
+    moe_cp2_tp2_sp_ep4_etp1_zero3: mixtral(2), Layout { cp: 2, tp: 2, sequence_parallel: true, ep: 4, etp: Some(1), zero_stage: 3, ..Layout::default() };
     // A vocabulary tp does not divide: the embedding and head stay whole on every rank.
     tp2_sp_odd_vocab: TransformerConfig::gpt(2, 32, 4, 64, 65, 16), Layout { tp: 2, sequence_parallel: true, ..Layout::default() };
 }
@@ -343,6 +349,16 @@ fn unsupported_inputs_are_errors_not_panics() {
         top_k: 2,
     });
     assert!(bad(moe, Layout::default()).contains("mixture"));
+    // Experts folded over tensor-parallel ranks route each rank's own rows: sequence
+    // parallelism must split them.
+    let folded = Layout {
+        dp: 2,
+        tp: 2,
+        ep: 4,
+        etp: Some(1),
+        ..Layout::default()
+    };
+    assert!(bad(mixtral(2), folded).contains("needs sequence parallelism"));
     let mut s = spec(gpt(2), Layout::default());
     s.seq = 17;
     assert!(run_threads(&s)

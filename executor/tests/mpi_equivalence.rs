@@ -95,6 +95,18 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
             },
         ),
         (
+            "moe_dp2_tp2_sp_ep4_etp1",
+            mixtral(2),
+            Layout {
+                dp: 2,
+                tp: 2,
+                sequence_parallel: true,
+                ep: 4,
+                etp: Some(1),
+                ..d()
+            },
+        ),
+        (
             "llama_cp2_tp2_sp",
             llama(4),
             Layout {

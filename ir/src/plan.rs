@@ -255,8 +255,15 @@ pub struct Layout {
     pub tp: u32,
     pub pp: u32,
     pub cp: u32,
-    /// Expert parallelism, carved out of the data-parallel group (ep divides dp).
+    /// Expert parallelism: the ranks an MoE layer's experts are spread over. With
+    /// [`Layout::etp`] it is carved out of each stage's dp × cp × tp ranks (Megatron-Core's
+    /// MoE parallel folding): ep × etp divides dp × cp × tp, and the rest of those ranks
+    /// replicate the experts (the expert-data-parallel group, [`Layout::expert_dp`]).
     pub ep: u32,
+    /// Expert tensor parallelism: how many ranks split each expert's FFN width. Absent: tp
+    /// (Megatron-Core's default), which keeps the experts inside the tensor-parallel region.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etp: Option<u32>,
     /// 0 plain data parallel, 1 optimizer states sharded, 2 + gradients, 3 + parameters.
     pub zero_stage: u8,
     /// Sequences per micro-batch per data-parallel rank.
@@ -286,6 +293,7 @@ impl Default for Layout {
             pp: 1,
             cp: 1,
             ep: 1,
+            etp: None,
             zero_stage: 0,
             micro_batch: 1,
             recompute: Recompute::None,
@@ -312,6 +320,22 @@ impl Layout {
             .fold(u64::from(self.dp), |n, &d| n.saturating_mul(u64::from(d)))
     }
 
+    /// Expert tensor parallelism: [`Layout::etp`], or tp where it is not given.
+    pub fn expert_tp(&self) -> u32 {
+        self.etp.unwrap_or(self.tp)
+    }
+
+    /// Ranks of a stage that hold the same experts (Megatron's expert-data-parallel group):
+    /// dp × cp × tp / (ep × etp). Gradients of expert weights are reduced, and ZeRO shards
+    /// their states, over these.
+    pub fn expert_dp(&self) -> u32 {
+        let ranks = u64::from(self.dp) * u64::from(self.cp) * u64::from(self.tp);
+        let experts = u64::from(self.ep) * u64::from(self.expert_tp());
+        u32::try_from(ranks / experts.max(1))
+            .unwrap_or(u32::MAX)
+            .max(1)
+    }
+
     /// Micro-batches per step per pipeline for a global batch.
     pub fn micro_batches(&self, global_batch: u64) -> u64 {
         global_batch / u64::from(self.dp).saturating_mul(self.micro_batch.max(1))
@@ -325,6 +349,7 @@ impl Layout {
             ("pp", self.pp),
             ("cp", self.cp),
             ("ep", self.ep),
+            ("etp", self.expert_tp()),
             ("interleave", self.interleave),
         ] {
             if v == 0 {
@@ -340,8 +365,14 @@ impl Layout {
                 self.zero_stage
             ));
         }
-        if self.dp % self.ep != 0 {
-            return Err(format!("layout.ep {} must divide dp {}", self.ep, self.dp));
+        let ranks = u64::from(self.dp) * u64::from(self.cp) * u64::from(self.tp);
+        let experts = u64::from(self.ep) * u64::from(self.expert_tp());
+        if ranks % experts != 0 {
+            return Err(format!(
+                "layout.ep {} × etp {} must divide dp × cp × tp = {ranks}",
+                self.ep,
+                self.expert_tp()
+            ));
         }
         let per_step = u64::from(self.dp).saturating_mul(self.micro_batch);
         if global_batch % per_step != 0 {
@@ -558,6 +589,8 @@ pub struct PartialLayout {
     pub pp: Option<u32>,
     pub cp: Option<u32>,
     pub ep: Option<u32>,
+    /// Expert tensor parallelism; open: the tool chooses (tp or less).
+    pub etp: Option<u32>,
     pub zero_stage: Option<u8>,
     pub micro_batch: Option<u64>,
     pub recompute: Option<Recompute>,
@@ -634,6 +667,7 @@ impl PartialLayout {
                 "pp" => p.pp = Some(small("pp")?),
                 "cp" => p.cp = Some(small("cp")?),
                 "ep" => p.ep = Some(small("ep")?),
+                "etp" => p.etp = Some(small("etp")?),
                 "v" | "interleave" | "vp" => p.interleave = Some(small("interleave")?),
                 "mb" | "micro_batch" => p.micro_batch = Some(num("micro_batch")?),
                 "zero" | "zero_stage" => {
@@ -657,7 +691,7 @@ impl PartialLayout {
                 "bn" | "batch_norm" => p.batch_norm = Some(v.parse().map_err(|e| format!("bn: {e}"))?),
                 _ => {
                     return Err(format!(
-                        "unknown key '{k}' (expected dp, tp, pp, cp, ep, zero, mb, recompute, sp, schedule, v, offload, bn)"
+                        "unknown key '{k}' (expected dp, tp, pp, cp, ep, etp, zero, mb, recompute, sp, schedule, v, offload, bn)"
                     ))
                 }
             }
@@ -828,5 +862,48 @@ mod tests {
             .unwrap()
             .contains("needs zero 3"));
         assert!(Offload::Params.conflict(3).is_none() && Offload::None.conflict(0).is_none());
+    }
+
+    #[test]
+    fn experts_fold_over_data_context_and_tensor_ranks() {
+        // Qwen3-235B's Megatron-Bridge layout: tp 2, dp 16, ep 32, etp 1 — the 32 ranks of a
+        // stage's dp × tp hold one expert slice each, no expert replicas.
+        let p = PartialLayout::parse("tp=2,dp=16,pp=8,ep=32,etp=1").unwrap();
+        assert_eq!((p.ep, p.etp), (Some(32), Some(1)));
+        let l = Layout {
+            dp: 16,
+            tp: 2,
+            pp: 8,
+            ep: 32,
+            etp: Some(1),
+            schedule: Schedule::OneFOneB,
+            ..Layout::default()
+        };
+        l.validate(2048, Some(94)).unwrap();
+        assert_eq!((l.expert_tp(), l.expert_dp()), (1, 1));
+        // Left out, etp is tp (Megatron-Core's default): then ep must divide dp × cp.
+        let default = Layout {
+            etp: None,
+            ep: 8,
+            ..l.clone()
+        };
+        assert_eq!((default.expert_tp(), default.expert_dp()), (2, 2));
+        let e = Layout { ep: 32, ..default }
+            .validate(2048, Some(94))
+            .unwrap_err();
+        assert!(
+            e.contains("ep 32 × etp 2 must divide dp × cp × tp = 32"),
+            "{e}"
+        );
+        // A plan file without etp reads as tp; an etp apart from tp is written.
+        let mut pl = plan();
+        assert!(!pl.to_json().contains("etp"));
+        pl.layout.etp = Some(1);
+        let text = pl.to_json();
+        assert!(text.contains("\"etp\": 1"), "{text}");
+        assert_eq!(
+            Plan::from_json(&text, "p.json").unwrap().layout.etp,
+            Some(1)
+        );
     }
 }

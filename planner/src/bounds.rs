@@ -305,19 +305,48 @@ pub fn balanced_layers(layers: u32, chunks: u32, layer: f64, first: f64, last: f
     if counts.iter().sum::<u32>() > layers {
         counts = vec![1; n];
     }
+    // Greedy: each remaining layer goes to the stage whose load with it is least, ties to
+    // stages without the embedding or head, then the earlier. The middle stages start equal
+    // and take layers in rounds, in index order, so the stages form three classes: the
+    // first, the middle ones (`bumped` of them one layer ahead), the last.
+    if n == 1 {
+        return vec![layers];
+    }
+    let key = |k: u32, c: usize| (f64::from(k + 1) * layer + extra(c), extra(c) > 0.0, c);
+    let less = |a: (f64, bool, usize), b: (f64, bool, usize)| {
+        a.0.total_cmp(&b.0)
+            .then((a.1, a.2).cmp(&(b.1, b.2)))
+            .is_lt()
+    };
+    let middle = n - 2;
+    let (mut first_k, mut last_k, mut mid_k) = (counts[0], counts[n - 1], counts[1 % n]);
+    let mut bumped = 0usize;
     for _ in counts.iter().sum::<u32>()..layers {
-        let mut best = 0usize;
-        let mut best_key = (f64::INFINITY, true, usize::MAX);
-        for (c, &k) in counts.iter().enumerate() {
-            let key = (f64::from(k + 1) * layer + extra(c), extra(c) > 0.0, c);
-            if key.0 < best_key.0
-                || (key.0 == best_key.0 && (key.1, key.2) < (best_key.1, best_key.2))
-            {
-                best = c;
-                best_key = key;
+        if middle > 0 && bumped == middle {
+            mid_k += 1;
+            bumped = 0;
+        }
+        let mut best = (key(first_k, 0), 0u8);
+        if middle > 0 {
+            let m = key(mid_k, 1 + bumped);
+            if less(m, best.0) {
+                best = (m, 1);
             }
         }
-        counts[best] += 1;
+        let l = key(last_k, n - 1);
+        if less(l, best.0) {
+            best = (l, 2);
+        }
+        match best.1 {
+            0 => first_k += 1,
+            1 => bumped += 1,
+            _ => last_k += 1,
+        }
+    }
+    counts[0] = first_k;
+    counts[n - 1] = last_k;
+    for (i, c) in counts.iter_mut().enumerate().take(n - 1).skip(1) {
+        *c = if i <= bumped { mid_k + 1 } else { mid_k };
     }
     counts
 }
@@ -325,6 +354,58 @@ pub fn balanced_layers(layers: u32, chunks: u32, layer: f64, first: f64, last: f
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The greedy as first written: one scan over the stages per layer.
+    fn balanced_by_scan(layers: u32, chunks: u32, layer: f64, first: f64, last: f64) -> Vec<u32> {
+        let n = chunks as usize;
+        let extra = |c: usize| {
+            let mut e = 0.0;
+            if c == 0 {
+                e += first;
+            }
+            if c == n - 1 {
+                e += last;
+            }
+            e
+        };
+        let avg = (f64::from(layers) * layer + first + last) / f64::from(chunks);
+        let mut counts: Vec<u32> = (0..n)
+            .map(|c| (((avg - extra(c)) / layer).floor().max(1.0) as u32).min(layers))
+            .collect();
+        if counts.iter().sum::<u32>() > layers {
+            counts = vec![1; n];
+        }
+        for _ in counts.iter().sum::<u32>()..layers {
+            let mut best = 0usize;
+            let mut best_key = (f64::INFINITY, true, usize::MAX);
+            for (c, &k) in counts.iter().enumerate() {
+                let key = (f64::from(k + 1) * layer + extra(c), extra(c) > 0.0, c);
+                if key.0 < best_key.0
+                    || (key.0 == best_key.0 && (key.1, key.2) < (best_key.1, best_key.2))
+                {
+                    best = c;
+                    best_key = key;
+                }
+            }
+            counts[best] += 1;
+        }
+        counts
+    }
+
+    #[test]
+    fn balancing_by_classes_matches_the_scan() {
+        for layers in [1u32, 2, 5, 30, 61, 94, 126] {
+            for chunks in (1..=layers.min(40)).chain([layers]) {
+                for (first, last) in [(0.0, 0.0), (0.3, 2.7), (1.0, 1.0), (5.0, 0.0), (0.0, 9.5)] {
+                    assert_eq!(
+                        balanced_layers(layers, chunks, 1.0, first, last),
+                        balanced_by_scan(layers, chunks, 1.0, first, last),
+                        "{layers} layers, {chunks} chunks, ends {first} / {last}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn balancing_moves_layers_off_the_embedding_and_head_stages() {

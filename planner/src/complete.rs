@@ -84,6 +84,7 @@ pub fn partial_string(p: &PartialLayout) -> String {
         ("pp", p.pp),
         ("cp", p.cp),
         ("ep", p.ep),
+        ("etp", p.etp),
     ] {
         if let Some(v) = v {
             parts.push(format!("{k}={v}"));
@@ -113,6 +114,9 @@ pub fn layout_string(l: &Layout) -> String {
     );
     if l.interleave > 1 {
         s.push_str(&format!(",v={}", l.interleave));
+    }
+    if l.expert_tp() != l.tp {
+        s.push_str(&format!(",etp={}", l.expert_tp()));
     }
     if l.offload != parallax_ir::Offload::None {
         s.push_str(&format!(",offload={}", l.offload));
@@ -164,5 +168,36 @@ mod tests {
         assert_eq!(done.layout.schedule, Schedule::Interleaved1F1B);
         // Every virtual stage keeps at least one layer: 4 × 7 ≤ 30 < 4 × 8.
         assert!((2..=7).contains(&done.layout.interleave));
+        // Megatron-Core counts the embedding and the loss as layers where that evens the
+        // split: 32 over 8 or 16 chunks (not 32: the end chunks would hold no layer).
+        let megatron = Space {
+            embedding_and_loss_as_layers: true,
+            ..even
+        };
+        let done = complete_within(&s, &partial, &megatron).unwrap().layout;
+        assert!([2, 4].contains(&done.interleave), "{done:?}");
+    }
+
+    #[test]
+    fn experts_fold_over_tensor_ranks_where_the_published_ep_needs_it() {
+        // Qwen3-30B-A3B on 16 GPUs with tp 2 and ep 16 published, etp not: only etp 1 fits
+        // ep 16 into dp × tp = 16 ranks, and it needs sequence parallelism.
+        let m = parallax_ir::models::zoo::transformer("qwen3-30b-a3b").unwrap();
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup::new(&m, &p, 16, 256, 4096);
+        let partial = PartialLayout::parse("tp=2,pp=1,ep=16").unwrap();
+        let done = complete_within(&s, &partial, &Space::default())
+            .unwrap()
+            .layout;
+        assert_eq!((done.dp, done.etp, done.expert_dp()), (8, Some(1), 1));
+        assert!(done.sequence_parallel);
+        assert!(
+            layout_string(&done).ends_with(",etp=1"),
+            "{}",
+            layout_string(&done)
+        );
+        // Given etp = tp, ep 16 does not divide dp × cp = 8: nothing to complete.
+        let inside = PartialLayout::parse("tp=2,pp=1,ep=16,etp=2").unwrap();
+        assert!(complete_within(&s, &inside, &Space::default()).is_err());
     }
 }

@@ -81,6 +81,7 @@ impl Engine {
                 // counts it), so ZeRO-2 is not a Megatron layout.
                 zero_stages: vec![0, 1, 3],
                 uneven_stages: false,
+                embedding_and_loss_as_layers: true,
                 offload: Vec::new(),
                 ..Space::default()
             },
@@ -172,10 +173,15 @@ impl Engine {
             return Some(format!("{name} export has no {} offload", l.offload));
         }
         let chunks = l.pp * l.interleave.max(1);
-        if !space.uneven_stages && layers % chunks != 0 {
-            return Some(format!(
-                "{name} splits the {layers} layers evenly over pp × v = {chunks} stages"
-            ));
+        if !space.splits(layers, chunks) {
+            return Some(if space.embedding_and_loss_as_layers {
+                format!(
+                    "{name} splits the {layers} layers (or {} with the embedding and loss) evenly over pp × v = {chunks} stages",
+                    layers + 2
+                )
+            } else {
+                format!("{name} splits the {layers} layers evenly over pp × v = {chunks} stages")
+            });
         }
         match self {
             Engine::Megatron if l.zero_stage == 3 && l.pp > 1 => {
@@ -187,6 +193,9 @@ impl Engine {
             Engine::Megatron if l.zero_stage == 3 && model.tied_embeddings => Some(
                 "megatron's FSDP (ZeRO-3) needs untied embeddings; this model ties them".into(),
             ),
+            Engine::DeepSpeed if l.ep > 1 || l.expert_tp() != l.tp => {
+                Some("deepspeed export does not cover expert parallelism".into())
+            }
             Engine::DeepSpeed if l.pp > 1 && l.zero_stage >= 2 => {
                 Some("deepspeed's pipeline engine supports ZeRO 0 and 1 only".into())
             }
@@ -201,10 +210,7 @@ impl Engine {
                  over the tensor-parallel group)"
                     .into(),
             ),
-            Engine::DeepSpeed if l.ep > 1 => {
-                Some("deepspeed export does not cover expert parallelism".into())
-            }
-            Engine::Torchtitan if l.ep > 1 => {
+            Engine::Torchtitan if l.ep > 1 || l.expert_tp() != l.tp => {
                 Some("torchtitan export does not cover expert parallelism".into())
             }
             Engine::Torchtitan if l.zero_stage == 0 && (l.tp > 1 || l.pp > 1 || l.cp > 1) => Some(
@@ -331,14 +337,24 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
         a.push(format!("--num-experts {}", moe.experts));
         a.push(format!("--moe-router-topk {}", moe.top_k));
         a.push(format!("--expert-model-parallel-size {}", l.ep));
+        a.push(format!("--expert-tensor-parallel-size {}", l.expert_tp()));
     }
     a.push(format!("--tensor-model-parallel-size {}", l.tp));
     a.push(format!("--pipeline-model-parallel-size {}", l.pp));
     a.push(format!("--context-parallel-size {}", l.cp));
+    // Layers that do not split evenly split with the embedding and the loss counted as
+    // layers (the only uneven split the Megatron space plans, `Space::splits`).
+    let chunks = l.pp * l.interleave.max(1);
+    let mut split_layers = m.layers;
+    if l.pp > 1 && m.layers % chunks != 0 {
+        a.push("--account-for-embedding-in-pipeline-split".into());
+        a.push("--account-for-loss-in-pipeline-split".into());
+        split_layers += 2;
+    }
     if l.schedule == Schedule::Interleaved1F1B {
         a.push(format!(
             "--num-layers-per-virtual-pipeline-stage {}",
-            m.layers / (l.pp * l.interleave)
+            split_layers / chunks
         ));
     }
     a.push(format!("--micro-batch-size {}", l.micro_batch));
@@ -1207,6 +1223,79 @@ mod tests {
                     .unwrap_or(0)
             };
             assert!(refused(&inside) < refused(&everywhere), "{e}");
+        }
+    }
+
+    #[test]
+    fn megatron_folds_experts_and_counts_the_embedding_and_loss_as_layers() {
+        // Megatron-Bridge's Qwen3-235B-A22B layout: 94 layers over pp 8 × v 4 split as 96
+        // with the embedding and the loss counted (Megatron-Core's
+        // get_num_layers_to_build): 3 a chunk, the first and last 2 — the split the
+        // simulator gives these layers — and experts folded over dp × tp (ep 32, etp 1).
+        let m = model("qwen3-235b-a22b");
+        let l = Layout {
+            dp: 16,
+            tp: 2,
+            pp: 8,
+            ep: 32,
+            etp: Some(1),
+            zero_stage: 1,
+            sequence_parallel: true,
+            schedule: Schedule::Interleaved1F1B,
+            interleave: 4,
+            ..Layout::default()
+        };
+        let mut split = vec![3; 32];
+        split[0] = 2;
+        split[31] = 2;
+        assert_eq!(parallax_sim::stage_layers(94, &l), split);
+        let s = export(Engine::Megatron, &plan(l.clone(), Precision::Bf16), &m).unwrap();
+        assert_eq!(arg(&s, "--expert-model-parallel-size"), Some("32"));
+        assert_eq!(arg(&s, "--expert-tensor-parallel-size"), Some("1"));
+        assert_eq!(
+            arg(&s, "--account-for-embedding-in-pipeline-split"),
+            Some("")
+        );
+        assert_eq!(arg(&s, "--account-for-loss-in-pipeline-split"), Some(""));
+        assert_eq!(
+            arg(&s, "--num-layers-per-virtual-pipeline-stage"),
+            Some("3")
+        );
+        // An even split needs neither flag; 94 layers over 20 chunks split neither way.
+        let even = Layout {
+            pp: 2,
+            interleave: 1,
+            schedule: Schedule::OneFOneB,
+            dp: 64,
+            ..l.clone()
+        };
+        let s = export(Engine::Megatron, &plan(even, Precision::Bf16), &m).unwrap();
+        assert_eq!(arg(&s, "--account-for-loss-in-pipeline-split"), None);
+        let twenty = Layout {
+            pp: 4,
+            interleave: 5,
+            dp: 32,
+            ..l.clone()
+        };
+        let err = export(Engine::Megatron, &plan(twenty, Precision::Bf16), &m).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("(or 96 with the embedding and loss)"),
+            "{err}"
+        );
+        // An export without expert parallelism refuses a fold even without ep.
+        let ep1 = Layout {
+            ep: 1,
+            pp: 1,
+            dp: 128,
+            zero_stage: 3,
+            interleave: 1,
+            schedule: Schedule::None,
+            ..l
+        };
+        for e in [Engine::DeepSpeed, Engine::Torchtitan] {
+            let why = e.supports_within(&e.space(), &ep1, &m).unwrap();
+            assert!(why.contains("expert parallelism"), "{e}: {why}");
         }
     }
 

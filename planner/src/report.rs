@@ -82,6 +82,9 @@ pub fn short_layout(l: &Layout) -> String {
     if l.ep > 1 {
         s.push_str(&format!(" ep{}", l.ep));
     }
+    if l.expert_tp() != l.tp {
+        s.push_str(&format!(" etp{}", l.expert_tp()));
+    }
     match l.schedule {
         Schedule::None => {}
         Schedule::Interleaved1F1B => s.push_str(&format!(" int-v{}", l.interleave)),
@@ -122,7 +125,7 @@ pub fn part_name(k: &str) -> &'static str {
         "optimizer" => "optimizer step",
         "tp" => "tensor-parallel communication",
         "cp" => "context-parallel key/value exchange",
-        "ep" => "expert all-to-all",
+        "ep" => "expert dispatch (all-to-all, expert-TP gathers)",
         "dp" => "data-parallel gradient reduction and parameter gather",
         "zero" => "ZeRO-2/3 per-micro-batch gathers and reductions",
         _ => "other communication",

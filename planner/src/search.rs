@@ -90,6 +90,11 @@ pub struct Space {
     /// DeepSpeed's uniform partition; the default); otherwise (Megatron-LM) every stage holds
     /// the same number, and an interleave left out must divide the layers evenly.
     pub uneven_stages: bool,
+    /// Where stages are otherwise even: the embedding and the loss may each count as one
+    /// layer of the split (Megatron-Core's `--account-for-embedding-in-pipeline-split` and
+    /// `--account-for-loss-in-pipeline-split`), so layers + 2 split evenly over the (virtual)
+    /// stages, the first and the last one layer short (Qwen3-235B's 94 layers over 32).
+    pub embedding_and_loss_as_layers: bool,
     /// Megatron-style sequence parallelism may be chosen with tensor parallelism.
     pub sequence_parallel: bool,
     /// Tensor, context and expert parallelism may be chosen (data-parallel-only stacks such
@@ -110,10 +115,24 @@ impl Default for Space {
             zero_stages: vec![0, 1, 2, 3],
             recompute: Recompute::ALL.to_vec(),
             uneven_stages: true,
+            embedding_and_loss_as_layers: false,
             sequence_parallel: true,
             model_parallel: true,
             offload: vec![Offload::Optimizer, Offload::Params],
         }
+    }
+}
+
+impl Space {
+    /// Whether the stack splits `layers` over `chunks` (virtual) stages: unevenly, or evenly
+    /// counting the embedding and the loss as layers where it may (see
+    /// [`Space::embedding_and_loss_as_layers`]; each end chunk keeps a layer).
+    pub fn splits(&self, layers: u32, chunks: u32) -> bool {
+        self.uneven_stages
+            || layers % chunks == 0
+            || (self.embedding_and_loss_as_layers
+                && (layers + 2) % chunks == 0
+                && (layers + 2) / chunks >= 2)
     }
 }
 
@@ -171,7 +190,7 @@ pub(crate) fn schedule_options(
     for s in scheds {
         match s {
             Schedule::Interleaved1F1B => {
-                let even = |v: u32| space.uneven_stages || layers % (pp * v) == 0;
+                let even = |v: u32| space.splits(layers, pp * v);
                 // The interleaves that split the layers: what rules them all out is said first,
                 // as no batch or micro-batch size fixes it.
                 let vs = match fixed.interleave {
@@ -949,6 +968,7 @@ struct CostKey {
     tp: u32,
     cp: u32,
     ep: u32,
+    etp: u32,
     micro_batch: u64,
     recompute: Recompute,
     sequence_parallel: bool,
@@ -963,6 +983,7 @@ impl CostKey {
             tp: l.tp,
             cp: l.cp,
             ep: l.ep,
+            etp: l.expert_tp(),
             micro_batch: l.micro_batch,
             recompute: l.recompute,
             sequence_parallel: l.sequence_parallel,
@@ -1035,17 +1056,23 @@ fn group_size(
     if scheds.is_empty() {
         return (1, [0; FAMILIES]);
     }
-    let per_zero: u64 = scheds
-        .iter()
-        .map(|&(schedule, v)| {
-            let l = Layout {
-                schedule,
-                interleave: v,
-                ..g.base.clone()
-            };
-            partitions(setup, opts, &l, c).len() as u64
-        })
-        .sum();
+    // Stage partitions depend on the interleave only (as `expand` keeps them).
+    let mut parts_of: Vec<(u32, u64)> = Vec::new();
+    let mut per_zero = 0;
+    for &(_, v) in &scheds {
+        per_zero += match parts_of.iter().find(|p| p.0 == v) {
+            Some(p) => p.1,
+            None => {
+                let l = Layout {
+                    interleave: v,
+                    ..g.base.clone()
+                };
+                let n = partitions(setup, opts, &l, c).len() as u64;
+                parts_of.push((v, n));
+                n
+            }
+        };
+    }
     let mut members = [0u64; FAMILIES];
     let zeros = zeros_of(opts, &g.base);
     for &z in &zeros {
@@ -1080,9 +1107,11 @@ pub(crate) struct Degrees {
     pub pp: u32,
     pub dp: u32,
     pub ep: u32,
+    /// Expert tensor parallelism (tp where the layout leaves it out).
+    pub etp: u32,
 }
 
-/// Every (tp, cp, pp, dp, ep) of `setup`'s devices that agrees with the degrees `fixed` gives,
+/// Every (tp, cp, pp, dp, ep, etp) of `setup`'s devices that agrees with the degrees `fixed` gives,
 /// in a fixed order, with the micro-batch sizes each may take (`fixed`'s, or every divisor of
 /// the per-replica batch up to `max_micro_batch`). A combination rejected outright goes to
 /// `reject` as (reason kind, what is wrong): a tensor-parallel group across nodes (unless the
@@ -1175,22 +1204,37 @@ pub(crate) fn degree_tuples(
                         .filter(|&m| m <= max_micro_batch)
                         .collect(),
                 };
-                let eps: Vec<u64> = match model.moe {
-                    Some(moe) => divisors(dp)
-                        .into_iter()
-                        .filter(|e| moe.experts % e == 0)
-                        .collect(),
-                    None => vec![1],
+                // Experts are carved out of the stage's dp × cp × tp ranks: each expert's
+                // width split over etp of them — all the TP ranks (the experts inside the
+                // tensor-parallel region) or one (folded over them, as Megatron-Core's recipes
+                // run fine-grained experts) — spread over ep. A given etp is kept as given.
+                let (etps, ranks) = match (model.moe, fixed.etp) {
+                    (Some(_), Some(e)) => (vec![u64::from(e)], dp * cp * tp),
+                    (Some(_), None) if tp > 1 => (vec![tp, 1], dp * cp * tp),
+                    (Some(_), None) => (vec![1], dp * cp),
+                    // A dense model has no experts: a given etp other than tp is refused
+                    // by the costs, with the reason.
+                    (None, _) => (vec![fixed.etp.map_or(tp, u64::from)], 1),
                 };
-                for ep in eps.into_iter().filter(|&e| keep(fixed.ep, e)) {
-                    let d = Degrees {
-                        tp: tp as u32,
-                        cp: cp as u32,
-                        pp: pp as u32,
-                        dp: dp as u32,
-                        ep: ep as u32,
+                for etp in etps.into_iter().filter(|&e| keep(fixed.etp, e)) {
+                    let eps: Vec<u64> = match model.moe {
+                        Some(moe) => divisors(ranks / etp)
+                            .into_iter()
+                            .filter(|e| moe.experts % e == 0)
+                            .collect(),
+                        None => vec![1],
                     };
-                    out.push((d, mbs.clone()));
+                    for ep in eps.into_iter().filter(|&e| keep(fixed.ep, e)) {
+                        let d = Degrees {
+                            tp: tp as u32,
+                            cp: cp as u32,
+                            pp: pp as u32,
+                            dp: dp as u32,
+                            ep: ep as u32,
+                            etp: etp as u32,
+                        };
+                        out.push((d, mbs.clone()));
+                    }
                 }
             }
         }
@@ -1242,6 +1286,7 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
                         pp: d.pp,
                         cp: d.cp,
                         ep: d.ep,
+                        etp: (d.etp != d.tp).then_some(d.etp),
                         zero_stage: 0,
                         micro_batch: mb,
                         recompute,

@@ -494,16 +494,6 @@ impl TransformerCase {
                 return Some("model.moe.latent_size: LatentMoE is not modelled yet".into());
             }
         }
-        let p = &self.plan;
-        if let Some(etp) = p.etp {
-            if etp != p.tp.unwrap_or(1) {
-                return Some(format!(
-                    "plan.etp: expert tensor parallelism {etp} apart from tp {} is not modelled \
-                     yet",
-                    p.tp.unwrap_or(1)
-                ));
-            }
-        }
         None
     }
 
@@ -575,6 +565,13 @@ impl TransformerCase {
                 p.ep
             } else {
                 Some(1)
+            },
+            // Megatron-Core's default is tp; a run that did not publish it may have set it
+            // lower (the folded layouts of the Qwen3 recipes need etp 1): left open.
+            etp: if self.model.moe.is_some() {
+                p.etp
+            } else {
+                None
             },
             zero_stage: if p.fsdp == Some(true) {
                 Some(3)

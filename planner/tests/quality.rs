@@ -25,6 +25,7 @@ fn published(c: &TransformerCase) -> Option<Layout> {
         pp: p.pp?,
         cp: p.cp?,
         ep: 1,
+        etp: None,
         zero_stage: p.zero_stage?,
         micro_batch: p.micro_batch?,
         recompute: p.recompute?,

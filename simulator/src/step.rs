@@ -288,9 +288,10 @@ pub fn stage_memory_of(
         }
     };
     let (wb, gb, ob) = states_of(l.dp * l.cp);
-    // Routed experts are replicated over dp × cp / ep ranks only (Megatron's expert data
-    // parallel group): ZeRO shards their states over those.
-    let (ewb, egb, eob) = states_of((l.dp * l.cp / l.ep.max(1)).max(1));
+    // Routed experts are replicated over their expert-data-parallel ranks only (dp × cp × tp
+    // / (ep × etp), Megatron's expert data parallel group): ZeRO shards their states over
+    // those.
+    let (ewb, egb, eob) = states_of(l.expert_dp());
     let chunks: Vec<usize> = (0..v).map(|ch| (ch * pp + s) as usize).collect();
     let params: u64 = chunks
         .iter()
@@ -369,12 +370,12 @@ fn reduces_per_micro_batch(setup: &Setup, l: &Layout) -> bool {
     setup.zero_stage(l) == 2 && l.dp * l.cp > 1 && m > 1
 }
 
-/// Whether each virtual stage reduces its gradients over data × context parallel ranks once,
-/// after its last backward: not without data parallelism, not under ZeRO-3 or ZeRO-2 with
+/// Whether each virtual stage reduces its gradients over data × context parallel ranks (and
+/// its experts' over their replicas) once, after its last backward: not without replicas, not under ZeRO-3 or ZeRO-2 with
 /// accumulation (per layer and micro-batch instead), not single-process DataParallel (onto
 /// one GPU every micro-batch).
 fn reduces_at_step_end(setup: &Setup, l: &Layout) -> bool {
-    l.dp * l.cp > 1
+    (l.dp * l.cp > 1 || l.expert_dp() > 1)
         && setup.zero_stage(l) < 3
         && !setup.runtime.single_process_dp
         && !reduces_per_micro_batch(setup, l)
@@ -437,6 +438,19 @@ pub fn step_terms(
     let shard = l.dp * l.cp;
     let zero = setup.zero_stage(l);
     let dp_group = Group::strided(shard, l.tp, setup.profile.node.gpus_per_node);
+    // Expert weights are replicated over the expert-data-parallel group instead: ranks etp × ep
+    // apart (Megatron's expert rank order: etp, ep, edp).
+    let edp = l.expert_dp();
+    let edp_group = Group::strided(edp, l.ep * l.expert_tp(), setup.profile.node.gpus_per_node);
+    // A collective over the dense parameters' group and one over the experts' (where the
+    // experts have replicas), for `dense` and `expert` parameters' worth of `bytes_per`.
+    let over_both = |kind: Collective, dense: u64, expert: u64, bytes_per: u64| {
+        let mut t = net.collective(kind, Bytes(dense * bytes_per), dp_group);
+        if expert > 0 && edp > 1 {
+            t += net.collective(kind, Bytes(expert * bytes_per), edp_group);
+        }
+        t
+    };
     let wbytes = if precision.is_mixed() { 2 } else { 4 };
 
     // ZeRO-3 gathers each layer's parameters before its forward and backward and
@@ -540,20 +554,23 @@ pub fn step_terms(
     let mut adam = vec![Seconds(0.0); pp as usize];
     let mut param_gather = vec![Seconds(0.0); pp as usize];
     for s in 0..pp {
-        let mut stage_params = 0u64;
+        let (mut stage_params, mut stage_experts) = (0u64, 0u64);
         for chunk in 0..v {
             let vs = (chunk * pp + s) as usize;
             let p = virtual_stage_params(c, layers, vs);
+            let experts = c.layer.expert_params * u64::from(layers[vs]);
             stage_params += p;
+            stage_experts += experts;
             if !step_end_reduction {
                 continue;
             }
-            let reduce = |params: u64| {
-                let grads = Bytes(params * setup.grad_reduce_bytes());
-                match zero {
-                    0 => net.collective(Collective::AllReduce, grads, dp_group),
-                    _ => net.collective(Collective::ReduceScatter, grads, dp_group),
-                }
+            // Of `params`, `experts` are the experts' (reduced over their own replicas).
+            let reduce = |params: u64, experts: u64| {
+                let kind = match zero {
+                    0 => Collective::AllReduce,
+                    _ => Collective::ReduceScatter,
+                };
+                over_both(kind, params - experts, experts, setup.grad_reduce_bytes())
             };
             dp[vs] = if setup.runtime.overlap_grad_reduce {
                 // Gradients become ready in reverse layer order. The last bucket holds the
@@ -564,17 +581,23 @@ pub fn step_terms(
                 let n = f64::from(layers[vs].max(1));
                 let window =
                     (costs.backward_input[vs] + costs.backward_weight[vs]) * ((n - 1.0) / n);
-                let mut last = if layers[vs] > 0 { c.layer.params } else { 0 };
+                let (mut last, last_experts) = if layers[vs] > 0 {
+                    (c.layer.params, c.layer.expert_params)
+                } else {
+                    (0, 0)
+                };
                 if vs == 0 {
                     last += c.embedding.params;
                 }
-                exposed(reduce(p - last), window) + reduce(last)
+                exposed(reduce(p - last, experts - last_experts), window)
+                    + reduce(last, last_experts)
             } else {
-                reduce(p)
+                reduce(p, experts)
             };
         }
+        let stage_dense = stage_params - stage_experts;
         let opt_params = if zero >= 1 {
-            stage_params / u64::from(shard)
+            stage_dense / u64::from(shard) + stage_experts / u64::from(edp)
         } else {
             stage_params
         };
@@ -593,15 +616,11 @@ pub fn step_terms(
             }
             None => dev.memory(opt_params as f64 * ADAM_BYTES_PER_PARAM),
         };
-        if (1..3).contains(&zero) && shard > 1 {
+        if (1..3).contains(&zero) && (shard > 1 || edp > 1) {
             // Distributed optimizer: gather the updated 16-bit parameters. With overlapped
             // gathers (Megatron-Core `--overlap-param-gather`) each bucket is fetched just
             // before the next step's first forward needs it.
-            let ag = net.collective(
-                Collective::AllGather,
-                Bytes(stage_params * wbytes),
-                dp_group,
-            );
+            let ag = over_both(Collective::AllGather, stage_dense, stage_experts, wbytes);
             let first_forward: Seconds =
                 (0..v).map(|ch| costs.forward[(ch * pp + s) as usize]).sum();
             param_gather[s as usize] = if setup.runtime.overlap_grad_reduce {
@@ -1118,8 +1137,8 @@ mod tests {
     }
 
     /// Under the distributed optimizer an MoE layer's experts are replicated over dp / ep
-    /// ranks only (Megatron's expert data parallel group), so their optimizer states shard
-    /// ep times less than the dense parameters'.
+    /// ranks only (Megatron's expert data parallel group, with etp = tp), so their optimizer
+    /// states shard ep times less than the dense parameters'.
     #[test]
     fn expert_states_shard_over_the_expert_data_parallel_group() {
         let m = zoo::transformer("mixtral-8x7b").unwrap();
@@ -1146,6 +1165,63 @@ mod tests {
             "{mem:?} vs {want}"
         );
         assert!(expert_ob == 8.0 * dense_ob);
+    }
+
+    /// Folded over dp × tp (Qwen3-30B-A3B on 16 H100s: tp 2, dp 8, ep 16, etp 1) every
+    /// rank holds its own experts: their gradients are not reduced at all, their optimizer
+    /// states are not sharded, and the updated weights are not gathered; the dense
+    /// parameters reduce, shard and gather over dp as ever.
+    #[test]
+    fn experts_without_replicas_neither_reduce_nor_shard() {
+        let m = zoo::transformer("qwen3-30b-a3b").unwrap();
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup {
+            runtime: Runtime {
+                overlap_grad_reduce: false,
+                ..Runtime::default()
+            },
+            ..Setup::new(&m, &p, 16, 4096, 64)
+        };
+        let l = Layout {
+            dp: 8,
+            tp: 2,
+            ep: 16,
+            etp: Some(1),
+            zero_stage: 1,
+            sequence_parallel: true,
+            ..Layout::default()
+        };
+        assert_eq!(l.expert_dp(), 1);
+        let c = parallax_cost::transformer::transformer_costs(&s, &l).unwrap();
+        let layers = [m.layers];
+        let (params, experts) = (
+            virtual_stage_params(&c, &layers, 0),
+            c.layer.expert_params * u64::from(m.layers),
+        );
+        let dense = params - experts;
+        let terms = step_terms(&s, &l, &c, &layers).unwrap();
+        let net = Network::new(&p);
+        let dp_group = Group::strided(8, 2, 8);
+        let rs = net.collective(
+            Collective::ReduceScatter,
+            Bytes(dense * s.grad_reduce_bytes()),
+            dp_group,
+        );
+        assert!(
+            (terms.dp[0].0 - rs.0).abs() < 1e-12,
+            "{:?} vs {rs:?}",
+            terms.dp
+        );
+        let ag = net.collective(Collective::AllGather, Bytes(dense * 2), dp_group);
+        assert!((terms.param_gather[0].0 - ag.0).abs() < 1e-12);
+        let mem = stage_memory_of(&s, &l, &c, &layers, 1, 0).unwrap();
+        let (_, _, dense_ob) = state_bytes_per_param(s.precision, 1, 8);
+        let (_, _, expert_ob) = state_bytes_per_param(s.precision, 1, 1);
+        let want = dense as f64 * dense_ob + experts as f64 * expert_ob;
+        assert!(
+            (mem.optimizer.0 as f64 - want).abs() <= 2.0,
+            "{mem:?} vs {want}"
+        );
     }
 
     #[test]
