@@ -442,9 +442,20 @@ impl<'a> DeviceModel<'a> {
                 let bytes = w.traffic().0 as f64;
                 let outs = Self::pass_outputs(ins, w, float_bytes);
                 let pass = |flops: f64, out: f64| self.gemm_grouped(flops, groups, bytes, 1.0, out);
+                // Token permutation: the dispatcher copies each token's top-k rows into
+                // expert order before the experts and gathers them back (weighted) after,
+                // each a gather that reads and writes the rows × top-k copies; the backward
+                // runs the same two the other way (Megatron-Core's `permute` / `unpermute`).
+                // Their launches are among the op's kernels.
+                let copies = ins.first().map_or(0.0, |x| {
+                    (x.leading_elems() * x.last()) as f64 * a.top_k as f64 * float_bytes as f64
+                });
+                let permute = Seconds(4.0 * copies / self.dev.effective_memory_bandwidth().0);
                 OpTimes {
-                    fwd: pass(w.fwd_flops.0, outs[0]) + self.overhead(k - 1.0),
-                    bwd_input: pass(w.bwd_input_flops.0, outs[1]) + self.overhead(k - 1.0),
+                    fwd: pass(w.fwd_flops.0, outs[0]) + permute + self.overhead(k - 1.0),
+                    bwd_input: pass(w.bwd_input_flops.0, outs[1])
+                        + permute
+                        + self.overhead(k - 1.0),
                     bwd_weight: pass(w.bwd_weight_flops.0, outs[2]),
                 }
             }
@@ -838,6 +849,47 @@ mod tests {
             fine.fwd.0 >= arithmetic && fine.fwd.0 < 1.5 * arithmetic,
             "{fine:?}"
         );
+    }
+
+    /// The dispatcher's permutation moves every routed copy of a token into expert order and
+    /// back, forward and backward: with experts too narrow to matter, an MoE layer's
+    /// forward and input-gradient passes take at least four passes over rows × top-k × hidden
+    /// at the device's memory bandwidth, and that time grows with top-k; the weight gradient
+    /// pays none of it.
+    #[test]
+    fn moe_permutation_moves_every_routed_copy_each_way() {
+        use parallax_ir::op::MoeAttrs;
+        let p = preset("dgx-h100-80gb").unwrap();
+        let m = DeviceModel::new(&p, Precision::Bf16).unwrap();
+        let (rows, h) = (8192u64, 4096u64);
+        let at = |top_k: u64| {
+            let op = OpKind::Moe(MoeAttrs {
+                experts: 64,
+                top_k,
+                ffn_hidden: 1,
+                gated: false,
+            });
+            let ins = [
+                Shape::new([rows, h]),
+                Shape::new([h, 64]),
+                Shape::new([64, h, 1]),
+                Shape::new([64, 1, h]),
+            ];
+            let w = op.work(
+                &ins,
+                &[Shape::new([rows, h])],
+                &[false, true, true, true],
+                2,
+            );
+            m.op(&op, &ins, &w, 2)
+        };
+        let bw = p.device.effective_memory_bandwidth().0;
+        let copies = |k: u64| (rows * h * k * 2) as f64;
+        let (one, eight) = (at(1), at(8));
+        assert!(eight.fwd.0 >= 4.0 * copies(8) / bw, "{eight:?}");
+        let grown = eight.bwd_input.0 - one.bwd_input.0;
+        assert!(grown >= 4.0 * (copies(8) - copies(1)) / bw, "{grown}");
+        assert!(eight.bwd_weight.0 < 4.0 * copies(8) / bw, "{eight:?}");
     }
 
     /// Eager module code, by hand: the attention core copies q, k, v and the context each
