@@ -220,7 +220,14 @@ impl PartCost {
 /// Costs of the three parts of a transformer under one layout.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TransformerCosts {
+    /// A layer: an MoE layer in a mixture-of-experts model.
     pub layer: PartCost,
+    /// A dense layer of a mixture of experts with dense layers (leading or in between); `None`
+    /// where every layer costs `layer`.
+    pub dense_layer: Option<PartCost>,
+    /// Which layers are dense, where some are: (leading dense layers, every how many
+    /// layers from the first MoE layer on is an MoE layer).
+    pub pattern: Option<(u32, u32)>,
     pub embedding: PartCost,
     pub head: PartCost,
     /// Tokens in one micro-batch on one device's sequence shard.
@@ -229,6 +236,55 @@ pub struct TransformerCosts {
     pub p2p_bytes: Bytes,
     /// One pipeline send of `p2p_bytes` (across nodes when stages are on different nodes).
     pub p2p: Seconds,
+}
+
+impl TransformerCosts {
+    /// Of layers `first .. first + n`, how many are MoE-kind (`layer`) and how many dense
+    /// (`dense_layer`).
+    pub fn kinds_in(&self, first: u32, n: u32) -> (u32, u32) {
+        let Some((lead, every)) = self.pattern.filter(|_| self.dense_layer.is_some()) else {
+            return (n, 0);
+        };
+        let every = every.max(1);
+        let (lo, hi) = (first.max(lead), first + n);
+        let moe = if lo >= hi {
+            0
+        } else {
+            // MoE layers are lead, lead + every, …: those in lo..hi.
+            (hi - 1 - lead) / every + 1 - (lo - lead).div_ceil(every)
+        };
+        (moe, n - moe)
+    }
+
+    /// The cost of layer `i`.
+    pub fn layer_at(&self, i: u32) -> &PartCost {
+        match &self.dense_layer {
+            Some(d) if self.kinds_in(i, 1).1 == 1 => d,
+            _ => &self.layer,
+        }
+    }
+
+    /// Sum of `f` over layers `first .. first + n`.
+    pub fn layers_sum<T>(&self, first: u32, n: u32, f: impl Fn(&PartCost) -> T) -> T
+    where
+        T: std::ops::Mul<f64, Output = T> + std::ops::Add<Output = T>,
+    {
+        let (moe, dense) = self.kinds_in(first, n);
+        let d = self.dense_layer.as_ref().unwrap_or(&self.layer);
+        f(&self.layer) * f64::from(moe) + f(d) * f64::from(dense)
+    }
+
+    /// Parameters (`f` of each kind, a count) over layers `first .. first + n`.
+    pub fn layers_count(&self, first: u32, n: u32, f: impl Fn(&PartCost) -> u64) -> u64 {
+        let (moe, dense) = self.kinds_in(first, n);
+        let d = self.dense_layer.as_ref().unwrap_or(&self.layer);
+        f(&self.layer) * u64::from(moe) + f(d) * u64::from(dense)
+    }
+
+    /// The kinds of layer the model has (for maxima over its layers).
+    pub fn layer_kinds(&self) -> impl Iterator<Item = &PartCost> {
+        std::iter::once(&self.layer).chain(self.dense_layer.as_ref())
+    }
 }
 
 /// The fixed inputs of a costing: model, hardware and training settings.
@@ -316,9 +372,17 @@ pub fn model_flops_per_step(s: &Setup) -> Result<f64, Infeasible> {
             .map(|g| g.total_work(2).train_flops().0)
             .map_err(|e| Infeasible::Unsupported(e.to_string()))
     };
-    let per_seq = f64::from(s.model.layers) * per(Section::Block)?
-        + per(Section::Embedding)?
-        + per(Section::Head)?;
+    let moe = (0..s.model.layers)
+        .filter(|&i| s.model.moe.is_none() || s.model.is_moe_layer(i))
+        .count() as f64;
+    let dense = f64::from(s.model.layers) - moe;
+    let dense_work = if dense > 0.0 {
+        dense * per(Section::DenseBlock)?
+    } else {
+        0.0
+    };
+    let per_seq =
+        moe * per(Section::Block)? + dense_work + per(Section::Embedding)? + per(Section::Head)?;
     Ok(per_seq * s.global_batch as f64)
 }
 
@@ -469,93 +533,110 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     } else {
         net.collective(Collective::AllReduce, act, tp_group)
     };
+    // One layer as a device runs it: an MoE layer under `experts`, or a dense one.
+    let price_layer = |block: &Graph, experts: Option<ExpertRanks>| -> PartCost {
+        let block_prices = NodePrices::new(&dev, block, fb, sp, l.tp, hidden, cp, experts);
+        let mut layer = price(block, &block_prices, fb, sp, l.tp, hidden);
+        // Under sequence parallelism an MoE layer reads the sequence-split tokens directly: its
+        // dispatcher replaces the MLP's gather and reduce-scatter over the TP group, so only the
+        // attention's pair remains — unless shared experts, a tensor-parallel MLP, need them.
+        let shared = s.model.moe.is_some_and(|m| m.shared_ffn_hidden > 0);
+        let tp_regions = if experts.is_some() && sp && !shared {
+            1.0
+        } else {
+            2.0
+        };
+        let tp_layer = if s.runtime.tp_comm_overlap && l.tp > 1 && sp {
+            // Each collective hides behind the GEMM it is pipelined with: the four linear layers
+            // of a block share the forward (and, mirrored, the backward) collectives. Only the
+            // all-gather / reduce-scatter pairs of sequence parallelism are pipelined this way
+            // (Megatron asserts sequence parallelism for `--tp-comm-overlap`); all-reduces wait.
+            let gemm_fwd = block_prices
+                .time(block, |op| matches!(op, OpKind::Linear(_)))
+                .fwd;
+            // Transformer Engine's ring exchange moves data with copy engines (userbuffers), not
+            // NCCL kernels, so the GEMMs it hides behind keep their SMs: no interference term.
+            Seconds((tp_one.0 * tp_regions - gemm_fwd.0).max(0.0))
+        } else {
+            tp_one * tp_regions
+        };
+        layer.tp_fwd = tp_layer;
+        layer.tp_bwd = tp_layer;
+        // Context parallelism: a ring passes K and V (cp − 1) times in forward, and K, V and their
+        // gradients in backward; each step overlaps the attention of the previous block.
+        if l.cp > 1 {
+            let kv = Bytes(2 * l.micro_batch * seq_local * shard.kv_heads * shard.head_dim * fb);
+            let steps = (cp - 1) as f64;
+            let attn = block_prices.time(block, |op| matches!(op, OpKind::Attention(_)));
+            let fwd_comm = net.collective(Collective::AllGather, Bytes(kv.0 * cp), cp_group);
+            layer.cp_fwd = exposed(fwd_comm, attn.fwd * (steps / cp as f64));
+            layer.cp_bwd = exposed(fwd_comm * 2.0, attn.bwd_input * (steps / cp as f64));
+        }
+        // The MoE dispatcher (Megatron-Core's all-to-all dispatcher): each rank sends its routed
+        // token copies to the ranks holding their experts and receives them back after the
+        // experts (dispatch and combine, mirrored in backward); with the experts split over etp
+        // ranks, the received tokens are gathered over those and the outputs reduce-scattered
+        // back (top-k times the dense MLP's gather, which is why recipes fold etp to 1).
+        if let Some(e) = experts {
+            let row = hidden * fb;
+            let routed = Bytes(e.tokens * e.top_k * row);
+            let mut one = Seconds(0.0);
+            if l.ep > 1 {
+                let ep_group = Group::strided(l.ep, e.etp, gpn);
+                one += net.collective(Collective::AllToAll, routed, ep_group) * 2.0;
+            }
+            if e.gathers_over_etp() {
+                let etp_group = Group::strided(e.etp, 1, gpn);
+                let gathered = Bytes(routed.0 * u64::from(e.etp));
+                one += net.collective(Collective::AllGather, gathered, etp_group)
+                    + net.collective(Collective::ReduceScatter, gathered, etp_group);
+            }
+            layer.ep_fwd = one;
+            layer.ep_bwd = one;
+            // Expert weights are spread over ep × etp ranks; the graph's shard split them over tp.
+            let whole = e.experts * e.mats * hidden * s.model.ffn_hidden;
+            layer.params = layer.params - whole / tp + whole / u64::from(l.ep * e.etp);
+            layer.expert_params = whole / u64::from(l.ep * e.etp);
+        }
+        // Recomputation.
+        let layer_input = if sp { act.0 / tp } else { act.0 };
+        match l.recompute {
+            Recompute::None => {}
+            Recompute::Selective => {
+                // Recompute the cheap ops in backward and keep the expensive ones' outputs: the
+                // attention core when unfused (Korthikanti et al. 2022 §5), norms and pointwise
+                // ops (torchtitan's op-level selective checkpointing keeps matmul and attention
+                // outputs). Flash attention recomputes its own scores anyway.
+                let redo = recomputed_nodes(block, s.runtime.selective);
+                layer.saved = Bytes(saved_bytes(block, fb, sp, l.tp, hidden, Some(&redo)) as u64);
+                let (time, flops) = block_prices.recompute(Some(&redo));
+                layer.recompute = time;
+                layer.hardware_flops += flops;
+            }
+            Recompute::Full => {
+                layer.recompute = layer.compute.fwd;
+                // The recomputed forward repeats its collectives (and an MoE layer its dispatch).
+                layer.tp_bwd += tp_layer;
+                layer.ep_bwd += layer.ep_fwd;
+                layer.working = layer.saved;
+                layer.saved = Bytes(layer_input);
+                layer.hardware_flops += block_prices.recompute(None).1;
+            }
+        }
+        layer
+    };
     let experts = s
         .model
         .moe
         .map(|moe| ExpertRanks::of(s.model, moe, l, &opts));
-    let block_prices = NodePrices::new(&dev, &block, fb, sp, l.tp, hidden, cp, experts);
-    let mut layer = price(&block, &block_prices, fb, sp, l.tp, hidden);
-    // Under sequence parallelism an MoE layer reads the sequence-split tokens directly: its
-    // dispatcher replaces the MLP's gather and reduce-scatter over the TP group, so only the
-    // attention's pair remains.
-    let tp_regions = if experts.is_some() && sp { 1.0 } else { 2.0 };
-    let tp_layer = if s.runtime.tp_comm_overlap && l.tp > 1 && sp {
-        // Each collective hides behind the GEMM it is pipelined with: the four linear layers
-        // of a block share the forward (and, mirrored, the backward) collectives. Only the
-        // all-gather / reduce-scatter pairs of sequence parallelism are pipelined this way
-        // (Megatron asserts sequence parallelism for `--tp-comm-overlap`); all-reduces wait.
-        let gemm_fwd = block_prices
-            .time(&block, |op| matches!(op, OpKind::Linear(_)))
-            .fwd;
-        // Transformer Engine's ring exchange moves data with copy engines (userbuffers), not
-        // NCCL kernels, so the GEMMs it hides behind keep their SMs: no interference term.
-        Seconds((tp_one.0 * tp_regions - gemm_fwd.0).max(0.0))
-    } else {
-        tp_one * tp_regions
+    let layer = price_layer(&block, experts);
+    // The dense layers of a mixture of experts, where it has any.
+    let dense_layer = match s.model.moe {
+        Some(m) if m.has_dense_layers() => {
+            Some(price_layer(&build(Section::DenseBlock, opts)?, None))
+        }
+        _ => None,
     };
-    layer.tp_fwd = tp_layer;
-    layer.tp_bwd = tp_layer;
-    // Context parallelism: a ring passes K and V (cp − 1) times in forward, and K, V and their
-    // gradients in backward; each step overlaps the attention of the previous block.
-    if l.cp > 1 {
-        let kv = Bytes(2 * l.micro_batch * seq_local * shard.kv_heads * shard.head_dim * fb);
-        let steps = (cp - 1) as f64;
-        let attn = block_prices.time(&block, |op| matches!(op, OpKind::Attention(_)));
-        let fwd_comm = net.collective(Collective::AllGather, Bytes(kv.0 * cp), cp_group);
-        layer.cp_fwd = exposed(fwd_comm, attn.fwd * (steps / cp as f64));
-        layer.cp_bwd = exposed(fwd_comm * 2.0, attn.bwd_input * (steps / cp as f64));
-    }
-    // The MoE dispatcher (Megatron-Core's all-to-all dispatcher): each rank sends its routed
-    // token copies to the ranks holding their experts and receives them back after the
-    // experts (dispatch and combine, mirrored in backward); with the experts split over etp
-    // ranks, the received tokens are gathered over those and the outputs reduce-scattered
-    // back (top-k times the dense MLP's gather, which is why recipes fold etp to 1).
-    if let Some(e) = experts {
-        let row = hidden * fb;
-        let routed = Bytes(e.tokens * e.top_k * row);
-        let mut one = Seconds(0.0);
-        if l.ep > 1 {
-            let ep_group = Group::strided(l.ep, e.etp, gpn);
-            one += net.collective(Collective::AllToAll, routed, ep_group) * 2.0;
-        }
-        if e.gathers_over_etp() {
-            let etp_group = Group::strided(e.etp, 1, gpn);
-            let gathered = Bytes(routed.0 * u64::from(e.etp));
-            one += net.collective(Collective::AllGather, gathered, etp_group)
-                + net.collective(Collective::ReduceScatter, gathered, etp_group);
-        }
-        layer.ep_fwd = one;
-        layer.ep_bwd = one;
-        // Expert weights are spread over ep × etp ranks; the graph's shard split them over tp.
-        let whole = e.experts * e.mats * hidden * s.model.ffn_hidden;
-        layer.params = layer.params - whole / tp + whole / u64::from(l.ep * e.etp);
-        layer.expert_params = whole / u64::from(l.ep * e.etp);
-    }
-    // Recomputation.
-    let layer_input = if sp { act.0 / tp } else { act.0 };
-    match l.recompute {
-        Recompute::None => {}
-        Recompute::Selective => {
-            // Recompute the cheap ops in backward and keep the expensive ones' outputs: the
-            // attention core when unfused (Korthikanti et al. 2022 §5), norms and pointwise
-            // ops (torchtitan's op-level selective checkpointing keeps matmul and attention
-            // outputs). Flash attention recomputes its own scores anyway.
-            let redo = recomputed_nodes(&block, s.runtime.selective);
-            layer.saved = Bytes(saved_bytes(&block, fb, sp, l.tp, hidden, Some(&redo)) as u64);
-            let (time, flops) = block_prices.recompute(Some(&redo));
-            layer.recompute = time;
-            layer.hardware_flops += flops;
-        }
-        Recompute::Full => {
-            layer.recompute = layer.compute.fwd;
-            // The recomputed forward repeats its collectives (and an MoE layer its dispatch).
-            layer.tp_bwd += tp_layer;
-            layer.ep_bwd += layer.ep_fwd;
-            layer.working = layer.saved;
-            layer.saved = Bytes(layer_input);
-            layer.hardware_flops += block_prices.recompute(None).1;
-        }
-    }
 
     // Embedding (vocab-parallel: an all-reduce of its output over TP) and head (vocab-parallel
     // cross-entropy: small all-reduces of per-token max and sum).
@@ -601,6 +682,12 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
 
     Ok(TransformerCosts {
         layer,
+        dense_layer,
+        pattern: s
+            .model
+            .moe
+            .filter(MoeConfig::has_dense_layers)
+            .map(|m| (m.dense_layers_first, m.every)),
         embedding,
         head: head_cost,
         tokens_per_microbatch: l.micro_batch * seq_local,
@@ -1232,6 +1319,55 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("needs sequence parallelism"), "{e}");
+    }
+
+    #[test]
+    fn dense_and_moe_layers_are_priced_each_as_they_are() {
+        // GLM-4.5-Air's arrangement: one leading dense layer 10944 wide, then 45 MoE layers
+        // of 128 experts 1408 wide (top-8) beside a shared expert 1408 wide.
+        let moe = MoeConfig {
+            shared_ffn_hidden: 1408,
+            dense_layers_first: 1,
+            every: 1,
+            dense_ffn_hidden: 10944,
+            ..MoeConfig::routed(128, 8)
+        };
+        let m = TransformerConfig {
+            head_dim: 128,
+            moe: Some(moe),
+            ..TransformerConfig::llama(46, 4096, 96, 8, 1408, 151_552, 131_072)
+        };
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup {
+            seq: 4096,
+            ..setup(&m, &p, 16, Runtime::default())
+        };
+        let at = |tp: u32, ep: u32| {
+            let l = Layout {
+                dp: 16 / tp,
+                ep,
+                ..layout(tp, tp > 1, Recompute::None)
+            };
+            transformer_costs(&s, &l).unwrap()
+        };
+        let c = at(1, 8);
+        let dense = c.dense_layer.expect("a dense layer");
+        assert_eq!((c.kinds_in(0, 46), c.kinds_in(1, 10)), ((45, 1), (10, 0)));
+        assert_eq!(c.layer_at(0), &dense);
+        assert_eq!(c.layer_at(1), &c.layer);
+        assert_eq!((dense.expert_params, dense.ep_fwd), (0, Seconds(0.0)));
+        // All layers' parameters are the model's blocks, the routed experts split over ep.
+        let routed = 128 * 3 * 4096 * 1408 * 45;
+        assert_eq!(
+            c.layers_count(0, 46, |l| l.params) + routed * 7 / 8,
+            m.blocks_params()
+        );
+        // The dense layer is the lighter per token (10944 wide against 8 × 1408 + 1408).
+        assert!(dense.model_flops < c.layer.model_flops);
+        // Under sequence parallelism the shared expert, a tensor-parallel MLP, keeps the MLP's
+        // gather and reduce-scatter: an MoE layer pays the TP pair twice, as a dense one.
+        let c2 = at(2, 8);
+        assert_eq!(c2.layer.tp_fwd, c2.dense_layer.unwrap().tp_fwd);
     }
 
     #[test]

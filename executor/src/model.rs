@@ -71,6 +71,14 @@ impl Dims {
                     .into(),
             );
         }
+        if let Some(m) = c.moe {
+            if m.shared_ffn_hidden > 0 || m.has_dense_layers() {
+                return Err(
+                    "mixtures of experts with shared experts or dense layers among the MoE layers are planned, not run, by the executor"
+                        .into(),
+                );
+            }
+        }
         if c.bert || !c.causal {
             return Err(
                 "only causal decoder models (GPT, Llama) are supported by the executor".into(),

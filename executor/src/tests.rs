@@ -26,10 +26,7 @@ fn llama(layers: u32) -> TransformerConfig {
 /// A Mixtral-shaped tiny model: Llama layers whose MLP is 4 SwiGLU experts, top-2.
 fn mixtral(layers: u32) -> TransformerConfig {
     TransformerConfig {
-        moe: Some(parallax_ir::models::MoeConfig {
-            experts: 4,
-            top_k: 2,
-        }),
+        moe: Some(parallax_ir::models::MoeConfig::routed(4, 2)),
         ..llama(layers)
     }
 }
@@ -344,10 +341,7 @@ fn unsupported_inputs_are_errors_not_panics() {
     )
     .contains("multiple"));
     let mut moe = gpt(2);
-    moe.moe = Some(parallax_ir::models::MoeConfig {
-        experts: 4,
-        top_k: 2,
-    });
+    moe.moe = Some(parallax_ir::models::MoeConfig::routed(4, 2));
     assert!(bad(moe, Layout::default()).contains("mixture"));
     // Experts folded over tensor-parallel ranks route each rank's own rows: sequence
     // parallelism must split them.

@@ -50,10 +50,7 @@ fn llama(layers: u32) -> TransformerConfig {
 /// Llama layers with 4 SwiGLU experts, top-2 (Mixtral's shape).
 fn mixtral(layers: u32) -> TransformerConfig {
     TransformerConfig {
-        moe: Some(parallax_ir::models::MoeConfig {
-            experts: 4,
-            top_k: 2,
-        }),
+        moe: Some(parallax_ir::models::MoeConfig::routed(4, 2)),
         ..llama(layers)
     }
 }

@@ -22,6 +22,7 @@ pub const SUPPORTED_HF_TYPES: &[&str] = &[
     "qwen2",
     "qwen3",
     "qwen3_moe",
+    "qwen2_moe",
     "phi3",
     "gemma",
     "gemma2",
@@ -381,8 +382,8 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                 )
             }
         }
-        "llama" | "mistral" | "mixtral" | "qwen2" | "qwen3" | "qwen3_moe" | "phi3" | "gemma"
-        | "gemma2" | "gemma3_text" | "nemotron" => {
+        "llama" | "mistral" | "mixtral" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_moe"
+        | "phi3" | "gemma" | "gemma2" | "gemma3_text" | "nemotron" => {
             let h = int(&["hidden_size"], None)?;
             let heads = int(&["num_attention_heads"], None)?;
             let mut c = TransformerConfig::llama(
@@ -416,7 +417,10 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
             c.tied_embeddings = flag("tie_word_embeddings", gemma)?;
             // Qwen2 has biases on the query, key and value projections (its modelling code,
             // not a config field); the others say so in `attention_bias`.
-            c.bias = flag("attention_bias", model_type == "qwen2")?;
+            c.bias = flag(
+                "attention_bias",
+                matches!(model_type, "qwen2" | "qwen2_moe"),
+            )?;
             let act = v
                 .get("hidden_act")
                 .or_else(|| v.get("hidden_activation"))
@@ -432,35 +436,46 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
             };
             match model_type {
                 "mixtral" => {
-                    c.moe = Some(MoeConfig {
-                        experts: int(&["num_local_experts"], None)?,
-                        top_k: int(&["num_experts_per_tok"], Some(2))?,
-                    });
+                    c.moe = Some(MoeConfig::routed(
+                        int(&["num_local_experts"], None)?,
+                        int(&["num_experts_per_tok"], Some(2))?,
+                    ));
                 }
-                "qwen3_moe" => {
-                    // Every layer routed (decoder_sparse_step 1, no mlp_only_layers) over
-                    // experts `moe_intermediate_size` wide; dense layers among them are not
-                    // modelled.
+                "qwen3_moe" | "qwen2_moe" => {
+                    // Layer i is routed when (i + 1) is a multiple of decoder_sparse_step
+                    // (Qwen's modelling code) over experts `moe_intermediate_size` wide; the
+                    // others are dense, `intermediate_size` wide. Qwen2-MoE adds a shared
+                    // expert (`shared_expert_intermediate_size`) to every MoE layer.
                     let step = int(&["decoder_sparse_step"], Some(1))?;
-                    let dense = v
-                        .get("mlp_only_layers")
+                    if v.get("mlp_only_layers")
                         .and_then(Value::as_array)
-                        .is_some_and(|a| !a.is_empty());
-                    if step != 1 || dense {
+                        .is_some_and(|a| !a.is_empty())
+                    {
                         return Err(field_err(
-                            if dense {
-                                "mlp_only_layers"
-                            } else {
-                                "decoder_sparse_step"
-                            },
-                            "dense layers among the MoE layers are not modelled yet".into(),
+                            "mlp_only_layers",
+                            "dense layers at listed positions are not modelled (only a leading run and a period)".into(),
                         ));
                     }
-                    c.ffn_hidden = int(&["moe_intermediate_size"], None)?;
+                    let every = u32::try_from(step)
+                        .ok()
+                        .filter(|&k| k >= 1 && k <= c.layers)
+                        .ok_or_else(|| {
+                            field_err(
+                                "decoder_sparse_step",
+                                format!("{step} must be between 1 and the {} layers", c.layers),
+                            )
+                        })?;
                     c.moe = Some(MoeConfig {
-                        experts: int(&["num_experts"], None)?,
-                        top_k: int(&["num_experts_per_tok"], Some(8))?,
+                        shared_ffn_hidden: int(&["shared_expert_intermediate_size"], Some(0))?,
+                        dense_layers_first: every - 1,
+                        every,
+                        dense_ffn_hidden: if every > 1 { c.ffn_hidden } else { 0 },
+                        ..MoeConfig::routed(
+                            int(&["num_experts"], None)?,
+                            int(&["num_experts_per_tok"], Some(8))?,
+                        )
                     });
+                    c.ffn_hidden = int(&["moe_intermediate_size"], None)?;
                 }
                 _ => {}
             }
@@ -572,7 +587,7 @@ mod tests {
     /// `num_parameters()` of each model card's checkpoint; within 1 %).
     #[test]
     fn hf_configs_of_current_models_match_their_parameter_counts() {
-        let cases: [(&str, f64); 5] = [
+        let cases: [(&str, f64); 6] = [
             (
                 r#"{"model_type":"qwen2","hidden_size":3584,"intermediate_size":18944,"num_hidden_layers":28,"num_attention_heads":28,"num_key_value_heads":4,"vocab_size":152064,"max_position_embeddings":32768,"tie_word_embeddings":false}"#,
                 7.6156e9, // Qwen2.5-7B
@@ -584,6 +599,10 @@ mod tests {
             (
                 r#"{"model_type":"qwen3_moe","hidden_size":2048,"intermediate_size":6144,"moe_intermediate_size":768,"num_hidden_layers":48,"num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,"num_experts":128,"num_experts_per_tok":8,"decoder_sparse_step":1,"mlp_only_layers":[],"vocab_size":151936,"max_position_embeddings":40960,"tie_word_embeddings":false}"#,
                 30.532e9, // Qwen3-30B-A3B
+            ),
+            (
+                r#"{"model_type":"qwen2_moe","hidden_size":2048,"intermediate_size":5632,"moe_intermediate_size":1408,"shared_expert_intermediate_size":5632,"num_hidden_layers":24,"num_attention_heads":16,"num_key_value_heads":16,"num_experts":60,"num_experts_per_tok":4,"decoder_sparse_step":1,"vocab_size":151936,"max_position_embeddings":8192,"tie_word_embeddings":false}"#,
+                14.316e9, // Qwen1.5-MoE-A2.7B (model card: 14.3B total)
             ),
             (
                 r#"{"model_type":"gemma2","hidden_size":3584,"intermediate_size":14336,"num_hidden_layers":42,"num_attention_heads":16,"num_key_value_heads":8,"head_dim":256,"vocab_size":256000,"max_position_embeddings":8192,"hidden_activation":"gelu_pytorch_tanh"}"#,
@@ -605,8 +624,17 @@ mod tests {
         let nemotron = load(r#"{"model_type":"nemotron","hidden_size":4096,"intermediate_size":16384,"num_hidden_layers":32,"num_attention_heads":48,"num_key_value_heads":8,"head_dim":128,"vocab_size":256000,"hidden_act":"relu2"}"#).unwrap();
         let t = nemotron.transformer().unwrap();
         assert_eq!((t.mlp, t.norm), (Mlp::SquaredRelu, Norm::LayerNorm));
-        let e = load(r#"{"model_type":"qwen3_moe","hidden_size":2048,"intermediate_size":6144,"moe_intermediate_size":768,"num_hidden_layers":48,"num_attention_heads":32,"num_experts":128,"decoder_sparse_step":2,"vocab_size":151936}"#).unwrap_err();
-        assert!(e.to_string().contains("decoder_sparse_step"), "{e}");
+        // Every second layer routed ((i + 1) a multiple of the step): 1, 3, 5, …; the others
+        // dense at intermediate_size.
+        let sparse = load(r#"{"model_type":"qwen3_moe","hidden_size":2048,"intermediate_size":6144,"moe_intermediate_size":768,"num_hidden_layers":48,"num_attention_heads":32,"num_experts":128,"decoder_sparse_step":2,"vocab_size":151936}"#).unwrap();
+        let t = sparse.transformer().unwrap();
+        let routed: Vec<u32> = (0..6).filter(|&i| t.is_moe_layer(i)).collect();
+        assert_eq!(
+            (routed, t.dense_ffn(), t.ffn_hidden),
+            (vec![1, 3, 5], 6144, 768)
+        );
+        let e = load(r#"{"model_type":"qwen3_moe","hidden_size":2048,"intermediate_size":6144,"moe_intermediate_size":768,"num_hidden_layers":48,"num_attention_heads":32,"num_experts":128,"mlp_only_layers":[0, 7],"vocab_size":151936}"#).unwrap_err();
+        assert!(e.to_string().contains("mlp_only_layers"), "{e}");
     }
 
     #[test]

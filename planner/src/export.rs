@@ -309,7 +309,7 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
         format!("--num-layers {}", m.layers),
         format!("--hidden-size {}", m.hidden),
         format!("--num-attention-heads {}", m.heads),
-        format!("--ffn-hidden-size {}", m.ffn_hidden),
+        format!("--ffn-hidden-size {}", m.dense_ffn()),
         format!("--seq-length {}", t.seq_len),
         format!("--max-position-embeddings {}", m.max_seq.max(t.seq_len)),
     ];
@@ -336,6 +336,21 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
     if let Some(moe) = m.moe {
         a.push(format!("--num-experts {}", moe.experts));
         a.push(format!("--moe-router-topk {}", moe.top_k));
+        if moe.shared_ffn_hidden > 0 {
+            a.push(format!(
+                "--moe-shared-expert-intermediate-size {}",
+                moe.shared_ffn_hidden
+            ));
+        }
+        if moe.has_dense_layers() {
+            // Megatron's --ffn-hidden-size is the dense layers' width, the experts' their own;
+            // which layers route, as the Python list --moe-layer-freq evaluates.
+            a.push(format!("--moe-ffn-hidden-size {}", m.ffn_hidden));
+            let pattern: Vec<&str> = (0..m.layers)
+                .map(|i| if moe.is_moe_layer(i) { "1" } else { "0" })
+                .collect();
+            a.push(format!("--moe-layer-freq \"[{}]\"", pattern.join(",")));
+        }
         a.push(format!("--expert-model-parallel-size {}", l.ep));
         a.push(format!("--expert-tensor-parallel-size {}", l.expert_tp()));
     }
@@ -1297,6 +1312,37 @@ mod tests {
             let why = e.supports_within(&e.space(), &ep1, &m).unwrap();
             assert!(why.contains("expert parallelism"), "{e}: {why}");
         }
+    }
+
+    #[test]
+    fn megatron_arguments_carry_shared_experts_and_dense_layers() {
+        // One leading dense layer 10944 wide, then MoE layers of 1408-wide experts with a
+        // shared expert: Megatron's --ffn-hidden-size is the dense width, the experts' their
+        // own, and --moe-layer-freq lists which layers route.
+        let m = TransformerConfig {
+            moe: Some(parallax_ir::models::MoeConfig {
+                shared_ffn_hidden: 1408,
+                dense_layers_first: 1,
+                every: 1,
+                dense_ffn_hidden: 10944,
+                ..parallax_ir::models::MoeConfig::routed(128, 8)
+            }),
+            ..TransformerConfig::llama(6, 4096, 32, 8, 1408, 151_552, 4096)
+        };
+        let l = Layout {
+            dp: 64,
+            ep: 8,
+            zero_stage: 1,
+            ..Layout::default()
+        };
+        let s = export(Engine::Megatron, &plan(l, Precision::Bf16), &m).unwrap();
+        assert_eq!(arg(&s, "--ffn-hidden-size"), Some("10944"));
+        assert_eq!(arg(&s, "--moe-ffn-hidden-size"), Some("1408"));
+        assert_eq!(
+            arg(&s, "--moe-shared-expert-intermediate-size"),
+            Some("1408")
+        );
+        assert_eq!(arg(&s, "--moe-layer-freq"), Some("\"[0,1,1,1,1,1]\""));
     }
 
     #[test]

@@ -999,7 +999,7 @@ fn group_bound(setup: &Setup, l: &Layout, c: &TransformerCosts) -> f64 {
     let m = l.micro_batches(setup.global_batch) as f64;
     let pass =
         |p: &parallax_cost::transformer::PartCost| (p.fwd() + p.bwd_input() + p.bwd_weight()).0;
-    let work = f64::from(setup.model.layers) * pass(&c.layer) + pass(&c.embedding) + pass(&c.head);
+    let work = c.layers_sum(0, setup.model.layers, pass) + pass(&c.embedding) + pass(&c.head);
     m * work / f64::from(l.pp) * (1.0 - 4.0 * crate::bounds::BOUND_SLACK)
 }
 
@@ -1034,7 +1034,8 @@ fn partitions(
         let bal = balanced_layers(
             setup.model.layers,
             l.pp * l.interleave,
-            pass(&c.layer),
+            // A mixture's dense and MoE layers balanced at their mean.
+            c.layers_sum(0, setup.model.layers, pass) / f64::from(setup.model.layers.max(1)),
             pass(&c.embedding),
             pass(&c.head),
         );

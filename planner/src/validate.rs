@@ -478,18 +478,6 @@ impl TransformerCase {
             );
         }
         if let Some(moe) = &m.moe {
-            if moe.shared_experts.is_some_and(|n| n > 0) {
-                return Some(
-                    "model.moe.shared_experts: shared experts are not modelled yet".into(),
-                );
-            }
-            if moe.dense_layers_first.is_some_and(|n| n > 0)
-                || moe.moe_layer_frequency.is_some_and(|k| k > 1)
-            {
-                return Some(
-                    "model.moe: dense layers between MoE layers are not modelled yet".into(),
-                );
-            }
             if moe.latent_size.is_some() {
                 return Some("model.moe.latent_size: LatentMoE is not modelled yet".into());
             }
@@ -537,15 +525,19 @@ impl TransformerCase {
             cfg.head_dim = d;
         }
         if let Some(moe) = &m.moe {
-            // Every layer's MLP is routed over the experts, each `expert_ffn_hidden` wide
-            // (`ffn_hidden` of a model without dense layers).
+            // MoE layers route over the experts, each `expert_ffn_hidden` wide (`ffn_hidden`
+            // of a model without dense layers), beside their shared experts; the leading and
+            // in-between dense layers are `dense_ffn_hidden` wide.
+            let shared = moe.shared_experts.unwrap_or(0);
+            let expert = moe.expert_ffn_hidden.unwrap_or(m.ffn_hidden);
             cfg.moe = Some(MoeConfig {
-                experts: moe.experts,
-                top_k: moe.top_k,
+                shared_ffn_hidden: shared * moe.shared_expert_ffn_hidden.unwrap_or(expert),
+                dense_layers_first: moe.dense_layers_first.unwrap_or(0),
+                every: moe.moe_layer_frequency.unwrap_or(1),
+                dense_ffn_hidden: moe.dense_ffn_hidden.unwrap_or(m.ffn_hidden),
+                ..MoeConfig::routed(moe.experts, moe.top_k)
             });
-            if let Some(f) = moe.expert_ffn_hidden {
-                cfg.ffn_hidden = f;
-            }
+            cfg.ffn_hidden = expert;
         }
         cfg.validate()?;
         Ok(cfg)

@@ -17,7 +17,8 @@ use parallax_cost::memory::{
     HOST_ADAM_BYTES_PER_PARAM, HOST_STREAM_EFFICIENCY, MIXED_WEIGHT_BYTES,
 };
 use parallax_cost::transformer::{
-    check_layout, model_flops_per_step, transformer_costs, Infeasible, Setup, TransformerCosts,
+    check_layout, model_flops_per_step, transformer_costs, Infeasible, PartCost, Setup,
+    TransformerCosts,
 };
 use parallax_ir::{Bytes, Layout, Offload, Seconds, GIB};
 use serde::{Deserialize, Serialize};
@@ -192,9 +193,19 @@ pub fn stage_layers(layers: u32, l: &Layout) -> Vec<u32> {
     out
 }
 
+/// The first layer of virtual stage `vs` (stages hold consecutive layers in order).
+pub fn first_layer(layers: &[u32], vs: usize) -> u32 {
+    layers[..vs].iter().sum()
+}
+
+/// The experts' parameters one device holds for virtual stage `vs`.
+fn virtual_stage_experts(c: &TransformerCosts, layers: &[u32], vs: usize) -> u64 {
+    c.layers_count(first_layer(layers, vs), layers[vs], |l| l.expert_params)
+}
+
 /// Parameters one device holds for virtual stage `vs` of `layers.len()`.
 pub fn virtual_stage_params(c: &TransformerCosts, layers: &[u32], vs: usize) -> u64 {
-    let mut p = c.layer.params * u64::from(layers[vs]);
+    let mut p = c.layers_count(first_layer(layers, vs), layers[vs], |l| l.params);
     if vs == 0 {
         p += c.embedding.params;
     }
@@ -222,11 +233,13 @@ pub fn pass_costs(
         p2p,
         p2p_boundaries: Vec::new(),
     };
+    let mut first = 0;
     for (vs, &nl) in layers.iter().enumerate() {
         let n = f64::from(nl);
-        let mut f = (c.layer.fwd() + per_layer.0) * n + per_pass.0;
-        let mut b = (c.layer.bwd_input() + per_layer.1) * n + per_pass.1;
-        let mut w = c.layer.bwd_weight() * n;
+        let mut f = c.layers_sum(first, nl, PartCost::fwd) + per_layer.0 * n + per_pass.0;
+        let mut b = c.layers_sum(first, nl, PartCost::bwd_input) + per_layer.1 * n + per_pass.1;
+        let mut w = c.layers_sum(first, nl, PartCost::bwd_weight);
+        first += nl;
         if vs == 0 {
             f += c.embedding.fwd();
             b += c.embedding.bwd_input();
@@ -246,7 +259,7 @@ pub fn pass_costs(
 
 /// Bytes one micro-batch keeps from virtual stage `vs`'s forward to its weight gradients.
 fn virtual_stage_saved(c: &TransformerCosts, layers: &[u32], vs: usize) -> f64 {
-    let mut b = c.layer.saved.0 as f64 * f64::from(layers[vs]);
+    let mut b = c.layers_sum(first_layer(layers, vs), layers[vs], |l| l.saved.0 as f64);
     if vs == 0 {
         b += c.embedding.saved.0 as f64;
     }
@@ -299,7 +312,7 @@ pub fn stage_memory_of(
         .sum();
     let experts: u64 = chunks
         .iter()
-        .map(|&vs| c.layer.expert_params * u64::from(layers[vs]))
+        .map(|&vs| virtual_stage_experts(c, layers, vs))
         .sum();
     let dense = params - experts;
     let states = |dense_b: f64, expert_b: f64| dense as f64 * dense_b + experts as f64 * expert_b;
@@ -309,14 +322,16 @@ pub fn stage_memory_of(
         .sum::<f64>()
         / f64::from(v);
     let in_flight = max_in_flight(ScheduleKind::of(l.schedule, pp), pp, m, v, s)?;
+    // The largest layer's transient buffers (the kinds differ in a mixture with dense layers).
+    let largest = |f: &dyn Fn(&PartCost) -> u64| c.layer_kinds().map(f).max().unwrap_or(0);
     let mut buffers =
-        Bytes::from_gib(workspace_gib(setup.profile)).0 as f64 + c.layer.working.0 as f64;
+        Bytes::from_gib(workspace_gib(setup.profile)).0 as f64 + largest(&|l| l.working.0) as f64;
     if chunks.contains(&(nv - 1)) {
         buffers += c.head.working.0 as f64;
     }
     if zero >= 3 {
         // Two layers gathered (current and prefetched) plus one layer's unsharded gradient.
-        let p = c.layer.params as f64;
+        let p = largest(&|l| l.params) as f64;
         buffers += 2.0 * p * if setup.precision.is_mixed() { 2.0 } else { 4.0 } + p * 4.0;
     }
     // Offloaded states live in host memory: the optimizer's and the gradients, which go down
@@ -467,6 +482,8 @@ pub fn step_terms(
         }
         _ => (Seconds(0.0), Seconds(0.0)),
     };
+    // Per-layer terms below are an MoE-kind layer's where a mixture has dense layers too
+    // (ZeRO-3 and per-micro-batch ZeRO-2 are rare with experts: Megatron runs FSDP without).
     let zero3 = if zero >= 3 && (shard > 1 || l.offload == Offload::Params) {
         let p = c.layer.params;
         let calls = setup.runtime.zero3_gathers_per_layer.max(1);
@@ -558,7 +575,7 @@ pub fn step_terms(
         for chunk in 0..v {
             let vs = (chunk * pp + s) as usize;
             let p = virtual_stage_params(c, layers, vs);
-            let experts = c.layer.expert_params * u64::from(layers[vs]);
+            let experts = virtual_stage_experts(c, layers, vs);
             stage_params += p;
             stage_experts += experts;
             if !step_end_reduction {
@@ -582,7 +599,8 @@ pub fn step_terms(
                 let window =
                     (costs.backward_input[vs] + costs.backward_weight[vs]) * ((n - 1.0) / n);
                 let (mut last, last_experts) = if layers[vs] > 0 {
-                    (c.layer.params, c.layer.expert_params)
+                    let l = c.layer_at(first_layer(layers, vs));
+                    (l.params, l.expert_params)
                 } else {
                     (0, 0)
                 };
@@ -686,7 +704,7 @@ fn check_host_memory(setup: &Setup, l: &Layout, c: &TransformerCosts) -> Result<
     let Some(have_gib) = node.host_memory_gib else {
         return Ok(());
     };
-    let params = (c.layer.params * u64::from(setup.model.layers)
+    let params = (c.layers_count(0, setup.model.layers, |l| l.params)
         + c.embedding.params
         + c.head.params) as f64
         / f64::from(l.pp);
@@ -800,6 +818,10 @@ fn simulate_costed(
     let per_mb_stage = |f: &dyn Fn(usize) -> f64| -> f64 {
         (0..v).map(|ch| f((ch * pp) as usize + bs)).sum::<f64>() * f64::from(m)
     };
+    // The sum of `f` over virtual stage `vs`'s layers.
+    let over = |vs: usize, f: &dyn Fn(&PartCost) -> f64| {
+        c.layers_sum(first_layer(&layers, vs), layers[vs], f)
+    };
     let nl = |vs: usize| f64::from(layers[vs]);
     // The stage's compute stream waits for its gradient reductions between its last backward
     // and its optimizer (the reductions of earlier chunks ran beside later compute): that
@@ -810,7 +832,7 @@ fn simulate_costed(
     let dp_wait = (trace.span(opt_id).start.0 - last_compute_end).max(0.0);
     let dp_exposed = dp_wait + terms.param_gather[bs].0;
     let mut exposed = BTreeMap::new();
-    let tp = per_mb_stage(&|vs| nl(vs) * (c.layer.tp_fwd + c.layer.tp_bwd).0)
+    let tp = per_mb_stage(&|vs| over(vs, &|l| (l.tp_fwd + l.tp_bwd).0))
         + if bs == 0 {
             f64::from(m) * (c.embedding.tp_fwd + c.embedding.tp_bwd).0
         } else {
@@ -821,8 +843,8 @@ fn simulate_costed(
         } else {
             0.0
         };
-    let cp = per_mb_stage(&|vs| nl(vs) * (c.layer.cp_fwd + c.layer.cp_bwd).0);
-    let ep = per_mb_stage(&|vs| nl(vs) * (c.layer.ep_fwd + c.layer.ep_bwd).0);
+    let cp = per_mb_stage(&|vs| over(vs, &|l| (l.cp_fwd + l.cp_bwd).0));
+    let ep = per_mb_stage(&|vs| over(vs, &|l| (l.ep_fwd + l.ep_bwd).0));
     let z3 = per_mb_stage(&|vs| nl(vs) * (z3_fwd + z3_bwd).0);
     let replicate = per_mb_stage(&|_| (terms.replicate.0 + terms.replicate.1).0);
     for (k, x) in COMM_KINDS
@@ -841,7 +863,9 @@ fn simulate_costed(
         _ => 0.0,
     };
 
-    let recompute_share = c.layer.hardware_flops / c.layer.model_flops.max(1.0);
+    let layers_all = setup.model.layers;
+    let recompute_share = c.layers_sum(0, layers_all, |l| l.hardware_flops)
+        / c.layers_sum(0, layers_all, |l| l.model_flops).max(1.0);
     let gpus = f64::from(setup.gpus);
     let peak = setup
         .profile
@@ -1222,6 +1246,54 @@ mod tests {
             (mem.optimizer.0 as f64 - want).abs() <= 2.0,
             "{mem:?} vs {want}"
         );
+    }
+
+    /// A mixture whose leading layer is dense: the first stage holds it and pays its own
+    /// costs, parameters and stored activations; every later stage only MoE layers.
+    #[test]
+    fn a_stage_holds_its_own_layers_kinds() {
+        use parallax_ir::models::MoeConfig;
+        let m = TransformerConfig {
+            moe: Some(MoeConfig {
+                shared_ffn_hidden: 1408,
+                dense_layers_first: 1,
+                every: 1,
+                dense_ffn_hidden: 10944,
+                ..MoeConfig::routed(64, 6)
+            }),
+            ..TransformerConfig::llama(8, 2048, 16, 16, 1408, 102_400, 4096)
+        };
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup::new(&m, &p, 16, 4096, 64);
+        let l = Layout {
+            dp: 8,
+            pp: 2,
+            ep: 8,
+            schedule: Schedule::OneFOneB,
+            ..Layout::default()
+        };
+        let c = parallax_cost::transformer::transformer_costs(&s, &l).unwrap();
+        let dense = c.dense_layer.unwrap();
+        let layers = [4, 4];
+        assert_eq!(
+            virtual_stage_params(&c, &layers, 0),
+            c.embedding.params + dense.params + 3 * c.layer.params
+        );
+        assert_eq!(
+            virtual_stage_params(&c, &layers, 1),
+            c.head.params + 4 * c.layer.params
+        );
+        let z = (Seconds(0.0), Seconds(0.0));
+        let costs = pass_costs(&c, &layers, z, z, c.p2p);
+        let want = c.embedding.fwd() + dense.fwd() + c.layer.fwd() * 3.0;
+        assert!((costs.forward[0].0 - want.0).abs() < 1e-12);
+        assert_eq!(
+            virtual_stage_saved(&c, &layers, 0),
+            (c.embedding.saved.0 + dense.saved.0 + 3 * c.layer.saved.0) as f64
+        );
+        // The whole step simulates, and its MFU counts the dense layer's FLOPs once.
+        let r = simulate_step(&s, &l).unwrap().prediction;
+        assert!(r.step_time_s > 0.0 && r.mfu > 0.0 && r.mfu < 1.0, "{r:?}");
     }
 
     #[test]

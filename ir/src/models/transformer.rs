@@ -40,12 +40,64 @@ pub enum Position {
     Rope,
 }
 
-/// Mixture-of-experts MLP settings.
+/// Mixture-of-experts MLP settings: routed experts (each `ffn_hidden` of the model wide),
+/// shared experts beside them, and which layers are MoE layers at all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MoeConfig {
     pub experts: u64,
     pub top_k: u64,
+    /// Width of the shared experts together (0: none): a dense MLP every token passes
+    /// through beside the routed experts, in every MoE layer (DeepSeek-V2/V3, Qwen2-MoE,
+    /// Llama 4; Megatron's `--moe-shared-expert-intermediate-size`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub shared_ffn_hidden: u64,
+    /// Leading layers with a dense MLP instead (DeepSeek-V3: 3).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub dense_layers_first: u32,
+    /// From the first MoE layer on, every `every`-th layer is an MoE layer, the others dense
+    /// (1: all of them).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub every: u32,
+    /// MLP width of the dense layers (needed where there are any).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub dense_ffn_hidden: u64,
+}
+
+fn is_zero<T: Default + PartialEq>(x: &T) -> bool {
+    *x == T::default()
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(x: &u32) -> bool {
+    *x == 1
+}
+
+impl MoeConfig {
+    /// Every layer routed over `experts`, `top_k` each, nothing shared.
+    pub fn routed(experts: u64, top_k: u64) -> Self {
+        MoeConfig {
+            experts,
+            top_k,
+            shared_ffn_hidden: 0,
+            dense_layers_first: 0,
+            every: 1,
+            dense_ffn_hidden: 0,
+        }
+    }
+
+    /// Whether layer `i` (from 0) is an MoE layer.
+    pub fn is_moe_layer(&self, i: u32) -> bool {
+        i >= self.dense_layers_first && (i - self.dense_layers_first) % self.every.max(1) == 0
+    }
+
+    /// Whether some layers have a dense MLP.
+    pub fn has_dense_layers(&self) -> bool {
+        self.dense_layers_first > 0 || self.every > 1
+    }
 }
 
 /// Dimensions and flavour of a transformer language model.
@@ -92,7 +144,11 @@ fn default_rope_theta() -> u64 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Section {
     Embedding,
+    /// A block as most layers are: an MoE layer in a mixture-of-experts model.
     Block,
+    /// A block with a dense MLP: the same as `Block` in a dense model, the leading or
+    /// in-between dense layers of a mixture-of-experts model.
+    DenseBlock,
     Head,
 }
 
@@ -207,7 +263,8 @@ impl TransformerConfig {
         }
         // One block's count fits u64 under the bounds above (< 2^62); the whole model, summed
         // in f64, may not.
-        let params = f64::from(self.layers) * self.block_params() as f64
+        let params = f64::from(self.layers)
+            * self.block_params_of(true).max(self.block_params_of(false)) as f64
             + (self.vocab as f64) * (self.hidden as f64);
         if params > MAX_PARAMS {
             return Err(format!(
@@ -227,6 +284,25 @@ impl TransformerConfig {
                     m.top_k, m.experts
                 ));
             }
+            if m.every == 0 || m.dense_layers_first >= self.layers {
+                return Err(format!(
+                    "moe: every ({}) must be at least 1 and dense_layers_first ({}) below the {} layers",
+                    m.every, m.dense_layers_first, self.layers
+                ));
+            }
+            if m.has_dense_layers() && m.dense_ffn_hidden == 0 {
+                return Err("moe: dense layers need dense_ffn_hidden".into());
+            }
+            let wide = [
+                ("moe.shared_ffn_hidden", m.shared_ffn_hidden),
+                ("moe.dense_ffn_hidden", m.dense_ffn_hidden),
+            ];
+            if let Some((k, v)) = wide.iter().find(|(_, v)| *v > 1 << 22) {
+                return Err(format!(
+                    "{k} {v} is beyond the {} parallax models",
+                    1u64 << 22
+                ));
+            }
         }
         if self.position == Position::Rope && self.head_dim % 2 != 0 {
             return Err(format!(
@@ -237,13 +313,25 @@ impl TransformerConfig {
         Ok(())
     }
 
-    /// Parameters of one block, computed in closed form (equals the graph's count).
+    /// Parameters of one block as most layers are (an MoE layer in a mixture-of-experts
+    /// model), computed in closed form (equals the graph's count).
     pub fn block_params(&self) -> u64 {
-        let (h, q, kv, f) = (
+        self.block_params_of(self.moe.is_some())
+    }
+
+    /// Parameters of all blocks: MoE and dense layers each at their own count.
+    pub fn blocks_params(&self) -> u64 {
+        (0..self.layers)
+            .map(|i| self.block_params_of(self.is_moe_layer(i)))
+            .sum()
+    }
+
+    /// Parameters of an MoE block (`moe`) or a dense one.
+    fn block_params_of(&self, moe: bool) -> u64 {
+        let (h, q, kv) = (
             self.hidden,
             self.heads * self.head_dim,
             self.kv_heads * self.head_dim,
-            self.ffn_hidden,
         );
         let b = u64::from(self.bias);
         let attn = h * (q + 2 * kv) + q * h + b * (q + 2 * kv + h);
@@ -253,11 +341,32 @@ impl TransformerConfig {
             2 * h
         };
         let mats = if self.mlp == Mlp::Swiglu { 3 } else { 2 };
+        let dense = |f: u64| mats * h * f + b * (f + h);
         let mlp = match self.moe {
-            Some(m) => h * m.experts + m.experts * mats * h * f,
-            None => mats * h * f + b * (f + h),
+            Some(m) if moe => {
+                let shared = if m.shared_ffn_hidden > 0 {
+                    dense(m.shared_ffn_hidden)
+                } else {
+                    0
+                };
+                h * m.experts + m.experts * mats * h * self.ffn_hidden + shared
+            }
+            _ => dense(self.dense_ffn()),
         };
         attn + norms + mlp
+    }
+
+    /// Whether layer `i` (from 0) routes over experts.
+    pub fn is_moe_layer(&self, i: u32) -> bool {
+        self.moe.is_some_and(|m| m.is_moe_layer(i))
+    }
+
+    /// MLP width of a dense layer: the model's, or its dense layers' in a mixture of experts.
+    pub fn dense_ffn(&self) -> u64 {
+        match self.moe {
+            Some(m) if m.dense_ffn_hidden > 0 => m.dense_ffn_hidden,
+            _ => self.ffn_hidden,
+        }
     }
 
     /// Builds the training graph for `opts.batch` sequences of `opts.seq` tokens, ending in the
@@ -267,7 +376,13 @@ impl TransformerConfig {
         let (mut x, table) = self.embed(&mut g, opts)?;
         for i in 0..self.layers {
             g.segment(Segment::Block(i));
-            x = self.block(&mut g, &format!("layers.{i}"), x, opts)?;
+            x = self.block(
+                &mut g,
+                &format!("layers.{i}"),
+                x,
+                opts,
+                self.is_moe_layer(i),
+            )?;
         }
         g.segment(Segment::Post);
         let loss = self.head(&mut g, x, self.head_reads_table().then_some(table), opts)?;
@@ -284,10 +399,11 @@ impl TransformerConfig {
             |g: &mut GraphBuilder| g.input("x", [opts.batch, opts.seq, self.hidden], DType::F32);
         let out = match section {
             Section::Embedding => self.embed(&mut g, opts)?.0,
-            Section::Block => {
+            Section::Block | Section::DenseBlock => {
                 g.segment(Segment::Block(0));
                 let x = x_in(&mut g);
-                self.block(&mut g, "layers.0", x, opts)?
+                let moe = self.moe.is_some() && section == Section::Block;
+                self.block(&mut g, "layers.0", x, opts, moe)?
             }
             Section::Head => {
                 g.segment(Segment::Post);
@@ -312,11 +428,23 @@ impl TransformerConfig {
         if self.kv_heads >= tp && self.kv_heads % tp != 0 {
             return None;
         }
+        let moe = match self.moe {
+            Some(m) if m.shared_ffn_hidden % tp != 0 || m.dense_ffn_hidden % tp != 0 => {
+                return None
+            }
+            Some(m) => Some(MoeConfig {
+                shared_ffn_hidden: m.shared_ffn_hidden / tp,
+                dense_ffn_hidden: m.dense_ffn_hidden / tp,
+                ..m
+            }),
+            None => None,
+        };
         Some(TransformerConfig {
             heads: self.heads / tp,
             kv_heads: (self.kv_heads / tp).max(1),
             ffn_hidden: self.ffn_hidden / tp,
             vocab: self.vocab.div_ceil(tp),
+            moe,
             ..self.clone()
         })
     }
@@ -408,12 +536,14 @@ impl TransformerConfig {
         }
     }
 
+    /// One block; `moe` routes its MLP over the experts (with the shared experts beside).
     fn block(
         &self,
         g: &mut GraphBuilder,
         p: &str,
         x: TensorId,
         opts: BuildOptions,
+        moe: bool,
     ) -> Result<TensorId, GraphError> {
         let (bsz, s, h, d) = (opts.batch, opts.seq, self.hidden, self.head_dim);
         let pre = !self.bert;
@@ -472,7 +602,7 @@ impl TransformerConfig {
         } else {
             x
         };
-        let mut m = match self.moe {
+        let mut m = match self.moe.filter(|_| moe) {
             Some(moe) => {
                 let gated = self.mlp == Mlp::Swiglu;
                 let router = g.weight(format!("{p}.moe.router"), [h, moe.experts]);
@@ -484,7 +614,7 @@ impl TransformerConfig {
                         g.weight(format!("{p}.moe.w_gate"), [moe.experts, h, self.ffn_hidden]),
                     );
                 }
-                g.op1(
+                let routed = g.op1(
                     format!("{p}.moe"),
                     OpKind::Moe(MoeAttrs {
                         experts: moe.experts,
@@ -493,9 +623,16 @@ impl TransformerConfig {
                         gated,
                     }),
                     &ins,
-                )?
+                )?;
+                if moe.shared_ffn_hidden > 0 {
+                    let shared =
+                        self.mlp(g, &format!("{p}.shared"), m_in, moe.shared_ffn_hidden)?;
+                    g.op1(format!("{p}.moe.sum"), OpKind::Add, &[routed, shared])?
+                } else {
+                    routed
+                }
             }
-            None => self.mlp(g, p, m_in)?,
+            None => self.mlp(g, p, m_in, self.dense_ffn())?,
         };
         if self.dropout {
             m = g.dropout(&format!("{p}.mlp.drop"), m, 100)?;
@@ -507,8 +644,15 @@ impl TransformerConfig {
         Ok(x)
     }
 
-    fn mlp(&self, g: &mut GraphBuilder, p: &str, x: TensorId) -> Result<TensorId, GraphError> {
-        let (h, f) = (self.hidden, self.ffn_hidden);
+    /// A dense MLP `f` wide.
+    fn mlp(
+        &self,
+        g: &mut GraphBuilder,
+        p: &str,
+        x: TensorId,
+        f: u64,
+    ) -> Result<TensorId, GraphError> {
+        let h = self.hidden;
         let act = match self.mlp {
             Mlp::Swiglu => {
                 let gate = g.linear(&format!("{p}.mlp.gate"), x, f, self.bias)?;
@@ -547,11 +691,20 @@ mod tests {
             TransformerConfig::gpt(2, 64, 4, 256, 100, 32),
             TransformerConfig::llama(2, 64, 8, 2, 160, 100, 32),
             TransformerConfig {
-                moe: Some(MoeConfig {
-                    experts: 4,
-                    top_k: 2,
-                }),
+                moe: Some(MoeConfig::routed(4, 2)),
                 ..TransformerConfig::llama(2, 64, 8, 2, 96, 100, 32)
+            },
+            // DeepSeek's arrangement: a leading dense layer 160 wide, then MoE layers with a
+            // shared expert 48 wide, every other one dense again.
+            TransformerConfig {
+                moe: Some(MoeConfig {
+                    shared_ffn_hidden: 48,
+                    dense_layers_first: 1,
+                    every: 2,
+                    dense_ffn_hidden: 160,
+                    ..MoeConfig::routed(4, 2)
+                }),
+                ..TransformerConfig::llama(6, 64, 8, 2, 96, 100, 32)
             },
         ] {
             let g = cfg.build("t", opts(16)).unwrap();
@@ -569,11 +722,27 @@ mod tests {
             let final_norm = if cfg.norm == Norm::LayerNorm { 2 } else { 1 } * cfg.hidden;
             assert_eq!(
                 g.param_count(),
-                emb + head + final_norm + u64::from(cfg.layers) * cfg.block_params(),
+                emb + head + final_norm + cfg.blocks_params(),
                 "{cfg:?}"
             );
             assert_eq!(g.num_blocks(), cfg.layers);
+            // Each section graph holds one block of its kind.
+            for (sec, moe) in [
+                (Section::Block, cfg.moe.is_some()),
+                (Section::DenseBlock, false),
+            ] {
+                let b = cfg.build_section(sec, opts(16)).unwrap();
+                assert_eq!(b.param_count(), cfg.block_params_of(moe), "{sec:?} {cfg:?}");
+            }
         }
+        // Layers 0 (leading), 2 and 4 are dense; 1, 3 and 5 route.
+        let m = MoeConfig {
+            dense_layers_first: 1,
+            every: 2,
+            ..MoeConfig::routed(4, 2)
+        };
+        let moe: Vec<bool> = (0..6).map(|i| m.is_moe_layer(i)).collect();
+        assert_eq!(moe, [false, true, false, true, false, true]);
     }
 
     #[test]

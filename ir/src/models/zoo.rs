@@ -74,10 +74,7 @@ fn llama3(layers: u32, hidden: u64, heads: u64, ffn: u64) -> ZooDef {
 fn qwen3_moe(layers: u32, hidden: u64, heads: u64, ffn: u64) -> ZooDef {
     ZooDef::Transformer(TransformerConfig {
         head_dim: 128,
-        moe: Some(MoeConfig {
-            experts: 128,
-            top_k: 8,
-        }),
+        moe: Some(MoeConfig::routed(128, 8)),
         rope_theta: 1_000_000,
         ..TransformerConfig::llama(layers, hidden, heads, 4, ffn, 151_936, 40960)
     })
@@ -179,7 +176,7 @@ pub fn entries() -> Vec<ZooEntry> {
             exact,
             "HuggingFace mistralai/Mixtral-8x7B-v0.1 MixtralForCausalLM.num_parameters() (Jiang et al. 2024 quote 47B)",
             ZooDef::Transformer(TransformerConfig {
-                moe: Some(MoeConfig { experts: 8, top_k: 2 }),
+                moe: Some(MoeConfig::routed(8, 2)),
                 ..TransformerConfig::llama(32, 4096, 32, 8, 14336, 32000, 32768)
             }),
         ),
@@ -190,7 +187,7 @@ pub fn entries() -> Vec<ZooEntry> {
             rounded(141.0, 0.5),
             "Mistral AI, 'Cheaper, Better, Faster, Stronger' (Mixtral 8x22B, April 2024): 141B total, 39B active; HuggingFace mistralai/Mixtral-8x22B-v0.1 config (56 layers, 6144 hidden, 48 heads, 8 KV heads, 16384 expert FFN, 8 experts top-2, vocab 32000, 65536 positions)",
             ZooDef::Transformer(TransformerConfig {
-                moe: Some(MoeConfig { experts: 8, top_k: 2 }),
+                moe: Some(MoeConfig::routed(8, 2)),
                 rope_theta: 1_000_000,
                 ..TransformerConfig::llama(56, 6144, 48, 8, 16384, 32000, 65536)
             }),
@@ -239,7 +236,7 @@ pub fn entries() -> Vec<ZooEntry> {
             exact,
             "parallax's own CPU mixture of experts: Mixtral's layout (Llama attention, 4 SwiGLU experts, top-2, untied) with l=4, h=128, 4 heads, 2 KV heads, expert FFN 256, V=256 (bytes)",
             ZooDef::Transformer(TransformerConfig {
-                moe: Some(MoeConfig { experts: 4, top_k: 2 }),
+                moe: Some(MoeConfig::routed(4, 2)),
                 ..TransformerConfig::llama(4, 128, 4, 2, 256, 256, 256)
             }),
         ),
@@ -427,7 +424,7 @@ mod tests {
                         0
                     } else {
                         cfg.vocab * cfg.hidden
-                    } + u64::from(cfg.layers) * cfg.block_params()
+                    } + cfg.blocks_params()
                         + if cfg.norm == crate::models::Norm::LayerNorm {
                             2
                         } else {
