@@ -202,6 +202,30 @@ pub struct PartCost {
     pub hardware_flops: f64,
 }
 
+/// Two parts run one after the other: their times, bytes kept, parameters and FLOPs add up;
+/// the transient bytes are the larger part's.
+impl std::ops::Add for PartCost {
+    type Output = PartCost;
+    fn add(self, o: PartCost) -> PartCost {
+        PartCost {
+            compute: self.compute + o.compute,
+            recompute: self.recompute + o.recompute,
+            tp_fwd: self.tp_fwd + o.tp_fwd,
+            tp_bwd: self.tp_bwd + o.tp_bwd,
+            cp_fwd: self.cp_fwd + o.cp_fwd,
+            cp_bwd: self.cp_bwd + o.cp_bwd,
+            ep_fwd: self.ep_fwd + o.ep_fwd,
+            ep_bwd: self.ep_bwd + o.ep_bwd,
+            saved: Bytes(self.saved.0 + o.saved.0),
+            working: Bytes(self.working.0.max(o.working.0)),
+            params: self.params + o.params,
+            expert_params: self.expert_params + o.expert_params,
+            model_flops: self.model_flops + o.model_flops,
+            hardware_flops: self.hardware_flops + o.hardware_flops,
+        }
+    }
+}
+
 impl PartCost {
     /// Forward pass on the critical path.
     pub fn fwd(&self) -> Seconds {
@@ -381,8 +405,24 @@ pub fn model_flops_per_step(s: &Setup) -> Result<f64, Infeasible> {
     } else {
         0.0
     };
-    let per_seq =
-        moe * per(Section::Block)? + dense_work + per(Section::Embedding)? + per(Section::Head)?;
+    // Multi-token prediction: per module its input, a block like the last layer and a
+    // pass through the head.
+    let mtp = f64::from(s.model.mtp_layers);
+    let mtp_work = if mtp > 0.0 {
+        let last = if s.model.moe.is_some() && !s.model.is_moe_layer(s.model.layers - 1) {
+            Section::DenseBlock
+        } else {
+            Section::Block
+        };
+        mtp * (per(Section::MtpInput)? + per(last)? + per(Section::Head)?)
+    } else {
+        0.0
+    };
+    let per_seq = moe * per(Section::Block)?
+        + dense_work
+        + mtp_work
+        + per(Section::Embedding)?
+        + per(Section::Head)?;
     Ok(per_seq * s.global_batch as f64)
 }
 
@@ -667,6 +707,26 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         // A single-stage tied model shares the table with the embedding; across stages the
         // last stage keeps a copy (Megatron-LM), as untied models keep their own head.
         head_cost.params = head_cost.params.saturating_sub(shard.vocab * hidden);
+    }
+    // Multi-token prediction modules run on the last stage after the head (Megatron-Core
+    // places them there): each its input (the next tokens' embedding from its own copy of
+    // the table, two norms, the projection), a block like the last layer, and a second pass
+    // through the head, whose table it shares.
+    if s.model.mtp_layers > 0 {
+        let input = price_local(&build(Section::MtpInput, opts)?);
+        let last = if s.model.moe.is_some() && !s.model.is_moe_layer(s.model.layers - 1) {
+            dense_layer.unwrap_or(layer)
+        } else {
+            layer
+        };
+        let head_pass = PartCost {
+            params: head_cost.params.saturating_sub(shard.vocab * hidden),
+            ..head_cost
+        };
+        let module = input + last + head_pass;
+        for _ in 0..s.model.mtp_layers {
+            head_cost = head_cost + module;
+        }
     }
 
     // Pipeline messages: Megatron's scatter/gather optimization sends 1/tp of the activation
@@ -1368,6 +1428,49 @@ mod tests {
         // gather and reduce-scatter: an MoE layer pays the TP pair twice, as a dense one.
         let c2 = at(2, 8);
         assert_eq!(c2.layer.tp_fwd, c2.dense_layer.unwrap().tp_fwd);
+    }
+
+    #[test]
+    fn prediction_modules_run_on_the_last_stage_after_the_head() {
+        // DeepSeek-V3's one prediction module: the head part pays a block like the last
+        // layer (MoE, its experts over ep), a second head pass and its input projection;
+        // model FLOPs count it once per sequence.
+        let m = cfg("deepseek-v3");
+        let without = TransformerConfig {
+            mtp_layers: 0,
+            ..m.clone()
+        };
+        let p = preset("dgx-h100-80gb").unwrap();
+        let l = Layout {
+            dp: 64,
+            tp: 2,
+            pp: 8,
+            ep: 64,
+            etp: Some(1),
+            schedule: parallax_ir::Schedule::OneFOneB,
+            ..layout(2, true, Recompute::None)
+        };
+        let costs = |m: &TransformerConfig| {
+            let s = Setup {
+                seq: 4096,
+                ..setup(m, &p, 1024, Runtime::default())
+            };
+            (
+                transformer_costs(&s, &l).unwrap(),
+                model_flops_per_step(&s).unwrap(),
+            )
+        };
+        let ((c, flops), (c0, flops0)) = (costs(&m), costs(&without));
+        assert_eq!(c.layer, c0.layer);
+        assert_eq!(c.dense_layer, c0.dense_layer);
+        assert!(c.head.fwd() > c0.head.fwd() + c.layer.fwd());
+        assert_eq!(c.head.expert_params, c.layer.expert_params);
+        // Its own copy of the table (vocab-parallel), the projection, the block's parameters.
+        let table = 129_280 / 2 * 7168;
+        assert!(c.head.params >= c0.head.params + c.layer.params + table);
+        // One more block and head pass per sequence: 1–3 % of the 61 layers' FLOPs.
+        let extra = flops / flops0 - 1.0;
+        assert!((0.01..0.04).contains(&extra), "{extra}");
     }
 
     #[test]

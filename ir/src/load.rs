@@ -4,7 +4,7 @@
 use crate::graph::{Graph, GraphError};
 use crate::import::ImportError;
 use crate::models::zoo::{self, ZooDef};
-use crate::models::{BuildOptions, Mlp, MoeConfig, Norm, Position, TransformerConfig};
+use crate::models::{BuildOptions, MlaConfig, Mlp, MoeConfig, Norm, Position, TransformerConfig};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;
@@ -23,6 +23,8 @@ pub const SUPPORTED_HF_TYPES: &[&str] = &[
     "qwen3",
     "qwen3_moe",
     "qwen2_moe",
+    "deepseek_v3",
+    "kimi_k2",
     "phi3",
     "gemma",
     "gemma2",
@@ -383,7 +385,7 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
             }
         }
         "llama" | "mistral" | "mixtral" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_moe"
-        | "phi3" | "gemma" | "gemma2" | "gemma3_text" | "nemotron" => {
+        | "deepseek_v3" | "kimi_k2" | "phi3" | "gemma" | "gemma2" | "gemma3_text" | "nemotron" => {
             let h = int(&["hidden_size"], None)?;
             let heads = int(&["num_attention_heads"], None)?;
             let mut c = TransformerConfig::llama(
@@ -440,6 +442,44 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                         int(&["num_local_experts"], None)?,
                         int(&["num_experts_per_tok"], Some(2))?,
                     ));
+                }
+                "deepseek_v3" | "kimi_k2" => {
+                    // Latent attention, `first_k_dense_replace` dense layers, then every
+                    // `moe_layer_freq`-th layer routed over `n_routed_experts` beside
+                    // `n_shared_experts` (DeepSeek's modelling code), and
+                    // `num_nextn_predict_layers` prediction modules.
+                    let mla = MlaConfig {
+                        q_lora_rank: int(&["q_lora_rank"], Some(0))?,
+                        kv_lora_rank: int(&["kv_lora_rank"], None)?,
+                        qk_nope_head_dim: int(&["qk_nope_head_dim"], None)?,
+                        qk_rope_head_dim: int(&["qk_rope_head_dim"], None)?,
+                        v_head_dim: int(&["v_head_dim"], None)?,
+                    };
+                    c.head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim;
+                    c.kv_heads = c.heads;
+                    c.mla = Some(mla);
+                    let small = |k: &str, d: u64| -> Result<u32, ModelError> {
+                        let v = int(&[k], Some(d))?;
+                        u32::try_from(v)
+                            .ok()
+                            .filter(|&x| x <= c.layers)
+                            .ok_or_else(|| {
+                                field_err(k, format!("{v} is beyond the {} layers", c.layers))
+                            })
+                    };
+                    let expert = int(&["moe_intermediate_size"], None)?;
+                    c.moe = Some(MoeConfig {
+                        shared_ffn_hidden: int(&["n_shared_experts"], Some(0))? * expert,
+                        dense_layers_first: small("first_k_dense_replace", 0)?,
+                        every: small("moe_layer_freq", 1)?.max(1),
+                        dense_ffn_hidden: c.ffn_hidden,
+                        ..MoeConfig::routed(
+                            int(&["n_routed_experts"], None)?,
+                            int(&["num_experts_per_tok"], None)?,
+                        )
+                    });
+                    c.ffn_hidden = expert;
+                    c.mtp_layers = small("num_nextn_predict_layers", 0)?;
                 }
                 "qwen3_moe" | "qwen2_moe" => {
                     // Layer i is routed when (i + 1) is a multiple of decoder_sparse_step
@@ -544,6 +584,12 @@ mod tests {
     fn hf_configs_reproduce_the_zoo() {
         // Field values from the HuggingFace Hub config.json of each model.
         let cases = [
+            (
+                // The fields DeepSeek-V3's config.json sets (as in moe-zero-offload.json's
+                // hf_config), quantization and rope scaling left out: they cost nothing here.
+                r#"{"model_type":"deepseek_v3","hidden_size":7168,"num_hidden_layers":61,"num_attention_heads":128,"num_key_value_heads":128,"intermediate_size":18432,"moe_intermediate_size":2048,"n_routed_experts":256,"n_shared_experts":1,"num_experts_per_tok":8,"first_k_dense_replace":3,"moe_layer_freq":1,"q_lora_rank":1536,"kv_lora_rank":512,"qk_nope_head_dim":128,"qk_rope_head_dim":64,"v_head_dim":128,"num_nextn_predict_layers":1,"vocab_size":129280,"max_position_embeddings":163840,"rope_theta":10000,"tie_word_embeddings":false,"attention_bias":false,"hidden_act":"silu"}"#,
+                "deepseek-v3",
+            ),
             (
                 r#"{"model_type":"gpt2","n_embd":768,"n_layer":12,"n_head":12,"vocab_size":50257,"n_positions":1024,"n_inner":null}"#,
                 "gpt2",

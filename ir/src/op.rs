@@ -564,7 +564,16 @@ impl OpKind {
                     rank(op, ins, i, 4)?;
                 }
                 let (q, k, v) = (&ins[0], &ins[1], &ins[2]);
-                same(op, "key and value", k, v)?;
+                // Values may have their own head size (multi-head latent attention: 128
+                // against queries' and keys' 192); the output has theirs.
+                if k.0[..3] != v.0[..3] {
+                    return Err(ShapeError::Mismatch {
+                        op,
+                        what: "batch, length or heads of key and value",
+                        lhs: k.clone(),
+                        rhs: v.clone(),
+                    });
+                }
                 if q.0[0] != k.0[0] || q.0[3] != k.0[3] {
                     return Err(ShapeError::Mismatch {
                         op,
@@ -582,7 +591,7 @@ impl OpKind {
                         ),
                     ));
                 }
-                Ok(vec![q.clone()])
+                Ok(vec![q.with_last(v.last())])
             }
             OpKind::LayerNorm | OpKind::RmsNorm => {
                 let n = if matches!(self, OpKind::LayerNorm) {
@@ -899,7 +908,13 @@ impl OpKind {
                     .axis('t', Attribute, false)
                     .param('h', true)
                     .param('d', false);
-                b.input("bshd").input("bthd").input("bthd").output("bshd");
+                if ins[2].last() == ins[0].last() {
+                    b.input("bshd").input("bthd").input("bthd").output("bshd");
+                } else {
+                    // Values of their own head size `e`.
+                    b.param('e', false);
+                    b.input("bshd").input("bthd").input("bthe").output("bshe");
+                }
             }
             OpKind::LayerNorm | OpKind::RmsNorm => {
                 let lead = b.lead(ins[0].rank() - 1);
@@ -1111,11 +1126,13 @@ impl OpKind {
                     q.0[3] as f64,
                     k.0[1] as f64,
                 );
+                let e = ins[2].last() as f64;
                 let scores = b * h * s * t;
-                // QK^T and PV: 2 matmuls of 2·d FLOPs per score; softmax ~5 FLOPs per score.
+                // QK^T (2·d FLOPs per score) and PV (2·e, the values' head size); softmax ~5
+                // FLOPs per score; backward twice the matmuls.
                 (
-                    4.0 * scores * d + 5.0 * scores,
-                    8.0 * scores * d + 5.0 * scores,
+                    2.0 * scores * (d + e) + 5.0 * scores,
+                    4.0 * scores * (d + e) + 5.0 * scores,
                     0.0,
                 )
             }
@@ -1463,5 +1480,30 @@ impl MappingBuilder {
     }
     fn build(self) -> AxesMapping {
         self.m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_values_may_have_their_own_head_size() {
+        // Latent attention's heads: queries and keys 192 wide, values 128.
+        let op = OpKind::Attention(AttentionAttrs {
+            causal: true,
+            fused: true,
+            dropout: false,
+        });
+        let (q, v) = (Shape::new([2, 64, 8, 192]), Shape::new([2, 64, 8, 128]));
+        let ins = [q.clone(), q.clone(), v];
+        let out = op.infer(&ins).unwrap();
+        assert_eq!(out, vec![Shape::new([2, 64, 8, 128])]);
+        let w = op.work(&ins, &out, &[false; 3], 2);
+        let scores = (2 * 8 * 64 * 64) as f64;
+        assert_eq!(w.fwd_flops.0, 2.0 * scores * (192.0 + 128.0) + 5.0 * scores);
+        // Keys and values must agree on batch, length and heads.
+        let bad = [q.clone(), q, Shape::new([2, 32, 8, 128])];
+        assert!(op.infer(&bad).is_err());
     }
 }

@@ -413,8 +413,15 @@ impl Layout {
                     ));
                 }
                 let mut next = 0;
+                let last = self.stages.len() - 1;
                 for (i, s) in self.stages.iter().enumerate() {
-                    if s.first_layer != next || s.end_layer <= s.first_layer {
+                    // The last may be empty: the head and prediction modules alone (Megatron's
+                    // layouts for DeepSeek-V3).
+                    let empty_ok = i == last && i > 0;
+                    if s.first_layer != next
+                        || s.end_layer < s.first_layer
+                        || (s.end_layer == s.first_layer && !empty_ok)
+                    {
                         return Err(format!(
                             "layout.stages[{i}] covers {}..{}, expected to start at {next} and be non-empty",
                             s.first_layer, s.end_layer

@@ -157,7 +157,13 @@ impl Engine {
     ) -> Option<String> {
         let name = self.name();
         let layers = model.layers;
-        if !l.stages.is_empty() {
+        let chunks = l.pp * l.interleave.max(1);
+        // Explicit stages are only Megatron's own accounted split.
+        let accounted = space
+            .embedding_and_loss_as_layers
+            .then(|| parallax_sim::accounted_layers(layers, chunks, model.mtp_layers))
+            .flatten();
+        if !l.stages.is_empty() && accounted != Some(parallax_sim::stage_layers(layers, l)) {
             return Some(format!("{name} splits stages evenly"));
         }
         if l.schedule != Schedule::None && !space.schedules.contains(&l.schedule) {
@@ -172,8 +178,7 @@ impl Engine {
         if l.offload != Offload::None && !space.offload.contains(&l.offload) {
             return Some(format!("{name} export has no {} offload", l.offload));
         }
-        let chunks = l.pp * l.interleave.max(1);
-        if !space.splits(layers, chunks) {
+        if !space.splits(layers, chunks, model.mtp_layers) {
             return Some(if space.embedding_and_loss_as_layers {
                 format!(
                     "{name} splits the {layers} layers (or {} with the embedding and loss) evenly over pp × v = {chunks} stages",
@@ -357,16 +362,58 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
     a.push(format!("--tensor-model-parallel-size {}", l.tp));
     a.push(format!("--pipeline-model-parallel-size {}", l.pp));
     a.push(format!("--context-parallel-size {}", l.cp));
-    // Layers that do not split evenly split with the embedding and the loss counted as
-    // layers (the only uneven split the Megatron space plans, `Space::splits`).
-    let chunks = l.pp * l.interleave.max(1);
-    let mut split_layers = m.layers;
-    if l.pp > 1 && m.layers % chunks != 0 {
-        a.push("--account-for-embedding-in-pipeline-split".into());
-        a.push("--account-for-loss-in-pipeline-split".into());
-        split_layers += 2;
+    if let Some(mla) = m.mla {
+        a.push("--multi-latent-attention".into());
+        if mla.q_lora_rank > 0 {
+            a.push(format!("--q-lora-rank {}", mla.q_lora_rank));
+        }
+        a.push(format!("--kv-lora-rank {}", mla.kv_lora_rank));
+        a.push(format!("--qk-head-dim {}", mla.qk_nope_head_dim));
+        a.push(format!("--qk-pos-emb-head-dim {}", mla.qk_rope_head_dim));
+        a.push(format!("--v-head-dim {}", mla.v_head_dim));
     }
-    if l.schedule == Schedule::Interleaved1F1B {
+    if m.mtp_layers > 0 {
+        a.push(format!("--mtp-num-layers {}", m.mtp_layers));
+    }
+    // Layers that do not split evenly split with the embedding and the loss counted as
+    // layers (the only uneven split the Megatron space plans, `Space::splits`); with
+    // prediction modules, as the layout that places them before the loss on the last stage.
+    let chunks = l.pp * l.interleave.max(1);
+    let split = parallax_sim::stage_layers(m.layers, l);
+    let mut split_layers = m.layers;
+    let mut layout_given = false;
+    if l.pp > 1 && (m.layers % chunks != 0 || m.mtp_layers > 0) {
+        if m.mtp_layers == 0 {
+            a.push("--account-for-embedding-in-pipeline-split".into());
+            a.push("--account-for-loss-in-pipeline-split".into());
+            split_layers += 2;
+        } else {
+            let last = split.len() - 1;
+            let stages: Vec<String> = split
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    let mut c = if i == 0 {
+                        "E".to_string()
+                    } else {
+                        String::new()
+                    };
+                    c.push_str(&"t".repeat(n as usize));
+                    if i == last {
+                        c.push_str(&"m".repeat(m.mtp_layers as usize));
+                        c.push('L');
+                    }
+                    c
+                })
+                .collect();
+            a.push(format!(
+                "--pipeline-model-parallel-layout \"{}\"",
+                stages.join("|")
+            ));
+            layout_given = true;
+        }
+    }
+    if l.schedule == Schedule::Interleaved1F1B && !layout_given {
         a.push(format!(
             "--num-layers-per-virtual-pipeline-stage {}",
             split_layers / chunks
@@ -1343,6 +1390,50 @@ mod tests {
             Some("1408")
         );
         assert_eq!(arg(&s, "--moe-layer-freq"), Some("\"[0,1,1,1,1,1]\""));
+    }
+
+    #[test]
+    fn megatron_arguments_carry_latent_attention_and_prediction_modules() {
+        // DeepSeek-V3 as Megatron-Bridge lays it out on 1024 H100s: 61 layers over pp 8 × v 4
+        // with the embedding, the prediction module and the loss each counted as a layer —
+        // "Et|tt|…|tt|mL" — the recipe's pipeline layout.
+        let m = model("deepseek-v3");
+        let mut l = Layout {
+            dp: 64,
+            tp: 2,
+            pp: 8,
+            ep: 64,
+            etp: Some(1),
+            zero_stage: 1,
+            sequence_parallel: true,
+            schedule: Schedule::Interleaved1F1B,
+            interleave: 4,
+            ..Layout::default()
+        };
+        let split = parallax_sim::accounted_layers(61, 32, 1).unwrap();
+        assert_eq!((split[0], split[1], split[30], split[31]), (1, 2, 2, 0));
+        l.stages = crate::search::stage_ranges(&split);
+        l.validate(8192, Some(61)).unwrap();
+        assert!(Engine::Megatron.supports(&l, &m, Precision::Bf16).is_none());
+        let s = export(Engine::Megatron, &plan(l, Precision::Bf16), &m).unwrap();
+        assert_eq!(arg(&s, "--multi-latent-attention"), Some(""));
+        assert_eq!(arg(&s, "--q-lora-rank"), Some("1536"));
+        assert_eq!(arg(&s, "--kv-lora-rank"), Some("512"));
+        assert_eq!(arg(&s, "--qk-head-dim"), Some("128"));
+        assert_eq!(arg(&s, "--qk-pos-emb-head-dim"), Some("64"));
+        assert_eq!(arg(&s, "--v-head-dim"), Some("128"));
+        assert_eq!(arg(&s, "--mtp-num-layers"), Some("1"));
+        assert_eq!(
+            arg(&s, "--moe-layer-freq").map(|f| f.matches('0').count()),
+            Some(3)
+        );
+        let want = format!("\"Et|{}mL\"", "tt|".repeat(30));
+        assert_eq!(
+            arg(&s, "--pipeline-model-parallel-layout"),
+            Some(want.as_str())
+        );
+        assert_eq!(arg(&s, "--num-layers-per-virtual-pipeline-stage"), None);
+        assert_eq!(arg(&s, "--ffn-hidden-size"), Some("18432"));
     }
 
     #[test]

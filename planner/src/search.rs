@@ -125,14 +125,13 @@ impl Default for Space {
 
 impl Space {
     /// Whether the stack splits `layers` over `chunks` (virtual) stages: unevenly, or evenly
-    /// counting the embedding and the loss as layers where it may (see
-    /// [`Space::embedding_and_loss_as_layers`]; each end chunk keeps a layer).
-    pub fn splits(&self, layers: u32, chunks: u32) -> bool {
+    /// counting the embedding, the loss and `mtp` prediction modules as layers where it may
+    /// (see [`Space::embedding_and_loss_as_layers`] and [`parallax_sim::accounted_layers`]).
+    pub fn splits(&self, layers: u32, chunks: u32, mtp: u32) -> bool {
         self.uneven_stages
-            || layers % chunks == 0
+            || (layers % chunks == 0 && mtp == 0)
             || (self.embedding_and_loss_as_layers
-                && (layers + 2) % chunks == 0
-                && (layers + 2) / chunks >= 2)
+                && parallax_sim::accounted_layers(layers, chunks, mtp).is_some())
     }
 }
 
@@ -190,7 +189,7 @@ pub(crate) fn schedule_options(
     for s in scheds {
         match s {
             Schedule::Interleaved1F1B => {
-                let even = |v: u32| space.splits(layers, pp * v);
+                let even = |v: u32| space.splits(layers, pp * v, setup.model.mtp_layers);
                 // The interleaves that split the layers: what rules them all out is said first,
                 // as no batch or micro-batch size fixes it.
                 let vs = match fixed.interleave {
@@ -1026,8 +1025,18 @@ fn partitions(
     l: &Layout,
     c: &TransformerCosts,
 ) -> Vec<(Vec<u32>, bool)> {
-    let even = stage_layers(setup.model.layers, l);
-    let mut parts = vec![(even.clone(), false)];
+    // Where the stack counts the embedding, loss and prediction modules as layers and the
+    // plain split is not even, its split is explicit.
+    let plain = stage_layers(setup.model.layers, l);
+    let chunks = l.pp * l.interleave;
+    let accounted = (opts.space.embedding_and_loss_as_layers
+        && l.stages.is_empty()
+        && (setup.model.layers % chunks != 0 || setup.model.mtp_layers > 0))
+        .then(|| parallax_sim::accounted_layers(setup.model.layers, chunks, setup.model.mtp_layers))
+        .flatten()
+        .filter(|a| *a != plain);
+    let even = accounted.clone().unwrap_or(plain);
+    let mut parts = vec![(even.clone(), accounted.is_some())];
     if !opts.force_even_stages && opts.engine.is_none() && l.pp > 1 {
         let pass =
             |p: &parallax_cost::transformer::PartCost| (p.fwd() + p.bwd_input() + p.bwd_weight()).0;

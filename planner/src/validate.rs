@@ -9,7 +9,7 @@ pub use crate::general_cases::{GeneralCase, GENERAL_CASES_SCHEMA};
 use crate::search::Space;
 use parallax_cost::transformer::Setup;
 use parallax_hardware::{Cluster, ClusterProfile};
-use parallax_ir::models::{Mlp, MoeConfig, TransformerConfig};
+use parallax_ir::models::{MlaConfig, Mlp, MoeConfig, TransformerConfig};
 use parallax_ir::{PartialLayout, Precision, Recompute, Schedule};
 use rayon::prelude::*;
 use serde::de::IgnoredAny;
@@ -256,9 +256,9 @@ pub struct CaseModel {
     /// skipped).
     #[serde(default)]
     pub hybrid: Option<IgnoredAny>,
-    /// `/1.1`: multi-token prediction heads (not modelled: skipped).
+    /// `/1.1`: multi-token prediction modules trained in the run.
     #[serde(default)]
-    pub mtp: Option<IgnoredAny>,
+    pub mtp: Option<CaseMtp>,
     /// `/1.1`, informational: parameter counts and where the shape comes from.
     #[serde(default)]
     pub params_b: Option<f64>,
@@ -272,6 +272,15 @@ pub struct CaseModel {
     pub hf_config_source: Option<IgnoredAny>,
     #[serde(default)]
     pub hf_config_note: Option<IgnoredAny>,
+}
+
+/// The multi-token prediction of a `/1.1` case.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CaseMtp {
+    pub layers: u32,
+    #[serde(default)]
+    pub note: Option<IgnoredAny>,
 }
 
 /// The attention of a `/1.1` case.
@@ -469,14 +478,6 @@ impl TransformerCase {
         if m.hybrid.is_some() || m.arch == "nemotron-h" {
             return Some("model.hybrid: Mamba/attention hybrids are not modelled yet".into());
         }
-        if m.mtp.is_some() {
-            return Some("model.mtp: multi-token prediction heads are not modelled yet".into());
-        }
-        if m.attention.as_ref().is_some_and(|a| a.kind == "mla") {
-            return Some(
-                "model.attention: multi-head latent attention (MLA) is not modelled yet".into(),
-            );
-        }
         if let Some(moe) = &m.moe {
             if moe.latent_size.is_some() {
                 return Some("model.moe.latent_size: LatentMoE is not modelled yet".into());
@@ -524,6 +525,22 @@ impl TransformerCase {
         if let Some(d) = m.attention.as_ref().and_then(|a| a.head_dim) {
             cfg.head_dim = d;
         }
+        if let Some(a) = m.attention.as_ref().filter(|a| a.kind == "mla") {
+            let need = |k: &str, v: Option<u64>| {
+                v.ok_or_else(|| format!("model.attention.{k}: latent attention needs it"))
+            };
+            let mla = MlaConfig {
+                q_lora_rank: a.q_lora_rank.unwrap_or(0),
+                kv_lora_rank: need("kv_lora_rank", a.kv_lora_rank)?,
+                qk_nope_head_dim: need("qk_nope_head_dim", a.qk_nope_head_dim)?,
+                qk_rope_head_dim: need("qk_rope_head_dim", a.qk_rope_head_dim)?,
+                v_head_dim: need("v_head_dim", a.v_head_dim)?,
+            };
+            cfg.head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim;
+            cfg.kv_heads = cfg.heads;
+            cfg.mla = Some(mla);
+        }
+        cfg.mtp_layers = m.mtp.as_ref().map_or(0, |t| t.layers);
         if let Some(moe) = &m.moe {
             // MoE layers route over the experts, each `expert_ffn_hidden` wide (`ffn_hidden`
             // of a model without dense layers), beside their shared experts; the leading and
@@ -853,6 +870,56 @@ mod tests {
         );
         let zero: Vec<_> = results.iter().filter(|r| r.group == "zero").collect();
         assert!(zero.iter().all(|r| r.status == "ok"));
+        // DeepSeek-V3: latent attention, dense and shared-expert layers, a prediction module,
+        // laid out as Megatron counts them (61 layers, embedding, module and loss over 32).
+        let dsv3 = by_id("mb2509-dsv3-1024xh100-fp8");
+        assert_eq!(dsv3.status, "ok", "{dsv3:?}");
+        assert!(
+            dsv3.layout.as_deref().unwrap().contains("v=4,etp=1"),
+            "{dsv3:?}"
+        );
+    }
+
+    /// A case's `hf_config`, where it has one, imports to the model its dimension fields
+    /// describe.
+    #[test]
+    fn published_hf_configs_import_to_the_case_model() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/ground-truth/moe-zero-offload.json");
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let cases = ground_truth("moe-zero-offload.json");
+        let mut checked = 0;
+        for (raw, case) in doc["cases"].as_array().unwrap().iter().zip(&cases) {
+            let hf = &raw["model"]["hf_config"];
+            let Case::Transformer(c) = case else { continue };
+            if !hf.is_object() {
+                continue;
+            }
+            let imported = parallax_ir::load::hf_config(hf, "hf_config").unwrap();
+            let described = c.transformer().unwrap();
+            let key = |m: &TransformerConfig| {
+                (
+                    m.layers,
+                    m.hidden,
+                    m.heads,
+                    m.kv_heads,
+                    m.head_dim,
+                    m.ffn_hidden,
+                    m.vocab,
+                )
+            };
+            assert_eq!(key(&imported), key(&described), "{}", c.id);
+            assert_eq!(
+                (imported.moe, imported.mla),
+                (described.moe, described.mla),
+                "{}",
+                c.id
+            );
+            assert_eq!(imported.mtp_layers, described.mtp_layers, "{}", c.id);
+            checked += 1;
+        }
+        assert!(checked >= 1);
     }
 
     /// Nemotron's squared ReLU under each of its spellings predicts as `squared_relu`.

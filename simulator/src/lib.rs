@@ -19,9 +19,9 @@ pub use schedule::{
 };
 pub mod step;
 pub use step::{
-    pass_costs, simulate_priced, simulate_step, simulate_step_with_flops, stage_layers,
-    stage_memory_of, step_terms, virtual_stage_params, Breakdown, MemoryGib, SimulatedStep,
-    StepError, StepPrediction, StepTerms,
+    accounted_layers, pass_costs, simulate_priced, simulate_step, simulate_step_with_flops,
+    stage_layers, stage_memory_of, step_terms, virtual_stage_params, Breakdown, MemoryGib,
+    SimulatedStep, StepError, StepPrediction, StepTerms,
 };
 pub mod perop;
 pub use perop::{

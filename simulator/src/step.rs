@@ -193,6 +193,24 @@ pub fn stage_layers(layers: u32, l: &Layout) -> Vec<u32> {
     out
 }
 
+/// Megatron-Core's split of `layers` over `chunks` (virtual) stages with the embedding, the
+/// loss and `mtp` multi-token prediction modules each counted as a layer (its
+/// `--account-for-embedding/loss-in-pipeline-split`, and the recipes' pipeline layouts that
+/// put the modules before the loss): `per` = (layers + 2 + mtp) / chunks each, the first
+/// chunk one layer short, the last `1 + mtp` short (possibly empty). `None` where that does
+/// not divide or leaves the first chunk no layer.
+pub fn accounted_layers(layers: u32, chunks: u32, mtp: u32) -> Option<Vec<u32>> {
+    let total = layers + 2 + mtp;
+    if chunks < 2 || total % chunks != 0 || total / chunks < 2.max(1 + mtp) {
+        return None;
+    }
+    let per = total / chunks;
+    let mut out = vec![per; chunks as usize];
+    out[0] = per - 1;
+    out[chunks as usize - 1] = per - 1 - mtp;
+    Some(out)
+}
+
 /// The first layer of virtual stage `vs` (stages hold consecutive layers in order).
 pub fn first_layer(layers: &[u32], vs: usize) -> u32 {
     layers[..vs].iter().sum()
@@ -200,7 +218,12 @@ pub fn first_layer(layers: &[u32], vs: usize) -> u32 {
 
 /// The experts' parameters one device holds for virtual stage `vs`.
 fn virtual_stage_experts(c: &TransformerCosts, layers: &[u32], vs: usize) -> u64 {
-    c.layers_count(first_layer(layers, vs), layers[vs], |l| l.expert_params)
+    let mut e = c.layers_count(first_layer(layers, vs), layers[vs], |l| l.expert_params);
+    // The head's multi-token prediction blocks hold experts too.
+    if vs + 1 == layers.len() {
+        e += c.head.expert_params;
+    }
+    e
 }
 
 /// Parameters one device holds for virtual stage `vs` of `layers.len()`.

@@ -91,12 +91,15 @@ fn lo(r: &Region, d: usize) -> usize {
 }
 
 /// Whether this kernel can run `op`.
-pub fn supported(op: &OpKind) -> Result<(), String> {
+pub fn supported(op: &OpKind, ins: &[parallax_ir::Shape]) -> Result<(), String> {
     match op {
         OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope => Err(format!(
             "the general-graph executor has no kernel for op '{}' yet (transformers run on the transformer trainer)",
             op.name()
         )),
+        OpKind::Attention(_) if ins.len() == 3 && ins[2].last() != ins[0].last() => Err(
+            "attention whose values have their own head size (latent attention) has no kernel in the general-graph executor yet".into(),
+        ),
         _ => Ok(()),
     }
 }
@@ -230,7 +233,7 @@ pub fn forward(ctx: &mut Ctx<'_>, ins: &[&Local]) -> Result<(Vec<Vec<f32>>, Save
             vec![y]
         }
         OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope => {
-            return Err(CommError::Backend(supported(ctx.op).unwrap_err()))
+            return Err(CommError::Backend(supported(ctx.op, &[]).unwrap_err()))
         }
     };
     Ok((outs, saved))
@@ -410,7 +413,7 @@ pub fn backward(
         }
         OpKind::Attention(a) => return Ok(attention_bwd(ctx, a, ins, &saved.f[0], dy)),
         OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope => {
-            return Err(CommError::Backend(supported(ctx.op).unwrap_err()))
+            return Err(CommError::Backend(supported(ctx.op, &[]).unwrap_err()))
         }
     }
     Ok(g)

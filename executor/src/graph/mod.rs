@@ -305,7 +305,7 @@ impl GraphPrepared {
         let mut producer: Vec<Option<(usize, usize)>> = vec![None; g.tensors.len()];
         let mut consumers: Vec<Vec<(usize, usize)>> = vec![Vec::new(); g.tensors.len()];
         for (i, n) in g.nodes.iter().enumerate() {
-            kernels::supported(&n.op)
+            kernels::supported(&n.op, &g.input_shapes(n))
                 .map_err(|e| ExecError::Model(format!("op '{}': {e}", n.name)))?;
             for (k, t) in n.inputs.iter().enumerate() {
                 if g.tensor(*t).role == TensorRole::Activation && producer[t.0 as usize].is_none() {

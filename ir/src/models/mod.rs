@@ -12,4 +12,6 @@ pub mod unet;
 pub mod vision;
 pub mod zoo;
 
-pub use transformer::{BuildOptions, Mlp, MoeConfig, Norm, Position, Section, TransformerConfig};
+pub use transformer::{
+    BuildOptions, MlaConfig, Mlp, MoeConfig, Norm, Position, Section, TransformerConfig,
+};

@@ -131,6 +131,30 @@ pub struct TransformerConfig {
     /// nothing; engines need it to build the same model.
     #[serde(default = "default_rope_theta")]
     pub rope_theta: u64,
+    /// Multi-head latent attention in place of q/k/v projections (DeepSeek-V2/V3, Kimi K2);
+    /// `head_dim` is then the query/key head size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<MlaConfig>,
+    /// Multi-token prediction modules after the last layer (DeepSeek-V3: 1), each a block
+    /// like the last and a second pass through the shared head.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub mtp_layers: u32,
+}
+
+/// Multi-head latent attention (DeepSeek-V2, Liu et al. 2024): queries from a low-rank latent,
+/// keys and values up-projected from a shared latent per token, and a rotary part of every
+/// key shared by all heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MlaConfig {
+    /// Query latent width (0: queries projected directly, as DeepSeek-V2-Lite).
+    pub q_lora_rank: u64,
+    /// Key/value latent width.
+    pub kv_lora_rank: u64,
+    /// Per head: the query/key part without and with rotary embedding, and the value size.
+    pub qk_nope_head_dim: u64,
+    pub qk_rope_head_dim: u64,
+    pub v_head_dim: u64,
 }
 
 /// RoFormer's rotary base (Su et al. 2021), every engine's default.
@@ -150,6 +174,11 @@ pub enum Section {
     /// in-between dense layers of a mixture-of-experts model.
     DenseBlock,
     Head,
+    /// What a multi-token prediction module adds before its block: the next tokens'
+    /// embedding (its own copy of the table, as a pipeline's last stage keeps one), the two
+    /// norms and the projection of their concatenation (its block and its pass through the
+    /// head are priced as those).
+    MtpInput,
 }
 
 /// Options for building a transformer graph.
@@ -194,6 +223,8 @@ impl TransformerConfig {
             bert: false,
             moe: None,
             rope_theta: DEFAULT_ROPE_THETA,
+            mla: None,
+            mtp_layers: 0,
         }
     }
 
@@ -227,6 +258,8 @@ impl TransformerConfig {
             bert: false,
             moe: None,
             rope_theta: DEFAULT_ROPE_THETA,
+            mla: None,
+            mtp_layers: 0,
         }
     }
 
@@ -304,6 +337,28 @@ impl TransformerConfig {
                 ));
             }
         }
+        if let Some(a) = self.mla {
+            if self.bias || self.kv_heads != self.heads {
+                return Err(
+                    "mla: latent attention has no biases and one key/value head per query head"
+                        .into(),
+                );
+            }
+            if a.qk_nope_head_dim + a.qk_rope_head_dim != self.head_dim
+                || a.kv_lora_rank == 0
+                || a.v_head_dim == 0
+                || a.qk_rope_head_dim % 2 != 0
+            {
+                return Err(format!(
+                    "mla: qk_nope_head_dim ({}) + qk_rope_head_dim ({}, even) must be head_dim ({}); kv_lora_rank and v_head_dim positive",
+                    a.qk_nope_head_dim, a.qk_rope_head_dim, self.head_dim
+                ));
+            }
+            let wide = [a.q_lora_rank, a.kv_lora_rank, a.v_head_dim];
+            if wide.iter().any(|&v| v > 1 << 20) {
+                return Err("mla: a dimension is beyond the 2^20 parallax models".into());
+            }
+        }
         if self.position == Position::Rope && self.head_dim % 2 != 0 {
             return Err(format!(
                 "head_dim ({}) must be even for rotary embeddings",
@@ -334,7 +389,20 @@ impl TransformerConfig {
             self.kv_heads * self.head_dim,
         );
         let b = u64::from(self.bias);
-        let attn = h * (q + 2 * kv) + q * h + b * (q + 2 * kv + h);
+        let attn = match self.mla {
+            Some(a) => {
+                let (heads, dqk) = (self.heads, a.qk_nope_head_dim + a.qk_rope_head_dim);
+                let query = match a.q_lora_rank {
+                    0 => h * heads * dqk,
+                    r => h * r + r + r * heads * dqk,
+                };
+                let kv = h * (a.kv_lora_rank + a.qk_rope_head_dim)
+                    + a.kv_lora_rank
+                    + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim);
+                query + kv + heads * a.v_head_dim * h
+            }
+            None => h * (q + 2 * kv) + q * h + b * (q + 2 * kv + h),
+        };
         let norms = if self.norm == Norm::LayerNorm {
             4 * h
         } else {
@@ -385,8 +453,53 @@ impl TransformerConfig {
             )?;
         }
         g.segment(Segment::Post);
-        let loss = self.head(&mut g, x, self.head_reads_table().then_some(table), opts)?;
+        let main = self.norm_for_head(&mut g, "final_norm", x)?;
+        let head_table = self.head_table(&mut g, self.head_reads_table().then_some(table));
+        let mut loss = self.head(&mut g, main, head_table, opts, None)?;
+        // Multi-token prediction: module j predicts token t + j + 1 from the previous
+        // module's hidden state and token t + j's embedding (DeepSeek-V3 §2.2), through a
+        // block like the last layer and the same head; its loss adds to the main one.
+        let mut h_prev = x;
+        for j in 0..self.mtp_layers {
+            let p = format!("mtp.{j}");
+            let proj = self.mtp_input(&mut g, &p, h_prev, table, opts)?;
+            h_prev = self.block(&mut g, &p, proj, opts, self.is_moe_layer(self.layers - 1))?;
+            let out = self.norm_for_head(&mut g, &format!("{p}.final_norm"), h_prev)?;
+            let extra = self.head(&mut g, out, head_table, opts, Some(&p))?;
+            loss = g.op1(format!("{p}.loss_sum"), OpKind::Add, &[loss, extra])?;
+        }
         g.finish(&[loss])
+    }
+
+    /// A multi-token prediction module's input from the previous hidden state `x`: the next
+    /// tokens' embedding from `table` and `x`, each normalized, concatenated and projected back
+    /// to the hidden width.
+    fn mtp_input(
+        &self,
+        g: &mut GraphBuilder,
+        p: &str,
+        x: TensorId,
+        table: TensorId,
+        opts: BuildOptions,
+    ) -> Result<TensorId, GraphError> {
+        let h = self.hidden;
+        let ids = g.input(format!("{p}.tokens"), [opts.batch, opts.seq], DType::I64);
+        let e = g.op1(
+            format!("{p}.embed"),
+            OpKind::Embedding(crate::op::EmbeddingAttrs {
+                vocab: self.vocab,
+                dim: h,
+            }),
+            &[ids, table],
+        )?;
+        let e = self.norm(g, &format!("{p}.enorm"), e)?;
+        let x = self.norm(g, &format!("{p}.hnorm"), x)?;
+        let both = g.op1(
+            format!("{p}.concat"),
+            OpKind::Concat(crate::op::AxisAttrs { axis: 2 }),
+            &[e, x],
+        )?;
+        g.linear(&format!("{p}.proj"), both, h, false)
     }
 
     /// One section of the model as a graph of its own: the embeddings (ending in the first
@@ -411,7 +524,15 @@ impl TransformerConfig {
                 let table = self
                     .head_reads_table()
                     .then(|| g.weight("embed.weight", [self.vocab, self.hidden]));
-                self.head(&mut g, x, table, opts)?
+                let x = self.norm_for_head(&mut g, "final_norm", x)?;
+                let table = self.head_table(&mut g, table);
+                self.head(&mut g, x, table, opts, None)?
+            }
+            Section::MtpInput => {
+                g.segment(Segment::Post);
+                let x = x_in(&mut g);
+                let table = g.weight("mtp.embed.weight", [self.vocab, self.hidden]);
+                self.mtp_input(&mut g, "mtp.0", x, table, opts)?
             }
         };
         g.finish(&[out])
@@ -479,17 +600,39 @@ impl TransformerConfig {
         self.bert || self.tied_embeddings
     }
 
-    /// The head from `x` to the loss; `table` is the embedding table where
-    /// [`Self::head_reads_table`], else the head owns its projection.
+    /// The LM head's table: the embedding's where [`Self::head_reads_table`] (`table`), else
+    /// its own projection.
+    fn head_table(&self, g: &mut GraphBuilder, table: Option<TensorId>) -> TensorId {
+        table.unwrap_or_else(|| g.weight("lm_head.weight", [self.vocab, self.hidden]))
+    }
+
+    /// The final norm before a decoder's head (BERT's head has its own transform instead).
+    fn norm_for_head(
+        &self,
+        g: &mut GraphBuilder,
+        name: &str,
+        x: TensorId,
+    ) -> Result<TensorId, GraphError> {
+        if self.bert {
+            Ok(x)
+        } else {
+            self.norm(g, name, x)
+        }
+    }
+
+    /// The head from the (finally normalized) `x` to the loss through `head_table`; a
+    /// multi-token prediction module's names its labels, logits and loss after `mtp`.
     fn head(
         &self,
         g: &mut GraphBuilder,
         x: TensorId,
-        table: Option<TensorId>,
+        head_table: TensorId,
         opts: BuildOptions,
+        mtp: Option<&str>,
     ) -> Result<TensorId, GraphError> {
+        let named = |n: &str| mtp.map_or_else(|| n.to_string(), |p| format!("{p}.{n}"));
         let (bsz, s, h) = (opts.batch, opts.seq, self.hidden);
-        let labels = g.input("labels", [bsz, s], DType::I64);
+        let labels = g.input(named("labels"), [bsz, s], DType::I64);
         let logits_in = if self.bert {
             // Pooler (dense + tanh) and next-sentence head read the first token only.
             let first = if s > 1 {
@@ -512,13 +655,10 @@ impl TransformerConfig {
             let t = g.activation("mlm.act", Activation::Gelu, t)?;
             g.layer_norm("mlm.norm", t)?
         } else {
-            self.norm(g, "final_norm", x)?
+            x
         };
-        // BERT always reads the embedding table; an untied model creates its own weight here.
-        let head_table =
-            table.unwrap_or_else(|| g.weight("lm_head.weight", [self.vocab, self.hidden]));
         let mut logits = g.op1(
-            "lm_head",
+            named("lm_head"),
             OpKind::MatMul(MatMulAttrs { transpose_b: true }),
             &[logits_in, head_table],
         )?;
@@ -526,7 +666,7 @@ impl TransformerConfig {
             let bias = g.weight("mlm.bias", [self.vocab]);
             logits = g.op1("mlm.bias_add", OpKind::Add, &[logits, bias])?;
         }
-        g.op1("loss", OpKind::CrossEntropy, &[logits, labels])
+        g.op1(named("loss"), OpKind::CrossEntropy, &[logits, labels])
     }
 
     fn norm(&self, g: &mut GraphBuilder, name: &str, x: TensorId) -> Result<TensorId, GraphError> {
@@ -545,13 +685,17 @@ impl TransformerConfig {
         opts: BuildOptions,
         moe: bool,
     ) -> Result<TensorId, GraphError> {
-        let (bsz, s, h, d) = (opts.batch, opts.seq, self.hidden, self.head_dim);
+        let (bsz, s, d) = (opts.batch, opts.seq, self.head_dim);
         let pre = !self.bert;
         let a_in = if pre {
             self.norm(g, &format!("{p}.attn_norm"), x)?
         } else {
             x
         };
+        if let Some(a) = self.mla {
+            let o = self.latent_attention(g, p, a_in, opts, a)?;
+            return self.block_rest(g, p, x, o, moe);
+        }
         let q = g.linear(&format!("{p}.attn.q"), a_in, self.heads * d, self.bias)?;
         let k = g.linear(&format!("{p}.attn.k"), a_in, self.kv_heads * d, self.bias)?;
         let v = g.linear(&format!("{p}.attn.v"), a_in, self.kv_heads * d, self.bias)?;
@@ -589,6 +733,20 @@ impl TransformerConfig {
             }),
             &[o],
         )?;
+        self.block_rest(g, p, x, o, moe)
+    }
+
+    /// The rest of a block from the attention's merged heads `o`: the output projection,
+    /// the residual, the MLP (routed where `moe`) and its residual.
+    fn block_rest(
+        &self,
+        g: &mut GraphBuilder,
+        p: &str,
+        x: TensorId,
+        o: TensorId,
+        moe: bool,
+    ) -> Result<TensorId, GraphError> {
+        let (h, pre) = (self.hidden, !self.bert);
         let mut o = g.linear(&format!("{p}.attn.out"), o, h, self.bias)?;
         if self.dropout {
             o = g.dropout(&format!("{p}.attn.drop"), o, 100)?;
@@ -642,6 +800,104 @@ impl TransformerConfig {
             x = self.norm(g, &format!("{p}.mlp_norm"), x)?;
         }
         Ok(x)
+    }
+
+    /// Multi-head latent attention from the normalized input `x`, to the merged heads
+    /// (`[b, s, heads × v_head_dim]`): queries through their latent (when it has one), keys'
+    /// and values' latent and shared rotary key from one down-projection, each head's key
+    /// the up-projected part beside the shared rotary part (broadcast over the heads as
+    /// `x · 1`, the copy implementations make).
+    fn latent_attention(
+        &self,
+        g: &mut GraphBuilder,
+        p: &str,
+        x: TensorId,
+        opts: BuildOptions,
+        a: MlaConfig,
+    ) -> Result<TensorId, GraphError> {
+        let (bsz, s, heads) = (opts.batch, opts.seq, self.heads);
+        let (nope, rope, dv) = (a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim);
+        let dqk = nope + rope;
+        let q = match a.q_lora_rank {
+            0 => g.linear(&format!("{p}.attn.q"), x, heads * dqk, false)?,
+            r => {
+                let c = g.linear(&format!("{p}.attn.q_down"), x, r, false)?;
+                let c = g.rms_norm(&format!("{p}.attn.q_norm"), c)?;
+                g.linear(&format!("{p}.attn.q_up"), c, heads * dqk, false)?
+            }
+        };
+        let heads_of = |g: &mut GraphBuilder, t: TensorId, n: u64, d: u64, name: &str| {
+            g.op1(
+                format!("{p}.attn.{name}_heads"),
+                OpKind::Reshape(ReshapeAttrs {
+                    shape: vec![bsz, s, n, d],
+                }),
+                &[t],
+            )
+        };
+        let q = heads_of(g, q, heads, dqk, "q")?;
+        let q = g.op1(format!("{p}.attn.q_rope"), OpKind::Rope, &[q])?;
+        let down = g.linear(
+            &format!("{p}.attn.kv_down"),
+            x,
+            a.kv_lora_rank + rope,
+            false,
+        )?;
+        let parts = g.op(
+            format!("{p}.attn.kv_split"),
+            OpKind::Split(SplitAttrs {
+                axis: 2,
+                sizes: vec![a.kv_lora_rank, rope],
+            }),
+            &[down],
+        )?;
+        let c = g.rms_norm(&format!("{p}.attn.kv_norm"), parts[0])?;
+        let kv = g.linear(&format!("{p}.attn.kv_up"), c, heads * (nope + dv), false)?;
+        let kv = g.op(
+            format!("{p}.attn.kv_heads_split"),
+            OpKind::Split(SplitAttrs {
+                axis: 2,
+                sizes: vec![heads * nope, heads * dv],
+            }),
+            &[kv],
+        )?;
+        let k_nope = heads_of(g, kv[0], heads, nope, "k_nope")?;
+        let v = heads_of(g, kv[1], heads, dv, "v")?;
+        let k_rope = heads_of(g, parts[1], 1, rope, "k_rope")?;
+        let k_rope = g.op1(format!("{p}.attn.k_rope"), OpKind::Rope, &[k_rope])?;
+        let ones = g.input(
+            format!("{p}.attn.k_rope_heads"),
+            [1, 1, heads, 1],
+            DType::F32,
+        );
+        let k_rope = g.op1(
+            format!("{p}.attn.k_rope_broadcast"),
+            OpKind::Mul,
+            &[k_rope, ones],
+        )?;
+        let k = g.op1(
+            format!("{p}.attn.k"),
+            OpKind::Concat(crate::op::AxisAttrs { axis: 3 }),
+            &[k_nope, k_rope],
+        )?;
+        let o = g.attention(
+            &format!("{p}.attn.core"),
+            q,
+            k,
+            v,
+            AttentionAttrs {
+                causal: self.causal,
+                fused: opts.fused_attention,
+                dropout: self.dropout && !opts.fused_attention,
+            },
+        )?;
+        g.op1(
+            format!("{p}.attn.merge_heads"),
+            OpKind::Reshape(ReshapeAttrs {
+                shape: vec![bsz, s, heads * dv],
+            }),
+            &[o],
+        )
     }
 
     /// A dense MLP `f` wide.
@@ -706,6 +962,29 @@ mod tests {
                 }),
                 ..TransformerConfig::llama(6, 64, 8, 2, 96, 100, 32)
             },
+            // Latent attention, with and without a query latent.
+            TransformerConfig {
+                head_dim: 24,
+                mla: Some(MlaConfig {
+                    q_lora_rank: 32,
+                    kv_lora_rank: 16,
+                    qk_nope_head_dim: 16,
+                    qk_rope_head_dim: 8,
+                    v_head_dim: 12,
+                }),
+                ..TransformerConfig::llama(2, 64, 4, 4, 96, 100, 32)
+            },
+            TransformerConfig {
+                head_dim: 24,
+                mla: Some(MlaConfig {
+                    q_lora_rank: 0,
+                    kv_lora_rank: 16,
+                    qk_nope_head_dim: 16,
+                    qk_rope_head_dim: 8,
+                    v_head_dim: 12,
+                }),
+                ..TransformerConfig::llama(2, 64, 4, 4, 96, 100, 32)
+            },
         ] {
             let g = cfg.build("t", opts(16)).unwrap();
             let emb = cfg.vocab * cfg.hidden
@@ -735,6 +1014,24 @@ mod tests {
                 assert_eq!(b.param_count(), cfg.block_params_of(moe), "{sec:?} {cfg:?}");
             }
         }
+        // A multi-token prediction module adds a block like the last, its projection of
+        // [embedding; hidden] (2h × h) and three norms; it shares the table and the head.
+        let base = TransformerConfig {
+            moe: Some(MoeConfig::routed(4, 2)),
+            ..TransformerConfig::llama(2, 64, 8, 2, 96, 100, 32)
+        };
+        let with = TransformerConfig {
+            mtp_layers: 1,
+            ..base.clone()
+        };
+        let count = |c: &TransformerConfig| c.build("t", opts(16)).unwrap().param_count();
+        assert_eq!(
+            count(&with) - count(&base),
+            base.block_params() + 2 * 64 * 64 + 3 * 64
+        );
+        // The costing section holds the projection, two norms and a copy of the table.
+        let input = with.build_section(Section::MtpInput, opts(16)).unwrap();
+        assert_eq!(input.param_count(), 2 * 64 * 64 + 2 * 64 + 100 * 64);
         // Layers 0 (leading), 2 and 4 are dense; 1, 3 and 5 route.
         let m = MoeConfig {
             dense_layers_first: 1,

@@ -1,7 +1,7 @@
 //! The built-in model zoo: every entry with its published parameter count and where that count
 //! was published.
 
-use super::transformer::{MoeConfig, TransformerConfig};
+use super::transformer::{MlaConfig, MoeConfig, TransformerConfig};
 use crate::graph::{Graph, GraphError};
 
 /// How a zoo model is defined.
@@ -77,6 +77,41 @@ fn qwen3_moe(layers: u32, hidden: u64, heads: u64, ffn: u64) -> ZooDef {
         moe: Some(MoeConfig::routed(128, 8)),
         rope_theta: 1_000_000,
         ..TransformerConfig::llama(layers, hidden, heads, 4, ffn, 151_936, 40960)
+    })
+}
+
+/// DeepSeek-V3's shape (its HF config; Kimi K2 shares it): 61 layers of hidden 7168 with
+/// multi-head latent attention (query latent 1536, key/value latent 512, heads of 128 + 64
+/// rotary for queries and keys and 128 for values), `dense_first` dense layers 18432 wide, then
+/// MoE layers of `experts` routed experts 2048 wide (top-8) beside one shared expert 2048 wide;
+/// untied, `mtp` multi-token prediction modules.
+fn deepseek_v3(
+    heads: u64,
+    experts: u64,
+    dense_first: u32,
+    vocab: u64,
+    mtp: u32,
+    theta: u64,
+) -> ZooDef {
+    ZooDef::Transformer(TransformerConfig {
+        head_dim: 192,
+        moe: Some(MoeConfig {
+            shared_ffn_hidden: 2048,
+            dense_layers_first: dense_first,
+            every: 1,
+            dense_ffn_hidden: 18432,
+            ..MoeConfig::routed(experts, 8)
+        }),
+        mla: Some(MlaConfig {
+            q_lora_rank: 1536,
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+        }),
+        mtp_layers: mtp,
+        rope_theta: theta,
+        ..TransformerConfig::llama(61, 7168, heads, heads, 2048, vocab, 163_840)
     })
 }
 
@@ -207,6 +242,22 @@ pub fn entries() -> Vec<ZooEntry> {
             rounded(235.0, 0.5),
             "Qwen team, HuggingFace Qwen/Qwen3-235B-A22B model card: 235B total, 22B activated; its config (94 layers, 4096 hidden, 64 heads of 128, 4 KV heads, 128 experts of FFN 1536, top-8, vocab 151936, 40960 positions, untied); q/k RMSNorms omitted",
             qwen3_moe(94, 4096, 64, 1536),
+        ),
+        e(
+            "deepseek-v3",
+            "deepseek-v3",
+            671.0 * b,
+            rounded(671.0, 0.5),
+            "DeepSeek-AI 2024, DeepSeek-V3 technical report §1 and its HF config: 671B total (685B on HF with the 14B multi-token prediction module, not counted here), 37B activated; 61 layers, hidden 7168, 128 heads of MLA (q latent 1536, kv latent 512, 128 + 64 rope, values 128), 3 dense layers of 18432, 256 routed experts of 2048 (top-8) and 1 shared, vocab 129280, 1 MTP module",
+            deepseek_v3(128, 256, 3, 129_280, 1, 10_000),
+        ),
+        e(
+            "kimi-k2",
+            "deepseek-v3",
+            1.0e3 * b,
+            rounded(1.0, 0.05),
+            "Moonshot AI, HF moonshotai/Kimi-K2-Instruct model card and config: 1T total, 32B activated (the tech report's 1.04T and 32.6B are 1.3 % and 1.2 % from this count); DeepSeek-V3's architecture with 64 heads, 384 routed experts, 1 leading dense layer, vocab 163840, rotary base 50000, no MTP",
+            deepseek_v3(64, 384, 1, 163_840, 0, 50_000),
         ),
         e(
             "bert-large",
@@ -500,6 +551,10 @@ mod tests {
             // The card's "3.3B" truncates: 3.35B by its config.
             ("qwen3-30b-a3b", 3.3, 0.1),
             ("qwen3-235b-a22b", 22.0, 0.5),
+            // "37B" and "32B": this count (input embedding table counted active, as for the
+            // others) gives 37.55B and 33.0B, 1.5 % and 3 % over; both cards round.
+            ("deepseek-v3", 37.0, 0.6),
+            ("kimi-k2", 32.0, 1.0),
         ];
         for (name, active_b, precision) in published {
             let e = find(name).unwrap();
@@ -508,9 +563,10 @@ mod tests {
             };
             let moe = c.moe.unwrap();
             let expert_weights_per_layer = moe.experts * 3 * c.hidden * c.ffn_hidden;
+            let moe_layers = (0..c.layers).filter(|&i| c.is_moe_layer(i)).count();
             let idle = (moe.experts - moe.top_k) as f64 / moe.experts as f64
                 * expert_weights_per_layer as f64
-                * f64::from(c.layers);
+                * moe_layers as f64;
             let active = params(&e) as f64 - idle;
             let err = (active / (active_b * 1e9) - 1.0).abs();
             let allowed = 0.01f64.max(rounded(active_b, precision));
