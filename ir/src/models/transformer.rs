@@ -715,24 +715,7 @@ impl TransformerConfig {
             q = g.op1(format!("{p}.attn.q_rope"), OpKind::Rope, &[q])?;
             k = g.op1(format!("{p}.attn.k_rope"), OpKind::Rope, &[k])?;
         }
-        let o = g.attention(
-            &format!("{p}.attn.core"),
-            q,
-            k,
-            v,
-            AttentionAttrs {
-                causal: self.causal,
-                fused: opts.fused_attention,
-                dropout: self.dropout && !opts.fused_attention,
-            },
-        )?;
-        let o = g.op1(
-            format!("{p}.attn.merge_heads"),
-            OpKind::Reshape(ReshapeAttrs {
-                shape: vec![bsz, s, self.heads * d],
-            }),
-            &[o],
-        )?;
+        let o = self.attention_core(g, p, [q, k, v], opts, self.heads * d)?;
         self.block_rest(g, p, x, o, moe)
     }
 
@@ -880,6 +863,19 @@ impl TransformerConfig {
             OpKind::Concat(crate::op::AxisAttrs { axis: 3 }),
             &[k_nope, k_rope],
         )?;
+        self.attention_core(g, p, [q, k, v], opts, heads * dv)
+    }
+
+    /// The attention core over `q`, `k`, `v` (`[b, s, heads, d]`), its heads merged back to
+    /// `width` per token.
+    fn attention_core(
+        &self,
+        g: &mut GraphBuilder,
+        p: &str,
+        [q, k, v]: [TensorId; 3],
+        opts: BuildOptions,
+        width: u64,
+    ) -> Result<TensorId, GraphError> {
         let o = g.attention(
             &format!("{p}.attn.core"),
             q,
@@ -894,7 +890,7 @@ impl TransformerConfig {
         g.op1(
             format!("{p}.attn.merge_heads"),
             OpKind::Reshape(ReshapeAttrs {
-                shape: vec![bsz, s, heads * dv],
+                shape: vec![opts.batch, opts.seq, width],
             }),
             &[o],
         )
