@@ -172,6 +172,7 @@ fn resolve(a: &Args) -> anyhow::Result<Job> {
         cp,
         ep: p.ep.unwrap_or(1),
         etp: p.etp,
+        dispatcher: p.dispatcher.unwrap_or_default(),
         zero_stage: p.zero_stage.unwrap_or(0),
         micro_batch: p.micro_batch.unwrap_or(1),
         recompute: p.recompute.unwrap_or_default(),

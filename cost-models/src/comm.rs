@@ -210,6 +210,33 @@ impl<'a> Network<'a> {
         }
     }
 
+    /// A node-deduplicated MoE dispatch (DeepEP's internode kernels, Megatron-Core's `flex`
+    /// dispatcher) over group `g`: of a rank's `bytes` of routed copies (`top_k` per token),
+    /// each token crosses the network once per remote node among its experts' nodes — with
+    /// experts routed uniformly over `N` nodes, `N · (1 − (1 − 1/N)^k)` distinct nodes, of
+    /// which `(N − 1) / N` remote — and fans out to its experts over NVLink (every copy once);
+    /// the two overlap. Within one node it is the plain all-to-all.
+    pub fn deduplicated_dispatch(&self, bytes: Bytes, top_k: u64, g: Group) -> Seconds {
+        let nodes = f64::from(g.nodes());
+        if nodes <= 1.0 || top_k == 0 {
+            return self.collective(Collective::AllToAll, bytes, g);
+        }
+        let k = top_k as f64;
+        let distinct = nodes * (1.0 - (1.0 - 1.0 / nodes).powf(k));
+        let remote = distinct * (nodes - 1.0) / nodes;
+        let per_token = bytes.0 as f64 / k;
+        let intra = self.profile.intra_busbw().0;
+        let per_gpu = self
+            .profile
+            .inter_busbw_per_node()
+            .map(|b| b.0 / self.gpus_per_node())
+            .unwrap_or(intra);
+        let t_inter = per_token * remote / per_gpu;
+        let t_intra = bytes.0 as f64 / intra;
+        let (_, step) = self.ring_tier(g);
+        Seconds(t_inter.max(t_intra)) + step * (f64::from(g.size) - 1.0).min(8.0)
+    }
+
     /// NVLink SHARP all-reduce algorithm bandwidth for an intra-node group, where available.
     fn nvls(&self, g: Group) -> Option<BytesPerSec> {
         if g.nodes() > 1 || g.size < 2 || self.profile.node.intra_fabric != FabricKind::Nvswitch {
@@ -388,5 +415,32 @@ mod tests {
             }
         );
         assert_eq!(Group::strided(16, 2, 8).nodes(), 4);
+    }
+
+    #[test]
+    fn deduplicated_dispatch_crosses_the_network_once_per_remote_node() {
+        // DeepSeek-V3's dispatch over 64 ranks of 8 DGX H100 nodes: 8 copies a token, of which
+        // the plain all-to-all sends 7/8 across nodes; deduplicated, a token crosses once per
+        // remote node among its experts' (8 · (1 − (7/8)^8) · 7/8 ≈ 4.6 on average).
+        let p = preset("dgx-h100-80gb").unwrap();
+        let net = Network::new(&p);
+        let g = Group::strided(64, 1, 8);
+        let bytes = Bytes(2048 * 8 * 7168 * 2);
+        let plain = net.collective(Collective::AllToAll, bytes, g);
+        let dedup = net.deduplicated_dispatch(bytes, 8, g);
+        assert!(dedup.0 < 0.8 * plain.0, "{dedup:?} vs {plain:?}");
+        let per_gpu = p.inter_busbw_per_node().unwrap().0 / 8.0;
+        let remote = 8.0 * (1.0 - (7.0f64 / 8.0).powi(8)) * 7.0 / 8.0;
+        let inter = bytes.0 as f64 / 8.0 * remote / per_gpu;
+        assert!(
+            dedup.0 >= inter && dedup.0 < inter * 1.05,
+            "{dedup:?} vs {inter}"
+        );
+        // Inside one node it is the all-to-all.
+        let node = Group::strided(8, 1, 8);
+        assert_eq!(
+            net.deduplicated_dispatch(bytes, 8, node),
+            net.collective(Collective::AllToAll, bytes, node)
+        );
     }
 }

@@ -12,7 +12,9 @@ use crate::compute::{DeviceModel, OpTimes};
 use parallax_hardware::ClusterProfile;
 use parallax_ir::models::{BuildOptions, MoeConfig, Section, TransformerConfig};
 use parallax_ir::op::OpKind;
-use parallax_ir::{Bytes, ComputeClass, Graph, Layout, Precision, Recompute, Seconds, Shape};
+use parallax_ir::{
+    Bytes, ComputeClass, Dispatcher, Graph, Layout, Precision, Recompute, Seconds, Shape,
+};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -493,10 +495,10 @@ pub fn check_layout(s: &Setup, l: &Layout) -> Result<(), Infeasible> {
                 l.tp
             ));
         }
-    } else if l.ep > 1 || etp != l.tp {
+    } else if l.ep > 1 || etp != l.tp || !l.dispatcher.is_all_to_all() {
         return ind(format!(
-            "ep {} / etp {etp}: expert parallelism needs a mixture-of-experts model",
-            l.ep
+            "ep {} / etp {etp} / dispatcher {}: expert parallelism needs a mixture-of-experts model",
+            l.ep, l.dispatcher
         ));
     }
     // Degrees against the batch and the layers (micro-batch ≥ 1, divisibility, stages).
@@ -618,13 +620,8 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         // ranks, the received tokens are gathered over those and the outputs reduce-scattered
         // back (top-k times the dense MLP's gather, which is why recipes fold etp to 1).
         if let Some(e) = experts {
-            let row = hidden * fb;
-            let routed = Bytes(e.tokens * e.top_k * row);
-            let mut one = Seconds(0.0);
-            if l.ep > 1 {
-                let ep_group = Group::strided(l.ep, e.etp, gpn);
-                one += net.collective(Collective::AllToAll, routed, ep_group) * 2.0;
-            }
+            let routed = Bytes(e.tokens * e.top_k * hidden * fb);
+            let mut one = dispatch(&net, l, &e, gpn, routed, l.dispatcher) * 2.0;
             if e.gathers_over_etp() {
                 let etp_group = Group::strided(e.etp, 1, gpn);
                 let gathered = Bytes(routed.0 * u64::from(e.etp));
@@ -819,6 +816,49 @@ impl NodePrices {
         let idx = (0..self.times.len()).filter(picked);
         let t = idx.clone().map(|i| self.times[i].fwd).sum();
         (t, idx.map(|i| self.fwd_flops[i]).sum())
+    }
+}
+
+/// One dispatch (or combine) of `routed` bytes of token copies over the layout's
+/// expert-parallel group by `dispatcher`.
+fn dispatch(
+    net: &Network,
+    l: &Layout,
+    e: &ExpertRanks,
+    gpn: u32,
+    routed: Bytes,
+    dispatcher: Dispatcher,
+) -> Seconds {
+    if l.ep <= 1 {
+        return Seconds(0.0);
+    }
+    let ep_group = Group::strided(l.ep, e.etp, gpn);
+    match dispatcher {
+        Dispatcher::AllToAll => net.collective(Collective::AllToAll, routed, ep_group),
+        Dispatcher::DeepEp => net.deduplicated_dispatch(routed, e.top_k, ep_group),
+    }
+}
+
+/// The dispatcher that moves layout `l`'s routed tokens faster (it changes nothing else of
+/// a step): what a search picks where the stack has both.
+pub fn faster_dispatcher(s: &Setup, l: &Layout) -> Dispatcher {
+    let Some(moe) = s.model.moe else {
+        return Dispatcher::AllToAll;
+    };
+    let opts = BuildOptions {
+        batch: l.micro_batch,
+        seq: s.seq / u64::from(l.cp.max(1)),
+        fused_attention: s.fused_attention(),
+    };
+    let e = ExpertRanks::of(s.model, moe, l, &opts);
+    let net = Network::new(s.profile);
+    let gpn = s.profile.node.gpus_per_node;
+    let routed = Bytes(e.tokens * e.top_k * s.model.hidden * s.float_bytes());
+    let time = |d| dispatch(&net, l, &e, gpn, routed, d);
+    if time(Dispatcher::DeepEp) < time(Dispatcher::AllToAll) {
+        Dispatcher::DeepEp
+    } else {
+        Dispatcher::AllToAll
     }
 }
 
@@ -1471,6 +1511,53 @@ mod tests {
         // One more block and head pass per sequence: 1–3 % of the 61 layers' FLOPs.
         let extra = flops / flops0 - 1.0;
         assert!((0.01..0.04).contains(&extra), "{extra}");
+    }
+
+    #[test]
+    fn a_node_deduplicating_dispatcher_is_faster_only_across_nodes() {
+        // DeepSeek-V3's experts over 64 ranks (8 nodes): DeepEP's dispatch beats the
+        // all-to-all and the layer pays less; over 8 ranks of one node they are the same and
+        // the all-to-all stays.
+        let m = cfg("deepseek-v3");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup {
+            seq: 4096,
+            ..setup(&m, &p, 1024, Runtime::default())
+        };
+        let at = |ep: u32, dispatcher: Dispatcher| Layout {
+            dp: 64,
+            tp: 2,
+            pp: 8,
+            ep,
+            etp: Some(1),
+            dispatcher,
+            schedule: parallax_ir::Schedule::OneFOneB,
+            ..layout(2, true, Recompute::None)
+        };
+        assert_eq!(
+            faster_dispatcher(&s, &at(64, Dispatcher::AllToAll)),
+            Dispatcher::DeepEp
+        );
+        assert_eq!(
+            faster_dispatcher(&s, &at(8, Dispatcher::AllToAll)),
+            Dispatcher::AllToAll
+        );
+        let cost = |l: Layout| transformer_costs(&s, &l).unwrap().layer;
+        let (plain, dedup) = (
+            cost(at(64, Dispatcher::AllToAll)),
+            cost(at(64, Dispatcher::DeepEp)),
+        );
+        assert!(dedup.ep_fwd < plain.ep_fwd);
+        assert_eq!((dedup.compute, dedup.params), (plain.compute, plain.params));
+        // A dense model has no dispatcher to choose.
+        let dense = cfg("llama3-8b");
+        let s = setup(&dense, &p, 8, Runtime::default());
+        let l = Layout {
+            dp: 8,
+            dispatcher: Dispatcher::DeepEp,
+            ..layout(1, false, Recompute::None)
+        };
+        assert!(transformer_costs(&s, &l).is_err());
     }
 
     #[test]

@@ -214,6 +214,53 @@ impl FromStr for BatchNormStats {
     }
 }
 
+/// How an MoE layer's dispatcher moves routed tokens between expert-parallel ranks.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Dispatcher {
+    /// One all-to-all of every routed copy (Megatron-Core's `alltoall` dispatcher).
+    #[default]
+    AllToAll,
+    /// Node-deduplicated (DeepEP, Megatron-Core's `flex` dispatcher): a token crosses the
+    /// network once per remote node its experts sit on, then fans out over NVLink.
+    DeepEp,
+}
+
+impl Dispatcher {
+    /// Name as written in plans and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dispatcher::AllToAll => "alltoall",
+            Dispatcher::DeepEp => "deepep",
+        }
+    }
+
+    pub fn is_all_to_all(&self) -> bool {
+        *self == Dispatcher::AllToAll
+    }
+}
+
+impl fmt::Display for Dispatcher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Dispatcher {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "alltoall" | "all-to-all" | "a2a" => Ok(Dispatcher::AllToAll),
+            "deepep" | "flex" => Ok(Dispatcher::DeepEp),
+            other => Err(format!(
+                "unknown dispatcher '{other}' (expected alltoall or deepep)"
+            )),
+        }
+    }
+}
+
 impl fmt::Display for Offload {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -264,6 +311,9 @@ pub struct Layout {
     /// (Megatron-Core's default), which keeps the experts inside the tensor-parallel region.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub etp: Option<u32>,
+    /// The MoE token dispatcher (absent in a plan file: all-to-all).
+    #[serde(default, skip_serializing_if = "Dispatcher::is_all_to_all")]
+    pub dispatcher: Dispatcher,
     /// 0 plain data parallel, 1 optimizer states sharded, 2 + gradients, 3 + parameters.
     pub zero_stage: u8,
     /// Sequences per micro-batch per data-parallel rank.
@@ -294,6 +344,7 @@ impl Default for Layout {
             cp: 1,
             ep: 1,
             etp: None,
+            dispatcher: Dispatcher::AllToAll,
             zero_stage: 0,
             micro_batch: 1,
             recompute: Recompute::None,
@@ -598,6 +649,8 @@ pub struct PartialLayout {
     pub ep: Option<u32>,
     /// Expert tensor parallelism; open: the tool chooses (tp or less).
     pub etp: Option<u32>,
+    /// The MoE token dispatcher; open: the tool chooses.
+    pub dispatcher: Option<Dispatcher>,
     pub zero_stage: Option<u8>,
     pub micro_batch: Option<u64>,
     pub recompute: Option<Recompute>,
@@ -675,6 +728,9 @@ impl PartialLayout {
                 "cp" => p.cp = Some(small("cp")?),
                 "ep" => p.ep = Some(small("ep")?),
                 "etp" => p.etp = Some(small("etp")?),
+                "dispatcher" => {
+                    p.dispatcher = Some(v.parse().map_err(|e| format!("dispatcher: {e}"))?)
+                }
                 "v" | "interleave" | "vp" => p.interleave = Some(small("interleave")?),
                 "mb" | "micro_batch" => p.micro_batch = Some(num("micro_batch")?),
                 "zero" | "zero_stage" => {
@@ -698,7 +754,7 @@ impl PartialLayout {
                 "bn" | "batch_norm" => p.batch_norm = Some(v.parse().map_err(|e| format!("bn: {e}"))?),
                 _ => {
                     return Err(format!(
-                        "unknown key '{k}' (expected dp, tp, pp, cp, ep, etp, zero, mb, recompute, sp, schedule, v, offload, bn)"
+                        "unknown key '{k}' (expected dp, tp, pp, cp, ep, etp, dispatcher, zero, mb, recompute, sp, schedule, v, offload, bn)"
                     ))
                 }
             }

@@ -118,6 +118,9 @@ pub fn layout_string(l: &Layout) -> String {
     if l.expert_tp() != l.tp {
         s.push_str(&format!(",etp={}", l.expert_tp()));
     }
+    if !l.dispatcher.is_all_to_all() {
+        s.push_str(&format!(",dispatcher={}", l.dispatcher));
+    }
     if l.offload != parallax_ir::Offload::None {
         s.push_str(&format!(",offload={}", l.offload));
     }
@@ -192,7 +195,7 @@ mod tests {
         assert_eq!((done.dp, done.etp, done.expert_dp()), (8, Some(1), 1));
         assert!(done.sequence_parallel);
         assert!(
-            layout_string(&done).ends_with(",etp=1"),
+            layout_string(&done).contains(",etp=1"),
             "{}",
             layout_string(&done)
         );

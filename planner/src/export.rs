@@ -198,7 +198,9 @@ impl Engine {
             Engine::Megatron if l.zero_stage == 3 && model.tied_embeddings => Some(
                 "megatron's FSDP (ZeRO-3) needs untied embeddings; this model ties them".into(),
             ),
-            Engine::DeepSpeed if l.ep > 1 || l.expert_tp() != l.tp => {
+            Engine::DeepSpeed
+                if l.ep > 1 || l.expert_tp() != l.tp || !l.dispatcher.is_all_to_all() =>
+            {
                 Some("deepspeed export does not cover expert parallelism".into())
             }
             Engine::DeepSpeed if l.pp > 1 && l.zero_stage >= 2 => {
@@ -215,7 +217,9 @@ impl Engine {
                  over the tensor-parallel group)"
                     .into(),
             ),
-            Engine::Torchtitan if l.ep > 1 || l.expert_tp() != l.tp => {
+            Engine::Torchtitan
+                if l.ep > 1 || l.expert_tp() != l.tp || !l.dispatcher.is_all_to_all() =>
+            {
                 Some("torchtitan export does not cover expert parallelism".into())
             }
             Engine::Torchtitan if l.zero_stage == 0 && (l.tp > 1 || l.pp > 1 || l.cp > 1) => Some(
@@ -358,6 +362,16 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
         }
         a.push(format!("--expert-model-parallel-size {}", l.ep));
         a.push(format!("--expert-tensor-parallel-size {}", l.expert_tp()));
+        // Megatron's default dispatcher all-gathers; the plan's is written out.
+        match l.dispatcher {
+            parallax_ir::Dispatcher::AllToAll => {
+                a.push("--moe-token-dispatcher-type alltoall".into())
+            }
+            parallax_ir::Dispatcher::DeepEp => {
+                a.push("--moe-token-dispatcher-type flex".into());
+                a.push("--moe-flex-dispatcher-backend deepep".into());
+            }
+        }
     }
     a.push(format!("--tensor-model-parallel-size {}", l.tp));
     a.push(format!("--pipeline-model-parallel-size {}", l.pp));
@@ -1314,6 +1328,15 @@ mod tests {
         let s = export(Engine::Megatron, &plan(l.clone(), Precision::Bf16), &m).unwrap();
         assert_eq!(arg(&s, "--expert-model-parallel-size"), Some("32"));
         assert_eq!(arg(&s, "--expert-tensor-parallel-size"), Some("1"));
+        // Megatron's default dispatcher all-gathers: the plan's all-to-all is written out.
+        assert_eq!(arg(&s, "--moe-token-dispatcher-type"), Some("alltoall"));
+        let deepep = Layout {
+            dispatcher: parallax_ir::Dispatcher::DeepEp,
+            ..l.clone()
+        };
+        let t = export(Engine::Megatron, &plan(deepep, Precision::Bf16), &m).unwrap();
+        assert_eq!(arg(&t, "--moe-token-dispatcher-type"), Some("flex"));
+        assert_eq!(arg(&t, "--moe-flex-dispatcher-backend"), Some("deepep"));
         assert_eq!(
             arg(&s, "--account-for-embedding-in-pipeline-split"),
             Some("")

@@ -165,6 +165,8 @@ fn megatron_space(
 ) -> Space {
     Space {
         uneven_stages: false,
+        // DeepEP came to Megatron-Core in 2025 (the flex dispatcher).
+        deepep: false,
         sequence_parallel,
         ..space(schedules, zero, recompute)
     }

@@ -85,6 +85,9 @@ pub fn short_layout(l: &Layout) -> String {
     if l.expert_tp() != l.tp {
         s.push_str(&format!(" etp{}", l.expert_tp()));
     }
+    if !l.dispatcher.is_all_to_all() {
+        s.push_str(&format!(" {}", l.dispatcher));
+    }
     match l.schedule {
         Schedule::None => {}
         Schedule::Interleaved1F1B => s.push_str(&format!(" int-v{}", l.interleave)),

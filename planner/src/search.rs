@@ -16,9 +16,9 @@ use crate::bounds::{balanced_layers, extras, memory_gib, pass_times, ScheduleSum
 use crate::export::Engine;
 use parallax_cost::compute::DeviceModel;
 use parallax_cost::transformer::{
-    model_flops_per_step, transformer_costs, Infeasible, Setup, TransformerCosts,
+    faster_dispatcher, model_flops_per_step, transformer_costs, Infeasible, Setup, TransformerCosts,
 };
-use parallax_ir::{Layout, Offload, PartialLayout, Recompute, Schedule, StageRange};
+use parallax_ir::{Dispatcher, Layout, Offload, PartialLayout, Recompute, Schedule, StageRange};
 use parallax_sim::{simulate_priced, stage_layers, ScheduleKind, StepError, StepPrediction};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -95,6 +95,9 @@ pub struct Space {
     /// `--account-for-loss-in-pipeline-split`), so layers + 2 split evenly over the (virtual)
     /// stages, the first and the last one layer short (Qwen3-235B's 94 layers over 32).
     pub embedding_and_loss_as_layers: bool,
+    /// An MoE layer's tokens may be dispatched node-deduplicated (DeepEP) where the expert
+    /// group spans nodes.
+    pub deepep: bool,
     /// Megatron-style sequence parallelism may be chosen with tensor parallelism.
     pub sequence_parallel: bool,
     /// Tensor, context and expert parallelism may be chosen (data-parallel-only stacks such
@@ -116,6 +119,7 @@ impl Default for Space {
             recompute: Recompute::ALL.to_vec(),
             uneven_stages: true,
             embedding_and_loss_as_layers: false,
+            deepep: true,
             sequence_parallel: true,
             model_parallel: true,
             offload: vec![Offload::Optimizer, Offload::Params],
@@ -968,6 +972,7 @@ struct CostKey {
     cp: u32,
     ep: u32,
     etp: u32,
+    dispatcher: Dispatcher,
     micro_batch: u64,
     recompute: Recompute,
     sequence_parallel: bool,
@@ -983,6 +988,7 @@ impl CostKey {
             cp: l.cp,
             ep: l.ep,
             etp: l.expert_tp(),
+            dispatcher: l.dispatcher,
             micro_batch: l.micro_batch,
             recompute: l.recompute,
             sequence_parallel: l.sequence_parallel,
@@ -1290,13 +1296,14 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
         for &mb in &mbs {
             for &recompute in &recomputes {
                 for &sp in &sps {
-                    let base = Layout {
+                    let mut base = Layout {
                         dp: d.dp,
                         tp: d.tp,
                         pp: d.pp,
                         cp: d.cp,
                         ep: d.ep,
                         etp: (d.etp != d.tp).then_some(d.etp),
+                        dispatcher: f.dispatcher.unwrap_or_default(),
                         zero_stage: 0,
                         micro_batch: mb,
                         recompute,
@@ -1311,6 +1318,11 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
                         stages: Vec::new(),
                         batch_norm: Default::default(),
                     };
+                    // The dispatcher changes only the dispatch's time: the faster one, where
+                    // the stack has both and none is given.
+                    if f.dispatcher.is_none() && opts.space.deepep {
+                        base.dispatcher = faster_dispatcher(setup, &base);
+                    }
                     groups.push(Group {
                         index: groups.len() as u64,
                         base,

@@ -582,6 +582,9 @@ impl TransformerCase {
             } else {
                 None
             },
+            // Not a case field: the stack's default all-to-all (Megatron-Bridge's perf recipes
+            // set it unless a model's recipe names the flex dispatcher, which no case records).
+            dispatcher: Some(parallax_ir::Dispatcher::AllToAll),
             zero_stage: if p.fsdp == Some(true) {
                 Some(3)
             } else {

@@ -26,6 +26,7 @@ fn published(c: &TransformerCase) -> Option<Layout> {
         cp: p.cp?,
         ep: 1,
         etp: None,
+        dispatcher: Default::default(),
         zero_stage: p.zero_stage?,
         micro_batch: p.micro_batch?,
         recompute: p.recompute?,
