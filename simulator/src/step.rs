@@ -409,9 +409,9 @@ fn reduces_per_micro_batch(setup: &Setup, l: &Layout) -> bool {
 }
 
 /// Whether each virtual stage reduces its gradients over data × context parallel ranks (and
-/// its experts' over their replicas) once, after its last backward: not without replicas, not under ZeRO-3 or ZeRO-2 with
-/// accumulation (per layer and micro-batch instead), not single-process DataParallel (onto
-/// one GPU every micro-batch).
+/// its experts' over their replicas) once, after its last backward: not without replicas,
+/// not under ZeRO-3 or ZeRO-2 with accumulation (per layer and micro-batch instead), not
+/// single-process DataParallel (onto one GPU every micro-batch).
 fn reduces_at_step_end(setup: &Setup, l: &Layout) -> bool {
     (l.dp * l.cp > 1 || l.expert_dp() > 1)
         && setup.zero_stage(l) < 3
