@@ -216,13 +216,22 @@ impl<'a> Network<'a> {
     /// experts routed uniformly over `N` nodes, `N · (1 − (1 − 1/N)^k)` distinct nodes, of
     /// which `(N − 1) / N` remote — and fans out to its experts over NVLink (every copy once);
     /// the two overlap. Within one node it is the plain all-to-all.
-    pub fn deduplicated_dispatch(&self, bytes: Bytes, top_k: u64, g: Group) -> Seconds {
+    /// `node_cap` bounds the nodes a token's experts sit on (group-limited routing): its
+    /// copies then spread over that many.
+    pub fn deduplicated_dispatch(
+        &self,
+        bytes: Bytes,
+        top_k: u64,
+        g: Group,
+        node_cap: Option<u32>,
+    ) -> Seconds {
         let nodes = f64::from(g.nodes());
         if nodes <= 1.0 || top_k == 0 {
             return self.collective(Collective::AllToAll, bytes, g);
         }
         let k = top_k as f64;
-        let distinct = nodes * (1.0 - (1.0 - 1.0 / nodes).powf(k));
+        let reach = node_cap.map_or(nodes, |c| f64::from(c.max(1)).min(nodes));
+        let distinct = reach * (1.0 - (1.0 - 1.0 / reach).powf(k));
         let remote = distinct * (nodes - 1.0) / nodes;
         let per_token = bytes.0 as f64 / k;
         let intra = self.profile.intra_busbw().0;
@@ -427,7 +436,7 @@ mod tests {
         let g = Group::strided(64, 1, 8);
         let bytes = Bytes(2048 * 8 * 7168 * 2);
         let plain = net.collective(Collective::AllToAll, bytes, g);
-        let dedup = net.deduplicated_dispatch(bytes, 8, g);
+        let dedup = net.deduplicated_dispatch(bytes, 8, g, None);
         assert!(dedup.0 < 0.8 * plain.0, "{dedup:?} vs {plain:?}");
         let per_gpu = p.inter_busbw_per_node().unwrap().0 / 8.0;
         let remote = 8.0 * (1.0 - (7.0f64 / 8.0).powi(8)) * 7.0 / 8.0;
@@ -436,10 +445,15 @@ mod tests {
             dedup.0 >= inter && dedup.0 < inter * 1.05,
             "{dedup:?} vs {inter}"
         );
+        // Routed to at most 4 of the 8 nodes (DeepSeek-V3's group limit), fewer copies cross.
+        let limited = net.deduplicated_dispatch(bytes, 8, g, Some(4));
+        let remote4 = 4.0 * (1.0 - (3.0f64 / 4.0).powi(8)) * 7.0 / 8.0;
+        let inter4 = bytes.0 as f64 / 8.0 * remote4 / per_gpu;
+        assert!(limited < dedup && limited.0 >= inter4 && limited.0 < inter4 * 1.05);
         // Inside one node it is the all-to-all.
         let node = Group::strided(8, 1, 8);
         assert_eq!(
-            net.deduplicated_dispatch(bytes, 8, node),
+            net.deduplicated_dispatch(bytes, 8, node, None),
             net.collective(Collective::AllToAll, bytes, node)
         );
     }

@@ -835,7 +835,10 @@ fn dispatch(
     let ep_group = Group::strided(l.ep, e.etp, gpn);
     match dispatcher {
         Dispatcher::AllToAll => net.collective(Collective::AllToAll, routed, ep_group),
-        Dispatcher::DeepEp => net.deduplicated_dispatch(routed, e.top_k, ep_group),
+        Dispatcher::DeepEp => {
+            let cap = e.moe.nodes_per_token(ep_group.nodes());
+            net.deduplicated_dispatch(routed, e.top_k, ep_group, cap)
+        }
     }
 }
 
@@ -866,6 +869,8 @@ pub fn faster_dispatcher(s: &Setup, l: &Layout) -> Dispatcher {
 /// parallelism, where each stage's dp × cp × tp ranks are regrouped as etp × ep × edp.
 #[derive(Clone, Copy, Debug)]
 struct ExpertRanks {
+    /// The routing (group limits).
+    moe: MoeConfig,
     experts: u64,
     top_k: u64,
     /// Weight matrices per expert (3 gated, 2 plain).
@@ -888,6 +893,7 @@ impl ExpertRanks {
         let split = l.sequence_parallel && l.tp > 1;
         let tokens = opts.batch * opts.seq / if split { u64::from(l.tp) } else { 1 };
         ExpertRanks {
+            moe,
             experts: moe.experts,
             top_k: moe.top_k,
             mats: if m.mlp == parallax_ir::models::Mlp::Swiglu {

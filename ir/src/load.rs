@@ -469,6 +469,8 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                     };
                     let expert = int(&["moe_intermediate_size"], None)?;
                     c.moe = Some(MoeConfig {
+                        groups: small("n_group", 0)?,
+                        groups_per_token: small("topk_group", 0)?,
                         shared_ffn_hidden: int(&["n_shared_experts"], Some(0))? * expert,
                         dense_layers_first: small("first_k_dense_replace", 0)?,
                         every: small("moe_layer_freq", 1)?.max(1),
@@ -587,7 +589,7 @@ mod tests {
             (
                 // The fields DeepSeek-V3's config.json sets (as in moe-zero-offload.json's
                 // hf_config), quantization and rope scaling left out: they cost nothing here.
-                r#"{"model_type":"deepseek_v3","hidden_size":7168,"num_hidden_layers":61,"num_attention_heads":128,"num_key_value_heads":128,"intermediate_size":18432,"moe_intermediate_size":2048,"n_routed_experts":256,"n_shared_experts":1,"num_experts_per_tok":8,"first_k_dense_replace":3,"moe_layer_freq":1,"q_lora_rank":1536,"kv_lora_rank":512,"qk_nope_head_dim":128,"qk_rope_head_dim":64,"v_head_dim":128,"num_nextn_predict_layers":1,"vocab_size":129280,"max_position_embeddings":163840,"rope_theta":10000,"tie_word_embeddings":false,"attention_bias":false,"hidden_act":"silu"}"#,
+                r#"{"model_type":"deepseek_v3","hidden_size":7168,"num_hidden_layers":61,"num_attention_heads":128,"num_key_value_heads":128,"intermediate_size":18432,"moe_intermediate_size":2048,"n_routed_experts":256,"n_shared_experts":1,"num_experts_per_tok":8,"first_k_dense_replace":3,"moe_layer_freq":1,"q_lora_rank":1536,"kv_lora_rank":512,"qk_nope_head_dim":128,"qk_rope_head_dim":64,"v_head_dim":128,"num_nextn_predict_layers":1,"n_group":8,"topk_group":4,"vocab_size":129280,"max_position_embeddings":163840,"rope_theta":10000,"tie_word_embeddings":false,"attention_bias":false,"hidden_act":"silu"}"#,
                 "deepseek-v3",
             ),
             (

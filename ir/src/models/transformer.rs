@@ -62,6 +62,13 @@ pub struct MoeConfig {
     /// MLP width of the dense layers (needed where there are any).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub dense_ffn_hidden: u64,
+    /// Group-limited routing (DeepSeek's `n_group` / `topk_group`): the experts form
+    /// `groups` contiguous groups and a token's top-k come from at most `groups_per_token`
+    /// of them (0: no limit).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub groups: u32,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub groups_per_token: u32,
 }
 
 fn is_zero<T: Default + PartialEq>(x: &T) -> bool {
@@ -86,7 +93,20 @@ impl MoeConfig {
             dense_layers_first: 0,
             every: 1,
             dense_ffn_hidden: 0,
+            groups: 0,
+            groups_per_token: 0,
         }
+    }
+
+    /// The most nodes a token's experts sit on when the experts are laid out contiguously over
+    /// `nodes` nodes, under group-limited routing; `None` without a limit.
+    pub fn nodes_per_token(&self, nodes: u32) -> Option<u32> {
+        if self.groups <= 1 || self.groups_per_token == 0 || self.groups_per_token >= self.groups {
+            return None;
+        }
+        // A group spans nodes / groups nodes (at least part of one).
+        let per_group = nodes.div_ceil(self.groups).max(1);
+        Some((self.groups_per_token * per_group).min(nodes))
     }
 
     /// Whether layer `i` (from 0) is an MoE layer.
@@ -1028,6 +1048,18 @@ mod tests {
         // The costing section holds the projection, two norms and a copy of the table.
         let input = with.build_section(Section::MtpInput, opts(16)).unwrap();
         assert_eq!(input.param_count(), 2 * 64 * 64 + 2 * 64 + 100 * 64);
+        // DeepSeek-V3's routing: 8 groups, 4 a token. Over 8 nodes a group is a node: at most
+        // 4 nodes; over 16 each group spans 2: at most 8; over 4 nodes no limit bites.
+        let ds = MoeConfig {
+            groups: 8,
+            groups_per_token: 4,
+            ..MoeConfig::routed(256, 8)
+        };
+        assert_eq!(
+            [8, 16, 4].map(|n| ds.nodes_per_token(n)),
+            [Some(4), Some(8), Some(4)]
+        );
+        assert_eq!(MoeConfig::routed(256, 8).nodes_per_token(8), None);
         // Layers 0 (leading), 2 and 4 are dense; 1, 3 and 5 route.
         let m = MoeConfig {
             dense_layers_first: 1,
