@@ -251,9 +251,9 @@ pub struct TransformerCosts {
     /// A dense layer of a mixture of experts with dense layers (leading or in between); `None`
     /// where every layer costs `layer`.
     pub dense_layer: Option<PartCost>,
-    /// Which layers are dense, where some are: (leading dense layers, every how many
-    /// layers from the first MoE layer on is an MoE layer).
-    pub pattern: Option<(u32, u32)>,
+    /// The mixture whose layers these are, where some are dense (which ones,
+    /// [`MoeConfig::moe_layers_in`]).
+    pub pattern: Option<MoeConfig>,
     pub embedding: PartCost,
     pub head: PartCost,
     /// Tokens in one micro-batch on one device's sequence shard.
@@ -268,18 +268,13 @@ impl TransformerCosts {
     /// Of layers `first .. first + n`, how many are MoE-kind (`layer`) and how many dense
     /// (`dense_layer`).
     pub fn kinds_in(&self, first: u32, n: u32) -> (u32, u32) {
-        let Some((lead, every)) = self.pattern.filter(|_| self.dense_layer.is_some()) else {
-            return (n, 0);
-        };
-        let every = every.max(1);
-        let (lo, hi) = (first.max(lead), first + n);
-        let moe = if lo >= hi {
-            0
-        } else {
-            // MoE layers are lead, lead + every, …: those in lo..hi.
-            (hi - 1 - lead) / every + 1 - (lo - lead).div_ceil(every)
-        };
-        (moe, n - moe)
+        match self.pattern.filter(|_| self.dense_layer.is_some()) {
+            Some(moe) => {
+                let routed = moe.moe_layers_in(first, n);
+                (routed, n - routed)
+            }
+            None => (n, 0),
+        }
     }
 
     /// The cost of layer `i`.
@@ -398,10 +393,9 @@ pub fn model_flops_per_step(s: &Setup) -> Result<f64, Infeasible> {
             .map(|g| g.total_work(2).train_flops().0)
             .map_err(|e| Infeasible::Unsupported(e.to_string()))
     };
-    let moe = (0..s.model.layers)
-        .filter(|&i| s.model.moe.is_none() || s.model.is_moe_layer(i))
-        .count() as f64;
-    let dense = f64::from(s.model.layers) - moe;
+    let layers = s.model.layers;
+    let moe = f64::from(s.model.moe.map_or(layers, |m| m.moe_layers_in(0, layers)));
+    let dense = f64::from(layers) - moe;
     let dense_work = if dense > 0.0 {
         dense * per(Section::DenseBlock)?
     } else {
@@ -411,11 +405,7 @@ pub fn model_flops_per_step(s: &Setup) -> Result<f64, Infeasible> {
     // pass through the head.
     let mtp = f64::from(s.model.mtp_layers);
     let mtp_work = if mtp > 0.0 {
-        let last = if s.model.moe.is_some() && !s.model.is_moe_layer(s.model.layers - 1) {
-            Section::DenseBlock
-        } else {
-            Section::Block
-        };
+        let last = s.model.section_of_layer(layers - 1);
         mtp * (per(Section::MtpInput)? + per(last)? + per(Section::Head)?)
     } else {
         0.0
@@ -528,12 +518,8 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         .model
         .tp_shard(tp)
         .ok_or_else(|| Infeasible::Indivisible { what: "tp".into() })?;
-    let seq_local = s.seq / cp;
-    let opts = BuildOptions {
-        batch: l.micro_batch,
-        seq: seq_local,
-        fused_attention: s.fused_attention(),
-    };
+    let opts = micro_batch_options(s, l);
+    let seq_local = opts.seq;
     let build = |sec, opts| {
         shard
             .build_section(sec, opts)
@@ -620,7 +606,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         // ranks, the received tokens are gathered over those and the outputs reduce-scattered
         // back (top-k times the dense MLP's gather, which is why recipes fold etp to 1).
         if let Some(e) = experts {
-            let routed = Bytes(e.tokens * e.top_k * hidden * fb);
+            let routed = Bytes(e.tokens * e.moe.top_k * hidden * fb);
             let mut one = dispatch(&net, l, &e, gpn, routed, l.dispatcher) * 2.0;
             if e.gathers_over_etp() {
                 let etp_group = Group::strided(e.etp, 1, gpn);
@@ -631,7 +617,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
             layer.ep_fwd = one;
             layer.ep_bwd = one;
             // Expert weights are spread over ep × etp ranks; the graph's shard split them over tp.
-            let whole = e.experts * e.mats * hidden * s.model.ffn_hidden;
+            let whole = e.moe.experts * e.mats * hidden * s.model.ffn_hidden;
             layer.params = layer.params - whole / tp + whole / u64::from(l.ep * e.etp);
             layer.expert_params = whole / u64::from(l.ep * e.etp);
         }
@@ -711,10 +697,9 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     // through the head, whose table it shares.
     if s.model.mtp_layers > 0 {
         let input = price_local(&build(Section::MtpInput, opts)?);
-        let last = if s.model.moe.is_some() && !s.model.is_moe_layer(s.model.layers - 1) {
-            dense_layer.unwrap_or(layer)
-        } else {
-            layer
+        let last = match s.model.section_of_layer(s.model.layers - 1) {
+            Section::DenseBlock => dense_layer.unwrap_or(layer),
+            _ => layer,
         };
         let head_pass = PartCost {
             params: head_cost.params.saturating_sub(shard.vocab * hidden),
@@ -740,11 +725,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     Ok(TransformerCosts {
         layer,
         dense_layer,
-        pattern: s
-            .model
-            .moe
-            .filter(MoeConfig::has_dense_layers)
-            .map(|m| (m.dense_layers_first, m.every)),
+        pattern: s.model.moe.filter(MoeConfig::has_dense_layers),
         embedding,
         head: head_cost,
         tokens_per_microbatch: l.micro_batch * seq_local,
@@ -819,6 +800,15 @@ impl NodePrices {
     }
 }
 
+/// One device's micro-batch of a layout: its sequences, its context-parallel shard of each.
+fn micro_batch_options(s: &Setup, l: &Layout) -> BuildOptions {
+    BuildOptions {
+        batch: l.micro_batch,
+        seq: s.seq / u64::from(l.cp.max(1)),
+        fused_attention: s.fused_attention(),
+    }
+}
+
 /// One dispatch (or combine) of `routed` bytes of token copies over the layout's
 /// expert-parallel group by `dispatcher`.
 fn dispatch(
@@ -837,7 +827,7 @@ fn dispatch(
         Dispatcher::AllToAll => net.collective(Collective::AllToAll, routed, ep_group),
         Dispatcher::DeepEp => {
             let cap = e.moe.nodes_per_token(ep_group.nodes());
-            net.deduplicated_dispatch(routed, e.top_k, ep_group, cap)
+            net.deduplicated_dispatch(routed, e.moe.top_k, ep_group, cap)
         }
     }
 }
@@ -848,15 +838,10 @@ pub fn faster_dispatcher(s: &Setup, l: &Layout) -> Dispatcher {
     let Some(moe) = s.model.moe else {
         return Dispatcher::AllToAll;
     };
-    let opts = BuildOptions {
-        batch: l.micro_batch,
-        seq: s.seq / u64::from(l.cp.max(1)),
-        fused_attention: s.fused_attention(),
-    };
-    let e = ExpertRanks::of(s.model, moe, l, &opts);
+    let e = ExpertRanks::of(s.model, moe, l, &micro_batch_options(s, l));
     let net = Network::new(s.profile);
     let gpn = s.profile.node.gpus_per_node;
-    let routed = Bytes(e.tokens * e.top_k * s.model.hidden * s.float_bytes());
+    let routed = Bytes(e.tokens * e.moe.top_k * s.model.hidden * s.float_bytes());
     let time = |d| dispatch(&net, l, &e, gpn, routed, d);
     if time(Dispatcher::DeepEp) < time(Dispatcher::AllToAll) {
         Dispatcher::DeepEp
@@ -869,10 +854,8 @@ pub fn faster_dispatcher(s: &Setup, l: &Layout) -> Dispatcher {
 /// parallelism, where each stage's dp × cp × tp ranks are regrouped as etp × ep × edp.
 #[derive(Clone, Copy, Debug)]
 struct ExpertRanks {
-    /// The routing (group limits).
+    /// The mixture: experts, top-k, routing groups.
     moe: MoeConfig,
-    experts: u64,
-    top_k: u64,
     /// Weight matrices per expert (3 gated, 2 plain).
     mats: u64,
     ep: u64,
@@ -894,8 +877,6 @@ impl ExpertRanks {
         let tokens = opts.batch * opts.seq / if split { u64::from(l.tp) } else { 1 };
         ExpertRanks {
             moe,
-            experts: moe.experts,
-            top_k: moe.top_k,
             mats: if m.mlp == parallax_ir::models::Mlp::Swiglu {
                 3
             } else {
@@ -931,7 +912,7 @@ impl ExpertRanks {
     /// tokens, router, expert weights): the expert rows, the whole router, `experts / ep`
     /// local experts each `ffn / etp` wide.
     fn rank_inputs(&self, graph: &[Shape]) -> Vec<Shape> {
-        let (local, width) = (self.experts / self.ep, self.ffn / u64::from(self.etp));
+        let (local, width) = (self.moe.experts / self.ep, self.ffn / u64::from(self.etp));
         graph
             .iter()
             .enumerate()

@@ -1023,6 +1023,28 @@ fn group_families(opts: &SearchOptions, base: &Layout) -> u8 {
     })
 }
 
+/// [`partitions`] of a group's layouts for each interleave its schedules take (they depend
+/// on nothing else the schedules change).
+fn partitions_by_interleave(
+    setup: &Setup,
+    opts: &SearchOptions,
+    base: &Layout,
+    c: &TransformerCosts,
+    scheds: &[(Schedule, u32)],
+) -> HashMap<u32, Vec<(Vec<u32>, bool)>> {
+    let mut parts_of = HashMap::new();
+    for &(_, v) in scheds {
+        parts_of.entry(v).or_insert_with(|| {
+            let l = Layout {
+                interleave: v,
+                ..base.clone()
+            };
+            partitions(setup, opts, &l, c)
+        });
+    }
+    parts_of
+}
+
 /// Layer counts per virtual stage tried for `v`: the even split, and the balanced one when it
 /// differs.
 fn partitions(
@@ -1072,23 +1094,8 @@ fn group_size(
     if scheds.is_empty() {
         return (1, [0; FAMILIES]);
     }
-    // Stage partitions depend on the interleave only (as `expand` keeps them).
-    let mut parts_of: Vec<(u32, u64)> = Vec::new();
-    let mut per_zero = 0;
-    for &(_, v) in &scheds {
-        per_zero += match parts_of.iter().find(|p| p.0 == v) {
-            Some(p) => p.1,
-            None => {
-                let l = Layout {
-                    interleave: v,
-                    ..g.base.clone()
-                };
-                let n = partitions(setup, opts, &l, c).len() as u64;
-                parts_of.push((v, n));
-                n
-            }
-        };
-    }
+    let parts_of = partitions_by_interleave(setup, opts, &g.base, c, &scheds);
+    let per_zero: u64 = scheds.iter().map(|(_, v)| parts_of[v].len() as u64).sum();
     let mut members = [0u64; FAMILIES];
     let zeros = zeros_of(opts, &g.base);
     for &z in &zeros {
@@ -1224,13 +1231,14 @@ pub(crate) fn degree_tuples(
                 // width split over etp of them — all the TP ranks (the experts inside the
                 // tensor-parallel region) or one (folded over them, as Megatron-Core's recipes
                 // run fine-grained experts) — spread over ep. A given etp is kept as given.
-                let (etps, ranks) = match (model.moe, fixed.etp) {
-                    (Some(_), Some(e)) => (vec![u64::from(e)], dp * cp * tp),
-                    (Some(_), None) if tp > 1 => (vec![tp, 1], dp * cp * tp),
-                    (Some(_), None) => (vec![1], dp * cp),
+                let ranks = dp * cp * tp;
+                let etps = match (model.moe, fixed.etp) {
+                    (Some(_), Some(e)) => vec![u64::from(e)],
+                    (Some(_), None) if tp > 1 => vec![tp, 1],
+                    (Some(_), None) => vec![1],
                     // A dense model has no experts: a given etp other than tp is refused
                     // by the costs, with the reason.
-                    (None, _) => (vec![fixed.etp.map_or(tp, u64::from)], 1),
+                    (None, _) => vec![fixed.etp.map_or(tp, u64::from)],
                 };
                 for etp in etps.into_iter().filter(|&e| keep(fixed.etp, e)) {
                     let eps: Vec<u64> = match model.moe {
@@ -1402,17 +1410,7 @@ fn expand(
         )
     });
     let mut local = 0u64;
-    // Stage partitions depend on the interleave only.
-    let mut parts_of: HashMap<u32, Vec<(Vec<u32>, bool)>> = HashMap::new();
-    for &(_, v) in &scheds {
-        parts_of.entry(v).or_insert_with(|| {
-            let l = Layout {
-                interleave: v,
-                ..base.clone()
-            };
-            partitions(setup, opts, &l, c)
-        });
-    }
+    let parts_of = partitions_by_interleave(setup, opts, base, c, &scheds);
     for &zero in &zeros {
         for &(schedule, v) in &scheds {
             let mut l = Layout {

@@ -111,7 +111,19 @@ impl MoeConfig {
 
     /// Whether layer `i` (from 0) is an MoE layer.
     pub fn is_moe_layer(&self, i: u32) -> bool {
-        i >= self.dense_layers_first && (i - self.dense_layers_first) % self.every.max(1) == 0
+        self.moe_layers_in(i, 1) == 1
+    }
+
+    /// How many of layers `first .. first + n` are MoE layers (`dense_layers_first`,
+    /// `dense_layers_first + every`, …), in closed form.
+    pub fn moe_layers_in(&self, first: u32, n: u32) -> u32 {
+        let (lead, every) = (self.dense_layers_first, self.every.max(1));
+        let (lo, hi) = (first.max(lead), first.saturating_add(n));
+        if lo >= hi {
+            0
+        } else {
+            (hi - 1 - lead) / every + 1 - (lo - lead).div_ceil(every)
+        }
     }
 
     /// Whether some layers have a dense MLP.
@@ -447,6 +459,15 @@ impl TransformerConfig {
     /// Whether layer `i` (from 0) routes over experts.
     pub fn is_moe_layer(&self, i: u32) -> bool {
         self.moe.is_some_and(|m| m.is_moe_layer(i))
+    }
+
+    /// The section graph that prices layer `i`: `Block` (an MoE layer in a mixture, any layer
+    /// of a dense model) or `DenseBlock` (a mixture's dense layers).
+    pub fn section_of_layer(&self, i: u32) -> Section {
+        match self.moe {
+            Some(m) if !m.is_moe_layer(i) => Section::DenseBlock,
+            _ => Section::Block,
+        }
     }
 
     /// MLP width of a dense layer: the model's, or its dense layers' in a mixture of experts.
