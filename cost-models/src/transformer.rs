@@ -10,7 +10,9 @@
 use crate::comm::{exposed, Collective, Group, Network};
 use crate::compute::{DeviceModel, OpTimes};
 use parallax_hardware::ClusterProfile;
-use parallax_ir::models::{BuildOptions, MoeConfig, Section, TransformerConfig};
+use parallax_ir::models::{
+    BuildOptions, LayerKind, LayerStack, MoeConfig, Section, TransformerConfig,
+};
 use parallax_ir::op::OpKind;
 use parallax_ir::{
     Bytes, ComputeClass, Dispatcher, Graph, Layout, Precision, Recompute, Seconds, Shape,
@@ -229,6 +231,28 @@ impl std::ops::Add for PartCost {
 }
 
 impl PartCost {
+    /// Nothing: no time, bytes, parameters or FLOPs.
+    pub const ZERO: PartCost = PartCost {
+        compute: OpTimes {
+            fwd: Seconds(0.0),
+            bwd_input: Seconds(0.0),
+            bwd_weight: Seconds(0.0),
+        },
+        recompute: Seconds(0.0),
+        tp_fwd: Seconds(0.0),
+        tp_bwd: Seconds(0.0),
+        cp_fwd: Seconds(0.0),
+        cp_bwd: Seconds(0.0),
+        ep_fwd: Seconds(0.0),
+        ep_bwd: Seconds(0.0),
+        saved: Bytes(0),
+        working: Bytes(0),
+        params: 0,
+        expert_params: 0,
+        model_flops: 0.0,
+        hardware_flops: 0.0,
+    };
+
     /// Forward pass on the critical path.
     pub fn fwd(&self) -> Seconds {
         self.compute.fwd + self.tp_fwd + self.cp_fwd + self.ep_fwd
@@ -246,14 +270,10 @@ impl PartCost {
 /// Costs of the three parts of a transformer under one layout.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TransformerCosts {
-    /// A layer: an MoE layer in a mixture-of-experts model.
-    pub layer: PartCost,
-    /// A dense layer of a mixture of experts with dense layers (leading or in between); `None`
-    /// where every layer costs `layer`.
-    pub dense_layer: Option<PartCost>,
-    /// The mixture whose layers these are, where some are dense (which ones,
-    /// [`MoeConfig::moe_layers_in`]).
-    pub pattern: Option<MoeConfig>,
+    /// A layer of each kind the model has, by [`LayerKind::index`].
+    pub kinds: [Option<PartCost>; LayerKind::COUNT],
+    /// Which layer is which kind.
+    pub stack: LayerStack,
     pub embedding: PartCost,
     pub head: PartCost,
     /// Tokens in one micro-batch on one device's sequence shard.
@@ -265,24 +285,27 @@ pub struct TransformerCosts {
 }
 
 impl TransformerCosts {
-    /// Of layers `first .. first + n`, how many are MoE-kind (`layer`) and how many dense
-    /// (`dense_layer`).
-    pub fn kinds_in(&self, first: u32, n: u32) -> (u32, u32) {
-        match self.pattern.filter(|_| self.dense_layer.is_some()) {
-            Some(moe) => {
-                let routed = moe.moe_layers_in(first, n);
-                (routed, n - routed)
-            }
-            None => (n, 0),
-        }
+    /// The cost of a layer of `kind` (a default, empty cost for a kind the model lacks).
+    pub fn kind(&self, kind: LayerKind) -> &PartCost {
+        const NONE: PartCost = PartCost::ZERO;
+        self.kinds[kind.index()].as_ref().unwrap_or(&NONE)
+    }
+
+    /// The layer with the most parameters on a device (a mixture's MoE layer): the unit in
+    /// which ZeRO-3 gathers and reduces per layer.
+    pub fn layer(&self) -> &PartCost {
+        self.layer_kinds()
+            .max_by_key(|l| l.params)
+            .unwrap_or(self.kind(LayerKind::Block))
     }
 
     /// The cost of layer `i`.
     pub fn layer_at(&self, i: u32) -> &PartCost {
-        match &self.dense_layer {
-            Some(d) if self.kinds_in(i, 1).1 == 1 => d,
-            _ => &self.layer,
-        }
+        let counts = self.stack.kinds_in(i, 1);
+        LayerKind::ALL
+            .into_iter()
+            .find(|k| counts[k.index()] == 1)
+            .map_or_else(|| self.layer(), |k| self.kind(k))
     }
 
     /// Sum of `f` over layers `first .. first + n`.
@@ -290,21 +313,36 @@ impl TransformerCosts {
     where
         T: std::ops::Mul<f64, Output = T> + std::ops::Add<Output = T>,
     {
-        let (moe, dense) = self.kinds_in(first, n);
-        let d = self.dense_layer.as_ref().unwrap_or(&self.layer);
-        f(&self.layer) * f64::from(moe) + f(d) * f64::from(dense)
+        let counts = self.stack.kinds_in(first, n);
+        let mut kinds = self.present(counts);
+        let (k, c) = kinds.next().unwrap_or((LayerKind::Block, 0));
+        kinds.fold(f(self.kind(k)) * f64::from(c), |sum, (k, c)| {
+            sum + f(self.kind(k)) * f64::from(c)
+        })
     }
 
     /// Parameters (`f` of each kind, a count) over layers `first .. first + n`.
     pub fn layers_count(&self, first: u32, n: u32, f: impl Fn(&PartCost) -> u64) -> u64 {
-        let (moe, dense) = self.kinds_in(first, n);
-        let d = self.dense_layer.as_ref().unwrap_or(&self.layer);
-        f(&self.layer) * u64::from(moe) + f(d) * u64::from(dense)
+        let counts = self.stack.kinds_in(first, n);
+        self.present(counts)
+            .map(|(k, c)| f(self.kind(k)) * u64::from(c))
+            .sum()
+    }
+
+    /// The kinds among `counts` that occur, with their counts.
+    fn present(
+        &self,
+        counts: [u32; LayerKind::COUNT],
+    ) -> impl Iterator<Item = (LayerKind, u32)> + '_ {
+        LayerKind::ALL
+            .into_iter()
+            .map(move |k| (k, counts[k.index()]))
+            .filter(|(_, c)| *c > 0)
     }
 
     /// The kinds of layer the model has (for maxima over its layers).
     pub fn layer_kinds(&self) -> impl Iterator<Item = &PartCost> {
-        std::iter::once(&self.layer).chain(self.dense_layer.as_ref())
+        self.kinds.iter().flatten()
     }
 }
 
@@ -394,27 +432,21 @@ pub fn model_flops_per_step(s: &Setup) -> Result<f64, Infeasible> {
             .map_err(|e| Infeasible::Unsupported(e.to_string()))
     };
     let layers = s.model.layers;
-    let moe = f64::from(s.model.moe.map_or(layers, |m| m.moe_layers_in(0, layers)));
-    let dense = f64::from(layers) - moe;
-    let dense_work = if dense > 0.0 {
-        dense * per(Section::DenseBlock)?
-    } else {
-        0.0
-    };
+    let counts = s.model.layer_kinds_in(0, layers);
+    let mut layers_work = 0.0;
+    for kind in s.model.layer_kinds() {
+        layers_work += f64::from(counts[kind.index()]) * per(Section::Layer(kind))?;
+    }
     // Multi-token prediction: per module its input, a block like the last layer and a
     // pass through the head.
     let mtp = f64::from(s.model.mtp_layers);
     let mtp_work = if mtp > 0.0 {
-        let last = s.model.section_of_layer(layers - 1);
+        let last = Section::Layer(s.model.layer_kind(layers - 1));
         mtp * (per(Section::MtpInput)? + per(last)? + per(Section::Head)?)
     } else {
         0.0
     };
-    let per_seq = moe * per(Section::Block)?
-        + dense_work
-        + mtp_work
-        + per(Section::Embedding)?
-        + per(Section::Head)?;
+    let per_seq = layers_work + mtp_work + per(Section::Embedding)? + per(Section::Head)?;
     Ok(per_seq * s.global_batch as f64)
 }
 
@@ -437,9 +469,22 @@ pub fn check_layout(s: &Setup, l: &Layout) -> Result<(), Infeasible> {
     let ind = |what: String| Err(Infeasible::Indivisible { what });
     if m.tp_shard(u64::from(l.tp)).is_none() {
         return ind(format!(
-            "tp {} must divide heads {}, ffn {} and kv heads {}",
-            l.tp, m.heads, m.ffn_hidden, m.kv_heads
+            "tp {} must divide heads {}, ffn {} and kv heads {}{}",
+            l.tp,
+            m.heads,
+            m.ffn_hidden,
+            m.kv_heads,
+            m.hybrid.as_ref().map_or(String::new(), |h| format!(
+                ", Mamba heads {} and groups {}",
+                h.mamba.heads, h.mamba.groups
+            ))
         ));
+    }
+    if l.cp > 1 && s.model.layer_kinds().any(|k| k == LayerKind::Mamba) {
+        return Err(Infeasible::Unsupported(format!(
+            "cp {}: context parallelism over Mamba layers (their scan runs along the whole sequence) is not modelled",
+            l.cp
+        )));
     }
     if s.seq % u64::from(l.cp) != 0 || (l.cp > 1 && (s.seq / u64::from(l.cp)) % 2 != 0) {
         return ind(format!(
@@ -526,8 +571,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
             .map_err(|e| Infeasible::Unsupported(e.to_string()))
     };
     let head_seq = head_tokens(s, seq_local);
-    let (block, embed, head) = (
-        build(Section::Block, opts)?,
+    let (embed, head) = (
         build(Section::Embedding, opts)?,
         build(
             Section::Head,
@@ -561,19 +605,21 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     } else {
         net.collective(Collective::AllReduce, act, tp_group)
     };
-    // One layer as a device runs it: an MoE layer under `experts`, or a dense one.
-    let price_layer = |block: &Graph, experts: Option<ExpertRanks>| -> PartCost {
+    // One layer of `kind` as a device runs it, its MoE MLP under `experts`.
+    let price_layer = |kind: LayerKind, block: &Graph, experts: Option<ExpertRanks>| -> PartCost {
         let block_prices = NodePrices::new(&dev, block, fb, sp, l.tp, hidden, cp, experts);
         let mut layer = price(block, &block_prices, fb, sp, l.tp, hidden);
         // Under sequence parallelism an MoE layer reads the sequence-split tokens directly: its
         // dispatcher replaces the MLP's gather and reduce-scatter over the TP group, so only the
-        // attention's pair remains — unless shared experts, a tensor-parallel MLP, need them.
+        // attention's pair remains (none in a hybrid stack's MoE layer) — unless shared
+        // experts, a tensor-parallel MLP, need them.
         let shared = s.model.moe.is_some_and(|m| m.shared_ffn_hidden > 0);
-        let tp_regions = if experts.is_some() && sp && !shared {
-            1.0
-        } else {
-            2.0
-        };
+        let tp_regions = f64::from(kind.tp_regions())
+            - if experts.is_some() && sp && !shared {
+                1.0
+            } else {
+                0.0
+            };
         let tp_layer = if s.runtime.tp_comm_overlap && l.tp > 1 && sp {
             // Each collective hides behind the GEMM it is pipelined with: the four linear layers
             // of a block share the forward (and, mirrored, the backward) collectives. Only the
@@ -592,7 +638,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         layer.tp_bwd = tp_layer;
         // Context parallelism: a ring passes K and V (cp − 1) times in forward, and K, V and their
         // gradients in backward; each step overlaps the attention of the previous block.
-        if l.cp > 1 {
+        if l.cp > 1 && kind.has_attention() {
             let kv = Bytes(2 * l.micro_batch * seq_local * shard.kv_heads * shard.head_dim * fb);
             let steps = (cp - 1) as f64;
             let attn = block_prices.time(block, |op| matches!(op, OpKind::Attention(_)));
@@ -652,14 +698,12 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         .model
         .moe
         .map(|moe| ExpertRanks::of(s.model, moe, l, &opts));
-    let layer = price_layer(&block, experts);
-    // The dense layers of a mixture of experts, where it has any.
-    let dense_layer = match s.model.moe {
-        Some(m) if m.has_dense_layers() => {
-            Some(price_layer(&build(Section::DenseBlock, opts)?, None))
-        }
-        _ => None,
-    };
+    let mut kinds = [None; LayerKind::COUNT];
+    for kind in s.model.layer_kinds() {
+        let routed = matches!(kind, LayerKind::Block | LayerKind::Moe);
+        let graph = build(Section::Layer(kind), opts)?;
+        kinds[kind.index()] = Some(price_layer(kind, &graph, experts.filter(|_| routed)));
+    }
 
     // Embedding (vocab-parallel: an all-reduce of its output over TP) and head (vocab-parallel
     // cross-entropy: small all-reduces of per-token max and sum).
@@ -697,10 +741,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     // through the head, whose table it shares.
     if s.model.mtp_layers > 0 {
         let input = price_local(&build(Section::MtpInput, opts)?);
-        let last = match s.model.section_of_layer(s.model.layers - 1) {
-            Section::DenseBlock => dense_layer.unwrap_or(layer),
-            _ => layer,
-        };
+        let last = kinds[s.model.layer_kind(s.model.layers - 1).index()].unwrap_or_default();
         let head_pass = PartCost {
             params: head_cost.params.saturating_sub(shard.vocab * hidden),
             ..head_cost
@@ -723,9 +764,8 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         };
 
     Ok(TransformerCosts {
-        layer,
-        dense_layer,
-        pattern: s.model.moe.filter(MoeConfig::has_dense_layers),
+        kinds,
+        stack: s.model.stack(),
         embedding,
         head: head_cost,
         tokens_per_microbatch: l.micro_batch * seq_local,
@@ -1134,7 +1174,7 @@ mod tests {
         };
         let (all, masked) = (costs(false), costs(true));
         assert_eq!(head_tokens(&Setup::new(&m, &p, 1, 128, 64), 128), 128);
-        assert_eq!(all.layer, masked.layer);
+        assert_eq!(all.layer(), masked.layer());
         assert_eq!(all.head.working.0, 128 * m.vocab * LOSS_BYTES_PER_LOGIT);
         assert_eq!(masked.head.working.0, 20 * m.vocab * LOSS_BYTES_PER_LOGIT);
         // 20 / 128 of the work (the pooler reads the first token either way); smaller GEMMs
@@ -1161,24 +1201,26 @@ mod tests {
         let (sq, b, h, a, t) = (2048.0, 1.0, 12288.0, 96.0, 8.0);
         let tp_only = transformer_costs(&s, &layout(8, false, Recompute::None)).unwrap();
         let expect = sq * b * h * (10.0 + 24.0 / t + 5.0 * a * sq / (h * t)) + 16.0 * sq;
-        let got = tp_only.layer.saved.0 as f64;
+        let got = tp_only.layer().saved.0 as f64;
         assert!((got / expect - 1.0).abs() < 0.01, "{got} vs {expect}");
         let with_sp = transformer_costs(&s, &layout(8, true, Recompute::None)).unwrap();
         let expect = sq * b * h / t * (34.0 + 5.0 * a * sq / h) + 16.0 * sq / t;
-        let got = with_sp.layer.saved.0 as f64;
+        let got = with_sp.layer().saved.0 as f64;
         assert!((got / expect - 1.0).abs() < 0.01, "{got} vs {expect}");
         // Selective keeps no score-sized state and none of the cheap ops' outputs: at most the
         // paper's 34·s·b·h/t, and at least the matmul outputs it must keep (q, k, v, attention
         // output, fc1 output: 12 s·b·h/t bytes) plus the layer input.
         let sel = transformer_costs(&s, &layout(8, true, Recompute::Selective)).unwrap();
-        let saved = sel.layer.saved.0 as f64;
+        let saved = sel.layer().saved.0 as f64;
         assert!(saved <= sq * b * h / t * 34.0, "{saved}");
         assert!(saved >= sq * b * h / t * 14.0, "{saved}");
         let full = transformer_costs(&s, &layout(8, true, Recompute::Full)).unwrap();
-        assert_eq!(full.layer.saved.0 as f64, sq * b * h * 2.0 / t);
+        assert_eq!(full.layer().saved.0 as f64, sq * b * h * 2.0 / t);
         // More recomputation never keeps more.
-        assert!(full.layer.saved < sel.layer.saved && sel.layer.saved < with_sp.layer.saved);
-        assert!(full.layer.recompute > sel.layer.recompute);
+        assert!(
+            full.layer().saved < sel.layer().saved && sel.layer().saved < with_sp.layer().saved
+        );
+        assert!(full.layer().recompute > sel.layer().recompute);
     }
 
     #[test]
@@ -1238,7 +1280,7 @@ mod tests {
             };
             transformer_costs(&s, &layout(8, sp, Recompute::None))
                 .unwrap()
-                .layer
+                .layer()
                 .tp_fwd
                 .0
         };
@@ -1264,16 +1306,16 @@ mod tests {
         let s8 = setup(&m, &p, 8, no_overlap);
         let c1 = transformer_costs(&s1, &layout(1, false, Recompute::None)).unwrap();
         let c8 = transformer_costs(&s8, &layout(8, true, Recompute::None)).unwrap();
-        let r = c1.layer.compute.fwd.0 / c8.layer.compute.fwd.0;
+        let r = c1.layer().compute.fwd.0 / c8.layer().compute.fwd.0;
         assert!((4.0..8.5).contains(&r), "{r}");
-        assert_eq!(c1.layer.tp_fwd.0, 0.0);
-        assert!(c8.layer.tp_fwd.0 > 0.0);
+        assert_eq!(c1.layer().tp_fwd.0, 0.0);
+        assert!(c8.layer().tp_fwd.0 > 0.0);
         // Pipelining the collectives with their GEMMs hides them (Transformer Engine overlap).
         let s8o = setup(&m, &p, 8, Runtime::default());
         let c8o = transformer_costs(&s8o, &layout(8, true, Recompute::None)).unwrap();
-        assert!(c8o.layer.tp_fwd < c8.layer.tp_fwd);
+        assert!(c8o.layer().tp_fwd < c8.layer().tp_fwd);
         // Replicated in TP: two LayerNorms (4h) and the two row-parallel biases (2h).
-        assert_eq!(c8.layer.params * 8, c1.layer.params + 7 * 6 * 5140);
+        assert_eq!(c8.layer().params * 8, c1.layer().params + 7 * 6 * 5140);
     }
 
     #[test]
@@ -1292,9 +1334,9 @@ mod tests {
         };
         let c1 = transformer_costs(&s1, &layout(1, false, Recompute::None)).unwrap();
         let c4 = transformer_costs(&s4, &layout(4, true, Recompute::None)).unwrap();
-        let r = c1.layer.compute.fwd.0 / c4.layer.compute.fwd.0;
+        let r = c1.layer().compute.fwd.0 / c4.layer().compute.fwd.0;
         assert!((2.5..4.5).contains(&r), "{r}");
-        assert!(c4.layer.model_flops * 4.0 > 0.95 * c1.layer.model_flops);
+        assert!(c4.layer().model_flops * 4.0 > 0.95 * c1.layer().model_flops);
     }
 
     #[test]
@@ -1318,7 +1360,8 @@ mod tests {
                 },
             )
             .unwrap()
-            .layer
+            .layer()
+            .to_owned()
         };
         let (one, sixteen) = (at(1), at(16));
         assert!(
@@ -1352,7 +1395,7 @@ mod tests {
                 schedule: parallax_ir::Schedule::OneFOneB,
                 ..layout(2, true, Recompute::None)
             };
-            transformer_costs(&s, &l).unwrap().layer
+            *transformer_costs(&s, &l).unwrap().layer()
         };
         let (folded, inside) = (at(32, 1), at(16, 2));
         let whole = 128 * 3 * 4096 * 1536;
@@ -1383,7 +1426,8 @@ mod tests {
             },
         )
         .unwrap()
-        .layer;
+        .layer()
+        .to_owned();
         assert!((folded.tp_fwd.0 - inside.tp_fwd.0).abs() < 1e-15);
         // Expert FLOPs per rank do not depend on how the experts fold, all experts on each
         // TP pair included (the router, run on the gathered rows under etp 2, differs by a
@@ -1438,10 +1482,20 @@ mod tests {
             transformer_costs(&s, &l).unwrap()
         };
         let c = at(1, 8);
-        let dense = c.dense_layer.expect("a dense layer");
-        assert_eq!((c.kinds_in(0, 46), c.kinds_in(1, 10)), ((45, 1), (10, 0)));
+        let dense = c.kinds[LayerKind::DenseBlock.index()].expect("a dense layer");
+        let (block, dense_block) = (LayerKind::Block.index(), LayerKind::DenseBlock.index());
+        let (all, later) = (c.stack.kinds_in(0, 46), c.stack.kinds_in(1, 10));
+        assert_eq!(
+            (
+                all[block],
+                all[dense_block],
+                later[block],
+                later[dense_block]
+            ),
+            (45, 1, 10, 0)
+        );
         assert_eq!(c.layer_at(0), &dense);
-        assert_eq!(c.layer_at(1), &c.layer);
+        assert_eq!(c.layer_at(1), c.layer());
         assert_eq!((dense.expert_params, dense.ep_fwd), (0, Seconds(0.0)));
         // All layers' parameters are the model's blocks, the routed experts split over ep.
         let routed = 128 * 3 * 4096 * 1408 * 45;
@@ -1450,11 +1504,11 @@ mod tests {
             m.blocks_params()
         );
         // The dense layer is the lighter per token (10944 wide against 8 × 1408 + 1408).
-        assert!(dense.model_flops < c.layer.model_flops);
+        assert!(dense.model_flops < c.layer().model_flops);
         // Under sequence parallelism the shared expert, a tensor-parallel MLP, keeps the MLP's
         // gather and reduce-scatter: an MoE layer pays the TP pair twice, as a dense one.
         let c2 = at(2, 8);
-        assert_eq!(c2.layer.tp_fwd, c2.dense_layer.unwrap().tp_fwd);
+        assert_eq!(c2.layer().tp_fwd, c2.kind(LayerKind::DenseBlock).tp_fwd);
     }
 
     #[test]
@@ -1488,16 +1542,97 @@ mod tests {
             )
         };
         let ((c, flops), (c0, flops0)) = (costs(&m), costs(&without));
-        assert_eq!(c.layer, c0.layer);
-        assert_eq!(c.dense_layer, c0.dense_layer);
-        assert!(c.head.fwd() > c0.head.fwd() + c.layer.fwd());
-        assert_eq!(c.head.expert_params, c.layer.expert_params);
+        assert_eq!(c.layer(), c0.layer());
+        assert_eq!(c.kinds, c0.kinds);
+        assert!(c.head.fwd() > c0.head.fwd() + c.layer().fwd());
+        assert_eq!(c.head.expert_params, c.layer().expert_params);
         // Its own copy of the table (vocab-parallel), the projection, the block's parameters.
         let table = 129_280 / 2 * 7168;
-        assert!(c.head.params >= c0.head.params + c.layer.params + table);
+        assert!(c.head.params >= c0.head.params + c.layer().params + table);
         // One more block and head pass per sequence: 1–3 % of the 61 layers' FLOPs.
         let extra = flops / flops0 - 1.0;
         assert!((0.01..0.04).contains(&extra), "{extra}");
+    }
+
+    /// A hybrid stack prices each kind of layer on its own: only the MoE layers dispatch, only
+    /// the attention layers pay context parallelism, each single-purpose layer opens one
+    /// tensor-parallel region (none for an MoE layer under sequence parallelism without a
+    /// shared expert), and the step sums the kinds at their counts.
+    #[test]
+    fn hybrid_layers_are_priced_by_kind() {
+        let m = cfg("nemotron-h");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup {
+            seq: 8192,
+            precision: Precision::Fp8,
+            ..setup(&m, &p, 16, Runtime::default())
+        };
+        let l = Layout {
+            dp: 16,
+            ep: 8,
+            ..layout(1, false, Recompute::None)
+        };
+        let c = transformer_costs(&s, &l).unwrap();
+        let kind = |k| *c.kind(k);
+        let (mamba, attn, moe) = (
+            kind(LayerKind::Mamba),
+            kind(LayerKind::Attention),
+            kind(LayerKind::Moe),
+        );
+        assert!(c.kinds[LayerKind::Block.index()].is_none());
+        assert!(moe.ep_fwd.0 > 0.0 && mamba.ep_fwd.0 == 0.0 && attn.ep_fwd.0 == 0.0);
+        assert_eq!(c.layer(), &moe, "the heaviest layer");
+        // 23 Mamba, 6 attention and 23 MoE layers.
+        let all = c.layers_count(0, 52, |l| l.params);
+        assert_eq!(all, 23 * mamba.params + 6 * attn.params + 23 * moe.params);
+        assert_eq!(c.layer_at(5), &attn);
+        assert_eq!(c.layer_at(51), &moe);
+        // A Mamba layer's work is its projections' (6 FLOPs a parameter a token) and a few
+        // percent for the scan; at 8k tokens an attention layer's quadratic part outweighs it.
+        let projections = 6.0 * mamba.params as f64 * 8192.0;
+        let r = mamba.model_flops / projections;
+        assert!((1.0..1.1).contains(&r), "{r}");
+        assert!(attn.model_flops > mamba.model_flops);
+        // The model FLOPs: the attention layers' quadratic part and the projections of
+        // every kind, 2 × (3.2 B parameters touched a token) × 3 passes and then some.
+        let per_token = model_flops_per_step(&s).unwrap() / (s.global_batch as f64 * 8192.0);
+        assert!((19e9..25e9).contains(&per_token), "{per_token:e}");
+        // Tensor parallelism: a Mamba layer splits its heads and groups and opens one region.
+        let tp2 = Layout {
+            dp: 8,
+            ..layout(2, true, Recompute::None)
+        };
+        // (Collectives not hidden behind GEMMs, to compare them.)
+        let exposed = Setup {
+            runtime: Runtime {
+                tp_comm_overlap: false,
+                ..Runtime::default()
+            },
+            ..s
+        };
+        let folded = Layout {
+            ep: 8,
+            etp: Some(1),
+            ..tp2
+        };
+        let c2 = transformer_costs(&exposed, &folded).unwrap();
+        let (m2, a2, e2) = (
+            *c2.kind(LayerKind::Mamba),
+            *c2.kind(LayerKind::Attention),
+            *c2.kind(LayerKind::Moe),
+        );
+        assert!((m2.tp_fwd.0 - a2.tp_fwd.0).abs() < 1e-15 && m2.tp_fwd.0 > 0.0);
+        // The MoE layer keeps its shared expert's region.
+        assert!((e2.tp_fwd.0 - a2.tp_fwd.0).abs() < 1e-15);
+        assert!(m2.params < mamba.params);
+        // Context parallelism over Mamba layers is refused with its reason.
+        let cp = Layout {
+            dp: 8,
+            cp: 2,
+            ..layout(1, false, Recompute::None)
+        };
+        let err = transformer_costs(&s, &cp).unwrap_err().to_string();
+        assert!(err.contains("Mamba"), "{err}");
     }
 
     #[test]
@@ -1529,7 +1664,7 @@ mod tests {
             faster_dispatcher(&s, &at(8, Dispatcher::AllToAll)),
             Dispatcher::AllToAll
         );
-        let cost = |l: Layout| transformer_costs(&s, &l).unwrap().layer;
+        let cost = |l: Layout| *transformer_costs(&s, &l).unwrap().layer();
         let (plain, dedup) = (
             cost(at(64, Dispatcher::AllToAll)),
             cost(at(64, Dispatcher::DeepEp)),
@@ -1558,7 +1693,7 @@ mod tests {
                 seq: 8192,
                 ..setup(&m, &p, gpus, Runtime::default())
             };
-            let c = transformer_costs(&s, &l).unwrap().layer;
+            let c = *transformer_costs(&s, &l).unwrap().layer();
             (c.hardware_flops - c.model_flops) / c.model_flops
         };
         let one = extra(1, layout(1, false, Recompute::Full));
@@ -1647,11 +1782,11 @@ mod props {
                 transformer_costs(&s, &l).unwrap()
             };
             let (none, sel, full) = (at(Recompute::None), at(Recompute::Selective), at(Recompute::Full));
-            prop_assert!(sel.layer.saved <= none.layer.saved);
-            prop_assert!(full.layer.saved <= sel.layer.saved);
-            prop_assert!(full.layer.recompute >= sel.layer.recompute);
+            prop_assert!(sel.layer().saved <= none.layer().saved);
+            prop_assert!(full.layer().saved <= sel.layer().saved);
+            prop_assert!(full.layer().recompute >= sel.layer().recompute);
             for c in [&none, &sel, &full] {
-                for t in [c.layer.fwd(), c.layer.bwd_input(), c.layer.bwd_weight(), c.head.fwd(), c.embedding.fwd(), c.p2p] {
+                for t in [c.layer().fwd(), c.layer().bwd_input(), c.layer().bwd_weight(), c.head.fwd(), c.embedding.fwd(), c.p2p] {
                     prop_assert!(t.0 >= 0.0 && t.0.is_finite());
                 }
             }

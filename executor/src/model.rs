@@ -65,6 +65,20 @@ impl Dims {
     /// Checks that the executor can train `c`; errors name the unsupported feature.
     pub fn from_config(c: &TransformerConfig) -> Result<Dims, String> {
         c.validate()?;
+        let planned_only = [
+            (c.mla.is_some(), "latent attention"),
+            (c.mtp_layers > 0, "multi-token prediction modules"),
+            (c.hybrid.is_some(), "hybrid Mamba-2 stacks"),
+            (
+                c.position == Position::None,
+                "attention without position embeddings",
+            ),
+        ];
+        if let Some((_, what)) = planned_only.iter().find(|(has, _)| *has) {
+            return Err(format!(
+                "models with {what} are planned, not run, by the executor"
+            ));
+        }
         if c.moe.is_some() && c.bias {
             return Err(
                 "mixture-of-experts MLPs with biases are not run by the executor (its experts have none, as Mixtral's)"
@@ -1380,4 +1394,46 @@ pub fn head_bwd(
         false,
     );
     Ok(dx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parallax_ir::models::{zoo, MlaConfig};
+
+    /// What the executor does not train is refused by name, never run as a different model.
+    #[test]
+    fn models_the_executor_cannot_train_are_refused_by_feature() {
+        let tiny = TransformerConfig::llama(2, 64, 4, 4, 96, 100, 32);
+        assert!(Dims::from_config(&tiny).is_ok());
+        let latent = TransformerConfig {
+            head_dim: 24,
+            mla: Some(MlaConfig {
+                q_lora_rank: 0,
+                kv_lora_rank: 16,
+                qk_nope_head_dim: 16,
+                qk_rope_head_dim: 8,
+                v_head_dim: 12,
+            }),
+            ..tiny.clone()
+        };
+        let nope = TransformerConfig {
+            position: Position::None,
+            ..tiny.clone()
+        };
+        let mtp = TransformerConfig {
+            mtp_layers: 1,
+            ..tiny.clone()
+        };
+        let hybrid = zoo::transformer("nemotron-h").unwrap();
+        for (c, what) in [
+            (latent, "latent attention"),
+            (nope, "without position embeddings"),
+            (mtp, "multi-token prediction"),
+            (hybrid, "hybrid Mamba-2"),
+        ] {
+            let e = Dims::from_config(&c).unwrap_err();
+            assert!(e.contains(what) && e.contains("planned, not run"), "{e}");
+        }
+    }
 }

@@ -4,7 +4,10 @@
 use crate::graph::{Graph, GraphError};
 use crate::import::ImportError;
 use crate::models::zoo::{self, ZooDef};
-use crate::models::{BuildOptions, MlaConfig, Mlp, MoeConfig, Norm, Position, TransformerConfig};
+use crate::models::{
+    BuildOptions, HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Norm, Position,
+    TransformerConfig,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;
@@ -523,6 +526,74 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
             }
             c
         }
+        "nemotron_h" => {
+            // NVIDIA's hybrid (HF `NemotronHConfig`): `hybrid_override_pattern` names each
+            // layer; Mamba-2 mixers of `mamba_num_heads` × `mamba_head_dim` with
+            // `ssm_state_size` per `n_groups`; MoE layers of `n_routed_experts`
+            // `moe_intermediate_size` wide beside a shared expert; dense layers
+            // `intermediate_size` wide; squared-ReLU MLPs, RMSNorm, no position embedding.
+            let pattern = match v.get("hybrid_override_pattern") {
+                Some(Value::String(p)) => p.clone(),
+                Some(x) => {
+                    return Err(field_err(
+                        "hybrid_override_pattern",
+                        format!("expected a string, found {x}"),
+                    ))
+                }
+                None => return Err(field_err("hybrid_override_pattern", "missing".into())),
+            };
+            let layers = int(&["num_hidden_layers"], Some(pattern.len() as u64))?;
+            let heads = int(&["num_attention_heads"], None)?;
+            let h = int(&["hidden_size"], None)?;
+            let dense = int(&["intermediate_size"], None)?;
+            let mut c = TransformerConfig::llama(
+                to_u32(layers, "num_hidden_layers", file)?,
+                h,
+                heads,
+                int(&["num_key_value_heads"], Some(heads))?,
+                dense,
+                int(&["vocab_size"], None)?,
+                int(&["max_position_embeddings"], Some(4096))?,
+            );
+            c.head_dim = int(&["head_dim", "attention_head_dim"], Some(h / heads))?;
+            c.position = Position::None;
+            c.mlp = match v.get("mlp_hidden_act").and_then(Value::as_str) {
+                None | Some("relu2") => Mlp::SquaredRelu,
+                Some(other) => {
+                    return Err(field_err(
+                        "mlp_hidden_act",
+                        format!("'{other}' is not modelled (relu2)"),
+                    ))
+                }
+            };
+            c.tied_embeddings = flag("tie_word_embeddings", false)?;
+            c.bias = flag("attention_bias", false)? || flag("mlp_bias", false)?;
+            if pattern.contains('E') {
+                let expert = int(&["moe_intermediate_size"], None)?;
+                c.moe = Some(MoeConfig {
+                    shared_ffn_hidden: int(&["moe_shared_expert_intermediate_size"], Some(0))?
+                        * int(&["n_shared_experts"], Some(1))?,
+                    dense_ffn_hidden: if pattern.contains('-') { dense } else { 0 },
+                    ..MoeConfig::routed(
+                        int(&["n_routed_experts"], None)?,
+                        int(&["num_experts_per_tok"], None)?,
+                    )
+                });
+                c.ffn_hidden = expert;
+            }
+            c.hybrid = Some(HybridConfig {
+                pattern,
+                mamba: MambaConfig {
+                    heads: int(&["mamba_num_heads"], None)?,
+                    head_dim: int(&["mamba_head_dim"], None)?,
+                    state: int(&["ssm_state_size", "mamba_state_dim"], None)?,
+                    groups: int(&["n_groups", "mamba_n_groups"], Some(1))?,
+                    conv_kernel: int(&["conv_kernel"], Some(4))?,
+                    chunk: int(&["chunk_size"], Some(128))?,
+                },
+            });
+            c
+        }
         "bert" => {
             let h = int(&["hidden_size"], None)?;
             let mut c = TransformerConfig::gpt(
@@ -595,6 +666,11 @@ mod tests {
             (
                 r#"{"model_type":"gpt2","n_embd":768,"n_layer":12,"n_head":12,"vocab_size":50257,"n_positions":1024,"n_inner":null}"#,
                 "gpt2",
+            ),
+            (
+                // The fields of Nemotron 3 Nano's NemotronHConfig that shape the model.
+                r#"{"model_type":"nemotron_h","hidden_size":2688,"num_hidden_layers":52,"hybrid_override_pattern":"MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME","num_attention_heads":32,"num_key_value_heads":2,"head_dim":128,"intermediate_size":1856,"moe_intermediate_size":1856,"moe_shared_expert_intermediate_size":3712,"n_routed_experts":128,"num_experts_per_tok":6,"mamba_num_heads":64,"mamba_head_dim":64,"ssm_state_size":128,"n_groups":8,"conv_kernel":4,"chunk_size":128,"vocab_size":131072,"max_position_embeddings":262144,"tie_word_embeddings":false,"mlp_hidden_act":"relu2","attention_bias":false,"mlp_bias":false}"#,
+                "nemotron-h",
             ),
             (
                 r#"{"model_type":"llama","hidden_size":4096,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":14336,"vocab_size":128256,"max_position_embeddings":8192,"tie_word_embeddings":false,"rope_theta":500000.0}"#,

@@ -166,6 +166,45 @@ pub struct RnnAttrs {
     pub hidden: u64,
 }
 
+/// A Mamba-2 mixer's core (Dao & Gu 2024, "Transformers are SSMs"): the causal depthwise
+/// convolution of x, B and C with its SiLU, then the selective state-space scan as the
+/// chunked state-space-duality algorithm (`mamba_chunk_scan_combined`):
+/// `[xbc(b, s, heads·head_dim + 2·groups·state), dt(b, s, heads), conv_w(c, kernel),
+/// conv_b(c), a_log(heads), d(heads), dt_bias(heads)] -> [b, s, heads·head_dim]`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SsdAttrs {
+    pub heads: u64,
+    pub head_dim: u64,
+    /// State size N per group.
+    pub state: u64,
+    /// Groups sharing B and C (as key/value heads are shared in grouped-query attention).
+    pub groups: u64,
+    pub conv_kernel: u64,
+    /// Chunk length of the scan (Megatron-Core's `MambaMixer`: 128).
+    pub chunk: u64,
+}
+
+impl SsdAttrs {
+    /// Width of the convolved input: x, B and C.
+    pub fn conv_channels(&self) -> u64 {
+        self.heads * self.head_dim + 2 * self.groups * self.state
+    }
+
+    /// Forward FLOPs per token over a sequence of `seq`: the convolution (2·kernel per
+    /// channel) and the scan as SSD computes it with chunks of `q = min(chunk, seq)` tokens —
+    /// per group the chunk's `C·Bᵀ` (2·q·N a token), per head the masked intra-chunk product
+    /// with x (q·P a token: the kernel skips the blocks above the diagonal), the chunk states
+    /// (`Bᵀ·x`, 2·N·P) and the output from the states entering the chunk (`C·h`, 2·N·P).
+    pub fn flops_per_token(&self, seq: u64) -> f64 {
+        let q = self.chunk.min(seq).max(1) as f64;
+        let (n, p) = (self.state as f64, self.head_dim as f64);
+        2.0 * (self.conv_kernel * self.conv_channels()) as f64
+            + self.groups as f64 * 2.0 * q * n
+            + self.heads as f64 * (q * p + 4.0 * n * p)
+    }
+}
+
 /// The closed set of ops.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -206,6 +245,7 @@ pub enum OpKind {
     Gru(RnnAttrs),
     /// Rotary position embedding on `[b, s, heads, d]`.
     Rope,
+    Ssd(SsdAttrs),
 }
 
 /// How an op's time is best estimated.
@@ -481,6 +521,7 @@ impl OpKind {
             OpKind::Lstm(_) => "lstm",
             OpKind::Gru(_) => "gru",
             OpKind::Rope => "rope",
+            OpKind::Ssd(_) => "ssd",
         }
     }
 
@@ -492,7 +533,8 @@ impl OpKind {
             | OpKind::Moe(_)
             | OpKind::Conv2d(_)
             | OpKind::Lstm(_)
-            | OpKind::Gru(_) => ComputeClass::Gemm,
+            | OpKind::Gru(_)
+            | OpKind::Ssd(_) => ComputeClass::Gemm,
             OpKind::Attention(_) => ComputeClass::Attention,
             OpKind::Reshape(_) | OpKind::Flatten(_) => ComputeClass::View,
             _ => ComputeClass::MemoryBound,
@@ -828,6 +870,27 @@ impl OpKind {
                 }
                 Ok(vec![ins[0].clone()])
             }
+            OpKind::Ssd(a) => {
+                arity(op, ins, 7, 7)?;
+                rank(op, ins, 0, 3)?;
+                rank(op, ins, 1, 3)?;
+                let (b, s) = (ins[0].0[0], ins[0].0[1]);
+                let c = a.conv_channels();
+                same(op, "x, B and C", &ins[0], &Shape::new([b, s, c]))?;
+                same(op, "dt", &ins[1], &Shape::new([b, s, a.heads]))?;
+                same(op, "conv weight", &ins[2], &Shape::new([c, a.conv_kernel]))?;
+                same(op, "conv bias", &ins[3], &Shape::new([c]))?;
+                for (i, what) in [(4, "A"), (5, "D"), (6, "dt bias")] {
+                    same(op, what, &ins[i], &Shape::new([a.heads]))?;
+                }
+                if a.groups == 0 || a.heads % a.groups != 0 || a.chunk == 0 {
+                    return Err(invalid(
+                        op,
+                        "groups must divide heads and the chunk be positive",
+                    ));
+                }
+                Ok(vec![Shape::new([b, s, a.heads * a.head_dim])])
+            }
         }
     }
 
@@ -858,6 +921,13 @@ impl OpKind {
                 }
             },
             OpKind::Softmax(_) | OpKind::CrossEntropy => (elems, 0.0),
+            // The convolution's SiLU per channel; per head the softplus of dt and the decay
+            // exp(dt·A), each way.
+            OpKind::Ssd(a) => {
+                let tokens = ins.first().map_or(0.0, |x| x.leading_elems() as f64);
+                let n = tokens * (a.conv_channels() + 2 * a.heads) as f64;
+                (n, n)
+            }
             _ => (0.0, 0.0),
         }
     }
@@ -1080,6 +1150,25 @@ impl OpKind {
                     .input("g")
                     .output("bsh");
             }
+            OpKind::Ssd(_) => {
+                // The batch splits; the scan runs along the sequence, and x, B and C share
+                // one channel axis laid out [x | B | C]: neither splits in this mapping (the
+                // transformer path shards heads and groups by tensor parallelism instead).
+                b.axis('b', Sample, true)
+                    .axis('s', Attribute, false)
+                    .param('c', false)
+                    .param('k', false)
+                    .param('n', false)
+                    .param('y', false);
+                b.input("bsc")
+                    .input("bsn")
+                    .input("ck")
+                    .input("c")
+                    .input("n")
+                    .input("n")
+                    .input("n")
+                    .output("bsy");
+            }
         }
         b.build()
     }
@@ -1195,10 +1284,29 @@ impl OpKind {
                 let ew = 10.0 * bs * h;
                 (mm + ew, mm + 2.0 * ew, mm)
             }
+            OpKind::Ssd(a) => {
+                let (tokens, seq) = (ins[0].leading_elems() as f64, ins[0].0[1]);
+                let conv = 2.0 * tokens * (a.conv_kernel * a.conv_channels()) as f64;
+                let scan = tokens * a.flops_per_token(seq) - conv;
+                // Backward: the scan's products twice (gradients of x, B, C and dt), the
+                // convolution's input gradient; its weight gradient apart.
+                (conv + scan, conv + 2.0 * scan, conv)
+            }
         };
         let tensor_bytes = |s: &Shape| s.elems() * float_bytes;
         let (read, written) = if self.is_view() {
             (0, 0)
+        } else if let OpKind::Ssd(a) = self {
+            // Beyond its operands the scan writes each chunk's final state (fp32, N·P per
+            // head), which the state passing reads and rewrites and the output kernel reads;
+            // the convolution's output is written and read back by the scan.
+            let (b, s) = (ins[0].0[0], ins[0].0[1]);
+            let states = b * s.div_ceil(a.chunk) * a.heads * a.head_dim * a.state * 4;
+            let conv = ins[0].elems() * float_bytes;
+            (
+                ins.iter().map(tensor_bytes).sum::<u64>() + 2 * states + conv,
+                outs.iter().map(tensor_bytes).sum::<u64>() + 2 * states + conv,
+            )
         } else {
             (
                 ins.iter().map(tensor_bytes).sum::<u64>(),
@@ -1334,6 +1442,14 @@ impl OpKind {
                     ..Saved::default()
                 }
             }
+            // `mamba_chunk_scan_combined` keeps its inputs, its output and the cumulative
+            // decays (fp32, per token and head); the chunk states are recomputed.
+            OpKind::Ssd(a) => Saved {
+                inputs: data(&[0, 1]),
+                outputs: vec![0],
+                extra_bytes: rows(&ins[0]) * a.heads * 4,
+                ..Saved::default()
+            },
             _ => Saved::default(),
         }
     }

@@ -1,5 +1,6 @@
-//! Exports of a plan to the training engines teams run: Megatron-LM (`pretrain_gpt.py`
-//! arguments), DeepSpeed (`ds_config.json`) and torchtitan (its TOML job config).
+//! Exports of a plan to the training engines teams run: Megatron-LM (`pretrain_gpt.py`, or
+//! `pretrain_hybrid.py` for a hybrid stack, arguments), DeepSpeed (`ds_config.json`) and
+//! torchtitan (its TOML job config).
 //!
 //! Each engine offers only part of the layout space; [`Engine::supports`] says which part, so
 //! the planner can search inside it (`parallax plan --export ENGINE`) and an export never
@@ -138,6 +139,9 @@ impl Engine {
                  float32)"
                     .into(),
             ),
+            (Engine::DeepSpeed | Engine::Torchtitan, _) if model.hybrid.is_some() => Some(format!(
+                "{self} export does not cover hybrid Mamba-2 stacks (megatron's pretrain_hybrid.py does)"
+            )),
             (Engine::Torchtitan, _) if torchtitan_flavor(model).is_none() => Some(
                 "torchtitan has no model of these dimensions (its llama3 flavors: 8B, 70B, 405B)"
                     .into(),
@@ -158,12 +162,17 @@ impl Engine {
         let name = self.name();
         let layers = model.layers;
         let chunks = l.pp * l.interleave.max(1);
+        // Megatron places a hybrid stack's stages where its layer pattern has `|`: any split.
+        let any_split = self == Engine::Megatron && model.hybrid.is_some();
         // Explicit stages are only Megatron's own accounted split.
         let accounted = space
             .embedding_and_loss_as_layers
             .then(|| parallax_sim::accounted_layers(layers, chunks, model.mtp_layers))
             .flatten();
-        if !l.stages.is_empty() && accounted != Some(parallax_sim::stage_layers(layers, l)) {
+        if !any_split
+            && !l.stages.is_empty()
+            && accounted != Some(parallax_sim::stage_layers(layers, l))
+        {
             return Some(format!("{name} splits stages evenly"));
         }
         if l.schedule != Schedule::None && !space.schedules.contains(&l.schedule) {
@@ -178,7 +187,7 @@ impl Engine {
         if l.offload != Offload::None && !space.offload.contains(&l.offload) {
             return Some(format!("{name} export has no {} offload", l.offload));
         }
-        if !space.splits(layers, chunks, model.mtp_layers) {
+        if !any_split && !space.splits(layers, chunks, model.mtp_layers) {
             return Some(if space.embedding_and_loss_as_layers {
                 format!(
                     "{name} splits the {layers} layers (or {} with the embedding and loss) evenly over pp × v = {chunks} stages",
@@ -326,15 +335,25 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
         a.push("--group-query-attention".into());
         a.push(format!("--num-query-groups {}", m.kv_heads));
     }
-    if m.mlp == Mlp::Swiglu {
-        a.push("--swiglu".into());
+    if m.mla.is_none() && m.head_dim * m.heads != m.hidden {
+        // Megatron's head size is hidden / heads unless given (Qwen3, Nemotron-H).
+        a.push(format!("--kv-channels {}", m.head_dim));
+    }
+    match m.mlp {
+        Mlp::Swiglu => a.push("--swiglu".into()),
+        Mlp::SquaredRelu => a.push("--squared-relu".into()),
+        Mlp::Gelu | Mlp::Relu => {}
     }
     if m.norm == Norm::RmsNorm {
         a.push("--normalization RMSNorm".into());
     }
-    if m.position == Position::Rope {
-        a.push("--position-embedding-type rope".into());
-        a.push(format!("--rotary-base {}", m.rope_theta));
+    match m.position {
+        Position::Rope => {
+            a.push("--position-embedding-type rope".into());
+            a.push(format!("--rotary-base {}", m.rope_theta));
+        }
+        Position::None => a.push("--position-embedding-type none".into()),
+        Position::Learned => {}
     }
     if !m.tied_embeddings {
         a.push("--untie-embeddings-and-output-weights".into());
@@ -396,7 +415,25 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
     let split = parallax_sim::stage_layers(m.layers, l);
     let mut split_layers = m.layers;
     let mut layout_given = false;
-    if l.pp > 1 && (m.layers % chunks != 0 || m.mtp_layers > 0) {
+    if let Some(h) = &m.hybrid {
+        // `pretrain_hybrid.py` builds the layers of its pattern; `|` ends a pipeline stage
+        // (pp × v segments: the virtual stages follow from their count).
+        let mut pattern = String::new();
+        let mut at = 0usize;
+        for (i, &n) in split.iter().enumerate() {
+            if i > 0 && l.pp > 1 {
+                pattern.push('|');
+            }
+            pattern.push_str(&h.pattern[at..at + n as usize]);
+            at += n as usize;
+        }
+        a.push(format!("--hybrid-layer-pattern \"{pattern}\""));
+        a.push(format!("--mamba-num-heads {}", h.mamba.heads));
+        a.push(format!("--mamba-head-dim {}", h.mamba.head_dim));
+        a.push(format!("--mamba-state-dim {}", h.mamba.state));
+        a.push(format!("--mamba-num-groups {}", h.mamba.groups));
+        layout_given = true;
+    } else if l.pp > 1 && (m.layers % chunks != 0 || m.mtp_layers > 0) {
         if m.mtp_layers == 0 {
             a.push("--account-for-embedding-in-pipeline-split".into());
             a.push("--account-for-loss-in-pipeline-split".into());
@@ -497,6 +534,11 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
     ]);
     let per_node = plan.cluster.gpus.min(gpus_per_node_hint(plan)).max(1);
     let nodes = plan.cluster.gpus.div_ceil(per_node);
+    let script = if m.hybrid.is_some() {
+        "pretrain_hybrid.py"
+    } else {
+        "pretrain_gpt.py"
+    };
     let mut s = format!(
         "#!/bin/sh\n# parallax plan: {} on {} ({} GPUs), dp {} (implied by the world size)\n\
          # Megatron-LM derives dp = world / (tp × pp × cp). As written it trains on synthetic\n\
@@ -529,11 +571,11 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
              torchrun --nproc-per-node {per_node} --nnodes {nodes} \\\n    \
              --rdzv-backend c10d --rdzv-endpoint \"${{MASTER_ADDR:?set MASTER_ADDR to the first \
              node}}:${{MASTER_PORT:-29500}}\" \\\n    \
-             --rdzv-id \"${{SLURM_JOB_ID:-parallax}}\" pretrain_gpt.py \\\n"
+             --rdzv-id \"${{SLURM_JOB_ID:-parallax}}\" {script} \\\n"
         ));
     } else {
         s.push_str(&format!(
-            "torchrun --nproc-per-node {per_node} pretrain_gpt.py \\\n"
+            "torchrun --nproc-per-node {per_node} {script} \\\n"
         ));
     }
     let n = a.len();
@@ -1457,6 +1499,52 @@ mod tests {
         );
         assert_eq!(arg(&s, "--num-layers-per-virtual-pipeline-stage"), None);
         assert_eq!(arg(&s, "--ffn-hidden-size"), Some("18432"));
+    }
+
+    #[test]
+    fn megatron_runs_a_hybrid_stack_with_its_pattern_split_at_the_stages() {
+        // Nemotron 3 Nano over two uneven pipeline stages: the pattern's `|` places them.
+        let m = model("nemotron-h");
+        let mut l = Layout {
+            dp: 8,
+            pp: 2,
+            ep: 8,
+            zero_stage: 1,
+            schedule: Schedule::OneFOneB,
+            ..Layout::default()
+        };
+        l.stages = crate::search::stage_ranges(&[27, 25]);
+        l.validate(1024, Some(52)).unwrap();
+        assert!(Engine::Megatron.supports(&l, &m, Precision::Bf16).is_none());
+        let s = export(Engine::Megatron, &plan(l.clone(), Precision::Bf16), &m).unwrap();
+        assert!(s.contains(" pretrain_hybrid.py \\\n"), "{s}");
+        let pattern = &m.hybrid.as_ref().unwrap().pattern;
+        let want = format!("\"{}|{}\"", &pattern[..27], &pattern[27..]);
+        assert_eq!(arg(&s, "--hybrid-layer-pattern"), Some(want.as_str()));
+        for (flag, value) in [
+            ("--mamba-num-heads", "64"),
+            ("--mamba-head-dim", "64"),
+            ("--mamba-state-dim", "128"),
+            ("--mamba-num-groups", "8"),
+            ("--position-embedding-type", "none"),
+            ("--kv-channels", "128"),
+            ("--squared-relu", ""),
+            ("--moe-shared-expert-intermediate-size", "3712"),
+        ] {
+            assert_eq!(arg(&s, flag), Some(value), "{flag}");
+        }
+        // Megatron refuses these beside a hybrid pattern.
+        for flag in [
+            "--account-for-embedding-in-pipeline-split",
+            "--pipeline-model-parallel-layout",
+            "--num-layers-per-virtual-pipeline-stage",
+        ] {
+            assert_eq!(arg(&s, flag), None, "{flag}");
+        }
+        for engine in [Engine::DeepSpeed, Engine::Torchtitan] {
+            let why = engine.supports(&l, &m, Precision::Bf16).unwrap();
+            assert!(why.contains("hybrid"), "{why}");
+        }
     }
 
     #[test]

@@ -9,7 +9,9 @@ pub use crate::general_cases::{GeneralCase, GENERAL_CASES_SCHEMA};
 use crate::search::Space;
 use parallax_cost::transformer::Setup;
 use parallax_hardware::{Cluster, ClusterProfile};
-use parallax_ir::models::{MlaConfig, Mlp, MoeConfig, TransformerConfig};
+use parallax_ir::models::{
+    HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, TransformerConfig,
+};
 use parallax_ir::{PartialLayout, Precision, Recompute, Schedule};
 use rayon::prelude::*;
 use serde::de::IgnoredAny;
@@ -252,10 +254,9 @@ pub struct CaseModel {
     /// `/1.1`: mixture-of-experts shape.
     #[serde(default)]
     pub moe: Option<Box<CaseMoe>>,
-    /// `/1.1`: a Mamba/attention hybrid's layer pattern (not modelled: such a case is
-    /// skipped).
+    /// `/1.1`: a Mamba/attention hybrid's layer pattern.
     #[serde(default)]
-    pub hybrid: Option<IgnoredAny>,
+    pub hybrid: Option<Box<CaseHybrid>>,
     /// `/1.1`: multi-token prediction modules trained in the run.
     #[serde(default)]
     pub mtp: Option<CaseMtp>,
@@ -272,6 +273,34 @@ pub struct CaseModel {
     pub hf_config_source: Option<IgnoredAny>,
     #[serde(default)]
     pub hf_config_note: Option<IgnoredAny>,
+}
+
+/// A Mamba/attention hybrid of a `/1.1` case: its layer pattern (Megatron's
+/// `--hybrid-override-pattern` symbols) and its Mamba-2 mixers.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CaseHybrid {
+    pub pattern: String,
+    pub mamba: CaseMamba,
+    /// Informational: what the symbols mean and how many of each there are.
+    #[serde(default)]
+    pub legend: Option<IgnoredAny>,
+    #[serde(default)]
+    pub counts: Option<IgnoredAny>,
+}
+
+/// The Mamba-2 mixers of a hybrid case.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CaseMamba {
+    pub heads: u64,
+    pub head_dim: u64,
+    pub state_dim: u64,
+    pub groups: u64,
+    #[serde(default)]
+    pub conv_kernel: Option<u64>,
+    #[serde(default)]
+    pub chunk_size: Option<u64>,
 }
 
 /// The multi-token prediction of a `/1.1` case.
@@ -475,8 +504,8 @@ impl TransformerCase {
     /// this reason (not refused: the run is real).
     pub fn unmodelled(&self) -> Option<String> {
         let m = &self.model;
-        if m.hybrid.is_some() || m.arch == "nemotron-h" {
-            return Some("model.hybrid: Mamba/attention hybrids are not modelled yet".into());
+        if m.arch == "nemotron-h" && m.hybrid.is_none() {
+            return Some("model.hybrid: a nemotron-h case needs its layer pattern".into());
         }
         if let Some(moe) = &m.moe {
             if moe.latent_size.is_some() {
@@ -499,7 +528,9 @@ impl TransformerCase {
                 m.vocab,
                 m.seq_len,
             ),
-            "llama" => TransformerConfig::llama(
+            // A hybrid's attention, MLP and MoE layers are Llama-shaped (RMSNorm, no biases,
+            // untied); its MLP kind, position embedding and pattern follow.
+            "llama" | "nemotron-h" => TransformerConfig::llama(
                 m.layers,
                 m.hidden,
                 m.heads,
@@ -508,7 +539,11 @@ impl TransformerCase {
                 m.vocab,
                 m.seq_len,
             ),
-            other => return Err(format!("model.arch '{other}' is not gpt or llama")),
+            other => {
+                return Err(format!(
+                    "model.arch '{other}' is not gpt, llama or nemotron-h"
+                ))
+            }
         };
         cfg.kv_heads = kv;
         cfg.mlp = match m.mlp.as_deref() {
@@ -524,6 +559,36 @@ impl TransformerCase {
         };
         if let Some(d) = m.attention.as_ref().and_then(|a| a.head_dim) {
             cfg.head_dim = d;
+        }
+        match m
+            .attention
+            .as_ref()
+            .and_then(|a| a.position_embedding.as_deref())
+        {
+            None => {}
+            Some("none") => cfg.position = Position::None,
+            Some("rope") => cfg.position = Position::Rope,
+            Some("learned") => cfg.position = Position::Learned,
+            Some(other) => {
+                return Err(format!(
+                    "model.attention.position_embedding '{other}' is none of rope, learned, none"
+                ))
+            }
+        }
+        if let Some(h) = &m.hybrid {
+            let mamba = &h.mamba;
+            cfg.hybrid = Some(HybridConfig {
+                pattern: h.pattern.clone(),
+                mamba: MambaConfig {
+                    heads: mamba.heads,
+                    head_dim: mamba.head_dim,
+                    state: mamba.state_dim,
+                    groups: mamba.groups,
+                    conv_kernel: mamba.conv_kernel.unwrap_or(4),
+                    // Megatron-Core's `MambaMixer` default.
+                    chunk: mamba.chunk_size.unwrap_or(128),
+                },
+            });
         }
         if let Some(a) = m.attention.as_ref().filter(|a| a.kind == "mla") {
             let need = |k: &str, v: Option<u64>| {
@@ -547,11 +612,22 @@ impl TransformerCase {
             // in-between dense layers are `dense_ffn_hidden` wide.
             let shared = moe.shared_experts.unwrap_or(0);
             let expert = moe.expert_ffn_hidden.unwrap_or(m.ffn_hidden);
+            let (first, every) = (
+                moe.dense_layers_first.unwrap_or(0),
+                moe.moe_layer_frequency.unwrap_or(1),
+            );
+            let dense = first > 0
+                || every > 1
+                || m.hybrid.as_ref().is_some_and(|h| h.pattern.contains('-'));
             cfg.moe = Some(MoeConfig {
                 shared_ffn_hidden: shared * moe.shared_expert_ffn_hidden.unwrap_or(expert),
-                dense_layers_first: moe.dense_layers_first.unwrap_or(0),
-                every: moe.moe_layer_frequency.unwrap_or(1),
-                dense_ffn_hidden: moe.dense_ffn_hidden.unwrap_or(m.ffn_hidden),
+                dense_layers_first: first,
+                every,
+                dense_ffn_hidden: if dense {
+                    moe.dense_ffn_hidden.unwrap_or(m.ffn_hidden)
+                } else {
+                    0
+                },
                 ..MoeConfig::routed(moe.experts, moe.top_k)
             });
             cfg.ffn_hidden = expert;
@@ -856,9 +932,39 @@ mod tests {
                     .contains("offload=optimizer"),
             "{offload:?}"
         );
-        assert!(by_id("mb260401-nemotron3nano-16xh100-fp8")
-            .status
-            .contains("model.hybrid"));
+        // Nemotron 3 Nano, a hybrid of Mamba-2, MoE and attention layers, with the published
+        // expert parallelism and no attention position embedding.
+        let nano = by_id("mb260401-nemotron3nano-16xh100-fp8");
+        assert!(
+            nano.status == "ok" && nano.layout.as_deref().unwrap().contains("ep=8"),
+            "{nano:?}"
+        );
+        let hybrid = cases
+            .iter()
+            .find(|c| c.id() == "mb260401-nemotron3nano-16xh100-fp8")
+            .unwrap();
+        let Case::Transformer(t) = hybrid else {
+            panic!("a transformer case")
+        };
+        let m = t.transformer().unwrap();
+        assert_eq!(m.position, Position::None);
+        assert_eq!(
+            m.layer_kinds().collect::<Vec<_>>(),
+            [
+                parallax_ir::models::LayerKind::Mamba,
+                parallax_ir::models::LayerKind::Attention,
+                parallax_ir::models::LayerKind::Moe
+            ]
+        );
+        // The case's shape is the zoo's Nemotron 3 Nano but for the sequence it ran.
+        let zoo = parallax_ir::models::zoo::transformer("nemotron-h").unwrap();
+        assert_eq!(
+            TransformerConfig {
+                max_seq: zoo.max_seq,
+                ..m
+            },
+            zoo
+        );
         // FSDP runs are ZeRO-3 and dense; Mixtral is routed over its 8 experts with the
         // published expert parallelism.
         let fsdp = by_id("ibm-fsdp-llama2-70b-128xa100");

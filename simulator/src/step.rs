@@ -499,7 +499,7 @@ pub fn step_terms(
     // prefetches them behind the previous layer, as ZeRO-3 does its gathers).
     let (fetch_fwd, fetch_bwd) = match (&host, l.offload) {
         (Some(h), Offload::Params) => {
-            let shard_params = c.layer.params / u64::from(shard);
+            let shard_params = c.layer().params / u64::from(shard);
             let up = h.link(shard_params * wbytes);
             (up, up + h.link(shard_params * setup.grad_reduce_bytes()))
         }
@@ -508,7 +508,7 @@ pub fn step_terms(
     // Per-layer terms below are an MoE-kind layer's where a mixture has dense layers too
     // (ZeRO-3 and per-micro-batch ZeRO-2 are rare with experts: Megatron runs FSDP without).
     let zero3 = if zero >= 3 && (shard > 1 || l.offload == Offload::Params) {
-        let p = c.layer.params;
+        let p = c.layer().params;
         let calls = setup.runtime.zero3_gathers_per_layer.max(1);
         let ag = net.collective(
             Collective::AllGather,
@@ -526,10 +526,10 @@ pub fn step_terms(
             (Seconds(0.0), Seconds(0.0))
         };
         (
-            exposed(ag + fetch_fwd, c.layer.fwd()),
+            exposed(ag + fetch_fwd, c.layer().fwd()),
             exposed(
                 ag + rs + fetch_bwd,
-                c.layer.bwd_input() + c.layer.bwd_weight(),
+                c.layer().bwd_input() + c.layer().bwd_weight(),
             ),
         )
     } else if reduces_per_micro_batch(setup, l) {
@@ -541,12 +541,12 @@ pub fn step_terms(
         // the end-of-step reduction below.
         let rs = net.collective(
             Collective::ReduceScatter,
-            Bytes(c.layer.params * setup.grad_reduce_bytes()),
+            Bytes(c.layer().params * setup.grad_reduce_bytes()),
             dp_group,
         );
         (
             Seconds(0.0),
-            exposed(rs, c.layer.bwd_input() + c.layer.bwd_weight()),
+            exposed(rs, c.layer().bwd_input() + c.layer().bwd_weight()),
         )
     } else {
         (Seconds(0.0), Seconds(0.0))
@@ -1200,8 +1200,8 @@ mod tests {
             ..Layout::default()
         };
         let c = parallax_cost::transformer::transformer_costs(&s, &l).unwrap();
-        let (layers, e) = (u64::from(m.layers), c.layer.expert_params);
-        assert!(e > 0 && e < c.layer.params);
+        let (layers, e) = (u64::from(m.layers), c.layer().expert_params);
+        assert!(e > 0 && e < c.layer().params);
         let params = virtual_stage_params(&c, &[m.layers], 0);
         let mem = stage_memory_of(&s, &l, &c, &[m.layers], 1, 0).unwrap();
         let (_, _, dense_ob) = state_bytes_per_param(s.precision, 1, 64);
@@ -1243,7 +1243,7 @@ mod tests {
         let layers = [m.layers];
         let (params, experts) = (
             virtual_stage_params(&c, &layers, 0),
-            c.layer.expert_params * u64::from(m.layers),
+            c.layer().expert_params * u64::from(m.layers),
         );
         let dense = params - experts;
         let terms = step_terms(&s, &l, &c, &layers).unwrap();
@@ -1296,23 +1296,23 @@ mod tests {
             ..Layout::default()
         };
         let c = parallax_cost::transformer::transformer_costs(&s, &l).unwrap();
-        let dense = c.dense_layer.unwrap();
+        let dense = c.kinds[parallax_ir::models::LayerKind::DenseBlock.index()].unwrap();
         let layers = [4, 4];
         assert_eq!(
             virtual_stage_params(&c, &layers, 0),
-            c.embedding.params + dense.params + 3 * c.layer.params
+            c.embedding.params + dense.params + 3 * c.layer().params
         );
         assert_eq!(
             virtual_stage_params(&c, &layers, 1),
-            c.head.params + 4 * c.layer.params
+            c.head.params + 4 * c.layer().params
         );
         let z = (Seconds(0.0), Seconds(0.0));
         let costs = pass_costs(&c, &layers, z, z, c.p2p);
-        let want = c.embedding.fwd() + dense.fwd() + c.layer.fwd() * 3.0;
+        let want = c.embedding.fwd() + dense.fwd() + c.layer().fwd() * 3.0;
         assert!((costs.forward[0].0 - want.0).abs() < 1e-12);
         assert_eq!(
             virtual_stage_saved(&c, &layers, 0),
-            (c.embedding.saved.0 + dense.saved.0 + 3 * c.layer.saved.0) as f64
+            (c.embedding.saved.0 + dense.saved.0 + 3 * c.layer().saved.0) as f64
         );
         // The whole step simulates, and its MFU counts the dense layer's FLOPs once.
         let r = simulate_step(&s, &l).unwrap().prediction;
@@ -1346,9 +1346,9 @@ mod tests {
         let net = Network::new(&p);
         let group = Group::strided(2, 1, 2);
         let reduce = |params: u64| net.collective(Collective::AllReduce, Bytes(params * 4), group);
-        let last = reduce(c.embedding.params + c.layer.params);
+        let last = reduce(c.embedding.params + c.layer().params);
         let all = reduce(virtual_stage_params(&c, &layers, 0));
-        assert!(c.embedding.params > c.layer.params * 5, "{c:?}");
+        assert!(c.embedding.params > c.layer().params * 5, "{c:?}");
         assert!(terms.dp[0].0 >= last.0, "{:?} < {last:?}", terms.dp[0]);
         assert!(terms.dp[0].0 < all.0, "{:?} >= {all:?}", terms.dp[0]);
     }
@@ -1425,7 +1425,7 @@ mod tests {
         let gbytes = s.grad_reduce_bytes() as f64;
         assert!((host.memory.grads - 5e8 * gbytes / GIB).abs() < 1e-6);
         let params = transformer_costs(&s, &off).unwrap();
-        let n = (params.layer.params * u64::from(m.layers)
+        let n = (params.layer().params * u64::from(m.layers)
             + params.embedding.params
             + params.head.params) as f64;
         let link = 15.75e9;

@@ -93,7 +93,7 @@ fn lo(r: &Region, d: usize) -> usize {
 /// Whether this kernel can run `op`.
 pub fn supported(op: &OpKind, ins: &[parallax_ir::Shape]) -> Result<(), String> {
     match op {
-        OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope => Err(format!(
+        OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope | OpKind::Ssd(_) => Err(format!(
             "the general-graph executor has no kernel for op '{}' yet (transformers run on the transformer trainer)",
             op.name()
         )),
@@ -232,7 +232,7 @@ pub fn forward(ctx: &mut Ctx<'_>, ins: &[&Local]) -> Result<(Vec<Vec<f32>>, Save
             saved.f.push(probs);
             vec![y]
         }
-        OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope => {
+        OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope | OpKind::Ssd(_) => {
             return Err(CommError::Backend(supported(ctx.op, &[]).unwrap_err()))
         }
     };
@@ -412,7 +412,7 @@ pub fn backward(
             ))
         }
         OpKind::Attention(a) => return Ok(attention_bwd(ctx, a, ins, &saved.f[0], dy)),
-        OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope => {
+        OpKind::Moe(_) | OpKind::SwiGlu | OpKind::Rope | OpKind::Ssd(_) => {
             return Err(CommError::Backend(supported(ctx.op, &[]).unwrap_err()))
         }
     }

@@ -13,5 +13,6 @@ pub mod vision;
 pub mod zoo;
 
 pub use transformer::{
-    BuildOptions, MlaConfig, Mlp, MoeConfig, Norm, Position, Section, TransformerConfig,
+    BuildOptions, HybridConfig, LayerKind, LayerStack, MambaConfig, MlaConfig, Mlp, MoeConfig,
+    Norm, Position, Section, TransformerConfig,
 };

@@ -1,10 +1,12 @@
 //! Decoder and encoder transformers as graphs: GPT (LayerNorm, GeLU, learned positions), Llama
-//! (RMSNorm, SwiGLU, RoPE, GQA), Mixtral (Llama with MoE MLPs), BERT (post-norm encoder).
+//! (RMSNorm, SwiGLU, RoPE, GQA), Mixtral (Llama with MoE MLPs), DeepSeek-V3 (latent attention,
+//! shared experts, dense layers, multi-token prediction), BERT (post-norm encoder), and hybrid
+//! stacks of Mamba-2, attention and MLP layers (Nemotron-H).
 
 use crate::dtype::DType;
 use crate::graph::{Graph, GraphBuilder, GraphError, Segment, TensorId};
 use crate::op::{
-    Activation, AttentionAttrs, MatMulAttrs, MoeAttrs, OpKind, ReshapeAttrs, SplitAttrs,
+    Activation, AttentionAttrs, MatMulAttrs, MoeAttrs, OpKind, ReshapeAttrs, SplitAttrs, SsdAttrs,
 };
 use serde::{Deserialize, Serialize};
 
@@ -38,6 +40,9 @@ pub enum Position {
     Learned,
     /// Rotary embeddings applied to queries and keys.
     Rope,
+    /// None: order comes from causal masking alone (NoPE), or from the recurrent layers of a
+    /// hybrid stack (Nemotron-H's attention layers have no position embedding).
+    None,
 }
 
 /// Mixture-of-experts MLP settings: routed experts (each `ffn_hidden` of the model wide),
@@ -171,6 +176,182 @@ pub struct TransformerConfig {
     /// like the last and a second pass through the shared head.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub mtp_layers: u32,
+    /// A hybrid stack: which layer is a Mamba-2 mixer, an attention, an MoE or a dense MLP
+    /// layer (each alone with its norm and residual) instead of `layers` transformer blocks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hybrid: Option<HybridConfig>,
+}
+
+/// A hybrid stack of single-purpose layers (Nemotron-H; Megatron-LM's `MambaModel`): layer `i`
+/// is `pattern[i]` of Megatron's `--hybrid-override-pattern` — `M` a Mamba-2 mixer, `*`
+/// self-attention, `E` a mixture-of-experts MLP (the model's `moe`), `-` a dense MLP.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HybridConfig {
+    pub pattern: String,
+    pub mamba: MambaConfig,
+}
+
+/// A Mamba-2 mixer (Dao & Gu 2024): an input projection to the gate z, the convolved x, B and
+/// C and the step sizes dt; the state-space scan over `heads` heads of `head_dim` channels with
+/// a state of `state` per group of heads sharing B and C; a gated RMSNorm and an output
+/// projection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MambaConfig {
+    pub heads: u64,
+    pub head_dim: u64,
+    pub state: u64,
+    pub groups: u64,
+    /// Width of the causal depthwise convolution (`d_conv`: 4 in every released model).
+    #[serde(default = "default_conv_kernel")]
+    pub conv_kernel: u64,
+    /// Chunk length of the scan (Megatron-Core's `MambaMixer`: 128).
+    #[serde(default = "default_chunk")]
+    pub chunk: u64,
+}
+
+fn default_conv_kernel() -> u64 {
+    4
+}
+
+fn default_chunk() -> u64 {
+    128
+}
+
+impl MambaConfig {
+    /// Channels of the scan: heads × head size.
+    pub fn inner(&self) -> u64 {
+        self.heads * self.head_dim
+    }
+
+    fn ssd(&self) -> SsdAttrs {
+        SsdAttrs {
+            heads: self.heads,
+            head_dim: self.head_dim,
+            state: self.state,
+            groups: self.groups,
+            conv_kernel: self.conv_kernel,
+            chunk: self.chunk,
+        }
+    }
+}
+
+/// Which kind each layer of a model is ([`TransformerConfig::stack`]), for those that price
+/// layers by kind.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LayerStack {
+    pub layers: u32,
+    pub moe: Option<MoeConfig>,
+    /// A hybrid stack's pattern.
+    pub pattern: Option<String>,
+}
+
+impl LayerStack {
+    /// How many of layers `first .. first + n` are of each kind
+    /// ([`TransformerConfig::layer_kinds_in`]).
+    pub fn kinds_in(&self, first: u32, n: u32) -> [u32; LayerKind::COUNT] {
+        kinds_in(
+            self.layers,
+            self.moe,
+            self.pattern.as_deref().map(str::as_bytes),
+            first,
+            n,
+        )
+    }
+}
+
+/// Layers `first .. first + n` (of `layers`) counted by kind: a hybrid `pattern`'s symbols, a
+/// mixture's MoE and dense blocks in closed form, else all blocks.
+fn kinds_in(
+    layers: u32,
+    moe: Option<MoeConfig>,
+    pattern: Option<&[u8]>,
+    first: u32,
+    n: u32,
+) -> [u32; LayerKind::COUNT] {
+    let mut counts = [0; LayerKind::COUNT];
+    let end = first.saturating_add(n).min(layers);
+    let n = end.saturating_sub(first);
+    match (pattern, moe) {
+        (Some(symbols), _) => {
+            for &c in symbols.get(first as usize..end as usize).unwrap_or(&[]) {
+                if let Some(k) = LayerKind::of_symbol(c) {
+                    counts[k.index()] += 1;
+                }
+            }
+        }
+        (None, Some(m)) => {
+            let routed = m.moe_layers_in(first, n);
+            counts[LayerKind::Block.index()] = routed;
+            counts[LayerKind::DenseBlock.index()] = n - routed;
+        }
+        (None, None) => counts[LayerKind::Block.index()] = n,
+    }
+    counts
+}
+
+/// The kinds of layer a stack is built of; each is priced by a section graph of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerKind {
+    /// A transformer block as most layers are: attention and MLP, the MLP routed over the
+    /// experts in a mixture-of-experts model.
+    Block,
+    /// A block with a dense MLP among a mixture's MoE blocks (leading or in between).
+    DenseBlock,
+    /// The layers of a hybrid stack: one Mamba-2 mixer, one attention, one MoE MLP or one
+    /// dense MLP, each with its pre-norm and residual.
+    Mamba,
+    Attention,
+    Moe,
+    Mlp,
+}
+
+impl LayerKind {
+    pub const COUNT: usize = 6;
+    pub const ALL: [LayerKind; LayerKind::COUNT] = [
+        LayerKind::Block,
+        LayerKind::DenseBlock,
+        LayerKind::Mamba,
+        LayerKind::Attention,
+        LayerKind::Moe,
+        LayerKind::Mlp,
+    ];
+
+    /// Position in [`LayerKind::ALL`] (and in per-kind arrays).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The kind a hybrid pattern's symbol names.
+    pub fn of_symbol(c: u8) -> Option<LayerKind> {
+        match c {
+            b'M' => Some(LayerKind::Mamba),
+            b'*' => Some(LayerKind::Attention),
+            b'E' => Some(LayerKind::Moe),
+            b'-' => Some(LayerKind::Mlp),
+            _ => None,
+        }
+    }
+
+    /// Whether the layer has an attention (and with it context parallelism's exchange).
+    pub fn has_attention(self) -> bool {
+        matches!(
+            self,
+            LayerKind::Block | LayerKind::DenseBlock | LayerKind::Attention
+        )
+    }
+
+    /// Tensor-parallel regions (a column- then a row-parallel projection, entered by an
+    /// all-reduce or a gather and left by a reduce-scatter) of a dense layer of this kind:
+    /// attention and MLP in a block, one in the others.
+    pub fn tp_regions(self) -> u32 {
+        match self {
+            LayerKind::Block | LayerKind::DenseBlock => 2,
+            _ => 1,
+        }
+    }
 }
 
 /// Multi-head latent attention (DeepSeek-V2, Liu et al. 2024): queries from a low-rank latent,
@@ -200,11 +381,8 @@ fn default_rope_theta() -> u64 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Section {
     Embedding,
-    /// A block as most layers are: an MoE layer in a mixture-of-experts model.
-    Block,
-    /// A block with a dense MLP: the same as `Block` in a dense model, the leading or
-    /// in-between dense layers of a mixture-of-experts model.
-    DenseBlock,
+    /// One layer of the given kind.
+    Layer(LayerKind),
     Head,
     /// What a multi-token prediction module adds before its block: the next tokens'
     /// embedding (its own copy of the table, as a pipeline's last stage keeps one), the two
@@ -257,6 +435,7 @@ impl TransformerConfig {
             rope_theta: DEFAULT_ROPE_THETA,
             mla: None,
             mtp_layers: 0,
+            hybrid: None,
         }
     }
 
@@ -292,6 +471,7 @@ impl TransformerConfig {
             rope_theta: DEFAULT_ROPE_THETA,
             mla: None,
             mtp_layers: 0,
+            hybrid: None,
         }
     }
 
@@ -328,9 +508,69 @@ impl TransformerConfig {
         }
         // One block's count fits u64 under the bounds above (< 2^62); the whole model, summed
         // in f64, may not.
-        let params = f64::from(self.layers)
-            * self.block_params_of(true).max(self.block_params_of(false)) as f64
-            + (self.vocab as f64) * (self.hidden as f64);
+        if let Some(m) = self.hybrid.as_ref().map(|h| h.mamba) {
+            // Checked before any layer's count is taken.
+            let dims = [
+                ("hybrid.mamba.heads", m.heads, 1u64 << 16),
+                ("hybrid.mamba.head_dim", m.head_dim, 1 << 16),
+                ("hybrid.mamba.state", m.state, 1 << 16),
+                ("hybrid.mamba.groups", m.groups, 1 << 16),
+                ("hybrid.mamba.conv_kernel", m.conv_kernel, 1 << 8),
+                ("hybrid.mamba.chunk", m.chunk, 1 << 16),
+            ];
+            if let Some((k, v, max)) = dims.iter().find(|(_, v, max)| *v == 0 || v > max) {
+                return Err(format!("{k} {v} must be between 1 and {max}"));
+            }
+            if m.heads % m.groups != 0 {
+                return Err(format!(
+                    "hybrid.mamba: groups ({}) must divide heads ({})",
+                    m.groups, m.heads
+                ));
+            }
+        }
+        if let Some(h) = &self.hybrid {
+            if h.pattern.len() != self.layers as usize {
+                return Err(format!(
+                    "hybrid.pattern has {} symbols for {} layers",
+                    h.pattern.len(),
+                    self.layers
+                ));
+            }
+            if let Some(c) = h.pattern.chars().find(|c| {
+                u8::try_from(*c)
+                    .ok()
+                    .and_then(LayerKind::of_symbol)
+                    .is_none()
+            }) {
+                return Err(format!(
+                    "hybrid.pattern: '{c}' is none of M (Mamba-2), * (attention), E (mixture of experts), - (MLP)"
+                ));
+            }
+            match self.moe {
+                None if h.pattern.contains('E') => {
+                    return Err("hybrid.pattern: E layers need a moe section".into())
+                }
+                Some(m) if m.has_dense_layers() => {
+                    return Err(
+                        "hybrid: dense layers are '-' in the pattern, not moe.dense_layers_first or moe.every"
+                            .into(),
+                    )
+                }
+                _ => {}
+            }
+            if self.bert || self.mla.is_some() {
+                return Err(
+                    "hybrid: a hybrid stack has neither BERT blocks nor latent attention".into(),
+                );
+            }
+        }
+        let widest = LayerKind::ALL
+            .iter()
+            .map(|k| self.layer_params(*k))
+            .max()
+            .unwrap_or(0);
+        let params =
+            f64::from(self.layers) * widest as f64 + (self.vocab as f64) * (self.hidden as f64);
         if params > MAX_PARAMS {
             return Err(format!(
                 "{params:.3e} parameters is beyond the {MAX_PARAMS:e} parallax models"
@@ -400,28 +640,59 @@ impl TransformerConfig {
         Ok(())
     }
 
-    /// Parameters of one block as most layers are (an MoE layer in a mixture-of-experts
-    /// model), computed in closed form (equals the graph's count).
-    pub fn block_params(&self) -> u64 {
-        self.block_params_of(self.moe.is_some())
-    }
-
-    /// Parameters of all blocks: MoE and dense layers each at their own count.
+    /// Parameters of all layers, each kind at its count.
     pub fn blocks_params(&self) -> u64 {
-        (0..self.layers)
-            .map(|i| self.block_params_of(self.is_moe_layer(i)))
+        let counts = self.layer_kinds_in(0, self.layers);
+        LayerKind::ALL
+            .iter()
+            .map(|k| u64::from(counts[k.index()]) * self.layer_params(*k))
             .sum()
     }
 
-    /// Parameters of an MoE block (`moe`) or a dense one.
-    fn block_params_of(&self, moe: bool) -> u64 {
+    /// Parameters of one layer of `kind`, in closed form (equals the graph's count; 0 for a
+    /// kind whose parts the model lacks, such as a Mamba layer of a model without one).
+    pub fn layer_params(&self, kind: LayerKind) -> u64 {
+        let norm = if self.norm == Norm::LayerNorm {
+            2 * self.hidden
+        } else {
+            self.hidden
+        };
+        match kind {
+            LayerKind::Block => {
+                self.attention_params() + self.mlp_params(self.moe.is_some()) + 2 * norm
+            }
+            LayerKind::DenseBlock => self.attention_params() + self.mlp_params(false) + 2 * norm,
+            LayerKind::Attention => self.attention_params() + norm,
+            LayerKind::Moe => self.mlp_params(true) + norm,
+            LayerKind::Mlp => self.mlp_params(false) + norm,
+            LayerKind::Mamba => match &self.hybrid {
+                Some(hy) => {
+                    let (m, h, b) = (hy.mamba, self.hidden, u64::from(self.bias));
+                    let (inner, conv) = (m.inner(), m.ssd().conv_channels());
+                    let proj = inner + conv + m.heads;
+                    h * proj
+                        + b * proj
+                        + conv * (m.conv_kernel + 1)
+                        + 3 * m.heads
+                        + inner
+                        + inner * h
+                        + b * h
+                        + norm
+                }
+                None => 0,
+            },
+        }
+    }
+
+    /// Parameters of the attention with its output projection.
+    fn attention_params(&self) -> u64 {
         let (h, q, kv) = (
             self.hidden,
             self.heads * self.head_dim,
             self.kv_heads * self.head_dim,
         );
         let b = u64::from(self.bias);
-        let attn = match self.mla {
+        match self.mla {
             Some(a) => {
                 let (heads, dqk) = (self.heads, a.qk_nope_head_dim + a.qk_rope_head_dim);
                 let query = match a.q_lora_rank {
@@ -434,15 +705,16 @@ impl TransformerConfig {
                 query + kv + heads * a.v_head_dim * h
             }
             None => h * (q + 2 * kv) + q * h + b * (q + 2 * kv + h),
-        };
-        let norms = if self.norm == Norm::LayerNorm {
-            4 * h
-        } else {
-            2 * h
-        };
+        }
+    }
+
+    /// Parameters of the MLP: routed over the experts (with the shared ones) where `moe` and
+    /// the model has experts, else dense at [`Self::dense_ffn`].
+    fn mlp_params(&self, moe: bool) -> u64 {
+        let (h, b) = (self.hidden, u64::from(self.bias));
         let mats = if self.mlp == Mlp::Swiglu { 3 } else { 2 };
         let dense = |f: u64| mats * h * f + b * (f + h);
-        let mlp = match self.moe {
+        match self.moe {
             Some(m) if moe => {
                 let shared = if m.shared_ffn_hidden > 0 {
                     dense(m.shared_ffn_hidden)
@@ -452,22 +724,55 @@ impl TransformerConfig {
                 h * m.experts + m.experts * mats * h * self.ffn_hidden + shared
             }
             _ => dense(self.dense_ffn()),
-        };
-        attn + norms + mlp
+        }
     }
 
     /// Whether layer `i` (from 0) routes over experts.
     pub fn is_moe_layer(&self, i: u32) -> bool {
-        self.moe.is_some_and(|m| m.is_moe_layer(i))
+        match self.layer_kind(i) {
+            LayerKind::Block => self.moe.is_some(),
+            LayerKind::Moe => true,
+            _ => false,
+        }
     }
 
-    /// The section graph that prices layer `i`: `Block` (an MoE layer in a mixture, any layer
-    /// of a dense model) or `DenseBlock` (a mixture's dense layers).
-    pub fn section_of_layer(&self, i: u32) -> Section {
-        match self.moe {
-            Some(m) if !m.is_moe_layer(i) => Section::DenseBlock,
-            _ => Section::Block,
+    /// The kind of layer `i` (from 0).
+    pub fn layer_kind(&self, i: u32) -> LayerKind {
+        let counts = self.layer_kinds_in(i, 1);
+        LayerKind::ALL
+            .into_iter()
+            .find(|k| counts[k.index()] == 1)
+            .unwrap_or(LayerKind::Block)
+    }
+
+    /// How many of layers `first .. first + n` are of each kind (indexed by
+    /// [`LayerKind::index`]): a mixture's MoE and dense blocks in closed form, a hybrid
+    /// pattern's symbols counted.
+    pub fn layer_kinds_in(&self, first: u32, n: u32) -> [u32; LayerKind::COUNT] {
+        kinds_in(
+            self.layers,
+            self.moe,
+            self.hybrid.as_ref().map(|h| h.pattern.as_bytes()),
+            first,
+            n,
+        )
+    }
+
+    /// Which layer is which kind, apart from the rest of the model.
+    pub fn stack(&self) -> LayerStack {
+        LayerStack {
+            layers: self.layers,
+            moe: self.moe,
+            pattern: self.hybrid.as_ref().map(|h| h.pattern.clone()),
         }
+    }
+
+    /// The kinds of layer the model has, in [`LayerKind::ALL`]'s order.
+    pub fn layer_kinds(&self) -> impl Iterator<Item = LayerKind> {
+        let counts = self.layer_kinds_in(0, self.layers);
+        LayerKind::ALL
+            .into_iter()
+            .filter(move |k| counts[k.index()] > 0)
     }
 
     /// MLP width of a dense layer: the model's, or its dense layers' in a mixture of experts.
@@ -485,13 +790,7 @@ impl TransformerConfig {
         let (mut x, table) = self.embed(&mut g, opts)?;
         for i in 0..self.layers {
             g.segment(Segment::Block(i));
-            x = self.block(
-                &mut g,
-                &format!("layers.{i}"),
-                x,
-                opts,
-                self.is_moe_layer(i),
-            )?;
+            x = self.layer(&mut g, &format!("layers.{i}"), x, opts, self.layer_kind(i))?;
         }
         g.segment(Segment::Post);
         let main = self.norm_for_head(&mut g, "final_norm", x)?;
@@ -504,7 +803,7 @@ impl TransformerConfig {
         for j in 0..self.mtp_layers {
             let p = format!("mtp.{j}");
             let proj = self.mtp_input(&mut g, &p, h_prev, table, opts)?;
-            h_prev = self.block(&mut g, &p, proj, opts, self.is_moe_layer(self.layers - 1))?;
+            h_prev = self.layer(&mut g, &p, proj, opts, self.layer_kind(self.layers - 1))?;
             let out = self.norm_for_head(&mut g, &format!("{p}.final_norm"), h_prev)?;
             let extra = self.head(&mut g, out, head_table, opts, Some(&p))?;
             loss = g.op1(format!("{p}.loss_sum"), OpKind::Add, &[loss, extra])?;
@@ -553,11 +852,10 @@ impl TransformerConfig {
             |g: &mut GraphBuilder| g.input("x", [opts.batch, opts.seq, self.hidden], DType::F32);
         let out = match section {
             Section::Embedding => self.embed(&mut g, opts)?.0,
-            Section::Block | Section::DenseBlock => {
+            Section::Layer(kind) => {
                 g.segment(Segment::Block(0));
                 let x = x_in(&mut g);
-                let moe = self.moe.is_some() && section == Section::Block;
-                self.block(&mut g, "layers.0", x, opts, moe)?
+                self.layer(&mut g, "layers.0", x, opts, kind)?
             }
             Section::Head => {
                 g.segment(Segment::Post);
@@ -580,9 +878,9 @@ impl TransformerConfig {
     }
 
     /// The dimensions one tensor-parallel rank holds (Megatron-LM splits): heads, KV heads,
-    /// FFN width and vocabulary divided by `tp` (KV heads are replicated when fewer than `tp`;
-    /// the vocabulary is padded up to a multiple of `tp`). `None` when heads or the FFN width do
-    /// not divide.
+    /// FFN width, Mamba heads and groups, and vocabulary divided by `tp` (KV heads are
+    /// replicated when fewer than `tp`; the vocabulary is padded up to a multiple of `tp`).
+    /// `None` when heads or the FFN width do not divide.
     pub fn tp_shard(&self, tp: u64) -> Option<TransformerConfig> {
         if tp == 0 || self.heads % tp != 0 || self.ffn_hidden % tp != 0 {
             return None;
@@ -601,12 +899,25 @@ impl TransformerConfig {
             }),
             None => None,
         };
+        let hybrid = match &self.hybrid {
+            Some(h) if h.mamba.heads % tp != 0 || h.mamba.groups % tp != 0 => return None,
+            Some(h) => Some(HybridConfig {
+                mamba: MambaConfig {
+                    heads: h.mamba.heads / tp,
+                    groups: h.mamba.groups / tp,
+                    ..h.mamba
+                },
+                pattern: h.pattern.clone(),
+            }),
+            None => None,
+        };
         Some(TransformerConfig {
             heads: self.heads / tp,
             kv_heads: (self.kv_heads / tp).max(1),
             ffn_hidden: self.ffn_hidden / tp,
             vocab: self.vocab.div_ceil(tp),
             moe,
+            hybrid,
             ..self.clone()
         })
     }
@@ -717,14 +1028,45 @@ impl TransformerConfig {
         }
     }
 
-    /// One block; `moe` routes its MLP over the experts (with the shared experts beside).
-    fn block(
+    /// One layer of `kind` from its input `x`.
+    fn layer(
         &self,
         g: &mut GraphBuilder,
         p: &str,
         x: TensorId,
         opts: BuildOptions,
-        moe: bool,
+        kind: LayerKind,
+    ) -> Result<TensorId, GraphError> {
+        match kind {
+            LayerKind::Block | LayerKind::DenseBlock => {
+                let x = self.attention_part(g, p, x, opts)?;
+                let moe = kind == LayerKind::Block && self.moe.is_some();
+                self.mlp_part(g, p, x, moe)
+            }
+            LayerKind::Attention => self.attention_part(g, p, x, opts),
+            LayerKind::Moe => self.mlp_part(g, p, x, true),
+            LayerKind::Mlp => self.mlp_part(g, p, x, false),
+            LayerKind::Mamba => match &self.hybrid {
+                Some(h) => self.mamba_part(g, p, x, h.mamba),
+                None => Err(GraphError::Shape {
+                    node: p.to_string(),
+                    source: crate::op::ShapeError::Invalid {
+                        op: "mamba",
+                        reason: "a Mamba layer needs the model's hybrid.mamba settings".into(),
+                    },
+                }),
+            },
+        }
+    }
+
+    /// The attention half of a block: its norm, the attention with its output projection,
+    /// dropout and the residual.
+    fn attention_part(
+        &self,
+        g: &mut GraphBuilder,
+        p: &str,
+        x: TensorId,
+        opts: BuildOptions,
     ) -> Result<TensorId, GraphError> {
         let (bsz, s, d) = (opts.batch, opts.seq, self.head_dim);
         let pre = !self.bert;
@@ -733,52 +1075,53 @@ impl TransformerConfig {
         } else {
             x
         };
-        if let Some(a) = self.mla {
-            let o = self.latent_attention(g, p, a_in, opts, a)?;
-            return self.block_rest(g, p, x, o, moe);
-        }
-        let q = g.linear(&format!("{p}.attn.q"), a_in, self.heads * d, self.bias)?;
-        let k = g.linear(&format!("{p}.attn.k"), a_in, self.kv_heads * d, self.bias)?;
-        let v = g.linear(&format!("{p}.attn.v"), a_in, self.kv_heads * d, self.bias)?;
-        let split = |g: &mut GraphBuilder, t: TensorId, n: u64, name: &str| {
-            g.op1(
-                format!("{p}.attn.{name}_heads"),
-                OpKind::Reshape(ReshapeAttrs {
-                    shape: vec![bsz, s, n, d],
-                }),
-                &[t],
-            )
+        let o = match self.mla {
+            Some(a) => self.latent_attention(g, p, a_in, opts, a)?,
+            None => {
+                let q = g.linear(&format!("{p}.attn.q"), a_in, self.heads * d, self.bias)?;
+                let k = g.linear(&format!("{p}.attn.k"), a_in, self.kv_heads * d, self.bias)?;
+                let v = g.linear(&format!("{p}.attn.v"), a_in, self.kv_heads * d, self.bias)?;
+                let split = |g: &mut GraphBuilder, t: TensorId, n: u64, name: &str| {
+                    g.op1(
+                        format!("{p}.attn.{name}_heads"),
+                        OpKind::Reshape(ReshapeAttrs {
+                            shape: vec![bsz, s, n, d],
+                        }),
+                        &[t],
+                    )
+                };
+                let mut q = split(g, q, self.heads, "q")?;
+                let mut k = split(g, k, self.kv_heads, "k")?;
+                let v = split(g, v, self.kv_heads, "v")?;
+                if self.position == Position::Rope {
+                    q = g.op1(format!("{p}.attn.q_rope"), OpKind::Rope, &[q])?;
+                    k = g.op1(format!("{p}.attn.k_rope"), OpKind::Rope, &[k])?;
+                }
+                self.attention_core(g, p, [q, k, v], opts, self.heads * d)?
+            }
         };
-        let mut q = split(g, q, self.heads, "q")?;
-        let mut k = split(g, k, self.kv_heads, "k")?;
-        let v = split(g, v, self.kv_heads, "v")?;
-        if self.position == Position::Rope {
-            q = g.op1(format!("{p}.attn.q_rope"), OpKind::Rope, &[q])?;
-            k = g.op1(format!("{p}.attn.k_rope"), OpKind::Rope, &[k])?;
+        let mut o = g.linear(&format!("{p}.attn.out"), o, self.hidden, self.bias)?;
+        if self.dropout {
+            o = g.dropout(&format!("{p}.attn.drop"), o, 100)?;
         }
-        let o = self.attention_core(g, p, [q, k, v], opts, self.heads * d)?;
-        self.block_rest(g, p, x, o, moe)
+        let x = g.op1(format!("{p}.attn.residual"), OpKind::Add, &[x, o])?;
+        if pre {
+            Ok(x)
+        } else {
+            self.norm(g, &format!("{p}.attn_norm"), x)
+        }
     }
 
-    /// The rest of a block from the attention's merged heads `o`: the output projection,
-    /// the residual, the MLP (routed where `moe`) and its residual.
-    fn block_rest(
+    /// The MLP half of a block: its norm, the MLP (routed where `moe`, with the shared
+    /// experts beside), dropout and the residual.
+    fn mlp_part(
         &self,
         g: &mut GraphBuilder,
         p: &str,
         x: TensorId,
-        o: TensorId,
         moe: bool,
     ) -> Result<TensorId, GraphError> {
         let (h, pre) = (self.hidden, !self.bert);
-        let mut o = g.linear(&format!("{p}.attn.out"), o, h, self.bias)?;
-        if self.dropout {
-            o = g.dropout(&format!("{p}.attn.drop"), o, 100)?;
-        }
-        let mut x = g.op1(format!("{p}.attn.residual"), OpKind::Add, &[x, o])?;
-        if !pre {
-            x = self.norm(g, &format!("{p}.attn_norm"), x)?;
-        }
         let m_in = if pre {
             self.norm(g, &format!("{p}.mlp_norm"), x)?
         } else {
@@ -824,6 +1167,51 @@ impl TransformerConfig {
             x = self.norm(g, &format!("{p}.mlp_norm"), x)?;
         }
         Ok(x)
+    }
+
+    /// A Mamba-2 layer: its norm, the input projection to the gate z, the convolved x, B, C
+    /// and the step sizes dt; the convolution and scan ([`SsdAttrs`]); the gated RMSNorm
+    /// `norm(y · silu(z))` (Mamba-2's `RMSNormGated`, per group: a tensor-parallel shard
+    /// normalizes its own groups); the output projection and the residual.
+    fn mamba_part(
+        &self,
+        g: &mut GraphBuilder,
+        p: &str,
+        x: TensorId,
+        m: MambaConfig,
+    ) -> Result<TensorId, GraphError> {
+        let a = m.ssd();
+        let (inner, conv) = (m.inner(), a.conv_channels());
+        let a_in = self.norm(g, &format!("{p}.mixer_norm"), x)?;
+        let proj = g.linear(
+            &format!("{p}.mamba.in_proj"),
+            a_in,
+            inner + conv + m.heads,
+            self.bias,
+        )?;
+        let parts = g.op(
+            format!("{p}.mamba.split"),
+            OpKind::Split(SplitAttrs {
+                axis: 2,
+                sizes: vec![inner, conv, m.heads],
+            }),
+            &[proj],
+        )?;
+        let weights = [
+            g.weight(format!("{p}.mamba.conv.weight"), [conv, m.conv_kernel]),
+            g.weight(format!("{p}.mamba.conv.bias"), [conv]),
+            g.weight(format!("{p}.mamba.A_log"), [m.heads]),
+            g.weight(format!("{p}.mamba.D"), [m.heads]),
+            g.weight(format!("{p}.mamba.dt_bias"), [m.heads]),
+        ];
+        let mut ins = vec![parts[1], parts[2]];
+        ins.extend(weights);
+        let y = g.op1(format!("{p}.mamba.ssd"), OpKind::Ssd(a), &ins)?;
+        let z = g.activation(&format!("{p}.mamba.gate"), Activation::Silu, parts[0])?;
+        let y = g.op1(format!("{p}.mamba.gated"), OpKind::Mul, &[y, z])?;
+        let y = g.rms_norm(&format!("{p}.mamba.norm"), y)?;
+        let o = g.linear(&format!("{p}.mamba.out_proj"), y, self.hidden, self.bias)?;
+        g.op1(format!("{p}.mamba.residual"), OpKind::Add, &[x, o])
     }
 
     /// Multi-head latent attention from the normalized input `x`, to the merged heads
@@ -1043,12 +1431,9 @@ mod tests {
             );
             assert_eq!(g.num_blocks(), cfg.layers);
             // Each section graph holds one block of its kind.
-            for (sec, moe) in [
-                (Section::Block, cfg.moe.is_some()),
-                (Section::DenseBlock, false),
-            ] {
-                let b = cfg.build_section(sec, opts(16)).unwrap();
-                assert_eq!(b.param_count(), cfg.block_params_of(moe), "{sec:?} {cfg:?}");
+            for kind in [LayerKind::Block, LayerKind::DenseBlock] {
+                let b = cfg.build_section(Section::Layer(kind), opts(16)).unwrap();
+                assert_eq!(b.param_count(), cfg.layer_params(kind), "{kind:?} {cfg:?}");
             }
         }
         // A multi-token prediction module adds a block like the last, its projection of
@@ -1064,7 +1449,7 @@ mod tests {
         let count = |c: &TransformerConfig| c.build("t", opts(16)).unwrap().param_count();
         assert_eq!(
             count(&with) - count(&base),
-            base.block_params() + 2 * 64 * 64 + 3 * 64
+            base.layer_params(LayerKind::Block) + 2 * 64 * 64 + 3 * 64
         );
         // The costing section holds the projection, two norms and a copy of the table.
         let input = with.build_section(Section::MtpInput, opts(16)).unwrap();
@@ -1089,6 +1474,126 @@ mod tests {
         };
         let moe: Vec<bool> = (0..6).map(|i| m.is_moe_layer(i)).collect();
         assert_eq!(moe, [false, true, false, true, false, true]);
+    }
+
+    /// A small Nemotron-H-shaped stack: Mamba-2, MoE with a shared expert, attention without
+    /// position embedding, a dense MLP.
+    fn hybrid_tiny() -> TransformerConfig {
+        TransformerConfig {
+            mlp: Mlp::SquaredRelu,
+            position: Position::None,
+            head_dim: 16,
+            moe: Some(MoeConfig {
+                shared_ffn_hidden: 48,
+                ..MoeConfig::routed(4, 2)
+            }),
+            hybrid: Some(HybridConfig {
+                pattern: "ME*M-E".into(),
+                mamba: MambaConfig {
+                    heads: 8,
+                    head_dim: 16,
+                    state: 8,
+                    groups: 2,
+                    conv_kernel: 4,
+                    chunk: 8,
+                },
+            }),
+            ..TransformerConfig::llama(6, 64, 8, 2, 96, 100, 32)
+        }
+    }
+
+    #[test]
+    fn hybrid_stacks_build_each_layer_by_its_symbol() {
+        let cfg = hybrid_tiny();
+        cfg.validate().unwrap();
+        let g = cfg.build("t", opts(16)).unwrap();
+        assert_eq!(g.num_blocks(), 6);
+        assert_eq!(
+            g.param_count(),
+            2 * 100 * 64 + 64 + cfg.blocks_params(),
+            "untied head, final norm and the layers"
+        );
+        // A Mamba layer by hand: in_proj 64 → z (128), x·B·C (128 + 2·2·8 = 160), dt (8);
+        // the convolution's weights and bias (160 × 5); A, D and dt bias (3 × 8); the gated
+        // norm (128); out_proj 128 → 64; the pre-norm (64).
+        let mamba = 64 * (128 + 160 + 8) + 160 * 5 + 3 * 8 + 128 + 128 * 64 + 64;
+        assert_eq!(cfg.layer_params(LayerKind::Mamba), mamba);
+        // Attention without rotary embedding: q (64 → 128), k and v (64 → 32 each), out.
+        assert_eq!(
+            cfg.layer_params(LayerKind::Attention),
+            64 * 128 + 2 * 64 * 32 + 128 * 64 + 64
+        );
+        for kind in cfg.layer_kinds() {
+            let b = cfg.build_section(Section::Layer(kind), opts(16)).unwrap();
+            assert_eq!(b.param_count(), cfg.layer_params(kind), "{kind:?}");
+        }
+        let kinds: Vec<LayerKind> = cfg.layer_kinds().collect();
+        assert_eq!(
+            kinds,
+            [
+                LayerKind::Mamba,
+                LayerKind::Attention,
+                LayerKind::Moe,
+                LayerKind::Mlp
+            ]
+        );
+        let c = cfg.layer_kinds_in(1, 4); // E * M -
+        assert_eq!(
+            [
+                LayerKind::Mamba,
+                LayerKind::Attention,
+                LayerKind::Moe,
+                LayerKind::Mlp
+            ]
+            .map(|k| c[k.index()]),
+            [1, 1, 1, 1]
+        );
+        assert!(cfg.is_moe_layer(1) && cfg.is_moe_layer(5) && !cfg.is_moe_layer(0));
+        assert_eq!(cfg.layer_kind(4), LayerKind::Mlp);
+        // A tensor-parallel shard holds half the Mamba heads and groups (the norm's, conv's
+        // and projections' widths with them); tp 4 would split 2 groups unevenly.
+        let half = cfg.tp_shard(2).unwrap();
+        let m = half.hybrid.as_ref().unwrap().mamba;
+        assert_eq!((m.heads, m.groups), (4, 1));
+        assert!(cfg.tp_shard(4).is_none());
+        half.build("t", opts(16)).unwrap();
+    }
+
+    #[test]
+    fn hybrid_patterns_are_checked() {
+        let mut c = hybrid_tiny();
+        c.hybrid.as_mut().unwrap().pattern = "ME*M-".into();
+        assert!(c.validate().unwrap_err().contains("5 symbols for 6 layers"));
+        c.hybrid.as_mut().unwrap().pattern = "ME*MXE".into();
+        assert!(c.validate().unwrap_err().contains("'X'"));
+        c = hybrid_tiny();
+        c.moe = None;
+        assert!(c.validate().unwrap_err().contains("moe section"));
+        c = hybrid_tiny();
+        c.hybrid.as_mut().unwrap().mamba.groups = 3;
+        assert!(c.validate().unwrap_err().contains("groups"));
+        c.hybrid.as_mut().unwrap().mamba.groups = 0;
+        assert!(c.validate().unwrap_err().contains("hybrid.mamba.groups 0"));
+    }
+
+    #[test]
+    fn the_scan_is_a_small_part_of_a_mamba_layer() {
+        // Nemotron 3 Nano's mixer at 8k tokens: the projections are 2·h·(2·inner + 2·g·N +
+        // heads) + 2·inner·h FLOPs a token (77.4 M); the convolution and SSD scan add 2.9 M
+        // (Megatron-LM's estimate for the scan, 7·inner·N, is 3.7 M).
+        let a = SsdAttrs {
+            heads: 64,
+            head_dim: 64,
+            state: 128,
+            groups: 8,
+            conv_kernel: 4,
+            chunk: 128,
+        };
+        let per_token = a.flops_per_token(8192);
+        let conv = 2.0 * 4.0 * (4096.0 + 2048.0);
+        let scan = 8.0 * 2.0 * 128.0 * 128.0 + 64.0 * (128.0 * 64.0 + 4.0 * 128.0 * 64.0);
+        assert_eq!(per_token, conv + scan);
+        assert!((2.5e6..3.7e6).contains(&per_token), "{per_token}");
     }
 
     #[test]
@@ -1135,7 +1640,7 @@ mod tests {
         let full = cfg.build("t", o).unwrap().total_work(2);
         let part = |s| cfg.build_section(s, o).unwrap().total_work(2);
         let sum = part(Section::Embedding).fwd_flops.0
-            + 3.0 * part(Section::Block).fwd_flops.0
+            + 3.0 * part(Section::Layer(LayerKind::Block)).fwd_flops.0
             + part(Section::Head).fwd_flops.0;
         assert!((sum - full.fwd_flops.0).abs() < 1e-6 * full.fwd_flops.0);
         // Parameters too: an untied head owns its projection and nothing of the embedding.
@@ -1143,13 +1648,19 @@ mod tests {
         let whole = cfg.build("t", o).unwrap().param_count();
         assert!(!cfg.tied_embeddings);
         assert_eq!(
-            params(Section::Embedding) + 3 * params(Section::Block) + params(Section::Head),
+            params(Section::Embedding)
+                + 3 * params(Section::Layer(LayerKind::Block))
+                + params(Section::Head),
             whole
         );
         // A TP shard holds 1/tp of the block's matmul work.
         let shard = cfg.tp_shard(2).unwrap();
-        let b1 = cfg.build_section(Section::Block, o).unwrap();
-        let b2 = shard.build_section(Section::Block, o).unwrap();
+        let b1 = cfg
+            .build_section(Section::Layer(LayerKind::Block), o)
+            .unwrap();
+        let b2 = shard
+            .build_section(Section::Layer(LayerKind::Block), o)
+            .unwrap();
         assert_eq!(b2.param_count() * 2 - 64 * 2 * 2, b1.param_count() - 64 * 2);
         assert!(cfg.tp_shard(3).is_none());
     }

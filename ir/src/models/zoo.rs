@@ -1,10 +1,15 @@
 //! The built-in model zoo: every entry with its published parameter count and where that count
 //! was published.
 
-use super::transformer::{MlaConfig, MoeConfig, TransformerConfig};
+use super::transformer::{
+    HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, TransformerConfig,
+};
 use crate::graph::{Graph, GraphError};
 
 /// How a zoo model is defined.
+// A transformer's configuration (with a hybrid's pattern) is larger than a function pointer;
+// the few entries are built per lookup, so boxing it would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum ZooDef {
     /// A transformer built from its dimensions at any batch and sequence length.
@@ -115,6 +120,35 @@ fn deepseek_v3(
         mtp_layers: mtp,
         rope_theta: theta,
         ..TransformerConfig::llama(61, 7168, heads, heads, 2048, vocab, 163_840)
+    })
+}
+
+/// Nemotron 3 Nano 30B-A3B (NVIDIA 2025; its HF config and Megatron-Bridge recipe): a hybrid
+/// stack of 23 Mamba-2 layers (64 heads of 64, state 128, 8 groups), 23 MoE layers (128
+/// experts 1856 wide with squared ReLU, top-6, one shared expert 3712 wide) and 6 attention
+/// layers (32 heads of 128, 2 KV heads, no position embedding); hidden 2688, RMSNorm,
+/// vocabulary 131072, untied.
+fn nemotron_3_nano() -> ZooDef {
+    ZooDef::Transformer(TransformerConfig {
+        head_dim: 128,
+        mlp: Mlp::SquaredRelu,
+        position: Position::None,
+        moe: Some(MoeConfig {
+            shared_ffn_hidden: 3712,
+            ..MoeConfig::routed(128, 6)
+        }),
+        hybrid: Some(HybridConfig {
+            pattern: "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME".into(),
+            mamba: MambaConfig {
+                heads: 64,
+                head_dim: 64,
+                state: 128,
+                groups: 8,
+                conv_kernel: 4,
+                chunk: 128,
+            },
+        }),
+        ..TransformerConfig::llama(52, 2688, 32, 2, 1856, 131_072, 262_144)
     })
 }
 
@@ -261,6 +295,14 @@ pub fn entries() -> Vec<ZooEntry> {
             rounded(1.0, 0.05),
             "Moonshot AI, HF moonshotai/Kimi-K2-Instruct model card and config: 1T total, 32B activated (the tech report's 1.04T and 32.6B are 1.3 % and 1.2 % from this count); DeepSeek-V3's architecture with 64 heads, 384 routed experts, 1 leading dense layer, vocab 163840, rotary base 50000, no MTP",
             deepseek_v3(64, 384, 1, 163_840, 0, 50_000, (1, 1)),
+        ),
+        e(
+            "nemotron-h",
+            "nemotron-h",
+            31.6 * b,
+            rounded(31.6, 0.05),
+            "NVIDIA, HF nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 model card (31.6B total, 3.2B active, 3.6B with embeddings) and the shape of Megatron-LM's examples/post_training/modelopt/conf/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.sh and Megatron-Bridge's nemotron_3_nano recipe: 52 layers MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME (23 Mamba-2, 23 MoE, 6 attention), hidden 2688, Mamba 64 heads of 64 with state 128 in 8 groups, 128 experts of 1856 (squared ReLU, top-6) and a shared expert of 3712, attention 32 heads of 128 with 2 KV heads and no position embedding, vocab 131072, untied",
+            nemotron_3_nano(),
         ),
         e(
             "bert-large",
@@ -471,7 +513,7 @@ mod tests {
                 let emb = cfg.vocab * cfg.hidden
                     + match cfg.position {
                         crate::models::Position::Learned => cfg.max_seq * cfg.hidden,
-                        crate::models::Position::Rope => 0,
+                        crate::models::Position::Rope | crate::models::Position::None => 0,
                     };
                 let closed =
                     emb + if cfg.tied_embeddings {
@@ -558,6 +600,8 @@ mod tests {
             // others) gives 37.55B and 33.0B, 1.5 % and 3 % over; both cards round.
             ("deepseek-v3", 37.0, 0.6),
             ("kimi-k2", 32.0, 1.0),
+            // With its embeddings, as the card counts them.
+            ("nemotron-h", 3.6, 0.05),
         ];
         for (name, active_b, precision) in published {
             let e = find(name).unwrap();
@@ -565,7 +609,8 @@ mod tests {
                 panic!("{name} is a transformer")
             };
             let moe = c.moe.unwrap();
-            let expert_weights_per_layer = moe.experts * 3 * c.hidden * c.ffn_hidden;
+            let mats = if c.mlp == Mlp::Swiglu { 3 } else { 2 };
+            let expert_weights_per_layer = moe.experts * mats * c.hidden * c.ffn_hidden;
             let moe_layers = (0..c.layers).filter(|&i| c.is_moe_layer(i)).count();
             let idle = (moe.experts - moe.top_k) as f64 / moe.experts as f64
                 * expert_weights_per_layer as f64
