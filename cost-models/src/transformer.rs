@@ -18,6 +18,8 @@ use parallax_ir::{
     Bytes, ComputeClass, Dispatcher, Graph, Layout, Precision, Recompute, Seconds, Shape,
 };
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use thiserror::Error;
 
 /// Why a layout cannot run. Counted by kind in search reports.
@@ -549,8 +551,109 @@ pub fn check_layout(s: &Setup, l: &Layout) -> Result<(), Infeasible> {
     Ok(())
 }
 
+/// The section graphs of one model as tensor-parallel shards build them, kept for reuse: a
+/// section's graph depends only on the TP degree, the micro-batch shape and the section, while
+/// layouts differing in everything else (expert parallelism, recomputation, schedule…) price
+/// the same graphs. One cache serves one model (a search's).
+#[derive(Debug, Default)]
+pub struct SectionGraphs {
+    graphs: Mutex<HashMap<GraphKey, Arc<SectionGraph>>>,
+}
+
+/// A section graph's identity within one model: TP degree, float size, micro-batch shape,
+/// section.
+type GraphKey = (u64, u64, BuildOptions, Section);
+
+/// A section graph with what pricing reads of it, computed once: each node's input shapes and
+/// work, and the bytes it keeps for backward under each sequence-parallel and recompute
+/// setting, as first asked.
+#[derive(Debug)]
+struct SectionGraph {
+    graph: Graph,
+    shapes: Vec<Vec<Shape>>,
+    work: Vec<parallax_ir::Work>,
+    saved: [OnceLock<f64>; 4],
+}
+
+impl std::ops::Deref for SectionGraph {
+    type Target = Graph;
+    fn deref(&self) -> &Graph {
+        &self.graph
+    }
+}
+
+impl SectionGraph {
+    fn new(graph: Graph, fb: u64) -> Self {
+        let shapes = graph.nodes.iter().map(|n| graph.input_shapes(n)).collect();
+        let work = graph.nodes.iter().map(|n| graph.node_work(n, fb)).collect();
+        SectionGraph {
+            graph,
+            shapes,
+            work,
+            saved: Default::default(),
+        }
+    }
+
+    /// [`saved_bytes`] with sequence parallelism `sp` and, where `selective`, its policy's
+    /// recomputed nodes (one setup's `fb`, `tp`, `hidden` and policy per cache).
+    fn saved(
+        &self,
+        fb: u64,
+        sp: bool,
+        tp: u32,
+        hidden: u64,
+        selective: Option<SelectivePolicy>,
+    ) -> f64 {
+        let slot = usize::from(sp) * 2 + usize::from(selective.is_some());
+        *self.saved[slot].get_or_init(|| {
+            let redo = selective.map(|p| recomputed_nodes(&self.graph, p));
+            saved_bytes(&self.graph, fb, sp, tp, hidden, redo.as_deref())
+        })
+    }
+}
+
+impl SectionGraphs {
+    /// `section` of the model's `tp`-way shard `shard` at `opts`, built once.
+    fn get(
+        &self,
+        shard: &TransformerConfig,
+        (tp, fb): (u64, u64),
+        section: Section,
+        opts: BuildOptions,
+    ) -> Result<Arc<SectionGraph>, Infeasible> {
+        let key = (tp, fb, opts, section);
+        if let Some(g) = self.lock().get(&key) {
+            return Ok(Arc::clone(g));
+        }
+        // Built outside the lock: two threads may build one graph, never wait for each other.
+        let g = Arc::new(SectionGraph::new(
+            shard
+                .build_section(section, opts)
+                .map_err(|e| Infeasible::Unsupported(e.to_string()))?,
+            fb,
+        ));
+        self.lock().insert(key, Arc::clone(&g));
+        Ok(g)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<GraphKey, Arc<SectionGraph>>> {
+        // A panic while holding the lock leaves the map consistent (one insert).
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// Prices one layer, the embeddings and the head under `l`.
 pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infeasible> {
+    transformer_costs_with(s, l, &SectionGraphs::default())
+}
+
+/// [`transformer_costs`] with the section graphs from (and into) `graphs`, a cache of the
+/// setup's model.
+pub fn transformer_costs_with(
+    s: &Setup,
+    l: &Layout,
+    graphs: &SectionGraphs,
+) -> Result<TransformerCosts, Infeasible> {
     check_layout(s, l)?;
     let dev = DeviceModel::new(s.profile, s.precision)
         .map_err(|e| Infeasible::Unsupported(e.to_string()))?
@@ -565,11 +668,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         .ok_or_else(|| Infeasible::Indivisible { what: "tp".into() })?;
     let opts = micro_batch_options(s, l);
     let seq_local = opts.seq;
-    let build = |sec, opts| {
-        shard
-            .build_section(sec, opts)
-            .map_err(|e| Infeasible::Unsupported(e.to_string()))
-    };
+    let build = |sec, opts| graphs.get(&shard, (tp, fb), sec, opts);
     let head_seq = head_tokens(s, seq_local);
     let (embed, head) = (
         build(Section::Embedding, opts)?,
@@ -606,7 +705,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
         net.collective(Collective::AllReduce, act, tp_group)
     };
     // One layer of `kind` as a device runs it, its MoE MLP under `experts`.
-    let price_layer = |kind: LayerKind, block: &Graph, experts: Option<ExpertRanks>| -> PartCost {
+    let price_layer = |kind: LayerKind, block: &SectionGraph, experts: Option<ExpertRanks>| {
         let block_prices = NodePrices::new(&dev, block, fb, sp, l.tp, hidden, cp, experts);
         let mut layer = price(block, &block_prices, fb, sp, l.tp, hidden);
         // Under sequence parallelism an MoE layer reads the sequence-split tokens directly: its
@@ -677,7 +776,8 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
                 // ops (torchtitan's op-level selective checkpointing keeps matmul and attention
                 // outputs). Flash attention recomputes its own scores anyway.
                 let redo = recomputed_nodes(block, s.runtime.selective);
-                layer.saved = Bytes(saved_bytes(block, fb, sp, l.tp, hidden, Some(&redo)) as u64);
+                let policy = Some(s.runtime.selective);
+                layer.saved = Bytes(block.saved(fb, sp, l.tp, hidden, policy) as u64);
                 let (time, flops) = block_prices.recompute(Some(&redo));
                 layer.recompute = time;
                 layer.hardware_flops += flops;
@@ -708,7 +808,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     // Embedding (vocab-parallel: an all-reduce of its output over TP) and head (vocab-parallel
     // cross-entropy: small all-reduces of per-token max and sum).
     // Both see only their own tokens (no attention): priced without the CP factor.
-    let price_local = |g: &Graph| {
+    let price_local = |g: &SectionGraph| {
         let prices = NodePrices::new(&dev, g, fb, sp, l.tp, hidden, 1, None);
         price(g, &prices, fb, sp, l.tp, hidden)
     };
@@ -740,7 +840,7 @@ pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infe
     // the table, two norms, the projection), a block like the last layer, and a second pass
     // through the head, whose table it shares.
     if s.model.mtp_layers > 0 {
-        let input = price_local(&build(Section::MtpInput, opts)?);
+        let input = price_local(&*build(Section::MtpInput, opts)?);
         let last = kinds[s.model.layer_kind(s.model.layers - 1).index()].unwrap_or_default();
         let head_pass = PartCost {
             params: head_cost.params.saturating_sub(shard.vocab * hidden),
@@ -793,7 +893,7 @@ impl NodePrices {
     #[allow(clippy::too_many_arguments)]
     fn new(
         dev: &DeviceModel,
-        g: &Graph,
+        g: &SectionGraph,
         fb: u64,
         sp: bool,
         tp: u32,
@@ -806,18 +906,19 @@ impl NodePrices {
             train_flops: Vec::with_capacity(g.nodes.len()),
             fwd_flops: Vec::with_capacity(g.nodes.len()),
         };
-        for n in &g.nodes {
+        for (i, n) in g.nodes.iter().enumerate() {
             let k = local_share(g, n, sp, tp, hidden, cp);
+            let routed;
             let (ins, w) = match (&n.op, experts) {
                 (OpKind::Moe(_), Some(e)) => {
-                    let ins = e.rank_inputs(&g.input_shapes(n));
+                    routed = e.rank_inputs(&g.shapes[i]);
                     let outs = [Shape::new([e.expert_rows(), hidden])];
-                    let w = n.op.work(&ins, &outs, &g.weight_flags(n), fb);
-                    (ins, w)
+                    let w = n.op.work(&routed, &outs, &g.weight_flags(n), fb);
+                    (&routed, w)
                 }
-                _ => (g.input_shapes(n), g.node_work(n, fb)),
+                _ => (&g.shapes[i], g.work[i]),
             };
-            p.times.push(dev.op(&n.op, &ins, &w, fb) * k);
+            p.times.push(dev.op(&n.op, ins, &w, fb) * k);
             p.train_flops.push(w.train_flops().0 * k);
             p.fwd_flops.push(w.fwd_flops.0 * k);
         }
@@ -968,11 +1069,18 @@ impl ExpertRanks {
 }
 
 /// The cost of a section from its node prices.
-fn price(g: &Graph, prices: &NodePrices, fb: u64, sp: bool, tp: u32, hidden: u64) -> PartCost {
+fn price(
+    g: &SectionGraph,
+    prices: &NodePrices,
+    fb: u64,
+    sp: bool,
+    tp: u32,
+    hidden: u64,
+) -> PartCost {
     let model_flops = prices.train_flops.iter().sum();
     PartCost {
         compute: prices.time(g, |_| true),
-        saved: Bytes(saved_bytes(g, fb, sp, tp, hidden, None) as u64),
+        saved: Bytes(g.saved(fb, sp, tp, hidden, None) as u64),
         params: g.param_count(),
         model_flops,
         hardware_flops: model_flops,

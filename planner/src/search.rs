@@ -16,7 +16,8 @@ use crate::bounds::{balanced_layers, extras, memory_gib, pass_times, ScheduleSum
 use crate::export::Engine;
 use parallax_cost::compute::DeviceModel;
 use parallax_cost::transformer::{
-    faster_dispatcher, model_flops_per_step, transformer_costs, Infeasible, Setup, TransformerCosts,
+    faster_dispatcher, model_flops_per_step, transformer_costs_with, Infeasible, SectionGraphs,
+    Setup, TransformerCosts,
 };
 use parallax_ir::{Dispatcher, Layout, Offload, PartialLayout, Recompute, Schedule, StageRange};
 use parallax_sim::{simulate_priced, stage_layers, ScheduleKind, StepError, StepPrediction};
@@ -657,9 +658,11 @@ fn run(
         first.entry(*k).or_insert(i);
     }
     let first: Vec<(CostKey, usize)> = first.into_iter().collect();
+    // Layouts of one TP degree and micro-batch shape share their section graphs.
+    let graphs = SectionGraphs::default();
     let prices: HashMap<CostKey, Result<TransformerCosts, Infeasible>> = first
         .par_iter()
-        .map(|(k, i)| (*k, transformer_costs(setup, &groups[*i].base)))
+        .map(|(k, i)| (*k, transformer_costs_with(setup, &groups[*i].base, &graphs)))
         .collect();
     let price_of: Vec<&Result<TransformerCosts, Infeasible>> =
         keys.iter().map(|k| &prices[k]).collect();
@@ -1497,7 +1500,7 @@ fn expand(
 mod tests {
     use super::*;
     use crate::bounds::{extras, memory_gib, pass_times, ScheduleSummary};
-    use parallax_cost::transformer::Runtime;
+    use parallax_cost::transformer::{transformer_costs, Runtime};
     use parallax_hardware::Cluster;
     use parallax_ir::models::{zoo, TransformerConfig};
 

@@ -392,7 +392,7 @@ pub enum Section {
 }
 
 /// Options for building a transformer graph.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BuildOptions {
     pub batch: u64,
     pub seq: u64,
