@@ -499,8 +499,15 @@ impl<'a> DeviceModel<'a> {
     fn attention(&self, a: &AttentionAttrs, ins: &[Shape], w: &Work, float_bytes: u64) -> OpTimes {
         let fwd = w.fwd_flops.0;
         if a.fused {
-            // A causal fused kernel skips the masked half of the score blocks.
-            let executed = if a.causal { 0.5 * fwd } else { fwd };
+            // A causal fused kernel skips the masked half of the score blocks; with a sliding
+            // window of w keys (fewer than the s queries) it skips the blocks outside the
+            // band, whose first w queries see fewer keys: s·w − w²/2 of the s·w counted.
+            let s = ins.first().and_then(|q| q.dim(1)).unwrap_or(1).max(1) as f64;
+            let executed = match (a.causal, a.window) {
+                (true, Some(w)) if (w as f64) < s => fwd * (1.0 - w as f64 / (2.0 * s)),
+                (true, _) => 0.5 * fwd,
+                (false, _) => fwd,
+            };
             let eff = self.attention_efficiency(executed);
             let t = Seconds(executed / (self.attention_peak * eff)) + self.overhead(1.0);
             OpTimes {
@@ -906,6 +913,7 @@ mod tests {
             causal: false,
             fused: false,
             dropout: true,
+            window: None,
         });
         let w = op.work(&ins, std::slice::from_ref(&q), &[false; 3], 2);
         let (a, b) = (fused.op(&op, &ins, &w, 2), eager.op(&op, &ins, &w, 2));
@@ -944,6 +952,7 @@ mod tests {
                 causal: true,
                 fused,
                 dropout: !fused,
+                window: None,
             });
             let w = op.work(&ins, std::slice::from_ref(&q), &[false; 3], 2);
             m.op(&op, &ins, &w, 2).total().0
@@ -954,5 +963,36 @@ mod tests {
             time(false),
             time(true)
         );
+    }
+
+    /// A fused kernel over a sliding window of w keys runs the band of the score matrix:
+    /// s·w − w²/2 scores against a causal kernel's s²/2.
+    #[test]
+    fn a_sliding_window_runs_only_its_band() {
+        let p = preset("dgx-h100-80gb").unwrap();
+        let m = DeviceModel::new(&p, Precision::Bf16).unwrap();
+        let q = Shape::new([1, 4096, 64, 64]);
+        let ins = [q.clone(), q.clone(), q.clone()];
+        let executed = |window| {
+            let op = OpKind::Attention(AttentionAttrs {
+                causal: true,
+                fused: true,
+                dropout: false,
+                window,
+            });
+            let w = op.work(&ins, std::slice::from_ref(&q), &[false; 3], 2);
+            // Time at the efficiency of the kernel's size, less its launch.
+            (m.op(&op, &ins, &w, 2).fwd - m.overhead(1.0)).0
+        };
+        let (band, full) = (executed(Some(128)), executed(None));
+        let scores = (4096.0 * 128.0 - 128.0 * 128.0 / 2.0) / (4096.0 * 4096.0 / 2.0);
+        // The smaller kernel runs at a lower efficiency: at least the score ratio.
+        assert!(
+            band / full >= scores && band / full < 2.0 * scores,
+            "{}",
+            band / full
+        );
+        // A window longer than the sequence is full causal attention.
+        assert_eq!(executed(Some(8192)), full);
     }
 }

@@ -800,7 +800,10 @@ pub fn transformer_costs_with(
         .map(|moe| ExpertRanks::of(s.model, moe, l, &opts));
     let mut kinds = [None; LayerKind::COUNT];
     for kind in s.model.layer_kinds() {
-        let routed = matches!(kind, LayerKind::Block | LayerKind::Moe);
+        let routed = matches!(
+            kind,
+            LayerKind::Block | LayerKind::WindowBlock | LayerKind::Moe
+        );
         let graph = build(Section::Layer(kind), opts)?;
         kinds[kind.index()] = Some(price_layer(kind, &graph, experts.filter(|_| routed)));
     }

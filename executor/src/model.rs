@@ -69,6 +69,7 @@ impl Dims {
             (c.mla.is_some(), "latent attention"),
             (c.mtp_layers > 0, "multi-token prediction modules"),
             (c.hybrid.is_some(), "hybrid Mamba-2 stacks"),
+            (c.sliding_window.is_some(), "sliding-window attention"),
             (
                 c.position == Position::None,
                 "attention without position embeddings",
@@ -1426,7 +1427,15 @@ mod tests {
             ..tiny.clone()
         };
         let hybrid = zoo::transformer("nemotron-h").unwrap();
+        let windowed = TransformerConfig {
+            sliding_window: Some(parallax_ir::models::SlidingWindow {
+                size: 8,
+                full_every: 2,
+            }),
+            ..tiny.clone()
+        };
         for (c, what) in [
+            (windowed, "sliding-window attention"),
             (latent, "latent attention"),
             (nope, "without position embeddings"),
             (mtp, "multi-token prediction"),

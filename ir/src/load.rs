@@ -6,7 +6,7 @@ use crate::import::ImportError;
 use crate::models::zoo::{self, ZooDef};
 use crate::models::{
     BuildOptions, HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Norm, Position,
-    TransformerConfig,
+    SlidingWindow, TransformerConfig,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -33,6 +33,8 @@ pub const SUPPORTED_HF_TYPES: &[&str] = &[
     "gemma2",
     "gemma3_text",
     "nemotron",
+    "nemotron_h",
+    "gpt_oss",
     "bert",
 ];
 
@@ -388,7 +390,8 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
             }
         }
         "llama" | "mistral" | "mixtral" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_moe"
-        | "deepseek_v3" | "kimi_k2" | "phi3" | "gemma" | "gemma2" | "gemma3_text" | "nemotron" => {
+        | "deepseek_v3" | "kimi_k2" | "phi3" | "gemma" | "gemma2" | "gemma3_text" | "nemotron"
+        | "gpt_oss" => {
             let h = int(&["hidden_size"], None)?;
             let heads = int(&["num_attention_heads"], None)?;
             let mut c = TransformerConfig::llama(
@@ -439,12 +442,23 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                 // Gemma's GeGLU has SwiGLU's three GEMMs and one pointwise gate.
                 _ => Mlp::Swiglu,
             };
+            c.sliding_window = sliding_window(&v, model_type, c.layers, file)?;
             match model_type {
                 "mixtral" => {
                     c.moe = Some(MoeConfig::routed(
                         int(&["num_local_experts"], None)?,
                         int(&["num_experts_per_tok"], Some(2))?,
                     ));
+                }
+                "gpt_oss" => {
+                    // OpenAI's gpt-oss: `num_local_experts` experts `intermediate_size` wide,
+                    // top-`experts_per_token`, biases on the attention projections (and on the
+                    // experts, which are not counted: 0.03 % of the model).
+                    c.moe = Some(MoeConfig::routed(
+                        int(&["num_local_experts"], None)?,
+                        int(&["num_experts_per_tok", "experts_per_token"], Some(4))?,
+                    ));
+                    c.bias = flag("attention_bias", true)?;
                 }
                 "deepseek_v3" | "kimi_k2" => {
                     // Latent attention, `first_k_dense_replace` dense layers, then every
@@ -637,6 +651,79 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
     Ok(cfg)
 }
 
+/// A HuggingFace config's sliding-window attention: `sliding_window` keys on the layers
+/// `layer_types` calls `sliding_attention` (full attention every k-th layer, the only
+/// arrangement modelled), on every other layer for Gemma 2, on all but every
+/// `sliding_window_pattern`-th for Gemma 3, on every layer for Mistral-style configs that set
+/// a window (Qwen's only with `use_sliding_window`).
+fn sliding_window(
+    v: &Value,
+    model_type: &str,
+    layers: u32,
+    file: &str,
+) -> Result<Option<SlidingWindow>, ModelError> {
+    let err = |field: &str, message: String| ModelError::Field {
+        file: file.into(),
+        field: field.into(),
+        message,
+    };
+    let size = match v.get("sliding_window") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(x) => match x.as_u64() {
+            Some(n) if n > 0 => n,
+            _ => {
+                return Err(err(
+                    "sliding_window",
+                    format!("expected a positive integer, found {x}"),
+                ))
+            }
+        },
+    };
+    if model_type.starts_with("qwen") && v.get("use_sliding_window") != Some(&Value::Bool(true)) {
+        return Ok(None);
+    }
+    let full_every = match v.get("layer_types") {
+        Some(Value::Array(types)) => {
+            let full: Vec<bool> = types
+                .iter()
+                .map(|t| t.as_str() == Some("full_attention"))
+                .collect();
+            if full.len() != layers as usize {
+                return Err(err(
+                    "layer_types",
+                    format!("{} entries for {layers} layers", full.len()),
+                ));
+            }
+            // The period k with layer i full exactly when (i + 1) % k == 0 (0: none full).
+            let k = full.iter().position(|f| *f).map_or(0, |i| i as u32 + 1);
+            let fits = full
+                .iter()
+                .enumerate()
+                .all(|(i, f)| *f == (k > 0 && (i as u32 + 1) % k == 0));
+            if !fits {
+                return Err(err(
+                    "layer_types",
+                    "only full attention every k-th layer is modelled".into(),
+                ));
+            }
+            k
+        }
+        Some(x) => return Err(err("layer_types", format!("expected a list, found {x}"))),
+        None => match model_type {
+            "gemma2" => 2,
+            "gemma3_text" => {
+                let k = v
+                    .get("sliding_window_pattern")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(6);
+                u32::try_from(k).unwrap_or(0)
+            }
+            _ => 0,
+        },
+    };
+    Ok(Some(SlidingWindow { size, full_every }))
+}
+
 fn to_u32(n: u64, field: &str, file: &str) -> Result<u32, ModelError> {
     u32::try_from(n).map_err(|_| ModelError::Field {
         file: file.into(),
@@ -666,6 +753,11 @@ mod tests {
             (
                 r#"{"model_type":"gpt2","n_embd":768,"n_layer":12,"n_head":12,"vocab_size":50257,"n_positions":1024,"n_inner":null}"#,
                 "gpt2",
+            ),
+            (
+                // gpt-oss-120b's config.json (rope scaling, quantization and the clamp left out).
+                r#"{"model_type":"gpt_oss","hidden_size":2880,"num_hidden_layers":36,"num_attention_heads":64,"num_key_value_heads":8,"head_dim":64,"intermediate_size":2880,"num_local_experts":128,"num_experts_per_tok":4,"experts_per_token":4,"vocab_size":201088,"max_position_embeddings":131072,"sliding_window":128,"layer_types":["sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention"],"rope_theta":150000,"attention_bias":true,"tie_word_embeddings":false,"hidden_act":"silu","swiglu_limit":7.0}"#,
+                "gpt-oss-120b",
             ),
             (
                 // The fields of Nemotron 3 Nano's NemotronHConfig that shape the model.
@@ -787,6 +879,26 @@ mod tests {
         assert!(e.starts_with("config.json: line 1"), "{e}");
         let e = load("{}").unwrap_err().to_string();
         assert!(e.contains("neither"), "{e}");
+        // Window arrangements other than full attention every k-th layer are named.
+        let e = load(r#"{"model_type":"mistral","hidden_size":64,"num_hidden_layers":3,"num_attention_heads":4,"intermediate_size":96,"vocab_size":50,"sliding_window":16,"layer_types":["full_attention","sliding_attention","sliding_attention"]}"#).unwrap_err().to_string();
+        assert!(e.contains("layer_types") && e.contains("k-th"), "{e}");
+        let e = load(r#"{"model_type":"mistral","hidden_size":64,"num_hidden_layers":3,"num_attention_heads":4,"intermediate_size":96,"vocab_size":50,"sliding_window":0}"#).unwrap_err().to_string();
+        assert!(
+            e.contains("sliding_window") && e.contains("positive"),
+            "{e}"
+        );
+        // Mistral's window covers every layer; Gemma 2 alternates; Qwen's needs its switch.
+        let window = |text: &str| load(text).unwrap().transformer().unwrap().sliding_window;
+        let dims = r#""hidden_size":64,"num_hidden_layers":4,"num_attention_heads":4,"intermediate_size":96,"vocab_size":50,"sliding_window":16"#;
+        assert_eq!(
+            window(&format!(r#"{{"model_type":"mistral",{dims}}}"#)).map(|w| w.full_every),
+            Some(0)
+        );
+        assert_eq!(
+            window(&format!(r#"{{"model_type":"gemma2",{dims}}}"#)).map(|w| w.full_every),
+            Some(2)
+        );
+        assert_eq!(window(&format!(r#"{{"model_type":"qwen2",{dims}}}"#)), None);
     }
 
     #[test]

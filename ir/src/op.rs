@@ -51,6 +51,17 @@ pub struct AttentionAttrs {
     pub fused: bool,
     /// Dropout on the attention probabilities (unfused kernels keep its mask for backward).
     pub dropout: bool,
+    /// Sliding-window attention: each query attends to the `window` latest keys (itself
+    /// included) instead of all (Mistral; GPT-OSS's and Gemma 2's local layers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<u64>,
+}
+
+impl AttentionAttrs {
+    /// Keys each query attends to, as the work counts them: `t` or the window.
+    pub fn keys(&self, t: u64) -> u64 {
+        self.window.map_or(t, |w| w.min(t))
+    }
 }
 
 /// Elementwise nonlinearity kind.
@@ -600,10 +611,13 @@ impl OpKind {
                 }
                 Ok(vec![x.with_last(n)])
             }
-            OpKind::Attention(_) => {
+            OpKind::Attention(a) => {
                 arity(op, ins, 3, 3)?;
                 for i in 0..3 {
                     rank(op, ins, i, 4)?;
+                }
+                if a.window == Some(0) {
+                    return Err(invalid(op, "a sliding window holds at least one key"));
                 }
                 let (q, k, v) = (&ins[0], &ins[1], &ins[2]);
                 // Values may have their own head size (multi-head latent attention: 128
@@ -1206,14 +1220,14 @@ impl OpKind {
                     (false, false) => (mm, 2.0 * mm, 0.0),
                 }
             }
-            OpKind::Attention(_) => {
+            OpKind::Attention(a) => {
                 let (q, k) = (&ins[0], &ins[1]);
                 let (b, s, h, d, t) = (
                     q.0[0] as f64,
                     q.0[1] as f64,
                     q.0[2] as f64,
                     q.0[3] as f64,
-                    k.0[1] as f64,
+                    a.keys(k.0[1]) as f64,
                 );
                 let e = ins[2].last() as f64;
                 let scores = b * h * s * t;
@@ -1610,6 +1624,7 @@ mod tests {
             causal: true,
             fused: true,
             dropout: false,
+            window: None,
         });
         let (q, v) = (Shape::new([2, 64, 8, 192]), Shape::new([2, 64, 8, 128]));
         let ins = [q.clone(), q.clone(), v];

@@ -408,6 +408,13 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
     if m.mtp_layers > 0 {
         a.push(format!("--mtp-num-layers {}", m.mtp_layers));
     }
+    if let Some(w) = m.sliding_window {
+        // (left, right): the window behind each query, nothing ahead (causal).
+        a.push(format!("--window-size {},0", w.size));
+        if w.full_every > 0 {
+            a.push(format!("--window-attn-skip-freq {}", w.full_every));
+        }
+    }
     // Layers that do not split evenly split with the embedding and the loss counted as
     // layers (the only uneven split the Megatron space plans, `Space::splits`); with
     // prediction modules, as the layout that places them before the loss on the last stage.
@@ -1545,6 +1552,25 @@ mod tests {
             let why = engine.supports(&l, &m, Precision::Bf16).unwrap();
             assert!(why.contains("hybrid"), "{why}");
         }
+    }
+
+    #[test]
+    fn megatron_arguments_carry_sliding_windows_and_attention_biases() {
+        // gpt-oss-120b: a 128-token window on every other layer, full attention on the rest.
+        let m = model("gpt-oss-120b");
+        let l = Layout {
+            dp: 16,
+            pp: 4,
+            ep: 8,
+            zero_stage: 1,
+            schedule: Schedule::OneFOneB,
+            ..Layout::default()
+        };
+        let s = export(Engine::Megatron, &plan(l, Precision::Bf16), &m).unwrap();
+        assert_eq!(arg(&s, "--window-size"), Some("128,0"));
+        assert_eq!(arg(&s, "--window-attn-skip-freq"), Some("2"));
+        assert_eq!(arg(&s, "--kv-channels"), Some("64"));
+        assert_eq!(arg(&s, "--disable-bias-linear"), None);
     }
 
     #[test]

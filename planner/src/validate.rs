@@ -10,7 +10,8 @@ use crate::search::Space;
 use parallax_cost::transformer::Setup;
 use parallax_hardware::{Cluster, ClusterProfile};
 use parallax_ir::models::{
-    HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, TransformerConfig,
+    HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, SlidingWindow,
+    TransformerConfig,
 };
 use parallax_ir::{PartialLayout, Precision, Recompute, Schedule};
 use rayon::prelude::*;
@@ -328,8 +329,17 @@ pub struct CaseAttention {
     pub qk_norm: Option<bool>,
     pub bias: Option<bool>,
     pub sinks: Option<bool>,
-    pub sliding_window: Option<IgnoredAny>,
+    pub sliding_window: Option<CaseWindow>,
     pub position_embedding: Option<String>,
+}
+
+/// A `/1.1` case's sliding-window attention: the window and, in words, which layers use it
+/// (`all`, or `alternating…`: every other layer, the second of each pair attending fully).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CaseWindow {
+    pub size: u64,
+    pub layers: String,
 }
 
 /// The mixture of experts of a `/1.1` case.
@@ -573,6 +583,27 @@ impl TransformerCase {
                 return Err(format!(
                     "model.attention.position_embedding '{other}' is none of rope, learned, none"
                 ))
+            }
+        }
+        if let Some(a) = &m.attention {
+            if let Some(b) = a.bias {
+                cfg.bias = b;
+            }
+            if let Some(w) = &a.sliding_window {
+                let full_every = if w.layers.starts_with("alternating") {
+                    2
+                } else if w.layers == "all" {
+                    0
+                } else {
+                    return Err(format!(
+                        "model.attention.sliding_window.layers '{}' is neither 'all' nor 'alternating…'",
+                        w.layers
+                    ));
+                };
+                cfg.sliding_window = Some(SlidingWindow {
+                    size: w.size,
+                    full_every,
+                });
             }
         }
         if let Some(h) = &m.hybrid {
@@ -955,6 +986,24 @@ mod tests {
                 parallax_ir::models::LayerKind::Attention,
                 parallax_ir::models::LayerKind::Moe
             ]
+        );
+        // GPT-OSS: a 128-token window on alternate layers, biased attention.
+        let Some(Case::Transformer(oss)) = cases
+            .iter()
+            .find(|c| c.id() == "mb2511-gptoss-120b-64xh100-bf16")
+        else {
+            panic!("the gpt-oss case")
+        };
+        let oss = oss.transformer().unwrap();
+        assert_eq!(
+            (oss.sliding_window, oss.bias),
+            (
+                Some(SlidingWindow {
+                    size: 128,
+                    full_every: 2
+                }),
+                true
+            )
         );
         // The case's shape is the zoo's Nemotron 3 Nano but for the sequence it ran.
         let zoo = parallax_ir::models::zoo::transformer("nemotron-h").unwrap();

@@ -97,6 +97,9 @@ pub fn supported(op: &OpKind, ins: &[parallax_ir::Shape]) -> Result<(), String> 
             "the general-graph executor has no kernel for op '{}' yet (transformers run on the transformer trainer)",
             op.name()
         )),
+        OpKind::Attention(a) if a.window.is_some() => Err(
+            "sliding-window attention has no kernel in the general-graph executor yet".into(),
+        ),
         OpKind::Attention(_) if ins.len() == 3 && ins[2].last() != ins[0].last() => Err(
             "attention whose values have their own head size (latent attention) has no kernel in the general-graph executor yet".into(),
         ),

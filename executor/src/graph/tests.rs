@@ -331,6 +331,7 @@ fn every_kernel_matches_finite_differences() {
                     causal: true,
                     fused: false,
                     dropout: true,
+                    window: None,
                 };
                 b.attention("attn", q, k, v, a).unwrap()
             }),

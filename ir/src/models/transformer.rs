@@ -180,6 +180,31 @@ pub struct TransformerConfig {
     /// layer (each alone with its norm and residual) instead of `layers` transformer blocks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hybrid: Option<HybridConfig>,
+    /// Sliding-window attention on some layers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<SlidingWindow>,
+}
+
+/// Sliding-window attention (Mistral 7B on every layer; GPT-OSS and Gemma 2 alternating with
+/// full attention): a windowed layer's queries attend to the `size` latest keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlidingWindow {
+    pub size: u64,
+    /// Every `full_every`-th layer (the 2nd, 4th… for 2; Megatron's `window_attn_skip_freq`,
+    /// HF's `layer_types`) attends to all keys; 0: none does.
+    #[serde(default)]
+    pub full_every: u32,
+}
+
+impl SlidingWindow {
+    /// How many of layers `first .. first + n` attend fully.
+    pub fn full_layers_in(&self, first: u32, n: u32) -> u32 {
+        match self.full_every {
+            0 => 0,
+            k => (first + n) / k - first / k,
+        }
+    }
 }
 
 /// A hybrid stack of single-purpose layers (Nemotron-H; Megatron-LM's `MambaModel`): layer `i`
@@ -245,6 +270,7 @@ pub struct LayerStack {
     pub moe: Option<MoeConfig>,
     /// A hybrid stack's pattern.
     pub pattern: Option<String>,
+    pub window: Option<SlidingWindow>,
 }
 
 impl LayerStack {
@@ -255,6 +281,7 @@ impl LayerStack {
             self.layers,
             self.moe,
             self.pattern.as_deref().map(str::as_bytes),
+            self.window,
             first,
             n,
         )
@@ -262,11 +289,13 @@ impl LayerStack {
 }
 
 /// Layers `first .. first + n` (of `layers`) counted by kind: a hybrid `pattern`'s symbols, a
-/// mixture's MoE and dense blocks in closed form, else all blocks.
+/// mixture's MoE and dense blocks in closed form, sliding-window and full blocks in closed
+/// form, else all blocks.
 fn kinds_in(
     layers: u32,
     moe: Option<MoeConfig>,
     pattern: Option<&[u8]>,
+    window: Option<SlidingWindow>,
     first: u32,
     n: u32,
 ) -> [u32; LayerKind::COUNT] {
@@ -281,12 +310,19 @@ fn kinds_in(
                 }
             }
         }
-        (None, Some(m)) => {
+        (None, Some(m)) if m.has_dense_layers() => {
             let routed = m.moe_layers_in(first, n);
             counts[LayerKind::Block.index()] = routed;
             counts[LayerKind::DenseBlock.index()] = n - routed;
         }
-        (None, None) => counts[LayerKind::Block.index()] = n,
+        (None, _) => match window {
+            Some(w) => {
+                let full = w.full_layers_in(first, n);
+                counts[LayerKind::Block.index()] = full;
+                counts[LayerKind::WindowBlock.index()] = n - full;
+            }
+            None => counts[LayerKind::Block.index()] = n,
+        },
     }
     counts
 }
@@ -300,6 +336,8 @@ pub enum LayerKind {
     Block,
     /// A block with a dense MLP among a mixture's MoE blocks (leading or in between).
     DenseBlock,
+    /// A block whose attention is a sliding window (its MLP as a `Block`'s).
+    WindowBlock,
     /// The layers of a hybrid stack: one Mamba-2 mixer, one attention, one MoE MLP or one
     /// dense MLP, each with its pre-norm and residual.
     Mamba,
@@ -309,10 +347,11 @@ pub enum LayerKind {
 }
 
 impl LayerKind {
-    pub const COUNT: usize = 6;
+    pub const COUNT: usize = 7;
     pub const ALL: [LayerKind; LayerKind::COUNT] = [
         LayerKind::Block,
         LayerKind::DenseBlock,
+        LayerKind::WindowBlock,
         LayerKind::Mamba,
         LayerKind::Attention,
         LayerKind::Moe,
@@ -339,7 +378,10 @@ impl LayerKind {
     pub fn has_attention(self) -> bool {
         matches!(
             self,
-            LayerKind::Block | LayerKind::DenseBlock | LayerKind::Attention
+            LayerKind::Block
+                | LayerKind::DenseBlock
+                | LayerKind::WindowBlock
+                | LayerKind::Attention
         )
     }
 
@@ -348,7 +390,7 @@ impl LayerKind {
     /// attention and MLP in a block, one in the others.
     pub fn tp_regions(self) -> u32 {
         match self {
-            LayerKind::Block | LayerKind::DenseBlock => 2,
+            LayerKind::Block | LayerKind::DenseBlock | LayerKind::WindowBlock => 2,
             _ => 1,
         }
     }
@@ -436,6 +478,7 @@ impl TransformerConfig {
             mla: None,
             mtp_layers: 0,
             hybrid: None,
+            sliding_window: None,
         }
     }
 
@@ -472,6 +515,7 @@ impl TransformerConfig {
             mla: None,
             mtp_layers: 0,
             hybrid: None,
+            sliding_window: None,
         }
     }
 
@@ -558,9 +602,21 @@ impl TransformerConfig {
                 }
                 _ => {}
             }
-            if self.bert || self.mla.is_some() {
+            if self.bert || self.mla.is_some() || self.sliding_window.is_some() {
                 return Err(
-                    "hybrid: a hybrid stack has neither BERT blocks nor latent attention".into(),
+                    "hybrid: a hybrid stack has neither BERT blocks, latent attention nor sliding windows"
+                        .into(),
+                );
+            }
+        }
+        if let Some(w) = self.sliding_window {
+            if w.size == 0 || !self.causal {
+                return Err("sliding_window: a causal model's window of at least one key".into());
+            }
+            if self.moe.is_some_and(|m| m.has_dense_layers()) {
+                return Err(
+                    "sliding_window: windows beside a mixture's dense layers are not modelled"
+                        .into(),
                 );
             }
         }
@@ -658,7 +714,7 @@ impl TransformerConfig {
             self.hidden
         };
         match kind {
-            LayerKind::Block => {
+            LayerKind::Block | LayerKind::WindowBlock => {
                 self.attention_params() + self.mlp_params(self.moe.is_some()) + 2 * norm
             }
             LayerKind::DenseBlock => self.attention_params() + self.mlp_params(false) + 2 * norm,
@@ -730,7 +786,7 @@ impl TransformerConfig {
     /// Whether layer `i` (from 0) routes over experts.
     pub fn is_moe_layer(&self, i: u32) -> bool {
         match self.layer_kind(i) {
-            LayerKind::Block => self.moe.is_some(),
+            LayerKind::Block | LayerKind::WindowBlock => self.moe.is_some(),
             LayerKind::Moe => true,
             _ => false,
         }
@@ -753,6 +809,7 @@ impl TransformerConfig {
             self.layers,
             self.moe,
             self.hybrid.as_ref().map(|h| h.pattern.as_bytes()),
+            self.sliding_window,
             first,
             n,
         )
@@ -764,6 +821,7 @@ impl TransformerConfig {
             layers: self.layers,
             moe: self.moe,
             pattern: self.hybrid.as_ref().map(|h| h.pattern.clone()),
+            window: self.sliding_window,
         }
     }
 
@@ -1038,12 +1096,16 @@ impl TransformerConfig {
         kind: LayerKind,
     ) -> Result<TensorId, GraphError> {
         match kind {
-            LayerKind::Block | LayerKind::DenseBlock => {
-                let x = self.attention_part(g, p, x, opts)?;
-                let moe = kind == LayerKind::Block && self.moe.is_some();
+            LayerKind::Block | LayerKind::DenseBlock | LayerKind::WindowBlock => {
+                let window = match kind {
+                    LayerKind::WindowBlock => self.sliding_window.map(|w| w.size),
+                    _ => None,
+                };
+                let x = self.attention_part(g, p, x, opts, window)?;
+                let moe = kind != LayerKind::DenseBlock && self.moe.is_some();
                 self.mlp_part(g, p, x, moe)
             }
-            LayerKind::Attention => self.attention_part(g, p, x, opts),
+            LayerKind::Attention => self.attention_part(g, p, x, opts, None),
             LayerKind::Moe => self.mlp_part(g, p, x, true),
             LayerKind::Mlp => self.mlp_part(g, p, x, false),
             LayerKind::Mamba => match &self.hybrid {
@@ -1059,14 +1121,15 @@ impl TransformerConfig {
         }
     }
 
-    /// The attention half of a block: its norm, the attention with its output projection,
-    /// dropout and the residual.
+    /// The attention half of a block: its norm, the attention (over a sliding `window` of
+    /// keys where given) with its output projection, dropout and the residual.
     fn attention_part(
         &self,
         g: &mut GraphBuilder,
         p: &str,
         x: TensorId,
         opts: BuildOptions,
+        window: Option<u64>,
     ) -> Result<TensorId, GraphError> {
         let (bsz, s, d) = (opts.batch, opts.seq, self.head_dim);
         let pre = !self.bert;
@@ -1076,7 +1139,7 @@ impl TransformerConfig {
             x
         };
         let o = match self.mla {
-            Some(a) => self.latent_attention(g, p, a_in, opts, a)?,
+            Some(a) => self.latent_attention(g, p, a_in, opts, a, window)?,
             None => {
                 let q = g.linear(&format!("{p}.attn.q"), a_in, self.heads * d, self.bias)?;
                 let k = g.linear(&format!("{p}.attn.k"), a_in, self.kv_heads * d, self.bias)?;
@@ -1097,7 +1160,7 @@ impl TransformerConfig {
                     q = g.op1(format!("{p}.attn.q_rope"), OpKind::Rope, &[q])?;
                     k = g.op1(format!("{p}.attn.k_rope"), OpKind::Rope, &[k])?;
                 }
-                self.attention_core(g, p, [q, k, v], opts, self.heads * d)?
+                self.attention_core(g, p, [q, k, v], opts, self.heads * d, window)?
             }
         };
         let mut o = g.linear(&format!("{p}.attn.out"), o, self.hidden, self.bias)?;
@@ -1226,6 +1289,7 @@ impl TransformerConfig {
         x: TensorId,
         opts: BuildOptions,
         a: MlaConfig,
+        window: Option<u64>,
     ) -> Result<TensorId, GraphError> {
         let (bsz, s, heads) = (opts.batch, opts.seq, self.heads);
         let (nope, rope, dv) = (a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim);
@@ -1292,7 +1356,7 @@ impl TransformerConfig {
             OpKind::Concat(crate::op::AxisAttrs { axis: 3 }),
             &[k_nope, k_rope],
         )?;
-        self.attention_core(g, p, [q, k, v], opts, heads * dv)
+        self.attention_core(g, p, [q, k, v], opts, heads * dv, window)
     }
 
     /// The attention core over `q`, `k`, `v` (`[b, s, heads, d]`), its heads merged back to
@@ -1304,6 +1368,7 @@ impl TransformerConfig {
         [q, k, v]: [TensorId; 3],
         opts: BuildOptions,
         width: u64,
+        window: Option<u64>,
     ) -> Result<TensorId, GraphError> {
         let o = g.attention(
             &format!("{p}.attn.core"),
@@ -1314,6 +1379,7 @@ impl TransformerConfig {
                 causal: self.causal,
                 fused: opts.fused_attention,
                 dropout: self.dropout && !opts.fused_attention,
+                window,
             },
         )?;
         g.op1(
@@ -1557,6 +1623,65 @@ mod tests {
         assert_eq!((m.heads, m.groups), (4, 1));
         assert!(cfg.tp_shard(4).is_none());
         half.build("t", opts(16)).unwrap();
+    }
+
+    #[test]
+    fn sliding_window_layers_attend_to_their_window() {
+        // GPT-OSS's arrangement: layers 0 and 2 windowed (4 keys), 1 and 3 full.
+        let cfg = TransformerConfig {
+            sliding_window: Some(SlidingWindow {
+                size: 4,
+                full_every: 2,
+            }),
+            ..TransformerConfig::llama(4, 64, 8, 2, 96, 100, 32)
+        };
+        cfg.validate().unwrap();
+        let c = cfg.layer_kinds_in(0, 4);
+        assert_eq!(
+            (
+                c[LayerKind::Block.index()],
+                c[LayerKind::WindowBlock.index()]
+            ),
+            (2, 2)
+        );
+        assert_eq!(
+            (0..4).map(|i| cfg.layer_kind(i)).collect::<Vec<_>>(),
+            [
+                LayerKind::WindowBlock,
+                LayerKind::Block,
+                LayerKind::WindowBlock,
+                LayerKind::Block
+            ]
+        );
+        assert_eq!(
+            cfg.layer_params(LayerKind::WindowBlock),
+            cfg.layer_params(LayerKind::Block)
+        );
+        // At 16 tokens a windowed layer's attention counts 4 keys a query, a full one 16.
+        let attn_flops = |kind| {
+            let g = cfg.build_section(Section::Layer(kind), opts(16)).unwrap();
+            let n = g
+                .nodes
+                .iter()
+                .find(|n| matches!(n.op, OpKind::Attention(_)))
+                .unwrap();
+            g.node_work(n, 2).fwd_flops.0
+        };
+        let (w, f) = (
+            attn_flops(LayerKind::WindowBlock),
+            attn_flops(LayerKind::Block),
+        );
+        assert!((w / f - 0.25).abs() < 1e-12, "{w} {f}");
+        let whole = cfg.build("t", opts(16)).unwrap();
+        let windows: Vec<Option<u64>> = whole
+            .nodes
+            .iter()
+            .filter_map(|n| match &n.op {
+                OpKind::Attention(a) => Some(a.window),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(windows, [Some(4), None, Some(4), None]);
     }
 
     #[test]

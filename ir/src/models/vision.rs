@@ -235,6 +235,7 @@ fn encoder_block(
             // timm calls F.scaled_dot_product_attention, which dispatches to a fused kernel.
             fused: true,
             dropout: false,
+            window: None,
         },
     )?;
     let o = g.op1(

@@ -2,7 +2,8 @@
 //! was published.
 
 use super::transformer::{
-    HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, TransformerConfig,
+    HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, SlidingWindow,
+    TransformerConfig,
 };
 use crate::graph::{Graph, GraphError};
 
@@ -120,6 +121,25 @@ fn deepseek_v3(
         mtp_layers: mtp,
         rope_theta: theta,
         ..TransformerConfig::llama(61, 7168, heads, heads, 2048, vocab, 163_840)
+    })
+}
+
+/// OpenAI's gpt-oss (its HF configs and model card): `layers` layers of hidden 2880, 64 query
+/// heads of 64 and 8 key/value heads with biases, every other layer attending to a 128-token
+/// window (the odd ones fully), `experts` SwiGLU experts 2880 wide, top-4, vocabulary 201,088,
+/// untied, rotary base 150 000. The experts' biases and the attention sinks (0.03 % of the
+/// parameters) are left out.
+fn gpt_oss(layers: u32, experts: u64) -> ZooDef {
+    ZooDef::Transformer(TransformerConfig {
+        head_dim: 64,
+        bias: true,
+        moe: Some(MoeConfig::routed(experts, 4)),
+        sliding_window: Some(SlidingWindow {
+            size: 128,
+            full_every: 2,
+        }),
+        rope_theta: 150_000,
+        ..TransformerConfig::llama(layers, 2880, 64, 8, 2880, 201_088, 131_072)
     })
 }
 
@@ -295,6 +315,22 @@ pub fn entries() -> Vec<ZooEntry> {
             rounded(1.0, 0.05),
             "Moonshot AI, HF moonshotai/Kimi-K2-Instruct model card and config: 1T total, 32B activated (the tech report's 1.04T and 32.6B are 1.3 % and 1.2 % from this count); DeepSeek-V3's architecture with 64 heads, 384 routed experts, 1 leading dense layer, vocab 163840, rotary base 50000, no MTP",
             deepseek_v3(64, 384, 1, 163_840, 0, 50_000, (1, 1)),
+        ),
+        e(
+            "gpt-oss-20b",
+            "gpt-oss",
+            20.9 * b,
+            rounded(20.9, 0.05),
+            "OpenAI, gpt-oss-120b & gpt-oss-20b model card (2025), Table 1: 20.91B total, 3.61B active per token (unembedding counted, embedding not); HF openai/gpt-oss-20b config: 24 layers, hidden 2880, 64 heads of 64, 8 KV heads, 32 experts of 2880 top-4, sliding window 128 on alternate layers, vocab 201088",
+            gpt_oss(24, 32),
+        ),
+        e(
+            "gpt-oss-120b",
+            "gpt-oss",
+            116.8 * b,
+            rounded(116.8, 0.05),
+            "OpenAI, gpt-oss-120b & gpt-oss-20b model card (2025), Table 1: 116.83B total, 5.13B active per token (unembedding counted, embedding not); HF openai/gpt-oss-120b config: 36 layers, hidden 2880, 64 heads of 64, 8 KV heads, 128 experts of 2880 top-4, sliding window 128 on alternate layers, vocab 201088",
+            gpt_oss(36, 128),
         ),
         e(
             "nemotron-h",
@@ -591,19 +627,22 @@ mod tests {
     #[test]
     fn moe_entries_activate_the_published_share() {
         let published = [
-            ("mixtral-8x7b", 12.9, 0.05),
-            ("mixtral-8x22b", 39.0, 0.5),
+            ("mixtral-8x7b", 12.9, 0.05, true),
+            ("mixtral-8x22b", 39.0, 0.5, true),
             // The card's "3.3B" truncates: 3.35B by its config.
-            ("qwen3-30b-a3b", 3.3, 0.1),
-            ("qwen3-235b-a22b", 22.0, 0.5),
+            ("qwen3-30b-a3b", 3.3, 0.1, true),
+            ("qwen3-235b-a22b", 22.0, 0.5, true),
             // "37B" and "32B": this count (input embedding table counted active, as for the
             // others) gives 37.55B and 33.0B, 1.5 % and 3 % over; both cards round.
-            ("deepseek-v3", 37.0, 0.6),
-            ("kimi-k2", 32.0, 1.0),
+            ("deepseek-v3", 37.0, 0.6, true),
+            ("kimi-k2", 32.0, 1.0, true),
             // With its embeddings, as the card counts them.
-            ("nemotron-h", 3.6, 0.05),
+            ("nemotron-h", 3.6, 0.05, true),
+            // OpenAI counts the unembedding active, not the input embedding.
+            ("gpt-oss-20b", 3.61, 0.005, false),
+            ("gpt-oss-120b", 5.13, 0.005, false),
         ];
-        for (name, active_b, precision) in published {
+        for (name, active_b, precision, embedding_active) in published {
             let e = find(name).unwrap();
             let ZooDef::Transformer(c) = &e.def else {
                 panic!("{name} is a transformer")
@@ -615,7 +654,12 @@ mod tests {
             let idle = (moe.experts - moe.top_k) as f64 / moe.experts as f64
                 * expert_weights_per_layer as f64
                 * moe_layers as f64;
-            let active = params(&e) as f64 - idle;
+            let embedding = if !embedding_active {
+                (c.vocab * c.hidden) as f64
+            } else {
+                0.0
+            };
+            let active = params(&e) as f64 - idle - embedding;
             let err = (active / (active_b * 1e9) - 1.0).abs();
             let allowed = 0.01f64.max(rounded(active_b, precision));
             assert!(err <= allowed, "{name}: {active} active vs {active_b}B");
