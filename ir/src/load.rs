@@ -442,7 +442,7 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                 // Gemma's GeGLU has SwiGLU's three GEMMs and one pointwise gate.
                 _ => Mlp::Swiglu,
             };
-            c.sliding_window = sliding_window(&v, model_type, c.layers, file)?;
+            c.sliding_window = sliding_window(v, model_type, c.layers, file)?;
             match model_type {
                 "mixtral" => {
                     c.moe = Some(MoeConfig::routed(
