@@ -124,6 +124,27 @@ pub struct Runtime {
     /// GPT-2 blocks): see [`DeviceModel::with_eager`] for the kernels that adds.
     #[serde(default)]
     pub eager_kernels: bool,
+    /// The router is forced to spread tokens evenly over the experts (Megatron's
+    /// `--moe-router-force-load-balancing`, which benchmark recipes set); otherwise the busiest
+    /// expert rank receives the expected maximum of a random top-k routing
+    /// ([`busiest_rank_load`]).
+    #[serde(default)]
+    pub balanced_routing: bool,
+}
+
+/// The expected load of the busiest of `ranks` expert-parallel ranks, relative to the mean,
+/// when each of the `n` token copies it receives on average picks a rank uniformly at random
+/// (balls into bins): a rank's load is Binomial(ranks · n, 1/ranks), mean n and variance
+/// n (1 − 1/ranks); the largest of `ranks` such loads exceeds the mean by about
+/// σ·√(2 ln ranks) (the Gaussian maximum; Raab & Steger 1998 for the bins regime). A router
+/// trained with a load-balancing loss routes no better than at random on average; skewed
+/// routing is worse, which this leaves out.
+pub fn busiest_rank_load(ranks: u64, n: f64) -> f64 {
+    if ranks <= 1 || n <= 0.0 {
+        return 1.0;
+    }
+    let r = ranks as f64;
+    1.0 + (2.0 * r.ln() * (1.0 - 1.0 / r) / n).sqrt()
 }
 
 fn one() -> u32 {
@@ -171,6 +192,7 @@ impl Default for Runtime {
             zero3_gathers_per_layer: 1,
             in_place_cross_entropy: false,
             eager_kernels: false,
+            balanced_routing: false,
         }
     }
 }
@@ -751,7 +773,8 @@ pub fn transformer_costs_with(
         // ranks, the received tokens are gathered over those and the outputs reduce-scattered
         // back (top-k times the dense MLP's gather, which is why recipes fold etp to 1).
         if let Some(e) = experts {
-            let routed = Bytes(e.tokens * e.moe.top_k * hidden * fb);
+            // The busiest rank's copies: the all-to-all ends when it has them.
+            let routed = Bytes(e.busiest(e.tokens * e.moe.top_k * hidden * fb));
             let mut one = dispatch(&net, l, &e, gpn, routed, l.dispatcher) * 2.0;
             if e.gathers_over_etp() {
                 let etp_group = Group::strided(e.etp, 1, gpn);
@@ -797,7 +820,7 @@ pub fn transformer_costs_with(
     let experts = s
         .model
         .moe
-        .map(|moe| ExpertRanks::of(s.model, moe, l, &opts));
+        .map(|moe| ExpertRanks::of(s.model, moe, l, &opts, s.runtime.balanced_routing));
     let mut kinds = [None; LayerKind::COUNT];
     for kind in s.model.layer_kinds() {
         let routed = matches!(
@@ -911,17 +934,22 @@ impl NodePrices {
         };
         for (i, n) in g.nodes.iter().enumerate() {
             let k = local_share(g, n, sp, tp, hidden, cp);
-            let routed;
-            let (ins, w) = match (&n.op, experts) {
+            let (time, w) = match (&n.op, experts) {
                 (OpKind::Moe(_), Some(e)) => {
-                    routed = e.rank_inputs(&g.shapes[i]);
-                    let outs = [Shape::new([e.expert_rows(), hidden])];
-                    let w = n.op.work(&routed, &outs, &g.weight_flags(n), fb);
-                    (&routed, w)
+                    // The FLOPs of the mean rank's rows; the time of the busiest rank's, whose
+                    // experts the step waits for.
+                    let work = |busiest| {
+                        let ins = e.rank_inputs(&g.shapes[i], busiest);
+                        let outs = [Shape::new([e.expert_rows(busiest), hidden])];
+                        let w = n.op.work(&ins, &outs, &g.weight_flags(n), fb);
+                        (ins, w)
+                    };
+                    let (busy, busy_work) = work(true);
+                    (dev.op(&n.op, &busy, &busy_work, fb), work(false).1)
                 }
-                _ => (&g.shapes[i], g.work[i]),
+                _ => (dev.op(&n.op, &g.shapes[i], &g.work[i], fb), g.work[i]),
             };
-            p.times.push(dev.op(&n.op, ins, &w, fb) * k);
+            p.times.push(time * k);
             p.train_flops.push(w.train_flops().0 * k);
             p.fwd_flops.push(w.fwd_flops.0 * k);
         }
@@ -982,10 +1010,11 @@ pub fn faster_dispatcher(s: &Setup, l: &Layout) -> Dispatcher {
     let Some(moe) = s.model.moe else {
         return Dispatcher::AllToAll;
     };
-    let e = ExpertRanks::of(s.model, moe, l, &micro_batch_options(s, l));
+    let opts = micro_batch_options(s, l);
+    let e = ExpertRanks::of(s.model, moe, l, &opts, s.runtime.balanced_routing);
     let net = Network::new(s.profile);
     let gpn = s.profile.node.gpus_per_node;
-    let routed = Bytes(e.tokens * e.moe.top_k * s.model.hidden * s.float_bytes());
+    let routed = Bytes(e.busiest(e.tokens * e.moe.top_k * s.model.hidden * s.float_bytes()));
     let time = |d| dispatch(&net, l, &e, gpn, routed, d);
     if time(Dispatcher::DeepEp) < time(Dispatcher::AllToAll) {
         Dispatcher::DeepEp
@@ -1013,13 +1042,27 @@ struct ExpertRanks {
     /// Expert FFN width.
     ffn: u64,
     hidden: u64,
+    /// The busiest rank's share of the routed tokens against the mean (1: balanced routing).
+    load: f64,
 }
 
 impl ExpertRanks {
-    fn of(m: &TransformerConfig, moe: MoeConfig, l: &Layout, opts: &BuildOptions) -> Self {
+    fn of(
+        m: &TransformerConfig,
+        moe: MoeConfig,
+        l: &Layout,
+        opts: &BuildOptions,
+        balanced: bool,
+    ) -> Self {
         let split = l.sequence_parallel && l.tp > 1;
         let tokens = opts.batch * opts.seq / if split { u64::from(l.tp) } else { 1 };
+        let load = if balanced {
+            1.0
+        } else {
+            busiest_rank_load(u64::from(l.ep), (tokens * moe.top_k) as f64)
+        };
         ExpertRanks {
+            load,
             moe,
             mats: if m.mlp == parallax_ir::models::Mlp::Swiglu {
                 3
@@ -1035,6 +1078,11 @@ impl ExpertRanks {
         }
     }
 
+    /// The busiest rank's share of `mean` (bytes or rows routed per rank).
+    fn busiest(&self, mean: u64) -> u64 {
+        (mean as f64 * self.load).ceil() as u64
+    }
+
     /// Whether routed tokens are gathered over the etp ranks of an expert after dispatch:
     /// the expert is split and its ranks hold different tokens.
     fn gathers_over_etp(&self) -> bool {
@@ -1043,25 +1091,31 @@ impl ExpertRanks {
 
     /// Rows of the local experts' input on this rank, over all of them: the top-k copies of
     /// the tokens routed here (from `ep` ranks, gathered over `etp` unless every TP rank
-    /// already holds them) — `rows × top_k` expert visits, as the op counts them.
-    fn expert_rows(&self) -> u64 {
-        if self.replicated {
+    /// already holds them) — `rows × top_k` expert visits, as the op counts them; on the
+    /// `busiest` rank, or on the mean one.
+    fn expert_rows(&self, busiest: bool) -> u64 {
+        let rows = if self.replicated {
             self.tokens
         } else {
             self.tokens * u64::from(self.etp)
+        };
+        if busiest {
+            self.busiest(rows)
+        } else {
+            rows
         }
     }
 
     /// The MoE op's inputs as this rank runs it (`graph` are the inputs of the graph's op:
     /// tokens, router, expert weights): the expert rows, the whole router, `experts / ep`
     /// local experts each `ffn / etp` wide.
-    fn rank_inputs(&self, graph: &[Shape]) -> Vec<Shape> {
+    fn rank_inputs(&self, graph: &[Shape], busiest: bool) -> Vec<Shape> {
         let (local, width) = (self.moe.experts / self.ep, self.ffn / u64::from(self.etp));
         graph
             .iter()
             .enumerate()
             .map(|(i, x)| match i {
-                0 => Shape::new([self.expert_rows(), x.last()]),
+                0 => Shape::new([self.expert_rows(busiest), x.last()]),
                 1 => x.clone(),
                 // The MoE op's weights: up `ehf`, down `efh`, gate `ehf` (`OpKind::Moe`).
                 3 => Shape::new([local, width, self.hidden]),
@@ -1490,12 +1544,17 @@ mod tests {
         // parallelism, ep 32 over the stage's dp × tp ranks, etp 1. Each rank routes its
         // half of a micro-batch's tokens (top-8 copies) over an all-to-all among 32 ranks
         // (four nodes), holds 4 whole experts, and pays the TP pair of the attention only.
+        // (Balanced routing, as the recipe benchmarks it: the volumes are exact.)
         let m = cfg("qwen3-235b-a22b");
         let p = preset("dgx-h100-80gb").unwrap();
+        let balanced = Runtime {
+            balanced_routing: true,
+            ..Runtime::default()
+        };
         let s = Setup {
             seq: 4096,
             precision: Precision::Bf16,
-            ..setup(&m, &p, 256, Runtime::default())
+            ..setup(&m, &p, 256, balanced)
         };
         let at = |ep, etp| {
             let l = Layout {
@@ -1744,6 +1803,44 @@ mod tests {
         };
         let err = transformer_costs(&s, &cp).unwrap_err().to_string();
         assert!(err.contains("Mamba"), "{err}");
+    }
+
+    /// Random top-k routing leaves the busiest expert rank σ·√(2 ln ep) above the mean: for
+    /// DeepSeek-V3's 4096 tokens × 8 copies over 64 ranks, 1.6 %; forced balancing none. The
+    /// busiest rank's dispatch and expert rows grow by that share.
+    #[test]
+    fn the_busiest_expert_rank_receives_the_expected_maximum() {
+        let n = 4096.0 * 8.0;
+        let want = 1.0 + (2.0 * 64f64.ln() * (63.0 / 64.0) / n).sqrt();
+        assert!((busiest_rank_load(64, n) - want).abs() < 1e-12);
+        assert!((1.015..1.017).contains(&want), "{want}");
+        assert_eq!(busiest_rank_load(1, n), 1.0);
+        assert!(busiest_rank_load(8, 100.0) > busiest_rank_load(8, 10_000.0));
+        let m = cfg("mixtral-8x7b");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let l = Layout {
+            dp: 8,
+            ep: 8,
+            ..layout(1, false, Recompute::None)
+        };
+        let at = |balanced_routing| {
+            let s = setup(
+                &m,
+                &p,
+                8,
+                Runtime {
+                    balanced_routing,
+                    ..Runtime::default()
+                },
+            );
+            *transformer_costs(&s, &l).unwrap().layer()
+        };
+        let (random, even) = (at(false), at(true));
+        let load = busiest_rank_load(8, (2048 * 2) as f64);
+        // The volume grows by the load; the all-to-all's latency does not.
+        let r = random.ep_fwd.0 / even.ep_fwd.0;
+        assert!(r > 1.0 && r <= load + 1e-9, "{r} vs {load}");
+        assert!(random.compute.fwd > even.compute.fwd);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use crate::complete::{complete_within, layout_string, CompleteError};
 pub use crate::framework::Framework;
 pub use crate::general_cases::{GeneralCase, GENERAL_CASES_SCHEMA};
 use crate::search::Space;
-use parallax_cost::transformer::Setup;
+use parallax_cost::transformer::{Runtime, Setup};
 use parallax_hardware::{Cluster, ClusterProfile};
 use parallax_ir::models::{
     HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, SlidingWindow,
@@ -722,6 +722,18 @@ impl TransformerCase {
 
     /// The stack that ran it: the row of [`crate::framework::STACKS`] its `framework` field
     /// names, or a current stack without framework-specific tricks where the table has none.
+    /// Whether the benchmark spread tokens evenly over the experts (forced or fake-balanced
+    /// gates), or capped each expert's load by token dropping (at a capacity factor of 1 where
+    /// none is published): then no rank is a straggler.
+    fn balanced_routing(&self) -> bool {
+        self.model.moe.as_ref().is_some_and(|m| {
+            let routing = m.routing.as_deref().unwrap_or("");
+            let capped =
+                routing.starts_with("token-drop") || m.capacity_factor.is_some_and(|c| c <= 1.0);
+            routing.starts_with("forced-balanced") || routing.starts_with("fake-balanced") || capped
+        })
+    }
+
     pub fn framework(&self) -> Framework {
         Framework::for_case(self.framework.as_deref())
     }
@@ -737,7 +749,10 @@ impl TransformerCase {
         let cluster = self.cluster.build(adjust)?;
         let setup = Setup {
             precision: self.precision,
-            runtime: fw.runtime,
+            runtime: Runtime {
+                balanced_routing: self.balanced_routing(),
+                ..fw.runtime
+            },
             ..Setup::new(
                 &cfg,
                 &cluster.profile,
