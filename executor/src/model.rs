@@ -71,6 +71,11 @@ impl Dims {
             (c.hybrid.is_some(), "hybrid Mamba-2 stacks"),
             (c.sliding_window.is_some(), "sliding-window attention"),
             (
+                c.moe
+                    .is_some_and(|m| m.router == parallax_ir::models::Router::Sigmoid),
+                "sigmoid routers",
+            ),
+            (
                 c.position == Position::None,
                 "attention without position embeddings",
             ),
@@ -1434,7 +1439,15 @@ mod tests {
             }),
             ..tiny.clone()
         };
+        let sigmoid = TransformerConfig {
+            moe: Some(parallax_ir::models::MoeConfig {
+                router: parallax_ir::models::Router::Sigmoid,
+                ..parallax_ir::models::MoeConfig::routed(4, 2)
+            }),
+            ..tiny.clone()
+        };
         for (c, what) in [
+            (sigmoid, "sigmoid routers"),
             (windowed, "sliding-window attention"),
             (latent, "latent attention"),
             (nope, "without position embeddings"),

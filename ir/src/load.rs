@@ -5,7 +5,7 @@ use crate::graph::{Graph, GraphError};
 use crate::import::ImportError;
 use crate::models::zoo::{self, ZooDef};
 use crate::models::{
-    BuildOptions, HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Norm, Position,
+    BuildOptions, HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Norm, Position, Router,
     SlidingWindow, TransformerConfig,
 };
 use serde::{Deserialize, Serialize};
@@ -485,7 +485,20 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                             })
                     };
                     let expert = int(&["moe_intermediate_size"], None)?;
+                    // DeepSeek-V3's router scores by sigmoid (`scoring_func`, whose default
+                    // in its config class is sigmoid too).
+                    let router = match v.get("scoring_func").and_then(Value::as_str) {
+                        None | Some("sigmoid") => Router::Sigmoid,
+                        Some("softmax") => Router::Softmax,
+                        Some(other) => {
+                            return Err(field_err(
+                                "scoring_func",
+                                format!("'{other}' is neither sigmoid nor softmax"),
+                            ))
+                        }
+                    };
                     c.moe = Some(MoeConfig {
+                        router,
                         groups: small("n_group", 0)?,
                         groups_per_token: small("topk_group", 0)?,
                         shared_ffn_hidden: int(&["n_shared_experts"], Some(0))? * expert,
@@ -584,7 +597,9 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
             c.bias = flag("attention_bias", false)? || flag("mlp_bias", false)?;
             if pattern.contains('E') {
                 let expert = int(&["moe_intermediate_size"], None)?;
+                // Sigmoid scores with a correction bias (NemotronH's router).
                 c.moe = Some(MoeConfig {
+                    router: Router::Sigmoid,
                     shared_ffn_hidden: int(&["moe_shared_expert_intermediate_size"], Some(0))?
                         * int(&["n_shared_experts"], Some(1))?,
                     dense_ffn_hidden: if pattern.contains('-') { dense } else { 0 },

@@ -364,6 +364,15 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
     if let Some(moe) = m.moe {
         a.push(format!("--num-experts {}", moe.experts));
         a.push(format!("--moe-router-topk {}", moe.top_k));
+        if moe.router == parallax_ir::models::Router::Sigmoid {
+            // Sigmoid scores with DeepSeek's balancing bias on them.
+            a.push("--moe-router-score-function sigmoid".into());
+            a.push("--moe-router-enable-expert-bias".into());
+        }
+        if moe.groups > 1 && moe.groups_per_token > 0 {
+            a.push(format!("--moe-router-num-groups {}", moe.groups));
+            a.push(format!("--moe-router-group-topk {}", moe.groups_per_token));
+        }
         if moe.shared_ffn_hidden > 0 {
             a.push(format!(
                 "--moe-shared-expert-intermediate-size {}",
@@ -1495,6 +1504,11 @@ mod tests {
         assert_eq!(arg(&s, "--qk-pos-emb-head-dim"), Some("64"));
         assert_eq!(arg(&s, "--v-head-dim"), Some("128"));
         assert_eq!(arg(&s, "--mtp-num-layers"), Some("1"));
+        // Sigmoid scores with the balancing bias, a token's experts from 4 of 8 groups.
+        assert_eq!(arg(&s, "--moe-router-score-function"), Some("sigmoid"));
+        assert_eq!(arg(&s, "--moe-router-enable-expert-bias"), Some(""));
+        assert_eq!(arg(&s, "--moe-router-num-groups"), Some("8"));
+        assert_eq!(arg(&s, "--moe-router-group-topk"), Some("4"));
         assert_eq!(
             arg(&s, "--moe-layer-freq").map(|f| f.matches('0').count()),
             Some(3)

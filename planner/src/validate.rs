@@ -10,7 +10,7 @@ use crate::search::Space;
 use parallax_cost::transformer::{Runtime, Setup};
 use parallax_hardware::{Cluster, ClusterProfile};
 use parallax_ir::models::{
-    HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, SlidingWindow,
+    HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, Router, SlidingWindow,
     TransformerConfig,
 };
 use parallax_ir::{PartialLayout, Precision, Recompute, Schedule};
@@ -650,7 +650,17 @@ impl TransformerCase {
             let dense = first > 0
                 || every > 1
                 || m.hybrid.as_ref().is_some_and(|h| h.pattern.contains('-'));
+            let router = match moe.router.as_deref() {
+                None | Some("softmax") => Router::Softmax,
+                Some("sigmoid") => Router::Sigmoid,
+                Some(other) => {
+                    return Err(format!(
+                        "model.moe.router '{other}' is neither softmax nor sigmoid"
+                    ))
+                }
+            };
             cfg.moe = Some(MoeConfig {
+                router,
                 shared_ffn_hidden: shared * moe.shared_expert_ffn_hidden.unwrap_or(expert),
                 dense_layers_first: first,
                 every,

@@ -14,5 +14,5 @@ pub mod zoo;
 
 pub use transformer::{
     BuildOptions, HybridConfig, LayerKind, LayerStack, MambaConfig, MlaConfig, Mlp, MoeConfig,
-    Norm, Position, Section, SlidingWindow, TransformerConfig,
+    Norm, Position, Router, Section, SlidingWindow, TransformerConfig,
 };

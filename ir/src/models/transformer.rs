@@ -74,6 +74,22 @@ pub struct MoeConfig {
     pub groups: u32,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub groups_per_token: u32,
+    /// How the router scores the experts (its top-k are the same either way; an engine must
+    /// be told which to train the same model).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub router: Router,
+}
+
+/// A router's score function.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Router {
+    /// Softmax over the experts' logits (Mixtral, Qwen, GPT-OSS).
+    #[default]
+    Softmax,
+    /// An independent sigmoid per expert, with a bias steering the top-k toward balance
+    /// (DeepSeek-V3's auxiliary-loss-free balancing; Kimi K2, Nemotron 3).
+    Sigmoid,
 }
 
 fn is_zero<T: Default + PartialEq>(x: &T) -> bool {
@@ -100,6 +116,7 @@ impl MoeConfig {
             dense_ffn_hidden: 0,
             groups: 0,
             groups_per_token: 0,
+            router: Router::Softmax,
         }
     }
 

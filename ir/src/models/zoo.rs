@@ -2,7 +2,7 @@
 //! was published.
 
 use super::transformer::{
-    HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, SlidingWindow,
+    HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, Router, SlidingWindow,
     TransformerConfig,
 };
 use crate::graph::{Graph, GraphError};
@@ -103,6 +103,7 @@ fn deepseek_v3(
     ZooDef::Transformer(TransformerConfig {
         head_dim: 192,
         moe: Some(MoeConfig {
+            router: Router::Sigmoid,
             groups,
             groups_per_token,
             shared_ffn_hidden: 2048,
@@ -154,6 +155,7 @@ fn nemotron_3_nano() -> ZooDef {
         mlp: Mlp::SquaredRelu,
         position: Position::None,
         moe: Some(MoeConfig {
+            router: Router::Sigmoid,
             shared_ffn_hidden: 3712,
             ..MoeConfig::routed(128, 6)
         }),
