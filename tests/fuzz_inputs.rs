@@ -182,6 +182,7 @@ const HF_GPT2: &str = r#"{"model_type":"gpt2","n_embd":64,"n_layer":2,"n_head":8
 const HF_BERT: &str = r#"{"model_type":"bert","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":8,"intermediate_size":128,"vocab_size":100,"max_position_embeddings":128}"#;
 const HF_DEEPSEEK: &str = r#"{"model_type":"deepseek_v3","hidden_size":64,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":4,"intermediate_size":128,"moe_intermediate_size":32,"n_routed_experts":8,"n_shared_experts":1,"num_experts_per_tok":2,"first_k_dense_replace":1,"moe_layer_freq":1,"q_lora_rank":32,"kv_lora_rank":16,"qk_nope_head_dim":16,"qk_rope_head_dim":8,"v_head_dim":16,"num_nextn_predict_layers":1,"vocab_size":100,"max_position_embeddings":128}"#;
 const HF_NEMOTRON_H: &str = r#"{"model_type":"nemotron_h","hidden_size":64,"num_hidden_layers":5,"hybrid_override_pattern":"ME*M-","num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"intermediate_size":96,"moe_intermediate_size":32,"moe_shared_expert_intermediate_size":48,"n_routed_experts":8,"num_experts_per_tok":2,"mamba_num_heads":8,"mamba_head_dim":16,"ssm_state_size":8,"n_groups":2,"chunk_size":8,"vocab_size":100}"#;
+const HF_GPT_OSS: &str = r#"{"model_type":"gpt_oss","hidden_size":64,"num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"intermediate_size":32,"num_local_experts":8,"num_experts_per_tok":2,"vocab_size":100,"sliding_window":8,"layer_types":["sliding_attention","full_attention","sliding_attention","full_attention"],"attention_bias":true}"#;
 const HF_QWEN2_MOE: &str = r#"{"model_type":"qwen2_moe","hidden_size":64,"num_hidden_layers":4,"num_attention_heads":8,"num_key_value_heads":8,"intermediate_size":128,"moe_intermediate_size":32,"shared_expert_intermediate_size":64,"num_experts":8,"num_experts_per_tok":2,"decoder_sparse_step":2,"vocab_size":100}"#;
 
 fn graph_json() -> String {
@@ -206,21 +207,24 @@ fn plan_json() -> String {
     plan.to_string()
 }
 
+/// Every HuggingFace seed the config target mutates.
+const HF_SEEDS: [&str; 8] = [
+    HF_LLAMA,
+    HF_MIXTRAL,
+    HF_GPT2,
+    HF_BERT,
+    HF_DEEPSEEK,
+    HF_QWEN2_MOE,
+    HF_NEMOTRON_H,
+    HF_GPT_OSS,
+];
+
 proptest! {
     #![proptest_config(config(256))]
 
     #[test]
-    fn hf_configs_never_panic(seed in 0usize..6, (picks, values) in json_edits(), edits in byte_edits(), bytes_too in any::<bool>()) {
-        let seeds = [
-            HF_LLAMA,
-            HF_MIXTRAL,
-            HF_GPT2,
-            HF_BERT,
-            HF_DEEPSEEK,
-            HF_QWEN2_MOE,
-            HF_NEMOTRON_H,
-        ];
-        let seed: Value = serde_json::from_str(seeds[seed]).unwrap();
+    fn hf_configs_never_panic(seed in 0usize..HF_SEEDS.len(), (picks, values) in json_edits(), edits in byte_edits(), bytes_too in any::<bool>()) {
+        let seed: Value = serde_json::from_str(HF_SEEDS[seed]).unwrap();
         let text = json_mutation(&seed, &picks, &values).to_string();
         model_text(&text);
         if bytes_too {
@@ -375,15 +379,7 @@ proptest! {
 /// document would only test the first error.
 #[test]
 fn hf_seeds_load_and_build() {
-    for text in [
-        HF_LLAMA,
-        HF_MIXTRAL,
-        HF_GPT2,
-        HF_BERT,
-        HF_DEEPSEEK,
-        HF_QWEN2_MOE,
-        HF_NEMOTRON_H,
-    ] {
+    for text in HF_SEEDS {
         let m = load_json(text, "seed.json", "seed".into()).unwrap();
         assert!(m.graph(2, 16, true).unwrap().param_count() > 0, "{text}");
     }

@@ -1314,12 +1314,20 @@ impl OpKind {
             // Beyond its operands the scan writes each chunk's final state (fp32, N·P per
             // head), which the state passing reads and rewrites and the output kernel reads;
             // the convolution's output is written and read back by the scan.
+            // Saturating: a hostile model's dimensions may not fit the count.
             let (b, s) = (ins[0].0[0], ins[0].0[1]);
-            let states = b * s.div_ceil(a.chunk) * a.heads * a.head_dim * a.state * 4;
-            let conv = ins[0].elems() * float_bytes;
+            let states = [s.div_ceil(a.chunk), a.heads, a.head_dim, a.state, 4]
+                .iter()
+                .fold(b, |acc, x| acc.saturating_mul(*x));
+            let conv = ins[0].elems().saturating_mul(float_bytes);
+            let extra = states.saturating_mul(2).saturating_add(conv);
             (
-                ins.iter().map(tensor_bytes).sum::<u64>() + 2 * states + conv,
-                outs.iter().map(tensor_bytes).sum::<u64>() + 2 * states + conv,
+                ins.iter()
+                    .map(tensor_bytes)
+                    .fold(extra, u64::saturating_add),
+                outs.iter()
+                    .map(tensor_bytes)
+                    .fold(extra, u64::saturating_add),
             )
         } else {
             (
@@ -1461,7 +1469,7 @@ impl OpKind {
             OpKind::Ssd(a) => Saved {
                 inputs: data(&[0, 1]),
                 outputs: vec![0],
-                extra_bytes: rows(&ins[0]) * a.heads * 4,
+                extra_bytes: rows(&ins[0]).saturating_mul(a.heads).saturating_mul(4),
                 ..Saved::default()
             },
             _ => Saved::default(),
