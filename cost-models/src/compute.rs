@@ -52,6 +52,9 @@ fn kernels(op: &OpKind) -> f64 {
         OpKind::Attention(a) if !a.fused => 4.0,
         OpKind::Moe(_) => 6.0,
         OpKind::Lstm(_) | OpKind::Gru(_) => 2.0,
+        // The causal convolution, then the chunked scan's cumulative decays, chunk states,
+        // state passing, C·Bᵀ and output (`mamba_chunk_scan_combined`).
+        OpKind::Ssd(_) => 6.0,
         // Statistics, then normalization (see `pointwise_passes`).
         OpKind::BatchNorm => 2.0,
         _ if op.is_view() => 0.0,
@@ -433,6 +436,28 @@ impl<'a> DeviceModel<'a> {
                 }
             }
             (ComputeClass::Gemm, OpKind::Conv2d(c)) => self.conv(op, c, ins, w, float_bytes),
+            (ComputeClass::Gemm, OpKind::Ssd(_)) => {
+                // The chunked scan's kernels tile their small products as a fused attention
+                // kernel does (Dao & Gu 2024, §6: SSD runs as fast as FlashAttention-2 from
+                // 2k tokens): FLOPs at the attention kernels' efficiency and precision (fp8
+                // recipes keep it in 16 bits), bounded below by the traffic of its operands
+                // and fp32 chunk states; the input gradient recomputes the states and moves
+                // about twice as much. The convolution's weight gradient reads its input and
+                // output gradient once.
+                let bw = self.dev.effective_memory_bandwidth().0;
+                let traffic = w.traffic().0 as f64 / bw;
+                let pass = |flops: f64, streamed: f64, launches: f64| {
+                    let eff = self.attention_efficiency(flops);
+                    Seconds((flops / (self.attention_peak * eff)).max(streamed))
+                        + self.overhead(launches)
+                };
+                let conv_in = ins.first().map_or(0.0, |x| x.elems() as f64) * float_bytes as f64;
+                OpTimes {
+                    fwd: pass(w.fwd_flops.0, traffic, k),
+                    bwd_input: pass(w.bwd_input_flops.0, 2.0 * traffic, 2.0 * k),
+                    bwd_weight: pass(w.bwd_weight_flops.0, 2.0 * conv_in / bw, 1.0),
+                }
+            }
             (ComputeClass::Gemm, OpKind::Moe(a)) => {
                 // Each local expert's projections are problems of their own: the tokens routed
                 // to one expert (top-k of the shard's tokens over the experts) by its slice of
@@ -963,6 +988,50 @@ mod tests {
             time(false),
             time(true)
         );
+    }
+
+    /// Nemotron 3 Nano's scan over 8k tokens on an H100: its 2.9 M FLOPs a token at the
+    /// attention kernels' efficiency, or its traffic — 0.5 GB of fp32 chunk states a sequence,
+    /// written and read twice — where that is slower, as it is here.
+    #[test]
+    fn the_chunked_scan_runs_at_attention_kernel_speed() {
+        let p = preset("dgx-h100-80gb").unwrap();
+        let m = DeviceModel::new(&p, Precision::Bf16).unwrap();
+        let a = parallax_ir::op::SsdAttrs {
+            heads: 64,
+            head_dim: 64,
+            state: 128,
+            groups: 8,
+            conv_kernel: 4,
+            chunk: 128,
+        };
+        let c = a.conv_channels();
+        let ins = [
+            Shape::new([1, 8192, c]),
+            Shape::new([1, 8192, 64]),
+            Shape::new([c, 4]),
+            Shape::new([c]),
+            Shape::new([64]),
+            Shape::new([64]),
+            Shape::new([64]),
+        ];
+        let op = OpKind::Ssd(a.clone());
+        let outs = op.infer(&ins).unwrap();
+        let weights = [false, false, true, true, true, true, true];
+        let w = op.work(&ins, &outs, &weights, 2);
+        let t = m.op(&op, &ins, &w, 2);
+        let at_peak = w.fwd_flops.0 / p.peak_flops(Precision::Bf16).unwrap();
+        let streamed = w.traffic().0 as f64 / m.device().effective_memory_bandwidth().0;
+        assert!(
+            t.fwd.0 > at_peak.max(streamed) && t.fwd.0 < 1.1 * streamed,
+            "{t:?}"
+        );
+        assert!(t.bwd_input.0 > 1.9 * t.fwd.0);
+        assert!(t.bwd_weight < t.fwd);
+        // Against the layer's projections (77 M FLOPs a token at 60 % of the GEMM peak):
+        // under half.
+        let projections = 77.4e6 * 8192.0 / p.peak_flops(Precision::Bf16).unwrap();
+        assert!(t.fwd.0 < 0.5 * projections / 0.6, "{t:?}");
     }
 
     /// A fused kernel over a sliding window of w keys runs the band of the score matrix:
