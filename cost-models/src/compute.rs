@@ -997,14 +997,8 @@ mod tests {
     fn the_chunked_scan_runs_at_attention_kernel_speed() {
         let p = preset("dgx-h100-80gb").unwrap();
         let m = DeviceModel::new(&p, Precision::Bf16).unwrap();
-        let a = parallax_ir::op::SsdAttrs {
-            heads: 64,
-            head_dim: 64,
-            state: 128,
-            groups: 8,
-            conv_kernel: 4,
-            chunk: 128,
-        };
+        let nano = parallax_ir::models::zoo::transformer("nemotron-h").unwrap();
+        let a = nano.hybrid.unwrap().mamba.ssd();
         let c = a.conv_channels();
         let ins = [
             Shape::new([1, 8192, c]),

@@ -325,11 +325,7 @@ impl TransformerCosts {
 
     /// The cost of layer `i`.
     pub fn layer_at(&self, i: u32) -> &PartCost {
-        let counts = self.stack.kinds_in(i, 1);
-        LayerKind::ALL
-            .into_iter()
-            .find(|k| counts[k.index()] == 1)
-            .map_or_else(|| self.layer(), |k| self.kind(k))
+        LayerKind::of_one(self.stack.kinds_in(i, 1)).map_or_else(|| self.layer(), |k| self.kind(k))
     }
 
     /// Sum of `f` over layers `first .. first + n`.

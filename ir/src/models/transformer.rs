@@ -267,7 +267,8 @@ impl MambaConfig {
         self.heads * self.head_dim
     }
 
-    fn ssd(&self) -> SsdAttrs {
+    /// The mixer's convolution-and-scan op.
+    pub fn ssd(&self) -> SsdAttrs {
         SsdAttrs {
             heads: self.heads,
             head_dim: self.head_dim,
@@ -378,6 +379,11 @@ impl LayerKind {
     /// Position in [`LayerKind::ALL`] (and in per-kind arrays).
     pub fn index(self) -> usize {
         self as usize
+    }
+
+    /// The kind counted in the counts of one layer.
+    pub fn of_one(counts: [u32; LayerKind::COUNT]) -> Option<LayerKind> {
+        LayerKind::ALL.into_iter().find(|k| counts[k.index()] == 1)
     }
 
     /// The kind a hybrid pattern's symbol names.
@@ -811,11 +817,7 @@ impl TransformerConfig {
 
     /// The kind of layer `i` (from 0).
     pub fn layer_kind(&self, i: u32) -> LayerKind {
-        let counts = self.layer_kinds_in(i, 1);
-        LayerKind::ALL
-            .into_iter()
-            .find(|k| counts[k.index()] == 1)
-            .unwrap_or(LayerKind::Block)
+        LayerKind::of_one(self.layer_kinds_in(i, 1)).unwrap_or(LayerKind::Block)
     }
 
     /// How many of layers `first .. first + n` are of each kind (indexed by
@@ -1723,14 +1725,8 @@ mod tests {
         // Nemotron 3 Nano's mixer at 8k tokens: the projections are 2·h·(2·inner + 2·g·N +
         // heads) + 2·inner·h FLOPs a token (77.4 M); the convolution and SSD scan add 2.9 M
         // (Megatron-LM's estimate for the scan, 7·inner·N, is 3.7 M).
-        let a = SsdAttrs {
-            heads: 64,
-            head_dim: 64,
-            state: 128,
-            groups: 8,
-            conv_kernel: 4,
-            chunk: 128,
-        };
+        let nano = crate::models::zoo::transformer("nemotron-h").unwrap();
+        let a = nano.hybrid.unwrap().mamba.ssd();
         let per_token = a.flops_per_token(8192);
         let conv = 2.0 * 4.0 * (4096.0 + 2048.0);
         let scan = 8.0 * 2.0 * 128.0 * 128.0 + 64.0 * (128.0 * 64.0 + 4.0 * 128.0 * 64.0);
