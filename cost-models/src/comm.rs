@@ -49,6 +49,12 @@ pub enum Collective {
     Broadcast,
 }
 
+/// Latency of an all-to-all over `g`: one exchange step per peer, at most eight outstanding
+/// before they overlap.
+fn all_to_all_latency(step: Seconds, g: Group) -> Seconds {
+    step * (f64::from(g.size) - 1.0).min(8.0)
+}
+
 /// Where a group's members sit: `size` ranks, `per_node` of them in each node they touch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Group {
@@ -191,11 +197,7 @@ impl<'a> Network<'a> {
                 let intra = self.profile.intra_busbw();
                 let t_intra = (k - 1.0) / nf * s / intra.0;
                 let t_inter = if g.nodes() > 1 {
-                    let per_gpu = self
-                        .profile
-                        .inter_busbw_per_node()
-                        .map(|b| b.0 / self.gpus_per_node())
-                        .unwrap_or(intra.0);
+                    let per_gpu = self.nic_share_per_gpu();
                     let spine = self
                         .profile
                         .network
@@ -205,9 +207,18 @@ impl<'a> Network<'a> {
                 } else {
                     0.0
                 };
-                Seconds(t_intra.max(t_inter)) + step * (nf - 1.0).min(8.0)
+                Seconds(t_intra.max(t_inter)) + all_to_all_latency(step, g)
             }
         }
+    }
+
+    /// One GPU's share of its node's network bandwidth (the intra-node bandwidth where the
+    /// profile gives no network).
+    fn nic_share_per_gpu(&self) -> f64 {
+        self.profile
+            .inter_busbw_per_node()
+            .map(|b| b.0 / self.gpus_per_node())
+            .unwrap_or(self.profile.intra_busbw().0)
     }
 
     /// A node-deduplicated MoE dispatch (DeepEP's internode kernels, Megatron-Core's `flex`
@@ -234,16 +245,10 @@ impl<'a> Network<'a> {
         let distinct = reach * (1.0 - (1.0 - 1.0 / reach).powf(k));
         let remote = distinct * (nodes - 1.0) / nodes;
         let per_token = bytes.0 as f64 / k;
-        let intra = self.profile.intra_busbw().0;
-        let per_gpu = self
-            .profile
-            .inter_busbw_per_node()
-            .map(|b| b.0 / self.gpus_per_node())
-            .unwrap_or(intra);
-        let t_inter = per_token * remote / per_gpu;
-        let t_intra = bytes.0 as f64 / intra;
+        let t_inter = per_token * remote / self.nic_share_per_gpu();
+        let t_intra = bytes.0 as f64 / self.profile.intra_busbw().0;
         let (_, step) = self.ring_tier(g);
-        Seconds(t_inter.max(t_intra)) + step * (f64::from(g.size) - 1.0).min(8.0)
+        Seconds(t_inter.max(t_intra)) + all_to_all_latency(step, g)
     }
 
     /// NVLink SHARP all-reduce algorithm bandwidth for an intra-node group, where available.

@@ -583,13 +583,14 @@ pub struct SectionGraphs {
 type GraphKey = (u64, u64, BuildOptions, Section);
 
 /// A section graph with what pricing reads of it, computed once: each node's input shapes and
-/// work, and the bytes it keeps for backward under each sequence-parallel and recompute
-/// setting, as first asked.
+/// work, the nodes selective recomputation redoes, and the bytes it keeps for backward under
+/// each sequence-parallel and recompute setting, as first asked.
 #[derive(Debug)]
 struct SectionGraph {
     graph: Graph,
     shapes: Vec<Vec<Shape>>,
     work: Vec<parallax_ir::Work>,
+    redo: OnceLock<Vec<bool>>,
     saved: [OnceLock<f64>; 4],
 }
 
@@ -608,8 +609,15 @@ impl SectionGraph {
             graph,
             shapes,
             work,
+            redo: OnceLock::new(),
             saved: Default::default(),
         }
+    }
+
+    /// The nodes selective recomputation under `policy` redoes (one policy per cache).
+    fn redo(&self, policy: SelectivePolicy) -> &[bool] {
+        self.redo
+            .get_or_init(|| recomputed_nodes(&self.graph, policy))
     }
 
     /// [`saved_bytes`] with sequence parallelism `sp` and, where `selective`, its policy's
@@ -624,8 +632,8 @@ impl SectionGraph {
     ) -> f64 {
         let slot = usize::from(sp) * 2 + usize::from(selective.is_some());
         *self.saved[slot].get_or_init(|| {
-            let redo = selective.map(|p| recomputed_nodes(&self.graph, p));
-            saved_bytes(&self.graph, fb, sp, tp, hidden, redo.as_deref())
+            let redo = selective.map(|p| self.redo(p));
+            saved_bytes(&self.graph, fb, sp, tp, hidden, redo)
         })
     }
 }
@@ -769,8 +777,7 @@ pub fn transformer_costs_with(
         // ranks, the received tokens are gathered over those and the outputs reduce-scattered
         // back (top-k times the dense MLP's gather, which is why recipes fold etp to 1).
         if let Some(e) = experts {
-            // The busiest rank's copies: the all-to-all ends when it has them.
-            let routed = Bytes(e.busiest(e.tokens * e.moe.top_k * hidden * fb));
+            let routed = e.routed_bytes(fb);
             let mut one = dispatch(&net, l, &e, gpn, routed, l.dispatcher) * 2.0;
             if e.gathers_over_etp() {
                 let etp_group = Group::strided(e.etp, 1, gpn);
@@ -794,10 +801,9 @@ pub fn transformer_costs_with(
                 // attention core when unfused (Korthikanti et al. 2022 §5), norms and pointwise
                 // ops (torchtitan's op-level selective checkpointing keeps matmul and attention
                 // outputs). Flash attention recomputes its own scores anyway.
-                let redo = recomputed_nodes(block, s.runtime.selective);
-                let policy = Some(s.runtime.selective);
-                layer.saved = Bytes(block.saved(fb, sp, l.tp, hidden, policy) as u64);
-                let (time, flops) = block_prices.recompute(Some(&redo));
+                let policy = s.runtime.selective;
+                layer.saved = Bytes(block.saved(fb, sp, l.tp, hidden, Some(policy)) as u64);
+                let (time, flops) = block_prices.recompute(Some(block.redo(policy)));
                 layer.recompute = time;
                 layer.hardware_flops += flops;
             }
@@ -819,12 +825,9 @@ pub fn transformer_costs_with(
         .map(|moe| ExpertRanks::of(s.model, moe, l, &opts, s.runtime.balanced_routing));
     let mut kinds = [None; LayerKind::COUNT];
     for kind in s.model.layer_kinds() {
-        let routed = matches!(
-            kind,
-            LayerKind::Block | LayerKind::WindowBlock | LayerKind::Moe
-        );
         let graph = build(Section::Layer(kind), opts)?;
-        kinds[kind.index()] = Some(price_layer(kind, &graph, experts.filter(|_| routed)));
+        let routed = experts.filter(|_| kind.routes(true));
+        kinds[kind.index()] = Some(price_layer(kind, &graph, routed));
     }
 
     // Embedding (vocab-parallel: an all-reduce of its output over TP) and head (vocab-parallel
@@ -1010,7 +1013,7 @@ pub fn faster_dispatcher(s: &Setup, l: &Layout) -> Dispatcher {
     let e = ExpertRanks::of(s.model, moe, l, &opts, s.runtime.balanced_routing);
     let net = Network::new(s.profile);
     let gpn = s.profile.node.gpus_per_node;
-    let routed = Bytes(e.busiest(e.tokens * e.moe.top_k * s.model.hidden * s.float_bytes()));
+    let routed = e.routed_bytes(s.float_bytes());
     let time = |d| dispatch(&net, l, &e, gpn, routed, d);
     if time(Dispatcher::DeepEp) < time(Dispatcher::AllToAll) {
         Dispatcher::DeepEp
@@ -1072,6 +1075,12 @@ impl ExpertRanks {
             ffn: m.ffn_hidden,
             hidden: m.hidden,
         }
+    }
+
+    /// Bytes of the routed token copies one dispatch moves for the busiest rank (the
+    /// all-to-all ends when it has them), at `fb` bytes an element.
+    fn routed_bytes(&self, fb: u64) -> Bytes {
+        Bytes(self.busiest(self.tokens * self.moe.top_k * self.hidden * fb))
     }
 
     /// The busiest rank's share of `mean` (bytes or rows routed per rank).

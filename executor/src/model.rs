@@ -79,6 +79,14 @@ impl Dims {
                 c.position == Position::None,
                 "attention without position embeddings",
             ),
+            (
+                c.moe.is_some_and(|m| m.shared_ffn_hidden > 0),
+                "shared experts",
+            ),
+            (
+                c.moe.is_some_and(|m| m.has_dense_layers()),
+                "dense layers among the MoE layers",
+            ),
         ];
         if let Some((_, what)) = planned_only.iter().find(|(has, _)| *has) {
             return Err(format!(
@@ -90,14 +98,6 @@ impl Dims {
                 "mixture-of-experts MLPs with biases are not run by the executor (its experts have none, as Mixtral's)"
                     .into(),
             );
-        }
-        if let Some(m) = c.moe {
-            if m.shared_ffn_hidden > 0 || m.has_dense_layers() {
-                return Err(
-                    "mixtures of experts with shared experts or dense layers among the MoE layers are planned, not run, by the executor"
-                        .into(),
-                );
-            }
         }
         if c.bert || !c.causal {
             return Err(

@@ -488,14 +488,8 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                     // DeepSeek-V3's router scores by sigmoid (`scoring_func`, whose default
                     // in its config class is sigmoid too).
                     let router = match v.get("scoring_func").and_then(Value::as_str) {
-                        None | Some("sigmoid") => Router::Sigmoid,
-                        Some("softmax") => Router::Softmax,
-                        Some(other) => {
-                            return Err(field_err(
-                                "scoring_func",
-                                format!("'{other}' is neither sigmoid nor softmax"),
-                            ))
-                        }
+                        None => Router::Sigmoid,
+                        Some(f) => f.parse().map_err(|e| field_err("scoring_func", e))?,
                     };
                     c.moe = Some(MoeConfig {
                         router,

@@ -651,13 +651,8 @@ impl TransformerCase {
                 || every > 1
                 || m.hybrid.as_ref().is_some_and(|h| h.pattern.contains('-'));
             let router = match moe.router.as_deref() {
-                None | Some("softmax") => Router::Softmax,
-                Some("sigmoid") => Router::Sigmoid,
-                Some(other) => {
-                    return Err(format!(
-                        "model.moe.router '{other}' is neither softmax nor sigmoid"
-                    ))
-                }
+                None => Router::Softmax,
+                Some(r) => r.parse().map_err(|e| format!("model.moe.router {e}"))?,
             };
             cfg.moe = Some(MoeConfig {
                 router,

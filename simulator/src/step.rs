@@ -216,26 +216,33 @@ pub fn first_layer(layers: &[u32], vs: usize) -> u32 {
     layers[..vs].iter().sum()
 }
 
-/// The experts' parameters one device holds for virtual stage `vs`.
-fn virtual_stage_experts(c: &TransformerCosts, layers: &[u32], vs: usize) -> u64 {
-    let mut e = c.layers_count(first_layer(layers, vs), layers[vs], |l| l.expert_params);
-    // The head's multi-token prediction blocks hold experts too.
-    if vs + 1 == layers.len() {
-        e += c.head.expert_params;
+/// The count `f` of virtual stage `vs` of `layers.len()`: of its layers, the embedding on the
+/// first and the head on the last.
+fn virtual_stage_count(
+    c: &TransformerCosts,
+    layers: &[u32],
+    vs: usize,
+    f: impl Fn(&PartCost) -> u64,
+) -> u64 {
+    let mut n = c.layers_count(first_layer(layers, vs), layers[vs], &f);
+    if vs == 0 {
+        n += f(&c.embedding);
     }
-    e
+    if vs + 1 == layers.len() {
+        n += f(&c.head);
+    }
+    n
+}
+
+/// The experts' parameters one device holds for virtual stage `vs` (the head's multi-token
+/// prediction blocks hold experts too).
+fn virtual_stage_experts(c: &TransformerCosts, layers: &[u32], vs: usize) -> u64 {
+    virtual_stage_count(c, layers, vs, |p| p.expert_params)
 }
 
 /// Parameters one device holds for virtual stage `vs` of `layers.len()`.
 pub fn virtual_stage_params(c: &TransformerCosts, layers: &[u32], vs: usize) -> u64 {
-    let mut p = c.layers_count(first_layer(layers, vs), layers[vs], |l| l.params);
-    if vs == 0 {
-        p += c.embedding.params;
-    }
-    if vs + 1 == layers.len() {
-        p += c.head.params;
-    }
-    p
+    virtual_stage_count(c, layers, vs, |p| p.params)
 }
 
 /// Pass costs of every virtual stage from the per-part costs: `layers[vs]` layers, the
@@ -494,21 +501,23 @@ pub fn step_terms(
     // ZeRO-3 gathers each layer's parameters before its forward and backward and
     // reduce-scatters its gradients, per micro-batch, prefetched behind the previous layer.
     let host = HostOffload::of(setup, l);
+    // Per-layer terms below are the heaviest kind of layer's (an MoE layer's where a mixture
+    // has dense layers too; ZeRO-3 and per-micro-batch ZeRO-2 are rare with experts: Megatron
+    // runs FSDP without).
+    let layer = c.layer();
     // Offloaded parameters: each layer's shard comes up from the host before its forward and
     // again before its backward, and its gradient shard goes down after (ZeRO-Infinity
     // prefetches them behind the previous layer, as ZeRO-3 does its gathers).
     let (fetch_fwd, fetch_bwd) = match (&host, l.offload) {
         (Some(h), Offload::Params) => {
-            let shard_params = c.layer().params / u64::from(shard);
+            let shard_params = layer.params / u64::from(shard);
             let up = h.link(shard_params * wbytes);
             (up, up + h.link(shard_params * setup.grad_reduce_bytes()))
         }
         _ => (Seconds(0.0), Seconds(0.0)),
     };
-    // Per-layer terms below are an MoE-kind layer's where a mixture has dense layers too
-    // (ZeRO-3 and per-micro-batch ZeRO-2 are rare with experts: Megatron runs FSDP without).
     let zero3 = if zero >= 3 && (shard > 1 || l.offload == Offload::Params) {
-        let p = c.layer().params;
+        let p = layer.params;
         let calls = setup.runtime.zero3_gathers_per_layer.max(1);
         let ag = net.collective(
             Collective::AllGather,
@@ -526,11 +535,8 @@ pub fn step_terms(
             (Seconds(0.0), Seconds(0.0))
         };
         (
-            exposed(ag + fetch_fwd, c.layer().fwd()),
-            exposed(
-                ag + rs + fetch_bwd,
-                c.layer().bwd_input() + c.layer().bwd_weight(),
-            ),
+            exposed(ag + fetch_fwd, layer.fwd()),
+            exposed(ag + rs + fetch_bwd, layer.bwd_input() + layer.bwd_weight()),
         )
     } else if reduces_per_micro_batch(setup, l) {
         // ZeRO-2 keeps only its shard of the gradients, so it cannot accumulate whole
@@ -541,12 +547,12 @@ pub fn step_terms(
         // the end-of-step reduction below.
         let rs = net.collective(
             Collective::ReduceScatter,
-            Bytes(c.layer().params * setup.grad_reduce_bytes()),
+            Bytes(layer.params * setup.grad_reduce_bytes()),
             dp_group,
         );
         (
             Seconds(0.0),
-            exposed(rs, c.layer().bwd_input() + c.layer().bwd_weight()),
+            exposed(rs, layer.bwd_input() + layer.bwd_weight()),
         )
     } else {
         (Seconds(0.0), Seconds(0.0))

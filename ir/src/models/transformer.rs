@@ -92,6 +92,18 @@ pub enum Router {
     Sigmoid,
 }
 
+impl std::str::FromStr for Router {
+    type Err = String;
+    /// `softmax` or `sigmoid`, as HuggingFace's `scoring_func` and the case files spell them.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "softmax" => Ok(Router::Softmax),
+            "sigmoid" => Ok(Router::Sigmoid),
+            other => Err(format!("'{other}' is neither softmax nor sigmoid")),
+        }
+    }
+}
+
 fn is_zero<T: Default + PartialEq>(x: &T) -> bool {
     *x == T::default()
 }
@@ -345,6 +357,24 @@ fn kinds_in(
     counts
 }
 
+/// Attention input `t` of layer `p` reshaped to `[batch, seq, heads, head size]` (`shape`),
+/// named after `name`.
+fn split_heads(
+    g: &mut GraphBuilder,
+    p: &str,
+    name: &str,
+    t: TensorId,
+    shape: [u64; 4],
+) -> Result<TensorId, GraphError> {
+    g.op1(
+        format!("{p}.attn.{name}_heads"),
+        OpKind::Reshape(ReshapeAttrs {
+            shape: shape.to_vec(),
+        }),
+        &[t],
+    )
+}
+
 /// The kinds of layer a stack is built of; each is priced by a section graph of its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -406,6 +436,15 @@ impl LayerKind {
                 | LayerKind::WindowBlock
                 | LayerKind::Attention
         )
+    }
+
+    /// Whether the layer's MLP routes over the experts, in a model that has them (`mixture`).
+    pub fn routes(self, mixture: bool) -> bool {
+        match self {
+            LayerKind::Block | LayerKind::WindowBlock => mixture,
+            LayerKind::Moe => true,
+            _ => false,
+        }
     }
 
     /// Tensor-parallel regions (a column- then a row-parallel projection, entered by an
@@ -808,11 +847,7 @@ impl TransformerConfig {
 
     /// Whether layer `i` (from 0) routes over experts.
     pub fn is_moe_layer(&self, i: u32) -> bool {
-        match self.layer_kind(i) {
-            LayerKind::Block | LayerKind::WindowBlock => self.moe.is_some(),
-            LayerKind::Moe => true,
-            _ => false,
-        }
+        self.layer_kind(i).routes(self.moe.is_some())
     }
 
     /// The kind of layer `i` (from 0).
@@ -1121,8 +1156,7 @@ impl TransformerConfig {
                     _ => None,
                 };
                 let x = self.attention_part(g, p, x, opts, window)?;
-                let moe = kind != LayerKind::DenseBlock && self.moe.is_some();
-                self.mlp_part(g, p, x, moe)
+                self.mlp_part(g, p, x, kind.routes(self.moe.is_some()))
             }
             LayerKind::Attention => self.attention_part(g, p, x, opts, None),
             LayerKind::Moe => self.mlp_part(g, p, x, true),
@@ -1163,18 +1197,9 @@ impl TransformerConfig {
                 let q = g.linear(&format!("{p}.attn.q"), a_in, self.heads * d, self.bias)?;
                 let k = g.linear(&format!("{p}.attn.k"), a_in, self.kv_heads * d, self.bias)?;
                 let v = g.linear(&format!("{p}.attn.v"), a_in, self.kv_heads * d, self.bias)?;
-                let split = |g: &mut GraphBuilder, t: TensorId, n: u64, name: &str| {
-                    g.op1(
-                        format!("{p}.attn.{name}_heads"),
-                        OpKind::Reshape(ReshapeAttrs {
-                            shape: vec![bsz, s, n, d],
-                        }),
-                        &[t],
-                    )
-                };
-                let mut q = split(g, q, self.heads, "q")?;
-                let mut k = split(g, k, self.kv_heads, "k")?;
-                let v = split(g, v, self.kv_heads, "v")?;
+                let mut q = split_heads(g, p, "q", q, [bsz, s, self.heads, d])?;
+                let mut k = split_heads(g, p, "k", k, [bsz, s, self.kv_heads, d])?;
+                let v = split_heads(g, p, "v", v, [bsz, s, self.kv_heads, d])?;
                 if self.position == Position::Rope {
                     q = g.op1(format!("{p}.attn.q_rope"), OpKind::Rope, &[q])?;
                     k = g.op1(format!("{p}.attn.k_rope"), OpKind::Rope, &[k])?;
@@ -1321,16 +1346,7 @@ impl TransformerConfig {
                 g.linear(&format!("{p}.attn.q_up"), c, heads * dqk, false)?
             }
         };
-        let heads_of = |g: &mut GraphBuilder, t: TensorId, n: u64, d: u64, name: &str| {
-            g.op1(
-                format!("{p}.attn.{name}_heads"),
-                OpKind::Reshape(ReshapeAttrs {
-                    shape: vec![bsz, s, n, d],
-                }),
-                &[t],
-            )
-        };
-        let q = heads_of(g, q, heads, dqk, "q")?;
+        let q = split_heads(g, p, "q", q, [bsz, s, heads, dqk])?;
         let q = g.op1(format!("{p}.attn.q_rope"), OpKind::Rope, &[q])?;
         let down = g.linear(
             &format!("{p}.attn.kv_down"),
@@ -1356,9 +1372,9 @@ impl TransformerConfig {
             }),
             &[kv],
         )?;
-        let k_nope = heads_of(g, kv[0], heads, nope, "k_nope")?;
-        let v = heads_of(g, kv[1], heads, dv, "v")?;
-        let k_rope = heads_of(g, parts[1], 1, rope, "k_rope")?;
+        let k_nope = split_heads(g, p, "k_nope", kv[0], [bsz, s, heads, nope])?;
+        let v = split_heads(g, p, "v", kv[1], [bsz, s, heads, dv])?;
+        let k_rope = split_heads(g, p, "k_rope", parts[1], [bsz, s, 1, rope])?;
         let k_rope = g.op1(format!("{p}.attn.k_rope"), OpKind::Rope, &[k_rope])?;
         let ones = g.input(
             format!("{p}.attn.k_rope_heads"),
