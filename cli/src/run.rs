@@ -173,6 +173,8 @@ fn resolve(a: &Args) -> anyhow::Result<Job> {
         ep: p.ep.unwrap_or(1),
         etp: p.etp,
         dispatcher: p.dispatcher.unwrap_or_default(),
+        // The executor trains it as written (same arithmetic); its dispatch is not overlapped.
+        ep_overlap: p.ep_overlap.unwrap_or(false),
         zero_stage: p.zero_stage.unwrap_or(0),
         micro_batch: p.micro_batch.unwrap_or(1),
         recompute: p.recompute.unwrap_or_default(),

@@ -277,6 +277,25 @@ impl PartCost {
         hardware_flops: 0.0,
     };
 
+    /// This part as it runs when `paired` of its passes are merged with a pass of another
+    /// micro-batch ([`Layout::ep_overlap`], Megatron-Core's combined 1F1B): a merged forward's
+    /// dispatch and combine run beside the partner backward's kernels (input and weight
+    /// gradients: `--delay-wgrad-compute` moves the latter there), a merged backward's beside
+    /// the partner forward's, each priced as any overlap is ([`exposed`]: what does not fit,
+    /// plus the interference of the communication kernels on what does). The partner is taken
+    /// to be the same kind of layer. The passes left alone (warm-up forwards, cool-down
+    /// backwards) pay the whole dispatch.
+    pub fn ep_overlapped(&self, paired: f64) -> PartCost {
+        let fwd_rest = self.fwd() - self.ep_fwd;
+        let bwd_rest = self.bwd_input() - self.ep_bwd + self.bwd_weight();
+        let mix = |alone: Seconds, merged: Seconds| alone * (1.0 - paired) + merged * paired;
+        PartCost {
+            ep_fwd: mix(self.ep_fwd, exposed(self.ep_fwd, bwd_rest)),
+            ep_bwd: mix(self.ep_bwd, exposed(self.ep_bwd, fwd_rest)),
+            ..*self
+        }
+    }
+
     /// Forward pass on the critical path.
     pub fn fwd(&self) -> Seconds {
         self.compute.fwd + self.tp_fwd + self.cp_fwd + self.ep_fwd
@@ -309,6 +328,16 @@ pub struct TransformerCosts {
 }
 
 impl TransformerCosts {
+    /// These costs with `paired` of every layer's passes merged with another micro-batch's
+    /// ([`PartCost::ep_overlapped`]; the simulator knows the fraction from the schedule).
+    pub fn ep_overlapped(&self, paired: f64) -> TransformerCosts {
+        let mut c = self.clone();
+        for k in c.kinds.iter_mut().flatten() {
+            *k = k.ep_overlapped(paired);
+        }
+        c
+    }
+
     /// The cost of a layer of `kind` (a default, empty cost for a kind the model lacks).
     pub fn kind(&self, kind: LayerKind) -> &PartCost {
         const NONE: PartCost = PartCost::ZERO;
@@ -1893,6 +1922,41 @@ mod tests {
             ..layout(1, false, Recompute::None)
         };
         assert!(transformer_costs(&s, &l).is_err());
+    }
+
+    #[test]
+    fn an_overlapped_dispatch_hides_behind_the_partner_pass() {
+        // By hand: a forward of 3 ms with 2 ms of dispatch, a backward of 6 ms (input and
+        // weight gradients) with 2 ms. Merged, the forward's 2 ms run beside the backward's
+        // 6 ms of kernels and the backward's beside the forward's 1 ms: 0.2 · 2 and
+        // (2 − 1) + 0.2 · 1 remain. Half the passes merged: halfway between.
+        let ms = |x: f64| Seconds(x * 1e-3);
+        let part = PartCost {
+            compute: OpTimes {
+                fwd: ms(1.0),
+                bwd_input: ms(2.0),
+                bwd_weight: ms(2.0),
+            },
+            ep_fwd: ms(2.0),
+            ep_bwd: ms(2.0),
+            ..PartCost::ZERO
+        };
+        let close = |a: Seconds, b: Seconds| (a.0 - b.0).abs() < 1e-12;
+        let all = part.ep_overlapped(1.0);
+        let i = crate::comm::OVERLAP_INTERFERENCE;
+        assert!(close(all.ep_fwd, ms(2.0 * i)), "{:?}", all.ep_fwd);
+        assert!(close(all.ep_bwd, ms(1.0 + i)), "{:?}", all.ep_bwd);
+        assert_eq!((all.compute, all.saved), (part.compute, part.saved));
+        let half = part.ep_overlapped(0.5);
+        assert!(close(half.ep_fwd, (part.ep_fwd + all.ep_fwd) * 0.5));
+        assert_eq!(part.ep_overlapped(0.0), part);
+        // A layer without a dispatch is unchanged.
+        let dense = PartCost {
+            ep_fwd: Seconds(0.0),
+            ep_bwd: Seconds(0.0),
+            ..part
+        };
+        assert_eq!(dense.ep_overlapped(1.0), dense);
     }
 
     #[test]

@@ -314,6 +314,14 @@ pub struct Layout {
     /// The MoE token dispatcher (absent in a plan file: all-to-all).
     #[serde(default, skip_serializing_if = "Dispatcher::is_all_to_all")]
     pub dispatcher: Dispatcher,
+    /// The expert-parallel dispatch of one micro-batch runs beside the computation of another:
+    /// each steady-state forward is merged with a backward, the dispatch and combine of one
+    /// hidden behind the other's kernels (Megatron-Core's `--overlap-moe-expert-parallel-comm`
+    /// with `--delay-wgrad-compute`, the combined 1F1B schedule; DeepSeek-V3's overlap).
+    /// Needs ep > 1, no full recompute, and with pp > 1 the interleaved schedule
+    /// ([`Layout::ep_overlap_conflict`]). Absent in a plan file: off.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ep_overlap: bool,
     /// 0 plain data parallel, 1 optimizer states sharded, 2 + gradients, 3 + parameters.
     pub zero_stage: u8,
     /// Sequences per micro-batch per data-parallel rank.
@@ -345,6 +353,7 @@ impl Default for Layout {
             ep: 1,
             etp: None,
             dispatcher: Dispatcher::AllToAll,
+            ep_overlap: false,
             zero_stage: 0,
             micro_batch: 1,
             recompute: Recompute::None,
@@ -385,6 +394,23 @@ impl Layout {
         u32::try_from(ranks / experts.max(1))
             .unwrap_or(u32::MAX)
             .max(1)
+    }
+
+    /// Why [`Layout::ep_overlap`] cannot be on in this layout (Megatron-Core's checks in
+    /// `TransformerConfig.__post_init__`), or `None` when it can.
+    pub fn ep_overlap_conflict(&self) -> Option<String> {
+        if self.ep <= 1 {
+            Some("ep_overlap needs expert parallelism (ep > 1)".into())
+        } else if self.recompute == Recompute::Full {
+            Some("ep_overlap cannot be combined with full recompute".into())
+        } else if self.pp > 1 && self.schedule != Schedule::Interleaved1F1B {
+            Some(format!(
+                "ep_overlap with pp > 1 needs the interleaved-1f1b schedule, not {}",
+                self.schedule
+            ))
+        } else {
+            None
+        }
     }
 
     /// Micro-batches per step per pipeline for a global batch.
@@ -448,6 +474,11 @@ impl Layout {
                 "layout.interleave {} needs schedule interleaved-1f1b, not {}",
                 self.interleave, self.schedule
             ));
+        }
+        if self.ep_overlap {
+            if let Some(why) = self.ep_overlap_conflict() {
+                return Err(format!("layout.{why}"));
+            }
         }
         if let Some(l) = layers {
             let chunks = self.pp * self.interleave;
@@ -651,6 +682,9 @@ pub struct PartialLayout {
     pub etp: Option<u32>,
     /// The MoE token dispatcher; open: the tool chooses.
     pub dispatcher: Option<Dispatcher>,
+    /// Expert-parallel dispatch overlapped with another micro-batch's compute; open: the
+    /// tool chooses.
+    pub ep_overlap: Option<bool>,
     pub zero_stage: Option<u8>,
     pub micro_batch: Option<u64>,
     pub recompute: Option<Recompute>,
@@ -703,6 +737,7 @@ impl PartialLayout {
                 "zero_stage" => "zero",
                 "sequence_parallel" => "sp",
                 "batch_norm" => "bn",
+                "a2a_overlap" => "ep_overlap",
                 other => other,
             }
             .to_string();
@@ -720,6 +755,13 @@ impl PartialLayout {
             };
             let small = |what: &str| -> Result<u32, String> {
                 u32::try_from(num(what)?).map_err(|_| format!("{what}: '{v}' is too large"))
+            };
+            let flag = |what: &str| -> Result<bool, String> {
+                match v.to_ascii_lowercase().as_str() {
+                    "true" | "1" | "yes" | "on" => Ok(true),
+                    "false" | "0" | "no" | "off" => Ok(false),
+                    _ => Err(format!("{what}: '{v}' is not true or false")),
+                }
             };
             match k.as_str() {
                 "dp" => p.dp = Some(small("dp")?),
@@ -742,19 +784,14 @@ impl PartialLayout {
                     p.zero_stage = Some(z);
                 }
                 "recompute" => p.recompute = Some(v.parse()?),
-                "sp" | "sequence_parallel" => {
-                    p.sequence_parallel = Some(match v.to_ascii_lowercase().as_str() {
-                        "true" | "1" | "yes" | "on" => true,
-                        "false" | "0" | "no" | "off" => false,
-                        _ => return Err(format!("sp: '{v}' is not true or false")),
-                    })
-                }
+                "sp" | "sequence_parallel" => p.sequence_parallel = Some(flag("sp")?),
+                "ep_overlap" | "a2a_overlap" => p.ep_overlap = Some(flag("ep_overlap")?),
                 "schedule" => p.schedule = Some(v.parse()?),
                 "offload" => p.offload = Some(v.parse()?),
                 "bn" | "batch_norm" => p.batch_norm = Some(v.parse().map_err(|e| format!("bn: {e}"))?),
                 _ => {
                     return Err(format!(
-                        "unknown key '{k}' (expected dp, tp, pp, cp, ep, etp, dispatcher, zero, mb, recompute, sp, schedule, v, offload, bn)"
+                        "unknown key '{k}' (expected dp, tp, pp, cp, ep, etp, dispatcher, ep_overlap, zero, mb, recompute, sp, schedule, v, offload, bn)"
                     ))
                 }
             }
@@ -968,5 +1005,77 @@ mod tests {
             Plan::from_json(&text, "p.json").unwrap().layout.etp,
             Some(1)
         );
+    }
+
+    #[test]
+    fn an_overlapped_dispatch_needs_experts_and_megatrons_combined_schedule() {
+        let p = PartialLayout::parse("ep=32,a2a_overlap=on").unwrap();
+        assert_eq!(p.ep_overlap, Some(true));
+        assert_eq!(
+            PartialLayout::parse("ep_overlap=false").unwrap().ep_overlap,
+            Some(false)
+        );
+        let e = PartialLayout::parse("ep_overlap=maybe").unwrap_err();
+        assert!(
+            e.contains("ep_overlap: 'maybe' is not true or false"),
+            "{e}"
+        );
+        let l = Layout {
+            dp: 16,
+            tp: 2,
+            pp: 8,
+            ep: 32,
+            etp: Some(1),
+            ep_overlap: true,
+            schedule: Schedule::Interleaved1F1B,
+            interleave: 4,
+            ..Layout::default()
+        };
+        l.validate(2048, Some(94)).unwrap();
+        for (bad, why) in [
+            (
+                Layout {
+                    ep: 1,
+                    etp: None,
+                    ..l.clone()
+                },
+                "needs expert parallelism",
+            ),
+            (
+                Layout {
+                    recompute: Recompute::Full,
+                    ..l.clone()
+                },
+                "full recompute",
+            ),
+            (
+                Layout {
+                    schedule: Schedule::OneFOneB,
+                    interleave: 1,
+                    ..l.clone()
+                },
+                "needs the interleaved-1f1b schedule, not 1f1b",
+            ),
+        ] {
+            let e = bad.validate(2048, Some(94)).unwrap_err();
+            assert!(e.starts_with("layout.ep_overlap") && e.contains(why), "{e}");
+        }
+        // One stage merges without interleaving.
+        Layout {
+            pp: 1,
+            dp: 128,
+            schedule: Schedule::None,
+            interleave: 1,
+            ..l.clone()
+        }
+        .validate(2048, Some(94))
+        .unwrap();
+        // Off is not written to a plan file; on is, and reads back.
+        let mut pl = plan();
+        assert!(!pl.to_json().contains("ep_overlap"));
+        pl.layout = Layout { dp: 64, ..l };
+        let text = pl.to_json();
+        assert!(text.contains("\"ep_overlap\": true"), "{text}");
+        assert!(Plan::from_json(&text, "p.json").unwrap().layout.ep_overlap);
     }
 }

@@ -121,6 +121,9 @@ pub fn layout_string(l: &Layout) -> String {
     if !l.dispatcher.is_all_to_all() {
         s.push_str(&format!(",dispatcher={}", l.dispatcher));
     }
+    if l.ep_overlap {
+        s.push_str(",ep_overlap=true");
+    }
     if l.offload != parallax_ir::Offload::None {
         s.push_str(&format!(",offload={}", l.offload));
     }
@@ -202,5 +205,44 @@ mod tests {
         // Given etp = tp, ep 16 does not divide dp × cp = 8: nothing to complete.
         let inside = PartialLayout::parse("tp=2,pp=1,ep=16,etp=2").unwrap();
         assert!(complete_within(&s, &inside, &Space::default()).is_err());
+    }
+
+    #[test]
+    fn the_expert_dispatch_overlaps_where_the_stack_and_schedule_allow() {
+        // Qwen3-30B-A3B's experts over 2 nodes of each stage: a stack with the combined 1F1B
+        // overlaps the dispatch (faster, and it fits); over pipeline stages only interleaved.
+        let m = parallax_ir::models::zoo::transformer("qwen3-30b-a3b").unwrap();
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup::new(&m, &p, 64, 512, 4096);
+        let done = |partial: &str, space: &Space| {
+            complete_within(&s, &PartialLayout::parse(partial).unwrap(), space).map(|d| d.layout)
+        };
+        let one = done("dp=64,pp=1,ep=16,recompute=selective", &Space::default()).unwrap();
+        assert!(one.ep_overlap, "{one:?}");
+        assert!(layout_string(&one).ends_with(",ep_overlap=true"));
+        let older = Space {
+            ep_overlap: false,
+            ..Space::default()
+        };
+        assert!(
+            !done("dp=64,pp=1,ep=16,recompute=selective", &older)
+                .unwrap()
+                .ep_overlap
+        );
+        // Full recompute rules it out; with pp > 1 an asked-for overlap takes interleaving.
+        assert!(
+            !done("dp=64,pp=1,ep=16,recompute=full", &Space::default())
+                .unwrap()
+                .ep_overlap
+        );
+        let piped = done("dp=16,pp=4,ep=16,ep_overlap=true", &Space::default()).unwrap();
+        assert_eq!(piped.schedule, Schedule::Interleaved1F1B, "{piped:?}");
+        let e = done(
+            "dp=16,pp=4,ep=16,ep_overlap=true,schedule=1f1b",
+            &Space::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("needs the interleaved-1f1b schedule"), "{e}");
     }
 }

@@ -184,6 +184,11 @@ impl Engine {
         if !space.zero_stages.contains(&l.zero_stage) {
             return Some(format!("{name} has no ZeRO-{}", l.zero_stage));
         }
+        if l.ep_overlap && !space.ep_overlap {
+            return Some(format!(
+                "{name} has no overlapped expert dispatch (ep_overlap)"
+            ));
+        }
         if l.offload != Offload::None && !space.offload.contains(&l.offload) {
             return Some(format!("{name} export has no {} offload", l.offload));
         }
@@ -399,6 +404,11 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
                 a.push("--moe-token-dispatcher-type flex".into());
                 a.push("--moe-flex-dispatcher-backend deepep".into());
             }
+        }
+        if l.ep_overlap {
+            // The combined 1F1B; weight gradients deferred so they too hide the dispatch.
+            a.push("--overlap-moe-expert-parallel-comm".into());
+            a.push("--delay-wgrad-compute".into());
         }
     }
     a.push(format!("--tensor-model-parallel-size {}", l.tp));
@@ -1395,6 +1405,30 @@ mod tests {
         let t = export(Engine::Megatron, &plan(deepep, Precision::Bf16), &m).unwrap();
         assert_eq!(arg(&t, "--moe-token-dispatcher-type"), Some("flex"));
         assert_eq!(arg(&t, "--moe-flex-dispatcher-backend"), Some("deepep"));
+        // The overlapped dispatch: the combined 1F1B with weight gradients deferred; only
+        // where the plan has it.
+        assert_eq!(arg(&s, "--overlap-moe-expert-parallel-comm"), None);
+        let overlapped = Layout {
+            ep_overlap: true,
+            ..l.clone()
+        };
+        let o = export(
+            Engine::Megatron,
+            &plan(overlapped.clone(), Precision::Bf16),
+            &m,
+        )
+        .unwrap();
+        assert_eq!(arg(&o, "--overlap-moe-expert-parallel-comm"), Some(""));
+        assert_eq!(arg(&o, "--delay-wgrad-compute"), Some(""));
+        // A stack without it (Megatron-Core before 0.14) refuses it by name.
+        let older = Space {
+            ep_overlap: false,
+            ..Engine::Megatron.space()
+        };
+        let e = Engine::Megatron
+            .supports_within(&older, &overlapped, &m)
+            .unwrap();
+        assert!(e.contains("no overlapped expert dispatch"), "{e}");
         assert_eq!(
             arg(&s, "--account-for-embedding-in-pipeline-split"),
             Some("")

@@ -165,8 +165,10 @@ fn megatron_space(
 ) -> Space {
     Space {
         uneven_stages: false,
-        // DeepEP came to Megatron-Core in 2025 (the flex dispatcher).
+        // DeepEP came to Megatron-Core in 2025 (the flex dispatcher), and the combined 1F1B
+        // that overlaps the expert dispatch with it (core 0.14).
         deepep: false,
+        ep_overlap: false,
         sequence_parallel,
         ..space(schedules, zero, recompute)
     }

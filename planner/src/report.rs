@@ -88,6 +88,9 @@ pub fn short_layout(l: &Layout) -> String {
     if !l.dispatcher.is_all_to_all() {
         s.push_str(&format!(" {}", l.dispatcher));
     }
+    if l.ep_overlap {
+        s.push_str(" overlapped");
+    }
     match l.schedule {
         Schedule::None => {}
         Schedule::Interleaved1F1B => s.push_str(&format!(" int-v{}", l.interleave)),

@@ -99,6 +99,9 @@ pub struct Space {
     /// An MoE layer's tokens may be dispatched node-deduplicated (DeepEP) where the expert
     /// group spans nodes.
     pub deepep: bool,
+    /// The expert dispatch may run beside another micro-batch's compute
+    /// ([`Layout::ep_overlap`]).
+    pub ep_overlap: bool,
     /// Megatron-style sequence parallelism may be chosen with tensor parallelism.
     pub sequence_parallel: bool,
     /// Tensor, context and expert parallelism may be chosen (data-parallel-only stacks such
@@ -121,6 +124,7 @@ impl Default for Space {
             uneven_stages: true,
             embedding_and_loss_as_layers: false,
             deepep: true,
+            ep_overlap: true,
             sequence_parallel: true,
             model_parallel: true,
             offload: vec![Offload::Optimizer, Offload::Params],
@@ -1315,6 +1319,8 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
                         ep: d.ep,
                         etp: (d.etp != d.tp).then_some(d.etp),
                         dispatcher: f.dispatcher.unwrap_or_default(),
+                        // Chosen per schedule (`expand`).
+                        ep_overlap: false,
                         zero_stage: 0,
                         micro_batch: mb,
                         recompute,
@@ -1422,6 +1428,27 @@ fn expand(
                 interleave: v,
                 ..base.clone()
             };
+            // Where the stack has it, the dispatch overlaps whenever the layout allows (it only
+            // hides time; memory is checked below): a forced overlap there or nowhere.
+            l.ep_overlap = opts
+                .force
+                .ep_overlap
+                .unwrap_or(opts.space.ep_overlap && l.ep > 1);
+            let overlap_conflict = l.ep_overlap.then(|| l.ep_overlap_conflict()).flatten();
+            if let Some(why) = overlap_conflict {
+                if opts.force.ep_overlap == Some(true) {
+                    let n = parts_of[&v].len() as u64;
+                    x.counts.candidates += n;
+                    x.counts.reject_because("stack", || why);
+                    x.counts.reject("stack", n.saturating_sub(1));
+                    continue;
+                }
+                l.ep_overlap = false;
+            }
+            let overlapped = l.ep_overlap.then(|| {
+                let kind = ScheduleKind::of(schedule, l.pp);
+                c.ep_overlapped(parallax_sim::merged_fraction(kind, l.pp, m, v))
+            });
             let summary = summaries.get(&(ScheduleKind::of(schedule, l.pp), l.pp, m, v));
             for (layers, explicit) in &parts_of[&v] {
                 let id = (g.index << 20) | local;
@@ -1453,8 +1480,19 @@ fn expand(
                     }
                 }
                 let mut memory = 0.0;
+                let mut l = l.clone();
                 if !opts.force_exhaustive {
-                    let mem = match memory_gib(setup, &l, c, layers, m, tight) {
+                    let mut mem = memory_gib(setup, &l, c, layers, m, tight);
+                    // The overlap holds one more forward's activations: without it, where
+                    // only that fits (unless the overlap was asked for).
+                    if l.ep_overlap
+                        && opts.force.ep_overlap.is_none()
+                        && mem.as_ref().is_ok_and(|&g| g > capacity)
+                    {
+                        l.ep_overlap = false;
+                        mem = memory_gib(setup, &l, c, layers, m, tight);
+                    }
+                    let mem = match mem {
                         Ok(mem) => mem,
                         Err(_) => {
                             x.counts.reject("indivisible", 1);
@@ -1474,6 +1512,10 @@ fn expand(
                     }
                     memory = mem;
                 }
+                let c = match &overlapped {
+                    Some(o) if l.ep_overlap => o,
+                    _ => c,
+                };
                 let mut t = pass_times(c, layers);
                 let bound = if tight {
                     let e = extras(setup, &l, c, layers);

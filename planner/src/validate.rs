@@ -694,9 +694,12 @@ impl TransformerCase {
             } else {
                 None
             },
-            // Not a case field: the stack's default all-to-all (Megatron-Bridge's perf recipes
-            // set it unless a model's recipe names the flex dispatcher, which no case records).
+            // Not case fields: Megatron-Core's defaults, the all-to-all dispatcher without the
+            // combined-1F1B overlap. Left open, the tool picks DeepEP and the overlap, which the
+            // Qwen3 recipes behind these runs did not use (DeepSeek-V3's 25.09 recipe used both:
+            // Megatron-Bridge scripts/performance/run_script.py @fa0315ae2).
             dispatcher: Some(parallax_ir::Dispatcher::AllToAll),
+            ep_overlap: Some(false),
             zero_stage: if p.fsdp == Some(true) {
                 Some(3)
             } else {
@@ -725,8 +728,6 @@ impl TransformerCase {
         }
     }
 
-    /// The stack that ran it: the row of [`crate::framework::STACKS`] its `framework` field
-    /// names, or a current stack without framework-specific tricks where the table has none.
     /// Whether the benchmark spread tokens evenly over the experts (forced or fake-balanced
     /// gates), or capped each expert's load by token dropping (at a capacity factor of 1 where
     /// none is published): then no rank is a straggler.
@@ -739,6 +740,8 @@ impl TransformerCase {
         })
     }
 
+    /// The stack that ran it: the row of [`crate::framework::STACKS`] its `framework` field
+    /// names, or a current stack without framework-specific tricks where the table has none.
     pub fn framework(&self) -> Framework {
         Framework::for_case(self.framework.as_deref())
     }

@@ -27,6 +27,7 @@ fn published(c: &TransformerCase) -> Option<Layout> {
         ep: 1,
         etp: None,
         dispatcher: Default::default(),
+        ep_overlap: false,
         zero_stage: p.zero_stage?,
         micro_batch: p.micro_batch?,
         recompute: p.recompute?,

@@ -13,9 +13,9 @@ pub use engine::{
     Span, Task, TaskGraph, TaskId, TaskKind, TaskRef, Trace,
 };
 pub use schedule::{
-    build_pipeline, build_pipeline_with, max_in_flight, simulate_schedule, Op, OpContext, OpSpan,
-    OpTasks, PipelineCosts, PipelineGraph, PipelineSchedule, ScheduleError, ScheduleKind,
-    ScheduledOp,
+    build_pipeline, build_pipeline_with, max_in_flight, merged_fraction, simulate_schedule, Op,
+    OpContext, OpSpan, OpTasks, PipelineCosts, PipelineGraph, PipelineSchedule, ScheduleError,
+    ScheduleKind, ScheduledOp,
 };
 pub mod step;
 pub use step::{

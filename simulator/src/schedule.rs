@@ -232,6 +232,24 @@ fn interleaved_warmup(pp: u32, v: u32, stage: u32) -> u64 {
     2 * u64::from(pp - stage - 1) + u64::from(v - 1) * u64::from(pp)
 }
 
+/// Of each pass of the stage with the longest warm-up (stage 0), the fraction Megatron-Core's
+/// combined 1F1B (`--overlap-moe-expert-parallel-comm`) runs merged with a pass of another
+/// micro-batch: in the steady state every forward goes with a backward; the warm-up forwards
+/// and as many cool-down backwards run alone. One stage pairs forward `i + 1` with backward
+/// `i` (`m - 1` of `m`); with pp > 1 only the interleaved schedule merges, others never.
+pub fn merged_fraction(kind: ScheduleKind, pp: u32, m: u32, v: u32) -> f64 {
+    let passes = u64::from(m) * u64::from(v);
+    if passes == 0 {
+        return 0.0;
+    }
+    let alone = match kind {
+        _ if pp <= 1 => 1,
+        ScheduleKind::Interleaved1F1B if v >= 1 => interleaved_warmup(pp, v, 0).min(passes),
+        _ => passes,
+    };
+    (passes - alone.min(passes)) as f64 / passes as f64
+}
+
 impl PipelineSchedule {
     /// The op order of `kind` for `pp` stages, `m` micro-batches and `v` chunks per stage.
     ///
@@ -969,6 +987,28 @@ mod tests {
     /// ZB-H1 with T_F = T_B = T_W = 1 and free p2p. Qi et al. 2023, Table 2: bubble
     /// (p - 1)(T_F + T_B - T_W) against 1F1B's (p - 1)(T_F + T_B + T_W), so with m micro-batches
     /// the makespans are 3m + (p - 1) and 3m + 3(p - 1).
+    #[test]
+    fn merged_passes_are_the_steady_state_of_stage_0() {
+        use ScheduleKind::*;
+        // Interleaved, pp 4, v 2, m 8: stage 0 runs 2·3 + 1·4 = 10 warm-up forwards of its 16,
+        // and as many backwards alone at the end: 6 of 16 merged.
+        assert_eq!(merged_fraction(Interleaved1F1B, 4, 8, 2), 6.0 / 16.0);
+        let sched = PipelineSchedule::generate(Interleaved1F1B, 4, 8, 2).unwrap();
+        let ops = sched.stage_ops(0);
+        let lead = ops.iter().take_while(|o| o.op == Op::F).count();
+        assert_eq!(
+            lead,
+            10 + 1,
+            "warm-up, then the first steady forward before a backward"
+        );
+        // One stage: forward i + 1 with backward i, m − 1 of m.
+        assert_eq!(merged_fraction(OneFOneB, 1, 4, 1), 0.75);
+        // More warm-up than passes: nothing merges. Plain 1F1B over stages never merges.
+        assert_eq!(merged_fraction(Interleaved1F1B, 8, 2, 2), 0.0);
+        assert_eq!(merged_fraction(OneFOneB, 4, 16, 1), 0.0);
+        assert_eq!(merged_fraction(GPipe, 4, 16, 1), 0.0);
+    }
+
     #[test]
     fn zb_h1_bubble_is_a_third_of_1f1b() {
         for p in [2u32, 3, 4, 8] {

@@ -8,7 +8,8 @@
 use crate::engine::Resources;
 use crate::engine::{CommKind, SimError, Task, TaskGraph, TaskKind, Trace};
 use crate::schedule::{
-    build_pipeline, max_in_flight, PipelineCosts, PipelineSchedule, ScheduleError, ScheduleKind,
+    build_pipeline, max_in_flight, merged_fraction, PipelineCosts, PipelineSchedule, ScheduleError,
+    ScheduleKind,
 };
 use parallax_cost::comm::{exposed, Collective, Group, Network};
 use parallax_cost::compute::DeviceModel;
@@ -351,7 +352,10 @@ pub fn stage_memory_of(
         .map(|&vs| virtual_stage_saved(c, layers, vs))
         .sum::<f64>()
         / f64::from(v);
-    let in_flight = max_in_flight(ScheduleKind::of(l.schedule, pp), pp, m, v, s)?;
+    // The combined 1F1B of an overlapped expert dispatch runs one more forward ahead.
+    let in_flight = (max_in_flight(ScheduleKind::of(l.schedule, pp), pp, m, v, s)?
+        + u32::from(l.ep_overlap))
+    .min(m.saturating_mul(v));
     // The largest layer's transient buffers (the kinds differ in a mixture with dense layers).
     let largest = |f: &dyn Fn(&PartCost) -> u64| c.layer_kinds().map(f).max().unwrap_or(0);
     let mut buffers =
@@ -773,6 +777,16 @@ fn simulate_costed(
     let (pp, v) = (l.pp, l.interleave);
     let nv = (pp * v) as usize;
     let m = (setup.global_batch / (u64::from(l.dp) * l.micro_batch)) as u32;
+    let overlapped;
+    let c = if l.ep_overlap {
+        if let Some(why) = l.ep_overlap_conflict() {
+            return Err(Infeasible::Unsupported(why).into());
+        }
+        overlapped = c.ep_overlapped(merged_fraction(ScheduleKind::of(l.schedule, pp), pp, m, v));
+        &overlapped
+    } else {
+        c
+    };
     let layers = stage_layers(setup.model.layers, l);
     let precision = setup.precision;
     let zero = setup.zero_stage(l);
@@ -1192,6 +1206,46 @@ mod tests {
     /// Under the distributed optimizer an MoE layer's experts are replicated over dp / ep
     /// ranks only (Megatron's expert data parallel group, with etp = tp), so their optimizer
     /// states shard ep times less than the dense parameters'.
+    #[test]
+    fn an_overlapped_dispatch_shortens_the_step_and_holds_one_more_forward() {
+        // Qwen3-30B's experts over the 16 ranks (2 nodes) of each stage: the combined 1F1B
+        // hides most of the all-to-all; compute is unchanged, and one more forward's
+        // activations are kept.
+        let m = zoo::transformer("qwen3-30b-a3b").unwrap();
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup::new(&m, &p, 64, 4096, 256);
+        let plain = Layout {
+            dp: 16,
+            pp: 4,
+            ep: 16,
+            zero_stage: 1,
+            schedule: Schedule::Interleaved1F1B,
+            interleave: 2,
+            ..Layout::default()
+        };
+        let overlapped = Layout {
+            ep_overlap: true,
+            ..plain.clone()
+        };
+        let (a, b) = (
+            simulate_step(&s, &plain).unwrap().prediction,
+            simulate_step(&s, &overlapped).unwrap().prediction,
+        );
+        let ep = |p: &StepPrediction| p.breakdown.exposed_comm_s["ep"];
+        assert!(ep(&b) < 0.6 * ep(&a), "{} vs {}", ep(&b), ep(&a));
+        assert!(b.step_time_s < a.step_time_s);
+        assert!((b.breakdown.compute_s - a.breakdown.compute_s).abs() < 1e-6 * a.step_time_s);
+        assert!(b.memory.activations > a.memory.activations);
+        // Plain 1F1B over stages has no combined schedule: refused with the reason.
+        let one_f_one_b = Layout {
+            schedule: Schedule::OneFOneB,
+            interleave: 1,
+            ..overlapped
+        };
+        let e = simulate_step(&s, &one_f_one_b).unwrap_err().to_string();
+        assert!(e.contains("interleaved-1f1b"), "{e}");
+    }
+
     #[test]
     fn expert_states_shard_over_the_expert_data_parallel_group() {
         let m = zoo::transformer("mixtral-8x7b").unwrap();
