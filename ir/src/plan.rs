@@ -49,16 +49,24 @@ pub enum Schedule {
     /// Zero-bubble ZB-H1 (Qi et al. 2023): weight gradients fill the bubbles.
     #[serde(rename = "zb-h1")]
     ZeroBubbleH1,
+    /// DualPipe (DeepSeek-AI 2024, DeepSeek-V3 report §3.2.1; deepseek-ai/DualPipe): half the
+    /// micro-batches enter at each end of the pipeline, so every device holds two stages (its
+    /// own and its mirror's: twice the parameters) and runs a forward of one direction merged
+    /// with a backward of the other, their communication hidden behind each other's kernels.
+    /// Needs an even pp and at least 2 × pp micro-batches, an even number.
+    #[serde(rename = "dualpipe")]
+    DualPipe,
 }
 
 impl Schedule {
     /// All schedules.
-    pub const ALL: [Schedule; 5] = [
+    pub const ALL: [Schedule; 6] = [
         Schedule::None,
         Schedule::GPipe,
         Schedule::OneFOneB,
         Schedule::Interleaved1F1B,
         Schedule::ZeroBubbleH1,
+        Schedule::DualPipe,
     ];
     /// Name as written in plans and on the command line.
     pub fn name(self) -> &'static str {
@@ -68,6 +76,7 @@ impl Schedule {
             Schedule::OneFOneB => "1f1b",
             Schedule::Interleaved1F1B => "interleaved-1f1b",
             Schedule::ZeroBubbleH1 => "zb-h1",
+            Schedule::DualPipe => "dualpipe",
         }
     }
 }
@@ -85,7 +94,7 @@ impl FromStr for Schedule {
         Schedule::ALL
             .into_iter()
             .find(|x| x.name() == s || (s == "interleaved" && *x == Schedule::Interleaved1F1B) || (s == "zero-bubble" && *x == Schedule::ZeroBubbleH1))
-            .ok_or_else(|| format!("unknown schedule '{s}' (expected none, gpipe, 1f1b, interleaved-1f1b or zb-h1)"))
+            .ok_or_else(|| format!("unknown schedule '{s}' (expected none, gpipe, 1f1b, interleaved-1f1b, zb-h1 or dualpipe)"))
     }
 }
 
@@ -403,14 +412,25 @@ impl Layout {
             Some("ep_overlap needs expert parallelism (ep > 1)".into())
         } else if self.recompute == Recompute::Full {
             Some("ep_overlap cannot be combined with full recompute".into())
-        } else if self.pp > 1 && self.schedule != Schedule::Interleaved1F1B {
+        } else if self.pp > 1
+            && !matches!(
+                self.schedule,
+                Schedule::Interleaved1F1B | Schedule::DualPipe
+            )
+        {
             Some(format!(
-                "ep_overlap with pp > 1 needs the interleaved-1f1b schedule, not {}",
+                "ep_overlap with pp > 1 needs the interleaved-1f1b (or dualpipe) schedule, not {}",
                 self.schedule
             ))
         } else {
             None
         }
+    }
+
+    /// Whether a forward and a backward of different micro-batches run merged, each hiding
+    /// the other's expert dispatch: asked for ([`Layout::ep_overlap`]), or DualPipe's way.
+    pub fn merges_passes(&self) -> bool {
+        self.ep_overlap || self.schedule == Schedule::DualPipe
     }
 
     /// Micro-batches per step per pipeline for a global batch.
@@ -468,6 +488,20 @@ impl Layout {
         }
         if self.pp > 1 && self.schedule == Schedule::None {
             return Err("layout.schedule must name a pipeline schedule when pp > 1".into());
+        }
+        if self.schedule == Schedule::DualPipe && self.pp > 1 {
+            if self.pp % 2 != 0 {
+                return Err(format!(
+                    "layout.schedule dualpipe needs an even pp, not {}",
+                    self.pp
+                ));
+            }
+            if m % 2 != 0 || m < 2 * u64::from(self.pp) {
+                return Err(format!(
+                    "layout.schedule dualpipe needs an even number of micro-batches, at least 2 × pp = {}; this batch gives {m}",
+                    2 * self.pp
+                ));
+            }
         }
         if self.interleave > 1 && self.schedule != Schedule::Interleaved1F1B {
             return Err(format!(
@@ -917,6 +951,19 @@ mod tests {
         assert_eq!(p.schedule, Some(Schedule::Interleaved1F1B));
         assert_eq!(p.interleave, Some(2));
         assert_eq!(p.ep, None);
+        let dual = PartialLayout::parse("pp=16,schedule=dualpipe").unwrap();
+        assert_eq!(dual.schedule, Some(Schedule::DualPipe));
+        let l = Layout {
+            dp: 4,
+            pp: 16,
+            schedule: Schedule::DualPipe,
+            ..Layout::default()
+        };
+        l.validate(128, Some(64)).unwrap();
+        let e = l.validate(64, Some(64)).unwrap_err();
+        assert!(e.contains("at least 2 × pp = 32"), "{e}");
+        let e = Layout { pp: 5, ..l }.validate(240, Some(60)).unwrap_err();
+        assert!(e.contains("dualpipe needs an even pp, not 5"), "{e}");
         for bad in [
             "tp=0",
             "tp=x",
@@ -1054,7 +1101,7 @@ mod tests {
                     interleave: 1,
                     ..l.clone()
                 },
-                "needs the interleaved-1f1b schedule, not 1f1b",
+                "needs the interleaved-1f1b (or dualpipe) schedule, not 1f1b",
             ),
         ] {
             let e = bad.validate(2048, Some(94)).unwrap_err();

@@ -157,14 +157,24 @@ pub struct ScheduleSummary {
     first_forward: Vec<Option<u32>>,
     /// Per stage: the chunk of its last weight-gradient pass.
     last_w_chunk: Vec<u32>,
+    /// Per stage: the virtual stage of each of its chunks.
+    positions: Vec<Vec<usize>>,
+    /// Micro-batches enter from both ends (DualPipe): a virtual stage runs on two stages, so
+    /// only each stage's own work bounds the step.
+    dual: bool,
 }
 
 impl ScheduleSummary {
     /// Summarizes the schedule the simulator would generate.
     pub fn new(kind: ScheduleKind, pp: u32, m: u32, v: u32) -> Result<Self, ScheduleError> {
         let sched = PipelineSchedule::generate(kind, pp, m, v)?;
+        let dual = kind == ScheduleKind::DualPipe;
+        let v = sched.chunks();
         let last = m - 1;
-        let nv = (pp * v) as usize;
+        let nv = sched.positions() as usize;
+        let positions: Vec<Vec<usize>> = (0..pp)
+            .map(|s| (0..v).map(|c| sched.position(s, c) as usize).collect())
+            .collect();
         let mut totals = Vec::with_capacity(pp as usize);
         let mut chain = vec![(Vec::new(), false); nv];
         let mut first_forward = Vec::with_capacity(pp as usize);
@@ -175,7 +185,7 @@ impl ScheduleSummary {
             first_forward.push(
                 ops.first()
                     .filter(|o| o.op == Op::F)
-                    .map(|o| o.chunk * pp + s),
+                    .map(|o| sched.position(s, o.chunk)),
             );
             last_w_chunk.push(
                 ops.iter()
@@ -184,8 +194,8 @@ impl ScheduleSummary {
                     .map_or(0, |o| o.chunk),
             );
             for o in ops {
-                if o.micro_batch == last && matches!(o.op, Op::B | Op::BW) {
-                    chain[(o.chunk * pp + s) as usize] = (counts.clone(), o.op == Op::BW);
+                if !dual && o.micro_batch == last && matches!(o.op, Op::B | Op::BW) {
+                    chain[sched.position(s, o.chunk) as usize] = (counts.clone(), o.op == Op::BW);
                 }
                 let c = &mut counts[o.chunk as usize];
                 match o.op {
@@ -207,6 +217,8 @@ impl ScheduleSummary {
             chain,
             first_forward,
             last_w_chunk,
+            positions,
+            dual,
         })
     }
 
@@ -215,7 +227,7 @@ impl ScheduleSummary {
             .iter()
             .enumerate()
             .map(|(c, n)| {
-                let vs = c * self.pp as usize + s as usize;
+                let vs = self.positions[s as usize][c];
                 f64::from(n[0]) * t.f[vs] + f64::from(n[1]) * t.b[vs] + f64::from(n[2]) * t.w[vs]
             })
             .sum()
@@ -233,6 +245,23 @@ impl ScheduleSummary {
                 0.0
             }
         };
+        // After a stage's last weight gradient: its chunk's gradient reduction, then the
+        // optimizer.
+        let tail: Vec<f64> = (0..pp)
+            .map(|s| match x {
+                Some(x) => {
+                    let vs = self.positions[s as usize][self.last_w_chunk[s as usize] as usize];
+                    x.dp[vs] + x.opt[s as usize]
+                }
+                None => 0.0,
+            })
+            .collect();
+        if self.dual {
+            let busiest = (0..pp)
+                .map(|s| self.cost(t, s, &self.totals[s as usize]) + tail[s as usize])
+                .fold(0.0, f64::max);
+            return busiest * (1.0 - BOUND_SLACK);
+        }
         // Earliest start of each stage: the first forward's micro-batch must cross every
         // virtual stage before it.
         let mut reach = vec![0.0; nv];
@@ -241,17 +270,6 @@ impl ScheduleSummary {
         }
         let head: Vec<f64> = (0..pp as usize)
             .map(|s| self.first_forward[s].map_or(0.0, |vs| reach[vs as usize]))
-            .collect();
-        // After a stage's last weight gradient: its chunk's gradient reduction, then the
-        // optimizer.
-        let tail: Vec<f64> = (0..pp)
-            .map(|s| match x {
-                Some(x) => {
-                    let vs = (self.last_w_chunk[s as usize] * pp + s) as usize;
-                    x.dp[vs] + x.opt[s as usize]
-                }
-                None => 0.0,
-            })
             .collect();
         let mut bound = 0.0f64;
         let mut arrival = 0.0f64;

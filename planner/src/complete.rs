@@ -208,6 +208,29 @@ mod tests {
     }
 
     #[test]
+    fn dual_pipe_is_completed_where_given_and_never_proposed() {
+        let m = parallax_ir::models::zoo::transformer("llama3-8b").unwrap();
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup::new(&m, &p, 32, 4096, 256);
+        let given = PartialLayout::parse("pp=4,schedule=dualpipe").unwrap();
+        let done = complete_within(&s, &given, &Space::default())
+            .unwrap()
+            .layout;
+        assert_eq!((done.schedule, done.interleave), (Schedule::DualPipe, 1));
+        let open = PartialLayout::parse("pp=4").unwrap();
+        let best = complete_within(&s, &open, &Space::default())
+            .unwrap()
+            .layout;
+        assert_ne!(best.schedule, Schedule::DualPipe);
+        // Too few micro-batches for it: said, not guessed.
+        let few = PartialLayout::parse("pp=4,dp=8,mb=8,schedule=dualpipe").unwrap();
+        let e = complete_within(&s, &few, &Space::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("dualpipe needs"), "{e}");
+    }
+
+    #[test]
     fn the_expert_dispatch_overlaps_where_the_stack_and_schedule_allow() {
         // Qwen3-30B-A3B's experts over 2 nodes of each stage: a stack with the combined 1F1B
         // overlaps the dispatch (faster, and it fits); over pipeline stages only interleaved.
@@ -243,6 +266,9 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(e.contains("needs the interleaved-1f1b schedule"), "{e}");
+        assert!(
+            e.contains("needs the interleaved-1f1b (or dualpipe) schedule"),
+            "{e}"
+        );
     }
 }

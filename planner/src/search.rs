@@ -115,9 +115,11 @@ pub struct Space {
 impl Default for Space {
     fn default() -> Self {
         Space {
+            // DualPipe is understood (simulated, validated) but not proposed: no engine the
+            // export writes for runs it.
             schedules: Schedule::ALL
                 .into_iter()
-                .filter(|s| *s != Schedule::None)
+                .filter(|s| !matches!(s, Schedule::None | Schedule::DualPipe))
                 .collect(),
             zero_stages: vec![0, 1, 2, 3],
             recompute: Recompute::ALL.to_vec(),
@@ -234,6 +236,13 @@ pub(crate) fn schedule_options(
                 }
             }
             Schedule::None => {}
+            Schedule::DualPipe if pp % 2 != 0 || m % 2 != 0 || m < 2 * u64::from(pp) => reject(
+                "indivisible",
+                format!(
+                    "dualpipe needs an even pp and an even number of micro-batches, at least                      2 × pp = {}; pp {pp} with {m}",
+                    2 * pp
+                ),
+            ),
             s if fixed.interleave.is_none_or(|v| v == 1) => out.push((s, 1)),
             s => reject("indivisible", format!("{s} has no virtual stages (v = 1)")),
         }
@@ -1445,7 +1454,7 @@ fn expand(
                 }
                 l.ep_overlap = false;
             }
-            let overlapped = l.ep_overlap.then(|| {
+            let overlapped = l.merges_passes().then(|| {
                 let kind = ScheduleKind::of(schedule, l.pp);
                 c.ep_overlapped(parallax_sim::merged_fraction(kind, l.pp, m, v))
             });
@@ -1513,7 +1522,7 @@ fn expand(
                     memory = mem;
                 }
                 let c = match &overlapped {
-                    Some(o) if l.ep_overlap => o,
+                    Some(o) if l.merges_passes() => o,
                     _ => c,
                 };
                 let mut t = pass_times(c, layers);

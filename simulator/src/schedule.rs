@@ -39,6 +39,9 @@ pub enum ScheduleKind {
     /// ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §2.1): 1F1B's F/B order with
     /// backward split into B and W, W passes deferred to fill the tail bubble.
     ZeroBubbleH1,
+    /// DualPipe (deepseek-ai/DualPipe): micro-batches enter from both ends; stage `s` holds
+    /// virtual stages `s` and `pp - 1 - s` of a `pp`-stage split ([`stage_positions`]).
+    DualPipe,
 }
 
 impl ScheduleKind {
@@ -51,6 +54,7 @@ impl ScheduleKind {
             Schedule::GPipe => ScheduleKind::GPipe,
             Schedule::Interleaved1F1B => ScheduleKind::Interleaved1F1B,
             Schedule::ZeroBubbleH1 => ScheduleKind::ZeroBubbleH1,
+            Schedule::DualPipe => ScheduleKind::DualPipe,
             Schedule::None | Schedule::OneFOneB => ScheduleKind::OneFOneB,
         }
     }
@@ -63,6 +67,7 @@ impl fmt::Display for ScheduleKind {
             ScheduleKind::OneFOneB => "1f1b",
             ScheduleKind::Interleaved1F1B => "interleaved-1f1b",
             ScheduleKind::ZeroBubbleH1 => "zb-h1",
+            ScheduleKind::DualPipe => "dualpipe",
         })
     }
 }
@@ -124,6 +129,15 @@ pub enum ScheduleError {
     InterleavedNeedsChunks {
         /// The chunk count asked for.
         v: u32,
+    },
+    /// DualPipe needs an even number of stages and an even number of micro-batches, at least
+    /// twice the stages (`DualPipe.step`'s assertions).
+    #[error("dualpipe needs an even pp and an even number of micro-batches of at least 2 × pp; got pp = {pp}, m = {m}")]
+    DualPipeSizes {
+        /// Stages.
+        pp: u32,
+        /// Micro-batches.
+        m: u32,
     },
     /// Megatron-LM's interleaved schedule needs the micro-batch count to be a multiple of the
     /// number of stages.
@@ -221,8 +235,38 @@ fn check_kind(kind: ScheduleKind, pp: u32, m: u32, v: u32) -> Result<(), Schedul
                 return Err(ScheduleError::MicroBatchesNotMultipleOfStages { m, pp });
             }
         }
+        ScheduleKind::DualPipe => {
+            if v != 1 {
+                return Err(ScheduleError::ChunksNotSupported { kind, v });
+            }
+            if pp % 2 != 0 || m % 2 != 0 || m < 2 * pp {
+                return Err(ScheduleError::DualPipeSizes { pp, m });
+            }
+        }
     }
     Ok(())
+}
+
+/// The virtual stages (layer ranges, cost entries; `pp × v` of them, or `pp` for DualPipe)
+/// stage `s` holds, by chunk: `c · pp + s` (Megatron-LM's interleaving), or under DualPipe its
+/// own and its mirror's, the nearer the ends first (chunk 0 is `min(s, pp − 1 − s)`).
+pub fn stage_positions(kind: ScheduleKind, pp: u32, v: u32, s: u32) -> Vec<u32> {
+    match kind {
+        ScheduleKind::DualPipe => {
+            let near = s.min(pp - 1 - s);
+            vec![near, pp - 1 - near]
+        }
+        _ => (0..v).map(|c| c * pp + s).collect(),
+    }
+}
+
+/// How many micro-batches pass each virtual stage on one device: all of them, or under
+/// DualPipe the half entering from that copy's end.
+pub fn passes_per_position(kind: ScheduleKind, m: u32) -> u32 {
+    match kind {
+        ScheduleKind::DualPipe => m / 2,
+        _ => m,
+    }
 }
 
 /// Forward passes a stage runs before its first backward in Megatron-LM's interleaved schedule
@@ -245,6 +289,14 @@ pub fn merged_fraction(kind: ScheduleKind, pp: u32, m: u32, v: u32) -> f64 {
     let alone = match kind {
         _ if pp <= 1 => 1,
         ScheduleKind::Interleaved1F1B if v >= 1 => interleaved_warmup(pp, v, 0).min(passes),
+        // Stage 0 of `dualpipe`: `2 (m/2 − pp + 1)` merged pairs in its main step and
+        // `pp/2 − 1` after it (minus the middle ranks' first, which DualPipe leaves apart).
+        ScheduleKind::DualPipe if m >= 2 * pp && pp >= 2 => {
+            let half = u64::from(pp / 2);
+            let merged =
+                2 * (u64::from(m / 2) + 1 - u64::from(pp)) + (half - 1) - u64::from(half == 1);
+            passes - merged.min(passes)
+        }
         _ => passes,
     };
     (passes - alone.min(passes)) as f64 / passes as f64
@@ -274,15 +326,59 @@ impl PipelineSchedule {
                 ScheduleKind::OneFOneB => one_f_one_b(pp, m, s),
                 ScheduleKind::Interleaved1F1B => interleaved(pp, m, v, s),
                 ScheduleKind::ZeroBubbleH1 => zb_h1(pp, m, s),
+                ScheduleKind::DualPipe => dual_pipe(pp, m, s),
             })
             .collect();
         Ok(PipelineSchedule {
             kind: Some(kind),
             pp,
             m,
-            v,
+            // DualPipe's two chunks a stage are two of its `pp` virtual stages.
+            v: if kind == ScheduleKind::DualPipe { 2 } else { v },
             stages,
         })
+    }
+
+    /// Virtual stages (cost entries) the schedule runs: `pp × v`, or `pp` for DualPipe.
+    pub fn positions(&self) -> u32 {
+        match self.kind {
+            Some(ScheduleKind::DualPipe) => self.pp,
+            _ => self.pp * self.v,
+        }
+    }
+
+    /// The virtual stage chunk `chunk` of `stage` runs ([`stage_positions`]).
+    pub fn position(&self, stage: u32, chunk: u32) -> u32 {
+        match self.kind {
+            Some(ScheduleKind::DualPipe) => {
+                let near = stage.min(self.pp - 1 - stage);
+                if chunk == 0 {
+                    near
+                } else {
+                    self.pp - 1 - near
+                }
+            }
+            _ => chunk * self.pp + stage,
+        }
+    }
+
+    /// The stage where micro-batch `mb` passes virtual stage `position`: its stage
+    /// (`position % pp`), or under DualPipe the copy on its direction's path (the first half
+    /// of the micro-batches enters at stage 0, the second at stage pp − 1).
+    pub fn stage_at(&self, position: u32, mb: u32) -> u32 {
+        match self.kind {
+            Some(ScheduleKind::DualPipe) if mb >= self.m / 2 => self.pp - 1 - position,
+            Some(ScheduleKind::DualPipe) => position,
+            _ => position % self.pp,
+        }
+    }
+
+    /// The chunk of [`PipelineSchedule::stage_at`] that holds `position`.
+    pub fn chunk_at(&self, position: u32, mb: u32) -> u32 {
+        let s = self.stage_at(position, mb);
+        (0..self.v)
+            .find(|&c| self.position(s, c) == position)
+            .unwrap_or(0)
     }
 
     /// A hand-written schedule. Checks that every stage runs, for every micro-batch and chunk,
@@ -422,6 +518,102 @@ fn interleaved(pp: u32, m: u32, v: u32, s: u32) -> Vec<ScheduledOp> {
     ops
 }
 
+/// Stage `s` of DualPipe, step by step as `DualPipe.step` runs it (deepseek-ai/DualPipe,
+/// `dualpipe/dualpipe.py`): chunk 0 is the stage's nearer-the-ends virtual stage, chunk 1 its
+/// mirror's. On the first half of the stages chunk 0 carries the micro-batches entering at
+/// stage 0 (`0 .. m/2`) and chunk 1 those entering at the last stage (`m/2 .. m`); on the second
+/// half the other way round. Each chunk runs its micro-batches in order; a zero-bubble backward
+/// is a `B` whose `W` runs at the next weight step, first in first out. A merged forward and
+/// backward (`_forward_backward_chunk`) is the `F` then the `BW`: the merge is priced by
+/// [`merged_fraction`].
+fn dual_pipe(pp: u32, m: u32, s: u32) -> Vec<ScheduledOp> {
+    let half_ranks = pp / 2;
+    let hr = s.min(pp - 1 - s);
+    let half = m / 2;
+    let first_half = s < half_ranks;
+    // Micro-batch k of chunk c on this stage.
+    let mb = |c: u32, k: u32| if (c == 0) == first_half { k } else { half + k };
+    let mut next_f = [0u32; 2];
+    let mut next_b = [0u32; 2];
+    let mut weights = std::collections::VecDeque::new();
+    let mut ops = Vec::with_capacity(3 * m as usize);
+    let mut f = |ops: &mut Vec<ScheduledOp>, c: u32| {
+        ops.push(ScheduledOp::new(Op::F, mb(c, next_f[c as usize]), c));
+        next_f[c as usize] += 1;
+    };
+    let mut b = |ops: &mut Vec<ScheduledOp>,
+                 w: &mut std::collections::VecDeque<(u32, u32)>,
+                 c: u32,
+                 zb: bool| {
+        let i = mb(c, next_b[c as usize]);
+        next_b[c as usize] += 1;
+        if zb {
+            ops.push(ScheduledOp::new(Op::B, i, c));
+            w.push_back((i, c));
+        } else {
+            ops.push(ScheduledOp::new(Op::BW, i, c));
+        }
+    };
+    let weight = |ops: &mut Vec<ScheduledOp>, w: &mut std::collections::VecDeque<(u32, u32)>| {
+        if let Some((i, c)) = w.pop_front() {
+            ops.push(ScheduledOp::new(Op::W, i, c));
+        }
+    };
+    let rest = half_ranks - hr - 1;
+    // 1: nF0.
+    for _ in 0..2 * rest {
+        f(&mut ops, 0);
+    }
+    // 2: nF0F1.
+    for _ in 0..=hr {
+        f(&mut ops, 0);
+        f(&mut ops, 1);
+    }
+    // 3: nB1W1F1, zero bubble.
+    for _ in 0..rest {
+        b(&mut ops, &mut weights, 1, true);
+        weight(&mut ops, &mut weights);
+        f(&mut ops, 1);
+    }
+    // 4 (main): nF0B1F1B0, each forward merged with a backward.
+    for _ in 0..(half + hr + 1 - pp) {
+        f(&mut ops, 0);
+        b(&mut ops, &mut weights, 1, false);
+        f(&mut ops, 1);
+        b(&mut ops, &mut weights, 0, false);
+    }
+    // 5: nB1F1B0.
+    for _ in 0..rest {
+        b(&mut ops, &mut weights, 1, false);
+        f(&mut ops, 1);
+        b(&mut ops, &mut weights, 0, false);
+    }
+    // 6: nB1B0, the second half zero bubble.
+    // Python's `step_6 // 2` with step_6 = hr + 1.
+    let switch = hr.div_ceil(2);
+    let mut zb = false;
+    for i in 0..=hr {
+        if i == switch && hr % 2 == 1 {
+            zb = true;
+        }
+        b(&mut ops, &mut weights, 1, zb);
+        if i == switch && hr % 2 == 0 {
+            zb = true;
+        }
+        b(&mut ops, &mut weights, 0, zb);
+    }
+    // 7: nWB0, zero bubble.
+    for _ in 0..rest {
+        weight(&mut ops, &mut weights);
+        b(&mut ops, &mut weights, 0, true);
+    }
+    // 8: nW.
+    while !weights.is_empty() {
+        weight(&mut ops, &mut weights);
+    }
+    ops
+}
+
 fn zb_h1(pp: u32, m: u32, s: u32) -> Vec<ScheduledOp> {
     let warmup = (pp - s - 1).min(m);
     let shift = s; // W of micro-batch i follows B of micro-batch i + s.
@@ -470,6 +662,18 @@ pub fn max_in_flight(
         ScheduleKind::Interleaved1F1B => {
             (interleaved_warmup(pp, v, stage) + 1).min(u64::from(m) * u64::from(v)) as u32
         }
+        ScheduleKind::DualPipe => dual_pipe(pp, m, stage)
+            .iter()
+            .scan(0i64, |held, op| {
+                *held += match op.op {
+                    Op::F => 1,
+                    Op::B | Op::BW => -1,
+                    Op::W => 0,
+                };
+                Some(*held)
+            })
+            .max()
+            .unwrap_or(0) as u32,
     })
 }
 
@@ -634,7 +838,7 @@ pub fn build_pipeline(
     schedule: &PipelineSchedule,
     costs: &PipelineCosts,
 ) -> Result<PipelineGraph, ScheduleError> {
-    costs.check((schedule.pp * schedule.v) as usize)?;
+    costs.check(schedule.positions() as usize)?;
     build_pipeline_with(schedule, &|vs| costs.p2p_at(vs), |pg, ctx| {
         let vs = ctx.virtual_stage as usize;
         let (label, kind, cost) = match ctx.op {
@@ -667,8 +871,8 @@ where
     E: From<ScheduleError>,
     X: FnMut(&mut PipelineGraph, OpContext) -> Result<OpSpan, E>,
 {
-    let (pp, m, v) = (schedule.pp, schedule.m, schedule.v);
-    let nv = (pp * v) as usize;
+    let (pp, m) = (schedule.pp, schedule.m);
+    let nv = schedule.positions() as usize;
     let passes = nv * m as usize;
     let mut pg = PipelineGraph {
         graph: TaskGraph::with_capacity(5 * passes, 8 * passes),
@@ -701,7 +905,7 @@ where
         let mut stream = Vec::with_capacity(stage_ops.len());
         let mut prev: Option<TaskId> = None;
         for &op in stage_ops {
-            let vs = op.chunk * pp + s;
+            let vs = schedule.position(s, op.chunk);
             let i = at(vs, op.micro_batch);
             let compute = pg.compute[s as usize];
             let ctx = |o: Op| OpContext {
@@ -769,7 +973,6 @@ where
         pg.graph.add_data(from, t);
         pg.graph.add_data(t, to);
     };
-    let stage_of = |vs: u32| vs % pp;
     for vs in 0..nv as u32 {
         for mb in 0..m {
             let i = at(vs, mb);
@@ -779,8 +982,8 @@ where
             }
             if (vs as usize) + 1 < nv {
                 let j = at(vs + 1, mb);
-                let (here, next) = (stage_of(vs), stage_of(vs + 1));
-                let chunk = |vs: u32| vs / pp;
+                let (here, next) = (schedule.stage_at(vs, mb), schedule.stage_at(vs + 1, mb));
+                let chunk = |vs: u32| schedule.chunk_at(vs, mb);
                 connect(
                     &mut pg,
                     f_exit[i],
@@ -987,6 +1190,67 @@ mod tests {
     /// ZB-H1 with T_F = T_B = T_W = 1 and free p2p. Qi et al. 2023, Table 2: bubble
     /// (p - 1)(T_F + T_B - T_W) against 1F1B's (p - 1)(T_F + T_B + T_W), so with m micro-batches
     /// the makespans are 3m + (p - 1) and 3m + 3(p - 1).
+    #[test]
+    fn dual_pipe_runs_each_pass_once_from_both_ends() {
+        use ScheduleKind::*;
+        for (pp, m) in [(2u32, 4u32), (4, 12), (8, 16), (8, 40)] {
+            let sc = PipelineSchedule::generate(DualPipe, pp, m, 1).unwrap();
+            assert_eq!((sc.positions(), sc.chunks()), (pp, 2));
+            // Every (virtual stage, micro-batch) runs one forward, one backward (fused, or B
+            // and W) on the stage its direction puts it on.
+            let mut seen = vec![[0u32; 3]; (pp * m) as usize];
+            for st in 0..pp {
+                for op in sc.stage_ops(st) {
+                    let vs = sc.position(st, op.chunk);
+                    assert_eq!(sc.stage_at(vs, op.micro_batch), st, "{pp} {m} {op:?}");
+                    assert_eq!(sc.chunk_at(vs, op.micro_batch), op.chunk);
+                    let n = &mut seen[(vs * m + op.micro_batch) as usize];
+                    match op.op {
+                        Op::F => n[0] += 1,
+                        Op::B => n[1] += 1,
+                        Op::W => n[2] += 1,
+                        Op::BW => {
+                            n[1] += 1;
+                            n[2] += 1;
+                        }
+                    }
+                }
+                // DeepSeek-V3 report, Table 2: pp + 1 micro-batches of activations a device.
+                assert_eq!(sc.max_in_flight(st), pp + 1, "{pp} {m} stage {st}");
+                assert_eq!(max_in_flight(DualPipe, pp, m, 1, st).unwrap(), pp + 1);
+            }
+            assert!(seen.iter().all(|n| *n == [1, 1, 1]), "{pp} {m}");
+        }
+        // Stage 1 of 4 holds virtual stages 1 and 2; micro-batch 0 enters at stage 0, the
+        // last at stage 3.
+        let four = PipelineSchedule::generate(DualPipe, 4, 8, 1).unwrap();
+        assert_eq!((four.position(1, 0), four.position(1, 1)), (1, 2));
+        assert_eq!((four.stage_at(0, 0), four.stage_at(0, 7)), (0, 3));
+        assert_eq!(stage_positions(DualPipe, 4, 1, 3), vec![0, 3]);
+        for (pp, m) in [(3, 12), (4, 6), (4, 9)] {
+            assert!(matches!(
+                PipelineSchedule::generate(DualPipe, pp, m, 1),
+                Err(ScheduleError::DualPipeSizes { .. })
+            ));
+        }
+        // Uniform passes: a smaller bubble than 1F1B's on the same stages, and no cycle.
+        let costs = PipelineCosts::uniform(4, 1, s(1.0), s(1.0), s(1.0), s(0.0));
+        let bubble = |kind| {
+            let (pg, trace) = simulate_schedule(kind, 4, 16, 1, &costs).unwrap();
+            pg.bubble_fraction(&trace)[0]
+        };
+        assert!(
+            bubble(DualPipe) < bubble(OneFOneB) / 2.0,
+            "{} vs {}",
+            bubble(DualPipe),
+            bubble(OneFOneB)
+        );
+        // Its merged pairs, by hand for stage 0 of 4 with 12: 2 · (6 − 4 + 1) + (2 − 1) = 7.
+        assert_eq!(merged_fraction(DualPipe, 4, 12, 1), 7.0 / 12.0);
+        // Two stages: both middle, the first pair of the main step apart: 2 · 3 − 1 of 8.
+        assert_eq!(merged_fraction(DualPipe, 2, 8, 1), 5.0 / 8.0);
+    }
+
     #[test]
     fn merged_passes_are_the_steady_state_of_stage_0() {
         use ScheduleKind::*;

@@ -8,8 +8,8 @@
 use crate::engine::Resources;
 use crate::engine::{CommKind, SimError, Task, TaskGraph, TaskKind, Trace};
 use crate::schedule::{
-    build_pipeline, max_in_flight, merged_fraction, PipelineCosts, PipelineSchedule, ScheduleError,
-    ScheduleKind,
+    build_pipeline, max_in_flight, merged_fraction, passes_per_position, stage_positions,
+    PipelineCosts, PipelineSchedule, ScheduleError, ScheduleKind,
 };
 use parallax_cost::comm::{exposed, Collective, Group, Network};
 use parallax_cost::compute::DeviceModel;
@@ -129,8 +129,9 @@ pub struct SimulatedStep {
     pub trace: Trace,
     /// GiB each pipeline stage holds all step long: model states and buffers.
     stage_static_gib: Vec<f64>,
-    /// GiB one micro-batch keeps from each virtual stage's forward to its weight gradients.
-    saved_gib: Vec<f64>,
+    /// GiB one micro-batch keeps from the forward of each stage's chunks to its weight
+    /// gradients, by stage and chunk.
+    saved_gib: Vec<Vec<f64>>,
 }
 
 impl SimulatedStep {
@@ -143,10 +144,10 @@ impl SimulatedStep {
         let mut events: Vec<Vec<(f64, f64)>> = vec![Vec::new(); pp];
         for span in &self.trace.spans {
             let t = self.graph.task(span.task);
-            let vs = t.chunk as usize * pp + t.stage as usize;
+            let saved = self.saved_gib[t.stage as usize][t.chunk as usize];
             let delta = match t.kind {
-                TaskKind::Forward => self.saved_gib[vs],
-                TaskKind::BackwardWeight => -self.saved_gib[vs],
+                TaskKind::Forward => saved,
+                TaskKind::BackwardWeight => -saved,
                 _ => continue,
             };
             events[t.stage as usize].push((span.end.0, delta));
@@ -288,6 +289,14 @@ pub fn pass_costs(
     costs
 }
 
+/// The virtual stages stage `s` holds under layout `l`, by chunk ([`stage_positions`]).
+fn positions_of(l: &Layout, s: u32) -> Vec<usize> {
+    stage_positions(ScheduleKind::of(l.schedule, l.pp), l.pp, l.interleave, s)
+        .into_iter()
+        .map(|vs| vs as usize)
+        .collect()
+}
+
 /// Bytes one micro-batch keeps from virtual stage `vs`'s forward to its weight gradients.
 fn virtual_stage_saved(c: &TransformerCosts, layers: &[u32], vs: usize) -> f64 {
     let mut b = c.layers_sum(first_layer(layers, vs), layers[vs], |l| l.saved.0 as f64);
@@ -336,7 +345,7 @@ pub fn stage_memory_of(
     // / (ep × etp), Megatron's expert data parallel group): ZeRO shards their states over
     // those.
     let (ewb, egb, eob) = states_of(l.expert_dp());
-    let chunks: Vec<usize> = (0..v).map(|ch| (ch * pp + s) as usize).collect();
+    let chunks = positions_of(l, s);
     let params: u64 = chunks
         .iter()
         .map(|&vs| virtual_stage_params(c, layers, vs))
@@ -351,11 +360,13 @@ pub fn stage_memory_of(
         .iter()
         .map(|&vs| virtual_stage_saved(c, layers, vs))
         .sum::<f64>()
-        / f64::from(v);
-    // The combined 1F1B of an overlapped expert dispatch runs one more forward ahead.
-    let in_flight = (max_in_flight(ScheduleKind::of(l.schedule, pp), pp, m, v, s)?
-        + u32::from(l.ep_overlap))
-    .min(m.saturating_mul(v));
+        / chunks.len() as f64;
+    // The combined 1F1B of an overlapped expert dispatch runs one more forward ahead (DualPipe's
+    // own order has it already).
+    let kind = ScheduleKind::of(l.schedule, pp);
+    let in_flight = (max_in_flight(kind, pp, m, v, s)?
+        + u32::from(l.ep_overlap && kind != ScheduleKind::DualPipe))
+    .min(m.saturating_mul(chunks.len() as u32));
     // The largest layer's transient buffers (the kinds differ in a mixture with dense layers).
     let largest = |f: &dyn Fn(&PartCost) -> u64| c.layer_kinds().map(f).max().unwrap_or(0);
     let mut buffers =
@@ -476,7 +487,7 @@ pub fn step_terms(
     c: &TransformerCosts,
     layers: &[u32],
 ) -> Result<StepTerms, StepError> {
-    let (pp, v) = (l.pp, l.interleave);
+    let pp = l.pp;
     let net = Network::new(setup.profile);
     let dev = DeviceModel::new(setup.profile, setup.precision)
         .map_err(|e| Infeasible::Unsupported(e.to_string()))?;
@@ -605,8 +616,7 @@ pub fn step_terms(
     let mut param_gather = vec![Seconds(0.0); pp as usize];
     for s in 0..pp {
         let (mut stage_params, mut stage_experts) = (0u64, 0u64);
-        for chunk in 0..v {
-            let vs = (chunk * pp + s) as usize;
+        for vs in positions_of(l, s) {
             let p = virtual_stage_params(c, layers, vs);
             let experts = virtual_stage_experts(c, layers, vs);
             stage_params += p;
@@ -672,8 +682,10 @@ pub fn step_terms(
             // gathers (Megatron-Core `--overlap-param-gather`) each bucket is fetched just
             // before the next step's first forward needs it.
             let ag = over_both(Collective::AllGather, stage_dense, stage_experts, wbytes);
-            let first_forward: Seconds =
-                (0..v).map(|ch| costs.forward[(ch * pp + s) as usize]).sum();
+            let first_forward: Seconds = positions_of(l, s)
+                .into_iter()
+                .map(|vs| costs.forward[vs])
+                .sum();
             param_gather[s as usize] = if setup.runtime.overlap_grad_reduce {
                 exposed(ag, first_forward)
             } else {
@@ -775,13 +787,12 @@ fn simulate_costed(
     check_host_memory(setup, layout, c)?;
     let l = layout;
     let (pp, v) = (l.pp, l.interleave);
-    let nv = (pp * v) as usize;
     let m = (setup.global_batch / (u64::from(l.dp) * l.micro_batch)) as u32;
+    if let Some(why) = l.ep_overlap.then(|| l.ep_overlap_conflict()).flatten() {
+        return Err(Infeasible::Unsupported(why).into());
+    }
     let overlapped;
-    let c = if l.ep_overlap {
-        if let Some(why) = l.ep_overlap_conflict() {
-            return Err(Infeasible::Unsupported(why).into());
-        }
+    let c = if l.merges_passes() {
         overlapped = c.ep_overlapped(merged_fraction(ScheduleKind::of(l.schedule, pp), pp, m, v));
         &overlapped
     } else {
@@ -807,8 +818,8 @@ fn simulate_costed(
             .resources
             .add_in_group(format!("stage {s} dp comm"), 1, s);
         let mut last = Vec::new();
-        for chunk in 0..v {
-            let vs = (chunk * pp + s) as usize;
+        for (chunk, vs) in positions_of(l, s).into_iter().enumerate() {
+            let chunk = chunk as u32;
             let Some(after) = pg.last_weight_grad(s, Some(chunk)) else {
                 continue;
             };
@@ -858,8 +869,9 @@ fn simulate_costed(
         .enumerate()
         .map(|(s, r)| (s, busy[r.index()].0 - opt_task[s].0))
         .fold((0, f64::MIN), |a, b| if b.1 > a.1 { b } else { a });
+    let passes = f64::from(passes_per_position(kind, m));
     let per_mb_stage = |f: &dyn Fn(usize) -> f64| -> f64 {
-        (0..v).map(|ch| f((ch * pp) as usize + bs)).sum::<f64>() * f64::from(m)
+        positions_of(l, bs as u32).into_iter().map(f).sum::<f64>() * passes
     };
     // The sum of `f` over virtual stage `vs`'s layers.
     let over = |vs: usize, f: &dyn Fn(&PartCost) -> f64| {
@@ -958,8 +970,13 @@ fn simulate_costed(
         resources: pg.resources,
         trace,
         stage_static_gib: stage_static,
-        saved_gib: (0..nv)
-            .map(|vs| virtual_stage_saved(c, &layers, vs) / GIB)
+        saved_gib: (0..pp)
+            .map(|s| {
+                positions_of(l, s)
+                    .into_iter()
+                    .map(|vs| virtual_stage_saved(c, &layers, vs) / GIB)
+                    .collect()
+            })
             .collect(),
     })
 }
@@ -1244,6 +1261,65 @@ mod tests {
         };
         let e = simulate_step(&s, &one_f_one_b).unwrap_err().to_string();
         assert!(e.contains("interleaved-1f1b"), "{e}");
+    }
+
+    #[test]
+    fn dual_pipe_holds_a_stage_and_its_mirror() {
+        // Llama 3 8B over 4 stages: each device holds two quarters of the layers (twice 1F1B's
+        // parameters), 5 micro-batches of activations, and splits the embedding and head
+        // between the end stages, which also shortens the busiest one.
+        let m = zoo::transformer("llama3-8b").unwrap();
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup::new(&m, &p, 32, 4096, 256);
+        let one = Layout {
+            dp: 8,
+            pp: 4,
+            zero_stage: 1,
+            recompute: Recompute::Selective,
+            schedule: Schedule::OneFOneB,
+            ..Layout::default()
+        };
+        let dual = Layout {
+            schedule: Schedule::DualPipe,
+            ..one.clone()
+        };
+        let (a, b) = (
+            simulate_step(&s, &one).unwrap().prediction,
+            simulate_step(&s, &dual).unwrap().prediction,
+        );
+        let ratio = b.memory.params / a.memory.params;
+        assert!((1.9..2.1).contains(&ratio), "{ratio}");
+        let c = transformer_costs(&s, &one).unwrap();
+        // (The fullest stage holds the ends, whose passes keep a little more than a middle's.)
+        let saved = virtual_stage_saved(&c, &[8, 8, 8, 8], 1) / GIB;
+        let acts = b.memory.activations;
+        assert!(
+            (acts - 5.0 * saved).abs() < 0.03 * acts,
+            "{acts} vs 5 × {saved}"
+        );
+        assert!(b.step_time_s < a.step_time_s && b.bubble_fraction < a.bubble_fraction);
+        // Its memory timeline returns to the model states.
+        let t = simulate_step(&s, &dual).unwrap().memory_timeline();
+        assert_eq!(t.len(), 4);
+        // An odd pp is refused with its reason.
+        let odd = Layout {
+            pp: 2,
+            dp: 16,
+            ..dual.clone()
+        };
+        simulate_step(&s, &odd).unwrap();
+        let e = simulate_step(
+            &s,
+            &Layout {
+                pp: 8,
+                dp: 4,
+                micro_batch: 16,
+                ..dual
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("dualpipe"), "{e}");
     }
 
     #[test]
