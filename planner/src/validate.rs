@@ -1061,6 +1061,40 @@ mod tests {
         );
     }
 
+    /// A published DualPipe layout (the schema's `schedule: dualpipe`, `interleave: null`)
+    /// is simulated as DualPipe: DeepSeek-V3's own training layout, pp 16 × ep 64.
+    #[test]
+    fn a_dualpipe_case_is_simulated_as_dualpipe() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/ground-truth/moe-zero-offload.json");
+        let mut doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let cases = doc["cases"].as_array_mut().unwrap();
+        cases.retain(|c| c["id"] == "mb2509-dsv3-1024xh100-fp8");
+        let plan = &mut cases[0]["plan"];
+        for (k, v) in [
+            ("schedule", serde_json::json!("dualpipe")),
+            ("interleave", serde_json::Value::Null),
+            ("tp", serde_json::json!(1)),
+            ("pp", serde_json::json!(16)),
+            ("dp", serde_json::json!(64)),
+            ("sequence_parallel", serde_json::json!(false)),
+            ("global_batch", serde_json::json!(15360)),
+            ("grad_accum", serde_json::Value::Null),
+        ] {
+            plan[k] = v;
+        }
+        let text = doc.to_string();
+        let cases = parse_cases(&text, "dualpipe.json").unwrap().cases;
+        let r = cases[0].run();
+        assert_eq!(r.status, "ok", "{r:?}");
+        assert!(r.layout.as_deref().unwrap().contains("pp=16"), "{r:?}");
+        assert!(
+            r.layout.as_deref().unwrap().contains("schedule=dualpipe"),
+            "{r:?}"
+        );
+    }
+
     /// A case's `hf_config`, where it has one, imports to the model its dimension fields
     /// describe.
     #[test]
