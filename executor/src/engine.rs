@@ -403,11 +403,17 @@ impl Prepared {
         if seq == 0 {
             return bad("seq must be at least 1".into());
         }
-        if !dims.rope && seq > dims.max_seq {
+        if dims.learned_positions && seq > dims.max_seq {
             return Err(ExecError::Model(format!(
                 "seq {seq} exceeds the model's {} learned positions",
                 dims.max_seq
             )));
+        }
+        if topo.cp > 1 && dims.window.is_some() {
+            return bad(
+                "context parallelism over sliding-window attention is planned, not run, by the executor"
+                    .into(),
+            );
         }
         if topo.cp > 1 && seq % (2 * topo.cp) != 0 {
             return bad(format!(
@@ -546,7 +552,7 @@ impl Prepared {
                 let mut b = builder();
                 build_wte(d, &mut b, false);
                 ch.wte = Some(push("embed.wte".into(), b, false));
-                if !d.rope {
+                if d.learned_positions {
                     let mut b = builder();
                     build_wpe(d, &mut b);
                     ch.wpe = Some(push("embed.wpe".into(), b, false));

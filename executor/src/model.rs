@@ -51,8 +51,13 @@ pub struct Dims {
     pub rms: bool,
     /// SwiGLU (else GeLU).
     pub swiglu: bool,
-    /// Rotary positions (else a learned table).
+    /// Rotary positions.
     pub rope: bool,
+    /// A learned position table (GPT); neither this nor `rope`: no position embedding (NoPE,
+    /// the causal mask alone orders the tokens).
+    pub learned_positions: bool,
+    /// Sliding-window attention: (window, every `full_every`-th layer attends fully; 0 none).
+    pub window: Option<(usize, u32)>,
     /// Biases on linear layers.
     pub bias: bool,
     /// LM head shares the embedding table.
@@ -69,15 +74,10 @@ impl Dims {
             (c.mla.is_some(), "latent attention"),
             (c.mtp_layers > 0, "multi-token prediction modules"),
             (c.hybrid.is_some(), "hybrid Mamba-2 stacks"),
-            (c.sliding_window.is_some(), "sliding-window attention"),
             (
                 c.moe
                     .is_some_and(|m| m.router == parallax_ir::models::Router::Sigmoid),
                 "sigmoid routers",
-            ),
-            (
-                c.position == Position::None,
-                "attention without position embeddings",
             ),
             (
                 c.moe.is_some_and(|m| m.shared_ffn_hidden > 0),
@@ -126,6 +126,11 @@ impl Dims {
             rms: c.norm == Norm::RmsNorm,
             swiglu,
             rope: c.position == Position::Rope,
+            learned_positions: c.position == Position::Learned,
+            window: match c.sliding_window {
+                Some(w) => Some((us(w.size)?, w.full_every)),
+                None => None,
+            },
             bias: c.bias,
             tied: c.tied_embeddings,
             moe: match &c.moe {
@@ -399,6 +404,8 @@ pub struct BlockLayout {
     b_out: Option<Range<usize>>,
     /// The mixture-of-experts MLP, in place of the dense one.
     moe: Option<MoeLayout>,
+    /// The keys this layer's queries see: all up to their own, or a sliding window of them.
+    window: Option<usize>,
 }
 
 impl BlockLayout {
@@ -497,6 +504,11 @@ impl BlockLayout {
             w_out,
             b_out,
             moe,
+            // Every `full_every`-th layer (the 2nd, 4th… for 2) attends to all keys.
+            window: d
+                .window
+                .filter(|&(_, k)| k == 0 || (layer as u32 + 1) % k != 0)
+                .map(|(w, _)| w),
         }
     }
 
@@ -824,6 +836,7 @@ fn block_fwd_inner(
                 nh,
                 nkv,
                 hd,
+                l.window,
                 keep == Keep::All,
             );
             (o, probs, None)
@@ -1064,6 +1077,7 @@ pub fn block_bwd(
                 nh,
                 nkv,
                 hd,
+                l.window,
             );
             (dq, dk, dv)
         }
@@ -1446,11 +1460,20 @@ mod tests {
             }),
             ..tiny.clone()
         };
+        // Windows and NoPE are run: the window alternates with full attention as planned.
+        let w = Dims::from_config(&windowed).unwrap();
+        assert_eq!(w.window, Some((8, 2)));
+        let mut b = SlotBuilder::new(1);
+        let mut eb = SlotBuilder::new(1);
+        let windows: Vec<_> = (0..4)
+            .map(|i| BlockLayout::build(&w, i, &mut b, &mut eb).window)
+            .collect();
+        assert_eq!(windows, [Some(8), None, Some(8), None]);
+        let n = Dims::from_config(&nope).unwrap();
+        assert!(!n.rope && !n.learned_positions);
         for (c, what) in [
             (sigmoid, "sigmoid routers"),
-            (windowed, "sliding-window attention"),
             (latent, "latent attention"),
-            (nope, "without position embeddings"),
             (mtp, "multi-token prediction"),
             (hybrid, "hybrid Mamba-2"),
         ] {

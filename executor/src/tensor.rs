@@ -539,7 +539,8 @@ pub fn rope(x: &mut [f32], heads: usize, hd: usize, pos: impl Fn(usize) -> usize
 /// against the gathered keys otherwise), `heads` query heads sharing `kv_heads` key/value
 /// heads (GQA), head size `hd`. `q` is `batch·sq × heads·hd`, `k`/`v` are
 /// `batch·sk × kv_heads·hd`. Writes `o` (`batch·sq × heads·hd`) and returns the attention
-/// probabilities (`batch · heads · sq · sk`) when `keep_probs`.
+/// probabilities (`batch · heads · sq · sk`) when `keep_probs`. With a sliding `window`, a query
+/// attends to the `window` latest keys up to its own position.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_fwd(
     o: &mut [f32],
@@ -552,6 +553,7 @@ pub fn attention_fwd(
     heads: usize,
     kv_heads: usize,
     hd: usize,
+    window: Option<usize>,
     keep_probs: bool,
 ) -> Option<Vec<f32>> {
     let sq = q_pos.len();
@@ -559,7 +561,7 @@ pub fn attention_fwd(
     let mut p = vec![0.0f32; sq * sk];
     for b in 0..batch {
         for hh in 0..heads {
-            attention_probs(&mut p, q, k, b, hh, q_pos, sk, heads, kv_heads, hd);
+            attention_probs(&mut p, q, k, b, hh, q_pos, sk, heads, kv_heads, hd, window);
             let kvh = hh / (heads / kv_heads);
             let (qw, kw) = (heads * hd, kv_heads * hd);
             matmul(
@@ -578,8 +580,9 @@ pub fn attention_fwd(
     all
 }
 
-/// Softmax(q kᵀ / √hd) with a causal mask (key position ≤ query position) for one sequence
-/// and head, into `p` (`sq × sk`).
+/// Softmax(q kᵀ / √hd) with a causal mask (key position ≤ query position; with a sliding
+/// `window`, also above query position − window) for one sequence and head, into `p`
+/// (`sq × sk`).
 #[allow(clippy::too_many_arguments)]
 fn attention_probs(
     p: &mut [f32],
@@ -592,6 +595,7 @@ fn attention_probs(
     heads: usize,
     kv_heads: usize,
     hd: usize,
+    window: Option<usize>,
 ) {
     let sq = q_pos.len();
     let kvh = hh / (heads / kv_heads);
@@ -607,18 +611,23 @@ fn attention_probs(
     for (i, &pos) in q_pos.iter().enumerate() {
         let row = &mut p[i * sk..(i + 1) * sk];
         let seen = (pos + 1).min(sk);
+        let first = window.map_or(0, |w| (pos + 1).saturating_sub(w)).min(seen);
         let mut mx = f32::NEG_INFINITY;
-        for x in row.iter_mut().take(seen) {
+        for x in &mut row[first..seen] {
             *x *= scale;
             mx = mx.max(*x);
         }
         let mut sum = 0.0;
-        for x in row.iter_mut().take(seen) {
+        for x in &mut row[first..seen] {
             *x = (*x - mx).exp();
             sum += *x;
         }
         for (j, x) in row.iter_mut().enumerate() {
-            *x = if j < seen { *x / sum } else { 0.0 };
+            *x = if (first..seen).contains(&j) {
+                *x / sum
+            } else {
+                0.0
+            };
         }
     }
 }
@@ -642,6 +651,7 @@ pub fn attention_bwd(
     heads: usize,
     kv_heads: usize,
     hd: usize,
+    window: Option<usize>,
 ) {
     let sq = q_pos.len();
     let (qw, kw) = (heads * hd, kv_heads * hd);
@@ -657,7 +667,9 @@ pub fn attention_bwd(
                     &all[at..at + sq * sk]
                 }
                 None => {
-                    attention_probs(&mut p_buf, q, k, b, hh, q_pos, sk, heads, kv_heads, hd);
+                    attention_probs(
+                        &mut p_buf, q, k, b, hh, q_pos, sk, heads, kv_heads, hd, window,
+                    );
                     &p_buf
                 }
             };
@@ -916,8 +928,13 @@ mod tests {
     fn attention_gradients_match_finite_differences() {
         // The square case, and a context-parallel rank's two chunks (positions 1 and 6 of 8
         // with cp = 4... here 2 of 2·cp chunks of one row each) against every key.
+        // A sliding window of 2 keys too.
         let square: Vec<usize> = (0..4).collect();
-        for (q_pos, sk) in [(square, 4), (vec![1, 6], 8)] {
+        for (q_pos, sk, window) in [
+            (square.clone(), 4, None),
+            (vec![1, 6], 8, None),
+            (square, 4, Some(2)),
+        ] {
             let (batch, heads, kvh, hd) = (2, 4, 2, 4);
             let sq = q_pos.len();
             let q = rand(batch * sq * heads * hd, 7);
@@ -926,20 +943,30 @@ mod tests {
             let d_o = rand(batch * sq * heads * hd, 10);
             let run = |q: &[f32], k: &[f32], v: &[f32]| {
                 let mut o = vec![0.0; batch * sq * heads * hd];
-                attention_fwd(&mut o, q, k, v, batch, &q_pos, sk, heads, kvh, hd, false);
+                attention_fwd(
+                    &mut o, q, k, v, batch, &q_pos, sk, heads, kvh, hd, window, false,
+                );
                 o.iter()
                     .zip(&d_o)
                     .map(|(a, b)| f64::from(a * b))
                     .sum::<f64>()
             };
             let mut o = vec![0.0; batch * sq * heads * hd];
-            let probs = attention_fwd(&mut o, &q, &k, &v, batch, &q_pos, sk, heads, kvh, hd, true);
+            let probs = attention_fwd(
+                &mut o, &q, &k, &v, batch, &q_pos, sk, heads, kvh, hd, window, true,
+            );
+            // The window masks the keys before it: query 3 sees keys 2 and 3 only.
+            if let (Some(w), Some(p)) = (window, probs.as_deref()) {
+                let row = &p[3 * sk..4 * sk];
+                assert!(row[..4 - w].iter().all(|&x| x == 0.0), "{row:?}");
+                assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+            }
             for saved in [probs.as_deref(), None] {
                 let (mut dq, mut dk, mut dv) =
                     (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
                 attention_bwd(
                     &mut dq, &mut dk, &mut dv, &d_o, &q, &k, &v, saved, batch, &q_pos, sk, heads,
-                    kvh, hd,
+                    kvh, hd, window,
                 );
                 check_grad(&q, &dq, |x| run(x, &k, &v));
                 check_grad(&k, &dk, |x| run(&q, x, &v));

@@ -31,6 +31,19 @@ fn mixtral(layers: u32) -> TransformerConfig {
     }
 }
 
+/// Llama layers without position embeddings (NoPE), every other one attending to the 4
+/// latest keys only (GPT-OSS's alternation).
+fn windowed_nope(layers: u32) -> TransformerConfig {
+    TransformerConfig {
+        position: parallax_ir::models::Position::None,
+        sliding_window: Some(parallax_ir::models::SlidingWindow {
+            size: 4,
+            full_every: 2,
+        }),
+        ..llama(layers)
+    }
+}
+
 fn spec(model: TransformerConfig, layout: Layout) -> RunSpec {
     let mut s = RunSpec::new(model, layout, GLOBAL_BATCH, SEQ, STEPS);
     s.seed = 42;
@@ -197,8 +210,35 @@ equivalence! {
     moe_tp2_sp_etp1: mixtral(2), Layout { tp: 2, sequence_parallel: true, etp: Some(1), ..Layout::default() };
     moe_dp2_tp2_sp_ep2_etp1_zero1_pp2: mixtral(4), Layout { dp: 2, tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), zero_stage: 1, ..pp(2, Schedule::OneFOneB) };
     moe_cp2_tp2_sp_ep4_etp1_zero3: mixtral(2), Layout { cp: 2, tp: 2, sequence_parallel: true, ep: 4, etp: Some(1), zero_stage: 3, ..Layout::default() };
+    // Sliding windows alternating with full attention, no position embedding.
+    windowed_nope_tp2_sp_pp2: windowed_nope(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
+    windowed_nope_dp2_zero1_selective: windowed_nope(4), Layout { dp: 2, zero_stage: 1, recompute: Recompute::Selective, ..Layout::default() };
     // A vocabulary tp does not divide: the embedding and head stay whole on every rank.
     tp2_sp_odd_vocab: TransformerConfig::gpt(2, 32, 4, 64, 65, 16), Layout { tp: 2, sequence_parallel: true, ..Layout::default() };
+}
+
+#[test]
+fn the_window_and_the_position_embedding_change_what_is_trained() {
+    // Each of the two is trained as itself, not as the plain model: the losses differ.
+    let plain = reference(&llama(4));
+    let nope = reference(&TransformerConfig {
+        sliding_window: None,
+        ..windowed_nope(4)
+    });
+    let windowed = reference(&windowed_nope(4));
+    assert_ne!(plain.0, nope.0);
+    assert_ne!(nope.0, windowed.0);
+    // Context parallelism over windows is refused by name.
+    let e = run_threads(&spec(
+        windowed_nope(4),
+        Layout {
+            cp: 2,
+            ..Layout::default()
+        },
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("sliding-window"), "{e}");
 }
 
 #[test]
