@@ -53,6 +53,8 @@ pub struct Dims {
     pub swiglu: bool,
     /// Rotary positions.
     pub rope: bool,
+    /// Their base (the model's `rope_theta`, an integer as configs write it).
+    pub rope_theta: u64,
     /// A learned position table (GPT); neither this nor `rope`: no position embedding (NoPE,
     /// the causal mask alone orders the tokens).
     pub learned_positions: bool,
@@ -87,6 +89,7 @@ impl Dims {
                 c.moe.is_some_and(|m| m.has_dense_layers()),
                 "dense layers among the MoE layers",
             ),
+            (c.moe.is_some_and(|m| m.groups > 0), "group-limited routing"),
         ];
         if let Some((_, what)) = planned_only.iter().find(|(has, _)| *has) {
             return Err(format!(
@@ -126,6 +129,7 @@ impl Dims {
             rms: c.norm == Norm::RmsNorm,
             swiglu,
             rope: c.position == Position::Rope,
+            rope_theta: c.rope_theta,
             learned_positions: c.position == Position::Learned,
             window: match c.sliding_window {
                 Some(w) => Some((us(w.size)?, w.full_every)),
@@ -813,8 +817,22 @@ fn block_fwd_inner(
     let pos = pass.positions();
     let lseq = pos.len();
     if d.rope {
-        rope(&mut q, nh, hd, |r| pos[r % lseq], false);
-        rope(&mut k, nkv, hd, |r| pos[r % lseq], false);
+        rope(
+            &mut q,
+            nh,
+            hd,
+            d.rope_theta as f64,
+            |r| pos[r % lseq],
+            false,
+        );
+        rope(
+            &mut k,
+            nkv,
+            hd,
+            d.rope_theta as f64,
+            |r| pos[r % lseq],
+            false,
+        );
     }
     // Under context parallelism the keys and values travel the ring of context-parallel ranks.
     let (o, probs, lse) = match tp.cp {
@@ -1083,8 +1101,22 @@ pub fn block_bwd(
         }
     };
     if d.rope {
-        rope(&mut dq, nh, hd, |r| pos[r % lseq], true);
-        rope(&mut dk, nkv, hd, |r| pos[r % lseq], true);
+        rope(
+            &mut dq,
+            nh,
+            hd,
+            d.rope_theta as f64,
+            |r| pos[r % lseq],
+            true,
+        );
+        rope(
+            &mut dk,
+            nkv,
+            hd,
+            d.rope_theta as f64,
+            |r| pos[r % lseq],
+            true,
+        );
     }
     let mut dn1 = vec![0.0; tt * h];
     for (dz, w, b, n) in [
@@ -1471,7 +1503,22 @@ mod tests {
         assert_eq!(windows, [Some(8), None, Some(8), None]);
         let n = Dims::from_config(&nope).unwrap();
         assert!(!n.rope && !n.learned_positions);
+        // The rotary base is the model's (Llama 3's 500 000), not RoFormer's 10 000.
+        let l3 = Dims::from_config(&zoo::transformer("llama3-8b").unwrap()).unwrap();
+        assert_eq!(
+            (l3.rope_theta, Dims::from_config(&tiny).unwrap().rope_theta),
+            (500_000, 10_000)
+        );
+        let grouped = TransformerConfig {
+            moe: Some(parallax_ir::models::MoeConfig {
+                groups: 2,
+                groups_per_token: 1,
+                ..parallax_ir::models::MoeConfig::routed(4, 2)
+            }),
+            ..tiny.clone()
+        };
         for (c, what) in [
+            (grouped, "group-limited routing"),
             (sigmoid, "sigmoid routers"),
             (latent, "latent attention"),
             (mtp, "multi-token prediction"),

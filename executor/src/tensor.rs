@@ -506,17 +506,22 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// Rotary embedding base (Su et al. 2021; Llama's `rope_theta`).
-pub const ROPE_BASE: f32 = 10_000.0;
-
-/// Applies (or, with `inverse`, un-applies — the backward) rotary embeddings in place to `x`
-/// of `rows × (heads · hd)`, row `t` at position `pos(t)`; pairs `(i, i + hd/2)` rotate
-/// together (HuggingFace Llama's `rotate_half`).
-pub fn rope(x: &mut [f32], heads: usize, hd: usize, pos: impl Fn(usize) -> usize, inverse: bool) {
+/// Applies (or, with `inverse`, un-applies — the backward) rotary embeddings of base `theta`
+/// (Su et al. 2021: 10 000; Llama 3: 500 000, HF's `rope_theta`) in place to `x` of
+/// `rows × (heads · hd)`, row `t` at position `pos(t)`; pairs `(i, i + hd/2)` rotate together
+/// (HuggingFace Llama's `rotate_half`).
+pub fn rope(
+    x: &mut [f32],
+    heads: usize,
+    hd: usize,
+    theta: f64,
+    pos: impl Fn(usize) -> usize,
+    inverse: bool,
+) {
     let half = hd / 2;
     let width = heads * hd;
     let inv_freq: Vec<f32> = (0..half)
-        .map(|i| ROPE_BASE.powf(-(2.0 * i as f32) / hd as f32))
+        .map(|i| theta.powf(-(2.0 * i as f64) / hd as f64) as f32)
         .collect();
     for (t, row) in x.chunks_exact_mut(width).enumerate() {
         let p = pos(t) as f32;
@@ -993,11 +998,16 @@ mod tests {
         // Rotary embedding is a rotation: inverse undoes it.
         let x0 = rand(3 * 8, 12);
         let mut x = x0.clone();
-        rope(&mut x, 2, 4, |t| t + 1, false);
-        rope(&mut x, 2, 4, |t| t + 1, true);
+        rope(&mut x, 2, 4, 10_000.0, |t| t + 1, false);
+        rope(&mut x, 2, 4, 10_000.0, |t| t + 1, true);
         for (a, b) in x.iter().zip(&x0) {
             assert!((a - b).abs() < 1e-5);
         }
+        // The base sets the frequencies: Llama 3's 500 000 rotates a position differently.
+        let (mut a, mut b) = (x0.clone(), x0.clone());
+        rope(&mut a, 2, 4, 10_000.0, |t| t + 1, false);
+        rope(&mut b, 2, 4, 500_000.0, |t| t + 1, false);
+        assert!(a.iter().zip(&b).any(|(p, q)| (p - q).abs() > 1e-3));
     }
 
     #[test]
