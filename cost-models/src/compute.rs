@@ -135,6 +135,9 @@ pub struct DeviceModel<'a> {
     eager: bool,
     /// Convolutions as the CPU executor runs them: see [`DeviceModel::with_host_convolutions`].
     host_convolutions: bool,
+    /// The stack runs the chip's own fused attention kernels: see
+    /// [`DeviceModel::with_native_attention`].
+    native_attention: bool,
 }
 
 impl<'a> DeviceModel<'a> {
@@ -153,7 +156,17 @@ impl<'a> DeviceModel<'a> {
             nchw: false,
             eager: false,
             host_convolutions: false,
+            native_attention: false,
         })
+    }
+
+    /// The model for a stack that runs the device's architecture-native fused attention
+    /// (FlashAttention-3, or cuDNN 9's fused attention as Transformer Engine 2 selects it on
+    /// Hopper) rather than FlashAttention-2-class kernels: attention runs
+    /// [`DeviceSpec::native_attention_speedup`] times faster where the chip has them.
+    pub fn with_native_attention(mut self, native: bool) -> Self {
+        self.native_attention = native;
+        self
     }
 
     /// The model with activations stored NCHW (`nchw`) or channels-last. Tensor-core
@@ -372,8 +385,15 @@ impl<'a> DeviceModel<'a> {
             .dev
             .attention_efficiency_scale
             .unwrap_or(DEFAULT_ATTENTION_EFFICIENCY_SCALE);
-        (self.dev.matmul_efficiency_for(Precision::Bf16, flops) * scale * self.dev.sustained())
-            .min(1.0)
+        let native = match self.dev.native_attention_speedup {
+            Some(s) if self.native_attention => s,
+            _ => 1.0,
+        };
+        (self.dev.matmul_efficiency_for(Precision::Bf16, flops)
+            * scale
+            * native
+            * self.dev.sustained())
+        .min(1.0)
     }
 
     /// A pointwise kernel taking `memory` to stream its bytes that also evaluates `count`
@@ -1057,5 +1077,32 @@ mod tests {
         );
         // A window longer than the sequence is full causal attention.
         assert_eq!(executed(Some(8192)), full);
+    }
+
+    #[test]
+    fn native_attention_kernels_run_faster_only_where_the_chip_has_them() {
+        // A stack on Hopper's own kernels (FlashAttention-3 class) runs attention the preset's
+        // 1.5x faster than one on FlashAttention-2's; on an A100 there are none to run.
+        let q = Shape::new([1, 8192, 32, 128]);
+        let ins = [q.clone(), q.clone(), q.clone()];
+        let op = OpKind::Attention(AttentionAttrs {
+            causal: true,
+            fused: true,
+            dropout: false,
+            window: None,
+        });
+        let w = op.work(&ins, std::slice::from_ref(&q), &[false; 3], 2);
+        let time = |preset_name: &str, native: bool| {
+            let p = preset(preset_name).unwrap();
+            let m = DeviceModel::new(&p, Precision::Bf16)
+                .unwrap()
+                .with_native_attention(native);
+            let t = m.op(&op, &ins, &w, 2);
+            (t.fwd + t.bwd_input - m.overhead(2.0)).0
+        };
+        let (fa2, fa3) = (time("dgx-h100-80gb", false), time("dgx-h100-80gb", true));
+        // (Less the launches, which do not speed up.)
+        assert!((fa2 / fa3 - 1.5).abs() < 1e-3, "{}", fa2 / fa3);
+        assert_eq!(time("dgx-a100-80gb", true), time("dgx-a100-80gb", false));
     }
 }

@@ -75,6 +75,10 @@ const IN_PLACE_LOSS_BYTES_PER_LOGIT: u64 = 6;
 pub struct Runtime {
     /// Fused (flash) attention kernels.
     pub fused_attention: bool,
+    /// Of those, the chip's architecture-native ones (FlashAttention-3; cuDNN 9's fused
+    /// attention, which Transformer Engine 2 picks on Hopper) rather than FlashAttention-2's:
+    /// see [`DeviceModel::with_native_attention`].
+    pub native_attention: bool,
     /// Data-parallel gradient reduction overlapped with the last micro-batch's backward, and the
     /// distributed optimizer's parameter gather with the next step's first forward.
     pub overlap_grad_reduce: bool,
@@ -180,6 +184,8 @@ impl Default for Runtime {
     fn default() -> Self {
         Runtime {
             fused_attention: true,
+            // FlashAttention-2-class kernels unless a stack is known to run the chip's own.
+            native_attention: false,
             overlap_grad_reduce: true,
             tp_comm_overlap: true,
             overlap_p2p: true,
@@ -712,7 +718,8 @@ pub fn transformer_costs_with(
     check_layout(s, l)?;
     let dev = DeviceModel::new(s.profile, s.precision)
         .map_err(|e| Infeasible::Unsupported(e.to_string()))?
-        .with_eager(s.runtime.eager_kernels);
+        .with_eager(s.runtime.eager_kernels)
+        .with_native_attention(s.runtime.native_attention);
     let net = Network::new(s.profile);
     let gpn = s.profile.node.gpus_per_node;
     let fb = s.float_bytes();

@@ -87,6 +87,12 @@ pub struct DeviceSpec {
     /// same FLOPs; absent means the cost model's default (FlashAttention-2, Dao 2023).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_efficiency_scale: Option<f64>,
+    /// How much faster this architecture's own fused attention kernels run than the
+    /// FlashAttention-2-class kernels `attention_efficiency_scale` describes, for stacks that
+    /// use them (FlashAttention-3 and cuDNN 9's fused attention on Hopper: warp-specialised,
+    /// asynchronous TMA/WGMMA pipelines); absent: the chip has none, or they are no faster.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub native_attention_speedup: Option<f64>,
     /// Fraction of the isolated-kernel efficiency (the curve above, measured one GEMM at a
     /// time) sustained inside a training step: clocks under a full power load, caches shared
     /// with communication kernels. Fitted to published step times; absent means 1. Up to
@@ -576,6 +582,14 @@ impl ClusterProfile {
         non_neg("device.kernel_overhead_us", d.kernel_overhead_us)?;
         if let Some(a) = d.attention_efficiency_scale {
             frac("device.attention_efficiency_scale", a)?;
+        }
+        if let Some(s) = d.native_attention_speedup {
+            if !(s.is_finite() && (1.0..=4.0).contains(&s)) {
+                return Err(self.invalid(
+                    "device.native_attention_speedup",
+                    format!("must satisfy 1 <= value <= 4, got {s}"),
+                ));
+            }
         }
         if let Some(t) = d.transcendentals_per_s {
             pos("device.transcendentals_per_s", t)?;

@@ -572,6 +572,11 @@ fn range_errors_name_the_field() {
             "device.memory_efficiency",
         ),
         (
+            "memory_efficiency = 0.85",
+            "memory_efficiency = 0.85\nnative_attention_speedup = 0.5",
+            "device.native_attention_speedup: must satisfy 1 <= value <= 4, got 0.5",
+        ),
+        (
             "[[1e9, 0.35], [1e11, 0.7], [1e12, 0.85]]",
             "[[1e9, 0.35], [1e12, 0.7], [1e11, 0.85]]",
             "device.matmul_efficiency[2]: sizes must be sorted",

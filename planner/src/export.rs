@@ -60,9 +60,11 @@ impl Engine {
                 zero3_gathered_under_pp: true,
                 ..Runtime::default()
             },
-            // Megatron's vocab-parallel cross-entropy works in one fp32 buffer.
+            // Megatron's vocab-parallel cross-entropy works in one fp32 buffer; Transformer
+            // Engine 2 runs cuDNN 9's fused attention on Hopper.
             Engine::Megatron => Runtime {
                 in_place_cross_entropy: true,
+                native_attention: true,
                 ..Runtime::default()
             },
             Engine::DeepSpeed => Runtime::default(),
