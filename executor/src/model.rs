@@ -76,6 +76,7 @@ impl Dims {
             (c.mla.is_some(), "latent attention"),
             (c.mtp_layers > 0, "multi-token prediction modules"),
             (c.hybrid.is_some(), "hybrid Mamba-2 stacks"),
+            (c.attention_sinks, "attention sinks"),
             (
                 c.moe
                     .is_some_and(|m| m.router == parallax_ir::models::Router::Sigmoid),
@@ -1517,7 +1518,12 @@ mod tests {
             }),
             ..tiny.clone()
         };
+        let sinks = TransformerConfig {
+            attention_sinks: true,
+            ..tiny.clone()
+        };
         for (c, what) in [
+            (sinks, "attention sinks"),
             (grouped, "group-limited routing"),
             (sigmoid, "sigmoid routers"),
             (latent, "latent attention"),

@@ -459,6 +459,8 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                         int(&["num_experts_per_tok", "experts_per_token"], Some(4))?,
                     ));
                     c.bias = flag("attention_bias", true)?;
+                    // GptOssAttention always has its per-head `sinks` (no config key).
+                    c.attention_sinks = true;
                 }
                 "deepseek_v3" | "kimi_k2" => {
                     // Latent attention, `first_k_dense_replace` dense layers, then every

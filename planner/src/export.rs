@@ -429,6 +429,10 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
     if m.mtp_layers > 0 {
         a.push(format!("--mtp-num-layers {}", m.mtp_layers));
     }
+    if m.attention_sinks {
+        // A learned logit per head in every softmax (TE's fused attention supports it).
+        a.push("--softmax-type learnable".into());
+    }
     if let Some(w) = m.sliding_window {
         // (left, right): the window behind each query, nothing ahead (causal).
         a.push(format!("--window-size {},0", w.size));
@@ -1621,6 +1625,21 @@ mod tests {
         assert_eq!(arg(&s, "--window-attn-skip-freq"), Some("2"));
         assert_eq!(arg(&s, "--kv-channels"), Some("64"));
         assert_eq!(arg(&s, "--disable-bias-linear"), None);
+        // Its attention sinks: Megatron's learnable softmax offset; none for other models.
+        assert_eq!(arg(&s, "--softmax-type"), Some("learnable"));
+        let llama = export(
+            Engine::Megatron,
+            &plan(
+                Layout {
+                    dp: 8,
+                    ..Layout::default()
+                },
+                Precision::Bf16,
+            ),
+            &model("llama3-8b"),
+        )
+        .unwrap();
+        assert_eq!(arg(&llama, "--softmax-type"), None);
     }
 
     #[test]

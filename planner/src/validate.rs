@@ -589,6 +589,9 @@ impl TransformerCase {
             if let Some(b) = a.bias {
                 cfg.bias = b;
             }
+            if let Some(sinks) = a.sinks {
+                cfg.attention_sinks = sinks;
+            }
             if let Some(w) = &a.sliding_window {
                 let full_every = if w.layers.starts_with("alternating") {
                     2

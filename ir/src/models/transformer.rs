@@ -212,6 +212,12 @@ pub struct TransformerConfig {
     /// Sliding-window attention on some layers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<SlidingWindow>,
+    /// A learned attention-sink logit per head joins every softmax (gpt-oss; Megatron's
+    /// `--softmax-type learnable`, "attention is off by one"): a head may attend to nothing.
+    /// One scalar per head and layer and one more score per row: it costs nothing the model
+    /// counts, but an engine must be told to train the same model.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub attention_sinks: bool,
 }
 
 /// Sliding-window attention (Mistral 7B on every layer; GPT-OSS and Gemma 2 alternating with
@@ -541,6 +547,7 @@ impl TransformerConfig {
             mtp_layers: 0,
             hybrid: None,
             sliding_window: None,
+            attention_sinks: false,
         }
     }
 
@@ -578,6 +585,7 @@ impl TransformerConfig {
             mtp_layers: 0,
             hybrid: None,
             sliding_window: None,
+            attention_sinks: false,
         }
     }
 

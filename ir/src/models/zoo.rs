@@ -128,8 +128,8 @@ fn deepseek_v3(
 /// OpenAI's gpt-oss (its HF configs and model card): `layers` layers of hidden 2880, 64 query
 /// heads of 64 and 8 key/value heads with biases, every other layer attending to a 128-token
 /// window (the odd ones fully), `experts` SwiGLU experts 2880 wide, top-4, vocabulary 201,088,
-/// untied, rotary base 150 000. The experts' biases and the attention sinks (0.03 % of the
-/// parameters) are left out.
+/// untied, rotary base 150 000, a learned attention sink per head. The experts' biases and
+/// the sinks' logits (0.03 % of the parameters) are not counted.
 fn gpt_oss(layers: u32, experts: u64) -> ZooDef {
     ZooDef::Transformer(TransformerConfig {
         head_dim: 64,
@@ -140,6 +140,7 @@ fn gpt_oss(layers: u32, experts: u64) -> ZooDef {
             full_every: 2,
         }),
         rope_theta: 150_000,
+        attention_sinks: true,
         ..TransformerConfig::llama(layers, 2880, 64, 8, 2880, 201_088, 131_072)
     })
 }
