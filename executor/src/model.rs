@@ -77,6 +77,7 @@ impl Dims {
             (c.mtp_layers > 0, "multi-token prediction modules"),
             (c.hybrid.is_some(), "hybrid Mamba-2 stacks"),
             (c.attention_sinks, "attention sinks"),
+            (c.qk_norm, "query/key norms"),
             (
                 c.moe
                     .is_some_and(|m| m.router == parallax_ir::models::Router::Sigmoid),
@@ -1522,7 +1523,12 @@ mod tests {
             attention_sinks: true,
             ..tiny.clone()
         };
+        let qk = TransformerConfig {
+            qk_norm: true,
+            ..tiny.clone()
+        };
         for (c, what) in [
+            (qk, "query/key norms"),
             (sinks, "attention sinks"),
             (grouped, "group-limited routing"),
             (sigmoid, "sigmoid routers"),

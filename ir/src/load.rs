@@ -443,6 +443,8 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                 _ => Mlp::Swiglu,
             };
             c.sliding_window = sliding_window(v, model_type, c.layers, file)?;
+            // Per-head query and key norms: Qwen3's and Gemma 3's modelling code (no key).
+            c.qk_norm = matches!(model_type, "qwen3" | "qwen3_moe" | "gemma3_text");
             match model_type {
                 "mixtral" => {
                     c.moe = Some(MoeConfig::routed(

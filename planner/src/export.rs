@@ -429,6 +429,11 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
     if m.mtp_layers > 0 {
         a.push(format!("--mtp-num-layers {}", m.mtp_layers));
     }
+    if m.qk_norm || m.mla.is_some() {
+        // Per-head query/key norms, or latent attention's norms of its compressed queries and
+        // keys (DeepSeek's q_a_layernorm and kv_a_layernorm): Megatron's one flag for both.
+        a.push("--qk-layernorm".into());
+    }
     if m.attention_sinks {
         // A learned logit per head in every softmax (TE's fused attention supports it).
         a.push("--softmax-type learnable".into());
@@ -1401,6 +1406,8 @@ mod tests {
         assert_eq!(parallax_sim::stage_layers(94, &l), split);
         let s = export(Engine::Megatron, &plan(l.clone(), Precision::Bf16), &m).unwrap();
         assert_eq!(arg(&s, "--expert-model-parallel-size"), Some("32"));
+        // Qwen3's per-head query and key norms.
+        assert_eq!(arg(&s, "--qk-layernorm"), Some(""));
         assert_eq!(arg(&s, "--expert-tensor-parallel-size"), Some("1"));
         // Megatron's default dispatcher all-gathers: the plan's all-to-all is written out.
         assert_eq!(arg(&s, "--moe-token-dispatcher-type"), Some("alltoall"));
@@ -1543,6 +1550,8 @@ mod tests {
         assert_eq!(arg(&s, "--qk-head-dim"), Some("128"));
         assert_eq!(arg(&s, "--qk-pos-emb-head-dim"), Some("64"));
         assert_eq!(arg(&s, "--v-head-dim"), Some("128"));
+        // DeepSeek's norms of the compressed queries and keys (q_a_ and kv_a_layernorm).
+        assert_eq!(arg(&s, "--qk-layernorm"), Some(""));
         assert_eq!(arg(&s, "--mtp-num-layers"), Some("1"));
         // Sigmoid scores with the balancing bias, a token's experts from 4 of 8 groups.
         assert_eq!(arg(&s, "--moe-router-score-function"), Some("sigmoid"));
@@ -1640,6 +1649,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(arg(&llama, "--softmax-type"), None);
+        assert_eq!(arg(&llama, "--qk-layernorm"), None);
     }
 
     #[test]

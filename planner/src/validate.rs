@@ -592,6 +592,10 @@ impl TransformerCase {
             if let Some(sinks) = a.sinks {
                 cfg.attention_sinks = sinks;
             }
+            if let Some(qk) = a.qk_norm {
+                // Latent attention's own norms are `mla`'s.
+                cfg.qk_norm = qk && a.kind != "mla";
+            }
             if let Some(w) = &a.sliding_window {
                 let full_every = if w.layers.starts_with("alternating") {
                     2

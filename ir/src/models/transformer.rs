@@ -218,6 +218,12 @@ pub struct TransformerConfig {
     /// counts, but an engine must be told to train the same model.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub attention_sinks: bool,
+    /// RMSNorm on each head's queries and keys before the rotary embedding (Qwen3, Gemma 3,
+    /// OLMo 2; Megatron's `--qk-layernorm`). Two small norm kernels per layer, not priced;
+    /// an engine must be told to train the same model. (Latent attention's norms of its
+    /// compressed queries and keys belong to `mla`.)
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qk_norm: bool,
 }
 
 /// Sliding-window attention (Mistral 7B on every layer; GPT-OSS and Gemma 2 alternating with
@@ -548,6 +554,7 @@ impl TransformerConfig {
             hybrid: None,
             sliding_window: None,
             attention_sinks: false,
+            qk_norm: false,
         }
     }
 
@@ -586,6 +593,7 @@ impl TransformerConfig {
             hybrid: None,
             sliding_window: None,
             attention_sinks: false,
+            qk_norm: false,
         }
     }
 

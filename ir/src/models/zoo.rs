@@ -76,10 +76,12 @@ fn llama3(layers: u32, hidden: u64, heads: u64, ffn: u64) -> ZooDef {
 }
 
 /// Qwen3-MoE's shape (its HF configs): heads of 128 whatever the width, 4 KV heads, 128 experts
-/// `ffn` wide with 8 per token, vocabulary 151,936, 40,960 positions, rotary base 10^6, untied.
+/// `ffn` wide with 8 per token, vocabulary 151,936, 40,960 positions, rotary base 10^6, untied,
+/// query and key norms.
 fn qwen3_moe(layers: u32, hidden: u64, heads: u64, ffn: u64) -> ZooDef {
     ZooDef::Transformer(TransformerConfig {
         head_dim: 128,
+        qk_norm: true,
         moe: Some(MoeConfig::routed(128, 8)),
         rope_theta: 1_000_000,
         ..TransformerConfig::llama(layers, hidden, heads, 4, ffn, 151_936, 40960)
