@@ -239,7 +239,7 @@ pub(crate) fn schedule_options(
             Schedule::DualPipe if pp % 2 != 0 || m % 2 != 0 || m < 2 * u64::from(pp) => reject(
                 "indivisible",
                 format!(
-                    "dualpipe needs an even pp and an even number of micro-batches, at least                      2 × pp = {}; pp {pp} with {m}",
+                    "dualpipe needs an even pp and an even number of micro-batches, at least 2 × pp = {}; this batch gives {m}",
                     2 * pp
                 ),
             ),

@@ -662,18 +662,8 @@ pub fn max_in_flight(
         ScheduleKind::Interleaved1F1B => {
             (interleaved_warmup(pp, v, stage) + 1).min(u64::from(m) * u64::from(v)) as u32
         }
-        ScheduleKind::DualPipe => dual_pipe(pp, m, stage)
-            .iter()
-            .scan(0i64, |held, op| {
-                *held += match op.op {
-                    Op::F => 1,
-                    Op::B | Op::BW => -1,
-                    Op::W => 0,
-                };
-                Some(*held)
-            })
-            .max()
-            .unwrap_or(0) as u32,
+        // No closed form: its op list walked.
+        ScheduleKind::DualPipe => PipelineSchedule::generate(kind, pp, m, v)?.max_in_flight(stage),
     })
 }
 
