@@ -66,6 +66,12 @@ pub struct Dims {
     pub tied: bool,
     /// Mixture-of-experts MLPs: (experts, top-k).
     pub moe: Option<(usize, usize)>,
+    /// Of a mixture, which layers route: from layer `dense_first` on, every `moe_every`-th
+    /// (DeepSeek's leading dense layers, Qwen2-MoE's `decoder_sparse_step`); the others have
+    /// a dense MLP `dense_ffn` wide.
+    pub dense_first: u32,
+    pub moe_every: u32,
+    pub dense_ffn: usize,
 }
 
 impl Dims {
@@ -86,10 +92,6 @@ impl Dims {
             (
                 c.moe.is_some_and(|m| m.shared_ffn_hidden > 0),
                 "shared experts",
-            ),
-            (
-                c.moe.is_some_and(|m| m.has_dense_layers()),
-                "dense layers among the MoE layers",
             ),
             (c.moe.is_some_and(|m| m.groups > 0), "group-limited routing"),
         ];
@@ -143,6 +145,20 @@ impl Dims {
                 Some(m) => Some((us(m.experts)?, us(m.top_k)?)),
                 None => None,
             },
+            dense_first: c.moe.map_or(0, |m| m.dense_layers_first),
+            moe_every: c.moe.map_or(1, |m| m.every.max(1)),
+            dense_ffn: match c.moe {
+                Some(m) if m.has_dense_layers() => us(m.dense_ffn_hidden)?,
+                _ => us(c.ffn_hidden)?,
+            },
+        })
+    }
+
+    /// The routed experts of layer `layer`, where it is an MoE layer: (experts, top-k).
+    pub fn experts_at(&self, layer: usize) -> Option<(usize, usize)> {
+        let layer = u32::try_from(layer).unwrap_or(u32::MAX);
+        self.moe.filter(|_| {
+            layer >= self.dense_first && (layer - self.dense_first) % self.moe_every == 0
         })
     }
 
@@ -151,10 +167,10 @@ impl Dims {
     /// ranks, as Megatron-LM does).
     pub fn check_tp(&self, tp: usize) -> Result<(), String> {
         let kv_ok = self.kv_heads % tp == 0 || tp % self.kv_heads == 0;
-        if self.heads % tp != 0 || !kv_ok || self.ffn % tp != 0 {
+        if self.heads % tp != 0 || !kv_ok || self.ffn % tp != 0 || self.dense_ffn % tp != 0 {
             return Err(format!(
-                "tp {tp} must divide heads {} and ffn {}, and divide or be a multiple of kv heads {}",
-                self.heads, self.ffn, self.kv_heads
+                "tp {tp} must divide heads {} and ffn {} (dense layers {}), and divide or be a multiple of kv heads {}",
+                self.heads, self.ffn, self.dense_ffn, self.kv_heads
             ));
         }
         Ok(())
@@ -412,6 +428,8 @@ pub struct BlockLayout {
     moe: Option<MoeLayout>,
     /// The keys this layer's queries see: all up to their own, or a sliding window of them.
     window: Option<usize>,
+    /// Width of its dense MLP (unused by an MoE layer, whose experts are `Dims::ffn` wide).
+    ffn: usize,
 }
 
 impl BlockLayout {
@@ -419,7 +437,14 @@ impl BlockLayout {
     /// own unit: they are reduced and sharded over the replicas holding the same experts).
     pub fn build(d: &Dims, layer: usize, b: &mut SlotBuilder, eb: &mut SlotBuilder) -> BlockLayout {
         let p = |s: &str| format!("layers.{layer}.{s}");
-        let (h, qw, kw, f) = (d.h, d.heads * d.hd, d.kv_heads * d.hd, d.ffn);
+        let experts = d.experts_at(layer);
+        // A dense layer of a mixture has its own width; the experts theirs (`d.ffn`).
+        let f = if experts.is_some() || d.moe.is_none() {
+            d.ffn
+        } else {
+            d.dense_ffn
+        };
+        let (h, qw, kw) = (d.h, d.heads * d.hd, d.kv_heads * d.hd);
         let out_std = INIT_STD / (2.0 * d.layers as f64).sqrt();
         let w = Init::Normal(INIT_STD);
         let nb = !d.rms;
@@ -445,7 +470,7 @@ impl BlockLayout {
         let ln2_b = opt(b, nb, "ln2.bias", &[h], Split::Replicated);
         let (w_in, b_in, w_up, w_out, b_out);
         let mut moe = None;
-        if let Some((experts, top_k)) = d.moe {
+        if let Some((experts, top_k)) = experts {
             // Folded, each TP rank routes its own rows: the router's gradient is summed
             // over them like any replicated weight's under sequence parallelism.
             let router_split = if b.fold {
@@ -510,6 +535,7 @@ impl BlockLayout {
             w_out,
             b_out,
             moe,
+            ffn: f,
             // Every `full_every`-th layer (the 2nd, 4th… for 2) attends to all keys.
             window: d
                 .window
@@ -798,7 +824,7 @@ fn block_fwd_inner(
 ) -> Result<(Vec<f32>, Option<BlockSaved>), CommError> {
     let t = tp.size();
     let (h, hd) = (d.h, d.hd);
-    let (nh, nkv, f) = (d.heads / t, d.local_kv_heads(t), d.ffn / t);
+    let (nh, nkv, f) = (d.heads / t, d.local_kv_heads(t), l.ffn / t);
     let (qw, kw) = (nh * hd, nkv * hd);
     let rows = x.len() / h;
     let mut n1 = vec![0.0; rows * h];
@@ -976,7 +1002,7 @@ pub fn block_bwd(
     };
     let t = tp.size();
     let (h, hd) = (d.h, d.hd);
-    let (nh, nkv, f) = (d.heads / t, d.local_kv_heads(t), d.ffn / t);
+    let (nh, nkv, f) = (d.heads / t, d.local_kv_heads(t), l.ffn / t);
     let (qw, kw) = (nh * hd, nkv * hd);
     let rows = x.len() / h;
     let tt = s.n1.len() / h;
@@ -1505,6 +1531,34 @@ mod tests {
         assert_eq!(windows, [Some(8), None, Some(8), None]);
         let n = Dims::from_config(&nope).unwrap();
         assert!(!n.rope && !n.learned_positions);
+        // A mixture with a leading dense layer, then every other layer routed: the dense ones
+        // get a dense MLP of their own width.
+        let mixed = TransformerConfig {
+            moe: Some(parallax_ir::models::MoeConfig {
+                dense_layers_first: 1,
+                every: 2,
+                dense_ffn_hidden: 128,
+                ..parallax_ir::models::MoeConfig::routed(4, 2)
+            }),
+            ..tiny.clone()
+        };
+        let md = Dims::from_config(&mixed).unwrap();
+        let layers: Vec<_> = (0..5)
+            .map(|i| {
+                let l = BlockLayout::build(&md, i, &mut b, &mut eb);
+                (l.is_moe(), l.ffn)
+            })
+            .collect();
+        assert_eq!(
+            layers,
+            [
+                (false, 128),
+                (true, 96),
+                (false, 128),
+                (true, 96),
+                (false, 128)
+            ]
+        );
         // The rotary base is the model's (Llama 3's 500 000), not RoFormer's 10 000.
         let l3 = Dims::from_config(&zoo::transformer("llama3-8b").unwrap()).unwrap();
         assert_eq!(

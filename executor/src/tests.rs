@@ -31,6 +31,20 @@ fn mixtral(layers: u32) -> TransformerConfig {
     }
 }
 
+/// A mixture whose first layer and every other one after it are dense (72 wide): DeepSeek's
+/// leading dense layers and Qwen2-MoE's sparse step, small.
+fn mixed_dense(layers: u32) -> TransformerConfig {
+    TransformerConfig {
+        moe: Some(parallax_ir::models::MoeConfig {
+            dense_layers_first: 1,
+            every: 2,
+            dense_ffn_hidden: 72,
+            ..parallax_ir::models::MoeConfig::routed(4, 2)
+        }),
+        ..llama(layers)
+    }
+}
+
 /// Llama layers without position embeddings (NoPE), every other one attending to the 4
 /// latest keys only (GPT-OSS's alternation).
 fn windowed_nope(layers: u32) -> TransformerConfig {
@@ -210,6 +224,9 @@ equivalence! {
     moe_tp2_sp_etp1: mixtral(2), Layout { tp: 2, sequence_parallel: true, etp: Some(1), ..Layout::default() };
     moe_dp2_tp2_sp_ep2_etp1_zero1_pp2: mixtral(4), Layout { dp: 2, tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), zero_stage: 1, ..pp(2, Schedule::OneFOneB) };
     moe_cp2_tp2_sp_ep4_etp1_zero3: mixtral(2), Layout { cp: 2, tp: 2, sequence_parallel: true, ep: 4, etp: Some(1), zero_stage: 3, ..Layout::default() };
+    // Dense layers among the MoE layers, under expert, pipeline and folded tensor parallelism.
+    moe_dense_dp2_ep2_pp2: mixed_dense(4), Layout { dp: 2, ep: 2, ..pp(2, Schedule::OneFOneB) };
+    moe_dense_tp2_sp_ep2_etp1_zero1: mixed_dense(4), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), zero_stage: 1, ..Layout::default() };
     // Sliding windows alternating with full attention, no position embedding.
     windowed_nope_tp2_sp_pp2: windowed_nope(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
     windowed_nope_dp2_zero1_selective: windowed_nope(4), Layout { dp: 2, zero_stage: 1, recompute: Recompute::Selective, ..Layout::default() };
