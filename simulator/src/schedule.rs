@@ -1177,9 +1177,6 @@ mod tests {
         );
     }
 
-    /// ZB-H1 with T_F = T_B = T_W = 1 and free p2p. Qi et al. 2023, Table 2: bubble
-    /// (p - 1)(T_F + T_B - T_W) against 1F1B's (p - 1)(T_F + T_B + T_W), so with m micro-batches
-    /// the makespans are 3m + (p - 1) and 3m + 3(p - 1).
     #[test]
     fn dual_pipe_runs_each_pass_once_from_both_ends() {
         use ScheduleKind::*;
@@ -1263,6 +1260,9 @@ mod tests {
         assert_eq!(merged_fraction(GPipe, 4, 16, 1), 0.0);
     }
 
+    /// ZB-H1 with T_F = T_B = T_W = 1 and free p2p. Qi et al. 2023, Table 2: bubble
+    /// (p - 1)(T_F + T_B - T_W) against 1F1B's (p - 1)(T_F + T_B + T_W), so with m micro-batches
+    /// the makespans are 3m + (p - 1) and 3m + 3(p - 1).
     #[test]
     fn zb_h1_bubble_is_a_third_of_1f1b() {
         for p in [2u32, 3, 4, 8] {

@@ -1220,9 +1220,6 @@ mod tests {
         assert_eq!(t(&base).memory, t(&kept).memory);
     }
 
-    /// Under the distributed optimizer an MoE layer's experts are replicated over dp / ep
-    /// ranks only (Megatron's expert data parallel group, with etp = tp), so their optimizer
-    /// states shard ep times less than the dense parameters'.
     #[test]
     fn an_overlapped_dispatch_shortens_the_step_and_holds_one_more_forward() {
         // Qwen3-30B's experts over the 16 ranks (2 nodes) of each stage: the combined 1F1B
@@ -1322,6 +1319,9 @@ mod tests {
         assert!(e.contains("dualpipe"), "{e}");
     }
 
+    /// Under the distributed optimizer an MoE layer's experts are replicated over dp / ep
+    /// ranks only (Megatron's expert data parallel group, with etp = tp), so their optimizer
+    /// states shard ep times less than the dense parameters'.
     #[test]
     fn expert_states_shard_over_the_expert_data_parallel_group() {
         let m = zoo::transformer("mixtral-8x7b").unwrap();
