@@ -190,19 +190,57 @@ fn graph_json() -> String {
     parallax_ir::load::graph_to_json(&m.graph(2, 1, true).unwrap())
 }
 
-fn plan_json() -> String {
+/// Plan seeds: a 3D layout, an MoE one with its dispatch overlapped, and a DualPipe one.
+fn plan_json(seed: usize) -> String {
+    use parallax_ir::{Layout, Schedule};
+    let (model, spec, gpus, batch, layout) = match seed % 3 {
+        0 => (
+            "gpt3-1.3b",
+            "dgx-a100-80gb:gpus=8",
+            8,
+            16,
+            Layout {
+                dp: 2,
+                tp: 2,
+                pp: 2,
+                schedule: Schedule::OneFOneB,
+                ..Layout::default()
+            },
+        ),
+        1 => (
+            "mixtral-8x7b",
+            "dgx-h100-80gb:gpus=64",
+            64,
+            256,
+            Layout {
+                dp: 16,
+                pp: 4,
+                ep: 8,
+                ep_overlap: true,
+                schedule: Schedule::Interleaved1F1B,
+                interleave: 2,
+                ..Layout::default()
+            },
+        ),
+        _ => (
+            "gpt3-1.3b",
+            "dgx-a100-80gb:gpus=8",
+            8,
+            16,
+            Layout {
+                dp: 2,
+                pp: 4,
+                schedule: Schedule::DualPipe,
+                ..Layout::default()
+            },
+        ),
+    };
     let plan: Value = serde_json::json!({
         "schema": "parallax-plan/1",
-        "model": {"name": "gpt3-1.3b"},
-        "cluster": {"spec": "dgx-a100-80gb:gpus=8", "gpus": 8},
-        "training": {"global_batch": 16, "seq_len": 2048, "precision": "bf16"},
-        "layout": parallax_ir::Layout {
-            dp: 2,
-            tp: 2,
-            pp: 2,
-            schedule: parallax_ir::Schedule::OneFOneB,
-            ..parallax_ir::Layout::default()
-        }
+        "model": {"name": model},
+        "cluster": {"spec": spec, "gpus": gpus},
+        "training": {"global_batch": batch, "seq_len": 2048, "precision": "bf16"},
+        "layout": layout
     });
     plan.to_string()
 }
@@ -241,8 +279,8 @@ proptest! {
     }
 
     #[test]
-    fn plan_json_never_panics((picks, values) in json_edits(), edits in byte_edits()) {
-        let text = plan_json();
+    fn plan_json_never_panics(seed in 0usize..3, (picks, values) in json_edits(), edits in byte_edits()) {
+        let text = plan_json(seed);
         prop_assert!(Plan::from_json(&text, "plan.json").is_ok());
         let seed: Value = serde_json::from_str(&text).unwrap();
         let _ = Plan::from_json(&json_mutation(&seed, &picks, &values).to_string(), "plan.json");

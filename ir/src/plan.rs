@@ -499,7 +499,7 @@ impl Layout {
             if m % 2 != 0 || m < 2 * u64::from(self.pp) {
                 return Err(format!(
                     "layout.schedule dualpipe needs an even number of micro-batches, at least 2 × pp = {}; this batch gives {m}",
-                    2 * self.pp
+                    2 * u64::from(self.pp)
                 ));
             }
         }
@@ -515,12 +515,14 @@ impl Layout {
             }
         }
         if let Some(l) = layers {
-            let chunks = self.pp * self.interleave;
-            if chunks > l {
+            // In u64: degrees read from a file may be anything up to u32::MAX each.
+            let chunks = u64::from(self.pp) * u64::from(self.interleave);
+            if chunks > u64::from(l) {
                 return Err(format!(
                     "pp × interleave = {chunks} exceeds the model's {l} layers"
                 ));
             }
+            let chunks = chunks as u32;
             if !self.stages.is_empty() {
                 if self.stages.len() as u32 != chunks {
                     return Err(format!(
@@ -962,8 +964,27 @@ mod tests {
         l.validate(128, Some(64)).unwrap();
         let e = l.validate(64, Some(64)).unwrap_err();
         assert!(e.contains("at least 2 × pp = 32"), "{e}");
-        let e = Layout { pp: 5, ..l }.validate(240, Some(60)).unwrap_err();
+        let e = Layout { pp: 5, ..l.clone() }
+            .validate(240, Some(60))
+            .unwrap_err();
         assert!(e.contains("dualpipe needs an even pp, not 5"), "{e}");
+        // Degrees near u32::MAX are errors, not overflows (fuzzing found both).
+        let huge = Layout {
+            pp: u32::MAX - 1,
+            ..l
+        };
+        assert!(huge
+            .validate(128, Some(64))
+            .unwrap_err()
+            .contains("dualpipe"));
+        let interleaved = Layout {
+            pp: 1 << 20,
+            interleave: 1 << 20,
+            schedule: Schedule::Interleaved1F1B,
+            ..Layout::default()
+        };
+        let e = interleaved.validate(1 << 16, Some(64)).unwrap_err();
+        assert!(e.contains("exceeds the model's 64 layers"), "{e}");
         for bad in [
             "tp=0",
             "tp=x",

@@ -222,6 +222,13 @@ mod tests {
             .unwrap()
             .layout;
         assert_ne!(best.schedule, Schedule::DualPipe);
+        // An interleave past u32 when multiplied by pp is refused, not overflowed (a case
+        // file the fuzz target mutated).
+        let huge = PartialLayout::parse("pp=4,schedule=interleaved-1f1b,v=1073741824").unwrap();
+        let e = complete_within(&s, &huge, &Space::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("4294967296"), "{e}");
         // Too few micro-batches for it: said, not guessed.
         let few = PartialLayout::parse("pp=4,dp=8,mb=8,schedule=dualpipe").unwrap();
         let e = complete_within(&s, &few, &Space::default())

@@ -200,18 +200,22 @@ pub(crate) fn schedule_options(
     for s in scheds {
         match s {
             Schedule::Interleaved1F1B => {
-                let even = |v: u32| space.splits(layers, pp * v, setup.model.mtp_layers);
+                // pp × v, where it fits a u32 (a hostile interleave may not).
+                let chunks = |v: u32| pp.checked_mul(v);
+                let even = |v: u32| {
+                    chunks(v).is_some_and(|n| space.splits(layers, n, setup.model.mtp_layers))
+                };
                 // The interleaves that split the layers: what rules them all out is said first,
                 // as no batch or micro-batch size fixes it.
                 let vs = match fixed.interleave {
-                    Some(v) if v < 2 || pp * v > layers => Err(format!(
+                    Some(v) if v < 2 || chunks(v).is_none_or(|n| n > layers) => Err(format!(
                         "interleaved-1f1b: v = {v} must be at least 2, and pp × v = {} at most \
                          the {layers} layers",
-                        pp * v
+                        u64::from(pp) * u64::from(v)
                     )),
                     Some(v) if !even(v) => Err(format!(
                         "interleaved-1f1b: pp × v = {} does not divide the {layers} layers",
-                        pp * v
+                        u64::from(pp) * u64::from(v)
                     )),
                     Some(v) => Ok(vec![v]),
                     None => {
@@ -240,7 +244,7 @@ pub(crate) fn schedule_options(
                 "indivisible",
                 format!(
                     "dualpipe needs an even pp and an even number of micro-batches, at least 2 × pp = {}; this batch gives {m}",
-                    2 * pp
+                    2 * u64::from(pp)
                 ),
             ),
             s if fixed.interleave.is_none_or(|v| v == 1) => out.push((s, 1)),

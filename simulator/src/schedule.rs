@@ -239,7 +239,7 @@ fn check_kind(kind: ScheduleKind, pp: u32, m: u32, v: u32) -> Result<(), Schedul
             if v != 1 {
                 return Err(ScheduleError::ChunksNotSupported { kind, v });
             }
-            if pp % 2 != 0 || m % 2 != 0 || m < 2 * pp {
+            if pp % 2 != 0 || m % 2 != 0 || u64::from(m) < 2 * u64::from(pp) {
                 return Err(ScheduleError::DualPipeSizes { pp, m });
             }
         }
@@ -291,7 +291,7 @@ pub fn merged_fraction(kind: ScheduleKind, pp: u32, m: u32, v: u32) -> f64 {
         ScheduleKind::Interleaved1F1B if v >= 1 => interleaved_warmup(pp, v, 0).min(passes),
         // Stage 0 of `dualpipe`: `2 (m/2 − pp + 1)` merged pairs in its main step and
         // `pp/2 − 1` after it (minus the middle ranks' first, which DualPipe leaves apart).
-        ScheduleKind::DualPipe if m >= 2 * pp && pp >= 2 => {
+        ScheduleKind::DualPipe if u64::from(m) >= 2 * u64::from(pp) && pp >= 2 => {
             let half = u64::from(pp / 2);
             let merged =
                 2 * (u64::from(m / 2) + 1 - u64::from(pp)) + (half - 1) - u64::from(half == 1);
@@ -576,7 +576,7 @@ fn dual_pipe(pp: u32, m: u32, s: u32) -> Vec<ScheduledOp> {
         f(&mut ops, 1);
     }
     // 4 (main): nF0B1F1B0, each forward merged with a backward.
-    for _ in 0..(half + hr + 1 - pp) {
+    for _ in 0..(u64::from(half) + u64::from(hr) + 1).saturating_sub(u64::from(pp)) {
         f(&mut ops, 0);
         b(&mut ops, &mut weights, 1, false);
         f(&mut ops, 1);
