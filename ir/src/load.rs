@@ -499,7 +499,10 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                         router,
                         groups: small("n_group", 0)?,
                         groups_per_token: small("topk_group", 0)?,
-                        shared_ffn_hidden: int(&["n_shared_experts"], Some(0))? * expert,
+                        // Saturating: a hostile count times a width is refused by
+                        // `validate`'s bound, not overflowed here.
+                        shared_ffn_hidden: int(&["n_shared_experts"], Some(0))?
+                            .saturating_mul(expert),
                         dense_layers_first: small("first_k_dense_replace", 0)?,
                         every: small("moe_layer_freq", 1)?.max(1),
                         dense_ffn_hidden: c.ffn_hidden,
@@ -599,7 +602,7 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                 c.moe = Some(MoeConfig {
                     router: Router::Sigmoid,
                     shared_ffn_hidden: int(&["moe_shared_expert_intermediate_size"], Some(0))?
-                        * int(&["n_shared_experts"], Some(1))?,
+                        .saturating_mul(int(&["n_shared_experts"], Some(1))?),
                     dense_ffn_hidden: if pattern.contains('-') { dense } else { 0 },
                     ..MoeConfig::routed(
                         int(&["n_routed_experts"], None)?,
@@ -810,6 +813,18 @@ mod tests {
         let mistral = load(r#"{"model_type":"mistral","hidden_size":4096,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":14336,"vocab_size":32000}"#).unwrap();
         let g = mistral.graph(1, 16, true).unwrap();
         assert_eq!(g.param_count(), 7_241_732_096); // Mistral-7B-v0.1, HF num_parameters()
+    }
+
+    /// Shared-expert widths multiplied out of hostile counts are refused by the bounds, not
+    /// overflowed (a fuzzed DeepSeek-V3 and Nemotron-H config).
+    #[test]
+    fn hostile_shared_expert_counts_are_errors() {
+        for text in [
+            r#"{"model_type":"deepseek_v3","hidden_size":7168,"num_hidden_layers":61,"num_attention_heads":128,"num_key_value_heads":128,"intermediate_size":18432,"moe_intermediate_size":4294967296,"n_routed_experts":256,"n_shared_experts":4294967296,"num_experts_per_tok":8,"first_k_dense_replace":3,"q_lora_rank":1536,"kv_lora_rank":512,"qk_nope_head_dim":128,"qk_rope_head_dim":64,"v_head_dim":128,"vocab_size":129280}"#,
+            r#"{"model_type":"nemotron_h","hidden_size":2688,"num_hidden_layers":4,"hybrid_override_pattern":"M*EM","num_attention_heads":32,"num_key_value_heads":2,"head_dim":128,"intermediate_size":1856,"moe_intermediate_size":1856,"moe_shared_expert_intermediate_size":4294967296,"n_shared_experts":4294967296,"n_routed_experts":128,"num_experts_per_tok":6,"mamba_num_heads":64,"mamba_head_dim":64,"ssm_state_size":128,"n_groups":8,"vocab_size":131072}"#,
+        ] {
+            assert!(load(text).is_err(), "{text}");
+        }
     }
 
     /// Current open models import with their published parameter counts (HuggingFace

@@ -698,18 +698,6 @@ impl TransformerConfig {
                 );
             }
         }
-        let widest = LayerKind::ALL
-            .iter()
-            .map(|k| self.layer_params(*k))
-            .max()
-            .unwrap_or(0);
-        let params =
-            f64::from(self.layers) * widest as f64 + (self.vocab as f64) * (self.hidden as f64);
-        if params > MAX_PARAMS {
-            return Err(format!(
-                "{params:.3e} parameters is beyond the {MAX_PARAMS:e} parallax models"
-            ));
-        }
         if self.heads % self.kv_heads != 0 {
             return Err(format!(
                 "heads ({}) must be a multiple of kv_heads ({})",
@@ -750,7 +738,7 @@ impl TransformerConfig {
                         .into(),
                 );
             }
-            if a.qk_nope_head_dim + a.qk_rope_head_dim != self.head_dim
+            if a.qk_nope_head_dim.checked_add(a.qk_rope_head_dim) != Some(self.head_dim)
                 || a.kv_lora_rank == 0
                 || a.v_head_dim == 0
                 || a.qk_rope_head_dim % 2 != 0
@@ -769,6 +757,19 @@ impl TransformerConfig {
             return Err(format!(
                 "head_dim ({}) must be even for rotary embeddings",
                 self.head_dim
+            ));
+        }
+        // Counted last: every width a layer's count multiplies is bounded by now.
+        let widest = LayerKind::ALL
+            .iter()
+            .map(|k| self.layer_params(*k))
+            .max()
+            .unwrap_or(0);
+        let params =
+            f64::from(self.layers) * widest as f64 + (self.vocab as f64) * (self.hidden as f64);
+        if params > MAX_PARAMS {
+            return Err(format!(
+                "{params:.3e} parameters is beyond the {MAX_PARAMS:e} parallax models"
             ));
         }
         Ok(())
@@ -1842,5 +1843,18 @@ mod tests {
         c.kv_heads = 2;
         c.vocab = 0;
         assert!(c.validate().unwrap_err().contains("vocab"));
+        // Latent ranks of 2^32 (a fuzzed DeepSeek-V3 config) and head widths whose sum
+        // overflows are refused, not multiplied out: layers are counted after every bound.
+        let mut dsv3 = crate::models::zoo::transformer("deepseek-v3").unwrap();
+        if let Some(a) = dsv3.mla.as_mut() {
+            a.q_lora_rank = 1 << 32;
+            a.kv_lora_rank = 1 << 32;
+        }
+        assert!(dsv3.validate().unwrap_err().contains("mla"));
+        if let Some(a) = dsv3.mla.as_mut() {
+            (a.q_lora_rank, a.kv_lora_rank) = (1536, 512);
+            a.qk_nope_head_dim = u64::MAX;
+        }
+        assert!(dsv3.validate().unwrap_err().contains("qk_nope_head_dim"));
     }
 }
