@@ -380,20 +380,15 @@ impl<'a> DeviceModel<'a> {
             && c.groups == 1
     }
 
+    /// Efficiency of FlashAttention-2-class fused kernels (and of kernels tiled like them,
+    /// the SSD scan's) at `flops`.
     fn attention_efficiency(&self, flops: f64) -> f64 {
         let scale = self
             .dev
             .attention_efficiency_scale
             .unwrap_or(DEFAULT_ATTENTION_EFFICIENCY_SCALE);
-        let native = match self.dev.native_attention_speedup {
-            Some(s) if self.native_attention => s,
-            _ => 1.0,
-        };
-        (self.dev.matmul_efficiency_for(Precision::Bf16, flops)
-            * scale
-            * native
-            * self.dev.sustained())
-        .min(1.0)
+        (self.dev.matmul_efficiency_for(Precision::Bf16, flops) * scale * self.dev.sustained())
+            .min(1.0)
     }
 
     /// A pointwise kernel taking `memory` to stream its bytes that also evaluates `count`
@@ -553,7 +548,13 @@ impl<'a> DeviceModel<'a> {
                 (true, _) => 0.5 * fwd,
                 (false, _) => fwd,
             };
-            let eff = self.attention_efficiency(executed);
+            // The chip's own attention kernels, where the stack runs them, are that much faster
+            // (attention only: the SSD scan keeps FlashAttention-2's efficiency).
+            let native = match self.dev.native_attention_speedup {
+                Some(s) if self.native_attention => s,
+                _ => 1.0,
+            };
+            let eff = (self.attention_efficiency(executed) * native).min(1.0);
             let t = Seconds(executed / (self.attention_peak * eff)) + self.overhead(1.0);
             OpTimes {
                 fwd: t,

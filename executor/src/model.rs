@@ -22,7 +22,7 @@ use crate::tensor::{
     add_bias, add_into, attention_bwd, attention_fwd, bias_grad, cross_entropy, gelu, gelu_grad,
     mm, mm_nt, mm_tn, norm_bwd, norm_fwd, rope, sigmoid,
 };
-use parallax_ir::models::{Mlp, Norm, Position, TransformerConfig};
+use parallax_ir::models::{Mlp, MoeConfig, Norm, Position, SlidingWindow, TransformerConfig};
 use std::ops::Range;
 
 /// Standard deviation of weight initialisation (GPT-2, Radford et al. 2019).
@@ -58,19 +58,18 @@ pub struct Dims {
     /// A learned position table (GPT); neither this nor `rope`: no position embedding (NoPE,
     /// the causal mask alone orders the tokens).
     pub learned_positions: bool,
-    /// Sliding-window attention: (window, every `full_every`-th layer attends fully; 0 none).
-    pub window: Option<(usize, u32)>,
+    /// Sliding-window attention on the layers [`SlidingWindow::full_layers_in`] leaves out.
+    pub window: Option<SlidingWindow>,
     /// Biases on linear layers.
     pub bias: bool,
     /// LM head shares the embedding table.
     pub tied: bool,
     /// Mixture-of-experts MLPs: (experts, top-k).
     pub moe: Option<(usize, usize)>,
-    /// Of a mixture, which layers route: from layer `dense_first` on, every `moe_every`-th
-    /// (DeepSeek's leading dense layers, Qwen2-MoE's `decoder_sparse_step`); the others have
-    /// a dense MLP `dense_ffn` wide.
-    pub dense_first: u32,
-    pub moe_every: u32,
+    /// The mixture, for which of its layers route ([`MoeConfig::is_moe_layer`]: DeepSeek's
+    /// leading dense layers, Qwen2-MoE's `decoder_sparse_step`).
+    pub mixture: Option<MoeConfig>,
+    /// Width of a dense layer's MLP ([`TransformerConfig::dense_ffn`]).
     pub dense_ffn: usize,
 }
 
@@ -136,7 +135,8 @@ impl Dims {
             rope_theta: c.rope_theta,
             learned_positions: c.position == Position::Learned,
             window: match c.sliding_window {
-                Some(w) => Some((us(w.size)?, w.full_every)),
+                // Its size is a key count on this machine.
+                Some(w) => us(w.size).map(|_| Some(w))?,
                 None => None,
             },
             bias: c.bias,
@@ -145,21 +145,16 @@ impl Dims {
                 Some(m) => Some((us(m.experts)?, us(m.top_k)?)),
                 None => None,
             },
-            dense_first: c.moe.map_or(0, |m| m.dense_layers_first),
-            moe_every: c.moe.map_or(1, |m| m.every.max(1)),
-            dense_ffn: match c.moe {
-                Some(m) if m.has_dense_layers() => us(m.dense_ffn_hidden)?,
-                _ => us(c.ffn_hidden)?,
-            },
+            mixture: c.moe,
+            dense_ffn: us(c.dense_ffn())?,
         })
     }
 
     /// The routed experts of layer `layer`, where it is an MoE layer: (experts, top-k).
     pub fn experts_at(&self, layer: usize) -> Option<(usize, usize)> {
         let layer = u32::try_from(layer).unwrap_or(u32::MAX);
-        self.moe.filter(|_| {
-            layer >= self.dense_first && (layer - self.dense_first) % self.moe_every == 0
-        })
+        self.moe
+            .filter(|_| self.mixture.is_some_and(|m| m.is_moe_layer(layer)))
     }
 
     /// Checks that `tp` divides heads and the MLP width, and divides or is a multiple of the
@@ -438,8 +433,8 @@ impl BlockLayout {
     pub fn build(d: &Dims, layer: usize, b: &mut SlotBuilder, eb: &mut SlotBuilder) -> BlockLayout {
         let p = |s: &str| format!("layers.{layer}.{s}");
         let experts = d.experts_at(layer);
-        // A dense layer of a mixture has its own width; the experts theirs (`d.ffn`).
-        let f = if experts.is_some() || d.moe.is_none() {
+        // A dense layer has its own width (a mixture's may differ); the experts theirs.
+        let f = if experts.is_some() {
             d.ffn
         } else {
             d.dense_ffn
@@ -536,11 +531,11 @@ impl BlockLayout {
             b_out,
             moe,
             ffn: f,
-            // Every `full_every`-th layer (the 2nd, 4th… for 2) attends to all keys.
+            // The model's rule for which layers attend to all keys.
             window: d
                 .window
-                .filter(|&(_, k)| k == 0 || (layer as u32 + 1) % k != 0)
-                .map(|(w, _)| w),
+                .filter(|w| w.full_layers_in(layer as u32, 1) == 0)
+                .map(|w| w.size as usize),
         }
     }
 
@@ -1522,7 +1517,7 @@ mod tests {
         };
         // Windows and NoPE are run: the window alternates with full attention as planned.
         let w = Dims::from_config(&windowed).unwrap();
-        assert_eq!(w.window, Some((8, 2)));
+        assert_eq!(w.window.map(|w| (w.size, w.full_every)), Some((8, 2)));
         let mut b = SlotBuilder::new(1);
         let mut eb = SlotBuilder::new(1);
         let windows: Vec<_> = (0..4)

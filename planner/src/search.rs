@@ -1462,10 +1462,13 @@ fn expand(
                 let kind = ScheduleKind::of(schedule, l.pp);
                 c.ep_overlapped(parallax_sim::merged_fraction(kind, l.pp, m, v))
             });
+            let overlap = l.ep_overlap;
             let summary = summaries.get(&(ScheduleKind::of(schedule, l.pp), l.pp, m, v));
             for (layers, explicit) in &parts_of[&v] {
                 let id = (g.index << 20) | local;
                 local += 1;
+                // The memory check below may turn the overlap off for one partition only.
+                l.ep_overlap = overlap;
                 l.stages = if *explicit {
                     stage_ranges(layers)
                 } else {
@@ -1493,7 +1496,6 @@ fn expand(
                     }
                 }
                 let mut memory = 0.0;
-                let mut l = l.clone();
                 if !opts.force_exhaustive {
                     let mut mem = memory_gib(setup, &l, c, layers, m, tight);
                     // The overlap holds one more forward's activations: without it, where

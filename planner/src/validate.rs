@@ -896,19 +896,24 @@ pub fn summarize(results: &[CaseResult]) -> Summary {
     }
 }
 
-/// The published runs of `../shared/ground-truth/<name>` (beside the clone, as CI has it).
+/// The text of `../shared/ground-truth/<name>` (beside the clone, as CI has it).
 #[cfg(test)]
-pub(crate) fn ground_truth(name: &str) -> Vec<Case> {
+pub(crate) fn ground_truth_text(name: &str) -> String {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../shared/ground-truth")
         .join(name);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+    std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
             "{}: {e}: the tests read the published runs from ../shared beside the clone, as CI has it",
             path.display()
         )
-    });
-    parse_cases(&text, name).unwrap().cases
+    })
+}
+
+/// The published runs of `../shared/ground-truth/<name>`.
+#[cfg(test)]
+pub(crate) fn ground_truth(name: &str) -> Vec<Case> {
+    parse_cases(&ground_truth_text(name), name).unwrap().cases
 }
 
 #[cfg(test)]
@@ -1072,10 +1077,8 @@ mod tests {
     /// is simulated as DualPipe: DeepSeek-V3's own training layout, pp 16 × ep 64.
     #[test]
     fn a_dualpipe_case_is_simulated_as_dualpipe() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../shared/ground-truth/moe-zero-offload.json");
         let mut doc: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+            serde_json::from_str(&ground_truth_text("moe-zero-offload.json")).unwrap();
         let cases = doc["cases"].as_array_mut().unwrap();
         cases.retain(|c| c["id"] == "mb2509-dsv3-1024xh100-fp8");
         let plan = &mut cases[0]["plan"];

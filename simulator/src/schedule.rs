@@ -251,12 +251,24 @@ fn check_kind(kind: ScheduleKind, pp: u32, m: u32, v: u32) -> Result<(), Schedul
 /// stage `s` holds, by chunk: `c · pp + s` (Megatron-LM's interleaving), or under DualPipe its
 /// own and its mirror's, the nearer the ends first (chunk 0 is `min(s, pp − 1 − s)`).
 pub fn stage_positions(kind: ScheduleKind, pp: u32, v: u32, s: u32) -> Vec<u32> {
+    let chunks = if kind == ScheduleKind::DualPipe { 2 } else { v };
+    (0..chunks)
+        .map(|c| chunk_position(kind, pp, s, c))
+        .collect()
+}
+
+/// The virtual stage chunk `chunk` of stage `s` runs under `kind` ([`stage_positions`]).
+fn chunk_position(kind: ScheduleKind, pp: u32, s: u32, chunk: u32) -> u32 {
     match kind {
         ScheduleKind::DualPipe => {
             let near = s.min(pp - 1 - s);
-            vec![near, pp - 1 - near]
+            if chunk == 0 {
+                near
+            } else {
+                pp - 1 - near
+            }
         }
-        _ => (0..v).map(|c| c * pp + s).collect(),
+        _ => chunk * pp + s,
     }
 }
 
@@ -349,17 +361,9 @@ impl PipelineSchedule {
 
     /// The virtual stage chunk `chunk` of `stage` runs ([`stage_positions`]).
     pub fn position(&self, stage: u32, chunk: u32) -> u32 {
-        match self.kind {
-            Some(ScheduleKind::DualPipe) => {
-                let near = stage.min(self.pp - 1 - stage);
-                if chunk == 0 {
-                    near
-                } else {
-                    self.pp - 1 - near
-                }
-            }
-            _ => chunk * self.pp + stage,
-        }
+        // A hand-written schedule lays chunks out as Megatron-LM does.
+        let kind = self.kind.unwrap_or(ScheduleKind::OneFOneB);
+        chunk_position(kind, self.pp, stage, chunk)
     }
 
     /// The stage where micro-batch `mb` passes virtual stage `position`: its stage
