@@ -83,6 +83,66 @@ fn pointwise_passes(op: &OpKind) -> (f64, f64) {
     }
 }
 
+/// The kernels eager PyTorch module code runs for an op a fused stack runs as one kernel per
+/// pass, and the bytes they move: each intermediate is written to device memory and read
+/// back by the next kernel.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct EagerChain {
+    fwd_bytes: f64,
+    bwd_bytes: f64,
+    fwd_kernels: f64,
+    bwd_kernels: f64,
+}
+
+/// The eager kernel chain of `op` where it differs from one fused kernel per pass, counted
+/// from the module code the eager stacks run (`b`: the activation's bytes; a 16-bit model
+/// upcasts to fp32 and back where the code says `.float()` / `.to(input_dtype)`):
+/// - RMSNorm as HuggingFace's `LlamaRMSNorm` (and IBM fms's `LayerNormParameterized` with
+///   `use_high_precision_pow`) writes it: cast to fp32 (b + 4 bytes per element), `pow(2)`
+///   (8), `mean(-1)` (4), `x * rsqrt(var + eps)` (8; the per-row `add`/`rsqrt` are two
+///   launches on a vector), cast back (4 + b), `weight *` (2b): 8 launches, 20 + 2b + 2 casts
+///   forward against a fused kernel's 2b. Autograd runs the chain back: the weight product's
+///   two gradients and the weight-gradient reduction (6b), the casts (2 · (b + 4)), the
+///   product with the inverse RMS and its row reduction (24), `mean`'s expand (4), `pow`'s
+///   `2 · x · g` (12) and the sum of x's two gradients (12): about 12 launches.
+/// - Rotary embedding as `q * cos + rotate_half(q) * sin` with `rotate_half` a negated half
+///   and a `cat`: 5 launches reading and writing 10b per element forward (fused: 2b); backward
+///   the two products' gradients, the negation, the halves scattered back and summed: 12b in
+///   7 launches.
+/// - SwiGLU as `silu(gate) * up`: `silu` (2b per output element) then the product (3b): 5b
+///   in 2 launches against a fused kernel's 3b; backward the product's two gradients (3b
+///   each) and `silu`'s (3b) in 3 launches.
+///
+/// In fp32 (b = 4) the casts are no-ops PyTorch does not launch.
+fn eager_chain(op: &OpKind, ins: &[Shape], float_bytes: u64) -> Option<EagerChain> {
+    let b = float_bytes as f64;
+    let (cast, casts) = if float_bytes < 4 {
+        (b + 4.0, 2.0)
+    } else {
+        (0.0, 0.0)
+    };
+    let elems = |x: Option<&Shape>| x.map_or(0.0, |x| x.elems() as f64);
+    let chain = |e: f64, fwd: f64, bwd: f64, fwd_kernels: f64, bwd_kernels: f64| EagerChain {
+        fwd_bytes: e * fwd,
+        bwd_bytes: e * bwd,
+        fwd_kernels,
+        bwd_kernels,
+    };
+    match op {
+        OpKind::RmsNorm => Some(chain(
+            elems(ins.first()),
+            20.0 + 2.0 * b + 2.0 * cast,
+            52.0 + 6.0 * b + 2.0 * cast,
+            6.0 + casts,
+            10.0 + casts,
+        )),
+        OpKind::Rope => Some(chain(elems(ins.first()), 10.0 * b, 12.0 * b, 5.0, 7.0)),
+        // Per output element (the gate's shape).
+        OpKind::SwiGlu => Some(chain(elems(ins.first()), 5.0 * b, 9.0 * b, 2.0, 3.0)),
+        _ => None,
+    }
+}
+
 /// Forward, input-gradient and weight-gradient time of one op.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OpTimes {
@@ -517,6 +577,16 @@ impl<'a> DeviceModel<'a> {
                 }
             }
             _ => {
+                if let Some(c) = eager_chain(op, ins, float_bytes).filter(|_| self.eager) {
+                    // `memory` pays one launch per pass; the chain's other kernels pay theirs.
+                    return OpTimes {
+                        fwd: self.pointwise(self.memory(c.fwd_bytes), tf)
+                            + self.overhead(c.fwd_kernels - 1.0),
+                        bwd_input: self.pointwise(self.memory(c.bwd_bytes), tb)
+                            + self.overhead(c.bwd_kernels - 1.0),
+                        bwd_weight: Seconds(0.0),
+                    };
+                }
                 let bytes = w.traffic().0 as f64;
                 let (fwd, bwd) = pointwise_passes(op);
                 // `memory` pays one launch; the op's other kernels pay theirs.
@@ -524,7 +594,7 @@ impl<'a> DeviceModel<'a> {
                 // Eager LayerNorm: the weight-gradient kernel reads the input and the output
                 // gradient again (the forward's traffic once more).
                 let gamma_beta = match op {
-                    OpKind::LayerNorm | OpKind::RmsNorm if self.eager => self.memory(bytes),
+                    OpKind::LayerNorm if self.eager => self.memory(bytes),
                     _ => Seconds(0.0),
                 };
                 OpTimes {
@@ -985,6 +1055,48 @@ mod tests {
         assert_eq!(a.bwd_weight.0, 0.0);
         assert!((b.bwd_weight.0 - eager.memory(w.traffic().0 as f64).0).abs() < 1e-12);
         assert_eq!((a.fwd, a.bwd_input), (b.fwd, b.bwd_input));
+    }
+
+    /// Eager RMSNorm, rotary embedding and SwiGLU run their module code's kernel chains: in
+    /// bf16 the norm moves 36 bytes per element forward (9× a fused kernel's 4), the rotary
+    /// embedding 20 (5×) and SwiGLU 10 per output element against 6; fp32 launches no casts.
+    #[test]
+    fn eager_module_code_runs_chains_of_pointwise_kernels() {
+        let p = preset("dgx-h100-80gb").unwrap();
+        let x = Shape::new([1, 8192, 4096]);
+        let times = |op: &OpKind, ins: &[Shape], precision, fb: u64| {
+            let fused = DeviceModel::new(&p, precision).unwrap();
+            let eager = fused.with_eager(true);
+            let w = op.work(
+                ins,
+                std::slice::from_ref(&ins[0]),
+                &vec![false; ins.len()],
+                fb,
+            );
+            (fused.op(op, ins, &w, fb), eager.op(op, ins, &w, fb))
+        };
+        let bytes = |t: Seconds, launches: f64| {
+            (t - p.device.kernel_overhead() * launches).0 * p.device.effective_memory_bandwidth().0
+        };
+        let e = x.elems() as f64;
+        let norm = [x.clone(), Shape::new([4096])];
+        let (a, b) = times(&OpKind::RmsNorm, &norm, Precision::Bf16, 2);
+        assert!((bytes(b.fwd, 8.0) / e - 36.0).abs() < 1e-6);
+        assert!((bytes(b.bwd_input, 12.0) / e - 76.0).abs() < 1e-6);
+        assert_eq!(b.bwd_weight.0, 0.0, "the weight gradient is in the chain");
+        assert!(b.fwd.0 > 7.0 * a.fwd.0, "{b:?} vs {a:?}");
+        let (_, b32) = times(&OpKind::RmsNorm, &norm, Precision::Fp32, 4);
+        assert!((bytes(b32.fwd, 6.0) / e - 28.0).abs() < 1e-6);
+        let q = [Shape::new([1, 8192, 32, 128])];
+        let (a, b) = times(&OpKind::Rope, &q, Precision::Bf16, 2);
+        assert!((bytes(b.fwd, 5.0) / e - 20.0).abs() < 1e-6);
+        assert!((bytes(b.bwd_input, 7.0) / e - 24.0).abs() < 1e-6);
+        assert!(b.fwd.0 > 4.0 * a.fwd.0);
+        let gate = [x.clone(), x.clone()];
+        let (a, b) = times(&OpKind::SwiGlu, &gate, Precision::Bf16, 2);
+        assert!((bytes(b.fwd, 2.0) / e - 10.0).abs() < 1e-6);
+        assert!((bytes(b.bwd_input, 3.0) / e - 18.0).abs() < 1e-6);
+        assert!(b.fwd.0 > a.fwd.0 && b.bwd_input.0 > a.bwd_input.0);
     }
 
     #[test]
