@@ -398,8 +398,9 @@ impl Layout {
     /// dp × cp × tp / (ep × etp). Gradients of expert weights are reduced, and ZeRO shards
     /// their states, over these.
     pub fn expert_dp(&self) -> u32 {
-        let ranks = u64::from(self.dp) * u64::from(self.cp) * u64::from(self.tp);
-        let experts = u64::from(self.ep) * u64::from(self.expert_tp());
+        // In u128: three degrees read from a file may each be up to u32::MAX.
+        let ranks = u128::from(self.dp) * u128::from(self.cp) * u128::from(self.tp);
+        let experts = u128::from(self.ep) * u128::from(self.expert_tp());
         u32::try_from(ranks / experts.max(1))
             .unwrap_or(u32::MAX)
             .max(1)
@@ -462,8 +463,9 @@ impl Layout {
                 self.zero_stage
             ));
         }
-        let ranks = u64::from(self.dp) * u64::from(self.cp) * u64::from(self.tp);
-        let experts = u64::from(self.ep) * u64::from(self.expert_tp());
+        // In u128, as in `expert_dp`.
+        let ranks = u128::from(self.dp) * u128::from(self.cp) * u128::from(self.tp);
+        let experts = u128::from(self.ep) * u128::from(self.expert_tp());
         if ranks % experts != 0 {
             return Err(format!(
                 "layout.ep {} × etp {} must divide dp × cp × tp = {ranks}",
@@ -985,6 +987,18 @@ mod tests {
         };
         let e = interleaved.validate(1 << 16, Some(64)).unwrap_err();
         assert!(e.contains("exceeds the model's 64 layers"), "{e}");
+        // dp × cp × tp beyond u64 (a fuzzed plan file): an error naming ep, not an overflow.
+        let wide = Layout {
+            dp: u32::MAX,
+            cp: u32::MAX,
+            tp: u32::MAX,
+            ep: 2,
+            etp: Some(1),
+            ..Layout::default()
+        };
+        let e = wide.validate(128, Some(64)).unwrap_err();
+        assert!(e.contains("layout.ep 2 × etp 1 must divide"), "{e}");
+        assert_eq!(wide.expert_dp(), u32::MAX);
         for bad in [
             "tp=0",
             "tp=x",
