@@ -15,7 +15,7 @@
 //! ranks (not vocabulary-parallel).
 
 use crate::comm::{Collectives, CommError, Group};
-use crate::moe::{moe_bwd, moe_fwd, Ep, MoeLayout, MoeSaved};
+use crate::moe::{moe_bwd, moe_fwd, Ep, MoeLayout, MoeSaved, Routing};
 use crate::ring::{ring_bwd, ring_fwd, RingShape};
 use crate::rng::SplitMix64;
 use crate::tensor::{
@@ -71,6 +71,9 @@ pub struct Dims {
     pub mixture: Option<MoeConfig>,
     /// Width of a dense layer's MLP ([`TransformerConfig::dense_ffn`]).
     pub dense_ffn: usize,
+    /// Width of an MoE layer's shared experts together (0: none), a dense MLP beside the
+    /// routed experts whose output is added to theirs.
+    pub shared_ffn: usize,
 }
 
 impl Dims {
@@ -85,14 +88,9 @@ impl Dims {
             (c.qk_norm, "query/key norms"),
             (
                 c.moe
-                    .is_some_and(|m| m.router == parallax_ir::models::Router::Sigmoid),
-                "sigmoid routers",
+                    .is_some_and(|m| m.shared_ffn_hidden > 0 && m.shared_gate),
+                "gated shared experts",
             ),
-            (
-                c.moe.is_some_and(|m| m.shared_ffn_hidden > 0),
-                "shared experts",
-            ),
-            (c.moe.is_some_and(|m| m.groups > 0), "group-limited routing"),
         ];
         if let Some((_, what)) = planned_only.iter().find(|(has, _)| *has) {
             return Err(format!(
@@ -147,6 +145,7 @@ impl Dims {
             },
             mixture: c.moe,
             dense_ffn: us(c.dense_ffn())?,
+            shared_ffn: us(c.moe.map_or(0, |m| m.shared_ffn_hidden))?,
         })
     }
 
@@ -162,10 +161,15 @@ impl Dims {
     /// ranks, as Megatron-LM does).
     pub fn check_tp(&self, tp: usize) -> Result<(), String> {
         let kv_ok = self.kv_heads % tp == 0 || tp % self.kv_heads == 0;
-        if self.heads % tp != 0 || !kv_ok || self.ffn % tp != 0 || self.dense_ffn % tp != 0 {
+        if self.heads % tp != 0
+            || !kv_ok
+            || self.ffn % tp != 0
+            || self.dense_ffn % tp != 0
+            || self.shared_ffn % tp != 0
+        {
             return Err(format!(
-                "tp {tp} must divide heads {} and ffn {} (dense layers {}), and divide or be a multiple of kv heads {}",
-                self.heads, self.ffn, self.dense_ffn, self.kv_heads
+                "tp {tp} must divide heads {} and ffn {} (dense layers {}, shared experts {}), and divide or be a multiple of kv heads {}",
+                self.heads, self.ffn, self.dense_ffn, self.shared_ffn, self.kv_heads
             ));
         }
         Ok(())
@@ -400,7 +404,7 @@ impl SlotBuilder {
 }
 
 /// Where one block's tensors lie in its unit buffer (local, tensor-parallel shards).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct BlockLayout {
     ln1_w: Range<usize>,
     ln1_b: Option<Range<usize>>,
@@ -423,7 +427,8 @@ pub struct BlockLayout {
     moe: Option<MoeLayout>,
     /// The keys this layer's queries see: all up to their own, or a sliding window of them.
     window: Option<usize>,
-    /// Width of its dense MLP (unused by an MoE layer, whose experts are `Dims::ffn` wide).
+    /// Width of its dense MLP: a dense layer's, or an MoE layer's shared experts (0: none;
+    /// the routed experts are `Dims::ffn` wide).
     ffn: usize,
 }
 
@@ -433,9 +438,15 @@ impl BlockLayout {
     pub fn build(d: &Dims, layer: usize, b: &mut SlotBuilder, eb: &mut SlotBuilder) -> BlockLayout {
         let p = |s: &str| format!("layers.{layer}.{s}");
         let experts = d.experts_at(layer);
-        // A dense layer has its own width (a mixture's may differ); the experts theirs.
+        // A dense layer has its own width (a mixture's may differ); the experts theirs, and
+        // the shared experts beside them theirs.
         let f = if experts.is_some() {
             d.ffn
+        } else {
+            d.dense_ffn
+        };
+        let dense_f = if experts.is_some() {
+            d.shared_ffn
         } else {
             d.dense_ffn
         };
@@ -496,20 +507,41 @@ impl BlockLayout {
                 w_out: wo,
                 experts,
                 top_k,
+                routing: d.mixture.map(|m| Routing::of(&m)).unwrap_or_default(),
             });
+        }
+        // The dense MLP: a dense layer's, or an MoE layer's shared experts (split over the
+        // tensor-parallel ranks as a dense MLP is, Megatron-Core's shared experts).
+        let m = if experts.is_some() {
+            "mlp.shared"
+        } else {
+            "mlp"
+        };
+        let m = |s: &str| format!("{m}.{s}");
+        if dense_f == 0 {
             (w_in, b_in, w_up, w_out, b_out) = (0..0, None, None, 0..0, None);
         } else if d.swiglu {
-            w_in = b.add(p("mlp.wg"), &[h, f], Split::Dim(1), w);
-            b_in = opt(b, d.bias, "mlp.bg", &[f], Split::Dim(0));
-            w_up = Some(b.add(p("mlp.wu"), &[h, f], Split::Dim(1), w));
-            w_out = b.add(p("mlp.wd"), &[f, h], Split::Dim(0), Init::Normal(out_std));
-            b_out = opt(b, d.bias, "mlp.bd", &[h], Split::Replicated);
+            w_in = b.add(p(&m("wg")), &[h, dense_f], Split::Dim(1), w);
+            b_in = opt(b, d.bias, &m("bg"), &[dense_f], Split::Dim(0));
+            w_up = Some(b.add(p(&m("wu")), &[h, dense_f], Split::Dim(1), w));
+            w_out = b.add(
+                p(&m("wd")),
+                &[dense_f, h],
+                Split::Dim(0),
+                Init::Normal(out_std),
+            );
+            b_out = opt(b, d.bias, &m("bd"), &[h], Split::Replicated);
         } else {
-            w_in = b.add(p("mlp.w1"), &[h, f], Split::Dim(1), w);
-            b_in = opt(b, d.bias, "mlp.b1", &[f], Split::Dim(0));
+            w_in = b.add(p(&m("w1")), &[h, dense_f], Split::Dim(1), w);
+            b_in = opt(b, d.bias, &m("b1"), &[dense_f], Split::Dim(0));
             w_up = None;
-            w_out = b.add(p("mlp.w2"), &[f, h], Split::Dim(0), Init::Normal(out_std));
-            b_out = opt(b, d.bias, "mlp.b2", &[h], Split::Replicated);
+            w_out = b.add(
+                p(&m("w2")),
+                &[dense_f, h],
+                Split::Dim(0),
+                Init::Normal(out_std),
+            );
+            b_out = opt(b, d.bias, &m("b2"), &[h], Split::Replicated);
         }
         BlockLayout {
             ln1_w,
@@ -530,7 +562,7 @@ impl BlockLayout {
             w_out,
             b_out,
             moe,
-            ffn: f,
+            ffn: dense_f,
             // The model's rule for which layers attend to all keys.
             window: d
                 .window
@@ -542,6 +574,11 @@ impl BlockLayout {
     /// Whether the MLP is a mixture of experts.
     pub fn is_moe(&self) -> bool {
         self.moe.is_some()
+    }
+
+    /// Whether the layer has a dense MLP: a dense layer, or an MoE layer's shared experts.
+    fn has_dense_mlp(&self) -> bool {
+        !self.w_out.is_empty()
     }
 }
 
@@ -779,6 +816,9 @@ struct BlockSaved {
     o: Vec<f32>,
     x2: Vec<f32>,
     n2: Vec<f32>,
+    /// The shared experts' input, gathered over the tensor-parallel ranks, where the mixture
+    /// beside them runs on this rank's own rows (folded experts).
+    shared_n2: Option<Vec<f32>>,
     st2: Vec<[f32; 2]>,
     u: Vec<f32>,
     up: Option<Vec<f32>>,
@@ -894,10 +934,19 @@ fn block_fwd_inner(
     let mut n2 = vec![0.0; rows * h];
     let st2 = norm_fwd(&mut n2, &x2, &p[l.ln2_w.clone()], slice(p, &l.ln2_b), d.rms);
     let folded = l.moe.is_some() && tp.fold;
-    let n2 = if folded { n2 } else { tp.enter_fwd(n2)? };
-    // The MLP: its output, and (dense) its pre-activations and activation or (mixture of
-    // experts) what the experts' backward needs.
-    let (mut m, u, up, act, moe) = match &l.moe {
+    // Folded, the mixture runs on this rank's own rows and the shared experts on the
+    // gathered ones; otherwise both on the gathered rows.
+    let (n2, shared_n2) = match (folded, l.has_dense_mlp()) {
+        (true, true) => {
+            let gathered = tp.enter_fwd(n2.clone())?;
+            (n2, Some(gathered))
+        }
+        (true, false) => (n2, None),
+        (false, _) => (tp.enter_fwd(n2)?, None),
+    };
+    // The MLP: the routed experts' output (and what their backward needs), plus the dense
+    // MLP's (a dense layer's, or the shared experts') with its pre-activations and activation.
+    let (routed, moe) = match &l.moe {
         Some(ml) => {
             // Folded, the mixture runs on this rank's own rows; otherwise every
             // tensor-parallel rank runs it on every row (experts replicated over them): its
@@ -908,28 +957,40 @@ fn block_fwd_inner(
             };
             let (m, ms) = moe_fwd(ml, p, pe, &n2, h, d.ffn, &mut ep)?;
             let m = if folded { m } else { tp.own_rows(m)? };
-            (m, Vec::new(), None, None, Some(ms))
+            (Some(m), Some(ms))
         }
-        None => {
-            let mut u = vec![0.0; tt * f];
-            mm(&mut u, &n2, &p[l.w_in.clone()], tt, h, f, false);
-            if let Some(b) = slice(p, &l.b_in) {
-                add_bias(&mut u, b);
-            }
-            let up = l.w_up.as_ref().map(|w| {
-                let mut y = vec![0.0; tt * f];
-                mm(&mut y, &n2, &p[w.clone()], tt, h, f, false);
-                y
-            });
-            let act = activation(&u, up.as_deref());
-            let mut m = vec![0.0; tt * h];
-            mm(&mut m, &act, &p[l.w_out.clone()], tt, f, h, false);
-            let mut m = tp.exit_fwd(m)?;
-            if let Some(b) = slice(p, &l.b_out) {
-                add_bias(&mut m, b);
-            }
-            (m, u, up, Some(act), None)
+        None => (None, None),
+    };
+    let (dense, u, up, act) = if l.has_dense_mlp() {
+        let n2 = shared_n2.as_ref().unwrap_or(&n2);
+        let mut u = vec![0.0; tt * f];
+        mm(&mut u, n2, &p[l.w_in.clone()], tt, h, f, false);
+        if let Some(b) = slice(p, &l.b_in) {
+            add_bias(&mut u, b);
         }
+        let up = l.w_up.as_ref().map(|w| {
+            let mut y = vec![0.0; tt * f];
+            mm(&mut y, n2, &p[w.clone()], tt, h, f, false);
+            y
+        });
+        let act = activation(&u, up.as_deref());
+        let mut m = vec![0.0; tt * h];
+        mm(&mut m, &act, &p[l.w_out.clone()], tt, f, h, false);
+        let mut m = tp.exit_fwd(m)?;
+        if let Some(b) = slice(p, &l.b_out) {
+            add_bias(&mut m, b);
+        }
+        (Some(m), u, up, Some(act))
+    } else {
+        (None, Vec::new(), None, None)
+    };
+    let mut m = match (routed, dense) {
+        (Some(mut a), Some(b)) => {
+            add_into(&mut a, &b);
+            a
+        }
+        (Some(a), None) | (None, Some(a)) => a,
+        (None, None) => unreachable!("a block has routed experts or a dense MLP"),
     };
     add_into(&mut m, &x2);
     let saved = (keep != Keep::Input).then(|| BlockSaved {
@@ -943,6 +1004,7 @@ fn block_fwd_inner(
         o,
         x2,
         n2,
+        shared_n2,
         st2,
         u,
         up,
@@ -1004,7 +1066,7 @@ pub fn block_bwd(
 
     // MLP.
     let mut dx2 = dy;
-    let dn2 = if let (Some(ml), Some(ms)) = (&l.moe, s.moe) {
+    let routed = if let (Some(ml), Some(ms)) = (&l.moe, s.moe) {
         let folded = tp.fold;
         let dm = if folded {
             dx2.clone()
@@ -1018,12 +1080,12 @@ pub fn block_bwd(
         let dn2 = moe_bwd(ml, (p, g), (pe, ge), &s.n2, ms, &dm, h, d.ffn, &mut ep)?;
         // Folded, the input gradient is this rank's rows already; otherwise it is whole on
         // every rank: no reduction, this rank's rows.
-        if folded {
-            dn2
-        } else {
-            tp.own_rows(dn2)?
-        }
+        Some(if folded { dn2 } else { tp.own_rows(dn2)? })
     } else {
+        None
+    };
+    let dense = if l.has_dense_mlp() {
+        let n2 = s.shared_n2.as_ref().unwrap_or(&s.n2);
         if let Some(r) = &l.b_out {
             bias_grad(&mut g[r.clone()], &dx2);
         }
@@ -1047,7 +1109,7 @@ pub fn block_bwd(
                     dup[i] = dact[i] * gt * sg;
                     dact[i] *= up[i] * sg * (1.0 + gt * (1.0 - sg));
                 }
-                wgrad(g, w_up, &s.n2, &dup, tt, h, f);
+                wgrad(g, w_up, n2, &dup, tt, h, f);
                 mm_nt(&mut dn2, &dup, &p[w_up.clone()], tt, h, f, false);
             }
             _ => {
@@ -1060,9 +1122,19 @@ pub fn block_bwd(
         if let Some(r) = &l.b_in {
             bias_grad(&mut g[r.clone()], &du);
         }
-        wgrad(g, &l.w_in, &s.n2, &du, tt, h, f);
+        wgrad(g, &l.w_in, n2, &du, tt, h, f);
         mm_nt(&mut dn2, &du, &p[l.w_in.clone()], tt, h, f, true);
-        tp.enter_bwd(dn2)?
+        Some(tp.enter_bwd(dn2)?)
+    } else {
+        None
+    };
+    let dn2 = match (routed, dense) {
+        (Some(mut a), Some(b)) => {
+            add_into(&mut a, &b);
+            a
+        }
+        (Some(a), None) | (None, Some(a)) => a,
+        (None, None) => unreachable!("a block has routed experts or a dense MLP"),
     };
     let (lo, hi) = split_two(g, &l.ln2_w, &l.ln2_b);
     norm_bwd(
@@ -1527,7 +1599,7 @@ mod tests {
         let n = Dims::from_config(&nope).unwrap();
         assert!(!n.rope && !n.learned_positions);
         // A mixture with a leading dense layer, then every other layer routed: the dense ones
-        // get a dense MLP of their own width.
+        // get a dense MLP of their own width, the routed ones none (no shared experts).
         let mixed = TransformerConfig {
             moe: Some(parallax_ir::models::MoeConfig {
                 dense_layers_first: 1,
@@ -1548,9 +1620,9 @@ mod tests {
             layers,
             [
                 (false, 128),
-                (true, 96),
+                (true, 0),
                 (false, 128),
-                (true, 96),
+                (true, 0),
                 (false, 128)
             ]
         );
@@ -1576,11 +1648,42 @@ mod tests {
             qk_norm: true,
             ..tiny.clone()
         };
+        // DeepSeek-V3's routing is run: sigmoid scores, chosen within the best groups,
+        // scaled; the routed layers carry it.
+        for (c, want) in [
+            (
+                &sigmoid,
+                Routing {
+                    sigmoid: true,
+                    ..Routing::default()
+                },
+            ),
+            (
+                &grouped,
+                Routing {
+                    groups: 2,
+                    groups_per_token: 1,
+                    ..Routing::default()
+                },
+            ),
+        ] {
+            let d = Dims::from_config(c).unwrap();
+            let l = BlockLayout::build(&d, 0, &mut b, &mut eb);
+            assert_eq!(l.moe.map(|m| m.routing), Some(want));
+        }
+        // Qwen2-MoE's gated shared expert is not run (DeepSeek's ungated ones are).
+        let shared = TransformerConfig {
+            moe: Some(parallax_ir::models::MoeConfig {
+                shared_ffn_hidden: 64,
+                shared_gate: true,
+                ..parallax_ir::models::MoeConfig::routed(4, 2)
+            }),
+            ..tiny.clone()
+        };
         for (c, what) in [
             (qk, "query/key norms"),
             (sinks, "attention sinks"),
-            (grouped, "group-limited routing"),
-            (sigmoid, "sigmoid routers"),
+            (shared, "gated shared experts"),
             (latent, "latent attention"),
             (mtp, "multi-token prediction"),
             (hybrid, "hybrid Mamba-2"),

@@ -1,12 +1,16 @@
-//! A mixture-of-experts MLP with expert parallelism, Mixtral's shape (Jiang et al. 2024): a
-//! linear router, softmax over the experts, the top-k kept and renormalised to sum to one,
-//! each token's hidden state sent to its k experts and their outputs summed with those
-//! weights. Dropless: every token reaches its experts, however many pick one.
+//! A mixture-of-experts MLP with expert parallelism: a linear router scoring the experts, the
+//! top-k of each token kept, its hidden state sent to those k experts and their outputs summed
+//! with the weights the router gives them (Mixtral, Jiang et al. 2024: softmax scores, the k
+//! renormalised to sum to one; DeepSeek-V3, 2024: sigmoid scores, the k chosen within the best
+//! expert groups, renormalised and scaled; Qwen2-MoE: softmax scores as they are). Dropless:
+//! every token reaches its experts, however many pick one.
 //!
 //! Under expert parallelism the `ep` ranks of an expert-parallel group each hold `E / ep`
 //! experts; tokens travel to the rank of their expert and back in two all-to-alls (dispatch,
 //! combine), and again in the backward. No auxiliary load-balancing loss is added (the
-//! executor trains the model's main loss only).
+//! executor trains the model's main loss only), and DeepSeek-V3's balancing bias, which only
+//! steers the choice and is moved by a rule outside the gradient, stays at zero: the choice is
+//! by score alone.
 
 use crate::comm::{Collectives, CommError, Group};
 use crate::tensor::{gelu, gelu_grad, mm, mm_nt, mm_tn, sigmoid};
@@ -14,7 +18,7 @@ use std::ops::Range;
 
 /// Where a block's mixture-of-experts tensors lie: the router in the block's unit buffer, the
 /// experts in the experts' unit buffer.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct MoeLayout {
     /// `[hidden, experts]`, whole on every rank.
     pub router: Range<usize>,
@@ -27,6 +31,120 @@ pub struct MoeLayout {
     /// Experts in all, and top-k.
     pub experts: usize,
     pub top_k: usize,
+    /// How the router's logits become each token's experts and weights.
+    pub routing: Routing,
+}
+
+/// How a router turns a token's logits into its k experts and their weights.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Routing {
+    /// Sigmoid scores, one per expert (else a softmax over the experts).
+    pub sigmoid: bool,
+    /// Group-limited routing: the experts form `groups` contiguous groups and a token's k come
+    /// from its best `groups_per_token` of them (no limit where either is 0 or it keeps all).
+    pub groups: usize,
+    pub groups_per_token: usize,
+    /// The k chosen scores renormalised to sum to one.
+    pub normalize: bool,
+    /// A factor on the weights.
+    pub scale: f32,
+}
+
+impl Default for Routing {
+    /// Mixtral's: softmax, the k renormalised.
+    fn default() -> Self {
+        Routing {
+            sigmoid: false,
+            groups: 0,
+            groups_per_token: 0,
+            normalize: true,
+            scale: 1.0,
+        }
+    }
+}
+
+impl Routing {
+    /// The routing of the model's mixture.
+    pub fn of(m: &parallax_ir::models::MoeConfig) -> Routing {
+        Routing {
+            sigmoid: m.router == parallax_ir::models::Router::Sigmoid,
+            groups: m.groups as usize,
+            groups_per_token: m.groups_per_token as usize,
+            normalize: m.norm_top_k,
+            scale: m.routed_scale() as f32,
+        }
+    }
+
+    /// Scores `row` (a token's logits) in place and appends its k (expert, weight) picks.
+    /// Under a group limit a group's score is, for sigmoid scores, the sum of its best two
+    /// (DeepSeek-V3's `noaux_tc`) and, for softmax scores, its best one (DeepSeek-V2's
+    /// group-limited greedy choice); the k are the best scores of the kept groups. Ties go
+    /// to the lower index.
+    fn route(&self, row: &mut [f32], k: usize, picks: &mut Vec<(usize, f32)>) {
+        let e = row.len();
+        if self.sigmoid {
+            row.iter_mut().for_each(|v| *v = sigmoid(*v));
+        } else {
+            let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut s = 0.0;
+            for v in row.iter_mut() {
+                *v = (*v - mx).exp();
+                s += *v;
+            }
+            row.iter_mut().for_each(|v| *v /= s);
+        }
+        let by_score = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
+        let mut allowed: Vec<usize> = (0..e).collect();
+        let (g, keep) = (self.groups, self.groups_per_token);
+        if g > 1 && keep > 0 && keep < g && e % g == 0 {
+            let per = e / g;
+            let group_score = |j: usize| -> f32 {
+                let mut m: Vec<f32> = row[j * per..(j + 1) * per].to_vec();
+                m.sort_by(|a, b| b.total_cmp(a));
+                let best = if self.sigmoid { 2.min(per) } else { 1 };
+                m[..best].iter().sum()
+            };
+            let scores: Vec<f32> = (0..g).map(group_score).collect();
+            let mut groups: Vec<usize> = (0..g).collect();
+            groups.sort_by(|a, b| scores[*b].total_cmp(&scores[*a]).then(a.cmp(b)));
+            let mut kept = groups[..keep].to_vec();
+            kept.sort_unstable();
+            allowed = kept.iter().flat_map(|j| j * per..(j + 1) * per).collect();
+        }
+        allowed.sort_by(by_score);
+        let chosen = &allowed[..k.min(allowed.len())];
+        let sum: f32 = chosen.iter().map(|i| row[*i]).sum();
+        let norm = if self.normalize { sum } else { 1.0 };
+        picks.extend(chosen.iter().map(|i| (*i, self.scale * row[*i] / norm)));
+    }
+
+    /// The gradient of a token's logits from its scores `pr`, its picks and the gradients
+    /// `dw` of their weights.
+    fn route_bwd(&self, pr: &[f32], chosen: &[(usize, f32)], dw: &[f32], dlogits: &mut [f32]) {
+        let e = pr.len();
+        let sum: f32 = chosen.iter().map(|(i, _)| pr[*i]).sum();
+        let mut ds = vec![0.0f32; e];
+        if self.normalize {
+            let dot: f32 = chosen.iter().zip(dw).map(|((i, _), d)| d * pr[*i]).sum();
+            for ((i, _), d) in chosen.iter().zip(dw) {
+                ds[*i] = self.scale * (d / sum - dot / (sum * sum));
+            }
+        } else {
+            for ((i, _), d) in chosen.iter().zip(dw) {
+                ds[*i] = self.scale * d;
+            }
+        }
+        if self.sigmoid {
+            for i in 0..e {
+                dlogits[i] = ds[i] * pr[i] * (1.0 - pr[i]);
+            }
+        } else {
+            let inner: f32 = ds.iter().zip(pr).map(|(a, b)| a * b).sum();
+            for i in 0..e {
+                dlogits[i] = pr[i] * (ds[i] - inner);
+            }
+        }
+    }
 }
 
 /// What the forward keeps for the backward.
@@ -124,24 +242,12 @@ pub fn moe_fwd(
     let tokens = x.len() / h;
     let n = ep.size();
     let per = e / n;
-    // Router: softmax over the experts, the top k renormalised.
+    // Router: each token's scores, its k experts and their weights.
     let mut probs = vec![0.0; tokens * e];
     mm(&mut probs, x, &p[l.router.clone()], tokens, h, e, false);
-    for row in probs.chunks_exact_mut(e) {
-        let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut s = 0.0;
-        for v in row.iter_mut() {
-            *v = (*v - mx).exp();
-            s += *v;
-        }
-        row.iter_mut().for_each(|v| *v /= s);
-    }
     let mut picks = Vec::with_capacity(tokens * k);
-    for row in probs.chunks_exact(e) {
-        let mut order: Vec<usize> = (0..e).collect();
-        order.sort_by(|a, b| row[*b].total_cmp(&row[*a]).then(a.cmp(b)));
-        let s: f32 = order[..k].iter().map(|i| row[*i]).sum();
-        picks.extend(order[..k].iter().map(|i| (*i, row[*i] / s)));
+    for row in probs.chunks_exact_mut(e) {
+        l.routing.route(row, k, &mut picks);
     }
     // Dispatch: each (token, pick) to the rank of its expert, the expert's local index first.
     let mut routes = vec![Vec::new(); n];
@@ -340,25 +446,15 @@ pub fn moe_bwd(
             }
         }
     }
-    // Router: through the renormalised top-k and the softmax.
+    // Router: through the weights and the scores.
     let mut dlogits = vec![0.0; tokens * e];
     for t in 0..tokens {
-        let pr = &s.probs[t * e..(t + 1) * e];
-        let chosen = &s.picks[t * k..(t + 1) * k];
-        let sum: f32 = chosen.iter().map(|(i, _)| pr[*i]).sum();
-        let dot: f32 = chosen
-            .iter()
-            .enumerate()
-            .map(|(j, (i, _))| dw[t * k + j] * pr[*i])
-            .sum();
-        let mut dp = vec![0.0f32; e];
-        for (j, (i, _)) in chosen.iter().enumerate() {
-            dp[*i] = dw[t * k + j] / sum - dot / (sum * sum);
-        }
-        let inner: f32 = dp.iter().zip(pr).map(|(a, b)| a * b).sum();
-        for i in 0..e {
-            dlogits[t * e + i] = pr[i] * (dp[i] - inner);
-        }
+        l.routing.route_bwd(
+            &s.probs[t * e..(t + 1) * e],
+            &s.picks[t * k..(t + 1) * k],
+            &dw[t * k..(t + 1) * k],
+            &mut dlogits[t * e..(t + 1) * e],
+        );
     }
     mm_tn(&mut g[l.router.clone()], x, &dlogits, tokens, h, e, true);
     mm_nt(&mut dx, &dlogits, &p[l.router.clone()], tokens, h, e, true);
@@ -376,10 +472,34 @@ mod tests {
     }
 
     /// Router, experts and input gradients of the layer against central differences of
-    /// `Σ r · out`, SwiGLU and GeLU experts.
+    /// `Σ r · out`, SwiGLU and GeLU experts, under each routing: Mixtral's, Qwen2-MoE's
+    /// unnormalised softmax, DeepSeek-V3's scaled sigmoid within the best of two groups, and
+    /// unnormalised sigmoid scores.
     #[test]
     fn moe_gradients_match_finite_differences() {
-        for swiglu in [true, false] {
+        let routings = [
+            Routing::default(),
+            Routing {
+                normalize: false,
+                ..Routing::default()
+            },
+            Routing {
+                sigmoid: true,
+                groups: 2,
+                groups_per_token: 1,
+                scale: 2.5,
+                ..Routing::default()
+            },
+            Routing {
+                sigmoid: true,
+                normalize: false,
+                ..Routing::default()
+            },
+        ];
+        for (swiglu, routing) in [true, false]
+            .into_iter()
+            .flat_map(|s| routings.iter().map(move |r| (s, *r)))
+        {
             let (tokens, h, f, e, k) = (5, 4, 3, 4, 2);
             let router = 0..h * e;
             // Experts in their own buffer, after the router's in one vector for the test.
@@ -394,6 +514,7 @@ mod tests {
                 w_out: w_out.clone(),
                 experts: e,
                 top_k: k,
+                routing,
             };
             let p = rand(w_out.end, 1);
             let x = rand(tokens * h, 2);
@@ -429,7 +550,10 @@ mod tests {
             let check = |what: &str, analytic: f32, plus: f64, minus: f64| {
                 let num = (plus - minus) / (2.0 * f64::from(eps));
                 let err = (num - f64::from(analytic)).abs() / num.abs().max(0.05);
-                assert!(err < 2e-2, "{what} (swiglu {swiglu}): {analytic} vs {num}");
+                assert!(
+                    err < 2e-2,
+                    "{what} (swiglu {swiglu}, {routing:?}): {analytic} vs {num}"
+                );
             };
             for i in (0..x.len()).step_by(3) {
                 let (mut a, mut b) = (x.clone(), x.clone());

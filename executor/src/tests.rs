@@ -45,6 +45,25 @@ fn mixed_dense(layers: u32) -> TransformerConfig {
     }
 }
 
+/// DeepSeek-V3's mixture, small: a leading dense layer, then MoE layers of 8 experts (top-2)
+/// scored by sigmoid, chosen within the best 2 of 4 groups, renormalised and scaled 2.5, beside
+/// a shared expert 48 wide.
+fn deepseek_moe(layers: u32) -> TransformerConfig {
+    TransformerConfig {
+        moe: Some(parallax_ir::models::MoeConfig {
+            router: parallax_ir::models::Router::Sigmoid,
+            groups: 4,
+            groups_per_token: 2,
+            routed_scale_permille: 2500,
+            shared_ffn_hidden: 48,
+            dense_layers_first: 1,
+            dense_ffn_hidden: 72,
+            ..parallax_ir::models::MoeConfig::routed(8, 2)
+        }),
+        ..llama(layers)
+    }
+}
+
 /// Llama layers without position embeddings (NoPE), every other one attending to the 4
 /// latest keys only (GPT-OSS's alternation).
 fn windowed_nope(layers: u32) -> TransformerConfig {
@@ -227,6 +246,12 @@ equivalence! {
     // Dense layers among the MoE layers, under expert, pipeline and folded tensor parallelism.
     moe_dense_dp2_ep2_pp2: mixed_dense(4), Layout { dp: 2, ep: 2, ..pp(2, Schedule::OneFOneB) };
     moe_dense_tp2_sp_ep2_etp1_zero1: mixed_dense(4), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), zero_stage: 1, ..Layout::default() };
+    // DeepSeek-V3's routing and shared experts, under expert, tensor (folded and not) and
+    // pipeline parallelism.
+    deepseek_moe_dp2_ep2: deepseek_moe(2), Layout { dp: 2, ep: 2, ..Layout::default() };
+    deepseek_moe_tp2_sp_ep2_etp1_zero1: deepseek_moe(2), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), zero_stage: 1, ..Layout::default() };
+    deepseek_moe_dp2_tp2_ep2_pp2_selective: deepseek_moe(4), Layout { dp: 2, tp: 2, ep: 2, recompute: Recompute::Selective, ..pp(2, Schedule::OneFOneB) };
+    deepseek_moe_dp2_ep2_zb_h1_full_recompute: deepseek_moe(4), Layout { dp: 2, ep: 2, recompute: Recompute::Full, ..pp(2, Schedule::ZeroBubbleH1) };
     // Sliding windows alternating with full attention, no position embedding.
     windowed_nope_tp2_sp_pp2: windowed_nope(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
     windowed_nope_dp2_zero1_selective: windowed_nope(4), Layout { dp: 2, zero_stage: 1, recompute: Recompute::Selective, ..Layout::default() };
@@ -256,6 +281,36 @@ fn the_window_and_the_position_embedding_change_what_is_trained() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("sliding-window"), "{e}");
+}
+
+#[test]
+fn deepseek_routing_and_shared_experts_change_what_is_trained() {
+    // Each feature is trained as itself: removing any one changes the losses.
+    let full = reference(&deepseek_moe(2));
+    let without = |f: fn(&mut parallax_ir::models::MoeConfig)| {
+        let mut c = deepseek_moe(2);
+        if let Some(m) = c.moe.as_mut() {
+            f(m);
+        }
+        reference(&c).0.clone()
+    };
+    for (what, losses) in [
+        (
+            "softmax",
+            without(|m| m.router = parallax_ir::models::Router::Softmax),
+        ),
+        ("no groups", without(|m| m.groups = 0)),
+        ("no scale", without(|m| m.routed_scale_permille = 1000)),
+        ("no shared expert", without(|m| m.shared_ffn_hidden = 0)),
+        ("unnormalised", without(|m| m.norm_top_k = false)),
+    ] {
+        assert_ne!(full.0, losses, "{what}");
+    }
+    // The shared expert is a dense MLP of its own width in every MoE layer, none in the dense one.
+    let t = &full.1.tensors;
+    assert_eq!(t["layers.1.mlp.shared.wg"].shape, [32, 48]);
+    assert_eq!(t["layers.0.mlp.wg"].shape, [32, 72]);
+    assert!(!t.contains_key("layers.0.mlp.shared.wg"));
 }
 
 #[test]

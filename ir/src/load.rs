@@ -495,8 +495,27 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                         None => Router::Sigmoid,
                         Some(f) => f.parse().map_err(|e| field_err("scoring_func", e))?,
                     };
+                    // `routed_scaling_factor` (2.5 in DeepSeek-V3's config class) scales
+                    // the routed experts' weights, renormalised first (`norm_topk_prob`,
+                    // true there).
+                    let scale = match v.get("routed_scaling_factor") {
+                        None | Some(Value::Null) => 2500,
+                        Some(x) => match x.as_f64() {
+                            Some(f) if f.is_finite() && (0.001..=1000.0).contains(&f) => {
+                                (f * 1000.0).round() as u32
+                            }
+                            _ => {
+                                return Err(field_err(
+                                    "routed_scaling_factor",
+                                    format!("expected a number between 0.001 and 1000, found {x}"),
+                                ))
+                            }
+                        },
+                    };
                     c.moe = Some(MoeConfig {
                         router,
+                        norm_top_k: flag("norm_topk_prob", true)?,
+                        routed_scale_permille: scale,
                         groups: small("n_group", 0)?,
                         groups_per_token: small("topk_group", 0)?,
                         // Saturating: a hostile count times a width is refused by
@@ -538,8 +557,14 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                                 format!("{step} must be between 1 and the {} layers", c.layers),
                             )
                         })?;
+                    let shared = int(&["shared_expert_intermediate_size"], Some(0))?;
                     c.moe = Some(MoeConfig {
-                        shared_ffn_hidden: int(&["shared_expert_intermediate_size"], Some(0))?,
+                        // The config classes default to unnormalised weights; the Qwen3-MoE
+                        // checkpoints set `norm_topk_prob`.
+                        norm_top_k: flag("norm_topk_prob", false)?,
+                        shared_ffn_hidden: shared,
+                        // Qwen2-MoE gates its shared expert (`shared_expert_gate`).
+                        shared_gate: shared > 0,
                         dense_layers_first: every - 1,
                         every,
                         dense_ffn_hidden: if every > 1 { c.ffn_hidden } else { 0 },
@@ -793,11 +818,11 @@ mod tests {
                 "mixtral-8x22b",
             ),
             (
-                r#"{"model_type":"qwen3_moe","hidden_size":2048,"num_hidden_layers":48,"num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,"intermediate_size":6144,"moe_intermediate_size":768,"num_experts":128,"num_experts_per_tok":8,"vocab_size":151936,"max_position_embeddings":40960,"rope_theta":1000000.0,"tie_word_embeddings":false,"decoder_sparse_step":1,"mlp_only_layers":[],"attention_bias":false,"hidden_act":"silu"}"#,
+                r#"{"model_type":"qwen3_moe","hidden_size":2048,"num_hidden_layers":48,"num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,"intermediate_size":6144,"moe_intermediate_size":768,"num_experts":128,"num_experts_per_tok":8,"norm_topk_prob":true,"vocab_size":151936,"max_position_embeddings":40960,"rope_theta":1000000.0,"tie_word_embeddings":false,"decoder_sparse_step":1,"mlp_only_layers":[],"attention_bias":false,"hidden_act":"silu"}"#,
                 "qwen3-30b-a3b",
             ),
             (
-                r#"{"model_type":"qwen3_moe","hidden_size":4096,"num_hidden_layers":94,"num_attention_heads":64,"num_key_value_heads":4,"head_dim":128,"intermediate_size":12288,"moe_intermediate_size":1536,"num_experts":128,"num_experts_per_tok":8,"vocab_size":151936,"max_position_embeddings":40960,"rope_theta":1000000.0,"tie_word_embeddings":false,"decoder_sparse_step":1,"mlp_only_layers":[],"attention_bias":false,"hidden_act":"silu"}"#,
+                r#"{"model_type":"qwen3_moe","hidden_size":4096,"num_hidden_layers":94,"num_attention_heads":64,"num_key_value_heads":4,"head_dim":128,"intermediate_size":12288,"moe_intermediate_size":1536,"num_experts":128,"num_experts_per_tok":8,"norm_topk_prob":true,"vocab_size":151936,"max_position_embeddings":40960,"rope_theta":1000000.0,"tie_word_embeddings":false,"decoder_sparse_step":1,"mlp_only_layers":[],"attention_bias":false,"hidden_act":"silu"}"#,
                 "qwen3-235b-a22b",
             ),
             (

@@ -376,6 +376,17 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
             a.push("--moe-router-score-function sigmoid".into());
             a.push("--moe-router-enable-expert-bias".into());
         }
+        if !moe.norm_top_k && moe.router == parallax_ir::models::Router::Softmax {
+            // Softmax over every expert, the top-k taken as they are (Qwen2-MoE); Megatron's
+            // default is a softmax over the k chosen logits, which sums to one.
+            a.push("--moe-router-pre-softmax".into());
+        }
+        if moe.routed_scale_permille != 1000 {
+            a.push(format!(
+                "--moe-router-topk-scaling-factor {}",
+                moe.routed_scale()
+            ));
+        }
         if moe.groups > 1 && moe.groups_per_token > 0 {
             a.push(format!("--moe-router-num-groups {}", moe.groups));
             a.push(format!("--moe-router-group-topk {}", moe.groups_per_token));
@@ -1558,6 +1569,8 @@ mod tests {
         assert_eq!(arg(&s, "--moe-router-enable-expert-bias"), Some(""));
         assert_eq!(arg(&s, "--moe-router-num-groups"), Some("8"));
         assert_eq!(arg(&s, "--moe-router-group-topk"), Some("4"));
+        assert_eq!(arg(&s, "--moe-router-topk-scaling-factor"), Some("2.5"));
+        assert_eq!(arg(&s, "--moe-router-pre-softmax"), None);
         assert_eq!(
             arg(&s, "--moe-layer-freq").map(|f| f.matches('0').count()),
             Some(3)

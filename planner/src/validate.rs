@@ -1135,11 +1135,14 @@ mod tests {
                 )
             };
             assert_eq!(key(&imported), key(&described), "{}", c.id);
-            // Routing groups are not a case field (the router_detail text says them).
+            // Routing groups and how the router weighs the chosen experts are not case fields
+            // (the router_detail text says them); they change no cost.
             let ungrouped = |m: &TransformerConfig| {
                 m.moe.map(|x| MoeConfig {
                     groups: 0,
                     groups_per_token: 0,
+                    norm_top_k: true,
+                    routed_scale_permille: 1000,
                     ..x
                 })
             };

@@ -57,6 +57,10 @@ pub struct MoeConfig {
     /// Llama 4; Megatron's `--moe-shared-expert-intermediate-size`).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub shared_ffn_hidden: u64,
+    /// The shared experts' output scaled by a per-token sigmoid gate (Qwen2-MoE's
+    /// `shared_expert_gate`, a `hidden → 1` linear); DeepSeek's are added as they are.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub shared_gate: bool,
     /// Leading layers with a dense MLP instead (DeepSeek-V3: 3).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub dense_layers_first: u32,
@@ -78,6 +82,32 @@ pub struct MoeConfig {
     /// be told which to train the same model).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub router: Router,
+    /// The k chosen scores renormalised to sum to one before they weight the experts'
+    /// outputs (HuggingFace's `norm_topk_prob`: Mixtral and GPT-OSS by construction,
+    /// DeepSeek-V3 and the Qwen3-MoE checkpoints); otherwise the scores as they are
+    /// (Qwen2-MoE).
+    #[serde(default = "yes", skip_serializing_if = "is_yes")]
+    pub norm_top_k: bool,
+    /// A factor on the routed experts' weights, in thousandths (DeepSeek-V3's
+    /// `routed_scaling_factor` 2.5 is 2500).
+    #[serde(default = "thousand", skip_serializing_if = "is_thousand")]
+    pub routed_scale_permille: u32,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_yes(b: &bool) -> bool {
+    *b
+}
+
+fn thousand() -> u32 {
+    1000
+}
+
+fn is_thousand(x: &u32) -> bool {
+    *x == 1000
 }
 
 /// A router's score function.
@@ -123,13 +153,21 @@ impl MoeConfig {
             experts,
             top_k,
             shared_ffn_hidden: 0,
+            shared_gate: false,
             dense_layers_first: 0,
             every: 1,
             dense_ffn_hidden: 0,
             groups: 0,
             groups_per_token: 0,
             router: Router::Softmax,
+            norm_top_k: true,
+            routed_scale_permille: 1000,
         }
+    }
+
+    /// The factor on the routed experts' weights.
+    pub fn routed_scale(&self) -> f64 {
+        f64::from(self.routed_scale_permille) / 1000.0
     }
 
     /// The most nodes a token's experts sit on when the experts are laid out contiguously over

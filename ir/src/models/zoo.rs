@@ -92,7 +92,9 @@ fn qwen3_moe(layers: u32, hidden: u64, heads: u64, ffn: u64) -> ZooDef {
 /// multi-head latent attention (query latent 1536, key/value latent 512, heads of 128 + 64
 /// rotary for queries and keys and 128 for values), `dense_first` dense layers 18432 wide, then
 /// MoE layers of `experts` routed experts 2048 wide (top-8) beside one shared expert 2048 wide;
-/// untied, `mtp` multi-token prediction modules, routing limited to some expert groups.
+/// untied, `mtp` multi-token prediction modules, routing limited to some expert groups, the
+/// routed experts' weights scaled by `scale_permille` thousandths (`routed_scaling_factor`).
+#[allow(clippy::too_many_arguments)]
 fn deepseek_v3(
     heads: u64,
     experts: u64,
@@ -101,6 +103,7 @@ fn deepseek_v3(
     mtp: u32,
     theta: u64,
     (groups, groups_per_token): (u32, u32),
+    scale_permille: u32,
 ) -> ZooDef {
     ZooDef::Transformer(TransformerConfig {
         head_dim: 192,
@@ -108,6 +111,7 @@ fn deepseek_v3(
             router: Router::Sigmoid,
             groups,
             groups_per_token,
+            routed_scale_permille: scale_permille,
             shared_ffn_hidden: 2048,
             dense_layers_first: dense_first,
             every: 1,
@@ -310,16 +314,16 @@ pub fn entries() -> Vec<ZooEntry> {
             "deepseek-v3",
             671.0 * b,
             rounded(671.0, 0.5),
-            "DeepSeek-AI 2024, DeepSeek-V3 technical report §1 and its HF config: 671B total (685B on HF with the 14B multi-token prediction module, not counted here), 37B activated; 61 layers, hidden 7168, 128 heads of MLA (q latent 1536, kv latent 512, 128 + 64 rope, values 128), 3 dense layers of 18432, 256 routed experts of 2048 (top-8) and 1 shared, vocab 129280, 1 MTP module",
-            deepseek_v3(128, 256, 3, 129_280, 1, 10_000, (8, 4)),
+            "DeepSeek-AI 2024, DeepSeek-V3 technical report §1 and its HF config: 671B total (685B on HF with the 14B multi-token prediction module, not counted here), 37B activated; 61 layers, hidden 7168, 128 heads of MLA (q latent 1536, kv latent 512, 128 + 64 rope, values 128), 3 dense layers of 18432, 256 routed experts of 2048 (top-8, routed_scaling_factor 2.5) and 1 shared, vocab 129280, 1 MTP module",
+            deepseek_v3(128, 256, 3, 129_280, 1, 10_000, (8, 4), 2500),
         ),
         e(
             "kimi-k2",
             "deepseek-v3",
             1.0e3 * b,
             rounded(1.0, 0.05),
-            "Moonshot AI, HF moonshotai/Kimi-K2-Instruct model card and config: 1T total, 32B activated (the tech report's 1.04T and 32.6B are 1.3 % and 1.2 % from this count); DeepSeek-V3's architecture with 64 heads, 384 routed experts, 1 leading dense layer, vocab 163840, rotary base 50000, no MTP",
-            deepseek_v3(64, 384, 1, 163_840, 0, 50_000, (1, 1)),
+            "Moonshot AI, HF moonshotai/Kimi-K2-Instruct model card and config: 1T total, 32B activated (the tech report's 1.04T and 32.6B are 1.3 % and 1.2 % from this count); DeepSeek-V3's architecture with 64 heads, 384 routed experts (routed_scaling_factor 2.827), 1 leading dense layer, vocab 163840, rotary base 50000, no MTP",
+            deepseek_v3(64, 384, 1, 163_840, 0, 50_000, (1, 1), 2827),
         ),
         e(
             "gpt-oss-20b",
