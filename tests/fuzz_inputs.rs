@@ -382,11 +382,21 @@ proptest! {
     /// finite step time, and a plan that "fits" needs no more memory than a device has.
     #[test]
     fn predictions_are_physical(
-        model in prop::sample::select(vec!["gpt-tiny", "gpt3-1.3b", "llama3-8b", "mixtral-8x7b", "bert-large"]),
+        model in prop::sample::select(vec![
+            "gpt-tiny", "gpt3-1.3b", "llama3-8b", "mixtral-8x7b", "bert-large",
+            "qwen3-30b-a3b", "gpt-oss-20b", "nemotron-h", "deepseek-v3",
+        ]),
         cluster in prop::sample::select(vec!["dgx-a100-80gb", "dgx-h100-80gb", "dgx1-v100-16gb"]),
         gpus_log2 in 0u32..7,
         batch_log2 in 0u32..12,
         seq_log2 in 4u32..14,
+        // Knobs a user may force: each completion path (schedules, the overlapped dispatch,
+        // offload) is asked for, not only the ones the search prefers.
+        forced in prop::sample::select(vec![
+            "", "schedule=1f1b", "schedule=interleaved-1f1b", "schedule=zb-h1",
+            "schedule=dualpipe", "ep_overlap=true", "dispatcher=deepep", "zero=3",
+            "offload=optimizer", "recompute=full", "cp=2",
+        ]),
     ) {
         let Ok(m) = parallax_ir::load_model(model) else { return Ok(()) };
         let Some(t) = m.transformer() else { return Ok(()) };
@@ -398,7 +408,8 @@ proptest! {
         if c.profile.device.peak_tflops(setup.precision).is_none() {
             setup.precision = parallax_ir::Precision::Fp16;
         }
-        match parallax_planner::complete_layout(&setup, &parallax_ir::PartialLayout::default()) {
+        let partial = parallax_ir::PartialLayout::parse_transformer(forced).unwrap();
+        match parallax_planner::complete_layout(&setup, &partial) {
             Ok(done) => {
                 let p = &done.prediction;
                 prop_assert!(p.step_time_s.is_finite() && p.step_time_s > 0.0, "{p:?}");
