@@ -74,6 +74,8 @@ pub struct Dims {
     /// Width of an MoE layer's shared experts together (0: none), a dense MLP beside the
     /// routed experts whose output is added to theirs.
     pub shared_ffn: usize,
+    /// Their output gated per token (Qwen2-MoE's `shared_expert_gate`).
+    pub shared_gate: bool,
 }
 
 impl Dims {
@@ -86,11 +88,6 @@ impl Dims {
             (c.hybrid.is_some(), "hybrid Mamba-2 stacks"),
             (c.attention_sinks, "attention sinks"),
             (c.qk_norm, "query/key norms"),
-            (
-                c.moe
-                    .is_some_and(|m| m.shared_ffn_hidden > 0 && m.shared_gate),
-                "gated shared experts",
-            ),
         ];
         if let Some((_, what)) = planned_only.iter().find(|(has, _)| *has) {
             return Err(format!(
@@ -146,6 +143,7 @@ impl Dims {
             mixture: c.moe,
             dense_ffn: us(c.dense_ffn())?,
             shared_ffn: us(c.moe.map_or(0, |m| m.shared_ffn_hidden))?,
+            shared_gate: c.moe.is_some_and(|m| m.shared_gate),
         })
     }
 
@@ -423,6 +421,9 @@ pub struct BlockLayout {
     w_up: Option<Range<usize>>,
     w_out: Range<usize>,
     b_out: Option<Range<usize>>,
+    /// Qwen2-MoE's gate on the shared experts, `[hidden, 1]`: their output scaled per token by
+    /// the sigmoid of this projection of the MLP's input.
+    shared_gate: Option<Range<usize>>,
     /// The mixture-of-experts MLP, in place of the dense one.
     moe: Option<MoeLayout>,
     /// The keys this layer's queries see: all up to their own, or a sliding window of them.
@@ -512,6 +513,9 @@ impl BlockLayout {
         }
         // The dense MLP: a dense layer's, or an MoE layer's shared experts (split over the
         // tensor-parallel ranks as a dense MLP is, Megatron-Core's shared experts).
+        // On the rows of this rank, as the norms before it.
+        let shared_gate = (experts.is_some() && dense_f > 0 && d.shared_gate)
+            .then(|| b.add(p("mlp.shared_gate"), &[h, 1], Split::Replicated, w));
         let m = if experts.is_some() {
             "mlp.shared"
         } else {
@@ -561,6 +565,7 @@ impl BlockLayout {
             w_up,
             w_out,
             b_out,
+            shared_gate,
             moe,
             ffn: dense_f,
             // The model's rule for which layers attend to all keys.
@@ -819,6 +824,9 @@ struct BlockSaved {
     /// The shared experts' input, gathered over the tensor-parallel ranks, where the mixture
     /// beside them runs on this rank's own rows (folded experts).
     shared_n2: Option<Vec<f32>>,
+    /// The shared experts' gate per row of this rank, and their output before it.
+    gate: Option<Vec<f32>>,
+    shared_out: Option<Vec<f32>>,
     st2: Vec<[f32; 2]>,
     u: Vec<f32>,
     up: Option<Vec<f32>>,
@@ -934,6 +942,12 @@ fn block_fwd_inner(
     let mut n2 = vec![0.0; rows * h];
     let st2 = norm_fwd(&mut n2, &x2, &p[l.ln2_w.clone()], slice(p, &l.ln2_b), d.rms);
     let folded = l.moe.is_some() && tp.fold;
+    // The shared experts' gate, per row of this rank.
+    let gate = l.shared_gate.as_ref().map(|r| {
+        let mut z = vec![0.0; rows];
+        mm(&mut z, &n2, &p[r.clone()], rows, h, 1, false);
+        z.iter().map(|v| sigmoid(*v)).collect::<Vec<f32>>()
+    });
     // Folded, the mixture runs on this rank's own rows and the shared experts on the
     // gathered ones; otherwise both on the gathered rows.
     let (n2, shared_n2) = match (folded, l.has_dense_mlp()) {
@@ -984,6 +998,17 @@ fn block_fwd_inner(
     } else {
         (None, Vec::new(), None, None)
     };
+    // Gated, the shared experts' output is kept as it was for the gate's gradient.
+    let (dense, shared_out) = match (dense, &gate) {
+        (Some(m), Some(g)) => {
+            let mut gated = m.clone();
+            for (row, gv) in gated.chunks_exact_mut(h).zip(g) {
+                row.iter_mut().for_each(|v| *v *= gv);
+            }
+            (Some(gated), Some(m))
+        }
+        (dense, _) => (dense, None),
+    };
     let mut m = match (routed, dense) {
         (Some(mut a), Some(b)) => {
             add_into(&mut a, &b);
@@ -1005,6 +1030,8 @@ fn block_fwd_inner(
         x2,
         n2,
         shared_n2,
+        gate,
+        shared_out,
         st2,
         u,
         up,
@@ -1084,8 +1111,44 @@ pub fn block_bwd(
     } else {
         None
     };
+    // Through the shared experts' gate: their output's gradient is scaled by it, and its
+    // logit's is the row's dot product with their output through the sigmoid.
+    let mut dgate = None;
+    if let (Some(r), Some(gv), Some(out)) = (&l.shared_gate, &s.gate, &s.shared_out) {
+        let rows = gv.len();
+        let dz: Vec<f32> = (0..rows)
+            .map(|i| {
+                let dot: f32 = dx2[i * h..(i + 1) * h]
+                    .iter()
+                    .zip(&out[i * h..(i + 1) * h])
+                    .map(|(a, b)| a * b)
+                    .sum();
+                dot * gv[i] * (1.0 - gv[i])
+            })
+            .collect();
+        // This rank's rows of the MLP's input: gathered unless the mixture is folded.
+        let local = if tp.fold {
+            s.n2.clone()
+        } else {
+            tp.own_rows(s.n2.clone())?
+        };
+        mm_tn(&mut g[r.clone()], &local, &dz, rows, h, 1, true);
+        let mut dn = vec![0.0; rows * h];
+        mm_nt(&mut dn, &dz, &p[r.clone()], rows, h, 1, false);
+        dgate = Some(dn);
+    }
     let dense = if l.has_dense_mlp() {
         let n2 = s.shared_n2.as_ref().unwrap_or(&s.n2);
+        let dx2 = match &s.gate {
+            Some(gv) => {
+                let mut d = dx2.clone();
+                for (row, gv) in d.chunks_exact_mut(h).zip(gv) {
+                    row.iter_mut().for_each(|v| *v *= gv);
+                }
+                d
+            }
+            None => dx2.clone(),
+        };
         if let Some(r) = &l.b_out {
             bias_grad(&mut g[r.clone()], &dx2);
         }
@@ -1128,7 +1191,7 @@ pub fn block_bwd(
     } else {
         None
     };
-    let dn2 = match (routed, dense) {
+    let mut dn2 = match (routed, dense) {
         (Some(mut a), Some(b)) => {
             add_into(&mut a, &b);
             a
@@ -1136,6 +1199,9 @@ pub fn block_bwd(
         (Some(a), None) | (None, Some(a)) => a,
         (None, None) => unreachable!("a block has routed experts or a dense MLP"),
     };
+    if let Some(d) = dgate {
+        add_into(&mut dn2, &d);
+    }
     let (lo, hi) = split_two(g, &l.ln2_w, &l.ln2_b);
     norm_bwd(
         &mut dx2,
@@ -1671,7 +1737,7 @@ mod tests {
             let l = BlockLayout::build(&d, 0, &mut b, &mut eb);
             assert_eq!(l.moe.map(|m| m.routing), Some(want));
         }
-        // Qwen2-MoE's gated shared expert is not run (DeepSeek's ungated ones are).
+        // Qwen2-MoE's gated shared expert: a gate weight beside its MLP.
         let shared = TransformerConfig {
             moe: Some(parallax_ir::models::MoeConfig {
                 shared_ffn_hidden: 64,
@@ -1680,10 +1746,12 @@ mod tests {
             }),
             ..tiny.clone()
         };
+        let d = Dims::from_config(&shared).unwrap();
+        let l = BlockLayout::build(&d, 0, &mut b, &mut eb);
+        assert_eq!((l.ffn, l.shared_gate.map(|r| r.len())), (64, Some(d.h)));
         for (c, what) in [
             (qk, "query/key norms"),
             (sinks, "attention sinks"),
-            (shared, "gated shared experts"),
             (latent, "latent attention"),
             (mtp, "multi-token prediction"),
             (hybrid, "hybrid Mamba-2"),

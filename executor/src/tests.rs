@@ -64,6 +64,20 @@ fn deepseek_moe(layers: u32) -> TransformerConfig {
     }
 }
 
+/// Qwen2-MoE's mixture, small: softmax scores taken as they are (no renormalisation) beside a
+/// shared expert 40 wide whose output a per-token sigmoid gate scales.
+fn qwen2_moe(layers: u32) -> TransformerConfig {
+    TransformerConfig {
+        moe: Some(parallax_ir::models::MoeConfig {
+            norm_top_k: false,
+            shared_ffn_hidden: 40,
+            shared_gate: true,
+            ..parallax_ir::models::MoeConfig::routed(4, 2)
+        }),
+        ..llama(layers)
+    }
+}
+
 /// Llama layers without position embeddings (NoPE), every other one attending to the 4
 /// latest keys only (GPT-OSS's alternation).
 fn windowed_nope(layers: u32) -> TransformerConfig {
@@ -252,6 +266,10 @@ equivalence! {
     deepseek_moe_tp2_sp_ep2_etp1_zero1: deepseek_moe(2), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), zero_stage: 1, ..Layout::default() };
     deepseek_moe_dp2_tp2_ep2_pp2_selective: deepseek_moe(4), Layout { dp: 2, tp: 2, ep: 2, recompute: Recompute::Selective, ..pp(2, Schedule::OneFOneB) };
     deepseek_moe_dp2_ep2_zb_h1_full_recompute: deepseek_moe(4), Layout { dp: 2, ep: 2, recompute: Recompute::Full, ..pp(2, Schedule::ZeroBubbleH1) };
+    qwen2_moe_dp2_ep2_zero2: qwen2_moe(2), Layout { dp: 2, ep: 2, zero_stage: 2, ..Layout::default() };
+    qwen2_moe_tp2_sp_ep2_etp1: qwen2_moe(2), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), ..Layout::default() };
+    qwen2_moe_tp2_sp_pp2_full_recompute: qwen2_moe(4), Layout { tp: 2, sequence_parallel: true, recompute: Recompute::Full, ..pp(2, Schedule::OneFOneB) };
+    qwen2_moe_dp2_tp2: qwen2_moe(2), Layout { dp: 2, tp: 2, ..Layout::default() };
     // Sliding windows alternating with full attention, no position embedding.
     windowed_nope_tp2_sp_pp2: windowed_nope(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
     windowed_nope_dp2_zero1_selective: windowed_nope(4), Layout { dp: 2, zero_stage: 1, recompute: Recompute::Selective, ..Layout::default() };
@@ -306,6 +324,14 @@ fn deepseek_routing_and_shared_experts_change_what_is_trained() {
     ] {
         assert_ne!(full.0, losses, "{what}");
     }
+    // Qwen2-MoE's gate on its shared expert is trained: without it the losses differ.
+    let gated = reference(&qwen2_moe(2));
+    let mut ungated = qwen2_moe(2);
+    if let Some(m) = ungated.moe.as_mut() {
+        m.shared_gate = false;
+    }
+    assert_ne!(gated.0, reference(&ungated).0);
+    assert_eq!(gated.1.tensors["layers.0.mlp.shared_gate"].shape, [32, 1]);
     // The shared expert is a dense MLP of its own width in every MoE layer, none in the dense one.
     let t = &full.1.tensors;
     assert_eq!(t["layers.1.mlp.shared.wg"].shape, [32, 48]);

@@ -396,6 +396,10 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
                 "--moe-shared-expert-intermediate-size {}",
                 moe.shared_ffn_hidden
             ));
+            if moe.shared_gate {
+                // Qwen2-MoE's per-token sigmoid gate (TransformerConfig.moe_shared_expert_gate).
+                a.push("--moe-shared-expert-gate".into());
+            }
         }
         if moe.has_dense_layers() {
             // Megatron's --ffn-hidden-size is the dense layers' width, the experts' their own;
@@ -1521,7 +1525,7 @@ mod tests {
             zero_stage: 1,
             ..Layout::default()
         };
-        let s = export(Engine::Megatron, &plan(l, Precision::Bf16), &m).unwrap();
+        let s = export(Engine::Megatron, &plan(l.clone(), Precision::Bf16), &m).unwrap();
         assert_eq!(arg(&s, "--ffn-hidden-size"), Some("10944"));
         assert_eq!(arg(&s, "--moe-ffn-hidden-size"), Some("1408"));
         assert_eq!(
@@ -1529,6 +1533,19 @@ mod tests {
             Some("1408")
         );
         assert_eq!(arg(&s, "--moe-layer-freq"), Some("\"[0,1,1,1,1,1]\""));
+        assert_eq!(arg(&s, "--moe-shared-expert-gate"), None);
+        // Qwen2-MoE's: a gated shared expert, the top-k weights as the softmax gives them.
+        let q = TransformerConfig {
+            moe: m.moe.map(|x| parallax_ir::models::MoeConfig {
+                shared_gate: true,
+                norm_top_k: false,
+                ..x
+            }),
+            ..m.clone()
+        };
+        let s = export(Engine::Megatron, &plan(l, Precision::Bf16), &q).unwrap();
+        assert_eq!(arg(&s, "--moe-shared-expert-gate"), Some(""));
+        assert_eq!(arg(&s, "--moe-router-pre-softmax"), Some(""));
     }
 
     #[test]
