@@ -55,6 +55,37 @@ fn mixtral(layers: u32) -> TransformerConfig {
     }
 }
 
+/// DeepSeek-V3's mixture, small: a leading dense layer, then 8 experts (top-2) scored by
+/// sigmoid within the best 2 of 4 groups, scaled 2.5, beside a shared expert.
+fn deepseek_moe(layers: u32) -> TransformerConfig {
+    TransformerConfig {
+        moe: Some(parallax_ir::models::MoeConfig {
+            router: parallax_ir::models::Router::Sigmoid,
+            groups: 4,
+            groups_per_token: 2,
+            routed_scale_permille: 2500,
+            shared_ffn_hidden: 48,
+            dense_layers_first: 1,
+            dense_ffn_hidden: 72,
+            ..parallax_ir::models::MoeConfig::routed(8, 2)
+        }),
+        ..llama(layers)
+    }
+}
+
+/// Qwen2-MoE's mixture, small: unnormalised softmax weights beside a gated shared expert.
+fn qwen2_moe(layers: u32) -> TransformerConfig {
+    TransformerConfig {
+        moe: Some(parallax_ir::models::MoeConfig {
+            norm_top_k: false,
+            shared_ffn_hidden: 40,
+            shared_gate: true,
+            ..parallax_ir::models::MoeConfig::routed(4, 2)
+        }),
+        ..llama(layers)
+    }
+}
+
 fn pp(stages: u32, schedule: Schedule) -> Layout {
     Layout {
         pp: stages,
@@ -100,6 +131,26 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
                 sequence_parallel: true,
                 ep: 4,
                 etp: Some(1),
+                ..d()
+            },
+        ),
+        (
+            "deepseek_moe_tp2_sp_ep2_etp1",
+            deepseek_moe(2),
+            Layout {
+                tp: 2,
+                sequence_parallel: true,
+                ep: 2,
+                etp: Some(1),
+                ..d()
+            },
+        ),
+        (
+            "qwen2_moe_dp2_ep2",
+            qwen2_moe(2),
+            Layout {
+                dp: 2,
+                ep: 2,
                 ..d()
             },
         ),
