@@ -1000,23 +1000,10 @@ fn block_fwd_inner(
     };
     // Gated, the shared experts' output is kept as it was for the gate's gradient.
     let (dense, shared_out) = match (dense, &gate) {
-        (Some(m), Some(g)) => {
-            let mut gated = m.clone();
-            for (row, gv) in gated.chunks_exact_mut(h).zip(g) {
-                row.iter_mut().for_each(|v| *v *= gv);
-            }
-            (Some(gated), Some(m))
-        }
+        (Some(m), Some(g)) => (Some(scale_rows(m.clone(), g)), Some(m)),
         (dense, _) => (dense, None),
     };
-    let mut m = match (routed, dense) {
-        (Some(mut a), Some(b)) => {
-            add_into(&mut a, &b);
-            a
-        }
-        (Some(a), None) | (None, Some(a)) => a,
-        (None, None) => unreachable!("a block has routed experts or a dense MLP"),
-    };
+    let mut m = sum_parts(routed, dense);
     add_into(&mut m, &x2);
     let saved = (keep != Keep::Input).then(|| BlockSaved {
         n1,
@@ -1039,6 +1026,27 @@ fn block_fwd_inner(
         moe,
     });
     Ok((m, saved))
+}
+
+/// `x` (rows of equal width) with row `i` scaled by `by[i]`.
+fn scale_rows(mut x: Vec<f32>, by: &[f32]) -> Vec<f32> {
+    let width = x.len() / by.len().max(1);
+    for (row, k) in x.chunks_exact_mut(width.max(1)).zip(by) {
+        row.iter_mut().for_each(|v| *v *= k);
+    }
+    x
+}
+
+/// The MLP's output (or input gradient): the routed experts' part plus the dense MLP's.
+fn sum_parts(routed: Option<Vec<f32>>, dense: Option<Vec<f32>>) -> Vec<f32> {
+    match (routed, dense) {
+        (Some(mut a), Some(b)) => {
+            add_into(&mut a, &b);
+            a
+        }
+        (Some(a), None) | (None, Some(a)) => a,
+        (None, None) => unreachable!("a block has routed experts or a dense MLP"),
+    }
 }
 
 /// GeLU(u), or SiLU(gate) · up for SwiGLU.
@@ -1132,7 +1140,7 @@ pub fn block_bwd(
         } else {
             tp.own_rows(s.n2.clone())?
         };
-        mm_tn(&mut g[r.clone()], &local, &dz, rows, h, 1, true);
+        wgrad(g, r, &local, &dz, rows, h, 1);
         let mut dn = vec![0.0; rows * h];
         mm_nt(&mut dn, &dz, &p[r.clone()], rows, h, 1, false);
         dgate = Some(dn);
@@ -1140,13 +1148,7 @@ pub fn block_bwd(
     let dense = if l.has_dense_mlp() {
         let n2 = s.shared_n2.as_ref().unwrap_or(&s.n2);
         let dx2 = match &s.gate {
-            Some(gv) => {
-                let mut d = dx2.clone();
-                for (row, gv) in d.chunks_exact_mut(h).zip(gv) {
-                    row.iter_mut().for_each(|v| *v *= gv);
-                }
-                d
-            }
+            Some(gv) => scale_rows(dx2.clone(), gv),
             None => dx2.clone(),
         };
         if let Some(r) = &l.b_out {
@@ -1191,14 +1193,7 @@ pub fn block_bwd(
     } else {
         None
     };
-    let mut dn2 = match (routed, dense) {
-        (Some(mut a), Some(b)) => {
-            add_into(&mut a, &b);
-            a
-        }
-        (Some(a), None) | (None, Some(a)) => a,
-        (None, None) => unreachable!("a block has routed experts or a dense MLP"),
-    };
+    let mut dn2 = sum_parts(routed, dense);
     if let Some(d) = dgate {
         add_into(&mut dn2, &d);
     }
