@@ -758,6 +758,17 @@ impl TransformerConfig {
             if m.has_dense_layers() && m.dense_ffn_hidden == 0 {
                 return Err("moe: dense layers need dense_ffn_hidden".into());
             }
+            // Group-limited routing: equal groups, and enough experts in the kept ones for
+            // the top-k (DeepSeek's `n_group` / `topk_group`).
+            if m.groups > 1 && m.groups_per_token > 0 {
+                let (g, keep) = (u64::from(m.groups), u64::from(m.groups_per_token));
+                if m.experts % g != 0 || keep > g || keep * (m.experts / g) < m.top_k {
+                    return Err(format!(
+                        "moe: groups ({g}) must divide experts ({}), and groups_per_token ({keep}) be at most groups and hold the top_k ({}) experts",
+                        m.experts, m.top_k
+                    ));
+                }
+            }
             let wide = [
                 ("moe.shared_ffn_hidden", m.shared_ffn_hidden),
                 ("moe.dense_ffn_hidden", m.dense_ffn_hidden),
@@ -1789,6 +1800,27 @@ mod tests {
         assert!(c.validate().unwrap_err().contains("groups"));
         c.hybrid.as_mut().unwrap().mamba.groups = 0;
         assert!(c.validate().unwrap_err().contains("hybrid.mamba.groups 0"));
+    }
+
+    /// Group-limited routing needs equal groups and enough experts in the kept ones.
+    #[test]
+    fn routing_groups_must_divide_the_experts_and_hold_the_top_k() {
+        let with = |groups, groups_per_token, top_k| TransformerConfig {
+            moe: Some(MoeConfig {
+                groups,
+                groups_per_token,
+                ..MoeConfig::routed(8, top_k)
+            }),
+            ..TransformerConfig::llama(2, 32, 4, 4, 64, 64, 16)
+        };
+        assert!(with(4, 2, 2).validate().is_ok());
+        assert!(with(4, 1, 2).validate().is_ok());
+        for (g, keep, k) in [(3, 1, 2), (4, 5, 2), (4, 1, 3)] {
+            let e = with(g, keep, k).validate().unwrap_err();
+            assert!(e.contains("moe: groups"), "{e}");
+        }
+        // Without a limit the groups are not checked.
+        assert!(with(3, 0, 2).validate().is_ok());
     }
 
     #[test]
