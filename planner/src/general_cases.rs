@@ -106,6 +106,12 @@ const WIKIPEDIA_PADDING_AT_512: f64 = 0.5;
 /// sample, about half a bin above the mean.
 const LDDL_PHASE2_BIN: u64 = 64;
 
+/// Length buckets of NVIDIA's MLPerf GNMT loader (`rnn_translator`, `--num-buckets` 5): its
+/// `BucketingSampler` bins each sentence pair by the longer side into `num_buckets` bins of
+/// `(max_len + num_buckets − 1) / num_buckets` tokens, every batch draws from one bin and is
+/// padded to its longest sentence — about half a bin above the mean, as the LDDL bins above.
+const GNMT_BUCKETS: u64 = 5;
+
 /// The zoo model a case names, for the framework that ran it.
 fn zoo_name<'a>(name: &'a str, framework: &str) -> &'a str {
     match name {
@@ -179,8 +185,18 @@ impl GeneralCase {
     fn seq(&self, model: &Model) -> u64 {
         let i = &self.model.input;
         match (i.mean_tokens_per_sentence_pair_derived, i.seq_len) {
-            // Source plus target tokens: one side is half.
-            (Some(mean), _) => ((mean / 2.0).round() as u64).max(1),
+            // Source plus target tokens: one side is half, padded within its bucket.
+            (Some(mean), max) => {
+                let side = mean / 2.0;
+                let padded = match max.filter(|_| self.source.starts_with("mlperf")) {
+                    Some(max) => {
+                        let width = (max + GNMT_BUCKETS - 1) / GNMT_BUCKETS;
+                        (side + width as f64 / 2.0).min(max as f64)
+                    }
+                    None => side,
+                };
+                (padded.round() as u64).max(1)
+            }
             (None, Some(512)) if self.lddl_binned() => {
                 let real = 512.0 * (1.0 - WIKIPEDIA_PADDING_AT_512);
                 (real as u64 + LDDL_PHASE2_BIN / 2).min(512)
@@ -369,6 +385,21 @@ mod tests {
             .run();
         assert_eq!(odd.status, "ok");
         assert!(odd.layout.unwrap().contains("mb=126"));
+    }
+
+    /// MLPerf GNMT's bucketing sampler: 5 buckets of 15 tokens up to 75; a batch is padded
+    /// about half a bucket above a side's mean (56 tokens a pair: 28 + 7.5).
+    #[test]
+    fn bucketed_translation_computes_its_mean_padded_length() {
+        let cases = general_json();
+        let c = cases
+            .iter()
+            .find(|c| c.id() == "mlperf-v0.7-gnmt-v2-v100-16gb-8g-b2048-fp16")
+            .unwrap();
+        let crate::Case::General(g) = c else {
+            panic!("a general case")
+        };
+        assert_eq!(g.seq(&load_model("gnmt-v2").unwrap()), 36);
     }
 
     /// DeepLearningExamples' phase 2 loads length bins of 64 tokens: a sample of Wikipedia's
