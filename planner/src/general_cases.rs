@@ -190,7 +190,7 @@ impl GeneralCase {
                 let side = mean / 2.0;
                 let padded = match max.filter(|_| self.source.starts_with("mlperf")) {
                     Some(max) => {
-                        let width = (max + GNMT_BUCKETS - 1) / GNMT_BUCKETS;
+                        let width = max.div_ceil(GNMT_BUCKETS);
                         (side + width as f64 / 2.0).min(max as f64)
                     }
                     None => side,
