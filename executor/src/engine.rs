@@ -415,6 +415,12 @@ impl Prepared {
                     .into(),
             );
         }
+        if topo.cp > 1 && dims.sinks {
+            return bad(
+                "context parallelism over attention with sinks is planned, not run, by the executor"
+                    .into(),
+            );
+        }
         if topo.cp > 1 && seq % (2 * topo.cp) != 0 {
             return bad(format!(
                 "context parallelism splits each sequence into 2 × cp = {} chunks: seq {seq} is not a multiple",

@@ -76,6 +76,8 @@ pub struct Dims {
     pub shared_ffn: usize,
     /// Their output gated per token (Qwen2-MoE's `shared_expert_gate`).
     pub shared_gate: bool,
+    /// A learned sink logit per head in every attention softmax (GPT-OSS).
+    pub sinks: bool,
 }
 
 impl Dims {
@@ -86,7 +88,6 @@ impl Dims {
             (c.mla.is_some(), "latent attention"),
             (c.mtp_layers > 0, "multi-token prediction modules"),
             (c.hybrid.is_some(), "hybrid Mamba-2 stacks"),
-            (c.attention_sinks, "attention sinks"),
             (c.qk_norm, "query/key norms"),
         ];
         if let Some((_, what)) = planned_only.iter().find(|(has, _)| *has) {
@@ -144,6 +145,7 @@ impl Dims {
             dense_ffn: us(c.dense_ffn())?,
             shared_ffn: us(c.moe.map_or(0, |m| m.shared_ffn_hidden))?,
             shared_gate: c.moe.is_some_and(|m| m.shared_gate),
+            sinks: c.attention_sinks,
         })
     }
 
@@ -428,6 +430,8 @@ pub struct BlockLayout {
     moe: Option<MoeLayout>,
     /// The keys this layer's queries see: all up to their own, or a sliding window of them.
     window: Option<usize>,
+    /// GPT-OSS's attention sinks, one learned logit per query head (split with the heads).
+    sinks: Option<Range<usize>>,
     /// Width of its dense MLP: a dense layer's, or an MoE layer's shared experts (0: none;
     /// the routed experts are `Dims::ffn` wide).
     ffn: usize,
@@ -472,6 +476,7 @@ impl BlockLayout {
         let wv = b.add(p("attn.wv"), &[h, kw], kv, w);
         let bv = opt(b, d.bias, "attn.bv", &[kw], kv_bias);
         let wo = b.add(p("attn.wo"), &[qw, h], Split::Dim(0), Init::Normal(out_std));
+        let sinks = opt(b, d.sinks, "attn.sinks", &[d.heads], Split::Dim(0));
         let bo = opt(b, d.bias, "attn.bo", &[h], Split::Replicated);
         let ln2_w = b.add(p("ln2.weight"), &[h], Split::Replicated, Init::Ones);
         let ln2_b = opt(b, nb, "ln2.bias", &[h], Split::Replicated);
@@ -566,6 +571,7 @@ impl BlockLayout {
             w_out,
             b_out,
             shared_gate,
+            sinks,
             moe,
             ffn: dense_f,
             // The model's rule for which layers attend to all keys.
@@ -926,6 +932,7 @@ fn block_fwd_inner(
                 nkv,
                 hd,
                 l.window,
+                slice(p, &l.sinks),
                 keep == Keep::All,
             );
             (o, probs, None)
@@ -1252,6 +1259,8 @@ pub fn block_bwd(
                 nkv,
                 hd,
                 l.window,
+                slice(p, &l.sinks),
+                l.sinks.as_ref().map(|r| &mut g[r.clone()]),
             );
             (dq, dk, dv)
         }
@@ -1705,6 +1714,11 @@ mod tests {
             attention_sinks: true,
             ..tiny.clone()
         };
+        // GPT-OSS's sinks: one logit per head, split with the heads.
+        let ds = Dims::from_config(&sinks).unwrap();
+        let mut tb = SlotBuilder::new(2);
+        let l = BlockLayout::build(&ds, 0, &mut tb, &mut eb);
+        assert_eq!(l.sinks.map(|r| r.len()), Some(ds.heads / 2));
         let qk = TransformerConfig {
             qk_norm: true,
             ..tiny.clone()
@@ -1746,7 +1760,6 @@ mod tests {
         assert_eq!((l.ffn, l.shared_gate.map(|r| r.len())), (64, Some(d.h)));
         for (c, what) in [
             (qk, "query/key norms"),
-            (sinks, "attention sinks"),
             (latent, "latent attention"),
             (mtp, "multi-token prediction"),
             (hybrid, "hybrid Mamba-2"),

@@ -545,7 +545,9 @@ pub fn rope(
 /// heads (GQA), head size `hd`. `q` is `batch·sq × heads·hd`, `k`/`v` are
 /// `batch·sk × kv_heads·hd`. Writes `o` (`batch·sq × heads·hd`) and returns the attention
 /// probabilities (`batch · heads · sq · sk`) when `keep_probs`. With a sliding `window`, a query
-/// attends to the `window` latest keys up to its own position.
+/// attends to the `window` latest keys up to its own position. With `sinks` (one logit per
+/// head, GPT-OSS's attention sinks) each row's softmax also counts a sink that holds no value:
+/// the probabilities of the keys sum to less than one.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_fwd(
     o: &mut [f32],
@@ -559,6 +561,7 @@ pub fn attention_fwd(
     kv_heads: usize,
     hd: usize,
     window: Option<usize>,
+    sinks: Option<&[f32]>,
     keep_probs: bool,
 ) -> Option<Vec<f32>> {
     let sq = q_pos.len();
@@ -566,7 +569,10 @@ pub fn attention_fwd(
     let mut p = vec![0.0f32; sq * sk];
     for b in 0..batch {
         for hh in 0..heads {
-            attention_probs(&mut p, q, k, b, hh, q_pos, sk, heads, kv_heads, hd, window);
+            let sink = sinks.map(|s| s[hh]);
+            attention_probs(
+                &mut p, q, k, b, hh, q_pos, sk, heads, kv_heads, hd, window, sink,
+            );
             let kvh = hh / (heads / kv_heads);
             let (qw, kw) = (heads * hd, kv_heads * hd);
             matmul(
@@ -587,7 +593,7 @@ pub fn attention_fwd(
 
 /// Softmax(q kᵀ / √hd) with a causal mask (key position ≤ query position; with a sliding
 /// `window`, also above query position − window) for one sequence and head, into `p`
-/// (`sq × sk`).
+/// (`sq × sk`); a `sink` logit joins each row's normaliser.
 #[allow(clippy::too_many_arguments)]
 fn attention_probs(
     p: &mut [f32],
@@ -601,6 +607,7 @@ fn attention_probs(
     kv_heads: usize,
     hd: usize,
     window: Option<usize>,
+    sink: Option<f32>,
 ) {
     let sq = q_pos.len();
     let kvh = hh / (heads / kv_heads);
@@ -617,12 +624,12 @@ fn attention_probs(
         let row = &mut p[i * sk..(i + 1) * sk];
         let seen = (pos + 1).min(sk);
         let first = window.map_or(0, |w| (pos + 1).saturating_sub(w)).min(seen);
-        let mut mx = f32::NEG_INFINITY;
+        let mut mx = sink.unwrap_or(f32::NEG_INFINITY);
         for x in &mut row[first..seen] {
             *x *= scale;
             mx = mx.max(*x);
         }
-        let mut sum = 0.0;
+        let mut sum = sink.map_or(0.0, |s| (s - mx).exp());
         for x in &mut row[first..seen] {
             *x = (*x - mx).exp();
             sum += *x;
@@ -637,9 +644,10 @@ fn attention_probs(
     }
 }
 
-/// Backward of [`attention_fwd`]: accumulates into `dq`, `dk`, `dv` (callers zero them). Uses
-/// the saved probabilities when given, else recomputes them from `q` and `k` (selective
-/// recomputation).
+/// Backward of [`attention_fwd`]: accumulates into `dq`, `dk`, `dv` (callers zero them) and,
+/// with sinks, their gradient into `dsinks`: a row's sink, holding no value, takes
+/// `−p_sink · rowsum(dP ⊙ P)`. Uses the saved probabilities when given, else recomputes them
+/// from `q` and `k` (selective recomputation).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd(
     dq: &mut [f32],
@@ -657,6 +665,8 @@ pub fn attention_bwd(
     kv_heads: usize,
     hd: usize,
     window: Option<usize>,
+    sinks: Option<&[f32]>,
+    mut dsinks: Option<&mut [f32]>,
 ) {
     let sq = q_pos.len();
     let (qw, kw) = (heads * hd, kv_heads * hd);
@@ -673,7 +683,18 @@ pub fn attention_bwd(
                 }
                 None => {
                     attention_probs(
-                        &mut p_buf, q, k, b, hh, q_pos, sk, heads, kv_heads, hd, window,
+                        &mut p_buf,
+                        q,
+                        k,
+                        b,
+                        hh,
+                        q_pos,
+                        sk,
+                        heads,
+                        kv_heads,
+                        hd,
+                        window,
+                        sinks.map(|s| s[hh]),
                     );
                     &p_buf
                 }
@@ -700,6 +721,9 @@ pub fn attention_bwd(
                 let pr = &p[i * sk..(i + 1) * sk];
                 let dr = &mut dp[i * sk..(i + 1) * sk];
                 let dot: f32 = pr.iter().zip(dr.iter()).map(|(a, b)| a * b).sum();
+                if let Some(ds) = dsinks.as_deref_mut() {
+                    ds[hh] -= (1.0 - pr.iter().sum::<f32>()) * dot;
+                }
                 for (d, pv) in dr.iter_mut().zip(pr) {
                     *d = pv * (*d - dot) * scale;
                 }
@@ -935,33 +959,50 @@ mod tests {
         // with cp = 4... here 2 of 2·cp chunks of one row each) against every key.
         // A sliding window of 2 keys too.
         let square: Vec<usize> = (0..4).collect();
-        for (q_pos, sk, window) in [
-            (square.clone(), 4, None),
-            (vec![1, 6], 8, None),
-            (square, 4, Some(2)),
+        // And GPT-OSS's sinks, one logit per head.
+        for (q_pos, sk, window, sunk) in [
+            (square.clone(), 4, None, false),
+            (vec![1, 6], 8, None, false),
+            (square.clone(), 4, Some(2), false),
+            (square.clone(), 4, None, true),
+            (square, 4, Some(2), true),
         ] {
             let (batch, heads, kvh, hd) = (2, 4, 2, 4);
+            let sinks = sunk.then(|| rand(heads, 11));
             let sq = q_pos.len();
             let q = rand(batch * sq * heads * hd, 7);
             let k = rand(batch * sk * kvh * hd, 8);
             let v = rand(batch * sk * kvh * hd, 9);
             let d_o = rand(batch * sq * heads * hd, 10);
-            let run = |q: &[f32], k: &[f32], v: &[f32]| {
+            let run_with = |q: &[f32], k: &[f32], v: &[f32], sinks: Option<&[f32]>| {
                 let mut o = vec![0.0; batch * sq * heads * hd];
                 attention_fwd(
-                    &mut o, q, k, v, batch, &q_pos, sk, heads, kvh, hd, window, false,
+                    &mut o, q, k, v, batch, &q_pos, sk, heads, kvh, hd, window, sinks, false,
                 );
                 o.iter()
                     .zip(&d_o)
                     .map(|(a, b)| f64::from(a * b))
                     .sum::<f64>()
             };
+            let run = |q: &[f32], k: &[f32], v: &[f32]| run_with(q, k, v, sinks.as_deref());
             let mut o = vec![0.0; batch * sq * heads * hd];
             let probs = attention_fwd(
-                &mut o, &q, &k, &v, batch, &q_pos, sk, heads, kvh, hd, window, true,
+                &mut o,
+                &q,
+                &k,
+                &v,
+                batch,
+                &q_pos,
+                sk,
+                heads,
+                kvh,
+                hd,
+                window,
+                sinks.as_deref(),
+                true,
             );
             // The window masks the keys before it: query 3 sees keys 2 and 3 only.
-            if let (Some(w), Some(p)) = (window, probs.as_deref()) {
+            if let (Some(w), Some(p), false) = (window, probs.as_deref(), sunk) {
                 let row = &p[3 * sk..4 * sk];
                 assert!(row[..4 - w].iter().all(|&x| x == 0.0), "{row:?}");
                 assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
@@ -969,13 +1010,35 @@ mod tests {
             for saved in [probs.as_deref(), None] {
                 let (mut dq, mut dk, mut dv) =
                     (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+                let mut ds = vec![0.0; heads];
                 attention_bwd(
-                    &mut dq, &mut dk, &mut dv, &d_o, &q, &k, &v, saved, batch, &q_pos, sk, heads,
-                    kvh, hd, window,
+                    &mut dq,
+                    &mut dk,
+                    &mut dv,
+                    &d_o,
+                    &q,
+                    &k,
+                    &v,
+                    saved,
+                    batch,
+                    &q_pos,
+                    sk,
+                    heads,
+                    kvh,
+                    hd,
+                    window,
+                    sinks.as_deref(),
+                    sinks.as_ref().map(|_| &mut ds[..]),
                 );
                 check_grad(&q, &dq, |x| run(x, &k, &v));
                 check_grad(&k, &dk, |x| run(&q, x, &v));
                 check_grad(&v, &dv, |x| run(&q, &k, x));
+                if let Some(s) = &sinks {
+                    check_grad(s, &ds, |x| run_with(&q, &k, &v, Some(x)));
+                    // A sink takes probability from every row.
+                    let p = probs.as_deref().unwrap();
+                    assert!(p[..sk].iter().sum::<f32>() < 1.0 - 1e-3);
+                }
             }
         }
     }

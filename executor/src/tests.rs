@@ -78,6 +78,19 @@ fn qwen2_moe(layers: u32) -> TransformerConfig {
     }
 }
 
+/// GPT-OSS's attention, small: attention sinks on every layer, every other layer a sliding
+/// window of 4 keys, beneath a mixture of 4 experts (top-2).
+fn gpt_oss(layers: u32) -> TransformerConfig {
+    TransformerConfig {
+        attention_sinks: true,
+        sliding_window: Some(parallax_ir::models::SlidingWindow {
+            size: 4,
+            full_every: 2,
+        }),
+        ..mixtral(layers)
+    }
+}
+
 /// Llama layers without position embeddings (NoPE), every other one attending to the 4
 /// latest keys only (GPT-OSS's alternation).
 fn windowed_nope(layers: u32) -> TransformerConfig {
@@ -270,6 +283,10 @@ equivalence! {
     qwen2_moe_tp2_sp_ep2_etp1: qwen2_moe(2), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), ..Layout::default() };
     qwen2_moe_tp2_sp_pp2_full_recompute: qwen2_moe(4), Layout { tp: 2, sequence_parallel: true, recompute: Recompute::Full, ..pp(2, Schedule::OneFOneB) };
     qwen2_moe_dp2_tp2: qwen2_moe(2), Layout { dp: 2, tp: 2, ..Layout::default() };
+    // Attention sinks (GPT-OSS), with windows and experts.
+    gpt_oss_tp2_sp_ep2_etp1: gpt_oss(2), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), ..Layout::default() };
+    gpt_oss_dp2_ep2_pp2_zb_h1_selective: gpt_oss(4), Layout { dp: 2, ep: 2, recompute: Recompute::Selective, ..pp(2, Schedule::ZeroBubbleH1) };
+    gpt_oss_tp2_full_recompute_zero1: gpt_oss(2), Layout { tp: 2, zero_stage: 1, dp: 2, recompute: Recompute::Full, ..Layout::default() };
     // Sliding windows alternating with full attention, no position embedding.
     windowed_nope_tp2_sp_pp2: windowed_nope(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
     windowed_nope_dp2_zero1_selective: windowed_nope(4), Layout { dp: 2, zero_stage: 1, recompute: Recompute::Selective, ..Layout::default() };
@@ -299,6 +316,27 @@ fn the_window_and_the_position_embedding_change_what_is_trained() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("sliding-window"), "{e}");
+    // Sinks are trained as themselves, and refused under context parallelism by name.
+    let no_sinks = TransformerConfig {
+        attention_sinks: false,
+        ..gpt_oss(2)
+    };
+    let sunk = reference(&gpt_oss(2));
+    assert_ne!(reference(&no_sinks).0, sunk.0);
+    assert_eq!(sunk.1.tensors["layers.0.attn.sinks"].shape, [4]);
+    let e = run_threads(&spec(
+        TransformerConfig {
+            sliding_window: None,
+            ..gpt_oss(2)
+        },
+        Layout {
+            cp: 2,
+            ..Layout::default()
+        },
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("attention with sinks"), "{e}");
 }
 
 #[test]

@@ -86,6 +86,19 @@ fn qwen2_moe(layers: u32) -> TransformerConfig {
     }
 }
 
+/// GPT-OSS's attention, small: sinks on every layer, every other one a window of 4 keys,
+/// beneath Mixtral's experts.
+fn gpt_oss(layers: u32) -> TransformerConfig {
+    TransformerConfig {
+        attention_sinks: true,
+        sliding_window: Some(parallax_ir::models::SlidingWindow {
+            size: 4,
+            full_every: 2,
+        }),
+        ..mixtral(layers)
+    }
+}
+
 fn pp(stages: u32, schedule: Schedule) -> Layout {
     Layout {
         pp: stages,
@@ -137,6 +150,17 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
         (
             "deepseek_moe_tp2_sp_ep2_etp1",
             deepseek_moe(2),
+            Layout {
+                tp: 2,
+                sequence_parallel: true,
+                ep: 2,
+                etp: Some(1),
+                ..d()
+            },
+        ),
+        (
+            "gpt_oss_tp2_sp_ep2_etp1",
+            gpt_oss(2),
             Layout {
                 tp: 2,
                 sequence_parallel: true,
