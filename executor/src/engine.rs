@@ -656,8 +656,9 @@ struct Unit {
     /// Slots that every tensor-parallel rank holds whole (reduced over TP under SP).
     replicated: Vec<Range<usize>>,
     /// Ranges of tensors whose tensor-parallel part other ranks hold too (replicated key/value
-    /// heads), each rank with part of the gradient.
-    kv_shared: Vec<Range<usize>>,
+    /// heads; query/key norms, which every head shares), each rank with part of the gradient:
+    /// with the number of parts the tensor is split into over the tensor-parallel ranks.
+    shared: Vec<(usize, Range<usize>)>,
     /// The replicas this unit's gradients are reduced and its state sharded over: every
     /// replica, or for experts those holding the same ones.
     group: Group,
@@ -682,7 +683,7 @@ impl Unit {
             m: Vec::new(),
             v: Vec::new(),
             replicated: Vec::new(),
-            kv_shared: Vec::new(),
+            shared: Vec::new(),
             group: Group::new(Vec::new()),
         }
     }
@@ -876,11 +877,13 @@ fn init_unit(
         .filter(|s| s.split == Split::Replicated)
         .map(|s| s.range.clone())
         .collect();
-    let kv_shared = plan
+    let shared = plan
         .slots
         .iter()
-        .filter(|s| s.split.shared_part(tp))
-        .map(|s| s.range.clone())
+        .filter_map(|s| match s.split {
+            Split::Parts { parts, .. } if parts < tp => Some((parts, s.range.clone())),
+            _ => None,
+        })
         .collect();
 
     let (params, pshard) = if zero >= 3 {
@@ -907,7 +910,7 @@ fn init_unit(
         m,
         v,
         replicated,
-        kv_shared,
+        shared,
         group,
     }
 }
@@ -1522,22 +1525,29 @@ impl Engine<'_> {
                 self.all_reduce_ranges(u, &ranges, &tp_g)?;
             }
         }
-        // Replicated key/value heads: each rank saw only its own query heads' use of them.
+        // Tensors split into fewer parts than tensor-parallel ranks (replicated key/value
+        // heads; query/key norms, one part): each rank saw only its own query heads' use of
+        // its part, summed over the ranks holding the same one.
         let (t, tp) = (self.coords.2, prep.topo.tp);
-        if prep.dims.kv_heads < tp {
-            let parts = prep.dims.kv_heads;
-            let ranks = self.tp_g.ranks();
-            let kv_g = Group::new(
-                (0..tp)
-                    .filter(|o| o * parts / tp == t * parts / tp)
-                    .map(|o| ranks[o])
-                    .collect(),
-            );
-            for u in 0..self.units.len() {
-                let ranges = self.units[u].kv_shared.clone();
-                if !ranges.is_empty() {
-                    self.all_reduce_ranges(u, &ranges, &kv_g)?;
-                }
+        for u in 0..self.units.len() {
+            let mut parts: Vec<usize> = self.units[u].shared.iter().map(|(p, _)| *p).collect();
+            parts.sort_unstable();
+            parts.dedup();
+            for p in parts {
+                let ranges: Vec<Range<usize>> = self.units[u]
+                    .shared
+                    .iter()
+                    .filter(|(q, _)| *q == p)
+                    .map(|(_, r)| r.clone())
+                    .collect();
+                let ranks = self.tp_g.ranks();
+                let g = Group::new(
+                    (0..tp)
+                        .filter(|o| o * p / tp == t * p / tp)
+                        .map(|o| ranks[o])
+                        .collect(),
+                );
+                self.all_reduce_ranges(u, &ranges, &g)?;
             }
         }
         // Tied embedding and LM head on the first and last stage.

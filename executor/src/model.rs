@@ -78,6 +78,8 @@ pub struct Dims {
     pub shared_gate: bool,
     /// A learned sink logit per head in every attention softmax (GPT-OSS).
     pub sinks: bool,
+    /// RMSNorms over each query and key head before the rotary embedding (Qwen3, Gemma 3).
+    pub qk_norm: bool,
 }
 
 impl Dims {
@@ -88,7 +90,6 @@ impl Dims {
             (c.mla.is_some(), "latent attention"),
             (c.mtp_layers > 0, "multi-token prediction modules"),
             (c.hybrid.is_some(), "hybrid Mamba-2 stacks"),
-            (c.qk_norm, "query/key norms"),
         ];
         if let Some((_, what)) = planned_only.iter().find(|(has, _)| *has) {
             return Err(format!(
@@ -146,6 +147,7 @@ impl Dims {
             shared_ffn: us(c.moe.map_or(0, |m| m.shared_ffn_hidden))?,
             shared_gate: c.moe.is_some_and(|m| m.shared_gate),
             sinks: c.attention_sinks,
+            qk_norm: c.qk_norm,
         })
     }
 
@@ -229,12 +231,6 @@ impl Split {
             Split::Parts { dim, parts } => Some((dim, parts, at.t * parts / at.tp)),
             Split::Experts => Some((0, at.ep, at.e)),
         }
-    }
-
-    /// Whether ranks holding the same part each see only some of its gradient (a replicated
-    /// key/value head: each rank's own query heads).
-    pub fn shared_part(self, tp: usize) -> bool {
-        matches!(self, Split::Parts { parts, .. } if parts < tp)
     }
 }
 
@@ -432,6 +428,10 @@ pub struct BlockLayout {
     window: Option<usize>,
     /// GPT-OSS's attention sinks, one learned logit per query head (split with the heads).
     sinks: Option<Range<usize>>,
+    /// Qwen3's query and key norms, `[head_dim]` each, shared by every head: whole on every
+    /// tensor-parallel rank, each of which sees only its own heads' share of the gradient.
+    q_norm: Option<Range<usize>>,
+    k_norm: Option<Range<usize>>,
     /// Width of its dense MLP: a dense layer's, or an MoE layer's shared experts (0: none;
     /// the routed experts are `Dims::ffn` wide).
     ffn: usize,
@@ -477,6 +477,15 @@ impl BlockLayout {
         let bv = opt(b, d.bias, "attn.bv", &[kw], kv_bias);
         let wo = b.add(p("attn.wo"), &[qw, h], Split::Dim(0), Init::Normal(out_std));
         let sinks = opt(b, d.sinks, "attn.sinks", &[d.heads], Split::Dim(0));
+        let shared_by_heads = Split::Parts { dim: 0, parts: 1 };
+        let (q_norm, k_norm) = if d.qk_norm {
+            (
+                Some(b.add(p("attn.q_norm"), &[d.hd], shared_by_heads, Init::Ones)),
+                Some(b.add(p("attn.k_norm"), &[d.hd], shared_by_heads, Init::Ones)),
+            )
+        } else {
+            (None, None)
+        };
         let bo = opt(b, d.bias, "attn.bo", &[h], Split::Replicated);
         let ln2_w = b.add(p("ln2.weight"), &[h], Split::Replicated, Init::Ones);
         let ln2_b = opt(b, nb, "ln2.bias", &[h], Split::Replicated);
@@ -572,6 +581,8 @@ impl BlockLayout {
             b_out,
             shared_gate,
             sinks,
+            q_norm,
+            k_norm,
             moe,
             ffn: dense_f,
             // The model's rule for which layers attend to all keys.
@@ -833,11 +844,22 @@ struct BlockSaved {
     /// The shared experts' gate per row of this rank, and their output before it.
     gate: Option<Vec<f32>>,
     shared_out: Option<Vec<f32>>,
+    /// Queries and keys before their norms, with the norms' statistics.
+    qk_pre: Option<QkPre>,
     st2: Vec<[f32; 2]>,
     u: Vec<f32>,
     up: Option<Vec<f32>>,
     act: Option<Vec<f32>>,
     moe: Option<MoeSaved>,
+}
+
+/// Queries and keys before the query/key norms, and the norms' per-head statistics.
+#[derive(Debug)]
+struct QkPre {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    sq: Vec<[f32; 2]>,
+    sk: Vec<[f32; 2]>,
 }
 
 fn slice<'a>(p: &'a [f32], r: &Option<Range<usize>>) -> Option<&'a [f32]> {
@@ -891,6 +913,21 @@ fn block_fwd_inner(
     let mut q = lin(&n1, &l.wq, &l.bq, qw);
     let mut k = lin(&n1, &l.wk, &l.bk, kw);
     let v = lin(&n1, &l.wv, &l.bv, kw);
+    // Query and key norms: each head's vector RMS-normalised, before the rotary embedding.
+    let qk_pre = match (&l.q_norm, &l.k_norm) {
+        (Some(qn), Some(kn)) => {
+            let (q0, k0) = (q.clone(), k.clone());
+            let sq = norm_fwd(&mut q, &q0, &p[qn.clone()], None, true);
+            let sk = norm_fwd(&mut k, &k0, &p[kn.clone()], None, true);
+            Some(QkPre {
+                q: q0,
+                k: k0,
+                sq,
+                sk,
+            })
+        }
+        _ => None,
+    };
     let pos = pass.positions();
     let lseq = pos.len();
     if d.rope {
@@ -1026,6 +1063,7 @@ fn block_fwd_inner(
         shared_n2,
         gate,
         shared_out,
+        qk_pre,
         st2,
         u,
         up,
@@ -1282,6 +1320,29 @@ pub fn block_bwd(
             |r| pos[r % lseq],
             true,
         );
+    }
+    // Through the query and key norms (their weights' gradients summed over the heads here;
+    // over the tensor-parallel ranks by the gradient sync).
+    if let (Some(pre), Some(qn), Some(kn)) = (&s.qk_pre, &l.q_norm, &l.k_norm) {
+        for (dz, x, st, r) in [
+            (&mut dq, &pre.q, &pre.sq, qn),
+            (&mut dk, &pre.k, &pre.sk, kn),
+        ] {
+            let dy = std::mem::take(dz);
+            let mut dx = vec![0.0; dy.len()];
+            norm_bwd(
+                &mut dx,
+                &dy,
+                x,
+                st,
+                &p[r.clone()],
+                &mut g[r.clone()],
+                None,
+                true,
+                false,
+            );
+            *dz = dx;
+        }
     }
     let mut dn1 = vec![0.0; tt * h];
     for (dz, w, b, n) in [
@@ -1719,10 +1780,17 @@ mod tests {
         let mut tb = SlotBuilder::new(2);
         let l = BlockLayout::build(&ds, 0, &mut tb, &mut eb);
         assert_eq!(l.sinks.map(|r| r.len()), Some(ds.heads / 2));
+        // Qwen3's query and key norms: one weight of a head's width each, whole on every rank.
         let qk = TransformerConfig {
             qk_norm: true,
             ..tiny.clone()
         };
+        let dq = Dims::from_config(&qk).unwrap();
+        let l = BlockLayout::build(&dq, 0, &mut tb, &mut eb);
+        assert_eq!(
+            (l.q_norm.map(|r| r.len()), l.k_norm.map(|r| r.len())),
+            (Some(dq.hd), Some(dq.hd))
+        );
         // DeepSeek-V3's routing is run: sigmoid scores, chosen within the best groups,
         // scaled; the routed layers carry it.
         for (c, want) in [
@@ -1759,7 +1827,6 @@ mod tests {
         let l = BlockLayout::build(&d, 0, &mut b, &mut eb);
         assert_eq!((l.ffn, l.shared_gate.map(|r| r.len())), (64, Some(d.h)));
         for (c, what) in [
-            (qk, "query/key norms"),
             (latent, "latent attention"),
             (mtp, "multi-token prediction"),
             (hybrid, "hybrid Mamba-2"),

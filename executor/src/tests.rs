@@ -91,6 +91,15 @@ fn gpt_oss(layers: u32) -> TransformerConfig {
     }
 }
 
+/// Qwen3's attention, small: RMSNorms over each query and key head before the rotary
+/// embedding, 4 query heads sharing 2 key/value heads.
+fn qwen3(layers: u32) -> TransformerConfig {
+    TransformerConfig {
+        qk_norm: true,
+        ..llama(layers)
+    }
+}
+
 /// Llama layers without position embeddings (NoPE), every other one attending to the 4
 /// latest keys only (GPT-OSS's alternation).
 fn windowed_nope(layers: u32) -> TransformerConfig {
@@ -287,6 +296,11 @@ equivalence! {
     gpt_oss_tp2_sp_ep2_etp1: gpt_oss(2), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), ..Layout::default() };
     gpt_oss_dp2_ep2_pp2_zb_h1_selective: gpt_oss(4), Layout { dp: 2, ep: 2, recompute: Recompute::Selective, ..pp(2, Schedule::ZeroBubbleH1) };
     gpt_oss_tp2_full_recompute_zero1: gpt_oss(2), Layout { tp: 2, zero_stage: 1, dp: 2, recompute: Recompute::Full, ..Layout::default() };
+    // Query and key norms (Qwen3): the norms' weights see each rank's heads only.
+    qwen3_tp2_sp_pp2: qwen3(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
+    qwen3_tp4_replicated_kv_zero2: qwen3(2), Layout { tp: 4, zero_stage: 2, dp: 2, ..Layout::default() };
+    qwen3_cp2_tp2_selective: qwen3(2), Layout { cp: 2, tp: 2, recompute: Recompute::Selective, ..Layout::default() };
+    qwen3_moe_dp2_ep2_full_recompute: TransformerConfig { qk_norm: true, ..mixtral(2) }, Layout { dp: 2, ep: 2, recompute: Recompute::Full, ..Layout::default() };
     // Sliding windows alternating with full attention, no position embedding.
     windowed_nope_tp2_sp_pp2: windowed_nope(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
     windowed_nope_dp2_zero1_selective: windowed_nope(4), Layout { dp: 2, zero_stage: 1, recompute: Recompute::Selective, ..Layout::default() };
@@ -316,6 +330,8 @@ fn the_window_and_the_position_embedding_change_what_is_trained() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("sliding-window"), "{e}");
+    // Query/key norms are trained as themselves.
+    assert_ne!(reference(&qwen3(2)).0, reference(&llama(2)).0);
     // Sinks are trained as themselves, and refused under context parallelism by name.
     let no_sinks = TransformerConfig {
         attention_sinks: false,

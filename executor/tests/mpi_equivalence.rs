@@ -170,6 +170,18 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
             },
         ),
         (
+            "qwen3_tp2_sp_qk_norm",
+            TransformerConfig {
+                qk_norm: true,
+                ..llama(2)
+            },
+            Layout {
+                tp: 2,
+                sequence_parallel: true,
+                ..d()
+            },
+        ),
+        (
             "qwen2_moe_dp2_ep2",
             qwen2_moe(2),
             Layout {
