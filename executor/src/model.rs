@@ -62,6 +62,8 @@ pub struct Dims {
     pub window: Option<SlidingWindow>,
     /// Biases on linear layers.
     pub bias: bool,
+    /// Biases on the query, key and value projections only (Qwen2).
+    pub qkv_bias: bool,
     /// LM head shares the embedding table.
     pub tied: bool,
     /// Mixture-of-experts MLPs: (experts, top-k).
@@ -137,6 +139,7 @@ impl Dims {
                 None => None,
             },
             bias: c.bias,
+            qkv_bias: c.qkv_bias,
             tied: c.tied_embeddings,
             moe: match &c.moe {
                 Some(m) => Some((us(m.experts)?, us(m.top_k)?)),
@@ -465,16 +468,18 @@ impl BlockLayout {
         let ln1_w = b.add(p("ln1.weight"), &[h], Split::Replicated, Init::Ones);
         let ln1_b = opt(b, nb, "ln1.bias", &[h], Split::Replicated);
         let wq = b.add(p("attn.wq"), &[h, qw], Split::Dim(1), w);
-        let bq = opt(b, d.bias, "attn.bq", &[qw], Split::Dim(0));
+        // Qwen2 biases the query, key and value projections alone.
+        let qkv_bias = d.bias || d.qkv_bias;
+        let bq = opt(b, qkv_bias, "attn.bq", &[qw], Split::Dim(0));
         let kv = d.kv_split(b.tp);
         let kv_bias = match kv {
             Split::Parts { parts, .. } => Split::Parts { dim: 0, parts },
             _ => Split::Dim(0),
         };
         let wk = b.add(p("attn.wk"), &[h, kw], kv, w);
-        let bk = opt(b, d.bias, "attn.bk", &[kw], kv_bias);
+        let bk = opt(b, qkv_bias, "attn.bk", &[kw], kv_bias);
         let wv = b.add(p("attn.wv"), &[h, kw], kv, w);
-        let bv = opt(b, d.bias, "attn.bv", &[kw], kv_bias);
+        let bv = opt(b, qkv_bias, "attn.bv", &[kw], kv_bias);
         let wo = b.add(p("attn.wo"), &[qw, h], Split::Dim(0), Init::Normal(out_std));
         let sinks = opt(b, d.sinks, "attn.sinks", &[d.heads], Split::Dim(0));
         let shared_by_heads = Split::Parts { dim: 0, parts: 1 };

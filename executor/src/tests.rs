@@ -65,9 +65,11 @@ fn deepseek_moe(layers: u32) -> TransformerConfig {
 }
 
 /// Qwen2-MoE's mixture, small: softmax scores taken as they are (no renormalisation) beside a
-/// shared expert 40 wide whose output a per-token sigmoid gate scales.
+/// shared expert 40 wide whose output a per-token sigmoid gate scales; biases on the query,
+/// key and value projections alone.
 fn qwen2_moe(layers: u32) -> TransformerConfig {
     TransformerConfig {
+        qkv_bias: true,
         moe: Some(parallax_ir::models::MoeConfig {
             norm_top_k: false,
             shared_ffn_hidden: 40,
@@ -386,6 +388,10 @@ fn deepseek_routing_and_shared_experts_change_what_is_trained() {
     }
     assert_ne!(gated.0, reference(&ungated).0);
     assert_eq!(gated.1.tensors["layers.0.mlp.shared_gate"].shape, [32, 1]);
+    // Its biases: query, key and value only.
+    let t = &gated.1.tensors;
+    assert!(t.contains_key("layers.0.attn.bq") && t.contains_key("layers.0.attn.bv"));
+    assert!(!t.contains_key("layers.0.attn.bo"));
     // The shared expert is a dense MLP of its own width in every MoE layer, none in the dense one.
     let t = &full.1.tensors;
     assert_eq!(t["layers.1.mlp.shared.wg"].shape, [32, 48]);

@@ -73,9 +73,11 @@ fn deepseek_moe(layers: u32) -> TransformerConfig {
     }
 }
 
-/// Qwen2-MoE's mixture, small: unnormalised softmax weights beside a gated shared expert.
+/// Qwen2-MoE's mixture, small: unnormalised softmax weights beside a gated shared expert,
+/// biases on the query, key and value projections alone.
 fn qwen2_moe(layers: u32) -> TransformerConfig {
     TransformerConfig {
+        qkv_bias: true,
         moe: Some(parallax_ir::models::MoeConfig {
             norm_top_k: false,
             shared_ffn_hidden: 40,

@@ -423,12 +423,10 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
             // Gemma ties its LM head to the embedding unless told otherwise.
             let gemma = model_type.starts_with("gemma");
             c.tied_embeddings = flag("tie_word_embeddings", gemma)?;
-            // Qwen2 has biases on the query, key and value projections (its modelling code,
-            // not a config field); the others say so in `attention_bias`.
-            c.bias = flag(
-                "attention_bias",
-                matches!(model_type, "qwen2" | "qwen2_moe"),
-            )?;
+            // Qwen2 has biases on the query, key and value projections only (its modelling
+            // code, not a config field); the others say so in `attention_bias`.
+            c.bias = flag("attention_bias", false)?;
+            c.qkv_bias = !c.bias && matches!(model_type, "qwen2" | "qwen2_moe");
             let act = v
                 .get("hidden_act")
                 .or_else(|| v.get("hidden_activation"))
@@ -890,6 +888,14 @@ mod tests {
                 "{text}: {n} vs {published}"
             );
         }
+        // Qwen2 biases q, k and v alone: Qwen2.5-7B's count is exact (7,615,616,512).
+        let qwen2 = load(cases[0].0).unwrap();
+        let t = qwen2.transformer().unwrap();
+        assert!(t.qkv_bias && !t.bias);
+        assert_eq!(
+            qwen2.graph(1, 16, true).unwrap().param_count(),
+            7_615_616_512
+        );
         let nemotron = load(r#"{"model_type":"nemotron","hidden_size":4096,"intermediate_size":16384,"num_hidden_layers":32,"num_attention_heads":48,"num_key_value_heads":8,"head_dim":128,"vocab_size":256000,"hidden_act":"relu2"}"#).unwrap();
         let t = nemotron.transformer().unwrap();
         assert_eq!((t.mlp, t.norm), (Mlp::SquaredRelu, Norm::LayerNorm));

@@ -367,6 +367,10 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
     }
     if !m.bias {
         a.push("--disable-bias-linear".into());
+        if m.qkv_bias {
+            // Qwen2: biases on the query, key and value projections alone.
+            a.push("--add-qkv-bias".into());
+        }
     }
     if let Some(moe) = m.moe {
         a.push(format!("--num-experts {}", moe.experts));
@@ -1543,8 +1547,16 @@ mod tests {
             }),
             ..m.clone()
         };
-        let s = export(Engine::Megatron, &plan(l, Precision::Bf16), &q).unwrap();
+        let s = export(Engine::Megatron, &plan(l.clone(), Precision::Bf16), &q).unwrap();
         assert_eq!(arg(&s, "--moe-shared-expert-gate"), Some(""));
+        assert_eq!(arg(&s, "--add-qkv-bias"), None);
+        let q = TransformerConfig {
+            qkv_bias: true,
+            ..q
+        };
+        let s = export(Engine::Megatron, &plan(l, Precision::Bf16), &q).unwrap();
+        assert_eq!(arg(&s, "--add-qkv-bias"), Some(""));
+        assert_eq!(arg(&s, "--disable-bias-linear"), Some(""));
         assert_eq!(arg(&s, "--moe-router-pre-softmax"), Some(""));
     }
 

@@ -222,6 +222,10 @@ pub struct TransformerConfig {
     pub position: Position,
     /// Biases on linear layers.
     pub bias: bool,
+    /// Biases on the query, key and value projections only, where `bias` is off (Qwen2's
+    /// modelling code: `q_proj`, `k_proj` and `v_proj` biased, `o_proj` and the MLP not).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub qkv_bias: bool,
     /// LM head shares the embedding table.
     pub tied_embeddings: bool,
     /// Dropout after attention and MLP (and on attention probabilities when unfused).
@@ -581,6 +585,7 @@ impl TransformerConfig {
             norm: Norm::LayerNorm,
             position: Position::Learned,
             bias: true,
+            qkv_bias: false,
             tied_embeddings: true,
             dropout: true,
             causal: true,
@@ -620,6 +625,7 @@ impl TransformerConfig {
             norm: Norm::RmsNorm,
             position: Position::Rope,
             bias: false,
+            qkv_bias: false,
             tied_embeddings: false,
             dropout: false,
             causal: true,
@@ -781,7 +787,7 @@ impl TransformerConfig {
             }
         }
         if let Some(a) = self.mla {
-            if self.bias || self.kv_heads != self.heads {
+            if self.bias || self.qkv_bias || self.kv_heads != self.heads {
                 return Err(
                     "mla: latent attention has no biases and one key/value head per query head"
                         .into(),
@@ -875,7 +881,7 @@ impl TransformerConfig {
             self.heads * self.head_dim,
             self.kv_heads * self.head_dim,
         );
-        let b = u64::from(self.bias);
+        let (b, bqkv) = (u64::from(self.bias), u64::from(self.bias || self.qkv_bias));
         match self.mla {
             Some(a) => {
                 let (heads, dqk) = (self.heads, a.qk_nope_head_dim + a.qk_rope_head_dim);
@@ -888,7 +894,7 @@ impl TransformerConfig {
                     + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim);
                 query + kv + heads * a.v_head_dim * h
             }
-            None => h * (q + 2 * kv) + q * h + b * (q + 2 * kv + h),
+            None => h * (q + 2 * kv) + q * h + bqkv * (q + 2 * kv) + b * h,
         }
     }
 
@@ -1260,9 +1266,10 @@ impl TransformerConfig {
         let o = match self.mla {
             Some(a) => self.latent_attention(g, p, a_in, opts, a, window)?,
             None => {
-                let q = g.linear(&format!("{p}.attn.q"), a_in, self.heads * d, self.bias)?;
-                let k = g.linear(&format!("{p}.attn.k"), a_in, self.kv_heads * d, self.bias)?;
-                let v = g.linear(&format!("{p}.attn.v"), a_in, self.kv_heads * d, self.bias)?;
+                let qkv_bias = self.bias || self.qkv_bias;
+                let q = g.linear(&format!("{p}.attn.q"), a_in, self.heads * d, qkv_bias)?;
+                let k = g.linear(&format!("{p}.attn.k"), a_in, self.kv_heads * d, qkv_bias)?;
+                let v = g.linear(&format!("{p}.attn.v"), a_in, self.kv_heads * d, qkv_bias)?;
                 let mut q = split_heads(g, p, "q", q, [bsz, s, self.heads, d])?;
                 let mut k = split_heads(g, p, "k", k, [bsz, s, self.kv_heads, d])?;
                 let v = split_heads(g, p, "v", v, [bsz, s, self.kv_heads, d])?;
