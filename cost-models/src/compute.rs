@@ -577,7 +577,11 @@ impl<'a> DeviceModel<'a> {
                 }
             }
             _ => {
-                if let Some(c) = eager_chain(op, ins, float_bytes).filter(|_| self.eager) {
+                if let Some(c) = self
+                    .eager
+                    .then(|| eager_chain(op, ins, float_bytes))
+                    .flatten()
+                {
                     // `memory` pays one launch per pass; the chain's other kernels pay theirs.
                     return OpTimes {
                         fwd: self.pointwise(self.memory(c.fwd_bytes), tf)
