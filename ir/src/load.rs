@@ -486,6 +486,11 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                                 field_err(k, format!("{v} is beyond the {} layers", c.layers))
                             })
                     };
+                    let group_count = |k: &str| -> Result<u32, ModelError> {
+                        let v = int(&[k], Some(0))?;
+                        u32::try_from(v)
+                            .map_err(|_| field_err(k, format!("{v} expert groups is too many")))
+                    };
                     let expert = int(&["moe_intermediate_size"], None)?;
                     // DeepSeek-V3's router scores by sigmoid (`scoring_func`, whose default
                     // in its config class is sigmoid too).
@@ -514,8 +519,10 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                         router,
                         norm_top_k: flag("norm_topk_prob", true)?,
                         routed_scale_permille: scale,
-                        groups: small("n_group", 0)?,
-                        groups_per_token: small("topk_group", 0)?,
+                        // Expert groups: counted against the experts by `validate`, not
+                        // against the layers.
+                        groups: group_count("n_group")?,
+                        groups_per_token: group_count("topk_group")?,
                         // Saturating: a hostile count times a width is refused by
                         // `validate`'s bound, not overflowed here.
                         shared_ffn_hidden: int(&["n_shared_experts"], Some(0))?
