@@ -657,8 +657,8 @@ struct Unit {
     replicated: Vec<Range<usize>>,
     /// Ranges of tensors whose tensor-parallel part other ranks hold too (replicated key/value
     /// heads; query/key norms, which every head shares), each rank with part of the gradient:
-    /// with the number of parts the tensor is split into over the tensor-parallel ranks.
-    shared: Vec<(usize, Range<usize>)>,
+    /// by the number of parts they are split into over the tensor-parallel ranks.
+    shared: std::collections::BTreeMap<usize, Vec<Range<usize>>>,
     /// The replicas this unit's gradients are reduced and its state sharded over: every
     /// replica, or for experts those holding the same ones.
     group: Group,
@@ -683,7 +683,7 @@ impl Unit {
             m: Vec::new(),
             v: Vec::new(),
             replicated: Vec::new(),
-            shared: Vec::new(),
+            shared: Default::default(),
             group: Group::new(Vec::new()),
         }
     }
@@ -877,14 +877,14 @@ fn init_unit(
         .filter(|s| s.split == Split::Replicated)
         .map(|s| s.range.clone())
         .collect();
-    let shared = plan
-        .slots
-        .iter()
-        .filter_map(|s| match s.split {
-            Split::Parts { parts, .. } if parts < tp => Some((parts, s.range.clone())),
-            _ => None,
-        })
-        .collect();
+    let mut shared = std::collections::BTreeMap::<usize, Vec<Range<usize>>>::new();
+    for s in &plan.slots {
+        if let Split::Parts { parts, .. } = s.split {
+            if parts < tp {
+                shared.entry(parts).or_default().push(s.range.clone());
+            }
+        }
+    }
 
     let (params, pshard) = if zero >= 3 {
         (Vec::new(), params[shard.clone()].to_vec())
@@ -1530,16 +1530,7 @@ impl Engine<'_> {
         // its part, summed over the ranks holding the same one.
         let (t, tp) = (self.coords.2, prep.topo.tp);
         for u in 0..self.units.len() {
-            let mut parts: Vec<usize> = self.units[u].shared.iter().map(|(p, _)| *p).collect();
-            parts.sort_unstable();
-            parts.dedup();
-            for p in parts {
-                let ranges: Vec<Range<usize>> = self.units[u]
-                    .shared
-                    .iter()
-                    .filter(|(q, _)| *q == p)
-                    .map(|(_, r)| r.clone())
-                    .collect();
+            for (p, ranges) in self.units[u].shared.clone() {
                 let ranks = self.tp_g.ranks();
                 let g = Group::new(
                     (0..tp)

@@ -73,11 +73,6 @@ pub struct Dims {
     pub mixture: Option<MoeConfig>,
     /// Width of a dense layer's MLP ([`TransformerConfig::dense_ffn`]).
     pub dense_ffn: usize,
-    /// Width of an MoE layer's shared experts together (0: none), a dense MLP beside the
-    /// routed experts whose output is added to theirs.
-    pub shared_ffn: usize,
-    /// Their output gated per token (Qwen2-MoE's `shared_expert_gate`).
-    pub shared_gate: bool,
     /// A learned sink logit per head in every attention softmax (GPT-OSS).
     pub sinks: bool,
     /// RMSNorms over each query and key head before the rotary embedding (Qwen3, Gemma 3).
@@ -145,13 +140,21 @@ impl Dims {
                 Some(m) => Some((us(m.experts)?, us(m.top_k)?)),
                 None => None,
             },
-            mixture: c.moe,
             dense_ffn: us(c.dense_ffn())?,
-            shared_ffn: us(c.moe.map_or(0, |m| m.shared_ffn_hidden))?,
-            shared_gate: c.moe.is_some_and(|m| m.shared_gate),
+            // Checked here, read through `Dims::shared_ffn`.
+            mixture: c
+                .moe
+                .map(|m| us(m.shared_ffn_hidden).map(|_| m))
+                .transpose()?,
             sinks: c.attention_sinks,
             qk_norm: c.qk_norm,
         })
+    }
+
+    /// Width of an MoE layer's shared experts together (0: none), a dense MLP beside the
+    /// routed experts whose output is added to theirs.
+    pub fn shared_ffn(&self) -> usize {
+        self.mixture.map_or(0, |m| m.shared_ffn_hidden as usize)
     }
 
     /// The routed experts of layer `layer`, where it is an MoE layer: (experts, top-k).
@@ -170,11 +173,11 @@ impl Dims {
             || !kv_ok
             || self.ffn % tp != 0
             || self.dense_ffn % tp != 0
-            || self.shared_ffn % tp != 0
+            || self.shared_ffn() % tp != 0
         {
             return Err(format!(
                 "tp {tp} must divide heads {} and ffn {} (dense layers {}, shared experts {}), and divide or be a multiple of kv heads {}",
-                self.heads, self.ffn, self.dense_ffn, self.shared_ffn, self.kv_heads
+                self.heads, self.ffn, self.dense_ffn, self.shared_ffn(), self.kv_heads
             ));
         }
         Ok(())
@@ -454,7 +457,7 @@ impl BlockLayout {
             d.dense_ffn
         };
         let dense_f = if experts.is_some() {
-            d.shared_ffn
+            d.shared_ffn()
         } else {
             d.dense_ffn
         };
@@ -533,8 +536,9 @@ impl BlockLayout {
         // The dense MLP: a dense layer's, or an MoE layer's shared experts (split over the
         // tensor-parallel ranks as a dense MLP is, Megatron-Core's shared experts).
         // On the rows of this rank, as the norms before it.
-        let shared_gate = (experts.is_some() && dense_f > 0 && d.shared_gate)
-            .then(|| b.add(p("mlp.shared_gate"), &[h, 1], Split::Replicated, w));
+        let shared_gate =
+            (experts.is_some() && dense_f > 0 && d.mixture.is_some_and(|m| m.shared_gate))
+                .then(|| b.add(p("mlp.shared_gate"), &[h, 1], Split::Replicated, w));
         let m = if experts.is_some() {
             "mlp.shared"
         } else {
