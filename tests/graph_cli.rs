@@ -476,13 +476,14 @@ fn run_learns_a_text_file_and_an_image_set_over_200_steps() {
 }
 
 /// The transformer layouts the executor gained: expert, context and zero-bubble pipeline
-/// parallelism, each trained from the command line.
+/// parallelism, and DeepSeek-V3's latent attention, each trained from the command line.
 #[test]
 fn run_trains_expert_context_and_zero_bubble_layouts() {
     for (model, plan) in [
         ("mixtral-tiny", "dp=2,ep=2"),
         ("llama-tiny", "cp=2"),
         ("gpt-tiny", "pp=2,schedule=zb-h1"),
+        ("deepseek-tiny", "tp=2,sp=true"),
     ] {
         let doc = json(&parallax(&[
             "run",

@@ -1,5 +1,6 @@
 //! The transformer the executor trains: GPT (LayerNorm, GeLU, learned positions, biases, tied
-//! head) and Llama (RMSNorm, SwiGLU, RoPE, GQA, untied head), built from a
+//! head) and Llama (RMSNorm, SwiGLU, RoPE, GQA, untied head) and their descendants (mixtures of
+//! experts, DeepSeek's latent attention, sinks, query/key norms, windows), built from a
 //! [`TransformerConfig`], with Megatron-style tensor-parallel shards and hand-written backward
 //! passes.
 //!
@@ -11,8 +12,8 @@
 //! with an all-reduce after each row-parallel matmul in forward and before each column-parallel
 //! one in backward. Sequence parallelism (Korthikanti et al. 2022) replaces those all-reduces by
 //! reduce-scatter / all-gather pairs and keeps the norms, residuals, embedding and head on a
-//! `1/tp` slice of the tokens. Embeddings and the LM head are replicated across tensor-parallel
-//! ranks (not vocabulary-parallel).
+//! `1/tp` slice of the tokens. Embeddings and the LM head are split by vocabulary over the
+//! tensor-parallel ranks where `tp` divides it, else replicated across them.
 
 use crate::comm::{Collectives, CommError, Group};
 use crate::moe::{moe_bwd, moe_fwd, Ep, MoeLayout, MoeSaved, Routing};
@@ -77,6 +78,36 @@ pub struct Dims {
     pub sinks: bool,
     /// RMSNorms over each query and key head before the rotary embedding (Qwen3, Gemma 3).
     pub qk_norm: bool,
+    /// Multi-head latent attention (DeepSeek-V2, V3) in place of separate query, key and value
+    /// projections; `hd` is then its query/key head width.
+    pub mla: Option<Latent>,
+}
+
+/// Multi-head latent attention's sizes (DeepSeek-V2, Liu et al. 2024): queries projected through
+/// a low-rank latent (`q_rank`, RMS-normalised; 0: projected directly, DeepSeek-V2-Lite), keys
+/// and values through a shared one (`kv_rank`, RMS-normalised); each head's query and key are a
+/// part without position (`nope`) and a rotary part (`rope`, the key's shared by every head and
+/// projected from the input beside the latent), its value `v` wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Latent {
+    pub q_rank: usize,
+    pub kv_rank: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub v: usize,
+}
+
+impl Latent {
+    /// A query's (and key's) width per head.
+    fn qk(&self) -> usize {
+        self.nope + self.rope
+    }
+
+    /// The head width attention runs at: queries, keys and values zero-padded to the wider of
+    /// the query/key and value widths (zeros add nothing to a score or an output).
+    fn width(&self) -> usize {
+        self.qk().max(self.v)
+    }
 }
 
 impl Dims {
@@ -84,7 +115,6 @@ impl Dims {
     pub fn from_config(c: &TransformerConfig) -> Result<Dims, String> {
         c.validate()?;
         let planned_only = [
-            (c.mla.is_some(), "latent attention"),
             (c.mtp_layers > 0, "multi-token prediction modules"),
             (c.hybrid.is_some(), "hybrid Mamba-2 stacks"),
         ];
@@ -114,6 +144,24 @@ impl Dims {
             }
         };
         let us = |x: u64| usize::try_from(x).map_err(|_| format!("dimension {x} is too large"));
+        let mla = match c.mla {
+            Some(a) => {
+                if c.qk_norm || c.attention_sinks {
+                    return Err(
+                        "latent attention with query/key norms or attention sinks is not a model the executor runs"
+                            .into(),
+                    );
+                }
+                Some(Latent {
+                    q_rank: us(a.q_lora_rank)?,
+                    kv_rank: us(a.kv_lora_rank)?,
+                    nope: us(a.qk_nope_head_dim)?,
+                    rope: us(a.qk_rope_head_dim)?,
+                    v: us(a.v_head_dim)?,
+                })
+            }
+            None => None,
+        };
         Ok(Dims {
             layers: c.layers as usize,
             h: us(c.hidden)?,
@@ -148,6 +196,7 @@ impl Dims {
                 .transpose()?,
             sinks: c.attention_sinks,
             qk_norm: c.qk_norm,
+            mla,
         })
     }
 
@@ -181,6 +230,16 @@ impl Dims {
             ));
         }
         Ok(())
+    }
+
+    /// The head width attention runs at (latent attention's zero-padded width, else `hd`).
+    fn att_hd(&self) -> usize {
+        self.mla.map_or(self.hd, |m| m.width())
+    }
+
+    /// A value head's width (the attention output's, per head).
+    fn v_hd(&self) -> usize {
+        self.mla.map_or(self.hd, |m| m.v)
     }
 
     /// Key/value heads a tensor-parallel rank holds (one, replicated, where `tp` exceeds them).
@@ -438,9 +497,62 @@ pub struct BlockLayout {
     /// tensor-parallel rank, each of which sees only its own heads' share of the gradient.
     q_norm: Option<Range<usize>>,
     k_norm: Option<Range<usize>>,
+    /// Latent attention's projections, in place of `wq`, `wk`, `wv` (empty then).
+    mla: Option<MlaLayout>,
     /// Width of its dense MLP: a dense layer's, or an MoE layer's shared experts (0: none;
     /// the routed experts are `Dims::ffn` wide).
     ffn: usize,
+}
+
+/// Where latent attention's tensors lie in the unit buffer. The down projections and the
+/// latents' norms are whole on every tensor-parallel rank, which computes them from every row
+/// and sees only its own heads' share of their gradients (summed over the ranks, as Qwen3's
+/// query/key norms'); the up projections are split by heads.
+#[derive(Clone, Debug, PartialEq)]
+struct MlaLayout {
+    /// The query latent's down projection `[hidden, q_rank]` and its norm (none when queries
+    /// are projected directly).
+    q_down: Option<(Range<usize>, Range<usize>)>,
+    /// The queries, `[q_rank or hidden, heads · (nope + rope)]`.
+    q_up: Range<usize>,
+    /// The key/value latent beside the shared rotary key, `[hidden, kv_rank + rope]`, and the
+    /// latent's norm.
+    kv_down: Range<usize>,
+    kv_norm: Range<usize>,
+    /// Each head's position-free key and value from the latent, `[kv_rank, heads · (nope + v)]`.
+    kv_up: Range<usize>,
+}
+
+impl MlaLayout {
+    fn build(d: &Dims, m: Latent, b: &mut SlotBuilder, p: impl Fn(&str) -> String) -> MlaLayout {
+        let (h, w, shared) = (
+            d.h,
+            Init::Normal(INIT_STD),
+            Split::Parts { dim: 0, parts: 1 },
+        );
+        let q_down = (m.q_rank > 0).then(|| {
+            (
+                b.add(p("attn.wq_down"), &[h, m.q_rank], shared, w),
+                b.add(p("attn.q_down_norm"), &[m.q_rank], shared, Init::Ones),
+            )
+        });
+        let (q_name, q_in) = match q_down {
+            Some(_) => ("attn.wq_up", m.q_rank),
+            None => ("attn.wq", h),
+        };
+        MlaLayout {
+            q_down,
+            q_up: b.add(p(q_name), &[q_in, d.heads * m.qk()], Split::Dim(1), w),
+            kv_down: b.add(p("attn.wkv_down"), &[h, m.kv_rank + m.rope], shared, w),
+            kv_norm: b.add(p("attn.kv_down_norm"), &[m.kv_rank], shared, Init::Ones),
+            kv_up: b.add(
+                p("attn.wkv_up"),
+                &[m.kv_rank, d.heads * (m.nope + m.v)],
+                Split::Dim(1),
+                w,
+            ),
+        }
+    }
 }
 
 impl BlockLayout {
@@ -470,20 +582,32 @@ impl BlockLayout {
         };
         let ln1_w = b.add(p("ln1.weight"), &[h], Split::Replicated, Init::Ones);
         let ln1_b = opt(b, nb, "ln1.bias", &[h], Split::Replicated);
-        let wq = b.add(p("attn.wq"), &[h, qw], Split::Dim(1), w);
-        // Qwen2 biases the query, key and value projections alone.
-        let qkv_bias = d.bias || d.qkv_bias;
-        let bq = opt(b, qkv_bias, "attn.bq", &[qw], Split::Dim(0));
-        let kv = d.kv_split(b.tp);
-        let kv_bias = match kv {
-            Split::Parts { parts, .. } => Split::Parts { dim: 0, parts },
-            _ => Split::Dim(0),
-        };
-        let wk = b.add(p("attn.wk"), &[h, kw], kv, w);
-        let bk = opt(b, qkv_bias, "attn.bk", &[kw], kv_bias);
-        let wv = b.add(p("attn.wv"), &[h, kw], kv, w);
-        let bv = opt(b, qkv_bias, "attn.bv", &[kw], kv_bias);
-        let wo = b.add(p("attn.wo"), &[qw, h], Split::Dim(0), Init::Normal(out_std));
+        let (wq, bq, wk, bk, wv, bv, mla);
+        if let Some(m) = d.mla {
+            mla = Some(MlaLayout::build(d, m, b, p));
+            (wq, bq, wk, bk, wv, bv) = (0..0, None, 0..0, None, 0..0, None);
+        } else {
+            mla = None;
+            wq = b.add(p("attn.wq"), &[h, qw], Split::Dim(1), w);
+            // Qwen2 biases the query, key and value projections alone.
+            let qkv_bias = d.bias || d.qkv_bias;
+            bq = opt(b, qkv_bias, "attn.bq", &[qw], Split::Dim(0));
+            let kv = d.kv_split(b.tp);
+            let kv_bias = match kv {
+                Split::Parts { parts, .. } => Split::Parts { dim: 0, parts },
+                _ => Split::Dim(0),
+            };
+            wk = b.add(p("attn.wk"), &[h, kw], kv, w);
+            bk = opt(b, qkv_bias, "attn.bk", &[kw], kv_bias);
+            wv = b.add(p("attn.wv"), &[h, kw], kv, w);
+            bv = opt(b, qkv_bias, "attn.bv", &[kw], kv_bias);
+        }
+        let wo = b.add(
+            p("attn.wo"),
+            &[d.heads * d.v_hd(), h],
+            Split::Dim(0),
+            Init::Normal(out_std),
+        );
         let sinks = opt(b, d.sinks, "attn.sinks", &[d.heads], Split::Dim(0));
         let shared_by_heads = Split::Parts { dim: 0, parts: 1 };
         let (q_norm, k_norm) = if d.qk_norm {
@@ -592,6 +716,7 @@ impl BlockLayout {
             sinks,
             q_norm,
             k_norm,
+            mla,
             moe,
             ffn: dense_f,
             // The model's rule for which layers attend to all keys.
@@ -855,6 +980,8 @@ struct BlockSaved {
     shared_out: Option<Vec<f32>>,
     /// Queries and keys before their norms, with the norms' statistics.
     qk_pre: Option<QkPre>,
+    /// Latent attention's latents.
+    latent: Option<LatentSaved>,
     st2: Vec<[f32; 2]>,
     u: Vec<f32>,
     up: Option<Vec<f32>>,
@@ -869,6 +996,228 @@ struct QkPre {
     k: Vec<f32>,
     sq: Vec<[f32; 2]>,
     sk: Vec<[f32; 2]>,
+}
+
+/// A latent before its norm, the norm's statistics, and the latent after it.
+type Normed = (Vec<f32>, Vec<[f32; 2]>, Vec<f32>);
+
+/// Latent attention's latents (the query one where queries have one).
+#[derive(Debug)]
+struct LatentSaved {
+    q: Option<Normed>,
+    kv: Normed,
+}
+
+/// Where a block's backward sends a weight gradient (`g`'s range, input, output gradient,
+/// rows, in, out): accumulated now, or deferred to a zero-bubble W pass.
+type WeightGradFn<'a> =
+    dyn FnMut(&mut [f32], &Range<usize>, &[f32], &[f32], usize, usize, usize) + 'a;
+
+/// Heads of width `from` (rows of heads side by side) cut or zero-padded to width `to`.
+fn head_widths(x: &[f32], from: usize, to: usize) -> std::borrow::Cow<'_, [f32]> {
+    if from == to {
+        return x.into();
+    }
+    let mut y = vec![0.0; x.len() / from * to];
+    let w = from.min(to);
+    for (yh, xh) in y.chunks_exact_mut(to).zip(x.chunks_exact(from)) {
+        yh[..w].copy_from_slice(&xh[..w]);
+    }
+    y.into()
+}
+
+/// Latent attention's forward on the rows `n1` (`tt × h`): the queries, keys and values of
+/// this rank's `nh` heads, each zero-padded to [`Latent::width`] for the attention kernel
+/// (queries scaled so that its `1/√width` is the model's `1/√(nope + rope)`), and the latents
+/// for backward. The rotary part of the queries and the key's shared one turn by position.
+#[allow(clippy::too_many_arguments)]
+fn mla_fwd(
+    m: Latent,
+    ml: &MlaLayout,
+    p: &[f32],
+    n1: &[f32],
+    h: usize,
+    nh: usize,
+    theta: f64,
+    pos: &[usize],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, LatentSaved) {
+    let tt = n1.len() / h;
+    let (qk, aw, kvw, lseq) = (m.qk(), m.width(), m.nope + m.v, pos.len());
+    let proj = |x: &[f32], w: &Range<usize>, k: usize, n: usize| {
+        let mut y = vec![0.0; tt * n];
+        mm(&mut y, x, &p[w.clone()], tt, k, n, false);
+        y
+    };
+    let norm = |x: Vec<f32>, w: &Range<usize>| {
+        let mut y = vec![0.0; x.len()];
+        let st = norm_fwd(&mut y, &x, &p[w.clone()], None, true);
+        (x, st, y)
+    };
+    let cq = ml
+        .q_down
+        .as_ref()
+        .map(|(wd, wn)| norm(proj(n1, wd, h, m.q_rank), wn));
+    let q_raw = match &cq {
+        Some((_, _, c)) => proj(c, &ml.q_up, m.q_rank, nh * qk),
+        None => proj(n1, &ml.q_up, h, nh * qk),
+    };
+    let down = proj(n1, &ml.kv_down, h, m.kv_rank + m.rope);
+    let (ckv, mut kpe) = split_columns(&down, m.kv_rank, m.rope);
+    let ckv = norm(ckv, &ml.kv_norm);
+    let kv = proj(&ckv.2, &ml.kv_up, m.kv_rank, nh * kvw);
+    let mut qpe = vec![0.0; tt * nh * m.rope];
+    for (qp, qr) in qpe.chunks_exact_mut(m.rope).zip(q_raw.chunks_exact(qk)) {
+        qp.copy_from_slice(&qr[m.nope..]);
+    }
+    rope(&mut qpe, nh, m.rope, theta, |r| pos[r % lseq], false);
+    rope(&mut kpe, 1, m.rope, theta, |r| pos[r % lseq], false);
+    let qs = (aw as f32 / qk as f32).sqrt();
+    let (mut q, mut k, mut v) = (
+        vec![0.0; tt * nh * aw],
+        vec![0.0; tt * nh * aw],
+        vec![0.0; tt * nh * aw],
+    );
+    for (i, ((qh, kh), vh)) in q
+        .chunks_exact_mut(aw)
+        .zip(k.chunks_exact_mut(aw))
+        .zip(v.chunks_exact_mut(aw))
+        .enumerate()
+    {
+        let (r, nope) = (i / nh, m.nope);
+        let (qr, kvr) = (&q_raw[i * qk..], &kv[i * kvw..]);
+        for j in 0..nope {
+            qh[j] = qr[j] * qs;
+        }
+        for (j, x) in qpe[i * m.rope..(i + 1) * m.rope].iter().enumerate() {
+            qh[nope + j] = x * qs;
+        }
+        kh[..nope].copy_from_slice(&kvr[..nope]);
+        kh[nope..qk].copy_from_slice(&kpe[r * m.rope..(r + 1) * m.rope]);
+        vh[..m.v].copy_from_slice(&kvr[nope..kvw]);
+    }
+    (q, k, v, LatentSaved { q: cq, kv: ckv })
+}
+
+/// Backward of [`mla_fwd`] from the gradients of the padded queries, keys and values:
+/// accumulates the parameter gradients (the projections' through `wgrad`, which may defer
+/// them) and returns the gradient of the rows `n1`.
+#[allow(clippy::too_many_arguments)]
+fn mla_bwd(
+    m: Latent,
+    ml: &MlaLayout,
+    (p, g): (&[f32], &mut [f32]),
+    n1: &[f32],
+    saved: &LatentSaved,
+    (dq, dk, dv): (&[f32], &[f32], &[f32]),
+    (h, nh, theta, pos): (usize, usize, f64, &[usize]),
+    wgrad: &mut WeightGradFn<'_>,
+) -> Vec<f32> {
+    let tt = n1.len() / h;
+    let (qk, aw, kvw, lseq, nope) = (m.qk(), m.width(), m.nope + m.v, pos.len(), m.nope);
+    let qs = (aw as f32 / qk as f32).sqrt();
+    let mut dq_raw = vec![0.0; tt * nh * qk];
+    let mut dqpe = vec![0.0; tt * nh * m.rope];
+    let mut dkv = vec![0.0; tt * nh * kvw];
+    let mut dkpe = vec![0.0; tt * m.rope];
+    for i in 0..tt * nh {
+        let r = i / nh;
+        let (qh, kh, vh) = (&dq[i * aw..], &dk[i * aw..], &dv[i * aw..]);
+        for j in 0..nope {
+            dq_raw[i * qk + j] = qh[j] * qs;
+        }
+        for j in 0..m.rope {
+            dqpe[i * m.rope + j] = qh[nope + j] * qs;
+            // The rotary key is every head's: its gradient is their sum.
+            dkpe[r * m.rope + j] += kh[nope + j];
+        }
+        dkv[i * kvw..i * kvw + nope].copy_from_slice(&kh[..nope]);
+        dkv[i * kvw + nope..(i + 1) * kvw].copy_from_slice(&vh[..m.v]);
+    }
+    rope(&mut dqpe, nh, m.rope, theta, |r| pos[r % lseq], true);
+    rope(&mut dkpe, 1, m.rope, theta, |r| pos[r % lseq], true);
+    for (dr, dp) in dq_raw.chunks_exact_mut(qk).zip(dqpe.chunks_exact(m.rope)) {
+        dr[nope..].copy_from_slice(dp);
+    }
+    // Through a latent's norm: the gradient of its input from its output's.
+    let norm_bwd_of = |g: &mut [f32], dy: &[f32], (x, st, _): &Normed, w: &Range<usize>| {
+        let mut dx = vec![0.0; dy.len()];
+        norm_bwd(
+            &mut dx,
+            dy,
+            x,
+            st,
+            &p[w.clone()],
+            &mut g[w.clone()],
+            None,
+            true,
+            false,
+        );
+        dx
+    };
+    // Keys and values.
+    let kv = &saved.kv;
+    wgrad(g, &ml.kv_up, &kv.2, &dkv, tt, m.kv_rank, nh * kvw);
+    let mut dc = vec![0.0; tt * m.kv_rank];
+    mm_nt(
+        &mut dc,
+        &dkv,
+        &p[ml.kv_up.clone()],
+        tt,
+        m.kv_rank,
+        nh * kvw,
+        false,
+    );
+    let dc = norm_bwd_of(g, &dc, kv, &ml.kv_norm);
+    let ddown = join_columns(&dc, &dkpe, m.kv_rank, m.rope);
+    let down = m.kv_rank + m.rope;
+    wgrad(g, &ml.kv_down, n1, &ddown, tt, h, down);
+    let mut dn1 = vec![0.0; tt * h];
+    mm_nt(&mut dn1, &ddown, &p[ml.kv_down.clone()], tt, h, down, false);
+    // Queries.
+    match (&ml.q_down, &saved.q) {
+        (Some((wd, wn)), Some(cq)) => {
+            wgrad(g, &ml.q_up, &cq.2, &dq_raw, tt, m.q_rank, nh * qk);
+            let mut dc = vec![0.0; tt * m.q_rank];
+            mm_nt(
+                &mut dc,
+                &dq_raw,
+                &p[ml.q_up.clone()],
+                tt,
+                m.q_rank,
+                nh * qk,
+                false,
+            );
+            let dc = norm_bwd_of(g, &dc, cq, wn);
+            wgrad(g, wd, n1, &dc, tt, h, m.q_rank);
+            mm_nt(&mut dn1, &dc, &p[wd.clone()], tt, h, m.q_rank, true);
+        }
+        _ => {
+            wgrad(g, &ml.q_up, n1, &dq_raw, tt, h, nh * qk);
+            mm_nt(&mut dn1, &dq_raw, &p[ml.q_up.clone()], tt, h, nh * qk, true);
+        }
+    }
+    dn1
+}
+
+/// Rows of `x` (`a + b` wide) as their first `a` columns and their last `b`.
+fn split_columns(x: &[f32], a: usize, b: usize) -> (Vec<f32>, Vec<f32>) {
+    let rows = x.len() / (a + b);
+    let (mut left, mut right) = (Vec::with_capacity(rows * a), Vec::with_capacity(rows * b));
+    for row in x.chunks_exact(a + b) {
+        left.extend_from_slice(&row[..a]);
+        right.extend_from_slice(&row[a..]);
+    }
+    (left, right)
+}
+
+/// Rows of `left` (`a` wide) and of `right` (`b` wide) side by side.
+fn join_columns(left: &[f32], right: &[f32], a: usize, b: usize) -> Vec<f32> {
+    let mut y = Vec::with_capacity(left.len() + right.len());
+    for (l, r) in left.chunks_exact(a).zip(right.chunks_exact(b)) {
+        y.extend_from_slice(l);
+        y.extend_from_slice(r);
+    }
+    y
 }
 
 fn slice<'a>(p: &'a [f32], r: &Option<Range<usize>>) -> Option<&'a [f32]> {
@@ -903,7 +1252,7 @@ fn block_fwd_inner(
     keep: Keep,
 ) -> Result<(Vec<f32>, Option<BlockSaved>), CommError> {
     let t = tp.size();
-    let (h, hd) = (d.h, d.hd);
+    let (h, hd, aw) = (d.h, d.hd, d.att_hd());
     let (nh, nkv, f) = (d.heads / t, d.local_kv_heads(t), l.ffn / t);
     let (qw, kw) = (nh * hd, nkv * hd);
     let rows = x.len() / h;
@@ -919,53 +1268,50 @@ fn block_fwd_inner(
         }
         y
     };
-    let mut q = lin(&n1, &l.wq, &l.bq, qw);
-    let mut k = lin(&n1, &l.wk, &l.bk, kw);
-    let v = lin(&n1, &l.wv, &l.bv, kw);
-    // Query and key norms: each head's vector RMS-normalised, before the rotary embedding.
-    let qk_pre = match (&l.q_norm, &l.k_norm) {
-        (Some(qn), Some(kn)) => {
-            let (q0, k0) = (q.clone(), k.clone());
-            let sq = norm_fwd(&mut q, &q0, &p[qn.clone()], None, true);
-            let sk = norm_fwd(&mut k, &k0, &p[kn.clone()], None, true);
-            Some(QkPre {
-                q: q0,
-                k: k0,
-                sq,
-                sk,
-            })
-        }
-        _ => None,
-    };
     let pos = pass.positions();
     let lseq = pos.len();
-    if d.rope {
-        rope(
-            &mut q,
-            nh,
-            hd,
-            d.rope_theta as f64,
-            |r| pos[r % lseq],
-            false,
-        );
-        rope(
-            &mut k,
-            nkv,
-            hd,
-            d.rope_theta as f64,
-            |r| pos[r % lseq],
-            false,
-        );
-    }
+    let (q, k, v, qk_pre, latent) = match (d.mla, &l.mla) {
+        (Some(m), Some(ml)) => {
+            let (q, k, v, saved) = mla_fwd(m, ml, p, &n1, h, nh, d.rope_theta as f64, &pos);
+            (q, k, v, None, Some(saved))
+        }
+        _ => {
+            let mut q = lin(&n1, &l.wq, &l.bq, qw);
+            let mut k = lin(&n1, &l.wk, &l.bk, kw);
+            let v = lin(&n1, &l.wv, &l.bv, kw);
+            // Query and key norms: each head's vector RMS-normalised, before the rotary
+            // embedding.
+            let qk_pre = match (&l.q_norm, &l.k_norm) {
+                (Some(qn), Some(kn)) => {
+                    let (q0, k0) = (q.clone(), k.clone());
+                    let sq = norm_fwd(&mut q, &q0, &p[qn.clone()], None, true);
+                    let sk = norm_fwd(&mut k, &k0, &p[kn.clone()], None, true);
+                    Some(QkPre {
+                        q: q0,
+                        k: k0,
+                        sq,
+                        sk,
+                    })
+                }
+                _ => None,
+            };
+            if d.rope {
+                let theta = d.rope_theta as f64;
+                rope(&mut q, nh, hd, theta, |r| pos[r % lseq], false);
+                rope(&mut k, nkv, hd, theta, |r| pos[r % lseq], false);
+            }
+            (q, k, v, qk_pre, None)
+        }
+    };
     // Under context parallelism the keys and values travel the ring of context-parallel ranks.
     let (o, probs, lse) = match tp.cp {
         Some(g) => {
-            let r = ring_shape(&pass, nh, nkv, hd);
+            let r = ring_shape(&pass, nh, nkv, aw);
             let (o, lse) = ring_fwd(&mut *tp.comm, g, (&q, &k, &v), &pass, &r)?;
             (o, None, Some(lse))
         }
         None => {
-            let mut o = vec![0.0; tt * qw];
+            let mut o = vec![0.0; tt * nh * aw];
             let probs = attention_fwd(
                 &mut o,
                 &q,
@@ -976,7 +1322,7 @@ fn block_fwd_inner(
                 pass.seq,
                 nh,
                 nkv,
-                hd,
+                aw,
                 l.window,
                 slice(p, &l.sinks),
                 keep == Keep::All,
@@ -985,7 +1331,16 @@ fn block_fwd_inner(
         }
     };
     let mut a = vec![0.0; tt * h];
-    mm(&mut a, &o, &p[l.wo.clone()], tt, qw, h, false);
+    let vw = nh * d.v_hd();
+    mm(
+        &mut a,
+        &head_widths(&o, aw, d.v_hd()),
+        &p[l.wo.clone()],
+        tt,
+        vw,
+        h,
+        false,
+    );
     let mut a = tp.exit_fwd(a)?;
     if let Some(b) = slice(p, &l.bo) {
         add_bias(&mut a, b);
@@ -1073,6 +1428,7 @@ fn block_fwd_inner(
         gate,
         shared_out,
         qk_pre,
+        latent,
         st2,
         u,
         up,
@@ -1147,10 +1503,9 @@ pub fn block_bwd(
         },
     };
     let t = tp.size();
-    let (h, hd) = (d.h, d.hd);
+    let (h, hd, aw, vd) = (d.h, d.hd, d.att_hd(), d.v_hd());
     let (nh, nkv, f) = (d.heads / t, d.local_kv_heads(t), l.ffn / t);
     let (qw, kw) = (nh * hd, nkv * hd);
-    let rows = x.len() / h;
     let tt = s.n1.len() / h;
 
     // MLP.
@@ -1269,14 +1624,15 @@ pub fn block_bwd(
         bias_grad(&mut g[r.clone()], &dx2);
     }
     let da = tp.exit_bwd(dx2.clone())?;
-    wgrad(g, &l.wo, &s.o, &da, tt, qw, h);
-    let mut d_o = vec![0.0; tt * qw];
-    mm_nt(&mut d_o, &da, &p[l.wo.clone()], tt, qw, h, false);
+    wgrad(g, &l.wo, &head_widths(&s.o, aw, vd), &da, tt, nh * vd, h);
+    let mut d_o = vec![0.0; tt * nh * vd];
+    mm_nt(&mut d_o, &da, &p[l.wo.clone()], tt, nh * vd, h, false);
+    let d_o = head_widths(&d_o, vd, aw);
     let pos = pass.positions();
     let lseq = pos.len();
     let (mut dq, mut dk, dv) = match (tp.cp, &s.lse) {
         (Some(g), Some(lse)) => {
-            let r = ring_shape(&pass, nh, nkv, hd);
+            let r = ring_shape(&pass, nh, nkv, aw);
             ring_bwd(
                 &mut *tp.comm,
                 g,
@@ -1288,8 +1644,11 @@ pub fn block_bwd(
             )?
         }
         _ => {
-            let (mut dq, mut dk, mut dv) =
-                (vec![0.0; tt * qw], vec![0.0; tt * kw], vec![0.0; tt * kw]);
+            let (mut dq, mut dk, mut dv) = (
+                vec![0.0; tt * nh * aw],
+                vec![0.0; tt * nkv * aw],
+                vec![0.0; tt * nkv * aw],
+            );
             attention_bwd(
                 &mut dq,
                 &mut dk,
@@ -1304,7 +1663,7 @@ pub fn block_bwd(
                 pass.seq,
                 nh,
                 nkv,
-                hd,
+                aw,
                 l.window,
                 slice(p, &l.sinks),
                 l.sinks.as_ref().map(|r| &mut g[r.clone()]),
@@ -1312,23 +1671,23 @@ pub fn block_bwd(
             (dq, dk, dv)
         }
     };
+    let theta = d.rope_theta as f64;
+    if let (Some(m), Some(ml), Some(lat)) = (d.mla, &l.mla, &s.latent) {
+        let dn1 = mla_bwd(
+            m,
+            ml,
+            (p, g),
+            &s.n1,
+            lat,
+            (&dq, &dk, &dv),
+            (h, nh, theta, &pos),
+            &mut wgrad,
+        );
+        return finish_attention_bwd(d, l, (p, g), tp, &x, &s.st1, dn1, dx2);
+    }
     if d.rope {
-        rope(
-            &mut dq,
-            nh,
-            hd,
-            d.rope_theta as f64,
-            |r| pos[r % lseq],
-            true,
-        );
-        rope(
-            &mut dk,
-            nkv,
-            hd,
-            d.rope_theta as f64,
-            |r| pos[r % lseq],
-            true,
-        );
+        rope(&mut dq, nh, hd, theta, |r| pos[r % lseq], true);
+        rope(&mut dk, nkv, hd, theta, |r| pos[r % lseq], true);
     }
     // Through the query and key norms (their weights' gradients summed over the heads here;
     // over the tensor-parallel ranks by the gradient sync).
@@ -1365,15 +1724,31 @@ pub fn block_bwd(
         wgrad(g, w, &s.n1, dz, tt, h, n);
         mm_nt(&mut dn1, dz, &p[w.clone()], tt, h, n, true);
     }
+    finish_attention_bwd(d, l, (p, g), tp, &x, &s.st1, dn1, dx2)
+}
+
+/// The end of a block's backward: the gradient `dn1` of the attention's (gathered) input rows
+/// reduced over the tensor-parallel ranks and taken through the first norm into the residual
+/// stream's gradient `dx`.
+#[allow(clippy::too_many_arguments)]
+fn finish_attention_bwd(
+    d: &Dims,
+    l: &BlockLayout,
+    (p, g): (&[f32], &mut [f32]),
+    tp: &mut Tp<'_>,
+    x: &[f32],
+    st1: &[[f32; 2]],
+    dn1: Vec<f32>,
+    mut dx: Vec<f32>,
+) -> Result<Vec<f32>, CommError> {
     let dn1 = tp.enter_bwd(dn1)?;
-    let mut dx = dx2;
-    debug_assert_eq!(dx.len(), rows * h);
+    debug_assert_eq!(dx.len(), x.len());
     let (lo, hi) = split_two(g, &l.ln1_w, &l.ln1_b);
     norm_bwd(
         &mut dx,
         &dn1,
-        &x,
-        &s.st1,
+        x,
+        st1,
         &p[l.ln1_w.clone()],
         lo,
         hi,
@@ -1686,7 +2061,108 @@ pub fn head_bwd(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::ThreadComm;
     use parallax_ir::models::{zoo, MlaConfig};
+
+    fn rand(n: usize, seed: u64, std: f64) -> Vec<f32> {
+        let mut g = SplitMix64::for_stream(seed, "block");
+        (0..n).map(|_| (g.normal() * std) as f32).collect()
+    }
+
+    /// One block of `c` on one rank: the gradients of its parameters and input against
+    /// central differences of `Σ r · block(x)` (every few elements of each).
+    fn check_block_gradients(c: &TransformerConfig, what: &str) {
+        let d = Dims::from_config(c).unwrap();
+        let (mut b, mut eb) = (SlotBuilder::new(1), SlotBuilder::new(1));
+        let l = BlockLayout::build(&d, 0, &mut b, &mut eb);
+        let (slots, n) = b.finish();
+        let mut p = rand(n, 1, 0.3);
+        // Norm weights near one, as trained ones are.
+        for s in slots.iter().filter(|s| s.init == Init::Ones) {
+            p[s.range.clone()].iter_mut().for_each(|v| *v += 1.0);
+        }
+        let pass = Pass {
+            batch: 2,
+            seq: 5,
+            cp: 1,
+            c: 0,
+        };
+        let rows = pass.batch * pass.seq;
+        let x = rand(rows * d.h, 2, 1.0);
+        let r = rand(rows * d.h, 3, 1.0);
+        let (mut comms, _) = ThreadComm::create(1, std::time::Duration::from_secs(5));
+        let group = crate::comm::Group::new(vec![0]);
+        let mut tp = Tp {
+            comm: &mut comms[0],
+            group: &group,
+            sp: false,
+            cp: None,
+            ep: None,
+            fold: false,
+        };
+        let (_, cache) = block_fwd(&d, &l, &p, &[], x.clone(), &mut tp, pass, Keep::All).unwrap();
+        let mut g = vec![0.0; n];
+        let dx = block_bwd(
+            &d,
+            &l,
+            (&p, &mut g),
+            (&[], &mut []),
+            cache,
+            r.clone(),
+            &mut tp,
+            pass,
+            None,
+        )
+        .unwrap();
+        let mut objective = |p: &[f32], x: &[f32]| -> f64 {
+            let (y, _) = block_fwd(&d, &l, p, &[], x.to_vec(), &mut tp, pass, Keep::All).unwrap();
+            y.iter().zip(&r).map(|(a, b)| f64::from(a * b)).sum()
+        };
+        let eps = 1e-2f32;
+        let mut check = |name: &str, analytic: f32, p: &[f32], x: &[f32], i: usize, of_x: bool| {
+            let (mut pa, mut pb, mut xa, mut xb) = (p.to_vec(), p.to_vec(), x.to_vec(), x.to_vec());
+            if of_x {
+                xa[i] += eps;
+                xb[i] -= eps;
+            } else {
+                pa[i] += eps;
+                pb[i] -= eps;
+            }
+            let num = (objective(&pa, &xa) - objective(&pb, &xb)) / (2.0 * f64::from(eps));
+            let err = (num - f64::from(analytic)).abs() / num.abs().max(0.05);
+            assert!(err < 2e-2, "{what}: d{name} {analytic} vs {num}");
+        };
+        for i in (0..x.len()).step_by(7) {
+            check(&format!("x[{i}]"), dx[i], &p, &x, i, true);
+        }
+        for s in &slots {
+            for i in s.range.clone().step_by(s.range.len() / 5 + 1) {
+                check(&format!("{}[{i}]", s.name), g[i], &p, &x, i, false);
+            }
+        }
+    }
+
+    /// Latent attention's backward (queries through a latent or directly; values narrower and
+    /// wider than the queries and keys), and the plain heads' for comparison.
+    #[test]
+    fn block_gradients_match_finite_differences() {
+        let plain = TransformerConfig::llama(1, 16, 4, 2, 24, 100, 16);
+        let latent = |q_lora_rank, nope, rope, v| TransformerConfig {
+            kv_heads: 4,
+            head_dim: nope + rope,
+            mla: Some(MlaConfig {
+                q_lora_rank,
+                kv_lora_rank: 6,
+                qk_nope_head_dim: nope,
+                qk_rope_head_dim: rope,
+                v_head_dim: v,
+            }),
+            ..plain.clone()
+        };
+        check_block_gradients(&plain, "llama");
+        check_block_gradients(&latent(8, 4, 4, 6), "latent queries");
+        check_block_gradients(&latent(0, 2, 4, 10), "direct queries, wide values");
+    }
 
     /// What the executor does not train is refused by name, never run as a different model.
     #[test]
@@ -1835,11 +2311,17 @@ mod tests {
         let d = Dims::from_config(&shared).unwrap();
         let l = BlockLayout::build(&d, 0, &mut b, &mut eb);
         assert_eq!((l.ffn, l.shared_gate.map(|r| r.len())), (64, Some(d.h)));
-        for (c, what) in [
-            (latent, "latent attention"),
-            (mtp, "multi-token prediction"),
-            (hybrid, "hybrid Mamba-2"),
-        ] {
+        // DeepSeek's latent attention is run: its projections in place of the heads' own.
+        let dl = Dims::from_config(&latent).unwrap();
+        let l = BlockLayout::build(&dl, 0, &mut tb, &mut eb);
+        assert!(l.wq.is_empty() && l.mla.is_some());
+        let e = Dims::from_config(&TransformerConfig {
+            qk_norm: true,
+            ..latent
+        })
+        .unwrap_err();
+        assert!(e.contains("latent attention with query/key norms"), "{e}");
+        for (c, what) in [(mtp, "multi-token prediction"), (hybrid, "hybrid Mamba-2")] {
             let e = Dims::from_config(&c).unwrap_err();
             assert!(e.contains(what) && e.contains("planned, not run"), "{e}");
         }

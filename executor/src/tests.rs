@@ -64,6 +64,23 @@ fn deepseek_moe(layers: u32) -> TransformerConfig {
     }
 }
 
+/// DeepSeek-V3, small: its mixture beneath multi-head latent attention (a query latent 16
+/// wide, a key/value latent 12 wide, heads of 4 position-free and 4 rotary dimensions with
+/// values 6 wide; `q_lora_rank` 0 projects the queries directly, as DeepSeek-V2-Lite).
+fn deepseek(layers: u32, q_lora_rank: u64) -> TransformerConfig {
+    TransformerConfig {
+        kv_heads: 4,
+        mla: Some(parallax_ir::models::MlaConfig {
+            q_lora_rank,
+            kv_lora_rank: 12,
+            qk_nope_head_dim: 4,
+            qk_rope_head_dim: 4,
+            v_head_dim: 6,
+        }),
+        ..deepseek_moe(layers)
+    }
+}
+
 /// Qwen2-MoE's mixture, small: softmax scores taken as they are (no renormalisation) beside a
 /// shared expert 40 wide whose output a per-token sigmoid gate scales; biases on the query,
 /// key and value projections alone.
@@ -290,6 +307,14 @@ equivalence! {
     deepseek_moe_tp2_sp_ep2_etp1_zero1: deepseek_moe(2), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), zero_stage: 1, ..Layout::default() };
     deepseek_moe_dp2_tp2_ep2_pp2_selective: deepseek_moe(4), Layout { dp: 2, tp: 2, ep: 2, recompute: Recompute::Selective, ..pp(2, Schedule::OneFOneB) };
     deepseek_moe_dp2_ep2_zb_h1_full_recompute: deepseek_moe(4), Layout { dp: 2, ep: 2, recompute: Recompute::Full, ..pp(2, Schedule::ZeroBubbleH1) };
+    // Latent attention: its down projections whole on every tensor-parallel rank, heads
+    // padded to one width for the attention kernels, the rotary key shared by the heads.
+    deepseek_dp2_ep2_zero1: deepseek(2, 16), Layout { dp: 2, ep: 2, zero_stage: 1, ..Layout::default() };
+    deepseek_tp2_sp_ep2_etp1: deepseek(2, 16), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), ..Layout::default() };
+    deepseek_cp2_tp2: deepseek(2, 16), Layout { cp: 2, tp: 2, ..Layout::default() };
+    deepseek_dp2_tp2_pp2_zb_h1_selective: deepseek(4, 16), Layout { dp: 2, tp: 2, recompute: Recompute::Selective, ..pp(2, Schedule::ZeroBubbleH1) };
+    deepseek_tp4_full_recompute_zero3: deepseek(2, 16), Layout { tp: 4, dp: 2, zero_stage: 3, recompute: Recompute::Full, ..Layout::default() };
+    deepseek_direct_queries_tp2_sp_pp2: deepseek(4, 0), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
     qwen2_moe_dp2_ep2_zero2: qwen2_moe(2), Layout { dp: 2, ep: 2, zero_stage: 2, ..Layout::default() };
     qwen2_moe_tp2_sp_ep2_etp1: qwen2_moe(2), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), ..Layout::default() };
     qwen2_moe_tp2_sp_pp2_full_recompute: qwen2_moe(4), Layout { tp: 2, sequence_parallel: true, recompute: Recompute::Full, ..pp(2, Schedule::OneFOneB) };
@@ -380,6 +405,13 @@ fn deepseek_routing_and_shared_experts_change_what_is_trained() {
     ] {
         assert_ne!(full.0, losses, "{what}");
     }
+    // Latent attention's tensors, at their whole shapes: the values 6 wide per head.
+    let t = &reference(&deepseek(2, 16)).1.tensors;
+    assert_eq!(t["layers.0.attn.wq_down"].shape, [32, 16]);
+    assert_eq!(t["layers.0.attn.wkv_down"].shape, [32, 12 + 4]);
+    assert_eq!(t["layers.0.attn.wkv_up"].shape, [12, 4 * (4 + 6)]);
+    assert_eq!(t["layers.0.attn.wo"].shape, [4 * 6, 32]);
+    assert!(!t.contains_key("layers.0.attn.wk"));
     // Qwen2-MoE's gate on its shared expert is trained: without it the losses differ.
     let gated = reference(&qwen2_moe(2));
     let mut ungated = qwen2_moe(2);

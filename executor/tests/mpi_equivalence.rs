@@ -55,10 +55,19 @@ fn mixtral(layers: u32) -> TransformerConfig {
     }
 }
 
-/// DeepSeek-V3's mixture, small: a leading dense layer, then 8 experts (top-2) scored by
-/// sigmoid within the best 2 of 4 groups, scaled 2.5, beside a shared expert.
-fn deepseek_moe(layers: u32) -> TransformerConfig {
+/// DeepSeek-V3, small: multi-head latent attention (query latent 16, key/value latent 12,
+/// heads of 4 + 4 rotary dimensions, values 6 wide) over a leading dense layer, then 8 experts
+/// (top-2) scored by sigmoid within the best 2 of 4 groups, scaled 2.5, beside a shared expert.
+fn deepseek(layers: u32) -> TransformerConfig {
     TransformerConfig {
+        kv_heads: 4,
+        mla: Some(parallax_ir::models::MlaConfig {
+            q_lora_rank: 16,
+            kv_lora_rank: 12,
+            qk_nope_head_dim: 4,
+            qk_rope_head_dim: 4,
+            v_head_dim: 6,
+        }),
         moe: Some(parallax_ir::models::MoeConfig {
             router: parallax_ir::models::Router::Sigmoid,
             groups: 4,
@@ -150,8 +159,8 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
             },
         ),
         (
-            "deepseek_moe_tp2_sp_ep2_etp1",
-            deepseek_moe(2),
+            "deepseek_mla_tp2_sp_ep2_etp1",
+            deepseek(2),
             Layout {
                 tp: 2,
                 sequence_parallel: true,

@@ -382,6 +382,34 @@ pub fn entries() -> Vec<ZooEntry> {
             }),
         ),
         e(
+            "deepseek-tiny",
+            "tiny",
+            1_749_504.0,
+            exact,
+            "parallax's own CPU DeepSeek-V3: its layout (latent attention with a query latent 64 and a key/value latent 32 wide, heads of 32 + 16 rotary dimensions with values 32 wide; a leading dense layer 384 wide, then 8 SwiGLU experts 128 wide, top-2 by sigmoid score within the best 2 of 4 groups, scaled 2.5, beside a shared expert 128 wide; untied) with l=4, h=128, 4 heads, V=256 (bytes)",
+            ZooDef::Transformer(TransformerConfig {
+                head_dim: 48,
+                moe: Some(MoeConfig {
+                    router: Router::Sigmoid,
+                    groups: 4,
+                    groups_per_token: 2,
+                    routed_scale_permille: 2500,
+                    shared_ffn_hidden: 128,
+                    dense_layers_first: 1,
+                    dense_ffn_hidden: 384,
+                    ..MoeConfig::routed(8, 2)
+                }),
+                mla: Some(MlaConfig {
+                    q_lora_rank: 64,
+                    kv_lora_rank: 32,
+                    qk_nope_head_dim: 32,
+                    qk_rope_head_dim: 16,
+                    v_head_dim: 32,
+                }),
+                ..TransformerConfig::llama(4, 128, 4, 4, 128, 256, 256)
+            }),
+        ),
+        e(
             "llama-tiny",
             "tiny",
             3_033_344.0,
