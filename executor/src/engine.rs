@@ -8,11 +8,13 @@ use crate::data::{micro_batch, DataSource};
 use crate::error::ExecError;
 use crate::model::{
     block_bwd, block_fwd, build_wpe, build_wte, embed_bwd, embed_fwd, head_bwd, head_fwd,
-    head_own_weight, positions_bwd, positions_fwd, BlockCache, BlockLayout, Dims, HeadCache,
-    HeadLayout, Keep, Part, Pass, Slot, SlotBuilder, Split, Tp, VocabParallel, VocabWindow,
-    WeightGrad,
+    head_own_weight, head_weight_range, mtp_input_bwd, mtp_input_fwd, mtp_tokens, positions_bwd,
+    positions_fwd, BlockCache, BlockLayout, Dims, HeadCache, HeadLayout, Keep, MtpLayout, MtpSaved,
+    Part, Pass, Slot, SlotBuilder, Split, Tp, VocabParallel, VocabWindow, WeightGrad,
+    MTP_LOSS_WEIGHT,
 };
 use crate::state::{ModelState, TensorState};
+use crate::tensor::add_into;
 use parallax_ir::models::TransformerConfig;
 use parallax_ir::{Layout, Recompute, Schedule};
 use parallax_sim::{Op, PipelineSchedule, ScheduleKind};
@@ -553,6 +555,8 @@ impl Prepared {
                 blocks: Vec::new(),
                 head: None,
                 head_w: None,
+                mtp: Vec::new(),
+                mtp_wte: None,
             };
             if vs == 0 {
                 let mut b = builder();
@@ -587,6 +591,25 @@ impl Prepared {
                         Some(push("head.wte".into(), b, false))
                     };
                 }
+                // Multi-token prediction modules read the embedding table: the first stage's,
+                // or the copy the last stage keeps (the tied head's), summed as a tied one.
+                if d.mtp > 0 {
+                    ch.mtp_wte = ch.head_w.or(ch.wte).or_else(|| {
+                        let mut b = builder();
+                        build_wte(d, &mut b, true);
+                        Some(push("head.wte".into(), b, false))
+                    });
+                }
+                for j in 0..d.mtp {
+                    let (mut b, mut eb) = (builder(), builder());
+                    let lay = MtpLayout::build(d, j, &mut b, &mut eb);
+                    let u = push(format!("mtp.{j}"), b, false);
+                    let eu = lay
+                        .block
+                        .is_moe()
+                        .then(|| push(format!("mtp.{j}.experts"), eb, true));
+                    ch.mtp.push((u, eu, lay));
+                }
             }
             chunks.push(ch);
         }
@@ -614,6 +637,11 @@ struct ChunkPlan {
     head: Option<(usize, HeadLayout)>,
     /// The unit holding the tied unembedding (the embedding itself, or the last stage's copy).
     head_w: Option<usize>,
+    /// Multi-token prediction modules (last chunk): each one's unit, its block's experts'
+    /// unit and layout.
+    mtp: Vec<(usize, Option<usize>, MtpLayout)>,
+    /// The unit holding the embedding table they read.
+    mtp_wte: Option<usize>,
 }
 
 impl ChunkPlan {
@@ -624,9 +652,13 @@ impl ChunkPlan {
             u.extend(e);
         }
         u.extend(self.head.iter().map(|h| h.0));
-        if let Some(w) = self.head_w {
-            if !u.contains(&w) {
-                u.push(w);
+        for (m, e, _) in &self.mtp {
+            u.push(*m);
+            u.extend(e);
+        }
+        for w in self.head_w.iter().chain(&self.mtp_wte) {
+            if !u.contains(w) {
+                u.push(*w);
             }
         }
         u
@@ -705,6 +737,17 @@ struct ChunkCache {
     tokens: Vec<u32>,
     blocks: Vec<BlockCache>,
     head: Option<HeadCache>,
+    mtp: Vec<MtpCache>,
+}
+
+/// What a multi-token prediction module keeps for backward: its tokens (this rank's part of
+/// the micro-batch), its input's, block's and head's activations.
+#[derive(Debug)]
+struct MtpCache {
+    tokens: Vec<u32>,
+    input: MtpSaved,
+    block: BlockCache,
+    head: HeadCache,
 }
 
 /// The tensor-parallel context of a rank: its communicator, tensor-, context- and
@@ -791,7 +834,10 @@ pub fn run_rank(
         Group::new((0..topo.cp).map(|c| topo.rank(first + c, s, t)).collect())
     });
     let tp_g = Group::new((0..topo.tp).map(|x| topo.rank(d, s, x)).collect());
-    let tied_g = (prep.dims.tied && topo.pp > 1 && (s == 0 || s == topo.pp - 1))
+    // The embedding table has a copy on the last stage where the head or the multi-token
+    // prediction modules read it.
+    let copied = prep.dims.tied || prep.dims.mtp > 0;
+    let tied_g = (copied && topo.pp > 1 && (s == 0 || s == topo.pp - 1))
         .then(|| Group::new(vec![topo.rank(d, 0, t), topo.rank(d, topo.pp - 1, t)]));
     let world_g = Group::new((0..topo.world()).collect());
     let units = plans
@@ -1115,6 +1161,211 @@ impl Engine<'_> {
         }
     }
 
+    /// The embedding of this rank's rows of `tokens` (the micro-batch's, every row of this
+    /// rank's part of the sequences) from the table in unit `wu` (gathered): under a
+    /// vocabulary-parallel table every row's partial lookup, summed over the group (scattered
+    /// to the local rows under sequence parallelism).
+    fn lookup(&mut self, wu: usize, tokens: &[u32]) -> Result<Vec<f32>, CommError> {
+        let prep = self.prep;
+        let d = &prep.dims;
+        let (vp, window) = self.vocab_window();
+        let wte = &self.units[wu].params[..window.len() * d.h];
+        if !vp {
+            return Ok(embed_fwd(d, wte, window, tokens, self.local_rows()));
+        }
+        let part = embed_fwd(d, wte, window, tokens, 0..tokens.len());
+        let mut tp = tp_ctx(
+            &mut *self.comm,
+            (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+            prep,
+        );
+        tp.reduce_rows(part)
+    }
+
+    /// Backward of [`Engine::lookup`]: the gradient `dx` of this rank's rows into the table's
+    /// gradient in unit `wu` (a vocabulary-parallel table takes every row's for its own tokens).
+    fn lookup_bwd(&mut self, wu: usize, tokens: &[u32], dx: Vec<f32>) -> Result<(), CommError> {
+        let prep = self.prep;
+        let d = &prep.dims;
+        let (vp, window) = self.vocab_window();
+        let (dx, rows) = if vp {
+            let mut tp = tp_ctx(
+                &mut *self.comm,
+                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+                prep,
+            );
+            (tp.gather_rows(dx)?, 0..tokens.len())
+        } else {
+            (dx, self.local_rows())
+        };
+        let n = window.len() * d.h;
+        embed_bwd(d, &mut self.units[wu].grads[..n], window, tokens, rows, &dx);
+        Ok(())
+    }
+
+    /// Forward of the multi-token prediction modules on the last chunk from the main model's
+    /// last hidden rows `hid`, with each module's tokens and targets (this rank's part).
+    fn mtp_forward(
+        &mut self,
+        ch: &ChunkPlan,
+        mut hid: Vec<f32>,
+        ids: Vec<(Vec<u32>, Vec<u32>)>,
+    ) -> Result<Vec<MtpCache>, ExecError> {
+        let prep = self.prep;
+        let d = &prep.dims;
+        let (pass, rows) = (self.pass(), self.local_rows());
+        let (vp, window) = self.vocab_window();
+        let (Some((hu, hl)), Some(emb)) = (&ch.head, ch.mtp_wte) else {
+            unreachable!("modules are planned on the last chunk, with a table")
+        };
+        let scale =
+            MTP_LOSS_WEIGHT / (d.mtp as u64 * self.spec.global_batch * self.spec.seq) as f32;
+        let mut out = Vec::with_capacity(ch.mtp.len());
+        for ((u, eu, lay), (tokens, targets)) in ch.mtp.iter().zip(ids) {
+            self.gather(emb)?;
+            let e = self.lookup(emb, &tokens)?;
+            self.release(emb);
+            self.gather(*u)?;
+            if let Some(eu) = eu {
+                self.gather(*eu)?;
+            }
+            let (x, input) = mtp_input_fwd(d, lay, &self.units[*u].params, e, hid);
+            let mut tp = tp_ctx(
+                &mut *self.comm,
+                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+                prep,
+            );
+            let pe: &[f32] = eu.map_or(&[], |eu| &self.units[eu].params);
+            let p = &self.units[*u].params;
+            let (y, block) = block_fwd(d, &lay.block, p, pe, x, &mut tp, pass, prep.keep)?;
+            self.gather(*hu)?;
+            if let Some(w) = ch.head_w {
+                self.gather(w)?;
+            }
+            let w_out = match (head_own_weight(hl, &self.units[*hu].params), ch.head_w) {
+                (Some(w), _) => w,
+                (None, Some(wu)) => &self.units[wu].params[..window.len() * d.h],
+                (None, None) => unreachable!("a tied head has a weight unit"),
+            };
+            let mut tp = tp_ctx(
+                &mut *self.comm,
+                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+                prep,
+            );
+            let (targets, vp_head) = if vp {
+                let vp_head = VocabParallel {
+                    tp: &mut tp,
+                    vocab: window.clone(),
+                };
+                (&targets[..], Some(vp_head))
+            } else {
+                (&targets[rows.clone()], None)
+            };
+            let p = &self.units[*u].params;
+            let (_, head) = head_fwd(d, &lay.head, p, w_out, y.clone(), targets, scale, vp_head)?;
+            for unit in [Some(*u), *eu, Some(*hu), ch.head_w].into_iter().flatten() {
+                self.release(unit);
+            }
+            hid = y;
+            out.push(MtpCache {
+                tokens,
+                input,
+                block,
+                head,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Backward of the modules, the last first (ZB-H1's `B` with `split`: their blocks' weight
+    /// gradients deferred): the gradient of the main model's last hidden rows they add.
+    fn mtp_backward(
+        &mut self,
+        ch: &ChunkPlan,
+        caches: Vec<MtpCache>,
+        (mb, c, split): (usize, usize, bool),
+    ) -> Result<Option<Vec<f32>>, ExecError> {
+        let prep = self.prep;
+        let d = &prep.dims;
+        let pass = self.pass();
+        let (vp, window) = self.vocab_window();
+        let (Some((hu, hl)), Some(emb)) = (&ch.head, ch.mtp_wte) else {
+            return Ok(None);
+        };
+        // The LM head's weight: the untied head's, or the table the tied head reads.
+        let (wu, wr) = match (head_weight_range(hl), ch.head_w) {
+            (Some(r), _) => (*hu, r),
+            (None, Some(w)) => (w, 0..window.len() * d.h),
+            (None, None) => unreachable!("a tied head has a weight unit"),
+        };
+        let mut dnext: Option<Vec<f32>> = None;
+        for ((u, eu, lay), mc) in ch.mtp.iter().zip(caches).rev() {
+            self.gather(*u)?;
+            self.gather(wu)?;
+            let mut tp = tp_ctx(
+                &mut *self.comm,
+                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+                prep,
+            );
+            let vp_head = vp.then(|| VocabParallel {
+                tp: &mut tp,
+                vocab: window.clone(),
+            });
+            let (m, w) = two_mut(&mut self.units, *u, wu);
+            let mut dy = head_bwd(
+                d,
+                &lay.head,
+                &m.params,
+                &mut m.grads,
+                &w.params[wr.clone()],
+                Some(&mut w.grads[wr.clone()]),
+                mc.head,
+                vp_head,
+            )?;
+            self.release(wu);
+            if let Some(dn) = dnext {
+                add_into(&mut dy, &dn);
+            }
+            if let Some(eu) = eu {
+                self.gather(*eu)?;
+            }
+            let mut none = Unit::empty();
+            let (unit, experts) = match eu {
+                Some(eu) => two_mut(&mut self.units, *u, *eu),
+                None => (&mut self.units[*u], &mut none),
+            };
+            let mut tp = tp_ctx(
+                &mut *self.comm,
+                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+                prep,
+            );
+            let mut later = Vec::new();
+            let dx = block_bwd(
+                d,
+                &lay.block,
+                (&unit.params, &mut unit.grads),
+                (&experts.params, &mut experts.grads),
+                mc.block,
+                dy,
+                &mut tp,
+                pass,
+                split.then_some(&mut later),
+            )?;
+            if split {
+                self.deferred.entry((mb, c)).or_default().push((*u, later));
+            }
+            let unit = &mut self.units[*u];
+            let (de, dhid) = mtp_input_bwd(d, lay, (&unit.params, &mut unit.grads), mc.input, &dx);
+            self.lookup_bwd(emb, &mc.tokens, de)?;
+            self.release(*u);
+            if let Some(eu) = eu {
+                self.release(*eu);
+            }
+            dnext = Some(dhid);
+        }
+        Ok(dnext)
+    }
+
     fn forward(&mut self, step: u64, mb: usize, c: usize) -> Result<(), ExecError> {
         let chunks = self.chunks.clone();
         let ch = &chunks[c];
@@ -1125,7 +1376,7 @@ impl Engine<'_> {
         let rows = self.local_rows();
         let width = rows.len() * d.h;
         let needs_data = ch.vs == 0 || ch.vs == nv - 1;
-        let (tokens, targets) = if needs_data {
+        let (tokens, targets, mtp_ids) = if needs_data {
             // Context-parallel ranks of a replica read the same sequences, each its chunks.
             let sample = self.coords.0 / prep.topo.cp;
             let first = ((sample * prep.micro + mb) * prep.mbs) as u64;
@@ -1138,41 +1389,37 @@ impl Engine<'_> {
                 prep.seq,
                 d.vocab,
             );
-            if prep.topo.cp > 1 {
-                let pos = pass.positions();
-                let pick = |all: &[u32]| -> Vec<u32> {
-                    (0..prep.mbs)
-                        .flat_map(|b| pos.iter().map(move |p| all[b * prep.seq + p]))
-                        .collect()
-                };
-                (pick(&tokens), pick(&targets))
-            } else {
-                (tokens, targets)
-            }
+            let mtp_ids: Vec<_> = (0..ch.mtp.len())
+                .map(|j| mtp_tokens(&tokens, &targets, prep.seq, j))
+                .collect();
+            let pos = pass.positions();
+            let pick = |all: Vec<u32>| -> Vec<u32> {
+                if prep.topo.cp == 1 {
+                    return all;
+                }
+                (0..prep.mbs)
+                    .flat_map(|b| {
+                        pos.iter()
+                            .map(|p| all[b * prep.seq + p])
+                            .collect::<Vec<_>>()
+                    })
+                    .collect()
+            };
+            let mtp_ids = mtp_ids
+                .into_iter()
+                .map(|(t, y)| (pick(t), pick(y)))
+                .collect();
+            (pick(tokens), pick(targets), mtp_ids)
         } else {
-            (Vec::new(), Vec::new())
+            (Vec::new(), Vec::new(), Vec::new())
         };
-        let all_rows = prep.mbs * pass.local_seq();
         let (vp, window) = self.vocab_window();
         let mut x = if let Some(wu) = ch.wte {
             self.gather(wu)?;
             if let Some(pu) = ch.wpe {
                 self.gather(pu)?;
             }
-            let wte = &self.units[wu].params[..window.len() * d.h];
-            let mut x = if vp {
-                // Every row's partial lookup, summed over the group (scattered to the local
-                // rows under sequence parallelism).
-                let part = embed_fwd(d, wte, window.clone(), &tokens, 0..all_rows);
-                let mut tp = tp_ctx(
-                    &mut *self.comm,
-                    (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                    prep,
-                );
-                tp.reduce_rows(part)?
-            } else {
-                embed_fwd(d, wte, window.clone(), &tokens, rows.clone())
-            };
+            let mut x = self.lookup(wu, &tokens)?;
             if let Some(pu) = ch.wpe {
                 let wpe = &self.units[pu].params[..d.max_seq * d.h];
                 positions_fwd(d, &mut x, wpe, rows.clone(), &pass);
@@ -1222,6 +1469,7 @@ impl Engine<'_> {
             x = y;
             caches.push(cache);
         }
+        let mut mtp = Vec::new();
         let head = if let Some((hu, hl)) = &ch.head {
             self.gather(*hu)?;
             if let Some(w) = ch.head_w {
@@ -1250,6 +1498,7 @@ impl Engine<'_> {
             } else {
                 (&targets[rows.clone()], None)
             };
+            let hid = (!ch.mtp.is_empty()).then(|| x.clone());
             let (loss, hc) = head_fwd(d, hl, p, w_out, x, targets, scale, vp_head)?;
             if (prep.sp && !vp) || self.coords.2 == 0 {
                 self.loss_part += loss * f64::from(scale);
@@ -1257,6 +1506,9 @@ impl Engine<'_> {
             self.release(*hu);
             if let Some(w) = ch.head_w {
                 self.release(w);
+            }
+            if let Some(hid) = hid {
+                mtp = self.mtp_forward(ch, hid, mtp_ids)?;
             }
             Some(hc)
         } else {
@@ -1271,6 +1523,7 @@ impl Engine<'_> {
                 tokens,
                 blocks: caches,
                 head,
+                mtp,
             },
         );
         Ok(())
@@ -1336,6 +1589,10 @@ impl Engine<'_> {
                     }
                 };
                 self.release(*hu);
+                let mut dx = dx;
+                if let Some(dh) = self.mtp_backward(ch, cache.mtp, (mb, c, split))? {
+                    add_into(&mut dx, &dh);
+                }
                 dx
             }
             _ => {
@@ -1387,24 +1644,11 @@ impl Engine<'_> {
             }
         }
         if let Some(wu) = ch.wte {
-            let n = window.len() * d.h;
             if let Some(pu) = ch.wpe {
                 let dwpe = &mut self.units[pu].grads[..d.max_seq * d.h];
                 positions_bwd(d, dwpe, rows.clone(), &pass, &dx);
             }
-            // A vocabulary-parallel table takes every row's gradient for its own tokens.
-            let (dx_rows, rows) = if vp {
-                let mut tp = tp_ctx(
-                    &mut *self.comm,
-                    (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                    prep,
-                );
-                (tp.gather_rows(dx)?, 0..prep.mbs * pass.local_seq())
-            } else {
-                (dx, rows)
-            };
-            let dwte = &mut self.units[wu].grads[..n];
-            embed_bwd(d, dwte, window, &cache.tokens, rows, &dx_rows);
+            self.lookup_bwd(wu, &cache.tokens, dx)?;
         } else {
             let to = self.neighbour(ch.vs + nv - 1);
             self.comm

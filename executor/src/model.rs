@@ -21,7 +21,7 @@ use crate::ring::{ring_bwd, ring_fwd, RingShape};
 use crate::rng::SplitMix64;
 use crate::tensor::{
     add_bias, add_into, attention_bwd, attention_fwd, bias_grad, cross_entropy, gelu, gelu_grad,
-    mm, mm_nt, mm_tn, norm_bwd, norm_fwd, rope, sigmoid,
+    mm, mm_nt, mm_tn, norm_bwd, norm_fwd, rope, sigmoid, IGNORE,
 };
 use parallax_ir::models::{Mlp, MoeConfig, Norm, Position, SlidingWindow, TransformerConfig};
 use std::ops::Range;
@@ -81,6 +81,8 @@ pub struct Dims {
     /// Multi-head latent attention (DeepSeek-V2, V3) in place of separate query, key and value
     /// projections; `hd` is then its query/key head width.
     pub mla: Option<Latent>,
+    /// Multi-token prediction modules after the last block (DeepSeek-V3).
+    pub mtp: usize,
 }
 
 /// Multi-head latent attention's sizes (DeepSeek-V2, Liu et al. 2024): queries projected through
@@ -114,10 +116,7 @@ impl Dims {
     /// Checks that the executor can train `c`; errors name the unsupported feature.
     pub fn from_config(c: &TransformerConfig) -> Result<Dims, String> {
         c.validate()?;
-        let planned_only = [
-            (c.mtp_layers > 0, "multi-token prediction modules"),
-            (c.hybrid.is_some(), "hybrid Mamba-2 stacks"),
-        ];
+        let planned_only = [(c.hybrid.is_some(), "hybrid Mamba-2 stacks")];
         if let Some((_, what)) = planned_only.iter().find(|(has, _)| *has) {
             return Err(format!(
                 "models with {what} are planned, not run, by the executor"
@@ -197,6 +196,7 @@ impl Dims {
             sinks: c.attention_sinks,
             qk_norm: c.qk_norm,
             mla,
+            mtp: c.mtp_layers as usize,
         })
     }
 
@@ -559,7 +559,19 @@ impl BlockLayout {
     /// Adds block `layer`'s tensors to `b`, a mixture-of-experts MLP's experts to `eb` (their
     /// own unit: they are reduced and sharded over the replicas holding the same experts).
     pub fn build(d: &Dims, layer: usize, b: &mut SlotBuilder, eb: &mut SlotBuilder) -> BlockLayout {
-        let p = |s: &str| format!("layers.{layer}.{s}");
+        Self::build_named(d, layer, &format!("layers.{layer}"), b, eb)
+    }
+
+    /// [`BlockLayout::build`] of a block shaped as layer `layer` whose tensors are named
+    /// `{prefix}.…` (a multi-token prediction module's block).
+    pub fn build_named(
+        d: &Dims,
+        layer: usize,
+        prefix: &str,
+        b: &mut SlotBuilder,
+        eb: &mut SlotBuilder,
+    ) -> BlockLayout {
+        let p = |s: &str| format!("{prefix}.{s}");
         let experts = d.experts_at(layer);
         // A dense layer has its own width (a mixture's may differ); the experts theirs, and
         // the shared experts beside them theirs.
@@ -738,6 +750,25 @@ impl BlockLayout {
     }
 }
 
+/// A norm's weight and (LayerNorm) bias, named `{name}.weight` and `{name}.bias`, replicated.
+fn build_norm(d: &Dims, b: &mut SlotBuilder, name: &str) -> (Range<usize>, Option<Range<usize>>) {
+    let w = b.add(
+        format!("{name}.weight"),
+        &[d.h],
+        Split::Replicated,
+        Init::Ones,
+    );
+    let bias = (!d.rms).then(|| {
+        b.add(
+            format!("{name}.bias"),
+            &[d.h],
+            Split::Replicated,
+            Init::Zeros,
+        )
+    });
+    (w, bias)
+}
+
 /// Where the head's tensors lie in its unit: the final norm and, when untied, the LM head.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HeadLayout {
@@ -750,20 +781,7 @@ pub struct HeadLayout {
 impl HeadLayout {
     /// Adds the head's own tensors to `b`.
     pub fn build(d: &Dims, b: &mut SlotBuilder) -> HeadLayout {
-        let norm_w = b.add(
-            "final_norm.weight".into(),
-            &[d.h],
-            Split::Replicated,
-            Init::Ones,
-        );
-        let norm_b = (!d.rms).then(|| {
-            b.add(
-                "final_norm.bias".into(),
-                &[d.h],
-                Split::Replicated,
-                Init::Zeros,
-            )
-        });
+        let (norm_w, norm_b) = build_norm(d, b, "final_norm");
         let lm_head = (!d.tied).then(|| {
             b.add(
                 "lm_head".into(),
@@ -1988,6 +2006,10 @@ fn vocab_parallel_cross_entropy(
     tp.comm.all_reduce_sum(tp.group, &mut sums)?;
     let mut total = 0.0f64;
     for (r, row) in logits.chunks_exact_mut(lv).enumerate() {
+        if targets[r] == IGNORE {
+            row.fill(0.0);
+            continue;
+        }
         let (sum, target) = (sums[r], sums[rows + r]);
         total += f64::from(sum.ln() - target);
         for x in row.iter_mut() {
@@ -1999,6 +2021,152 @@ fn vocab_parallel_cross_entropy(
         }
     }
     Ok(total)
+}
+
+/// Weight of the multi-token prediction losses against the main one, shared by the modules:
+/// Megatron-LM's `--mtp-loss-scaling-factor` default (DeepSeek-V3 trained with 0.3 for its
+/// first 10T tokens, then 0.1), divided by the number of modules as both do.
+pub const MTP_LOSS_WEIGHT: f32 = 0.1;
+
+/// One multi-token prediction module (DeepSeek-V3 §2.2, Megatron-LM's
+/// `MultiTokenPredictionLayer`): module `j` predicts the token `j + 2` ahead from the previous
+/// module's (or the main model's last block's) hidden state and the embedding of the token
+/// `j + 1` ahead — each normalised, concatenated `[embedding; hidden]` and projected back to
+/// the hidden width — through a block shaped as the last layer, its own final norm and the
+/// model's LM head. The embedding table and the head are the main model's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MtpLayout {
+    enorm: (Range<usize>, Option<Range<usize>>),
+    hnorm: (Range<usize>, Option<Range<usize>>),
+    /// `[2 · hidden, hidden]`, whole on every tensor-parallel rank (computed on its own rows).
+    proj: Range<usize>,
+    pub block: BlockLayout,
+    /// Its final norm (the LM head is the model's).
+    pub head: HeadLayout,
+}
+
+impl MtpLayout {
+    /// Adds module `j`'s tensors (`mtp.{j}.…`) to `b`, its block's experts to `eb`.
+    pub fn build(d: &Dims, j: usize, b: &mut SlotBuilder, eb: &mut SlotBuilder) -> MtpLayout {
+        let p = format!("mtp.{j}");
+        let enorm = build_norm(d, b, &format!("{p}.enorm"));
+        let hnorm = build_norm(d, b, &format!("{p}.hnorm"));
+        let proj = b.add(
+            format!("{p}.proj"),
+            &[2 * d.h, d.h],
+            Split::Replicated,
+            Init::Normal(INIT_STD),
+        );
+        let block = BlockLayout::build_named(d, d.layers - 1, &p, b, eb);
+        let (norm_w, norm_b) = build_norm(d, b, &format!("{p}.final_norm"));
+        MtpLayout {
+            enorm,
+            hnorm,
+            proj,
+            block,
+            head: HeadLayout {
+                norm_w,
+                norm_b,
+                lm_head: None,
+            },
+        }
+    }
+}
+
+/// What a module's input keeps for backward: the embedding and hidden rows before their norms
+/// with the norms' statistics, and the concatenation the projection read.
+#[derive(Debug)]
+pub struct MtpSaved {
+    e: Vec<f32>,
+    st_e: Vec<[f32; 2]>,
+    hid: Vec<f32>,
+    st_h: Vec<[f32; 2]>,
+    both: Vec<f32>,
+}
+
+/// A module's block input from the embedded next tokens `e` and the previous hidden rows `hid`.
+pub fn mtp_input_fwd(
+    d: &Dims,
+    l: &MtpLayout,
+    p: &[f32],
+    e: Vec<f32>,
+    hid: Vec<f32>,
+) -> (Vec<f32>, MtpSaved) {
+    let h = d.h;
+    let rows = e.len() / h;
+    let norm = |x: &[f32], (w, b): &(Range<usize>, Option<Range<usize>>)| {
+        let mut y = vec![0.0; x.len()];
+        let st = norm_fwd(&mut y, x, &p[w.clone()], slice(p, b), d.rms);
+        (y, st)
+    };
+    let (en, st_e) = norm(&e, &l.enorm);
+    let (hn, st_h) = norm(&hid, &l.hnorm);
+    let both = join_columns(&en, &hn, h, h);
+    let mut y = vec![0.0; rows * h];
+    mm(&mut y, &both, &p[l.proj.clone()], rows, 2 * h, h, false);
+    (
+        y,
+        MtpSaved {
+            e,
+            st_e,
+            hid,
+            st_h,
+            both,
+        },
+    )
+}
+
+/// Backward of [`mtp_input_fwd`]: the gradients of the embedded tokens and of the previous
+/// hidden rows.
+pub fn mtp_input_bwd(
+    d: &Dims,
+    l: &MtpLayout,
+    (p, g): (&[f32], &mut [f32]),
+    s: MtpSaved,
+    dy: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let h = d.h;
+    let rows = dy.len() / h;
+    mm_tn(&mut g[l.proj.clone()], &s.both, dy, rows, 2 * h, h, true);
+    let mut dboth = vec![0.0; rows * 2 * h];
+    mm_nt(&mut dboth, dy, &p[l.proj.clone()], rows, 2 * h, h, false);
+    let (den, dhn) = split_columns(&dboth, h, h);
+    let mut norm_bwd_of =
+        |dy: &[f32], x: &[f32], st: &[[f32; 2]], (w, b): &(Range<usize>, Option<Range<usize>>)| {
+            let mut dx = vec![0.0; dy.len()];
+            let (lo, hi) = split_two(g, w, b);
+            norm_bwd(&mut dx, dy, x, st, &p[w.clone()], lo, hi, d.rms, false);
+            dx
+        };
+    let de = norm_bwd_of(&den, &s.e, &s.st_e, &l.enorm);
+    let dhid = norm_bwd_of(&dhn, &s.hid, &s.st_h, &l.hnorm);
+    (de, dhid)
+}
+
+/// The tokens and targets of multi-token prediction module `j` for a micro-batch of
+/// `tokens` / `targets` (`batch × seq`, whole sequences): each position's token `j + 1` ahead
+/// and its target, the last `j + 1` positions of a sequence having none (token 0, target
+/// [`IGNORE`]).
+pub fn mtp_tokens(tokens: &[u32], targets: &[u32], seq: usize, j: usize) -> (Vec<u32>, Vec<u32>) {
+    let k = j + 1;
+    let mut t = Vec::with_capacity(tokens.len());
+    let mut y = Vec::with_capacity(tokens.len());
+    for (ts, ys) in tokens.chunks_exact(seq).zip(targets.chunks_exact(seq)) {
+        for i in 0..seq {
+            let (tok, tgt) = ts
+                .get(i + k)
+                .zip(ys.get(i + k))
+                .map_or((0, IGNORE), |(a, b)| (*a, *b));
+            t.push(tok);
+            y.push(tgt);
+        }
+    }
+    (t, y)
+}
+
+/// The range of the untied LM head in its unit (none: the head reads the embedding table).
+pub fn head_weight_range(l: &HeadLayout) -> Option<Range<usize>> {
+    l.lm_head.clone()
 }
 
 /// The head's unembedding weight: the untied LM head in `p`, else `None` (use the embedding).
@@ -2164,6 +2332,80 @@ mod tests {
         check_block_gradients(&latent(0, 2, 4, 10), "direct queries, wide values");
     }
 
+    /// A multi-token prediction module's input (both norms, LayerNorm and RMSNorm, and the
+    /// projection of their concatenation) against central differences of `Σ r · input(e, h)`.
+    #[test]
+    fn mtp_input_gradients_match_finite_differences() {
+        for c in [
+            TransformerConfig::llama(1, 8, 2, 2, 16, 50, 16),
+            TransformerConfig::gpt(1, 8, 2, 16, 50, 16),
+        ] {
+            let d = Dims::from_config(&c).unwrap();
+            let (mut b, mut eb) = (SlotBuilder::new(1), SlotBuilder::new(1));
+            let l = MtpLayout::build(&d, 0, &mut b, &mut eb);
+            let (slots, n) = b.finish();
+            let mut p = rand(n, 4, 0.3);
+            for s in slots.iter().filter(|s| s.init == Init::Ones) {
+                p[s.range.clone()].iter_mut().for_each(|v| *v += 1.0);
+            }
+            let rows = 6;
+            let (e, hid, r) = (
+                rand(rows * d.h, 5, 1.0),
+                rand(rows * d.h, 6, 1.0),
+                rand(rows * d.h, 7, 1.0),
+            );
+            let objective = |p: &[f32], e: &[f32], hid: &[f32]| -> f64 {
+                let (y, _) = mtp_input_fwd(&d, &l, p, e.to_vec(), hid.to_vec());
+                y.iter().zip(&r).map(|(a, b)| f64::from(a * b)).sum()
+            };
+            let (_, saved) = mtp_input_fwd(&d, &l, &p, e.clone(), hid.clone());
+            let mut g = vec![0.0; n];
+            let (de, dhid) = mtp_input_bwd(&d, &l, (&p, &mut g), saved, &r);
+            let eps = 1e-2f32;
+            let check = |what: String, analytic: f32, plus: f64, minus: f64| {
+                let num = (plus - minus) / (2.0 * f64::from(eps));
+                let err = (num - f64::from(analytic)).abs() / num.abs().max(0.05);
+                assert!(err < 2e-2, "{what}: {analytic} vs {num}");
+            };
+            let bump = |x: &[f32], i: usize, by: f32| {
+                let mut x = x.to_vec();
+                x[i] += by;
+                x
+            };
+            for i in (0..e.len()).step_by(5) {
+                let (a, b) = (bump(&e, i, eps), bump(&e, i, -eps));
+                check(
+                    format!("de[{i}]"),
+                    de[i],
+                    objective(&p, &a, &hid),
+                    objective(&p, &b, &hid),
+                );
+                let (a, b) = (bump(&hid, i, eps), bump(&hid, i, -eps));
+                check(
+                    format!("dhid[{i}]"),
+                    dhid[i],
+                    objective(&p, &e, &a),
+                    objective(&p, &e, &b),
+                );
+            }
+            // The module's own tensors before its block: the norms and the projection.
+            for s in slots
+                .iter()
+                .filter(|s| s.name.contains("norm.") || s.name.ends_with("proj"))
+            {
+                for i in s.range.clone().step_by(7) {
+                    let (a, b) = (bump(&p, i, eps), bump(&p, i, -eps));
+                    check(
+                        format!("{}[{i}]", s.name),
+                        g[i],
+                        objective(&a, &e, &hid),
+                        objective(&b, &e, &hid),
+                    );
+                }
+            }
+        }
+    }
+
     /// What the executor does not train is refused by name, never run as a different model.
     #[test]
     fn models_the_executor_cannot_train_are_refused_by_feature() {
@@ -2321,9 +2563,12 @@ mod tests {
         })
         .unwrap_err();
         assert!(e.contains("latent attention with query/key norms"), "{e}");
-        for (c, what) in [(mtp, "multi-token prediction"), (hybrid, "hybrid Mamba-2")] {
-            let e = Dims::from_config(&c).unwrap_err();
-            assert!(e.contains(what) && e.contains("planned, not run"), "{e}");
-        }
+        // Multi-token prediction is run: one module after the last block.
+        assert_eq!(Dims::from_config(&mtp).unwrap().mtp, 1);
+        let e = Dims::from_config(&hybrid).unwrap_err();
+        assert!(
+            e.contains("hybrid Mamba-2") && e.contains("planned, not run"),
+            "{e}"
+        );
     }
 }

@@ -747,12 +747,20 @@ pub fn attention_bwd(
     }
 }
 
+/// A target that counts for nothing: no loss and no gradient (the positions a multi-token
+/// prediction module has no token for, at the end of a sequence).
+pub const IGNORE: u32 = u32::MAX;
+
 /// Softmax cross-entropy of `logits` (`rows × vocab`) against `targets`: returns the summed
 /// loss and overwrites `logits` with `scale · (softmax − onehot)`, the gradient of
-/// `scale · loss_sum`.
+/// `scale · loss_sum`; rows whose target is [`IGNORE`] count for nothing.
 pub fn cross_entropy(logits: &mut [f32], targets: &[u32], vocab: usize, scale: f32) -> f64 {
     let mut total = 0.0f64;
     for (row, &t) in logits.chunks_exact_mut(vocab).zip(targets) {
+        if t == IGNORE {
+            row.fill(0.0);
+            continue;
+        }
         let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0f32;
         for x in row.iter_mut() {

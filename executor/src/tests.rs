@@ -81,6 +81,14 @@ fn deepseek(layers: u32, q_lora_rank: u64) -> TransformerConfig {
     }
 }
 
+/// DeepSeek-V3 with `modules` multi-token prediction modules after its last block.
+fn deepseek_mtp(layers: u32, modules: u32) -> TransformerConfig {
+    TransformerConfig {
+        mtp_layers: modules,
+        ..deepseek(layers, 16)
+    }
+}
+
 /// Qwen2-MoE's mixture, small: softmax scores taken as they are (no renormalisation) beside a
 /// shared expert 40 wide whose output a per-token sigmoid gate scales; biases on the query,
 /// key and value projections alone.
@@ -315,6 +323,14 @@ equivalence! {
     deepseek_dp2_tp2_pp2_zb_h1_selective: deepseek(4, 16), Layout { dp: 2, tp: 2, recompute: Recompute::Selective, ..pp(2, Schedule::ZeroBubbleH1) };
     deepseek_tp4_full_recompute_zero3: deepseek(2, 16), Layout { tp: 4, dp: 2, zero_stage: 3, recompute: Recompute::Full, ..Layout::default() };
     deepseek_direct_queries_tp2_sp_pp2: deepseek(4, 0), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
+    // Multi-token prediction: modules on the last stage reading the embedding table (a copy
+    // there under pipelining, its gradient summed with the first stage's) and the LM head.
+    deepseek_mtp_dp2_ep2: deepseek_mtp(2, 2), Layout { dp: 2, ep: 2, ..Layout::default() };
+    deepseek_mtp_tp2_sp_vocab_parallel: deepseek_mtp(2, 1), Layout { tp: 2, sequence_parallel: true, ..Layout::default() };
+    deepseek_mtp_cp2_zero3: deepseek_mtp(2, 2), Layout { cp: 2, dp: 2, zero_stage: 3, ..Layout::default() };
+    deepseek_mtp_pp2_zb_h1_tp2: deepseek_mtp(4, 1), Layout { tp: 2, ..pp(2, Schedule::ZeroBubbleH1) };
+    deepseek_mtp_pp2_interleaved_full_recompute: deepseek_mtp(4, 2), Layout { dp: 2, recompute: Recompute::Full, interleave: 2, ..pp(2, Schedule::Interleaved1F1B) };
+    gpt_mtp_tied_pp2_tp2_sp: TransformerConfig { mtp_layers: 1, ..gpt(4) }, Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
     qwen2_moe_dp2_ep2_zero2: qwen2_moe(2), Layout { dp: 2, ep: 2, zero_stage: 2, ..Layout::default() };
     qwen2_moe_tp2_sp_ep2_etp1: qwen2_moe(2), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), ..Layout::default() };
     qwen2_moe_tp2_sp_pp2_full_recompute: qwen2_moe(4), Layout { tp: 2, sequence_parallel: true, recompute: Recompute::Full, ..pp(2, Schedule::OneFOneB) };
@@ -380,6 +396,41 @@ fn the_window_and_the_position_embedding_change_what_is_trained() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("attention with sinks"), "{e}");
+}
+
+#[test]
+fn multi_token_prediction_trains_the_model_and_reports_the_main_loss() {
+    // The reported loss is the main one: the same first step with or without the modules
+    // (the model's tensors start alike), the later ones moved by the modules' gradients.
+    let plain = reference(&deepseek(2, 16));
+    let with = reference(&deepseek_mtp(2, 2));
+    assert_eq!(plain.0[0], with.0[0]);
+    assert_ne!(plain.0[1], with.0[1]);
+    let t = &with.1.tensors;
+    assert_eq!(t["mtp.0.proj"].shape, [64, 32]);
+    assert!(t.contains_key("mtp.1.attn.wkv_up") && t.contains_key("mtp.1.final_norm.weight"));
+    // The modules' blocks are shaped as the last layer: a mixture of experts here.
+    assert!(t.contains_key("mtp.0.mlp.experts.wg"));
+    // Their gradients reach the LM head and the main model's blocks (through the hidden
+    // rows): after one step, Adam's first moment (the gradient, scaled) of each differs from
+    // the plain model's.
+    let first_moments = |c: TransformerConfig| {
+        let mut s = spec(c, Layout::default());
+        s.steps = 1;
+        run_threads(&s).unwrap().state.unwrap().tensors
+    };
+    let (a, b) = (
+        first_moments(deepseek(2, 16)),
+        first_moments(deepseek_mtp(2, 1)),
+    );
+    for name in [
+        "embed.wte",
+        "lm_head",
+        "layers.1.attn.wkv_up",
+        "layers.0.attn.wq_up",
+    ] {
+        assert_ne!(a[name].m, b[name].m, "{name}");
+    }
 }
 
 #[test]

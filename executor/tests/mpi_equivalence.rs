@@ -57,10 +57,12 @@ fn mixtral(layers: u32) -> TransformerConfig {
 
 /// DeepSeek-V3, small: multi-head latent attention (query latent 16, key/value latent 12,
 /// heads of 4 + 4 rotary dimensions, values 6 wide) over a leading dense layer, then 8 experts
-/// (top-2) scored by sigmoid within the best 2 of 4 groups, scaled 2.5, beside a shared expert.
+/// (top-2) scored by sigmoid within the best 2 of 4 groups, scaled 2.5, beside a shared
+/// expert; one multi-token prediction module.
 fn deepseek(layers: u32) -> TransformerConfig {
     TransformerConfig {
         kv_heads: 4,
+        mtp_layers: 1,
         mla: Some(parallax_ir::models::MlaConfig {
             q_lora_rank: 16,
             kv_lora_rank: 12,
@@ -159,7 +161,7 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
             },
         ),
         (
-            "deepseek_mla_tp2_sp_ep2_etp1",
+            "deepseek_mla_mtp_tp2_sp_ep2_etp1",
             deepseek(2),
             Layout {
                 tp: 2,
