@@ -411,18 +411,6 @@ impl Prepared {
                 dims.max_seq
             )));
         }
-        if topo.cp > 1 && dims.window.is_some() {
-            return bad(
-                "context parallelism over sliding-window attention is planned, not run, by the executor"
-                    .into(),
-            );
-        }
-        if topo.cp > 1 && dims.sinks {
-            return bad(
-                "context parallelism over attention with sinks is planned, not run, by the executor"
-                    .into(),
-            );
-        }
         if topo.cp > 1 && seq % (2 * topo.cp) != 0 {
             return bad(format!(
                 "context parallelism splits each sequence into 2 × cp = {} chunks: seq {seq} is not a multiple",

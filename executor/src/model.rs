@@ -933,8 +933,15 @@ pub struct Pass {
 }
 
 /// The ring attention shape of a pass with `heads`, `kv_heads` of size `hd` on this rank.
-fn ring_shape(pass: &Pass, heads: usize, kv_heads: usize, hd: usize) -> RingShape {
+fn ring_shape(
+    pass: &Pass,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    window: Option<usize>,
+) -> RingShape {
     RingShape {
+        window,
         batch: pass.batch,
         lseq: pass.local_seq(),
         heads,
@@ -1324,8 +1331,9 @@ fn block_fwd_inner(
     // Under context parallelism the keys and values travel the ring of context-parallel ranks.
     let (o, probs, lse) = match tp.cp {
         Some(g) => {
-            let r = ring_shape(&pass, nh, nkv, aw);
-            let (o, lse) = ring_fwd(&mut *tp.comm, g, (&q, &k, &v), &pass, &r)?;
+            let r = ring_shape(&pass, nh, nkv, aw, l.window);
+            let sinks = slice(p, &l.sinks);
+            let (o, lse) = ring_fwd(&mut *tp.comm, g, (&q, &k, &v), sinks, &pass, &r)?;
             (o, None, Some(lse))
         }
         None => {
@@ -1649,14 +1657,18 @@ pub fn block_bwd(
     let pos = pass.positions();
     let lseq = pos.len();
     let (mut dq, mut dk, dv) = match (tp.cp, &s.lse) {
-        (Some(g), Some(lse)) => {
-            let r = ring_shape(&pass, nh, nkv, aw);
+        (Some(cp), Some(lse)) => {
+            let r = ring_shape(&pass, nh, nkv, aw, l.window);
             ring_bwd(
                 &mut *tp.comm,
-                g,
+                cp,
                 &d_o,
                 (&s.q, &s.k, &s.v),
                 (&s.o, lse),
+                (
+                    slice(p, &l.sinks),
+                    l.sinks.as_ref().map(|r| &mut g[r.clone()]),
+                ),
                 &pass,
                 &r,
             )?

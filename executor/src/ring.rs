@@ -6,7 +6,10 @@
 //! grows). The backward recomputes each step's probabilities from the saved log-sum-exp and
 //! sends the key/value gradients around the ring with their block, so that after `cp` steps
 //! every rank holds the gradient of its own keys and values. Causal masking compares the
-//! positions the chunks hold; a block entirely in a query row's future contributes nothing.
+//! positions the chunks hold (a sliding window too: a key more than `window − 1` positions
+//! behind a query is masked); a block entirely in a query row's future, or entirely behind its
+//! window, contributes nothing. Attention sinks (GPT-OSS: a learned logit per head that holds
+//! no value) join each row's normaliser once, when the ring's running softmax is finished.
 
 use crate::comm::{Collectives, CommError, Group};
 use crate::model::Pass;
@@ -21,6 +24,8 @@ pub struct RingShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub hd: usize,
+    /// The keys a query sees: the `window` latest up to its own, or all of them.
+    pub window: Option<usize>,
 }
 
 impl RingShape {
@@ -63,7 +68,14 @@ fn scores(
     (q_pos, k_pos): (&[usize], &[usize]),
     r: &RingShape,
 ) -> bool {
-    if q_pos.iter().max() < k_pos.iter().min() {
+    let (Some(&q_lo), Some(&q_hi)) = (q_pos.iter().min(), q_pos.iter().max()) else {
+        return false;
+    };
+    let (Some(&k_lo), Some(&k_hi)) = (k_pos.iter().min(), k_pos.iter().max()) else {
+        return false;
+    };
+    let seen = |q: usize, k: usize| k <= q && r.window.is_none_or(|w| q < k + w);
+    if q_hi < k_lo || r.window.is_some_and(|w| q_lo >= k_hi + w) {
         return false;
     }
     let kvh = h / (r.heads / r.kv_heads);
@@ -78,10 +90,10 @@ fn scores(
     let scale = 1.0 / (r.hd as f32).sqrt();
     for (i, row) in s.chunks_exact_mut(n).enumerate() {
         for (j, x) in row.iter_mut().enumerate() {
-            *x = if k_pos[j] > q_pos[i] {
-                f32::NEG_INFINITY
-            } else {
+            *x = if seen(q_pos[i], k_pos[j]) {
                 *x * scale
+            } else {
+                f32::NEG_INFINITY
             };
         }
     }
@@ -89,11 +101,13 @@ fn scores(
 }
 
 /// Ring attention forward: the output of this rank's queries (`batch·lseq × heads·hd`) and
-/// the log-sum-exp of every query row (`batch · heads · lseq`), which the backward needs.
+/// the log-sum-exp of every query row (`batch · heads · lseq`, the sink's term included),
+/// which the backward needs; `sinks` holds this rank's heads' sink logits.
 pub fn ring_fwd(
     comm: &mut dyn Collectives,
     g: &Group,
     (q, k, v): (&[f32], &[f32], &[f32]),
+    sinks: Option<&[f32]>,
     pass: &Pass,
     r: &RingShape,
 ) -> Result<(Vec<f32>, Vec<f32>), CommError> {
@@ -154,8 +168,17 @@ pub fn ring_fwd(
             for i in 0..n {
                 let at = (b * r.heads + h) * n + i;
                 let oi = (b * n + i) * r.qw() + h * r.hd;
-                o[oi..oi + r.hd].iter_mut().for_each(|x| *x /= l[at]);
-                lse[at] = m[at] + l[at].ln();
+                // The sink's exponential joins the normaliser at the row's final maximum.
+                let (mx, sum) = match sinks.map(|s| s[h]) {
+                    Some(sk) => {
+                        let mx = m[at].max(sk);
+                        (mx, l[at] * (m[at] - mx).exp() + (sk - mx).exp())
+                    }
+                    None => (m[at], l[at]),
+                };
+                let keep = (m[at] - mx).exp() / sum;
+                o[oi..oi + r.hd].iter_mut().for_each(|x| *x *= keep);
+                lse[at] = mx + sum.ln();
             }
         }
     }
@@ -165,7 +188,9 @@ pub fn ring_fwd(
 /// The gradients of a rank's queries, keys and values.
 pub type QkvGrads = (Vec<f32>, Vec<f32>, Vec<f32>);
 
-/// Ring attention backward: the gradients of this rank's queries, keys and values.
+/// Ring attention backward: the gradients of this rank's queries, keys and values, and with
+/// sinks their gradient into `dsinks`: a row's sink, holding no value, takes
+/// `−p_sink · (dO · O)` (this rank's rows; the other context-parallel ranks add theirs).
 #[allow(clippy::too_many_arguments)]
 pub fn ring_bwd(
     comm: &mut dyn Collectives,
@@ -173,6 +198,7 @@ pub fn ring_bwd(
     d_o: &[f32],
     (q, k, v): (&[f32], &[f32], &[f32]),
     (o, lse): (&[f32], &[f32]),
+    (sinks, dsinks): (Option<&[f32]>, Option<&mut [f32]>),
     pass: &Pass,
     r: &RingShape,
 ) -> Result<QkvGrads, CommError> {
@@ -192,6 +218,16 @@ pub fn ring_bwd(
                     .zip(&o[oi..oi + r.hd])
                     .map(|(a, b)| a * b)
                     .sum();
+            }
+        }
+    }
+    if let (Some(sk), Some(ds)) = (sinks, dsinks) {
+        for b in 0..r.batch {
+            for (h, d) in ds.iter_mut().enumerate() {
+                let base = (b * r.heads + h) * n;
+                for i in 0..n {
+                    *d -= (sk[h] - lse[base + i]).exp() * dsum[base + i];
+                }
             }
         }
     }
