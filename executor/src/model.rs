@@ -20,8 +20,8 @@ use crate::moe::{moe_bwd, moe_fwd, Ep, MoeLayout, MoeSaved, Routing};
 use crate::ring::{ring_bwd, ring_fwd, RingShape};
 use crate::rng::SplitMix64;
 use crate::tensor::{
-    add_bias, add_into, attention_bwd, attention_fwd, bias_grad, cross_entropy, gelu, gelu_grad,
-    mm, mm_nt, mm_tn, norm_bwd, norm_fwd, rope, sigmoid, IGNORE,
+    add_bias, add_into, attention_bwd, attention_fwd, bias_grad, cross_entropy, mm, mm_nt, mm_tn,
+    norm_bwd, norm_fwd, rope, sigmoid, Act, IGNORE,
 };
 use parallax_ir::models::{Mlp, MoeConfig, Norm, Position, SlidingWindow, TransformerConfig};
 use std::ops::Range;
@@ -83,6 +83,8 @@ pub struct Dims {
     pub mla: Option<Latent>,
     /// Multi-token prediction modules after the last block (DeepSeek-V3).
     pub mtp: usize,
+    /// GPT-OSS's clamped gate in place of SwiGLU's.
+    pub clamped_swiglu: bool,
 }
 
 /// Multi-head latent attention's sizes (DeepSeek-V2, Liu et al. 2024): queries projected through
@@ -121,12 +123,6 @@ impl Dims {
             return Err(format!(
                 "models with {what} are planned, not run, by the executor"
             ));
-        }
-        if c.moe.is_some() && c.bias {
-            return Err(
-                "mixture-of-experts MLPs with biases are not run by the executor (its experts have none, as Mixtral's)"
-                    .into(),
-            );
         }
         if c.bert || !c.causal {
             return Err(
@@ -197,7 +193,17 @@ impl Dims {
             qk_norm: c.qk_norm,
             mla,
             mtp: c.mtp_layers as usize,
+            clamped_swiglu: c.clamped_swiglu,
         })
+    }
+
+    /// The MLPs' activation.
+    pub fn act(&self) -> Act {
+        match (self.swiglu, self.clamped_swiglu) {
+            (true, true) => Act::ClampedSwiglu,
+            (true, false) => Act::Swiglu,
+            (false, _) => Act::Gelu,
+        }
     }
 
     /// Width of an MoE layer's shared experts together (0: none), a dense MLP beside the
@@ -644,26 +650,47 @@ impl BlockLayout {
                 Split::Whole
             };
             let router = b.add(p("mlp.router"), &[h, experts], router_split, w);
-            let (gi, go) = if d.swiglu {
-                ("mlp.experts.wg", "mlp.experts.wd")
+            // GPT-OSS biases its router and its experts' projections.
+            let router_bias = opt(b, d.bias, "mlp.router_bias", &[experts], router_split);
+            let ((gi, gb), (go, ob)) = if d.swiglu {
+                (
+                    ("mlp.experts.wg", "mlp.experts.bg"),
+                    ("mlp.experts.wd", "mlp.experts.bd"),
+                )
             } else {
-                ("mlp.experts.w1", "mlp.experts.w2")
+                (
+                    ("mlp.experts.w1", "mlp.experts.b1"),
+                    ("mlp.experts.w2", "mlp.experts.b2"),
+                )
             };
             let wi = eb.add(p(gi), &[experts, h, f], Split::Experts, w);
-            let wu = d
-                .swiglu
-                .then(|| eb.add(p("mlp.experts.wu"), &[experts, h, f], Split::Experts, w));
+            let bi = opt(eb, d.bias, gb, &[experts, f], Split::Experts);
+            let (wu, bu) = if d.swiglu {
+                let wu = eb.add(p("mlp.experts.wu"), &[experts, h, f], Split::Experts, w);
+                (
+                    Some(wu),
+                    opt(eb, d.bias, "mlp.experts.bu", &[experts, f], Split::Experts),
+                )
+            } else {
+                (None, None)
+            };
             let wo = eb.add(
                 p(go),
                 &[experts, f, h],
                 Split::Experts,
                 Init::Normal(out_std),
             );
+            let bo = opt(eb, d.bias, ob, &[experts, h], Split::Experts);
             moe = Some(MoeLayout {
                 router,
                 w_in: wi,
                 w_up: wu,
                 w_out: wo,
+                router_bias,
+                b_in: bi,
+                b_up: bu,
+                b_out: bo,
+                act: d.act(),
                 experts,
                 top_k,
                 routing: d.mixture.map(|m| Routing::of(&m)).unwrap_or_default(),
@@ -1421,7 +1448,7 @@ fn block_fwd_inner(
             mm(&mut y, n2, &p[w.clone()], tt, h, f, false);
             y
         });
-        let act = activation(&u, up.as_deref());
+        let act = d.act().fwd(&u, up.as_deref());
         let mut m = vec![0.0; tt * h];
         mm(&mut m, &act, &p[l.w_out.clone()], tt, f, h, false);
         let mut m = tp.exit_fwd(m)?;
@@ -1482,14 +1509,6 @@ fn sum_parts(routed: Option<Vec<f32>>, dense: Option<Vec<f32>>) -> Vec<f32> {
         }
         (Some(a), None) | (None, Some(a)) => a,
         (None, None) => unreachable!("a block has routed experts or a dense MLP"),
-    }
-}
-
-/// GeLU(u), or SiLU(gate) · up for SwiGLU.
-fn activation(u: &[f32], up: Option<&[f32]>) -> Vec<f32> {
-    match up {
-        None => u.iter().map(|x| gelu(*x)).collect(),
-        Some(up) => u.iter().zip(up).map(|(g, v)| g * sigmoid(*g) * v).collect(),
     }
 }
 
@@ -1592,31 +1611,17 @@ pub fn block_bwd(
         let dm = tp.exit_bwd(dx2.clone())?;
         let act = match s.act {
             Some(a) => a,
-            None => activation(&s.u, s.up.as_deref()),
+            None => d.act().fwd(&s.u, s.up.as_deref()),
         };
         wgrad(g, &l.w_out, &act, &dm, tt, f, h);
         drop(act);
         let mut dact = vec![0.0; tt * f];
         mm_nt(&mut dact, &dm, &p[l.w_out.clone()], tt, f, h, false);
         let mut dn2 = vec![0.0; tt * h];
-        match (&s.up, &l.w_up) {
-            (Some(up), Some(w_up)) => {
-                // act = silu(u) · up
-                let mut dup = vec![0.0; tt * f];
-                for i in 0..tt * f {
-                    let gt = s.u[i];
-                    let sg = sigmoid(gt);
-                    dup[i] = dact[i] * gt * sg;
-                    dact[i] *= up[i] * sg * (1.0 + gt * (1.0 - sg));
-                }
-                wgrad(g, w_up, n2, &dup, tt, h, f);
-                mm_nt(&mut dn2, &dup, &p[w_up.clone()], tt, h, f, false);
-            }
-            _ => {
-                for (da, u) in dact.iter_mut().zip(&s.u) {
-                    *da *= gelu_grad(*u);
-                }
-            }
+        let dup = d.act().bwd(&mut dact, &s.u, s.up.as_deref());
+        if let (Some(dup), Some(w_up)) = (dup, &l.w_up) {
+            wgrad(g, w_up, n2, &dup, tt, h, f);
+            mm_nt(&mut dn2, &dup, &p[w_up.clone()], tt, h, f, false);
         }
         let du = dact;
         if let Some(r) = &l.b_in {

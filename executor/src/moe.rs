@@ -13,7 +13,7 @@
 //! by score alone.
 
 use crate::comm::{Collectives, CommError, Group};
-use crate::tensor::{gelu, gelu_grad, mm, mm_nt, mm_tn, sigmoid};
+use crate::tensor::{add_bias, bias_grad, mm, mm_nt, mm_tn, sigmoid, Act};
 use std::ops::Range;
 
 /// Where a block's mixture-of-experts tensors lie: the router in the block's unit buffer, the
@@ -28,6 +28,15 @@ pub struct MoeLayout {
     pub w_up: Option<Range<usize>>,
     /// `[local, ffn, hidden]`.
     pub w_out: Range<usize>,
+    /// Biases (GPT-OSS): the router's `[experts]` beside it, the experts' `[local, ffn]` on
+    /// the gate (or first) and up projections and `[local, hidden]` on the output, beside
+    /// their weights.
+    pub router_bias: Option<Range<usize>>,
+    pub b_in: Option<Range<usize>>,
+    pub b_up: Option<Range<usize>>,
+    pub b_out: Option<Range<usize>>,
+    /// The experts' activation.
+    pub act: Act,
     /// Experts in all, and top-k.
     pub experts: usize,
     pub top_k: usize,
@@ -219,12 +228,9 @@ impl Ep<'_> {
     }
 }
 
-/// The experts' activation of a pre-activation `g` (and SwiGLU's `u`).
-fn activate(g: &[f32], u: Option<&[f32]>) -> Vec<f32> {
-    match u {
-        Some(u) => g.iter().zip(u).map(|(a, b)| a * sigmoid(*a) * b).collect(),
-        None => g.iter().map(|a| gelu(*a)).collect(),
-    }
+/// Local expert `j`'s part of the expert tensor at `r` (`per` elements an expert).
+fn part(r: &Range<usize>, j: usize, per: usize) -> Range<usize> {
+    r.start + j * per..r.start + (j + 1) * per
 }
 
 /// Mixture-of-experts forward of `x` (`tokens × hidden`) with the router in `p` and this
@@ -245,6 +251,9 @@ pub fn moe_fwd(
     // Router: each token's scores, its k experts and their weights.
     let mut probs = vec![0.0; tokens * e];
     mm(&mut probs, x, &p[l.router.clone()], tokens, h, e, false);
+    if let Some(b) = &l.router_bias {
+        add_bias(&mut probs, &p[b.clone()]);
+    }
     let mut picks = Vec::with_capacity(tokens * k);
     for row in probs.chunks_exact_mut(e) {
         l.routing.route(row, k, &mut picks);
@@ -274,40 +283,22 @@ pub fn moe_fwd(
     let (mut gate, mut up, mut act, mut ys) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (j, xj) in xs.iter().enumerate() {
         let rows = xj.len() / h;
-        let mut g = vec![0.0; rows * f];
-        mm(
-            &mut g,
-            xj,
-            &pe[l.w_in.start + j * h * f..][..h * f],
-            rows,
-            h,
-            f,
-            false,
-        );
-        let u = l.w_up.as_ref().map(|w| {
-            let mut u = vec![0.0; rows * f];
-            mm(
-                &mut u,
-                xj,
-                &pe[w.start + j * h * f..][..h * f],
-                rows,
-                h,
-                f,
-                false,
-            );
-            u
-        });
-        let a = activate(&g, u.as_deref());
+        let proj = |w: &Range<usize>, b: &Option<Range<usize>>| {
+            let mut y = vec![0.0; rows * f];
+            mm(&mut y, xj, &pe[part(w, j, h * f)], rows, h, f, false);
+            if let Some(b) = b {
+                add_bias(&mut y, &pe[part(b, j, f)]);
+            }
+            y
+        };
+        let g = proj(&l.w_in, &l.b_in);
+        let u = l.w_up.as_ref().map(|w| proj(w, &l.b_up));
+        let a = l.act.fwd(&g, u.as_deref());
         let mut y = vec![0.0; rows * h];
-        mm(
-            &mut y,
-            &a,
-            &pe[l.w_out.start + j * f * h..][..f * h],
-            rows,
-            f,
-            h,
-            false,
-        );
+        mm(&mut y, &a, &pe[part(&l.w_out, j, f * h)], rows, f, h, false);
+        if let Some(b) = &l.b_out {
+            add_bias(&mut y, &pe[part(b, j, h)]);
+        }
         gate.push(g);
         up.push(u.unwrap_or_default());
         act.push(a);
@@ -394,32 +385,25 @@ pub fn moe_bwd(
     let mut dxs = Vec::with_capacity(per);
     for (j, dy) in dys.iter().enumerate() {
         let rows = s.x[j].len() / h;
-        let (wi, wo) = (
-            l.w_in.start + j * h * f..l.w_in.start + (j + 1) * h * f,
-            l.w_out.start + j * f * h..l.w_out.start + (j + 1) * f * h,
-        );
+        let (wi, wo) = (part(&l.w_in, j, h * f), part(&l.w_out, j, f * h));
+        if let Some(b) = &l.b_out {
+            bias_grad(&mut ge[part(b, j, h)], dy);
+        }
         mm_tn(&mut ge[wo.clone()], &s.act[j], dy, rows, f, h, true);
         let mut da = vec![0.0; rows * f];
         mm_nt(&mut da, dy, &pe[wo], rows, f, h, false);
         let mut dx = vec![0.0; rows * h];
-        match &l.w_up {
-            Some(wu) => {
-                let wu = wu.start + j * h * f..wu.start + (j + 1) * h * f;
-                let (gt, ut) = (&s.gate[j], &s.up[j]);
-                let mut du = vec![0.0; rows * f];
-                for i in 0..rows * f {
-                    let sg = sigmoid(gt[i]);
-                    du[i] = da[i] * gt[i] * sg;
-                    da[i] *= ut[i] * sg * (1.0 + gt[i] * (1.0 - sg));
-                }
-                mm_tn(&mut ge[wu.clone()], &s.x[j], &du, rows, h, f, true);
-                mm_nt(&mut dx, &du, &pe[wu], rows, h, f, false);
+        let up = l.w_up.as_ref().map(|_| &s.up[j][..]);
+        if let (Some(du), Some(wu)) = (l.act.bwd(&mut da, &s.gate[j], up), &l.w_up) {
+            let wu = part(wu, j, h * f);
+            if let Some(b) = &l.b_up {
+                bias_grad(&mut ge[part(b, j, f)], &du);
             }
-            None => {
-                for (d, gv) in da.iter_mut().zip(&s.gate[j]) {
-                    *d *= gelu_grad(*gv);
-                }
-            }
+            mm_tn(&mut ge[wu.clone()], &s.x[j], &du, rows, h, f, true);
+            mm_nt(&mut dx, &du, &pe[wu], rows, h, f, false);
+        }
+        if let Some(b) = &l.b_in {
+            bias_grad(&mut ge[part(b, j, f)], &da);
         }
         mm_tn(&mut ge[wi.clone()], &s.x[j], &da, rows, h, f, true);
         mm_nt(&mut dx, &da, &pe[wi], rows, h, f, true);
@@ -455,6 +439,9 @@ pub fn moe_bwd(
             &dw[t * k..(t + 1) * k],
             &mut dlogits[t * e..(t + 1) * e],
         );
+    }
+    if let Some(b) = &l.router_bias {
+        bias_grad(&mut g[b.clone()], &dlogits);
     }
     mm_tn(&mut g[l.router.clone()], x, &dlogits, tokens, h, e, true);
     mm_nt(&mut dx, &dlogits, &p[l.router.clone()], tokens, h, e, true);
@@ -496,27 +483,49 @@ mod tests {
                 ..Routing::default()
             },
         ];
-        for (swiglu, routing) in [true, false]
+        // GPT-OSS's experts: biases everywhere and the clamped gate.
+        let acts = [
+            (Act::Swiglu, false),
+            (Act::Gelu, false),
+            (Act::ClampedSwiglu, true),
+        ];
+        for ((act, biased), routing) in acts
             .into_iter()
-            .flat_map(|s| routings.iter().map(move |r| (s, *r)))
+            .flat_map(|a| routings.iter().map(move |r| (a, *r)))
         {
+            let swiglu = act != Act::Gelu;
             let (tokens, h, f, e, k) = (5, 4, 3, 4, 2);
-            let router = 0..h * e;
-            // Experts in their own buffer, after the router's in one vector for the test.
-            let w_in = router.end..router.end + e * h * f;
-            let w_up = swiglu.then(|| w_in.end..w_in.end + e * h * f);
-            let w_out_start = w_up.as_ref().map_or(w_in.end, |r| r.end);
-            let w_out = w_out_start..w_out_start + e * f * h;
+            // Router and experts in one vector for the test, one tensor after another.
+            let mut end = 0;
+            let mut take = |on: bool, n: usize| {
+                on.then(|| {
+                    end += n;
+                    end - n..end
+                })
+            };
+            let router = take(true, h * e).unwrap_or_default();
+            let router_bias = take(biased, e);
+            let w_in = take(true, e * h * f).unwrap_or_default();
+            let b_in = take(biased, e * f);
+            let w_up = take(swiglu, e * h * f);
+            let b_up = take(swiglu && biased, e * f);
+            let w_out = take(true, e * f * h).unwrap_or_default();
+            let b_out = take(biased, e * h);
             let l = MoeLayout {
                 router,
                 w_in,
                 w_up,
-                w_out: w_out.clone(),
+                w_out,
+                router_bias,
+                b_in,
+                b_up,
+                b_out,
+                act,
                 experts: e,
                 top_k: k,
                 routing,
             };
-            let p = rand(w_out.end, 1);
+            let p = rand(end, 1);
             let x = rand(tokens * h, 2);
             let r = rand(tokens * h, 3);
             let (mut comms, _) = ThreadComm::create(1, std::time::Duration::from_secs(5));
@@ -552,7 +561,7 @@ mod tests {
                 let err = (num - f64::from(analytic)).abs() / num.abs().max(0.05);
                 assert!(
                     err < 2e-2,
-                    "{what} (swiglu {swiglu}, {routing:?}): {analytic} vs {num}"
+                    "{what} ({act:?}, biases {biased}, {routing:?}): {analytic} vs {num}"
                 );
             };
             for i in (0..x.len()).step_by(3) {

@@ -501,6 +501,85 @@ pub fn gelu_grad(x: f32) -> f32 {
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * 0.044_715 * x * x)
 }
 
+/// An MLP's activation: GeLU of one projection, or a gate and an up projection combined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Act {
+    /// GeLU (tanh approximation).
+    Gelu,
+    /// `silu(gate) · up` (Llama).
+    Swiglu,
+    /// GPT-OSS's `(clamp(up, −L, L) + 1) · g · σ(α g)`, `g = min(gate, L)`, with
+    /// [`CLAMPED_GLU_LIMIT`] and [`CLAMPED_GLU_ALPHA`].
+    ClampedSwiglu,
+}
+
+/// GPT-OSS's clamp on the gate (above) and the up projection (both ways): `swiglu_limit`.
+pub const CLAMPED_GLU_LIMIT: f32 = 7.0;
+/// GPT-OSS's factor inside the gate's sigmoid (the quick GeLU's 1.702).
+pub const CLAMPED_GLU_ALPHA: f32 = 1.702;
+
+impl Act {
+    /// The activation of pre-activations `g` (and the gated kinds' `up`).
+    pub fn fwd(self, g: &[f32], up: Option<&[f32]>) -> Vec<f32> {
+        match (self, up) {
+            (Act::Swiglu, Some(u)) => g.iter().zip(u).map(|(a, b)| a * sigmoid(*a) * b).collect(),
+            (Act::ClampedSwiglu, Some(u)) => g
+                .iter()
+                .zip(u)
+                .map(|(a, b)| {
+                    let (a, b) = (
+                        a.min(CLAMPED_GLU_LIMIT),
+                        b.clamp(-CLAMPED_GLU_LIMIT, CLAMPED_GLU_LIMIT),
+                    );
+                    (b + 1.0) * a * sigmoid(CLAMPED_GLU_ALPHA * a)
+                })
+                .collect(),
+            _ => g.iter().map(|a| gelu(*a)).collect(),
+        }
+    }
+
+    /// Backward: turns `da` (the activation's gradient) into the gradient of `g` in place and
+    /// returns the up projection's (gated kinds). A clamped input passes no gradient.
+    pub fn bwd(self, da: &mut [f32], g: &[f32], up: Option<&[f32]>) -> Option<Vec<f32>> {
+        match (self, up) {
+            (Act::Swiglu, Some(u)) => {
+                let mut du = vec![0.0; da.len()];
+                for i in 0..da.len() {
+                    let sg = sigmoid(g[i]);
+                    du[i] = da[i] * g[i] * sg;
+                    da[i] *= u[i] * sg * (1.0 + g[i] * (1.0 - sg));
+                }
+                Some(du)
+            }
+            (Act::ClampedSwiglu, Some(u)) => {
+                let (lim, al) = (CLAMPED_GLU_LIMIT, CLAMPED_GLU_ALPHA);
+                let mut du = vec![0.0; da.len()];
+                for i in 0..da.len() {
+                    let (a, b) = (g[i].min(lim), u[i].clamp(-lim, lim));
+                    let sg = sigmoid(al * a);
+                    du[i] = if u[i].abs() <= lim {
+                        da[i] * a * sg
+                    } else {
+                        0.0
+                    };
+                    da[i] *= if g[i] <= lim {
+                        (b + 1.0) * sg * (1.0 + al * a * (1.0 - sg))
+                    } else {
+                        0.0
+                    };
+                }
+                Some(du)
+            }
+            _ => {
+                for (d, x) in da.iter_mut().zip(g) {
+                    *d *= gelu_grad(*x);
+                }
+                None
+            }
+        }
+    }
+}
+
 /// Logistic sigmoid.
 pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
@@ -959,6 +1038,51 @@ mod tests {
             );
             check_grad(&x, &dx, loss);
         }
+    }
+
+    /// Each activation's backward against central differences of its forward, GPT-OSS's
+    /// clamped gate on both sides of its clamps (where the clamped input passes nothing).
+    #[test]
+    fn activation_gradients_match_finite_differences() {
+        let g: Vec<f32> = (0..40).map(|i| i as f32 * 0.5 - 10.25).collect();
+        let u: Vec<f32> = g.iter().rev().map(|x| x * 0.9).collect();
+        for act in [Act::Gelu, Act::Swiglu, Act::ClampedSwiglu] {
+            let up = (act != Act::Gelu).then_some(&u[..]);
+            let mut dg = vec![1.0; g.len()];
+            let du = act.bwd(&mut dg, &g, up);
+            let eps = 1e-3f32;
+            let f = |g: &[f32], u: Option<&[f32]>| act.fwd(g, u);
+            for i in 0..g.len() {
+                let (mut a, mut b) = (g.clone(), g.clone());
+                a[i] += eps;
+                b[i] -= eps;
+                let num = (f(&a, up)[i] - f(&b, up)[i]) / (2.0 * eps);
+                assert!(
+                    (num - dg[i]).abs() <= 2e-2 * num.abs().max(1.0),
+                    "{act:?} dg[{i}] at {}: {} vs {num}",
+                    g[i],
+                    dg[i]
+                );
+                if let (Some(du), Some(u)) = (&du, up) {
+                    let (mut a, mut b) = (u.to_vec(), u.to_vec());
+                    a[i] += eps;
+                    b[i] -= eps;
+                    let num = (f(&g, Some(&a))[i] - f(&g, Some(&b))[i]) / (2.0 * eps);
+                    assert!(
+                        (num - du[i]).abs() <= 2e-2 * num.abs().max(1.0),
+                        "{act:?} du[{i}]: {} vs {num}",
+                        du[i]
+                    );
+                }
+            }
+        }
+        // Beyond the clamps nothing passes: a gate above 7, an up projection outside ±7.
+        let mut dg = vec![1.0; 2];
+        let du = Act::ClampedSwiglu
+            .bwd(&mut dg, &[8.0, 1.0], Some(&[1.0, -9.0]))
+            .unwrap();
+        assert_eq!((dg[0], du[1]), (0.0, 0.0));
+        assert!(dg[1] != 0.0 && du[0] != 0.0);
     }
 
     #[test]

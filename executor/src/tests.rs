@@ -105,11 +105,14 @@ fn qwen2_moe(layers: u32) -> TransformerConfig {
     }
 }
 
-/// GPT-OSS's attention, small: attention sinks on every layer, every other layer a sliding
-/// window of 4 keys, beneath a mixture of 4 experts (top-2).
+/// GPT-OSS, small: attention sinks on every layer, every other layer a sliding window of 4
+/// keys, biases on the attention projections, the router and the experts, whose gate is
+/// GPT-OSS's clamped one, 4 experts (top-2).
 fn gpt_oss(layers: u32) -> TransformerConfig {
     TransformerConfig {
         attention_sinks: true,
+        bias: true,
+        clamped_swiglu: true,
         sliding_window: Some(parallax_ir::models::SlidingWindow {
             size: 4,
             full_every: 2,
@@ -413,6 +416,27 @@ fn multi_token_prediction_trains_the_model_and_reports_the_main_loss() {
     ] {
         assert_ne!(a[name].m, b[name].m, "{name}");
     }
+}
+
+#[test]
+fn gpt_oss_biases_and_clamped_gate_change_what_is_trained() {
+    let full = reference(&gpt_oss(2));
+    let plain_gate = TransformerConfig {
+        clamped_swiglu: false,
+        ..gpt_oss(2)
+    };
+    let unbiased = TransformerConfig {
+        bias: false,
+        ..gpt_oss(2)
+    };
+    assert_ne!(full.0, reference(&plain_gate).0);
+    assert_ne!(full.0, reference(&unbiased).0);
+    let t = &full.1.tensors;
+    assert_eq!(t["layers.0.mlp.router_bias"].shape, [4]);
+    assert_eq!(t["layers.0.mlp.experts.bg"].shape, [4, 64]);
+    assert_eq!(t["layers.0.mlp.experts.bu"].shape, [4, 64]);
+    assert_eq!(t["layers.0.mlp.experts.bd"].shape, [4, 32]);
+    assert_eq!(t["layers.0.attn.bo"].shape, [32]);
 }
 
 #[test]

@@ -99,11 +99,13 @@ fn qwen2_moe(layers: u32) -> TransformerConfig {
     }
 }
 
-/// GPT-OSS's attention, small: sinks on every layer, every other one a window of 4 keys,
-/// beneath Mixtral's experts.
+/// GPT-OSS, small: sinks on every layer, every other one a window of 4 keys, biases on the
+/// attention, the router and the experts, whose gate is GPT-OSS's clamped one.
 fn gpt_oss(layers: u32) -> TransformerConfig {
     TransformerConfig {
         attention_sinks: true,
+        bias: true,
+        clamped_swiglu: true,
         sliding_window: Some(parallax_ir::models::SlidingWindow {
             size: 4,
             full_every: 2,

@@ -461,6 +461,17 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                     c.bias = flag("attention_bias", true)?;
                     // GptOssAttention always has its per-head `sinks` (no config key).
                     c.attention_sinks = true;
+                    // GptOssExperts' clamped gate, at the limit every release uses.
+                    match v.get("swiglu_limit") {
+                        None | Some(Value::Null) => c.clamped_swiglu = true,
+                        Some(x) if x.as_f64() == Some(7.0) => c.clamped_swiglu = true,
+                        Some(x) => {
+                            return Err(field_err(
+                                "swiglu_limit",
+                                format!("parallax models GPT-OSS's clamp at 7.0, found {x}"),
+                            ))
+                        }
+                    }
                 }
                 "deepseek_v3" | "kimi_k2" => {
                     // Latent attention, `first_k_dense_replace` dense layers, then every
@@ -801,7 +812,7 @@ mod tests {
                 "gpt2",
             ),
             (
-                // gpt-oss-120b's config.json (rope scaling, quantization and the clamp left out).
+                // gpt-oss-120b's config.json (rope scaling and quantization left out).
                 r#"{"model_type":"gpt_oss","hidden_size":2880,"num_hidden_layers":36,"num_attention_heads":64,"num_key_value_heads":8,"head_dim":64,"intermediate_size":2880,"num_local_experts":128,"num_experts_per_tok":4,"experts_per_token":4,"vocab_size":201088,"max_position_embeddings":131072,"sliding_window":128,"layer_types":["sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention","sliding_attention","full_attention"],"rope_theta":150000,"attention_bias":true,"tie_word_embeddings":false,"hidden_act":"silu","swiglu_limit":7.0}"#,
                 "gpt-oss-120b",
             ),
@@ -945,6 +956,16 @@ mod tests {
         assert!(e.starts_with("config.json: line 1"), "{e}");
         let e = load("{}").unwrap_err().to_string();
         assert!(e.contains("neither"), "{e}");
+        // GPT-OSS's clamp is modelled at the limit every release uses; another is named.
+        let oss = |limit: &str| {
+            load(&format!(
+                r#"{{"model_type":"gpt_oss","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"intermediate_size":64,"num_local_experts":4,"num_experts_per_tok":2,"vocab_size":50{limit}}}"#
+            ))
+        };
+        let m = oss(r#","swiglu_limit":7.0"#).unwrap();
+        assert!(m.transformer().is_some_and(|t| t.clamped_swiglu && t.bias));
+        let e = oss(r#","swiglu_limit":8.5"#).unwrap_err().to_string();
+        assert!(e.contains("swiglu_limit") && e.contains("8.5"), "{e}");
         // Window arrangements other than full attention every k-th layer are named.
         let e = load(r#"{"model_type":"mistral","hidden_size":64,"num_hidden_layers":3,"num_attention_heads":4,"intermediate_size":96,"vocab_size":50,"sliding_window":16,"layer_types":["full_attention","sliding_attention","sliding_attention"]}"#).unwrap_err().to_string();
         assert!(e.contains("layer_types") && e.contains("k-th"), "{e}");

@@ -347,6 +347,10 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
         a.push(format!("--kv-channels {}", m.head_dim));
     }
     match m.mlp {
+        // GPT-OSS's clamped gate is Megatron's quick GeGLU (`x·σ(1.702x)`); its offset of 1
+        // and clamp at 7 are fields of the model's config class (Megatron-Bridge's GPT-OSS
+        // provider), which no command-line flag sets.
+        Mlp::Swiglu if m.clamped_swiglu => a.push("--quick-geglu".into()),
         Mlp::Swiglu => a.push("--swiglu".into()),
         Mlp::SquaredRelu => a.push("--squared-relu".into()),
         Mlp::Gelu | Mlp::Relu => {}
@@ -1678,6 +1682,11 @@ mod tests {
         assert_eq!(arg(&s, "--disable-bias-linear"), None);
         // Its attention sinks: Megatron's learnable softmax offset; none for other models.
         assert_eq!(arg(&s, "--softmax-type"), Some("learnable"));
+        // Its clamped gate: Megatron's quick GeGLU, not SwiGLU.
+        assert!(
+            s.contains("--quick-geglu") && !s.contains("--swiglu"),
+            "{s}"
+        );
         let llama = export(
             Engine::Megatron,
             &plan(

@@ -266,6 +266,13 @@ pub struct TransformerConfig {
     /// compressed queries and keys belong to `mla`.)
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub qk_norm: bool,
+    /// GPT-OSS's gated unit in place of SwiGLU's `silu(gate) · up`: `(clamp(up, −7, 7) + 1) ·
+    /// g · σ(1.702 g)` with `g = min(gate, 7)` (HF's `GptOssExperts`, `swiglu_limit` 7.0;
+    /// Megatron's quick GeGLU with `glu_linear_offset` 1 and `activation_func_clamp_value` 7).
+    /// The same GEMMs and one pointwise kernel: priced as SwiGLU; an engine must be told to
+    /// train the same model.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub clamped_swiglu: bool,
 }
 
 /// Sliding-window attention (Mistral 7B on every layer; GPT-OSS and Gemma 2 alternating with
@@ -598,6 +605,7 @@ impl TransformerConfig {
             sliding_window: None,
             attention_sinks: false,
             qk_norm: false,
+            clamped_swiglu: false,
         }
     }
 
@@ -638,6 +646,7 @@ impl TransformerConfig {
             sliding_window: None,
             attention_sinks: false,
             qk_norm: false,
+            clamped_swiglu: false,
         }
     }
 
@@ -807,6 +816,12 @@ impl TransformerConfig {
             if wide.iter().any(|&v| v > 1 << 20) {
                 return Err("mla: a dimension is beyond the 2^20 parallax models".into());
             }
+        }
+        if self.clamped_swiglu && self.mlp != Mlp::Swiglu {
+            return Err(format!(
+                "clamped_swiglu: GPT-OSS's clamped gate is a SwiGLU variant; the MLP is {:?}",
+                self.mlp
+            ));
         }
         if self.position == Position::Rope && self.head_dim % 2 != 0 {
             return Err(format!(
@@ -1928,6 +1943,15 @@ mod tests {
             a.kv_lora_rank = 1 << 32;
         }
         assert!(dsv3.validate().unwrap_err().contains("mla"));
+        // GPT-OSS's clamped gate belongs to a SwiGLU MLP.
+        let clamped_gelu = TransformerConfig {
+            clamped_swiglu: true,
+            ..TransformerConfig::gpt(2, 64, 4, 256, 100, 32)
+        };
+        assert!(clamped_gelu
+            .validate()
+            .unwrap_err()
+            .contains("clamped_swiglu"));
         if let Some(a) = dsv3.mla.as_mut() {
             (a.q_lora_rank, a.kv_lora_rank) = (1536, 512);
             a.qk_nope_head_dim = u64::MAX;

@@ -147,6 +147,7 @@ fn gpt_oss(layers: u32, experts: u64) -> ZooDef {
         }),
         rope_theta: 150_000,
         attention_sinks: true,
+        clamped_swiglu: true,
         ..TransformerConfig::llama(layers, 2880, 64, 8, 2880, 201_088, 131_072)
     })
 }
