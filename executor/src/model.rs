@@ -141,9 +141,9 @@ impl Dims {
         let us = |x: u64| usize::try_from(x).map_err(|_| format!("dimension {x} is too large"));
         let mla = match c.mla {
             Some(a) => {
-                if c.qk_norm || c.attention_sinks {
+                if c.qk_norm || c.attention_sinks || a.qk_rope_head_dim == 0 {
                     return Err(
-                        "latent attention with query/key norms or attention sinks is not a model the executor runs"
+                        "latent attention with query/key norms, attention sinks or no rotary part is not a model the executor runs"
                             .into(),
                     );
                 }
@@ -2576,10 +2576,17 @@ mod tests {
         assert!(l.wq.is_empty() && l.mla.is_some());
         let e = Dims::from_config(&TransformerConfig {
             qk_norm: true,
-            ..latent
+            ..latent.clone()
         })
         .unwrap_err();
         assert!(e.contains("latent attention with query/key norms"), "{e}");
+        let mut no_rope = latent.clone();
+        if let Some(m) = no_rope.mla.as_mut() {
+            (m.qk_nope_head_dim, m.qk_rope_head_dim) = (24, 0);
+        }
+        assert!(Dims::from_config(&no_rope)
+            .unwrap_err()
+            .contains("no rotary part"));
         // Multi-token prediction is run: one module after the last block.
         assert_eq!(Dims::from_config(&mtp).unwrap().mtp, 1);
         let e = Dims::from_config(&hybrid).unwrap_err();

@@ -627,9 +627,8 @@ fn unsupported_inputs_are_errors_not_panics() {
         }
     )
     .contains("multiple"));
-    let mut moe = gpt(2);
-    moe.moe = Some(parallax_ir::models::MoeConfig::routed(4, 2));
-    assert!(bad(moe, Layout::default()).contains("mixture"));
+    let hybrid = parallax_ir::models::zoo::transformer("nemotron-h").unwrap();
+    assert!(bad(hybrid, Layout::default()).contains("hybrid Mamba-2"));
     // Experts folded over tensor-parallel ranks route each rank's own rows: sequence
     // parallelism must split them.
     let folded = Layout {
