@@ -50,8 +50,10 @@ pub struct Dims {
     pub max_seq: usize,
     /// RMSNorm (else LayerNorm).
     pub rms: bool,
-    /// SwiGLU (else GeLU).
+    /// A gated MLP (SwiGLU: gate and up projections).
     pub swiglu: bool,
+    /// The MLP's kind.
+    pub mlp: Mlp,
     /// Rotary positions.
     pub rope: bool,
     /// Their base (the model's `rope_theta`, an integer as configs write it).
@@ -129,15 +131,7 @@ impl Dims {
                 "only causal decoder models (GPT, Llama) are supported by the executor".into(),
             );
         }
-        let swiglu = match c.mlp {
-            Mlp::Gelu => false,
-            Mlp::Swiglu => true,
-            other => {
-                return Err(format!(
-                    "MLP kind {other:?} is not supported by the executor (gelu, swiglu)"
-                ))
-            }
-        };
+        let swiglu = c.mlp == Mlp::Swiglu;
         let us = |x: u64| usize::try_from(x).map_err(|_| format!("dimension {x} is too large"));
         let mla = match c.mla {
             Some(a) => {
@@ -168,6 +162,7 @@ impl Dims {
             max_seq: us(c.max_seq)?,
             rms: c.norm == Norm::RmsNorm,
             swiglu,
+            mlp: c.mlp,
             rope: c.position == Position::Rope,
             rope_theta: c.rope_theta,
             learned_positions: c.position == Position::Learned,
@@ -199,10 +194,12 @@ impl Dims {
 
     /// The MLPs' activation.
     pub fn act(&self) -> Act {
-        match (self.swiglu, self.clamped_swiglu) {
-            (true, true) => Act::ClampedSwiglu,
-            (true, false) => Act::Swiglu,
-            (false, _) => Act::Gelu,
+        match self.mlp {
+            Mlp::Swiglu if self.clamped_swiglu => Act::ClampedSwiglu,
+            Mlp::Swiglu => Act::Swiglu,
+            Mlp::Gelu => Act::Gelu,
+            Mlp::Relu => Act::Relu,
+            Mlp::SquaredRelu => Act::SquaredRelu,
         }
     }
 

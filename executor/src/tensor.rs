@@ -506,6 +506,10 @@ pub fn gelu_grad(x: f32) -> f32 {
 pub enum Act {
     /// GeLU (tanh approximation).
     Gelu,
+    /// `max(x, 0)` (OPT).
+    Relu,
+    /// `max(x, 0)²` (Primer; Nemotron's `relu2`).
+    SquaredRelu,
     /// `silu(gate) · up` (Llama).
     Swiglu,
     /// GPT-OSS's `(clamp(up, −L, L) + 1) · g · σ(α g)`, `g = min(gate, L)`, with
@@ -534,6 +538,8 @@ impl Act {
                     (b + 1.0) * a * sigmoid(CLAMPED_GLU_ALPHA * a)
                 })
                 .collect(),
+            (Act::Relu, _) => g.iter().map(|a| a.max(0.0)).collect(),
+            (Act::SquaredRelu, _) => g.iter().map(|a| a.max(0.0).powi(2)).collect(),
             _ => g.iter().map(|a| gelu(*a)).collect(),
         }
     }
@@ -569,6 +575,18 @@ impl Act {
                     };
                 }
                 Some(du)
+            }
+            (Act::Relu, _) => {
+                for (d, x) in da.iter_mut().zip(g) {
+                    *d = if *x > 0.0 { *d } else { 0.0 };
+                }
+                None
+            }
+            (Act::SquaredRelu, _) => {
+                for (d, x) in da.iter_mut().zip(g) {
+                    *d *= 2.0 * x.max(0.0);
+                }
+                None
             }
             _ => {
                 for (d, x) in da.iter_mut().zip(g) {
@@ -1046,8 +1064,14 @@ mod tests {
     fn activation_gradients_match_finite_differences() {
         let g: Vec<f32> = (0..40).map(|i| i as f32 * 0.5 - 10.25).collect();
         let u: Vec<f32> = g.iter().rev().map(|x| x * 0.9).collect();
-        for act in [Act::Gelu, Act::Swiglu, Act::ClampedSwiglu] {
-            let up = (act != Act::Gelu).then_some(&u[..]);
+        for act in [
+            Act::Gelu,
+            Act::Relu,
+            Act::SquaredRelu,
+            Act::Swiglu,
+            Act::ClampedSwiglu,
+        ] {
+            let up = matches!(act, Act::Swiglu | Act::ClampedSwiglu).then_some(&u[..]);
             let mut dg = vec![1.0; g.len()];
             let du = act.bwd(&mut dg, &g, up);
             let eps = 1e-3f32;

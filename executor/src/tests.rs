@@ -121,6 +121,15 @@ fn gpt_oss(layers: u32) -> TransformerConfig {
     }
 }
 
+/// Nemotron-4's layout, small: Llama layers with LayerNorm and an ungated squared-ReLU MLP.
+fn nemotron(layers: u32) -> TransformerConfig {
+    TransformerConfig {
+        mlp: parallax_ir::models::Mlp::SquaredRelu,
+        norm: parallax_ir::models::Norm::LayerNorm,
+        ..llama(layers)
+    }
+}
+
 /// Qwen3's attention, small: RMSNorms over each query and key head before the rotary
 /// embedding, 4 query heads sharing 2 key/value heads.
 fn qwen3(layers: u32) -> TransformerConfig {
@@ -353,6 +362,10 @@ equivalence! {
     qwen3_tp4_replicated_kv_zero2: qwen3(2), Layout { tp: 4, zero_stage: 2, dp: 2, ..Layout::default() };
     qwen3_cp2_tp2_selective: qwen3(2), Layout { cp: 2, tp: 2, recompute: Recompute::Selective, ..Layout::default() };
     qwen3_moe_dp2_ep2_full_recompute: TransformerConfig { qk_norm: true, ..mixtral(2) }, Layout { dp: 2, ep: 2, recompute: Recompute::Full, ..Layout::default() };
+    // Ungated MLPs: squared ReLU (Nemotron), dense and as experts, and ReLU (OPT).
+    nemotron_tp2_sp_pp2: nemotron(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
+    nemotron_relu2_experts_dp2_ep2_zero1: TransformerConfig { moe: Some(parallax_ir::models::MoeConfig::routed(4, 2)), ..nemotron(2) }, Layout { dp: 2, ep: 2, zero_stage: 1, ..Layout::default() };
+    relu_gpt_tp2_full_recompute: TransformerConfig { mlp: parallax_ir::models::Mlp::Relu, ..gpt(2) }, Layout { tp: 2, recompute: Recompute::Full, ..Layout::default() };
     // Sliding windows alternating with full attention, no position embedding.
     windowed_nope_tp2_sp_pp2: windowed_nope(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
     windowed_nope_dp2_zero1_selective: windowed_nope(4), Layout { dp: 2, zero_stage: 1, recompute: Recompute::Selective, ..Layout::default() };
