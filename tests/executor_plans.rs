@@ -82,13 +82,19 @@ fn cycling_plans_of_the_tiny_models_train_as_one_device() {
 }
 
 /// The structured search's plans for the tiny transformers (dense, GQA, mixture of experts,
-/// DeepSeek-V3's latent attention and routing) on 8 and 16 GPUs, the hundred best of each: the transformer trainer accepts every one.
+/// DeepSeek-V3's latent attention and routing) and BERT-large on 8 and 16 GPUs, the hundred best of each: the transformer trainer accepts every one.
 #[test]
 fn the_executor_accepts_the_structured_search_s_plans() {
     use parallax_cost::transformer::Setup;
     use parallax_executor::{Prepared, RunSpec};
     use parallax_planner::search::{search, SearchOptions};
-    for name in ["gpt-tiny", "llama-tiny", "mixtral-tiny", "deepseek-tiny"] {
+    for name in [
+        "gpt-tiny",
+        "llama-tiny",
+        "mixtral-tiny",
+        "deepseek-tiny",
+        "bert-large",
+    ] {
         let model = parallax_ir::models::zoo::transformer(name).unwrap();
         for gpus in [8u32, 16] {
             let cluster = Cluster::parse(&format!("dgx-a100-80gb:gpus={gpus}")).unwrap();

@@ -92,6 +92,65 @@ pub fn micro_batch(
     (inputs, targets)
 }
 
+/// Positions in a thousand BERT's masked-LM recipe chooses (Devlin et al. 2019, §3.1: 15 %).
+pub const MLM_PERMILLE: u64 = 150;
+
+/// The hash that decides BERT's masking of position `pos` of global sequence `sample` at
+/// `step` (`u64::MAX`: the sequence's next-sentence label): the same on every rank, whatever
+/// part of the sequence it holds.
+fn mlm_hash(seed: u64, step: u64, sample: u64, pos: u64) -> u64 {
+    use crate::rng::mix;
+    mix(mix(mix(mix(seed ^ 0x6d6c_6d00) ^ step) ^ sample) ^ pos)
+}
+
+/// Whether BERT's recipe masks that position, with the hash's rest for what it reads.
+fn mlm_masked(seed: u64, step: u64, sample: u64, pos: usize) -> Option<u64> {
+    let h = mlm_hash(seed, step, sample, pos as u64);
+    (h % 1000 < MLM_PERMILLE).then_some(h / 1000)
+}
+
+/// BERT's masked-LM inputs and targets from a micro-batch's `tokens` (`batch` sequences of
+/// `seq` from global sequence `first`): a chosen position's target is its token and its input
+/// the mask token (`vocab − 1`) 80 % of the time, a random token 10 %, itself 10 %; the other
+/// positions have no target ([`crate::tensor::IGNORE`]).
+pub fn mask_for_mlm(
+    tokens: &mut [u32],
+    (seed, step, first): (u64, u64, u64),
+    seq: usize,
+    vocab: usize,
+) -> Vec<u32> {
+    let mut targets = vec![crate::tensor::IGNORE; tokens.len()];
+    for (i, (t, y)) in tokens.iter_mut().zip(&mut targets).enumerate() {
+        let (sample, pos) = (first + (i / seq) as u64, i % seq);
+        if let Some(r) = mlm_masked(seed, step, sample, pos) {
+            *y = *t;
+            *t = match r % 10 {
+                0..=7 => (vocab - 1) as u32,
+                8 => ((r / 10) % vocab as u64) as u32,
+                _ => *t,
+            };
+        }
+    }
+    targets
+}
+
+/// Masked positions in the first `batch` sequences at `step`: the masked-LM loss's mean is
+/// over them.
+pub fn mlm_targets(seed: u64, step: u64, batch: u64, seq: usize) -> usize {
+    (0..batch)
+        .map(|s| {
+            (0..seq)
+                .filter(|p| mlm_masked(seed, step, s, *p).is_some())
+                .count()
+        })
+        .sum()
+}
+
+/// The next-sentence label of global sequence `sample` at `step` (0: B follows A).
+pub fn nsp_label(seed: u64, step: u64, sample: u64) -> u32 {
+    (mlm_hash(seed, step, sample, u64::MAX) & 1) as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,5 +170,27 @@ mod tests {
         let (x, y) = micro_batch(&text, 0, 0, 0, 2, 8, 256);
         assert_eq!(x.len(), 16);
         assert_eq!(x[1..8], y[..7]);
+    }
+
+    /// BERT's masking: about 15 % of the positions carry a target (their own token), most of
+    /// them read the mask token; the count of a batch is the targets' count.
+    #[test]
+    fn mlm_masking_follows_the_recipe() {
+        let (seq, batch, vocab) = (128, 64, 1000);
+        let (tokens, _) = micro_batch(&DataSource::Synthetic, 3, 5, 0, batch, seq, vocab);
+        let mut inputs = tokens.clone();
+        let targets = mask_for_mlm(&mut inputs, (3, 5, 0), seq, vocab);
+        let masked: Vec<usize> = (0..targets.len())
+            .filter(|i| targets[*i] != crate::tensor::IGNORE)
+            .collect();
+        let share = masked.len() as f64 / targets.len() as f64;
+        assert!((0.13..0.17).contains(&share), "{share}");
+        assert!(masked.iter().all(|i| targets[*i] == tokens[*i]));
+        let mask_token = masked.iter().filter(|i| inputs[**i] == 999).count();
+        let share = mask_token as f64 / masked.len() as f64;
+        assert!((0.74..0.86).contains(&share), "{share}");
+        assert_eq!(mlm_targets(3, 5, batch as u64, seq), masked.len());
+        let labels: u32 = (0..1000).map(|s| nsp_label(3, 5, s)).sum();
+        assert!((400..600).contains(&labels), "{labels}");
     }
 }

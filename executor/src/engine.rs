@@ -4,14 +4,14 @@
 //! through [`Collectives`].
 
 use crate::comm::{Collectives, CommError, Group};
-use crate::data::{micro_batch, DataSource};
+use crate::data::{mask_for_mlm, micro_batch, mlm_targets, nsp_label, DataSource};
 use crate::error::ExecError;
 use crate::model::{
-    block_bwd, block_fwd, build_wpe, build_wte, embed_bwd, embed_fwd, head_bwd, head_fwd,
-    head_own_weight, head_weight_range, mtp_input_bwd, mtp_input_fwd, mtp_tokens, positions_bwd,
-    positions_fwd, BlockCache, BlockLayout, Dims, HeadCache, HeadLayout, Keep, MtpLayout, MtpSaved,
-    Part, Pass, Slot, SlotBuilder, Split, Tp, VocabParallel, VocabWindow, WeightGrad,
-    MTP_LOSS_WEIGHT,
+    bert_embed_bwd, bert_embed_fwd, block_bwd, block_fwd, build_wpe, build_wte, embed_bwd,
+    embed_fwd, head_bwd, head_fwd, head_own_weight, head_weight_range, mtp_input_bwd,
+    mtp_input_fwd, mtp_tokens, positions_bwd, positions_fwd, BertEmbed, BertEmbedSaved, BlockCache,
+    BlockLayout, Dims, HeadCache, HeadLayout, Keep, MtpLayout, MtpSaved, Nsp, Part, Pass, Slot,
+    SlotBuilder, Split, Tp, VocabParallel, VocabWindow, WeightGrad, MTP_LOSS_WEIGHT,
 };
 use crate::state::{ModelState, TensorState};
 use crate::tensor::add_into;
@@ -540,6 +540,7 @@ impl Prepared {
                 vs,
                 wte: None,
                 wpe: None,
+                bert_embed: None,
                 blocks: Vec::new(),
                 head: None,
                 head_w: None,
@@ -552,7 +553,7 @@ impl Prepared {
                 ch.wte = Some(push("embed.wte".into(), b, false));
                 if d.learned_positions {
                     let mut b = builder();
-                    build_wpe(d, &mut b);
+                    ch.bert_embed = build_wpe(d, &mut b).1;
                     ch.wpe = Some(push("embed.wpe".into(), b, false));
                 }
             }
@@ -620,6 +621,8 @@ struct ChunkPlan {
     vs: usize,
     wte: Option<usize>,
     wpe: Option<usize>,
+    /// BERT's token types and embedding norm, in the positions' unit.
+    bert_embed: Option<BertEmbed>,
     /// Each block's unit, its experts' unit (mixture of experts) and layout.
     blocks: Vec<(usize, Option<usize>, BlockLayout)>,
     head: Option<(usize, HeadLayout)>,
@@ -723,6 +726,8 @@ fn p2p_tag(kind: u64, vs: usize, mb: usize) -> u64 {
 
 struct ChunkCache {
     tokens: Vec<u32>,
+    /// BERT's embedding norm's input and statistics.
+    embed_norm: Option<BertEmbedSaved>,
     blocks: Vec<BlockCache>,
     head: Option<HeadCache>,
     mtp: Vec<MtpCache>,
@@ -1191,6 +1196,24 @@ impl Engine<'_> {
         Ok(())
     }
 
+    /// This rank's rows (indices into its local rows) holding a sequence's first token, with
+    /// that sequence's label: position 0 lies in the first context-parallel chunk, and under
+    /// sequence parallelism in one tensor-parallel rank's slice.
+    fn first_token_rows(&self, labels: &[u32]) -> Vec<(usize, u32)> {
+        let pass = self.pass();
+        if pass.position_of(pass.c, 0) != 0 {
+            return Vec::new();
+        }
+        let (rows, lseq) = (self.local_rows(), pass.local_seq());
+        labels
+            .iter()
+            .enumerate()
+            .map(|(b, y)| (b * lseq, *y))
+            .filter(|(r, _)| rows.contains(r))
+            .map(|(r, y)| (r - rows.start, y))
+            .collect()
+    }
+
     /// Forward of the multi-token prediction modules on the last chunk from the main model's
     /// last hidden rows `hid`, with each module's tokens and targets (this rank's part).
     fn mtp_forward(
@@ -1250,7 +1273,17 @@ impl Engine<'_> {
                 (&targets[rows.clone()], None)
             };
             let p = &self.units[*u].params;
-            let (_, head) = head_fwd(d, &lay.head, p, w_out, y.clone(), targets, scale, vp_head)?;
+            let (_, _, head) = head_fwd(
+                d,
+                &lay.head,
+                p,
+                w_out,
+                y.clone(),
+                targets,
+                scale,
+                None,
+                vp_head,
+            )?;
             for unit in [Some(*u), *eu, Some(*hu), ch.head_w].into_iter().flatten() {
                 self.release(unit);
             }
@@ -1364,11 +1397,12 @@ impl Engine<'_> {
         let rows = self.local_rows();
         let width = rows.len() * d.h;
         let needs_data = ch.vs == 0 || ch.vs == nv - 1;
+        let mut nsp_labels: Vec<u32> = Vec::new();
         let (tokens, targets, mtp_ids) = if needs_data {
             // Context-parallel ranks of a replica read the same sequences, each its chunks.
             let sample = self.coords.0 / prep.topo.cp;
             let first = ((sample * prep.micro + mb) * prep.mbs) as u64;
-            let (tokens, targets) = micro_batch(
+            let (mut tokens, mut targets) = micro_batch(
                 &self.spec.data,
                 self.spec.seed,
                 step,
@@ -1377,6 +1411,14 @@ impl Engine<'_> {
                 prep.seq,
                 d.vocab,
             );
+            if d.bert {
+                // Masked-LM inputs and targets in place of the next tokens.
+                let key = (self.spec.seed, step, first);
+                targets = mask_for_mlm(&mut tokens, key, prep.seq, d.vocab);
+                nsp_labels = (0..prep.mbs as u64)
+                    .map(|b| nsp_label(self.spec.seed, step, first + b))
+                    .collect();
+            }
             let mtp_ids: Vec<_> = (0..ch.mtp.len())
                 .map(|j| mtp_tokens(&tokens, &targets, prep.seq, j))
                 .collect();
@@ -1402,6 +1444,7 @@ impl Engine<'_> {
             (Vec::new(), Vec::new(), Vec::new())
         };
         let (vp, window) = self.vocab_window();
+        let mut embed_norm = None;
         let mut x = if let Some(wu) = ch.wte {
             self.gather(wu)?;
             if let Some(pu) = ch.wpe {
@@ -1411,6 +1454,12 @@ impl Engine<'_> {
             if let Some(pu) = ch.wpe {
                 let wpe = &self.units[pu].params[..d.max_seq * d.h];
                 positions_fwd(d, &mut x, wpe, rows.clone(), &pass);
+                if let Some(e) = &ch.bert_embed {
+                    let p = &self.units[pu].params;
+                    let (y, saved) = bert_embed_fwd(d, e, p, x, rows.clone(), &pass);
+                    x = y;
+                    embed_norm = Some(saved);
+                }
             }
             self.release(wu);
             if let Some(pu) = ch.wpe {
@@ -1469,7 +1518,19 @@ impl Engine<'_> {
                 (None, Some(wu)) => &self.units[wu].params[..window.len() * d.h],
                 (None, None) => unreachable!("a tied head has a weight unit"),
             };
-            let scale = 1.0 / (self.spec.global_batch * self.spec.seq) as f32;
+            // BERT's masked-LM loss is the mean over the batch's masked positions, its
+            // next-sentence loss the mean over its sequences; a decoder's, over every token.
+            let gb = self.spec.global_batch;
+            let tokens_in_loss = if d.bert {
+                mlm_targets(self.spec.seed, step, gb, prep.seq).max(1) as u64
+            } else {
+                gb * self.spec.seq
+            };
+            let scale = 1.0 / tokens_in_loss as f32;
+            let nsp = d.bert.then(|| Nsp {
+                rows: self.first_token_rows(&nsp_labels),
+                scale: 1.0 / gb as f32,
+            });
             let mut tp = tp_ctx(
                 &mut *self.comm,
                 (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
@@ -1487,9 +1548,15 @@ impl Engine<'_> {
                 (&targets[rows.clone()], None)
             };
             let hid = (!ch.mtp.is_empty()).then(|| x.clone());
-            let (loss, hc) = head_fwd(d, hl, p, w_out, x, targets, scale, vp_head)?;
+            let (loss, nsp_loss, hc) =
+                head_fwd(d, hl, p, w_out, x, targets, scale, nsp.as_ref(), vp_head)?;
             if (prep.sp && !vp) || self.coords.2 == 0 {
                 self.loss_part += loss * f64::from(scale);
+            }
+            // The next-sentence rows are this rank's own (all of them on every tensor-parallel
+            // rank without sequence parallelism).
+            if let Some(n) = nsp.filter(|_| prep.sp || self.coords.2 == 0) {
+                self.loss_part += nsp_loss * f64::from(n.scale);
             }
             self.release(*hu);
             if let Some(w) = ch.head_w {
@@ -1512,6 +1579,7 @@ impl Engine<'_> {
                 blocks: caches,
                 head,
                 mtp,
+                embed_norm,
             },
         );
         Ok(())
@@ -1633,6 +1701,14 @@ impl Engine<'_> {
         }
         if let Some(wu) = ch.wte {
             if let Some(pu) = ch.wpe {
+                if let (Some(e), Some(saved)) = (&ch.bert_embed, cache.embed_norm) {
+                    // The embedding norm's weight (gathered again under ZeRO-3).
+                    self.gather(pu)?;
+                    let u = &mut self.units[pu];
+                    let (p, g) = (&u.params, &mut u.grads);
+                    dx = bert_embed_bwd(d, e, (p, g), saved, &dx, rows.clone(), &pass);
+                    self.release(pu);
+                }
                 let dwpe = &mut self.units[pu].grads[..d.max_seq * d.h];
                 positions_bwd(d, dwpe, rows.clone(), &pass, &dx);
             }

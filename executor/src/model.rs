@@ -1,6 +1,6 @@
 //! The transformer the executor trains: GPT (LayerNorm, GeLU, learned positions, biases, tied
 //! head) and Llama (RMSNorm, SwiGLU, RoPE, GQA, untied head) and their descendants (mixtures of
-//! experts, DeepSeek's latent attention, sinks, query/key norms, windows), built from a
+//! experts, DeepSeek's latent attention, sinks, query/key norms, windows) and BERT, built from a
 //! [`TransformerConfig`], with Megatron-style tensor-parallel shards and hand-written backward
 //! passes.
 //!
@@ -21,7 +21,7 @@ use crate::ring::{ring_bwd, ring_fwd, RingShape};
 use crate::rng::SplitMix64;
 use crate::tensor::{
     add_bias, add_into, attention_bwd, attention_fwd, bias_grad, cross_entropy, mm, mm_nt, mm_tn,
-    norm_bwd, norm_fwd, rope, sigmoid, Act, IGNORE,
+    norm_bwd, norm_fwd, rope, sigmoid, Act, Mask, IGNORE,
 };
 use parallax_ir::models::{Mlp, MoeConfig, Norm, Position, SlidingWindow, TransformerConfig};
 use std::ops::Range;
@@ -85,6 +85,13 @@ pub struct Dims {
     pub mla: Option<Latent>,
     /// Multi-token prediction modules after the last block (DeepSeek-V3).
     pub mtp: usize,
+    /// Causal attention (a decoder); an encoder's queries see every key.
+    pub causal: bool,
+    /// BERT: post-norm blocks, an embedding norm, token types, and the pooler, next-sentence
+    /// and masked-LM heads.
+    pub bert: bool,
+    /// Post-norm blocks (BERT): the sum of each sublayer's input and output is normalised.
+    pub post_norm: bool,
     /// GPT-OSS's clamped gate in place of SwiGLU's.
     pub clamped_swiglu: bool,
 }
@@ -126,9 +133,25 @@ impl Dims {
                 "models with {what} are planned, not run, by the executor"
             ));
         }
-        if c.bert || !c.causal {
+        if !c.causal && !c.bert {
             return Err(
-                "only causal decoder models (GPT, Llama) are supported by the executor".into(),
+                "encoders other than BERT are not run by the executor (causal decoders and BERT)"
+                    .into(),
+            );
+        }
+        let unlike_bert = c.causal
+            || c.position != Position::Learned
+            || c.norm != Norm::LayerNorm
+            || c.moe.is_some()
+            || c.mla.is_some()
+            || c.mtp_layers > 0
+            || c.sliding_window.is_some()
+            || c.attention_sinks
+            || c.qk_norm;
+        if c.bert && unlike_bert {
+            return Err(
+                "a BERT with causal attention, rotary positions, RMSNorm, experts, latent attention, prediction modules, windows, sinks or query/key norms is not a model the executor runs"
+                    .into(),
             );
         }
         let swiglu = c.mlp == Mlp::Swiglu;
@@ -173,7 +196,8 @@ impl Dims {
             },
             bias: c.bias,
             qkv_bias: c.qkv_bias,
-            tied: c.tied_embeddings,
+            // BERT's masked-LM decoder reads the embedding table.
+            tied: c.tied_embeddings || c.bert,
             moe: match &c.moe {
                 Some(m) => Some((us(m.experts)?, us(m.top_k)?)),
                 None => None,
@@ -188,6 +212,9 @@ impl Dims {
             qk_norm: c.qk_norm,
             mla,
             mtp: c.mtp_layers as usize,
+            causal: c.causal,
+            bert: c.bert,
+            post_norm: c.bert,
             clamped_swiglu: c.clamped_swiglu,
         })
     }
@@ -763,6 +790,15 @@ impl BlockLayout {
         }
     }
 
+    /// The keys a query of this layer sees.
+    fn mask(&self, d: &Dims) -> Mask {
+        if d.causal {
+            Mask::Causal(self.window)
+        } else {
+            Mask::All
+        }
+    }
+
     /// Whether the MLP is a mixture of experts.
     pub fn is_moe(&self) -> bool {
         self.moe.is_some()
@@ -800,11 +836,62 @@ pub struct HeadLayout {
     norm_b: Option<Range<usize>>,
     /// The untied LM head `[vocab, hidden]`.
     lm_head: Option<Range<usize>>,
+    /// BERT's heads in place of the final norm.
+    bert: Option<BertHead>,
+}
+
+/// BERT's heads (`BertForPreTraining`): the pooler (dense + tanh over each sequence's first
+/// token) and next-sentence classifier, and the masked-LM transform (dense + GeLU +
+/// LayerNorm) before the tied decoder, whose bias is split as the table is. Each `(weight
+/// `[in, out]`, bias)`; replicated but the decoder bias.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BertHead {
+    pooler: (Range<usize>, Range<usize>),
+    nsp: (Range<usize>, Range<usize>),
+    dense: (Range<usize>, Range<usize>),
+    norm: (Range<usize>, Option<Range<usize>>),
+    bias: Range<usize>,
 }
 
 impl HeadLayout {
     /// Adds the head's own tensors to `b`.
     pub fn build(d: &Dims, b: &mut SlotBuilder) -> HeadLayout {
+        if d.bert {
+            let h = d.h;
+            let dense = |b: &mut SlotBuilder, name: &str, out: usize| {
+                let w = b.add(
+                    format!("{name}.weight"),
+                    &[h, out],
+                    Split::Replicated,
+                    Init::Normal(INIT_STD),
+                );
+                let bias = b.add(
+                    format!("{name}.bias"),
+                    &[out],
+                    Split::Replicated,
+                    Init::Zeros,
+                );
+                (w, bias)
+            };
+            let pooler = dense(b, "pooler", h);
+            let nsp = dense(b, "nsp", 2);
+            let transform = dense(b, "mlm.dense", h);
+            let norm = build_norm(d, b, "mlm.norm");
+            let split = b.vocab_split(d.vocab);
+            let bias = b.add("mlm.bias".into(), &[d.vocab], split, Init::Zeros);
+            return HeadLayout {
+                norm_w: 0..0,
+                norm_b: None,
+                lm_head: None,
+                bert: Some(BertHead {
+                    pooler,
+                    nsp,
+                    dense: transform,
+                    norm,
+                    bias,
+                }),
+            };
+        }
         let (norm_w, norm_b) = build_norm(d, b, "final_norm");
         let lm_head = (!d.tied).then(|| {
             b.add(
@@ -818,6 +905,7 @@ impl HeadLayout {
             norm_w,
             norm_b,
             lm_head,
+            bert: None,
         }
     }
 }
@@ -838,13 +926,96 @@ pub fn build_wte(d: &Dims, b: &mut SlotBuilder, copy: bool) -> Range<usize> {
 }
 
 /// Adds the learned position table (`embed.wpe`) to `b`.
-pub fn build_wpe(d: &Dims, b: &mut SlotBuilder) -> Range<usize> {
-    b.add(
+pub fn build_wpe(d: &Dims, b: &mut SlotBuilder) -> (Range<usize>, Option<BertEmbed>) {
+    let wpe = b.add(
         "embed.wpe".into(),
         &[d.max_seq, d.h],
         Split::Replicated,
         Init::Normal(INIT_STD / 2.0),
-    )
+    );
+    let bert = d.bert.then(|| BertEmbed {
+        types: b.add(
+            "embed.token_type".into(),
+            &[2, d.h],
+            Split::Replicated,
+            Init::Normal(INIT_STD),
+        ),
+        norm: build_norm(d, b, "embed.norm"),
+    });
+    (wpe, bert)
+}
+
+/// BERT's token-type table (segment A, then B) and embedding norm, beside the positions.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BertEmbed {
+    types: Range<usize>,
+    norm: (Range<usize>, Option<Range<usize>>),
+}
+
+/// What BERT's embedding norm keeps for backward: its input and statistics.
+#[derive(Debug)]
+pub struct BertEmbedSaved {
+    x: Vec<f32>,
+    st: Vec<[f32; 2]>,
+}
+
+/// A position's token type: the first half of a sequence is segment A, the rest B (the
+/// sentence pair of BERT's pre-training input).
+fn token_type(pos: usize, seq: usize) -> usize {
+    usize::from(2 * pos >= seq)
+}
+
+/// BERT's token types added to the embedded rows `x` (this rank's `rows` of the micro-batch),
+/// then its embedding norm; `p` is the positions' unit.
+pub fn bert_embed_fwd(
+    d: &Dims,
+    e: &BertEmbed,
+    p: &[f32],
+    mut x: Vec<f32>,
+    rows: Range<usize>,
+    pass: &Pass,
+) -> (Vec<f32>, BertEmbedSaved) {
+    let (h, lseq) = (d.h, pass.local_seq());
+    let types = &p[e.types.clone()];
+    for (i, r) in rows.enumerate() {
+        let t = token_type(pass.position_of(pass.c, r % lseq), pass.seq);
+        add_into(&mut x[i * h..(i + 1) * h], &types[t * h..(t + 1) * h]);
+    }
+    let mut y = vec![0.0; x.len()];
+    let st = norm_fwd(&mut y, &x, &p[e.norm.0.clone()], slice(p, &e.norm.1), false);
+    (y, BertEmbedSaved { x, st })
+}
+
+/// Backward of [`bert_embed_fwd`]: the gradient of the embedded rows.
+pub fn bert_embed_bwd(
+    d: &Dims,
+    e: &BertEmbed,
+    (p, g): (&[f32], &mut [f32]),
+    s: BertEmbedSaved,
+    dy: &[f32],
+    rows: Range<usize>,
+    pass: &Pass,
+) -> Vec<f32> {
+    let (h, lseq) = (d.h, pass.local_seq());
+    let mut dx = vec![0.0; dy.len()];
+    let (lo, hi) = split_two(g, &e.norm.0, &e.norm.1);
+    norm_bwd(
+        &mut dx,
+        dy,
+        &s.x,
+        &s.st,
+        &p[e.norm.0.clone()],
+        lo,
+        hi,
+        false,
+        false,
+    );
+    let dtypes = &mut g[e.types.clone()];
+    for (i, r) in rows.enumerate() {
+        let t = token_type(pass.position_of(pass.c, r % lseq), pass.seq);
+        add_into(&mut dtypes[t * h..(t + 1) * h], &dx[i * h..(i + 1) * h]);
+    }
+    dx
 }
 
 /// The tensor-parallel context of one rank: its group and whether sequence parallelism is on.
@@ -957,15 +1128,9 @@ pub struct Pass {
 }
 
 /// The ring attention shape of a pass with `heads`, `kv_heads` of size `hd` on this rank.
-fn ring_shape(
-    pass: &Pass,
-    heads: usize,
-    kv_heads: usize,
-    hd: usize,
-    window: Option<usize>,
-) -> RingShape {
+fn ring_shape(pass: &Pass, heads: usize, kv_heads: usize, hd: usize, mask: Mask) -> RingShape {
     RingShape {
-        window,
+        mask,
         batch: pass.batch,
         lseq: pass.local_seq(),
         heads,
@@ -1010,6 +1175,8 @@ pub struct BlockCache {
 
 #[derive(Debug)]
 struct BlockSaved {
+    /// Post-norm: the sums the two norms read (input + attention, then + MLP).
+    post: Option<(Vec<f32>, Vec<f32>)>,
     n1: Vec<f32>,
     st1: Vec<[f32; 2]>,
     q: Vec<f32>,
@@ -1305,8 +1472,18 @@ fn block_fwd_inner(
     let (nh, nkv, f) = (d.heads / t, d.local_kv_heads(t), l.ffn / t);
     let (qw, kw) = (nh * hd, nkv * hd);
     let rows = x.len() / h;
+    let norm = |y: &mut [f32], x: &[f32], w: &Range<usize>, b: &Option<Range<usize>>| {
+        norm_fwd(y, x, &p[w.clone()], slice(p, b), d.rms)
+    };
+    // Pre-norm: each sublayer reads its input normalised; post-norm (BERT): the sum of a
+    // sublayer's input and output is normalised.
     let mut n1 = vec![0.0; rows * h];
-    let st1 = norm_fwd(&mut n1, x, &p[l.ln1_w.clone()], slice(p, &l.ln1_b), d.rms);
+    let mut st1 = if d.post_norm {
+        n1.copy_from_slice(x);
+        Vec::new()
+    } else {
+        norm(&mut n1, x, &l.ln1_w, &l.ln1_b)
+    };
     let n1 = tp.enter_fwd(n1)?;
     let tt = n1.len() / h;
     let lin = |x: &[f32], w: &Range<usize>, b: &Option<Range<usize>>, n: usize| {
@@ -1355,7 +1532,7 @@ fn block_fwd_inner(
     // Under context parallelism the keys and values travel the ring of context-parallel ranks.
     let (o, probs, lse) = match tp.cp {
         Some(g) => {
-            let r = ring_shape(&pass, nh, nkv, aw, l.window);
+            let r = ring_shape(&pass, nh, nkv, aw, l.mask(d));
             let sinks = slice(p, &l.sinks);
             let (o, lse) = ring_fwd(&mut *tp.comm, g, (&q, &k, &v), sinks, &pass, &r)?;
             (o, None, Some(lse))
@@ -1373,7 +1550,7 @@ fn block_fwd_inner(
                 nh,
                 nkv,
                 aw,
-                l.window,
+                l.mask(d),
                 slice(p, &l.sinks),
                 keep == Keep::All,
             );
@@ -1396,9 +1573,20 @@ fn block_fwd_inner(
         add_bias(&mut a, b);
     }
     add_into(&mut a, x);
-    let x2 = a;
+    let (x2, r1) = if d.post_norm {
+        let mut x2 = vec![0.0; rows * h];
+        st1 = norm(&mut x2, &a, &l.ln1_w, &l.ln1_b);
+        (x2, Some(a))
+    } else {
+        (a, None)
+    };
     let mut n2 = vec![0.0; rows * h];
-    let st2 = norm_fwd(&mut n2, &x2, &p[l.ln2_w.clone()], slice(p, &l.ln2_b), d.rms);
+    let mut st2 = if d.post_norm {
+        n2.copy_from_slice(&x2);
+        Vec::new()
+    } else {
+        norm(&mut n2, &x2, &l.ln2_w, &l.ln2_b)
+    };
     let folded = l.moe.is_some() && tp.fold;
     // The shared experts' gate, per row of this rank.
     let gate = l.shared_gate.as_ref().map(|r| {
@@ -1463,7 +1651,16 @@ fn block_fwd_inner(
     };
     let mut m = sum_parts(routed, dense);
     add_into(&mut m, &x2);
+    let (m, post) = match r1 {
+        Some(r1) => {
+            let mut y = vec![0.0; rows * h];
+            st2 = norm(&mut y, &m, &l.ln2_w, &l.ln2_b);
+            (y, Some((r1, m)))
+        }
+        None => (m, None),
+    };
     let saved = (keep != Keep::Input).then(|| BlockSaved {
+        post,
         n1,
         st1,
         q,
@@ -1551,7 +1748,21 @@ pub fn block_bwd(
     let tt = s.n1.len() / h;
 
     // MLP.
-    let mut dx2 = dy;
+    // Through a norm (the layer's first or second): the gradient of its input, fresh or
+    // added to `dx`.
+    let norm_back = |g: &mut [f32], dx: &mut [f32], dy: &[f32], x: &[f32], st, w, b, acc| {
+        let (lo, hi) = split_two(g, w, b);
+        norm_bwd(dx, dy, x, st, &p[w.clone()], lo, hi, d.rms, acc);
+    };
+    // Post-norm: the block's output is the second norm of the MLP's input plus its output.
+    let mut dx2 = match &s.post {
+        Some((_, r2)) => {
+            let mut dr2 = vec![0.0; dy.len()];
+            norm_back(g, &mut dr2, &dy, r2, &s.st2, &l.ln2_w, &l.ln2_b, false);
+            dr2
+        }
+        None => dy,
+    };
     let routed = if let (Some(ml), Some(ms)) = (&l.moe, s.moe) {
         let folded = tp.fold;
         let dm = if folded {
@@ -1634,18 +1845,16 @@ pub fn block_bwd(
     if let Some(d) = dgate {
         add_into(&mut dn2, &d);
     }
-    let (lo, hi) = split_two(g, &l.ln2_w, &l.ln2_b);
-    norm_bwd(
-        &mut dx2,
-        &dn2,
-        &s.x2,
-        &s.st2,
-        &p[l.ln2_w.clone()],
-        lo,
-        hi,
-        d.rms,
-        true,
-    );
+    match &s.post {
+        // The MLP read the first norm's output, which the attention's sum went into.
+        Some((r1, _)) => {
+            add_into(&mut dx2, &dn2);
+            let dx1 = std::mem::take(&mut dx2);
+            dx2 = vec![0.0; dx1.len()];
+            norm_back(g, &mut dx2, &dx1, r1, &s.st1, &l.ln1_w, &l.ln1_b, false);
+        }
+        None => norm_back(g, &mut dx2, &dn2, &s.x2, &s.st2, &l.ln2_w, &l.ln2_b, true),
+    }
 
     // Attention.
     if let Some(r) = &l.bo {
@@ -1660,7 +1869,7 @@ pub fn block_bwd(
     let lseq = pos.len();
     let (mut dq, mut dk, dv) = match (tp.cp, &s.lse) {
         (Some(cp), Some(lse)) => {
-            let r = ring_shape(&pass, nh, nkv, aw, l.window);
+            let r = ring_shape(&pass, nh, nkv, aw, l.mask(d));
             ring_bwd(
                 &mut *tp.comm,
                 cp,
@@ -1696,7 +1905,7 @@ pub fn block_bwd(
                 nh,
                 nkv,
                 aw,
-                l.window,
+                l.mask(d),
                 slice(p, &l.sinks),
                 l.sinks.as_ref().map(|r| &mut g[r.clone()]),
             );
@@ -1775,6 +1984,11 @@ fn finish_attention_bwd(
 ) -> Result<Vec<f32>, CommError> {
     let dn1 = tp.enter_bwd(dn1)?;
     debug_assert_eq!(dx.len(), x.len());
+    if d.post_norm {
+        // The attention read the block's input itself.
+        add_into(&mut dx, &dn1);
+        return Ok(dx);
+    }
     let (lo, hi) = split_two(g, &l.ln1_w, &l.ln1_b);
     norm_bwd(
         &mut dx,
@@ -1911,6 +2125,8 @@ pub struct HeadCache {
     hf: Vec<f32>,
     st: Vec<[f32; 2]>,
     dlogits: Vec<f32>,
+    /// BERT's heads' activations.
+    bert: Option<BertHeadSaved>,
 }
 
 /// The vocabulary split of a head: the tensor-parallel group over which the logits' columns
@@ -1921,11 +2137,21 @@ pub struct VocabParallel<'a, 'b> {
     pub vocab: VocabWindow,
 }
 
-/// Head forward on local rows: final norm, logits against `w_out` (`[vocab, hidden]`, or its
-/// rows `vp.vocab` when the head is vocabulary-parallel: the embedding when tied),
+/// BERT's next sentence prediction on a micro-batch: the local rows holding a sequence's
+/// first token with its label, and the loss's scale.
+#[derive(Clone, Debug)]
+pub struct Nsp {
+    pub rows: Vec<(usize, u32)>,
+    pub scale: f32,
+}
+
+/// Head forward on local rows: final norm (BERT: its masked-LM transform, dense + GeLU +
+/// LayerNorm), logits against `w_out` (`[vocab, hidden]`, or its rows `vp.vocab` when the head
+/// is vocabulary-parallel: the embedding when tied; BERT adds its decoder bias),
 /// cross-entropy against `targets` (the local rows', or every row of the micro-batch when
 /// vocabulary-parallel). Returns the summed loss (of every row when vocabulary-parallel: each
-/// rank of the group has it); the gradient of `scale · loss` is kept for backward.
+/// rank of the group has it) and BERT's summed next-sentence loss over `nsp`'s rows; the
+/// gradients of the losses times their scales are kept for backward.
 #[allow(clippy::too_many_arguments)]
 pub fn head_fwd(
     d: &Dims,
@@ -1935,23 +2161,51 @@ pub fn head_fwd(
     x: Vec<f32>,
     targets: &[u32],
     scale: f32,
+    nsp: Option<&Nsp>,
     vp: Option<VocabParallel<'_, '_>>,
-) -> Result<(f64, HeadCache), CommError> {
+) -> Result<(f64, f64, HeadCache), CommError> {
     let h = d.h;
     let rows = x.len() / h;
     let mut hf = vec![0.0; rows * h];
-    let st = norm_fwd(
-        &mut hf,
-        &x,
-        &p[l.norm_w.clone()],
-        slice(p, &l.norm_b),
-        d.rms,
-    );
+    let (st, mut bert) = match &l.bert {
+        Some(bh) => {
+            let mut u = vec![0.0; rows * h];
+            mm(&mut u, &x, &p[bh.dense.0.clone()], rows, h, h, false);
+            add_bias(&mut u, &p[bh.dense.1.clone()]);
+            let a = Act::Gelu.fwd(&u, None);
+            let (w, b) = &bh.norm;
+            let st = norm_fwd(&mut hf, &a, &p[w.clone()], slice(p, b), false);
+            let saved = BertHeadSaved {
+                u,
+                a,
+                cls: Vec::new(),
+                pooled: Vec::new(),
+                dz: Vec::new(),
+            };
+            (st, Some(saved))
+        }
+        None => {
+            let st = norm_fwd(
+                &mut hf,
+                &x,
+                &p[l.norm_w.clone()],
+                slice(p, &l.norm_b),
+                d.rms,
+            );
+            (st, None)
+        }
+    };
+    let decoder_bias = |logits: &mut [f32], vocab: &Range<usize>| {
+        if let Some(bh) = &l.bert {
+            add_bias(logits, &p[bh.bias.clone()][..vocab.len()]);
+        }
+    };
     let (hf, loss, logits) = match vp {
         None => {
             let v = d.vocab;
             let mut logits = vec![0.0; rows * v];
             mm_nt(&mut logits, &hf, w_out, rows, v, h, false);
+            decoder_bias(&mut logits, &(0..v));
             let loss = cross_entropy(&mut logits, targets, v, scale);
             (hf, loss, logits)
         }
@@ -1961,17 +2215,42 @@ pub fn head_fwd(
             let lv = vp.vocab.len();
             let mut logits = vec![0.0; all * lv];
             mm_nt(&mut logits, &hf, w_out, all, lv, h, false);
+            decoder_bias(&mut logits, &vp.vocab);
             let loss = vocab_parallel_cross_entropy(vp.tp, &mut logits, targets, vp.vocab, scale)?;
             (hf, loss, logits)
         }
     };
+    // Next sentence prediction: the pooler (dense + tanh) of each first token, two logits.
+    let mut nsp_loss = 0.0;
+    if let (Some(bh), Some(bs), Some(nsp)) = (&l.bert, bert.as_mut(), nsp) {
+        let n = nsp.rows.len();
+        let first: Vec<f32> = nsp
+            .rows
+            .iter()
+            .flat_map(|(r, _)| x[r * h..(r + 1) * h].iter().copied())
+            .collect();
+        let mut pooled = vec![0.0; n * h];
+        mm(&mut pooled, &first, &p[bh.pooler.0.clone()], n, h, h, false);
+        add_bias(&mut pooled, &p[bh.pooler.1.clone()]);
+        pooled.iter_mut().for_each(|v| *v = v.tanh());
+        let mut z = vec![0.0; n * 2];
+        mm(&mut z, &pooled, &p[bh.nsp.0.clone()], n, h, 2, false);
+        add_bias(&mut z, &p[bh.nsp.1.clone()]);
+        let labels: Vec<u32> = nsp.rows.iter().map(|(_, y)| *y).collect();
+        nsp_loss = cross_entropy(&mut z, &labels, 2, nsp.scale);
+        bs.cls = nsp.rows.iter().map(|(r, _)| *r).collect();
+        bs.pooled = pooled;
+        bs.dz = z;
+    }
     Ok((
         loss,
+        nsp_loss,
         HeadCache {
             x,
             hf,
             st,
             dlogits: logits,
+            bert,
         },
     ))
 }
@@ -2082,6 +2361,7 @@ impl MtpLayout {
                 norm_w,
                 norm_b,
                 lm_head: None,
+                bert: None,
             },
         }
     }
@@ -2188,10 +2468,19 @@ pub fn head_own_weight<'a>(l: &HeadLayout, p: &'a [f32]) -> Option<&'a [f32]> {
     slice(p, &l.lm_head)
 }
 
-/// Head backward: accumulates the final norm's gradients (and the untied LM head's) into `g`,
-/// the tied embedding's gradient into `tied_dw`, and returns the input gradient of the local
-/// rows. `w_out` is the unembedding weight used in forward; `vp` the vocabulary split forward
-/// used.
+/// What BERT's heads keep for backward: the masked-LM transform's dense output and its GeLU,
+/// and the next-sentence rows, their pooled vectors and logit gradients.
+#[derive(Debug)]
+struct BertHeadSaved {
+    u: Vec<f32>,
+    a: Vec<f32>,
+    cls: Vec<usize>,
+    pooled: Vec<f32>,
+    dz: Vec<f32>,
+}
+
+/// Backward of [`head_fwd`]: the head's gradients into `g` (the LM head's or, tied, into
+/// `tied_dw`) and the gradient of the head's input rows.
 #[allow(clippy::too_many_arguments)]
 pub fn head_bwd(
     d: &Dims,
@@ -2217,6 +2506,9 @@ pub fn head_bwd(
     if let Some(dw) = dw {
         mm_tn(dw, &c.dlogits, &c.hf, all, v, h, true);
     }
+    if let Some(bh) = &l.bert {
+        bias_grad(&mut gn[bh.bias.clone()][..v], &c.dlogits);
+    }
     let mut dhf = vec![0.0; all * h];
     mm(&mut dhf, &c.dlogits, w_out, all, v, h, false);
     // Each rank's columns give a partial input gradient: summed over the group (scattered
@@ -2225,18 +2517,66 @@ pub fn head_bwd(
         dhf = vp.tp.reduce_rows(dhf)?;
     }
     let mut dx = vec![0.0; rows * h];
-    let (lo, hi) = split_two(gn, &l.norm_w, &l.norm_b);
-    norm_bwd(
-        &mut dx,
-        &dhf,
-        &c.x,
-        &c.st,
-        &p[l.norm_w.clone()],
-        lo,
-        hi,
-        d.rms,
-        false,
-    );
+    match (&l.bert, c.bert) {
+        (Some(bh), Some(bs)) => {
+            // The masked-LM transform: LayerNorm, GeLU, dense.
+            let (w, b) = &bh.norm;
+            let mut da = vec![0.0; rows * h];
+            let (lo, hi) = split_two(gn, w, b);
+            norm_bwd(
+                &mut da,
+                &dhf,
+                &bs.a,
+                &c.st,
+                &p[w.clone()],
+                lo,
+                hi,
+                false,
+                false,
+            );
+            Act::Gelu.bwd(&mut da, &bs.u, None);
+            bias_grad(&mut gn[bh.dense.1.clone()], &da);
+            mm_tn(&mut gn[bh.dense.0.clone()], &c.x, &da, rows, h, h, true);
+            mm_nt(&mut dx, &da, &p[bh.dense.0.clone()], rows, h, h, false);
+            // Next sentence prediction: the logits, the pooler's tanh, its dense layer.
+            let n = bs.cls.len();
+            if n > 0 {
+                bias_grad(&mut gn[bh.nsp.1.clone()], &bs.dz);
+                mm_tn(&mut gn[bh.nsp.0.clone()], &bs.pooled, &bs.dz, n, h, 2, true);
+                let mut dpool = vec![0.0; n * h];
+                mm_nt(&mut dpool, &bs.dz, &p[bh.nsp.0.clone()], n, h, 2, false);
+                for (dp, y) in dpool.iter_mut().zip(&bs.pooled) {
+                    *dp *= 1.0 - y * y;
+                }
+                let first: Vec<f32> = bs
+                    .cls
+                    .iter()
+                    .flat_map(|r| c.x[r * h..(r + 1) * h].iter().copied())
+                    .collect();
+                bias_grad(&mut gn[bh.pooler.1.clone()], &dpool);
+                mm_tn(&mut gn[bh.pooler.0.clone()], &first, &dpool, n, h, h, true);
+                let mut dfirst = vec![0.0; n * h];
+                mm_nt(&mut dfirst, &dpool, &p[bh.pooler.0.clone()], n, h, h, false);
+                for (k, r) in bs.cls.iter().enumerate() {
+                    add_into(&mut dx[r * h..(r + 1) * h], &dfirst[k * h..(k + 1) * h]);
+                }
+            }
+        }
+        _ => {
+            let (lo, hi) = split_two(gn, &l.norm_w, &l.norm_b);
+            norm_bwd(
+                &mut dx,
+                &dhf,
+                &c.x,
+                &c.st,
+                &p[l.norm_w.clone()],
+                lo,
+                hi,
+                d.rms,
+                false,
+            );
+        }
+    }
     Ok(dx)
 }
 
@@ -2342,6 +2682,13 @@ mod tests {
             ..plain.clone()
         };
         check_block_gradients(&plain, "llama");
+        // BERT's post-norm block attending to every key.
+        let encoder = TransformerConfig {
+            bert: true,
+            causal: false,
+            ..TransformerConfig::gpt(1, 16, 4, 24, 100, 16)
+        };
+        check_block_gradients(&encoder, "post-norm encoder");
         check_block_gradients(&latent(8, 4, 4, 6), "latent queries");
         check_block_gradients(&latent(0, 2, 4, 10), "direct queries, wide values");
     }
@@ -2416,6 +2763,103 @@ mod tests {
                         objective(&b, &e, &hid),
                     );
                 }
+            }
+        }
+    }
+
+    /// BERT's heads (masked-LM transform, biased tied decoder, pooler and next-sentence
+    /// classifier) against central differences of their scaled losses.
+    #[test]
+    fn bert_head_gradients_match_finite_differences() {
+        let c = TransformerConfig {
+            bert: true,
+            causal: false,
+            ..TransformerConfig::gpt(1, 8, 2, 16, 12, 16)
+        };
+        let d = Dims::from_config(&c).unwrap();
+        let mut b = SlotBuilder::new(1);
+        let l = HeadLayout::build(&d, &mut b);
+        let (slots, n) = b.finish();
+        let mut p = rand(n, 8, 0.3);
+        for s in slots.iter().filter(|s| s.init == Init::Ones) {
+            p[s.range.clone()].iter_mut().for_each(|v| *v += 1.0);
+        }
+        let rows = 6;
+        let x = rand(rows * d.h, 9, 1.0);
+        let table = rand(d.vocab * d.h, 10, 0.5);
+        let targets = [3, IGNORE, 7, IGNORE, IGNORE, 11];
+        let nsp = Nsp {
+            rows: vec![(0, 1), (3, 0)],
+            scale: 0.5,
+        };
+        let scale = 1.0 / 3.0;
+        let objective = |p: &[f32], x: &[f32], table: &[f32]| -> f64 {
+            let (a, b, _) = head_fwd(
+                &d,
+                &l,
+                p,
+                table,
+                x.to_vec(),
+                &targets,
+                scale,
+                Some(&nsp),
+                None,
+            )
+            .unwrap();
+            a * f64::from(scale) + b * f64::from(nsp.scale)
+        };
+        let (_, _, cache) = head_fwd(
+            &d,
+            &l,
+            &p,
+            &table,
+            x.clone(),
+            &targets,
+            scale,
+            Some(&nsp),
+            None,
+        )
+        .unwrap();
+        let (mut g, mut dtable) = (vec![0.0; n], vec![0.0; table.len()]);
+        let dx = head_bwd(&d, &l, &p, &mut g, &table, Some(&mut dtable), cache, None).unwrap();
+        let eps = 1e-2f32;
+        let bump = |v: &[f32], i: usize, by: f32| {
+            let mut v = v.to_vec();
+            v[i] += by;
+            v
+        };
+        let check = |what: String, analytic: f32, plus: f64, minus: f64| {
+            let num = (plus - minus) / (2.0 * f64::from(eps));
+            let err = (num - f64::from(analytic)).abs() / num.abs().max(0.05);
+            assert!(err < 2e-2, "{what}: {analytic} vs {num}");
+        };
+        for i in (0..x.len()).step_by(3) {
+            let (a, b) = (bump(&x, i, eps), bump(&x, i, -eps));
+            check(
+                format!("dx[{i}]"),
+                dx[i],
+                objective(&p, &a, &table),
+                objective(&p, &b, &table),
+            );
+        }
+        for i in (0..table.len()).step_by(5) {
+            let (a, b) = (bump(&table, i, eps), bump(&table, i, -eps));
+            check(
+                format!("dtable[{i}]"),
+                dtable[i],
+                objective(&p, &x, &a),
+                objective(&p, &x, &b),
+            );
+        }
+        for s in &slots {
+            for i in s.range.clone().step_by(s.range.len() / 6 + 1) {
+                let (a, b) = (bump(&p, i, eps), bump(&p, i, -eps));
+                check(
+                    format!("{}[{i}]", s.name),
+                    g[i],
+                    objective(&a, &x, &table),
+                    objective(&b, &x, &table),
+                );
             }
         }
     }

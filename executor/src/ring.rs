@@ -13,7 +13,7 @@
 
 use crate::comm::{Collectives, CommError, Group};
 use crate::model::Pass;
-use crate::tensor::{matmul, MatMut, MatRef, Threads};
+use crate::tensor::{matmul, Mask, MatMut, MatRef, Threads};
 
 /// Shapes of one rank's attention: sequences, local tokens per sequence, query and key/value
 /// heads, head size.
@@ -24,8 +24,8 @@ pub struct RingShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub hd: usize,
-    /// The keys a query sees: the `window` latest up to its own, or all of them.
-    pub window: Option<usize>,
+    /// The keys a query sees.
+    pub mask: Mask,
 }
 
 impl RingShape {
@@ -74,8 +74,11 @@ fn scores(
     let (Some(&k_lo), Some(&k_hi)) = (k_pos.iter().min(), k_pos.iter().max()) else {
         return false;
     };
-    let seen = |q: usize, k: usize| k <= q && r.window.is_none_or(|w| q < k + w);
-    if q_hi < k_lo || r.window.is_some_and(|w| q_lo >= k_hi + w) {
+    let skipped = match r.mask {
+        Mask::All => false,
+        Mask::Causal(w) => q_hi < k_lo || w.is_some_and(|w| q_lo >= k_hi + w),
+    };
+    if skipped {
         return false;
     }
     let kvh = h / (r.heads / r.kv_heads);
@@ -90,7 +93,7 @@ fn scores(
     let scale = 1.0 / (r.hd as f32).sqrt();
     for (i, row) in s.chunks_exact_mut(n).enumerate() {
         for (j, x) in row.iter_mut().enumerate() {
-            *x = if seen(q_pos[i], k_pos[j]) {
+            *x = if r.mask.sees(q_pos[i], k_pos[j]) {
                 *x * scale
             } else {
                 f32::NEG_INFINITY

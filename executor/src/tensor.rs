@@ -2,6 +2,8 @@
 //! multiplies, and the pointwise, normalisation, attention and loss kernels of the transformer
 //! with their hand-written gradients.
 
+use std::ops::Range;
+
 /// A read-only strided matrix view: element `(i, j)` is `data[off + i * rs + j * cs]`.
 #[derive(Clone, Copy, Debug)]
 pub struct MatRef<'a> {
@@ -635,14 +637,45 @@ pub fn rope(
     }
 }
 
+/// The keys a query row sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mask {
+    /// Every key of its sequence (an encoder).
+    All,
+    /// The keys up to its own position; with a sliding window, the `w` latest of them.
+    Causal(Option<usize>),
+}
+
+impl Mask {
+    /// The key positions, of `0..sk`, a query at `pos` sees.
+    pub fn keys(self, pos: usize, sk: usize) -> Range<usize> {
+        match self {
+            Mask::All => 0..sk,
+            Mask::Causal(w) => {
+                let seen = (pos + 1).min(sk);
+                w.map_or(0, |w| (pos + 1).saturating_sub(w)).min(seen)..seen
+            }
+        }
+    }
+
+    /// Whether a query at position `q` sees the key at position `k`.
+    pub fn sees(self, q: usize, k: usize) -> bool {
+        match self {
+            Mask::All => true,
+            Mask::Causal(w) => k <= q && w.is_none_or(|w| q < k + w),
+        }
+    }
+}
+
 /// Causal softmax attention of `batch` sequences: each has `q_pos.len()` query rows at
 /// positions `q_pos` of the sequence and `sk` key/value rows at positions `0..sk` (the whole
 /// sequence: the square case when `q_pos` is `0..sk`; a context-parallel rank's chunks
 /// against the gathered keys otherwise), `heads` query heads sharing `kv_heads` key/value
 /// heads (GQA), head size `hd`. `q` is `batch·sq × heads·hd`, `k`/`v` are
 /// `batch·sk × kv_heads·hd`. Writes `o` (`batch·sq × heads·hd`) and returns the attention
-/// probabilities (`batch · heads · sq · sk`) when `keep_probs`. With a sliding `window`, a query
-/// attends to the `window` latest keys up to its own position. With `sinks` (one logit per
+/// probabilities (`batch · heads · sq · sk`) when `keep_probs`. `mask` says which keys a query
+/// sees: those up to its own position (causal; with a sliding window the latest of them), or
+/// all (an encoder). With `sinks` (one logit per
 /// head, GPT-OSS's attention sinks) each row's softmax also counts a sink that holds no value:
 /// the probabilities of the keys sum to less than one.
 #[allow(clippy::too_many_arguments)]
@@ -657,7 +690,7 @@ pub fn attention_fwd(
     heads: usize,
     kv_heads: usize,
     hd: usize,
-    window: Option<usize>,
+    mask: Mask,
     sinks: Option<&[f32]>,
     keep_probs: bool,
 ) -> Option<Vec<f32>> {
@@ -668,7 +701,7 @@ pub fn attention_fwd(
         for hh in 0..heads {
             let sink = sinks.map(|s| s[hh]);
             attention_probs(
-                &mut p, q, k, b, hh, q_pos, sk, heads, kv_heads, hd, window, sink,
+                &mut p, q, k, b, hh, q_pos, sk, heads, kv_heads, hd, mask, sink,
             );
             let kvh = hh / (heads / kv_heads);
             let (qw, kw) = (heads * hd, kv_heads * hd);
@@ -688,9 +721,10 @@ pub fn attention_fwd(
     all
 }
 
-/// Softmax(q kᵀ / √hd) with a causal mask (key position ≤ query position; with a sliding
-/// `window`, also above query position − window) for one sequence and head, into `p`
-/// (`sq × sk`); a `sink` logit joins each row's normaliser.
+/// Softmax(q kᵀ / √hd) over the keys `mask` lets each query see (causal: key position ≤
+/// query position, with a sliding window also above query position − window; an encoder's:
+/// all) for one sequence and head, into `p` (`sq × sk`); a `sink` logit joins each row's
+/// normaliser.
 #[allow(clippy::too_many_arguments)]
 fn attention_probs(
     p: &mut [f32],
@@ -703,7 +737,7 @@ fn attention_probs(
     heads: usize,
     kv_heads: usize,
     hd: usize,
-    window: Option<usize>,
+    mask: Mask,
     sink: Option<f32>,
 ) {
     let sq = q_pos.len();
@@ -719,8 +753,10 @@ fn attention_probs(
     let scale = 1.0 / (hd as f32).sqrt();
     for (i, &pos) in q_pos.iter().enumerate() {
         let row = &mut p[i * sk..(i + 1) * sk];
-        let seen = (pos + 1).min(sk);
-        let first = window.map_or(0, |w| (pos + 1).saturating_sub(w)).min(seen);
+        let Range {
+            start: first,
+            end: seen,
+        } = mask.keys(pos, sk);
         let mut mx = sink.unwrap_or(f32::NEG_INFINITY);
         for x in &mut row[first..seen] {
             *x *= scale;
@@ -761,7 +797,7 @@ pub fn attention_bwd(
     heads: usize,
     kv_heads: usize,
     hd: usize,
-    window: Option<usize>,
+    mask: Mask,
     sinks: Option<&[f32]>,
     mut dsinks: Option<&mut [f32]>,
 ) {
@@ -790,7 +826,7 @@ pub fn attention_bwd(
                         heads,
                         kv_heads,
                         hd,
-                        window,
+                        mask,
                         sinks.map(|s| s[hh]),
                     );
                     &p_buf
@@ -1113,16 +1149,23 @@ mod tests {
     fn attention_gradients_match_finite_differences() {
         // The square case, and a context-parallel rank's two chunks (positions 1 and 6 of 8
         // with cp = 4... here 2 of 2·cp chunks of one row each) against every key.
-        // A sliding window of 2 keys too.
+        // A sliding window of 2 keys too, and an encoder's attention to every key.
         let square: Vec<usize> = (0..4).collect();
         // And GPT-OSS's sinks, one logit per head.
-        for (q_pos, sk, window, sunk) in [
-            (square.clone(), 4, None, false),
-            (vec![1, 6], 8, None, false),
-            (square.clone(), 4, Some(2), false),
-            (square.clone(), 4, None, true),
-            (square, 4, Some(2), true),
+        let (causal, all) = (Mask::Causal(None), Mask::All);
+        for (q_pos, sk, mask, sunk) in [
+            (square.clone(), 4, causal, false),
+            (vec![1, 6], 8, causal, false),
+            (square.clone(), 4, Mask::Causal(Some(2)), false),
+            (square.clone(), 4, causal, true),
+            (square.clone(), 4, Mask::Causal(Some(2)), true),
+            (square.clone(), 4, all, false),
+            (vec![1, 6], 8, all, true),
         ] {
+            let window = match mask {
+                Mask::Causal(w) => w,
+                Mask::All => None,
+            };
             let (batch, heads, kvh, hd) = (2, 4, 2, 4);
             let sinks = sunk.then(|| rand(heads, 11));
             let sq = q_pos.len();
@@ -1133,7 +1176,7 @@ mod tests {
             let run_with = |q: &[f32], k: &[f32], v: &[f32], sinks: Option<&[f32]>| {
                 let mut o = vec![0.0; batch * sq * heads * hd];
                 attention_fwd(
-                    &mut o, q, k, v, batch, &q_pos, sk, heads, kvh, hd, window, sinks, false,
+                    &mut o, q, k, v, batch, &q_pos, sk, heads, kvh, hd, mask, sinks, false,
                 );
                 o.iter()
                     .zip(&d_o)
@@ -1153,10 +1196,14 @@ mod tests {
                 heads,
                 kvh,
                 hd,
-                window,
+                mask,
                 sinks.as_deref(),
                 true,
             );
+            // An encoder's first query sees every key.
+            if let (Mask::All, Some(p), false) = (mask, probs.as_deref(), sunk) {
+                assert!(p[..sk].iter().all(|&x| x > 0.0), "{:?}", &p[..sk]);
+            }
             // The window masks the keys before it: query 3 sees keys 2 and 3 only.
             if let (Some(w), Some(p), false) = (window, probs.as_deref(), sunk) {
                 let row = &p[3 * sk..4 * sk];
@@ -1182,7 +1229,7 @@ mod tests {
                     heads,
                     kvh,
                     hd,
-                    window,
+                    mask,
                     sinks.as_deref(),
                     sinks.as_ref().map(|_| &mut ds[..]),
                 );

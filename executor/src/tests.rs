@@ -121,6 +121,25 @@ fn gpt_oss(layers: u32) -> TransformerConfig {
     }
 }
 
+/// BERT, small: post-norm GPT-shaped blocks attending to every key, token types and an
+/// embedding norm, the pooler and next-sentence head, the masked-LM transform and tied decoder;
+/// byte-level, as it reads a text (see [`spec`]).
+fn bert(layers: u32) -> TransformerConfig {
+    TransformerConfig {
+        bert: true,
+        causal: false,
+        ..TransformerConfig::gpt(layers, 32, 4, 64, 256, 16)
+    }
+}
+
+/// What BERT reads: a repetitive text, whose masked bytes their neighbours give away (on the
+/// synthetic progressions a masked-LM loss, over 15 % of the positions, moves too slowly for
+/// five steps to show training).
+fn bert_text() -> crate::DataSource {
+    let text = "parallax plans, simulates and trains models. ".repeat(40);
+    crate::DataSource::Bytes(Arc::new(text.into_bytes()))
+}
+
 /// Nemotron-4's layout, small: Llama layers with LayerNorm and an ungated squared-ReLU MLP.
 fn nemotron(layers: u32) -> TransformerConfig {
     TransformerConfig {
@@ -153,7 +172,11 @@ fn windowed_nope(layers: u32) -> TransformerConfig {
 }
 
 fn spec(model: TransformerConfig, layout: Layout) -> RunSpec {
+    let bert = model.bert;
     let mut s = RunSpec::new(model, layout, GLOBAL_BATCH, SEQ, STEPS);
+    if bert {
+        s.data = bert_text();
+    }
     s.seed = 42;
     s.collect_state = true;
     s.timeout = Duration::from_secs(60);
@@ -362,6 +385,16 @@ equivalence! {
     qwen3_tp4_replicated_kv_zero2: qwen3(2), Layout { tp: 4, zero_stage: 2, dp: 2, ..Layout::default() };
     qwen3_cp2_tp2_selective: qwen3(2), Layout { cp: 2, tp: 2, recompute: Recompute::Selective, ..Layout::default() };
     qwen3_moe_dp2_ep2_full_recompute: TransformerConfig { qk_norm: true, ..mixtral(2) }, Layout { dp: 2, ep: 2, recompute: Recompute::Full, ..Layout::default() };
+    // BERT's pre-training: masked-LM and next-sentence losses, attention to every key (the
+    // ring's blocks unmasked under cp), post-norm blocks, a vocabulary-parallel decoder and
+    // bias under tp.
+    bert_dp2: bert(2), Layout { dp: 2, ..Layout::default() };
+    bert_tp2_sp: bert(2), Layout { tp: 2, sequence_parallel: true, ..Layout::default() };
+    bert_tp2_dp2: bert(2), Layout { tp: 2, dp: 2, ..Layout::default() };
+    bert_tp2_full_recompute_zero3: bert(2), Layout { tp: 2, dp: 2, zero_stage: 3, recompute: Recompute::Full, ..Layout::default() };
+    bert_cp2_dp2_selective: bert(2), Layout { cp: 2, dp: 2, recompute: Recompute::Selective, ..Layout::default() };
+    bert_pp2_zb_h1_tp2_sp: bert(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::ZeroBubbleH1) };
+    bert_pp2_interleaved_cp2: bert(4), Layout { cp: 2, interleave: 2, ..pp(2, Schedule::Interleaved1F1B) };
     // Ungated MLPs: squared ReLU (Nemotron), dense and as experts, and ReLU (OPT).
     nemotron_tp2_sp_pp2: nemotron(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
     nemotron_relu2_experts_dp2_ep2_zero1: TransformerConfig { moe: Some(parallax_ir::models::MoeConfig::routed(4, 2)), ..nemotron(2) }, Layout { dp: 2, ep: 2, zero_stage: 1, ..Layout::default() };
@@ -429,6 +462,40 @@ fn multi_token_prediction_trains_the_model_and_reports_the_main_loss() {
     ] {
         assert_ne!(a[name].m, b[name].m, "{name}");
     }
+}
+
+#[test]
+fn bert_trains_its_pretraining_model() {
+    let r = reference(&bert(2));
+    let t = &r.1.tensors;
+    for (name, shape) in [
+        ("embed.token_type", vec![2, 32]),
+        ("embed.norm.weight", vec![32]),
+        ("pooler.weight", vec![32, 32]),
+        ("nsp.weight", vec![32, 2]),
+        ("mlm.dense.weight", vec![32, 32]),
+        ("mlm.bias", vec![256]),
+    ] {
+        assert_eq!(t[name].shape, shape, "{name}");
+    }
+    // No final norm (the blocks end in one) and no LM head of its own (the decoder is tied).
+    assert!(!t.contains_key("final_norm.weight") && !t.contains_key("lm_head"));
+    // Exactly the model the planner prices: BertForPreTraining's parameters.
+    let counted: usize = t.values().map(|x| x.shape.iter().product::<usize>()).sum();
+    let opts = parallax_ir::models::BuildOptions {
+        batch: 1,
+        seq: 16,
+        fused_attention: true,
+    };
+    let graph = bert(2).build("bert", opts).unwrap();
+    assert_eq!(counted as u64, graph.param_count());
+    // A BERT with a causal mask is not BERT: refused by name, not run as another model.
+    let causal = TransformerConfig {
+        causal: true,
+        ..bert(2)
+    };
+    let e = crate::model::Dims::from_config(&causal).unwrap_err();
+    assert!(e.contains("BERT with causal attention"), "{e}");
 }
 
 #[test]
