@@ -411,6 +411,12 @@ impl Prepared {
                 dims.max_seq
             )));
         }
+        if topo.cp > 1 && dims.hybrid.is_some() {
+            return bad(
+                "context parallelism over Mamba-2 layers is neither run by the executor nor planned (the scan runs along the whole sequence)"
+                    .into(),
+            );
+        }
         if topo.cp > 1 && seq % (2 * topo.cp) != 0 {
             return bad(format!(
                 "context parallelism splits each sequence into 2 × cp = {} chunks: seq {seq} is not a multiple",

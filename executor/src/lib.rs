@@ -30,6 +30,7 @@ pub mod data;
 pub mod engine;
 pub mod error;
 pub mod graph;
+pub mod mamba;
 pub mod model;
 pub mod moe;
 #[cfg(feature = "mpi")]

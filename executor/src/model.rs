@@ -16,6 +16,7 @@
 //! tensor-parallel ranks where `tp` divides it, else replicated across them.
 
 use crate::comm::{Collectives, CommError, Group};
+use crate::mamba::{mamba_bwd, mamba_fwd, Mamba, MambaLayout, MambaSaved, WeightGradFn};
 use crate::moe::{moe_bwd, moe_fwd, Ep, MoeLayout, MoeSaved, Routing};
 use crate::ring::{ring_bwd, ring_fwd, RingShape};
 use crate::rng::SplitMix64;
@@ -23,7 +24,9 @@ use crate::tensor::{
     add_bias, add_into, attention_bwd, attention_fwd, bias_grad, cross_entropy, mm, mm_nt, mm_tn,
     norm_bwd, norm_fwd, rope, sigmoid, Act, Mask, IGNORE,
 };
-use parallax_ir::models::{Mlp, MoeConfig, Norm, Position, SlidingWindow, TransformerConfig};
+use parallax_ir::models::{
+    LayerKind, MambaConfig, Mlp, MoeConfig, Norm, Position, SlidingWindow, TransformerConfig,
+};
 use std::ops::Range;
 
 /// Standard deviation of weight initialisation (GPT-2, Radford et al. 2019).
@@ -94,6 +97,8 @@ pub struct Dims {
     pub post_norm: bool,
     /// GPT-OSS's clamped gate in place of SwiGLU's.
     pub clamped_swiglu: bool,
+    /// A hybrid stack (Nemotron-H): each layer's kind, and the Mamba-2 mixers' sizes.
+    pub hybrid: Option<(Vec<LayerKind>, MambaConfig)>,
 }
 
 /// Multi-head latent attention's sizes (DeepSeek-V2, Liu et al. 2024): queries projected through
@@ -127,12 +132,6 @@ impl Dims {
     /// Checks that the executor can train `c`; errors name the unsupported feature.
     pub fn from_config(c: &TransformerConfig) -> Result<Dims, String> {
         c.validate()?;
-        let planned_only = [(c.hybrid.is_some(), "hybrid Mamba-2 stacks")];
-        if let Some((_, what)) = planned_only.iter().find(|(has, _)| *has) {
-            return Err(format!(
-                "models with {what} are planned, not run, by the executor"
-            ));
-        }
         if !c.causal && !c.bert {
             return Err(
                 "encoders other than BERT are not run by the executor (causal decoders and BERT)"
@@ -215,6 +214,14 @@ impl Dims {
             causal: c.causal,
             bert: c.bert,
             post_norm: c.bert,
+            hybrid: match &c.hybrid {
+                Some(hy) => {
+                    let kinds = (0..c.layers).map(|i| c.layer_kind(i)).collect();
+                    us(hy.mamba.heads * hy.mamba.head_dim * hy.mamba.state)?;
+                    Some((kinds, hy.mamba))
+                }
+                None => None,
+            },
             clamped_swiglu: c.clamped_swiglu,
         })
     }
@@ -238,9 +245,20 @@ impl Dims {
 
     /// The routed experts of layer `layer`, where it is an MoE layer: (experts, top-k).
     pub fn experts_at(&self, layer: usize) -> Option<(usize, usize)> {
+        if self.hybrid.is_some() {
+            return self.moe.filter(|_| self.kind_at(layer) == LayerKind::Moe);
+        }
         let layer = u32::try_from(layer).unwrap_or(u32::MAX);
         self.moe
             .filter(|_| self.mixture.is_some_and(|m| m.is_moe_layer(layer)))
+    }
+
+    /// What layer `layer` is: a block of attention and MLP, or one part of a hybrid stack.
+    pub fn kind_at(&self, layer: usize) -> LayerKind {
+        match &self.hybrid {
+            Some((kinds, _)) => kinds.get(layer).copied().unwrap_or(LayerKind::Block),
+            None => LayerKind::Block,
+        }
     }
 
     /// Checks that `tp` divides heads and the MLP width, and divides or is a multiple of the
@@ -248,15 +266,21 @@ impl Dims {
     /// ranks, as Megatron-LM does).
     pub fn check_tp(&self, tp: usize) -> Result<(), String> {
         let kv_ok = self.kv_heads % tp == 0 || tp % self.kv_heads == 0;
+        let mamba_ok = self
+            .hybrid
+            .as_ref()
+            .is_none_or(|(_, m)| m.heads as usize % tp == 0 && m.groups as usize % tp == 0);
         if self.heads % tp != 0
             || !kv_ok
+            || !mamba_ok
             || self.ffn % tp != 0
             || self.dense_ffn % tp != 0
             || self.shared_ffn() % tp != 0
         {
             return Err(format!(
-                "tp {tp} must divide heads {} and ffn {} (dense layers {}, shared experts {}), and divide or be a multiple of kv heads {}",
-                self.heads, self.ffn, self.dense_ffn, self.shared_ffn(), self.kv_heads
+                "tp {tp} must divide heads {} and ffn {} (dense layers {}, shared experts {}, Mamba heads and groups {:?}), and divide or be a multiple of kv heads {}",
+                self.heads, self.ffn, self.dense_ffn, self.shared_ffn(),
+                self.hybrid.as_ref().map(|(_, m)| (m.heads, m.groups)), self.kv_heads
             ));
         }
         Ok(())
@@ -529,9 +553,90 @@ pub struct BlockLayout {
     k_norm: Option<Range<usize>>,
     /// Latent attention's projections, in place of `wq`, `wk`, `wv` (empty then).
     mla: Option<MlaLayout>,
+    /// A hybrid stack's Mamba-2 mixer, the layer's only part.
+    mamba: Option<MambaBlock>,
+    /// Whether the layer attends (a hybrid stack's MLP and Mamba layers do not).
+    attn: bool,
     /// Width of its dense MLP: a dense layer's, or an MoE layer's shared experts (0: none;
     /// the routed experts are `Dims::ffn` wide).
     ffn: usize,
+}
+
+/// A Mamba-2 mixer's sizes on one rank and where its tensors lie.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct MambaBlock {
+    m: Mamba,
+    l: MambaLayout,
+}
+
+impl MambaBlock {
+    /// Adds a mixer's tensors to `b`: split by heads (and groups for `B` and `C`) over the
+    /// tensor-parallel ranks, the output projection by rows. Initialised as `A = −1`
+    /// (`A_log` 0), `D = 1` and `dt_bias` 0 (Mamba-2 draws `A` in [1, 16] and `dt` in
+    /// [0.001, 0.1]; any start trains the same on every layout).
+    fn build(d: &Dims, c: &MambaConfig, b: &mut SlotBuilder, p: impl Fn(&str) -> String) -> Self {
+        let (h, tp) = (d.h, b.tp);
+        let (heads, groups) = (c.heads as usize, c.groups as usize);
+        let (pd, n, k) = (
+            c.head_dim as usize,
+            c.state as usize,
+            c.conv_kernel as usize,
+        );
+        let (inner, bc) = (heads * pd, groups * n);
+        let w = Init::Normal(INIT_STD);
+        let out_std = INIT_STD / (2.0 * d.layers as f64).sqrt();
+        let mut proj = |name: &str, width: usize| b.add(p(name), &[h, width], Split::Dim(1), w);
+        let (w_z, w_x, w_b, w_c, w_dt) = (
+            proj("mamba.w_z", inner),
+            proj("mamba.w_x", inner),
+            proj("mamba.w_b", bc),
+            proj("mamba.w_c", bc),
+            proj("mamba.w_dt", heads),
+        );
+        let mut conv = |name: &str, ch: usize| {
+            (
+                b.add(p(&format!("{name}.weight")), &[ch, k], Split::Dim(0), w),
+                b.add(
+                    p(&format!("{name}.bias")),
+                    &[ch],
+                    Split::Dim(0),
+                    Init::Zeros,
+                ),
+            )
+        };
+        let conv = [
+            conv("mamba.conv_x", inner),
+            conv("mamba.conv_b", bc),
+            conv("mamba.conv_c", bc),
+        ];
+        let l = MambaLayout {
+            w_z,
+            w_x,
+            w_b,
+            w_c,
+            w_dt,
+            conv,
+            dt_bias: b.add(p("mamba.dt_bias"), &[heads], Split::Dim(0), Init::Zeros),
+            a_log: b.add(p("mamba.A_log"), &[heads], Split::Dim(0), Init::Zeros),
+            d: b.add(p("mamba.D"), &[heads], Split::Dim(0), Init::Ones),
+            norm: b.add(p("mamba.norm.weight"), &[inner], Split::Dim(0), Init::Ones),
+            out: b.add(
+                p("mamba.out"),
+                &[inner, h],
+                Split::Dim(0),
+                Init::Normal(out_std),
+            ),
+        };
+        let m = Mamba {
+            heads: heads / tp,
+            groups: groups / tp,
+            head_dim: pd,
+            state: n,
+            kernel: k,
+            chunk: c.chunk as usize,
+        };
+        MambaBlock { m, l }
+    }
 }
 
 /// Where latent attention's tensors lie in the unit buffer. The down projections and the
@@ -603,6 +708,10 @@ impl BlockLayout {
     ) -> BlockLayout {
         let p = |s: &str| format!("{prefix}.{s}");
         let experts = d.experts_at(layer);
+        // A hybrid stack's layer is one part: a Mamba-2 mixer, an attention, or an MLP.
+        let kind = d.kind_at(layer);
+        let attn = !matches!(kind, LayerKind::Mamba | LayerKind::Moe | LayerKind::Mlp);
+        let has_mlp = !matches!(kind, LayerKind::Mamba | LayerKind::Attention);
         // A dense layer has its own width (a mixture's may differ); the experts theirs, and
         // the shared experts beside them theirs.
         let f = if experts.is_some() {
@@ -610,10 +719,10 @@ impl BlockLayout {
         } else {
             d.dense_ffn
         };
-        let dense_f = if experts.is_some() {
-            d.shared_ffn()
-        } else {
-            d.dense_ffn
+        let dense_f = match (has_mlp, experts) {
+            (false, _) => 0,
+            (true, Some(_)) => d.shared_ffn(),
+            (true, None) => d.dense_ffn,
         };
         let (h, qw, kw) = (d.h, d.heads * d.hd, d.kv_heads * d.hd);
         let out_std = INIT_STD / (2.0 * d.layers as f64).sqrt();
@@ -622,47 +731,77 @@ impl BlockLayout {
         let opt = |b: &mut SlotBuilder, on: bool, name: &str, shape: &[usize], split| {
             on.then(|| b.add(p(name), shape, split, Init::Zeros))
         };
-        let ln1_w = b.add(p("ln1.weight"), &[h], Split::Replicated, Init::Ones);
-        let ln1_b = opt(b, nb, "ln1.bias", &[h], Split::Replicated);
-        let (wq, bq, wk, bk, wv, bv, mla);
-        if let Some(m) = d.mla {
-            mla = Some(MlaLayout::build(d, m, b, p));
-            (wq, bq, wk, bk, wv, bv) = (0..0, None, 0..0, None, 0..0, None);
+        let (ln1_w, ln1_b) = if has_mlp && !attn {
+            (0..0, None)
         } else {
-            mla = None;
-            wq = b.add(p("attn.wq"), &[h, qw], Split::Dim(1), w);
-            // Qwen2 biases the query, key and value projections alone.
-            let qkv_bias = d.bias || d.qkv_bias;
-            bq = opt(b, qkv_bias, "attn.bq", &[qw], Split::Dim(0));
-            let kv = d.kv_split(b.tp);
-            let kv_bias = match kv {
-                Split::Parts { parts, .. } => Split::Parts { dim: 0, parts },
-                _ => Split::Dim(0),
-            };
-            wk = b.add(p("attn.wk"), &[h, kw], kv, w);
-            bk = opt(b, qkv_bias, "attn.bk", &[kw], kv_bias);
-            wv = b.add(p("attn.wv"), &[h, kw], kv, w);
-            bv = opt(b, qkv_bias, "attn.bv", &[kw], kv_bias);
-        }
-        let wo = b.add(
-            p("attn.wo"),
-            &[d.heads * d.v_hd(), h],
-            Split::Dim(0),
-            Init::Normal(out_std),
-        );
-        let sinks = opt(b, d.sinks, "attn.sinks", &[d.heads], Split::Dim(0));
-        let shared_by_heads = Split::Parts { dim: 0, parts: 1 };
-        let (q_norm, k_norm) = if d.qk_norm {
+            let w = b.add(p("ln1.weight"), &[h], Split::Replicated, Init::Ones);
+            (w, opt(b, nb, "ln1.bias", &[h], Split::Replicated))
+        };
+        let mamba = match (&d.hybrid, kind) {
+            (Some((_, m)), LayerKind::Mamba) => Some(MambaBlock::build(d, m, b, p)),
+            _ => None,
+        };
+        let (wq, bq, wk, bk, wv, bv, mla, wo, sinks, q_norm, k_norm, bo) = if !attn {
             (
-                Some(b.add(p("attn.q_norm"), &[d.hd], shared_by_heads, Init::Ones)),
-                Some(b.add(p("attn.k_norm"), &[d.hd], shared_by_heads, Init::Ones)),
+                0..0,
+                None,
+                0..0,
+                None,
+                0..0,
+                None,
+                None,
+                0..0,
+                None,
+                None,
+                None,
+                None,
             )
         } else {
-            (None, None)
+            let (wq, bq, wk, bk, wv, bv, mla);
+            if let Some(m) = d.mla {
+                mla = Some(MlaLayout::build(d, m, b, p));
+                (wq, bq, wk, bk, wv, bv) = (0..0, None, 0..0, None, 0..0, None);
+            } else {
+                mla = None;
+                wq = b.add(p("attn.wq"), &[h, qw], Split::Dim(1), w);
+                // Qwen2 biases the query, key and value projections alone.
+                let qkv_bias = d.bias || d.qkv_bias;
+                bq = opt(b, qkv_bias, "attn.bq", &[qw], Split::Dim(0));
+                let kv = d.kv_split(b.tp);
+                let kv_bias = match kv {
+                    Split::Parts { parts, .. } => Split::Parts { dim: 0, parts },
+                    _ => Split::Dim(0),
+                };
+                wk = b.add(p("attn.wk"), &[h, kw], kv, w);
+                bk = opt(b, qkv_bias, "attn.bk", &[kw], kv_bias);
+                wv = b.add(p("attn.wv"), &[h, kw], kv, w);
+                bv = opt(b, qkv_bias, "attn.bv", &[kw], kv_bias);
+            }
+            let wo = b.add(
+                p("attn.wo"),
+                &[d.heads * d.v_hd(), h],
+                Split::Dim(0),
+                Init::Normal(out_std),
+            );
+            let sinks = opt(b, d.sinks, "attn.sinks", &[d.heads], Split::Dim(0));
+            let shared_by_heads = Split::Parts { dim: 0, parts: 1 };
+            let (q_norm, k_norm) = if d.qk_norm {
+                (
+                    Some(b.add(p("attn.q_norm"), &[d.hd], shared_by_heads, Init::Ones)),
+                    Some(b.add(p("attn.k_norm"), &[d.hd], shared_by_heads, Init::Ones)),
+                )
+            } else {
+                (None, None)
+            };
+            let bo = opt(b, d.bias, "attn.bo", &[h], Split::Replicated);
+            (wq, bq, wk, bk, wv, bv, mla, wo, sinks, q_norm, k_norm, bo)
         };
-        let bo = opt(b, d.bias, "attn.bo", &[h], Split::Replicated);
-        let ln2_w = b.add(p("ln2.weight"), &[h], Split::Replicated, Init::Ones);
-        let ln2_b = opt(b, nb, "ln2.bias", &[h], Split::Replicated);
+        let (ln2_w, ln2_b) = if has_mlp {
+            let w = b.add(p("ln2.weight"), &[h], Split::Replicated, Init::Ones);
+            (w, opt(b, nb, "ln2.bias", &[h], Split::Replicated))
+        } else {
+            (0..0, None)
+        };
         let (w_in, b_in, w_up, w_out, b_out);
         let mut moe = None;
         if let Some((experts, top_k)) = experts {
@@ -780,6 +919,8 @@ impl BlockLayout {
             q_norm,
             k_norm,
             mla,
+            mamba,
+            attn,
             moe,
             ffn: dense_f,
             // The model's rule for which layers attend to all keys.
@@ -802,6 +943,11 @@ impl BlockLayout {
     /// Whether the MLP is a mixture of experts.
     pub fn is_moe(&self) -> bool {
         self.moe.is_some()
+    }
+
+    /// Whether the layer has an MLP (a hybrid stack's attention and Mamba layers do not).
+    fn has_mlp(&self) -> bool {
+        self.moe.is_some() || self.has_dense_mlp()
     }
 
     /// Whether the layer has a dense MLP: a dense layer, or an MoE layer's shared experts.
@@ -1043,6 +1189,15 @@ impl Tp<'_> {
         self.group.size()
     }
 
+    /// Rows after [`Tp::gather_rows`] of `rows` rows.
+    fn gathered(&self, rows: usize) -> usize {
+        if self.sp {
+            rows * self.size()
+        } else {
+            rows
+        }
+    }
+
     /// All-gather of row slices (sequence parallel), else identity.
     pub(crate) fn gather_rows(&mut self, x: Vec<f32>) -> Result<Vec<f32>, CommError> {
         if !self.sp || self.size() == 1 {
@@ -1173,7 +1328,7 @@ pub struct BlockCache {
     inner: Option<BlockSaved>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct BlockSaved {
     /// Post-norm: the sums the two norms read (input + attention, then + MLP).
     post: Option<(Vec<f32>, Vec<f32>)>,
@@ -1198,6 +1353,8 @@ struct BlockSaved {
     qk_pre: Option<QkPre>,
     /// Latent attention's latents.
     latent: Option<LatentSaved>,
+    /// A Mamba-2 layer's mixer activations.
+    mamba: Option<MambaSaved>,
     st2: Vec<[f32; 2]>,
     u: Vec<f32>,
     up: Option<Vec<f32>>,
@@ -1223,11 +1380,6 @@ struct LatentSaved {
     q: Option<Normed>,
     kv: Normed,
 }
-
-/// Where a block's backward sends a weight gradient (`g`'s range, input, output gradient,
-/// rows, in, out): accumulated now, or deferred to a zero-bubble W pass.
-type WeightGradFn<'a> =
-    dyn FnMut(&mut [f32], &Range<usize>, &[f32], &[f32], usize, usize, usize) + 'a;
 
 /// Heads of width `from` (rows of heads side by side) cut or zero-padded to width `to`.
 fn head_widths(x: &[f32], from: usize, to: usize) -> std::borrow::Cow<'_, [f32]> {
@@ -1475,111 +1627,153 @@ fn block_fwd_inner(
     let norm = |y: &mut [f32], x: &[f32], w: &Range<usize>, b: &Option<Range<usize>>| {
         norm_fwd(y, x, &p[w.clone()], slice(p, b), d.rms)
     };
-    // Pre-norm: each sublayer reads its input normalised; post-norm (BERT): the sum of a
-    // sublayer's input and output is normalised.
-    let mut n1 = vec![0.0; rows * h];
-    let mut st1 = if d.post_norm {
-        n1.copy_from_slice(x);
-        Vec::new()
-    } else {
-        norm(&mut n1, x, &l.ln1_w, &l.ln1_b)
-    };
-    let n1 = tp.enter_fwd(n1)?;
-    let tt = n1.len() / h;
-    let lin = |x: &[f32], w: &Range<usize>, b: &Option<Range<usize>>, n: usize| {
-        let mut y = vec![0.0; tt * n];
-        mm(&mut y, x, &p[w.clone()], tt, h, n, false);
-        if let Some(b) = slice(p, b) {
-            add_bias(&mut y, b);
-        }
-        y
-    };
-    let pos = pass.positions();
-    let lseq = pos.len();
-    let (q, k, v, qk_pre, latent) = match (d.mla, &l.mla) {
-        (Some(m), Some(ml)) => {
-            let (q, k, v, saved) = mla_fwd(m, ml, p, &n1, h, nh, d.rope_theta as f64, &pos);
-            (q, k, v, None, Some(saved))
-        }
-        _ => {
-            let mut q = lin(&n1, &l.wq, &l.bq, qw);
-            let mut k = lin(&n1, &l.wk, &l.bk, kw);
-            let v = lin(&n1, &l.wv, &l.bv, kw);
-            // Query and key norms: each head's vector RMS-normalised, before the rotary
-            // embedding.
-            let qk_pre = match (&l.q_norm, &l.k_norm) {
-                (Some(qn), Some(kn)) => {
-                    let (q0, k0) = (q.clone(), k.clone());
-                    let sq = norm_fwd(&mut q, &q0, &p[qn.clone()], None, true);
-                    let sk = norm_fwd(&mut k, &k0, &p[kn.clone()], None, true);
-                    Some(QkPre {
-                        q: q0,
-                        k: k0,
-                        sq,
-                        sk,
-                    })
-                }
-                _ => None,
-            };
-            if d.rope {
-                let theta = d.rope_theta as f64;
-                rope(&mut q, nh, hd, theta, |r| pos[r % lseq], false);
-                rope(&mut k, nkv, hd, theta, |r| pos[r % lseq], false);
-            }
-            (q, k, v, qk_pre, None)
-        }
-    };
-    // Under context parallelism the keys and values travel the ring of context-parallel ranks.
-    let (o, probs, lse) = match tp.cp {
-        Some(g) => {
-            let r = ring_shape(&pass, nh, nkv, aw, l.mask(d));
-            let sinks = slice(p, &l.sinks);
-            let (o, lse) = ring_fwd(&mut *tp.comm, g, (&q, &k, &v), sinks, &pass, &r)?;
-            (o, None, Some(lse))
-        }
-        None => {
-            let mut o = vec![0.0; tt * nh * aw];
-            let probs = attention_fwd(
-                &mut o,
-                &q,
-                &k,
-                &v,
-                pass.batch,
-                &pos,
-                pass.seq,
-                nh,
-                nkv,
-                aw,
-                l.mask(d),
-                slice(p, &l.sinks),
-                keep == Keep::All,
-            );
-            (o, probs, None)
-        }
-    };
-    let mut a = vec![0.0; tt * h];
-    let vw = nh * d.v_hd();
-    mm(
-        &mut a,
-        &head_widths(&o, aw, d.v_hd()),
-        &p[l.wo.clone()],
-        tt,
-        vw,
-        h,
-        false,
-    );
-    let mut a = tp.exit_fwd(a)?;
-    if let Some(b) = slice(p, &l.bo) {
-        add_bias(&mut a, b);
+    let tt = tp.gathered(rows);
+    if let Some(mb) = &l.mamba {
+        return mamba_layer_fwd(d, l, mb, p, x, tp, pass, keep);
     }
-    add_into(&mut a, x);
-    let (x2, r1) = if d.post_norm {
-        let mut x2 = vec![0.0; rows * h];
-        st1 = norm(&mut x2, &a, &l.ln1_w, &l.ln1_b);
-        (x2, Some(a))
+    // A hybrid stack's MLP layers have no attention: the MLP reads the layer's input.
+    let (x2, r1, n1, st1, q, k, v, probs, lse, o, qk_pre, latent) = if l.attn {
+        // Pre-norm: each sublayer reads its input normalised; post-norm (BERT): the sum of a
+        // sublayer's input and output is normalised.
+        let mut n1 = vec![0.0; rows * h];
+        let mut st1 = if d.post_norm {
+            n1.copy_from_slice(x);
+            Vec::new()
+        } else {
+            norm(&mut n1, x, &l.ln1_w, &l.ln1_b)
+        };
+        let n1 = tp.enter_fwd(n1)?;
+        let tt = n1.len() / h;
+        let lin = |x: &[f32], w: &Range<usize>, b: &Option<Range<usize>>, n: usize| {
+            let mut y = vec![0.0; tt * n];
+            mm(&mut y, x, &p[w.clone()], tt, h, n, false);
+            if let Some(b) = slice(p, b) {
+                add_bias(&mut y, b);
+            }
+            y
+        };
+        let pos = pass.positions();
+        let lseq = pos.len();
+        let (q, k, v, qk_pre, latent) = match (d.mla, &l.mla) {
+            (Some(m), Some(ml)) => {
+                let (q, k, v, saved) = mla_fwd(m, ml, p, &n1, h, nh, d.rope_theta as f64, &pos);
+                (q, k, v, None, Some(saved))
+            }
+            _ => {
+                let mut q = lin(&n1, &l.wq, &l.bq, qw);
+                let mut k = lin(&n1, &l.wk, &l.bk, kw);
+                let v = lin(&n1, &l.wv, &l.bv, kw);
+                // Query and key norms: each head's vector RMS-normalised, before the rotary
+                // embedding.
+                let qk_pre = match (&l.q_norm, &l.k_norm) {
+                    (Some(qn), Some(kn)) => {
+                        let (q0, k0) = (q.clone(), k.clone());
+                        let sq = norm_fwd(&mut q, &q0, &p[qn.clone()], None, true);
+                        let sk = norm_fwd(&mut k, &k0, &p[kn.clone()], None, true);
+                        Some(QkPre {
+                            q: q0,
+                            k: k0,
+                            sq,
+                            sk,
+                        })
+                    }
+                    _ => None,
+                };
+                if d.rope {
+                    let theta = d.rope_theta as f64;
+                    rope(&mut q, nh, hd, theta, |r| pos[r % lseq], false);
+                    rope(&mut k, nkv, hd, theta, |r| pos[r % lseq], false);
+                }
+                (q, k, v, qk_pre, None)
+            }
+        };
+        // Under context parallelism the keys and values travel the ring of context-parallel ranks.
+        let (o, probs, lse) = match tp.cp {
+            Some(g) => {
+                let r = ring_shape(&pass, nh, nkv, aw, l.mask(d));
+                let sinks = slice(p, &l.sinks);
+                let (o, lse) = ring_fwd(&mut *tp.comm, g, (&q, &k, &v), sinks, &pass, &r)?;
+                (o, None, Some(lse))
+            }
+            None => {
+                let mut o = vec![0.0; tt * nh * aw];
+                let probs = attention_fwd(
+                    &mut o,
+                    &q,
+                    &k,
+                    &v,
+                    pass.batch,
+                    &pos,
+                    pass.seq,
+                    nh,
+                    nkv,
+                    aw,
+                    l.mask(d),
+                    slice(p, &l.sinks),
+                    keep == Keep::All,
+                );
+                (o, probs, None)
+            }
+        };
+        let mut a = vec![0.0; tt * h];
+        let vw = nh * d.v_hd();
+        mm(
+            &mut a,
+            &head_widths(&o, aw, d.v_hd()),
+            &p[l.wo.clone()],
+            tt,
+            vw,
+            h,
+            false,
+        );
+        let mut a = tp.exit_fwd(a)?;
+        if let Some(b) = slice(p, &l.bo) {
+            add_bias(&mut a, b);
+        }
+        add_into(&mut a, x);
+        let (x2, r1) = if d.post_norm {
+            let mut x2 = vec![0.0; rows * h];
+            st1 = norm(&mut x2, &a, &l.ln1_w, &l.ln1_b);
+            (x2, Some(a))
+        } else {
+            (a, None)
+        };
+        (x2, r1, n1, st1, q, k, v, probs, lse, o, qk_pre, latent)
     } else {
-        (a, None)
+        let none = Vec::new;
+        let st: Vec<[f32; 2]> = Vec::new();
+        (
+            x.to_vec(),
+            None,
+            none(),
+            st,
+            none(),
+            none(),
+            none(),
+            None,
+            None,
+            none(),
+            None,
+            None,
+        )
     };
+    // A hybrid stack's attention layers have no MLP.
+    if !l.has_mlp() {
+        let saved = (keep != Keep::Input).then(|| BlockSaved {
+            n1,
+            st1,
+            q,
+            k,
+            v,
+            probs,
+            lse,
+            o,
+            qk_pre,
+            latent,
+            ..BlockSaved::default()
+        });
+        return Ok((x2, saved));
+    }
     let mut n2 = vec![0.0; rows * h];
     let mut st2 = if d.post_norm {
         n2.copy_from_slice(&x2);
@@ -1681,8 +1875,68 @@ fn block_fwd_inner(
         up,
         act: act.filter(|_| keep == Keep::All),
         moe,
+        mamba: None,
     });
     Ok((m, saved))
+}
+
+/// A hybrid stack's Mamba-2 layer: `x + mixer(norm(x))`, the mixer on the gathered rows
+/// (whole sequences) split by heads over the tensor-parallel ranks.
+#[allow(clippy::too_many_arguments)]
+fn mamba_layer_fwd(
+    d: &Dims,
+    l: &BlockLayout,
+    mb: &MambaBlock,
+    p: &[f32],
+    x: &[f32],
+    tp: &mut Tp<'_>,
+    pass: Pass,
+    keep: Keep,
+) -> Result<(Vec<f32>, Option<BlockSaved>), CommError> {
+    let mut n1 = vec![0.0; x.len()];
+    let st1 = norm_fwd(&mut n1, x, &p[l.ln1_w.clone()], slice(p, &l.ln1_b), d.rms);
+    let n1 = tp.enter_fwd(n1)?;
+    let (o, ms) = mamba_fwd(mb.m, &mb.l, p, &n1, d.h, pass.seq);
+    let mut y = tp.exit_fwd(o)?;
+    add_into(&mut y, x);
+    let saved = (keep != Keep::Input).then(|| BlockSaved {
+        n1,
+        st1,
+        mamba: Some(ms),
+        ..BlockSaved::default()
+    });
+    Ok((y, saved))
+}
+
+/// Backward of [`mamba_layer_fwd`] from the output gradient `dy`.
+#[allow(clippy::too_many_arguments)]
+fn mamba_layer_bwd(
+    d: &Dims,
+    l: &BlockLayout,
+    mb: &MambaBlock,
+    (p, g): (&[f32], &mut [f32]),
+    x: &[f32],
+    s: &BlockSaved,
+    dy: Vec<f32>,
+    tp: &mut Tp<'_>,
+    pass: Pass,
+    wgrad: &mut WeightGradFn<'_>,
+) -> Result<Vec<f32>, CommError> {
+    let Some(ms) = &s.mamba else {
+        unreachable!("a Mamba layer saves its mixer")
+    };
+    let dout = tp.exit_bwd(dy.clone())?;
+    let dn1 = mamba_bwd(
+        mb.m,
+        &mb.l,
+        (p, g),
+        &s.n1,
+        ms,
+        &dout,
+        (d.h, pass.seq),
+        wgrad,
+    );
+    finish_attention_bwd(d, l, (p, g), tp, x, &s.st1, dn1, dy)
 }
 
 /// `x` (rows of equal width) with row `i` scaled by `by[i]`.
@@ -1745,115 +1999,128 @@ pub fn block_bwd(
     let (h, hd, aw, vd) = (d.h, d.hd, d.att_hd(), d.v_hd());
     let (nh, nkv, f) = (d.heads / t, d.local_kv_heads(t), l.ffn / t);
     let (qw, kw) = (nh * hd, nkv * hd);
-    let tt = s.n1.len() / h;
+    let tt = tp.gathered(x.len() / h);
+    if let Some(mb) = &l.mamba {
+        return mamba_layer_bwd(d, l, mb, (p, g), &x, &s, dy, tp, pass, &mut wgrad);
+    }
 
-    // MLP.
-    // Through a norm (the layer's first or second): the gradient of its input, fresh or
-    // added to `dx`.
-    let norm_back = |g: &mut [f32], dx: &mut [f32], dy: &[f32], x: &[f32], st, w, b, acc| {
-        let (lo, hi) = split_two(g, w, b);
-        norm_bwd(dx, dy, x, st, &p[w.clone()], lo, hi, d.rms, acc);
-    };
-    // Post-norm: the block's output is the second norm of the MLP's input plus its output.
-    let mut dx2 = match &s.post {
-        Some((_, r2)) => {
-            let mut dr2 = vec![0.0; dy.len()];
-            norm_back(g, &mut dr2, &dy, r2, &s.st2, &l.ln2_w, &l.ln2_b, false);
-            dr2
-        }
-        None => dy,
-    };
-    let routed = if let (Some(ml), Some(ms)) = (&l.moe, s.moe) {
-        let folded = tp.fold;
-        let dm = if folded {
-            dx2.clone()
-        } else {
-            tp.gather_rows(dx2.clone())?
-        };
-        let mut ep = Ep {
-            comm: &mut *tp.comm,
-            group: tp.ep,
-        };
-        let dn2 = moe_bwd(ml, (p, g), (pe, ge), &s.n2, ms, &dm, h, d.ffn, &mut ep)?;
-        // Folded, the input gradient is this rank's rows already; otherwise it is whole on
-        // every rank: no reduction, this rank's rows.
-        Some(if folded { dn2 } else { tp.own_rows(dn2)? })
+    // A hybrid stack's attention layers have no MLP: the gradient passes to the attention.
+    let dx2 = if !l.has_mlp() {
+        dy
     } else {
-        None
-    };
-    // Through the shared experts' gate: their output's gradient is scaled by it, and its
-    // logit's is the row's dot product with their output through the sigmoid.
-    let mut dgate = None;
-    if let (Some(r), Some(gv), Some(out)) = (&l.shared_gate, &s.gate, &s.shared_out) {
-        let rows = gv.len();
-        let dz: Vec<f32> = (0..rows)
-            .map(|i| {
-                let dot: f32 = dx2[i * h..(i + 1) * h]
-                    .iter()
-                    .zip(&out[i * h..(i + 1) * h])
-                    .map(|(a, b)| a * b)
-                    .sum();
-                dot * gv[i] * (1.0 - gv[i])
-            })
-            .collect();
-        // This rank's rows of the MLP's input: gathered unless the mixture is folded.
-        let local = if tp.fold {
-            s.n2.clone()
+        // MLP.
+        // Through a norm (the layer's first or second): the gradient of its input, fresh or
+        // added to `dx`.
+        let norm_back = |g: &mut [f32], dx: &mut [f32], dy: &[f32], x: &[f32], st, w, b, acc| {
+            let (lo, hi) = split_two(g, w, b);
+            norm_bwd(dx, dy, x, st, &p[w.clone()], lo, hi, d.rms, acc);
+        };
+        // Post-norm: the block's output is the second norm of the MLP's input plus its output.
+        let mut dx2 = match &s.post {
+            Some((_, r2)) => {
+                let mut dr2 = vec![0.0; dy.len()];
+                norm_back(g, &mut dr2, &dy, r2, &s.st2, &l.ln2_w, &l.ln2_b, false);
+                dr2
+            }
+            None => dy,
+        };
+        let routed = if let (Some(ml), Some(ms)) = (&l.moe, s.moe) {
+            let folded = tp.fold;
+            let dm = if folded {
+                dx2.clone()
+            } else {
+                tp.gather_rows(dx2.clone())?
+            };
+            let mut ep = Ep {
+                comm: &mut *tp.comm,
+                group: tp.ep,
+            };
+            let dn2 = moe_bwd(ml, (p, g), (pe, ge), &s.n2, ms, &dm, h, d.ffn, &mut ep)?;
+            // Folded, the input gradient is this rank's rows already; otherwise it is whole on
+            // every rank: no reduction, this rank's rows.
+            Some(if folded { dn2 } else { tp.own_rows(dn2)? })
         } else {
-            tp.own_rows(s.n2.clone())?
+            None
         };
-        wgrad(g, r, &local, &dz, rows, h, 1);
-        let mut dn = vec![0.0; rows * h];
-        mm_nt(&mut dn, &dz, &p[r.clone()], rows, h, 1, false);
-        dgate = Some(dn);
-    }
-    let dense = if l.has_dense_mlp() {
-        let n2 = s.shared_n2.as_ref().unwrap_or(&s.n2);
-        let dx2 = match &s.gate {
-            Some(gv) => scale_rows(dx2.clone(), gv),
-            None => dx2.clone(),
+        // Through the shared experts' gate: their output's gradient is scaled by it, and its
+        // logit's is the row's dot product with their output through the sigmoid.
+        let mut dgate = None;
+        if let (Some(r), Some(gv), Some(out)) = (&l.shared_gate, &s.gate, &s.shared_out) {
+            let rows = gv.len();
+            let dz: Vec<f32> = (0..rows)
+                .map(|i| {
+                    let dot: f32 = dx2[i * h..(i + 1) * h]
+                        .iter()
+                        .zip(&out[i * h..(i + 1) * h])
+                        .map(|(a, b)| a * b)
+                        .sum();
+                    dot * gv[i] * (1.0 - gv[i])
+                })
+                .collect();
+            // This rank's rows of the MLP's input: gathered unless the mixture is folded.
+            let local = if tp.fold {
+                s.n2.clone()
+            } else {
+                tp.own_rows(s.n2.clone())?
+            };
+            wgrad(g, r, &local, &dz, rows, h, 1);
+            let mut dn = vec![0.0; rows * h];
+            mm_nt(&mut dn, &dz, &p[r.clone()], rows, h, 1, false);
+            dgate = Some(dn);
+        }
+        let dense = if l.has_dense_mlp() {
+            let n2 = s.shared_n2.as_ref().unwrap_or(&s.n2);
+            let dx2 = match &s.gate {
+                Some(gv) => scale_rows(dx2.clone(), gv),
+                None => dx2.clone(),
+            };
+            if let Some(r) = &l.b_out {
+                bias_grad(&mut g[r.clone()], &dx2);
+            }
+            let dm = tp.exit_bwd(dx2.clone())?;
+            let act = match s.act {
+                Some(a) => a,
+                None => d.act().fwd(&s.u, s.up.as_deref()),
+            };
+            wgrad(g, &l.w_out, &act, &dm, tt, f, h);
+            drop(act);
+            let mut dact = vec![0.0; tt * f];
+            mm_nt(&mut dact, &dm, &p[l.w_out.clone()], tt, f, h, false);
+            let mut dn2 = vec![0.0; tt * h];
+            let dup = d.act().bwd(&mut dact, &s.u, s.up.as_deref());
+            if let (Some(dup), Some(w_up)) = (dup, &l.w_up) {
+                wgrad(g, w_up, n2, &dup, tt, h, f);
+                mm_nt(&mut dn2, &dup, &p[w_up.clone()], tt, h, f, false);
+            }
+            let du = dact;
+            if let Some(r) = &l.b_in {
+                bias_grad(&mut g[r.clone()], &du);
+            }
+            wgrad(g, &l.w_in, n2, &du, tt, h, f);
+            mm_nt(&mut dn2, &du, &p[l.w_in.clone()], tt, h, f, true);
+            Some(tp.enter_bwd(dn2)?)
+        } else {
+            None
         };
-        if let Some(r) = &l.b_out {
-            bias_grad(&mut g[r.clone()], &dx2);
+        let mut dn2 = sum_parts(routed, dense);
+        if let Some(d) = dgate {
+            add_into(&mut dn2, &d);
         }
-        let dm = tp.exit_bwd(dx2.clone())?;
-        let act = match s.act {
-            Some(a) => a,
-            None => d.act().fwd(&s.u, s.up.as_deref()),
-        };
-        wgrad(g, &l.w_out, &act, &dm, tt, f, h);
-        drop(act);
-        let mut dact = vec![0.0; tt * f];
-        mm_nt(&mut dact, &dm, &p[l.w_out.clone()], tt, f, h, false);
-        let mut dn2 = vec![0.0; tt * h];
-        let dup = d.act().bwd(&mut dact, &s.u, s.up.as_deref());
-        if let (Some(dup), Some(w_up)) = (dup, &l.w_up) {
-            wgrad(g, w_up, n2, &dup, tt, h, f);
-            mm_nt(&mut dn2, &dup, &p[w_up.clone()], tt, h, f, false);
+        match &s.post {
+            // The MLP read the first norm's output, which the attention's sum went into.
+            Some((r1, _)) => {
+                add_into(&mut dx2, &dn2);
+                let dx1 = std::mem::take(&mut dx2);
+                dx2 = vec![0.0; dx1.len()];
+                norm_back(g, &mut dx2, &dx1, r1, &s.st1, &l.ln1_w, &l.ln1_b, false);
+            }
+            None => norm_back(g, &mut dx2, &dn2, &s.x2, &s.st2, &l.ln2_w, &l.ln2_b, true),
         }
-        let du = dact;
-        if let Some(r) = &l.b_in {
-            bias_grad(&mut g[r.clone()], &du);
-        }
-        wgrad(g, &l.w_in, n2, &du, tt, h, f);
-        mm_nt(&mut dn2, &du, &p[l.w_in.clone()], tt, h, f, true);
-        Some(tp.enter_bwd(dn2)?)
-    } else {
-        None
+        dx2
     };
-    let mut dn2 = sum_parts(routed, dense);
-    if let Some(d) = dgate {
-        add_into(&mut dn2, &d);
-    }
-    match &s.post {
-        // The MLP read the first norm's output, which the attention's sum went into.
-        Some((r1, _)) => {
-            add_into(&mut dx2, &dn2);
-            let dx1 = std::mem::take(&mut dx2);
-            dx2 = vec![0.0; dx1.len()];
-            norm_back(g, &mut dx2, &dx1, r1, &s.st1, &l.ln1_w, &l.ln1_b, false);
-        }
-        None => norm_back(g, &mut dx2, &dn2, &s.x2, &s.st2, &l.ln2_w, &l.ln2_b, true),
+    // A hybrid stack's MLP layers have no attention: the MLP read the layer's input.
+    if !l.attn {
+        return Ok(dx2);
     }
 
     // Attention.
@@ -3030,10 +3297,18 @@ mod tests {
             .contains("no rotary part"));
         // Multi-token prediction is run: one module after the last block.
         assert_eq!(Dims::from_config(&mtp).unwrap().mtp, 1);
-        let e = Dims::from_config(&hybrid).unwrap_err();
-        assert!(
-            e.contains("hybrid Mamba-2") && e.contains("planned, not run"),
-            "{e}"
+        // Nemotron-H's hybrid stack is run: each layer its kind.
+        let dh = Dims::from_config(&hybrid).unwrap();
+        assert_eq!(
+            (dh.kind_at(0), dh.kind_at(1), dh.kind_at(5)),
+            (LayerKind::Mamba, LayerKind::Moe, LayerKind::Attention)
         );
+        // An encoder other than BERT is not: refused by name.
+        let encoder = TransformerConfig {
+            causal: false,
+            ..tiny.clone()
+        };
+        let e = Dims::from_config(&encoder).unwrap_err();
+        assert!(e.contains("encoders other than BERT"), "{e}");
     }
 }

@@ -140,6 +140,33 @@ fn bert_text() -> crate::DataSource {
     crate::DataSource::Bytes(Arc::new(text.into_bytes()))
 }
 
+/// Nemotron-H, small: a hybrid stack of Mamba-2 mixers (4 heads of 8 in 2 groups, state 4,
+/// chunks of 8), attention without position embedding, an MoE layer (sigmoid router, 4
+/// squared-ReLU experts, top-2, a shared expert) and a dense squared-ReLU MLP layer.
+fn nemotron_h(pattern: &str) -> TransformerConfig {
+    TransformerConfig {
+        mlp: parallax_ir::models::Mlp::SquaredRelu,
+        position: parallax_ir::models::Position::None,
+        moe: Some(parallax_ir::models::MoeConfig {
+            router: parallax_ir::models::Router::Sigmoid,
+            shared_ffn_hidden: 48,
+            ..parallax_ir::models::MoeConfig::routed(4, 2)
+        }),
+        hybrid: Some(parallax_ir::models::HybridConfig {
+            pattern: pattern.into(),
+            mamba: parallax_ir::models::MambaConfig {
+                heads: 4,
+                head_dim: 8,
+                state: 4,
+                groups: 2,
+                conv_kernel: 4,
+                chunk: 8,
+            },
+        }),
+        ..llama(pattern.len() as u32)
+    }
+}
+
 /// Nemotron-4's layout, small: Llama layers with LayerNorm and an ungated squared-ReLU MLP.
 fn nemotron(layers: u32) -> TransformerConfig {
     TransformerConfig {
@@ -395,6 +422,13 @@ equivalence! {
     bert_cp2_dp2_selective: bert(2), Layout { cp: 2, dp: 2, recompute: Recompute::Selective, ..Layout::default() };
     bert_pp2_zb_h1_tp2_sp: bert(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::ZeroBubbleH1) };
     bert_pp2_interleaved_cp2: bert(4), Layout { cp: 2, interleave: 2, ..pp(2, Schedule::Interleaved1F1B) };
+    // Hybrid stacks: Mamba-2 mixers split by heads and groups under tp, beside attention,
+    // MoE and MLP layers.
+    nemotron_h_dp2: nemotron_h("ME*M-"), Layout { dp: 2, ..Layout::default() };
+    nemotron_h_tp2_sp_ep2_etp1: nemotron_h("ME*M-"), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), ..Layout::default() };
+    nemotron_h_tp2_pp2_zb_h1: nemotron_h("M*EM"), Layout { tp: 2, ..pp(2, Schedule::ZeroBubbleH1) };
+    nemotron_h_dp2_zero3_full_recompute: nemotron_h("ME*M-"), Layout { dp: 2, zero_stage: 3, recompute: Recompute::Full, ..Layout::default() };
+    nemotron_h_dp2_pp2_selective: nemotron_h("M-*E"), Layout { dp: 2, recompute: Recompute::Selective, ..pp(2, Schedule::OneFOneB) };
     // Ungated MLPs: squared ReLU (Nemotron), dense and as experts, and ReLU (OPT).
     nemotron_tp2_sp_pp2: nemotron(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
     nemotron_relu2_experts_dp2_ep2_zero1: TransformerConfig { moe: Some(parallax_ir::models::MoeConfig::routed(4, 2)), ..nemotron(2) }, Layout { dp: 2, ep: 2, zero_stage: 1, ..Layout::default() };
@@ -462,6 +496,39 @@ fn multi_token_prediction_trains_the_model_and_reports_the_main_loss() {
     ] {
         assert_ne!(a[name].m, b[name].m, "{name}");
     }
+}
+
+#[test]
+fn hybrid_stacks_train_each_layer_as_its_kind() {
+    let c = nemotron_h("ME*M-");
+    let r = reference(&c);
+    let t = &r.1.tensors;
+    // Mamba layers: the mixer and its norm only; attention, MoE and MLP layers their part.
+    assert_eq!(t["layers.0.mamba.w_x"].shape, [32, 32]);
+    assert_eq!(t["layers.0.mamba.conv_b.weight"].shape, [8, 4]);
+    assert!(!t.contains_key("layers.0.attn.wq") && !t.contains_key("layers.0.ln2.weight"));
+    assert!(t.contains_key("layers.1.mlp.router") && !t.contains_key("layers.1.ln1.weight"));
+    assert!(t.contains_key("layers.2.attn.wq") && !t.contains_key("layers.2.mlp.w1"));
+    assert!(t.contains_key("layers.4.mlp.w1") && !t.contains_key("layers.4.attn.wq"));
+    // Exactly the model the planner prices.
+    let counted: usize = t.values().map(|x| x.shape.iter().product::<usize>()).sum();
+    let opts = parallax_ir::models::BuildOptions {
+        batch: 1,
+        seq: 16,
+        fused_attention: true,
+    };
+    assert_eq!(counted as u64, c.build("h", opts).unwrap().param_count());
+    // Context parallelism would pass the scan's state between ranks: refused by name.
+    let e = run_threads(&spec(
+        c,
+        Layout {
+            cp: 2,
+            ..Layout::default()
+        },
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("Mamba-2"), "{e}");
 }
 
 #[test]
@@ -707,8 +774,11 @@ fn unsupported_inputs_are_errors_not_panics() {
         }
     )
     .contains("multiple"));
-    let hybrid = parallax_ir::models::zoo::transformer("nemotron-h").unwrap();
-    assert!(bad(hybrid, Layout::default()).contains("hybrid Mamba-2"));
+    let encoder = TransformerConfig {
+        causal: false,
+        ..gpt(2)
+    };
+    assert!(bad(encoder, Layout::default()).contains("encoders other than BERT"));
     // Experts folded over tensor-parallel ranks route each rank's own rows: sequence
     // parallelism must split them.
     let folded = Layout {

@@ -196,6 +196,33 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
             Layout { cp: 2, ..d() },
         ),
         (
+            // Nemotron-H's hybrid stack: Mamba-2 mixers split by heads and groups, an
+            // attention, an MoE and an MLP layer.
+            "nemotron_h_tp2_sp",
+            TransformerConfig {
+                mlp: parallax_ir::models::Mlp::SquaredRelu,
+                position: parallax_ir::models::Position::None,
+                moe: Some(parallax_ir::models::MoeConfig::routed(4, 2)),
+                hybrid: Some(parallax_ir::models::HybridConfig {
+                    pattern: "ME*M-".into(),
+                    mamba: parallax_ir::models::MambaConfig {
+                        heads: 4,
+                        head_dim: 8,
+                        state: 4,
+                        groups: 2,
+                        conv_kernel: 4,
+                        chunk: 8,
+                    },
+                }),
+                ..llama(5)
+            },
+            Layout {
+                tp: 2,
+                sequence_parallel: true,
+                ..d()
+            },
+        ),
+        (
             "qwen3_tp2_sp_qk_norm",
             TransformerConfig {
                 qk_norm: true,
