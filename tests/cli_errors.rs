@@ -595,9 +595,23 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             &tiny(&["--data", &empty]),
             &["--data", "empty.json", "0 bytes"],
         ),
+        // What neither the planner nor the executor runs: context parallelism over Mamba.
         case(
-            &run_args("bert-large", 1, "1", &[]),
-            &["--model bert-large", "executor"],
+            &[
+                "run",
+                "--model",
+                "nemotron-h",
+                "--plan",
+                "cp=2",
+                "--global-batch",
+                "2",
+                "--seq",
+                "16",
+                "--steps",
+                "1",
+            ]
+            .map(String::from),
+            &["context parallelism", "Mamba-2"],
         ),
         case(&tiny(&["--cluster", "dgx-z900:gpus=8"]), &["dgx-z900"]),
         case(
