@@ -1220,6 +1220,124 @@ impl Engine<'_> {
             .collect()
     }
 
+    /// A head's forward on this rank's rows `x`: its own tensors (a final norm, BERT's heads)
+    /// in unit `own` laid out as `hl`, the LM head's weight the model's (the untied head's or
+    /// the table), against the micro-batch's `targets` (a vocabulary-parallel head computes
+    /// every row's loss on every rank of the group; otherwise the local rows', each rank its
+    /// own under sequence parallelism). Gathers what it reads; the caller releases it.
+    fn head_forward(
+        &mut self,
+        ch: &ChunkPlan,
+        (own, hl): (usize, &HeadLayout),
+        x: Vec<f32>,
+        targets: &[u32],
+        scale: f32,
+        nsp: Option<&Nsp>,
+    ) -> Result<(f64, f64, HeadCache), ExecError> {
+        let prep = self.prep;
+        let d = &prep.dims;
+        let (vp, window) = self.vocab_window();
+        let rows = self.local_rows();
+        let Some((hu, main)) = &ch.head else {
+            unreachable!("heads run on the last chunk")
+        };
+        for u in [Some(own), Some(*hu), ch.head_w].into_iter().flatten() {
+            self.gather(u)?;
+        }
+        let w_out = match (head_own_weight(main, &self.units[*hu].params), ch.head_w) {
+            (Some(w), _) => w,
+            (None, Some(wu)) => &self.units[wu].params[..window.len() * d.h],
+            (None, None) => unreachable!("a tied head has a weight unit"),
+        };
+        let mut tp = tp_ctx(
+            &mut *self.comm,
+            (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+            prep,
+        );
+        let (targets, vp_head) = if vp {
+            let vp_head = VocabParallel {
+                tp: &mut tp,
+                vocab: window.clone(),
+            };
+            (targets, Some(vp_head))
+        } else {
+            (&targets[rows], None)
+        };
+        let p = &self.units[own].params;
+        Ok(head_fwd(d, hl, p, w_out, x, targets, scale, nsp, vp_head)?)
+    }
+
+    /// One block's forward on this rank's rows `x` (its units gathered under ZeRO-3; the
+    /// caller releases them).
+    fn block_forward(
+        &mut self,
+        (u, eu): (usize, Option<usize>),
+        lay: &BlockLayout,
+        x: Vec<f32>,
+    ) -> Result<(Vec<f32>, BlockCache), ExecError> {
+        let prep = self.prep;
+        let pass = self.pass();
+        self.gather(u)?;
+        if let Some(eu) = eu {
+            self.gather(eu)?;
+        }
+        let mut tp = tp_ctx(
+            &mut *self.comm,
+            (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+            prep,
+        );
+        let pe: &[f32] = eu.map_or(&[], |eu| &self.units[eu].params);
+        let p = &self.units[u].params;
+        Ok(block_fwd(
+            &prep.dims, lay, p, pe, x, &mut tp, pass, prep.keep,
+        )?)
+    }
+
+    /// One block's backward from the gradient `dy` of its output (its units gathered; the
+    /// caller releases them); with `split` (a zero-bubble `B`) its weight gradients are left
+    /// for the `W` pass of micro-batch `mb` on chunk `c`.
+    fn block_backward(
+        &mut self,
+        (u, eu): (usize, Option<usize>),
+        lay: &BlockLayout,
+        cache: BlockCache,
+        dy: Vec<f32>,
+        (mb, c, split): (usize, usize, bool),
+    ) -> Result<Vec<f32>, ExecError> {
+        let prep = self.prep;
+        let pass = self.pass();
+        self.gather(u)?;
+        if let Some(eu) = eu {
+            self.gather(eu)?;
+        }
+        let mut none = Unit::empty();
+        let (unit, experts) = match eu {
+            Some(eu) => two_mut(&mut self.units, u, eu),
+            None => (&mut self.units[u], &mut none),
+        };
+        let mut tp = tp_ctx(
+            &mut *self.comm,
+            (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+            prep,
+        );
+        let mut later = Vec::new();
+        let dx = block_bwd(
+            &prep.dims,
+            lay,
+            (&unit.params, &mut unit.grads),
+            (&experts.params, &mut experts.grads),
+            cache,
+            dy,
+            &mut tp,
+            pass,
+            split.then_some(&mut later),
+        )?;
+        if split {
+            self.deferred.entry((mb, c)).or_default().push((u, later));
+        }
+        Ok(dx)
+    }
+
     /// Forward of the multi-token prediction modules on the last chunk from the main model's
     /// last hidden rows `hid`, with each module's tokens and targets (this rank's part).
     fn mtp_forward(
@@ -1230,9 +1348,7 @@ impl Engine<'_> {
     ) -> Result<Vec<MtpCache>, ExecError> {
         let prep = self.prep;
         let d = &prep.dims;
-        let (pass, rows) = (self.pass(), self.local_rows());
-        let (vp, window) = self.vocab_window();
-        let (Some((hu, hl)), Some(emb)) = (&ch.head, ch.mtp_wte) else {
+        let (Some((hu, _)), Some(emb)) = (&ch.head, ch.mtp_wte) else {
             unreachable!("modules are planned on the last chunk, with a table")
         };
         let scale =
@@ -1243,53 +1359,10 @@ impl Engine<'_> {
             let e = self.lookup(emb, &tokens)?;
             self.release(emb);
             self.gather(*u)?;
-            if let Some(eu) = eu {
-                self.gather(*eu)?;
-            }
             let (x, input) = mtp_input_fwd(d, lay, &self.units[*u].params, e, hid);
-            let mut tp = tp_ctx(
-                &mut *self.comm,
-                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                prep,
-            );
-            let pe: &[f32] = eu.map_or(&[], |eu| &self.units[eu].params);
-            let p = &self.units[*u].params;
-            let (y, block) = block_fwd(d, &lay.block, p, pe, x, &mut tp, pass, prep.keep)?;
-            self.gather(*hu)?;
-            if let Some(w) = ch.head_w {
-                self.gather(w)?;
-            }
-            let w_out = match (head_own_weight(hl, &self.units[*hu].params), ch.head_w) {
-                (Some(w), _) => w,
-                (None, Some(wu)) => &self.units[wu].params[..window.len() * d.h],
-                (None, None) => unreachable!("a tied head has a weight unit"),
-            };
-            let mut tp = tp_ctx(
-                &mut *self.comm,
-                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                prep,
-            );
-            let (targets, vp_head) = if vp {
-                let vp_head = VocabParallel {
-                    tp: &mut tp,
-                    vocab: window.clone(),
-                };
-                (&targets[..], Some(vp_head))
-            } else {
-                (&targets[rows.clone()], None)
-            };
-            let p = &self.units[*u].params;
-            let (_, _, head) = head_fwd(
-                d,
-                &lay.head,
-                p,
-                w_out,
-                y.clone(),
-                targets,
-                scale,
-                None,
-                vp_head,
-            )?;
+            let (y, block) = self.block_forward((*u, *eu), &lay.block, x)?;
+            let head_in = (*u, &lay.head);
+            let (_, _, head) = self.head_forward(ch, head_in, y.clone(), &targets, scale, None)?;
             for unit in [Some(*u), *eu, Some(*hu), ch.head_w].into_iter().flatten() {
                 self.release(unit);
             }
@@ -1314,7 +1387,6 @@ impl Engine<'_> {
     ) -> Result<Option<Vec<f32>>, ExecError> {
         let prep = self.prep;
         let d = &prep.dims;
-        let pass = self.pass();
         let (vp, window) = self.vocab_window();
         let (Some((hu, hl)), Some(emb)) = (&ch.head, ch.mtp_wte) else {
             return Ok(None);
@@ -1353,34 +1425,7 @@ impl Engine<'_> {
             if let Some(dn) = dnext {
                 add_into(&mut dy, &dn);
             }
-            if let Some(eu) = eu {
-                self.gather(*eu)?;
-            }
-            let mut none = Unit::empty();
-            let (unit, experts) = match eu {
-                Some(eu) => two_mut(&mut self.units, *u, *eu),
-                None => (&mut self.units[*u], &mut none),
-            };
-            let mut tp = tp_ctx(
-                &mut *self.comm,
-                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                prep,
-            );
-            let mut later = Vec::new();
-            let dx = block_bwd(
-                d,
-                &lay.block,
-                (&unit.params, &mut unit.grads),
-                (&experts.params, &mut experts.grads),
-                mc.block,
-                dy,
-                &mut tp,
-                pass,
-                split.then_some(&mut later),
-            )?;
-            if split {
-                self.deferred.entry((mb, c)).or_default().push((*u, later));
-            }
+            let dx = self.block_backward((*u, *eu), &lay.block, mc.block, dy, (mb, c, split))?;
             let unit = &mut self.units[*u];
             let (de, dhid) = mtp_input_bwd(d, lay, (&unit.params, &mut unit.grads), mc.input, &dx);
             self.lookup_bwd(emb, &mc.tokens, de)?;
@@ -1449,7 +1494,7 @@ impl Engine<'_> {
         } else {
             (Vec::new(), Vec::new(), Vec::new())
         };
-        let (vp, window) = self.vocab_window();
+        let (vp, _) = self.vocab_window();
         let mut embed_norm = None;
         let mut x = if let Some(wu) = ch.wte {
             self.gather(wu)?;
@@ -1485,26 +1530,7 @@ impl Engine<'_> {
         };
         let mut caches = Vec::with_capacity(ch.blocks.len());
         for (u, eu, lay) in &ch.blocks {
-            self.gather(*u)?;
-            if let Some(eu) = eu {
-                self.gather(*eu)?;
-            }
-            let mut tp = tp_ctx(
-                &mut *self.comm,
-                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                prep,
-            );
-            let pe: &[f32] = eu.map_or(&[], |eu| &self.units[eu].params);
-            let (y, cache) = block_fwd(
-                d,
-                lay,
-                &self.units[*u].params,
-                pe,
-                x,
-                &mut tp,
-                pass,
-                prep.keep,
-            )?;
+            let (y, cache) = self.block_forward((*u, *eu), lay, x)?;
             self.release(*u);
             if let Some(eu) = eu {
                 self.release(*eu);
@@ -1514,16 +1540,6 @@ impl Engine<'_> {
         }
         let mut mtp = Vec::new();
         let head = if let Some((hu, hl)) = &ch.head {
-            self.gather(*hu)?;
-            if let Some(w) = ch.head_w {
-                self.gather(w)?;
-            }
-            let p = &self.units[*hu].params;
-            let w_out = match (head_own_weight(hl, p), ch.head_w) {
-                (Some(w), _) => w,
-                (None, Some(wu)) => &self.units[wu].params[..window.len() * d.h],
-                (None, None) => unreachable!("a tied head has a weight unit"),
-            };
             // BERT's masked-LM loss is the mean over the batch's masked positions, its
             // next-sentence loss the mean over its sequences; a decoder's, over every token.
             let gb = self.spec.global_batch;
@@ -1537,25 +1553,9 @@ impl Engine<'_> {
                 rows: self.first_token_rows(&nsp_labels),
                 scale: 1.0 / gb as f32,
             });
-            let mut tp = tp_ctx(
-                &mut *self.comm,
-                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                prep,
-            );
-            // A vocabulary-parallel head computes every row's loss on every rank of the
-            // group; otherwise the local rows' (each rank its own under sequence parallelism).
-            let (targets, vp_head) = if vp {
-                let vp_head = VocabParallel {
-                    tp: &mut tp,
-                    vocab: window.clone(),
-                };
-                (&targets[..], Some(vp_head))
-            } else {
-                (&targets[rows.clone()], None)
-            };
             let hid = (!ch.mtp.is_empty()).then(|| x.clone());
             let (loss, nsp_loss, hc) =
-                head_fwd(d, hl, p, w_out, x, targets, scale, nsp.as_ref(), vp_head)?;
+                self.head_forward(ch, (*hu, hl), x, &targets, scale, nsp.as_ref())?;
             if (prep.sp && !vp) || self.coords.2 == 0 {
                 self.loss_part += loss * f64::from(scale);
             }
@@ -1670,36 +1670,7 @@ impl Engine<'_> {
             }
         };
         for ((u, eu, lay), bc) in ch.blocks.iter().zip(cache.blocks).rev() {
-            self.gather(*u)?;
-            if let Some(eu) = eu {
-                self.gather(*eu)?;
-            }
-            let mut none = Unit::empty();
-            let (unit, experts) = match eu {
-                Some(eu) => two_mut(&mut self.units, *u, *eu),
-                None => (&mut self.units[*u], &mut none),
-            };
-            let mut tp = tp_ctx(
-                &mut *self.comm,
-                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                prep,
-            );
-            let mut later = Vec::new();
-            let defer = split.then_some(&mut later);
-            dx = block_bwd(
-                d,
-                lay,
-                (&unit.params, &mut unit.grads),
-                (&experts.params, &mut experts.grads),
-                bc,
-                dx,
-                &mut tp,
-                pass,
-                defer,
-            )?;
-            if split {
-                self.deferred.entry((mb, c)).or_default().push((*u, later));
-            }
+            dx = self.block_backward((*u, *eu), lay, bc, dx, (mb, c, split))?;
             self.release(*u);
             if let Some(eu) = eu {
                 self.release(*eu);
