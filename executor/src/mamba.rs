@@ -93,12 +93,7 @@ fn softplus(x: f32) -> f32 {
 /// output at step `t` reads steps `t − k + 1 ..= t` of its own sequence.
 fn conv_fwd(x: &[f32], w: &[f32], b: &[f32], seq: usize, ch: usize, k: usize) -> Vec<f32> {
     let mut y = vec![0.0; x.len()];
-    for (s, (ys, xs)) in y
-        .chunks_exact_mut(seq * ch)
-        .zip(x.chunks_exact(seq * ch))
-        .enumerate()
-    {
-        let _ = s;
+    for (ys, xs) in y.chunks_exact_mut(seq * ch).zip(x.chunks_exact(seq * ch)) {
         for t in 0..seq {
             for c in 0..ch {
                 let mut v = b[c];
@@ -204,23 +199,20 @@ pub fn mamba_fwd(
     let z = proj(&l.w_z, inner);
     let raw = [proj(&l.w_x, inner), proj(&l.w_b, bc), proj(&l.w_c, bc)];
     let widths = [inner, bc, bc];
-    let pre: Vec<Vec<f32>> = (0..3)
-        .map(|i| {
-            let (w, b) = &l.conv[i];
-            conv_fwd(
-                &raw[i],
-                &p[w.clone()],
-                &p[b.clone()],
-                seq,
-                widths[i],
-                m.kernel,
-            )
-        })
-        .collect();
-    let act: Vec<Vec<f32>> = pre
-        .iter()
-        .map(|v| v.iter().map(|x| silu(*x)).collect())
-        .collect();
+    let pre: [Vec<f32>; 3] = std::array::from_fn(|i| {
+        let (w, b) = &l.conv[i];
+        conv_fwd(
+            &raw[i],
+            &p[w.clone()],
+            &p[b.clone()],
+            seq,
+            widths[i],
+            m.kernel,
+        )
+    });
+    let act = pre
+        .clone()
+        .map(|v| v.into_iter().map(silu).collect::<Vec<f32>>());
     let mut dt_pre = proj(&l.w_dt, heads);
     let dtb = &p[l.dt_bias.clone()];
     for row in dt_pre.chunks_exact_mut(heads) {
@@ -275,18 +267,11 @@ pub fn mamba_fwd(
     }
     let mut out = vec![0.0; tt * h];
     mm(&mut out, &normed, &p[l.out.clone()], tt, inner, h, false);
-    let [rx, rb, rc] = raw;
-    let mut pre = pre.into_iter();
-    let pre = [
-        pre.next().unwrap_or_default(),
-        pre.next().unwrap_or_default(),
-        pre.next().unwrap_or_default(),
-    ];
     (
         out,
         MambaSaved {
             z,
-            raw: [rx, rb, rc],
+            raw,
             pre,
             dt_pre,
             dt,
@@ -351,11 +336,10 @@ pub fn mamba_bwd(
         dz[i] = dgated[i] * s.y[i] * silu_grad(s.z[i]);
     }
     // The scan, backward, recomputing each chunk's states from the one kept at its start.
-    let act: Vec<Vec<f32>> = s
+    let act = s
         .pre
-        .iter()
-        .map(|v| v.iter().map(|x| silu(*x)).collect())
-        .collect();
+        .clone()
+        .map(|v| v.into_iter().map(silu).collect::<Vec<f32>>());
     let scan = Scan {
         m,
         seq,
