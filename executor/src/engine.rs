@@ -1267,6 +1267,52 @@ impl Engine<'_> {
         Ok(head_fwd(d, hl, p, w_out, x, targets, scale, nsp, vp_head)?)
     }
 
+    /// Backward of [`Engine::head_forward`]: the gradients of the head's own tensors (unit
+    /// `own`, laid out as `hl`) and of the LM head's weight (the untied head's, in its unit
+    /// beside its norm, or the table's), and of the head's input rows. Gathers what it reads;
+    /// the caller releases it.
+    fn head_backward(
+        &mut self,
+        ch: &ChunkPlan,
+        (own, hl): (usize, &HeadLayout),
+        cache: HeadCache,
+    ) -> Result<Vec<f32>, ExecError> {
+        let prep = self.prep;
+        let d = &prep.dims;
+        let (vp, window) = self.vocab_window();
+        let Some((hu, main)) = &ch.head else {
+            unreachable!("heads run on the last chunk")
+        };
+        let (wu, wr) = match (head_weight_range(main), ch.head_w) {
+            (Some(r), _) => (*hu, r),
+            (None, Some(w)) => (w, 0..window.len() * d.h),
+            (None, None) => unreachable!("a tied head has a weight unit"),
+        };
+        self.gather(own)?;
+        self.gather(wu)?;
+        let mut tp = tp_ctx(
+            &mut *self.comm,
+            (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
+            prep,
+        );
+        let vp_head = vp.then_some(VocabParallel {
+            tp: &mut tp,
+            vocab: window,
+        });
+        let dx = if wu == own {
+            // The untied main head: its weight beside its norm in one unit, read from `params`
+            // while `grads` is written (no copy of the vocab × hidden weight).
+            let h = &mut self.units[own];
+            let w = head_own_weight(hl, &h.params).unwrap_or_default();
+            head_bwd(d, hl, &h.params, &mut h.grads, w, None, cache, vp_head)?
+        } else {
+            let (m, w) = two_mut(&mut self.units, own, wu);
+            let (wp, wg) = (&w.params[wr.clone()], &mut w.grads[wr]);
+            head_bwd(d, hl, &m.params, &mut m.grads, wp, Some(wg), cache, vp_head)?
+        };
+        Ok(dx)
+    }
+
     /// One block's forward on this rank's rows `x` (its units gathered under ZeRO-3; the
     /// caller releases them).
     fn block_forward(
@@ -1387,41 +1433,15 @@ impl Engine<'_> {
     ) -> Result<Option<Vec<f32>>, ExecError> {
         let prep = self.prep;
         let d = &prep.dims;
-        let (vp, window) = self.vocab_window();
-        let (Some((hu, hl)), Some(emb)) = (&ch.head, ch.mtp_wte) else {
+        let (Some((hu, _)), Some(emb)) = (&ch.head, ch.mtp_wte) else {
             return Ok(None);
-        };
-        // The LM head's weight: the untied head's, or the table the tied head reads.
-        let (wu, wr) = match (head_weight_range(hl), ch.head_w) {
-            (Some(r), _) => (*hu, r),
-            (None, Some(w)) => (w, 0..window.len() * d.h),
-            (None, None) => unreachable!("a tied head has a weight unit"),
         };
         let mut dnext: Option<Vec<f32>> = None;
         for ((u, eu, lay), mc) in ch.mtp.iter().zip(caches).rev() {
-            self.gather(*u)?;
-            self.gather(wu)?;
-            let mut tp = tp_ctx(
-                &mut *self.comm,
-                (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                prep,
-            );
-            let vp_head = vp.then(|| VocabParallel {
-                tp: &mut tp,
-                vocab: window.clone(),
-            });
-            let (m, w) = two_mut(&mut self.units, *u, wu);
-            let mut dy = head_bwd(
-                d,
-                &lay.head,
-                &m.params,
-                &mut m.grads,
-                &w.params[wr.clone()],
-                Some(&mut w.grads[wr.clone()]),
-                mc.head,
-                vp_head,
-            )?;
-            self.release(wu);
+            let mut dy = self.head_backward(ch, (*u, &lay.head), mc.head)?;
+            for w in [Some(*hu), ch.head_w].into_iter().flatten() {
+                self.release(w);
+            }
             if let Some(dn) = dnext {
                 add_into(&mut dy, &dn);
             }
@@ -1609,48 +1629,12 @@ impl Engine<'_> {
                 ),
             });
         };
-        let (vp, window) = self.vocab_window();
         let mut dx = match (cache.head, &ch.head) {
             (Some(hc), Some((hu, hl))) => {
-                self.gather(*hu)?;
-                if let Some(wu) = ch.head_w.filter(|wu| wu != hu) {
-                    self.gather(wu)?;
+                let dx = self.head_backward(ch, (*hu, hl), hc)?;
+                for u in [Some(*hu), ch.head_w].into_iter().flatten() {
+                    self.release(u);
                 }
-                let mut tp = tp_ctx(
-                    &mut *self.comm,
-                    (&self.tp_g, self.cp_g.as_ref(), self.ep_g.as_ref()),
-                    prep,
-                );
-                let vp_head = vp.then(|| VocabParallel {
-                    tp: &mut tp,
-                    vocab: window.clone(),
-                });
-                let dx = match ch.head_w {
-                    Some(wu) if wu != *hu => {
-                        let (h, w) = two_mut(&mut self.units, *hu, wu);
-                        let n = window.len() * d.h;
-                        let dx = head_bwd(
-                            d,
-                            hl,
-                            &h.params,
-                            &mut h.grads,
-                            &w.params[..n],
-                            Some(&mut w.grads[..n]),
-                            hc,
-                            vp_head,
-                        )?;
-                        self.release(wu);
-                        dx
-                    }
-                    _ => {
-                        // Disjoint fields: the weight is read from `params` while `grads` is
-                        // written, with no copy of the (vocab × hidden) head.
-                        let h = &mut self.units[*hu];
-                        let w = head_own_weight(hl, &h.params).unwrap_or_default();
-                        head_bwd(d, hl, &h.params, &mut h.grads, w, None, hc, vp_head)?
-                    }
-                };
-                self.release(*hu);
                 let mut dx = dx;
                 if let Some(dh) = self.mtp_backward(ch, cache.mtp, (mb, c, split))? {
                     add_into(&mut dx, &dh);
