@@ -20,6 +20,10 @@ pub const FLASH_BACKWARD_FLOP_RATIO: f64 = 2.5;
 /// read for PV. Backward touches it about twice as often.
 const UNFUSED_SCORE_PASSES_FWD: f64 = 6.5;
 
+/// The same without attention dropout (Llama's `attention_dropout` 0: PyTorch's dropout
+/// returns its input at p = 0, launching nothing): QKᵀ, softmax, PV.
+const UNFUSED_SCORE_PASSES_NO_DROPOUT: f64 = 4.0;
+
 /// Output tile side of the Winograd transforms cuDNN runs, F(m×m, r×r) with m = 2.
 pub const WINOGRAD_TILE: u64 = 2;
 
@@ -646,7 +650,12 @@ impl<'a> DeviceModel<'a> {
                 _ => 0.0,
             };
             let matmul = (fwd - 5.0 * scores).max(0.0);
-            let bytes = scores * float_bytes as f64 * UNFUSED_SCORE_PASSES_FWD;
+            let passes = if a.dropout {
+                UNFUSED_SCORE_PASSES_FWD
+            } else {
+                UNFUSED_SCORE_PASSES_NO_DROPOUT
+            };
+            let bytes = scores * float_bytes as f64 * passes;
             let per_gemm = matmul / 2.0;
             // Eager module code copies q, k, v into the batched GEMMs' layout and the
             // context back, each read and written once; backward copies their gradients.
@@ -1109,21 +1118,28 @@ mod tests {
         let m = DeviceModel::new(&p, Precision::Bf16).unwrap();
         let q = Shape::new([2, 2048, 8, 128]);
         let ins = [q.clone(), q.clone(), q.clone()];
-        let time = |fused| {
+        let time_with = |fused, dropout| {
             let op = OpKind::Attention(AttentionAttrs {
                 causal: true,
                 fused,
-                dropout: !fused,
+                dropout,
                 window: None,
             });
             let w = op.work(&ins, std::slice::from_ref(&q), &[false; 3], 2);
             m.op(&op, &ins, &w, 2).total().0
         };
+        let time = |fused| time_with(fused, !fused);
         assert!(
             time(false) > 1.5 * time(true),
             "{} vs {}",
             time(false),
             time(true)
+        );
+        // Without attention dropout the scores are not read and written a third time.
+        let (with, without) = (time_with(false, true), time_with(false, false));
+        assert!(
+            without < with && without > time(true),
+            "{without} vs {with}"
         );
     }
 
