@@ -53,8 +53,6 @@ pub struct Dims {
     pub max_seq: usize,
     /// RMSNorm (else LayerNorm).
     pub rms: bool,
-    /// A gated MLP (SwiGLU: gate and up projections).
-    pub swiglu: bool,
     /// The MLP's kind.
     pub mlp: Mlp,
     /// Rotary positions.
@@ -88,13 +86,10 @@ pub struct Dims {
     pub mla: Option<Latent>,
     /// Multi-token prediction modules after the last block (DeepSeek-V3).
     pub mtp: usize,
-    /// Causal attention (a decoder); an encoder's queries see every key.
-    pub causal: bool,
-    /// BERT: post-norm blocks, an embedding norm, token types, and the pooler, next-sentence
-    /// and masked-LM heads.
+    /// BERT, the one encoder run: attention to every key, post-norm blocks (the sum of each
+    /// sublayer's input and output normalised), an embedding norm, token types, and the
+    /// pooler, next-sentence and masked-LM heads. Every other model is a causal decoder.
     pub bert: bool,
-    /// Post-norm blocks (BERT): the sum of each sublayer's input and output is normalised.
-    pub post_norm: bool,
     /// GPT-OSS's clamped gate in place of SwiGLU's.
     pub clamped_swiglu: bool,
     /// A hybrid stack (Nemotron-H): each layer's kind, and the Mamba-2 mixers' sizes.
@@ -153,7 +148,6 @@ impl Dims {
                     .into(),
             );
         }
-        let swiglu = c.mlp == Mlp::Swiglu;
         let us = |x: u64| usize::try_from(x).map_err(|_| format!("dimension {x} is too large"));
         let mla = match c.mla {
             Some(a) => {
@@ -183,7 +177,6 @@ impl Dims {
             vocab: us(c.vocab)?,
             max_seq: us(c.max_seq)?,
             rms: c.norm == Norm::RmsNorm,
-            swiglu,
             mlp: c.mlp,
             rope: c.position == Position::Rope,
             rope_theta: c.rope_theta,
@@ -211,9 +204,7 @@ impl Dims {
             qk_norm: c.qk_norm,
             mla,
             mtp: c.mtp_layers as usize,
-            causal: c.causal,
             bert: c.bert,
-            post_norm: c.bert,
             hybrid: match &c.hybrid {
                 Some(hy) => {
                     let kinds = (0..c.layers).map(|i| c.layer_kind(i)).collect();
@@ -224,6 +215,11 @@ impl Dims {
             },
             clamped_swiglu: c.clamped_swiglu,
         })
+    }
+
+    /// Whether the MLPs are gated (SwiGLU: gate and up projections).
+    pub fn gated(&self) -> bool {
+        self.mlp == Mlp::Swiglu
     }
 
     /// The MLPs' activation.
@@ -727,15 +723,13 @@ impl BlockLayout {
         let (h, qw, kw) = (d.h, d.heads * d.hd, d.kv_heads * d.hd);
         let out_std = INIT_STD / (2.0 * d.layers as f64).sqrt();
         let w = Init::Normal(INIT_STD);
-        let nb = !d.rms;
         let opt = |b: &mut SlotBuilder, on: bool, name: &str, shape: &[usize], split| {
             on.then(|| b.add(p(name), shape, split, Init::Zeros))
         };
         let (ln1_w, ln1_b) = if has_mlp && !attn {
             (0..0, None)
         } else {
-            let w = b.add(p("ln1.weight"), &[h], Split::Replicated, Init::Ones);
-            (w, opt(b, nb, "ln1.bias", &[h], Split::Replicated))
+            build_norm(d, b, &p("ln1"))
         };
         let mamba = match (&d.hybrid, kind) {
             (Some((_, m)), LayerKind::Mamba) => Some(MambaBlock::build(d, m, b, p)),
@@ -797,8 +791,7 @@ impl BlockLayout {
             (wq, bq, wk, bk, wv, bv, mla, wo, sinks, q_norm, k_norm, bo)
         };
         let (ln2_w, ln2_b) = if has_mlp {
-            let w = b.add(p("ln2.weight"), &[h], Split::Replicated, Init::Ones);
-            (w, opt(b, nb, "ln2.bias", &[h], Split::Replicated))
+            build_norm(d, b, &p("ln2"))
         } else {
             (0..0, None)
         };
@@ -815,7 +808,7 @@ impl BlockLayout {
             let router = b.add(p("mlp.router"), &[h, experts], router_split, w);
             // GPT-OSS biases its router and its experts' projections.
             let router_bias = opt(b, d.bias, "mlp.router_bias", &[experts], router_split);
-            let ((gi, gb), (go, ob)) = if d.swiglu {
+            let ((gi, gb), (go, ob)) = if d.gated() {
                 (
                     ("mlp.experts.wg", "mlp.experts.bg"),
                     ("mlp.experts.wd", "mlp.experts.bd"),
@@ -828,7 +821,7 @@ impl BlockLayout {
             };
             let wi = eb.add(p(gi), &[experts, h, f], Split::Experts, w);
             let bi = opt(eb, d.bias, gb, &[experts, f], Split::Experts);
-            let (wu, bu) = if d.swiglu {
+            let (wu, bu) = if d.gated() {
                 let wu = eb.add(p("mlp.experts.wu"), &[experts, h, f], Split::Experts, w);
                 (
                     Some(wu),
@@ -873,7 +866,7 @@ impl BlockLayout {
         let m = |s: &str| format!("{m}.{s}");
         if dense_f == 0 {
             (w_in, b_in, w_up, w_out, b_out) = (0..0, None, None, 0..0, None);
-        } else if d.swiglu {
+        } else if d.gated() {
             w_in = b.add(p(&m("wg")), &[h, dense_f], Split::Dim(1), w);
             b_in = opt(b, d.bias, &m("bg"), &[dense_f], Split::Dim(0));
             w_up = Some(b.add(p(&m("wu")), &[h, dense_f], Split::Dim(1), w));
@@ -933,10 +926,10 @@ impl BlockLayout {
 
     /// The keys a query of this layer sees.
     fn mask(&self, d: &Dims) -> Mask {
-        if d.causal {
-            Mask::Causal(self.window)
-        } else {
+        if d.bert {
             Mask::All
+        } else {
+            Mask::Causal(self.window)
         }
     }
 
@@ -1127,8 +1120,7 @@ pub fn bert_embed_fwd(
         let t = token_type(pass.position_of(pass.c, r % lseq), pass.seq);
         add_into(&mut x[i * h..(i + 1) * h], &types[t * h..(t + 1) * h]);
     }
-    let mut y = vec![0.0; x.len()];
-    let st = norm_fwd(&mut y, &x, &p[e.norm.0.clone()], slice(p, &e.norm.1), false);
+    let (y, st) = normed(p, (&e.norm.0, &e.norm.1), &x, d.rms);
     (y, BertEmbedSaved { x, st })
 }
 
@@ -1144,18 +1136,8 @@ pub fn bert_embed_bwd(
 ) -> Vec<f32> {
     let (h, lseq) = (d.h, pass.local_seq());
     let mut dx = vec![0.0; dy.len()];
-    let (lo, hi) = split_two(g, &e.norm.0, &e.norm.1);
-    norm_bwd(
-        &mut dx,
-        dy,
-        &s.x,
-        &s.st,
-        &p[e.norm.0.clone()],
-        lo,
-        hi,
-        false,
-        false,
-    );
+    let norm = (&e.norm.0, &e.norm.1);
+    normed_bwd((p, &mut *g), norm, &mut dx, dy, &s.x, &s.st, d.rms, false);
     let dtypes = &mut g[e.types.clone()];
     for (i, r) in rows.enumerate() {
         let t = token_type(pass.position_of(pass.c, r % lseq), pass.seq);
@@ -1417,8 +1399,7 @@ fn mla_fwd(
         y
     };
     let norm = |x: Vec<f32>, w: &Range<usize>| {
-        let mut y = vec![0.0; x.len()];
-        let st = norm_fwd(&mut y, &x, &p[w.clone()], None, true);
+        let (y, st) = normed(p, (w, &None), &x, true);
         (x, st, y)
     };
     let cq = ml
@@ -1509,17 +1490,7 @@ fn mla_bwd(
     // Through a latent's norm: the gradient of its input from its output's.
     let norm_bwd_of = |g: &mut [f32], dy: &[f32], (x, st, _): &Normed, w: &Range<usize>| {
         let mut dx = vec![0.0; dy.len()];
-        norm_bwd(
-            &mut dx,
-            dy,
-            x,
-            st,
-            &p[w.clone()],
-            &mut g[w.clone()],
-            None,
-            true,
-            false,
-        );
+        normed_bwd((p, g), (w, &None), &mut dx, dy, x, st, true, false);
         dx
     };
     // Keys and values.
@@ -1567,6 +1538,13 @@ fn mla_bwd(
     dn1
 }
 
+/// The rows `at` of `x` (rows `h` wide), one after another.
+fn gather_rows_at(x: &[f32], at: &[usize], h: usize) -> Vec<f32> {
+    at.iter()
+        .flat_map(|r| x[r * h..(r + 1) * h].iter().copied())
+        .collect()
+}
+
 /// Rows of `x` (`a + b` wide) as their first `a` columns and their last `b`.
 fn split_columns(x: &[f32], a: usize, b: usize) -> (Vec<f32>, Vec<f32>) {
     let rows = x.len() / (a + b);
@@ -1590,6 +1568,34 @@ fn join_columns(left: &[f32], right: &[f32], a: usize, b: usize) -> Vec<f32> {
 
 fn slice<'a>(p: &'a [f32], r: &Option<Range<usize>>) -> Option<&'a [f32]> {
     r.as_ref().map(|r| &p[r.clone()])
+}
+
+/// Where a norm's weight and (LayerNorm) bias lie in a unit buffer.
+type NormAt<'a> = (&'a Range<usize>, &'a Option<Range<usize>>);
+
+/// The rows `x` through the norm at `(w, b)` of `p` (`rms`: RMSNorm, else LayerNorm), with
+/// the per-row statistics its backward needs.
+fn normed(p: &[f32], (w, b): NormAt<'_>, x: &[f32], rms: bool) -> (Vec<f32>, Vec<[f32; 2]>) {
+    let mut y = vec![0.0; x.len()];
+    let st = norm_fwd(&mut y, x, &p[w.clone()], slice(p, b), rms);
+    (y, st)
+}
+
+/// Backward of [`normed`]: the weight's and bias's gradients into `g` and the input's into
+/// `dx` (added to it with `acc`, in its place otherwise).
+#[allow(clippy::too_many_arguments)]
+fn normed_bwd(
+    (p, g): (&[f32], &mut [f32]),
+    (w, b): NormAt<'_>,
+    dx: &mut [f32],
+    dy: &[f32],
+    x: &[f32],
+    st: &[[f32; 2]],
+    rms: bool,
+    acc: bool,
+) {
+    let (lo, hi) = split_two(g, w, b);
+    norm_bwd(dx, dy, x, st, &p[w.clone()], lo, hi, rms, acc);
 }
 
 /// Forward of one block on local rows `x` with (local) parameters `p` (and experts `pe`).
@@ -1624,9 +1630,7 @@ fn block_fwd_inner(
     let (nh, nkv, f) = (d.heads / t, d.local_kv_heads(t), l.ffn / t);
     let (qw, kw) = (nh * hd, nkv * hd);
     let rows = x.len() / h;
-    let norm = |y: &mut [f32], x: &[f32], w: &Range<usize>, b: &Option<Range<usize>>| {
-        norm_fwd(y, x, &p[w.clone()], slice(p, b), d.rms)
-    };
+    let (ln1, ln2) = ((&l.ln1_w, &l.ln1_b), (&l.ln2_w, &l.ln2_b));
     let tt = tp.gathered(rows);
     if let Some(mb) = &l.mamba {
         return mamba_layer_fwd(d, l, mb, p, x, tp, pass, keep);
@@ -1635,15 +1639,12 @@ fn block_fwd_inner(
     let (x2, r1, n1, st1, q, k, v, probs, lse, o, qk_pre, latent) = if l.attn {
         // Pre-norm: each sublayer reads its input normalised; post-norm (BERT): the sum of a
         // sublayer's input and output is normalised.
-        let mut n1 = vec![0.0; rows * h];
-        let mut st1 = if d.post_norm {
-            n1.copy_from_slice(x);
-            Vec::new()
+        let (n1, mut st1) = if d.bert {
+            (x.to_vec(), Vec::new())
         } else {
-            norm(&mut n1, x, &l.ln1_w, &l.ln1_b)
+            normed(p, ln1, x, d.rms)
         };
         let n1 = tp.enter_fwd(n1)?;
-        let tt = n1.len() / h;
         let lin = |x: &[f32], w: &Range<usize>, b: &Option<Range<usize>>, n: usize| {
             let mut y = vec![0.0; tt * n];
             mm(&mut y, x, &p[w.clone()], tt, h, n, false);
@@ -1667,15 +1668,11 @@ fn block_fwd_inner(
                 // embedding.
                 let qk_pre = match (&l.q_norm, &l.k_norm) {
                     (Some(qn), Some(kn)) => {
-                        let (q0, k0) = (q.clone(), k.clone());
-                        let sq = norm_fwd(&mut q, &q0, &p[qn.clone()], None, true);
-                        let sk = norm_fwd(&mut k, &k0, &p[kn.clone()], None, true);
-                        Some(QkPre {
-                            q: q0,
-                            k: k0,
-                            sq,
-                            sk,
-                        })
+                        let (q_normed, sq) = normed(p, (qn, &None), &q, true);
+                        let (k_normed, sk) = normed(p, (kn, &None), &k, true);
+                        let pre = QkPre { q, k, sq, sk };
+                        (q, k) = (q_normed, k_normed);
+                        Some(pre)
                     }
                     _ => None,
                 };
@@ -1731,9 +1728,9 @@ fn block_fwd_inner(
             add_bias(&mut a, b);
         }
         add_into(&mut a, x);
-        let (x2, r1) = if d.post_norm {
-            let mut x2 = vec![0.0; rows * h];
-            st1 = norm(&mut x2, &a, &l.ln1_w, &l.ln1_b);
+        let (x2, r1) = if d.bert {
+            let x2;
+            (x2, st1) = normed(p, ln1, &a, d.rms);
             (x2, Some(a))
         } else {
             (a, None)
@@ -1774,12 +1771,10 @@ fn block_fwd_inner(
         });
         return Ok((x2, saved));
     }
-    let mut n2 = vec![0.0; rows * h];
-    let mut st2 = if d.post_norm {
-        n2.copy_from_slice(&x2);
-        Vec::new()
+    let (n2, mut st2) = if d.bert {
+        (x2.clone(), Vec::new())
     } else {
-        norm(&mut n2, &x2, &l.ln2_w, &l.ln2_b)
+        normed(p, ln2, &x2, d.rms)
     };
     let folded = l.moe.is_some() && tp.fold;
     // The shared experts' gate, per row of this rank.
@@ -1847,8 +1842,8 @@ fn block_fwd_inner(
     add_into(&mut m, &x2);
     let (m, post) = match r1 {
         Some(r1) => {
-            let mut y = vec![0.0; rows * h];
-            st2 = norm(&mut y, &m, &l.ln2_w, &l.ln2_b);
+            let y;
+            (y, st2) = normed(p, ln2, &m, d.rms);
             (y, Some((r1, m)))
         }
         None => (m, None),
@@ -1893,8 +1888,7 @@ fn mamba_layer_fwd(
     pass: Pass,
     keep: Keep,
 ) -> Result<(Vec<f32>, Option<BlockSaved>), CommError> {
-    let mut n1 = vec![0.0; x.len()];
-    let st1 = norm_fwd(&mut n1, x, &p[l.ln1_w.clone()], slice(p, &l.ln1_b), d.rms);
+    let (n1, st1) = normed(p, (&l.ln1_w, &l.ln1_b), x, d.rms);
     let n1 = tp.enter_fwd(n1)?;
     let (o, ms) = mamba_fwd(mb.m, &mb.l, p, &n1, d.h, pass.seq);
     let mut y = tp.exit_fwd(o)?;
@@ -2012,8 +2006,7 @@ pub fn block_bwd(
         // Through a norm (the layer's first or second): the gradient of its input, fresh or
         // added to `dx`.
         let norm_back = |g: &mut [f32], dx: &mut [f32], dy: &[f32], x: &[f32], st, w, b, acc| {
-            let (lo, hi) = split_two(g, w, b);
-            norm_bwd(dx, dy, x, st, &p[w.clone()], lo, hi, d.rms, acc);
+            normed_bwd((p, g), (w, b), dx, dy, x, st, d.rms, acc);
         };
         // Post-norm: the block's output is the second norm of the MLP's input plus its output.
         let mut dx2 = match &s.post {
@@ -2206,17 +2199,7 @@ pub fn block_bwd(
         ] {
             let dy = std::mem::take(dz);
             let mut dx = vec![0.0; dy.len()];
-            norm_bwd(
-                &mut dx,
-                &dy,
-                x,
-                st,
-                &p[r.clone()],
-                &mut g[r.clone()],
-                None,
-                true,
-                false,
-            );
+            normed_bwd((p, &mut *g), (r, &None), &mut dx, &dy, x, st, true, false);
             *dz = dx;
         }
     }
@@ -2251,20 +2234,18 @@ fn finish_attention_bwd(
 ) -> Result<Vec<f32>, CommError> {
     let dn1 = tp.enter_bwd(dn1)?;
     debug_assert_eq!(dx.len(), x.len());
-    if d.post_norm {
+    if d.bert {
         // The attention read the block's input itself.
         add_into(&mut dx, &dn1);
         return Ok(dx);
     }
-    let (lo, hi) = split_two(g, &l.ln1_w, &l.ln1_b);
-    norm_bwd(
+    normed_bwd(
+        (p, g),
+        (&l.ln1_w, &l.ln1_b),
         &mut dx,
         &dn1,
         x,
         st1,
-        &p[l.ln1_w.clone()],
-        lo,
-        hi,
         d.rms,
         true,
     );
@@ -2433,15 +2414,13 @@ pub fn head_fwd(
 ) -> Result<(f64, f64, HeadCache), CommError> {
     let h = d.h;
     let rows = x.len() / h;
-    let mut hf = vec![0.0; rows * h];
-    let (st, mut bert) = match &l.bert {
+    let (hf, st, mut bert) = match &l.bert {
         Some(bh) => {
             let mut u = vec![0.0; rows * h];
             mm(&mut u, &x, &p[bh.dense.0.clone()], rows, h, h, false);
             add_bias(&mut u, &p[bh.dense.1.clone()]);
             let a = Act::Gelu.fwd(&u, None);
-            let (w, b) = &bh.norm;
-            let st = norm_fwd(&mut hf, &a, &p[w.clone()], slice(p, b), false);
+            let (hf, st) = normed(p, (&bh.norm.0, &bh.norm.1), &a, d.rms);
             let saved = BertHeadSaved {
                 u,
                 a,
@@ -2449,17 +2428,11 @@ pub fn head_fwd(
                 pooled: Vec::new(),
                 dz: Vec::new(),
             };
-            (st, Some(saved))
+            (hf, st, Some(saved))
         }
         None => {
-            let st = norm_fwd(
-                &mut hf,
-                &x,
-                &p[l.norm_w.clone()],
-                slice(p, &l.norm_b),
-                d.rms,
-            );
-            (st, None)
+            let (hf, st) = normed(p, (&l.norm_w, &l.norm_b), &x, d.rms);
+            (hf, st, None)
         }
     };
     let decoder_bias = |logits: &mut [f32], vocab: &Range<usize>| {
@@ -2491,11 +2464,8 @@ pub fn head_fwd(
     let mut nsp_loss = 0.0;
     if let (Some(bh), Some(bs), Some(nsp)) = (&l.bert, bert.as_mut(), nsp) {
         let n = nsp.rows.len();
-        let first: Vec<f32> = nsp
-            .rows
-            .iter()
-            .flat_map(|(r, _)| x[r * h..(r + 1) * h].iter().copied())
-            .collect();
+        bs.cls = nsp.rows.iter().map(|(r, _)| *r).collect();
+        let first = gather_rows_at(&x, &bs.cls, h);
         let mut pooled = vec![0.0; n * h];
         mm(&mut pooled, &first, &p[bh.pooler.0.clone()], n, h, h, false);
         add_bias(&mut pooled, &p[bh.pooler.1.clone()]);
@@ -2505,7 +2475,6 @@ pub fn head_fwd(
         add_bias(&mut z, &p[bh.nsp.1.clone()]);
         let labels: Vec<u32> = nsp.rows.iter().map(|(_, y)| *y).collect();
         nsp_loss = cross_entropy(&mut z, &labels, 2, nsp.scale);
-        bs.cls = nsp.rows.iter().map(|(r, _)| *r).collect();
         bs.pooled = pooled;
         bs.dz = z;
     }
@@ -2655,13 +2624,8 @@ pub fn mtp_input_fwd(
 ) -> (Vec<f32>, MtpSaved) {
     let h = d.h;
     let rows = e.len() / h;
-    let norm = |x: &[f32], (w, b): &(Range<usize>, Option<Range<usize>>)| {
-        let mut y = vec![0.0; x.len()];
-        let st = norm_fwd(&mut y, x, &p[w.clone()], slice(p, b), d.rms);
-        (y, st)
-    };
-    let (en, st_e) = norm(&e, &l.enorm);
-    let (hn, st_h) = norm(&hid, &l.hnorm);
+    let (en, st_e) = normed(p, (&l.enorm.0, &l.enorm.1), &e, d.rms);
+    let (hn, st_h) = normed(p, (&l.hnorm.0, &l.hnorm.1), &hid, d.rms);
     let both = join_columns(&en, &hn, h, h);
     let mut y = vec![0.0; rows * h];
     mm(&mut y, &both, &p[l.proj.clone()], rows, 2 * h, h, false);
@@ -2695,8 +2659,7 @@ pub fn mtp_input_bwd(
     let mut norm_bwd_of =
         |dy: &[f32], x: &[f32], st: &[[f32; 2]], (w, b): &(Range<usize>, Option<Range<usize>>)| {
             let mut dx = vec![0.0; dy.len()];
-            let (lo, hi) = split_two(g, w, b);
-            norm_bwd(&mut dx, dy, x, st, &p[w.clone()], lo, hi, d.rms, false);
+            normed_bwd((p, &mut *g), (w, b), &mut dx, dy, x, st, d.rms, false);
             dx
         };
     let de = norm_bwd_of(&den, &s.e, &s.st_e, &l.enorm);
@@ -2787,18 +2750,16 @@ pub fn head_bwd(
     match (&l.bert, c.bert) {
         (Some(bh), Some(bs)) => {
             // The masked-LM transform: LayerNorm, GeLU, dense.
-            let (w, b) = &bh.norm;
             let mut da = vec![0.0; rows * h];
-            let (lo, hi) = split_two(gn, w, b);
-            norm_bwd(
+            let norm = (&bh.norm.0, &bh.norm.1);
+            normed_bwd(
+                (p, &mut *gn),
+                norm,
                 &mut da,
                 &dhf,
                 &bs.a,
                 &c.st,
-                &p[w.clone()],
-                lo,
-                hi,
-                false,
+                d.rms,
                 false,
             );
             Act::Gelu.bwd(&mut da, &bs.u, None);
@@ -2815,11 +2776,7 @@ pub fn head_bwd(
                 for (dp, y) in dpool.iter_mut().zip(&bs.pooled) {
                     *dp *= 1.0 - y * y;
                 }
-                let first: Vec<f32> = bs
-                    .cls
-                    .iter()
-                    .flat_map(|r| c.x[r * h..(r + 1) * h].iter().copied())
-                    .collect();
+                let first = gather_rows_at(&c.x, &bs.cls, h);
                 bias_grad(&mut gn[bh.pooler.1.clone()], &dpool);
                 mm_tn(&mut gn[bh.pooler.0.clone()], &first, &dpool, n, h, h, true);
                 let mut dfirst = vec![0.0; n * h];
@@ -2830,18 +2787,8 @@ pub fn head_bwd(
             }
         }
         _ => {
-            let (lo, hi) = split_two(gn, &l.norm_w, &l.norm_b);
-            norm_bwd(
-                &mut dx,
-                &dhf,
-                &c.x,
-                &c.st,
-                &p[l.norm_w.clone()],
-                lo,
-                hi,
-                d.rms,
-                false,
-            );
+            let norm = (&l.norm_w, &l.norm_b);
+            normed_bwd((p, gn), norm, &mut dx, &dhf, &c.x, &c.st, d.rms, false);
         }
     }
     Ok(dx)
