@@ -39,6 +39,8 @@ pub mod ring;
 pub mod rng;
 pub mod state;
 pub mod tensor;
+#[cfg(test)]
+mod testing;
 
 pub use comm::{Collectives, CommError, Group, ThreadComm};
 pub use data::DataSource;

@@ -474,11 +474,7 @@ fn split_pair<'a>(
 mod tests {
     use super::*;
     use crate::tensor::mm_tn;
-
-    fn rand(n: usize, seed: u64, std: f64) -> Vec<f32> {
-        let mut g = crate::rng::SplitMix64::for_stream(seed, "mamba");
-        (0..n).map(|_| (g.normal() * std) as f32).collect()
-    }
+    use crate::testing::{check_grad, rand};
 
     /// The mixer's parameter and input gradients against central differences of
     /// `Σ r · mixer(n)`, with chunks shorter than the sequences (states recomputed from the
@@ -532,34 +528,12 @@ mod tests {
         };
         let dn = mamba_bwd(m, &l, (&p, &mut g), &n, &saved, &r, (h, seq), &mut wgrad);
         // Steps of 1e-2 are too coarse for the scan's exponentials.
-        let eps = 3e-3f32;
-        let check = |what: String, analytic: f32, plus: f64, minus: f64| {
-            let num = (plus - minus) / (2.0 * f64::from(eps));
-            let err = (num - f64::from(analytic)).abs() / num.abs().max(0.05);
-            assert!(err < 2e-2, "{what}: {analytic} vs {num}");
-        };
-        let bump = |v: &[f32], i: usize, by: f32| {
-            let mut v = v.to_vec();
-            v[i] += by;
-            v
-        };
-        for i in (0..n.len()).step_by(3) {
-            let (a, b) = (bump(&n, i, eps), bump(&n, i, -eps));
-            check(
-                format!("dn[{i}]"),
-                dn[i],
-                objective(&p, &a),
-                objective(&p, &b),
-            );
-        }
-        for i in (0..p.len()).step_by(2) {
-            let (a, b) = (bump(&p, i, eps), bump(&p, i, -eps));
-            check(
-                format!("dp[{i}]"),
-                g[i],
-                objective(&a, &n),
-                objective(&b, &n),
-            );
-        }
+        let eps = 3e-3;
+        check_grad("dn", &n, &dn, (0..n.len()).step_by(3), eps, |n| {
+            objective(&p, n)
+        });
+        check_grad("dp", &p, &g, (0..p.len()).step_by(2), eps, |p| {
+            objective(p, &n)
+        });
     }
 }

@@ -2798,12 +2798,8 @@ pub fn head_bwd(
 mod tests {
     use super::*;
     use crate::comm::ThreadComm;
+    use crate::testing::{check_grad, rand};
     use parallax_ir::models::{zoo, MlaConfig};
-
-    fn rand(n: usize, seed: u64, std: f64) -> Vec<f32> {
-        let mut g = SplitMix64::for_stream(seed, "block");
-        (0..n).map(|_| (g.normal() * std) as f32).collect()
-    }
 
     /// One block of `c` on one rank: the gradients of its parameters and input against
     /// central differences of `Σ r · block(x)` (every few elements of each).
@@ -2854,27 +2850,14 @@ mod tests {
             let (y, _) = block_fwd(&d, &l, p, &[], x.to_vec(), &mut tp, pass, Keep::All).unwrap();
             y.iter().zip(&r).map(|(a, b)| f64::from(a * b)).sum()
         };
-        let eps = 1e-2f32;
-        let mut check = |name: &str, analytic: f32, p: &[f32], x: &[f32], i: usize, of_x: bool| {
-            let (mut pa, mut pb, mut xa, mut xb) = (p.to_vec(), p.to_vec(), x.to_vec(), x.to_vec());
-            if of_x {
-                xa[i] += eps;
-                xb[i] -= eps;
-            } else {
-                pa[i] += eps;
-                pb[i] -= eps;
-            }
-            let num = (objective(&pa, &xa) - objective(&pb, &xb)) / (2.0 * f64::from(eps));
-            let err = (num - f64::from(analytic)).abs() / num.abs().max(0.05);
-            assert!(err < 2e-2, "{what}: d{name} {analytic} vs {num}");
-        };
-        for i in (0..x.len()).step_by(7) {
-            check(&format!("x[{i}]"), dx[i], &p, &x, i, true);
-        }
+        let at = (0..x.len()).step_by(7);
+        check_grad(&format!("{what}: x"), &x, &dx, at, 1e-2, |x| {
+            objective(&p, x)
+        });
         for s in &slots {
-            for i in s.range.clone().step_by(s.range.len() / 5 + 1) {
-                check(&format!("{}[{i}]", s.name), g[i], &p, &x, i, false);
-            }
+            let at = s.range.clone().step_by(s.range.len() / 5 + 1);
+            let name = format!("{what}: {}", s.name);
+            check_grad(&name, &p, &g, at, 1e-2, |p| objective(p, &x));
         }
     }
 
@@ -2936,47 +2919,16 @@ mod tests {
             let (_, saved) = mtp_input_fwd(&d, &l, &p, e.clone(), hid.clone());
             let mut g = vec![0.0; n];
             let (de, dhid) = mtp_input_bwd(&d, &l, (&p, &mut g), saved, &r);
-            let eps = 1e-2f32;
-            let check = |what: String, analytic: f32, plus: f64, minus: f64| {
-                let num = (plus - minus) / (2.0 * f64::from(eps));
-                let err = (num - f64::from(analytic)).abs() / num.abs().max(0.05);
-                assert!(err < 2e-2, "{what}: {analytic} vs {num}");
-            };
-            let bump = |x: &[f32], i: usize, by: f32| {
-                let mut x = x.to_vec();
-                x[i] += by;
-                x
-            };
-            for i in (0..e.len()).step_by(5) {
-                let (a, b) = (bump(&e, i, eps), bump(&e, i, -eps));
-                check(
-                    format!("de[{i}]"),
-                    de[i],
-                    objective(&p, &a, &hid),
-                    objective(&p, &b, &hid),
-                );
-                let (a, b) = (bump(&hid, i, eps), bump(&hid, i, -eps));
-                check(
-                    format!("dhid[{i}]"),
-                    dhid[i],
-                    objective(&p, &e, &a),
-                    objective(&p, &e, &b),
-                );
-            }
+            let at = || (0..e.len()).step_by(5);
+            check_grad("de", &e, &de, at(), 1e-2, |e| objective(&p, e, &hid));
+            check_grad("dhid", &hid, &dhid, at(), 1e-2, |h| objective(&p, &e, h));
             // The module's own tensors before its block: the norms and the projection.
             for s in slots
                 .iter()
                 .filter(|s| s.name.contains("norm.") || s.name.ends_with("proj"))
             {
-                for i in s.range.clone().step_by(7) {
-                    let (a, b) = (bump(&p, i, eps), bump(&p, i, -eps));
-                    check(
-                        format!("{}[{i}]", s.name),
-                        g[i],
-                        objective(&a, &e, &hid),
-                        objective(&b, &e, &hid),
-                    );
-                }
+                let at = s.range.clone().step_by(7);
+                check_grad(&s.name, &p, &g, at, 1e-2, |p| objective(p, &e, &hid));
             }
         }
     }
@@ -3036,45 +2988,16 @@ mod tests {
         .unwrap();
         let (mut g, mut dtable) = (vec![0.0; n], vec![0.0; table.len()]);
         let dx = head_bwd(&d, &l, &p, &mut g, &table, Some(&mut dtable), cache, None).unwrap();
-        let eps = 1e-2f32;
-        let bump = |v: &[f32], i: usize, by: f32| {
-            let mut v = v.to_vec();
-            v[i] += by;
-            v
-        };
-        let check = |what: String, analytic: f32, plus: f64, minus: f64| {
-            let num = (plus - minus) / (2.0 * f64::from(eps));
-            let err = (num - f64::from(analytic)).abs() / num.abs().max(0.05);
-            assert!(err < 2e-2, "{what}: {analytic} vs {num}");
-        };
-        for i in (0..x.len()).step_by(3) {
-            let (a, b) = (bump(&x, i, eps), bump(&x, i, -eps));
-            check(
-                format!("dx[{i}]"),
-                dx[i],
-                objective(&p, &a, &table),
-                objective(&p, &b, &table),
-            );
-        }
-        for i in (0..table.len()).step_by(5) {
-            let (a, b) = (bump(&table, i, eps), bump(&table, i, -eps));
-            check(
-                format!("dtable[{i}]"),
-                dtable[i],
-                objective(&p, &x, &a),
-                objective(&p, &x, &b),
-            );
-        }
+        check_grad("dx", &x, &dx, (0..x.len()).step_by(3), 1e-2, |x| {
+            objective(&p, x, &table)
+        });
+        let at = (0..table.len()).step_by(5);
+        check_grad("dtable", &table, &dtable, at, 1e-2, |t| {
+            objective(&p, &x, t)
+        });
         for s in &slots {
-            for i in s.range.clone().step_by(s.range.len() / 6 + 1) {
-                let (a, b) = (bump(&p, i, eps), bump(&p, i, -eps));
-                check(
-                    format!("{}[{i}]", s.name),
-                    g[i],
-                    objective(&a, &x, &table),
-                    objective(&b, &x, &table),
-                );
-            }
+            let at = s.range.clone().step_by(s.range.len() / 6 + 1);
+            check_grad(&s.name, &p, &g, at, 1e-2, |p| objective(p, &x, &table));
         }
     }
 

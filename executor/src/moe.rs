@@ -452,10 +452,10 @@ pub fn moe_bwd(
 mod tests {
     use super::*;
     use crate::comm::ThreadComm;
+    use crate::testing::check_grad;
 
     fn rand(n: usize, seed: u64) -> Vec<f32> {
-        let mut g = crate::rng::SplitMix64::for_stream(seed, "moe");
-        (0..n).map(|_| (g.normal() * 0.5) as f32).collect()
+        crate::testing::rand(n, seed, 0.5)
     }
 
     /// Router, experts and input gradients of the layer against central differences of
@@ -555,29 +555,23 @@ mod tests {
             )
             .unwrap();
             crate::tensor::add_into(&mut g, &ge);
-            let eps = 1e-2f32;
-            let check = |what: &str, analytic: f32, plus: f64, minus: f64| {
-                let num = (plus - minus) / (2.0 * f64::from(eps));
-                let err = (num - f64::from(analytic)).abs() / num.abs().max(0.05);
-                assert!(
-                    err < 2e-2,
-                    "{what} ({act:?}, biases {biased}, {routing:?}): {analytic} vs {num}"
-                );
-            };
-            for i in (0..x.len()).step_by(3) {
-                let (mut a, mut b) = (x.clone(), x.clone());
-                a[i] += eps;
-                b[i] -= eps;
-                let (pa, pb) = (objective(&p, &a, comm), objective(&p, &b, comm));
-                check(&format!("dx[{i}]"), dx[i], pa, pb);
-            }
-            for i in (0..p.len()).step_by(5) {
-                let (mut a, mut b) = (p.clone(), p.clone());
-                a[i] += eps;
-                b[i] -= eps;
-                let (pa, pb) = (objective(&a, &x, comm), objective(&b, &x, comm));
-                check(&format!("dp[{i}]"), g[i], pa, pb);
-            }
+            let what = format!("({act:?}, biases {biased}, {routing:?})");
+            check_grad(
+                &format!("dx {what}"),
+                &x,
+                &dx,
+                (0..x.len()).step_by(3),
+                1e-2,
+                |x| objective(&p, x, comm),
+            );
+            check_grad(
+                &format!("dp {what}"),
+                &p,
+                &g,
+                (0..p.len()).step_by(5),
+                1e-2,
+                |p| objective(p, &x, comm),
+            );
         }
     }
 }

@@ -1045,21 +1045,9 @@ mod tests {
         }
     }
 
-    /// Central differences of a scalar function of `x` against an analytic gradient.
+    /// Central differences of a scalar function of `x` at every element.
     fn check_grad(x: &[f32], analytic: &[f32], f: impl Fn(&[f32]) -> f64) {
-        let eps = 1e-2f32;
-        for i in 0..x.len() {
-            let mut xp = x.to_vec();
-            xp[i] += eps;
-            let mut xm = x.to_vec();
-            xm[i] -= eps;
-            let num = (f(&xp) - f(&xm)) / (2.0 * f64::from(eps));
-            let a = f64::from(analytic[i]);
-            assert!(
-                (num - a).abs() <= 2e-2 * (1.0 + a.abs()),
-                "grad[{i}]: numeric {num} analytic {a}"
-            );
-        }
+        crate::testing::check_grad("grad", x, analytic, 0..x.len(), 1e-2, f);
     }
 
     #[test]
@@ -1110,30 +1098,15 @@ mod tests {
             let up = matches!(act, Act::Swiglu | Act::ClampedSwiglu).then_some(&u[..]);
             let mut dg = vec![1.0; g.len()];
             let du = act.bwd(&mut dg, &g, up);
-            let eps = 1e-3f32;
-            let f = |g: &[f32], u: Option<&[f32]>| act.fwd(g, u);
-            for i in 0..g.len() {
-                let (mut a, mut b) = (g.clone(), g.clone());
-                a[i] += eps;
-                b[i] -= eps;
-                let num = (f(&a, up)[i] - f(&b, up)[i]) / (2.0 * eps);
-                assert!(
-                    (num - dg[i]).abs() <= 2e-2 * num.abs().max(1.0),
-                    "{act:?} dg[{i}] at {}: {} vs {num}",
-                    g[i],
-                    dg[i]
-                );
-                if let (Some(du), Some(u)) = (&du, up) {
-                    let (mut a, mut b) = (u.to_vec(), u.to_vec());
-                    a[i] += eps;
-                    b[i] -= eps;
-                    let num = (f(&g, Some(&a))[i] - f(&g, Some(&b))[i]) / (2.0 * eps);
-                    assert!(
-                        (num - du[i]).abs() <= 2e-2 * num.abs().max(1.0),
-                        "{act:?} du[{i}]: {} vs {num}",
-                        du[i]
-                    );
-                }
+            // Σ act: its gradient is `bwd` of ones.
+            let total = |g: &[f32], u: Option<&[f32]>| -> f64 {
+                act.fwd(g, u).iter().map(|v| f64::from(*v)).sum()
+            };
+            let what = format!("{act:?} dg");
+            crate::testing::check_grad(&what, &g, &dg, 0..g.len(), 1e-3, |x| total(x, up));
+            if let (Some(du), Some(u)) = (&du, up) {
+                let what = format!("{act:?} du");
+                crate::testing::check_grad(&what, u, du, 0..u.len(), 1e-3, |x| total(&g, Some(x)));
             }
         }
         // Beyond the clamps nothing passes: a gate above 7, an up projection outside ±7.
