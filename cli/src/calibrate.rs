@@ -102,14 +102,42 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "  copy bandwidth      {:>8.2} GB/s per {unit}",
         m.compute.copy_bytes_per_s / 1e9
     );
+    for (bytes, r) in &m.compute.pointwise_curve {
+        println!(
+            "  pointwise {:>9.3} MB {:>8.2} GB/s per {unit}",
+            bytes / 1e6,
+            r / 1e9
+        );
+    }
     println!(
         "  pointwise kernels   {:>8.2} GB/s per {unit}",
         m.compute.pointwise_bytes_per_s / 1e9
     );
+    if let (Some(e), Some(t)) = (m.compute.transcendentals_per_s, m.compute.tanh_per_s) {
+        println!(
+            "  exp / tanh          {:>8.1} / {:.1} M per s per {unit}",
+            e / 1e6,
+            t / 1e6
+        );
+    }
     println!(
         "  op overhead         {:>8.3} us",
         m.compute.op_overhead_s * 1e6
     );
+    // The general-graph trainer's ops as it runs them in training, past their GEMM calls.
+    if let Some(h) = &p.device.host_kernels {
+        for (class, rates) in &h.graph {
+            let line = rates
+                .0
+                .iter()
+                .map(|[bytes, f, b]| {
+                    format!("{:.0} KB {:.2} / {:.2}", bytes / 1e3, f / 1e9, b / 1e9)
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            println!("  {class:<18} {line} GB/s (forward / backward) per {unit}");
+        }
+    }
     match &m.intra {
         Some(c) => {
             println!(

@@ -2,8 +2,8 @@
 //! precision, scaled by the device's size-indexed GEMM efficiency curve, and of bytes against
 //! memory bandwidth for bandwidth-bound kernels, plus a launch overhead per kernel.
 
-use parallax_hardware::{ClusterProfile, DeviceSpec, HwError};
-use parallax_ir::op::AttentionAttrs;
+use parallax_hardware::{ClusterProfile, DeviceSpec, HostTrainer, HwError};
+use parallax_ir::op::{Activation, AttentionAttrs, PoolKind};
 use parallax_ir::{ComputeClass, OpKind, Precision, Seconds, Shape, Work};
 
 /// FlashAttention-2 reaches ~73 % of A100 peak forward and ~63 % backward while cuBLAS GEMMs of
@@ -64,6 +64,79 @@ fn kernels(op: &OpKind) -> f64 {
         _ if op.is_view() => 0.0,
         _ => 1.0,
     }
+}
+
+/// The class under which the CPU executor's kernel of `op` is measured
+/// ([`parallax_hardware::HOST_KERNEL_CLASSES`]); `None` for views and ops no class covers.
+pub fn host_class(op: &OpKind) -> Option<&'static str> {
+    Some(match op {
+        OpKind::Embedding(_) => "embedding",
+        OpKind::Linear(_) => "linear",
+        OpKind::MatMul(_) => "matmul",
+        OpKind::Attention(_) => "attention",
+        OpKind::LayerNorm => "layer_norm",
+        OpKind::RmsNorm => "rms_norm",
+        OpKind::Activation(a) => match a.kind {
+            Activation::Relu => "relu",
+            Activation::SquaredRelu => "squared_relu",
+            Activation::Gelu => "gelu",
+            Activation::Silu => "silu",
+            Activation::Sigmoid => "sigmoid",
+            Activation::Tanh => "tanh",
+        },
+        OpKind::SwiGlu => "swiglu",
+        OpKind::Add => "add",
+        OpKind::Mul => "mul",
+        OpKind::Softmax(_) => "softmax",
+        OpKind::Dropout(_) => "dropout",
+        OpKind::CrossEntropy => "cross_entropy",
+        OpKind::Conv2d(_) => "conv2d",
+        OpKind::BatchNorm => "batch_norm",
+        OpKind::Pool2d(p) => match p.kind {
+            PoolKind::Max => "max_pool",
+            PoolKind::Avg => "avg_pool",
+        },
+        OpKind::GlobalAvgPool => "global_avg_pool",
+        OpKind::Concat(_) => "concat",
+        OpKind::Split(_) => "split",
+        OpKind::Transpose(_) => "transpose",
+        OpKind::Lstm(_) => "lstm",
+        OpKind::Gru(_) => "gru",
+        OpKind::Rope => "rope",
+        OpKind::Moe(_) | OpKind::Ssd(_) | OpKind::Reshape(_) | OpKind::Flatten(_) => return None,
+    })
+}
+
+/// The output of a convolution shard from its input and weight shards (the op's inference
+/// checks the full output channel count, which a channel split divides).
+fn conv_shard_output(c: &parallax_ir::op::Conv2dAttrs, ins: &[Shape]) -> Option<Shape> {
+    let (x, k) = (ins.first()?, ins.get(1)?);
+    if x.rank() != 4 || k.rank() != 4 {
+        return None;
+    }
+    let side = |i: usize| {
+        let span = c.dilation[i] * (c.kernel[i].max(1) - 1) + 1;
+        Some((x.0[2 + i] + 2 * c.padding[i]).checked_sub(span)? / c.stride[i].max(1) + 1)
+    };
+    Some(Shape::new([x.0[0], k.0[0], side(0)?, side(1)?]))
+}
+
+/// An op as the CPU executor runs it on host cores: the GEMMs it calls, priced on the
+/// calibrated GEMM curve one call at a time, and everything else — the class's loops over
+/// `bytes`, priced at the class's measured rate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HostSplit {
+    pub class: &'static str,
+    /// The GEMM calls of each pass.
+    pub gemm: OpTimes,
+    /// The bytes the class's rate counts: a convolution's im2col matrix, a recurrent layer's
+    /// cell tensors over every step, a pooling its windows' reads, and for the rest the op's
+    /// forward traffic.
+    pub bytes: f64,
+    /// The size the rate is read at: the bytes of one call of the kernel's inner loop where it
+    /// runs one per sample (a convolution), step (a recurrent layer) or sample and head
+    /// (attention), whose fixed costs make small calls slow per byte; `bytes` for the rest.
+    pub key: f64,
 }
 
 /// Traffic of a bandwidth-bound op's forward and backward kernels, in multiples of its
@@ -197,8 +270,12 @@ pub struct DeviceModel<'a> {
     nchw: bool,
     /// Eager PyTorch module code: see [`DeviceModel::with_eager`].
     eager: bool,
-    /// Convolutions as the CPU executor runs them: see [`DeviceModel::with_host_convolutions`].
+    /// The CPU executor's general-graph trainer runs the ops on host cores: see
+    /// [`DeviceModel::with_host_graph_trainer`].
     host_convolutions: bool,
+    /// Which of the CPU executor's trainers runs the ops, where the device is a host core
+    /// whose profile holds measured kernel rates ([`DeviceModel::host_split`]).
+    trainer: HostTrainer,
     /// The stack runs the chip's own fused attention kernels: see
     /// [`DeviceModel::with_native_attention`].
     native_attention: bool,
@@ -220,6 +297,7 @@ impl<'a> DeviceModel<'a> {
             nchw: false,
             eager: false,
             host_convolutions: false,
+            trainer: HostTrainer::Transformer,
             native_attention: false,
         })
     }
@@ -263,16 +341,22 @@ impl<'a> DeviceModel<'a> {
         self
     }
 
-    /// The model with convolutions run as parallax's CPU executor runs them on host cores
-    /// (`executor/src/graph/kernels.rs`): no Winograd transform (that is cuDNN's), and per
-    /// sample an im2col of the input into a `(channels · kh · kw) × (oh · ow)` matrix before
-    /// the forward GEMM, again before the weight-gradient GEMM, and a col2im scatter after the
-    /// input-gradient GEMM, each a pass over that matrix at the pointwise-kernel bandwidth.
-    /// The matrix spans every input channel the device reads, so an output-channel split
-    /// repeats it in full on every device (resnet-tiny under tp 2 measured twice as slow as a
-    /// cost model halving the convolution had it).
-    pub fn with_host_convolutions(mut self, host: bool) -> Self {
+    /// The model of ops run by parallax's general-graph trainer on host cores (`host`;
+    /// `executor/src/graph/kernels.rs`), whose measured kernel rates the profile holds under
+    /// `device.host_kernels.graph`. Its convolutions: no Winograd transform (that is cuDNN's),
+    /// and per sample an im2col of the input into a `(channels · kh · kw) × (oh · ow)` matrix
+    /// before the forward GEMM, again before the weight-gradient GEMM, and a col2im scatter
+    /// after the input-gradient GEMM, one GEMM per sample each. The matrix spans every input
+    /// channel the device reads, so an output-channel split repeats it in full on every device
+    /// (resnet-tiny under tp 2 measured twice as slow as a cost model halving the convolution
+    /// had it).
+    pub fn with_host_graph_trainer(mut self, host: bool) -> Self {
         self.host_convolutions = host;
+        self.trainer = if host {
+            HostTrainer::Graph
+        } else {
+            HostTrainer::Transformer
+        };
         self
     }
 
@@ -310,12 +394,17 @@ impl<'a> DeviceModel<'a> {
         Seconds(out_bytes.max(0.0) / self.dev.effective_memory_bandwidth().0)
     }
 
-    /// Time of a bandwidth-bound kernel moving `bytes` (launch included).
+    /// Time of a bandwidth-bound kernel moving `bytes` (launch included): at the device's
+    /// memory efficiency, or on host cores at that of a kernel of this size (caches).
     pub fn memory(&self, bytes: f64) -> Seconds {
         if bytes <= 0.0 {
             return Seconds(0.0);
         }
-        Seconds(bytes / self.dev.effective_memory_bandwidth().0) + self.overhead(1.0)
+        let bandwidth = match &self.dev.memory_efficiency_curve {
+            Some(c) => self.dev.hbm_bandwidth().0 * c.at(bytes),
+            None => self.dev.effective_memory_bandwidth().0,
+        };
+        Seconds(bytes / bandwidth) + self.overhead(1.0)
     }
 
     /// A GEMM of `flops` that moves `bytes` through device memory (its operands read and its
@@ -366,17 +455,13 @@ impl<'a> DeviceModel<'a> {
     /// stride-1 convolutions on the fp32 pipes as Winograd transforms.
     fn conv(
         &self,
-        op: &OpKind,
         c: &parallax_ir::op::Conv2dAttrs,
         ins: &[Shape],
         w: &Work,
         float_bytes: u64,
     ) -> OpTimes {
         let fill = |m: u64, n: u64| tile_fill(m) * tile_fill(n);
-        let (x, y) = (
-            ins.first(),
-            op.infer(ins).ok().and_then(|o| o.into_iter().next()),
-        );
+        let (x, y) = (ins.first(), conv_shard_output(c, ins));
         let fills = match (x, ins.get(1), &y) {
             // GPU block tiles; the CPU executor's GEMM runs on the calibrated curve alone.
             _ if self.host_convolutions => [1.0; 3],
@@ -455,25 +540,146 @@ impl<'a> DeviceModel<'a> {
             .min(1.0)
     }
 
-    /// A pointwise kernel taking `memory` to stream its bytes that also evaluates `count`
-    /// transcendentals: bound by the slower of the two where the device's transcendental rate
-    /// is known (host cores), by memory elsewhere.
-    fn pointwise(&self, memory: Seconds, count: f64) -> Seconds {
+    /// Time of `exp` exponentials and `tanh` hyperbolic tangents where the device's rates are
+    /// known (host cores: `tanh_per_s`, else `transcendentals_per_s`, for the tangents);
+    /// nothing elsewhere.
+    fn transcendental_time(&self, exp: f64, tanh: f64) -> Seconds {
         match self.dev.transcendentals_per_s {
-            Some(rate) if count > 0.0 => Seconds(memory.0.max(count / rate)),
-            _ => memory,
+            Some(rate) => Seconds(exp / rate + tanh / self.dev.tanh_per_s.unwrap_or(rate)),
+            None => Seconds(0.0),
         }
+    }
+
+    /// A pointwise kernel taking `memory` to stream its bytes that also spends `math` on
+    /// transcendentals: bound by the slower of the two.
+    fn pointwise(&self, memory: Seconds, math: Seconds) -> Seconds {
+        Seconds(memory.0.max(math.0))
+    }
+
+    /// `op` as the CPU executor's trainers run it (see [`HostSplit`]): the GEMM calls of its
+    /// kernel — a convolution one per sample, a recurrent layer the input projection of every
+    /// step at once and one per step for the recurrence, attention one per sample and head —
+    /// and the bytes its class's rate counts. `None` for views and ops outside every class.
+    pub fn host_split(
+        &self,
+        op: &OpKind,
+        ins: &[Shape],
+        w: &Work,
+        float_bytes: u64,
+    ) -> Option<HostSplit> {
+        let class = host_class(op)?;
+        let fb = float_bytes as f64;
+        let dim = |d: isize| ins.first().and_then(|x| x.dim(d)).unwrap_or(1).max(1) as f64;
+        // `n` equal GEMM calls sharing `flops`.
+        let calls = |flops: f64, n: f64| {
+            if flops > 0.0 {
+                self.gemm(flops / n) * n
+            } else {
+                Seconds(0.0)
+            }
+        };
+        let each = |n: f64| OpTimes {
+            fwd: calls(w.fwd_flops.0, n),
+            bwd_input: calls(w.bwd_input_flops.0, n),
+            bwd_weight: calls(w.bwd_weight_flops.0, n),
+        };
+        let traffic = w.traffic().0 as f64;
+        // (GEMM calls, bytes, calls of the inner loop)
+        let (gemm, bytes, loops) = match op {
+            OpKind::Conv2d(c) => {
+                let cols = match (ins.first(), conv_shard_output(c, ins)) {
+                    (Some(x), Some(y)) if x.rank() == 4 && y.rank() == 4 => {
+                        (x.0[0] * x.0[1] * c.kernel[0] * c.kernel[1] * y.0[2] * y.0[3]) as f64 * fb
+                    }
+                    _ => traffic,
+                };
+                let calls = dim(0) * c.groups.max(1) as f64;
+                (each(calls), cols, calls)
+            }
+            OpKind::Lstm(a) | OpKind::Gru(a) => {
+                let (b, s, i) = (dim(0), dim(1), dim(2));
+                let (h, g) = (a.hidden as f64, op.rnn_gates() as f64);
+                let projection = self.gemm(2.0 * b * s * i * g * h);
+                let recurrence = self.gemm(2.0 * b * h * g * h) * s;
+                let step = projection + recurrence;
+                (
+                    OpTimes {
+                        fwd: step,
+                        bwd_input: step,
+                        bwd_weight: step,
+                    },
+                    (2.0 * g + 3.0) * b * s * h * fb,
+                    s,
+                )
+            }
+            // Per sample and head: the scores and the weighted values.
+            OpKind::Attention(_) => {
+                let heads = ins.first().and_then(|q| q.dim(2)).unwrap_or(1).max(1) as f64;
+                (each(dim(0) * heads), traffic, dim(0) * heads)
+            }
+            OpKind::Linear(_) | OpKind::MatMul(_) => (each(1.0), traffic, 1.0),
+            // Each output reads its window.
+            OpKind::Pool2d(p) => {
+                let out = op
+                    .infer(ins)
+                    .ok()
+                    .and_then(|o| o.into_iter().next())
+                    .map_or(0.0, |y| y.elems() as f64);
+                let reads = out * (p.kernel[0] * p.kernel[1]) as f64 * fb;
+                (OpTimes::default(), reads + out * fb, 1.0)
+            }
+            _ => (OpTimes::default(), traffic, 1.0),
+        };
+        Some(HostSplit {
+            class,
+            gemm,
+            bytes,
+            key: bytes / loops,
+        })
+    }
+
+    /// `op` priced as its class's kernel measured on this machine where the profile holds
+    /// the class's rates for the trainer that runs it; `None` elsewhere (every GPU).
+    fn host_measured(
+        &self,
+        op: &OpKind,
+        ins: &[Shape],
+        w: &Work,
+        float_bytes: u64,
+    ) -> Option<OpTimes> {
+        let table = self.dev.host_kernels.as_ref()?;
+        let split = self.host_split(op, ins, w, float_bytes)?;
+        let (fwd, bwd) = table.rates(self.trainer, split.class)?.at(split.key);
+        let rest = Seconds(split.bytes / bwd);
+        // A convolution's backward copies the matrix twice, an im2col for the weight gradient
+        // and a col2im for the input gradient (which an op on the data computes no part of).
+        let (to_input, to_weight) = match op {
+            OpKind::Conv2d(_) => (rest * 0.5, rest * 0.5),
+            _ => (rest, Seconds(0.0)),
+        };
+        Some(OpTimes {
+            fwd: split.gemm.fwd + Seconds(split.bytes / fwd),
+            bwd_input: split.gemm.bwd_input + to_input,
+            bwd_weight: split.gemm.bwd_weight + to_weight,
+        })
     }
 
     /// Times of one op from its input shapes and work; `float_bytes` is the activation element
     /// size the work was computed with (for unfused attention's score traffic).
     pub fn op(&self, op: &OpKind, ins: &[Shape], w: &Work, float_bytes: u64) -> OpTimes {
+        if let Some(t) = self.host_measured(op, ins, w, float_bytes) {
+            return t;
+        }
         let k = kernels(op);
         // Counted only where a rate prices them (host cores): every op of every search passes here.
         let (tf, tb) = if self.dev.transcendentals_per_s.is_some() {
-            op.transcendentals(ins)
+            let t = op.transcendentals(ins);
+            (
+                self.transcendental_time(t.exp.0, t.tanh.0),
+                self.transcendental_time(t.exp.1, t.tanh.1),
+            )
         } else {
-            (0.0, 0.0)
+            (Seconds(0.0), Seconds(0.0))
         };
         match (op.compute_class(), op) {
             (ComputeClass::View, _) => OpTimes::default(),
@@ -514,7 +720,7 @@ impl<'a> DeviceModel<'a> {
                     bwd_weight: self.gemm(w.bwd_weight_flops.0) + self.epilogue(outs[2]),
                 }
             }
-            (ComputeClass::Gemm, OpKind::Conv2d(c)) => self.conv(op, c, ins, w, float_bytes),
+            (ComputeClass::Gemm, OpKind::Conv2d(c)) => self.conv(c, ins, w, float_bytes),
             (ComputeClass::Gemm, OpKind::Ssd(_)) => {
                 // The chunked scan's kernels tile their small products as a fused attention
                 // kernel does (Dao & Gu 2024, §6: SSD runs as fast as FlashAttention-2 from
@@ -666,8 +872,21 @@ impl<'a> DeviceModel<'a> {
             } else {
                 Seconds(0.0)
             };
+            // The softmax's exponentials over the scores a query sees (host cores price them):
+            // the causal triangle, s·w − w²/2 of the s² under a window of w keys.
+            let seen = match (a.causal, ins.first().and_then(|q| q.dim(1))) {
+                (true, Some(s)) if s > 0 => {
+                    let (s, w) = (
+                        s as f64,
+                        a.window.map_or(s as f64, |w| (w as f64).min(s as f64)),
+                    );
+                    (w / s - w * w / (2.0 * s * s)).max(0.0)
+                }
+                _ => 1.0,
+            };
+            let exps = self.transcendental_time(scores * seen, 0.0);
             OpTimes {
-                fwd: self.gemm(per_gemm) * 2.0 + self.memory(bytes) + copies,
+                fwd: self.gemm(per_gemm) * 2.0 + self.pointwise(self.memory(bytes), exps) + copies,
                 bwd_input: self.gemm(per_gemm) * 4.0 + self.memory(2.0 * bytes) + copies,
                 bwd_weight: Seconds(0.0),
             }
@@ -919,7 +1138,7 @@ mod tests {
         let p = preset("cpu-local").unwrap();
         let m = DeviceModel::new(&p, Precision::Fp32)
             .unwrap()
-            .with_host_convolutions(true);
+            .with_host_graph_trainer(true);
         let x = Shape::new([4, 8, 8, 8]);
         let time = |out: u64| {
             let op = same_conv(out, 3);
@@ -939,6 +1158,75 @@ mod tests {
             );
         }
         assert!(time(8).0 > 0.5 * time(16).0);
+    }
+
+    /// With measured rates of the general-graph trainer's kernels, an op on host cores takes
+    /// its GEMM calls on the curve plus its class's bytes at the class's rate, read at the
+    /// size of one call of its inner loop; the transformer trainer's ops do not read the
+    /// graph trainer's table.
+    #[test]
+    fn host_ops_run_at_their_measured_class_rates() {
+        use parallax_hardware::{HostKernels, KernelRates};
+        let mut p = preset("cpu-local").unwrap();
+        let mut table = HostKernels::default();
+        table
+            .graph
+            .insert("batch_norm".into(), KernelRates(vec![[1e3, 2e9, 1e9]]));
+        // Slow per byte for small samples, fast for large ones.
+        table.graph.insert(
+            "conv2d".into(),
+            KernelRates(vec![[1e4, 1e9, 5e8], [1e6, 4e9, 2e9]]),
+        );
+        p.device.host_kernels = Some(table);
+        let graph = DeviceModel::new(&p, Precision::Fp32)
+            .unwrap()
+            .with_host_graph_trainer(true);
+        let bn = OpKind::BatchNorm;
+        let x = Shape::new([4, 8, 8, 8]);
+        let bn_ins = [x.clone(), Shape::new([8]), Shape::new([8])];
+        let w = bn.work(&bn_ins, std::slice::from_ref(&x), &[false, true, true], 4);
+        let t = graph.op(&bn, &bn_ins, &w, 4);
+        let traffic = w.traffic().0 as f64;
+        assert!((t.fwd.0 - traffic / 2e9).abs() < 1e-12, "{t:?}");
+        assert!((t.bwd_input.0 - traffic / 1e9).abs() < 1e-12, "{t:?}");
+        assert_eq!(t.bwd_weight.0, 0.0);
+        // Without the table (a transformer's ops, or an uncalibrated profile): bytes and
+        // bandwidth.
+        let transformer = DeviceModel::new(&p, Precision::Fp32).unwrap();
+        assert_ne!(transformer.op(&bn, &bn_ins, &w, 4), t);
+
+        // A convolution split over its output channels still copies every input channel's
+        // im2col matrix, one sample a call: 4 samples × 8·3·3 × 64 pixels.
+        let conv = same_conv(16, 3);
+        let shard = [x.clone(), Shape::new([8, 8, 3, 3])];
+        let w = conv.work(&shard, &[Shape::new([4, 8, 8, 8])], &[false, true], 4);
+        let split = graph.host_split(&conv, &shard, &w, 4).unwrap();
+        let cols = (4 * 8 * 9 * 64 * 4) as f64;
+        assert_eq!(
+            (split.class, split.bytes, split.key),
+            ("conv2d", cols, cols / 4.0)
+        );
+        assert_eq!(split.gemm.fwd, graph.gemm(w.fwd_flops.0 / 4.0) * 4.0);
+        let t = graph.op(&conv, &shard, &w, 4);
+        let (f, b) = KernelRates(vec![[1e4, 1e9, 5e8], [1e6, 4e9, 2e9]]).at(cols / 4.0);
+        assert!((t.fwd.0 - split.gemm.fwd.0 - cols / f).abs() < 1e-12);
+        // The backward's copies: half for the weight gradient's im2col, half for the input
+        // gradient's col2im (which an op on the data does not run).
+        let rest = cols / b;
+        assert!((t.bwd_weight.0 - split.gemm.bwd_weight.0 - rest / 2.0).abs() < 1e-12);
+        assert!((t.bwd_input.0 - split.gemm.bwd_input.0 - rest / 2.0).abs() < 1e-12);
+        // A larger image per sample reads the faster end of the curve.
+        let big = [Shape::new([4, 8, 32, 32]), Shape::new([8, 8, 3, 3])];
+        let key = graph
+            .host_split(&conv, &big, &conv.work(&big, &[], &[false, true], 4), 4)
+            .unwrap()
+            .key;
+        assert!(
+            KernelRates(vec![[1e4, 1e9, 5e8], [1e6, 4e9, 2e9]])
+                .at(key)
+                .0
+                > f
+        );
     }
 
     /// An MoE layer's local experts are problems of their own size: 128 experts of 768

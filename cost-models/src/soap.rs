@@ -687,9 +687,10 @@ impl<'a> OpCosts<'a> {
         gpus: u32,
         precision: Precision,
     ) -> Result<Self, HwError> {
-        // Host cores run the CPU executor's convolutions (im2col + GEMM, no Winograd).
+        // Host cores run the CPU executor's general-graph trainer (im2col + GEMM convolutions,
+        // its kernels' measured rates).
         let device = DeviceModel::new(profile, precision)?
-            .with_host_convolutions(profile.node.devices_are_host_cores());
+            .with_host_graph_trainer(profile.node.devices_are_host_cores());
         let ins: Vec<Vec<Shape>> = graph.nodes.iter().map(|n| graph.input_shapes(n)).collect();
         let outs: Vec<Vec<Shape>> = graph.nodes.iter().map(|n| graph.output_shapes(n)).collect();
         let weights: Vec<Vec<bool>> = graph.nodes.iter().map(|n| graph.weight_flags(n)).collect();

@@ -1,7 +1,8 @@
 //! Calibration micro-benchmarks: GEMM throughput over sizes, memory bandwidth, the bandwidth of
-//! the executor's own pointwise kernels, per-op overhead, and collective bandwidth and latency
-//! across ranks — turned into a `cpu-local`-schema profile (`parallax calibrate --backend
-//! threads|mpi --out PROFILE.toml`).
+//! the executor's own streaming kernels by size, exponential and tangent rates, per-op overhead,
+//! the general-graph trainer's op classes as a training run of a calibration graph times them,
+//! and collective bandwidth and latency across ranks — turned into a `cpu-local`-schema profile
+//! (`parallax calibrate --backend threads|mpi --out PROFILE.toml`).
 //!
 //! Every compute benchmark runs on all ranks at once, as a training run loads every core: the
 //! numbers are what one core achieves while the others work too. The collectives are timed
@@ -11,8 +12,13 @@
 use crate::comm::{Collectives, Group, ThreadComm};
 use crate::engine::AdamConfig;
 use crate::error::ExecError;
-use crate::tensor::{add_into, gelu, mm, mm_nt, mm_tn, norm_fwd, sigmoid};
-use parallax_hardware::{Calibration as Provenance, ClusterProfile, EfficiencyCurve};
+use crate::tensor::{add_into, mm, mm_nt, mm_tn, norm_fwd, sigmoid};
+use parallax_cost::DeviceModel;
+use parallax_hardware::{
+    Calibration as Provenance, ClusterProfile, EfficiencyCurve, HostKernels, KernelRates,
+};
+use parallax_ir::{Graph, Precision};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// What to measure.
@@ -77,37 +83,67 @@ pub struct ComputeFigures {
     pub matmul: Vec<(f64, f64)>,
     /// Copy bandwidth (bytes read + written per second).
     pub copy_bytes_per_s: f64,
-    /// Bandwidth of the executor's pointwise kernels (norm, residual add, GeLU, softmax, Adam).
+    /// Bandwidth of the executor's pointwise kernels (norm, residual add, Adam) on tensors
+    /// far larger than the caches.
     pub pointwise_bytes_per_s: f64,
+    /// The same by the bytes one kernel touches, `(bytes, bytes per second)` by increasing
+    /// size (host cores: the caches serve small tensors faster); empty for GPUs.
+    pub pointwise_curve: Vec<(f64, f64)>,
     /// Fixed cost of one small op, seconds.
     pub op_overhead_s: f64,
-    /// Sigmoids and tanh the executor's elementwise kernels evaluate per second, cache-resident
-    /// (an LSTM cell's mix: three sigmoids to two tanh); `None` where the ranks are GPUs.
+    /// Exponentials (exp, a sigmoid) the executor's elementwise kernels evaluate per second,
+    /// cache-resident; `None` where the ranks are GPUs.
     pub transcendentals_per_s: Option<f64>,
+    /// Hyperbolic tangents per second, likewise.
+    pub tanh_per_s: Option<f64>,
+    /// Forward and backward seconds of the general-graph trainer's kernel of each case of
+    /// `graph_kernel_cases` (host cores; empty for GPUs).
+    pub graph_kernels: Vec<(f64, f64)>,
 }
 
 impl ComputeFigures {
-    /// The figures as one flat vector (for averaging over ranks with a collective).
+    /// The figures as one flat vector (for averaging over ranks with a collective): each
+    /// curve's length, then its points, then the scalars.
     pub fn to_vec(&self) -> Vec<f64> {
-        let mut v: Vec<f64> = self.matmul.iter().flat_map(|(f, r)| [*f, *r]).collect();
+        let mut v = Vec::new();
+        for curve in [&self.matmul, &self.pointwise_curve, &self.graph_kernels] {
+            v.push(curve.len() as f64);
+            v.extend(curve.iter().flat_map(|(f, r)| [*f, *r]));
+        }
         v.extend([
             self.copy_bytes_per_s,
             self.pointwise_bytes_per_s,
             self.op_overhead_s,
             self.transcendentals_per_s.unwrap_or(0.0),
+            self.tanh_per_s.unwrap_or(0.0),
         ]);
         v
     }
 
     /// The inverse of [`ComputeFigures::to_vec`].
     pub fn from_vec(v: &[f64]) -> ComputeFigures {
-        let (curve, rest) = v.split_at(v.len().saturating_sub(4));
+        let mut at = 0;
+        let mut curve = || {
+            let n = v.get(at).map_or(0, |n| *n as usize);
+            let points = v.get(at + 1..at + 1 + 2 * n).unwrap_or(&[]);
+            at += 1 + 2 * n;
+            points
+                .chunks_exact(2)
+                .map(|p| (p[0], p[1]))
+                .collect::<Vec<_>>()
+        };
+        let (matmul, pointwise_curve, graph_kernels) = (curve(), curve(), curve());
+        let rest = v.get(at..).unwrap_or(&[]);
+        let positive = |i: usize| rest.get(i).copied().filter(|r| *r > 0.0);
         ComputeFigures {
-            matmul: curve.chunks_exact(2).map(|p| (p[0], p[1])).collect(),
+            matmul,
+            pointwise_curve,
             copy_bytes_per_s: rest.first().copied().unwrap_or(0.0),
             pointwise_bytes_per_s: rest.get(1).copied().unwrap_or(0.0),
             op_overhead_s: rest.get(2).copied().unwrap_or(0.0),
-            transcendentals_per_s: rest.get(3).copied().filter(|r| *r > 0.0),
+            transcendentals_per_s: positive(3),
+            tanh_per_s: positive(4),
+            graph_kernels,
         }
     }
 }
@@ -205,6 +241,17 @@ fn training_shapes(quick: bool) -> Vec<(usize, usize, usize)> {
             v.push((t, h, h));
             v.push((t, h, 4 * h));
         }
+    }
+    // The small GEMMs host kernels call one at a time: a convolution's per sample (output
+    // channels × channels·window × pixels), a recurrent layer's per step (batch × hidden ×
+    // gates), down to tens of kFLOP.
+    if !quick {
+        for &rows in &[8, 32] {
+            for &(k, n) in &[(32, 128), (96, 256)] {
+                v.push((rows, k, n));
+            }
+        }
+        v.push((16, 16, 64));
     }
     for &s in if quick {
         &[64usize][..]
@@ -318,38 +365,37 @@ pub fn measure_compute(threads: usize, quick: bool) -> ComputeFigures {
         });
         (elems * 8) as f64 / t
     });
-    // The executor's bandwidth-bound kernels in the mix a transformer layer runs them: a
-    // LayerNorm (read + write), a residual add (two reads, one write), a GeLU (read + write) and
-    // a row softmax (read + write), and an Adam update (parameters, gradients and two moments
-    // read, three written), counted in the bytes the cost model charges for them.
-    let pointwise = concurrently(threads, || {
-        const ROW: usize = 256;
-        let x: Vec<f32> = (0..elems).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
-        let mut y = vec![0.0f32; elems];
-        let (w, b) = (vec![1.0f32; ROW], vec![0.0f32; ROW]);
-        let (mut p, mut m, mut v) = (x.clone(), vec![0.0f32; elems], vec![0.0f32; elems]);
-        let t = time_best(min_time, || {
-            norm_fwd(&mut y, &x, &w, Some(&b), false);
-            add_into(&mut y, &x);
-            for v in y.iter_mut() {
-                *v = gelu(*v);
-            }
-            for row in y.chunks_exact_mut(ROW) {
-                let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0;
-                for v in row.iter_mut() {
-                    *v = (*v - mx).exp();
-                    sum += *v;
-                }
-                for v in row.iter_mut() {
-                    *v /= sum;
-                }
-            }
-            AdamConfig::default().update((0.1, 0.05), &mut p, &y, &mut m, &mut v);
-            std::hint::black_box((&mut y, &mut p, &mut m, &mut v));
-        });
-        (elems * (8 + 12 + 8 + 8 + 28)) as f64 / t
-    });
+    // The executor's bandwidth-bound kernels without transcendentals (their exponentials and
+    // tangents are timed below and priced apart): a LayerNorm (read + write), a residual add
+    // (two reads, one write) and an Adam update (parameters, gradients and two moments read,
+    // three written), counted in the bytes the cost model charges for them; from tensors the
+    // caches hold to tensors far beyond them, keyed by the bytes of the mean kernel.
+    let mix = |elems: usize| {
+        concurrently(threads, || {
+            const ROW: usize = 256;
+            let x: Vec<f32> = (0..elems).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
+            let mut y = vec![0.0f32; elems];
+            let (w, b) = (vec![1.0f32; ROW], vec![0.0f32; ROW]);
+            let (mut p, mut m, mut v) = (x.clone(), vec![0.0f32; elems], vec![0.0f32; elems]);
+            let t = time_best(min_time, || {
+                norm_fwd(&mut y, &x, &w, Some(&b), false);
+                add_into(&mut y, &x);
+                AdamConfig::default().update((0.1, 0.05), &mut p, &y, &mut m, &mut v);
+                std::hint::black_box((&mut y, &mut p, &mut m, &mut v));
+            });
+            (elems * MIX_BYTES) as f64 / t
+        })
+    };
+    let sizes: &[usize] = if quick {
+        &[1 << 12, 1 << 16, 1 << 21]
+    } else {
+        &[1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 23]
+    };
+    let pointwise_curve: Vec<(f64, f64)> = sizes
+        .iter()
+        .map(|&n| ((n * MIX_BYTES / 3) as f64, mix(n)))
+        .collect();
+    let pointwise = pointwise_curve.last().map_or(0.0, |p| p.1);
     let op_overhead = concurrently(threads, || {
         let (a, b) = (vec![1.0f32; 4], vec![1.0f32; 4]);
         let mut c = vec![0.0f32; 4];
@@ -358,24 +404,34 @@ pub fn measure_compute(threads: usize, quick: bool) -> ComputeFigures {
             std::hint::black_box(&mut c);
         })
     });
-    // The executor's sigmoid and tanh on a cache-resident buffer, in an LSTM cell's mix.
-    let transcendentals = concurrently(threads, || {
-        let x: Vec<f32> = (0..4000).map(|i| (i % 17) as f32 * 0.25 - 2.0).collect();
-        let mut y = vec![0.0f32; x.len()];
-        let t = time_best(min_time, || {
-            for (i, (o, v)) in y.iter_mut().zip(&x).enumerate() {
-                *o = if i % 5 < 3 { sigmoid(*v) } else { v.tanh() };
-            }
-            std::hint::black_box(&mut y);
-        });
-        x.len() as f64 / t
-    });
+    // The executor's exponentials (sigmoids, a softmax's exp) and tangents on a cache-resident
+    // buffer, apart: libm's tanhf takes several times an expf.
+    let rate = |f: fn(f32) -> f32| {
+        concurrently(threads, || {
+            let x: Vec<f32> = (0..4000).map(|i| (i % 17) as f32 * 0.25 - 2.0).collect();
+            let mut y = vec![0.0f32; x.len()];
+            let t = time_best(min_time, || {
+                for (o, v) in y.iter_mut().zip(&x) {
+                    *o = f(*v);
+                }
+                std::hint::black_box(&mut y);
+            });
+            x.len() as f64 / t
+        })
+    };
+    let exps = rate(|v| if v < 0.5 { sigmoid(v) } else { v.exp() });
+    // The general-graph trainer's kernel of every op class, whole on one device.
+    let graph_kernels = measure_graph_kernels(threads, quick);
+    let tanh = rate(f32::tanh);
     ComputeFigures {
         matmul: curve,
         copy_bytes_per_s: copy,
         pointwise_bytes_per_s: pointwise,
+        pointwise_curve,
         op_overhead_s: op_overhead,
-        transcendentals_per_s: Some(transcendentals),
+        transcendentals_per_s: Some(exps),
+        tanh_per_s: Some(tanh),
+        graph_kernels,
     }
 }
 
@@ -447,6 +503,57 @@ pub fn time_all_reduce(
     })
 }
 
+/// Bytes the pointwise mix charges per element: a norm's 8, an add's 12, Adam's 28.
+const MIX_BYTES: usize = 8 + 12 + 28;
+
+/// The rates of the general-graph trainer's kernels from their measured times on `p` (the
+/// profile with this calibration's GEMM curve): per case, what is not the GEMM calls the cost
+/// model prices on that curve (`DeviceModel::host_split`), as the class's bytes per second,
+/// by size. `None` without measured kernels (GPUs).
+fn host_kernel_rates(m: &ComputeFigures, p: &ClusterProfile) -> Option<HostKernels> {
+    let n = m.graph_kernels.len();
+    // The case list is fixed by the mode the kernels were measured in: its length says which.
+    let cases = [false, true]
+        .into_iter()
+        .map(graph_kernel_cases)
+        .find(|c| c.len() == n && n > 0)?;
+    let model = DeviceModel::new(p, Precision::Fp32)
+        .ok()?
+        .with_host_graph_trainer(true);
+    let mut table: BTreeMap<String, Vec<[f64; 3]>> = BTreeMap::new();
+    for ((g, i), &(tf, tb)) in cases.iter().zip(&m.graph_kernels) {
+        let node = &g.nodes[*i];
+        let (ins, w) = (g.input_shapes(node), g.node_work(node, 4));
+        let Some(split) = model.host_split(&node.op, &ins, &w, 4) else {
+            continue;
+        };
+        if !(tf > 0.0 && tb > 0.0 && split.bytes > 0.0) {
+            continue;
+        }
+        // A twentieth of the kernel at least, where the curve prices its GEMM calls slower
+        // than they ran.
+        let rest_f = (tf - split.gemm.fwd.0).max(0.05 * tf);
+        let rest_b = (tb - split.gemm.bwd_input.0 - split.gemm.bwd_weight.0).max(0.05 * tb);
+        table.entry(split.class.to_string()).or_default().push([
+            split.key,
+            split.bytes / rest_f,
+            split.bytes / rest_b,
+        ]);
+    }
+    let graph = table
+        .into_iter()
+        .map(|(class, mut pts)| {
+            pts.sort_by(|a, b| a[0].total_cmp(&b[0]));
+            pts.dedup_by(|b, a| b[0] <= a[0]);
+            (class, KernelRates(pts))
+        })
+        .collect();
+    Some(HostKernels {
+        graph,
+        ..HostKernels::default()
+    })
+}
+
 /// Lowest efficiency written to a curve (validation needs a positive value).
 const MIN_EFFICIENCY: f64 = 1e-3;
 
@@ -467,8 +574,18 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
             .collect(),
     );
     p.device.hbm_gbps = m.compute.copy_bytes_per_s / 1e9;
-    p.device.memory_efficiency =
-        (m.compute.pointwise_bytes_per_s / m.compute.copy_bytes_per_s).clamp(MIN_EFFICIENCY, 1.0);
+    let efficiency = |rate: f64| (rate / m.compute.copy_bytes_per_s).clamp(MIN_EFFICIENCY, 1.0);
+    p.device.memory_efficiency = efficiency(m.compute.pointwise_bytes_per_s);
+    // Relative to the copy rate of tensors beyond the caches, and capped at it.
+    p.device.memory_efficiency_curve = (!m.compute.pointwise_curve.is_empty()).then(|| {
+        EfficiencyCurve(
+            m.compute
+                .pointwise_curve
+                .iter()
+                .map(|(b, r)| (*b, efficiency(*r)))
+                .collect(),
+        )
+    });
     p.device.kernel_overhead_us = m.compute.op_overhead_s * 1e6;
     p.node.gpus_per_node = u32::try_from(m.threads).unwrap_or(u32::MAX).max(1);
     let mut fields = vec![
@@ -479,9 +596,20 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
         "device.kernel_overhead_us",
         "node.gpus_per_node",
     ];
+    if p.device.memory_efficiency_curve.is_some() {
+        fields.push("device.memory_efficiency_curve");
+    }
     if let Some(r) = m.compute.transcendentals_per_s {
         p.device.transcendentals_per_s = Some(r);
         fields.push("device.transcendentals_per_s");
+    }
+    if let Some(r) = m.compute.tanh_per_s {
+        p.device.tanh_per_s = Some(r);
+        fields.push("device.tanh_per_s");
+    }
+    if let Some(h) = host_kernel_rates(&m.compute, &p) {
+        p.device.host_kernels = Some(h);
+        fields.push("device.host_kernels");
     }
     if let Some(d) = &m.device {
         p.device.name = d.name.clone();
@@ -557,7 +685,7 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
             if m.device.is_some() {
                 "cuBLAS sgemm over square sizes, device copy and Adam-kernel bandwidth"
             } else {
-                "training-shaped fp32 GEMMs (forward, input- and weight-gradient forms), a copy stream and the pointwise mix of a layer (norm, add, GeLU, softmax, Adam)"
+                "training-shaped fp32 GEMMs (forward, input- and weight-gradient forms, down to a convolution's per-sample and a recurrent step's), a copy stream, the streaming kernels of a layer (norm, add, Adam) by size, exp and tanh rates, and every op class of the general-graph trainer timed in a training run of a calibration graph"
             },
             if m.intra.is_some() {
                 ", all-reduce over the ranks of one node"
@@ -588,13 +716,64 @@ mod tests {
         let c = m.intra.unwrap();
         assert!(c.busbw_bytes_per_s > 0.0 && c.step_latency_s > 0.0);
         assert!(m.compute.transcendentals_per_s.is_some_and(|r| r > 0.0));
+        assert!(m.compute.tanh_per_s.is_some_and(|r| r > 0.0));
+        assert!(m
+            .compute
+            .pointwise_curve
+            .windows(2)
+            .all(|w| w[0].0 < w[1].0));
         let base = parallax_hardware::preset("cpu-local").unwrap();
         let p = to_profile(&m, &base, "cpu-local");
         p.validate().unwrap();
+        // The pointwise curve ends at the rate of tensors beyond the caches.
+        let curve = p.device.memory_efficiency_curve.as_ref().unwrap();
+        assert_eq!(curve.0.last().unwrap().1, p.device.memory_efficiency);
+        // Every class of the calibration graph was timed in training, and its rates make the
+        // cost model give back each measured time at the measured size.
+        let cases = graph_kernel_cases(true);
+        assert_eq!(m.compute.graph_kernels.len(), cases.len());
+        assert!(m
+            .compute
+            .graph_kernels
+            .iter()
+            .all(|t| t.0 > 0.0 && t.1 > 0.0));
+        let table = p.device.host_kernels.as_ref().unwrap();
+        let model = DeviceModel::new(&p, Precision::Fp32)
+            .unwrap()
+            .with_host_graph_trainer(true);
+        for ((g, i), (tf, tb)) in cases.iter().zip(&m.compute.graph_kernels) {
+            let n = &g.nodes[*i];
+            let class = parallax_cost::compute::host_class(&n.op).unwrap();
+            assert!(table.graph.contains_key(class), "{class}");
+            let (ins, w) = (g.input_shapes(n), g.node_work(n, 4));
+            let (t, split) = (
+                model.op(&n.op, &ins, &w, 4),
+                model.host_split(&n.op, &ins, &w, 4).unwrap(),
+            );
+            // The measured time, or the GEMM calls and the floor of a twentieth where the
+            // curve prices them slower than they ran.
+            let (gf, gb) = (
+                split.gemm.fwd.0,
+                split.gemm.bwd_input.0 + split.gemm.bwd_weight.0,
+            );
+            let close = |got: f64, want: f64| (got - want).abs() <= 1e-9 * want;
+            assert!(
+                close(t.fwd.0, tf.max(gf + 0.05 * tf)),
+                "{}: {t:?} vs {tf}",
+                n.name
+            );
+            let back = t.bwd_input.0 + t.bwd_weight.0;
+            assert!(
+                close(back, tb.max(gb + 0.05 * tb)),
+                "{}: {back} vs {tb}",
+                n.name
+            );
+        }
         let text = p.to_toml_string().unwrap();
         let back = ClusterProfile::from_toml_str(&text, "calibrated").unwrap();
         assert_eq!(back.node.gpus_per_node, 2);
         assert!(back.calibration.is_some());
+        assert_eq!(back.device.host_kernels, p.device.host_kernels);
     }
 
     #[test]
@@ -603,12 +782,18 @@ mod tests {
             matmul: vec![(1e6, 2e10), (1e8, 4e10)],
             copy_bytes_per_s: 1e10,
             pointwise_bytes_per_s: 5e9,
+            pointwise_curve: vec![(6.4e4, 9e9), (1e6, 8e9), (1e8, 5e9)],
             op_overhead_s: 1e-7,
             transcendentals_per_s: Some(2e8),
+            tanh_per_s: Some(6e7),
+            graph_kernels: vec![(1e-5, 2e-5), (3e-5, 5e-5)],
         };
         assert_eq!(ComputeFigures::from_vec(&c.to_vec()), c);
         let gpu = ComputeFigures {
             transcendentals_per_s: None,
+            tanh_per_s: None,
+            pointwise_curve: Vec::new(),
+            graph_kernels: Vec::new(),
             ..c
         };
         assert_eq!(ComputeFigures::from_vec(&gpu.to_vec()), gpu);
@@ -637,8 +822,11 @@ mod tests {
                 matmul: vec![(1e6, 2e10), (1e8, 4e10)],
                 copy_bytes_per_s: 1e10,
                 pointwise_bytes_per_s: 5e9,
+                pointwise_curve: vec![(6.4e4, 9e9), (1e8, 5e9)],
                 op_overhead_s: 1e-7,
                 transcendentals_per_s: Some(2e8),
+                tanh_per_s: Some(6e7),
+                graph_kernels: Vec::new(),
             },
             intra: Some(CollectiveFit {
                 busbw_bytes_per_s: 4e9,
@@ -676,8 +864,11 @@ mod tests {
                 matmul: vec![(3.4e7, 2.4e12), (1.1e12, 5.1e13)],
                 copy_bytes_per_s: 4.1e12,
                 pointwise_bytes_per_s: 2.8e12,
+                pointwise_curve: Vec::new(),
+                graph_kernels: Vec::new(),
                 op_overhead_s: 6.8e-6,
                 transcendentals_per_s: None,
+                tanh_per_s: None,
             },
             intra: None,
             inter: None,
@@ -698,4 +889,243 @@ mod tests {
         assert!(!c.fitted_fields.iter().any(|f| f.starts_with("node.intra")));
         assert!(c.provenance.contains(name) && !c.provenance.contains("all-reduce"));
     }
+}
+
+/// Samples of the calibration graph each device runs.
+const CALIBRATION_BATCH: u64 = 16;
+
+/// Sizes of the calibration graph: each class at two sizes of the unit its loops run over
+/// (a sample's image, a step's rows), a few hundred KiB and a few MiB of activations a
+/// device (the first alone in `quick` mode).
+fn calibration_sizes(quick: bool) -> &'static [CalibrationSize] {
+    const SIZES: [CalibrationSize; 2] = [
+        CalibrationSize {
+            channels: 4,
+            image: 8,
+            width: 16,
+            seq: 8,
+        },
+        CalibrationSize {
+            channels: 16,
+            image: 28,
+            width: 96,
+            seq: 32,
+        },
+    ];
+    if quick {
+        &SIZES[..1]
+    } else {
+        &SIZES
+    }
+}
+
+/// The shape of one calibration graph.
+#[derive(Clone, Copy, Debug)]
+struct CalibrationSize {
+    /// Channels and side of the images.
+    channels: u64,
+    image: u64,
+    /// Width of the sequence ops (embedding, recurrent layers, norm, attention) and their
+    /// positions.
+    width: u64,
+    seq: u64,
+}
+
+/// One op of every class the general-graph trainer runs, at batch `b`, in shapes of their
+/// own (not those of any zoo model): a 3×3 convolution over images and the CNN ops after it,
+/// an embedding, LSTM, GRU, norm and attention over a sequence, a linear layer to 300 classes
+/// and its loss.
+fn calibration_graph(size: CalibrationSize, b: u64) -> Result<Graph, parallax_ir::GraphError> {
+    use parallax_ir::op::{
+        Activation, AttentionAttrs, AxisAttrs, Pool2dAttrs, PoolKind, ReshapeAttrs, RnnAttrs,
+    };
+    use parallax_ir::{graph::conv, DType, GraphBuilder, OpKind};
+    let CalibrationSize {
+        channels: c,
+        image: side,
+        width,
+        seq,
+    } = size;
+    let mut g = GraphBuilder::new("calibration");
+    let images = g.input("images", [b, c, side, side], DType::F32);
+    // A stem reading the images, then one of each op on activations: ops on data inputs
+    // compute no input gradient, and are not timed.
+    let stem = g.conv2d("stem", images, conv(c, 3, 1, 1))?;
+    let x = g.batch_norm("batch_norm", stem)?;
+    let x = g.activation("relu", Activation::Relu, x)?;
+    let x = g.conv2d("conv2d", x, conv(c, 3, 1, 1))?;
+    let x = g.op1("add", OpKind::Add, &[x, stem])?;
+    let x = g.op1("mul", OpKind::Mul, &[x, stem])?;
+    let x = g.activation("gelu", Activation::Gelu, x)?;
+    let x = g.activation("sigmoid", Activation::Sigmoid, x)?;
+    let x = g.activation("tanh", Activation::Tanh, x)?;
+    let x = g.dropout("dropout", x, 100)?;
+    let pool = |kind, kernel, stride, pad| {
+        OpKind::Pool2d(Pool2dAttrs {
+            kind,
+            kernel: [kernel; 2],
+            stride: [stride; 2],
+            padding: [pad; 2],
+        })
+    };
+    let x = g.op1("max_pool", pool(PoolKind::Max, 3, 2, 1), &[x])?;
+    let x = g.op1("avg_pool", pool(PoolKind::Avg, 2, 2, 0), &[x])?;
+    let x = g.op1("concat", OpKind::Concat(AxisAttrs { axis: 1 }), &[x, x])?;
+    let pooled = g.op1("global_avg_pool", OpKind::GlobalAvgPool, &[x])?;
+    let image_labels = g.input("image_labels", [b], DType::I64);
+    let pooled = g.op1("flatten", OpKind::Flatten(AxisAttrs { axis: 1 }), &[pooled])?;
+    let image_logits = g.linear("classifier", pooled, 10, true)?;
+    let image_loss = g.op1(
+        "classifier_loss",
+        OpKind::CrossEntropy,
+        &[image_logits, image_labels],
+    )?;
+
+    let classes = 300;
+    let tokens = g.input("tokens", [b, seq], DType::I64);
+    let labels = g.input("labels", [b * seq], DType::I64);
+    let (x, _) = g.embedding("embedding", tokens, classes, width)?;
+    let rnn = |g: &mut GraphBuilder, name: &str, x, gates: u64, op: OpKind| {
+        let w_ih = g.weight(format!("{name}.weight_ih"), [width, gates * width]);
+        let w_hh = g.weight(format!("{name}.weight_hh"), [width, gates * width]);
+        let bias = g.weight(format!("{name}.bias"), [gates * width]);
+        g.op1(name, op, &[x, w_ih, w_hh, bias])
+    };
+    let hidden = RnnAttrs { hidden: width };
+    let x = rnn(&mut g, "lstm", x, 4, OpKind::Lstm(hidden.clone()))?;
+    let x = rnn(&mut g, "gru", x, 3, OpKind::Gru(hidden))?;
+    let x = g.layer_norm("layer_norm", x)?;
+    let heads = |g: &mut GraphBuilder, name: &str, t| {
+        g.op1(
+            name,
+            OpKind::Reshape(ReshapeAttrs {
+                shape: vec![b, seq, 4, width / 4],
+            }),
+            &[t],
+        )
+    };
+    let (q, k, v) = (
+        heads(&mut g, "q", x)?,
+        heads(&mut g, "k", x)?,
+        heads(&mut g, "v", x)?,
+    );
+    let attrs = AttentionAttrs {
+        causal: true,
+        fused: false,
+        dropout: false,
+        window: None,
+    };
+    let x = g.attention("attention", q, k, v, attrs)?;
+    let x = g.op1(
+        "rows",
+        OpKind::Reshape(ReshapeAttrs {
+            shape: vec![b * seq, width],
+        }),
+        &[x],
+    )?;
+    let logits = g.linear("linear", x, classes, true)?;
+    let loss = g.op1("cross_entropy", OpKind::CrossEntropy, &[logits, labels])?;
+    g.finish(&[image_loss, loss])
+}
+
+/// Forward and backward seconds of every node of `g` (one device's share of it) as the
+/// general-graph trainer runs them in training: `g` at `threads` times its batch, every op
+/// sample-split over `threads` devices (BatchNorm's statistics local: no communication inside
+/// an op), `steps` steps on the threads backend; per node the median over the steps past the
+/// first quarter and the devices of its forward and backward spans. A span holds what the trainer
+/// does for the op — its inputs gathered from the ops that made them, the kernel, its output
+/// gradient summed from its consumers' pieces — so the rates derived from it price an op as
+/// training runs it, not a kernel alone. `None` for nodes the trainer has no kernel for (the
+/// whole graph then), or when the run fails.
+pub fn time_graph_nodes(
+    g_of: &dyn Fn(u64) -> Result<Graph, parallax_ir::GraphError>,
+    batch: u64,
+    threads: usize,
+    steps: u64,
+) -> Option<Vec<(f64, f64)>> {
+    use crate::graph::{op_plan, split_label, GraphRunSpec};
+    use parallax_ir::{AxisRole, BatchNormStats};
+    let devices = threads.max(1) as u32;
+    let whole = g_of(batch * u64::from(devices)).ok()?;
+    let mut plan = op_plan(&whole, 1, |i| {
+        split_label(&whole, i, devices, 0, &|_, r| r == AxisRole::Sample)
+    });
+    plan.batch_norm = BatchNormStats::Local;
+    let mut spec = GraphRunSpec::new(whole.clone(), plan, steps.max(2));
+    spec.trace = true;
+    let report = crate::graph::run_graph_threads(&spec).ok()?;
+    // Steps past the first quarter (at least the first): allocator pools, page tables and
+    // caches settle over several steps.
+    let warm = (spec.steps / 4).max(1);
+    let median = |name: String| {
+        let mut t: Vec<f64> = report
+            .spans
+            .iter()
+            .filter(|s| s.step >= warm && s.name == name)
+            .map(|s| s.dur_s)
+            .collect();
+        t.sort_by(f64::total_cmp);
+        t.get(t.len() / 2).copied().unwrap_or(0.0)
+    };
+    Some(
+        whole
+            .nodes
+            .iter()
+            .map(|n| {
+                (
+                    median(format!("F {} mb0", n.name)),
+                    median(format!("B {} mb0", n.name)),
+                )
+            })
+            .collect(),
+    )
+}
+
+/// Whether node `i` of `g` is a timed case: its op has a class and its first input is
+/// another op's output (an op on a data input computes no input gradient; an embedding
+/// never does).
+fn timed(g: &Graph, i: usize) -> bool {
+    let n = &g.nodes[i];
+    let on_data = n
+        .inputs
+        .first()
+        .is_some_and(|t| g.tensor(*t).role == parallax_ir::TensorRole::Input);
+    parallax_cost::compute::host_class(&n.op).is_some()
+        && (!on_data || matches!(n.op, parallax_ir::OpKind::Embedding(_)))
+}
+
+/// The timed cases: every [`timed`] node of the calibration graphs (one device's share), in
+/// order.
+fn graph_kernel_cases(quick: bool) -> Vec<(Graph, usize)> {
+    let mut cases = Vec::new();
+    for &size in calibration_sizes(quick) {
+        let Ok(g) = calibration_graph(size, CALIBRATION_BATCH) else {
+            continue;
+        };
+        let nodes: Vec<usize> = (0..g.nodes.len()).filter(|&i| timed(&g, i)).collect();
+        cases.extend(nodes.into_iter().map(|i| (g.clone(), i)));
+    }
+    cases
+}
+
+/// Forward and backward seconds of every case of [`graph_kernel_cases`], measured in
+/// training on `threads` cores at once; `(0, 0)` for a case that did not run.
+fn measure_graph_kernels(threads: usize, quick: bool) -> Vec<(f64, f64)> {
+    let steps = if quick { 3 } else { 24 };
+    let mut times = Vec::new();
+    for &size in calibration_sizes(quick) {
+        let Ok(g) = calibration_graph(size, CALIBRATION_BATCH) else {
+            continue;
+        };
+        let measured = time_graph_nodes(
+            &|b| calibration_graph(size, b),
+            CALIBRATION_BATCH,
+            threads,
+            steps,
+        );
+        for i in (0..g.nodes.len()).filter(|&i| timed(&g, i)) {
+            times.push(measured.as_ref().map_or((0.0, 0.0), |m| m[i]));
+        }
+    }
+    times
 }

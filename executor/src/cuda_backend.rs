@@ -875,9 +875,12 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
             matmul,
             copy_bytes_per_s: copy,
             pointwise_bytes_per_s: pointwise,
+            pointwise_curve: Vec::new(),
+            graph_kernels: Vec::new(),
             op_overhead_s: op_overhead,
             // Special-function units: pointwise kernels stay memory-bound on a GPU.
             transcendentals_per_s: None,
+            tanh_per_s: None,
         },
         intra,
         inter: None,

@@ -21,12 +21,14 @@ mod cluster;
 mod curve;
 pub mod edit;
 mod error;
+mod host_kernels;
 mod presets;
 mod profile;
 
 pub use cluster::Cluster;
 pub use curve::EfficiencyCurve;
 pub use error::HwError;
+pub use host_kernels::{HostKernels, HostTrainer, KernelRates, HOST_KERNEL_CLASSES};
 pub use presets::{
     is_preset, preset, preset_for_device, preset_names, preset_toml, presets, CPU_LOCAL,
 };

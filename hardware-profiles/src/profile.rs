@@ -7,6 +7,7 @@
 
 use crate::curve::EfficiencyCurve;
 use crate::error::{from_toml_error, one_line, HwError};
+use crate::host_kernels::HostKernels;
 use parallax_ir::{Bytes, BytesPerSec, Precision, Seconds, GIB};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -114,12 +115,27 @@ pub struct DeviceSpec {
     /// cores run SIMT kernels only, several blocks per SM, which hide one another's epilogues.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gemm_epilogue_overlapped: Option<bool>,
-    /// Elementwise transcendental evaluations (exp, tanh, a sigmoid) one device sustains per
-    /// second, where they rather than memory bound a pointwise kernel: a CPU core evaluates
-    /// each in libm, tens of cycles (measured by `parallax calibrate`). Absent for GPUs, whose
+    /// Elementwise exponentials (an exp, a sigmoid) one device sustains per second, where
+    /// they rather than memory bound a pointwise kernel: a CPU core evaluates each in libm,
+    /// tens of cycles (measured by `parallax calibrate`). Absent for GPUs, whose
     /// special-function units keep such kernels memory-bound.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transcendentals_per_s: Option<f64>,
+    /// Hyperbolic tangents per second (GeLU's tanh approximation, an LSTM cell's), which a
+    /// CPU core's libm takes several times longer for than an exponential; absent: counted
+    /// at `transcendentals_per_s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tanh_per_s: Option<f64>,
+    /// Host cores: `memory_efficiency` by the bytes one kernel touches, `[[bytes,
+    /// efficiency]]` (the caches serve a kernel whose tensors fit them faster than DRAM);
+    /// absent: `memory_efficiency` at every size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_efficiency_curve: Option<EfficiencyCurve>,
+    /// Host cores: the CPU executor's kernels by op class, as `parallax calibrate` measured
+    /// them (`[device.host_kernels.graph]`, `[device.host_kernels.transformer]`: see
+    /// [`HostKernels`]); an op of a class not measured is priced by bytes and bandwidth.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_kernels: Option<HostKernels>,
 }
 
 /// Optional per-precision factors (used for [`DeviceSpec::matmul_efficiency_scale`]).
@@ -593,6 +609,20 @@ impl ClusterProfile {
         }
         if let Some(t) = d.transcendentals_per_s {
             pos("device.transcendentals_per_s", t)?;
+        }
+        if let Some(t) = d.tanh_per_s {
+            pos("device.tanh_per_s", t)?;
+        }
+        if let Some(h) = &d.host_kernels {
+            if let Err((field, problem)) = h.check() {
+                return Err(self.invalid(format!("device.host_kernels.{field}"), problem));
+            }
+        }
+        if let Some(c) = &d.memory_efficiency_curve {
+            if let Err((idx, problem)) = c.check() {
+                let at = idx.map_or(String::new(), |i| format!("[{i}]"));
+                return Err(self.invalid(format!("device.memory_efficiency_curve{at}"), problem));
+            }
         }
         if let Some(a) = d.sustained_efficiency {
             // Above 1 when the isolated-GEMM curve of a chip without measured reference points

@@ -492,6 +492,15 @@ fn activation_flops(kind: Activation) -> (f64, f64) {
     }
 }
 
+/// Transcendental evaluations of an op, `(forward, backward)` of each kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Transcendentals {
+    /// Exponentials (an exp, a sigmoid, a softplus each).
+    pub exp: (f64, f64),
+    /// Hyperbolic tangents.
+    pub tanh: (f64, f64),
+}
+
 impl OpKind {
     /// Short name of the op kind (histograms, errors).
     pub fn name(&self) -> &'static str {
@@ -908,41 +917,57 @@ impl OpKind {
         }
     }
 
-    /// Elementwise transcendental evaluations (an exp, a tanh or a sigmoid each) of one
-    /// forward and one backward pass at input shapes `ins`, as a framework's elementwise
-    /// kernels evaluate them: an LSTM cell three sigmoids and two tanh per hidden unit and
-    /// step forward, the tanh of its cell state again backward; a GRU cell two sigmoids and a
-    /// tanh forward (backward reads the saved gates); a smooth activation one per element each
-    /// way (its gradient re-evaluates it from the input); a softmax or a cross-entropy an exp
-    /// per element forward. Zero for the rest.
-    pub fn transcendentals(&self, ins: &[Shape]) -> (f64, f64) {
+    /// Elementwise transcendental evaluations of one forward and one backward pass at input
+    /// shapes `ins`, by kind (exponentials, sigmoids among them, and hyperbolic tangents: a
+    /// host core's libm takes several times longer for a tanh), as a framework's elementwise
+    /// kernels evaluate them: an LSTM cell three sigmoids and two tanh per hidden unit and step
+    /// forward, the tanh of its cell state again backward; a GRU cell two sigmoids and a tanh
+    /// forward (backward reads the saved gates); a smooth activation one per element each way
+    /// (its gradient re-evaluates it from the input: GeLU's tanh approximation, SiLU's and a
+    /// SwiGLU gate's sigmoid); a softmax or a cross-entropy an exp per element forward. Zero
+    /// for the rest.
+    pub fn transcendentals(&self, ins: &[Shape]) -> Transcendentals {
         let elems = ins.first().map_or(0.0, |x| x.elems() as f64);
+        let exp = |fwd, bwd| Transcendentals {
+            exp: (fwd, bwd),
+            ..Transcendentals::default()
+        };
         match self {
             OpKind::Lstm(a) | OpKind::Gru(a) => {
                 let units = ins.first().map_or(0.0, |x| {
                     (x.dim(0).unwrap_or(1) * x.dim(1).unwrap_or(1) * a.hidden) as f64
                 });
                 if matches!(self, OpKind::Lstm(_)) {
-                    (5.0 * units, units)
+                    Transcendentals {
+                        exp: (3.0 * units, 0.0),
+                        tanh: (2.0 * units, units),
+                    }
                 } else {
-                    (3.0 * units, 0.0)
+                    Transcendentals {
+                        exp: (2.0 * units, 0.0),
+                        tanh: (units, 0.0),
+                    }
                 }
             }
             OpKind::Activation(a) => match a.kind {
-                Activation::Relu | Activation::SquaredRelu => (0.0, 0.0),
-                Activation::Gelu | Activation::Silu | Activation::Sigmoid | Activation::Tanh => {
-                    (elems, elems)
-                }
+                Activation::Relu | Activation::SquaredRelu => Transcendentals::default(),
+                Activation::Gelu | Activation::Tanh => Transcendentals {
+                    tanh: (elems, elems),
+                    ..Transcendentals::default()
+                },
+                Activation::Silu | Activation::Sigmoid => exp(elems, elems),
             },
-            OpKind::Softmax(_) | OpKind::CrossEntropy => (elems, 0.0),
+            // silu(gate) · up: the gate's sigmoid, again in backward.
+            OpKind::SwiGlu => exp(elems, elems),
+            OpKind::Softmax(_) | OpKind::CrossEntropy => exp(elems, 0.0),
             // The convolution's SiLU per channel; per head the softplus of dt and the decay
             // exp(dt·A), each way.
             OpKind::Ssd(a) => {
                 let tokens = ins.first().map_or(0.0, |x| x.leading_elems() as f64);
                 let n = tokens * (a.conv_channels() + 2 * a.heads) as f64;
-                (n, n)
+                exp(n, n)
             }
-            _ => (0.0, 0.0),
+            _ => Transcendentals::default(),
         }
     }
 
