@@ -124,9 +124,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "  op overhead         {:>8.3} us",
         m.compute.op_overhead_s * 1e6
     );
-    // The general-graph trainer's ops as it runs them in training, past their GEMM calls.
+    // The trainers' ops past their GEMM calls: the general-graph trainer's as it runs them in
+    // training, the transformer trainer's kernels alone.
     if let Some(h) = &p.device.host_kernels {
-        for (class, rates) in &h.graph {
+        let both = [("graph", &h.graph), ("transformer", &h.transformer)];
+        for (trainer, class, rates) in both
+            .iter()
+            .flat_map(|(t, table)| table.iter().map(move |(c, r)| (t, c, r)))
+        {
             let line = rates
                 .0
                 .iter()
@@ -135,7 +140,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 })
                 .collect::<Vec<_>>()
                 .join(", ");
-            println!("  {class:<18} {line} GB/s (forward / backward) per {unit}");
+            println!("  {trainer:<11} {class:<15} {line} GB/s (forward / backward) per {unit}");
         }
     }
     match &m.intra {

@@ -17,7 +17,7 @@ use parallax_cost::DeviceModel;
 use parallax_hardware::{
     Calibration as Provenance, ClusterProfile, EfficiencyCurve, HostKernels, KernelRates,
 };
-use parallax_ir::{Graph, Precision};
+use parallax_ir::{Graph, OpKind, Precision};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -99,6 +99,9 @@ pub struct ComputeFigures {
     /// Forward and backward seconds of the general-graph trainer's kernel of each case of
     /// `graph_kernel_cases` (host cores; empty for GPUs).
     pub graph_kernels: Vec<(f64, f64)>,
+    /// The same of the transformer trainer's kernels, each case of
+    /// `transformer_kernel_cases`.
+    pub transformer_kernels: Vec<(f64, f64)>,
 }
 
 impl ComputeFigures {
@@ -106,7 +109,12 @@ impl ComputeFigures {
     /// curve's length, then its points, then the scalars.
     pub fn to_vec(&self) -> Vec<f64> {
         let mut v = Vec::new();
-        for curve in [&self.matmul, &self.pointwise_curve, &self.graph_kernels] {
+        for curve in [
+            &self.matmul,
+            &self.pointwise_curve,
+            &self.graph_kernels,
+            &self.transformer_kernels,
+        ] {
             v.push(curve.len() as f64);
             v.extend(curve.iter().flat_map(|(f, r)| [*f, *r]));
         }
@@ -132,7 +140,8 @@ impl ComputeFigures {
                 .map(|p| (p[0], p[1]))
                 .collect::<Vec<_>>()
         };
-        let (matmul, pointwise_curve, graph_kernels) = (curve(), curve(), curve());
+        let (matmul, pointwise_curve, graph_kernels, transformer_kernels) =
+            (curve(), curve(), curve(), curve());
         let rest = v.get(at..).unwrap_or(&[]);
         let positive = |i: usize| rest.get(i).copied().filter(|r| *r > 0.0);
         ComputeFigures {
@@ -144,6 +153,7 @@ impl ComputeFigures {
             transcendentals_per_s: positive(3),
             tanh_per_s: positive(4),
             graph_kernels,
+            transformer_kernels,
         }
     }
 }
@@ -422,6 +432,21 @@ pub fn measure_compute(threads: usize, quick: bool) -> ComputeFigures {
     let exps = rate(|v| if v < 0.5 { sigmoid(v) } else { v.exp() });
     // The general-graph trainer's kernel of every op class, whole on one device.
     let graph_kernels = measure_graph_kernels(threads, quick);
+    let kernel_time = Duration::from_millis(if quick { 2 } else { 40 });
+    let transformer_kernels = transformer_kernel_cases(quick)
+        .iter()
+        .map(|c| {
+            let t: Vec<(f64, f64)> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..threads)
+                    .map(|_| s.spawn(|| time_transformer_case(c, kernel_time)))
+                    .collect();
+                hs.into_iter().filter_map(|h| h.join().ok()).collect()
+            });
+            let n = t.len().max(1) as f64;
+            t.iter()
+                .fold((0.0, 0.0), |a, t| (a.0 + t.0 / n, a.1 + t.1 / n))
+        })
+        .collect();
     let tanh = rate(f32::tanh);
     ComputeFigures {
         matmul: curve,
@@ -432,6 +457,7 @@ pub fn measure_compute(threads: usize, quick: bool) -> ComputeFigures {
         transcendentals_per_s: Some(exps),
         tanh_per_s: Some(tanh),
         graph_kernels,
+        transformer_kernels,
     }
 }
 
@@ -524,34 +550,70 @@ fn host_kernel_rates(m: &ComputeFigures, p: &ClusterProfile) -> Option<HostKerne
     for ((g, i), &(tf, tb)) in cases.iter().zip(&m.graph_kernels) {
         let node = &g.nodes[*i];
         let (ins, w) = (g.input_shapes(node), g.node_work(node, 4));
-        let Some(split) = model.host_split(&node.op, &ins, &w, 4) else {
-            continue;
-        };
-        if !(tf > 0.0 && tb > 0.0 && split.bytes > 0.0) {
-            continue;
-        }
-        // A twentieth of the kernel at least, where the curve prices its GEMM calls slower
-        // than they ran.
-        let rest_f = (tf - split.gemm.fwd.0).max(0.05 * tf);
-        let rest_b = (tb - split.gemm.bwd_input.0 - split.gemm.bwd_weight.0).max(0.05 * tb);
-        table.entry(split.class.to_string()).or_default().push([
-            split.key,
-            split.bytes / rest_f,
-            split.bytes / rest_b,
-        ]);
+        add_rates(&mut table, &model, &node.op, &ins, &w, (tf, tb));
     }
-    let graph = table
+    // The transformer trainer's kernels, timed alone.
+    let model = DeviceModel::new(p, Precision::Fp32).ok()?;
+    let mut transformer: BTreeMap<String, Vec<[f64; 3]>> = BTreeMap::new();
+    let n = m.transformer_kernels.len();
+    if let Some(cases) = [false, true]
+        .into_iter()
+        .map(transformer_kernel_cases)
+        .find(|c| c.len() == n)
+    {
+        for (c, &(tf, tb)) in cases.iter().zip(&m.transformer_kernels) {
+            let outs = c.op.infer(&c.ins).unwrap_or_default();
+            // A norm's scale and shift are weights.
+            let flags: Vec<bool> = (0..c.ins.len())
+                .map(|k| k > 0 && matches!(c.op, OpKind::RmsNorm | OpKind::LayerNorm))
+                .collect();
+            let w = c.op.work(&c.ins, &outs, &flags, 4);
+            add_rates(&mut transformer, &model, &c.op, &c.ins, &w, (tf, tb));
+        }
+    }
+    Some(HostKernels {
+        graph: curves(table),
+        transformer: curves(transformer),
+    })
+}
+
+/// Each class's points sorted by size, one per size.
+fn curves(table: BTreeMap<String, Vec<[f64; 3]>>) -> BTreeMap<String, KernelRates> {
+    table
         .into_iter()
         .map(|(class, mut pts)| {
             pts.sort_by(|a, b| a[0].total_cmp(&b[0]));
             pts.dedup_by(|b, a| b[0] <= a[0]);
             (class, KernelRates(pts))
         })
-        .collect();
-    Some(HostKernels {
-        graph,
-        ..HostKernels::default()
-    })
+        .collect()
+}
+
+/// Adds to `table` the rates of an op that took `(tf, tb)` seconds: what is not the GEMM calls
+/// `model` prices on the calibrated curve, as the class's bytes per second, at the size of one
+/// call of its inner loop (at least a twentieth of the kernel, where the curve prices its GEMM
+/// calls slower than they ran).
+fn add_rates(
+    table: &mut BTreeMap<String, Vec<[f64; 3]>>,
+    model: &DeviceModel,
+    op: &OpKind,
+    ins: &[parallax_ir::Shape],
+    w: &parallax_ir::Work,
+    (tf, tb): (f64, f64),
+) {
+    let Some(split) = model.host_split(op, ins, w, 4) else {
+        return;
+    };
+    if !(tf > 0.0 && tb > 0.0 && split.bytes > 0.0) {
+        return;
+    }
+    let rest_f = (tf - split.gemm.fwd.0).max(0.05 * tf);
+    let rest_b = (tb - split.gemm.bwd_input.0 - split.gemm.bwd_weight.0).max(0.05 * tb);
+    table.entry(split.class.to_string()).or_default().push([
+        split.key,
+        split.bytes / rest_f,
+        split.bytes / rest_b,
+    ]);
 }
 
 /// Lowest efficiency written to a curve (validation needs a positive value).
@@ -699,6 +761,205 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
     p
 }
 
+/// One op of the transformer trainer's kernels, timed alone: its IR op and input shapes (what
+/// the cost model prices) and the kernel calls that run it.
+struct TransformerCase {
+    op: parallax_ir::OpKind,
+    ins: Vec<parallax_ir::Shape>,
+}
+
+/// The transformer trainer's op classes at two sizes (tokens × width; the first alone in
+/// `quick` mode): norms, activations, the rotary embedding, causal attention, the residual add
+/// and the loss, in shapes of their own.
+fn transformer_kernel_cases(quick: bool) -> Vec<TransformerCase> {
+    use parallax_ir::op::{Activation, ActivationAttrs, AttentionAttrs};
+    use parallax_ir::{OpKind, Shape};
+    // (sequence, heads, head size, vocabulary)
+    let sizes: &[(u64, u64, u64, u64)] = if quick {
+        &[(32, 2, 16, 200)]
+    } else {
+        &[(32, 2, 16, 200), (192, 6, 32, 600)]
+    };
+    let mut cases = Vec::new();
+    for &(s, heads, hd, vocab) in sizes {
+        let h = heads * hd;
+        let rows = Shape::new([s, h]);
+        let per_head = Shape::new([1, s, heads, hd]);
+        let case = |op, ins: Vec<Shape>| TransformerCase { op, ins };
+        cases.extend([
+            case(OpKind::RmsNorm, vec![rows.clone(), Shape::new([h])]),
+            case(
+                OpKind::LayerNorm,
+                vec![rows.clone(), Shape::new([h]), Shape::new([h])],
+            ),
+            case(OpKind::Add, vec![rows.clone(), rows.clone()]),
+            case(OpKind::SwiGlu, vec![rows.clone(), rows.clone()]),
+            case(
+                OpKind::Activation(ActivationAttrs {
+                    kind: Activation::Gelu,
+                }),
+                vec![rows.clone()],
+            ),
+            case(OpKind::Rope, vec![per_head.clone()]),
+            case(
+                OpKind::Attention(AttentionAttrs {
+                    causal: true,
+                    fused: false,
+                    dropout: false,
+                    window: None,
+                }),
+                vec![per_head.clone(), per_head.clone(), per_head],
+            ),
+            case(
+                OpKind::CrossEntropy,
+                vec![Shape::new([s, vocab]), Shape::new([s])],
+            ),
+        ]);
+    }
+    cases
+}
+
+/// Forward and backward seconds of `c` by the transformer trainer's kernels on the calling
+/// thread, over copies of its inputs beyond the core's caches (as a training step finds
+/// them); a loss computed with its gradient in one pass counts half each way.
+fn time_transformer_case(c: &TransformerCase, min_time: Duration) -> (f64, f64) {
+    use crate::tensor::{
+        attention_bwd, attention_fwd, cross_entropy, norm_bwd, norm_fwd, rope, Act, Mask,
+    };
+    use parallax_ir::OpKind;
+    const COLD_BYTES: usize = 4 << 20;
+    let elems = |k: usize| c.ins.get(k).map_or(0, |s| s.elems() as usize);
+    let (n, width) = (elems(0), c.ins[0].last() as usize);
+    let copies = COLD_BYTES.div_ceil(4 * n.max(1)).clamp(1, 64);
+    let data = |k: usize, salt: usize| -> Vec<f32> {
+        (0..elems(k))
+            .map(|j| (((j + salt) * 37) % 101) as f32 / 50.0 - 1.0)
+            .collect()
+    };
+    let xs: Vec<Vec<f32>> = (0..copies).map(|i| data(0, i)).collect();
+    // A second operand, or an output gradient, shaped as the first input.
+    let ys: Vec<Vec<f32>> = (0..copies).map(|i| data(0, i + 7)).collect();
+    let ones = vec![1.0f32; width];
+    let mut at = 0;
+    let mut next = || {
+        at = (at + 1) % copies;
+        at
+    };
+    match &c.op {
+        OpKind::RmsNorm | OpKind::LayerNorm => {
+            let rms = matches!(c.op, OpKind::RmsNorm);
+            let bias = (!rms).then_some(ones.as_slice());
+            let mut y = vec![0.0; n];
+            let stats = norm_fwd(&mut y, &xs[0], &ones, bias, rms);
+            let fwd = time_best(min_time, || {
+                let i = next();
+                std::hint::black_box(norm_fwd(&mut y, &xs[i], &ones, bias, rms));
+            });
+            let (mut dx, mut dw, mut db) = (vec![0.0; n], vec![0.0; width], vec![0.0; width]);
+            let bwd = time_best(min_time, || {
+                let i = next();
+                let db = (!rms).then_some(db.as_mut_slice());
+                norm_bwd(
+                    &mut dx, &ys[i], &xs[i], &stats, &ones, &mut dw, db, rms, false,
+                );
+                std::hint::black_box(&mut dx);
+            });
+            (fwd, bwd)
+        }
+        OpKind::Add => {
+            let mut y = vec![0.0; n];
+            let t = time_best(min_time, || {
+                let i = next();
+                y.copy_from_slice(&xs[i]);
+                crate::tensor::add_into(&mut y, &ys[i]);
+                std::hint::black_box(&mut y);
+            });
+            (t, t)
+        }
+        OpKind::SwiGlu | OpKind::Activation(_) => {
+            let (act, gated) = match c.op {
+                OpKind::SwiGlu => (Act::Swiglu, true),
+                _ => (Act::Gelu, false),
+            };
+            let fwd = time_best(min_time, || {
+                let i = next();
+                std::hint::black_box(act.fwd(&xs[i], gated.then_some(&ys[i])));
+            });
+            let mut da = vec![0.0; n];
+            let bwd = time_best(min_time, || {
+                let i = next();
+                da.copy_from_slice(&ys[i]);
+                std::hint::black_box(act.bwd(&mut da, &xs[i], gated.then_some(&xs[i])));
+            });
+            (fwd, bwd)
+        }
+        OpKind::Rope => {
+            let d = c.ins[0].dims();
+            let (heads, hd, s) = (d[2] as usize, d[3] as usize, d[1] as usize);
+            let mut xs = xs;
+            let mut pass = |inverse| {
+                time_best(min_time, || {
+                    let i = next();
+                    rope(&mut xs[i], heads, hd, 10_000.0, |t| t % s, inverse);
+                })
+            };
+            (pass(false), pass(true))
+        }
+        OpKind::Attention(_) => {
+            let d = c.ins[0].dims();
+            let (s, heads, hd) = (d[1] as usize, d[2] as usize, d[3] as usize);
+            let pos: Vec<usize> = (0..s).collect();
+            let mask = Mask::Causal(None);
+            let mut o = vec![0.0; n];
+            let probs = attention_fwd(
+                &mut o, &xs[0], &ys[0], &xs[0], 1, &pos, s, heads, heads, hd, mask, None, true,
+            );
+            let fwd = time_best(min_time, || {
+                let i = next();
+                std::hint::black_box(attention_fwd(
+                    &mut o, &xs[i], &ys[i], &xs[i], 1, &pos, s, heads, heads, hd, mask, None, true,
+                ));
+            });
+            let (mut dq, mut dk, mut dv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+            let bwd = time_best(min_time, || {
+                let i = next();
+                attention_bwd(
+                    &mut dq,
+                    &mut dk,
+                    &mut dv,
+                    &ys[i],
+                    &xs[i],
+                    &ys[i],
+                    &xs[i],
+                    probs.as_deref(),
+                    1,
+                    &pos,
+                    s,
+                    heads,
+                    heads,
+                    hd,
+                    mask,
+                    None,
+                    None,
+                );
+                std::hint::black_box(&mut dq);
+            });
+            (fwd, bwd)
+        }
+        OpKind::CrossEntropy => {
+            let rows = c.ins[1].elems() as usize;
+            let targets: Vec<u32> = (0..rows).map(|r| ((r * 7919) % width) as u32).collect();
+            let mut logits = xs;
+            let t = time_best(min_time, || {
+                let i = next();
+                std::hint::black_box(cross_entropy(&mut logits[i], &targets, width, 1.0));
+            });
+            (t / 2.0, t / 2.0)
+        }
+        _ => (0.0, 0.0),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -769,6 +1030,31 @@ mod tests {
                 n.name
             );
         }
+        // The transformer trainer's kernels alike, read by a transformer's ops.
+        let model = DeviceModel::new(&p, Precision::Fp32).unwrap();
+        let cases = transformer_kernel_cases(true);
+        assert_eq!(m.compute.transformer_kernels.len(), cases.len());
+        for (c, (tf, tb)) in cases.iter().zip(&m.compute.transformer_kernels) {
+            let class = parallax_cost::compute::host_class(&c.op).unwrap();
+            assert!(table.transformer.contains_key(class), "{class}");
+            let flags: Vec<bool> = (0..c.ins.len())
+                .map(|k| k > 0 && matches!(c.op, OpKind::RmsNorm | OpKind::LayerNorm))
+                .collect();
+            let w = c.op.work(&c.ins, &c.op.infer(&c.ins).unwrap(), &flags, 4);
+            let split = model.host_split(&c.op, &c.ins, &w, 4).unwrap();
+            let t = model.op(&c.op, &c.ins, &w, 4);
+            let close = |got: f64, want: f64| (got - want).abs() <= 1e-9 * want;
+            assert!(
+                close(t.fwd.0, tf.max(split.gemm.fwd.0 + 0.05 * tf)),
+                "{class}: {t:?} vs {tf}"
+            );
+            let gb = split.gemm.bwd_input.0 + split.gemm.bwd_weight.0;
+            let back = t.bwd_input.0 + t.bwd_weight.0;
+            assert!(
+                close(back, tb.max(gb + 0.05 * tb)),
+                "{class}: {back} vs {tb}"
+            );
+        }
         let text = p.to_toml_string().unwrap();
         let back = ClusterProfile::from_toml_str(&text, "calibrated").unwrap();
         assert_eq!(back.node.gpus_per_node, 2);
@@ -787,6 +1073,7 @@ mod tests {
             transcendentals_per_s: Some(2e8),
             tanh_per_s: Some(6e7),
             graph_kernels: vec![(1e-5, 2e-5), (3e-5, 5e-5)],
+            transformer_kernels: vec![(4e-6, 8e-6)],
         };
         assert_eq!(ComputeFigures::from_vec(&c.to_vec()), c);
         let gpu = ComputeFigures {
@@ -794,6 +1081,7 @@ mod tests {
             tanh_per_s: None,
             pointwise_curve: Vec::new(),
             graph_kernels: Vec::new(),
+            transformer_kernels: Vec::new(),
             ..c
         };
         assert_eq!(ComputeFigures::from_vec(&gpu.to_vec()), gpu);
@@ -827,6 +1115,7 @@ mod tests {
                 transcendentals_per_s: Some(2e8),
                 tanh_per_s: Some(6e7),
                 graph_kernels: Vec::new(),
+                transformer_kernels: Vec::new(),
             },
             intra: Some(CollectiveFit {
                 busbw_bytes_per_s: 4e9,
@@ -866,6 +1155,7 @@ mod tests {
                 pointwise_bytes_per_s: 2.8e12,
                 pointwise_curve: Vec::new(),
                 graph_kernels: Vec::new(),
+                transformer_kernels: Vec::new(),
                 op_overhead_s: 6.8e-6,
                 transcendentals_per_s: None,
                 tanh_per_s: None,

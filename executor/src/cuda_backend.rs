@@ -877,6 +877,7 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
             pointwise_bytes_per_s: pointwise,
             pointwise_curve: Vec::new(),
             graph_kernels: Vec::new(),
+            transformer_kernels: Vec::new(),
             op_overhead_s: op_overhead,
             // Special-function units: pointwise kernels stay memory-bound on a GPU.
             transcendentals_per_s: None,
