@@ -968,6 +968,7 @@ mod tests {
     fn transcendentals_bound_pointwise_kernels_on_host_cores() {
         let mut p = preset("cpu-local").unwrap();
         p.device.transcendentals_per_s = Some(1e7);
+        p.device.tanh_per_s = Some(1e7);
         let m = DeviceModel::new(&p, Precision::Fp32).unwrap();
         let g = parallax_ir::models::rnn::lstm_tiny(4, 16).unwrap();
         let node = g
@@ -992,6 +993,7 @@ mod tests {
         let wg = gelu.work(&a, &a, &[false], 4);
         assert!((m.op(&gelu, &a, &wg, 4).fwd.0 - 1e5 / 1e7).abs() < 1e-9);
         p.device.transcendentals_per_s = None;
+        p.device.tanh_per_s = None;
         let memory_bound = DeviceModel::new(&p, Precision::Fp32).unwrap();
         assert!(memory_bound.op(&gelu, &a, &wg, 4).fwd.0 < 1e-3);
         let relu = OpKind::Activation(parallax_ir::op::ActivationAttrs {

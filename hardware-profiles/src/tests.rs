@@ -836,3 +836,48 @@ fn a_driver_device_name_finds_its_preset() {
         Some("grand-teton-h100-96gb")
     );
 }
+
+/// The measured kernel tables of host cores: read back as written, and each bad entry named
+/// by its field path in one line.
+#[test]
+fn host_kernel_tables_parse_and_name_their_bad_entries() {
+    let cpu = preset_toml("cpu-local").unwrap();
+    let with = |table: &str| {
+        cpu.replacen(
+            "\n[node]",
+            &format!("\n[device.host_kernels.graph]\n{table}\n\n[node]"),
+            1,
+        )
+    };
+    let p = ClusterProfile::from_toml_str(
+        &with("conv2d = [[9216.0, 3e9, 1e9], [451584.0, 6.6e9, 1.9e9]]"),
+        "cpu.toml",
+    )
+    .unwrap();
+    let rates = p
+        .device
+        .host_kernels
+        .as_ref()
+        .and_then(|h| h.rates(HostTrainer::Graph, "conv2d"))
+        .unwrap();
+    assert_eq!(rates.0.len(), 2);
+    assert!(p
+        .device
+        .host_kernels
+        .as_ref()
+        .unwrap()
+        .rates(HostTrainer::Transformer, "conv2d")
+        .is_none());
+    let e = err_of(&with("warp = [[1.0, 1.0, 1.0]]"));
+    assert!(
+        e.contains("device.host_kernels.graph.warp") && e.contains("unknown op class"),
+        "{e}"
+    );
+    let e = err_of(&with("relu = [[1e4, 1e9, 1e9], [1e3, 1e9, 1e9]]"));
+    assert!(
+        e.contains("device.host_kernels.graph.relu[1]") && e.contains("increase"),
+        "{e}"
+    );
+    let e = err_of(&with("relu = [[1e4, -1e9, 1e9]]"));
+    assert!(e.contains("positive"), "{e}");
+}
