@@ -130,8 +130,9 @@ pub struct HostSplit {
     /// The GEMM calls of each pass.
     pub gemm: OpTimes,
     /// The bytes the class's rate counts: a convolution's im2col matrix, a recurrent layer's
-    /// cell tensors over every step, a pooling its windows' reads, and for the rest the op's
-    /// forward traffic.
+    /// cell tensors over every step, a pooling its windows' reads, attention the scores its
+    /// queries see (half of them under a causal mask), and for the rest the op's forward
+    /// traffic.
     pub bytes: f64,
     /// The size the rate is read at: the bytes of one call of the kernel's inner loop where it
     /// runs one per sample (a convolution), step (a recurrent layer) or sample and head
@@ -612,10 +613,20 @@ impl<'a> DeviceModel<'a> {
                     s,
                 )
             }
-            // Per sample and head: the scores and the weighted values.
-            OpKind::Attention(_) => {
+            // Per sample and head: the scores and the weighted values; the loops between them
+            // (scale, mask, softmax and its gradient) run over the scores a query sees.
+            OpKind::Attention(a) => {
                 let heads = ins.first().and_then(|q| q.dim(2)).unwrap_or(1).max(1) as f64;
-                (each(dim(0) * heads), traffic, dim(0) * heads)
+                let (sq, sk) = (dim(1), ins.get(1).and_then(|k| k.dim(1)).unwrap_or(1) as f64);
+                let seen = if a.causal {
+                    // The causal triangle under a window of w keys: s·w − w²/2 of s².
+                    let w = a.window.map_or(sk, |w| (w as f64).min(sk));
+                    (w / sk - w * w / (2.0 * sk * sk) + 0.5 / sk).clamp(0.0, 1.0)
+                } else {
+                    1.0
+                };
+                let scores = dim(0) * heads * sq * sk * seen * fb;
+                (each(dim(0) * heads), scores, dim(0) * heads)
             }
             OpKind::Linear(_) | OpKind::MatMul(_) => (each(1.0), traffic, 1.0),
             // Each output reads its window.
