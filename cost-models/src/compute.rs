@@ -131,8 +131,8 @@ pub struct HostSplit {
     pub gemm: OpTimes,
     /// The bytes the class's rate counts: a convolution's im2col matrix, a recurrent layer's
     /// cell tensors over every step, a pooling its windows' reads, attention the scores its
-    /// queries see (half of them under a causal mask), and for the rest the op's forward
-    /// traffic.
+    /// kernel computes (the transformer trainer's half of them under a causal mask), and for
+    /// the rest the op's forward traffic.
     pub bytes: f64,
     /// The size the rate is read at: the bytes of one call of the kernel's inner loop where it
     /// runs one per sample (a convolution), step (a recurrent layer) or sample and head
@@ -614,11 +614,16 @@ impl<'a> DeviceModel<'a> {
                 )
             }
             // Per sample and head: the scores and the weighted values; the loops between them
-            // (scale, mask, softmax and its gradient) run over the scores a query sees.
+            // (scale, mask, softmax and its gradient) run over the scores a query sees in the
+            // transformer trainer, over every score (masked ones set to −∞) in the graph
+            // trainer.
             OpKind::Attention(a) => {
                 let heads = ins.first().and_then(|q| q.dim(2)).unwrap_or(1).max(1) as f64;
-                let (sq, sk) = (dim(1), ins.get(1).and_then(|k| k.dim(1)).unwrap_or(1) as f64);
-                let seen = if a.causal {
+                let (sq, sk) = (
+                    dim(1),
+                    ins.get(1).and_then(|k| k.dim(1)).unwrap_or(1) as f64,
+                );
+                let seen = if a.causal && self.trainer == HostTrainer::Transformer {
                     // The causal triangle under a window of w keys: s·w − w²/2 of s².
                     let w = a.window.map_or(sk, |w| (w as f64).min(sk));
                     (w / sk - w * w / (2.0 * sk * sk) + 0.5 / sk).clamp(0.0, 1.0)
