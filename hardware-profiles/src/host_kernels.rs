@@ -14,11 +14,12 @@
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// The op classes a table may name (the cost model maps every op to one of these or none).
+/// The op classes a table may name: op names (the cost model maps every op to one of these or
+/// none).
 pub const HOST_KERNEL_CLASSES: &[&str] = &[
     "add",
     "attention",
-    "avg_pool",
+    "avg_pool2d",
     "batch_norm",
     "concat",
     "conv2d",
@@ -32,7 +33,7 @@ pub const HOST_KERNEL_CLASSES: &[&str] = &[
     "linear",
     "lstm",
     "matmul",
-    "max_pool",
+    "max_pool2d",
     "mul",
     "relu",
     "rms_norm",
