@@ -538,7 +538,12 @@ impl<'a> DeviceModel<'a> {
         w: &Work,
         float_bytes: u64,
     ) -> Option<HostSplit> {
-        let class = host_class(op)?;
+        // A broadcast runs the kernels' general indexing, several times the same-shape loop.
+        let class = match (op, ins) {
+            (OpKind::Add, [a, b]) if a != b => "broadcast_add",
+            (OpKind::Mul, [a, b]) if a != b => "broadcast_mul",
+            _ => host_class(op)?,
+        };
         let fb = float_bytes as f64;
         let dim = |d: isize| ins.first().and_then(|x| x.dim(d)).unwrap_or(1).max(1) as f64;
         // `n` equal GEMM calls sharing `flops`.

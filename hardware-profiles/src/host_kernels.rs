@@ -21,6 +21,8 @@ pub const HOST_KERNEL_CLASSES: &[&str] = &[
     "attention",
     "avg_pool2d",
     "batch_norm",
+    "broadcast_add",
+    "broadcast_mul",
     "concat",
     "conv2d",
     "cross_entropy",
