@@ -1417,19 +1417,35 @@ fn graph_kernel_cases(quick: bool) -> Vec<(Graph, usize)> {
 /// training on `threads` cores at once; `(0, 0)` for a case that did not run.
 fn measure_graph_kernels(threads: usize, quick: bool) -> Vec<(f64, f64)> {
     let steps = if quick { 3 } else { 24 };
+    // Runs of every size in turn, the median of each op over them: a host's speed drifts
+    // over seconds (1.5x on the VM this was built on), and one run would fix one moment.
+    let rounds = if quick { 1 } else { 3 };
+    let sizes = calibration_sizes(quick);
+    let mut runs: Vec<Vec<Option<Vec<(f64, f64)>>>> = vec![Vec::new(); sizes.len()];
+    for _ in 0..rounds {
+        for (s, &size) in sizes.iter().enumerate() {
+            runs[s].push(time_graph_nodes(
+                &|b| calibration_graph(size, b),
+                CALIBRATION_BATCH,
+                threads,
+                steps,
+            ));
+        }
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
     let mut times = Vec::new();
-    for &size in calibration_sizes(quick) {
+    for (s, &size) in sizes.iter().enumerate() {
         let Ok(g) = calibration_graph(size, CALIBRATION_BATCH) else {
             continue;
         };
-        let measured = time_graph_nodes(
-            &|b| calibration_graph(size, b),
-            CALIBRATION_BATCH,
-            threads,
-            steps,
-        );
         for i in (0..g.nodes.len()).filter(|&i| timed(&g, i)) {
-            times.push(measured.as_ref().map_or((0.0, 0.0), |m| m[i]));
+            let of = |pass: fn(&(f64, f64)) -> f64| {
+                median(runs[s].iter().flatten().map(|m| pass(&m[i])).collect())
+            };
+            times.push((of(|t| t.0), of(|t| t.1)));
         }
     }
     times
