@@ -1347,7 +1347,7 @@ pub fn time_graph_nodes(
     batch: u64,
     threads: usize,
     steps: u64,
-) -> Option<Vec<(f64, f64)>> {
+) -> Option<NodeTimes> {
     use crate::graph::{op_plan, split_label, GraphRunSpec};
     use parallax_ir::{AxisRole, BatchNormStats};
     let devices = threads.max(1) as u32;
@@ -1413,6 +1413,9 @@ fn graph_kernel_cases(quick: bool) -> Vec<(Graph, usize)> {
     cases
 }
 
+/// Forward and backward seconds of every node of a graph.
+type NodeTimes = Vec<(f64, f64)>;
+
 /// Forward and backward seconds of every case of [`graph_kernel_cases`], measured in
 /// training on `threads` cores at once; `(0, 0)` for a case that did not run.
 fn measure_graph_kernels(threads: usize, quick: bool) -> Vec<(f64, f64)> {
@@ -1421,7 +1424,7 @@ fn measure_graph_kernels(threads: usize, quick: bool) -> Vec<(f64, f64)> {
     // over seconds (1.5x on the VM this was built on), and one run would fix one moment.
     let rounds = if quick { 1 } else { 3 };
     let sizes = calibration_sizes(quick);
-    let mut runs: Vec<Vec<Option<Vec<(f64, f64)>>>> = vec![Vec::new(); sizes.len()];
+    let mut runs: Vec<Vec<Option<NodeTimes>>> = vec![Vec::new(); sizes.len()];
     for _ in 0..rounds {
         for (s, &size) in sizes.iter().enumerate() {
             runs[s].push(time_graph_nodes(
