@@ -826,7 +826,7 @@ fn transformer_kernel_cases(quick: bool) -> Vec<TransformerCase> {
 /// them); a loss computed with its gradient in one pass counts half each way.
 fn time_transformer_case(c: &TransformerCase, min_time: Duration) -> (f64, f64) {
     use crate::tensor::{
-        attention_bwd, attention_fwd, cross_entropy, norm_bwd, norm_fwd, rope, Act, Mask,
+        attention_bwd, attention_fwd, cross_entropy, norm_bwd, norm_fwd, rope, Act, AttnShape, Mask,
     };
     use parallax_ir::OpKind;
     const COLD_BYTES: usize = 4 << 20;
@@ -911,16 +911,21 @@ fn time_transformer_case(c: &TransformerCase, min_time: Duration) -> (f64, f64) 
             let d = c.ins[0].dims();
             let (s, heads, hd) = (d[1] as usize, d[2] as usize, d[3] as usize);
             let pos: Vec<usize> = (0..s).collect();
-            let mask = Mask::Causal(None);
+            let shape = AttnShape {
+                batch: 1,
+                q_pos: &pos,
+                sk: s,
+                heads,
+                kv_heads: heads,
+                hd,
+                mask: Mask::Causal(None),
+            };
             let mut o = vec![0.0; n];
-            let probs = attention_fwd(
-                &mut o, &xs[0], &ys[0], &xs[0], 1, &pos, s, heads, heads, hd, mask, None, true,
-            );
+            let probs = attention_fwd(&mut o, &xs[0], &ys[0], &xs[0], &shape, None, true);
             let fwd = time_best(min_time, || {
                 let i = next();
-                std::hint::black_box(attention_fwd(
-                    &mut o, &xs[i], &ys[i], &xs[i], 1, &pos, s, heads, heads, hd, mask, None, true,
-                ));
+                let o = attention_fwd(&mut o, &xs[i], &ys[i], &xs[i], &shape, None, true);
+                std::hint::black_box(o);
             });
             let (mut dq, mut dk, mut dv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
             let bwd = time_best(min_time, || {
@@ -934,13 +939,7 @@ fn time_transformer_case(c: &TransformerCase, min_time: Duration) -> (f64, f64) 
                     &ys[i],
                     &xs[i],
                     probs.as_deref(),
-                    1,
-                    &pos,
-                    s,
-                    heads,
-                    heads,
-                    hd,
-                    mask,
+                    &shape,
                     None,
                     None,
                 );

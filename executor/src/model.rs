@@ -22,7 +22,7 @@ use crate::ring::{ring_bwd, ring_fwd, RingShape};
 use crate::rng::SplitMix64;
 use crate::tensor::{
     add_bias, add_into, attention_bwd, attention_fwd, bias_grad, cross_entropy, mm, mm_nt, mm_tn,
-    norm_bwd, norm_fwd, rope, sigmoid, Act, Mask, IGNORE,
+    norm_bwd, norm_fwd, rope, sigmoid, Act, AttnShape, Mask, IGNORE,
 };
 use parallax_ir::models::{
     LayerKind, MambaConfig, Mlp, MoeConfig, Norm, Position, SlidingWindow, TransformerConfig,
@@ -1277,6 +1277,26 @@ fn ring_shape(pass: &Pass, heads: usize, kv_heads: usize, hd: usize, mask: Mask)
 }
 
 impl Pass {
+    /// The shape of this pass's attention over the query rows at positions `q_pos` of every
+    /// sequence against all of its keys: `(heads, kv_heads, head size)` and the keys a query
+    /// sees.
+    fn attention<'a>(
+        &self,
+        q_pos: &'a [usize],
+        (heads, kv_heads, hd): (usize, usize, usize),
+        mask: Mask,
+    ) -> AttnShape<'a> {
+        AttnShape {
+            batch: self.batch,
+            q_pos,
+            sk: self.seq,
+            heads,
+            kv_heads,
+            hd,
+            mask,
+        }
+    }
+
     /// Tokens of each sequence this rank holds.
     pub fn local_seq(&self) -> usize {
         self.seq / self.cp
@@ -1699,13 +1719,7 @@ fn block_fwd_inner(
                     &q,
                     &k,
                     &v,
-                    pass.batch,
-                    &pos,
-                    pass.seq,
-                    nh,
-                    nkv,
-                    aw,
-                    l.mask(d),
+                    &pass.attention(&pos, (nh, nkv, aw), l.mask(d)),
                     slice(p, &l.sinks),
                     keep == Keep::All,
                 );
@@ -2159,13 +2173,7 @@ pub fn block_bwd(
                 &s.k,
                 &s.v,
                 s.probs.as_deref(),
-                pass.batch,
-                &pos,
-                pass.seq,
-                nh,
-                nkv,
-                aw,
-                l.mask(d),
+                &pass.attention(&pos, (nh, nkv, aw), l.mask(d)),
                 slice(p, &l.sinks),
                 l.sinks.as_ref().map(|r| &mut g[r.clone()]),
             );

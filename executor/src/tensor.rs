@@ -667,6 +667,20 @@ impl Mask {
     }
 }
 
+/// The shape of one attention call: `batch` sequences, each with query rows at positions
+/// `q_pos` and `sk` key/value rows, `heads` query heads sharing `kv_heads` key/value heads of
+/// size `hd`, and the keys a query sees.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape<'a> {
+    pub batch: usize,
+    pub q_pos: &'a [usize],
+    pub sk: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub hd: usize,
+    pub mask: Mask,
+}
+
 /// Causal softmax attention of `batch` sequences: each has `q_pos.len()` query rows at
 /// positions `q_pos` of the sequence and `sk` key/value rows at positions `0..sk` (the whole
 /// sequence: the square case when `q_pos` is `0..sk`; a context-parallel rank's chunks
@@ -678,22 +692,24 @@ impl Mask {
 /// all (an encoder). With `sinks` (one logit per
 /// head, GPT-OSS's attention sinks) each row's softmax also counts a sink that holds no value:
 /// the probabilities of the keys sum to less than one.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_fwd(
     o: &mut [f32],
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    batch: usize,
-    q_pos: &[usize],
-    sk: usize,
-    heads: usize,
-    kv_heads: usize,
-    hd: usize,
-    mask: Mask,
+    shape: &AttnShape<'_>,
     sinks: Option<&[f32]>,
     keep_probs: bool,
 ) -> Option<Vec<f32>> {
+    let AttnShape {
+        batch,
+        q_pos,
+        sk,
+        heads,
+        kv_heads,
+        hd,
+        mask,
+    } = *shape;
     let sq = q_pos.len();
     let mut all = keep_probs.then(|| vec![0.0f32; batch * heads * sq * sk]);
     let mut p = vec![0.0f32; sq * sk];
@@ -791,16 +807,19 @@ pub fn attention_bwd(
     k: &[f32],
     v: &[f32],
     probs: Option<&[f32]>,
-    batch: usize,
-    q_pos: &[usize],
-    sk: usize,
-    heads: usize,
-    kv_heads: usize,
-    hd: usize,
-    mask: Mask,
+    shape: &AttnShape<'_>,
     sinks: Option<&[f32]>,
     mut dsinks: Option<&mut [f32]>,
 ) {
+    let AttnShape {
+        batch,
+        q_pos,
+        sk,
+        heads,
+        kv_heads,
+        hd,
+        mask,
+    } = *shape;
     let sq = q_pos.len();
     let (qw, kw) = (heads * hd, kv_heads * hd);
     let scale = 1.0 / (hd as f32).sqrt();
@@ -1146,11 +1165,18 @@ mod tests {
             let k = rand(batch * sk * kvh * hd, 8);
             let v = rand(batch * sk * kvh * hd, 9);
             let d_o = rand(batch * sq * heads * hd, 10);
+            let shape = AttnShape {
+                batch,
+                q_pos: &q_pos,
+                sk,
+                heads,
+                kv_heads: kvh,
+                hd,
+                mask,
+            };
             let run_with = |q: &[f32], k: &[f32], v: &[f32], sinks: Option<&[f32]>| {
                 let mut o = vec![0.0; batch * sq * heads * hd];
-                attention_fwd(
-                    &mut o, q, k, v, batch, &q_pos, sk, heads, kvh, hd, mask, sinks, false,
-                );
+                attention_fwd(&mut o, q, k, v, &shape, sinks, false);
                 o.iter()
                     .zip(&d_o)
                     .map(|(a, b)| f64::from(a * b))
@@ -1158,21 +1184,7 @@ mod tests {
             };
             let run = |q: &[f32], k: &[f32], v: &[f32]| run_with(q, k, v, sinks.as_deref());
             let mut o = vec![0.0; batch * sq * heads * hd];
-            let probs = attention_fwd(
-                &mut o,
-                &q,
-                &k,
-                &v,
-                batch,
-                &q_pos,
-                sk,
-                heads,
-                kvh,
-                hd,
-                mask,
-                sinks.as_deref(),
-                true,
-            );
+            let probs = attention_fwd(&mut o, &q, &k, &v, &shape, sinks.as_deref(), true);
             // An encoder's first query sees every key.
             if let (Mask::All, Some(p), false) = (mask, probs.as_deref(), sunk) {
                 assert!(p[..sk].iter().all(|&x| x > 0.0), "{:?}", &p[..sk]);
@@ -1196,13 +1208,7 @@ mod tests {
                     &k,
                     &v,
                     saved,
-                    batch,
-                    &q_pos,
-                    sk,
-                    heads,
-                    kvh,
-                    hd,
-                    mask,
+                    &shape,
                     sinks.as_deref(),
                     sinks.as_ref().map(|_| &mut ds[..]),
                 );
