@@ -47,13 +47,13 @@ fn rotate(
     let me = g.index_of(comm.rank())?;
     let (next, prev) = (g.ranks()[(me + 1) % n], g.ranks()[(me + n - 1) % n]);
     let tag = comm.next_tag(g);
-    for b in bufs.iter() {
-        comm.send(next, tag, b)?;
-    }
+    // Blocks are handed over, not copied, where the backend can (threads).
+    let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
     for b in bufs.iter_mut() {
-        let mut got = vec![0.0; b.len()];
-        comm.recv(prev, tag, &mut got, "ring attention")?;
-        **b = got;
+        comm.send_owned(next, tag, std::mem::take(*b))?;
+    }
+    for (b, len) in bufs.iter_mut().zip(lens) {
+        **b = comm.recv_owned(prev, tag, len, "ring attention")?;
     }
     Ok(())
 }
@@ -142,9 +142,14 @@ pub fn ring_fwd(
                     let m_new = m[at].max(mx);
                     let keep = (m[at] - m_new).exp();
                     let mut sum = 0.0;
+                    // Masked scores (−∞) weigh nothing: no exponential for them.
                     for x in row.iter_mut() {
-                        *x = (*x - m_new).exp();
-                        sum += *x;
+                        if *x > f32::NEG_INFINITY {
+                            *x = (*x - m_new).exp();
+                            sum += *x;
+                        } else {
+                            *x = 0.0;
+                        }
                     }
                     l[at] = l[at] * keep + sum;
                     m[at] = m_new;
@@ -249,7 +254,11 @@ pub fn ring_bwd(
                 let base = (b * r.heads + h) * n;
                 for (i, row) in s.chunks_exact_mut(n).enumerate() {
                     for x in row.iter_mut() {
-                        *x = (*x - lse[base + i]).exp();
+                        *x = if *x > f32::NEG_INFINITY {
+                            (*x - lse[base + i]).exp()
+                        } else {
+                            0.0
+                        };
                     }
                 }
                 let kvh = h / (r.heads / r.kv_heads);
