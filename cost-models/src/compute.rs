@@ -68,10 +68,10 @@ fn kernels(op: &OpKind) -> f64 {
 
 /// The class under which the CPU executor's kernel of `op` is measured: the op's name
 /// ([`parallax_hardware::HOST_KERNEL_CLASSES`]); `None` for views and the ops whose host
-/// kernels are not timed apart (a mixture of experts, the Mamba scan).
+/// kernels are not timed apart (the Mamba scan).
 pub fn host_class(op: &OpKind) -> Option<&'static str> {
     match op {
-        OpKind::Moe(_) | OpKind::Ssd(_) => None,
+        OpKind::Ssd(_) => None,
         _ if op.is_view() => None,
         _ => Some(op.name()),
     }
@@ -608,6 +608,27 @@ impl<'a> DeviceModel<'a> {
                 let scores = dim(0) * heads * sq * sk * seen * fb;
                 (each(dim(0) * heads), scores, dim(0) * heads)
             }
+            // The router's GEMM, then one GEMM per local expert and weight matrix over the
+            // rows routed to it; the loops between them (routing, the copies of each visit's
+            // row into expert order and back, the weighted combine, the experts' activation)
+            // run over every visit's hidden and expert-hidden row.
+            OpKind::Moe(m) => {
+                let (t, h) = (ins[0].leading_elems() as f64, ins[0].last() as f64);
+                let routed = ins.get(1).map_or(m.experts, |r| r.last()) as f64;
+                let (local, fh) = ins.get(2).map_or((1.0, 1.0), |x| {
+                    (x.dim(0).unwrap_or(1).max(1) as f64, x.last() as f64)
+                });
+                let visits = t * m.top_k as f64 * routed / m.experts.max(1) as f64;
+                let router = 2.0 * t * h * routed;
+                let problems = local * if m.gated { 3.0 } else { 2.0 };
+                let experts = |flops: f64| calls(flops - router, problems) + self.gemm(router);
+                let gemm = OpTimes {
+                    fwd: experts(w.fwd_flops.0),
+                    bwd_input: experts(w.bwd_input_flops.0),
+                    bwd_weight: experts(w.bwd_weight_flops.0),
+                };
+                (gemm, visits * (h + fh) * fb, local)
+            }
             OpKind::Linear(_) | OpKind::MatMul(_) => (each(1.0), traffic, 1.0),
             // Each output reads its window.
             OpKind::Pool2d(p) => {
@@ -629,6 +650,63 @@ impl<'a> DeviceModel<'a> {
         })
     }
 
+    /// The context-parallel attention of the transformer trainer (`ring_attention`): one
+    /// rank's block of queries (`ins`, `w`: the local block's attention) against the key and
+    /// value blocks of all `cp` ranks, one per ring step. Each step runs the block's two GEMMs
+    /// per sequence and head, and passes every score of the block through the mask and the
+    /// running softmax (the load-balanced chunks leave no block wholly masked); backward
+    /// recomputes the scores (a third GEMM) before the four of the gradients. `None` for other
+    /// ops and under the general-graph trainer (which has no ring).
+    pub fn host_ring_split(
+        &self,
+        op: &OpKind,
+        ins: &[Shape],
+        w: &Work,
+        float_bytes: u64,
+        cp: u64,
+    ) -> Option<HostSplit> {
+        let (OpKind::Attention(_), [q, k, ..]) = (op, ins) else {
+            return None;
+        };
+        if self.trainer != HostTrainer::Transformer || q.rank() != 4 {
+            return None;
+        }
+        let d = |s: &Shape, i: isize| s.dim(i).unwrap_or(1).max(1) as f64;
+        let cp = cp.max(1) as f64;
+        let (b, sq, heads, hd, sk) = (d(q, 0), d(q, 1), d(q, 2), d(q, 3), d(k, 1));
+        let calls = b * heads * cp;
+        let scores = calls * sq * sk;
+        let gemm = |flops: f64| self.gemm(flops / calls) * calls;
+        let recompute = 2.0 * scores * hd;
+        let bytes = scores * float_bytes as f64;
+        Some(HostSplit {
+            class: "ring_attention",
+            gemm: OpTimes {
+                fwd: gemm(w.fwd_flops.0 * cp),
+                bwd_input: gemm(w.bwd_input_flops.0 * cp + recompute),
+                bwd_weight: Seconds(0.0),
+            },
+            bytes,
+            key: bytes / calls,
+        })
+    }
+
+    /// Attention of one context-parallel rank (see [`DeviceModel::host_ring_split`]): its
+    /// block of queries against all `cp` blocks of keys. Priced as the host ring where the
+    /// profile measured it, else as `cp` times the local block's attention.
+    pub fn ring_attention(
+        &self,
+        op: &OpKind,
+        ins: &[Shape],
+        w: &Work,
+        float_bytes: u64,
+        cp: u64,
+    ) -> OpTimes {
+        self.host_ring_split(op, ins, w, float_bytes, cp)
+            .and_then(|split| self.host_priced(op, &split))
+            .unwrap_or_else(|| self.op(op, ins, w, float_bytes) * cp as f64)
+    }
+
     /// `op` priced as its class's kernel measured on this machine where the profile holds
     /// the class's rates for the trainer that runs it; `None` elsewhere (every GPU).
     fn host_measured(
@@ -638,8 +716,14 @@ impl<'a> DeviceModel<'a> {
         w: &Work,
         float_bytes: u64,
     ) -> Option<OpTimes> {
-        let table = self.dev.host_kernels.as_ref()?;
         let split = self.host_split(op, ins, w, float_bytes)?;
+        self.host_priced(op, &split)
+    }
+
+    /// The GEMM calls of `split` on the curve plus its bytes at its class's measured rate;
+    /// `None` where the profile holds no rate for the class.
+    fn host_priced(&self, op: &OpKind, split: &HostSplit) -> Option<OpTimes> {
+        let table = self.dev.host_kernels.as_ref()?;
         let (fwd, bwd) = table.rates(self.trainer, split.class)?.at(split.key);
         let rest = Seconds(split.bytes / bwd);
         // A convolution's backward copies the matrix twice, an im2col for the weight gradient
@@ -1237,6 +1321,90 @@ mod tests {
                 .0
                 > f
         );
+    }
+
+    /// The transformer trainer's context-parallel ring and mixture of experts at their own
+    /// measured classes: the ring's GEMMs once per key block (backward recomputing the scores)
+    /// and every score of every block at its rate; the experts' GEMMs one per expert and
+    /// matrix, their loops over each visit's rows. On a GPU the ring is `cp` local blocks.
+    #[test]
+    fn the_host_ring_and_experts_run_at_their_measured_class_rates() {
+        use parallax_hardware::{HostKernels, KernelRates};
+        use parallax_ir::op::{AttentionAttrs, MoeAttrs};
+        let mut p = preset("cpu-local").unwrap();
+        let mut table = HostKernels::default();
+        table
+            .transformer
+            .insert("ring_attention".into(), KernelRates(vec![[1e3, 1e9, 5e8]]));
+        table
+            .transformer
+            .insert("moe".into(), KernelRates(vec![[1e3, 2e9, 1e9]]));
+        p.device.host_kernels = Some(table);
+        let host = DeviceModel::new(&p, Precision::Fp32).unwrap();
+        // Two sequences of a rank's 64 tokens, 4 heads of 16, against cp = 2 blocks.
+        let attn = OpKind::Attention(AttentionAttrs {
+            causal: true,
+            fused: false,
+            dropout: false,
+            window: None,
+        });
+        let q = Shape::new([2, 64, 4, 16]);
+        let ins = [q.clone(), q.clone(), q.clone()];
+        let w = attn.work(&ins, std::slice::from_ref(&q), &[false; 3], 4);
+        let split = host.host_ring_split(&attn, &ins, &w, 4, 2).unwrap();
+        let (calls, scores) = (2.0 * 4.0 * 2.0, 2.0 * 4.0 * 2.0 * 64.0 * 64.0);
+        assert_eq!(split.class, "ring_attention");
+        assert_eq!((split.bytes, split.key), (scores * 4.0, 64.0 * 64.0 * 4.0));
+        assert_eq!(
+            split.gemm.fwd,
+            host.gemm(2.0 * w.fwd_flops.0 / calls) * calls
+        );
+        let recompute = 2.0 * scores * 16.0;
+        let bwd = host.gemm((2.0 * w.bwd_input_flops.0 + recompute) / calls) * calls;
+        assert_eq!(split.gemm.bwd_input, bwd);
+        let t = host.ring_attention(&attn, &ins, &w, 4, 2);
+        assert!((t.fwd.0 - split.gemm.fwd.0 - split.bytes / 1e9).abs() < 1e-12);
+        assert!((t.bwd_input.0 - bwd.0 - split.bytes / 5e8).abs() < 1e-12);
+        let h100 = preset("dgx-h100-80gb").unwrap();
+        let gpu = DeviceModel::new(&h100, Precision::Bf16).unwrap();
+        assert_eq!(
+            gpu.ring_attention(&attn, &ins, &w, 2, 2),
+            gpu.op(&attn, &ins, &w, 2) * 2.0
+        );
+
+        // 128 tokens, top-2 of 4 gated experts 256 wide over a hidden 64.
+        let moe = OpKind::Moe(MoeAttrs {
+            experts: 4,
+            top_k: 2,
+            ffn_hidden: 256,
+            gated: true,
+        });
+        let up = Shape::new([4, 64, 256]);
+        let x = Shape::new([128, 64]);
+        let ins = [
+            x.clone(),
+            Shape::new([64, 4]),
+            up.clone(),
+            Shape::new([4, 256, 64]),
+            up,
+        ];
+        let w = moe.work(
+            &ins,
+            std::slice::from_ref(&x),
+            &[false, true, true, true, true],
+            4,
+        );
+        let split = host.host_split(&moe, &ins, &w, 4).unwrap();
+        let bytes = 256.0 * (64.0 + 256.0) * 4.0;
+        assert_eq!(
+            (split.class, split.bytes, split.key),
+            ("moe", bytes, bytes / 4.0)
+        );
+        let router = 2.0 * 128.0 * 64.0 * 4.0;
+        let experts = host.gemm((w.fwd_flops.0 - router) / 12.0) * 12.0;
+        assert_eq!(split.gemm.fwd, experts + host.gemm(router));
+        let t = host.op(&moe, &ins, &w, 4);
+        assert!((t.fwd.0 - split.gemm.fwd.0 - bytes / 2e9).abs() < 1e-12);
     }
 
     /// An MoE layer's local experts are problems of their own size: 128 experts of 768

@@ -982,6 +982,12 @@ impl NodePrices {
                     let (busy, busy_work) = work(true);
                     (dev.op(&n.op, &busy, &busy_work, fb), work(false).1)
                 }
+                // A context-parallel rank's attention: its queries against every rank's
+                // block of keys (`local_share` counts the cp blocks' work).
+                (OpKind::Attention(_), _) if cp > 1 => {
+                    let t = dev.ring_attention(&n.op, &g.shapes[i], &g.work[i], fb, cp);
+                    (t * (1.0 / cp as f64), g.work[i])
+                }
                 _ => (dev.op(&n.op, &g.shapes[i], &g.work[i], fb), g.work[i]),
             };
             p.times.push(time * k);

@@ -552,7 +552,11 @@ fn host_kernel_rates(m: &ComputeFigures, p: &ClusterProfile) -> Option<HostKerne
     for ((g, i), &(tf, tb)) in cases.iter().zip(&m.graph_kernels) {
         let node = &g.nodes[*i];
         let (ins, w) = (g.input_shapes(node), g.node_work(node, 4));
-        add_rates(&mut table, &model, &node.op, &ins, &w, (tf, tb));
+        add_rates(
+            &mut table,
+            model.host_split(&node.op, &ins, &w, 4),
+            (tf, tb),
+        );
     }
     // The transformer trainer's kernels, timed alone.
     let model = DeviceModel::new(p, Precision::Fp32).ok()?;
@@ -564,13 +568,7 @@ fn host_kernel_rates(m: &ComputeFigures, p: &ClusterProfile) -> Option<HostKerne
         .find(|c| c.len() == n)
     {
         for (c, &(tf, tb)) in cases.iter().zip(&m.transformer_kernels) {
-            let outs = c.op.infer(&c.ins).unwrap_or_default();
-            // A norm's scale and shift are weights.
-            let flags: Vec<bool> = (0..c.ins.len())
-                .map(|k| k > 0 && matches!(c.op, OpKind::RmsNorm | OpKind::LayerNorm))
-                .collect();
-            let w = c.op.work(&c.ins, &outs, &flags, 4);
-            add_rates(&mut transformer, &model, &c.op, &c.ins, &w, (tf, tb));
+            add_rates(&mut transformer, c.split(&model, &c.work()), (tf, tb));
         }
     }
     Some(HostKernels {
@@ -592,18 +590,15 @@ fn curves(table: BTreeMap<String, Vec<[f64; 3]>>) -> BTreeMap<String, KernelRate
 }
 
 /// Adds to `table` the rates of an op that took `(tf, tb)` seconds: what is not the GEMM calls
-/// `model` prices on the calibrated curve, as the class's bytes per second, at the size of one
-/// call of its inner loop (at least a twentieth of the kernel, where the curve prices its GEMM
-/// calls slower than they ran).
+/// the cost model prices of it on the calibrated curve (`split`), as the class's bytes per
+/// second, at the size of one call of its inner loop (at least a twentieth of the kernel, where
+/// the curve prices its GEMM calls slower than they ran).
 fn add_rates(
     table: &mut BTreeMap<String, Vec<[f64; 3]>>,
-    model: &DeviceModel,
-    op: &OpKind,
-    ins: &[parallax_ir::Shape],
-    w: &parallax_ir::Work,
+    split: Option<parallax_cost::compute::HostSplit>,
     (tf, tb): (f64, f64),
 ) {
-    let Some(split) = model.host_split(op, ins, w, 4) else {
+    let Some(split) = split else {
         return;
     };
     if !(tf > 0.0 && tb > 0.0 && split.bytes > 0.0) {
@@ -749,7 +744,7 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
             if m.device.is_some() {
                 "cuBLAS sgemm over square sizes, device copy and Adam-kernel bandwidth"
             } else {
-                "training-shaped fp32 GEMMs (forward, input- and weight-gradient forms, down to a convolution's per-sample and a recurrent step's), a copy stream, the streaming kernels of a layer (norm, add, Adam) by size, exp and tanh rates, and every op class of the general-graph trainer timed in a training run of a calibration graph"
+                "training-shaped fp32 GEMMs (forward, input- and weight-gradient forms, down to a convolution's per-sample and a recurrent step's), a copy stream, the streaming kernels of a layer (norm, add, Adam) by size, exp and tanh rates, the transformer trainer's kernels timed alone (its context-parallel ring and mixture of experts included), and every op class of the general-graph trainer timed in a training run of a calibration graph"
             },
             if m.intra.is_some() {
                 ", all-reduce over the ranks of one node"
@@ -768,13 +763,42 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
 struct TransformerCase {
     op: parallax_ir::OpKind,
     ins: Vec<parallax_ir::Shape>,
+    /// Attention run as the context-parallel ring (`ring_attention`, here over one rank)
+    /// instead of the whole-sequence kernel.
+    ring: bool,
+}
+
+impl TransformerCase {
+    /// What the cost model prices of this case apart from its class's rate.
+    fn split(
+        &self,
+        model: &DeviceModel,
+        w: &parallax_ir::Work,
+    ) -> Option<parallax_cost::compute::HostSplit> {
+        if self.ring {
+            model.host_ring_split(&self.op, &self.ins, w, 4, 1)
+        } else {
+            model.host_split(&self.op, &self.ins, w, 4)
+        }
+    }
+
+    /// The case's work (a norm's scale and shift, the router and experts are weights).
+    fn work(&self) -> parallax_ir::Work {
+        let outs = self.op.infer(&self.ins).unwrap_or_default();
+        let weights = matches!(
+            self.op,
+            OpKind::RmsNorm | OpKind::LayerNorm | OpKind::Moe(_)
+        );
+        let flags: Vec<bool> = (0..self.ins.len()).map(|k| k > 0 && weights).collect();
+        self.op.work(&self.ins, &outs, &flags, 4)
+    }
 }
 
 /// The transformer trainer's op classes at two sizes (tokens × width; the first alone in
-/// `quick` mode): norms, activations, the rotary embedding, causal attention, the residual add
-/// and the loss, in shapes of their own.
+/// `quick` mode): norms, activations, the rotary embedding, causal attention (whole-sequence
+/// and as the context-parallel ring), the residual add and the loss, in shapes of their own.
 fn transformer_kernel_cases(quick: bool) -> Vec<TransformerCase> {
-    use parallax_ir::op::{Activation, ActivationAttrs, AttentionAttrs};
+    use parallax_ir::op::{Activation, ActivationAttrs, AttentionAttrs, MoeAttrs};
     use parallax_ir::{OpKind, Shape};
     // (sequence, heads, head size, vocabulary)
     let sizes: &[(u64, u64, u64, u64)] = if quick {
@@ -787,7 +811,18 @@ fn transformer_kernel_cases(quick: bool) -> Vec<TransformerCase> {
         let h = heads * hd;
         let rows = Shape::new([s, h]);
         let per_head = Shape::new([1, s, heads, hd]);
-        let case = |op, ins: Vec<Shape>| TransformerCase { op, ins };
+        let case = |op, ins: Vec<Shape>| TransformerCase {
+            op,
+            ins,
+            ring: false,
+        };
+        let causal = OpKind::Attention(AttentionAttrs {
+            causal: true,
+            fused: false,
+            dropout: false,
+            window: None,
+        });
+        let qkv = vec![per_head.clone(), per_head.clone(), per_head.clone()];
         cases.extend([
             case(OpKind::RmsNorm, vec![rows.clone(), Shape::new([h])]),
             case(
@@ -803,20 +838,37 @@ fn transformer_kernel_cases(quick: bool) -> Vec<TransformerCase> {
                 vec![rows.clone()],
             ),
             case(OpKind::Rope, vec![per_head.clone()]),
-            case(
-                OpKind::Attention(AttentionAttrs {
-                    causal: true,
-                    fused: false,
-                    dropout: false,
-                    window: None,
-                }),
-                vec![per_head.clone(), per_head.clone(), per_head],
-            ),
+            case(causal.clone(), qkv.clone()),
+            TransformerCase {
+                op: causal,
+                ins: qkv,
+                ring: true,
+            },
             case(
                 OpKind::CrossEntropy,
                 vec![Shape::new([s, vocab]), Shape::new([s])],
             ),
         ]);
+        // A mixture of four SwiGLU experts, top-2, as wide as the layer's heads (twice that
+        // in each expert), on every expert of one rank.
+        let (experts, f) = (4, 2 * h);
+        let moe = OpKind::Moe(MoeAttrs {
+            experts,
+            top_k: 2,
+            ffn_hidden: f,
+            gated: true,
+        });
+        let up = Shape::new([experts, h, f]);
+        cases.push(case(
+            moe,
+            vec![
+                rows.clone(),
+                Shape::new([h, experts]),
+                up.clone(),
+                Shape::new([experts, f, h]),
+                up,
+            ],
+        ));
     }
     cases
 }
@@ -906,6 +958,103 @@ fn time_transformer_case(c: &TransformerCase, min_time: Duration) -> (f64, f64) 
                 })
             };
             (pass(false), pass(true))
+        }
+        OpKind::Moe(a) => {
+            use crate::comm::ThreadComm;
+            use crate::moe::{moe_bwd, moe_fwd, Ep, MoeLayout, Routing};
+            let (h, f, e) = (width, a.ffn_hidden as usize, a.experts as usize);
+            let per = h * f;
+            // The router, then each expert's gate, up and down projections.
+            let router = 0..h * e;
+            let l = MoeLayout {
+                router: router.clone(),
+                w_in: 0..e * per,
+                w_up: Some(e * per..2 * e * per),
+                w_out: 2 * e * per..3 * e * per,
+                router_bias: None,
+                b_in: None,
+                b_up: None,
+                b_out: None,
+                act: Act::Swiglu,
+                experts: e,
+                top_k: a.top_k as usize,
+                routing: Routing::default(),
+            };
+            let p: Vec<f32> = (0..router.len())
+                .map(|j| ((j * 13) % 29) as f32 / 29.0 - 0.5)
+                .collect();
+            let pe: Vec<f32> = (0..3 * e * per)
+                .map(|j| ((j * 7) % 31) as f32 / 310.0 - 0.05)
+                .collect();
+            let (mut g, mut ge) = (vec![0.0; p.len()], vec![0.0; pe.len()]);
+            let (mut comms, _shared) = ThreadComm::create(1, Duration::from_secs(60));
+            let mut ep = Ep {
+                comm: &mut comms[0],
+                group: None,
+            };
+            let local = "one rank's experts need no peer";
+            let fwd = time_best(min_time, || {
+                let i = next();
+                let out = moe_fwd(&l, &p, &pe, &xs[i], h, f, &mut ep).expect(local);
+                std::hint::black_box(out);
+            });
+            // Backward consumes what its forward saved: timed with it, less the forward.
+            let both = time_best(min_time, || {
+                let i = next();
+                let (_, saved) = moe_fwd(&l, &p, &pe, &xs[i], h, f, &mut ep).expect(local);
+                let dx = moe_bwd(
+                    &l,
+                    (&p, &mut g),
+                    (&pe, &mut ge),
+                    &xs[i],
+                    saved,
+                    &ys[i],
+                    h,
+                    f,
+                    &mut ep,
+                );
+                std::hint::black_box(dx.expect(local));
+            });
+            (fwd, (both - fwd).max(0.05 * both))
+        }
+        OpKind::Attention(_) if c.ring => {
+            use crate::comm::{Group, ThreadComm};
+            use crate::model::Pass;
+            use crate::ring::{ring_bwd, ring_fwd, RingShape};
+            let d = c.ins[0].dims();
+            let (s, heads, hd) = (d[1] as usize, d[2] as usize, d[3] as usize);
+            let (mut comms, _shared) = ThreadComm::create(1, Duration::from_secs(60));
+            let comm = &mut comms[0];
+            let g = Group::new(vec![0]);
+            let pass = Pass {
+                batch: 1,
+                seq: s,
+                cp: 1,
+                c: 0,
+            };
+            let r = RingShape {
+                batch: 1,
+                lseq: s,
+                heads,
+                kv_heads: heads,
+                hd,
+                mask: Mask::Causal(None),
+            };
+            let ring = "a one-rank ring cannot fail";
+            let (o, lse) =
+                ring_fwd(comm, &g, (&xs[0], &ys[0], &xs[0]), None, &pass, &r).expect(ring);
+            let fwd = time_best(min_time, || {
+                let i = next();
+                let out = ring_fwd(comm, &g, (&xs[i], &ys[i], &xs[i]), None, &pass, &r);
+                std::hint::black_box(out.expect(ring));
+            });
+            let bwd = time_best(min_time, || {
+                let i = next();
+                let qkv = (&xs[i][..], &ys[i][..], &xs[i][..]);
+                let out = ring_bwd(comm, &g, &ys[i], qkv, (&o, &lse), (None, None), &pass, &r);
+                std::hint::black_box(out.expect(ring));
+            });
+            (fwd, bwd)
         }
         OpKind::Attention(_) => {
             let d = c.ins[0].dims();
@@ -1041,14 +1190,15 @@ mod tests {
         let cases = transformer_kernel_cases(true);
         assert_eq!(m.compute.transformer_kernels.len(), cases.len());
         for (c, (tf, tb)) in cases.iter().zip(&m.compute.transformer_kernels) {
-            let class = parallax_cost::compute::host_class(&c.op).unwrap();
+            let w = c.work();
+            let split = c.split(&model, &w).unwrap();
+            let class = split.class;
             assert!(table.transformer.contains_key(class), "{class}");
-            let flags: Vec<bool> = (0..c.ins.len())
-                .map(|k| k > 0 && matches!(c.op, OpKind::RmsNorm | OpKind::LayerNorm))
-                .collect();
-            let w = c.op.work(&c.ins, &c.op.infer(&c.ins).unwrap(), &flags, 4);
-            let split = model.host_split(&c.op, &c.ins, &w, 4).unwrap();
-            let t = model.op(&c.op, &c.ins, &w, 4);
+            let t = if c.ring {
+                model.ring_attention(&c.op, &c.ins, &w, 4, 1)
+            } else {
+                model.op(&c.op, &c.ins, &w, 4)
+            };
             let close = |got: f64, want: f64| (got - want).abs() <= 1e-9 * want;
             assert!(
                 close(t.fwd.0, tf.max(split.gemm.fwd.0 + 0.05 * tf)),

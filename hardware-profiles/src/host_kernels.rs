@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 /// The op classes a table may name: op names (the cost model maps every op to one of these or
-/// none).
+/// none), and `ring_attention`, the transformer trainer's context-parallel attention (a ring
+/// of key/value blocks under a running softmax, scores recomputed in backward).
 pub const HOST_KERNEL_CLASSES: &[&str] = &[
     "add",
     "attention",
@@ -36,8 +37,10 @@ pub const HOST_KERNEL_CLASSES: &[&str] = &[
     "lstm",
     "matmul",
     "max_pool2d",
+    "moe",
     "mul",
     "relu",
+    "ring_attention",
     "rms_norm",
     "rope",
     "sigmoid",
