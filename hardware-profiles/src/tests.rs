@@ -368,8 +368,8 @@ fn pascal_and_kepler_presets_have_their_datasheet_numbers() {
     assert!(p40.network.is_none());
     assert!(Cluster::parse("p40x8-pcie:gpus=16").is_err());
 
-    // GEMM curves of the SIMT chips: monotone, and a K80 die (13 SMX) saturates at smaller
-    // GEMMs than a P100 (56 SMs).
+    // GEMM curves of the SIMT chips: monotone, and a K80 die (13 SMX of 192 lanes) fills at the
+    // GEMM sizes a P100 (56 SMs of 64) does.
     for name in ["dgx1-p100-16gb", "aws-p2-8xlarge-k80", "p40x8-pcie"] {
         let dev = preset(name).unwrap().device;
         let mut prev = 0.0;
@@ -379,7 +379,12 @@ fn pascal_and_kepler_presets_have_their_datasheet_numbers() {
             prev = e;
         }
     }
-    assert!(aws.device.matmul_efficiency(1e8) > d.device.matmul_efficiency(1e8));
+    for flops in [1e7, 1e8, 1e9, 1e10, 1e11] {
+        assert_eq!(
+            aws.device.matmul_efficiency(flops),
+            d.device.matmul_efficiency(flops)
+        );
+    }
 }
 
 #[test]
