@@ -836,11 +836,31 @@ impl<'a> DeviceModel<'a> {
                     (x.leading_elems() * x.last()) as f64 * a.top_k as f64 * float_bytes as f64
                 });
                 let permute = Seconds(4.0 * copies / self.dev.effective_memory_bandwidth().0);
+                // The experts' activation, a kernel of its own between the grouped GEMMs (TE's
+                // bias-SwiGLU / GeLU): over every visit's expert-hidden row it reads the gate
+                // and up projections and writes their product (3 tensors; 2 ungated), and
+                // backward reads both and the output gradient and writes their two gradients
+                // (5; 3 ungated).
+                let rows = match (ins.first(), ins.get(1)) {
+                    (Some(x), Some(r)) => {
+                        x.leading_elems() as f64 * a.top_k as f64 * r.last() as f64
+                            / a.experts.max(1) as f64
+                    }
+                    _ => 0.0,
+                };
+                let fh = ins.get(2).map_or(0.0, |x| x.last() as f64);
+                let act = rows * fh * float_bytes as f64;
+                let (act_fwd, act_bwd) = if a.gated { (3.0, 5.0) } else { (2.0, 3.0) };
+                // The activation's launch is one of the op's kernels (`memory` pays it).
                 OpTimes {
-                    fwd: pass(w.fwd_flops.0, outs[0]) + permute + self.overhead(k - 1.0),
+                    fwd: pass(w.fwd_flops.0, outs[0])
+                        + permute
+                        + self.memory(act_fwd * act)
+                        + self.overhead(k - 2.0),
                     bwd_input: pass(w.bwd_input_flops.0, outs[1])
                         + permute
-                        + self.overhead(k - 1.0),
+                        + self.memory(act_bwd * act)
+                        + self.overhead(k - 2.0),
                     bwd_weight: pass(w.bwd_weight_flops.0, outs[2]),
                 }
             }
@@ -1492,6 +1512,52 @@ mod tests {
         let grown = eight.bwd_input.0 - one.bwd_input.0;
         assert!(grown >= 4.0 * (copies(8) - copies(1)) / bw, "{grown}");
         assert!(eight.bwd_weight.0 < 4.0 * copies(8) / bw, "{eight:?}");
+    }
+
+    /// The experts' activation is a kernel of its own over every visit's expert-hidden row: a
+    /// gated layer's forward takes at least its grouped GEMMs, the four permutation copies and
+    /// the activation's 3 tensors of visits × width at the device's memory bandwidth, its
+    /// input-gradient pass the activation's 5.
+    #[test]
+    fn moe_experts_pay_their_activation_pass() {
+        use parallax_ir::op::MoeAttrs;
+        let p = preset("dgx-h100-80gb").unwrap();
+        let m = DeviceModel::new(&p, Precision::Bf16).unwrap();
+        // Qwen3-30B-A3B's layer: 128 experts of 768, top-8, hidden 2048; 4096 tokens.
+        let (rows, h, k, e, f) = (4096u64, 2048u64, 8u64, 128u64, 768u64);
+        let op = OpKind::Moe(MoeAttrs {
+            experts: e,
+            top_k: k,
+            ffn_hidden: f,
+            gated: true,
+        });
+        let up = Shape::new([e, h, f]);
+        let ins = [
+            Shape::new([rows, h]),
+            Shape::new([h, e]),
+            up.clone(),
+            Shape::new([e, f, h]),
+            up,
+        ];
+        let w = op.work(
+            &ins,
+            &[Shape::new([rows, h])],
+            &[false, true, true, true, true],
+            2,
+        );
+        let t = m.op(&op, &ins, &w, 2);
+        let bw = p.device.effective_memory_bandwidth().0;
+        let permute = 4.0 * (rows * h * k * 2) as f64 / bw;
+        let act = (rows * k * f * 2) as f64 / bw;
+        let outs = DeviceModel::pass_outputs(&ins, &w, 2);
+        let traffic = w.traffic().0 as f64;
+        let gemms = |flops: f64, out: f64| m.gemm_grouped(flops, (e * 3) as f64, traffic, 1.0, out);
+        let fwd = gemms(w.fwd_flops.0, outs[0]).0 + permute + 3.0 * act;
+        assert!(t.fwd.0 >= fwd, "{t:?} vs {fwd}");
+        let bwd = gemms(w.bwd_input_flops.0, outs[1]).0 + permute + 5.0 * act;
+        assert!(t.bwd_input.0 >= bwd, "{t:?} vs {bwd}");
+        // A few kernel launches beyond these bounds, no more.
+        assert!(t.fwd.0 < fwd + 1e-4, "{t:?} vs {fwd}");
     }
 
     /// Eager module code, by hand: the attention core copies q, k, v and the context each
