@@ -29,6 +29,8 @@ pub mod cuda_backend;
 pub mod data;
 pub mod engine;
 pub mod error;
+#[doc(hidden)]
+pub mod fixtures;
 pub mod graph;
 pub mod mamba;
 pub mod model;

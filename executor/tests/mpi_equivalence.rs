@@ -14,6 +14,9 @@
 //! is passed through OpenMPI's environment variables so CI can run as root.
 
 use parallax_cost::soap::ParallelConfig;
+use parallax_executor::fixtures::{
+    bert, deepseek_mtp, gpt, gpt_oss, llama, mixtral, nemotron_h, pp, qwen2_moe, qwen3,
+};
 use parallax_executor::graph::{
     op_plan, run_graph_threads, split_label, GraphOptimizer, GraphPrepared, GraphRunSpec,
 };
@@ -38,89 +41,6 @@ const JOB_LIMIT: Duration = Duration::from_secs(600);
 const FAULT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The longest a fault case may take from `mpirun` to the end of the job.
 const FAULT_LIMIT: Duration = Duration::from_secs(60);
-
-fn gpt(layers: u32) -> TransformerConfig {
-    TransformerConfig::gpt(layers, 32, 4, 64, 64, 16)
-}
-
-fn llama(layers: u32) -> TransformerConfig {
-    TransformerConfig::llama(layers, 32, 4, 2, 64, 64, 16)
-}
-
-/// Llama layers with 4 SwiGLU experts, top-2 (Mixtral's shape).
-fn mixtral(layers: u32) -> TransformerConfig {
-    TransformerConfig {
-        moe: Some(parallax_ir::models::MoeConfig::routed(4, 2)),
-        ..llama(layers)
-    }
-}
-
-/// DeepSeek-V3, small: multi-head latent attention (query latent 16, key/value latent 12,
-/// heads of 4 + 4 rotary dimensions, values 6 wide) over a leading dense layer, then 8 experts
-/// (top-2) scored by sigmoid within the best 2 of 4 groups, scaled 2.5, beside a shared
-/// expert; one multi-token prediction module.
-fn deepseek(layers: u32) -> TransformerConfig {
-    TransformerConfig {
-        kv_heads: 4,
-        mtp_layers: 1,
-        mla: Some(parallax_ir::models::MlaConfig {
-            q_lora_rank: 16,
-            kv_lora_rank: 12,
-            qk_nope_head_dim: 4,
-            qk_rope_head_dim: 4,
-            v_head_dim: 6,
-        }),
-        moe: Some(parallax_ir::models::MoeConfig {
-            router: parallax_ir::models::Router::Sigmoid,
-            groups: 4,
-            groups_per_token: 2,
-            routed_scale_permille: 2500,
-            shared_ffn_hidden: 48,
-            dense_layers_first: 1,
-            dense_ffn_hidden: 72,
-            ..parallax_ir::models::MoeConfig::routed(8, 2)
-        }),
-        ..llama(layers)
-    }
-}
-
-/// Qwen2-MoE's mixture, small: unnormalised softmax weights beside a gated shared expert,
-/// biases on the query, key and value projections alone.
-fn qwen2_moe(layers: u32) -> TransformerConfig {
-    TransformerConfig {
-        qkv_bias: true,
-        moe: Some(parallax_ir::models::MoeConfig {
-            norm_top_k: false,
-            shared_ffn_hidden: 40,
-            shared_gate: true,
-            ..parallax_ir::models::MoeConfig::routed(4, 2)
-        }),
-        ..llama(layers)
-    }
-}
-
-/// GPT-OSS, small: sinks on every layer, every other one a window of 4 keys, biases on the
-/// attention, the router and the experts, whose gate is GPT-OSS's clamped one.
-fn gpt_oss(layers: u32) -> TransformerConfig {
-    TransformerConfig {
-        attention_sinks: true,
-        bias: true,
-        clamped_swiglu: true,
-        sliding_window: Some(parallax_ir::models::SlidingWindow {
-            size: 4,
-            full_every: 2,
-        }),
-        ..mixtral(layers)
-    }
-}
-
-fn pp(stages: u32, schedule: Schedule) -> Layout {
-    Layout {
-        pp: stages,
-        schedule,
-        ..Layout::default()
-    }
-}
 
 /// The matrix: the layouts of the threads backend's equivalence tests.
 fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
@@ -164,7 +84,7 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
         ),
         (
             "deepseek_mla_mtp_tp2_sp_ep2_etp1",
-            deepseek(2),
+            deepseek_mtp(2, 1),
             Layout {
                 tp: 2,
                 sequence_parallel: true,
@@ -188,34 +108,14 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
             // BERT's pre-training: attention to every key around the ring, the next-sentence
             // head on the first context-parallel rank's first tokens.
             "bert_cp2",
-            TransformerConfig {
-                bert: true,
-                causal: false,
-                ..TransformerConfig::gpt(2, 32, 4, 64, 256, 16)
-            },
+            bert(2),
             Layout { cp: 2, ..d() },
         ),
         (
             // Nemotron-H's hybrid stack: Mamba-2 mixers split by heads and groups, an
             // attention, an MoE and an MLP layer.
             "nemotron_h_tp2_sp",
-            TransformerConfig {
-                mlp: parallax_ir::models::Mlp::SquaredRelu,
-                position: parallax_ir::models::Position::None,
-                moe: Some(parallax_ir::models::MoeConfig::routed(4, 2)),
-                hybrid: Some(parallax_ir::models::HybridConfig {
-                    pattern: "ME*M-".into(),
-                    mamba: parallax_ir::models::MambaConfig {
-                        heads: 4,
-                        head_dim: 8,
-                        state: 4,
-                        groups: 2,
-                        conv_kernel: 4,
-                        chunk: 8,
-                    },
-                }),
-                ..llama(5)
-            },
+            nemotron_h("ME*M-"),
             Layout {
                 tp: 2,
                 sequence_parallel: true,
@@ -224,10 +124,7 @@ fn matrix() -> Vec<(&'static str, TransformerConfig, Layout)> {
         ),
         (
             "qwen3_tp2_sp_qk_norm",
-            TransformerConfig {
-                qk_norm: true,
-                ..llama(2)
-            },
+            qwen3(2),
             Layout {
                 tp: 2,
                 sequence_parallel: true,
