@@ -702,7 +702,11 @@ impl<'a> DeviceModel<'a> {
         float_bytes: u64,
         cp: u64,
     ) -> OpTimes {
-        self.host_ring_split(op, ins, w, float_bytes, cp)
+        // Without measured host rates (every GPU) the split is not worth building.
+        self.dev
+            .host_kernels
+            .as_ref()
+            .and_then(|_| self.host_ring_split(op, ins, w, float_bytes, cp))
             .and_then(|split| self.host_priced(op, &split))
             .unwrap_or_else(|| self.op(op, ins, w, float_bytes) * cp as f64)
     }
