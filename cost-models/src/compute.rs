@@ -729,6 +729,11 @@ impl<'a> DeviceModel<'a> {
     fn host_priced(&self, op: &OpKind, split: &HostSplit) -> Option<OpTimes> {
         let table = self.dev.host_kernels.as_ref()?;
         let (fwd, bwd) = table.rates(self.trainer, split.class)?.at(split.key);
+        // The general-graph trainer pays its call of the op each way.
+        let call = Seconds(match self.trainer {
+            HostTrainer::Graph => table.graph_call_s(),
+            HostTrainer::Transformer => 0.0,
+        });
         let rest = Seconds(split.bytes / bwd);
         // A convolution's backward copies the matrix twice, an im2col for the weight gradient
         // and a col2im for the input gradient (which an op on the data computes no part of).
@@ -737,8 +742,8 @@ impl<'a> DeviceModel<'a> {
             _ => (rest, Seconds(0.0)),
         };
         Some(OpTimes {
-            fwd: split.gemm.fwd + Seconds(split.bytes / fwd),
-            bwd_input: split.gemm.bwd_input + to_input,
+            fwd: split.gemm.fwd + Seconds(split.bytes / fwd) + call,
+            bwd_input: split.gemm.bwd_input + to_input + call,
             bwd_weight: split.gemm.bwd_weight + to_weight,
         })
     }
@@ -761,7 +766,18 @@ impl<'a> DeviceModel<'a> {
             (Seconds(0.0), Seconds(0.0))
         };
         match (op.compute_class(), op) {
-            (ComputeClass::View, _) => OpTimes::default(),
+            // The general-graph trainer calls a view op too, each way.
+            (ComputeClass::View, _) => match (self.trainer, &self.dev.host_kernels) {
+                (HostTrainer::Graph, Some(table)) => {
+                    let call = Seconds(table.graph_call_s());
+                    OpTimes {
+                        fwd: call,
+                        bwd_input: call,
+                        bwd_weight: Seconds(0.0),
+                    }
+                }
+                _ => OpTimes::default(),
+            },
             (ComputeClass::Attention, OpKind::Attention(a)) => {
                 self.attention(a, ins, w, float_bytes)
             }
@@ -1345,6 +1361,51 @@ mod tests {
                 .0
                 > f
         );
+    }
+
+    /// The general-graph trainer's call of an op is paid each way whatever the op's size (a
+    /// view op's whole cost), on top of its class rate; the transformer trainer calls its
+    /// kernels directly and pays none.
+    #[test]
+    fn graph_trainer_ops_pay_their_call_each_way() {
+        use parallax_hardware::{HostKernels, KernelRates};
+        let mut p = preset("cpu-local").unwrap();
+        let mut table = HostKernels {
+            graph_call_us: Some(2.0),
+            ..HostKernels::default()
+        };
+        table
+            .graph
+            .insert("relu".into(), KernelRates(vec![[1e3, 2e9, 1e9]]));
+        table
+            .transformer
+            .insert("relu".into(), KernelRates(vec![[1e3, 2e9, 1e9]]));
+        p.device.host_kernels = Some(table);
+        let graph = DeviceModel::new(&p, Precision::Fp32)
+            .unwrap()
+            .with_host_graph_trainer(true);
+        let transformer = DeviceModel::new(&p, Precision::Fp32).unwrap();
+        let relu = OpKind::Activation(parallax_ir::op::ActivationAttrs {
+            kind: parallax_ir::op::Activation::Relu,
+        });
+        let x = Shape::new([4, 256]);
+        let w = relu.work(
+            std::slice::from_ref(&x),
+            std::slice::from_ref(&x),
+            &[false],
+            4,
+        );
+        let (g, t) = (
+            graph.op(&relu, std::slice::from_ref(&x), &w, 4),
+            transformer.op(&relu, std::slice::from_ref(&x), &w, 4),
+        );
+        assert!((g.fwd.0 - t.fwd.0 - 2e-6).abs() < 1e-15, "{g:?} vs {t:?}");
+        assert!((g.bwd_input.0 - t.bwd_input.0 - 2e-6).abs() < 1e-15);
+        let flatten = OpKind::Flatten(parallax_ir::op::AxisAttrs { axis: 1 });
+        let v = graph.op(&flatten, std::slice::from_ref(&x), &w, 4);
+        assert_eq!((v.fwd.0, v.bwd_input.0), (2e-6, 2e-6));
+        let none = transformer.op(&flatten, std::slice::from_ref(&x), &w, 4);
+        assert_eq!(none, OpTimes::default());
     }
 
     /// The transformer trainer's context-parallel ring and mixture of experts at their own

@@ -102,6 +102,9 @@ pub struct ComputeFigures {
     /// The same of the transformer trainer's kernels, each case of
     /// `transformer_kernel_cases`.
     pub transformer_kernels: Vec<(f64, f64)>,
+    /// The general-graph trainer's fixed cost of one op call, seconds: the median call of the
+    /// calibration graphs' view ops (0 for GPUs).
+    pub graph_call_s: f64,
 }
 
 impl ComputeFigures {
@@ -124,6 +127,7 @@ impl ComputeFigures {
             self.op_overhead_s,
             self.transcendentals_per_s.unwrap_or(0.0),
             self.tanh_per_s.unwrap_or(0.0),
+            self.graph_call_s,
         ]);
         v
     }
@@ -154,6 +158,7 @@ impl ComputeFigures {
             tanh_per_s: positive(4),
             graph_kernels,
             transformer_kernels,
+            graph_call_s: rest.get(5).copied().unwrap_or(0.0),
         }
     }
 }
@@ -433,7 +438,7 @@ pub fn measure_compute(threads: usize, quick: bool) -> ComputeFigures {
     };
     let exps = rate(|v| if v < 0.5 { sigmoid(v) } else { v.exp() });
     // The general-graph trainer's kernel of every op class, whole on one device.
-    let graph_kernels = measure_graph_kernels(threads, quick);
+    let (graph_kernels, graph_call_s) = measure_graph_kernels(threads, quick);
     let kernel_time = Duration::from_millis(if quick { 2 } else { 40 });
     let transformer_kernels = transformer_kernel_cases(quick)
         .iter()
@@ -458,6 +463,7 @@ pub fn measure_compute(threads: usize, quick: bool) -> ComputeFigures {
         op_overhead_s: op_overhead,
         transcendentals_per_s: Some(exps),
         tanh_per_s: Some(tanh),
+        graph_call_s,
         graph_kernels,
         transformer_kernels,
     }
@@ -552,11 +558,8 @@ fn host_kernel_rates(m: &ComputeFigures, p: &ClusterProfile) -> Option<HostKerne
     for ((g, i), &(tf, tb)) in cases.iter().zip(&m.graph_kernels) {
         let node = &g.nodes[*i];
         let (ins, w) = (g.input_shapes(node), g.node_work(node, 4));
-        add_rates(
-            &mut table,
-            model.host_split(&node.op, &ins, &w, 4),
-            (tf, tb),
-        );
+        let split = model.host_split(&node.op, &ins, &w, 4);
+        add_rates(&mut table, split, (tf, tb), m.graph_call_s);
     }
     // The transformer trainer's kernels, timed alone.
     let model = DeviceModel::new(p, Precision::Fp32).ok()?;
@@ -568,12 +571,13 @@ fn host_kernel_rates(m: &ComputeFigures, p: &ClusterProfile) -> Option<HostKerne
         .find(|c| c.len() == n)
     {
         for (c, &(tf, tb)) in cases.iter().zip(&m.transformer_kernels) {
-            add_rates(&mut transformer, c.split(&model, &c.work()), (tf, tb));
+            add_rates(&mut transformer, c.split(&model, &c.work()), (tf, tb), 0.0);
         }
     }
     Some(HostKernels {
         graph: curves(table),
         transformer: curves(transformer),
+        graph_call_us: (m.graph_call_s > 0.0).then_some(m.graph_call_s * 1e6),
     })
 }
 
@@ -590,13 +594,14 @@ fn curves(table: BTreeMap<String, Vec<[f64; 3]>>) -> BTreeMap<String, KernelRate
 }
 
 /// Adds to `table` the rates of an op that took `(tf, tb)` seconds: what is not the GEMM calls
-/// the cost model prices of it on the calibrated curve (`split`), as the class's bytes per
-/// second, at the size of one call of its inner loop (at least a twentieth of the kernel, where
+/// the cost model prices of it on the calibrated curve (`split`) nor the trainer's `call` of
+/// the op each way, as the class's bytes per second, at the size of one call of its inner loop (at least a twentieth of the kernel, where
 /// the curve prices its GEMM calls slower than they ran).
 fn add_rates(
     table: &mut BTreeMap<String, Vec<[f64; 3]>>,
     split: Option<parallax_cost::compute::HostSplit>,
     (tf, tb): (f64, f64),
+    call: f64,
 ) {
     let Some(split) = split else {
         return;
@@ -604,8 +609,8 @@ fn add_rates(
     if !(tf > 0.0 && tb > 0.0 && split.bytes > 0.0) {
         return;
     }
-    let rest_f = (tf - split.gemm.fwd.0).max(0.05 * tf);
-    let rest_b = (tb - split.gemm.bwd_input.0 - split.gemm.bwd_weight.0).max(0.05 * tb);
+    let rest_f = (tf - split.gemm.fwd.0 - call).max(0.05 * tf);
+    let rest_b = (tb - split.gemm.bwd_input.0 - split.gemm.bwd_weight.0 - call).max(0.05 * tb);
     table.entry(split.class.to_string()).or_default().push([
         split.key,
         split.bytes / rest_f,
@@ -1149,6 +1154,13 @@ mod tests {
             .iter()
             .all(|t| t.0 > 0.0 && t.1 > 0.0));
         let table = p.device.host_kernels.as_ref().unwrap();
+        // The trainer's call of an op, from the graph's view ops: microseconds, not nothing.
+        assert!(
+            (1e-8..1e-3).contains(&m.compute.graph_call_s),
+            "{}",
+            m.compute.graph_call_s
+        );
+        assert_eq!(table.graph_call_us, Some(m.compute.graph_call_s * 1e6));
         let model = DeviceModel::new(&p, Precision::Fp32)
             .unwrap()
             .with_host_graph_trainer(true);
@@ -1166,11 +1178,12 @@ mod tests {
             if !sizes.insert((class, split.key.to_bits())) {
                 continue;
             }
-            // The measured time, or the GEMM calls and the floor of a twentieth where the
-            // curve prices them slower than they ran.
+            // The measured time, or the GEMM calls, the trainer's call of the op and the
+            // floor of a twentieth where those price it slower than it ran.
+            let call = m.compute.graph_call_s;
             let (gf, gb) = (
-                split.gemm.fwd.0,
-                split.gemm.bwd_input.0 + split.gemm.bwd_weight.0,
+                split.gemm.fwd.0 + call,
+                split.gemm.bwd_input.0 + split.gemm.bwd_weight.0 + call,
             );
             let close = |got: f64, want: f64| (got - want).abs() <= 1e-9 * want;
             assert!(
@@ -1230,6 +1243,7 @@ mod tests {
             tanh_per_s: Some(6e7),
             graph_kernels: vec![(1e-5, 2e-5), (3e-5, 5e-5)],
             transformer_kernels: vec![(4e-6, 8e-6)],
+            graph_call_s: 1.5e-6,
         };
         assert_eq!(ComputeFigures::from_vec(&c.to_vec()), c);
         let gpu = ComputeFigures {
@@ -1238,6 +1252,7 @@ mod tests {
             pointwise_curve: Vec::new(),
             graph_kernels: Vec::new(),
             transformer_kernels: Vec::new(),
+            graph_call_s: 0.0,
             ..c
         };
         assert_eq!(ComputeFigures::from_vec(&gpu.to_vec()), gpu);
@@ -1272,6 +1287,7 @@ mod tests {
                 tanh_per_s: Some(6e7),
                 graph_kernels: Vec::new(),
                 transformer_kernels: Vec::new(),
+                graph_call_s: 0.0,
             },
             intra: Some(CollectiveFit {
                 busbw_bytes_per_s: 4e9,
@@ -1315,6 +1331,7 @@ mod tests {
                 op_overhead_s: 6.8e-6,
                 transcendentals_per_s: None,
                 tanh_per_s: None,
+                graph_call_s: 0.0,
             },
             intra: None,
             inter: None,
@@ -1568,8 +1585,10 @@ fn graph_kernel_cases(quick: bool) -> Vec<(Graph, usize)> {
 type NodeTimes = Vec<(f64, f64)>;
 
 /// Forward and backward seconds of every case of [`graph_kernel_cases`], measured in
-/// training on `threads` cores at once; `(0, 0)` for a case that did not run.
-fn measure_graph_kernels(threads: usize, quick: bool) -> Vec<(f64, f64)> {
+/// training on `threads` cores at once (`(0, 0)` for a case that did not run), and the median
+/// call of the graphs' view ops, forward and backward: what the trainer spends on an op
+/// whatever its size.
+fn measure_graph_kernels(threads: usize, quick: bool) -> (Vec<(f64, f64)>, f64) {
     let steps = if quick { 3 } else { 24 };
     // Runs of every size in turn, the median of each op over them: a host's speed drifts
     // over seconds (1.5x on the VM this was built on), and one run would fix one moment.
@@ -1591,6 +1610,7 @@ fn measure_graph_kernels(threads: usize, quick: bool) -> Vec<(f64, f64)> {
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     };
     let mut times = Vec::new();
+    let mut calls = Vec::new();
     for (s, &size) in sizes.iter().enumerate() {
         let Ok(g) = calibration_graph(size, CALIBRATION_BATCH) else {
             continue;
@@ -1601,6 +1621,10 @@ fn measure_graph_kernels(threads: usize, quick: bool) -> Vec<(f64, f64)> {
             };
             times.push((of(|t| t.0), of(|t| t.1)));
         }
+        for i in (0..g.nodes.len()).filter(|&i| g.nodes[i].op.is_view()) {
+            calls.extend(runs[s].iter().flatten().flat_map(|m| [m[i].0, m[i].1]));
+        }
     }
-    times
+    calls.retain(|t| *t > 0.0);
+    (times, median(calls))
 }

@@ -130,6 +130,12 @@ pub struct HostKernels {
     /// The general-graph trainer's kernels.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub graph: BTreeMap<String, KernelRates>,
+    /// The general-graph trainer's fixed cost of one op call (a forward or a backward),
+    /// microseconds: scheduling the op, gathering its inputs, storing its outputs, as a view
+    /// op's call measures it. An op's class rate prices what is left; a small micro-batch
+    /// pays the call as often as a large one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub graph_call_us: Option<f64>,
 }
 
 impl HostKernels {
@@ -141,8 +147,21 @@ impl HostKernels {
         }
     }
 
+    /// The general-graph trainer's fixed cost of one op call, seconds (0 where not measured).
+    pub fn graph_call_s(&self) -> f64 {
+        self.graph_call_us.map_or(0.0, |us| us * 1e-6)
+    }
+
     /// Checks every table; on failure `(field path below the table, problem)`.
     pub(crate) fn check(&self) -> Result<(), (String, String)> {
+        if let Some(us) = self.graph_call_us {
+            if !(us.is_finite() && us >= 0.0) {
+                return Err((
+                    "graph_call_us".into(),
+                    format!("must be a non-negative number of microseconds, got {us}"),
+                ));
+            }
+        }
         for (trainer, table) in [("transformer", &self.transformer), ("graph", &self.graph)] {
             for (class, rates) in table {
                 if !HOST_KERNEL_CLASSES.contains(&class.as_str()) {
