@@ -882,6 +882,8 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
             // Special-function units: pointwise kernels stay memory-bound on a GPU.
             transcendentals_per_s: None,
             tanh_per_s: None,
+            // A GPU's op calls are its kernel launches (`op_overhead_s`).
+            graph_call_s: 0.0,
         },
         intra,
         inter: None,
