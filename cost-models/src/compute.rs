@@ -24,6 +24,16 @@ const UNFUSED_SCORE_PASSES_FWD: f64 = 6.5;
 /// returns its input at p = 0, launching nothing): QKᵀ, softmax, PV.
 const UNFUSED_SCORE_PASSES_NO_DROPOUT: f64 = 4.0;
 
+/// Eager module code's attention core over its scores, forward and backward, with and
+/// without dropout. Forward: write QKᵀ, the scale, the mask add and the softmax each read and
+/// write them (DeepLearningExamples' BERT `BertSelfAttention`: `/ math.sqrt(d)`,
+/// `+ attention_mask`, `F.softmax`; HF's GPT-2 masks with `torch.where` likewise), dropout
+/// reads and writes them with its 1-byte mask, PV reads them: 10.5 passes, 8 without
+/// dropout. Backward: write dP, PV's weight gradient reads P, dropout's backward (2.5),
+/// softmax's reads P and dP and writes dS (3), the scale's (2; the mask add passes its
+/// gradient through), QKᵀ's two GEMMs read dS: 11.5, 9 without dropout.
+const EAGER_SCORE_PASSES: [(f64, f64); 2] = [(10.5, 11.5), (8.0, 9.0)];
+
 /// Output tile side of the Winograd transforms cuDNN runs, F(m×m, r×r) with m = 2.
 pub const WINOGRAD_TILE: u64 = 2;
 
@@ -971,12 +981,17 @@ impl<'a> DeviceModel<'a> {
                 _ => 0.0,
             };
             let matmul = (fwd - 5.0 * scores).max(0.0);
-            let passes = if a.dropout {
-                UNFUSED_SCORE_PASSES_FWD
-            } else {
-                UNFUSED_SCORE_PASSES_NO_DROPOUT
+            let (passes, back) = match (self.eager, a.dropout) {
+                (true, true) => EAGER_SCORE_PASSES[0],
+                (true, false) => EAGER_SCORE_PASSES[1],
+                (false, true) => (UNFUSED_SCORE_PASSES_FWD, 2.0 * UNFUSED_SCORE_PASSES_FWD),
+                (false, false) => (
+                    UNFUSED_SCORE_PASSES_NO_DROPOUT,
+                    2.0 * UNFUSED_SCORE_PASSES_NO_DROPOUT,
+                ),
             };
             let bytes = scores * float_bytes as f64 * passes;
+            let back_bytes = scores * float_bytes as f64 * back;
             let per_gemm = matmul / 2.0;
             // Eager module code copies q, k, v into the batched GEMMs' layout and the
             // context back, each read and written once; backward copies their gradients.
@@ -1002,7 +1017,7 @@ impl<'a> DeviceModel<'a> {
             let exps = self.transcendental_time(scores * seen, 0.0);
             OpTimes {
                 fwd: self.gemm(per_gemm) * 2.0 + self.pointwise(self.memory(bytes), exps) + copies,
-                bwd_input: self.gemm(per_gemm) * 4.0 + self.memory(2.0 * bytes) + copies,
+                bwd_input: self.gemm(per_gemm) * 4.0 + self.memory(back_bytes) + copies,
                 bwd_weight: Seconds(0.0),
             }
         }
@@ -1626,8 +1641,9 @@ mod tests {
     }
 
     /// Eager module code, by hand: the attention core copies q, k, v and the context each
-    /// way, a biased linear reduces its output gradient once more, a LayerNorm's backward
-    /// reads its forward operands again for the weight gradients.
+    /// way and runs its scale, mask and softmax as kernels of their own, a biased linear
+    /// reduces its output gradient once more, a LayerNorm's backward reads its forward
+    /// operands again for the weight gradients.
     #[test]
     fn eager_kernels_add_copies_bias_reductions_and_a_norm_weight_pass() {
         let p = preset("dgx-a100-80gb").unwrap();
@@ -1644,8 +1660,17 @@ mod tests {
         let w = op.work(&ins, std::slice::from_ref(&q), &[false; 3], 2);
         let (a, b) = (fused.op(&op, &ins, &w, 2), eager.op(&op, &ins, &w, 2));
         let copies = eager.memory(2.0 * 4.0 * q.elems() as f64 * 2.0).0;
-        assert!((b.fwd.0 - a.fwd.0 - copies).abs() < 1e-12);
-        assert!((b.bwd_input.0 - a.bwd_input.0 - copies).abs() < 1e-12);
+        // The scale, mask add and softmax as kernels of their own: 10.5 passes over the
+        // scores forward against the fused scale-mask-softmax's 6.5, 11.5 backward against 13.
+        let scores = (64 * 16 * 128 * 128) as f64 * 2.0;
+        let passes = |n: f64| eager.memory(n * scores).0;
+        let fwd = copies + passes(10.5) - passes(6.5);
+        assert!((b.fwd.0 - a.fwd.0 - fwd).abs() < 1e-12, "{a:?} {b:?}");
+        let bwd = copies + passes(11.5) - passes(13.0);
+        assert!(
+            (b.bwd_input.0 - a.bwd_input.0 - bwd).abs() < 1e-12,
+            "{a:?} {b:?}"
+        );
         let x = Shape::new([8192, 1024]);
         let lin = OpKind::Linear(LinearAttrs {
             out_features: 4096,
