@@ -1309,24 +1309,48 @@ mod tests {
         }
     }
 
+    /// `cpu-local` with measured host kernel rates: `(trainer's table, class, rates)` rows, and
+    /// the graph trainer's call of an op in microseconds.
+    fn cpu_local_with(
+        rows: &[(HostTrainer, &str, Vec<[f64; 3]>)],
+        graph_call_us: Option<f64>,
+    ) -> parallax_hardware::ClusterProfile {
+        use parallax_hardware::{HostKernels, KernelRates};
+        let mut table = HostKernels {
+            graph_call_us,
+            ..HostKernels::default()
+        };
+        for (trainer, class, rates) in rows {
+            let t = match trainer {
+                HostTrainer::Graph => &mut table.graph,
+                HostTrainer::Transformer => &mut table.transformer,
+            };
+            t.insert(class.to_string(), KernelRates(rates.clone()));
+        }
+        let mut p = preset("cpu-local").unwrap();
+        p.device.host_kernels = Some(table);
+        p
+    }
+
     /// With measured rates of the general-graph trainer's kernels, an op on host cores takes
     /// its GEMM calls on the curve plus its class's bytes at the class's rate, read at the
     /// size of one call of its inner loop; the transformer trainer's ops do not read the
     /// graph trainer's table.
     #[test]
     fn host_ops_run_at_their_measured_class_rates() {
-        use parallax_hardware::{HostKernels, KernelRates};
-        let mut p = preset("cpu-local").unwrap();
-        let mut table = HostKernels::default();
-        table
-            .graph
-            .insert("batch_norm".into(), KernelRates(vec![[1e3, 2e9, 1e9]]));
-        // Slow per byte for small samples, fast for large ones.
-        table.graph.insert(
-            "conv2d".into(),
-            KernelRates(vec![[1e4, 1e9, 5e8], [1e6, 4e9, 2e9]]),
+        use parallax_hardware::KernelRates;
+        let p = cpu_local_with(
+            &[
+                (HostTrainer::Graph, "batch_norm", vec![[1e3, 2e9, 1e9]]),
+                // Slow per byte for small samples, fast for large ones.
+                (
+                    HostTrainer::Graph,
+                    "conv2d",
+                    vec![[1e4, 1e9, 5e8], [1e6, 4e9, 2e9]],
+                ),
+            ],
+            None,
         );
-        p.device.host_kernels = Some(table);
         let graph = DeviceModel::new(&p, Precision::Fp32)
             .unwrap()
             .with_host_graph_trainer(true);
@@ -1383,19 +1407,14 @@ mod tests {
     /// kernels directly and pays none.
     #[test]
     fn graph_trainer_ops_pay_their_call_each_way() {
-        use parallax_hardware::{HostKernels, KernelRates};
-        let mut p = preset("cpu-local").unwrap();
-        let mut table = HostKernels {
-            graph_call_us: Some(2.0),
-            ..HostKernels::default()
-        };
-        table
-            .graph
-            .insert("relu".into(), KernelRates(vec![[1e3, 2e9, 1e9]]));
-        table
-            .transformer
-            .insert("relu".into(), KernelRates(vec![[1e3, 2e9, 1e9]]));
-        p.device.host_kernels = Some(table);
+        let rates = vec![[1e3, 2e9, 1e9]];
+        let p = cpu_local_with(
+            &[
+                (HostTrainer::Graph, "relu", rates.clone()),
+                (HostTrainer::Transformer, "relu", rates),
+            ],
+            Some(2.0),
+        );
         let graph = DeviceModel::new(&p, Precision::Fp32)
             .unwrap()
             .with_host_graph_trainer(true);
@@ -1429,17 +1448,18 @@ mod tests {
     /// matrix, their loops over each visit's rows. On a GPU the ring is `cp` local blocks.
     #[test]
     fn the_host_ring_and_experts_run_at_their_measured_class_rates() {
-        use parallax_hardware::{HostKernels, KernelRates};
         use parallax_ir::op::{AttentionAttrs, MoeAttrs};
-        let mut p = preset("cpu-local").unwrap();
-        let mut table = HostKernels::default();
-        table
-            .transformer
-            .insert("ring_attention".into(), KernelRates(vec![[1e3, 1e9, 5e8]]));
-        table
-            .transformer
-            .insert("moe".into(), KernelRates(vec![[1e3, 2e9, 1e9]]));
-        p.device.host_kernels = Some(table);
+        let p = cpu_local_with(
+            &[
+                (
+                    HostTrainer::Transformer,
+                    "ring_attention",
+                    vec![[1e3, 1e9, 5e8]],
+                ),
+                (HostTrainer::Transformer, "moe", vec![[1e3, 2e9, 1e9]]),
+            ],
+            None,
+        );
         let host = DeviceModel::new(&p, Precision::Fp32).unwrap();
         // Two sequences of a rank's 64 tokens, 4 heads of 16, against cp = 2 blocks.
         let attn = OpKind::Attention(AttentionAttrs {
