@@ -32,7 +32,10 @@ const UNFUSED_SCORE_PASSES_NO_DROPOUT: f64 = 4.0;
 /// dropout. Backward: write dP, PV's weight gradient reads P, dropout's backward (2.5),
 /// softmax's reads P and dP and writes dS (3), the scale's (2; the mask add passes its
 /// gradient through), QKᵀ's two GEMMs read dS: 11.5, 9 without dropout.
-const EAGER_SCORE_PASSES: [(f64, f64); 2] = [(10.5, 11.5), (8.0, 9.0)];
+const EAGER_SCORE_PASSES: (f64, f64) = (10.5, 11.5);
+
+/// [`EAGER_SCORE_PASSES`] without attention dropout.
+const EAGER_SCORE_PASSES_NO_DROPOUT: (f64, f64) = (8.0, 9.0);
 
 /// Output tile side of the Winograd transforms cuDNN runs, F(m×m, r×r) with m = 2.
 pub const WINOGRAD_TILE: u64 = 2;
@@ -608,12 +611,9 @@ impl<'a> DeviceModel<'a> {
                     dim(1),
                     ins.get(1).and_then(|k| k.dim(1)).unwrap_or(1) as f64,
                 );
-                let seen = if a.causal && self.trainer == HostTrainer::Transformer {
-                    // The causal triangle under a window of w keys: s·w − w²/2 of s².
-                    let w = a.window.map_or(sk, |w| (w as f64).min(sk));
-                    (w / sk - w * w / (2.0 * sk * sk) + 0.5 / sk).clamp(0.0, 1.0)
-                } else {
-                    1.0
+                let seen = match self.trainer {
+                    HostTrainer::Transformer => a.seen_fraction(sk as u64),
+                    HostTrainer::Graph => 1.0,
                 };
                 let scores = dim(0) * heads * sq * sk * seen * fb;
                 (each(dim(0) * heads), scores, dim(0) * heads)
@@ -628,7 +628,7 @@ impl<'a> DeviceModel<'a> {
                 let (local, fh) = ins.get(2).map_or((1.0, 1.0), |x| {
                     (x.dim(0).unwrap_or(1).max(1) as f64, x.last() as f64)
                 });
-                let visits = t * m.top_k as f64 * routed / m.experts.max(1) as f64;
+                let visits = m.visits(ins);
                 let router = 2.0 * t * h * routed;
                 let problems = local * if m.gated { 3.0 } else { 2.0 };
                 let experts = |flops: f64| calls(flops - router, problems) + self.gemm(router);
@@ -730,6 +730,9 @@ impl<'a> DeviceModel<'a> {
         w: &Work,
         float_bytes: u64,
     ) -> Option<OpTimes> {
+        // Every op of every search passes here: without measured host rates (every GPU) the
+        // split is not worth building.
+        self.dev.host_kernels.as_ref()?;
         let split = self.host_split(op, ins, w, float_bytes)?;
         self.host_priced(op, &split)
     }
@@ -871,15 +874,8 @@ impl<'a> DeviceModel<'a> {
                 // and up projections and writes their product (3 tensors; 2 ungated), and
                 // backward reads both and the output gradient and writes their two gradients
                 // (5; 3 ungated).
-                let rows = match (ins.first(), ins.get(1)) {
-                    (Some(x), Some(r)) => {
-                        x.leading_elems() as f64 * a.top_k as f64 * r.last() as f64
-                            / a.experts.max(1) as f64
-                    }
-                    _ => 0.0,
-                };
                 let fh = ins.get(2).map_or(0.0, |x| x.last() as f64);
-                let act = rows * fh * float_bytes as f64;
+                let act = a.visits(ins) * fh * float_bytes as f64;
                 let (act_fwd, act_bwd) = if a.gated { (3.0, 5.0) } else { (2.0, 3.0) };
                 // The activation's launch is one of the op's kernels (`memory` pays it).
                 OpTimes {
@@ -982,8 +978,8 @@ impl<'a> DeviceModel<'a> {
             };
             let matmul = (fwd - 5.0 * scores).max(0.0);
             let (passes, back) = match (self.eager, a.dropout) {
-                (true, true) => EAGER_SCORE_PASSES[0],
-                (true, false) => EAGER_SCORE_PASSES[1],
+                (true, true) => EAGER_SCORE_PASSES,
+                (true, false) => EAGER_SCORE_PASSES_NO_DROPOUT,
                 (false, true) => (UNFUSED_SCORE_PASSES_FWD, 2.0 * UNFUSED_SCORE_PASSES_FWD),
                 (false, false) => (
                     UNFUSED_SCORE_PASSES_NO_DROPOUT,
@@ -1002,18 +998,11 @@ impl<'a> DeviceModel<'a> {
             } else {
                 Seconds(0.0)
             };
-            // The softmax's exponentials over the scores a query sees (host cores price them):
-            // the causal triangle, s·w − w²/2 of the s² under a window of w keys.
-            let seen = match (a.causal, ins.first().and_then(|q| q.dim(1))) {
-                (true, Some(s)) if s > 0 => {
-                    let (s, w) = (
-                        s as f64,
-                        a.window.map_or(s as f64, |w| (w as f64).min(s as f64)),
-                    );
-                    (w / s - w * w / (2.0 * s * s)).max(0.0)
-                }
-                _ => 1.0,
-            };
+            // The softmax's exponentials over the scores a query sees (host cores price them).
+            let seen = ins
+                .first()
+                .and_then(|q| q.dim(1))
+                .map_or(1.0, |s| a.seen_fraction(s));
             let exps = self.transcendental_time(scores * seen, 0.0);
             OpTimes {
                 fwd: self.gemm(per_gemm) * 2.0 + self.pointwise(self.memory(bytes), exps) + copies,

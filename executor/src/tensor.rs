@@ -708,7 +708,7 @@ pub fn attention_fwd(
         heads,
         kv_heads,
         hd,
-        mask,
+        ..
     } = *shape;
     let sq = q_pos.len();
     let mut all = keep_probs.then(|| vec![0.0f32; batch * heads * sq * sk]);
@@ -716,9 +716,7 @@ pub fn attention_fwd(
     for b in 0..batch {
         for hh in 0..heads {
             let sink = sinks.map(|s| s[hh]);
-            attention_probs(
-                &mut p, q, k, b, hh, q_pos, sk, heads, kv_heads, hd, mask, sink,
-            );
+            attention_probs(&mut p, (q, k), (b, hh), shape, sink);
             let kvh = hh / (heads / kv_heads);
             let (qw, kw) = (heads * hd, kv_heads * hd);
             matmul(
@@ -741,21 +739,22 @@ pub fn attention_fwd(
 /// query position, with a sliding window also above query position − window; an encoder's:
 /// all) for one sequence and head, into `p` (`sq × sk`); a `sink` logit joins each row's
 /// normaliser.
-#[allow(clippy::too_many_arguments)]
 fn attention_probs(
     p: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    b: usize,
-    hh: usize,
-    q_pos: &[usize],
-    sk: usize,
-    heads: usize,
-    kv_heads: usize,
-    hd: usize,
-    mask: Mask,
+    (q, k): (&[f32], &[f32]),
+    (b, hh): (usize, usize),
+    shape: &AttnShape<'_>,
     sink: Option<f32>,
 ) {
+    let AttnShape {
+        q_pos,
+        sk,
+        heads,
+        kv_heads,
+        hd,
+        mask,
+        ..
+    } = *shape;
     let sq = q_pos.len();
     let kvh = hh / (heads / kv_heads);
     let (qw, kw) = (heads * hd, kv_heads * hd);
@@ -818,7 +817,7 @@ pub fn attention_bwd(
         heads,
         kv_heads,
         hd,
-        mask,
+        ..
     } = *shape;
     let sq = q_pos.len();
     let (qw, kw) = (heads * hd, kv_heads * hd);
@@ -834,20 +833,7 @@ pub fn attention_bwd(
                     &all[at..at + sq * sk]
                 }
                 None => {
-                    attention_probs(
-                        &mut p_buf,
-                        q,
-                        k,
-                        b,
-                        hh,
-                        q_pos,
-                        sk,
-                        heads,
-                        kv_heads,
-                        hd,
-                        mask,
-                        sinks.map(|s| s[hh]),
-                    );
+                    attention_probs(&mut p_buf, (q, k), (b, hh), shape, sinks.map(|s| s[hh]));
                     &p_buf
                 }
             };

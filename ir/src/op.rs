@@ -62,6 +62,17 @@ impl AttentionAttrs {
     pub fn keys(&self, t: u64) -> u64 {
         self.window.map_or(t, |w| w.min(t))
     }
+
+    /// Fraction of the `s × s` scores of a sequence that its queries see: all of them in an
+    /// encoder; under a causal mask the triangle with its diagonal, `w·s − w(w − 1)/2` of the
+    /// `s²` under a window of `w` keys.
+    pub fn seen_fraction(&self, s: u64) -> f64 {
+        if !self.causal || s == 0 {
+            return 1.0;
+        }
+        let (s, w) = (s as f64, self.keys(s) as f64);
+        ((w * s - w * (w - 1.0) / 2.0) / (s * s)).clamp(0.0, 1.0)
+    }
 }
 
 /// Elementwise nonlinearity kind.
@@ -107,6 +118,21 @@ pub struct MoeAttrs {
     pub ffn_hidden: u64,
     /// Gated (SwiGLU) experts, with a third weight.
     pub gated: bool,
+}
+
+impl MoeAttrs {
+    /// Expert visits the op runs at input shapes `ins`: each row's `top_k` visits spread
+    /// evenly over the experts, of which a shard scoring `ins[1].last()` of them (its slice of
+    /// the router) sees that share.
+    pub fn visits(&self, ins: &[Shape]) -> f64 {
+        match (ins.first(), ins.get(1)) {
+            (Some(x), Some(r)) => {
+                x.leading_elems() as f64 * self.top_k as f64 * r.last() as f64
+                    / self.experts.max(1) as f64
+            }
+            _ => 0.0,
+        }
+    }
 }
 
 /// 2-D convolution, NCHW: `[x(n, c, h, w), w(o, c/groups, kh, kw), bias(o)?] -> [n, o, oh, ow]`.
@@ -1279,16 +1305,13 @@ impl OpKind {
             OpKind::CrossEntropy => (6.0 * elems_in0, 2.0 * elems_in0, 0.0),
             OpKind::Rope => (3.0 * elems_in0, 3.0 * elems_in0, 0.0),
             OpKind::Moe(a) => {
-                let (t, h, e, fh, k) = (
+                let (t, h, e, fh) = (
                     ins[0].leading_elems() as f64,
                     ins[0].last() as f64,
                     ins[1].last() as f64,
                     ins[2].last() as f64,
-                    a.top_k as f64,
                 );
-                // `e` is the local expert count (a shard holds a slice of experts): each token's
-                // k expert visits are spread evenly over experts, so a shard sees k·e/E of them.
-                let visits = t * k * e / a.experts as f64;
+                let visits = a.visits(ins);
                 let mats = if a.gated { 3.0 } else { 2.0 };
                 let expert = 2.0 * visits * h * fh * mats;
                 let router = 2.0 * t * h * e;
@@ -1457,7 +1480,7 @@ impl OpKind {
             },
             OpKind::Moe(a) => {
                 let t = ins[0].leading_elems();
-                let visits = t * a.top_k * ins[1].last() / a.experts.max(1);
+                let visits = a.visits(ins) as u64;
                 // The local expert width (`w_in` is `(E, h, f)`): a shard split on `f` keeps
                 // `f / D` of each visit's hidden activations.
                 let per_visit = ins[0].last() + ins[2].last() * if a.gated { 3 } else { 2 };
