@@ -115,6 +115,50 @@ fn validate_scores_the_held_out_runs() {
 }
 
 #[test]
+fn validate_explains_one_case_as_it_scores_it() {
+    // `--explain ID` prints the case's breakdown and memory beside the measurement, with the
+    // same prediction the scoring gives; an unknown id is one line and exit status 2.
+    let cases = concat!(env!("CARGO_MANIFEST_DIR"), "/../validation/held-out.json");
+    let id = "nemo2407-gpt3-175b-128gpu-tp4pp8cp1";
+    let scored = run(&["validate", cases, "--json"]);
+    let case = scored["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == id)
+        .unwrap();
+    let predicted = case["predicted_step_time_s"].as_f64().unwrap();
+    let out = common::parallax(&["validate", cases, "--explain", id]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with(id), "{text}");
+    for part in [
+        "time on the busiest stage",
+        "pipeline bubble",
+        "memory ",
+        "measured ",
+    ] {
+        assert!(text.contains(part), "{part}: {text}");
+    }
+    let step_line = text.lines().find(|l| l.starts_with("step time")).unwrap();
+    let shown: f64 = step_line
+        .split_whitespace()
+        .nth(2)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (shown - predicted).abs() <= 0.0005 * predicted.max(1.0),
+        "{shown} vs {predicted}"
+    );
+    let out = common::parallax(&["validate", cases, "--explain", "no-such-case"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("no case 'no-such-case'"), "{err}");
+}
+
+#[test]
 fn validate_scores_several_files_each_on_its_own() {
     // Two files: one JSON document with a summary per file; `--group` keeps the files that
     // have the group and is an error only when none has it.

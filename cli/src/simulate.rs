@@ -100,7 +100,13 @@ fn resolve_layout(spec: &str, setup: &Setup, model: &str, space: &Space) -> anyh
     }
 }
 
-fn print_report(title: &str, stack: &str, sim: &SimulatedStep, layout: &Layout, band: f64) {
+pub(crate) fn print_report(
+    title: &str,
+    stack: &str,
+    sim: &SimulatedStep,
+    layout: &Layout,
+    band: f64,
+) {
     let p = &sim.prediction;
     println!("{title}: {}", layout_string(layout));
     println!("stack       {stack}");

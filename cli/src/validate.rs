@@ -3,7 +3,9 @@
 use crate::fmt::table;
 use crate::user;
 use clap::Args as ClapArgs;
-use parallax_planner::{parse_cases, validate};
+use parallax_cost::step_time_band;
+use parallax_planner::{complete_within, parse_cases, validate, CompleteError};
+use parallax_sim::simulate_step;
 use serde_json::json;
 use std::path::PathBuf;
 
@@ -32,6 +34,10 @@ pub struct Args {
     /// (hardware-profiles/profiles), keeping their comments.
     #[arg(long, value_name = "DIR", requires = "fit")]
     write_presets: Option<PathBuf>,
+    /// Print the prediction of the case with this id as `simulate` does (layout, breakdown,
+    /// memory) beside what was measured, instead of scoring every case. Transformer cases.
+    #[arg(long, value_name = "ID", conflicts_with_all = ["fit", "json"])]
+    explain: Option<String>,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -51,6 +57,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 names.join(", ")
             )));
         }
+    }
+    if let Some(id) = &a.explain {
+        return explain(id, &files);
     }
     if a.fit {
         let names: Vec<&str> = files.iter().map(|(f, _)| f.as_str()).collect();
@@ -73,6 +82,56 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&doc)?);
     }
     Ok(())
+}
+
+/// `--explain ID`: the case's completed layout simulated and printed as `simulate` prints
+/// it, with the measurement beside it.
+fn explain(id: &str, files: &[(String, Vec<parallax_planner::Case>)]) -> anyhow::Result<()> {
+    let Some((file, case)) = files
+        .iter()
+        .find_map(|(f, cases)| cases.iter().find(|c| c.id() == id).map(|c| (f, c)))
+    else {
+        let names: Vec<&str> = files.iter().map(|(f, _)| f.as_str()).collect();
+        return Err(user(format!(
+            "--explain: no case '{id}' in {}",
+            names.join(", ")
+        )));
+    };
+    let parallax_planner::Case::Transformer(t) = case else {
+        return Err(user(format!(
+            "--explain {id}: {file} describes it as a general graph; `parallax simulate --model \
+             ZOO_NAME --plan dp=…,tp=…,pp=…` prints its breakdown"
+        )));
+    };
+    let stack = case.stack();
+    let measured = case.measured();
+    t.with_setup(&|_| {}, |setup, partial, space| -> anyhow::Result<()> {
+        let layout = match complete_within(setup, partial, space) {
+            Ok(done) => done.layout,
+            Err(CompleteError::DoesNotFit { smallest, .. }) => *smallest,
+            Err(e) => return Err(user(format!("--explain {id}: {e}"))),
+        };
+        let sim =
+            simulate_step(setup, &layout).map_err(|e| user(format!("--explain {id}: {e}")))?;
+        let band = step_time_band(setup.profile);
+        crate::simulate::print_report(&format!("{id} ({file})"), &stack, &sim, &layout, band);
+        let p = &sim.prediction;
+        let err = |pred: f64, meas: f64| format!("{:+.1} %", (pred - meas) / meas * 100.0);
+        println!();
+        println!(
+            "measured    {:.3} s (prediction {})",
+            measured.step_time_s,
+            err(p.step_time_s, measured.step_time_s)
+        );
+        if let Some(m) = measured.peak_memory_gib {
+            println!(
+                "            {m:.2} GiB peak memory (prediction {})",
+                err(p.peak_memory_gib, m)
+            );
+        }
+        Ok(())
+    })
+    .map_err(|e| user(format!("--explain {id}: {e}")))?
 }
 
 /// The cases of one file, filtered by `--group` and re-stacked by `--framework`.

@@ -756,6 +756,19 @@ impl TransformerCase {
     /// Predicts the case on a profile changed by `adjust` first: null knobs are chosen as the
     /// fastest feasible values.
     fn predict(&self, adjust: &(dyn Fn(&mut ClusterProfile) + Sync)) -> Result<Predicted, String> {
+        self.with_setup(adjust, |setup, partial, space| {
+            complete_predicted(setup, partial, space)
+        })?
+    }
+
+    /// Calls `f` with the step the case describes (its model, cluster, precision, stack and
+    /// routing), its published knobs and the stack's options: what [`TransformerCase::predict`]
+    /// completes and scores, and what `validate --explain` prints.
+    pub fn with_setup<R>(
+        &self,
+        adjust: &(dyn Fn(&mut ClusterProfile) + Sync),
+        f: impl FnOnce(&Setup, &PartialLayout, &Space) -> R,
+    ) -> Result<R, String> {
         if let Some(why) = self.unmodelled() {
             return Err(why);
         }
@@ -776,7 +789,7 @@ impl TransformerCase {
                 self.plan.global_batch,
             )
         };
-        complete_predicted(&setup, &self.partial_layout(), &fw.space)
+        Ok(f(&setup, &self.partial_layout(), &fw.space))
     }
 }
 
