@@ -701,12 +701,9 @@ impl TransformerCase {
             } else {
                 None
             },
-            // Not case fields: Megatron-Core's defaults, the all-to-all dispatcher without the
-            // combined-1F1B overlap. Left open, the tool picks DeepEP and the overlap, which the
-            // Qwen3 recipes behind these runs did not use (DeepSeek-V3's 25.09 recipe used both:
-            // Megatron-Bridge scripts/performance/run_script.py @fa0315ae2).
-            dispatcher: Some(parallax_ir::Dispatcher::AllToAll),
-            ep_overlap: Some(false),
+            // Not case fields: what the recipe behind the run set ([`MoeRecipe`]).
+            dispatcher: Some(self.moe_recipe().dispatcher),
+            ep_overlap: Some(self.moe_recipe().ep_overlap),
             zero_stage: if p.fsdp == Some(true) {
                 Some(3)
             } else {
@@ -720,6 +717,23 @@ impl TransformerCase {
             offload: Some(self.offload()),
             batch_norm: None,
         }
+    }
+
+    /// The token dispatcher and expert-parallel overlap the run used: those of its release's
+    /// Megatron-Bridge performance recipe where [`BRIDGE_MOE_RECIPES`] has one for the model,
+    /// Megatron-Core's defaults otherwise.
+    fn moe_recipe(&self) -> MoeRecipe {
+        let release = self
+            .framework
+            .as_deref()
+            .and_then(|f| f.strip_prefix("megatron-bridge@"));
+        release
+            .and_then(|r| {
+                BRIDGE_MOE_RECIPES
+                    .iter()
+                    .find(|b| r.starts_with(b.release) && self.model.name.starts_with(b.model))
+            })
+            .map_or(MoeRecipe::MEGATRON_DEFAULT, |b| b.recipe)
     }
 
     /// What the run offloaded: parameters (with the optimizer), the optimizer, or nothing.
@@ -792,6 +806,90 @@ impl TransformerCase {
         Ok(f(&setup, &self.partial_layout(), &fw.space))
     }
 }
+
+/// How an MoE run moved its tokens between expert-parallel ranks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MoeRecipe {
+    pub dispatcher: parallax_ir::Dispatcher,
+    /// Dispatch and combine overlapped with another micro-batch's computation
+    /// (`overlap_moe_expert_parallel_comm`, Megatron-Core's combined 1F1B).
+    pub ep_overlap: bool,
+}
+
+impl MoeRecipe {
+    /// Megatron-Core's defaults: the all-to-all dispatcher
+    /// (`moe_token_dispatcher_type = "alltoall"`), no combined-1F1B overlap.
+    pub const MEGATRON_DEFAULT: MoeRecipe = MoeRecipe {
+        dispatcher: parallax_ir::Dispatcher::AllToAll,
+        ep_overlap: false,
+    };
+}
+
+/// A Megatron-Bridge release's H100 performance recipe for one model family, where it departs
+/// from [`MoeRecipe::MEGATRON_DEFAULT`]. The published tables give the layout, not these
+/// settings; the release's scripts set them per model (`NVIDIA-NeMo/Megatron-Bridge` at the tag
+/// whose `docs/performance-summary.md` first carries the release's table).
+#[derive(Debug)]
+pub struct BridgeMoeRecipe {
+    /// The NeMo container release (`megatron-bridge@RELEASE`, matched as a prefix).
+    pub release: &'static str,
+    /// The case's `model.name` starts with this.
+    pub model: &'static str,
+    pub recipe: MoeRecipe,
+    pub source: &'static str,
+}
+
+/// The recipes that depart from Megatron-Core's defaults. Every other MoE run of these
+/// releases used them: Qwen3 in 25.09 (`run_script.py` sets DeepEP and the overlap for
+/// DeepSeek-V3 only), GPT-OSS in 25.11 and 26.04.01 (`moe_token_dispatcher_type = "alltoall"`,
+/// no `moe_a2a_overlap` in its H100 preset), Nemotron 3 Nano in 26.04.01 (no flex backend in
+/// its H100 preset).
+pub const BRIDGE_MOE_RECIPES: &[BridgeMoeRecipe] = &[
+    BridgeMoeRecipe {
+        release: "25.09",
+        model: "DeepSeek-V3",
+        recipe: MoeRecipe {
+            dispatcher: parallax_ir::Dispatcher::DeepEp,
+            ep_overlap: true,
+        },
+        source: "scripts/performance/run_script.py @v0.1.0rc4: enable_deepep and A2A_1F1B \
+                 (overlap_moe_expert_parallel_comm, delay_wgrad_compute) on h100",
+    },
+    BridgeMoeRecipe {
+        release: "25.11",
+        model: "Qwen3",
+        recipe: MoeRecipe {
+            dispatcher: parallax_ir::Dispatcher::AllToAll,
+            ep_overlap: true,
+        },
+        source: "scripts/performance/configs/qwen3/workload_base_configs.py @v0.2.1: \
+                 QWEN3_{30B_A3B,235B_A22B}_H100_FP8_CS_BASE_CONFIG moe_a2a_overlap=True",
+    },
+    BridgeMoeRecipe {
+        release: "26.04",
+        model: "Qwen3-235B",
+        recipe: MoeRecipe {
+            dispatcher: parallax_ir::Dispatcher::AllToAll,
+            ep_overlap: true,
+        },
+        source: "scripts/performance/configs/qwen/qwen3_workload_base_configs.py @v0.4.2: \
+                 QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V2 moe_a2a_overlap=True; \
+                 qwen3_llm_pretrain.py moe_token_dispatcher_type = \"alltoall\"",
+    },
+    BridgeMoeRecipe {
+        release: "26.04",
+        model: "Qwen3-30B",
+        recipe: MoeRecipe {
+            // HybridEP: a token crosses to each remote node its experts sit on once, then
+            // fans out over NVLink, as DeepEP's inter-node kernels do.
+            dispatcher: parallax_ir::Dispatcher::DeepEp,
+            ep_overlap: false,
+        },
+        source: "scripts/performance/configs/qwen/qwen3_workload_base_configs.py @v0.4.2: \
+                 QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 moe_flex_dispatcher_backend=\"hybridep\", \
+                 moe_a2a_overlap=False; qwen3_llm_pretrain.py moe_token_dispatcher_type = \"flex\"",
+    },
+];
 
 /// A case's prediction.
 pub(crate) struct Predicted {
@@ -975,6 +1073,41 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.starts_with("d.json: line 1"), "{e}");
+    }
+
+    /// Each Megatron-Bridge MoE run is completed with its release's recipe: DeepSeek-V3's 25.09
+    /// recipe runs DeepEP with the combined-1F1B overlap, the Qwen3 recipes overlap from 25.11,
+    /// 26.04's Qwen3-30B dispatches through HybridEP; the rest keep Megatron-Core's defaults.
+    #[test]
+    fn megatron_bridge_moe_runs_use_their_release_recipe() {
+        use parallax_ir::Dispatcher::{AllToAll, DeepEp};
+        let cases = ground_truth("moe-zero-offload.json");
+        let recipe = |id: &str| {
+            let c = cases.iter().find(|c| c.id() == id).unwrap();
+            let Case::Transformer(t) = c else {
+                panic!("{id}")
+            };
+            let p = t.partial_layout();
+            (p.dispatcher.unwrap(), p.ep_overlap.unwrap())
+        };
+        assert_eq!(recipe("mb2509-dsv3-1024xh100-fp8"), (DeepEp, true));
+        assert_eq!(recipe("mb2509-qwen3-30b-16xh100-fp8"), (AllToAll, false));
+        assert_eq!(recipe("mb2511-qwen3-235b-256xh100-fp8cs"), (AllToAll, true));
+        assert_eq!(recipe("mb2511-qwen3-30b-16xh100-fp8cs"), (AllToAll, true));
+        assert_eq!(recipe("mb2511-gptoss-120b-64xh100-bf16"), (AllToAll, false));
+        assert_eq!(recipe("mb260401-qwen3-235b-256xh100-fp8"), (AllToAll, true));
+        assert_eq!(recipe("mb260401-qwen3-30b-16xh100-fp8"), (DeepEp, false));
+        assert_eq!(
+            recipe("mb260401-nemotron3nano-16xh100-fp8"),
+            (AllToAll, false)
+        );
+        assert_eq!(
+            recipe("mcore-moe-readme-mixtral8x7b-64xh100-bf16"),
+            (AllToAll, false)
+        );
+        for r in BRIDGE_MOE_RECIPES {
+            assert!(r.source.contains(" @v0."), "{r:?}");
+        }
     }
 
     /// The MoE, ZeRO and offload file (`/1.1`) is read whole: its runs are predicted or
