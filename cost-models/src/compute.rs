@@ -240,6 +240,10 @@ impl std::ops::Mul<f64> for OpTimes {
     }
 }
 
+/// Bytes an fp8 current-scaling cast moves per element of a 16-bit tensor: the amax reduction
+/// reads it (2), the cast reads it again (2) and writes it and its transpose (1 + 1).
+pub const FP8_CAST_BYTES_PER_ELEM: f64 = 6.0;
+
 /// Compute cost model of one device at one training precision.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceModel<'a> {
@@ -356,6 +360,23 @@ impl<'a> DeviceModel<'a> {
 
     fn overhead(&self, kernels: f64) -> Seconds {
         self.dev.kernel_overhead() * kernels
+    }
+
+    /// Casting `elems` 16-bit elements to fp8 in a pass of their own before a GEMM under fp8
+    /// training (nothing at other precisions): per-tensor current scaling (Transformer
+    /// Engine's `Float8CurrentScaling`, Megatron-Bridge's `fp8_cs`) first reduces the tensor's
+    /// absolute maximum (a read), then casts it and writes it twice, as is and transposed,
+    /// since Hopper's fp8 GEMMs take only the "TN" layout and the weight-gradient GEMM needs
+    /// the transpose: 2 + 2 + 1 + 1 bytes an element, two kernels. An MoE layer's grouped
+    /// GEMMs pay it (see the MoE arm of [`DeviceModel::op`]); a dense layer's input casts are
+    /// fused into the norm or activation kernel that writes the input, and what remains of
+    /// its casts is within the GEMM efficiency calibrated on dense fp8 runs. Weights are cast
+    /// once a step (left out: amortised over the step's micro-batches).
+    fn fp8_cast(&self, elems: f64) -> Seconds {
+        if self.precision != Precision::Fp8 || elems <= 0.0 {
+            return Seconds(0.0);
+        }
+        self.memory(FP8_CAST_BYTES_PER_ELEM * elems) + self.overhead(1.0)
     }
 
     /// Time of one GEMM of `flops` FLOPs (launch included).
@@ -878,14 +899,28 @@ impl<'a> DeviceModel<'a> {
                 let act = a.visits(ins) * fh * float_bytes as f64;
                 let (act_fwd, act_bwd) = if a.gated { (3.0, 5.0) } else { (2.0, 3.0) };
                 // The activation's launch is one of the op's kernels (`memory` pays it).
+                // Under fp8 each visit's row is cast before each grouped GEMM (hidden wide
+                // into the first, the expert width into the second), and its output gradients
+                // before the backward ones (hidden wide out of the second, gate and up wide
+                // out of the first): Transformer Engine's `GroupedLinear` quantizes its input,
+                // split by expert, with a multi-tensor cast-transpose of its own
+                // (`fp8_multi_cast_transpose_fused`; the rows come from the permutation in 16
+                // bits), and its output gradients likewise.
+                let visits = a.visits(ins);
+                let hidden = ins.first().map_or(0.0, |x| x.last() as f64);
+                let up = if a.gated { 2.0 } else { 1.0 };
                 OpTimes {
                     fwd: pass(w.fwd_flops.0, outs[0])
                         + permute
                         + self.memory(act_fwd * act)
+                        + self.fp8_cast(visits * hidden)
+                        + self.fp8_cast(visits * fh)
                         + self.overhead(k - 2.0),
                     bwd_input: pass(w.bwd_input_flops.0, outs[1])
                         + permute
                         + self.memory(act_bwd * act)
+                        + self.fp8_cast(visits * hidden)
+                        + self.fp8_cast(visits * fh * up)
                         + self.overhead(k - 2.0),
                     bwd_weight: pass(w.bwd_weight_flops.0, outs[2]),
                 }
@@ -1647,6 +1682,74 @@ mod tests {
         assert!(t.bwd_input.0 >= bwd, "{t:?} vs {bwd}");
         // A few kernel launches beyond these bounds, no more.
         assert!(t.fwd.0 < fwd + 1e-4, "{t:?} vs {fwd}");
+    }
+
+    /// Under fp8 an MoE layer's grouped GEMMs quantize their inputs and output gradients in
+    /// passes of their own (6 bytes an element: amax read, cast read, fp8 and transposed fp8
+    /// writes): forward the visits' hidden rows and expert-width rows, backward the hidden-wide
+    /// gradients and the gate and up ones. A dense linear layer pays none (fused upstream).
+    #[test]
+    fn moe_experts_cast_their_rows_under_fp8() {
+        use parallax_ir::op::{LinearAttrs, MoeAttrs};
+        let p = preset("dgx-h100-80gb").unwrap();
+        let (bf16, fp8) = (
+            DeviceModel::new(&p, Precision::Bf16).unwrap(),
+            DeviceModel::new(&p, Precision::Fp8).unwrap(),
+        );
+        let (rows, h, k, e, f) = (4096u64, 2048u64, 8u64, 128u64, 768u64);
+        let op = OpKind::Moe(MoeAttrs {
+            experts: e,
+            top_k: k,
+            ffn_hidden: f,
+            gated: true,
+        });
+        let up = Shape::new([e, h, f]);
+        let ins = [
+            Shape::new([rows, h]),
+            Shape::new([h, e]),
+            up.clone(),
+            Shape::new([e, f, h]),
+            up,
+        ];
+        let w = op.work(
+            &ins,
+            &[Shape::new([rows, h])],
+            &[false, true, true, true, true],
+            2,
+        );
+        let t = fp8.op(&op, &ins, &w, 2);
+        // The same op with the casts taken out: everything else at fp8 as priced.
+        let cast = |elems: f64| fp8.memory(FP8_CAST_BYTES_PER_ELEM * elems) + fp8.overhead(1.0);
+        let visits = (rows * k) as f64;
+        let fwd_casts = cast(visits * h as f64) + cast(visits * f as f64);
+        let bwd_casts = cast(visits * h as f64) + cast(visits * 2.0 * f as f64);
+        assert!(fwd_casts.0 > 0.0 && bwd_casts.0 > fwd_casts.0);
+        let bw = p.device.effective_memory_bandwidth().0;
+        let permute = 4.0 * (rows * h * k * 2) as f64 / bw;
+        let outs = DeviceModel::pass_outputs(&ins, &w, 2);
+        let traffic = w.traffic().0 as f64;
+        let gemms =
+            |flops: f64, out: f64| fp8.gemm_grouped(flops, (e * 3) as f64, traffic, 1.0, out);
+        let fwd = gemms(w.fwd_flops.0, outs[0]).0 + permute + fwd_casts.0;
+        assert!(t.fwd.0 >= fwd, "{t:?} vs {fwd}");
+        assert!(t.fwd.0 < fwd + 1e-4, "{t:?} vs {fwd}");
+        let bwd = gemms(w.bwd_input_flops.0, outs[1]).0 + permute + bwd_casts.0;
+        assert!(t.bwd_input.0 >= bwd, "{t:?} vs {bwd}");
+        // bf16 pays no cast; a dense fp8 linear layer none either.
+        let plain = bf16.op(&op, &ins, &w, 2);
+        let g16 =
+            |flops: f64, out: f64| bf16.gemm_grouped(flops, (e * 3) as f64, traffic, 1.0, out);
+        assert!(plain.fwd.0 < g16(w.fwd_flops.0, outs[0]).0 + permute + 1e-4);
+        let lin = OpKind::Linear(LinearAttrs {
+            out_features: h,
+            bias: false,
+        });
+        let lins = [Shape::new([rows, h]), Shape::new([h, h])];
+        let lw = lin.work(&lins, &[Shape::new([rows, h])], &[false, true], 2);
+        let lt = fp8.op(&lin, &lins, &lw, 2);
+        let lb = DeviceModel::pass_outputs(&lins, &lw, 2);
+        let gemm = fp8.gemm_tiled(lw.fwd_flops.0, lw.traffic().0 as f64, 1.0, lb[0]);
+        assert!((lt.fwd.0 - gemm.0).abs() < 1e-9, "{lt:?} vs {gemm:?}");
     }
 
     /// Eager module code, by hand: the attention core copies q, k, v and the context each

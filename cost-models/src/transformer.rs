@@ -823,6 +823,9 @@ pub fn transformer_costs_with(
             }
             layer.ep_fwd = one;
             layer.ep_bwd = one;
+            let sort = e.sort(&dev, l.dispatcher, fb);
+            layer.compute.fwd += sort;
+            layer.compute.bwd_input += sort;
             // Expert weights are spread over ep × etp ranks; the graph's shard split them over tp.
             let whole = e.moe.experts * e.mats * hidden * s.model.ffn_hidden;
             layer.params = layer.params - whole / tp + whole / u64::from(l.ep * e.etp);
@@ -1055,8 +1058,13 @@ pub fn faster_dispatcher(s: &Setup, l: &Layout) -> Dispatcher {
     let e = ExpertRanks::of(s.model, moe, l, &opts, s.runtime.balanced_routing);
     let net = Network::new(s.profile);
     let gpn = s.profile.node.gpus_per_node;
-    let routed = e.routed_bytes(s.float_bytes());
-    let time = |d| dispatch(&net, l, &e, gpn, routed, d);
+    let fb = s.float_bytes();
+    let routed = e.routed_bytes(fb);
+    let dev = DeviceModel::new(s.profile, s.precision).ok();
+    let time = |d| {
+        dispatch(&net, l, &e, gpn, routed, d)
+            + dev.as_ref().map_or(Seconds(0.0), |dev| e.sort(dev, d, fb))
+    };
     if time(Dispatcher::DeepEp) < time(Dispatcher::AllToAll) {
         Dispatcher::DeepEp
     } else {
@@ -1128,6 +1136,19 @@ impl ExpertRanks {
     /// The busiest rank's share of `mean` (bytes or rows routed per rank).
     fn busiest(&self, mean: u64) -> u64 {
         (mean as f64 * self.load).ceil() as u64
+    }
+
+    /// Time `dispatcher` spends, each pass, putting the received rows in local-expert order:
+    /// Megatron-Core's all-to-all dispatcher receives each source rank's tokens grouped by
+    /// expert and sorts them after the dispatch and back before the combine
+    /// (`sort_chunks_by_idxs`), a copy of every received row each way; DeepEP's and HybridEP's
+    /// kernels write them in expert order, and one local expert needs no order.
+    fn sort(&self, dev: &DeviceModel, dispatcher: Dispatcher, fb: u64) -> Seconds {
+        if !dispatcher.is_all_to_all() || self.ep <= 1 || self.moe.experts / self.ep <= 1 {
+            return Seconds(0.0);
+        }
+        let rows = (self.expert_rows(true) * self.moe.top_k * self.hidden * fb) as f64;
+        dev.memory(2.0 * rows) * 2.0
     }
 
     /// Whether routed tokens are gathered over the etp ranks of an expert after dispatch:
@@ -1586,6 +1607,76 @@ mod tests {
     }
 
     #[test]
+    fn all_to_all_dispatch_sorts_received_rows_by_local_expert() {
+        // Qwen3-30B-A3B at ep 8 (16 local experts): the all-to-all dispatcher copies every
+        // received row into local-expert order after the dispatch and back before the combine,
+        // forward and backward; DeepEP's kernels write them in order. One expert per rank has
+        // nothing to sort.
+        let m = cfg("qwen3-30b-a3b");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup {
+            seq: 4096,
+            ..setup(
+                &m,
+                &p,
+                16,
+                Runtime {
+                    balanced_routing: true,
+                    ..Runtime::default()
+                },
+            )
+        };
+        let at = |ep, dispatcher| {
+            transformer_costs(
+                &s,
+                &Layout {
+                    ep,
+                    dp: 16,
+                    dispatcher,
+                    ..layout(1, false, Recompute::None)
+                },
+            )
+            .unwrap()
+            .layer()
+            .to_owned()
+        };
+        let (a2a, deepep) = (at(8, Dispatcher::AllToAll), at(8, Dispatcher::DeepEp));
+        let dev = DeviceModel::new(&p, Precision::Bf16).unwrap();
+        let rows = (4096 * 8 * 2048 * 2) as f64;
+        let sort = dev.memory(2.0 * rows).0 * 2.0;
+        assert!(sort > 0.0);
+        for (x, y) in [
+            (a2a.compute.fwd, deepep.compute.fwd),
+            (a2a.compute.bwd_input, deepep.compute.bwd_input),
+        ] {
+            assert!(((x - y).0 - sort).abs() < 1e-9, "{x:?} - {y:?} vs {sort}");
+        }
+        assert_eq!(a2a.compute.bwd_weight, deepep.compute.bwd_weight);
+        let m1 = Setup {
+            model: &cfg("mixtral-8x7b"),
+            ..s
+        };
+        let one_expert = |d| {
+            transformer_costs(
+                &m1,
+                &Layout {
+                    ep: 8,
+                    dp: 16,
+                    dispatcher: d,
+                    ..layout(1, false, Recompute::None)
+                },
+            )
+            .unwrap()
+            .layer()
+            .compute
+        };
+        assert_eq!(
+            one_expert(Dispatcher::AllToAll),
+            one_expert(Dispatcher::DeepEp)
+        );
+    }
+
+    #[test]
     fn folded_experts_dispatch_sequence_split_tokens() {
         // Qwen3-235B-A22B as Megatron-Bridge runs it on 256 H100s: tp 2 with sequence
         // parallelism, ep 32 over the stage's dp × tp ranks, etp 1. Each rank routes its
@@ -1893,8 +1984,8 @@ mod tests {
     #[test]
     fn a_node_deduplicating_dispatcher_is_faster_only_across_nodes() {
         // DeepSeek-V3's experts over 64 ranks (8 nodes): DeepEP's dispatch beats the
-        // all-to-all and the layer pays less; over 8 ranks of one node they are the same and
-        // the all-to-all stays.
+        // all-to-all and the layer pays less; over 8 ranks of one node they move the same
+        // bytes, and DeepEP is ahead only by the all-to-all's sort of the received rows.
         let m = cfg("deepseek-v3");
         let p = preset("dgx-h100-80gb").unwrap();
         let s = Setup {
@@ -1915,17 +2006,23 @@ mod tests {
             faster_dispatcher(&s, &at(64, Dispatcher::AllToAll)),
             Dispatcher::DeepEp
         );
+        let cost = |l: Layout| *transformer_costs(&s, &l).unwrap().layer();
+        let (one_node, one_node_dedup) = (
+            cost(at(8, Dispatcher::AllToAll)),
+            cost(at(8, Dispatcher::DeepEp)),
+        );
+        assert_eq!(one_node.ep_fwd, one_node_dedup.ep_fwd);
+        assert!(one_node_dedup.compute.fwd < one_node.compute.fwd);
         assert_eq!(
             faster_dispatcher(&s, &at(8, Dispatcher::AllToAll)),
-            Dispatcher::AllToAll
+            Dispatcher::DeepEp
         );
-        let cost = |l: Layout| *transformer_costs(&s, &l).unwrap().layer();
         let (plain, dedup) = (
             cost(at(64, Dispatcher::AllToAll)),
             cost(at(64, Dispatcher::DeepEp)),
         );
         assert!(dedup.ep_fwd < plain.ep_fwd);
-        assert_eq!((dedup.compute, dedup.params), (plain.compute, plain.params));
+        assert_eq!(dedup.params, plain.params);
         // A dense model has no dispatcher to choose.
         let dense = cfg("llama3-8b");
         let s = setup(&dense, &p, 8, Runtime::default());
