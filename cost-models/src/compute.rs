@@ -49,6 +49,9 @@ pub fn winograd_reduction(r: u64) -> f64 {
     ((m * r) as f64 / (m + r - 1) as f64).powi(2)
 }
 
+/// Side of the tiles cuDNN's tiled FFT convolution transforms (`*_ALGO_FFT_TILING`: 32×32).
+pub const FFT_TILE: u64 = 32;
+
 /// Side of the output tile a GEMM kernel computes per thread block (128×128 for large
 /// cuBLAS / cuDNN kernels on every generation since Maxwell).
 pub const GEMM_TILE: u64 = 128;
@@ -511,7 +514,7 @@ impl<'a> DeviceModel<'a> {
             _ => Seconds(0.0),
         };
         let outs = Self::pass_outputs(ins, w, float_bytes);
-        OpTimes {
+        let gemm = OpTimes {
             fwd: self.gemm_tiled(w.fwd_flops.0 / g, bytes, fills[0], outs[0]) + transposes + cols,
             bwd_input: self.gemm_tiled(w.bwd_input_flops.0 / g, bytes, fills[1], outs[1])
                 + transposes
@@ -519,6 +522,98 @@ impl<'a> DeviceModel<'a> {
             bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0 / g, bytes, fills[2], outs[2])
                 + transposes
                 + cols,
+        };
+        // cuDNN's autotuner (TensorFlow's default, PyTorch's `cudnn.benchmark`) runs each pass
+        // with the fastest algorithm it has: the tiled FFT where that beats the GEMM.
+        match (x, &y) {
+            (Some(x), Some(y)) if self.fft(c) && !self.host_convolutions => {
+                let f = self.fft_conv(c, x, y, float_bytes);
+                OpTimes {
+                    fwd: Seconds(gemm.fwd.0.min(f.fwd.0)),
+                    bwd_input: Seconds(gemm.bwd_input.0.min(f.bwd_input.0)),
+                    bwd_weight: Seconds(gemm.bwd_weight.0.min(f.bwd_weight.0)),
+                }
+            }
+            _ => gemm,
+        }
+    }
+
+    /// Whether cuDNN offers its tiled FFT for the convolution: stride 1, undilated, dense,
+    /// a window wider than one pixel and narrower than a tile, on the fp32 (SIMT) pipes
+    /// (tensor-core precisions run implicit GEMMs faster).
+    fn fft(&self, c: &parallax_ir::op::Conv2dAttrs) -> bool {
+        self.precision == Precision::Fp32
+            && c.stride == [1, 1]
+            && c.dilation == [1, 1]
+            && c.groups == 1
+            && c.kernel[0] == c.kernel[1]
+            && (2..=FFT_TILE / 2).contains(&c.kernel[0])
+    }
+
+    /// A stride-1 convolution by cuDNN's tiled FFT (`CUDNN_CONVOLUTION_*_ALGO_FFT_TILING`):
+    /// the input is cut into `FFT_TILE`² tiles overlapping by the window less one, each
+    /// transformed real-to-complex (`FFT_TILE` × (`FFT_TILE`/2 + 1) frequencies, complex64),
+    /// the filters padded to a tile and transformed likewise; every frequency then multiplies
+    /// the tiles' channels by the filters' as one complex GEMM of a batched call (8 real FLOPs
+    /// a complex multiply-add), and the product is transformed back, each tile yielding
+    /// (`FFT_TILE` − r + 1)² outputs. The transforms stream their tensors once each way (cuFFT
+    /// at these sizes works in shared memory); the products run on the GEMM curve at their
+    /// total size, bounded by the spectra they read and write. Backward: the input gradient
+    /// is the same with the output gradient's spectrum and the channels swapped, the weight
+    /// gradient correlates the input's and the output gradient's spectra, reducing over the
+    /// batch's tiles.
+    fn fft_conv(
+        &self,
+        c: &parallax_ir::op::Conv2dAttrs,
+        x: &Shape,
+        y: &Shape,
+        float_bytes: u64,
+    ) -> OpTimes {
+        let (n, ci, h, wd) = (x.0[0], x.0[1], x.0[2], x.0[3]);
+        let (ko, oh, ow) = (y.0[1], y.0[2], y.0[3]);
+        let r = c.kernel[0];
+        let step = FFT_TILE - r + 1;
+        let tiles = (oh.div_ceil(step) * ow.div_ceil(step)) as f64;
+        let freqs = (FFT_TILE * (FFT_TILE / 2 + 1)) as f64;
+        let fb = float_bytes as f64;
+        // Bytes of the complex64 spectra of `maps` feature maps, and of `filters` filters.
+        let spectra = |maps: f64| maps * tiles * freqs * 8.0;
+        let filter_spectra = (ko * ci) as f64 * freqs * 8.0;
+        let (n, ci, ko) = (n as f64, ci as f64, ko as f64);
+        let (xs, ys) = (
+            n * ci * (h * wd) as f64 * fb,
+            n * ko * (oh * ow) as f64 * fb,
+        );
+        let ws = ko * ci * (r * r) as f64 * fb;
+        let flops = 8.0 * freqs * tiles * n * ci * ko;
+        let rows = (n * tiles) as u64;
+        let product =
+            |fill: f64, a: f64, b: f64, out: f64| self.gemm_tiled(flops, a + b + out, fill, 0.0);
+        let transforms = |bytes: f64| self.memory(bytes) + self.overhead(3.0);
+        OpTimes {
+            fwd: transforms(xs + spectra(n * ci) + ws + filter_spectra + spectra(n * ko) + ys)
+                + product(
+                    tile_fill(rows) * tile_fill(ko as u64),
+                    spectra(n * ci),
+                    filter_spectra,
+                    spectra(n * ko),
+                ),
+            bwd_input: transforms(
+                ys + spectra(n * ko) + ws + filter_spectra + spectra(n * ci) + xs,
+            ) + product(
+                tile_fill(rows) * tile_fill(ci as u64),
+                spectra(n * ko),
+                filter_spectra,
+                spectra(n * ci),
+            ),
+            bwd_weight: transforms(
+                xs + spectra(n * ci) + ys + spectra(n * ko) + filter_spectra + ws,
+            ) + product(
+                tile_fill(ci as u64) * tile_fill(ko as u64),
+                spectra(n * ci),
+                spectra(n * ko),
+                filter_spectra,
+            ),
         }
     }
 
@@ -1188,6 +1283,69 @@ mod tests {
         let (wide, ..) = conv(1, 128, Precision::Fp32);
         let r = narrow.fwd.0 / wide.fwd.0;
         assert!((1.0..1.25).contains(&r), "{narrow:?} {wide:?}");
+    }
+
+    /// cuDNN's autotuner runs each pass of a convolution with its cheapest algorithm: AlexNet's
+    /// 5×5 layer (64 → 192 channels over 27×27 maps, 512 images) takes the tiled FFT on a K80
+    /// — one 32×32 tile per map (28 outputs a side), 32 × 17 frequencies, each a complex GEMM
+    /// of the batch's 64 channels by 192 filters: 8 · 544 · 512 · 64 · 192 FLOPs against the
+    /// direct method's 2 · 729 · 25 · 512 · 64 · 192, a ninth — while a 3×3 layer of 16
+    /// channels over 8 images stays on Winograd (its spectra cost more than its products
+    /// save), and half precision or a stride has no FFT.
+    #[test]
+    fn the_autotuner_takes_the_tiled_fft_where_it_is_cheaper() {
+        let p = preset("gce-k80x8").unwrap();
+        let m = DeviceModel::new(&p, Precision::Fp32).unwrap();
+        let case = |n: u64, ci: u64, co: u64, side: u64, k: u64, stride: u64| {
+            let op = OpKind::Conv2d(parallax_ir::op::Conv2dAttrs {
+                out_channels: co,
+                kernel: [k, k],
+                stride: [stride, stride],
+                padding: [k / 2, k / 2],
+                dilation: [1, 1],
+                groups: 1,
+                bias: false,
+            });
+            let out = (side + 2 * (k / 2) - k) / stride + 1;
+            let ins = [Shape::new([n, ci, side, side]), Shape::new([co, ci, k, k])];
+            let y = Shape::new([n, co, out, out]);
+            let w = op.work(&ins, std::slice::from_ref(&y), &[false, true], 4);
+            let OpKind::Conv2d(c) = &op else {
+                unreachable!()
+            };
+            (op.clone(), c.clone(), ins, y, w)
+        };
+        let (op, c, ins, y, w) = case(512, 64, 192, 27, 5, 1);
+        let fft = m.fft_conv(&c, &ins[0], &y, 4);
+        let winograd = m.gemm_tiled(
+            w.fwd_flops.0 / winograd_reduction(5),
+            w.traffic().0 as f64,
+            tile_fill(512 * 27 * 27) * tile_fill(192),
+            0.0,
+        );
+        let t = m.op(&op, &ins, &w, 4);
+        assert!(fft.fwd < winograd, "{fft:?} vs {winograd:?}");
+        assert_eq!(t.fwd, fft.fwd);
+        // The products by hand; the transforms and the launches add to them.
+        let flops = 8.0 * 544.0 * 512.0 * 64.0 * 192.0;
+        assert!((w.fwd_flops.0 / flops - 2.0 * 729.0 * 25.0 / (8.0 * 544.0)).abs() < 1e-9);
+        let product = m.gemm_tiled(flops, 0.0, tile_fill(512) * tile_fill(192), 0.0);
+        assert!(
+            fft.fwd > product && fft.fwd.0 < 3.0 * product.0,
+            "{fft:?} {product:?}"
+        );
+        // Small channel counts: the Winograd GEMM, as before.
+        let (op, c, ins, y, w) = case(8, 16, 16, 56, 3, 1);
+        let t = m.op(&op, &ins, &w, 4);
+        assert!(t.fwd < m.fft_conv(&c, &ins[0], &y, 4).fwd);
+        // No FFT at half precision or with a stride.
+        let half = DeviceModel::new(&p, Precision::Fp16);
+        if let Ok(h) = half {
+            let (_, c, ..) = case(512, 64, 192, 27, 5, 1);
+            assert!(!h.fft(&c));
+        }
+        let (_, c, ..) = case(512, 64, 192, 27, 5, 2);
+        assert!(!m.fft(&c));
     }
 
     #[test]
