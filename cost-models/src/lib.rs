@@ -11,8 +11,8 @@ pub use compute::{DeviceModel, OpTimes};
 pub use memory::MemoryBreakdown;
 pub use soap::{MachineView, OpCosts, ParallelConfig, TensorLayout, Transfer, TransferKind};
 pub use transformer::{
-    check_layout, model_flops_per_step, transformer_costs, Infeasible, PartCost, Runtime,
-    SelectivePolicy, Setup, TransformerCosts,
+    check_layout, model_flops_per_step, transformer_costs, Infeasible, PartCost, RecomputeModules,
+    Runtime, SelectivePolicy, Setup, TransformerCosts,
 };
 
 /// Relative half-width of the step-time band of an uncalibrated profile: the target accuracy

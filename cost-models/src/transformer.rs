@@ -178,6 +178,99 @@ pub enum SelectivePolicy {
     /// The cheap ops and every second matrix multiply of a block (torchtitan's op-level
     /// selective activation checkpointing, which saves only alternate `mm` outputs).
     CheapOpsAndAlternateMatmuls,
+    /// The submodules Megatron-Core's `--recompute-modules` names.
+    Modules(RecomputeModules),
+}
+
+/// A set of Megatron-Core's recomputable submodules (`--recompute-modules`,
+/// `megatron/core/transformer/transformer_config.py`), each matched to the nodes of a layer's
+/// graph it covers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RecomputeModules(u8);
+
+impl RecomputeModules {
+    /// The attention core (`core_attn`).
+    pub const CORE_ATTN: RecomputeModules = RecomputeModules(1);
+    /// The two norms of a layer, before attention and before the MLP (`layernorm`).
+    pub const LAYERNORM: RecomputeModules = RecomputeModules(2);
+    /// Multi-head latent attention's up projections and the rotary embedding applied after
+    /// them (`mla_up_proj`).
+    pub const MLA_UP_PROJ: RecomputeModules = RecomputeModules(4);
+    /// A dense layer's MLP (`mlp`).
+    pub const MLP: RecomputeModules = RecomputeModules(8);
+    /// The whole MoE layer: router, dispatch, experts, combine, shared experts (`moe`).
+    pub const MOE: RecomputeModules = RecomputeModules(16);
+    /// The shared experts of an MoE layer (`shared_experts`).
+    pub const SHARED_EXPERTS: RecomputeModules = RecomputeModules(32);
+    /// The experts' activation (`moe_act`): inside the MoE op of the graph, whose saved
+    /// activations it does not split; named so recipes read as written, priced as nothing.
+    pub const MOE_ACT: RecomputeModules = RecomputeModules(64);
+
+    const NAMES: [(&'static str, RecomputeModules); 7] = [
+        ("core_attn", Self::CORE_ATTN),
+        ("layernorm", Self::LAYERNORM),
+        ("mla_up_proj", Self::MLA_UP_PROJ),
+        ("mlp", Self::MLP),
+        ("moe", Self::MOE),
+        ("shared_experts", Self::SHARED_EXPERTS),
+        ("moe_act", Self::MOE_ACT),
+    ];
+
+    /// The set of `names` as Megatron-Core spells them; an unknown name is the error.
+    pub fn parse(names: &[&str]) -> Result<RecomputeModules, String> {
+        names.iter().try_fold(RecomputeModules(0), |set, n| {
+            Self::NAMES
+                .iter()
+                .find(|(name, _)| name == n)
+                .map(|(_, m)| set | *m)
+                .ok_or_else(|| {
+                    let known: Vec<&str> = Self::NAMES.iter().map(|(n, _)| *n).collect();
+                    format!(
+                        "unknown recompute module '{n}' (known: {})",
+                        known.join(", ")
+                    )
+                })
+        })
+    }
+
+    /// The set without `m`.
+    pub fn without(self, m: RecomputeModules) -> RecomputeModules {
+        RecomputeModules(self.0 & !m.0)
+    }
+
+    pub fn contains(self, m: RecomputeModules) -> bool {
+        self.0 & m.0 == m.0 && m.0 != 0
+    }
+
+    /// Whether node `name` of a layer (`layers.N.…`) belongs to a module of the set.
+    fn covers(self, name: &str) -> bool {
+        let part = name.splitn(3, '.').nth(2).unwrap_or(name);
+        let attn = part.strip_prefix("attn.");
+        (self.contains(Self::CORE_ATTN) && part == "attn.core")
+            || (self.contains(Self::LAYERNORM) && (part == "attn_norm" || part == "mlp_norm"))
+            || (self.contains(Self::MLA_UP_PROJ)
+                && attn.is_some_and(|a| {
+                    a.starts_with("q_up")
+                        || a.starts_with("kv_up")
+                        || a.starts_with("q_heads")
+                        || a.contains("rope")
+                        || a.starts_with("kv_heads")
+                        || a.starts_with("k_nope")
+                        || a.starts_with("v_heads")
+                        || a == "k"
+                }))
+            || (self.contains(Self::MLP) && part.starts_with("mlp.") && part != "mlp.residual")
+            || (self.contains(Self::MOE) && (part == "moe" || part.starts_with("moe.")))
+            || ((self.contains(Self::MOE) || self.contains(Self::SHARED_EXPERTS))
+                && part.starts_with("shared."))
+    }
+}
+
+impl std::ops::BitOr for RecomputeModules {
+    type Output = RecomputeModules;
+    fn bitor(self, o: RecomputeModules) -> RecomputeModules {
+        RecomputeModules(self.0 | o.0)
+    }
 }
 
 impl Default for Runtime {
@@ -845,6 +938,11 @@ pub fn transformer_costs_with(
                 let (time, flops) = block_prices.recompute(Some(block.redo(policy)));
                 layer.recompute = time;
                 layer.hardware_flops += flops;
+                // Recomputing the MoE layer runs its dispatch and combine again.
+                if matches!(policy, SelectivePolicy::Modules(m) if m.contains(RecomputeModules::MOE))
+                {
+                    layer.ep_bwd += layer.ep_fwd;
+                }
             }
             Recompute::Full => {
                 layer.recompute = layer.compute.fwd;
@@ -1225,6 +1323,16 @@ fn is_cheap(op: &OpKind) -> bool {
 
 /// The nodes selective recomputation redoes under `policy`.
 fn recomputed_nodes(g: &Graph, policy: SelectivePolicy) -> Vec<bool> {
+    if let SelectivePolicy::Modules(m) = policy {
+        // `mla_up_proj` names nodes of multi-head latent attention only.
+        let mla = g.nodes.iter().any(|n| n.name.ends_with("attn.kv_up"));
+        let m = if mla {
+            m
+        } else {
+            m.without(RecomputeModules::MLA_UP_PROJ)
+        };
+        return g.nodes.iter().map(|n| m.covers(&n.name)).collect();
+    }
     let mut linear = 0;
     g.nodes
         .iter()
@@ -1674,6 +1782,75 @@ mod tests {
             one_expert(Dispatcher::AllToAll),
             one_expert(Dispatcher::DeepEp)
         );
+    }
+
+    /// Megatron-Core's `--recompute-modules`: `mla_up_proj` drops the up-projected queries,
+    /// keys and values of multi-head latent attention (the attention core's saved inputs) and
+    /// redoes the projections and the rotary embedding in backward; `moe` redoes the whole MoE
+    /// layer, its dispatch and combine included; `mla_up_proj` names nothing in a GQA layer;
+    /// an unknown module is refused.
+    #[test]
+    fn recompute_modules_redo_what_megatron_names() {
+        let m = cfg("deepseek-v3");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let at = |policy: SelectivePolicy, recompute: Recompute| {
+            let s = Setup {
+                seq: 4096,
+                ..setup(
+                    &m,
+                    &p,
+                    1024,
+                    Runtime {
+                        selective: policy,
+                        balanced_routing: true,
+                        ..Runtime::default()
+                    },
+                )
+            };
+            let l = Layout {
+                dp: 64,
+                tp: 2,
+                pp: 8,
+                ep: 64,
+                etp: Some(1),
+                schedule: parallax_ir::Schedule::OneFOneB,
+                ..layout(2, true, recompute)
+            };
+            *transformer_costs(&s, &l).unwrap().layer()
+        };
+        let none = at(SelectivePolicy::CheapOps, Recompute::None);
+        let up = RecomputeModules::parse(&["mla_up_proj"]).unwrap();
+        let mla = at(SelectivePolicy::Modules(up), Recompute::Selective);
+        // Per token, the up projections write 128 heads × (192 + 128 + 128) 16-bit values, a
+        // half of them per rank under tp 2: most of that is no longer kept.
+        let dropped = none.saved.0 as f64 - mla.saved.0 as f64;
+        let up_bytes = (4096 * 128 * (192 + 128 + 128) * 2 / 2) as f64;
+        assert!(
+            dropped > 0.5 * up_bytes && dropped < 1.5 * up_bytes,
+            "{dropped} vs {up_bytes}"
+        );
+        assert!(mla.recompute.0 > 0.0 && mla.recompute < none.compute.fwd * 0.5);
+        assert_eq!(mla.ep_bwd, none.ep_bwd);
+        let moe = RecomputeModules::parse(&["moe"]).unwrap();
+        let redo_moe = at(SelectivePolicy::Modules(moe), Recompute::Selective);
+        assert!(redo_moe.ep_bwd > none.ep_bwd);
+        assert!(redo_moe.saved < none.saved);
+        // A GQA layer has no up projection to redo.
+        let llama = cfg("llama3-8b");
+        let s = Setup {
+            runtime: Runtime {
+                selective: SelectivePolicy::Modules(up),
+                ..Runtime::default()
+            },
+            ..Setup::new(&llama, &p, 8, 4096, 8)
+        };
+        let l = Layout {
+            dp: 8,
+            ..layout(1, false, Recompute::Selective)
+        };
+        let gqa = *transformer_costs(&s, &l).unwrap().layer();
+        assert_eq!(gqa.recompute, Seconds(0.0));
+        assert!(RecomputeModules::parse(&["attention"]).is_err());
     }
 
     #[test]

@@ -7,7 +7,7 @@ use crate::complete::{complete_within, layout_string, CompleteError};
 pub use crate::framework::Framework;
 pub use crate::general_cases::{GeneralCase, GENERAL_CASES_SCHEMA};
 use crate::search::Space;
-use parallax_cost::transformer::{Runtime, Setup};
+use parallax_cost::transformer::{RecomputeModules, Runtime, SelectivePolicy, Setup};
 use parallax_hardware::{Cluster, ClusterProfile};
 use parallax_ir::models::{
     HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, Router, SlidingWindow,
@@ -710,7 +710,10 @@ impl TransformerCase {
                 p.zero_stage
             },
             micro_batch: p.micro_batch,
-            recompute: p.recompute,
+            recompute: match self.recompute_modules() {
+                Some(_) => Some(Recompute::Selective),
+                None => p.recompute,
+            },
             sequence_parallel: p.sequence_parallel,
             schedule: p.schedule,
             interleave: p.interleave,
@@ -723,17 +726,29 @@ impl TransformerCase {
     /// Megatron-Bridge performance recipe where [`BRIDGE_MOE_RECIPES`] has one for the model,
     /// Megatron-Core's defaults otherwise.
     fn moe_recipe(&self) -> MoeRecipe {
+        self.bridge_recipe()
+            .map_or(MoeRecipe::MEGATRON_DEFAULT, |b| b.recipe)
+    }
+
+    /// The row of [`BRIDGE_MOE_RECIPES`] for the run's release and model, if any.
+    fn bridge_recipe(&self) -> Option<&'static BridgeMoeRecipe> {
         let release = self
             .framework
             .as_deref()
-            .and_then(|f| f.strip_prefix("megatron-bridge@"));
-        release
-            .and_then(|r| {
-                BRIDGE_MOE_RECIPES
-                    .iter()
-                    .find(|b| r.starts_with(b.release) && self.model.name.starts_with(b.model))
-            })
-            .map_or(MoeRecipe::MEGATRON_DEFAULT, |b| b.recipe)
+            .and_then(|f| f.strip_prefix("megatron-bridge@"))?;
+        BRIDGE_MOE_RECIPES
+            .iter()
+            .find(|b| release.starts_with(b.release) && self.model.name.starts_with(b.model))
+    }
+
+    /// The submodules the run's recipe recomputes, where it names some and the case publishes
+    /// no other recomputation: its selective recomputation is those.
+    fn recompute_modules(&self) -> Option<RecomputeModules> {
+        let names = self.bridge_recipe()?.recompute_modules;
+        let open = matches!(self.plan.recompute, None | Some(Recompute::Selective));
+        (open && !names.is_empty()).then(|| {
+            RecomputeModules::parse(names).expect("BRIDGE_MOE_RECIPES names Megatron's modules")
+        })
     }
 
     /// What the run offloaded: parameters (with the optimizer), the optimizer, or nothing.
@@ -793,6 +808,9 @@ impl TransformerCase {
             precision: self.precision,
             runtime: Runtime {
                 balanced_routing: self.balanced_routing(),
+                selective: self
+                    .recompute_modules()
+                    .map_or(fw.runtime.selective, SelectivePolicy::Modules),
                 ..fw.runtime
             },
             ..Setup::new(
@@ -836,6 +854,9 @@ pub struct BridgeMoeRecipe {
     /// The case's `model.name` starts with this.
     pub model: &'static str,
     pub recipe: MoeRecipe,
+    /// The submodules the recipe recomputes (`recompute_modules`, Megatron-Core's names);
+    /// empty where it sets none.
+    pub recompute_modules: &'static [&'static str],
     pub source: &'static str,
 }
 
@@ -852,6 +873,7 @@ pub const BRIDGE_MOE_RECIPES: &[BridgeMoeRecipe] = &[
             dispatcher: parallax_ir::Dispatcher::DeepEp,
             ep_overlap: true,
         },
+        recompute_modules: &["mla_up_proj", "mlp"],
         source: "scripts/performance/run_script.py @v0.1.0rc4: enable_deepep and A2A_1F1B \
                  (overlap_moe_expert_parallel_comm, delay_wgrad_compute) on h100",
     },
@@ -862,6 +884,7 @@ pub const BRIDGE_MOE_RECIPES: &[BridgeMoeRecipe] = &[
             dispatcher: parallax_ir::Dispatcher::AllToAll,
             ep_overlap: true,
         },
+        recompute_modules: &[],
         source: "scripts/performance/configs/qwen3/workload_base_configs.py @v0.2.1: \
                  QWEN3_{30B_A3B,235B_A22B}_H100_FP8_CS_BASE_CONFIG moe_a2a_overlap=True",
     },
@@ -872,6 +895,7 @@ pub const BRIDGE_MOE_RECIPES: &[BridgeMoeRecipe] = &[
             dispatcher: parallax_ir::Dispatcher::AllToAll,
             ep_overlap: true,
         },
+        recompute_modules: &[],
         source: "scripts/performance/configs/qwen/qwen3_workload_base_configs.py @v0.4.2: \
                  QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V2 moe_a2a_overlap=True; \
                  qwen3_llm_pretrain.py moe_token_dispatcher_type = \"alltoall\"",
@@ -885,9 +909,34 @@ pub const BRIDGE_MOE_RECIPES: &[BridgeMoeRecipe] = &[
             dispatcher: parallax_ir::Dispatcher::DeepEp,
             ep_overlap: false,
         },
+        recompute_modules: &[],
         source: "scripts/performance/configs/qwen/qwen3_workload_base_configs.py @v0.4.2: \
                  QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 moe_flex_dispatcher_backend=\"hybridep\", \
                  moe_a2a_overlap=False; qwen3_llm_pretrain.py moe_token_dispatcher_type = \"flex\"",
+    },
+    BridgeMoeRecipe {
+        release: "25.11",
+        model: "GPT-OSS",
+        recipe: MoeRecipe::MEGATRON_DEFAULT,
+        recompute_modules: &["layernorm", "moe_act"],
+        source: "scripts/performance/configs/gpt_oss/workload_base_configs.py @v0.2.1: \
+                 GPT_OSS_120B_H100_BF16_BASE_CONFIG recompute_modules",
+    },
+    BridgeMoeRecipe {
+        release: "26.04",
+        model: "GPT-OSS",
+        recipe: MoeRecipe::MEGATRON_DEFAULT,
+        recompute_modules: &["layernorm", "moe_act"],
+        source: "scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py @v0.4.2: \
+                 GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V2 recompute_modules",
+    },
+    BridgeMoeRecipe {
+        release: "26.04",
+        model: "Nemotron 3 Nano",
+        recipe: MoeRecipe::MEGATRON_DEFAULT,
+        recompute_modules: &["moe", "layernorm", "core_attn", "moe_act"],
+        source: "scripts/performance/configs/nemotronh/nemotron_3_workload_base_configs.py \
+                 @v0.4.2: NEMOTRON_3_NANO_PRETRAIN_CONFIG_H100_FP8_CS_V1 recompute_modules",
     },
 ];
 
@@ -1107,7 +1156,32 @@ mod tests {
         );
         for r in BRIDGE_MOE_RECIPES {
             assert!(r.source.contains(" @v0."), "{r:?}");
+            assert!(
+                RecomputeModules::parse(r.recompute_modules).is_ok(),
+                "{r:?}"
+            );
         }
+        // The recomputation a recipe names is the run's selective recomputation.
+        let selective = |id: &str| {
+            let Some(Case::Transformer(t)) = cases.iter().find(|c| c.id() == id) else {
+                panic!("{id}")
+            };
+            let policy = t
+                .with_setup(&|_| {}, |s, _, _| s.runtime.selective)
+                .unwrap();
+            (t.partial_layout().recompute, policy)
+        };
+        let (recompute, policy) = selective("mb2509-dsv3-1024xh100-fp8");
+        assert_eq!(recompute, Some(Recompute::Selective));
+        assert_eq!(
+            policy,
+            SelectivePolicy::Modules(RecomputeModules::parse(&["mla_up_proj", "mlp"]).unwrap())
+        );
+        let (recompute, _) = selective("mb2511-gptoss-120b-64xh100-bf16");
+        assert_eq!(recompute, Some(Recompute::Selective));
+        let (recompute, policy) = selective("mb2509-qwen3-30b-16xh100-fp8");
+        assert_eq!(recompute, Some(Recompute::None));
+        assert_eq!(policy, SelectivePolicy::CheapOps);
     }
 
     /// The MoE, ZeRO and offload file (`/1.1`) is read whole: its runs are predicted or
