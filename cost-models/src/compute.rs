@@ -1796,18 +1796,13 @@ mod tests {
         assert!(eight.bwd_weight.0 < 4.0 * copies(8) / bw, "{eight:?}");
     }
 
-    /// The experts' activation is a kernel of its own over every visit's expert-hidden row: a
-    /// gated layer's forward takes at least its grouped GEMMs, the four permutation copies and
-    /// the activation's 3 tensors of visits × width at the device's memory bandwidth, its
-    /// input-gradient pass the activation's 5.
-    #[test]
-    fn moe_experts_pay_their_activation_pass() {
-        use parallax_ir::op::MoeAttrs;
-        let p = preset("dgx-h100-80gb").unwrap();
-        let m = DeviceModel::new(&p, Precision::Bf16).unwrap();
-        // Qwen3-30B-A3B's layer: 128 experts of 768, top-8, hidden 2048; 4096 tokens.
-        let (rows, h, k, e, f) = (4096u64, 2048u64, 8u64, 128u64, 768u64);
-        let op = OpKind::Moe(MoeAttrs {
+    /// Qwen3-30B-A3B's MoE layer: 4096 tokens, hidden 2048, 128 experts of 768, top-8.
+    const QWEN3_MOE: (u64, u64, u64, u64, u64) = (4096, 2048, 8, 128, 768);
+
+    /// The MoE op of [`QWEN3_MOE`], its input shapes and its 16-bit work.
+    fn qwen3_moe_layer() -> (OpKind, [Shape; 5], Work) {
+        let (rows, h, k, e, f) = QWEN3_MOE;
+        let op = OpKind::Moe(parallax_ir::op::MoeAttrs {
             experts: e,
             top_k: k,
             ffn_hidden: f,
@@ -1827,6 +1822,19 @@ mod tests {
             &[false, true, true, true, true],
             2,
         );
+        (op, ins, w)
+    }
+
+    /// The experts' activation is a kernel of its own over every visit's expert-hidden row: a
+    /// gated layer's forward takes at least its grouped GEMMs, the four permutation copies and
+    /// the activation's 3 tensors of visits × width at the device's memory bandwidth, its
+    /// input-gradient pass the activation's 5.
+    #[test]
+    fn moe_experts_pay_their_activation_pass() {
+        let p = preset("dgx-h100-80gb").unwrap();
+        let m = DeviceModel::new(&p, Precision::Bf16).unwrap();
+        let (op, ins, w) = qwen3_moe_layer();
+        let (rows, h, k, e, f) = QWEN3_MOE;
         let t = m.op(&op, &ins, &w, 2);
         let bw = p.device.effective_memory_bandwidth().0;
         let permute = 4.0 * (rows * h * k * 2) as f64 / bw;
@@ -1848,33 +1856,14 @@ mod tests {
     /// gradients and the gate and up ones. A dense linear layer pays none (fused upstream).
     #[test]
     fn moe_experts_cast_their_rows_under_fp8() {
-        use parallax_ir::op::{LinearAttrs, MoeAttrs};
+        use parallax_ir::op::LinearAttrs;
         let p = preset("dgx-h100-80gb").unwrap();
         let (bf16, fp8) = (
             DeviceModel::new(&p, Precision::Bf16).unwrap(),
             DeviceModel::new(&p, Precision::Fp8).unwrap(),
         );
-        let (rows, h, k, e, f) = (4096u64, 2048u64, 8u64, 128u64, 768u64);
-        let op = OpKind::Moe(MoeAttrs {
-            experts: e,
-            top_k: k,
-            ffn_hidden: f,
-            gated: true,
-        });
-        let up = Shape::new([e, h, f]);
-        let ins = [
-            Shape::new([rows, h]),
-            Shape::new([h, e]),
-            up.clone(),
-            Shape::new([e, f, h]),
-            up,
-        ];
-        let w = op.work(
-            &ins,
-            &[Shape::new([rows, h])],
-            &[false, true, true, true, true],
-            2,
-        );
+        let (op, ins, w) = qwen3_moe_layer();
+        let (rows, h, k, e, f) = QWEN3_MOE;
         let t = fp8.op(&op, &ins, &w, 2);
         // The same op with the casts taken out: everything else at fp8 as priced.
         let cast = |elems: f64| fp8.memory(FP8_CAST_BYTES_PER_ELEM * elems) + fp8.overhead(1.0);
