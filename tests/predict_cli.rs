@@ -137,6 +137,8 @@ fn validate_explains_one_case_as_it_scores_it() {
         "pipeline bubble",
         "memory ",
         "measured ",
+        "one micro-batch on one device",
+        "EP dispatch",
     ] {
         assert!(text.contains(part), "{part}: {text}");
     }

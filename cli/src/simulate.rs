@@ -63,8 +63,60 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         let title = format!("{} on {}", job.name, a.job.cluster);
         print_report(&title, &job.framework.name, &sim, &layout, band);
+        print_layer_costs(&setup, &layout);
     }
     Ok(())
+}
+
+/// One micro-batch of each part of the model on one device of the layout: its passes, its
+/// recomputation and the communication each waits on, before the pipeline schedule and the
+/// overlap of expert dispatch with other micro-batches (`transformer_costs`).
+pub(crate) fn print_layer_costs(setup: &Setup, layout: &Layout) {
+    let Ok(c) = parallax_cost::transformer_costs(setup, layout) else {
+        return;
+    };
+    let counts = setup.model.layer_kinds_in(0, setup.model.layers);
+    let ms = |s: parallax_ir::Seconds| format!("{:.2}", s.0 * 1e3);
+    let row = |name: String, n: String, p: &parallax_cost::PartCost| {
+        vec![
+            name,
+            n,
+            ms(p.compute.fwd),
+            ms(p.compute.bwd_input),
+            ms(p.compute.bwd_weight),
+            ms(p.recompute),
+            ms(p.tp_fwd + p.tp_bwd),
+            ms(p.cp_fwd + p.cp_bwd),
+            ms(p.ep_fwd + p.ep_bwd),
+            bytes(p.saved.0 as f64),
+        ]
+    };
+    let mut rows = vec![row("embedding".into(), "-".into(), &c.embedding)];
+    rows.extend(
+        c.layer_kinds_named()
+            .map(|(k, p)| row(k.name().to_string(), counts[k.index()].to_string(), p)),
+    );
+    rows.push(row("head".into(), "-".into(), &c.head));
+    println!();
+    println!("one micro-batch on one device (ms), before the schedule and expert-dispatch overlap");
+    print!(
+        "{}",
+        table(
+            &[
+                "part",
+                "layers",
+                "forward",
+                "input grad",
+                "weight grad",
+                "recompute",
+                "TP comm",
+                "CP comm",
+                "EP dispatch",
+                "kept",
+            ],
+            &rows
+        )
+    );
 }
 
 /// The layout from a plan file or an inline spec (left-out keys completed by the search). A

@@ -115,6 +115,7 @@ fn explain(id: &str, files: &[(String, Vec<parallax_planner::Case>)]) -> anyhow:
             simulate_step(setup, &layout).map_err(|e| user(format!("--explain {id}: {e}")))?;
         let band = step_time_band(setup.profile);
         crate::simulate::print_report(&format!("{id} ({file})"), &stack, &sim, &layout, band);
+        crate::simulate::print_layer_costs(setup, &layout);
         let p = &sim.prediction;
         let err = |pred: f64, meas: f64| format!("{:+.1} %", (pred - meas) / meas * 100.0);
         println!();

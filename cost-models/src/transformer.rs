@@ -492,6 +492,14 @@ impl TransformerCosts {
     pub fn layer_kinds(&self) -> impl Iterator<Item = &PartCost> {
         self.kinds.iter().flatten()
     }
+
+    /// [`TransformerCosts::layer_kinds`] with the kind of each.
+    pub fn layer_kinds_named(&self) -> impl Iterator<Item = (LayerKind, &PartCost)> {
+        LayerKind::ALL
+            .into_iter()
+            .zip(&self.kinds)
+            .filter_map(|(kind, p)| p.as_ref().map(|p| (kind, p)))
+    }
 }
 
 /// The fixed inputs of a costing: model, hardware and training settings.

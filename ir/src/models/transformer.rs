@@ -472,6 +472,19 @@ impl LayerKind {
         self as usize
     }
 
+    /// The kind as reports name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayerKind::Block => "block",
+            LayerKind::DenseBlock => "dense block",
+            LayerKind::WindowBlock => "window block",
+            LayerKind::Mamba => "mamba",
+            LayerKind::Attention => "attention",
+            LayerKind::Moe => "moe",
+            LayerKind::Mlp => "mlp",
+        }
+    }
+
     /// The kind counted in the counts of one layer.
     pub fn of_one(counts: [u32; LayerKind::COUNT]) -> Option<LayerKind> {
         LayerKind::ALL.into_iter().find(|k| counts[k.index()] == 1)
