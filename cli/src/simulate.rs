@@ -6,7 +6,7 @@ use crate::user;
 use clap::Args as ClapArgs;
 use parallax_cost::{step_time_band, Setup};
 use parallax_ir::{Layout, PartialLayout, GIB};
-use parallax_planner::{complete_within, layout_string, report::part_name, CompleteError, Space};
+use parallax_planner::{complete_or_smallest, layout_string, report::part_name, Space};
 use parallax_sim::{simulate_step, SimulatedStep};
 use std::path::PathBuf;
 
@@ -143,13 +143,11 @@ fn resolve_layout(spec: &str, setup: &Setup, model: &str, space: &Space) -> anyh
     }
     let partial =
         PartialLayout::parse_transformer(spec).map_err(|e| user(format!("--plan: {e}")))?;
-    match complete_within(setup, &partial, space) {
-        Ok(done) => Ok(done.layout),
-        // Nothing fits: simulate the completion that needs the least memory and say by how
-        // much it is over.
-        Err(CompleteError::DoesNotFit { smallest, .. }) => Ok(*smallest),
-        Err(e) => Err(user(format!("--plan {spec}: {e}"))),
-    }
+    // Nothing fits: the completion that needs the least memory is simulated, and the report
+    // says by how much it is over.
+    complete_or_smallest(setup, &partial, space)
+        .map(|(layout, _)| layout)
+        .map_err(|e| user(format!("--plan {spec}: {e}")))
 }
 
 pub(crate) fn print_report(

@@ -4,7 +4,7 @@ use crate::fmt::table;
 use crate::user;
 use clap::Args as ClapArgs;
 use parallax_cost::step_time_band;
-use parallax_planner::{complete_within, parse_cases, validate, CompleteError};
+use parallax_planner::{complete_or_smallest, parse_cases, validate};
 use parallax_sim::simulate_step;
 use serde_json::json;
 use std::path::PathBuf;
@@ -106,11 +106,8 @@ fn explain(id: &str, files: &[(String, Vec<parallax_planner::Case>)]) -> anyhow:
     let stack = case.stack();
     let measured = case.measured();
     t.with_setup(&|_| {}, |setup, partial, space| -> anyhow::Result<()> {
-        let layout = match complete_within(setup, partial, space) {
-            Ok(done) => done.layout,
-            Err(CompleteError::DoesNotFit { smallest, .. }) => *smallest,
-            Err(e) => return Err(user(format!("--explain {id}: {e}"))),
-        };
+        let (layout, _) = complete_or_smallest(setup, partial, space)
+            .map_err(|e| user(format!("--explain {id}: {e}")))?;
         let sim =
             simulate_step(setup, &layout).map_err(|e| user(format!("--explain {id}: {e}")))?;
         let band = step_time_band(setup.profile);

@@ -576,44 +576,21 @@ impl<'a> DeviceModel<'a> {
         let tiles = (oh.div_ceil(step) * ow.div_ceil(step)) as f64;
         let freqs = (FFT_TILE * (FFT_TILE / 2 + 1)) as f64;
         let fb = float_bytes as f64;
-        // Bytes of the complex64 spectra of `maps` feature maps, and of `filters` filters.
-        let spectra = |maps: f64| maps * tiles * freqs * 8.0;
-        let filter_spectra = (ko * ci) as f64 * freqs * 8.0;
         let (n, ci, ko) = (n as f64, ci as f64, ko as f64);
-        let (xs, ys) = (
-            n * ci * (h * wd) as f64 * fb,
-            n * ko * (oh * ow) as f64 * fb,
-        );
-        let ws = ko * ci * (r * r) as f64 * fb;
+        // Every pass transforms the input, the output (or their gradients) and the filters
+        // (complex64 spectra of every tile of every map, the filters padded to a tile), and its
+        // products read two of the three spectra and write the third.
+        let spectra = (n * (ci + ko) * tiles + ko * ci) * freqs * 8.0;
+        let tensors =
+            (n * (ci * (h * wd) as f64 + ko * (oh * ow) as f64) + ko * ci * (r * r) as f64) * fb;
+        let transforms = self.memory(tensors + spectra) + self.overhead(3.0);
         let flops = 8.0 * freqs * tiles * n * ci * ko;
         let rows = (n * tiles) as u64;
-        let product =
-            |fill: f64, a: f64, b: f64, out: f64| self.gemm_tiled(flops, a + b + out, fill, 0.0);
-        let transforms = |bytes: f64| self.memory(bytes) + self.overhead(3.0);
+        let pass = |fill: f64| transforms + self.gemm_tiled(flops, spectra, fill, 0.0);
         OpTimes {
-            fwd: transforms(xs + spectra(n * ci) + ws + filter_spectra + spectra(n * ko) + ys)
-                + product(
-                    tile_fill(rows) * tile_fill(ko as u64),
-                    spectra(n * ci),
-                    filter_spectra,
-                    spectra(n * ko),
-                ),
-            bwd_input: transforms(
-                ys + spectra(n * ko) + ws + filter_spectra + spectra(n * ci) + xs,
-            ) + product(
-                tile_fill(rows) * tile_fill(ci as u64),
-                spectra(n * ko),
-                filter_spectra,
-                spectra(n * ci),
-            ),
-            bwd_weight: transforms(
-                xs + spectra(n * ci) + ys + spectra(n * ko) + filter_spectra + ws,
-            ) + product(
-                tile_fill(ci as u64) * tile_fill(ko as u64),
-                spectra(n * ci),
-                spectra(n * ko),
-                filter_spectra,
-            ),
+            fwd: pass(tile_fill(rows) * tile_fill(ko as u64)),
+            bwd_input: pass(tile_fill(rows) * tile_fill(ci as u64)),
+            bwd_weight: pass(tile_fill(ci as u64) * tile_fill(ko as u64)),
         }
     }
 
@@ -853,16 +830,22 @@ impl<'a> DeviceModel<'a> {
         self.host_priced(op, &split)
     }
 
+    /// What the trainer pays to call one op, each way: the general-graph trainer's measured
+    /// call (`graph_call_us`); nothing for the transformer trainer, which calls its kernels
+    /// directly, or where nothing was measured (every GPU).
+    fn trainer_call(&self) -> Seconds {
+        match (self.trainer, &self.dev.host_kernels) {
+            (HostTrainer::Graph, Some(table)) => Seconds(table.graph_call_s()),
+            _ => Seconds(0.0),
+        }
+    }
+
     /// The GEMM calls of `split` on the curve plus its bytes at its class's measured rate;
     /// `None` where the profile holds no rate for the class.
     fn host_priced(&self, op: &OpKind, split: &HostSplit) -> Option<OpTimes> {
         let table = self.dev.host_kernels.as_ref()?;
         let (fwd, bwd) = table.rates(self.trainer, split.class)?.at(split.key);
-        // The general-graph trainer pays its call of the op each way.
-        let call = Seconds(match self.trainer {
-            HostTrainer::Graph => table.graph_call_s(),
-            HostTrainer::Transformer => 0.0,
-        });
+        let call = self.trainer_call();
         let rest = Seconds(split.bytes / bwd);
         // A convolution's backward copies the matrix twice, an im2col for the weight gradient
         // and a col2im for the input gradient (which an op on the data computes no part of).
@@ -896,16 +879,10 @@ impl<'a> DeviceModel<'a> {
         };
         match (op.compute_class(), op) {
             // The general-graph trainer calls a view op too, each way.
-            (ComputeClass::View, _) => match (self.trainer, &self.dev.host_kernels) {
-                (HostTrainer::Graph, Some(table)) => {
-                    let call = Seconds(table.graph_call_s());
-                    OpTimes {
-                        fwd: call,
-                        bwd_input: call,
-                        bwd_weight: Seconds(0.0),
-                    }
-                }
-                _ => OpTimes::default(),
+            (ComputeClass::View, _) => OpTimes {
+                fwd: self.trainer_call(),
+                bwd_input: self.trainer_call(),
+                bwd_weight: Seconds(0.0),
             },
             (ComputeClass::Attention, OpKind::Attention(a)) => {
                 self.attention(a, ins, w, float_bytes)
@@ -991,7 +968,8 @@ impl<'a> DeviceModel<'a> {
                 // backward reads both and the output gradient and writes their two gradients
                 // (5; 3 ungated).
                 let fh = ins.get(2).map_or(0.0, |x| x.last() as f64);
-                let act = a.visits(ins) * fh * float_bytes as f64;
+                let visits = a.visits(ins);
+                let act = visits * fh * float_bytes as f64;
                 let (act_fwd, act_bwd) = if a.gated { (3.0, 5.0) } else { (2.0, 3.0) };
                 // The activation's launch is one of the op's kernels (`memory` pays it).
                 // Under fp8 each visit's row is cast before each grouped GEMM (hidden wide
@@ -1001,7 +979,6 @@ impl<'a> DeviceModel<'a> {
                 // split by expert, with a multi-tensor cast-transpose of its own
                 // (`fp8_multi_cast_transpose_fused`; the rows come from the permutation in 16
                 // bits), and its output gradients likewise.
-                let visits = a.visits(ins);
                 let hidden = ins.first().map_or(0.0, |x| x.last() as f64);
                 let up = if a.gated { 2.0 } else { 1.0 };
                 OpTimes {
@@ -1338,12 +1315,11 @@ mod tests {
         let (op, c, ins, y, w) = case(8, 16, 16, 56, 3, 1);
         let t = m.op(&op, &ins, &w, 4);
         assert!(t.fwd < m.fft_conv(&c, &ins[0], &y, 4).fwd);
-        // No FFT at half precision or with a stride.
-        let half = DeviceModel::new(&p, Precision::Fp16);
-        if let Ok(h) = half {
-            let (_, c, ..) = case(512, 64, 192, 27, 5, 1);
-            assert!(!h.fft(&c));
-        }
+        // No FFT at half precision (a P100: a K80 has no fp16) or with a stride.
+        let p100 = preset("dgx1-p100-16gb").unwrap();
+        let half = DeviceModel::new(&p100, Precision::Fp16).unwrap();
+        let (_, c, ..) = case(512, 64, 192, 27, 5, 1);
+        assert!(!half.fft(&c) && DeviceModel::new(&p100, Precision::Fp32).unwrap().fft(&c));
         let (_, c, ..) = case(512, 64, 192, 27, 5, 2);
         assert!(!m.fft(&c));
     }
@@ -1630,7 +1606,7 @@ mod tests {
     /// matrix, their loops over each visit's rows. On a GPU the ring is `cp` local blocks.
     #[test]
     fn the_host_ring_and_experts_run_at_their_measured_class_rates() {
-        use parallax_ir::op::{AttentionAttrs, MoeAttrs};
+        use parallax_ir::op::AttentionAttrs;
         let p = cpu_local_with(
             &[
                 (
@@ -1675,27 +1651,7 @@ mod tests {
         );
 
         // 128 tokens, top-2 of 4 gated experts 256 wide over a hidden 64.
-        let moe = OpKind::Moe(MoeAttrs {
-            experts: 4,
-            top_k: 2,
-            ffn_hidden: 256,
-            gated: true,
-        });
-        let up = Shape::new([4, 64, 256]);
-        let x = Shape::new([128, 64]);
-        let ins = [
-            x.clone(),
-            Shape::new([64, 4]),
-            up.clone(),
-            Shape::new([4, 256, 64]),
-            up,
-        ];
-        let w = moe.work(
-            &ins,
-            std::slice::from_ref(&x),
-            &[false, true, true, true, true],
-            4,
-        );
+        let (moe, ins, w) = moe_layer((128, 64, 2, 4, 256), 4);
         let split = host.host_split(&moe, &ins, &w, 4).unwrap();
         let bytes = 256.0 * (64.0 + 256.0) * 4.0;
         assert_eq!(
@@ -1801,7 +1757,15 @@ mod tests {
 
     /// The MoE op of [`QWEN3_MOE`], its input shapes and its 16-bit work.
     fn qwen3_moe_layer() -> (OpKind, [Shape; 5], Work) {
-        let (rows, h, k, e, f) = QWEN3_MOE;
+        moe_layer(QWEN3_MOE, 2)
+    }
+
+    /// A gated MoE op of `(rows, hidden, top_k, experts, expert width)`, its input shapes and
+    /// its work at `fb` bytes an element.
+    fn moe_layer(
+        (rows, h, k, e, f): (u64, u64, u64, u64, u64),
+        fb: u64,
+    ) -> (OpKind, [Shape; 5], Work) {
         let op = OpKind::Moe(parallax_ir::op::MoeAttrs {
             experts: e,
             top_k: k,
@@ -1820,7 +1784,7 @@ mod tests {
             &ins,
             &[Shape::new([rows, h])],
             &[false, true, true, true, true],
-            2,
+            fb,
         );
         (op, ins, w)
     }

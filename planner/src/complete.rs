@@ -75,6 +75,21 @@ pub fn complete_within(
     }
 }
 
+/// The layout [`complete_within`] chooses or, where no completion fits, the one that needs the
+/// least memory — a run that happened, or a layout a user asked to see, is predicted over
+/// memory rather than refused — and whether it fits.
+pub fn complete_or_smallest(
+    setup: &Setup,
+    p: &PartialLayout,
+    space: &Space,
+) -> Result<(Layout, bool), CompleteError> {
+    match complete_within(setup, p, space) {
+        Ok(done) => Ok((done.layout, true)),
+        Err(CompleteError::DoesNotFit { smallest, .. }) => Ok((*smallest, false)),
+        Err(e) => Err(e),
+    }
+}
+
 /// The inline form of the knobs `p` gives (`tp=3,pp=2`), for messages.
 pub fn partial_string(p: &PartialLayout) -> String {
     let mut parts = Vec::new();

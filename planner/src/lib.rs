@@ -11,7 +11,9 @@ pub mod report;
 pub mod search;
 pub mod validate;
 
-pub use complete::{complete_layout, complete_within, layout_string, CompleteError, Completed};
+pub use complete::{
+    complete_layout, complete_or_smallest, complete_within, layout_string, CompleteError, Completed,
+};
 pub use search::{
     search, search_with_progress, Counts, Evaluated, Family, FamilyResult, Progress, SearchError,
     SearchOptions, SearchResult, Space,

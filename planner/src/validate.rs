@@ -3,7 +3,7 @@
 //! and any zoo model with its published software stack (`parallax-validation-cases/2`,
 //! [`crate::general_cases`]).
 
-use crate::complete::{complete_within, layout_string, CompleteError};
+use crate::complete::{complete_or_smallest, layout_string};
 pub use crate::framework::Framework;
 pub use crate::general_cases::{GeneralCase, GENERAL_CASES_SCHEMA};
 use crate::search::Space;
@@ -682,6 +682,7 @@ impl TransformerCase {
     /// The published layout, with unpublished knobs left open (the stack's space limits them).
     pub fn partial_layout(&self) -> PartialLayout {
         let p = &self.plan;
+        let recipe = self.moe_recipe();
         PartialLayout {
             dp: p.dp,
             tp: p.tp,
@@ -702,8 +703,8 @@ impl TransformerCase {
                 None
             },
             // Not case fields: what the recipe behind the run set ([`MoeRecipe`]).
-            dispatcher: Some(self.moe_recipe().dispatcher),
-            ep_overlap: Some(self.moe_recipe().ep_overlap),
+            dispatcher: Some(recipe.dispatcher),
+            ep_overlap: Some(recipe.ep_overlap),
             zero_stage: if p.fsdp == Some(true) {
                 Some(3)
             } else {
@@ -843,9 +844,10 @@ impl MoeRecipe {
     };
 }
 
-/// A Megatron-Bridge release's H100 performance recipe for one model family, where it departs
-/// from [`MoeRecipe::MEGATRON_DEFAULT`]. The published tables give the layout, not these
-/// settings; the release's scripts set them per model (`NVIDIA-NeMo/Megatron-Bridge` at the tag
+/// A Megatron-Bridge release's H100 performance recipe for one model family, where its token
+/// dispatch departs from [`MoeRecipe::MEGATRON_DEFAULT`] or it names modules to recompute. The
+/// published tables give the layout, not these settings; the release's scripts set them per
+/// model (`NVIDIA-NeMo/Megatron-Bridge` at the tag
 /// whose `docs/performance-summary.md` first carries the release's table).
 #[derive(Debug)]
 pub struct BridgeMoeRecipe {
@@ -861,10 +863,11 @@ pub struct BridgeMoeRecipe {
 }
 
 /// The recipes that depart from Megatron-Core's defaults. Every other MoE run of these
-/// releases used them: Qwen3 in 25.09 (`run_script.py` sets DeepEP and the overlap for
-/// DeepSeek-V3 only), GPT-OSS in 25.11 and 26.04.01 (`moe_token_dispatcher_type = "alltoall"`,
-/// no `moe_a2a_overlap` in its H100 preset), Nemotron 3 Nano in 26.04.01 (no flex backend in
-/// its H100 preset).
+/// releases dispatched with them: Qwen3 in 25.09 (`run_script.py` sets DeepEP and the overlap
+/// for DeepSeek-V3 only; its Qwen3 configs recompute nothing), and so do GPT-OSS in 25.11 and
+/// 26.04.01 (`moe_token_dispatcher_type = "alltoall"`, no `moe_a2a_overlap` in its H100
+/// preset) and Nemotron 3 Nano in 26.04.01 (no flex backend in its H100 preset), whose rows
+/// carry their recomputed modules only.
 pub const BRIDGE_MOE_RECIPES: &[BridgeMoeRecipe] = &[
     BridgeMoeRecipe {
         release: "25.09",
@@ -955,27 +958,22 @@ pub(crate) fn complete_predicted(
     partial: &PartialLayout,
     space: &Space,
 ) -> Result<Predicted, String> {
-    match complete_within(setup, partial, space) {
-        Ok(c) => Ok(Predicted {
-            step_time_s: c.prediction.step_time_s,
-            peak_memory_gib: c.prediction.peak_memory_gib,
-            layout: layout_string(&c.layout),
-        }),
-        // The run happened, so it fit: where the memory model says no completion does, the
-        // one it finds smallest is predicted anyway, and the overshoot shows as the memory
-        // error rather than hiding the step time.
-        Err(CompleteError::DoesNotFit { smallest, .. }) => {
-            let p = parallax_sim::simulate_step(setup, &smallest)
-                .map_err(|e| e.to_string())?
-                .prediction;
-            Ok(Predicted {
-                step_time_s: p.step_time_s,
-                peak_memory_gib: p.peak_memory_gib,
-                layout: format!("{} (over memory)", layout_string(&smallest)),
-            })
-        }
-        Err(e) => Err(e.to_string()),
-    }
+    // The run happened, so it fit: where the memory model says no completion does, the one it
+    // finds smallest is predicted anyway, and the overshoot shows as the memory error rather
+    // than hiding the step time.
+    let (layout, fits) = complete_or_smallest(setup, partial, space).map_err(|e| e.to_string())?;
+    let p = parallax_sim::simulate_step(setup, &layout)
+        .map_err(|e| e.to_string())?
+        .prediction;
+    Ok(Predicted {
+        step_time_s: p.step_time_s,
+        peak_memory_gib: p.peak_memory_gib,
+        layout: if fits {
+            layout_string(&layout)
+        } else {
+            format!("{} (over memory)", layout_string(&layout))
+        },
+    })
 }
 
 impl CaseCluster {
