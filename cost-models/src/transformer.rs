@@ -871,6 +871,11 @@ pub fn transformer_costs_with(
     let price_layer = |kind: LayerKind, block: &SectionGraph, experts: Option<ExpertRanks>| {
         let block_prices = NodePrices::new(&dev, block, fb, sp, l.tp, hidden, cp, experts);
         let mut layer = price(block, &block_prices, fb, sp, l.tp, hidden);
+        // The experts' activations as this rank keeps them (the graph's shard has them as
+        // the TP region would: every token, the FFN split over tp).
+        let experts_kept =
+            |redo: Option<&[bool]>| experts.map_or(0.0, |e| e.kept_beyond_graph(block, fb, redo));
+        layer.saved = Bytes((layer.saved.0 as f64 + experts_kept(None)).max(0.0) as u64);
         // Under sequence parallelism an MoE layer reads the sequence-split tokens directly: its
         // dispatcher replaces the MLP's gather and reduce-scatter over the TP group, so only the
         // attention's pair remains (none in a hybrid stack's MoE layer) — unless shared
@@ -942,7 +947,10 @@ pub fn transformer_costs_with(
                 // ops (torchtitan's op-level selective checkpointing keeps matmul and attention
                 // outputs). Flash attention recomputes its own scores anyway.
                 let policy = s.runtime.selective;
-                layer.saved = Bytes(block.saved(fb, sp, l.tp, hidden, Some(policy)) as u64);
+                let redo = block.redo(policy);
+                let kept =
+                    block.saved(fb, sp, l.tp, hidden, Some(policy)) + experts_kept(Some(redo));
+                layer.saved = Bytes(kept.max(0.0) as u64);
                 let (time, flops) = block_prices.recompute(Some(block.redo(policy)));
                 layer.recompute = time;
                 layer.hardware_flops += flops;
@@ -1278,6 +1286,24 @@ impl ExpertRanks {
         } else {
             rows
         }
+    }
+
+    /// Bytes the MoE ops of `g` keep for backward on the busiest rank beyond what the graph's
+    /// shard counts: the graph runs every token of the micro-batch through experts split over
+    /// tp (the TP region's view), while the rank keeps the activations of the rows it
+    /// actually receives (its sequence-parallel share, gathered over etp) at the local expert
+    /// width `ffn / etp` (negative where that is less). MoE ops `redo` marks are not kept.
+    fn kept_beyond_graph(&self, g: &SectionGraph, fb: u64, redo: Option<&[bool]>) -> f64 {
+        g.nodes
+            .iter()
+            .enumerate()
+            .filter(|(i, n)| matches!(n.op, OpKind::Moe(_)) && !redo.is_some_and(|r| r[*i]))
+            .map(|(i, n)| {
+                let weights = g.weight_flags(n);
+                let extra = |ins: &[Shape]| (n.op.saves(ins, &weights).extra_elems * fb) as f64;
+                extra(&self.rank_inputs(&g.shapes[i], true)) - extra(&g.shapes[i])
+            })
+            .sum()
     }
 
     /// The MoE op's inputs as this rank runs it (`graph` are the inputs of the graph's op:
@@ -1790,6 +1816,52 @@ mod tests {
             one_expert(Dispatcher::AllToAll),
             one_expert(Dispatcher::DeepEp)
         );
+    }
+
+    /// An MoE layer keeps the activations of the rows its rank receives at the local expert
+    /// width: under tp 2 with sequence parallelism, etp 1 routes each rank's half of the
+    /// tokens through whole experts, etp 2 gathers the pair's rows through half-wide ones —
+    /// one hidden row more per visit (the gathered input), the expert-hidden rows the same.
+    /// Redoing the MoE layer keeps none of them.
+    #[test]
+    fn experts_keep_the_rows_their_rank_receives() {
+        let m = cfg("deepseek-v3");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let at = |etp: u32, policy: SelectivePolicy, recompute: Recompute| {
+            let s = Setup {
+                seq: 4096,
+                ..setup(
+                    &m,
+                    &p,
+                    1024,
+                    Runtime {
+                        selective: policy,
+                        balanced_routing: true,
+                        ..Runtime::default()
+                    },
+                )
+            };
+            let l = Layout {
+                dp: 64,
+                pp: 8,
+                ep: 64,
+                etp: Some(etp),
+                schedule: parallax_ir::Schedule::OneFOneB,
+                ..layout(2, true, recompute)
+            };
+            // The MoE layer (at etp 1 it holds fewer parameters than a dense one).
+            transformer_costs(&s, &l).unwrap().kind(LayerKind::Block).saved.0 as f64
+        };
+        let moe = m.moe.unwrap();
+        let (tokens, fb) = (4096 / 2, 2);
+        let one_hidden_row_per_visit = (tokens * moe.top_k * m.hidden * fb) as f64;
+        let none = |etp| at(etp, SelectivePolicy::CheapOps, Recompute::None);
+        assert_eq!(none(2) - none(1), one_hidden_row_per_visit);
+        // etp 1 keeps per visit a hidden row and the expert's gate, up and activation rows.
+        let redo = SelectivePolicy::Modules(RecomputeModules::parse(&["moe"]).unwrap());
+        let without_experts = at(1, redo, Recompute::Selective);
+        let per_visit = (m.hidden + 3 * m.ffn_hidden) * fb;
+        assert!(none(1) - without_experts >= (tokens * moe.top_k * per_visit) as f64);
     }
 
     /// Megatron-Core's `--recompute-modules`: `mla_up_proj` drops the up-projected queries,
