@@ -1850,7 +1850,11 @@ mod tests {
                 ..layout(2, true, recompute)
             };
             // The MoE layer (at etp 1 it holds fewer parameters than a dense one).
-            transformer_costs(&s, &l).unwrap().kind(LayerKind::Block).saved.0 as f64
+            transformer_costs(&s, &l)
+                .unwrap()
+                .kind(LayerKind::Block)
+                .saved
+                .0 as f64
         };
         let moe = m.moe.unwrap();
         let (tokens, fb) = (4096 / 2, 2);

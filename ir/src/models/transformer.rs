@@ -261,9 +261,9 @@ pub struct TransformerConfig {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub attention_sinks: bool,
     /// RMSNorm on each head's queries and keys before the rotary embedding (Qwen3, Gemma 3,
-    /// OLMo 2; Megatron's `--qk-layernorm`). Two small norm kernels per layer, not priced;
-    /// an engine must be told to train the same model. (Latent attention's norms of its
-    /// compressed queries and keys belong to `mla`.)
+    /// OLMo 2; Megatron's `--qk-layernorm`): two norm kernels over every head's vector, each
+    /// with a `head_dim` weight shared by the heads; an engine must be told to train the same
+    /// model. (Latent attention's norms of its compressed queries and keys belong to `mla`.)
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub qk_norm: bool,
     /// GPT-OSS's gated unit in place of SwiGLU's `silu(gate) · up`: `(clamp(up, −7, 7) + 1) ·
@@ -922,7 +922,10 @@ impl TransformerConfig {
                     + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim);
                 query + kv + heads * a.v_head_dim * h
             }
-            None => h * (q + 2 * kv) + q * h + bqkv * (q + 2 * kv) + b * h,
+            None => {
+                let qk_norm = if self.qk_norm { 2 * self.head_dim } else { 0 };
+                h * (q + 2 * kv) + q * h + bqkv * (q + 2 * kv) + b * h + qk_norm
+            }
         }
     }
 
@@ -1301,6 +1304,10 @@ impl TransformerConfig {
                 let mut q = split_heads(g, p, "q", q, [bsz, s, self.heads, d])?;
                 let mut k = split_heads(g, p, "k", k, [bsz, s, self.kv_heads, d])?;
                 let v = split_heads(g, p, "v", v, [bsz, s, self.kv_heads, d])?;
+                if self.qk_norm {
+                    q = g.rms_norm(&format!("{p}.attn.q_norm"), q)?;
+                    k = g.rms_norm(&format!("{p}.attn.k_norm"), k)?;
+                }
                 if self.position == Position::Rope {
                     q = g.op1(format!("{p}.attn.q_rope"), OpKind::Rope, &[q])?;
                     k = g.op1(format!("{p}.attn.k_rope"), OpKind::Rope, &[k])?;
@@ -1573,6 +1580,11 @@ mod tests {
         for cfg in [
             TransformerConfig::gpt(2, 64, 4, 256, 100, 32),
             TransformerConfig::llama(2, 64, 8, 2, 160, 100, 32),
+            // Qwen3's norms of each head's query and key.
+            TransformerConfig {
+                qk_norm: true,
+                ..TransformerConfig::llama(2, 64, 8, 2, 160, 100, 32)
+            },
             TransformerConfig {
                 moe: Some(MoeConfig::routed(4, 2)),
                 ..TransformerConfig::llama(2, 64, 8, 2, 96, 100, 32)
