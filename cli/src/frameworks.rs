@@ -26,6 +26,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     "schedules": fw.space.schedules,
                     "zero_stages": fw.space.zero_stages,
                     "recompute": fw.space.recompute,
+                    "recompute_modules": fw.space.recompute_modules,
                     "uneven_stages": fw.space.uneven_stages,
                     "sequence_parallel": fw.space.sequence_parallel,
                     "features": s.features.iter().map(|f| json!({"what": f.what, "source": f.source})).collect::<Vec<_>>(),

@@ -14,12 +14,13 @@ use parallax_ir::models::{
     BuildOptions, LayerKind, LayerStack, MoeConfig, Section, TransformerConfig,
 };
 use parallax_ir::op::OpKind;
+pub use parallax_ir::RecomputeModules;
 use parallax_ir::{
     Bytes, ComputeClass, Dispatcher, Graph, Layout, Precision, Recompute, Seconds, Shape,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use thiserror::Error;
 
 /// Why a layout cannot run. Counted by kind in search reports.
@@ -180,97 +181,6 @@ pub enum SelectivePolicy {
     CheapOpsAndAlternateMatmuls,
     /// The submodules Megatron-Core's `--recompute-modules` names.
     Modules(RecomputeModules),
-}
-
-/// A set of Megatron-Core's recomputable submodules (`--recompute-modules`,
-/// `megatron/core/transformer/transformer_config.py`), each matched to the nodes of a layer's
-/// graph it covers.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct RecomputeModules(u8);
-
-impl RecomputeModules {
-    /// The attention core (`core_attn`).
-    pub const CORE_ATTN: RecomputeModules = RecomputeModules(1);
-    /// The two norms of a layer, before attention and before the MLP (`layernorm`).
-    pub const LAYERNORM: RecomputeModules = RecomputeModules(2);
-    /// Multi-head latent attention's up projections and the rotary embedding applied after
-    /// them (`mla_up_proj`).
-    pub const MLA_UP_PROJ: RecomputeModules = RecomputeModules(4);
-    /// A dense layer's MLP (`mlp`).
-    pub const MLP: RecomputeModules = RecomputeModules(8);
-    /// The whole MoE layer: router, dispatch, experts, combine, shared experts (`moe`).
-    pub const MOE: RecomputeModules = RecomputeModules(16);
-    /// The shared experts of an MoE layer (`shared_experts`).
-    pub const SHARED_EXPERTS: RecomputeModules = RecomputeModules(32);
-    /// The experts' activation (`moe_act`): inside the MoE op of the graph, whose saved
-    /// activations it does not split; named so recipes read as written, priced as nothing.
-    pub const MOE_ACT: RecomputeModules = RecomputeModules(64);
-
-    const NAMES: [(&'static str, RecomputeModules); 7] = [
-        ("core_attn", Self::CORE_ATTN),
-        ("layernorm", Self::LAYERNORM),
-        ("mla_up_proj", Self::MLA_UP_PROJ),
-        ("mlp", Self::MLP),
-        ("moe", Self::MOE),
-        ("shared_experts", Self::SHARED_EXPERTS),
-        ("moe_act", Self::MOE_ACT),
-    ];
-
-    /// The set of `names` as Megatron-Core spells them; an unknown name is the error.
-    pub fn parse(names: &[&str]) -> Result<RecomputeModules, String> {
-        names.iter().try_fold(RecomputeModules(0), |set, n| {
-            Self::NAMES
-                .iter()
-                .find(|(name, _)| name == n)
-                .map(|(_, m)| set | *m)
-                .ok_or_else(|| {
-                    let known: Vec<&str> = Self::NAMES.iter().map(|(n, _)| *n).collect();
-                    format!(
-                        "unknown recompute module '{n}' (known: {})",
-                        known.join(", ")
-                    )
-                })
-        })
-    }
-
-    /// The set without `m`.
-    pub fn without(self, m: RecomputeModules) -> RecomputeModules {
-        RecomputeModules(self.0 & !m.0)
-    }
-
-    pub fn contains(self, m: RecomputeModules) -> bool {
-        self.0 & m.0 == m.0 && m.0 != 0
-    }
-
-    /// Whether node `name` of a layer (`layers.N.…`) belongs to a module of the set.
-    fn covers(self, name: &str) -> bool {
-        let part = name.splitn(3, '.').nth(2).unwrap_or(name);
-        let attn = part.strip_prefix("attn.");
-        (self.contains(Self::CORE_ATTN) && part == "attn.core")
-            || (self.contains(Self::LAYERNORM) && (part == "attn_norm" || part == "mlp_norm"))
-            || (self.contains(Self::MLA_UP_PROJ)
-                && attn.is_some_and(|a| {
-                    a.starts_with("q_up")
-                        || a.starts_with("kv_up")
-                        || a.starts_with("q_heads")
-                        || a.contains("rope")
-                        || a.starts_with("kv_heads")
-                        || a.starts_with("k_nope")
-                        || a.starts_with("v_heads")
-                        || a == "k"
-                }))
-            || (self.contains(Self::MLP) && part.starts_with("mlp.") && part != "mlp.residual")
-            || (self.contains(Self::MOE) && (part == "moe" || part.starts_with("moe.")))
-            || ((self.contains(Self::MOE) || self.contains(Self::SHARED_EXPERTS))
-                && part.starts_with("shared."))
-    }
-}
-
-impl std::ops::BitOr for RecomputeModules {
-    type Output = RecomputeModules;
-    fn bitor(self, o: RecomputeModules) -> RecomputeModules {
-        RecomputeModules(self.0 | o.0)
-    }
 }
 
 impl Default for Runtime {
@@ -726,8 +636,8 @@ struct SectionGraph {
     graph: Graph,
     shapes: Vec<Vec<Shape>>,
     work: Vec<parallax_ir::Work>,
-    redo: OnceLock<Vec<bool>>,
-    saved: [OnceLock<f64>; 4],
+    redo: Mutex<HashMap<SelectivePolicy, Arc<[bool]>>>,
+    saved: Mutex<HashMap<(bool, Option<SelectivePolicy>), f64>>,
 }
 
 impl std::ops::Deref for SectionGraph {
@@ -745,19 +655,22 @@ impl SectionGraph {
             graph,
             shapes,
             work,
-            redo: OnceLock::new(),
-            saved: Default::default(),
+            redo: Mutex::default(),
+            saved: Mutex::default(),
         }
     }
 
-    /// The nodes selective recomputation under `policy` redoes (one policy per cache).
-    fn redo(&self, policy: SelectivePolicy) -> &[bool] {
-        self.redo
-            .get_or_init(|| recomputed_nodes(&self.graph, policy))
+    /// The nodes selective recomputation under `policy` redoes.
+    fn redo(&self, policy: SelectivePolicy) -> Arc<[bool]> {
+        if let Some(r) = lock(&self.redo).get(&policy) {
+            return Arc::clone(r);
+        }
+        let r: Arc<[bool]> = recomputed_nodes(&self.graph, policy).into();
+        Arc::clone(lock(&self.redo).entry(policy).or_insert(r))
     }
 
     /// [`saved_bytes`] with sequence parallelism `sp` and, where `selective`, its policy's
-    /// recomputed nodes (one setup's `fb`, `tp`, `hidden` and policy per cache).
+    /// recomputed nodes (one setup's `fb`, `tp` and `hidden` per cache).
     fn saved(
         &self,
         fb: u64,
@@ -766,12 +679,20 @@ impl SectionGraph {
         hidden: u64,
         selective: Option<SelectivePolicy>,
     ) -> f64 {
-        let slot = usize::from(sp) * 2 + usize::from(selective.is_some());
-        *self.saved[slot].get_or_init(|| {
-            let redo = selective.map(|p| self.redo(p));
-            saved_bytes(&self.graph, fb, sp, tp, hidden, redo)
-        })
+        let key = (sp, selective);
+        if let Some(&b) = lock(&self.saved).get(&key) {
+            return b;
+        }
+        let redo = selective.map(|p| self.redo(p));
+        let b = saved_bytes(&self.graph, fb, sp, tp, hidden, redo.as_deref());
+        lock(&self.saved).insert(key, b);
+        b
     }
+}
+
+/// A cache's map: a panic while holding the lock leaves it consistent (one insert).
+fn lock<K, V>(m: &Mutex<HashMap<K, V>>) -> MutexGuard<'_, HashMap<K, V>> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl SectionGraphs {
@@ -941,17 +862,21 @@ pub fn transformer_costs_with(
         let layer_input = if sp { act.0 / tp } else { act.0 };
         match l.recompute {
             Recompute::None => {}
-            Recompute::Selective => {
+            Recompute::Selective | Recompute::Modules(_) => {
                 // Recompute the cheap ops in backward and keep the expensive ones' outputs: the
                 // attention core when unfused (Korthikanti et al. 2022 §5), norms and pointwise
                 // ops (torchtitan's op-level selective checkpointing keeps matmul and attention
-                // outputs). Flash attention recomputes its own scores anyway.
-                let policy = s.runtime.selective;
+                // outputs). Flash attention recomputes its own scores anyway. Or the
+                // submodules the layout names (Megatron-Core's `--recompute-modules`).
+                let policy = match l.recompute {
+                    Recompute::Modules(m) => SelectivePolicy::Modules(m),
+                    _ => s.runtime.selective,
+                };
                 let redo = block.redo(policy);
                 let kept =
-                    block.saved(fb, sp, l.tp, hidden, Some(policy)) + experts_kept(Some(redo));
+                    block.saved(fb, sp, l.tp, hidden, Some(policy)) + experts_kept(Some(&redo));
                 layer.saved = Bytes(kept.max(0.0) as u64);
-                let (time, flops) = block_prices.recompute(Some(block.redo(policy)));
+                let (time, flops) = block_prices.recompute(Some(&redo));
                 layer.recompute = time;
                 layer.hardware_flops += flops;
                 // Recomputing the MoE layer runs its dispatch and combine again.
@@ -1827,7 +1752,7 @@ mod tests {
     fn experts_keep_the_rows_their_rank_receives() {
         let m = cfg("deepseek-v3");
         let p = preset("dgx-h100-80gb").unwrap();
-        let at = |etp: u32, policy: SelectivePolicy, recompute: Recompute| {
+        let at = |etp: u32, recompute: Recompute| {
             let s = Setup {
                 seq: 4096,
                 ..setup(
@@ -1835,7 +1760,6 @@ mod tests {
                     &p,
                     1024,
                     Runtime {
-                        selective: policy,
                         balanced_routing: true,
                         ..Runtime::default()
                     },
@@ -1859,11 +1783,11 @@ mod tests {
         let moe = m.moe.unwrap();
         let (tokens, fb) = (4096 / 2, 2);
         let one_hidden_row_per_visit = (tokens * moe.top_k * m.hidden * fb) as f64;
-        let none = |etp| at(etp, SelectivePolicy::CheapOps, Recompute::None);
+        let none = |etp| at(etp, Recompute::None);
         assert_eq!(none(2) - none(1), one_hidden_row_per_visit);
         // etp 1 keeps per visit a hidden row and the expert's gate, up and activation rows.
-        let redo = SelectivePolicy::Modules(RecomputeModules::parse(&["moe"]).unwrap());
-        let without_experts = at(1, redo, Recompute::Selective);
+        let redo = Recompute::Modules(RecomputeModules::parse(&["moe"]).unwrap());
+        let without_experts = at(1, redo);
         let per_visit = (m.hidden + 3 * m.ffn_hidden) * fb;
         assert!(none(1) - without_experts >= (tokens * moe.top_k * per_visit) as f64);
     }
@@ -1877,7 +1801,7 @@ mod tests {
     fn recompute_modules_redo_what_megatron_names() {
         let m = cfg("deepseek-v3");
         let p = preset("dgx-h100-80gb").unwrap();
-        let at = |policy: SelectivePolicy, recompute: Recompute| {
+        let at = |recompute: Recompute| {
             let s = Setup {
                 seq: 4096,
                 ..setup(
@@ -1885,7 +1809,6 @@ mod tests {
                     &p,
                     1024,
                     Runtime {
-                        selective: policy,
                         balanced_routing: true,
                         ..Runtime::default()
                     },
@@ -1902,9 +1825,9 @@ mod tests {
             };
             *transformer_costs(&s, &l).unwrap().layer()
         };
-        let none = at(SelectivePolicy::CheapOps, Recompute::None);
+        let none = at(Recompute::None);
         let up = RecomputeModules::parse(&["mla_up_proj"]).unwrap();
-        let mla = at(SelectivePolicy::Modules(up), Recompute::Selective);
+        let mla = at(Recompute::Modules(up));
         // Per token, the up projections write 128 heads × (192 + 128 + 128) 16-bit values, a
         // half of them per rank under tp 2: most of that is no longer kept.
         let dropped = none.saved.0 as f64 - mla.saved.0 as f64;
@@ -1916,25 +1839,46 @@ mod tests {
         assert!(mla.recompute.0 > 0.0 && mla.recompute < none.compute.fwd * 0.5);
         assert_eq!(mla.ep_bwd, none.ep_bwd);
         let moe = RecomputeModules::parse(&["moe"]).unwrap();
-        let redo_moe = at(SelectivePolicy::Modules(moe), Recompute::Selective);
+        let redo_moe = at(Recompute::Modules(moe));
         assert!(redo_moe.ep_bwd > none.ep_bwd);
         assert!(redo_moe.saved < none.saved);
         // A GQA layer has no up projection to redo.
         let llama = cfg("llama3-8b");
-        let s = Setup {
-            runtime: Runtime {
-                selective: SelectivePolicy::Modules(up),
-                ..Runtime::default()
-            },
-            ..Setup::new(&llama, &p, 8, 4096, 8)
-        };
+        let s = Setup::new(&llama, &p, 8, 4096, 8);
         let l = Layout {
             dp: 8,
-            ..layout(1, false, Recompute::Selective)
+            ..layout(1, false, Recompute::Modules(up))
         };
         let gqa = *transformer_costs(&s, &l).unwrap().layer();
         assert_eq!(gqa.recompute, Seconds(0.0));
         assert!(RecomputeModules::parse(&["attention"]).is_err());
+        // One search's cache serves layouts with different modules.
+        let graphs = SectionGraphs::default();
+        let with = |r| {
+            let s = Setup {
+                seq: 4096,
+                ..setup(
+                    &m,
+                    &p,
+                    1024,
+                    Runtime {
+                        balanced_routing: true,
+                        ..Runtime::default()
+                    },
+                )
+            };
+            let l = Layout {
+                dp: 64,
+                pp: 8,
+                ep: 64,
+                etp: Some(1),
+                schedule: parallax_ir::Schedule::OneFOneB,
+                ..layout(2, true, r)
+            };
+            *transformer_costs_with(&s, &l, &graphs).unwrap().layer()
+        };
+        assert_eq!(with(Recompute::Modules(up)).saved, mla.saved);
+        assert_eq!(with(Recompute::Modules(moe)).saved, redo_moe.saved);
     }
 
     #[test]

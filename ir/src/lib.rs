@@ -20,8 +20,8 @@ pub use graph::{
 pub mod models;
 pub mod plan;
 pub use plan::{
-    BatchNormStats, Dispatcher, Layout, Offload, PartialLayout, Plan, Recompute, Schedule,
-    StageRange, PLAN_SCHEMA,
+    BatchNormStats, Dispatcher, Layout, Offload, PartialLayout, Plan, Recompute, RecomputeModules,
+    Schedule, StageRange, PLAN_SCHEMA,
 };
 pub mod load;
 pub use load::{load_model, Model, ModelError, ModelKind, MAX_GLOBAL_BATCH, MAX_SEQ};

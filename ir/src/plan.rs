@@ -12,20 +12,71 @@ pub const PLAN_SCHEMA: &str = "parallax-plan/1";
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
 )]
-#[serde(rename_all = "lowercase")]
+#[serde(into = "String", try_from = "String")]
 pub enum Recompute {
     /// Keep every activation.
     #[default]
     None,
-    /// Recompute the attention core only (Korthikanti et al. 2022).
+    /// Recompute what the stack's selective policy names: the attention core and the cheap
+    /// ops (Korthikanti et al. 2022), or what the stack's own selective policy says.
     Selective,
+    /// Recompute the submodules Megatron-Core's `--recompute-modules` names (its selective
+    /// granularity with an explicit list): `modules:moe_act+layernorm` inline.
+    Modules(RecomputeModules),
     /// Keep only each layer's input; recompute the whole layer in backward.
     Full,
 }
 
 impl Recompute {
-    /// All policies, least recomputation first.
+    /// All policies of a stack's selective kind, least recomputation first.
     pub const ALL: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
+
+    /// Whether part of each layer is recomputed (selective, or named modules).
+    pub fn is_partial(self) -> bool {
+        matches!(self, Recompute::Selective | Recompute::Modules(_))
+    }
+}
+
+impl fmt::Display for Recompute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Recompute::None => f.write_str("none"),
+            Recompute::Selective => f.write_str("selective"),
+            Recompute::Modules(m) => write!(f, "modules:{m}"),
+            Recompute::Full => f.write_str("full"),
+        }
+    }
+}
+
+impl FromStr for Recompute {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let lower = s.to_ascii_lowercase();
+        if let Some(list) = lower.strip_prefix("modules:") {
+            return list.parse().map(Recompute::Modules);
+        }
+        match lower.as_str() {
+            "none" | "no" | "off" => Ok(Recompute::None),
+            "selective" => Ok(Recompute::Selective),
+            "full" => Ok(Recompute::Full),
+            _ => Err(format!(
+                "unknown recompute '{s}' (expected none, selective, full or modules:NAME+NAME…)"
+            )),
+        }
+    }
+}
+
+impl From<Recompute> for String {
+    fn from(r: Recompute) -> String {
+        r.to_string()
+    }
+}
+
+impl TryFrom<String> for Recompute {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
 }
 
 /// Pipeline schedule.
@@ -98,27 +149,142 @@ impl FromStr for Schedule {
     }
 }
 
-impl fmt::Display for Recompute {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Recompute::None => "none",
-            Recompute::Selective => "selective",
-            Recompute::Full => "full",
+/// A set of Megatron-Core's recomputable submodules (`--recompute-modules`,
+/// `megatron/core/transformer/transformer_config.py`), each matched to the nodes of a layer's
+/// graph it covers. Written as the names joined by `+` (`moe_act+layernorm`).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(into = "String", try_from = "String")]
+pub struct RecomputeModules(u8);
+
+impl RecomputeModules {
+    /// The attention core (`core_attn`).
+    pub const CORE_ATTN: RecomputeModules = RecomputeModules(1);
+    /// The two norms of a layer, before attention and before the MLP (`layernorm`).
+    pub const LAYERNORM: RecomputeModules = RecomputeModules(2);
+    /// Multi-head latent attention's up projections and the rotary embedding applied after
+    /// them (`mla_up_proj`).
+    pub const MLA_UP_PROJ: RecomputeModules = RecomputeModules(4);
+    /// A dense layer's MLP (`mlp`).
+    pub const MLP: RecomputeModules = RecomputeModules(8);
+    /// The whole MoE layer: router, dispatch, experts, combine, shared experts (`moe`).
+    pub const MOE: RecomputeModules = RecomputeModules(16);
+    /// The shared experts of an MoE layer (`shared_experts`).
+    pub const SHARED_EXPERTS: RecomputeModules = RecomputeModules(32);
+    /// The experts' activation (`moe_act`): inside the MoE op of the graph, whose saved
+    /// activations it does not split; named so recipes read as written, priced as nothing.
+    pub const MOE_ACT: RecomputeModules = RecomputeModules(64);
+
+    const NAMES: [(&'static str, RecomputeModules); 7] = [
+        ("core_attn", Self::CORE_ATTN),
+        ("layernorm", Self::LAYERNORM),
+        ("mla_up_proj", Self::MLA_UP_PROJ),
+        ("mlp", Self::MLP),
+        ("moe", Self::MOE),
+        ("shared_experts", Self::SHARED_EXPERTS),
+        ("moe_act", Self::MOE_ACT),
+    ];
+
+    /// The set of `names` as Megatron-Core spells them; an unknown name is the error.
+    pub fn parse(names: &[&str]) -> Result<RecomputeModules, String> {
+        names.iter().try_fold(RecomputeModules(0), |set, n| {
+            Self::NAMES
+                .iter()
+                .find(|(name, _)| name == n)
+                .map(|(_, m)| set | *m)
+                .ok_or_else(|| {
+                    let known: Vec<&str> = Self::NAMES.iter().map(|(n, _)| *n).collect();
+                    format!(
+                        "unknown recompute module '{n}' (known: {})",
+                        known.join(", ")
+                    )
+                })
         })
+    }
+
+    /// The names of the set, in Megatron-Core's order.
+    pub fn names(self) -> impl Iterator<Item = &'static str> {
+        Self::NAMES
+            .into_iter()
+            .filter(move |(_, m)| self.contains(*m))
+            .map(|(n, _)| n)
+    }
+
+    /// The set without `m`.
+    pub fn without(self, m: RecomputeModules) -> RecomputeModules {
+        RecomputeModules(self.0 & !m.0)
+    }
+
+    pub fn contains(self, m: RecomputeModules) -> bool {
+        self.0 & m.0 == m.0 && m.0 != 0
+    }
+
+    /// Whether node `name` of a layer (`layers.N.…`, as [`crate::models`] names them)
+    /// belongs to a module of the set.
+    pub fn covers(self, name: &str) -> bool {
+        let part = name.splitn(3, '.').nth(2).unwrap_or(name);
+        let attn = part.strip_prefix("attn.");
+        (self.contains(Self::CORE_ATTN) && part == "attn.core")
+            || (self.contains(Self::LAYERNORM) && (part == "attn_norm" || part == "mlp_norm"))
+            || (self.contains(Self::MLA_UP_PROJ)
+                && attn.is_some_and(|a| {
+                    a.starts_with("q_up")
+                        || a.starts_with("kv_up")
+                        || a.starts_with("q_heads")
+                        || a.contains("rope")
+                        || a.starts_with("kv_heads")
+                        || a.starts_with("k_nope")
+                        || a.starts_with("v_heads")
+                        || a == "k"
+                }))
+            || (self.contains(Self::MLP) && part.starts_with("mlp.") && part != "mlp.residual")
+            || (self.contains(Self::MOE) && (part == "moe" || part.starts_with("moe.")))
+            || ((self.contains(Self::MOE) || self.contains(Self::SHARED_EXPERTS))
+                && part.starts_with("shared."))
     }
 }
 
-impl FromStr for Recompute {
+impl std::ops::BitOr for RecomputeModules {
+    type Output = RecomputeModules;
+    fn bitor(self, o: RecomputeModules) -> RecomputeModules {
+        RecomputeModules(self.0 | o.0)
+    }
+}
+
+impl fmt::Display for RecomputeModules {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = self.names().collect();
+        f.write_str(&names.join("+"))
+    }
+}
+
+impl From<RecomputeModules> for String {
+    fn from(m: RecomputeModules) -> String {
+        m.to_string()
+    }
+}
+
+impl TryFrom<String> for RecomputeModules {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl FromStr for RecomputeModules {
     type Err = String;
+    /// `name+name…` (commas would split an inline plan); at least one name.
     fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "none" | "no" | "off" => Ok(Recompute::None),
-            "selective" => Ok(Recompute::Selective),
-            "full" => Ok(Recompute::Full),
-            _ => Err(format!(
-                "unknown recompute '{s}' (expected none, selective or full)"
-            )),
+        let names: Vec<&str> = s
+            .split('+')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .collect();
+        if names.is_empty() {
+            return Err("modules: name at least one of Megatron-Core's recompute modules".into());
         }
+        RecomputeModules::parse(&names)
     }
 }
 
@@ -1010,6 +1176,45 @@ mod tests {
             "recompute=half",
         ] {
             assert!(PartialLayout::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// Megatron-Core's named submodules: `recompute=modules:a+b` inline, the same string in a
+    /// plan file, printed in Megatron's order; an unknown or missing name is refused.
+    #[test]
+    fn recompute_modules_parse_print_and_round_trip() {
+        let p = PartialLayout::parse("dp=8,recompute=modules:moe_act+layernorm").unwrap();
+        let m = RecomputeModules::parse(&["layernorm", "moe_act"]).unwrap();
+        assert_eq!(p.recompute, Some(Recompute::Modules(m)));
+        assert_eq!(
+            Recompute::Modules(m).to_string(),
+            "modules:layernorm+moe_act"
+        );
+        assert!(Recompute::Modules(m).is_partial() && !Recompute::Full.is_partial());
+        let l = Layout {
+            recompute: Recompute::Modules(m),
+            ..Layout::default()
+        };
+        let json = serde_json::to_string(&l).unwrap();
+        assert!(
+            json.contains(r#""recompute":"modules:layernorm+moe_act""#),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<Layout>(&json).unwrap(), l);
+        assert_eq!(
+            serde_json::from_str::<Recompute>(r#""selective""#).unwrap(),
+            Recompute::Selective
+        );
+        for bad in [
+            "recompute=modules:",
+            "recompute=modules:attention",
+            "recompute=moe_act",
+        ] {
+            let e = PartialLayout::parse(bad).unwrap_err();
+            assert!(
+                e.contains("recompute") || e.contains("module"),
+                "{bad}: {e}"
+            );
         }
     }
 

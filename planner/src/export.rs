@@ -85,6 +85,8 @@ impl Engine {
                 zero_stages: vec![0, 1, 3],
                 uneven_stages: false,
                 embedding_and_loss_as_layers: true,
+                // `--recompute-modules` (core 0.13+).
+                recompute_modules: true,
                 offload: Vec::new(),
                 ..Space::default()
             },
@@ -180,7 +182,7 @@ impl Engine {
         if l.schedule != Schedule::None && !space.schedules.contains(&l.schedule) {
             return Some(format!("{name} has no {} schedule", l.schedule));
         }
-        if !space.recompute.contains(&l.recompute) {
+        if !space.allows_recompute(l.recompute) {
             return Some(format!("{name} has no {} recomputation", l.recompute));
         }
         if !space.zero_stages.contains(&l.zero_stage) {
@@ -538,6 +540,11 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
     match l.recompute {
         Recompute::None => {}
         Recompute::Selective => a.push("--recompute-granularity selective".into()),
+        Recompute::Modules(m) => {
+            a.push("--recompute-granularity selective".into());
+            let names: Vec<&str> = m.names().collect();
+            a.push(format!("--recompute-modules {}", names.join(" ")));
+        }
         Recompute::Full => {
             a.push("--recompute-granularity full".into());
             a.push("--recompute-method uniform".into());
@@ -847,7 +854,8 @@ fn torchtitan(plan: &Plan, m: &TransformerConfig) -> String {
         "mode".into(),
         (match l.recompute {
             Recompute::None => "none",
-            Recompute::Selective => "selective",
+            // Named modules are Megatron's: the space check refuses them first.
+            Recompute::Selective | Recompute::Modules(_) => "selective",
             Recompute::Full => "full",
         })
         .into(),
@@ -1706,6 +1714,34 @@ mod tests {
     #[test]
     fn engines_refuse_what_they_cannot_run() {
         let m = model("llama3-70b");
+        // Named submodules are Megatron-Core's `--recompute-modules`; the others refuse them.
+        let modules = Layout {
+            dp: 16,
+            tp: 8,
+            pp: 4,
+            sequence_parallel: true,
+            schedule: Schedule::OneFOneB,
+            recompute: "modules:moe_act+layernorm".parse().unwrap(),
+            ..Layout::default()
+        };
+        let args = export(
+            Engine::Megatron,
+            &plan(modules.clone(), Precision::Bf16),
+            &m,
+        )
+        .unwrap();
+        assert!(
+            args.contains("--recompute-granularity selective")
+                && args.contains("--recompute-modules layernorm moe_act"),
+            "{args}"
+        );
+        for e in [Engine::DeepSpeed, Engine::Torchtitan] {
+            let err = export(e, &plan(modules.clone(), Precision::Bf16), &m).unwrap_err();
+            assert!(
+                err.to_string().contains("modules:layernorm+moe_act"),
+                "{e}: {err}"
+            );
+        }
         let zb = Layout {
             dp: 16,
             tp: 8,

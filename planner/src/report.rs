@@ -97,10 +97,11 @@ pub fn short_layout(l: &Layout) -> String {
         other => s.push_str(&format!(" {other}")),
     }
     s.push_str(&format!(" z{} mb{}", l.zero_stage, l.micro_batch));
-    s.push_str(match l.recompute {
-        Recompute::None => "",
-        Recompute::Selective => " sel",
-        Recompute::Full => " full",
+    s.push_str(&match l.recompute {
+        Recompute::None => String::new(),
+        Recompute::Selective => " sel".into(),
+        Recompute::Modules(m) => format!(" sel:{m}"),
+        Recompute::Full => " full".into(),
     });
     if l.sequence_parallel && l.tp > 1 {
         s.push_str(" sp");

@@ -87,6 +87,9 @@ pub struct Space {
     pub zero_stages: Vec<u8>,
     /// Recompute policies.
     pub recompute: Vec<Recompute>,
+    /// Named submodules may be recomputed ([`Recompute::Modules`], Megatron-Core's
+    /// `--recompute-modules`, core 0.13+): given in a layout, never proposed by the search.
+    pub recompute_modules: bool,
     /// (Virtual) pipeline stages may hold unequal layer counts (torchtitan's split points,
     /// DeepSpeed's uniform partition; the default); otherwise (Megatron-LM) every stage holds
     /// the same number, and an interleave left out must divide the layers evenly.
@@ -112,6 +115,16 @@ pub struct Space {
     pub offload: Vec<Offload>,
 }
 
+impl Space {
+    /// Whether the stack can run recompute policy `r`.
+    pub fn allows_recompute(&self, r: Recompute) -> bool {
+        match r {
+            Recompute::Modules(_) => self.recompute_modules,
+            r => self.recompute.contains(&r),
+        }
+    }
+}
+
 impl Default for Space {
     fn default() -> Self {
         Space {
@@ -123,6 +136,7 @@ impl Default for Space {
                 .collect(),
             zero_stages: vec![0, 1, 2, 3],
             recompute: Recompute::ALL.to_vec(),
+            recompute_modules: false,
             uneven_stages: true,
             embedding_and_loss_as_layers: false,
             deepep: true,

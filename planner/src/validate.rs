@@ -7,7 +7,7 @@ use crate::complete::{complete_or_smallest, layout_string};
 pub use crate::framework::Framework;
 pub use crate::general_cases::{GeneralCase, GENERAL_CASES_SCHEMA};
 use crate::search::Space;
-use parallax_cost::transformer::{RecomputeModules, Runtime, SelectivePolicy, Setup};
+use parallax_cost::transformer::{RecomputeModules, Runtime, Setup};
 use parallax_hardware::{Cluster, ClusterProfile};
 use parallax_ir::models::{
     HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, Router, SlidingWindow,
@@ -711,10 +711,9 @@ impl TransformerCase {
                 p.zero_stage
             },
             micro_batch: p.micro_batch,
-            recompute: match self.recompute_modules() {
-                Some(_) => Some(Recompute::Selective),
-                None => p.recompute,
-            },
+            recompute: self
+                .recompute_modules()
+                .map_or(p.recompute, |m| Some(Recompute::Modules(m))),
             sequence_parallel: p.sequence_parallel,
             schedule: p.schedule,
             interleave: p.interleave,
@@ -809,9 +808,6 @@ impl TransformerCase {
             precision: self.precision,
             runtime: Runtime {
                 balanced_routing: self.balanced_routing(),
-                selective: self
-                    .recompute_modules()
-                    .map_or(fw.runtime.selective, SelectivePolicy::Modules),
                 ..fw.runtime
             },
             ..Setup::new(
@@ -1159,27 +1155,27 @@ mod tests {
                 "{r:?}"
             );
         }
-        // The recomputation a recipe names is the run's selective recomputation.
-        let selective = |id: &str| {
+        // The recomputation a recipe names is the run's: its modules.
+        let recompute = |id: &str| {
             let Some(Case::Transformer(t)) = cases.iter().find(|c| c.id() == id) else {
                 panic!("{id}")
             };
-            let policy = t
-                .with_setup(&|_| {}, |s, _, _| s.runtime.selective)
-                .unwrap();
-            (t.partial_layout().recompute, policy)
+            t.partial_layout().recompute
         };
-        let (recompute, policy) = selective("mb2509-dsv3-1024xh100-fp8");
-        assert_eq!(recompute, Some(Recompute::Selective));
+        let modules =
+            |names: &[&str]| Some(Recompute::Modules(RecomputeModules::parse(names).unwrap()));
         assert_eq!(
-            policy,
-            SelectivePolicy::Modules(RecomputeModules::parse(&["mla_up_proj", "mlp"]).unwrap())
+            recompute("mb2509-dsv3-1024xh100-fp8"),
+            modules(&["mla_up_proj", "mlp"])
         );
-        let (recompute, _) = selective("mb2511-gptoss-120b-64xh100-bf16");
-        assert_eq!(recompute, Some(Recompute::Selective));
-        let (recompute, policy) = selective("mb2509-qwen3-30b-16xh100-fp8");
-        assert_eq!(recompute, Some(Recompute::None));
-        assert_eq!(policy, SelectivePolicy::CheapOps);
+        assert_eq!(
+            recompute("mb2511-gptoss-120b-64xh100-bf16"),
+            modules(&["layernorm", "moe_act"])
+        );
+        assert_eq!(
+            recompute("mb2509-qwen3-30b-16xh100-fp8"),
+            Some(Recompute::None)
+        );
     }
 
     /// The MoE, ZeRO and offload file (`/1.1`) is read whole: its runs are predicted or
