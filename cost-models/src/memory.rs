@@ -5,7 +5,8 @@ use serde::{Deserialize, Serialize};
 
 /// Bytes of model state per parameter for mixed-precision Adam (Rajbhandari et al. 2020, ZeRO
 /// §3.1): 16-bit working weights (2), fp32 gradient accumulation buffer (4, Megatron-LM's
-/// `main_grad`), fp32 master weights (4), Adam first and second moments (4 + 4).
+/// `main_grad`; a stack's own buffers are `Setup::grad_buffer_bytes` of the transformer cost
+/// model), fp32 master weights (4), Adam first and second moments (4 + 4).
 pub const MIXED_WEIGHT_BYTES: f64 = 2.0;
 pub const MIXED_GRAD_BYTES: f64 = 4.0;
 pub const MIXED_OPTIMIZER_BYTES: f64 = 12.0;

@@ -93,6 +93,10 @@ pub struct Runtime {
     /// Mixed-precision gradients are accumulated and reduced in fp32 (Megatron-LM since 2021,
     /// FSDP with an fp32 reduce dtype); otherwise in the 16-bit training type.
     pub grad_reduce_fp32: bool,
+    /// Beside the gradients it reduces, the optimizer keeps an fp32 copy of every gradient
+    /// (apex's `FP16_Optimizer`, which Megatron-LM used until its 2021 rewrite: fp16 model
+    /// gradients plus persistent fp32 master gradients, `model_grads_to_master_grads`).
+    pub master_grads_fp32: bool,
     /// Tensor-parallel groups may span nodes (their collectives then cross the network).
     pub allow_tp_across_nodes: bool,
     /// What selective recomputation redoes.
@@ -193,6 +197,7 @@ impl Default for Runtime {
             tp_comm_overlap: true,
             overlap_p2p: true,
             grad_reduce_fp32: true,
+            master_grads_fp32: false,
             allow_tp_across_nodes: false,
             selective: SelectivePolicy::CheapOps,
             zero3_gathered_under_pp: false,
@@ -469,6 +474,13 @@ impl Setup<'_> {
         } else {
             l.zero_stage
         }
+    }
+
+    /// Bytes of gradient buffers per parameter under mixed precision: the buffer that is
+    /// reduced (fp32, or the 16-bit training type where the stack accumulates and reduces in
+    /// it), plus the optimizer's fp32 master gradients where it keeps them.
+    pub fn grad_buffer_bytes(&self) -> u64 {
+        self.grad_reduce_bytes() + if self.runtime.master_grads_fp32 { 4 } else { 0 }
     }
 
     /// Bytes per gradient element in data-parallel reductions.

@@ -202,6 +202,10 @@ const MEGATRON_2020: &[Feature] = &[
         source: "megatron/model/distributed.py (v1.x)",
     },
     Feature {
+        what: "apex-style FP16_Optimizer: persistent fp32 master gradients beside the fp16 ones",
+        source: "megatron/fp16/fp16util.py model_grads_to_master_grads (v1.x)",
+    },
+    Feature {
         what: "blocking pipeline sends",
         source: "megatron/p2p_communication.py (v2.0)",
     },
@@ -495,7 +499,10 @@ const CURRENT: &[Feature] = &[Feature {
 
 fn megatron_2020() -> Parts {
     Parts {
-        runtime: megatron_loss(pre_flash(false, false)),
+        runtime: Runtime {
+            master_grads_fp32: true,
+            ..megatron_loss(pre_flash(false, false))
+        },
         space: megatron_space(&ONE_F_ONE_B, &[0], &NO_OR_FULL, false),
     }
 }

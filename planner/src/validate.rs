@@ -710,7 +710,9 @@ impl TransformerCase {
             } else {
                 p.zero_stage
             },
-            micro_batch: p.micro_batch,
+            micro_batch: p
+                .micro_batch
+                .or_else(|| self.bridge_recipe().and_then(|b| b.micro_batch)),
             recompute: self
                 .recompute_modules()
                 .map_or(p.recompute, |m| Some(Recompute::Modules(m))),
@@ -739,6 +741,17 @@ impl TransformerCase {
         BRIDGE_MOE_RECIPES
             .iter()
             .find(|b| release.starts_with(b.release) && self.model.name.starts_with(b.model))
+    }
+
+    /// Whether Megatron-Bridge's performance scripts ran the case (its performance-summary
+    /// runs): they accumulate and reduce gradients in bf16 (`grad_reduce_in_fp32: false` in
+    /// every model's `scripts/performance/configs` at v0.1.0rc4 = 25.09;
+    /// `cfg.ddp.grad_reduce_in_fp32 = False` at v0.2.1 = 25.11 and v0.4.2 = 26.04.01), where
+    /// Megatron-Core keeps fp32 `main_grad` buffers for bf16 by default.
+    fn bridge_performance_run(&self) -> bool {
+        self.framework
+            .as_deref()
+            .is_some_and(|f| f.starts_with("megatron-bridge@"))
     }
 
     /// The submodules the run's recipe recomputes, where it names some and the case publishes
@@ -808,6 +821,7 @@ impl TransformerCase {
             precision: self.precision,
             runtime: Runtime {
                 balanced_routing: self.balanced_routing(),
+                grad_reduce_fp32: fw.runtime.grad_reduce_fp32 && !self.bridge_performance_run(),
                 ..fw.runtime
             },
             ..Setup::new(
@@ -855,6 +869,8 @@ pub struct BridgeMoeRecipe {
     /// The submodules the recipe recomputes (`recompute_modules`, Megatron-Core's names);
     /// empty where it sets none.
     pub recompute_modules: &'static [&'static str],
+    /// The recipe's micro-batch size, where the case does not publish one.
+    pub micro_batch: Option<u64>,
     pub source: &'static str,
 }
 
@@ -873,6 +889,7 @@ pub const BRIDGE_MOE_RECIPES: &[BridgeMoeRecipe] = &[
             ep_overlap: true,
         },
         recompute_modules: &["mla_up_proj", "mlp"],
+        micro_batch: None,
         source: "scripts/performance/run_script.py @v0.1.0rc4: enable_deepep and A2A_1F1B \
                  (overlap_moe_expert_parallel_comm, delay_wgrad_compute) on h100",
     },
@@ -884,6 +901,7 @@ pub const BRIDGE_MOE_RECIPES: &[BridgeMoeRecipe] = &[
             ep_overlap: true,
         },
         recompute_modules: &[],
+        micro_batch: None,
         source: "scripts/performance/configs/qwen3/workload_base_configs.py @v0.2.1: \
                  QWEN3_{30B_A3B,235B_A22B}_H100_FP8_CS_BASE_CONFIG moe_a2a_overlap=True",
     },
@@ -895,6 +913,7 @@ pub const BRIDGE_MOE_RECIPES: &[BridgeMoeRecipe] = &[
             ep_overlap: true,
         },
         recompute_modules: &[],
+        micro_batch: None,
         source: "scripts/performance/configs/qwen/qwen3_workload_base_configs.py @v0.4.2: \
                  QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V2 moe_a2a_overlap=True; \
                  qwen3_llm_pretrain.py moe_token_dispatcher_type = \"alltoall\"",
@@ -909,6 +928,7 @@ pub const BRIDGE_MOE_RECIPES: &[BridgeMoeRecipe] = &[
             ep_overlap: false,
         },
         recompute_modules: &[],
+        micro_batch: None,
         source: "scripts/performance/configs/qwen/qwen3_workload_base_configs.py @v0.4.2: \
                  QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 moe_flex_dispatcher_backend=\"hybridep\", \
                  moe_a2a_overlap=False; qwen3_llm_pretrain.py moe_token_dispatcher_type = \"flex\"",
@@ -918,14 +938,17 @@ pub const BRIDGE_MOE_RECIPES: &[BridgeMoeRecipe] = &[
         model: "GPT-OSS",
         recipe: MoeRecipe::MEGATRON_DEFAULT,
         recompute_modules: &["layernorm", "moe_act"],
+        micro_batch: Some(1),
         source: "scripts/performance/configs/gpt_oss/workload_base_configs.py @v0.2.1: \
-                 GPT_OSS_120B_H100_BF16_BASE_CONFIG recompute_modules",
+                 GPT_OSS_120B_H100_BF16_BASE_CONFIG recompute_modules, \
+                 BASE_GPT_OSS_120B_CONFIG micro_batch_size=1",
     },
     BridgeMoeRecipe {
         release: "26.04",
         model: "GPT-OSS",
         recipe: MoeRecipe::MEGATRON_DEFAULT,
         recompute_modules: &["layernorm", "moe_act"],
+        micro_batch: None,
         source: "scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py @v0.4.2: \
                  GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V2 recompute_modules",
     },
@@ -934,6 +957,7 @@ pub const BRIDGE_MOE_RECIPES: &[BridgeMoeRecipe] = &[
         model: "Nemotron 3 Nano",
         recipe: MoeRecipe::MEGATRON_DEFAULT,
         recompute_modules: &["moe", "layernorm", "core_attn", "moe_act"],
+        micro_batch: None,
         source: "scripts/performance/configs/nemotronh/nemotron_3_workload_base_configs.py \
                  @v0.4.2: NEMOTRON_3_NANO_PRETRAIN_CONFIG_H100_FP8_CS_V1 recompute_modules",
     },
@@ -1176,6 +1200,28 @@ mod tests {
             recompute("mb2509-qwen3-30b-16xh100-fp8"),
             Some(Recompute::None)
         );
+        // A recipe's micro-batch where the case leaves it out; bf16 gradients in every
+        // performance-script run, fp32 ones (Megatron-Core's default for bf16) elsewhere.
+        let t = |id: &str| {
+            let Some(Case::Transformer(t)) = cases.iter().find(|c| c.id() == id) else {
+                panic!("{id}")
+            };
+            t
+        };
+        assert_eq!(
+            t("mb2511-gptoss-120b-64xh100-bf16")
+                .partial_layout()
+                .micro_batch,
+            Some(1)
+        );
+        let fp32_grads = |id: &str| {
+            t(id)
+                .with_setup(&|_| {}, |s, _, _| s.runtime.grad_reduce_fp32)
+                .unwrap()
+        };
+        assert!(!fp32_grads("mb2509-dsv3-1024xh100-fp8"));
+        assert!(!fp32_grads("mb2511-llama3-8b-fsdp8-8xh100"));
+        assert!(fp32_grads("mcore-moe-readme-mixtral8x7b-64xh100-bf16"));
     }
 
     /// The MoE, ZeRO and offload file (`/1.1`) is read whole: its runs are predicted or

@@ -15,7 +15,7 @@ use parallax_cost::comm::{exposed, Collective, Group, Network};
 use parallax_cost::compute::DeviceModel;
 use parallax_cost::memory::{
     state_bytes_per_param, workspace_gib, MemoryBreakdown, ADAM_BYTES_PER_PARAM, FP32_GRAD_BYTES,
-    HOST_ADAM_BYTES_PER_PARAM, HOST_STREAM_EFFICIENCY, MIXED_WEIGHT_BYTES,
+    HOST_ADAM_BYTES_PER_PARAM, HOST_STREAM_EFFICIENCY, MIXED_GRAD_BYTES, MIXED_WEIGHT_BYTES,
 };
 use parallax_cost::transformer::{
     check_layout, model_flops_per_step, transformer_costs, Infeasible, PartCost, Setup,
@@ -333,6 +333,12 @@ pub fn stage_memory_of(
     // the device keeps the 16-bit shard instead (DeepSpeed's fp16 partitions).
     let states_of = |ranks: u32| {
         let (w, g, o) = state_bytes_per_param(setup.precision, zero, ranks);
+        // The gradient buffers the stack keeps (`Setup::grad_buffer_bytes`).
+        let g = if setup.precision.is_mixed() {
+            g * setup.grad_buffer_bytes() as f64 / MIXED_GRAD_BYTES
+        } else {
+            g
+        };
         match l.offload {
             Offload::Optimizer if zero >= 3 && setup.precision.is_mixed() => {
                 (MIXED_WEIGHT_BYTES / f64::from(ranks.max(1)), g, o)
@@ -1348,6 +1354,38 @@ mod tests {
             "{mem:?} vs {want}"
         );
         assert!(expert_ob == 8.0 * dense_ob);
+    }
+
+    /// The gradient buffers follow the stack: fp32 `main_grad` (4 bytes a parameter), bf16
+    /// where it accumulates and reduces in bf16 (Megatron-Bridge's performance scripts: 2),
+    /// and apex's fp16 gradients beside fp32 master ones (Megatron-LM 2020: 6).
+    #[test]
+    fn gradient_buffers_hold_what_the_stack_keeps() {
+        let m = zoo::transformer("llama3-8b").unwrap();
+        let p = preset("dgx-h100-80gb").unwrap();
+        let l = Layout {
+            dp: 8,
+            micro_batch: 1,
+            recompute: Recompute::Full,
+            ..Layout::default()
+        };
+        let grads = |grad_reduce_fp32, master_grads_fp32| {
+            let s = Setup {
+                runtime: parallax_cost::transformer::Runtime {
+                    grad_reduce_fp32,
+                    master_grads_fp32,
+                    ..Default::default()
+                },
+                ..Setup::new(&m, &p, 8, 4096, 64)
+            };
+            let c = parallax_cost::transformer::transformer_costs(&s, &l).unwrap();
+            let params = virtual_stage_params(&c, &[m.layers], 0) as f64;
+            let mem = stage_memory_of(&s, &l, &c, &[m.layers], 8, 0).unwrap();
+            mem.grads.0 as f64 / params
+        };
+        assert_eq!(grads(true, false), 4.0);
+        assert_eq!(grads(false, false), 2.0);
+        assert_eq!(grads(false, true), 6.0);
     }
 
     /// Folded over dp × tp (Qwen3-30B-A3B on 16 H100s: tp 2, dp 8, ep 16, etp 1) every
