@@ -158,6 +158,38 @@ fn validate_explains_one_case_as_it_scores_it() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("no case 'no-such-case'"), "{err}");
+    // A general graph's case prints its layout op by op, scaled to the published batch.
+    let general = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/ground-truth/general.json"
+    );
+    let id = "torchgpipe-resnet101-p40-2g-b25000-fp32-pp2m1667";
+    let scored = run(&["validate", general, "--json"]);
+    let case = scored["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == id)
+        .unwrap();
+    let predicted = case["predicted_step_time_s"].as_f64().unwrap();
+    let measured = case["measured_step_time_s"].as_f64().unwrap();
+    let out = common::parallax(&["validate", general, "--explain", id]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with(id), "{text}");
+    for part in [
+        "per-op plan",
+        "2 stages",
+        "configuration",
+        "unsplit @ gpu 1",
+    ] {
+        assert!(text.contains(part), "{part}: {text}");
+    }
+    let err = format!(
+        "(prediction {:+.1} %)",
+        (predicted - measured) / measured * 100.0
+    );
+    assert!(text.contains(&err), "{err}: {text}");
 }
 
 #[test]

@@ -178,7 +178,7 @@ pub fn simulate(
     } else {
         let p = &sim.prediction;
         println!("{} on {cluster_spec}: {}", job.name, summary(&costs, &plan));
-        for l in step_lines(job, p, band) {
+        for l in step_lines(job.cluster.gpus, p, band) {
             println!("{l}");
         }
         for l in config_lines(&costs, &plan) {
@@ -532,7 +532,7 @@ fn descriptions(costs: &OpCosts, plan: &OpPlan) -> Vec<String> {
 }
 
 /// One line naming the plan's shape.
-fn summary(costs: &OpCosts, plan: &OpPlan) -> String {
+pub(crate) fn summary(costs: &OpCosts, plan: &OpPlan) -> String {
     let mut kinds = descriptions(costs, plan);
     kinds.sort();
     kinds.dedup();
@@ -562,7 +562,7 @@ fn summary(costs: &OpCosts, plan: &OpPlan) -> String {
 }
 
 /// Runs of consecutive ops sharing a configuration, one line each.
-fn config_lines(costs: &OpCosts, plan: &OpPlan) -> Vec<String> {
+pub(crate) fn config_lines(costs: &OpCosts, plan: &OpPlan) -> Vec<String> {
     let g = costs.graph;
     let described = descriptions(costs, plan);
     let mut rows: Vec<Vec<String>> = Vec::new();
@@ -591,7 +591,7 @@ fn config_lines(costs: &OpCosts, plan: &OpPlan) -> Vec<String> {
     out
 }
 
-fn step_lines(job: &GraphModel, p: &OpStepPrediction, band: f64) -> Vec<String> {
+pub(crate) fn step_lines(gpus: u32, p: &OpStepPrediction, band: f64) -> Vec<String> {
     let (low, high) = band_range(p.step_time_s, band);
     let mut v = vec![
         format!(
@@ -605,7 +605,7 @@ fn step_lines(job: &GraphModel, p: &OpStepPrediction, band: f64) -> Vec<String> 
             bytes(p.peak_memory_gib * GIB),
             bytes(p.capacity_gib * GIB),
             p.used_devices,
-            job.cluster.gpus,
+            gpus,
             p.stages,
             if p.stages == 1 { "" } else { "s" },
             p.micro_batches,
@@ -653,7 +653,7 @@ fn report_lines(
         ),
         format!("best plan   {}", summary(costs, &r.plan)),
     ];
-    v.extend(step_lines(job, p, band));
+    v.extend(step_lines(job.cluster.gpus, p, band));
     if let Some(dp) = &r.data_parallel {
         v.push(format!(
             "vs DP       {:.2}× the speed of data parallelism ({:.4} s per step)",

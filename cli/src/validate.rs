@@ -4,7 +4,11 @@ use crate::fmt::table;
 use crate::user;
 use clap::Args as ClapArgs;
 use parallax_cost::step_time_band;
-use parallax_planner::{complete_or_smallest, parse_cases, validate};
+use parallax_cost::transformer::Setup;
+use parallax_ir::PartialLayout;
+use parallax_planner::general_cases::GeneralInputs;
+use parallax_planner::{complete_or_smallest, parse_cases, validate, Space};
+use parallax_sim::perop::simulate_op_plan;
 use parallax_sim::simulate_step;
 use serde_json::json;
 use std::path::PathBuf;
@@ -35,7 +39,8 @@ pub struct Args {
     #[arg(long, value_name = "DIR", requires = "fit")]
     write_presets: Option<PathBuf>,
     /// Print the prediction of the case with this id as `simulate` does (layout, breakdown,
-    /// memory) beside what was measured, instead of scoring every case. Transformer cases.
+    /// memory; a per-op graph's layout op by op) beside what was measured, instead of scoring
+    /// every case.
     #[arg(long, value_name = "ID", conflicts_with_all = ["fit", "json"])]
     explain: Option<String>,
 }
@@ -97,39 +102,80 @@ fn explain(id: &str, files: &[(String, Vec<parallax_planner::Case>)]) -> anyhow:
             names.join(", ")
         )));
     };
-    let parallax_planner::Case::Transformer(t) = case else {
-        return Err(user(format!(
-            "--explain {id}: {file} describes it as a general graph; `parallax simulate --model \
-             ZOO_NAME --plan dp=…,tp=…,pp=…` prints its breakdown"
-        )));
-    };
     let stack = case.stack();
     let measured = case.measured();
-    t.with_setup(&|_| {}, |setup, partial, space| -> anyhow::Result<()> {
-        let (layout, _) = complete_or_smallest(setup, partial, space)
-            .map_err(|e| user(format!("--explain {id}: {e}")))?;
-        let sim =
-            simulate_step(setup, &layout).map_err(|e| user(format!("--explain {id}: {e}")))?;
-        let band = step_time_band(setup.profile);
-        crate::simulate::print_report(&format!("{id} ({file})"), &stack, &sim, &layout, band);
-        crate::simulate::print_layer_costs(setup, &layout);
-        let p = &sim.prediction;
-        let err = |pred: f64, meas: f64| format!("{:+.1} %", (pred - meas) / meas * 100.0);
-        println!();
+    let fail = |e: String| user(format!("--explain {id}: {e}"));
+    let title = format!("{id} ({file})");
+    // The prediction as scored: printed as `simulate` prints it, then its step time and peak
+    // memory (before any scaling to the published global batch).
+    let (predicted, scale) = match case {
+        parallax_planner::Case::Transformer(t) => (
+            t.with_setup(&|_| {}, |setup, partial, space| {
+                explain_transformer(&title, &stack, setup, partial, space)
+            })
+            .map_err(fail)?
+            .map_err(fail)?,
+            1.0,
+        ),
+        parallax_planner::Case::General(g) => g
+            .with_inputs(&|_| {}, |inputs| match inputs {
+                GeneralInputs::Transformer(setup, partial, space) => {
+                    explain_transformer(&title, &stack, setup, partial, space)
+                }
+                GeneralInputs::PerOp(costs, plan, ran) => {
+                    let sim = simulate_op_plan(costs, plan, ran).map_err(|e| e.to_string())?;
+                    let band = step_time_band(costs.profile);
+                    println!("{title}: {}", crate::general::summary(costs, plan));
+                    println!("stack       {stack}");
+                    for l in crate::general::step_lines(costs.gpus, &sim.prediction, band) {
+                        println!("{l}");
+                    }
+                    for l in crate::general::config_lines(costs, plan) {
+                        println!("{l}");
+                    }
+                    Ok((sim.prediction.step_time_s, sim.prediction.peak_memory_gib))
+                }
+            })
+            .map_err(fail)?,
+    };
+    let (step, peak) = predicted;
+    let err = |pred: f64, meas: f64| format!("{:+.1} %", (pred - meas) / meas * 100.0);
+    println!();
+    if (scale - 1.0).abs() > 5e-4 {
         println!(
-            "measured    {:.3} s (prediction {})",
-            measured.step_time_s,
-            err(p.step_time_s, measured.step_time_s)
+            "scaled      {:.3} s: the published global batch is {scale:.3} times the step as run",
+            step * scale
         );
-        if let Some(m) = measured.peak_memory_gib {
-            println!(
-                "            {m:.2} GiB peak memory (prediction {})",
-                err(p.peak_memory_gib, m)
-            );
-        }
-        Ok(())
-    })
-    .map_err(|e| user(format!("--explain {id}: {e}")))?
+    }
+    println!(
+        "measured    {:.3} s (prediction {})",
+        measured.step_time_s,
+        err(step * scale, measured.step_time_s)
+    );
+    if let Some(m) = measured.peak_memory_gib {
+        println!(
+            "            {m:.2} GiB peak memory (prediction {})",
+            err(peak, m)
+        );
+    }
+    Ok(())
+}
+
+/// A transformer step completed as validation completes it, simulated and printed as
+/// `simulate` prints it; its step time and peak memory.
+fn explain_transformer(
+    title: &str,
+    stack: &str,
+    setup: &Setup,
+    partial: &PartialLayout,
+    space: &Space,
+) -> Result<(f64, f64), String> {
+    let (layout, _) = complete_or_smallest(setup, partial, space).map_err(|e| e.to_string())?;
+    let sim = simulate_step(setup, &layout).map_err(|e| e.to_string())?;
+    let band = step_time_band(setup.profile);
+    crate::simulate::print_report(title, stack, &sim, &layout, band);
+    crate::simulate::print_layer_costs(setup, &layout);
+    Ok((sim.prediction.step_time_s, sim.prediction.peak_memory_gib))
 }
 
 /// The cases of one file, filtered by `--group` and re-stacked by `--framework`.

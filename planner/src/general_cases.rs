@@ -11,7 +11,7 @@ use parallax_cost::transformer::{Runtime, Setup};
 use parallax_hardware::ClusterProfile;
 use parallax_ir::graph::TensorRole;
 use parallax_ir::{load_model, BatchNormStats, Model, PartialLayout, Precision, Schedule};
-use parallax_sim::perop::simulate_op_plan;
+use parallax_sim::perop::{simulate_op_plan, OpPlan};
 use serde::Deserialize;
 
 /// Schema tag of case files of any model.
@@ -226,6 +226,49 @@ impl GeneralCase {
         &self,
         adjust: &(dyn Fn(&mut ClusterProfile) + Sync),
     ) -> Result<Predicted, String> {
+        let p = &self.plan;
+        let (mut r, scale) = self.with_inputs(adjust, |inputs| match inputs {
+            GeneralInputs::Transformer(setup, partial, space) => {
+                complete_predicted(setup, partial, space)
+            }
+            GeneralInputs::PerOp(costs, plan, ran) => {
+                let sim = simulate_op_plan(costs, plan, ran).map_err(|e| e.to_string())?;
+                let layout = format!(
+                    "dp={} tp={} pp={} mb={} m={}{}{}",
+                    p.dp,
+                    p.tp,
+                    p.pp,
+                    p.micro_batch,
+                    plan.micro_batches,
+                    if plan.recompute { " recompute" } else { "" },
+                    match costs.sync {
+                        GradSync::AllReduce => "",
+                        GradSync::HostParameterServer => " ps=host",
+                    }
+                );
+                Ok(Predicted {
+                    step_time_s: sim.prediction.step_time_s,
+                    peak_memory_gib: sim.prediction.peak_memory_gib,
+                    layout,
+                })
+            }
+        })?;
+        r.step_time_s *= scale;
+        Ok(r)
+    }
+
+    /// Calls `f` with what the case is predicted from on a profile changed by `adjust`: a
+    /// transformer's step, published knobs and stack space, or a per-op graph's costs, plan
+    /// and samples of one step as run. Returns `f`'s answer and the factor from the step as
+    /// run to the published global batch (where a source's global batch disagrees with its
+    /// layout, the step is predicted as run and scaled: its step time is the published batch
+    /// over the measured throughput). What [`GeneralCase::predict`] scores and `validate
+    /// --explain` prints.
+    pub fn with_inputs<R>(
+        &self,
+        adjust: &(dyn Fn(&mut ClusterProfile) + Sync),
+        f: impl FnOnce(GeneralInputs<'_, '_>) -> Result<R, String>,
+    ) -> Result<(R, f64), String> {
         let precision = precision(&self.precision)?;
         let model = load_model(zoo_name(&self.model.name, self.framework_id()))
             .map_err(|e| e.to_string())?;
@@ -238,9 +281,6 @@ impl GeneralCase {
             ));
         }
         let seq = self.seq(&model);
-        // The samples of one step as run; where a source's global batch disagrees with its
-        // layout, the step is predicted as run and scaled to the published global batch (its
-        // step time is the published batch over the measured throughput).
         let chunks = p
             .pipeline
             .as_ref()
@@ -270,9 +310,10 @@ impl GeneralCase {
                 zero_stages: vec![0],
                 ..fw.space
             };
-            let mut r = complete_predicted(&setup, &partial, &space)?;
-            r.step_time_s *= scale;
-            return Ok(r);
+            return Ok((
+                f(GeneralInputs::Transformer(&setup, &partial, &space))?,
+                scale,
+            ));
         }
         // Per-op path: the graph of one micro-batch over all replicas.
         let graph = model
@@ -311,26 +352,18 @@ impl GeneralCase {
         // per-tower batch norm in tf_cnn_benchmarks, `nn.BatchNorm2d` under PyTorch DDP and in
         // torchgpipe's partitions); none synchronises them.
         plan.batch_norm = BatchNormStats::Local;
-        let sim = simulate_op_plan(&mut costs, &plan, ran).map_err(|e| e.to_string())?;
-        let layout = format!(
-            "dp={} tp={} pp={} mb={} m={}{}{}",
-            p.dp,
-            p.tp,
-            p.pp,
-            p.micro_batch,
-            chunks,
-            if plan.recompute { " recompute" } else { "" },
-            match costs.sync {
-                GradSync::AllReduce => "",
-                GradSync::HostParameterServer => " ps=host",
-            }
-        );
-        Ok(Predicted {
-            step_time_s: sim.prediction.step_time_s * scale,
-            peak_memory_gib: sim.prediction.peak_memory_gib,
-            layout,
-        })
+        Ok((f(GeneralInputs::PerOp(&mut costs, &plan, ran))?, scale))
     }
+}
+
+/// What a general case is predicted from ([`GeneralCase::with_inputs`]).
+#[derive(Debug)]
+pub enum GeneralInputs<'a, 'g> {
+    /// A transformer's step, its published knobs and the stack's space.
+    Transformer(&'a Setup<'g>, &'a PartialLayout, &'a Space),
+    /// A graph's per-op costs, the published layout op by op, and the samples of one step as
+    /// run.
+    PerOp(&'a mut OpCosts<'g>, &'a OpPlan, u64),
 }
 
 #[cfg(test)]
