@@ -71,6 +71,34 @@ const LOSS_BYTES_PER_LOGIT: u64 = 12;
 /// it while the cast runs.
 const IN_PLACE_LOSS_BYTES_PER_LOGIT: u64 = 6;
 
+/// The cross-entropy a stack runs on the logits, by the memory it peaks at.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CrossEntropy {
+    /// PyTorch's on upcast fp32 logits: [`LOSS_BYTES_PER_LOGIT`].
+    #[default]
+    Upcast,
+    /// Megatron's vocab-parallel cross-entropy, one fp32 buffer for the softmax and its
+    /// gradient: [`IN_PLACE_LOSS_BYTES_PER_LOGIT`].
+    VocabParallel,
+    /// Transformer Engine's fused kernel (`parallel_cross_entropy`, Megatron's
+    /// `--cross-entropy-fusion-impl te`): the softmax statistics in fp32 registers, the
+    /// gradient written into the 16-bit logits in place (`triton/cross_entropy.py`), so the
+    /// logits are all it holds.
+    TeFused,
+}
+
+impl CrossEntropy {
+    /// Bytes per logit alive at the loss's peak, with logits of `fb` bytes.
+    fn bytes_per_logit(self, fb: u64) -> u64 {
+        match self {
+            CrossEntropy::Upcast => LOSS_BYTES_PER_LOGIT,
+            CrossEntropy::VocabParallel => IN_PLACE_LOSS_BYTES_PER_LOGIT,
+            CrossEntropy::TeFused => fb,
+        }
+    }
+}
+
 /// Framework behaviour that is not part of the layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Runtime {
@@ -124,11 +152,9 @@ pub struct Runtime {
     /// collective's latency, which at thousands of ranks is milliseconds.
     #[serde(default = "one")]
     pub zero3_gathers_per_layer: u32,
-    /// The loss is Megatron's vocab-parallel cross-entropy, which keeps one fp32 buffer for
-    /// the softmax and its gradient, rather than PyTorch's (log-probabilities, the dense
-    /// gradient and the input gradient, each fp32).
+    /// The kernels of the loss, which set the memory it peaks at.
     #[serde(default)]
-    pub in_place_cross_entropy: bool,
+    pub cross_entropy: CrossEntropy,
     /// Eager PyTorch module code runs the layer (HuggingFace and DeepLearningExamples BERT /
     /// GPT-2 blocks): see [`DeviceModel::with_eager`] for the kernels that adds.
     #[serde(default)]
@@ -204,7 +230,7 @@ impl Default for Runtime {
             mlm_masked_only: false,
             single_process_dp: false,
             zero3_gathers_per_layer: 1,
-            in_place_cross_entropy: false,
+            cross_entropy: CrossEntropy::Upcast,
             eager_kernels: false,
             balanced_routing: false,
         }
@@ -936,14 +962,7 @@ pub fn transformer_costs_with(
     // The loss peaks at the start of backward (see `LOSS_BYTES_PER_LOGIT`); the logits are not
     // saved.
     let logits = l.micro_batch * head_seq * shard.vocab;
-    head_cost.working = Bytes(
-        logits
-            * if s.runtime.in_place_cross_entropy {
-                IN_PLACE_LOSS_BYTES_PER_LOGIT
-            } else {
-                LOSS_BYTES_PER_LOGIT
-            },
-    );
+    head_cost.working = Bytes(logits * s.runtime.cross_entropy.bytes_per_logit(fb));
     head_cost.saved = Bytes(head_cost.saved.0.saturating_sub(logits * fb));
     if s.model.tied_embeddings && l.pp == 1 {
         // A single-stage tied model shares the table with the embedding; across stages the
@@ -1556,15 +1575,27 @@ mod tests {
             assert_eq!(c.head.working.0, 12 * logits, "{precision:?} tp={tp}");
             // Megatron's vocab-parallel loss turns one fp32 copy into the softmax and its
             // gradient in place.
-            let megatron = Setup {
+            let with = |cross_entropy| Setup {
                 runtime: Runtime {
-                    in_place_cross_entropy: true,
+                    cross_entropy,
                     ..s.runtime
                 },
                 ..s
             };
-            let c = transformer_costs(&megatron, &layout(tp, false, Recompute::None)).unwrap();
+            let c = transformer_costs(
+                &with(CrossEntropy::VocabParallel),
+                &layout(tp, false, Recompute::None),
+            )
+            .unwrap();
             assert_eq!(c.head.working.0, 6 * logits, "{precision:?} tp={tp}");
+            // Transformer Engine's fused kernel writes the gradient into the logits.
+            let te = transformer_costs(
+                &with(CrossEntropy::TeFused),
+                &layout(tp, false, Recompute::None),
+            )
+            .unwrap();
+            let fb16 = if precision == Precision::Fp32 { 4 } else { 2 };
+            assert_eq!(te.head.working.0, fb16 * logits, "{precision:?} tp={tp}");
             // What the head saves is its input, the norm's output and statistics: nothing
             // vocabulary-sized.
             let fb = if precision == Precision::Fp32 { 4 } else { 2 };

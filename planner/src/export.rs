@@ -7,7 +7,7 @@
 //! silently drops a knob: [`export`] refuses a layout the engine cannot express.
 
 use crate::search::Space;
-use parallax_cost::transformer::{Runtime, SelectivePolicy};
+use parallax_cost::transformer::{CrossEntropy, Runtime, SelectivePolicy};
 use parallax_ir::models::{Mlp, Norm, Position, TransformerConfig};
 use parallax_ir::{Layout, Offload, Plan, Precision, Recompute, Schedule};
 use serde_json::json;
@@ -63,7 +63,7 @@ impl Engine {
             // Megatron's vocab-parallel cross-entropy works in one fp32 buffer; Transformer
             // Engine 2 runs cuDNN 9's fused attention on Hopper.
             Engine::Megatron => Runtime {
-                in_place_cross_entropy: true,
+                cross_entropy: CrossEntropy::VocabParallel,
                 native_attention: true,
                 ..Runtime::default()
             },

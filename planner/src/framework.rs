@@ -12,7 +12,7 @@
 
 use crate::export::Engine;
 use crate::search::Space;
-use parallax_cost::transformer::Runtime;
+use parallax_cost::transformer::{CrossEntropy, Runtime};
 use parallax_ir::{Offload, Recompute, Schedule};
 use std::fmt::Write as _;
 use thiserror::Error;
@@ -138,7 +138,7 @@ const DEEPSPEED_SUBMODULES_PER_LAYER: u32 = 6;
 /// model code).
 fn megatron_loss(rt: Runtime) -> Runtime {
     Runtime {
-        in_place_cross_entropy: true,
+        cross_entropy: CrossEntropy::VocabParallel,
         ..rt
     }
 }
@@ -1047,11 +1047,20 @@ pub fn table_text() -> String {
                 r.zero3_gathers_per_layer
             );
         }
-        if r.in_place_cross_entropy {
-            let _ = writeln!(
-                out,
-                "  loss: Megatron's in-place vocab-parallel cross-entropy"
-            );
+        match r.cross_entropy {
+            CrossEntropy::Upcast => {}
+            CrossEntropy::VocabParallel => {
+                let _ = writeln!(
+                    out,
+                    "  loss: Megatron's in-place vocab-parallel cross-entropy"
+                );
+            }
+            CrossEntropy::TeFused => {
+                let _ = writeln!(
+                    out,
+                    "  loss: Transformer Engine's fused cross-entropy (gradient in the logits)"
+                );
+            }
         }
         if r.single_process_dp {
             let _ = writeln!(out, "  one process drives every GPU (DataParallel)");

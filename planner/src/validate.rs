@@ -7,7 +7,7 @@ use crate::complete::{complete_or_smallest, layout_string};
 pub use crate::framework::Framework;
 pub use crate::general_cases::{GeneralCase, GENERAL_CASES_SCHEMA};
 use crate::search::Space;
-use parallax_cost::transformer::{RecomputeModules, Runtime, Setup};
+use parallax_cost::transformer::{CrossEntropy, RecomputeModules, Runtime, Setup};
 use parallax_hardware::{Cluster, ClusterProfile};
 use parallax_ir::models::{
     HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, Router, SlidingWindow,
@@ -747,7 +747,10 @@ impl TransformerCase {
     /// runs): they accumulate and reduce gradients in bf16 (`grad_reduce_in_fp32: false` in
     /// every model's `scripts/performance/configs` at v0.1.0rc4 = 25.09;
     /// `cfg.ddp.grad_reduce_in_fp32 = False` at v0.2.1 = 25.11 and v0.4.2 = 26.04.01), where
-    /// Megatron-Core keeps fp32 `main_grad` buffers for bf16 by default.
+    /// Megatron-Core keeps fp32 `main_grad` buffers for bf16 by default; and they run
+    /// Transformer Engine's fused cross-entropy (`cross_entropy_fusion_impl: "te"` in the
+    /// same configs at v0.1.0rc4, `utils/helpers.py` at v0.2.1, `utils/overrides.py` at
+    /// v0.4.2, with `GPTModelProvider.cross_entropy_loss_fusion = True`).
     fn bridge_performance_run(&self) -> bool {
         self.framework
             .as_deref()
@@ -822,6 +825,11 @@ impl TransformerCase {
             runtime: Runtime {
                 balanced_routing: self.balanced_routing(),
                 grad_reduce_fp32: fw.runtime.grad_reduce_fp32 && !self.bridge_performance_run(),
+                cross_entropy: if self.bridge_performance_run() {
+                    CrossEntropy::TeFused
+                } else {
+                    fw.runtime.cross_entropy
+                },
                 ..fw.runtime
             },
             ..Setup::new(
@@ -1220,6 +1228,16 @@ mod tests {
                 .unwrap()
         };
         assert!(!fp32_grads("mb2509-dsv3-1024xh100-fp8"));
+        let loss = |id: &str| {
+            t(id)
+                .with_setup(&|_| {}, |s, _, _| s.runtime.cross_entropy)
+                .unwrap()
+        };
+        assert_eq!(loss("mb2509-qwen3-30b-16xh100-fp8"), CrossEntropy::TeFused);
+        assert_eq!(
+            loss("mcore-moe-readme-mixtral8x7b-64xh100-bf16"),
+            CrossEntropy::VocabParallel
+        );
         assert!(!fp32_grads("mb2511-llama3-8b-fsdp8-8xh100"));
         assert!(fp32_grads("mcore-moe-readme-mixtral8x7b-64xh100-bf16"));
     }
