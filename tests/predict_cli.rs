@@ -114,20 +114,29 @@ fn validate_scores_the_held_out_runs() {
     assert!(s["max_ape"].as_f64().unwrap() <= 0.30, "{s}");
 }
 
+/// Case `id` of `cases` as `validate --json` scores it: (predicted, measured) step time.
+fn scored(cases: &str, id: &str) -> (f64, f64) {
+    let doc = run(&["validate", cases, "--json"]);
+    let case = doc["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == id)
+        .unwrap()
+        .clone();
+    (
+        case["predicted_step_time_s"].as_f64().unwrap(),
+        case["measured_step_time_s"].as_f64().unwrap(),
+    )
+}
+
 #[test]
 fn validate_explains_one_case_as_it_scores_it() {
     // `--explain ID` prints the case's breakdown and memory beside the measurement, with the
     // same prediction the scoring gives; an unknown id is one line and exit status 2.
     let cases = concat!(env!("CARGO_MANIFEST_DIR"), "/../validation/held-out.json");
     let id = "nemo2407-gpt3-175b-128gpu-tp4pp8cp1";
-    let scored = run(&["validate", cases, "--json"]);
-    let case = scored["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["id"] == id)
-        .unwrap();
-    let predicted = case["predicted_step_time_s"].as_f64().unwrap();
+    let (predicted, _) = scored(cases, id);
     let out = common::parallax(&["validate", cases, "--explain", id]);
     assert!(out.status.success(), "{out:?}");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -164,15 +173,7 @@ fn validate_explains_one_case_as_it_scores_it() {
         "/../../shared/ground-truth/general.json"
     );
     let id = "torchgpipe-resnet101-p40-2g-b25000-fp32-pp2m1667";
-    let scored = run(&["validate", general, "--json"]);
-    let case = scored["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["id"] == id)
-        .unwrap();
-    let predicted = case["predicted_step_time_s"].as_f64().unwrap();
-    let measured = case["measured_step_time_s"].as_f64().unwrap();
+    let (predicted, measured) = scored(general, id);
     let out = common::parallax(&["validate", general, "--explain", id]);
     assert!(out.status.success(), "{out:?}");
     let text = String::from_utf8_lossy(&out.stdout);

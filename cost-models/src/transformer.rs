@@ -127,7 +127,7 @@ pub struct Runtime {
     pub master_grads_fp32: bool,
     /// Tensor-parallel groups may span nodes (their collectives then cross the network).
     pub allow_tp_across_nodes: bool,
-    /// What selective recomputation redoes.
+    /// What the stack's selective recomputation ([`Recompute::Selective`]) redoes.
     pub selective: SelectivePolicy,
     /// Under pipeline parallelism, ZeRO-2/3 (FSDP) keeps a stage's parameters gathered and
     /// accumulates its gradients unsharded (in the reduce type) across the step's
@@ -209,7 +209,8 @@ pub enum SelectivePolicy {
     /// The cheap ops and every second matrix multiply of a block (torchtitan's op-level
     /// selective activation checkpointing, which saves only alternate `mm` outputs).
     CheapOpsAndAlternateMatmuls,
-    /// The submodules Megatron-Core's `--recompute-modules` names.
+    /// The submodules Megatron-Core's `--recompute-modules` names: what a layout's
+    /// [`Recompute::Modules`] redoes (a stack's own policy is one of the others).
     Modules(RecomputeModules),
 }
 
@@ -1786,6 +1787,35 @@ mod tests {
         );
     }
 
+    /// DeepSeek-V3 as Megatron-Bridge 25.09 runs it on 1024 H100s (tp 2 with sequence
+    /// parallelism, pp 8, ep 64, dp 64, 4096 tokens), routing balanced, under `etp` and
+    /// `recompute`, priced from the section graphs of `graphs`.
+    fn dsv3_on_1024(etp: u32, recompute: Recompute, graphs: &SectionGraphs) -> TransformerCosts {
+        let m = cfg("deepseek-v3");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let s = Setup {
+            seq: 4096,
+            ..setup(
+                &m,
+                &p,
+                1024,
+                Runtime {
+                    balanced_routing: true,
+                    ..Runtime::default()
+                },
+            )
+        };
+        let l = Layout {
+            dp: 64,
+            pp: 8,
+            ep: 64,
+            etp: Some(etp),
+            schedule: parallax_ir::Schedule::OneFOneB,
+            ..layout(2, true, recompute)
+        };
+        transformer_costs_with(&s, &l, graphs).unwrap()
+    }
+
     /// An MoE layer keeps the activations of the rows its rank receives at the local expert
     /// width: under tp 2 with sequence parallelism, etp 1 routes each rank's half of the
     /// tokens through whole experts, etp 2 gathers the pair's rows through half-wide ones —
@@ -1794,31 +1824,9 @@ mod tests {
     #[test]
     fn experts_keep_the_rows_their_rank_receives() {
         let m = cfg("deepseek-v3");
-        let p = preset("dgx-h100-80gb").unwrap();
-        let at = |etp: u32, recompute: Recompute| {
-            let s = Setup {
-                seq: 4096,
-                ..setup(
-                    &m,
-                    &p,
-                    1024,
-                    Runtime {
-                        balanced_routing: true,
-                        ..Runtime::default()
-                    },
-                )
-            };
-            let l = Layout {
-                dp: 64,
-                pp: 8,
-                ep: 64,
-                etp: Some(etp),
-                schedule: parallax_ir::Schedule::OneFOneB,
-                ..layout(2, true, recompute)
-            };
-            // The MoE layer (at etp 1 it holds fewer parameters than a dense one).
-            transformer_costs(&s, &l)
-                .unwrap()
+        // The MoE layer (at etp 1 it holds fewer parameters than a dense one).
+        let at = |etp, recompute| {
+            dsv3_on_1024(etp, recompute, &SectionGraphs::default())
                 .kind(LayerKind::Block)
                 .saved
                 .0 as f64
@@ -1842,32 +1850,8 @@ mod tests {
     /// an unknown module is refused.
     #[test]
     fn recompute_modules_redo_what_megatron_names() {
-        let m = cfg("deepseek-v3");
         let p = preset("dgx-h100-80gb").unwrap();
-        let at = |recompute: Recompute| {
-            let s = Setup {
-                seq: 4096,
-                ..setup(
-                    &m,
-                    &p,
-                    1024,
-                    Runtime {
-                        balanced_routing: true,
-                        ..Runtime::default()
-                    },
-                )
-            };
-            let l = Layout {
-                dp: 64,
-                tp: 2,
-                pp: 8,
-                ep: 64,
-                etp: Some(1),
-                schedule: parallax_ir::Schedule::OneFOneB,
-                ..layout(2, true, recompute)
-            };
-            *transformer_costs(&s, &l).unwrap().layer()
-        };
+        let at = |recompute| *dsv3_on_1024(1, recompute, &SectionGraphs::default()).layer();
         let none = at(Recompute::None);
         let up = RecomputeModules::parse(&["mla_up_proj"]).unwrap();
         let mla = at(Recompute::Modules(up));
@@ -1897,29 +1881,7 @@ mod tests {
         assert!(RecomputeModules::parse(&["attention"]).is_err());
         // One search's cache serves layouts with different modules.
         let graphs = SectionGraphs::default();
-        let with = |r| {
-            let s = Setup {
-                seq: 4096,
-                ..setup(
-                    &m,
-                    &p,
-                    1024,
-                    Runtime {
-                        balanced_routing: true,
-                        ..Runtime::default()
-                    },
-                )
-            };
-            let l = Layout {
-                dp: 64,
-                pp: 8,
-                ep: 64,
-                etp: Some(1),
-                schedule: parallax_ir::Schedule::OneFOneB,
-                ..layout(2, true, r)
-            };
-            *transformer_costs_with(&s, &l, &graphs).unwrap().layer()
-        };
+        let with = |r| *dsv3_on_1024(1, r, &graphs).layer();
         assert_eq!(with(Recompute::Modules(up)).saved, mla.saved);
         assert_eq!(with(Recompute::Modules(moe)).saved, redo_moe.saved);
     }

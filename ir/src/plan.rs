@@ -66,18 +66,27 @@ impl FromStr for Recompute {
     }
 }
 
-impl From<Recompute> for String {
-    fn from(r: Recompute) -> String {
-        r.to_string()
-    }
+/// `From<T> for String` and `TryFrom<String> for T` through `Display` and `FromStr`: what
+/// `#[serde(into = "String", try_from = "String")]` needs of a type written as its text.
+macro_rules! serde_as_text {
+    ($t:ty) => {
+        impl From<$t> for String {
+            fn from(x: $t) -> String {
+                x.to_string()
+            }
+        }
+
+        impl TryFrom<String> for $t {
+            type Error = String;
+            fn try_from(s: String) -> Result<Self, String> {
+                s.parse()
+            }
+        }
+    };
 }
 
-impl TryFrom<String> for Recompute {
-    type Error = String;
-    fn try_from(s: String) -> Result<Self, String> {
-        s.parse()
-    }
-}
+serde_as_text!(Recompute);
+serde_as_text!(RecomputeModules);
 
 /// Pipeline schedule.
 #[derive(
@@ -256,19 +265,6 @@ impl fmt::Display for RecomputeModules {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let names: Vec<&str> = self.names().collect();
         f.write_str(&names.join("+"))
-    }
-}
-
-impl From<RecomputeModules> for String {
-    fn from(m: RecomputeModules) -> String {
-        m.to_string()
-    }
-}
-
-impl TryFrom<String> for RecomputeModules {
-    type Error = String;
-    fn try_from(s: String) -> Result<Self, String> {
-        s.parse()
     }
 }
 
