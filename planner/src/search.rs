@@ -19,7 +19,10 @@ use parallax_cost::transformer::{
     faster_dispatcher, model_flops_per_step, transformer_costs_with, Infeasible, SectionGraphs,
     Setup, TransformerCosts,
 };
-use parallax_ir::{Dispatcher, Layout, Offload, PartialLayout, Recompute, Schedule, StageRange};
+use parallax_ir::models::TransformerConfig;
+use parallax_ir::{
+    Dispatcher, Layout, Offload, PartialLayout, Recompute, RecomputeModules, Schedule, StageRange,
+};
 use parallax_sim::{simulate_priced, stage_layers, ScheduleKind, StepError, StepPrediction};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -88,7 +91,8 @@ pub struct Space {
     /// Recompute policies.
     pub recompute: Vec<Recompute>,
     /// Named submodules may be recomputed ([`Recompute::Modules`], Megatron-Core's
-    /// `--recompute-modules`, core 0.13+): given in a layout, never proposed by the search.
+    /// `--recompute-modules`, core 0.13+): given in a layout, or the sets recipes name for
+    /// the model ([`recompute_options`]).
     pub recompute_modules: bool,
     /// (Virtual) pipeline stages may hold unequal layer counts (torchtitan's split points,
     /// DeepSpeed's uniform partition; the default); otherwise (Megatron-LM) every stage holds
@@ -177,11 +181,45 @@ pub(crate) fn zero_options(fixed: &PartialLayout, space: &Space, dp: u32) -> Vec
     }
 }
 
-/// Recompute policies a completion may take.
-pub(crate) fn recompute_options(fixed: &PartialLayout, space: &Space) -> Vec<Recompute> {
-    fixed
-        .recompute
-        .map_or_else(|| space.recompute.clone(), |r| vec![r])
+/// Recompute policies a completion may take: the space's, and where it recomputes named
+/// submodules, the sets NVIDIA's Megatron-Bridge recipes name for a model like `model`
+/// ([`module_recipes`]).
+pub(crate) fn recompute_options(
+    fixed: &PartialLayout,
+    space: &Space,
+    model: &TransformerConfig,
+) -> Vec<Recompute> {
+    match fixed.recompute {
+        Some(r) => vec![r],
+        None if space.recompute_modules => {
+            let mut v = space.recompute.clone();
+            v.extend(module_recipes(model));
+            v
+        }
+        None => space.recompute.clone(),
+    }
+}
+
+/// The `--recompute-modules` sets Megatron-Bridge's H100 performance recipes run, for the
+/// models that have what they name: latent attention's up projections with the dense layers'
+/// MLPs (DeepSeek-V3, 25.09), and for mixtures the norms with the experts' activation
+/// (GPT-OSS, 25.11) or the whole MoE layer with the norms and the attention core (Nemotron 3
+/// Nano, 26.04.01) — the rows of `validate::BRIDGE_MOE_RECIPES`.
+fn module_recipes(model: &TransformerConfig) -> Vec<Recompute> {
+    let sets: [(&[&str], bool); 3] = [
+        (&["mla_up_proj", "mlp"], model.mla.is_some()),
+        (&["layernorm", "moe_act"], model.moe.is_some()),
+        (
+            &["moe", "layernorm", "core_attn", "moe_act"],
+            model.moe.is_some(),
+        ),
+    ];
+    sets.iter()
+        .filter(|(_, applies)| *applies)
+        .map(|(names, _)| {
+            Recompute::Modules(RecomputeModules::parse(names).expect("Megatron-Core's names"))
+        })
+        .collect()
 }
 
 /// The (schedule, interleave) pairs a completion with `pp` stages and `m` micro-batches may
@@ -1309,7 +1347,7 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
         counts.reject_because(kind, || why);
     };
     let mut groups = Vec::new();
-    let recomputes = recompute_options(f, &opts.space);
+    let recomputes = recompute_options(f, &opts.space, setup.model);
     for (d, mbs) in degree_tuples(setup, f, opts.max_micro_batch, &mut reject) {
         let unforced = |degree: u32, fixed: Option<u32>| degree > 1 && fixed.is_none();
         if !opts.space.model_parallel
@@ -1579,6 +1617,43 @@ mod tests {
         zoo::transformer(name).unwrap()
     }
 
+    /// A stack with `--recompute-modules` tries the sets recipes name for the model's parts
+    /// (a mixture's and latent attention's), nothing more for a dense model; other stacks
+    /// only their own policies; a given policy is the only one.
+    #[test]
+    fn megatron_stacks_try_the_recipes_recompute_modules() {
+        let megatron = Engine::Megatron.space();
+        let open = PartialLayout::default();
+        let names = |m: &TransformerConfig, space: &Space| -> Vec<String> {
+            recompute_options(&open, space, m)
+                .iter()
+                .map(|r| r.to_string())
+                .collect()
+        };
+        let moe = names(&zoo::transformer("qwen3-30b-a3b").unwrap(), &megatron);
+        assert!(
+            moe.contains(&"modules:layernorm+moe_act".to_string()),
+            "{moe:?}"
+        );
+        assert!(!moe.iter().any(|r| r.contains("mla_up_proj")), "{moe:?}");
+        let mla = names(&zoo::transformer("deepseek-v3").unwrap(), &megatron);
+        assert!(
+            mla.contains(&"modules:mla_up_proj+mlp".to_string()),
+            "{mla:?}"
+        );
+        let dense = zoo::transformer("llama3-8b").unwrap();
+        assert_eq!(names(&dense, &megatron), ["none", "selective", "full"]);
+        let qwen = zoo::transformer("qwen3-30b-a3b").unwrap();
+        assert_eq!(
+            names(&qwen, &Space::default()),
+            ["none", "selective", "full"]
+        );
+        let given = PartialLayout::parse("recompute=full").unwrap();
+        assert_eq!(
+            recompute_options(&given, &megatron, &qwen),
+            [Recompute::Full]
+        );
+    }
     #[test]
     fn divisors_and_digits() {
         assert_eq!(divisors(12), vec![1, 2, 3, 4, 6, 12]);
