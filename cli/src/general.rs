@@ -593,9 +593,15 @@ pub(crate) fn config_lines(costs: &OpCosts, plan: &OpPlan) -> Vec<String> {
 
 pub(crate) fn step_lines(gpus: u32, p: &OpStepPrediction, band: f64) -> Vec<String> {
     let (low, high) = band_range(p.step_time_s, band);
+    // MFU counts a convolution's direct FLOPs; Winograd and FFT kernels do fewer.
+    let fewer_flops = if p.mfu > 1.0 {
+        " (over 100 %: Winograd / FFT convolutions do fewer FLOPs than the direct count)"
+    } else {
+        ""
+    };
     let mut v = vec![
         format!(
-            "step time   {:.4} s ({low:.4}–{high:.4} s) · {:.1} samples/s · MFU {:.1} %",
+            "step time   {:.4} s ({low:.4}–{high:.4} s) · {:.1} samples/s · MFU {:.1} %{fewer_flops}",
             p.step_time_s,
             p.samples_per_s,
             p.mfu * 100.0
