@@ -17,8 +17,8 @@ pub enum Recompute {
     /// Keep every activation.
     #[default]
     None,
-    /// Recompute what the stack's selective policy names: the attention core and the cheap
-    /// ops (Korthikanti et al. 2022), or what the stack's own selective policy says.
+    /// The stack's selective recomputation: the attention core and the cheap ops
+    /// (Korthikanti et al. 2022), or the stack's own op-level policy (torchtitan's).
     Selective,
     /// Recompute the submodules Megatron-Core's `--recompute-modules` names (its selective
     /// granularity with an explicit list): `modules:moe_act+layernorm` inline.
@@ -28,13 +28,9 @@ pub enum Recompute {
 }
 
 impl Recompute {
-    /// All policies of a stack's selective kind, least recomputation first.
+    /// The policies every stack offers in some form, least recomputation first (named
+    /// modules are Megatron-Core's).
     pub const ALL: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
-
-    /// Whether part of each layer is recomputed (selective, or named modules).
-    pub fn is_partial(self) -> bool {
-        matches!(self, Recompute::Selective | Recompute::Modules(_))
-    }
 }
 
 impl fmt::Display for Recompute {
@@ -1186,7 +1182,6 @@ mod tests {
             Recompute::Modules(m).to_string(),
             "modules:layernorm+moe_act"
         );
-        assert!(Recompute::Modules(m).is_partial() && !Recompute::Full.is_partial());
         let l = Layout {
             recompute: Recompute::Modules(m),
             ..Layout::default()

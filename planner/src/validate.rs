@@ -1188,12 +1188,13 @@ mod tests {
             );
         }
         // The recomputation a recipe names is the run's: its modules.
-        let recompute = |id: &str| {
+        let t = |id: &str| {
             let Some(Case::Transformer(t)) = cases.iter().find(|c| c.id() == id) else {
                 panic!("{id}")
             };
-            t.partial_layout().recompute
+            t
         };
+        let recompute = |id: &str| t(id).partial_layout().recompute;
         let modules =
             |names: &[&str]| Some(Recompute::Modules(RecomputeModules::parse(names).unwrap()));
         assert_eq!(
@@ -1210,12 +1211,6 @@ mod tests {
         );
         // A recipe's micro-batch where the case leaves it out; bf16 gradients in every
         // performance-script run, fp32 ones (Megatron-Core's default for bf16) elsewhere.
-        let t = |id: &str| {
-            let Some(Case::Transformer(t)) = cases.iter().find(|c| c.id() == id) else {
-                panic!("{id}")
-            };
-            t
-        };
         assert_eq!(
             t("mb2511-gptoss-120b-64xh100-bf16")
                 .partial_layout()
