@@ -130,6 +130,19 @@ fn scored(cases: &str, id: &str) -> (f64, f64) {
     )
 }
 
+/// `validate CASES --explain ID`'s text, checked to succeed, to open with the id and to hold
+/// every one of `parts`.
+fn explained(cases: &str, id: &str, parts: &[&str]) -> String {
+    let out = common::parallax(&["validate", cases, "--explain", id]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.starts_with(id), "{text}");
+    for part in parts {
+        assert!(text.contains(part), "{part}: {text}");
+    }
+    text
+}
+
 #[test]
 fn validate_explains_one_case_as_it_scores_it() {
     // `--explain ID` prints the case's breakdown and memory beside the measurement, with the
@@ -137,20 +150,18 @@ fn validate_explains_one_case_as_it_scores_it() {
     let cases = concat!(env!("CARGO_MANIFEST_DIR"), "/../validation/held-out.json");
     let id = "nemo2407-gpt3-175b-128gpu-tp4pp8cp1";
     let (predicted, _) = scored(cases, id);
-    let out = common::parallax(&["validate", cases, "--explain", id]);
-    assert!(out.status.success(), "{out:?}");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.starts_with(id), "{text}");
-    for part in [
-        "time on the busiest stage",
-        "pipeline bubble",
-        "memory ",
-        "measured ",
-        "one micro-batch on one device",
-        "EP dispatch",
-    ] {
-        assert!(text.contains(part), "{part}: {text}");
-    }
+    let text = explained(
+        cases,
+        id,
+        &[
+            "time on the busiest stage",
+            "pipeline bubble",
+            "memory ",
+            "measured ",
+            "one micro-batch on one device",
+            "EP dispatch",
+        ],
+    );
     let step_line = text.lines().find(|l| l.starts_with("step time")).unwrap();
     let shown: f64 = step_line
         .split_whitespace()
@@ -167,25 +178,23 @@ fn validate_explains_one_case_as_it_scores_it() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("no case 'no-such-case'"), "{err}");
-    // A general graph's case prints its layout op by op, scaled to the published batch.
+    // A general graph's case prints its layout op by op, with the prediction the scoring gives.
     let general = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../shared/ground-truth/general.json"
     );
     let id = "torchgpipe-resnet101-p40-2g-b25000-fp32-pp2m1667";
     let (predicted, measured) = scored(general, id);
-    let out = common::parallax(&["validate", general, "--explain", id]);
-    assert!(out.status.success(), "{out:?}");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.starts_with(id), "{text}");
-    for part in [
-        "per-op plan",
-        "2 stages",
-        "configuration",
-        "unsplit @ gpu 1",
-    ] {
-        assert!(text.contains(part), "{part}: {text}");
-    }
+    let text = explained(
+        general,
+        id,
+        &[
+            "per-op plan",
+            "2 stages",
+            "configuration",
+            "unsplit @ gpu 1",
+        ],
+    );
     let err = format!(
         "(prediction {:+.1} %)",
         (predicted - measured) / measured * 100.0

@@ -1683,6 +1683,18 @@ mod tests {
         assert!(c4.layer().model_flops * 4.0 > 0.95 * c1.layer().model_flops);
     }
 
+    /// The MoE layer of `s`'s model on 16 data-parallel ranks, experts over `ep` of them,
+    /// dispatched by `dispatcher`.
+    fn moe_layer_at(s: &Setup, ep: u32, dispatcher: Dispatcher) -> PartCost {
+        let l = Layout {
+            ep,
+            dp: 16,
+            dispatcher,
+            ..layout(1, false, Recompute::None)
+        };
+        *transformer_costs(s, &l).unwrap().layer()
+    }
+
     #[test]
     fn expert_parallel_ranks_run_fewer_larger_expert_problems() {
         // Qwen3-30B-A3B (128 experts of 768, top-8): at ep 16 a rank runs 8 experts over the
@@ -1694,19 +1706,7 @@ mod tests {
             seq: 4096,
             ..setup(&m, &p, 16, Runtime::default())
         };
-        let at = |ep| {
-            transformer_costs(
-                &s,
-                &Layout {
-                    ep,
-                    dp: 16,
-                    ..layout(1, false, Recompute::None)
-                },
-            )
-            .unwrap()
-            .layer()
-            .to_owned()
-        };
+        let at = |ep| moe_layer_at(&s, ep, Dispatcher::AllToAll);
         let (one, sixteen) = (at(1), at(16));
         assert!(
             sixteen.compute.fwd.0 < 0.9 * one.compute.fwd.0,
@@ -1737,21 +1737,10 @@ mod tests {
                 },
             )
         };
-        let at = |ep, dispatcher| {
-            transformer_costs(
-                &s,
-                &Layout {
-                    ep,
-                    dp: 16,
-                    dispatcher,
-                    ..layout(1, false, Recompute::None)
-                },
-            )
-            .unwrap()
-            .layer()
-            .to_owned()
-        };
-        let (a2a, deepep) = (at(8, Dispatcher::AllToAll), at(8, Dispatcher::DeepEp));
+        let (a2a, deepep) = (
+            moe_layer_at(&s, 8, Dispatcher::AllToAll),
+            moe_layer_at(&s, 8, Dispatcher::DeepEp),
+        );
         let dev = DeviceModel::new(&p, Precision::Bf16).unwrap();
         let rows = (4096 * 8 * 2048 * 2) as f64;
         let sort = dev.memory(2.0 * rows).0 * 2.0;
@@ -1767,20 +1756,7 @@ mod tests {
             model: &cfg("mixtral-8x7b"),
             ..s
         };
-        let one_expert = |d| {
-            transformer_costs(
-                &m1,
-                &Layout {
-                    ep: 8,
-                    dp: 16,
-                    dispatcher: d,
-                    ..layout(1, false, Recompute::None)
-                },
-            )
-            .unwrap()
-            .layer()
-            .compute
-        };
+        let one_expert = |d| moe_layer_at(&m1, 8, d).compute;
         assert_eq!(
             one_expert(Dispatcher::AllToAll),
             one_expert(Dispatcher::DeepEp)

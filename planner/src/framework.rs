@@ -1047,20 +1047,15 @@ pub fn table_text() -> String {
                 r.zero3_gathers_per_layer
             );
         }
-        match r.cross_entropy {
-            CrossEntropy::Upcast => {}
-            CrossEntropy::VocabParallel => {
-                let _ = writeln!(
-                    out,
-                    "  loss: Megatron's in-place vocab-parallel cross-entropy"
-                );
-            }
+        let loss = match r.cross_entropy {
+            CrossEntropy::Upcast => None,
+            CrossEntropy::VocabParallel => Some("Megatron's in-place vocab-parallel cross-entropy"),
             CrossEntropy::TeFused => {
-                let _ = writeln!(
-                    out,
-                    "  loss: Transformer Engine's fused cross-entropy (gradient in the logits)"
-                );
+                Some("Transformer Engine's fused cross-entropy (gradient in the logits)")
             }
+        };
+        if let Some(loss) = loss {
+            let _ = writeln!(out, "  loss: {loss}");
         }
         if r.single_process_dp {
             let _ = writeln!(out, "  one process drives every GPU (DataParallel)");

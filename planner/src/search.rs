@@ -200,26 +200,31 @@ pub(crate) fn recompute_options(
     }
 }
 
-/// The `--recompute-modules` sets Megatron-Bridge's H100 performance recipes run, for the
-/// models that have what they name: latent attention's up projections with the dense layers'
-/// MLPs (DeepSeek-V3, 25.09), and for mixtures the norms with the experts' activation
-/// (GPT-OSS, 25.11) or the whole MoE layer with the norms and the attention core (Nemotron 3
-/// Nano, 26.04.01) — the rows of `validate::BRIDGE_MOE_RECIPES`.
+/// The `--recompute-modules` sets Megatron-Bridge's H100 performance recipes run
+/// ([`crate::validate::BRIDGE_MOE_RECIPES`]), each once, for a model that has every part a set
+/// names: latent attention for `mla_up_proj`, experts for `moe`, `moe_act` and
+/// `shared_experts`.
 fn module_recipes(model: &TransformerConfig) -> Vec<Recompute> {
-    let sets: [(&[&str], bool); 3] = [
-        (&["mla_up_proj", "mlp"], model.mla.is_some()),
-        (&["layernorm", "moe_act"], model.moe.is_some()),
-        (
-            &["moe", "layernorm", "core_attn", "moe_act"],
-            model.moe.is_some(),
-        ),
-    ];
-    sets.iter()
-        .filter(|(_, applies)| *applies)
-        .map(|(names, _)| {
-            Recompute::Modules(RecomputeModules::parse(names).expect("Megatron-Core's names"))
-        })
-        .collect()
+    let has_parts = |m: RecomputeModules| {
+        let experts = [
+            RecomputeModules::MOE,
+            RecomputeModules::MOE_ACT,
+            RecomputeModules::SHARED_EXPERTS,
+        ];
+        (model.mla.is_some() || !m.contains(RecomputeModules::MLA_UP_PROJ))
+            && (model.moe.is_some() || !experts.iter().any(|&e| m.contains(e)))
+    };
+    let mut sets: Vec<Recompute> = Vec::new();
+    for r in crate::validate::BRIDGE_MOE_RECIPES {
+        if r.recompute_modules.is_empty() {
+            continue;
+        }
+        let m = RecomputeModules::parse(r.recompute_modules).expect("Megatron-Core's names");
+        if has_parts(m) && !sets.contains(&Recompute::Modules(m)) {
+            sets.push(Recompute::Modules(m));
+        }
+    }
+    sets
 }
 
 /// The (schedule, interleave) pairs a completion with `pp` stages and `m` micro-batches may

@@ -732,12 +732,16 @@ impl TransformerCase {
             .map_or(MoeRecipe::MEGATRON_DEFAULT, |b| b.recipe)
     }
 
+    /// The Megatron-Bridge release that ran the case (`megatron-bridge@RELEASE`), if one did.
+    fn bridge_release(&self) -> Option<&str> {
+        self.framework
+            .as_deref()
+            .and_then(|f| f.strip_prefix("megatron-bridge@"))
+    }
+
     /// The row of [`BRIDGE_MOE_RECIPES`] for the run's release and model, if any.
     fn bridge_recipe(&self) -> Option<&'static BridgeMoeRecipe> {
-        let release = self
-            .framework
-            .as_deref()
-            .and_then(|f| f.strip_prefix("megatron-bridge@"))?;
+        let release = self.bridge_release()?;
         BRIDGE_MOE_RECIPES
             .iter()
             .find(|b| release.starts_with(b.release) && self.model.name.starts_with(b.model))
@@ -752,9 +756,7 @@ impl TransformerCase {
     /// same configs at v0.1.0rc4, `utils/helpers.py` at v0.2.1, `utils/overrides.py` at
     /// v0.4.2, with `GPTModelProvider.cross_entropy_loss_fusion = True`).
     fn bridge_performance_run(&self) -> bool {
-        self.framework
-            .as_deref()
-            .is_some_and(|f| f.starts_with("megatron-bridge@"))
+        self.bridge_release().is_some()
     }
 
     /// The submodules the run's recipe recomputes, where it names some and the case publishes
@@ -1157,12 +1159,14 @@ mod tests {
     fn megatron_bridge_moe_runs_use_their_release_recipe() {
         use parallax_ir::Dispatcher::{AllToAll, DeepEp};
         let cases = ground_truth("moe-zero-offload.json");
-        let recipe = |id: &str| {
-            let c = cases.iter().find(|c| c.id() == id).unwrap();
-            let Case::Transformer(t) = c else {
+        let t = |id: &str| {
+            let Some(Case::Transformer(t)) = cases.iter().find(|c| c.id() == id) else {
                 panic!("{id}")
             };
-            let p = t.partial_layout();
+            t
+        };
+        let recipe = |id: &str| {
+            let p = t(id).partial_layout();
             (p.dispatcher.unwrap(), p.ep_overlap.unwrap())
         };
         assert_eq!(recipe("mb2509-dsv3-1024xh100-fp8"), (DeepEp, true));
@@ -1188,12 +1192,6 @@ mod tests {
             );
         }
         // The recomputation a recipe names is the run's: its modules.
-        let t = |id: &str| {
-            let Some(Case::Transformer(t)) = cases.iter().find(|c| c.id() == id) else {
-                panic!("{id}")
-            };
-            t
-        };
         let recompute = |id: &str| t(id).partial_layout().recompute;
         let modules =
             |names: &[&str]| Some(Recompute::Modules(RecomputeModules::parse(names).unwrap()));
