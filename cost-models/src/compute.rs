@@ -5,6 +5,7 @@
 use parallax_hardware::{ClusterProfile, DeviceSpec, HostTrainer, HwError};
 use parallax_ir::op::AttentionAttrs;
 use parallax_ir::{ComputeClass, OpKind, Precision, Seconds, Shape, Work};
+use serde::{Deserialize, Serialize};
 
 /// FlashAttention-2 reaches ~73 % of A100 peak forward and ~63 % backward while cuBLAS GEMMs of
 /// the same size reach ~87 % (Dao 2023, "FlashAttention-2", Fig. 4–6): the ratio of fused
@@ -232,6 +233,17 @@ impl std::ops::Add for OpTimes {
     }
 }
 
+impl std::ops::Sub for OpTimes {
+    type Output = OpTimes;
+    fn sub(self, o: OpTimes) -> OpTimes {
+        OpTimes {
+            fwd: self.fwd - o.fwd,
+            bwd_input: self.bwd_input - o.bwd_input,
+            bwd_weight: self.bwd_weight - o.bwd_weight,
+        }
+    }
+}
+
 impl std::ops::Mul<f64> for OpTimes {
     type Output = OpTimes;
     fn mul(self, k: f64) -> OpTimes {
@@ -246,6 +258,29 @@ impl std::ops::Mul<f64> for OpTimes {
 /// Bytes an fp8 current-scaling cast moves per element of a 16-bit tensor: the amax reduction
 /// reads it (2), the cast reads it again (2) and writes it and its transpose (1 + 1).
 pub const FP8_CAST_BYTES_PER_ELEM: f64 = 6.0;
+
+/// Bytes a delayed-scaling cast moves per element: the scale comes from the amax history, so
+/// one kernel reads the tensor (2), writes it and its transpose (1 + 1) and records its amax
+/// on the way (Transformer Engine's `cast_transpose`).
+pub const FP8_DELAYED_CAST_BYTES_PER_ELEM: f64 = 4.0;
+
+/// How fp8 training scales a tensor before casting it (the part of an fp8 recipe that sets what
+/// the casts cost; every recipe here scales per tensor and runs the GEMM at the fp8 rate).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fp8Scaling {
+    /// The scale of the tensor as it is now: its absolute maximum is reduced in a pass of its
+    /// own before the cast, so no cast can fuse into the kernel that wrote the tensor
+    /// (Transformer Engine's `Float8CurrentScaling`, Megatron-Bridge's `fp8_cs`; torchao's
+    /// `tensorwise` dynamic scaling, torchtitan's float8).
+    #[default]
+    Current,
+    /// A scale from the amax history of earlier steps (Transformer Engine's `DelayedScaling`,
+    /// its default through 1.x; NeMo and Megatron-Core until 2025): known before the tensor
+    /// exists, so the norm or activation that writes a linear layer's input writes it in fp8
+    /// and the output gradients are cast with their transpose in one pass.
+    Delayed,
+}
 
 /// Compute cost model of one device at one training precision.
 #[derive(Clone, Copy, Debug)]
@@ -270,6 +305,8 @@ pub struct DeviceModel<'a> {
     /// The stack runs the chip's own fused attention kernels: see
     /// [`DeviceModel::with_native_attention`].
     native_attention: bool,
+    /// How fp8 casts are scaled: see [`DeviceModel::with_fp8_scaling`].
+    fp8_scaling: Fp8Scaling,
 }
 
 impl<'a> DeviceModel<'a> {
@@ -290,6 +327,7 @@ impl<'a> DeviceModel<'a> {
             host_convolutions: false,
             trainer: HostTrainer::Transformer,
             native_attention: false,
+            fp8_scaling: Fp8Scaling::Current,
         })
     }
 
@@ -332,6 +370,14 @@ impl<'a> DeviceModel<'a> {
         self
     }
 
+    /// The fp8 scaling the stack casts with ([`Fp8Scaling`]; nothing changes at other
+    /// precisions): what each cast of an fp8 GEMM's operands moves, and whether a linear
+    /// layer's casts are passes of their own ([`DeviceModel::fp8_linear_casts`]).
+    pub fn with_fp8_scaling(mut self, scaling: Fp8Scaling) -> Self {
+        self.fp8_scaling = scaling;
+        self
+    }
+
     /// The model of ops run by parallax's general-graph trainer on host cores (`host`;
     /// `executor/src/graph/kernels.rs`), whose measured kernel rates the profile holds under
     /// `device.host_kernels.graph`. Its convolutions: no Winograd transform (that is cuDNN's),
@@ -366,20 +412,49 @@ impl<'a> DeviceModel<'a> {
     }
 
     /// Casting `elems` 16-bit elements to fp8 in a pass of their own before a GEMM under fp8
-    /// training (nothing at other precisions): per-tensor current scaling (Transformer
-    /// Engine's `Float8CurrentScaling`, Megatron-Bridge's `fp8_cs`) first reduces the tensor's
-    /// absolute maximum (a read), then casts it and writes it twice, as is and transposed,
-    /// since Hopper's fp8 GEMMs take only the "TN" layout and the weight-gradient GEMM needs
-    /// the transpose: 2 + 2 + 1 + 1 bytes an element, two kernels. An MoE layer's grouped
-    /// GEMMs pay it (see the MoE arm of [`DeviceModel::op`]); a dense layer's input casts are
-    /// fused into the norm or activation kernel that writes the input, and what remains of
-    /// its casts is within the GEMM efficiency calibrated on dense fp8 runs. Weights are cast
-    /// once a step (left out: amortised over the step's micro-batches).
+    /// training (nothing at other precisions). It writes the tensor twice, as is and
+    /// transposed, since Hopper's fp8 GEMMs take only the "TN" layout and the weight-gradient
+    /// GEMM needs the transpose. Under current scaling (Transformer Engine's
+    /// `Float8CurrentScaling`, Megatron-Bridge's `fp8_cs`, torchao's tensorwise scaling) the
+    /// tensor's absolute maximum is reduced first (a read): 2 + 2 + 1 + 1 bytes an element,
+    /// two kernels; under delayed scaling one kernel casts with the historical scale, 2 + 1 + 1
+    /// ([`Fp8Scaling`]). An MoE layer's grouped GEMMs pay it for their inputs and output
+    /// gradients (see the MoE arm of [`DeviceModel::op`]), a linear layer as
+    /// [`DeviceModel::fp8_linear_casts`] says. Weights are cast once a step (left out:
+    /// amortised over the step's micro-batches).
     fn fp8_cast(&self, elems: f64) -> Seconds {
         if self.precision != Precision::Fp8 || elems <= 0.0 {
             return Seconds(0.0);
         }
-        self.memory(FP8_CAST_BYTES_PER_ELEM * elems) + self.overhead(1.0)
+        match self.fp8_scaling {
+            Fp8Scaling::Current => {
+                self.memory(FP8_CAST_BYTES_PER_ELEM * elems) + self.overhead(1.0)
+            }
+            Fp8Scaling::Delayed => self.memory(FP8_DELAYED_CAST_BYTES_PER_ELEM * elems),
+        }
+    }
+
+    /// The fp8 casts around one linear layer of `input_elems` input and `output_elems` output
+    /// elements ([`DeviceModel::fp8_cast`]): its input before the forward GEMM, its output
+    /// gradient before the two backward GEMMs (cast and transposed once for both). Under
+    /// current scaling each is a pass of its own: the scale needs the whole tensor's maximum,
+    /// so the cast cannot fuse into the norm, activation or GEMM that wrote it. Under delayed
+    /// scaling they fuse (Transformer Engine's `LayerNormLinear` / `LayerNormMLP` write fp8
+    /// from the norm and the activation, `cast_transpose_dbias` casts the gradient in the
+    /// bias-gradient reduction): nothing of their own. Their cost relative to the GEMMs is
+    /// `bytes · rate / (2 · N · bandwidth)` for a layer N wide (N in and out): a third or more
+    /// of the fp8 GEMMs' time at N = 2k on an H100, under a tenth at 16k, which is why fp8
+    /// speeds small and tensor-parallel layers least (torchtitan's June 2025 async-TP
+    /// benchmark: 1.16× over bf16 for Llama 3 8B at tp 8, 1.36× for 70B).
+    pub fn fp8_linear_casts(&self, input_elems: f64, output_elems: f64) -> OpTimes {
+        if self.fp8_scaling == Fp8Scaling::Delayed {
+            return OpTimes::default();
+        }
+        OpTimes {
+            fwd: self.fp8_cast(input_elems),
+            bwd_input: self.fp8_cast(output_elems),
+            bwd_weight: Seconds(0.0),
+        }
     }
 
     /// Time of one GEMM of `flops` FLOPs (launch included).
@@ -1005,6 +1080,13 @@ impl<'a> DeviceModel<'a> {
                     OpKind::Linear(l) if l.bias && self.eager => self.memory(outs[0]),
                     _ => Seconds(0.0),
                 };
+                let casts = match op {
+                    OpKind::Linear(_) => self.fp8_linear_casts(
+                        ins.first().map_or(0.0, |x| x.elems() as f64),
+                        outs[0] / float_bytes.max(1) as f64,
+                    ),
+                    _ => OpTimes::default(),
+                };
                 OpTimes {
                     fwd: self.gemm_tiled(w.fwd_flops.0, bytes, 1.0, outs[0])
                         + self.overhead(k - 1.0),
@@ -1012,7 +1094,7 @@ impl<'a> DeviceModel<'a> {
                         + self.overhead(k - 1.0),
                     bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0, bytes, 1.0, outs[2])
                         + bias_grad,
-                }
+                } + casts
             }
             _ => {
                 if let Some(c) = self
@@ -1817,7 +1899,8 @@ mod tests {
     /// Under fp8 an MoE layer's grouped GEMMs quantize their inputs and output gradients in
     /// passes of their own (6 bytes an element: amax read, cast read, fp8 and transposed fp8
     /// writes): forward the visits' hidden rows and expert-width rows, backward the hidden-wide
-    /// gradients and the gate and up ones. A dense linear layer pays none (fused upstream).
+    /// gradients and the gate and up ones. A dense linear layer pays its input and output
+    /// gradient casts under current scaling, none under delayed scaling (fused upstream).
     #[test]
     fn moe_experts_cast_their_rows_under_fp8() {
         use parallax_ir::op::LinearAttrs;
@@ -1858,9 +1941,53 @@ mod tests {
         let lins = [Shape::new([rows, h]), Shape::new([h, h])];
         let lw = lin.work(&lins, &[Shape::new([rows, h])], &[false, true], 2);
         let lt = fp8.op(&lin, &lins, &lw, 2);
+        let delayed = fp8.with_fp8_scaling(Fp8Scaling::Delayed);
+        let ld = delayed.op(&lin, &lins, &lw, 2);
         let lb = DeviceModel::pass_outputs(&lins, &lw, 2);
         let gemm = fp8.gemm_tiled(lw.fwd_flops.0, lw.traffic().0 as f64, 1.0, lb[0]);
-        assert!((lt.fwd.0 - gemm.0).abs() < 1e-9, "{lt:?} vs {gemm:?}");
+        assert!((ld.fwd.0 - gemm.0).abs() < 1e-9, "{ld:?} vs {gemm:?}");
+        let one = cast((rows * h) as f64);
+        assert!(
+            (lt.fwd.0 - (gemm.0 + one.0)).abs() < 1e-9,
+            "{lt:?} vs {gemm:?}"
+        );
+        assert!((lt.bwd_input.0 - (ld.bwd_input.0 + one.0)).abs() < 1e-9);
+        assert_eq!(lt.bwd_weight, ld.bwd_weight);
+        // Delayed scaling casts the experts' rows too, in one 4-byte pass each.
+        let moe_delayed = delayed.op(&op, &ins, &w, 2);
+        let shave = |elems: f64| cast(elems).0 - delayed.memory(4.0 * elems).0;
+        let fwd_saved = shave(visits * h as f64) + shave(visits * f as f64);
+        assert!((t.fwd.0 - moe_delayed.fwd.0 - fwd_saved).abs() < 1e-9);
+    }
+
+    /// A linear layer's fp8 casts cost against its GEMMs as `bytes · rate / (2 · N ·
+    /// bandwidth)` for a layer N wide: a thin layer gains least from fp8. On an H100, a 2k-wide
+    /// layer's current-scaling casts take a third or more of its fp8 GEMMs' time, a 16k-wide
+    /// one's under a tenth; bf16 has none.
+    #[test]
+    fn fp8_casts_weigh_most_on_thin_layers() {
+        use parallax_ir::op::LinearAttrs;
+        let p = preset("dgx-h100-80gb").unwrap();
+        let fp8 = DeviceModel::new(&p, Precision::Fp8).unwrap();
+        let bf16 = DeviceModel::new(&p, Precision::Bf16).unwrap();
+        let share = |m: &DeviceModel, n: u64| {
+            let (rows, k) = (8192, n);
+            let lin = OpKind::Linear(LinearAttrs {
+                out_features: n,
+                bias: false,
+            });
+            let ins = [Shape::new([rows, k]), Shape::new([k, n])];
+            let w = lin.work(&ins, &[Shape::new([rows, n])], &[false, true], 2);
+            let t = m.op(&lin, &ins, &w, 2);
+            let casts = m.fp8_linear_casts((rows * k) as f64, (rows * n) as f64);
+            casts.total().0 / (t.total().0 - casts.total().0)
+        };
+        let (thin, wide) = (share(&fp8, 2048), share(&fp8, 16384));
+        assert!(
+            thin > 0.3 && wide < 0.1 && thin > 4.0 * wide,
+            "{thin} {wide}"
+        );
+        assert_eq!(share(&bf16, 2048), 0.0);
     }
 
     /// Eager module code, by hand: the attention core copies q, k, v and the context each

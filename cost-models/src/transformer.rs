@@ -8,7 +8,7 @@
 //! sequence parallelism and recomputation — is modelled here.
 
 use crate::comm::{exposed, Collective, Group, Network};
-use crate::compute::{DeviceModel, OpTimes};
+use crate::compute::{DeviceModel, Fp8Scaling, OpTimes};
 use parallax_hardware::ClusterProfile;
 use parallax_ir::models::{
     BuildOptions, LayerKind, LayerStack, MoeConfig, Section, TransformerConfig,
@@ -165,6 +165,10 @@ pub struct Runtime {
     /// ([`busiest_rank_load`]).
     #[serde(default)]
     pub balanced_routing: bool,
+    /// How fp8 training scales its casts ([`Fp8Scaling`]): current (the default of today's
+    /// recipes) or delayed.
+    #[serde(default)]
+    pub fp8_scaling: Fp8Scaling,
 }
 
 /// The expected load of the busiest of `ranks` expert-parallel ranks, relative to the mean,
@@ -234,6 +238,7 @@ impl Default for Runtime {
             cross_entropy: CrossEntropy::Upcast,
             eager_kernels: false,
             balanced_routing: false,
+            fp8_scaling: Fp8Scaling::Current,
         }
     }
 }
@@ -780,6 +785,7 @@ pub fn transformer_costs_with(
     let dev = DeviceModel::new(s.profile, s.precision)
         .map_err(|e| Infeasible::Unsupported(e.to_string()))?
         .with_eager(s.runtime.eager_kernels)
+        .with_fp8_scaling(s.runtime.fp8_scaling)
         .with_native_attention(s.runtime.native_attention);
     let net = Network::new(s.profile);
     let gpn = s.profile.node.gpus_per_node;
@@ -1061,6 +1067,31 @@ impl NodePrices {
                 (OpKind::Attention(_), _) if cp > 1 => {
                     let t = dev.ring_attention(&n.op, &g.shapes[i], &g.work[i], fb, cp);
                     (t * (1.0 / cp as f64), g.work[i])
+                }
+                // Under sequence parallelism a linear layer casts what its rank holds: a
+                // column-parallel layer's input before the all-gather, a row-parallel layer's
+                // output gradient before its all-gather (fp8 moves over the TP group in
+                // fp8), each the 1/tp of the tokens the graph's shard shows.
+                (OpKind::Linear(_), _) if sp && tp > 1 => {
+                    let shapes = &g.shapes[i];
+                    let input = shapes.first().map_or(0.0, |x| x.elems() as f64);
+                    let output = g.work[i].bytes_written.0 as f64 / fb as f64;
+                    let split = |elems: f64, width: Option<u64>| {
+                        if width == Some(hidden) {
+                            elems / f64::from(tp)
+                        } else {
+                            elems
+                        }
+                    };
+                    let output_width = n.outputs.first().map(|t| g.tensor(*t).shape.last());
+                    let local = dev.fp8_linear_casts(
+                        split(input, shapes.first().map(|x| x.last())),
+                        split(output, output_width),
+                    );
+                    let time = dev.op(&n.op, shapes, &g.work[i], fb)
+                        - dev.fp8_linear_casts(input, output)
+                        + local;
+                    (time, g.work[i])
                 }
                 _ => (dev.op(&n.op, &g.shapes[i], &g.work[i], fb), g.work[i]),
             };

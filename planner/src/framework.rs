@@ -12,6 +12,7 @@
 
 use crate::export::Engine;
 use crate::search::Space;
+use parallax_cost::compute::Fp8Scaling;
 use parallax_cost::transformer::{CrossEntropy, Runtime};
 use parallax_ir::{Offload, Recompute, Schedule};
 use std::fmt::Write as _;
@@ -250,6 +251,10 @@ const MEGATRON_2023: &[Feature] = &[
         what: "no TP communication overlap (Transformer Engine userbuffers, --tp-comm-overlap, opt-in)",
         source: "Jiang et al. 2024 (MegaScale) §6.1, the Megatron-LM baseline",
     },
+    Feature {
+        what: "fp8 with delayed scaling: casts fused into the norm, activation and bias-gradient kernels",
+        source: "Transformer Engine 1.x docs, recipe.DelayedScaling (the default recipe); LayerNormLinear / LayerNormMLP fp8 outputs",
+    },
 ];
 
 const MEGATRON_CORE_2024: &[Feature] = &[
@@ -269,9 +274,17 @@ const MEGATRON_CORE_2024: &[Feature] = &[
         what: "1F1B and interleaved schedules, equal stages; sequence parallelism; selective recompute",
         source: "Megatron-Core parallelism guide",
     },
+    Feature {
+        what: "fp8 with delayed scaling (--fp8-recipe delayed, the default), casts fused into the kernels that write the operands",
+        source: "Megatron-Core arguments (--fp8-recipe); Transformer Engine 1.x recipe.DelayedScaling; NeMo 24.07 fp8 recipes",
+    },
 ];
 
 const MEGATRON_CORE_2025: &[Feature] = &[
+    Feature {
+        what: "fp8 with per-tensor current scaling (Megatron-Bridge's fp8_cs recipes on Hopper): amax and cast passes of their own for every fp8 GEMM operand",
+        source: "Megatron-Bridge performance recipes (precision fp8_cs); Transformer Engine 2.x recipe.Float8CurrentScaling",
+    },
     Feature {
         what: "everything of megatron-core@2024, plus Megatron-FSDP (ZeRO-3 sharding of parameters, gradients and optimizer states)",
         source: "Megatron-Core 0.11+ release notes (--use-megatron-fsdp); Megatron-Bridge 25.x recipes",
@@ -382,6 +395,10 @@ const TORCHTITAN: &[Feature] = &[
     Feature {
         what: "FSDP2, PyTorch SDPA flash attention, no userbuffer TP overlap",
         source: "torchtitan docs and Liang et al. 2024 (torchtitan), §3",
+    },
+    Feature {
+        what: "float8 linears with tensorwise dynamic (current) scaling: each input and output gradient reduced for its amax, then cast, in passes of their own",
+        source: "torchao float8 README (Float8LinearConfig, tensorwise recipe); torchtitan float8 docs",
     },
     Feature {
         what: "op-level selective activation checkpointing that saves alternate matmul outputs",
@@ -526,6 +543,7 @@ fn megatron_2023() -> Parts {
         runtime: Runtime {
             // The flash-attn package's FlashAttention-2.
             fused_attention: true,
+            fp8_scaling: Fp8Scaling::Delayed,
             ..megatron_loss(pre_flash(false, true))
         },
         space: megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL, true),
@@ -534,7 +552,10 @@ fn megatron_2023() -> Parts {
 
 fn megatron_core_2024() -> Parts {
     Parts {
-        runtime: megatron_loss(Runtime::default()),
+        runtime: Runtime {
+            fp8_scaling: Fp8Scaling::Delayed,
+            ..megatron_loss(Runtime::default())
+        },
         space: megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL, true),
     }
 }
