@@ -434,6 +434,23 @@ impl<'a> DeviceModel<'a> {
         }
     }
 
+    /// Whether a linear layer pays casts of its own ([`DeviceModel::fp8_linear_casts`]): fp8
+    /// training under current scaling.
+    pub fn casts_linear_layers(&self) -> bool {
+        self.precision == Precision::Fp8 && self.fp8_scaling == Fp8Scaling::Current
+    }
+
+    /// The elements a linear layer of inputs `ins` and work `w` casts ([`fp8_linear_casts`]):
+    /// its input (forward) and its output, whose gradient backward casts.
+    ///
+    /// [`fp8_linear_casts`]: DeviceModel::fp8_linear_casts
+    pub fn linear_cast_elems(ins: &[Shape], w: &Work, float_bytes: u64) -> (f64, f64) {
+        (
+            ins.first().map_or(0.0, |x| x.elems() as f64),
+            w.bytes_written.0 as f64 / float_bytes.max(1) as f64,
+        )
+    }
+
     /// The fp8 casts around one linear layer of `input_elems` input and `output_elems` output
     /// elements ([`DeviceModel::fp8_cast`]): its input before the forward GEMM, its output
     /// gradient before the two backward GEMMs (cast and transposed once for both). Under
@@ -447,7 +464,7 @@ impl<'a> DeviceModel<'a> {
     /// speeds small and tensor-parallel layers least (torchtitan's June 2025 async-TP
     /// benchmark: 1.16× over bf16 for Llama 3 8B at tp 8, 1.36× for 70B).
     pub fn fp8_linear_casts(&self, input_elems: f64, output_elems: f64) -> OpTimes {
-        if self.fp8_scaling == Fp8Scaling::Delayed {
+        if !self.casts_linear_layers() {
             return OpTimes::default();
         }
         OpTimes {
@@ -1081,10 +1098,10 @@ impl<'a> DeviceModel<'a> {
                     _ => Seconds(0.0),
                 };
                 let casts = match op {
-                    OpKind::Linear(_) => self.fp8_linear_casts(
-                        ins.first().map_or(0.0, |x| x.elems() as f64),
-                        outs[0] / float_bytes.max(1) as f64,
-                    ),
+                    OpKind::Linear(_) => {
+                        let (input, output) = Self::linear_cast_elems(ins, w, float_bytes);
+                        self.fp8_linear_casts(input, output)
+                    }
                     _ => OpTimes::default(),
                 };
                 OpTimes {
@@ -1838,6 +1855,17 @@ mod tests {
     const QWEN3_MOE: (u64, u64, u64, u64, u64) = (4096, 2048, 8, 128, 768);
 
     /// The MoE op of [`QWEN3_MOE`], its input shapes and its 16-bit work.
+    /// A bias-free linear layer over `rows` tokens, `k` features in and `n` out, in 16 bits.
+    fn linear_layer(rows: u64, k: u64, n: u64) -> (OpKind, [Shape; 2], Work) {
+        let op = OpKind::Linear(parallax_ir::op::LinearAttrs {
+            out_features: n,
+            bias: false,
+        });
+        let ins = [Shape::new([rows, k]), Shape::new([k, n])];
+        let w = op.work(&ins, &[Shape::new([rows, n])], &[false, true], 2);
+        (op, ins, w)
+    }
+
     fn qwen3_moe_layer() -> (OpKind, [Shape; 5], Work) {
         moe_layer(QWEN3_MOE, 2)
     }
@@ -1903,7 +1931,6 @@ mod tests {
     /// gradient casts under current scaling, none under delayed scaling (fused upstream).
     #[test]
     fn moe_experts_cast_their_rows_under_fp8() {
-        use parallax_ir::op::LinearAttrs;
         let p = preset("dgx-h100-80gb").unwrap();
         let (bf16, fp8) = (
             DeviceModel::new(&p, Precision::Bf16).unwrap(),
@@ -1929,17 +1956,12 @@ mod tests {
         assert!(t.fwd.0 < fwd + 1e-4, "{t:?} vs {fwd}");
         let bwd = gemms(w.bwd_input_flops.0, outs[1]).0 + permute + bwd_casts.0;
         assert!(t.bwd_input.0 >= bwd, "{t:?} vs {bwd}");
-        // bf16 pays no cast; a dense fp8 linear layer none either.
+        // bf16 pays no cast; a dense fp8 linear layer its own two under current scaling.
         let plain = bf16.op(&op, &ins, &w, 2);
         let g16 =
             |flops: f64, out: f64| bf16.gemm_grouped(flops, (e * 3) as f64, traffic, 1.0, out);
         assert!(plain.fwd.0 < g16(w.fwd_flops.0, outs[0]).0 + permute + 1e-4);
-        let lin = OpKind::Linear(LinearAttrs {
-            out_features: h,
-            bias: false,
-        });
-        let lins = [Shape::new([rows, h]), Shape::new([h, h])];
-        let lw = lin.work(&lins, &[Shape::new([rows, h])], &[false, true], 2);
+        let (lin, lins, lw) = linear_layer(rows, h, h);
         let lt = fp8.op(&lin, &lins, &lw, 2);
         let delayed = fp8.with_fp8_scaling(Fp8Scaling::Delayed);
         let ld = delayed.op(&lin, &lins, &lw, 2);
@@ -1966,20 +1988,14 @@ mod tests {
     /// one's under a tenth; bf16 has none.
     #[test]
     fn fp8_casts_weigh_most_on_thin_layers() {
-        use parallax_ir::op::LinearAttrs;
         let p = preset("dgx-h100-80gb").unwrap();
         let fp8 = DeviceModel::new(&p, Precision::Fp8).unwrap();
         let bf16 = DeviceModel::new(&p, Precision::Bf16).unwrap();
         let share = |m: &DeviceModel, n: u64| {
-            let (rows, k) = (8192, n);
-            let lin = OpKind::Linear(LinearAttrs {
-                out_features: n,
-                bias: false,
-            });
-            let ins = [Shape::new([rows, k]), Shape::new([k, n])];
-            let w = lin.work(&ins, &[Shape::new([rows, n])], &[false, true], 2);
+            let rows = 8192;
+            let (lin, ins, w) = linear_layer(rows, n, n);
             let t = m.op(&lin, &ins, &w, 2);
-            let casts = m.fp8_linear_casts((rows * k) as f64, (rows * n) as f64);
+            let casts = m.fp8_linear_casts((rows * n) as f64, (rows * n) as f64);
             casts.total().0 / (t.total().0 - casts.total().0)
         };
         let (thin, wide) = (share(&fp8, 2048), share(&fp8, 16384));

@@ -1072,10 +1072,9 @@ impl NodePrices {
                 // column-parallel layer's input before the all-gather, a row-parallel layer's
                 // output gradient before its all-gather (fp8 moves over the TP group in
                 // fp8), each the 1/tp of the tokens the graph's shard shows.
-                (OpKind::Linear(_), _) if sp && tp > 1 => {
+                (OpKind::Linear(_), _) if sp && tp > 1 && dev.casts_linear_layers() => {
                     let shapes = &g.shapes[i];
-                    let input = shapes.first().map_or(0.0, |x| x.elems() as f64);
-                    let output = g.work[i].bytes_written.0 as f64 / fb as f64;
+                    let (input, output) = DeviceModel::linear_cast_elems(shapes, &g.work[i], fb);
                     let split = |elems: f64, width: Option<u64>| {
                         if width == Some(hidden) {
                             elems / f64::from(tp)
@@ -1507,6 +1506,22 @@ mod tests {
         }
     }
 
+    /// `setup` at 4096 tokens with routing balanced, as NVIDIA's MoE benchmarks run.
+    fn balanced_4k<'a>(m: &'a TransformerConfig, p: &'a ClusterProfile, gpus: u32) -> Setup<'a> {
+        Setup {
+            seq: 4096,
+            ..setup(
+                m,
+                p,
+                gpus,
+                Runtime {
+                    balanced_routing: true,
+                    ..Runtime::default()
+                },
+            )
+        }
+    }
+
     fn layout(tp: u32, sp: bool, recompute: Recompute) -> Layout {
         Layout {
             tp,
@@ -1756,18 +1771,7 @@ mod tests {
         // nothing to sort.
         let m = cfg("qwen3-30b-a3b");
         let p = preset("dgx-h100-80gb").unwrap();
-        let s = Setup {
-            seq: 4096,
-            ..setup(
-                &m,
-                &p,
-                16,
-                Runtime {
-                    balanced_routing: true,
-                    ..Runtime::default()
-                },
-            )
-        };
+        let s = balanced_4k(&m, &p, 16);
         let (a2a, deepep) = (
             moe_layer_at(&s, 8, Dispatcher::AllToAll),
             moe_layer_at(&s, 8, Dispatcher::DeepEp),
@@ -1800,18 +1804,7 @@ mod tests {
     fn dsv3_on_1024(etp: u32, recompute: Recompute, graphs: &SectionGraphs) -> TransformerCosts {
         let m = cfg("deepseek-v3");
         let p = preset("dgx-h100-80gb").unwrap();
-        let s = Setup {
-            seq: 4096,
-            ..setup(
-                &m,
-                &p,
-                1024,
-                Runtime {
-                    balanced_routing: true,
-                    ..Runtime::default()
-                },
-            )
-        };
+        let s = balanced_4k(&m, &p, 1024);
         let l = Layout {
             dp: 64,
             pp: 8,
@@ -1902,14 +1895,9 @@ mod tests {
         // (Balanced routing, as the recipe benchmarks it: the volumes are exact.)
         let m = cfg("qwen3-235b-a22b");
         let p = preset("dgx-h100-80gb").unwrap();
-        let balanced = Runtime {
-            balanced_routing: true,
-            ..Runtime::default()
-        };
         let s = Setup {
-            seq: 4096,
             precision: Precision::Bf16,
-            ..setup(&m, &p, 256, balanced)
+            ..balanced_4k(&m, &p, 256)
         };
         let at = |ep, etp| {
             let l = Layout {

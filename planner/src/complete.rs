@@ -75,17 +75,18 @@ pub fn complete_within(
     }
 }
 
-/// The layout [`complete_within`] chooses or, where no completion fits, the one that needs the
-/// least memory — a run that happened, or a layout a user asked to see, is predicted over
-/// memory rather than refused — and whether it fits.
+/// The layout [`complete_within`] chooses, with the prediction it chose it by, or, where no
+/// completion fits, the one that needs the least memory and no prediction (it fits nothing:
+/// a run that happened, or a layout a user asked to see, is predicted over memory rather than
+/// refused).
 pub fn complete_or_smallest(
     setup: &Setup,
     p: &PartialLayout,
     space: &Space,
-) -> Result<(Layout, bool), CompleteError> {
+) -> Result<(Layout, Option<StepPrediction>), CompleteError> {
     match complete_within(setup, p, space) {
-        Ok(done) => Ok((done.layout, true)),
-        Err(CompleteError::DoesNotFit { smallest, .. }) => Ok((*smallest, false)),
+        Ok(done) => Ok((done.layout, Some(done.prediction))),
+        Err(CompleteError::DoesNotFit { smallest, .. }) => Ok((*smallest, None)),
         Err(e) => Err(e),
     }
 }

@@ -991,18 +991,21 @@ pub(crate) fn complete_predicted(
     // The run happened, so it fit: where the memory model says no completion does, the one it
     // finds smallest is predicted anyway, and the overshoot shows as the memory error rather
     // than hiding the step time.
-    let (layout, fits) = complete_or_smallest(setup, partial, space).map_err(|e| e.to_string())?;
-    let p = parallax_sim::simulate_step(setup, &layout)
-        .map_err(|e| e.to_string())?
-        .prediction;
+    let (layout, chosen) =
+        complete_or_smallest(setup, partial, space).map_err(|e| e.to_string())?;
+    let (p, shown) = match chosen {
+        Some(p) => (p, layout_string(&layout)),
+        None => (
+            parallax_sim::simulate_step(setup, &layout)
+                .map_err(|e| e.to_string())?
+                .prediction,
+            format!("{} (over memory)", layout_string(&layout)),
+        ),
+    };
     Ok(Predicted {
         step_time_s: p.step_time_s,
         peak_memory_gib: p.peak_memory_gib,
-        layout: if fits {
-            layout_string(&layout)
-        } else {
-            format!("{} (over memory)", layout_string(&layout))
-        },
+        layout: shown,
     })
 }
 
