@@ -43,6 +43,23 @@ fn bad_plan_inputs_end_in_one_line_and_status_2() {
             vec!["--model", "resnet50", "--framework", "megatron-lm@2022"],
             "not a transformer",
         ),
+        (vec!["--fp8-recipe", "rowwise"], "add --precision fp8"),
+        (vec!["--fp8-recipe", "mxfp8"], "Blackwell"),
+        (
+            vec!["--async-tp", "--framework", "megatron-lm@2022"],
+            "--async-tp: megatron-lm@2022",
+        ),
+        (
+            vec![
+                "--precision",
+                "fp8",
+                "--fp8-recipe",
+                "rowwise",
+                "--framework",
+                "megatron-core",
+            ],
+            "does not run it (its recipes: delayed, tensorwise, blockwise)",
+        ),
     ] {
         // The small case with `extra` replacing its value of the same flag.
         let mut args: Vec<&str> = Vec::new();
@@ -167,6 +184,45 @@ fn the_framework_is_named_in_reports_and_export_implies_its_own() {
     );
     let doc = plan_json(&["--export", "deepspeed", "--framework", "deepspeed@0.19"]);
     assert_eq!(doc["framework"], "deepspeed@0.19");
+}
+
+/// `--fp8-recipe` and `--async-tp` reach the plan document and the export that runs it.
+#[test]
+fn fp8_recipe_and_async_tp_reach_the_plan_and_its_export() {
+    let doc = common::json_of(&plan(&[
+        "--model",
+        "llama3-8b",
+        "--cluster",
+        "dgx-h100-80gb:gpus=16",
+        "--global-batch",
+        "32",
+        "--seq",
+        "4096",
+        "--precision",
+        "fp8",
+        "--fp8-recipe",
+        "rowwise",
+        "--async-tp",
+        "--fix",
+        "tp=8",
+        "--export",
+        "torchtitan",
+        "--json",
+    ]));
+    let training = &doc["plan"]["training"];
+    assert_eq!(training["fp8_recipe"], "rowwise", "{training}");
+    assert_eq!(training["async_tp"], true, "{training}");
+    let text = doc["export"]["text"].as_str().unwrap();
+    let v: toml::Table = text.parse().unwrap();
+    assert_eq!(
+        v["parallelism"]["enable_async_tensor_parallel"].as_bool(),
+        Some(true)
+    );
+    assert_eq!(v["compile"]["enable"].as_bool(), Some(true));
+    let f = &v["quantize"]["linear"]["float8"];
+    assert_eq!(f["recipe_name"].as_str(), Some("rowwise"));
+    // torchao gathers float8 weights for the tensorwise recipe only.
+    assert_eq!(f["enable_fsdp_float8_all_gather"].as_bool(), Some(false));
 }
 
 #[test]

@@ -426,6 +426,8 @@ fn plan_document(
             global_batch: job.global_batch,
             seq_len: job.seq,
             precision: job.precision,
+            fp8_recipe: None,
+            async_tp: false,
         },
         layout: Layout {
             dp: job.cluster.gpus / pp,

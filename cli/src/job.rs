@@ -6,7 +6,7 @@ use clap::Args as ClapArgs;
 use parallax_cost::transformer::Setup;
 use parallax_hardware::Cluster;
 use parallax_ir::models::TransformerConfig;
-use parallax_ir::{load_model, Precision, MAX_GLOBAL_BATCH};
+use parallax_ir::{load_model, Fp8Recipe, Precision, MAX_GLOBAL_BATCH};
 use parallax_planner::Framework;
 
 /// The flags that name a training job.
@@ -36,6 +36,14 @@ pub struct JobArgs {
     /// overlap and options. Default: a current stack. Transformer models only.
     #[arg(long, value_name = "NAME@VERSION")]
     pub framework: Option<String>,
+    /// fp8 only: how the stack scales its casts, delayed, tensorwise, rowwise or blockwise
+    /// (Megatron's `--fp8-recipe`, torchao's recipe names). Default: the stack's own.
+    #[arg(long, value_name = "RECIPE")]
+    pub fp8_recipe: Option<Fp8Recipe>,
+    /// Micro-pipeline the tensor-parallel collectives with their matmuls (PyTorch's
+    /// asynchronous TP: torchtitan's `enable_async_tensor_parallel`).
+    #[arg(long)]
+    pub async_tp: bool,
 }
 
 /// How activations are laid out in memory (`--memory-format`).
@@ -90,6 +98,13 @@ impl JobArgs {
             Some(spec) => Framework::parse(spec).map_err(|e| user(format!("--framework: {e}")))?,
             None => Framework::current(),
         };
+        if self.fp8_recipe.is_some() && self.precision != Precision::Fp8 {
+            return Err(user(format!(
+                "--fp8-recipe: the job trains in {} (add --precision fp8)",
+                self.precision
+            )));
+        }
+        let framework = self.with_options(framework)?;
         Ok(match loaded.transformer().cloned() {
             Some(model) => Loaded::Transformer(Job {
                 name: loaded.name,
@@ -100,11 +115,18 @@ impl JobArgs {
                 precision: self.precision,
                 framework,
             }),
-            None if self.framework.is_some() => {
+            None if self.framework.is_some() || self.fp8_recipe.is_some() || self.async_tp => {
+                let flag = if self.framework.is_some() {
+                    "--framework"
+                } else if self.async_tp {
+                    "--async-tp"
+                } else {
+                    "--fp8-recipe"
+                };
                 return Err(user(format!(
-                    "--framework: {} is not a transformer; its per-op plans are costed op by op, not by a stack's transformer kernels",
+                    "{flag}: {} is not a transformer; its per-op plans are costed op by op, not by a stack's transformer kernels",
                     self.model
-                )))
+                )));
             }
             None => Loaded::Graph(GraphModel::new(
                 loaded,
@@ -115,6 +137,14 @@ impl JobArgs {
                 self.memory_format == MemoryFormat::Nchw,
             )?),
         })
+    }
+}
+
+impl JobArgs {
+    /// `fw` with the `--fp8-recipe` and `--async-tp` chosen, where it offers them.
+    pub fn with_options(&self, fw: Framework) -> anyhow::Result<Framework> {
+        fw.with_options(self.fp8_recipe, self.async_tp)
+            .map_err(|e| user(e.to_string()))
     }
 }
 

@@ -201,13 +201,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(e) = engine {
         let stack = Framework::for_engine(e);
         let same = |f: &Framework| f.runtime == stack.runtime && f.space == stack.space;
-        if a.job.framework.is_some() && !same(&job.framework) {
-            return Err(user(format!(
-                "--framework {}: --export {e} plans for {e}'s current stack ({}); leave --framework out",
-                job.framework.name, stack.name
-            )));
+        if let Some(spec) = &a.job.framework {
+            let named = Framework::parse(spec).map_err(|e| user(format!("--framework: {e}")))?;
+            if !same(&named) {
+                return Err(user(format!(
+                    "--framework {}: --export {e} plans for {e}'s current stack ({}); leave --framework out",
+                    named.name, stack.name
+                )));
+            }
         }
-        job.framework = stack;
+        job.framework = a.job.with_options(stack)?;
     }
     let mut setup = job.setup();
     setup.runtime.allow_tp_across_nodes = a.allow_tp_across_nodes;

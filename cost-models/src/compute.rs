@@ -3,9 +3,8 @@
 //! memory bandwidth for bandwidth-bound kernels, plus a launch overhead per kernel.
 
 use parallax_hardware::{ClusterProfile, DeviceSpec, HostTrainer, HwError};
-use parallax_ir::op::AttentionAttrs;
-use parallax_ir::{ComputeClass, OpKind, Precision, Seconds, Shape, Work};
-use serde::{Deserialize, Serialize};
+use parallax_ir::op::{AttentionAttrs, LinearAttrs};
+use parallax_ir::{ComputeClass, Fp8Recipe, OpKind, Precision, Seconds, Shape, Work};
 
 /// FlashAttention-2 reaches ~73 % of A100 peak forward and ~63 % backward while cuBLAS GEMMs of
 /// the same size reach ~87 % (Dao 2023, "FlashAttention-2", Fig. 4–6): the ratio of fused
@@ -208,6 +207,17 @@ fn eager_chain(op: &OpKind, ins: &[Shape], float_bytes: u64) -> Option<EagerChai
     }
 }
 
+/// What a linear layer casts to fp8, in 16-bit elements ([`DeviceModel::linear_cast_elems`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LinearCasts {
+    /// Its input (cast before the forward GEMM).
+    pub input: f64,
+    /// Its output, whose gradient is cast before the backward GEMMs.
+    pub output: f64,
+    /// Its weight.
+    pub weight: f64,
+}
+
 /// Forward, input-gradient and weight-gradient time of one op.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OpTimes {
@@ -264,23 +274,29 @@ pub const FP8_CAST_BYTES_PER_ELEM: f64 = 6.0;
 /// on the way (Transformer Engine's `cast_transpose`).
 pub const FP8_DELAYED_CAST_BYTES_PER_ELEM: f64 = 4.0;
 
-/// How fp8 training scales a tensor before casting it (the part of an fp8 recipe that sets what
-/// the casts cost; every recipe here scales per tensor and runs the GEMM at the fp8 rate).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Fp8Scaling {
-    /// The scale of the tensor as it is now: its absolute maximum is reduced in a pass of its
-    /// own before the cast, so no cast can fuse into the kernel that wrote the tensor
-    /// (Transformer Engine's `Float8CurrentScaling`, Megatron-Bridge's `fp8_cs`; torchao's
-    /// `tensorwise` dynamic scaling, torchtitan's float8).
-    #[default]
-    Current,
-    /// A scale from the amax history of earlier steps (Transformer Engine's `DelayedScaling`,
-    /// its default through 1.x; NeMo and Megatron-Core until 2025): known before the tensor
-    /// exists, so the norm or activation that writes a linear layer's input writes it in fp8
-    /// and the output gradients are cast with their transpose in one pass.
-    Delayed,
-}
+/// Bytes a rowwise cast moves per element, in two kernels (torchao's roofline,
+/// `torchao/testing/training/roofline_utils.py`): the first reads the tensor (2), writes it in
+/// fp8 scaled along its rows (1) and a 16-bit transpose (2); the second casts the transpose
+/// along the other axis (2 + 1), for the GEMM that reduces over the rows.
+pub const FP8_ROWWISE_CAST_BYTES_PER_ELEM: f64 = 8.0;
+
+/// Bytes a blockwise cast moves per element: each 1 × 128 tile's amax is local to the tile, so
+/// one kernel reads the tensor (2) and writes it quantized along both axes (1 + 1; the scales,
+/// one per 128 elements, are negligible): Transformer Engine's `Float8BlockQuantizer` with
+/// row- and column-wise usage.
+pub const FP8_BLOCKWISE_CAST_BYTES_PER_ELEM: f64 = 4.0;
+
+/// Bytes per weight element torchao's rowwise recipe moves to cast a linear layer's weight
+/// every forward (2 + 1) and backward (a 16-bit transpose, 2 + 2, then its cast, 2 + 1): the
+/// weights are gathered in 16 bits and cast after (torchao's roofline, "rowwise" weight).
+const ROWWISE_WEIGHT_BYTES: (f64, f64) = (3.0, 7.0);
+
+/// Bytes per output element of the pass that rescales a backward GEMM under torchao's rowwise
+/// recipe: its backward GEMMs accumulate in full precision, which the rowwise CUTLASS kernel
+/// runs too slowly, so torchao runs cuBLAS's per-tensor kernel at unit scales and multiplies
+/// the output by the row and column scales in a kernel of its own (`addmm_float8_unwrapped`,
+/// pytorch/ao#2184: "at least one extra triton kernel per GEMM"), reading and writing it (2 + 2).
+const ROWWISE_RESCALE_BYTES: f64 = 4.0;
 
 /// Compute cost model of one device at one training precision.
 #[derive(Clone, Copy, Debug)]
@@ -305,8 +321,8 @@ pub struct DeviceModel<'a> {
     /// The stack runs the chip's own fused attention kernels: see
     /// [`DeviceModel::with_native_attention`].
     native_attention: bool,
-    /// How fp8 casts are scaled: see [`DeviceModel::with_fp8_scaling`].
-    fp8_scaling: Fp8Scaling,
+    /// How fp8 casts are scaled: see [`DeviceModel::with_fp8_recipe`].
+    fp8_recipe: Fp8Recipe,
 }
 
 impl<'a> DeviceModel<'a> {
@@ -327,7 +343,7 @@ impl<'a> DeviceModel<'a> {
             host_convolutions: false,
             trainer: HostTrainer::Transformer,
             native_attention: false,
-            fp8_scaling: Fp8Scaling::Current,
+            fp8_recipe: Fp8Recipe::Tensorwise,
         })
     }
 
@@ -370,11 +386,15 @@ impl<'a> DeviceModel<'a> {
         self
     }
 
-    /// The fp8 scaling the stack casts with ([`Fp8Scaling`]; nothing changes at other
+    /// The fp8 recipe the stack casts with ([`Fp8Recipe`]; nothing changes at other
     /// precisions): what each cast of an fp8 GEMM's operands moves, and whether a linear
-    /// layer's casts are passes of their own ([`DeviceModel::fp8_linear_casts`]).
-    pub fn with_fp8_scaling(mut self, scaling: Fp8Scaling) -> Self {
-        self.fp8_scaling = scaling;
+    /// layer's casts are passes of their own ([`DeviceModel::fp8_linear_casts`]). Every recipe
+    /// runs its GEMMs at the fp8 rate: torchao's rowwise CUTLASS kernel is within 90–100 % of
+    /// cuBLAS's per-tensor one on most shapes (pytorch/pytorch#147971), and cuBLAS 12.9's
+    /// blockwise GEMMs match DeepGEMM's (TransformerEngine#1509), 1.40–1.50 PFLOP/s on an H800
+    /// (DeepGEMM#73), the per-tensor kernel's rate.
+    pub fn with_fp8_recipe(mut self, recipe: Fp8Recipe) -> Self {
+        self.fp8_recipe = recipe;
         self
     }
 
@@ -411,67 +431,94 @@ impl<'a> DeviceModel<'a> {
         self.dev.kernel_overhead() * kernels
     }
 
-    /// Casting `elems` 16-bit elements to fp8 in a pass of their own before a GEMM under fp8
-    /// training (nothing at other precisions). It writes the tensor twice, as is and
-    /// transposed, since Hopper's fp8 GEMMs take only the "TN" layout and the weight-gradient
-    /// GEMM needs the transpose. Under current scaling (Transformer Engine's
-    /// `Float8CurrentScaling`, Megatron-Bridge's `fp8_cs`, torchao's tensorwise scaling) the
-    /// tensor's absolute maximum is reduced first (a read): 2 + 2 + 1 + 1 bytes an element,
-    /// two kernels; under delayed scaling one kernel casts with the historical scale, 2 + 1 + 1
-    /// ([`Fp8Scaling`]). An MoE layer's grouped GEMMs pay it for their inputs and output
-    /// gradients (see the MoE arm of [`DeviceModel::op`]), a linear layer as
-    /// [`DeviceModel::fp8_linear_casts`] says. Weights are cast once a step (left out:
-    /// amortised over the step's micro-batches).
+    /// Casting `elems` 16-bit elements to fp8 before a GEMM under fp8 training (nothing at
+    /// other precisions), with the transposed copy the weight-gradient GEMM needs (Hopper's
+    /// fp8 GEMMs take only the "TN" layout), as the recipe does it: per tensor, its absolute
+    /// maximum reduced first, 2 + 2 + 1 + 1 bytes an element in two kernels
+    /// ([`FP8_CAST_BYTES_PER_ELEM`]); delayed, one kernel with the historical scale
+    /// ([`FP8_DELAYED_CAST_BYTES_PER_ELEM`]); rowwise, along each axis in two kernels
+    /// ([`FP8_ROWWISE_CAST_BYTES_PER_ELEM`]); blockwise, both axes in one kernel
+    /// ([`FP8_BLOCKWISE_CAST_BYTES_PER_ELEM`]). An MoE layer's grouped GEMMs pay it for their
+    /// inputs and output gradients (see the MoE arm of [`DeviceModel::op`]), a linear layer as
+    /// [`DeviceModel::fp8_linear_casts`] says. Weights are cast once a step by Transformer
+    /// Engine (its fp8 weight cache) and by torchao before FSDP gathers them (on the shard):
+    /// left out, but for the rowwise recipe's ([`DeviceModel::fp8_linear_casts`]).
     fn fp8_cast(&self, elems: f64) -> Seconds {
         if self.precision != Precision::Fp8 || elems <= 0.0 {
             return Seconds(0.0);
         }
-        match self.fp8_scaling {
-            Fp8Scaling::Current => {
-                self.memory(FP8_CAST_BYTES_PER_ELEM * elems) + self.overhead(1.0)
-            }
-            Fp8Scaling::Delayed => self.memory(FP8_DELAYED_CAST_BYTES_PER_ELEM * elems),
-        }
+        let (bytes, kernels) = match self.fp8_recipe {
+            Fp8Recipe::Tensorwise => (FP8_CAST_BYTES_PER_ELEM, 2.0),
+            Fp8Recipe::Delayed => (FP8_DELAYED_CAST_BYTES_PER_ELEM, 1.0),
+            Fp8Recipe::Rowwise => (FP8_ROWWISE_CAST_BYTES_PER_ELEM, 2.0),
+            Fp8Recipe::Blockwise => (FP8_BLOCKWISE_CAST_BYTES_PER_ELEM, 1.0),
+        };
+        // `memory` pays one launch.
+        self.memory(bytes * elems) + self.overhead(kernels - 1.0)
     }
 
     /// Whether a linear layer pays casts of its own ([`DeviceModel::fp8_linear_casts`]): fp8
-    /// training under current scaling.
+    /// training under any recipe but delayed scaling.
     pub fn casts_linear_layers(&self) -> bool {
-        self.precision == Precision::Fp8 && self.fp8_scaling == Fp8Scaling::Current
+        self.precision == Precision::Fp8 && self.fp8_recipe != Fp8Recipe::Delayed
     }
 
-    /// The elements a linear layer of inputs `ins` and work `w` casts ([`fp8_linear_casts`]):
-    /// its input (forward) and its output, whose gradient backward casts.
+    /// The recipe the model casts with.
+    pub fn fp8_recipe(&self) -> Fp8Recipe {
+        self.fp8_recipe
+    }
+
+    /// The elements a linear layer of inputs `ins`, attributes `attrs` and work `w` casts
+    /// ([`fp8_linear_casts`]): its input (forward), its output, whose gradient backward casts,
+    /// and its weight.
     ///
     /// [`fp8_linear_casts`]: DeviceModel::fp8_linear_casts
-    pub fn linear_cast_elems(ins: &[Shape], w: &Work, float_bytes: u64) -> (f64, f64) {
-        (
-            ins.first().map_or(0.0, |x| x.elems() as f64),
-            w.bytes_written.0 as f64 / float_bytes.max(1) as f64,
-        )
+    pub fn linear_cast_elems(
+        ins: &[Shape],
+        attrs: &LinearAttrs,
+        w: &Work,
+        float_bytes: u64,
+    ) -> LinearCasts {
+        let input = ins.first();
+        LinearCasts {
+            input: input.map_or(0.0, |x| x.elems() as f64),
+            output: w.bytes_written.0 as f64 / float_bytes.max(1) as f64,
+            weight: input.map_or(0.0, |x| (x.last() * attrs.out_features) as f64),
+        }
     }
 
-    /// The fp8 casts around one linear layer of `input_elems` input and `output_elems` output
-    /// elements ([`DeviceModel::fp8_cast`]): its input before the forward GEMM, its output
-    /// gradient before the two backward GEMMs (cast and transposed once for both). Under
-    /// current scaling each is a pass of its own: the scale needs the whole tensor's maximum,
-    /// so the cast cannot fuse into the norm, activation or GEMM that wrote it. Under delayed
-    /// scaling they fuse (Transformer Engine's `LayerNormLinear` / `LayerNormMLP` write fp8
-    /// from the norm and the activation, `cast_transpose_dbias` casts the gradient in the
-    /// bias-gradient reduction): nothing of their own. Their cost relative to the GEMMs is
+    /// The fp8 casts around one linear layer ([`DeviceModel::fp8_cast`]): its input before the
+    /// forward GEMM, its output gradient before the two backward GEMMs (cast and transposed
+    /// once for both). Under current (per-tensor), rowwise and blockwise scaling each is a pass
+    /// of its own: the scale needs the tensor's (or row's, or tile's) maximum, so the cast
+    /// cannot fuse into the norm, activation or GEMM that wrote it. Under delayed scaling they
+    /// fuse (Transformer Engine's `LayerNormLinear` / `LayerNormMLP` write fp8 from the norm
+    /// and the activation, `cast_transpose_dbias` casts the gradient in the bias-gradient
+    /// reduction): nothing of their own. Their cost relative to the GEMMs is
     /// `bytes · rate / (2 · N · bandwidth)` for a layer N wide (N in and out): a third or more
-    /// of the fp8 GEMMs' time at N = 2k on an H100, under a tenth at 16k, which is why fp8
-    /// speeds small and tensor-parallel layers least (torchtitan's June 2025 async-TP
-    /// benchmark: 1.16× over bf16 for Llama 3 8B at tp 8, 1.36× for 70B).
-    pub fn fp8_linear_casts(&self, input_elems: f64, output_elems: f64) -> OpTimes {
+    /// of the fp8 GEMMs' time at N = 2k on an H100 per tensor, under a tenth at 16k, which is
+    /// why fp8 speeds small and tensor-parallel layers least (torchtitan's June 2025 async-TP
+    /// benchmark: 1.16× over bf16 for Llama 3 8B at tp 8, 1.36× for 70B). torchao's rowwise
+    /// recipe also casts the weight every pass (gathered in 16 bits: [`ROWWISE_WEIGHT_BYTES`])
+    /// and rescales both backward GEMMs' outputs ([`ROWWISE_RESCALE_BYTES`]).
+    pub fn fp8_linear_casts(&self, c: LinearCasts) -> OpTimes {
         if !self.casts_linear_layers() {
             return OpTimes::default();
         }
-        OpTimes {
-            fwd: self.fp8_cast(input_elems),
-            bwd_input: self.fp8_cast(output_elems),
+        let mut t = OpTimes {
+            fwd: self.fp8_cast(c.input),
+            bwd_input: self.fp8_cast(c.output),
             bwd_weight: Seconds(0.0),
+        };
+        if self.fp8_recipe == Fp8Recipe::Rowwise {
+            let (w_fwd, w_bwd) = ROWWISE_WEIGHT_BYTES;
+            t.fwd += self.memory(w_fwd * c.weight);
+            t.bwd_input += self.memory(w_bwd * c.weight)
+                + self.overhead(1.0)
+                + self.memory(ROWWISE_RESCALE_BYTES * c.input);
+            t.bwd_weight += self.memory(ROWWISE_RESCALE_BYTES * c.weight);
         }
+        t
     }
 
     /// Time of one GEMM of `flops` FLOPs (launch included).
@@ -1098,9 +1145,8 @@ impl<'a> DeviceModel<'a> {
                     _ => Seconds(0.0),
                 };
                 let casts = match op {
-                    OpKind::Linear(_) => {
-                        let (input, output) = Self::linear_cast_elems(ins, w, float_bytes);
-                        self.fp8_linear_casts(input, output)
+                    OpKind::Linear(attrs) => {
+                        self.fp8_linear_casts(Self::linear_cast_elems(ins, attrs, w, float_bytes))
                     }
                     _ => OpTimes::default(),
                 };
@@ -1963,7 +2009,7 @@ mod tests {
         assert!(plain.fwd.0 < g16(w.fwd_flops.0, outs[0]).0 + permute + 1e-4);
         let (lin, lins, lw) = linear_layer(rows, h, h);
         let lt = fp8.op(&lin, &lins, &lw, 2);
-        let delayed = fp8.with_fp8_scaling(Fp8Scaling::Delayed);
+        let delayed = fp8.with_fp8_recipe(Fp8Recipe::Delayed);
         let ld = delayed.op(&lin, &lins, &lw, 2);
         let lb = DeviceModel::pass_outputs(&lins, &lw, 2);
         let gemm = fp8.gemm_tiled(lw.fwd_flops.0, lw.traffic().0 as f64, 1.0, lb[0]);
@@ -1995,7 +2041,11 @@ mod tests {
             let rows = 8192;
             let (lin, ins, w) = linear_layer(rows, n, n);
             let t = m.op(&lin, &ins, &w, 2);
-            let casts = m.fp8_linear_casts((rows * n) as f64, (rows * n) as f64);
+            let casts = m.fp8_linear_casts(LinearCasts {
+                input: (rows * n) as f64,
+                output: (rows * n) as f64,
+                weight: (n * n) as f64,
+            });
             casts.total().0 / (t.total().0 - casts.total().0)
         };
         let (thin, wide) = (share(&fp8, 2048), share(&fp8, 16384));
@@ -2004,6 +2054,45 @@ mod tests {
             "{thin} {wide}"
         );
         assert_eq!(share(&bf16, 2048), 0.0);
+    }
+
+    /// The recipes by what their casts move, on one 8k-wide linear layer of 16k rows: delayed
+    /// scaling none of its own, blockwise one 4-byte pass each way, per tensor 6 bytes in two
+    /// kernels, rowwise 8 plus its weight casts and the rescale of both backward GEMMs, which
+    /// is why torchao's rowwise recipe gains least over bf16 (Llama 3 8B on 8 H100s: 1.10×
+    /// against tensorwise's 1.25×, the torchao training benchmarks).
+    #[test]
+    fn fp8_recipes_order_by_what_their_casts_move() {
+        let p = preset("dgx-h100-80gb").unwrap();
+        let fp8 = DeviceModel::new(&p, Precision::Fp8).unwrap();
+        let (rows, n) = (16384, 8192);
+        let (lin, ins, w) = linear_layer(rows, n, n);
+        let casts = |r: Fp8Recipe| {
+            let m = fp8.with_fp8_recipe(r);
+            let OpKind::Linear(attrs) = &lin else {
+                unreachable!()
+            };
+            let c = m.fp8_linear_casts(DeviceModel::linear_cast_elems(&ins, attrs, &w, 2));
+            (c, m.op(&lin, &ins, &w, 2).total().0)
+        };
+        let (delayed, t_delayed) = casts(Fp8Recipe::Delayed);
+        let (block, t_block) = casts(Fp8Recipe::Blockwise);
+        let (tensor, t_tensor) = casts(Fp8Recipe::Tensorwise);
+        let (row, t_row) = casts(Fp8Recipe::Rowwise);
+        assert_eq!(delayed.total().0, 0.0);
+        let elems = (rows * n) as f64;
+        let pass = |bytes: f64| fp8.memory(bytes * elems).0;
+        assert!((block.fwd.0 - pass(4.0)).abs() < 1e-9, "{block:?}");
+        assert!(tensor.fwd.0 > pass(6.0) && tensor.fwd.0 < pass(6.0) + 1e-5);
+        assert!(row.bwd_weight.0 > 0.0 && block.bwd_weight.0 == 0.0);
+        assert!(t_delayed < t_block && t_block < t_tensor && t_tensor < t_row);
+        // The GEMMs are the same: the op's time differs by its casts alone.
+        assert!((t_row - t_delayed - row.total().0).abs() < 1e-9);
+        // bf16 casts nothing, whatever the recipe.
+        let bf16 = DeviceModel::new(&p, Precision::Bf16)
+            .unwrap()
+            .with_fp8_recipe(Fp8Recipe::Rowwise);
+        assert!(!bf16.casts_linear_layers());
     }
 
     /// Eager module code, by hand: the attention core copies q, k, v and the context each

@@ -8,7 +8,7 @@
 //! sequence parallelism and recomputation — is modelled here.
 
 use crate::comm::{exposed, Collective, Group, Network};
-use crate::compute::{DeviceModel, Fp8Scaling, OpTimes};
+use crate::compute::{DeviceModel, LinearCasts, OpTimes};
 use parallax_hardware::ClusterProfile;
 use parallax_ir::models::{
     BuildOptions, LayerKind, LayerStack, MoeConfig, Section, TransformerConfig,
@@ -16,7 +16,7 @@ use parallax_ir::models::{
 use parallax_ir::op::OpKind;
 pub use parallax_ir::RecomputeModules;
 use parallax_ir::{
-    Bytes, ComputeClass, Dispatcher, Graph, Layout, Precision, Recompute, Seconds, Shape,
+    Bytes, ComputeClass, Dispatcher, Fp8Recipe, Graph, Layout, Precision, Recompute, Seconds, Shape,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -111,10 +111,8 @@ pub struct Runtime {
     /// Data-parallel gradient reduction overlapped with the last micro-batch's backward, and the
     /// distributed optimizer's parameter gather with the next step's first forward.
     pub overlap_grad_reduce: bool,
-    /// Tensor-parallel all-gathers and reduce-scatters pipelined with the GEMMs next to them
-    /// (Transformer Engine userbuffers, `--tp-comm-overlap`): only what a GEMM cannot hide
-    /// stays exposed.
-    pub tp_comm_overlap: bool,
+    /// How tensor-parallel all-gathers and reduce-scatters overlap the GEMMs next to them.
+    pub tp_overlap: TpOverlap,
     /// Pipeline sends overlap compute; without it (Megatron-LM before 2023) the sender's
     /// stream waits for each transfer.
     pub overlap_p2p: bool,
@@ -165,10 +163,34 @@ pub struct Runtime {
     /// ([`busiest_rank_load`]).
     #[serde(default)]
     pub balanced_routing: bool,
-    /// How fp8 training scales its casts ([`Fp8Scaling`]): current (the default of today's
-    /// recipes) or delayed.
+    /// How fp8 training scales its casts ([`Fp8Recipe`]): per tensor from the current amax
+    /// (the default of today's recipes), delayed, rowwise or blockwise.
     #[serde(default)]
-    pub fp8_scaling: Fp8Scaling,
+    pub fp8_recipe: Fp8Recipe,
+}
+
+/// How a stack overlaps the tensor-parallel collectives of sequence parallelism (the
+/// all-gather into a block's column-parallel linear layers, the reduce-scatter out of its
+/// row-parallel one, and their mirrors in backward) with the GEMMs beside them. Without
+/// sequence parallelism the all-reduces wait under all three.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TpOverlap {
+    /// Every collective waits for the kernel before it and holds up the one after.
+    None,
+    /// Transformer Engine's userbuffers (`--tp-comm-overlap`): each collective is a ring
+    /// exchange pipelined with the GEMM it feeds or drains, in forward and backward; only
+    /// what a block's GEMMs cannot hide stays exposed.
+    #[default]
+    Userbuffers,
+    /// PyTorch's asynchronous tensor parallelism (torchtitan's
+    /// `enable_async_tensor_parallel`, under `torch.compile`): inductor's micro-pipeline pass
+    /// (`torch/_inductor/fx_passes/micro_pipeline_tp.py`) fuses an all-gather with the
+    /// matmuls that read the gathered tensor, and a matmul with the reduce-scatter of its
+    /// own output, into symmetric-memory kernels that split the matmul into tp row blocks
+    /// and move each block with copy engines while the next one computes. What it cannot
+    /// fuse waits as before: [`async_tp_exposed`] says which.
+    MicroPipelined,
 }
 
 /// The expected load of the busiest of `ranks` expert-parallel ranks, relative to the mean,
@@ -225,7 +247,7 @@ impl Default for Runtime {
             // FlashAttention-2-class kernels unless a stack is known to run the chip's own.
             native_attention: false,
             overlap_grad_reduce: true,
-            tp_comm_overlap: true,
+            tp_overlap: TpOverlap::Userbuffers,
             overlap_p2p: true,
             grad_reduce_fp32: true,
             master_grads_fp32: false,
@@ -238,7 +260,7 @@ impl Default for Runtime {
             cross_entropy: CrossEntropy::Upcast,
             eager_kernels: false,
             balanced_routing: false,
-            fp8_scaling: Fp8Scaling::Current,
+            fp8_recipe: Fp8Recipe::Tensorwise,
         }
     }
 }
@@ -769,6 +791,64 @@ impl SectionGraphs {
     }
 }
 
+/// One layer's sequence-parallel collectives and the GEMMs beside them, for
+/// [`async_tp_exposed`].
+struct AsyncTp {
+    /// An all-gather of a block input (or, in backward, of a row-parallel output gradient).
+    gather: Seconds,
+    /// A reduce-scatter of a row-parallel output (or a column-parallel input gradient).
+    scatter: Seconds,
+    /// The kernel that sums the tp partial blocks a fused reduce-scatter received.
+    reduce: Seconds,
+    /// All-gather / reduce-scatter pairs per layer (attention and MLP).
+    regions: f64,
+    tp: u32,
+    /// The gathered tensor is what the matmuls read: not under torchao's rowwise fp8, whose
+    /// tensor-parallel gathers are 16-bit and cast after ([`Fp8Recipe::gathers_fp8`]).
+    gathers_into_matmuls: bool,
+    /// The layer's column- and row-parallel linear layers.
+    column: OpTimes,
+    row: OpTimes,
+}
+
+/// Forward and backward tensor-parallel time one layer leaves exposed under PyTorch's
+/// asynchronous TP ([`TpOverlap::MicroPipelined`]), by what inductor's micro-pipeline pass
+/// fuses (`torch/_inductor/fx_passes/micro_pipeline_tp.py`, the symmetric-memory ops of
+/// `torch/distributed/_symmetric_memory`):
+/// - an all-gather whose result the matmuls read (forward into the column-parallel layers;
+///   backward the row-parallel layers' output gradient into their input-gradient matmul):
+///   the rank's own block computes first while the others arrive, so the gather hides behind
+///   `(tp − 1)/tp` of those matmuls. Under rowwise fp8 the gathered tensor is cast before any
+///   matmul reads it: no fusion, the gather waits.
+/// - a matmul whose only user is a reduce-scatter (forward, out of the row-parallel layers):
+///   its row blocks go to their ranks as they finish, so all but the last block's transfer
+///   hides behind the matmul, and a kernel of its own then sums the tp blocks received.
+/// - the backward reduce-scatter of a block input's gradient is not fused: the input feeds
+///   several matmuls (torchtitan's separate `wq`, `wk`, `wv` and `w1`, `w3`), so its
+///   gradient is their sum, not one matmul's output (the pass needs the reduce-scatter's
+///   input to be a matmul with no other user).
+///
+/// The copies run on copy engines, so the matmuls keep their SMs. The row blocks are GEMMs
+/// of `1/tp` the rows; at the sizes tensor parallelism is used for (a block of 8k tokens
+/// or more) they run at the full GEMM's rate, which this keeps.
+fn async_tp_exposed(a: &AsyncTp) -> (Seconds, Seconds) {
+    let r = a.regions;
+    let ahead = (f64::from(a.tp) - 1.0) / f64::from(a.tp);
+    let hidden_gather = |behind: Seconds| {
+        if a.gathers_into_matmuls {
+            Seconds((a.gather.0 * r - behind.0 * ahead).max(0.0))
+        } else {
+            a.gather * r
+        }
+    };
+    let last_block = a.scatter * (1.0 / (f64::from(a.tp) - 1.0).max(1.0));
+    let fwd = hidden_gather(a.column.fwd)
+        + Seconds((a.scatter.0 * r - a.row.fwd.0).max(0.0))
+        + (last_block + a.reduce) * r;
+    let bwd = hidden_gather(a.row.bwd_input) + a.scatter * r;
+    (fwd, bwd)
+}
+
 /// Prices one layer, the embeddings and the head under `l`.
 pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infeasible> {
     transformer_costs_with(s, l, &SectionGraphs::default())
@@ -785,7 +865,7 @@ pub fn transformer_costs_with(
     let dev = DeviceModel::new(s.profile, s.precision)
         .map_err(|e| Infeasible::Unsupported(e.to_string()))?
         .with_eager(s.runtime.eager_kernels)
-        .with_fp8_scaling(s.runtime.fp8_scaling)
+        .with_fp8_recipe(s.runtime.fp8_recipe)
         .with_native_attention(s.runtime.native_attention);
     let net = Network::new(s.profile);
     let gpn = s.profile.node.gpus_per_node;
@@ -822,7 +902,7 @@ pub fn transformer_costs_with(
     // cast to 8 bits: Transformer Engine's layer-norm output and gradient gathers and torchao's
     // `Float8ColwiseParallel` / `Float8RowwiseParallel` cast before they all-gather; the
     // reduce-scatters of GEMM outputs stay 16-bit.
-    let gathered = if s.precision == Precision::Fp8 {
+    let gathered = if s.precision == Precision::Fp8 && s.runtime.fp8_recipe.gathers_fp8() {
         Bytes(act.0 / fb)
     } else {
         act
@@ -853,22 +933,40 @@ pub fn transformer_costs_with(
             } else {
                 0.0
             };
-        let tp_layer = if s.runtime.tp_comm_overlap && l.tp > 1 && sp {
-            // Each collective hides behind the GEMM it is pipelined with: the four linear layers
-            // of a block share the forward (and, mirrored, the backward) collectives. Only the
-            // all-gather / reduce-scatter pairs of sequence parallelism are pipelined this way
-            // (Megatron asserts sequence parallelism for `--tp-comm-overlap`); all-reduces wait.
-            let gemm_fwd = block_prices
-                .time(block, |op| matches!(op, OpKind::Linear(_)))
-                .fwd;
-            // Transformer Engine's ring exchange moves data with copy engines (userbuffers), not
-            // NCCL kernels, so the GEMMs it hides behind keep their SMs: no interference term.
-            Seconds((tp_one.0 * tp_regions - gemm_fwd.0).max(0.0))
-        } else {
-            tp_one * tp_regions
+        let (tp_fwd, tp_bwd) = match s.runtime.tp_overlap {
+            TpOverlap::Userbuffers if l.tp > 1 && sp => {
+                // Each collective hides behind the GEMM it is pipelined with: the four linear
+                // layers of a block share the forward (and, mirrored, the backward)
+                // collectives. Only the all-gather / reduce-scatter pairs of sequence
+                // parallelism are pipelined this way (Megatron asserts sequence parallelism
+                // for `--tp-comm-overlap`); all-reduces wait.
+                let gemm_fwd = block_prices
+                    .time(block, |op| matches!(op, OpKind::Linear(_)))
+                    .fwd;
+                // Transformer Engine's ring exchange moves data with copy engines
+                // (userbuffers), not NCCL kernels, so the GEMMs it hides behind keep their
+                // SMs: no interference term.
+                let t = Seconds((tp_one.0 * tp_regions - gemm_fwd.0).max(0.0));
+                (t, t)
+            }
+            TpOverlap::MicroPipelined if l.tp > 1 && sp => {
+                let (column, row) = block_prices.tp_linears(block, hidden);
+                async_tp_exposed(&AsyncTp {
+                    gather: net.collective(Collective::AllGather, gathered, tp_group),
+                    scatter: net.collective(Collective::ReduceScatter, act, tp_group),
+                    reduce: dev.memory(act.0 as f64 * (1.0 + 1.0 / tp as f64)),
+                    regions: tp_regions,
+                    tp: l.tp,
+                    gathers_into_matmuls: s.precision != Precision::Fp8
+                        || s.runtime.fp8_recipe.gathers_fp8(),
+                    column,
+                    row,
+                })
+            }
+            _ => (tp_one * tp_regions, tp_one * tp_regions),
         };
-        layer.tp_fwd = tp_layer;
-        layer.tp_bwd = tp_layer;
+        layer.tp_fwd = tp_fwd;
+        layer.tp_bwd = tp_bwd;
         // Context parallelism: a ring passes K and V (cp − 1) times in forward, and K, V and their
         // gradients in backward; each step overlaps the attention of the previous block.
         if l.cp > 1 && kind.has_attention() {
@@ -933,7 +1031,7 @@ pub fn transformer_costs_with(
             Recompute::Full => {
                 layer.recompute = layer.compute.fwd;
                 // The recomputed forward repeats its collectives (and an MoE layer its dispatch).
-                layer.tp_bwd += tp_layer;
+                layer.tp_bwd += layer.tp_fwd;
                 layer.ep_bwd += layer.ep_fwd;
                 layer.working = layer.saved;
                 layer.saved = Bytes(layer_input);
@@ -1071,10 +1169,16 @@ impl NodePrices {
                 // Under sequence parallelism a linear layer casts what its rank holds: a
                 // column-parallel layer's input before the all-gather, a row-parallel layer's
                 // output gradient before its all-gather (fp8 moves over the TP group in
-                // fp8), each the 1/tp of the tokens the graph's shard shows.
-                (OpKind::Linear(_), _) if sp && tp > 1 && dev.casts_linear_layers() => {
+                // fp8), each the 1/tp of the tokens the graph's shard shows. Where the
+                // recipe gathers 16 bits (rowwise), each rank casts the gathered whole.
+                (OpKind::Linear(attrs), _)
+                    if sp
+                        && tp > 1
+                        && dev.casts_linear_layers()
+                        && dev.fp8_recipe().gathers_fp8() =>
+                {
                     let shapes = &g.shapes[i];
-                    let (input, output) = DeviceModel::linear_cast_elems(shapes, &g.work[i], fb);
+                    let whole = DeviceModel::linear_cast_elems(shapes, attrs, &g.work[i], fb);
                     let split = |elems: f64, width: Option<u64>| {
                         if width == Some(hidden) {
                             elems / f64::from(tp)
@@ -1083,13 +1187,13 @@ impl NodePrices {
                         }
                     };
                     let output_width = n.outputs.first().map(|t| g.tensor(*t).shape.last());
-                    let local = dev.fp8_linear_casts(
-                        split(input, shapes.first().map(|x| x.last())),
-                        split(output, output_width),
-                    );
-                    let time = dev.op(&n.op, shapes, &g.work[i], fb)
-                        - dev.fp8_linear_casts(input, output)
-                        + local;
+                    let local = dev.fp8_linear_casts(LinearCasts {
+                        input: split(whole.input, shapes.first().map(|x| x.last())),
+                        output: split(whole.output, output_width),
+                        weight: whole.weight,
+                    });
+                    let time =
+                        dev.op(&n.op, shapes, &g.work[i], fb) - dev.fp8_linear_casts(whole) + local;
                     (time, g.work[i])
                 }
                 _ => (dev.op(&n.op, &g.shapes[i], &g.work[i], fb), g.work[i]),
@@ -1106,6 +1210,24 @@ impl NodePrices {
         (0..self.times.len())
             .filter(|&i| pick(&g.nodes[i].op))
             .fold(OpTimes::default(), |a, i| a + self.times[i])
+    }
+
+    /// Summed times of the tensor-parallel linear layers: the column-parallel ones, which read
+    /// the `hidden`-wide (gathered) input, and the row-parallel ones, which write the
+    /// `hidden`-wide output that is reduced.
+    fn tp_linears(&self, g: &SectionGraph, hidden: u64) -> (OpTimes, OpTimes) {
+        let (mut column, mut row) = (OpTimes::default(), OpTimes::default());
+        for (i, n) in g.nodes.iter().enumerate() {
+            if !matches!(n.op, OpKind::Linear(_)) {
+                continue;
+            }
+            if g.shapes[i].first().map(|x| x.last()) == Some(hidden) {
+                column = column + self.times[i];
+            } else if n.outputs.first().map(|t| g.tensor(*t).shape.last()) == Some(hidden) {
+                row = row + self.times[i];
+            }
+        }
+        (column, row)
     }
 
     /// Forward time and FLOPs of the nodes marked in `redo` (every node with `None`).
@@ -1660,7 +1782,7 @@ mod tests {
         let m = cfg("llama3-70b");
         let p = preset("dgx-h100-80gb").unwrap();
         let no_overlap = Runtime {
-            tp_comm_overlap: false,
+            tp_overlap: TpOverlap::None,
             ..Runtime::default()
         };
         let tp_fwd = |precision, sp| {
@@ -1684,12 +1806,98 @@ mod tests {
         );
     }
 
+    /// Asynchronous TP hides the collectives inductor fuses and leaves the rest: a block
+    /// input's gradient reduce-scatter (a sum of matmuls) always, the gathers too where rowwise
+    /// fp8 casts after gathering; the fused reduce-scatters keep their last block and the
+    /// kernel that sums the blocks received.
+    #[test]
+    fn async_tp_hides_what_the_micro_pipeline_pass_fuses() {
+        let (gather, scatter, reduce) = (Seconds(1.0), Seconds(1.0), Seconds(0.1));
+        let big = OpTimes {
+            fwd: Seconds(10.0),
+            bwd_input: Seconds(10.0),
+            bwd_weight: Seconds(10.0),
+        };
+        let a = AsyncTp {
+            gather,
+            scatter,
+            reduce,
+            regions: 2.0,
+            tp: 8,
+            gathers_into_matmuls: true,
+            column: big,
+            row: big,
+        };
+        let (fwd, bwd) = async_tp_exposed(&a);
+        assert!((fwd.0 - 2.0 * (1.0 / 7.0 + 0.1)).abs() < 1e-12, "{fwd:?}");
+        assert!((bwd.0 - 2.0).abs() < 1e-12, "{bwd:?}");
+        let rowwise = async_tp_exposed(&AsyncTp {
+            gathers_into_matmuls: false,
+            ..a
+        });
+        assert!((rowwise.0 .0 - fwd.0 - 2.0).abs() < 1e-12);
+        assert!((rowwise.1 .0 - bwd.0 - 2.0).abs() < 1e-12);
+        // Matmuls too short to hide behind expose the rest of the transfer.
+        let thin = async_tp_exposed(&AsyncTp {
+            column: OpTimes::default(),
+            row: OpTimes::default(),
+            ..a
+        });
+        assert!((thin.0 .0 - (2.0 + 2.0 + 2.0 * (1.0 / 7.0 + 0.1))).abs() < 1e-12);
+
+        // On a 70B layer at tp 8: less exposed than synchronous TP in both passes, the
+        // backward keeping at least its reduce-scatters (half of bf16's collectives), and a
+        // fully recomputed forward repeating the forward's exposure.
+        let m = cfg("llama3-70b");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let costs = |tp_overlap, precision, fp8_recipe, recompute| {
+            let s = Setup {
+                precision,
+                ..setup(
+                    &m,
+                    &p,
+                    8,
+                    Runtime {
+                        tp_overlap,
+                        fp8_recipe,
+                        ..Runtime::default()
+                    },
+                )
+            };
+            *transformer_costs(&s, &layout(8, true, recompute))
+                .unwrap()
+                .layer()
+        };
+        let bf16 = |o| costs(o, Precision::Bf16, Fp8Recipe::Tensorwise, Recompute::None);
+        let (sync, asy) = (bf16(TpOverlap::None), bf16(TpOverlap::MicroPipelined));
+        assert!(asy.tp_fwd.0 < 0.3 * sync.tp_fwd.0, "{asy:?} vs {sync:?}");
+        assert!(asy.tp_bwd < sync.tp_bwd && asy.tp_bwd.0 > 0.45 * sync.tp_bwd.0);
+        let full = costs(
+            TpOverlap::MicroPipelined,
+            Precision::Bf16,
+            Fp8Recipe::Tensorwise,
+            Recompute::Full,
+        );
+        assert!((full.tp_bwd.0 - asy.tp_bwd.0 - asy.tp_fwd.0).abs() < 1e-12);
+        // Rowwise fp8 gathers 16 bits and fuses no gather; tensorwise gathers fp8, fused.
+        let fp8 = |r| {
+            costs(
+                TpOverlap::MicroPipelined,
+                Precision::Fp8,
+                r,
+                Recompute::None,
+            )
+        };
+        let (tw, rw) = (fp8(Fp8Recipe::Tensorwise), fp8(Fp8Recipe::Rowwise));
+        assert!(rw.tp_fwd.0 > 2.0 * tw.tp_fwd.0, "{rw:?} vs {tw:?}");
+    }
+
     #[test]
     fn tensor_parallelism_divides_compute_and_adds_collectives() {
         let m = cfg("gpt3-13b");
         let p = preset("dgx-a100-80gb").unwrap();
         let no_overlap = Runtime {
-            tp_comm_overlap: false,
+            tp_overlap: TpOverlap::None,
             ..Runtime::default()
         };
         let s1 = setup(&m, &p, 1, no_overlap);
@@ -2118,7 +2326,7 @@ mod tests {
         // (Collectives not hidden behind GEMMs, to compare them.)
         let exposed = Setup {
             runtime: Runtime {
-                tp_comm_overlap: false,
+                tp_overlap: TpOverlap::None,
                 ..Runtime::default()
             },
             ..s

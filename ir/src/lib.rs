@@ -4,7 +4,7 @@
 pub mod dtype;
 pub mod units;
 
-pub use dtype::{DType, Precision};
+pub use dtype::{DType, Fp8Recipe, Precision};
 pub use units::{Bytes, BytesPerSec, Flops, Seconds, GIB};
 pub mod axes;
 pub mod op;

@@ -1,6 +1,6 @@
 //! The `Plan`: a parallel layout of one model on one cluster, as JSON (`parallax-plan/1`).
 
-use crate::dtype::Precision;
+use crate::dtype::{Fp8Recipe, Precision};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -754,6 +754,13 @@ pub struct Training {
     pub global_batch: u64,
     pub seq_len: u64,
     pub precision: Precision,
+    /// How fp8 casts are scaled (fp8 only; absent: the stack's own recipe).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp8_recipe: Option<Fp8Recipe>,
+    /// Tensor-parallel collectives micro-pipelined with their GEMMs (PyTorch's asynchronous
+    /// TP, torchtitan's `enable_async_tensor_parallel`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub async_tp: bool,
 }
 
 /// A prediction attached to a plan.
@@ -1020,6 +1027,8 @@ mod tests {
                 global_batch: 1536,
                 seq_len: 2048,
                 precision: Precision::Bf16,
+                fp8_recipe: None,
+                async_tp: false,
             },
             layout: Layout {
                 dp: 16,

@@ -7,9 +7,9 @@
 //! silently drops a knob: [`export`] refuses a layout the engine cannot express.
 
 use crate::search::Space;
-use parallax_cost::transformer::{CrossEntropy, Runtime, SelectivePolicy};
+use parallax_cost::transformer::{CrossEntropy, Runtime, SelectivePolicy, TpOverlap};
 use parallax_ir::models::{Mlp, Norm, Position, TransformerConfig};
-use parallax_ir::{Layout, Offload, Plan, Precision, Recompute, Schedule};
+use parallax_ir::{Fp8Recipe, Layout, Offload, Plan, Precision, Recompute, Schedule};
 use serde_json::json;
 use std::fmt;
 use std::str::FromStr;
@@ -55,7 +55,7 @@ impl Engine {
     pub fn runtime(self) -> Runtime {
         match self {
             Engine::Torchtitan => Runtime {
-                tp_comm_overlap: false,
+                tp_overlap: TpOverlap::None,
                 selective: SelectivePolicy::CheapOpsAndAlternateMatmuls,
                 zero3_gathered_under_pp: true,
                 ..Runtime::default()
@@ -88,6 +88,13 @@ impl Engine {
                 // `--recompute-modules` (core 0.13+).
                 recompute_modules: true,
                 offload: Vec::new(),
+                // `--fp8-recipe` (delayed, tensorwise, blockwise; mxfp8 is Blackwell's).
+                fp8_recipes: vec![
+                    Fp8Recipe::Delayed,
+                    Fp8Recipe::Tensorwise,
+                    Fp8Recipe::Blockwise,
+                ],
+                async_tp: false,
                 ..Space::default()
             },
             Engine::DeepSpeed => Space {
@@ -95,6 +102,8 @@ impl Engine {
                 recompute: vec![Recompute::None, Recompute::Full],
                 // AutoTP shards weights only: DeepSpeed has no sequence parallelism.
                 sequence_parallel: false,
+                fp8_recipes: Vec::new(),
+                async_tp: false,
                 ..Space::default()
             },
             Engine::Torchtitan => Space {
@@ -105,6 +114,10 @@ impl Engine {
                 ],
                 zero_stages: vec![0, 2, 3],
                 offload: Vec::new(),
+                // torchao's float8 recipes (`rowwise_with_gw_hp` is not modelled) and
+                // `enable_async_tensor_parallel`.
+                fp8_recipes: vec![Fp8Recipe::Tensorwise, Fp8Recipe::Rowwise],
+                async_tp: true,
                 ..Space::default()
             },
         }
@@ -319,6 +332,20 @@ pub fn export(
     model: &TransformerConfig,
 ) -> Result<String, ExportError> {
     if let Some(reason) = engine.supports(&plan.layout, model, plan.training.precision) {
+        return Err(ExportError::Unsupported { engine, reason });
+    }
+    let t = &plan.training;
+    let space = engine.space();
+    let reason = match t.fp8_recipe {
+        Some(r) if t.precision == Precision::Fp8 && !space.fp8_recipes.contains(&r) => {
+            Some(format!("{engine} has no {r} fp8 recipe"))
+        }
+        _ if t.async_tp && !space.async_tp => {
+            Some(format!("{engine} has no asynchronous tensor parallelism"))
+        }
+        _ => None,
+    };
+    if let Some(reason) = reason {
         return Err(ExportError::Unsupported { engine, reason });
     }
     Ok(match engine {
@@ -579,6 +606,11 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
         Precision::Fp8 => {
             a.push("--bf16".into());
             a.push("--fp8-format hybrid".into());
+            // The recipe the plan was priced with (Megatron's own default is delayed).
+            a.push(format!(
+                "--fp8-recipe {}",
+                t.fp8_recipe.unwrap_or(Fp8Recipe::Tensorwise)
+            ));
         }
         Precision::Fp32 | Precision::Tf32 => {}
     }
@@ -802,7 +834,7 @@ fn torchtitan(plan: &Plan, m: &TransformerConfig) -> String {
         .into(),
     );
     p.insert("tensor_parallel_degree".into(), i64::from(l.tp).into());
-    p.insert("enable_async_tensor_parallel".into(), false.into());
+    p.insert("enable_async_tensor_parallel".into(), t.async_tp.into());
     p.insert("pipeline_parallel_degree".into(), i64::from(l.pp).into());
     p.insert("context_parallel_degree".into(), i64::from(l.cp).into());
     // torchtitan's sequence parallelism is always on with TP (its TP plan shards norms).
@@ -873,12 +905,24 @@ fn torchtitan(plan: &Plan, m: &TransformerConfig) -> String {
     doc.insert("parallelism".into(), p.into());
     doc.insert("training".into(), tr.into());
     doc.insert("activation_checkpoint".into(), ac.into());
+    if t.async_tp {
+        // Asynchronous TP is an inductor pass: torchtitan refuses it uncompiled.
+        let mut c = toml::Table::new();
+        c.insert("enable".into(), true.into());
+        c.insert(
+            "components".into(),
+            toml::Value::Array(vec!["model".into(), "loss".into()]),
+        );
+        doc.insert("compile".into(), c.into());
+    }
     if t.precision == Precision::Fp8 {
-        // torchao's float8 linear layers with per-tensor ("tensorwise") scales, the recipe
-        // parallax prices; under FSDP the weights are gathered already cast.
-        let sharded = l.zero_stage >= 2;
+        // torchao's float8 linear layers with the recipe the plan was priced with; under
+        // FSDP a tensorwise recipe gathers the weights already cast (torchao's float8
+        // all-gather is tensorwise only).
+        let recipe = t.fp8_recipe.unwrap_or(Fp8Recipe::Tensorwise);
+        let sharded = l.zero_stage >= 2 && recipe == Fp8Recipe::Tensorwise;
         let mut f = toml::Table::new();
-        f.insert("recipe_name".into(), "tensorwise".into());
+        f.insert("recipe_name".into(), recipe.name().into());
         f.insert("enable_fsdp_float8_all_gather".into(), sharded.into());
         f.insert(
             "precompute_float8_dynamic_scale_for_fsdp".into(),
@@ -929,6 +973,8 @@ mod tests {
                 global_batch: 1024,
                 seq_len: 8192,
                 precision,
+                fp8_recipe: None,
+                async_tp: false,
             },
             layout: l,
             op_configs: Vec::new(),
@@ -1350,6 +1396,40 @@ mod tests {
         let mut fp16 = p_fp8();
         fp16.training.precision = Precision::Fp16;
         assert!(export(Engine::Torchtitan, &fp16, &m).is_err());
+    }
+
+    /// The plan's fp8 recipe and asynchronous TP reach the engine that runs them, and an
+    /// engine without them refuses the plan in a line naming what it lacks.
+    #[test]
+    fn recipes_and_async_tp_are_exported_where_the_engine_has_them() {
+        let m = model("llama3-70b");
+        let with = |recipe: Fp8Recipe, async_tp: bool| {
+            let mut p = p_fp8();
+            p.training.fp8_recipe = Some(recipe);
+            p.training.async_tp = async_tp;
+            p
+        };
+        let args = export(Engine::Megatron, &with(Fp8Recipe::Blockwise, false), &m).unwrap();
+        assert!(args.contains("--fp8-recipe blockwise"), "{args}");
+        let e = export(Engine::Megatron, &with(Fp8Recipe::Rowwise, false), &m).unwrap_err();
+        assert!(e.to_string().contains("no rowwise fp8 recipe"), "{e}");
+        let e = export(Engine::Megatron, &with(Fp8Recipe::Tensorwise, true), &m).unwrap_err();
+        assert!(
+            e.to_string().contains("asynchronous tensor parallelism"),
+            "{e}"
+        );
+        let v: toml::Table = export(Engine::Torchtitan, &with(Fp8Recipe::Rowwise, true), &m)
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(
+            v["parallelism"]["enable_async_tensor_parallel"].as_bool(),
+            Some(true)
+        );
+        assert_eq!(v["compile"]["enable"].as_bool(), Some(true));
+        let f = &v["quantize"]["linear"]["float8"];
+        assert_eq!(f["recipe_name"].as_str(), Some("rowwise"));
+        assert_eq!(f["enable_fsdp_float8_all_gather"].as_bool(), Some(false));
     }
 
     /// An FSDP llama3-70b plan in fp8.

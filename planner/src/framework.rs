@@ -12,9 +12,8 @@
 
 use crate::export::Engine;
 use crate::search::Space;
-use parallax_cost::compute::Fp8Scaling;
-use parallax_cost::transformer::{CrossEntropy, Runtime};
-use parallax_ir::{Offload, Recompute, Schedule};
+use parallax_cost::transformer::{CrossEntropy, Runtime, TpOverlap};
+use parallax_ir::{Fp8Recipe, Offload, Recompute, Schedule};
 use std::fmt::Write as _;
 use thiserror::Error;
 
@@ -64,6 +63,8 @@ pub enum FrameworkError {
     Unknown(String, String),
     #[error("'{0}': {1}")]
     Version(String, String),
+    #[error("{0}")]
+    Option(String),
 }
 
 /// A version as stacks number them: a year (`2022`), a year-month release (`24.07`, NGC and
@@ -123,7 +124,7 @@ fn pre_flash(overlap_grad_reduce: bool, grad_reduce_fp32: bool) -> Runtime {
     Runtime {
         fused_attention: false,
         overlap_grad_reduce,
-        tp_comm_overlap: false,
+        tp_overlap: TpOverlap::None,
         overlap_p2p: false,
         grad_reduce_fp32,
         ..Runtime::default()
@@ -146,15 +147,23 @@ fn megatron_loss(rt: Runtime) -> Runtime {
 
 /// A space offering `schedules`, ZeRO stages `zero` and `recompute`, with uneven stages,
 /// sequence and model parallelism.
+/// A stack's space, as of its era: no offload, no fp8 recipe and no asynchronous TP unless its
+/// row adds them.
 fn space(schedules: &[Schedule], zero: &[u8], recompute: &[Recompute]) -> Space {
     Space {
         schedules: schedules.to_vec(),
         zero_stages: zero.to_vec(),
         recompute: recompute.to_vec(),
         offload: Vec::new(),
+        fp8_recipes: Vec::new(),
+        async_tp: false,
         ..Space::default()
     }
 }
+
+/// Transformer Engine 1.x, the fp8 of Megatron-LM 2023 and Megatron-Core 2024: delayed
+/// scaling only (`DelayedScaling`; current scaling came with TE 2.2 in 2025).
+const TE1_RECIPES: [Fp8Recipe; 1] = [Fp8Recipe::Delayed];
 
 /// Megatron-LM's space: every stage holds the same number of layers; sequence parallelism
 /// from 2022.
@@ -397,8 +406,16 @@ const TORCHTITAN: &[Feature] = &[
         source: "torchtitan docs and Liang et al. 2024 (torchtitan), §3",
     },
     Feature {
-        what: "float8 linears with tensorwise dynamic (current) scaling: each input and output gradient reduced for its amax, then cast, in passes of their own",
-        source: "torchao float8 README (Float8LinearConfig, tensorwise recipe); torchtitan float8 docs",
+        what: "float8 linears with tensorwise dynamic (current) scaling: each input and output gradient reduced for its amax, then cast, in passes of their own; TP gathers in float8 (Float8ColwiseParallel)",
+        source: "torchao float8 README (Float8LinearConfig, tensorwise recipe); torchtitan float8 docs, parallelize.py (enable_float8_tensorwise_tp)",
+    },
+    Feature {
+        what: "--fp8-recipe rowwise: each operand cast along both axes (two kernels), weights cast every pass after a 16-bit FSDP gather, backward GEMMs rescaled in kernels of their own; TP gathers stay 16-bit",
+        source: "torchao torchao/testing/training/roofline_utils.py, float8/float8_ops.py (addmm_float8_unwrapped), pytorch/ao#2184",
+    },
+    Feature {
+        what: "--async-tp: all-gathers fused with the matmuls that read them and matmuls with the reduce-scatter of their output (symmetric memory, copy engines); a block input's gradient reduce-scatter, a sum of matmuls, is not fused",
+        source: "torchtitan parallelism.enable_async_tensor_parallel; torch/_inductor/fx_passes/micro_pipeline_tp.py; PyTorch forum 'Introducing Async Tensor Parallelism in PyTorch' (2024)",
     },
     Feature {
         what: "op-level selective activation checkpointing that saves alternate matmul outputs",
@@ -543,20 +560,26 @@ fn megatron_2023() -> Parts {
         runtime: Runtime {
             // The flash-attn package's FlashAttention-2.
             fused_attention: true,
-            fp8_scaling: Fp8Scaling::Delayed,
+            fp8_recipe: Fp8Recipe::Delayed,
             ..megatron_loss(pre_flash(false, true))
         },
-        space: megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL, true),
+        space: Space {
+            fp8_recipes: TE1_RECIPES.to_vec(),
+            ..megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL, true)
+        },
     }
 }
 
 fn megatron_core_2024() -> Parts {
     Parts {
         runtime: Runtime {
-            fp8_scaling: Fp8Scaling::Delayed,
+            fp8_recipe: Fp8Recipe::Delayed,
             ..megatron_loss(Runtime::default())
         },
-        space: megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL, true),
+        space: Space {
+            fp8_recipes: TE1_RECIPES.to_vec(),
+            ..megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL, true)
+        },
     }
 }
 
@@ -609,7 +632,7 @@ fn deepspeed_zero3_2021() -> Parts {
 fn llama3() -> Parts {
     Parts {
         runtime: Runtime {
-            tp_comm_overlap: false,
+            tp_overlap: TpOverlap::None,
             zero3_gathered_under_pp: true,
             ..Runtime::default()
         },
@@ -620,7 +643,7 @@ fn llama3() -> Parts {
 fn pytorch_fsdp() -> Parts {
     Parts {
         runtime: Runtime {
-            tp_comm_overlap: false,
+            tp_overlap: TpOverlap::None,
             // The model's own module code, uncompiled: `torch.compile` is opt-in.
             eager_kernels: true,
             ..Runtime::default()
@@ -630,6 +653,9 @@ fn pytorch_fsdp() -> Parts {
         space: data_parallel_only(Space {
             schedules: NO_PIPELINE.to_vec(),
             offload: vec![Offload::Params],
+            // torchao's float8 linear layers; no tensor parallelism to make asynchronous.
+            fp8_recipes: vec![Fp8Recipe::Tensorwise, Fp8Recipe::Rowwise],
+            async_tp: false,
             ..Space::default()
         }),
     }
@@ -681,12 +707,14 @@ fn parallax_executor() -> Parts {
         runtime: Runtime {
             fused_attention: false,
             overlap_grad_reduce: false,
-            tp_comm_overlap: false,
+            tp_overlap: TpOverlap::None,
             ..Runtime::default()
         },
-        // The executor keeps every state on its devices.
+        // The executor keeps every state on its devices, and trains in fp32 and 16 bits.
         space: Space {
             offload: Vec::new(),
+            fp8_recipes: Vec::new(),
+            async_tp: false,
             ..Space::default()
         },
     }
@@ -992,6 +1020,41 @@ impl Framework {
         })
     }
 
+    /// The stack with the fp8 recipe (`--fp8-recipe`) and the asynchronous tensor parallelism
+    /// (`--async-tp`) the user chose, where the stack offers them: a refusal names what it
+    /// offers instead.
+    pub fn with_options(
+        mut self,
+        fp8_recipe: Option<Fp8Recipe>,
+        async_tp: bool,
+    ) -> Result<Framework, FrameworkError> {
+        if let Some(r) = fp8_recipe {
+            if !self.space.fp8_recipes.contains(&r) {
+                let offered = match self.space.fp8_recipes.as_slice() {
+                    [] => "none: it has no fp8 training".to_string(),
+                    o => o.iter().map(|r| r.name()).collect::<Vec<_>>().join(", "),
+                };
+                return Err(FrameworkError::Option(format!(
+                    "--fp8-recipe {r}: {} does not run it (its recipes: {offered})",
+                    self.name
+                )));
+            }
+            self.runtime.fp8_recipe = r;
+            self.name = format!("{}, fp8 {r}", self.name);
+        }
+        if async_tp {
+            if !self.space.async_tp {
+                return Err(FrameworkError::Option(format!(
+                    "--async-tp: {} has no asynchronous tensor parallelism (PyTorch's, in torchtitan and the current stack)",
+                    self.name
+                )));
+            }
+            self.runtime.tp_overlap = TpOverlap::MicroPipelined;
+            self.name = format!("{}, async TP", self.name);
+        }
+        Ok(self)
+    }
+
     /// The stack a published run names, or a current stack without framework-specific
     /// tricks (no TE TP-communication overlap; the 1F1B and interleaved schedules published
     /// runs use) where the table does not hold it, named so.
@@ -1001,7 +1064,7 @@ impl Framework {
             _ => Framework {
                 name: format!("{} (unknown: as current)", spec.unwrap_or("unnamed")),
                 runtime: Runtime {
-                    tp_comm_overlap: false,
+                    tp_overlap: TpOverlap::None,
                     ..Runtime::default()
                 },
                 space: Space {
@@ -1023,17 +1086,37 @@ pub fn table_text() -> String {
         let _ = writeln!(out, "{}  —  {}", s.name, s.covers);
         let _ = writeln!(
             out,
-            "  fused attention {}, DP reduce overlapped {}, TP comm overlap {}, sends overlapped {}, grads reduced in {}, sequence parallel {}",
+            "  fused attention {}, DP reduce overlapped {}, TP comm overlap {}, sends overlapped {}, grads reduced in {}, sequence parallel {}, fp8 recipes {}",
             match (r.fused_attention, r.native_attention) {
                 (true, true) => "native (FlashAttention-3 class)",
                 (true, false) => "yes",
                 _ => "no",
             },
             yes(r.overlap_grad_reduce),
-            yes(r.tp_comm_overlap),
+            match (r.tp_overlap, p.space.async_tp) {
+                (TpOverlap::Userbuffers, true) => "userbuffers (async TP offered)",
+                (TpOverlap::Userbuffers, false) => "userbuffers",
+                (TpOverlap::MicroPipelined, _) => "async TP",
+                (TpOverlap::None, true) => "no (async TP offered)",
+                (TpOverlap::None, false) => "no",
+            },
             yes(r.overlap_p2p),
             if r.grad_reduce_fp32 { "fp32" } else { "16-bit" },
             yes(p.space.sequence_parallel),
+            match p.space.fp8_recipes.as_slice() {
+                [] => "none".to_string(),
+                o => o
+                    .iter()
+                    .map(|x| {
+                        if *x == r.fp8_recipe {
+                            format!("{x} (default)")
+                        } else {
+                            x.to_string()
+                        }
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            },
         );
         let _ = writeln!(
             out,
@@ -1162,14 +1245,17 @@ mod tests {
         assert!(m21.space.schedules.contains(&Schedule::Interleaved1F1B));
         assert!(!m21.space.sequence_parallel && m22.space.sequence_parallel);
         assert!(!m22.runtime.fused_attention && m23.runtime.fused_attention);
-        assert!(!m23.runtime.overlap_grad_reduce && !m23.runtime.tp_comm_overlap);
+        assert!(!m23.runtime.overlap_grad_reduce && m23.runtime.tp_overlap == TpOverlap::None);
         // MegaScale and its Megatron-LM baseline are different stacks.
         let ms = fw("megascale@2024");
-        assert!(ms.runtime.tp_comm_overlap && ms.runtime.overlap_grad_reduce);
+        assert!(ms.runtime.tp_overlap == TpOverlap::Userbuffers && ms.runtime.overlap_grad_reduce);
         assert_ne!(ms.runtime, m23.runtime);
         let core = fw("nemo@24.07");
         assert_eq!(core.name, "nemo@24.07 (as megatron-core@2024)");
-        assert!(core.runtime.tp_comm_overlap && !core.space.zero_stages.contains(&3));
+        assert!(
+            core.runtime.tp_overlap == TpOverlap::Userbuffers
+                && !core.space.zero_stages.contains(&3)
+        );
         assert!(fw("megatron-bridge@25.09").space.zero_stages.contains(&3));
         let mds = fw("megatron-deepspeed@2022");
         assert!(!mds.runtime.overlap_grad_reduce && !mds.space.sequence_parallel);
@@ -1322,7 +1408,45 @@ mod tests {
         );
         assert_eq!(Framework::parse("torchtitan").unwrap().name, "torchtitan");
         let fw = Framework::for_case(Some("another-lab@2025"));
-        assert!(!fw.runtime.tp_comm_overlap);
+        assert_eq!(fw.runtime.tp_overlap, TpOverlap::None);
         assert!(fw.name.contains("another-lab@2025 (unknown"), "{}", fw.name);
+    }
+
+    /// `--fp8-recipe` and `--async-tp` set the stack's runtime where it offers them and are
+    /// refused in one line naming what it offers where it does not.
+    #[test]
+    fn recipes_and_async_tp_are_what_the_stack_offers() {
+        let fw = |s| Framework::parse(s).unwrap();
+        let titan = fw("torchtitan")
+            .with_options(Some(Fp8Recipe::Rowwise), true)
+            .unwrap();
+        assert_eq!(titan.runtime.fp8_recipe, Fp8Recipe::Rowwise);
+        assert_eq!(titan.runtime.tp_overlap, TpOverlap::MicroPipelined);
+        // Reports name what was chosen with the stack.
+        assert_eq!(titan.name, "torchtitan, fp8 rowwise, async TP");
+        let core = fw("megatron-core@2025")
+            .with_options(Some(Fp8Recipe::Blockwise), false)
+            .unwrap();
+        assert_eq!(core.runtime.fp8_recipe, Fp8Recipe::Blockwise);
+        let e = fw("megatron-core@2025")
+            .with_options(Some(Fp8Recipe::Rowwise), false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("delayed, tensorwise, blockwise"), "{e}");
+        let e = fw("megatron-core@2024")
+            .with_options(None, true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("--async-tp: megatron-core@2024"), "{e}");
+        let e = fw("megatron-lm@2021")
+            .with_options(Some(Fp8Recipe::Tensorwise), false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no fp8 training"), "{e}");
+        // Nothing chosen, nothing changed.
+        assert_eq!(
+            fw("torchtitan").with_options(None, false).unwrap(),
+            fw("torchtitan")
+        );
     }
 }

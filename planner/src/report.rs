@@ -4,9 +4,9 @@
 
 use crate::search::{Evaluated, SearchResult};
 use parallax_cost::band_range;
-use parallax_cost::transformer::Setup;
+use parallax_cost::transformer::{Setup, TpOverlap};
 use parallax_ir::plan::{ClusterRef, ModelRef, Prediction, Training};
-use parallax_ir::{Layout, Plan, Recompute, Schedule, PLAN_SCHEMA};
+use parallax_ir::{Layout, Plan, Precision, Recompute, Schedule, PLAN_SCHEMA};
 use parallax_sim::StepPrediction;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -56,6 +56,8 @@ pub fn plan_document(input: &ReportInput, e: &Evaluated) -> Plan {
             global_batch: s.global_batch,
             seq_len: s.seq,
             precision: s.precision,
+            fp8_recipe: (s.precision == Precision::Fp8).then_some(s.runtime.fp8_recipe),
+            async_tp: s.runtime.tp_overlap == TpOverlap::MicroPipelined,
         },
         layout: e.layout.clone(),
         op_configs: Vec::new(),

@@ -21,7 +21,8 @@ use parallax_cost::transformer::{
 };
 use parallax_ir::models::TransformerConfig;
 use parallax_ir::{
-    Dispatcher, Layout, Offload, PartialLayout, Recompute, RecomputeModules, Schedule, StageRange,
+    Dispatcher, Fp8Recipe, Layout, Offload, PartialLayout, Recompute, RecomputeModules, Schedule,
+    StageRange,
 };
 use parallax_sim::{simulate_priced, stage_layers, ScheduleKind, StepError, StepPrediction};
 use rayon::prelude::*;
@@ -117,6 +118,11 @@ pub struct Space {
     /// What may be offloaded to host memory, tried in this order when nothing fits without
     /// it (offload is slower wherever the states fit on the device).
     pub offload: Vec<Offload>,
+    /// The fp8 recipes the stack runs (`--fp8-recipe`); none before fp8 training existed.
+    pub fp8_recipes: Vec<Fp8Recipe>,
+    /// Tensor-parallel collectives may be micro-pipelined with their matmuls (`--async-tp`,
+    /// PyTorch's asynchronous TP).
+    pub async_tp: bool,
 }
 
 impl Space {
@@ -148,6 +154,8 @@ impl Default for Space {
             sequence_parallel: true,
             model_parallel: true,
             offload: vec![Offload::Optimizer, Offload::Params],
+            fp8_recipes: Fp8Recipe::ALL.to_vec(),
+            async_tp: true,
         }
     }
 }
@@ -1614,7 +1622,7 @@ fn expand(
 mod tests {
     use super::*;
     use crate::bounds::{extras, memory_gib, pass_times, ScheduleSummary};
-    use parallax_cost::transformer::{transformer_costs, Runtime};
+    use parallax_cost::transformer::{transformer_costs, Runtime, TpOverlap};
     use parallax_hardware::Cluster;
     use parallax_ir::models::{zoo, TransformerConfig};
 
@@ -1684,7 +1692,7 @@ mod tests {
             Runtime {
                 overlap_grad_reduce: false,
                 overlap_p2p: false,
-                tp_comm_overlap: false,
+                tp_overlap: TpOverlap::None,
                 ..Runtime::default()
             },
             Runtime {

@@ -1339,7 +1339,7 @@ mod tests {
             let per_op = simulate_op_plan(&mut c, &plan, 8).unwrap().prediction;
             let setup = Setup {
                 runtime: Runtime {
-                    tp_comm_overlap: false,
+                    tp_overlap: parallax_cost::transformer::TpOverlap::None,
                     ..Runtime::default()
                 },
                 ..Setup::new(&cfg, &p, 8, 2048, 8)

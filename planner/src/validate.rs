@@ -7,13 +7,13 @@ use crate::complete::{complete_or_smallest, layout_string};
 pub use crate::framework::Framework;
 pub use crate::general_cases::{GeneralCase, GENERAL_CASES_SCHEMA};
 use crate::search::Space;
-use parallax_cost::transformer::{CrossEntropy, RecomputeModules, Runtime, Setup};
+use parallax_cost::transformer::{CrossEntropy, RecomputeModules, Runtime, Setup, TpOverlap};
 use parallax_hardware::{Cluster, ClusterProfile};
 use parallax_ir::models::{
     HybridConfig, MambaConfig, MlaConfig, Mlp, MoeConfig, Position, Router, SlidingWindow,
     TransformerConfig,
 };
-use parallax_ir::{PartialLayout, Precision, Recompute, Schedule};
+use parallax_ir::{Fp8Recipe, PartialLayout, Precision, Recompute, Schedule};
 use rayon::prelude::*;
 use serde::de::IgnoredAny;
 use serde::{Deserialize, Serialize};
@@ -404,9 +404,14 @@ pub struct CasePlan {
     /// `/1.1`: what was offloaded (not modelled yet: such a case is skipped).
     #[serde(default)]
     pub offload: Option<Box<CaseOffload>>,
-    /// `/1.1`: fp8 scaling recipe, as published.
+    /// `/1.1`: fp8 scaling recipe, as published (free text: [`Fp8Recipe::from_published`]
+    /// reads the recipe it names; the stack's own where it names none).
     #[serde(default)]
     pub fp8_recipe: Option<String>,
+    /// Tensor parallelism was asynchronous (PyTorch's micro-pipelined TP; parallax's own
+    /// field, absent from the shared schema: false).
+    #[serde(default)]
+    pub async_tp: Option<bool>,
 }
 
 /// What was measured.
@@ -822,9 +827,18 @@ impl TransformerCase {
         let fw = self.framework();
         let cfg = self.transformer()?;
         let cluster = self.cluster.build(adjust)?;
+        let published = self.plan.fp8_recipe.as_deref();
         let setup = Setup {
             precision: self.precision,
             runtime: Runtime {
+                fp8_recipe: published
+                    .and_then(Fp8Recipe::from_published)
+                    .unwrap_or(fw.runtime.fp8_recipe),
+                tp_overlap: if self.plan.async_tp == Some(true) {
+                    TpOverlap::MicroPipelined
+                } else {
+                    fw.runtime.tp_overlap
+                },
                 balanced_routing: self.balanced_routing(),
                 grad_reduce_fp32: fw.runtime.grad_reduce_fp32 && !self.bridge_performance_run(),
                 cross_entropy: if self.bridge_performance_run() {
