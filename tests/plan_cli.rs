@@ -212,17 +212,14 @@ fn fp8_recipe_and_async_tp_reach_the_plan_and_its_export() {
     let training = &doc["plan"]["training"];
     assert_eq!(training["fp8_recipe"], "rowwise", "{training}");
     assert_eq!(training["async_tp"], true, "{training}");
+    assert_eq!(doc["framework"], "torchtitan, fp8 rowwise, async TP");
+    // What the export writes for them is `export.rs`'s to test; here, that they reach it.
     let text = doc["export"]["text"].as_str().unwrap();
-    let v: toml::Table = text.parse().unwrap();
-    assert_eq!(
-        v["parallelism"]["enable_async_tensor_parallel"].as_bool(),
-        Some(true)
+    assert!(
+        text.contains("enable_async_tensor_parallel = true"),
+        "{text}"
     );
-    assert_eq!(v["compile"]["enable"].as_bool(), Some(true));
-    let f = &v["quantize"]["linear"]["float8"];
-    assert_eq!(f["recipe_name"].as_str(), Some("rowwise"));
-    // torchao gathers float8 weights for the tensorwise recipe only.
-    assert_eq!(f["enable_fsdp_float8_all_gather"].as_bool(), Some(false));
+    assert!(text.contains("recipe_name = \"rowwise\""), "{text}");
 }
 
 #[test]
