@@ -101,51 +101,31 @@ fn validate_json_scores_the_published_runs() {
     }
 }
 
+/// `validate validation/FILE --json`, checked to model every one of its `n` cases within
+/// `mape` and `max_ape`: a file of published runs kept out of calibration, whose error must
+/// stay near the one measured when it was added.
+fn held_out(file: &str, n: u64, mape: f64, max_ape: f64) -> serde_json::Value {
+    let cases = format!("{}/../validation/{file}", env!("CARGO_MANIFEST_DIR"));
+    let d = run(&["validate", &cases, "--json"]);
+    let s = &d["summary"];
+    assert_eq!(s["skipped"], 0, "{file}: {s}");
+    assert_eq!(s["n"], n, "{file}: {s}");
+    assert!(s["mape"].as_f64().unwrap() <= mape, "{file}: {s}");
+    assert!(s["max_ape"].as_f64().unwrap() <= max_ape, "{file}: {s}");
+    d
+}
+
 #[test]
 fn validate_scores_the_held_out_runs() {
-    // Published runs kept out of calibration (NeMo 24.07, torchtitan 70B/405B 2D–4D): every
-    // one is modelled, and the error stays near the one measured when they were added.
-    let cases = concat!(env!("CARGO_MANIFEST_DIR"), "/../validation/held-out.json");
-    let d = run(&["validate", cases, "--json"]);
-    let s = &d["summary"];
-    assert_eq!(s["skipped"], 0, "{s}");
-    assert_eq!(s["n"], 17, "{s}");
-    assert!(s["mape"].as_f64().unwrap() <= 0.11, "{s}");
-    assert!(s["max_ape"].as_f64().unwrap() <= 0.30, "{s}");
-}
-
-#[test]
-fn validate_scores_megatron_cores_weak_scaling_on_h100() {
-    // Megatron-Core r0.8.0's GPT 1.7B–462B on 48–6,144 H100s (README table, July 2024), kept
-    // out of calibration: the H100 calibration, fitted to other stacks' runs, holds at the
-    // layouts a tuned current stack uses (4.7 % when the file was added).
-    let cases = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../validation/megatron-core-weak-scaling.json"
-    );
-    let d = run(&["validate", cases, "--json"]);
-    let s = &d["summary"];
-    assert_eq!(s["skipped"], 0, "{s}");
-    assert_eq!(s["n"], 9, "{s}");
-    assert!(s["mape"].as_f64().unwrap() <= 0.06, "{s}");
-    assert!(s["max_ape"].as_f64().unwrap() <= 0.12, "{s}");
-}
-
-#[test]
-fn validate_scores_llm_foundrys_fsdp_runs_on_a100_and_h100() {
-    // MosaicML's MPT 1B–70B under plain FSDP on 8–64 A100s and H100s, kept out of calibration
-    // (7.6 % when the file was added; the runs without activation checkpointing predicted
-    // fast on both chips).
-    let cases = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../validation/llm-foundry-mpt.json"
-    );
-    let d = run(&["validate", cases, "--json"]);
-    let s = &d["summary"];
-    assert_eq!(s["skipped"], 0, "{s}");
-    assert_eq!(s["n"], 12, "{s}");
-    assert!(s["mape"].as_f64().unwrap() <= 0.09, "{s}");
-    assert!(s["max_ape"].as_f64().unwrap() <= 0.15, "{s}");
+    // NeMo 24.07 and torchtitan 70B/405B 2D–4D.
+    held_out("held-out.json", 17, 0.11, 0.30);
+    // Megatron-Core r0.8.0's GPT 1.7B–462B on 48–6,144 H100s (README table, July 2024): the
+    // H100 calibration, fitted to other stacks' runs, holds at the layouts a tuned current
+    // stack uses (4.7 % when the file was added).
+    held_out("megatron-core-weak-scaling.json", 9, 0.06, 0.12);
+    // MosaicML's MPT 1B–70B under plain FSDP on 8–64 A100s and H100s (7.6 %; the runs without
+    // activation checkpointing predicted fast on both chips).
+    held_out("llm-foundry-mpt.json", 12, 0.09, 0.15);
 }
 
 #[test]
@@ -153,16 +133,7 @@ fn validate_prices_fp8_recipes_and_async_tp_as_published() {
     // torchtitan's June 2025 async-TP benchmark and torchao's float8 benchmark: bf16,
     // tensorwise and rowwise fp8, vanilla and asynchronous TP, priced from each case's
     // `fp8_recipe` and `async_tp` (19.3 % MAPE, max 39.3 %, before either was modelled).
-    let cases = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../validation/torchtitan-async-tp.json"
-    );
-    let d = run(&["validate", cases, "--json"]);
-    let s = &d["summary"];
-    assert_eq!(s["skipped"], 0, "{s}");
-    assert_eq!(s["n"], 15, "{s}");
-    assert!(s["mape"].as_f64().unwrap() <= 0.12, "{s}");
-    assert!(s["max_ape"].as_f64().unwrap() <= 0.20, "{s}");
+    let d = held_out("torchtitan-async-tp.json", 15, 0.12, 0.20);
     // What each option is worth, as the benchmark measured it: asynchronous TP saves 4–14 %
     // of a 70B step, rowwise fp8 gains less over bf16 than tensorwise.
     let step = |id: &str| {
