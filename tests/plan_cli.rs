@@ -243,4 +243,16 @@ fn frameworks_lists_every_stack_with_sources() {
             && f.iter()
                 .all(|x| !x["source"].as_str().unwrap_or("").is_empty())));
     }
+    // What `--fp8-recipe` and `--async-tp` may name, per stack.
+    let titan = rows.iter().find(|r| r["name"] == "torchtitan").unwrap();
+    assert_eq!(
+        titan["fp8_recipes"],
+        serde_json::json!(["tensorwise", "rowwise"])
+    );
+    assert_eq!(titan["async_tp"], true);
+    let m21 = rows
+        .iter()
+        .find(|r| r["name"] == "megatron-lm@2021")
+        .unwrap();
+    assert_eq!(m21["fp8_recipes"], serde_json::json!([]));
 }
