@@ -455,11 +455,7 @@ impl Prepared {
             Recompute::None => Keep::All,
             Recompute::Selective => Keep::Selective,
             Recompute::Full => Keep::Input,
-            Recompute::Modules(m) => {
-                return bad(format!(
-                    "recompute=modules:{m} names Megatron-Core's submodules; the executor recomputes none, selective or full"
-                ))
-            }
+            Recompute::Modules(m) => Keep::Modules(m),
         };
         let prep = Prepared {
             dims,

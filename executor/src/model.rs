@@ -27,6 +27,7 @@ use crate::tensor::{
 use parallax_ir::models::{
     LayerKind, MambaConfig, Mlp, MoeConfig, Norm, Position, SlidingWindow, TransformerConfig,
 };
+use parallax_ir::RecomputeModules;
 use std::ops::Range;
 
 /// Standard deviation of weight initialisation (GPT-2, Radford et al. 2019).
@@ -1248,6 +1249,144 @@ pub enum Keep {
     Selective,
     /// Only the block input; backward reruns the forward (full recomputation).
     Input,
+    /// Everything but what the named submodules compute (Megatron-Core's
+    /// `--recompute-modules`), which backward recomputes from their kept inputs before it
+    /// needs them ([`restore`]): the attention probabilities (`core_attn`), the norms'
+    /// outputs (`layernorm`, gathered again under sequence parallelism), latent attention's
+    /// up projections (`mla_up_proj`), a dense layer's MLP (`mlp`) or an MoE layer's shared
+    /// experts (`shared_experts`) from their input, the whole mixture of experts (`moe`,
+    /// dispatched again) or the experts' activations (`moe_act`).
+    Modules(RecomputeModules),
+}
+
+impl Keep {
+    /// Whether the attention probabilities are kept.
+    fn probs(self) -> bool {
+        match self {
+            Keep::All => true,
+            Keep::Modules(m) => !m.contains(RecomputeModules::CORE_ATTN),
+            Keep::Selective | Keep::Input => false,
+        }
+    }
+
+    /// Whether the dense MLP's activation output is kept (where its input and
+    /// pre-activations are).
+    fn act(self) -> bool {
+        matches!(self, Keep::All | Keep::Modules(_))
+    }
+}
+
+/// Leaves out of `s` what the submodules `m` of layer `l` compute ([`Keep::Modules`]).
+fn drop_modules(s: &mut BlockSaved, m: RecomputeModules, d: &Dims, l: &BlockLayout) {
+    // Post-norm blocks (BERT) read their input unnormalised: nothing to recompute there.
+    if m.contains(RecomputeModules::LAYERNORM) && !d.bert {
+        s.n1 = Vec::new();
+        s.n2 = Vec::new();
+        s.shared_n2 = None;
+    }
+    if m.contains(RecomputeModules::MLA_UP_PROJ) && l.mla.is_some() {
+        (s.q, s.k, s.v) = (Vec::new(), Vec::new(), Vec::new());
+    }
+    let (moe, whole_moe) = (l.moe.is_some(), m.contains(RecomputeModules::MOE));
+    let dense = if moe {
+        whole_moe || m.contains(RecomputeModules::SHARED_EXPERTS)
+    } else {
+        m.contains(RecomputeModules::MLP)
+    };
+    if dense {
+        (s.u, s.up, s.act) = (Vec::new(), None, None);
+    }
+    if moe && whole_moe {
+        s.moe = None;
+    } else if let (true, Some(ms)) = (m.contains(RecomputeModules::MOE_ACT), &mut s.moe) {
+        ms.drop_activations();
+    }
+}
+
+/// Recomputes what [`drop_modules`] left out of `s`, as the forward computed it from the
+/// block input `x` and what `s` kept: the norms first (their outputs feed the rest), then
+/// latent attention's up projections, the mixture of experts and the dense MLP's
+/// pre-activations. Every rank of a tensor- or expert-parallel group runs the same
+/// collectives, in the same order.
+#[allow(clippy::too_many_arguments)]
+fn restore(
+    d: &Dims,
+    l: &BlockLayout,
+    p: &[f32],
+    pe: &[f32],
+    x: &[f32],
+    s: &mut BlockSaved,
+    tp: &mut Tp<'_>,
+    pass: Pass,
+) -> Result<(), CommError> {
+    let (h, t) = (d.h, tp.size());
+    if l.attn && !d.bert && s.n1.is_empty() {
+        s.n1 = tp.enter_fwd(normed(p, (&l.ln1_w, &l.ln1_b), x, d.rms).0)?;
+    }
+    if l.has_mlp() && !d.bert && s.n2.is_empty() {
+        let n2 = normed(p, (&l.ln2_w, &l.ln2_b), &s.x2, d.rms).0;
+        (s.n2, s.shared_n2) = mlp_inputs(l, tp, n2)?;
+    }
+    if let (Some(m), Some(ml), true) = (d.mla, &l.mla, l.attn && s.q.is_empty()) {
+        let pos = pass.positions();
+        let theta = d.rope_theta as f64;
+        (s.q, s.k, s.v, _) = mla_fwd(m, ml, p, &s.n1, h, d.heads / t, theta, &pos);
+    }
+    if let (Some(ml), None) = (&l.moe, &s.moe) {
+        let mut ep = Ep {
+            comm: &mut *tp.comm,
+            group: tp.ep,
+        };
+        s.moe = Some(moe_fwd(ml, p, pe, &s.n2, h, d.ffn, &mut ep)?.1);
+    }
+    if l.has_dense_mlp() && s.u.is_empty() {
+        let n2 = s.shared_n2.as_ref().unwrap_or(&s.n2);
+        (s.u, s.up) = mlp_pre(l, p, n2, h, l.ffn / t);
+    }
+    Ok(())
+}
+
+/// The MLP's inputs from the second norm's output `n2` (this rank's rows): the rows the
+/// mixture of experts and the dense MLP (or shared experts) read — gathered over the
+/// tensor-parallel ranks, except the mixture's under folding, which runs on this rank's own
+/// rows while its shared experts read the gathered ones.
+fn mlp_inputs(
+    l: &BlockLayout,
+    tp: &mut Tp<'_>,
+    n2: Vec<f32>,
+) -> Result<(Vec<f32>, Option<Vec<f32>>), CommError> {
+    let folded = l.moe.is_some() && tp.fold;
+    Ok(match (folded, l.has_dense_mlp()) {
+        (true, true) => {
+            let gathered = tp.enter_fwd(n2.clone())?;
+            (n2, Some(gathered))
+        }
+        (true, false) => (n2, None),
+        (false, _) => (tp.enter_fwd(n2)?, None),
+    })
+}
+
+/// The dense MLP's pre-activations from its (gathered) input `n2`, `f` wide on this rank:
+/// the input projection (with its bias) and, gated, the up projection.
+fn mlp_pre(
+    l: &BlockLayout,
+    p: &[f32],
+    n2: &[f32],
+    h: usize,
+    f: usize,
+) -> (Vec<f32>, Option<Vec<f32>>) {
+    let tt = n2.len() / h;
+    let mut u = vec![0.0; tt * f];
+    mm(&mut u, n2, &p[l.w_in.clone()], tt, h, f, false);
+    if let Some(b) = slice(p, &l.b_in) {
+        add_bias(&mut u, b);
+    }
+    let up = l.w_up.as_ref().map(|w| {
+        let mut y = vec![0.0; tt * f];
+        mm(&mut y, n2, &p[w.clone()], tt, h, f, false);
+        y
+    });
+    (u, up)
 }
 
 /// Sizes of one micro-batch pass.
@@ -1721,7 +1860,7 @@ fn block_fwd_inner(
                     &v,
                     &pass.attention(&pos, (nh, nkv, aw), l.mask(d)),
                     slice(p, &l.sinks),
-                    keep == Keep::All,
+                    keep.probs(),
                 );
                 (o, probs, None)
             }
@@ -1770,19 +1909,26 @@ fn block_fwd_inner(
     };
     // A hybrid stack's attention layers have no MLP.
     if !l.has_mlp() {
-        let saved = (keep != Keep::Input).then(|| BlockSaved {
-            n1,
-            st1,
-            q,
-            k,
-            v,
-            probs,
-            lse,
-            o,
-            qk_pre,
-            latent,
-            ..BlockSaved::default()
-        });
+        let saved = (keep != Keep::Input)
+            .then(|| BlockSaved {
+                n1,
+                st1,
+                q,
+                k,
+                v,
+                probs,
+                lse,
+                o,
+                qk_pre,
+                latent,
+                ..BlockSaved::default()
+            })
+            .map(|mut s| {
+                if let Keep::Modules(m) = keep {
+                    drop_modules(&mut s, m, d, l);
+                }
+                s
+            });
         return Ok((x2, saved));
     }
     let (n2, mut st2) = if d.bert {
@@ -1797,16 +1943,7 @@ fn block_fwd_inner(
         mm(&mut z, &n2, &p[r.clone()], rows, h, 1, false);
         z.iter().map(|v| sigmoid(*v)).collect::<Vec<f32>>()
     });
-    // Folded, the mixture runs on this rank's own rows and the shared experts on the
-    // gathered ones; otherwise both on the gathered rows.
-    let (n2, shared_n2) = match (folded, l.has_dense_mlp()) {
-        (true, true) => {
-            let gathered = tp.enter_fwd(n2.clone())?;
-            (n2, Some(gathered))
-        }
-        (true, false) => (n2, None),
-        (false, _) => (tp.enter_fwd(n2)?, None),
-    };
+    let (n2, shared_n2) = mlp_inputs(l, tp, n2)?;
     // The MLP: the routed experts' output (and what their backward needs), plus the dense
     // MLP's (a dense layer's, or the shared experts') with its pre-activations and activation.
     let (routed, moe) = match &l.moe {
@@ -1825,17 +1962,7 @@ fn block_fwd_inner(
         None => (None, None),
     };
     let (dense, u, up, act) = if l.has_dense_mlp() {
-        let n2 = shared_n2.as_ref().unwrap_or(&n2);
-        let mut u = vec![0.0; tt * f];
-        mm(&mut u, n2, &p[l.w_in.clone()], tt, h, f, false);
-        if let Some(b) = slice(p, &l.b_in) {
-            add_bias(&mut u, b);
-        }
-        let up = l.w_up.as_ref().map(|w| {
-            let mut y = vec![0.0; tt * f];
-            mm(&mut y, n2, &p[w.clone()], tt, h, f, false);
-            y
-        });
+        let (u, up) = mlp_pre(l, p, shared_n2.as_ref().unwrap_or(&n2), h, f);
         let act = d.act().fwd(&u, up.as_deref());
         let mut m = vec![0.0; tt * h];
         mm(&mut m, &act, &p[l.w_out.clone()], tt, f, h, false);
@@ -1862,30 +1989,37 @@ fn block_fwd_inner(
         }
         None => (m, None),
     };
-    let saved = (keep != Keep::Input).then(|| BlockSaved {
-        post,
-        n1,
-        st1,
-        q,
-        k,
-        v,
-        probs,
-        lse,
-        o,
-        x2,
-        n2,
-        shared_n2,
-        gate,
-        shared_out,
-        qk_pre,
-        latent,
-        st2,
-        u,
-        up,
-        act: act.filter(|_| keep == Keep::All),
-        moe,
-        mamba: None,
-    });
+    let saved = (keep != Keep::Input)
+        .then(|| BlockSaved {
+            post,
+            n1,
+            st1,
+            q,
+            k,
+            v,
+            probs,
+            lse,
+            o,
+            x2,
+            n2,
+            shared_n2,
+            gate,
+            shared_out,
+            qk_pre,
+            latent,
+            st2,
+            u,
+            up,
+            act: act.filter(|_| keep.act()),
+            moe,
+            mamba: None,
+        })
+        .map(|mut s| {
+            if let Keep::Modules(m) = keep {
+                drop_modules(&mut s, m, d, l);
+            }
+            s
+        });
     Ok((m, saved))
 }
 
@@ -1997,7 +2131,10 @@ pub fn block_bwd(
     };
     let x = cache.x;
     let s = match cache.inner {
-        Some(s) => s,
+        Some(mut s) => {
+            restore(d, l, p, pe, &x, &mut s, tp, pass)?;
+            s
+        }
         None => match block_fwd_inner(d, l, p, pe, &x, tp, pass, Keep::All)?.1 {
             Some(s) => s,
             None => unreachable!("Keep::All saves activations"),
@@ -2866,6 +3003,112 @@ mod tests {
             let at = s.range.clone().step_by(s.range.len() / 5 + 1);
             let name = format!("{what}: {}", s.name);
             check_grad(&name, &p, &g, at, 1e-2, |p| objective(p, &x));
+        }
+    }
+
+    /// Named-module recomputation redoes, in backward, exactly what the forward computed: a
+    /// block's gradients under each module (and all of them) are those of keeping every
+    /// activation, to the bit, for plain, latent-attention and mixture-of-experts blocks.
+    #[test]
+    fn recomputed_modules_give_the_kept_gradients() {
+        let plain = TransformerConfig::llama(1, 16, 4, 2, 24, 100, 16);
+        let latent = TransformerConfig {
+            kv_heads: 4,
+            head_dim: 8,
+            mla: Some(MlaConfig {
+                q_lora_rank: 8,
+                kv_lora_rank: 6,
+                qk_nope_head_dim: 4,
+                qk_rope_head_dim: 4,
+                v_head_dim: 6,
+            }),
+            moe: Some(MoeConfig {
+                shared_ffn_hidden: 12,
+                ..MoeConfig::routed(4, 2)
+            }),
+            ..plain.clone()
+        };
+        for (c, what) in [(&plain, "llama"), (&latent, "latent attention, experts")] {
+            let d = Dims::from_config(c).unwrap();
+            let (mut b, mut eb) = (SlotBuilder::new(1), SlotBuilder::new(1));
+            let l = BlockLayout::build(&d, 0, &mut b, &mut eb);
+            let ((_, n), (_, en)) = (b.finish(), eb.finish());
+            let (p, pe) = (rand(n, 1, 0.3), rand(en, 4, 0.3));
+            let pass = Pass {
+                batch: 2,
+                seq: 5,
+                cp: 1,
+                c: 0,
+            };
+            let rows = pass.batch * pass.seq;
+            let (x, r) = (rand(rows * d.h, 2, 1.0), rand(rows * d.h, 3, 1.0));
+            let (mut comms, _) = ThreadComm::create(1, std::time::Duration::from_secs(5));
+            let group = crate::comm::Group::new(vec![0]);
+            let mut tp = Tp {
+                comm: &mut comms[0],
+                group: &group,
+                sp: false,
+                cp: None,
+                ep: None,
+                fold: false,
+            };
+            let mut grads = |keep: Keep| {
+                let (_, cache) =
+                    block_fwd(&d, &l, &p, &pe, x.clone(), &mut tp, pass, keep).unwrap();
+                let (mut g, mut ge) = (vec![0.0; n], vec![0.0; en]);
+                let dx = block_bwd(
+                    &d,
+                    &l,
+                    (&p, &mut g),
+                    (&pe, &mut ge),
+                    cache,
+                    r.clone(),
+                    &mut tp,
+                    pass,
+                    None,
+                )
+                .unwrap();
+                (dx, g, ge)
+            };
+            let kept = grads(Keep::All);
+            let all = [
+                "core_attn",
+                "layernorm",
+                "mla_up_proj",
+                "mlp",
+                "moe",
+                "shared_experts",
+                "moe_act",
+            ];
+            for names in all.iter().map(|n| vec![*n]).chain([all.to_vec()]) {
+                let m = RecomputeModules::parse(&names).unwrap();
+                assert!(grads(Keep::Modules(m)) == kept, "{what}: {names:?}");
+            }
+            // What forward keeps shrinks by the named modules' tensors: all of them named,
+            // none of these is kept (plain heads' queries, keys and values are the attention
+            // core's inputs, kept).
+            let mut saved = |keep: Keep| {
+                let (_, cache) =
+                    block_fwd(&d, &l, &p, &pe, x.clone(), &mut tp, pass, keep).unwrap();
+                let s = cache.inner.unwrap();
+                let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, Vec::len);
+                let qkv = if l.mla.is_some() {
+                    s.q.len() + s.k.len() + s.v.len()
+                } else {
+                    0
+                };
+                s.n1.len()
+                    + s.n2.len()
+                    + qkv
+                    + s.u.len()
+                    + opt(&s.up)
+                    + opt(&s.act)
+                    + opt(&s.probs)
+                    + usize::from(s.moe.is_some())
+            };
+            assert!(saved(Keep::All) > 0, "{what}");
+            let every = Keep::Modules(RecomputeModules::parse(&all).unwrap());
+            assert_eq!(saved(every), 0, "{what}: every named tensor recomputed");
         }
     }
 

@@ -176,6 +176,14 @@ pub struct MoeSaved {
     y: Vec<f32>,
 }
 
+impl MoeSaved {
+    /// Leaves out the experts' activations, which [`moe_bwd`] recomputes from their
+    /// pre-activations (Megatron-Core's `moe_act` recomputation).
+    pub fn drop_activations(&mut self) {
+        self.act.iter_mut().for_each(|a| *a = Vec::new());
+    }
+}
+
 /// The expert-parallel context: the group (in expert order) when `ep > 1`.
 pub struct Ep<'a> {
     pub comm: &'a mut dyn Collectives,
@@ -389,11 +397,17 @@ pub fn moe_bwd(
         if let Some(b) = &l.b_out {
             bias_grad(&mut ge[part(b, j, h)], dy);
         }
-        mm_tn(&mut ge[wo.clone()], &s.act[j], dy, rows, f, h, true);
+        let up = l.w_up.as_ref().map(|_| &s.up[j][..]);
+        let act = if s.act[j].is_empty() && rows > 0 {
+            std::borrow::Cow::Owned(l.act.fwd(&s.gate[j], up))
+        } else {
+            std::borrow::Cow::Borrowed(&s.act[j][..])
+        };
+        mm_tn(&mut ge[wo.clone()], &act, dy, rows, f, h, true);
+        drop(act);
         let mut da = vec![0.0; rows * f];
         mm_nt(&mut da, dy, &pe[wo], rows, f, h, false);
         let mut dx = vec![0.0; rows * h];
-        let up = l.w_up.as_ref().map(|_| &s.up[j][..]);
         if let (Some(du), Some(wu)) = (l.act.bwd(&mut da, &s.gate[j], up), &l.w_up) {
             let wu = part(wu, j, h * f);
             if let Some(b) = &l.b_up {

@@ -36,6 +36,11 @@ fn spec(model: TransformerConfig, layout: Layout) -> RunSpec {
     s
 }
 
+/// Megatron-Core's `--recompute-modules` of the named submodules.
+fn modules(names: &[&str]) -> Recompute {
+    Recompute::Modules(parallax_ir::RecomputeModules::parse(names).unwrap())
+}
+
 /// Losses and final state of a run.
 type Outcome = Arc<(Vec<f64>, ModelState)>;
 
@@ -251,6 +256,12 @@ equivalence! {
     nemotron_tp2_sp_pp2: nemotron(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
     nemotron_relu2_experts_dp2_ep2_zero1: TransformerConfig { moe: Some(parallax_ir::models::MoeConfig::routed(4, 2)), ..nemotron(2) }, Layout { dp: 2, ep: 2, zero_stage: 1, ..Layout::default() };
     relu_gpt_tp2_full_recompute: TransformerConfig { mlp: parallax_ir::models::Mlp::Relu, ..gpt(2) }, Layout { tp: 2, recompute: Recompute::Full, ..Layout::default() };
+    // Megatron-Core's named-module recomputation: the norms gathered again under sequence
+    // parallelism, the mixture dispatched again, latent attention's up projections redone.
+    llama_tp2_sp_pp2_recompute_norms_attention_mlp: llama(4), Layout { tp: 2, sequence_parallel: true, recompute: modules(&["layernorm", "core_attn", "mlp"]), ..pp(2, Schedule::OneFOneB) };
+    deepseek_tp2_sp_ep2_etp1_recompute_moe_norms_up_proj: deepseek(2, 16), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), recompute: modules(&["moe", "layernorm", "mla_up_proj"]), ..Layout::default() };
+    deepseek_moe_dp2_ep2_recompute_shared_experts_moe_act: deepseek_moe(2), Layout { dp: 2, ep: 2, recompute: modules(&["shared_experts", "moe_act", "core_attn"]), ..Layout::default() };
+    moe_dense_tp2_sp_ep2_etp1_zb_h1_recompute_mlp_moe: mixed_dense(4), Layout { tp: 2, sequence_parallel: true, ep: 2, etp: Some(1), recompute: modules(&["mlp", "moe"]), ..pp(2, Schedule::ZeroBubbleH1) };
     // Sliding windows alternating with full attention, no position embedding.
     windowed_nope_tp2_sp_pp2: windowed_nope(4), Layout { tp: 2, sequence_parallel: true, ..pp(2, Schedule::OneFOneB) };
     windowed_nope_dp2_zero1_selective: windowed_nope(4), Layout { dp: 2, zero_stage: 1, recompute: Recompute::Selective, ..Layout::default() };
