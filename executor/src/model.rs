@@ -2946,6 +2946,26 @@ mod tests {
     use crate::testing::{check_grad, rand};
     use parallax_ir::models::{zoo, MlaConfig};
 
+    /// The pass the block tests run: two sequences of five tokens.
+    const PASS: Pass = Pass {
+        batch: 2,
+        seq: 5,
+        cp: 1,
+        c: 0,
+    };
+
+    /// A block's parallel context on a single rank.
+    fn one_rank<'a>(comm: &'a mut dyn Collectives, group: &'a crate::comm::Group) -> Tp<'a> {
+        Tp {
+            comm,
+            group,
+            sp: false,
+            cp: None,
+            ep: None,
+            fold: false,
+        }
+    }
+
     /// One block of `c` on one rank: the gradients of its parameters and input against
     /// central differences of `Σ r · block(x)` (every few elements of each).
     fn check_block_gradients(c: &TransformerConfig, what: &str) {
@@ -2958,25 +2978,13 @@ mod tests {
         for s in slots.iter().filter(|s| s.init == Init::Ones) {
             p[s.range.clone()].iter_mut().for_each(|v| *v += 1.0);
         }
-        let pass = Pass {
-            batch: 2,
-            seq: 5,
-            cp: 1,
-            c: 0,
-        };
+        let pass = PASS;
         let rows = pass.batch * pass.seq;
         let x = rand(rows * d.h, 2, 1.0);
         let r = rand(rows * d.h, 3, 1.0);
         let (mut comms, _) = ThreadComm::create(1, std::time::Duration::from_secs(5));
         let group = crate::comm::Group::new(vec![0]);
-        let mut tp = Tp {
-            comm: &mut comms[0],
-            group: &group,
-            sp: false,
-            cp: None,
-            ep: None,
-            fold: false,
-        };
+        let mut tp = one_rank(&mut comms[0], &group);
         let (_, cache) = block_fwd(&d, &l, &p, &[], x.clone(), &mut tp, pass, Keep::All).unwrap();
         let mut g = vec![0.0; n];
         let dx = block_bwd(
@@ -3034,24 +3042,12 @@ mod tests {
             let l = BlockLayout::build(&d, 0, &mut b, &mut eb);
             let ((_, n), (_, en)) = (b.finish(), eb.finish());
             let (p, pe) = (rand(n, 1, 0.3), rand(en, 4, 0.3));
-            let pass = Pass {
-                batch: 2,
-                seq: 5,
-                cp: 1,
-                c: 0,
-            };
+            let pass = PASS;
             let rows = pass.batch * pass.seq;
             let (x, r) = (rand(rows * d.h, 2, 1.0), rand(rows * d.h, 3, 1.0));
             let (mut comms, _) = ThreadComm::create(1, std::time::Duration::from_secs(5));
             let group = crate::comm::Group::new(vec![0]);
-            let mut tp = Tp {
-                comm: &mut comms[0],
-                group: &group,
-                sp: false,
-                cp: None,
-                ep: None,
-                fold: false,
-            };
+            let mut tp = one_rank(&mut comms[0], &group);
             let mut grads = |keep: Keep| {
                 let (_, cache) =
                     block_fwd(&d, &l, &p, &pe, x.clone(), &mut tp, pass, keep).unwrap();
