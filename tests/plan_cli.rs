@@ -75,6 +75,15 @@ fn bad_plan_inputs_end_in_one_line_and_status_2() {
         assert_eq!(err.trim_end().lines().count(), 1, "{extra:?}: {err}");
         assert!(err.contains(expect), "{extra:?}: {err}");
     }
+    // A value thousands of characters long is named, not echoed whole.
+    let long = "x".repeat(5000);
+    let mut args = SMALL.to_vec();
+    args.extend(["--fp8-recipe", &long]);
+    let err = String::from_utf8_lossy(&plan(&args).stderr).into_owned();
+    assert!(
+        err.contains("unknown fp8 recipe") && err.len() < 300,
+        "{err}"
+    );
 }
 
 #[test]

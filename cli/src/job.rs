@@ -39,7 +39,7 @@ pub struct JobArgs {
     /// fp8 only: how the stack scales its casts, delayed, tensorwise, rowwise or blockwise
     /// (Megatron's `--fp8-recipe`, torchao's recipe names). Default: the stack's own.
     #[arg(long, value_name = "RECIPE")]
-    pub fp8_recipe: Option<Fp8Recipe>,
+    pub fp8_recipe: Option<String>,
     /// Micro-pipeline the tensor-parallel collectives with their matmuls (PyTorch's
     /// asynchronous TP: torchtitan's `enable_async_tensor_parallel`).
     #[arg(long)]
@@ -62,8 +62,11 @@ pub struct Job {
     pub seq: u64,
     pub global_batch: u64,
     pub precision: Precision,
-    /// The stack that runs it (`--framework`, else a current one).
+    /// The stack that runs it (`--framework`, else a current one), with the options chosen.
     pub framework: Framework,
+    /// The fp8 recipe `--fp8-recipe` chose (already in `framework`; kept for a stack that
+    /// replaces it, as `--export` does).
+    pub fp8_recipe: Option<Fp8Recipe>,
 }
 
 /// A loaded job: a transformer for the structured path, or any other graph for the per-op path.
@@ -98,13 +101,20 @@ impl JobArgs {
             Some(spec) => Framework::parse(spec).map_err(|e| user(format!("--framework: {e}")))?,
             None => Framework::current(),
         };
-        if self.fp8_recipe.is_some() && self.precision != Precision::Fp8 {
+        // Read here rather than by clap, whose refusal would echo the whole value.
+        let fp8_recipe = self
+            .fp8_recipe
+            .as_deref()
+            .map(str::parse::<Fp8Recipe>)
+            .transpose()
+            .map_err(|e| user(format!("--fp8-recipe: {e}")))?;
+        if fp8_recipe.is_some() && self.precision != Precision::Fp8 {
             return Err(user(format!(
                 "--fp8-recipe: the job trains in {} (add --precision fp8)",
                 self.precision
             )));
         }
-        let framework = self.with_options(framework)?;
+        let framework = self.with_options(framework, fp8_recipe)?;
         Ok(match loaded.transformer().cloned() {
             Some(model) => Loaded::Transformer(Job {
                 name: loaded.name,
@@ -114,6 +124,7 @@ impl JobArgs {
                 global_batch: self.global_batch,
                 precision: self.precision,
                 framework,
+                fp8_recipe,
             }),
             None if self.framework.is_some() || self.fp8_recipe.is_some() || self.async_tp => {
                 let flag = if self.framework.is_some() {
@@ -141,9 +152,14 @@ impl JobArgs {
 }
 
 impl JobArgs {
-    /// `fw` with the `--fp8-recipe` and `--async-tp` chosen, where it offers them.
-    pub fn with_options(&self, fw: Framework) -> anyhow::Result<Framework> {
-        fw.with_options(self.fp8_recipe, self.async_tp)
+    /// `fw` with the fp8 recipe (`--fp8-recipe`, read by [`JobArgs::load`]) and `--async-tp`
+    /// chosen, where it offers them.
+    pub fn with_options(
+        &self,
+        fw: Framework,
+        fp8_recipe: Option<Fp8Recipe>,
+    ) -> anyhow::Result<Framework> {
+        fw.with_options(fp8_recipe, self.async_tp)
             .map_err(|e| user(e.to_string()))
     }
 }

@@ -210,7 +210,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 )));
             }
         }
-        job.framework = a.job.with_options(stack)?;
+        job.framework = a.job.with_options(stack, job.fp8_recipe)?;
     }
     let mut setup = job.setup();
     setup.runtime.allow_tp_across_nodes = a.allow_tp_across_nodes;
