@@ -149,9 +149,7 @@ impl JobArgs {
             )?),
         })
     }
-}
 
-impl JobArgs {
     /// `fw` with the fp8 recipe (`--fp8-recipe`, read by [`JobArgs::load`]) and `--async-tp`
     /// chosen, where it offers them.
     pub fn with_options(

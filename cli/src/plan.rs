@@ -199,18 +199,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // Predict what the engine the plan is exported to will run: `--export E` is E's current
     // stack, and a `--framework` beside it must be that stack.
     if let Some(e) = engine {
-        let stack = Framework::for_engine(e);
+        // The engine's stack with the options chosen, which a named stack must equal.
+        let stack = a
+            .job
+            .with_options(Framework::for_engine(e), job.fp8_recipe)?;
         let same = |f: &Framework| f.runtime == stack.runtime && f.space == stack.space;
-        if let Some(spec) = &a.job.framework {
-            let named = Framework::parse(spec).map_err(|e| user(format!("--framework: {e}")))?;
-            if !same(&named) {
-                return Err(user(format!(
-                    "--framework {}: --export {e} plans for {e}'s current stack ({}); leave --framework out",
-                    named.name, stack.name
-                )));
-            }
+        if a.job.framework.is_some() && !same(&job.framework) {
+            return Err(user(format!(
+                "--framework {}: --export {e} plans for {e}'s current stack ({}); leave --framework out",
+                job.framework.name, stack.name
+            )));
         }
-        job.framework = a.job.with_options(stack, job.fp8_recipe)?;
+        job.framework = stack;
     }
     let mut setup = job.setup();
     setup.runtime.allow_tp_across_nodes = a.allow_tp_across_nodes;

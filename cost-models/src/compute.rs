@@ -1900,7 +1900,6 @@ mod tests {
     /// Qwen3-30B-A3B's MoE layer: 4096 tokens, hidden 2048, 128 experts of 768, top-8.
     const QWEN3_MOE: (u64, u64, u64, u64, u64) = (4096, 2048, 8, 128, 768);
 
-    /// The MoE op of [`QWEN3_MOE`], its input shapes and its 16-bit work.
     /// A bias-free linear layer over `rows` tokens, `k` features in and `n` out, in 16 bits.
     fn linear_layer(rows: u64, k: u64, n: u64) -> (OpKind, [Shape; 2], Work) {
         let op = OpKind::Linear(parallax_ir::op::LinearAttrs {
@@ -1912,6 +1911,7 @@ mod tests {
         (op, ins, w)
     }
 
+    /// The MoE op of [`QWEN3_MOE`], its input shapes and its 16-bit work.
     fn qwen3_moe_layer() -> (OpKind, [Shape; 5], Work) {
         moe_layer(QWEN3_MOE, 2)
     }

@@ -901,15 +901,20 @@ pub fn transformer_costs_with(
     // FP8 training gathers the GEMM inputs (and, in backward, the output gradients) already
     // cast to 8 bits: Transformer Engine's layer-norm output and gradient gathers and torchao's
     // `Float8ColwiseParallel` / `Float8RowwiseParallel` cast before they all-gather; the
-    // reduce-scatters of GEMM outputs stay 16-bit.
-    let gathered = if s.precision == Precision::Fp8 && s.runtime.fp8_recipe.gathers_fp8() {
-        Bytes(act.0 / fb)
-    } else {
-        act
+    // reduce-scatters of GEMM outputs stay 16-bit. Under torchao's rowwise recipe the gathers
+    // stay 16-bit and the gathered tensor is cast before any matmul reads it
+    // ([`Fp8Recipe::gathers_fp8`]).
+    let (gathered, gathers_into_matmuls) = match (s.precision, s.runtime.fp8_recipe.gathers_fp8()) {
+        (Precision::Fp8, true) => (Bytes(act.0 / fb), true),
+        (Precision::Fp8, false) => (act, false),
+        _ => (act, true),
     };
+    let (tp_gather, tp_scatter) = (
+        net.collective(Collective::AllGather, gathered, tp_group),
+        net.collective(Collective::ReduceScatter, act, tp_group),
+    );
     let tp_one = if sp {
-        net.collective(Collective::AllGather, gathered, tp_group)
-            + net.collective(Collective::ReduceScatter, act, tp_group)
+        tp_gather + tp_scatter
     } else {
         net.collective(Collective::AllReduce, act, tp_group)
     };
@@ -952,13 +957,12 @@ pub fn transformer_costs_with(
             TpOverlap::MicroPipelined if l.tp > 1 && sp => {
                 let (column, row) = block_prices.tp_linears(block, hidden);
                 async_tp_exposed(&AsyncTp {
-                    gather: net.collective(Collective::AllGather, gathered, tp_group),
-                    scatter: net.collective(Collective::ReduceScatter, act, tp_group),
+                    gather: tp_gather,
+                    scatter: tp_scatter,
                     reduce: dev.memory(act.0 as f64 * (1.0 + 1.0 / tp as f64)),
                     regions: tp_regions,
                     tp: l.tp,
-                    gathers_into_matmuls: s.precision != Precision::Fp8
-                        || s.runtime.fp8_recipe.gathers_fp8(),
+                    gathers_into_matmuls,
                     column,
                     row,
                 })

@@ -398,7 +398,7 @@ pub fn moe_bwd(
             bias_grad(&mut ge[part(b, j, h)], dy);
         }
         let up = l.w_up.as_ref().map(|_| &s.up[j][..]);
-        let act = if s.act[j].is_empty() && rows > 0 {
+        let act = if s.act[j].is_empty() {
             std::borrow::Cow::Owned(l.act.fwd(&s.gate[j], up))
         } else {
             std::borrow::Cow::Borrowed(&s.act[j][..])

@@ -146,9 +146,8 @@ fn megatron_loss(rt: Runtime) -> Runtime {
 }
 
 /// A space offering `schedules`, ZeRO stages `zero` and `recompute`, with uneven stages,
-/// sequence and model parallelism.
-/// A stack's space, as of its era: no offload, no fp8 recipe and no asynchronous TP unless its
-/// row adds them.
+/// sequence and model parallelism, as of its stack's era: no offload, no fp8 recipe and no
+/// asynchronous TP unless its row adds them.
 fn space(schedules: &[Schedule], zero: &[u8], recompute: &[Recompute]) -> Space {
     Space {
         schedules: schedules.to_vec(),
