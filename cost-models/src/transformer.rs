@@ -157,10 +157,11 @@ pub struct Runtime {
     /// GPT-2 blocks): see [`DeviceModel::with_eager`] for the kernels that adds.
     #[serde(default)]
     pub eager_kernels: bool,
-    /// The router is forced to spread tokens evenly over the experts (Megatron's
-    /// `--moe-router-force-load-balancing`, which benchmark recipes set); otherwise the busiest
-    /// expert rank receives the expected maximum of a random top-k routing
-    /// ([`busiest_rank_load`]).
+    /// Every expert rank receives the same share of the routed tokens (a gate that deals
+    /// tokens out in turn, or token dropping at capacity); otherwise the busiest expert rank
+    /// receives the expected maximum of a random top-k routing ([`busiest_rank_load`]), which
+    /// is also what Megatron's `--moe-router-force-load-balancing` gives: it routes on random
+    /// logits.
     #[serde(default)]
     pub balanced_routing: bool,
     /// How fp8 training scales its casts ([`Fp8Recipe`]): per tensor from the current amax
@@ -2361,7 +2362,7 @@ mod tests {
     }
 
     /// Random top-k routing leaves the busiest expert rank σ·√(2 ln ep) above the mean: for
-    /// DeepSeek-V3's 4096 tokens × 8 copies over 64 ranks, 1.6 %; forced balancing none. The
+    /// DeepSeek-V3's 4096 tokens × 8 copies over 64 ranks, 1.6 %; an even deal none. The
     /// busiest rank's dispatch and expert rows grow by that share.
     #[test]
     fn the_busiest_expert_rank_receives_the_expected_maximum() {

@@ -787,15 +787,19 @@ impl TransformerCase {
         }
     }
 
-    /// Whether the benchmark spread tokens evenly over the experts (forced or fake-balanced
-    /// gates), or capped each expert's load by token dropping (at a capacity factor of 1 where
-    /// none is published): then no rank is a straggler.
+    /// Whether the benchmark spread tokens evenly over the experts (a fake-balanced gate that
+    /// deals tokens out in turn), or capped each expert's load by token dropping (at a capacity
+    /// factor of 1 where none is published): then no rank is a straggler. Megatron's forced
+    /// load balancing (`--moe-router-force-load-balancing`, the "forced-balanced" of
+    /// NVIDIA's tables) is not even: it routes on random logits (`apply_random_logits`,
+    /// `moe_utils.py`), so each rank's load is a multinomial draw and the busiest rank
+    /// receives its expected maximum like any random top-k routing.
     fn balanced_routing(&self) -> bool {
         self.model.moe.as_ref().is_some_and(|m| {
             let routing = m.routing.as_deref().unwrap_or("");
             let capped =
                 routing.starts_with("token-drop") || m.capacity_factor.is_some_and(|c| c <= 1.0);
-            routing.starts_with("forced-balanced") || routing.starts_with("fake-balanced") || capped
+            routing.starts_with("fake-balanced") || capped
         })
     }
 
