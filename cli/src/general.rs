@@ -455,6 +455,7 @@ fn plan_document(
             tokens_per_s: p.samples_per_s,
             mfu: p.mfu,
             peak_memory_gib: p.peak_memory_gib,
+            reserved_memory_gib: p.reserved_memory_gib,
             fits: p.fits,
             framework: None,
         }),
@@ -479,6 +480,7 @@ fn prediction_json(
         "tokens_per_s": p.samples_per_s * job.seq as f64,
         "mfu": p.mfu,
         "peak_memory_gib": p.peak_memory_gib,
+        "reserved_memory_gib": p.reserved_memory_gib,
         "capacity_gib": p.capacity_gib,
         "fits": p.fits,
         "layout": summary(costs, plan),
@@ -609,7 +611,8 @@ pub(crate) fn step_lines(gpus: u32, p: &OpStepPrediction, band: f64) -> Vec<Stri
             p.mfu * 100.0
         ),
         format!(
-            "memory      {} peak of {} per GPU ({} of {} GPUs used, {} stage{}, {} micro-batch{}, bubble {:.0} %)",
+            "memory      {} reserved ({} allocated) of {} per GPU ({} of {} GPUs used, {} stage{}, {} micro-batch{}, bubble {:.0} %)",
+            bytes(p.reserved_memory_gib * GIB),
             bytes(p.peak_memory_gib * GIB),
             bytes(p.capacity_gib * GIB),
             p.used_devices,
@@ -632,7 +635,7 @@ pub(crate) fn step_lines(gpus: u32, p: &OpStepPrediction, band: f64) -> Vec<Stri
     if !p.fits {
         v.push(format!(
             "does not fit: {:.1} GiB needed on the fullest GPU, {:.1} GiB there",
-            p.peak_memory_gib, p.capacity_gib
+            p.reserved_memory_gib, p.capacity_gib
         ));
     }
     v

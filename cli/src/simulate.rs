@@ -192,9 +192,10 @@ pub(crate) fn print_report(
     let g = |x: f64| bytes(x * GIB);
     println!();
     println!(
-        "memory      {} of {} on the fullest stage: params {}, grads {}, optimizer {}, activations {}, buffers {}, allocator {}",
+        "memory      {} reserved of {} on the fullest stage ({} allocated): params {}, grads {}, optimizer {}, activations {}, buffers {}, allocator {}",
         g(m.total),
         g(p.capacity_gib),
+        g(m.allocated),
         g(m.params),
         g(m.grads),
         g(m.optimizer),
@@ -205,7 +206,7 @@ pub(crate) fn print_report(
     if !p.fits {
         println!(
             "DOES NOT FIT: {:.1} GiB over the {:.0} GiB of one device",
-            p.peak_memory_gib - p.capacity_gib,
+            p.reserved_memory_gib - p.capacity_gib,
             p.capacity_gib
         );
     }

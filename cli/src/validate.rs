@@ -7,7 +7,7 @@ use parallax_cost::step_time_band;
 use parallax_cost::transformer::Setup;
 use parallax_ir::PartialLayout;
 use parallax_planner::general_cases::GeneralInputs;
-use parallax_planner::{complete_or_smallest, parse_cases, validate, Space};
+use parallax_planner::{complete_or_smallest, parse_cases, validate, MemoryKind, Space};
 use parallax_sim::perop::simulate_op_plan;
 use parallax_sim::simulate_step;
 use serde_json::json;
@@ -133,12 +133,13 @@ fn explain(id: &str, files: &[(String, Vec<parallax_planner::Case>)]) -> anyhow:
                     for l in crate::general::config_lines(costs, plan) {
                         println!("{l}");
                     }
-                    Ok((sim.prediction.step_time_s, sim.prediction.peak_memory_gib))
+                    let p = &sim.prediction;
+                    Ok((p.step_time_s, p.peak_memory_gib, p.reserved_memory_gib))
                 }
             })
             .map_err(fail)?,
     };
-    let (step, peak) = predicted;
+    let (step, allocated, reserved) = predicted;
     let err = |pred: f64, meas: f64| format!("{:+.1} %", (pred - meas) / meas * 100.0);
     println!();
     if (scale - 1.0).abs() > 5e-4 {
@@ -153,9 +154,15 @@ fn explain(id: &str, files: &[(String, Vec<parallax_planner::Case>)]) -> anyhow:
         err(step * scale, measured.step_time_s)
     );
     if let Some(m) = measured.peak_memory_gib {
+        let kind = MemoryKind::from_published(measured.memory_kind.as_deref());
         println!(
-            "            {m:.2} GiB peak memory (prediction {})",
-            err(peak, m)
+            "            {m:.2} GiB peak memory, {} (prediction {})",
+            match kind {
+                MemoryKind::Allocated => "allocated",
+                MemoryKind::Reserved => "reserved",
+                MemoryKind::DeviceUsed => "nvidia-smi used",
+            },
+            err(kind.read(allocated, reserved), m)
         );
     }
     Ok(())
@@ -169,13 +176,14 @@ fn explain_transformer(
     setup: &Setup,
     partial: &PartialLayout,
     space: &Space,
-) -> Result<(f64, f64), String> {
+) -> Result<(f64, f64, f64), String> {
     let (layout, _) = complete_or_smallest(setup, partial, space).map_err(|e| e.to_string())?;
     let sim = simulate_step(setup, &layout).map_err(|e| e.to_string())?;
     let band = step_time_band(setup.profile);
     crate::simulate::print_report(title, stack, &sim, &layout, band);
     crate::simulate::print_layer_costs(setup, &layout);
-    Ok((sim.prediction.step_time_s, sim.prediction.peak_memory_gib))
+    let p = &sim.prediction;
+    Ok((p.step_time_s, p.peak_memory_gib, p.reserved_memory_gib))
 }
 
 /// The cases of one file, filtered by `--group` and re-stacked by `--framework`.

@@ -35,6 +35,12 @@ pub const HOST_STREAM_EFFICIENCY: f64 = 0.75;
 /// above `max_memory_allocated` in large-model training (PyTorch CUDA caching allocator notes).
 pub const ALLOCATOR_FRACTION: f64 = 0.07;
 
+/// Device memory a process holds outside its caching allocator, GiB: the CUDA context and the
+/// kernel images it loads (PyTorch, cuBLAS, cuDNN, NCCL). `nvidia-smi` counts it, the
+/// allocator's statistics do not: one 4-byte tensor put on a GPU by a CUDA-10-era PyTorch shows
+/// as 723 MiB (discuss.pytorch.org/t/73021, 2020).
+pub const CUDA_CONTEXT_GIB: f64 = 723.0 / 1024.0;
+
 /// Fixed workspace outside the model on a GPU: cuBLAS / cuDNN workspaces and NCCL buffers,
 /// GiB.
 pub const WORKSPACE_GIB: f64 = 1.0;
@@ -144,20 +150,26 @@ pub struct MemoryBreakdown {
     pub activations: Bytes,
     /// Communication and gather buffers, logits, workspaces.
     pub buffers: Bytes,
-    /// Allocator fragmentation allowance.
+    /// What the caching allocator reserves beyond the live tensors (fragmentation, block
+    /// rounding).
     pub allocator: Bytes,
 }
 
 impl MemoryBreakdown {
-    /// Everything.
+    /// Everything the allocator reserves at the peak (PyTorch's `max_memory_reserved`): what
+    /// must fit in the device.
     pub fn total(&self) -> Bytes {
-        self.params + self.grads + self.optimizer + self.activations + self.buffers + self.allocator
+        self.allocated() + self.allocator
+    }
+
+    /// The live tensors at the peak (PyTorch's `max_memory_allocated`).
+    pub fn allocated(&self) -> Bytes {
+        self.params + self.grads + self.optimizer + self.activations + self.buffers
     }
 
     /// Adds the allocator allowance on top of the live bytes.
     pub fn with_allocator(mut self) -> Self {
-        let live = self.params + self.grads + self.optimizer + self.activations + self.buffers;
-        self.allocator = Bytes((live.0 as f64 * ALLOCATOR_FRACTION) as u64);
+        self.allocator = Bytes((self.allocated().0 as f64 * ALLOCATOR_FRACTION) as u64);
         self
     }
 }

@@ -772,7 +772,13 @@ pub struct Prediction {
     pub step_time_s_high: f64,
     pub tokens_per_s: f64,
     pub mfu: f64,
+    /// Peak of the live tensors per device (PyTorch's `max_memory_allocated`), GiB.
     pub peak_memory_gib: f64,
+    /// Peak the caching allocator reserves (`max_memory_reserved`), GiB: what must fit. Plans
+    /// written before it was reported read 0.
+    #[serde(default)]
+    pub reserved_memory_gib: f64,
+    /// The reserved peak fits in the device.
     pub fits: bool,
     /// The software stack the prediction models (`name@version`, see `parallax frameworks`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1062,6 +1068,7 @@ mod tests {
                 tokens_per_s: 251_658.24,
                 mfu: 0.52,
                 peak_memory_gib: 61.2,
+                reserved_memory_gib: 65.5,
                 fits: true,
                 framework: None,
             }),

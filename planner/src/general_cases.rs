@@ -249,6 +249,7 @@ impl GeneralCase {
                 Ok(Predicted {
                     step_time_s: sim.prediction.step_time_s,
                     peak_memory_gib: sim.prediction.peak_memory_gib,
+                    reserved_memory_gib: sim.prediction.reserved_memory_gib,
                     layout,
                 })
             }

@@ -19,8 +19,8 @@ pub use search::{
     SearchOptions, SearchResult, Space,
 };
 pub use validate::{
-    parse_cases, summarize, validate, Case, CaseResult, Framework, GeneralCase, Summary,
-    TransformerCase,
+    parse_cases, summarize, validate, Case, CaseResult, Framework, GeneralCase, MemoryKind,
+    Summary, TransformerCase,
 };
 pub mod soap;
 pub use soap::{

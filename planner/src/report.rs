@@ -69,6 +69,7 @@ pub fn plan_document(input: &ReportInput, e: &Evaluated) -> Plan {
             tokens_per_s: p.tokens_per_s,
             mfu: p.mfu,
             peak_memory_gib: p.peak_memory_gib,
+            reserved_memory_gib: p.reserved_memory_gib,
             fits: p.fits,
             framework: Some(input.framework.into()),
         }),
@@ -161,12 +162,12 @@ pub fn explain(input: &ReportInput) -> Vec<String> {
         .map(|(k, x)| format!("{k} {x:.2} s ({})", pct(x / step)))
         .collect();
     out.push(format!("Step {step:.2} s: {}.", listed.join(", ")));
-    let headroom = 1.0 - p.peak_memory_gib / p.capacity_gib;
+    let headroom = 1.0 - p.reserved_memory_gib / p.capacity_gib;
     let largest_loss = shares.iter().find(|(k, _)| *k != "compute");
     let binding = if headroom < 0.10 {
         format!(
-            "Memory binds: the fullest stage uses {:.1} of {:.0} GiB ({}); anything holding more per GPU does not fit",
-            p.peak_memory_gib,
+            "Memory binds: the fullest stage reserves {:.1} of {:.0} GiB ({}); anything holding more per GPU does not fit",
+            p.reserved_memory_gib,
             p.capacity_gib,
             pct(1.0 - headroom)
         )
@@ -176,7 +177,7 @@ pub fn explain(input: &ReportInput) -> Vec<String> {
             part_name(k),
             pct(x / step),
             pct(headroom),
-            p.peak_memory_gib,
+            p.reserved_memory_gib,
             p.capacity_gib
         )
     } else {
@@ -184,7 +185,7 @@ pub fn explain(input: &ReportInput) -> Vec<String> {
             "Compute binds: {} of the step is kernels, MFU {}; memory {:.1} of {:.0} GiB",
             pct(p.breakdown.compute_s / step),
             pct(p.mfu),
-            p.peak_memory_gib,
+            p.reserved_memory_gib,
             p.capacity_gib
         )
     };
@@ -331,7 +332,10 @@ pub struct Row {
     pub step_time_s_high: f64,
     pub tokens_per_s: f64,
     pub mfu: f64,
+    /// Peak of the live tensors, GiB.
     pub peak_memory_gib: f64,
+    /// Peak the caching allocator reserves, GiB: what must fit in `capacity_gib`.
+    pub reserved_memory_gib: f64,
     pub capacity_gib: f64,
     pub bubble_fraction: f64,
     pub exposed_comm_s: f64,
@@ -358,6 +362,7 @@ pub fn rows(input: &ReportInput) -> Vec<Row> {
                 tokens_per_s: p.tokens_per_s,
                 mfu: p.mfu,
                 peak_memory_gib: p.peak_memory_gib,
+                reserved_memory_gib: p.reserved_memory_gib,
                 capacity_gib: p.capacity_gib,
                 bubble_fraction: p.bubble_fraction,
                 exposed_comm_s: p.breakdown.exposed_comm(),
@@ -387,7 +392,7 @@ pub fn table_cells(input: &ReportInput) -> (Vec<&'static str>, Vec<Vec<String>>)
                 format!("{:.2}–{:.2}", r.step_time_s_low, r.step_time_s_high),
                 format!("{:.0}", r.tokens_per_s),
                 pct(r.mfu),
-                format!("{:.1} / {:.0}", r.peak_memory_gib, r.capacity_gib),
+                format!("{:.1} / {:.0}", r.reserved_memory_gib, r.capacity_gib),
                 pct(r.bubble_fraction),
                 format!("{:.2}", r.exposed_comm_s),
             ]
@@ -408,6 +413,7 @@ pub fn prediction_json(p: &StepPrediction, layout: &Layout, band: f64) -> Value 
         "mfu": p.mfu,
         "hfu": p.hfu,
         "peak_memory_gib": p.peak_memory_gib,
+        "reserved_memory_gib": p.reserved_memory_gib,
         "capacity_gib": p.capacity_gib,
         "fits": p.fits,
         "layout": layout,
@@ -420,7 +426,7 @@ pub fn prediction_json(p: &StepPrediction, layout: &Layout, band: f64) -> Value 
         "micro_batches": p.micro_batches,
     });
     if !p.fits {
-        doc["over_by_gib"] = json!(p.peak_memory_gib - p.capacity_gib);
+        doc["over_by_gib"] = json!(p.reserved_memory_gib - p.capacity_gib);
     }
     doc
 }
@@ -521,7 +527,8 @@ pub fn headline(input: &ReportInput) -> Vec<String> {
             pct(p.hfu)
         ),
         format!(
-            "memory      {:.1} GiB peak of {:.0} GiB per GPU ({} micro-batches, bubble {})",
+            "memory      {:.1} GiB reserved ({:.1} allocated) of {:.0} GiB per GPU ({} micro-batches, bubble {})",
+            p.reserved_memory_gib,
             p.peak_memory_gib,
             p.capacity_gib,
             p.micro_batches,
@@ -698,6 +705,7 @@ mod tests {
             "mfu",
             "hfu",
             "peak_memory_gib",
+            "reserved_memory_gib",
             "fits",
             "layout",
             "breakdown",

@@ -908,7 +908,7 @@ fn run(
             let c = &cands[i];
             counts.simulated += 1;
             if let Ok(p) = &r {
-                if tight && (p.step_time_s < c.bound || p.peak_memory_gib < c.memory) {
+                if tight && (p.step_time_s < c.bound || p.reserved_memory_gib < c.memory) {
                     return Ok(None);
                 }
             }
@@ -937,9 +937,9 @@ fn run(
                     for (f, s) in family_smallest.iter_mut().enumerate() {
                         if c.families & (1 << f) != 0
                             && s.as_ref()
-                                .is_none_or(|b| (p.peak_memory_gib, c.id) < (b.0, b.1))
+                                .is_none_or(|b| (p.reserved_memory_gib, c.id) < (b.0, b.1))
                         {
-                            *s = Some((p.peak_memory_gib, c.id, c.layout.clone()));
+                            *s = Some((p.reserved_memory_gib, c.id, c.layout.clone()));
                         }
                     }
                 }
@@ -1773,7 +1773,7 @@ mod tests {
                                 "{what}: {tight} > {}",
                                 sim.step_time_s
                             );
-                            assert_eq!(mem, sim.peak_memory_gib, "{what}");
+                            assert_eq!(mem, sim.reserved_memory_gib, "{what}");
                             assert!(states <= mem, "{what}: {states} > {mem}");
                             checked += 1;
                         }

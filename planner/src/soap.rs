@@ -1188,7 +1188,7 @@ mod tests {
             simulate_op_plan(&mut c, &plan, 8)
                 .unwrap()
                 .prediction
-                .peak_memory_gib
+                .reserved_memory_gib
         };
         let (zero, one, two) = (peak(0), peak(1), peak(2));
         assert!(zero > one && one > two, "{zero} {one} {two}");
@@ -1196,7 +1196,7 @@ mod tests {
         let tight = (one + two) / 2.0;
         let p = plan_on(tight).unwrap();
         assert_eq!(p.zero_stage, 2);
-        assert!(p.prediction.fits && p.prediction.peak_memory_gib <= tight);
+        assert!(p.prediction.fits && p.prediction.reserved_memory_gib <= tight);
         assert!(matches!(plan_on(two - 0.5), Err(SoapError::NothingFits(_))));
     }
 

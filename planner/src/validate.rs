@@ -7,6 +7,7 @@ use crate::complete::{complete_or_smallest, layout_string};
 pub use crate::framework::Framework;
 pub use crate::general_cases::{GeneralCase, GENERAL_CASES_SCHEMA};
 use crate::search::Space;
+use parallax_cost::memory::CUDA_CONTEXT_GIB;
 use parallax_cost::transformer::{CrossEntropy, RecomputeModules, Runtime, Setup, TpOverlap};
 use parallax_hardware::{Cluster, ClusterProfile};
 use parallax_ir::models::{
@@ -419,6 +420,50 @@ pub struct CasePlan {
 pub struct Measured {
     pub step_time_s: f64,
     pub peak_memory_gib: Option<f64>,
+    /// What the memory figure counts, in the source's words (the schema's `memory_kind`);
+    /// absent: what the allocator reserved, the case files' documented default.
+    #[serde(default)]
+    pub memory_kind: Option<String>,
+}
+
+/// What a published peak-memory figure counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MemoryKind {
+    /// The live tensors: PyTorch's `max_memory_allocated`.
+    Allocated,
+    /// What the caching allocator reserved: `max_memory_reserved` (torchtitan's and the case
+    /// files' `peak_memory_gib`).
+    #[default]
+    Reserved,
+    /// What `nvidia-smi` shows as used: the reserve plus the CUDA context
+    /// ([`CUDA_CONTEXT_GIB`]).
+    DeviceUsed,
+}
+
+impl MemoryKind {
+    /// The kind a case's `memory_kind` text names ("nvidia-smi used (allocator reserve + CUDA
+    /// context)", "torch.cuda.max_memory_allocated", …); none: reserved.
+    pub fn from_published(text: Option<&str>) -> MemoryKind {
+        let t = text.unwrap_or("").to_ascii_lowercase();
+        if t.contains("nvidia-smi") {
+            MemoryKind::DeviceUsed
+        } else if t.contains("allocated") {
+            MemoryKind::Allocated
+        } else {
+            MemoryKind::Reserved
+        }
+    }
+
+    /// What this kind would read of a predicted peak: `allocated` live tensors, `reserved` by
+    /// the allocator (GiB).
+    pub fn read(self, allocated: f64, reserved: f64) -> f64 {
+        match self {
+            MemoryKind::Allocated => allocated,
+            MemoryKind::Reserved => reserved,
+            MemoryKind::DeviceUsed => reserved + CUDA_CONTEXT_GIB,
+        }
+    }
 }
 
 /// Why a case file could not be read.
@@ -491,8 +536,11 @@ pub struct CaseResult {
     pub predicted_step_time_s: Option<f64>,
     pub ape: Option<f64>,
     pub measured_peak_memory_gib: Option<f64>,
+    /// The prediction of what the source measured ([`MemoryKind`]).
     pub predicted_peak_memory_gib: Option<f64>,
     pub memory_ape: Option<f64>,
+    /// What the measured memory counts.
+    pub memory_kind: MemoryKind,
     /// `ok`, or `skipped: reason`.
     pub status: String,
     /// The layout used (published knobs plus the chosen ones).
@@ -994,7 +1042,10 @@ pub const BRIDGE_MOE_RECIPES: &[BridgeMoeRecipe] = &[
 /// A case's prediction.
 pub(crate) struct Predicted {
     pub step_time_s: f64,
+    /// Peak of the live tensors, GiB.
     pub peak_memory_gib: f64,
+    /// Peak the caching allocator reserves, GiB.
+    pub reserved_memory_gib: f64,
     /// The layout used (published knobs plus the chosen ones).
     pub layout: String,
 }
@@ -1023,6 +1074,7 @@ pub(crate) fn complete_predicted(
     Ok(Predicted {
         step_time_s: p.step_time_s,
         peak_memory_gib: p.peak_memory_gib,
+        reserved_memory_gib: p.reserved_memory_gib,
         layout: shown,
     })
 }
@@ -1050,6 +1102,7 @@ impl CaseResult {
             group: case.group().into(),
             measured_step_time_s: m.step_time_s,
             measured_peak_memory_gib: m.peak_memory_gib,
+            memory_kind: MemoryKind::from_published(m.memory_kind.as_deref()),
             framework: case.stack(),
             ..CaseResult::default()
         };
@@ -1057,8 +1110,9 @@ impl CaseResult {
             Ok(p) => {
                 r.predicted_step_time_s = Some(p.step_time_s);
                 r.ape = Some((p.step_time_s - m.step_time_s).abs() / m.step_time_s);
-                r.predicted_peak_memory_gib = Some(p.peak_memory_gib);
-                r.memory_ape = m.peak_memory_gib.map(|g| (p.peak_memory_gib - g).abs() / g);
+                let predicted = r.memory_kind.read(p.peak_memory_gib, p.reserved_memory_gib);
+                r.predicted_peak_memory_gib = Some(predicted);
+                r.memory_ape = m.peak_memory_gib.map(|g| (predicted - g).abs() / g);
                 r.layout = Some(p.layout);
                 r.status = "ok".into();
             }
@@ -1128,6 +1182,29 @@ pub(crate) fn ground_truth(name: &str) -> Vec<Case> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A published memory figure is predicted as what it counts: the live tensors, the
+    /// allocator's reserve (the default), or nvidia-smi's used memory, which adds the CUDA
+    /// context the allocator does not see.
+    #[test]
+    fn memory_is_scored_as_the_source_measured_it() {
+        let kind = |t: &str| MemoryKind::from_published(Some(t));
+        assert_eq!(
+            kind("nvidia-smi used (allocator reserve + CUDA context), MiB/1024"),
+            MemoryKind::DeviceUsed
+        );
+        assert_eq!(
+            kind("torch.cuda.max_memory_allocated()"),
+            MemoryKind::Allocated
+        );
+        assert_eq!(kind("max_memory_reserved"), MemoryKind::Reserved);
+        assert_eq!(MemoryKind::from_published(None), MemoryKind::Reserved);
+        let (allocated, reserved) = (40.0, 43.0);
+        assert_eq!(MemoryKind::Allocated.read(allocated, reserved), 40.0);
+        assert_eq!(MemoryKind::Reserved.read(allocated, reserved), 43.0);
+        let used = MemoryKind::DeviceUsed.read(allocated, reserved);
+        assert!((used - 43.0 - CUDA_CONTEXT_GIB).abs() < 1e-12 && CUDA_CONTEXT_GIB > 0.5);
+    }
 
     #[test]
     fn case_files_of_both_schemas_parse_and_others_are_refused() {

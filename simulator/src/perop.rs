@@ -116,10 +116,14 @@ pub struct OpStepPrediction {
     pub bubble_fraction: f64,
     /// Memory of the device with the highest peak.
     pub memory: MemoryGib,
-    /// Peak memory of every device, GiB (0 for devices the plan leaves idle).
+    /// Peak memory every device reserves, GiB (0 for devices the plan leaves idle).
     pub device_memory_gib: Vec<f64>,
+    /// Peak of the live tensors on the fullest device (`max_memory_allocated`), GiB.
     pub peak_memory_gib: f64,
+    /// Peak the allocator reserves there (`max_memory_reserved`), GiB: what must fit.
+    pub reserved_memory_gib: f64,
     pub capacity_gib: f64,
+    /// The reserved peak fits in the device.
     pub fits: bool,
     /// Devices with at least one op.
     pub used_devices: u32,
@@ -902,7 +906,8 @@ fn step_of(
         bubble_fraction: r.bubble,
         memory,
         device_memory_gib,
-        peak_memory_gib: memory.total,
+        peak_memory_gib: memory.allocated,
+        reserved_memory_gib: memory.total,
         capacity_gib,
         fits: memory.total <= capacity_gib,
         used_devices: cls.members.iter().map(|m| m.len() as u32).sum(),

@@ -81,6 +81,11 @@ pub struct MemoryGib {
     pub activations: f64,
     pub buffers: f64,
     pub allocator: f64,
+    /// The live tensors (PyTorch's `max_memory_allocated`).
+    #[serde(default)]
+    pub allocated: f64,
+    /// What the caching allocator reserves (`max_memory_reserved`): the live tensors and the
+    /// allocator's share.
     pub total: f64,
 }
 
@@ -93,6 +98,7 @@ impl From<MemoryBreakdown> for MemoryGib {
             activations: m.activations.gib(),
             buffers: m.buffers.gib(),
             allocator: m.allocator.gib(),
+            allocated: m.allocated().gib(),
             total: m.total().gib(),
         }
     }
@@ -113,10 +119,14 @@ pub struct StepPrediction {
     pub breakdown: Breakdown,
     /// Memory of the stage with the highest peak.
     pub memory: MemoryGib,
-    /// Peak memory of each pipeline stage, GiB.
+    /// Peak memory each pipeline stage reserves, GiB.
     pub stage_memory_gib: Vec<f64>,
+    /// Peak of the live tensors on the fullest stage (PyTorch's `max_memory_allocated`), GiB.
     pub peak_memory_gib: f64,
+    /// Peak the caching allocator reserves there (`max_memory_reserved`), GiB: what must fit.
+    pub reserved_memory_gib: f64,
     pub capacity_gib: f64,
+    /// The reserved peak fits in the device.
     pub fits: bool,
 }
 
@@ -948,7 +958,7 @@ fn simulate_costed(
         stage_memory.push(mem.total().gib());
     }
     let capacity = setup.profile.device.hbm_gib;
-    let peak_gib = worst.total().gib();
+    let reserved_gib = worst.total().gib();
     let tokens = setup.global_batch as f64 * setup.seq as f64;
     let prediction = StepPrediction {
         step_time_s: step,
@@ -966,9 +976,10 @@ fn simulate_costed(
         },
         memory: worst.into(),
         stage_memory_gib: stage_memory,
-        peak_memory_gib: peak_gib,
+        peak_memory_gib: worst.allocated().gib(),
+        reserved_memory_gib: reserved_gib,
         capacity_gib: capacity,
-        fits: peak_gib <= capacity,
+        fits: reserved_gib <= capacity,
     };
     Ok(SimulatedStep {
         prediction,
@@ -1109,6 +1120,11 @@ mod tests {
             pr.step_time_s
         );
         assert!(pr.memory.total >= pr.memory.params + pr.memory.activations);
+        // The allocator reserves more than the live tensors; the reserve is what must fit.
+        assert_eq!(pr.peak_memory_gib, pr.memory.allocated);
+        assert_eq!(pr.reserved_memory_gib, pr.memory.total);
+        assert!(pr.peak_memory_gib < pr.reserved_memory_gib);
+        assert!(pr.reserved_memory_gib <= pr.capacity_gib);
     }
 
     #[test]
@@ -1564,7 +1580,7 @@ mod tests {
         };
         let r = simulate_step(&s, &l).unwrap().prediction;
         assert!(!r.fits);
-        assert!(r.peak_memory_gib > 3.0 * r.capacity_gib);
+        assert!(r.reserved_memory_gib > 3.0 * r.capacity_gib);
     }
 
     /// ZeRO-Offload by hand: Llama-3 8B on one DGX-2 V100 slot (fp16, ZeRO-2, one device)
