@@ -157,11 +157,7 @@ fn explain(id: &str, files: &[(String, Vec<parallax_planner::Case>)]) -> anyhow:
         let kind = MemoryKind::from_published(measured.memory_kind.as_deref());
         println!(
             "            {m:.2} GiB peak memory, {} (prediction {})",
-            match kind {
-                MemoryKind::Allocated => "allocated",
-                MemoryKind::Reserved => "reserved",
-                MemoryKind::DeviceUsed => "nvidia-smi used",
-            },
+            kind.name(),
             err(kind.read(allocated, reserved), m)
         );
     }

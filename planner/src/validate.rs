@@ -455,6 +455,15 @@ impl MemoryKind {
         }
     }
 
+    /// The kind in words.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryKind::Allocated => "allocated",
+            MemoryKind::Reserved => "reserved",
+            MemoryKind::DeviceUsed => "nvidia-smi used",
+        }
+    }
+
     /// What this kind would read of a predicted peak: `allocated` live tensors, `reserved` by
     /// the allocator (GiB).
     pub fn read(self, allocated: f64, reserved: f64) -> f64 {
