@@ -1278,6 +1278,10 @@ impl Keep {
 
 /// Leaves out of `s` what the submodules `m` of layer `l` compute ([`Keep::Modules`]).
 fn drop_modules(s: &mut BlockSaved, m: RecomputeModules, d: &Dims, l: &BlockLayout) {
+    // A Mamba layer names none of these modules; its scan keeps what its backward reads.
+    if l.mamba.is_some() {
+        return;
+    }
     // Post-norm blocks (BERT) read their input unnormalised: nothing to recompute there.
     if m.contains(RecomputeModules::LAYERNORM) && !d.bert {
         s.n1 = Vec::new();
@@ -1769,7 +1773,10 @@ pub fn block_fwd(
     pass: Pass,
     keep: Keep,
 ) -> Result<(Vec<f32>, BlockCache), CommError> {
-    let (y, saved) = block_fwd_inner(d, l, p, pe, &x, tp, pass, keep)?;
+    let (y, mut saved) = block_fwd_inner(d, l, p, pe, &x, tp, pass, keep)?;
+    if let (Keep::Modules(m), Some(s)) = (keep, saved.as_mut()) {
+        drop_modules(s, m, d, l);
+    }
     Ok((y, BlockCache { x, inner: saved }))
 }
 
@@ -1909,26 +1916,19 @@ fn block_fwd_inner(
     };
     // A hybrid stack's attention layers have no MLP.
     if !l.has_mlp() {
-        let saved = (keep != Keep::Input)
-            .then(|| BlockSaved {
-                n1,
-                st1,
-                q,
-                k,
-                v,
-                probs,
-                lse,
-                o,
-                qk_pre,
-                latent,
-                ..BlockSaved::default()
-            })
-            .map(|mut s| {
-                if let Keep::Modules(m) = keep {
-                    drop_modules(&mut s, m, d, l);
-                }
-                s
-            });
+        let saved = (keep != Keep::Input).then(|| BlockSaved {
+            n1,
+            st1,
+            q,
+            k,
+            v,
+            probs,
+            lse,
+            o,
+            qk_pre,
+            latent,
+            ..BlockSaved::default()
+        });
         return Ok((x2, saved));
     }
     let (n2, mut st2) = if d.bert {
@@ -1989,37 +1989,30 @@ fn block_fwd_inner(
         }
         None => (m, None),
     };
-    let saved = (keep != Keep::Input)
-        .then(|| BlockSaved {
-            post,
-            n1,
-            st1,
-            q,
-            k,
-            v,
-            probs,
-            lse,
-            o,
-            x2,
-            n2,
-            shared_n2,
-            gate,
-            shared_out,
-            qk_pre,
-            latent,
-            st2,
-            u,
-            up,
-            act: act.filter(|_| keep.act()),
-            moe,
-            mamba: None,
-        })
-        .map(|mut s| {
-            if let Keep::Modules(m) = keep {
-                drop_modules(&mut s, m, d, l);
-            }
-            s
-        });
+    let saved = (keep != Keep::Input).then(|| BlockSaved {
+        post,
+        n1,
+        st1,
+        q,
+        k,
+        v,
+        probs,
+        lse,
+        o,
+        x2,
+        n2,
+        shared_n2,
+        gate,
+        shared_out,
+        qk_pre,
+        latent,
+        st2,
+        u,
+        up,
+        act: act.filter(|_| keep.act()),
+        moe,
+        mamba: None,
+    });
     Ok((m, saved))
 }
 
@@ -2966,6 +2959,36 @@ mod tests {
         }
     }
 
+    /// One block's forward on `x` and backward from the output gradient `r` on a single rank,
+    /// keeping `keep`: the input gradient and the gradients of the parameters `p` and of the
+    /// experts `pe`.
+    #[allow(clippy::too_many_arguments)]
+    fn block_grads(
+        d: &Dims,
+        l: &BlockLayout,
+        (p, pe): (&[f32], &[f32]),
+        x: &[f32],
+        r: &[f32],
+        tp: &mut Tp<'_>,
+        keep: Keep,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (_, cache) = block_fwd(d, l, p, pe, x.to_vec(), tp, PASS, keep).unwrap();
+        let (mut g, mut ge) = (vec![0.0; p.len()], vec![0.0; pe.len()]);
+        let dx = block_bwd(
+            d,
+            l,
+            (p, &mut g),
+            (pe, &mut ge),
+            cache,
+            r.to_vec(),
+            tp,
+            PASS,
+            None,
+        )
+        .unwrap();
+        (dx, g, ge)
+    }
+
     /// One block of `c` on one rank: the gradients of its parameters and input against
     /// central differences of `Σ r · block(x)` (every few elements of each).
     fn check_block_gradients(c: &TransformerConfig, what: &str) {
@@ -2985,20 +3008,7 @@ mod tests {
         let (mut comms, _) = ThreadComm::create(1, std::time::Duration::from_secs(5));
         let group = crate::comm::Group::new(vec![0]);
         let mut tp = one_rank(&mut comms[0], &group);
-        let (_, cache) = block_fwd(&d, &l, &p, &[], x.clone(), &mut tp, pass, Keep::All).unwrap();
-        let mut g = vec![0.0; n];
-        let dx = block_bwd(
-            &d,
-            &l,
-            (&p, &mut g),
-            (&[], &mut []),
-            cache,
-            r.clone(),
-            &mut tp,
-            pass,
-            None,
-        )
-        .unwrap();
+        let (dx, g, _) = block_grads(&d, &l, (&p, &[]), &x, &r, &mut tp, Keep::All);
         let mut objective = |p: &[f32], x: &[f32]| -> f64 {
             let (y, _) = block_fwd(&d, &l, p, &[], x.to_vec(), &mut tp, pass, Keep::All).unwrap();
             y.iter().zip(&r).map(|(a, b)| f64::from(a * b)).sum()
@@ -3048,24 +3058,7 @@ mod tests {
             let (mut comms, _) = ThreadComm::create(1, std::time::Duration::from_secs(5));
             let group = crate::comm::Group::new(vec![0]);
             let mut tp = one_rank(&mut comms[0], &group);
-            let mut grads = |keep: Keep| {
-                let (_, cache) =
-                    block_fwd(&d, &l, &p, &pe, x.clone(), &mut tp, pass, keep).unwrap();
-                let (mut g, mut ge) = (vec![0.0; n], vec![0.0; en]);
-                let dx = block_bwd(
-                    &d,
-                    &l,
-                    (&p, &mut g),
-                    (&pe, &mut ge),
-                    cache,
-                    r.clone(),
-                    &mut tp,
-                    pass,
-                    None,
-                )
-                .unwrap();
-                (dx, g, ge)
-            };
+            let mut grads = |keep: Keep| block_grads(&d, &l, (&p, &pe), &x, &r, &mut tp, keep);
             let kept = grads(Keep::All);
             let all = [
                 "core_attn",
