@@ -83,7 +83,7 @@ fn cycling_plans_of_the_tiny_models_train_as_one_device() {
 
 /// The structured search's plans for the tiny transformers (dense, GQA, mixture of experts,
 /// DeepSeek-V3's latent attention and routing), BERT-large and Nemotron-H's hybrid stack on
-/// 8 and 16 GPUs, the hundred best of each: the transformer trainer accepts every one.
+/// 8 and 16 GPUs, the 200 best of each: the transformer trainer accepts every one.
 #[test]
 fn the_executor_accepts_the_structured_search_s_plans() {
     use parallax_cost::transformer::Setup;
@@ -103,7 +103,7 @@ fn the_executor_accepts_the_structured_search_s_plans() {
             let (seq, batch) = (128, 64);
             let setup = Setup::new(&model, &cluster.profile, gpus, seq, batch);
             let opts = SearchOptions {
-                top_k: 100,
+                top_k: 200,
                 families: false,
                 ..SearchOptions::default()
             };

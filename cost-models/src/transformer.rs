@@ -850,6 +850,103 @@ fn async_tp_exposed(a: &AsyncTp) -> (Seconds, Seconds) {
     (fwd, bwd)
 }
 
+/// SMs Transformer Engine's userbuffers give each pipelined reduce-scatter and each bulk
+/// collective (`num_sm` 16 for every method but the ring exchange, `initialize_ub`'s
+/// defaults, transformer_engine/pytorch/module/base.py).
+const USERBUFFERS_COMM_SMS: u32 = 16;
+
+/// Pieces the pipelined reduce-scatter splits its GEMM into (`num_splits` 4, same defaults; the
+/// ring exchange splits into tp).
+const USERBUFFERS_PIPELINE_SPLITS: u32 = 4;
+
+/// CUDA streams the pieces of a split GEMM are dealt round-robin to
+/// (`NVTE_COMM_OVERLAP_MAX_STREAMS`, transformer_engine/common/include/transformer_engine/
+/// comm_gemm_overlap.h).
+const USERBUFFERS_STREAMS: u32 = 3;
+
+/// SMs assumed where a profile does not give its chip's (`device.sm_count`): an H100 SXM5's.
+const DEFAULT_SM_COUNT: u32 = 132;
+
+/// One layer's sequence-parallel collectives and the GEMMs beside them, for
+/// [`userbuffers_costs`].
+struct Userbuffers<'a> {
+    /// An all-gather of a block input (or, in backward, of an output gradient or the
+    /// re-gathered input of a column-parallel weight gradient).
+    gather: Seconds,
+    /// A reduce-scatter of a row-parallel output (or a column-parallel input gradient).
+    scatter: Seconds,
+    /// All-gather / reduce-scatter pairs per layer (attention and MLP).
+    regions: f64,
+    tp: u32,
+    /// The chip's streaming multiprocessors.
+    sms: u32,
+    column: &'a TpLinears,
+    row: &'a TpLinears,
+}
+
+/// What Transformer Engine's userbuffers overlap ([`TpOverlap::Userbuffers`]) costs one layer:
+/// the GEMM time it adds, and the forward and backward communication it leaves exposed. TE
+/// runs each collective one of three ways (`initialize_ub`, transformer_engine/pytorch/module/
+/// base.py):
+/// - ring exchange (forward into the column-parallel layers, backward into the row-parallel
+///   layers' input gradient): the GEMM runs as tp pieces of 1/tp of its rows, each on the
+///   block that has arrived while copy engines pass the next one on; the rank's own block
+///   goes first, so a step waits only where a transfer outlasts a piece.
+/// - pipeline (the reduce-scatter out of the row-parallel layers): the GEMM runs as 4
+///   pieces on the SMs the 16-SM reduce-scatter kernel leaves it, each piece's
+///   reduce-scatter under the next piece; the last one's waits.
+/// - bulk (backward of the column-parallel layers): the re-gather of their input under
+///   the input-gradient GEMM and the reduce-scatter of that gradient under the
+///   weight-gradient GEMM, each GEMM without the collective's SMs while it runs.
+///
+/// Pieces run three at a time at the efficiency of their summed size
+/// ([`TpLinears::split_cost`]). The pipelined GEMM runs on `sms − 16` SMs throughout
+/// (`set_sm_margin`, on for it in TE 2's defaults and NeMo's tuned configurations), so
+/// `sms / (sms − 16)` as long (its fp8 casts run before it, on every SM); a bulk collective's
+/// GEMM loses 16 of `sms` SMs only while the collective runs (TE 1's defaults and NeMo's
+/// configurations leave bulk overlaps without a margin).
+fn userbuffers_costs(dev: &DeviceModel, u: &Userbuffers) -> (OpTimes, Seconds, Seconds) {
+    let (r, tp) = (u.regions, f64::from(u.tp));
+    let comm_sms = USERBUFFERS_COMM_SMS.min(u.sms.saturating_sub(1));
+    let margin = f64::from(u.sms) / f64::from(u.sms - comm_sms);
+    let (c, w) = (u.column.times, u.row.times);
+    // A ring exchange over `r` regions hiding behind `gemm`, split into tp pieces.
+    let step = u.gather / (tp - 1.0).max(1.0);
+    let ring = |gemm: Seconds| Seconds(r * (tp - 1.0) * (step.0 - gemm.0 / (r * tp)).max(0.0));
+    // A bulk collective of `r` regions under `gemm`.
+    let bulk = |comm: Seconds, gemm: Seconds| Seconds(r * (comm.0 - gemm.0 / r).max(0.0));
+    let splits = f64::from(USERBUFFERS_PIPELINE_SPLITS);
+    let piece = u.scatter / splits;
+
+    let column_fwd = c.fwd + u.column.split_cost(dev, u.tp, USERBUFFERS_STREAMS);
+    let pieces = u
+        .row
+        .gemm_time(dev, USERBUFFERS_PIPELINE_SPLITS, USERBUFFERS_STREAMS);
+    let row_fwd = w.fwd
+        + u.row
+            .split_cost(dev, USERBUFFERS_PIPELINE_SPLITS, USERBUFFERS_STREAMS)
+        + pieces * (margin - 1.0);
+    let pipelined =
+        Seconds(r * (piece.0 + (splits - 1.0) * (piece.0 - row_fwd.0 / (r * splits)).max(0.0)));
+    let fwd = ring(column_fwd) + pipelined;
+
+    let row_dgrad = w.bwd_input + u.row.split_cost(dev, u.tp, USERBUFFERS_STREAMS);
+    // A bulk collective's SMs are the GEMM's again once it is done.
+    let beside = |comm: Seconds, gemm: Seconds| {
+        gemm + Seconds(comm.0.min(gemm.0) * f64::from(comm_sms) / f64::from(u.sms))
+    };
+    let column_dgrad = beside(u.gather, c.bwd_input);
+    let column_wgrad = beside(u.scatter, c.bwd_weight);
+    let bwd = ring(row_dgrad) + bulk(u.gather, column_dgrad) + bulk(u.scatter, column_wgrad);
+
+    let extra = OpTimes {
+        fwd: (column_fwd - c.fwd) + (row_fwd - w.fwd),
+        bwd_input: (row_dgrad - w.bwd_input) + (column_dgrad - c.bwd_input),
+        bwd_weight: column_wgrad - c.bwd_weight,
+    };
+    (extra, fwd, bwd)
+}
+
 /// Prices one layer, the embeddings and the head under `l`.
 pub fn transformer_costs(s: &Setup, l: &Layout) -> Result<TransformerCosts, Infeasible> {
     transformer_costs_with(s, l, &SectionGraphs::default())
@@ -940,23 +1037,29 @@ pub fn transformer_costs_with(
                 0.0
             };
         let (tp_fwd, tp_bwd) = match s.runtime.tp_overlap {
+            // Only the all-gather / reduce-scatter pairs of sequence parallelism are pipelined
+            // this way (Megatron asserts sequence parallelism for `--tp-comm-overlap`);
+            // all-reduces wait.
             TpOverlap::Userbuffers if l.tp > 1 && sp => {
-                // Each collective hides behind the GEMM it is pipelined with: the four linear
-                // layers of a block share the forward (and, mirrored, the backward)
-                // collectives. Only the all-gather / reduce-scatter pairs of sequence
-                // parallelism are pipelined this way (Megatron asserts sequence parallelism
-                // for `--tp-comm-overlap`); all-reduces wait.
-                let gemm_fwd = block_prices
-                    .time(block, |op| matches!(op, OpKind::Linear(_)))
-                    .fwd;
-                // Transformer Engine's ring exchange moves data with copy engines
-                // (userbuffers), not NCCL kernels, so the GEMMs it hides behind keep their
-                // SMs: no interference term.
-                let t = Seconds((tp_one.0 * tp_regions - gemm_fwd.0).max(0.0));
-                (t, t)
+                let (column, row) = block_prices.tp_linears(block, hidden);
+                let (extra, fwd, bwd) = userbuffers_costs(
+                    &dev,
+                    &Userbuffers {
+                        gather: tp_gather,
+                        scatter: tp_scatter,
+                        regions: tp_regions,
+                        tp: l.tp,
+                        sms: dev.device().sm_count.unwrap_or(DEFAULT_SM_COUNT),
+                        column: &column,
+                        row: &row,
+                    },
+                );
+                layer.compute = layer.compute + extra;
+                (fwd, bwd)
             }
             TpOverlap::MicroPipelined if l.tp > 1 && sp => {
                 let (column, row) = block_prices.tp_linears(block, hidden);
+                let (column, row) = (column.times, row.times);
                 async_tp_exposed(&AsyncTp {
                     gather: tp_gather,
                     scatter: tp_scatter,
@@ -1217,20 +1320,24 @@ impl NodePrices {
             .fold(OpTimes::default(), |a, i| a + self.times[i])
     }
 
-    /// Summed times of the tensor-parallel linear layers: the column-parallel ones, which read
-    /// the `hidden`-wide (gathered) input, and the row-parallel ones, which write the
+    /// The tensor-parallel linear layers: the column-parallel ones, which read the
+    /// `hidden`-wide (gathered) input, and the row-parallel ones, which write the
     /// `hidden`-wide output that is reduced.
-    fn tp_linears(&self, g: &SectionGraph, hidden: u64) -> (OpTimes, OpTimes) {
-        let (mut column, mut row) = (OpTimes::default(), OpTimes::default());
+    fn tp_linears(&self, g: &SectionGraph, hidden: u64) -> (TpLinears, TpLinears) {
+        let (mut column, mut row) = (TpLinears::default(), TpLinears::default());
         for (i, n) in g.nodes.iter().enumerate() {
             if !matches!(n.op, OpKind::Linear(_)) {
                 continue;
             }
-            if g.shapes[i].first().map(|x| x.last()) == Some(hidden) {
-                column = column + self.times[i];
+            let side = if g.shapes[i].first().map(|x| x.last()) == Some(hidden) {
+                &mut column
             } else if n.outputs.first().map(|t| g.tensor(*t).shape.last()) == Some(hidden) {
-                row = row + self.times[i];
-            }
+                &mut row
+            } else {
+                continue;
+            };
+            side.times = side.times + self.times[i];
+            side.gemm_flops.push(self.fwd_flops[i]);
         }
         (column, row)
     }
@@ -1241,6 +1348,37 @@ impl NodePrices {
         let idx = (0..self.times.len()).filter(picked);
         let t = idx.clone().map(|i| self.times[i].fwd).sum();
         (t, idx.map(|i| self.fwd_flops[i]).sum())
+    }
+}
+
+/// One side (column- or row-parallel) of a layer's tensor-parallel linear layers.
+#[derive(Default)]
+struct TpLinears {
+    /// Their summed times.
+    times: OpTimes,
+    /// Each one's GEMM FLOPs in one pass (forward, input gradient and weight gradient each
+    /// multiply the same three extents).
+    gemm_flops: Vec<f64>,
+}
+
+impl TpLinears {
+    /// Time of one pass's GEMMs, each run as `pieces` GEMMs of `1/pieces` of its rows,
+    /// `streams` of them at a time (each on its own CUDA stream, filling one another's
+    /// partial waves): every group of `streams` pieces runs at the efficiency of their summed
+    /// size and pays one launch.
+    fn gemm_time(&self, dev: &DeviceModel, pieces: u32, streams: u32) -> Seconds {
+        let n = f64::from(pieces.max(1));
+        let together = f64::from(streams.clamp(1, pieces.max(1)));
+        self.gemm_flops
+            .iter()
+            .map(|&f| dev.gemm(f * together / n) * (n / together))
+            .sum()
+    }
+
+    /// What splitting each GEMM of one pass that way adds ([`TpLinears::gemm_time`]).
+    fn split_cost(&self, dev: &DeviceModel, pieces: u32, streams: u32) -> Seconds {
+        let whole = self.gemm_time(dev, 1, 1);
+        Seconds((self.gemm_time(dev, pieces, streams) - whole).0.max(0.0))
     }
 }
 
@@ -1895,6 +2033,85 @@ mod tests {
         };
         let (tw, rw) = (fp8(Fp8Recipe::Tensorwise), fp8(Fp8Recipe::Rowwise));
         assert!(rw.tp_fwd.0 > 2.0 * tw.tp_fwd.0, "{rw:?} vs {tw:?}");
+    }
+
+    /// Transformer Engine's userbuffers hide the collectives behind split GEMMs and pay for it:
+    /// the pipelined GEMM runs on the SMs its reduce-scatter leaves and the last piece's
+    /// reduce-scatter waits; a bulk collective takes its SMs while it runs.
+    #[test]
+    fn userbuffers_hide_collectives_and_pay_in_sms() {
+        let p = preset("dgx-a100-80gb").unwrap();
+        let dev = DeviceModel::new(&p, Precision::Bf16).unwrap();
+        let second = Seconds(1.0);
+        let big = TpLinears {
+            times: OpTimes {
+                fwd: Seconds(10.0),
+                bwd_input: Seconds(10.0),
+                bwd_weight: Seconds(10.0),
+            },
+            gemm_flops: vec![1e12; 2],
+        };
+        let u = Userbuffers {
+            gather: second,
+            scatter: second,
+            regions: 2.0,
+            tp: 8,
+            sms: 108,
+            column: &big,
+            row: &big,
+        };
+        let (extra, fwd, bwd) = userbuffers_costs(&dev, &u);
+        // Forward: the gathers hide, the last of each reduce-scatter's four pieces waits.
+        assert!((fwd.0 - 2.0 * 0.25).abs() < 1e-12, "{fwd:?}");
+        assert_eq!(bwd.0, 0.0);
+        // The row-parallel forward's GEMMs on 92 of 108 SMs; the pieces' launches on top.
+        let pieces = big.gemm_time(&dev, 4, 3);
+        assert!(pieces > big.gemm_time(&dev, 1, 1));
+        assert!(extra.fwd.0 > pieces.0 * (108.0 / 92.0 - 1.0), "{extra:?}");
+        // Each bulk collective holds 16 of 108 SMs for the second it runs.
+        assert!(
+            (extra.bwd_weight.0 - 16.0 / 108.0).abs() < 1e-12,
+            "{extra:?}"
+        );
+        assert!(extra.bwd_input.0 > 16.0 / 108.0);
+        // A chip with more SMs loses less of them.
+        let h100 = userbuffers_costs(&dev, &Userbuffers { sms: 132, ..u }).0;
+        assert!(h100.fwd < extra.fwd && h100.bwd_weight < extra.bwd_weight);
+        // GEMMs too short to hide behind expose every transfer: forward the gathers and the
+        // reduce-scatters, backward two gathers and a reduce-scatter per region.
+        let thin = TpLinears::default();
+        let (_, fwd, bwd) = userbuffers_costs(
+            &dev,
+            &Userbuffers {
+                column: &thin,
+                row: &thin,
+                ..u
+            },
+        );
+        assert!((fwd.0 - 4.0).abs() < 1e-12 && (bwd.0 - 6.0).abs() < 1e-12);
+
+        // On GPT-3 175B's layer at tp 8 the overlap leaves a fraction of the collectives
+        // exposed, runs longer kernels, and still wins.
+        let m = cfg("gpt3-175b");
+        let layer = |tp_overlap| {
+            let s = setup(
+                &m,
+                &p,
+                8,
+                Runtime {
+                    tp_overlap,
+                    ..Runtime::default()
+                },
+            );
+            *transformer_costs(&s, &layout(8, true, Recompute::None))
+                .unwrap()
+                .layer()
+        };
+        let (sync, ub) = (layer(TpOverlap::None), layer(TpOverlap::Userbuffers));
+        assert!(ub.tp_fwd.0 + ub.tp_bwd.0 < 0.2 * (sync.tp_fwd.0 + sync.tp_bwd.0));
+        assert!(ub.compute.total() > sync.compute.total());
+        let step = |c: &PartCost| c.compute.total().0 + c.tp_fwd.0 + c.tp_bwd.0;
+        assert!(step(&ub) < step(&sync), "{ub:?} vs {sync:?}");
     }
 
     #[test]

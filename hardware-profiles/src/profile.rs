@@ -105,6 +105,12 @@ pub struct DeviceSpec {
     /// (Volta has none), so attention there runs as batched GEMMs and a softmax.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fused_attention: Option<bool>,
+    /// Streaming multiprocessors on the chip (NVIDIA's datasheets and architecture
+    /// whitepapers); absent for host cores. Communication kernels that run on SMs beside a GEMM
+    /// take theirs from it: Transformer Engine's userbuffers reserve 16 for each pipelined or
+    /// bulk collective and run the GEMM on the rest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sm_count: Option<u32>,
     /// Whether tensor-core GEMMs hide the store of each output tile behind the main loop of
     /// the next; absent means no. A GEMM kernel computes an output tile in a main loop over
     /// the reduction dimension, then writes it in an epilogue (CUTLASS, "Efficient GEMM in
