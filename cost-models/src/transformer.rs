@@ -168,6 +168,9 @@ pub struct Runtime {
     /// (the default of today's recipes), delayed, rowwise or blockwise.
     #[serde(default)]
     pub fp8_recipe: Fp8Recipe,
+    /// The MoE dispatcher waits for the GPU before its expert-parallel exchange, and each MoE
+    /// layer then costs each micro-batch [`MOE_HOST_S`] of host time with the GPU idle.
+    pub moe_host_sync: bool,
 }
 
 /// How a stack overlaps the tensor-parallel collectives of sequence parallelism (the
@@ -262,6 +265,7 @@ impl Default for Runtime {
             eager_kernels: false,
             balanced_routing: false,
             fp8_recipe: Fp8Recipe::Tensorwise,
+            moe_host_sync: true,
         }
     }
 }
@@ -283,6 +287,12 @@ pub struct PartCost {
     /// Expert-parallel all-to-all, forward and backward.
     pub ep_fwd: Seconds,
     pub ep_bwd: Seconds,
+    /// Host time the GPU waits for, forward and backward (an MoE layer's, after its
+    /// dispatcher's host sync: [`Runtime::moe_host_sync`]).
+    #[serde(default)]
+    pub host_fwd: Seconds,
+    #[serde(default)]
+    pub host_bwd: Seconds,
     /// Bytes kept from forward to backward under the recompute policy.
     pub saved: Bytes,
     /// Transient bytes while this part's backward runs (recomputed activations, logits).
@@ -313,6 +323,8 @@ impl std::ops::Add for PartCost {
             cp_bwd: self.cp_bwd + o.cp_bwd,
             ep_fwd: self.ep_fwd + o.ep_fwd,
             ep_bwd: self.ep_bwd + o.ep_bwd,
+            host_fwd: self.host_fwd + o.host_fwd,
+            host_bwd: self.host_bwd + o.host_bwd,
             saved: Bytes(self.saved.0 + o.saved.0),
             working: Bytes(self.working.0.max(o.working.0)),
             params: self.params + o.params,
@@ -338,6 +350,8 @@ impl PartCost {
         cp_bwd: Seconds(0.0),
         ep_fwd: Seconds(0.0),
         ep_bwd: Seconds(0.0),
+        host_fwd: Seconds(0.0),
+        host_bwd: Seconds(0.0),
         saved: Bytes(0),
         working: Bytes(0),
         params: 0,
@@ -355,8 +369,8 @@ impl PartCost {
     /// to be the same kind of layer. The passes left alone (warm-up forwards, cool-down
     /// backwards) pay the whole dispatch.
     pub fn ep_overlapped(&self, paired: f64) -> PartCost {
-        let fwd_rest = self.fwd() - self.ep_fwd;
-        let bwd_rest = self.bwd_input() - self.ep_bwd + self.bwd_weight();
+        let fwd_rest = self.fwd() - self.ep_fwd - self.host_fwd;
+        let bwd_rest = self.bwd_input() - self.ep_bwd - self.host_bwd + self.bwd_weight();
         let mix = |alone: Seconds, merged: Seconds| alone * (1.0 - paired) + merged * paired;
         PartCost {
             ep_fwd: mix(self.ep_fwd, exposed(self.ep_fwd, bwd_rest)),
@@ -367,11 +381,16 @@ impl PartCost {
 
     /// Forward pass on the critical path.
     pub fn fwd(&self) -> Seconds {
-        self.compute.fwd + self.tp_fwd + self.cp_fwd + self.ep_fwd
+        self.compute.fwd + self.tp_fwd + self.cp_fwd + self.ep_fwd + self.host_fwd
     }
     /// Input-gradient pass on the critical path (with recomputation).
     pub fn bwd_input(&self) -> Seconds {
-        self.compute.bwd_input + self.recompute + self.tp_bwd + self.cp_bwd + self.ep_bwd
+        self.compute.bwd_input
+            + self.recompute
+            + self.tp_bwd
+            + self.cp_bwd
+            + self.ep_bwd
+            + self.host_bwd
     }
     /// Weight-gradient pass.
     pub fn bwd_weight(&self) -> Seconds {
@@ -850,6 +869,20 @@ fn async_tp_exposed(a: &AsyncTp) -> (Seconds, Seconds) {
     (fwd, bwd)
 }
 
+/// Host time one MoE layer costs each micro-batch with the GPU idle, on the H100 hosts of
+/// Megatron-Core's published MoE runs. Megatron's token dispatchers make the host wait for
+/// the GPU before the expert-parallel exchange (the split sizes of the all-to-all and the
+/// sizes DeepEP allocates for must be host values: `_maybe_update_cuda_sync_point`
+/// ("before_ep_alltoall"), megatron/core/transformer/moe/token_dispatcher.py), so the
+/// router's, the dispatcher's and the permutation's Python and launches that follow cannot run
+/// ahead of the GPU; Megatron-Core's MoE guide names this "CPU overhead" and captures
+/// `moe_router` and `moe_preprocess` in CUDA graphs against it. Fitted over the MoE group of
+/// `moe-zero-offload.json` (ten Megatron-Bridge / Megatron-Core runs of six models on 16–1,024
+/// H100s, the release the case file flags as regressed left out): what each run's step
+/// misses per MoE layer and micro-batch is 2.3–3.6 ms for five of the six models (5.3–5.5 ms
+/// for GPT-OSS, −1.5 for Mixtral), with no trend in the layer's size.
+pub const MOE_HOST_S: f64 = 2.9e-3;
+
 /// SMs Transformer Engine's userbuffers give each pipelined reduce-scatter and each bulk
 /// collective (`num_sm` 16 for every method but the ring exchange, `initialize_ub`'s
 /// defaults, transformer_engine/pytorch/module/base.py).
@@ -1101,6 +1134,10 @@ pub fn transformer_costs_with(
             }
             layer.ep_fwd = one;
             layer.ep_bwd = one;
+            // Without expert parallelism there is no exchange to size, and no sync.
+            if s.runtime.moe_host_sync && l.ep > 1 {
+                layer.host_fwd = Seconds(MOE_HOST_S);
+            }
             let sort = e.sort(&dev, l.dispatcher, fb);
             layer.compute.fwd += sort;
             layer.compute.bwd_input += sort;
@@ -1134,6 +1171,7 @@ pub fn transformer_costs_with(
                 if matches!(policy, SelectivePolicy::Modules(m) if m.contains(RecomputeModules::MOE))
                 {
                     layer.ep_bwd += layer.ep_fwd;
+                    layer.host_bwd += layer.host_fwd;
                 }
             }
             Recompute::Full => {
@@ -1141,6 +1179,7 @@ pub fn transformer_costs_with(
                 // The recomputed forward repeats its collectives (and an MoE layer its dispatch).
                 layer.tp_bwd += layer.tp_fwd;
                 layer.ep_bwd += layer.ep_fwd;
+                layer.host_bwd += layer.host_fwd;
                 layer.working = layer.saved;
                 layer.saved = Bytes(layer_input);
                 layer.hardware_flops += block_prices.recompute(None).1;
@@ -2495,6 +2534,43 @@ mod tests {
         // One more block and head pass per sequence: 1–3 % of the 61 layers' FLOPs.
         let extra = flops / flops0 - 1.0;
         assert!((0.01..0.04).contains(&extra), "{extra}");
+    }
+
+    /// An MoE layer waits for its host work after the dispatcher's sync once per forward, and
+    /// again where recomputation reruns it; other layers, a layer without expert parallelism
+    /// and a stack without the sync do not.
+    #[test]
+    fn moe_layers_wait_for_the_host_after_the_dispatcher_sync() {
+        let m = cfg("nemotron-h");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let costs = |moe_host_sync, ep, recompute| {
+            let s = setup(
+                &m,
+                &p,
+                16,
+                Runtime {
+                    moe_host_sync,
+                    ..Runtime::default()
+                },
+            );
+            let l = Layout {
+                dp: 16,
+                ep,
+                ..layout(1, false, recompute)
+            };
+            transformer_costs(&s, &l).unwrap()
+        };
+        let host = |c: &PartCost| (c.host_fwd.0, c.host_bwd.0);
+        let c = costs(true, 8, Recompute::None);
+        assert_eq!(host(c.kind(LayerKind::Moe)), (MOE_HOST_S, 0.0));
+        assert_eq!(host(c.kind(LayerKind::Mamba)), (0.0, 0.0));
+        assert_eq!(host(c.kind(LayerKind::Attention)), (0.0, 0.0));
+        let without = costs(false, 8, Recompute::None);
+        let moe = |c: &TransformerCosts| *c.kind(LayerKind::Moe);
+        assert!((moe(&c).fwd().0 - moe(&without).fwd().0 - MOE_HOST_S).abs() < 1e-12);
+        assert_eq!(host(&moe(&costs(true, 1, Recompute::None))), (0.0, 0.0));
+        let full = costs(true, 8, Recompute::Full);
+        assert_eq!(host(&moe(&full)), (MOE_HOST_S, MOE_HOST_S));
     }
 
     /// A hybrid stack prices each kind of layer on its own: only the MoE layers dispatch, only

@@ -136,6 +136,7 @@ pub fn part_name(k: &str) -> &'static str {
         "tp" => "tensor-parallel communication",
         "cp" => "context-parallel key/value exchange",
         "ep" => "expert dispatch (all-to-all, expert-TP gathers)",
+        "host" => "host work the GPU waits for (MoE dispatchers' host sync)",
         "dp" => "data-parallel gradient reduction and parameter gather",
         "zero" => "ZeRO-2/3 per-micro-batch gathers and reductions",
         _ => "other communication",

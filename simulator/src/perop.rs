@@ -965,6 +965,7 @@ fn accumulation_breakdown(mg: &MicroGraph, trace: &Trace, m: u32) -> (f64, Break
             compute_s: compute,
             bubble_s: 0.0,
             optimizer_s: optimizer,
+            host_s: 0.0,
             exposed_comm_s: exposed,
         },
     )
@@ -1139,6 +1140,7 @@ fn pipeline_step(
         compute_s: comp[s],
         bubble_s: bubble,
         optimizer_s: opt[s],
+        host_s: 0.0,
         exposed_comm_s: exposed,
     };
     Ok(Simulated {

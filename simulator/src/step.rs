@@ -46,6 +46,9 @@ pub struct Breakdown {
     pub bubble_s: f64,
     /// The optimizer update.
     pub optimizer_s: f64,
+    /// Host work the GPU waits for (each MoE layer's after its dispatcher's host sync).
+    #[serde(default)]
+    pub host_s: f64,
     /// Communication on the critical path, by kind (`tp`, `cp`, `ep`, `dp`, `zero`).
     pub exposed_comm_s: BTreeMap<String, f64>,
 }
@@ -54,14 +57,18 @@ pub struct Breakdown {
 const COMM_KINDS: [&str; 5] = ["tp", "cp", "ep", "zero", "dp"];
 
 impl Breakdown {
-    /// Where the step goes, in a fixed order: `compute`, `bubble`, `optimizer`, then exposed
-    /// communication by kind (the keys of [`Breakdown::exposed_comm_s`]).
+    /// Where the step goes, in a fixed order: `compute`, `bubble`, `optimizer`, `host` where
+    /// there is any, then exposed communication by kind (the keys of
+    /// [`Breakdown::exposed_comm_s`]).
     pub fn parts(&self) -> Vec<(&str, f64)> {
         let mut v = vec![
             ("compute", self.compute_s),
             ("bubble", self.bubble_s),
             ("optimizer", self.optimizer_s),
         ];
+        if self.host_s > 0.0 {
+            v.push(("host", self.host_s));
+        }
         v.extend(self.exposed_comm_s.iter().map(|(k, x)| (k.as_str(), *x)));
         v
     }
@@ -916,6 +923,7 @@ fn simulate_costed(
         };
     let cp = per_mb_stage(&|vs| over(vs, &|l| (l.cp_fwd + l.cp_bwd).0));
     let ep = per_mb_stage(&|vs| over(vs, &|l| (l.ep_fwd + l.ep_bwd).0));
+    let host = per_mb_stage(&|vs| over(vs, &|l| (l.host_fwd + l.host_bwd).0));
     let z3 = per_mb_stage(&|vs| nl(vs) * (z3_fwd + z3_bwd).0);
     let replicate = per_mb_stage(&|_| (terms.replicate.0 + terms.replicate.1).0);
     for (k, x) in COMM_KINDS
@@ -926,7 +934,7 @@ fn simulate_costed(
             exposed.insert(k.to_string(), x);
         }
     }
-    let compute = b_busy - tp - cp - ep - z3 - replicate;
+    let compute = b_busy - tp - cp - ep - z3 - replicate - host;
     // Whatever else the stage's compute stream spends idle is pipeline bubble (warm-up,
     // cool-down, waiting for other stages). Clamp rounding noise of the subtraction to zero.
     let bubble = match step - b_busy - opt_task[bs].0 - dp_wait {
@@ -972,6 +980,7 @@ fn simulate_costed(
             compute_s: compute,
             bubble_s: bubble,
             optimizer_s: adam_time[bs].0,
+            host_s: host,
             exposed_comm_s: exposed,
         },
         memory: worst.into(),
