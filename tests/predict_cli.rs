@@ -263,6 +263,19 @@ fn validate_scores_several_files_each_on_its_own() {
     assert!(files[1]["summary"]["n"].as_u64().unwrap() > 0);
     let d = run(&["validate", held_out, moe, "--group", "moe", "--json"]);
     assert_eq!(d["file"], moe, "only the MoE file has group moe");
+    // Issue 16's figure: MAPE at most 15 % (11.4 % with the MoE layers' host sync priced);
+    // every run within 35 % but Megatron-Bridge 25.11's Qwen3-30B, which publishes half the
+    // throughput of the same layout in 25.09 and 26.02 (the case file calls it regressed).
+    assert!(
+        d["summary"]["mape"].as_f64().unwrap() <= 0.15,
+        "{}",
+        d["summary"]
+    );
+    for c in d["cases"].as_array().unwrap() {
+        if c["id"] != "mb2511-qwen3-30b-16xh100-fp8cs" {
+            assert!(c["ape"].as_f64().unwrap() <= 0.35, "{c}");
+        }
+    }
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_parallax"))
         .args(["validate", held_out, moe, "--group", "no-such-group"])
         .output()
