@@ -55,6 +55,8 @@ pub struct MeasuredDevice {
     pub name: String,
     /// Its memory, GiB.
     pub mem_gib: f64,
+    /// Its streaming multiprocessors, where the driver says.
+    pub sm_count: Option<u32>,
 }
 
 /// Collective figures fitted to all-reduce times.
@@ -679,6 +681,10 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
         p.device.name = d.name.clone();
         p.device.hbm_gib = d.mem_gib;
         fields.extend(["device.name", "device.hbm_gib"]);
+        if let Some(n) = d.sm_count {
+            p.device.sm_count = Some(n);
+            fields.push("device.sm_count");
+        }
     }
     // With one rank per node nothing inside a node was measured: the base's fabric stays.
     if let Some(c) = &m.intra {
@@ -1338,6 +1344,7 @@ mod tests {
             device: Some(MeasuredDevice {
                 name: "NVIDIA H200".into(),
                 mem_gib: 139.8,
+                sm_count: Some(132),
             }),
         };
         let name = parallax_hardware::preset_for_device("NVIDIA H200", 139.8).unwrap();
@@ -1348,7 +1355,9 @@ mod tests {
         assert_eq!(p.node.intra_fabric, base.node.intra_fabric);
         assert_eq!(p.device.peak_tflops_bf16, base.device.peak_tflops_bf16);
         assert_eq!(p.node.gpus_per_node, 1);
+        assert_eq!(p.device.sm_count, Some(132));
         let c = p.calibration.unwrap();
+        assert!(c.fitted_fields.iter().any(|f| f == "device.sm_count"));
         assert!(!c.fitted_fields.iter().any(|f| f.starts_with("node.intra")));
         assert!(c.provenance.contains(name) && !c.provenance.contains("all-reduce"));
     }

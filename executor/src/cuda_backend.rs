@@ -145,6 +145,8 @@ pub struct DeviceInfo {
     pub total_mem_bytes: u64,
     /// Compute capability (major, minor).
     pub compute_capability: (i32, i32),
+    /// Streaming multiprocessors.
+    pub sm_count: u32,
 }
 
 fn driver_err(what: &str, e: DriverError) -> ExecError {
@@ -328,6 +330,12 @@ fn device_info(ordinal: usize, ctx: &CudaContext) -> Result<DeviceInfo, ExecErro
         compute_capability: ctx
             .compute_capability()
             .map_err(|e| driver_err("cuDeviceGetAttribute", e))?,
+        sm_count: ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| driver_err("cuDeviceGetAttribute", e))?
+            .max(0) as u32,
     })
 }
 
@@ -890,6 +898,7 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
         device: Some(MeasuredDevice {
             name: gpu.info().name.clone(),
             mem_gib: gpu.info().total_mem_bytes as f64 / f64::from(1u32 << 30),
+            sm_count: Some(gpu.info().sm_count),
         }),
     })
 }
