@@ -933,7 +933,7 @@ struct Userbuffers<'a> {
 ///   weight-gradient GEMM, each GEMM without the collective's SMs while it runs.
 ///
 /// Pieces run three at a time at the efficiency of their summed size
-/// ([`TpLinears::split_cost`]). The pipelined GEMM runs on `sms − 16` SMs throughout
+/// ([`TpLinears::gemm_time`]). The pipelined GEMM runs on `sms − 16` SMs throughout
 /// (`set_sm_margin`, on for it in TE 2's defaults and NeMo's tuned configurations), so
 /// `sms / (sms − 16)` as long (its fp8 casts run before it, on every SM); a bulk collective's
 /// GEMM loses 16 of `sms` SMs only while the collective runs (TE 1's defaults and NeMo's
@@ -951,19 +951,24 @@ fn userbuffers_costs(dev: &DeviceModel, u: &Userbuffers) -> (OpTimes, Seconds, S
     let splits = f64::from(USERBUFFERS_PIPELINE_SPLITS);
     let piece = u.scatter / splits;
 
-    let column_fwd = c.fwd + u.column.split_cost(dev, u.tp, USERBUFFERS_STREAMS);
-    let pieces = u
+    // Each side's GEMMs whole and split as each method splits them, priced once.
+    let more = |split: Seconds, whole: Seconds| Seconds((split - whole).0.max(0.0));
+    let (column_whole, row_whole) = (u.column.gemm_time(dev, 1, 1), u.row.gemm_time(dev, 1, 1));
+    let row_pieces = u
         .row
         .gemm_time(dev, USERBUFFERS_PIPELINE_SPLITS, USERBUFFERS_STREAMS);
-    let row_fwd = w.fwd
-        + u.row
-            .split_cost(dev, USERBUFFERS_PIPELINE_SPLITS, USERBUFFERS_STREAMS)
-        + pieces * (margin - 1.0);
+
+    let column_fwd = c.fwd
+        + more(
+            u.column.gemm_time(dev, u.tp, USERBUFFERS_STREAMS),
+            column_whole,
+        );
+    let row_fwd = w.fwd + more(row_pieces, row_whole) + row_pieces * (margin - 1.0);
     let pipelined =
         Seconds(r * (piece.0 + (splits - 1.0) * (piece.0 - row_fwd.0 / (r * splits)).max(0.0)));
     let fwd = ring(column_fwd) + pipelined;
 
-    let row_dgrad = w.bwd_input + u.row.split_cost(dev, u.tp, USERBUFFERS_STREAMS);
+    let row_dgrad = w.bwd_input + more(u.row.gemm_time(dev, u.tp, USERBUFFERS_STREAMS), row_whole);
     // A bulk collective's SMs are the GEMM's again once it is done.
     let beside = |comm: Seconds, gemm: Seconds| {
         gemm + Seconds(comm.0.min(gemm.0) * f64::from(comm_sms) / f64::from(u.sms))
@@ -1412,12 +1417,6 @@ impl TpLinears {
             .iter()
             .map(|&f| dev.gemm(f * together / n) * (n / together))
             .sum()
-    }
-
-    /// What splitting each GEMM of one pass that way adds ([`TpLinears::gemm_time`]).
-    fn split_cost(&self, dev: &DeviceModel, pieces: u32, streams: u32) -> Seconds {
-        let whole = self.gemm_time(dev, 1, 1);
-        Seconds((self.gemm_time(dev, pieces, streams) - whole).0.max(0.0))
     }
 }
 
