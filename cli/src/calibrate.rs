@@ -98,6 +98,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             r / 1e9
         );
     }
+    for (f, r) in &m.compute.tensor_matmul {
+        println!(
+            "  fp16 matmul {:>9.3} GFLOP {:>10.2} GFLOP/s per {unit} (tensor cores)",
+            f / 1e9,
+            r / 1e9
+        );
+    }
     println!(
         "  copy bandwidth      {:>8.2} GB/s per {unit}",
         m.compute.copy_bytes_per_s / 1e9

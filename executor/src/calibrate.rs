@@ -83,6 +83,9 @@ pub struct ComputeFigures {
     /// `(FLOPs of one GEMM, achieved FLOP/s)` over training-shaped GEMMs (forward, input- and
     /// weight-gradient forms), by increasing FLOPs.
     pub matmul: Vec<(f64, f64)>,
+    /// The same of fp16 tensor-core GEMMs (GPUs: cublasGemmEx, fp32 accumulation), the rate
+    /// training's 16-bit GEMMs run at; empty on host cores.
+    pub tensor_matmul: Vec<(f64, f64)>,
     /// Copy bandwidth (bytes read + written per second).
     pub copy_bytes_per_s: f64,
     /// Bandwidth of the executor's pointwise kernels (norm, residual add, Adam) on tensors
@@ -119,6 +122,7 @@ impl ComputeFigures {
             &self.pointwise_curve,
             &self.graph_kernels,
             &self.transformer_kernels,
+            &self.tensor_matmul,
         ] {
             v.push(curve.len() as f64);
             v.extend(curve.iter().flat_map(|(f, r)| [*f, *r]));
@@ -146,12 +150,13 @@ impl ComputeFigures {
                 .map(|p| (p[0], p[1]))
                 .collect::<Vec<_>>()
         };
-        let (matmul, pointwise_curve, graph_kernels, transformer_kernels) =
-            (curve(), curve(), curve(), curve());
+        let (matmul, pointwise_curve, graph_kernels, transformer_kernels, tensor_matmul) =
+            (curve(), curve(), curve(), curve(), curve());
         let rest = v.get(at..).unwrap_or(&[]);
         let positive = |i: usize| rest.get(i).copied().filter(|r| *r > 0.0);
         ComputeFigures {
             matmul,
+            tensor_matmul,
             pointwise_curve,
             copy_bytes_per_s: rest.first().copied().unwrap_or(0.0),
             pointwise_bytes_per_s: rest.get(1).copied().unwrap_or(0.0),
@@ -459,6 +464,7 @@ pub fn measure_compute(threads: usize, quick: bool) -> ComputeFigures {
     let tanh = rate(f32::tanh);
     ComputeFigures {
         matmul: curve,
+        tensor_matmul: Vec::new(),
         copy_bytes_per_s: copy,
         pointwise_bytes_per_s: pointwise,
         pointwise_curve,
@@ -632,13 +638,25 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
     // The peak is the nominal FMA peak unless this machine's best GEMM beats it.
     let peak = (base.device.peak_tflops_fp32 * 1e12).max(best);
     p.device.peak_tflops_fp32 = peak / 1e12;
-    p.device.matmul_efficiency = EfficiencyCurve(
-        m.compute
-            .matmul
-            .iter()
-            .map(|(f, r)| (*f, (r / peak).clamp(MIN_EFFICIENCY, 1.0)))
-            .collect(),
-    );
+    let curve = |points: &[(f64, f64)], peak: f64| {
+        EfficiencyCurve(
+            points
+                .iter()
+                .map(|(f, r)| (*f, (r / peak).clamp(MIN_EFFICIENCY, 1.0)))
+                .collect(),
+        )
+    };
+    // A GPU's curve is its tensor cores' (training's GEMMs run there, and they reach their
+    // rate only at larger sizes than sgemm does) against the nominal fp16 peak, which the
+    // 16-bit precisions scale from; without them, sgemm's against the fp32 peak.
+    let tensor_peak = base
+        .device
+        .peak_tflops_fp16
+        .filter(|_| !m.compute.tensor_matmul.is_empty());
+    p.device.matmul_efficiency = match tensor_peak {
+        Some(t) => curve(&m.compute.tensor_matmul, t * 1e12),
+        None => curve(&m.compute.matmul, peak),
+    };
     p.device.hbm_gbps = m.compute.copy_bytes_per_s / 1e9;
     let efficiency = |rate: f64| (rate / m.compute.copy_bytes_per_s).clamp(MIN_EFFICIENCY, 1.0);
     p.device.memory_efficiency = efficiency(m.compute.pointwise_bytes_per_s);
@@ -752,7 +770,9 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
             "parallax calibrate --backend {}: {} concurrent ranks per node; {}{}{across}; other fields from preset {base_name}",
             m.backend,
             m.threads,
-            if m.device.is_some() {
+            if tensor_peak.is_some() {
+                "cuBLAS sgemm and fp16 tensor-core GEMMs over square sizes (the GEMM curve is the tensor cores', against the nominal fp16 peak), device copy and Adam-kernel bandwidth"
+            } else if m.device.is_some() {
                 "cuBLAS sgemm over square sizes, device copy and Adam-kernel bandwidth"
             } else {
                 "training-shaped fp32 GEMMs (forward, input- and weight-gradient forms, down to a convolution's per-sample and a recurrent step's), a copy stream, the streaming kernels of a layer (norm, add, Adam) by size, exp and tanh rates, the transformer trainer's kernels timed alone (its context-parallel ring and mixture of experts included), and every op class of the general-graph trainer timed in a training run of a calibration graph"
@@ -1241,6 +1261,7 @@ mod tests {
     fn compute_figures_survive_the_flat_vector() {
         let c = ComputeFigures {
             matmul: vec![(1e6, 2e10), (1e8, 4e10)],
+            tensor_matmul: vec![(3.4e7, 2e12), (1.1e12, 7e14)],
             copy_bytes_per_s: 1e10,
             pointwise_bytes_per_s: 5e9,
             pointwise_curve: vec![(6.4e4, 9e9), (1e6, 8e9), (1e8, 5e9)],
@@ -1285,6 +1306,7 @@ mod tests {
             threads: 4,
             compute: ComputeFigures {
                 matmul: vec![(1e6, 2e10), (1e8, 4e10)],
+                tensor_matmul: Vec::new(),
                 copy_bytes_per_s: 1e10,
                 pointwise_bytes_per_s: 5e9,
                 pointwise_curve: vec![(6.4e4, 9e9), (1e8, 5e9)],
@@ -1329,6 +1351,8 @@ mod tests {
             threads: 1,
             compute: ComputeFigures {
                 matmul: vec![(3.4e7, 2.4e12), (1.1e12, 5.1e13)],
+                // One H100's fp16 GEMMs, 256³ and 8192³ (`calibrate --backend cuda`).
+                tensor_matmul: vec![(3.4e7, 1.6e12), (1.1e12, 6.9e14)],
                 copy_bytes_per_s: 4.1e12,
                 pointwise_bytes_per_s: 2.8e12,
                 pointwise_curve: Vec::new(),
@@ -1356,10 +1380,15 @@ mod tests {
         assert_eq!(p.device.peak_tflops_bf16, base.device.peak_tflops_bf16);
         assert_eq!(p.node.gpus_per_node, 1);
         assert_eq!(p.device.sm_count, Some(132));
+        // The curve is the tensor cores' against the fp16 peak, not sgemm's against fp32.
+        let fp16 = base.device.peak_tflops_fp16.unwrap() * 1e12;
+        assert!((p.device.matmul_efficiency.at(1.1e12) - 6.9e14 / fp16).abs() < 1e-9);
+        assert!((p.device.matmul_efficiency.at(3.4e7) - 1.6e12 / fp16).abs() < 1e-9);
         let c = p.calibration.unwrap();
         assert!(c.fitted_fields.iter().any(|f| f == "device.sm_count"));
         assert!(!c.fitted_fields.iter().any(|f| f.starts_with("node.intra")));
         assert!(c.provenance.contains(name) && !c.provenance.contains("all-reduce"));
+        assert!(c.provenance.contains("tensor-core"), "{}", c.provenance);
     }
 }
 

@@ -100,6 +100,21 @@ mod ffi {
         unsafe { blas.gemm(cfg, a, b, c) }
     }
 
+    /// Column-major `c = a · b` in fp16 (fp32 accumulation, cublasGemmEx) on device buffers
+    /// whose lengths the caller checked against the configuration.
+    pub(super) fn hgemm(
+        blas: &CudaBlas,
+        cfg: GemmConfig<half::f16>,
+        a: &CudaSlice<half::f16>,
+        b: &CudaSlice<half::f16>,
+        c: &mut CudaSlice<half::f16>,
+    ) -> Result<(), cudarc::cublas::result::CublasError> {
+        // SAFETY: `Gpu::hgemm_flops` allocates each buffer with exactly the elements of its
+        // dense column-major matrix (leading dimension = rows, no transposes), so cuBLAS
+        // reads and writes only inside the three allocations.
+        unsafe { blas.gemm(cfg, a, b, c) }
+    }
+
     /// Launches the Adam kernel over `n` elements.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_adam(
@@ -544,6 +559,53 @@ impl Gpu {
         Ok(2.0 * (m * k * n) as f64 / secs)
     }
 
+    /// Sustained fp16 tensor-core GEMM throughput in FLOP/s for `m×k·k×n` (cublasGemmEx,
+    /// fp32 accumulation) on device-resident operands, timed as [`Gpu::sgemm_flops`]. The
+    /// operands hold varied values, not zeros: a GEMM of zeros draws less power and runs at
+    /// higher clocks (an H200 ran 8192³ in bf16 at 894 TFLOP/s on zeros, 788 on random data).
+    pub fn hgemm_flops(&self, m: usize, k: usize, n: usize, iters: u32) -> Result<f64, ExecError> {
+        let err = |message: String| ExecError::Backend {
+            backend: "cuda",
+            message,
+        };
+        let dim = |x: usize| {
+            i32::try_from(x).map_err(|_| err(format!("{x} exceeds cuBLAS's 32-bit sizes")))
+        };
+        let values = |len: usize| -> Vec<half::f16> {
+            (0..len)
+                .map(|i| half::f16::from_f32(((i * 7919) % 251) as f32 / 251.0 - 0.5))
+                .collect()
+        };
+        let upload = |x: Vec<half::f16>| {
+            self.stream
+                .clone_htod(&x)
+                .map_err(|e| driver_err("cuMemcpyHtoD", e))
+        };
+        let (a, b) = (upload(values(m * k))?, upload(values(k * n))?);
+        let mut c = self
+            .stream
+            .alloc_zeros::<half::f16>(m * n)
+            .map_err(|e| driver_err("cuMemAlloc", e))?;
+        // Column-major m×k times k×n, each with its rows as leading dimension.
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_N,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: dim(m)?,
+            n: dim(n)?,
+            k: dim(k)?,
+            alpha: half::f16::ONE,
+            lda: dim(m)?,
+            ldb: dim(k)?,
+            beta: half::f16::ZERO,
+            ldc: dim(m)?,
+        };
+        let secs = self.timed(iters, || {
+            ffi::hgemm(&self.blas, cfg, &a, &b, &mut c)
+                .map_err(|e| err(format!("cublasGemmEx (fp16): {e:?}")))
+        })?;
+        Ok(2.0 * (m * k * n) as f64 / secs)
+    }
+
     /// Device-to-device copy bandwidth (bytes read + written per second) over `elems` floats.
     pub fn copy_bytes_per_s(&self, elems: usize, iters: u32) -> Result<f64, ExecError> {
         let src = self
@@ -849,10 +911,10 @@ pub fn run_mpi(
     })
 }
 
-/// Calibrates this machine's GPUs: cuBLAS sgemm throughput over sizes on GPU 0, its device
-/// copy bandwidth and the bandwidth of the NVRTC Adam kernel (the pointwise figure), and, with
-/// feature `nccl` and two or more GPUs, NCCL all-reduce bandwidth and latency across all of
-/// them (one thread per GPU).
+/// Calibrates this machine's GPUs: cuBLAS sgemm and fp16 tensor-core GEMM throughput over
+/// sizes on GPU 0, its device copy bandwidth and the bandwidth of the NVRTC Adam kernel (the
+/// pointwise figure), and, with feature `nccl` and two or more GPUs, NCCL all-reduce
+/// bandwidth and latency across all of them (one thread per GPU).
 pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
     let n = device_count()?;
     let gpu = Gpu::open(0)?;
@@ -867,6 +929,16 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
         let flops = 2.0 * (s * s * s) as f64;
         matmul.push((flops, gpu.sgemm_flops(s, s, s, iters)?));
     }
+    // Training runs its GEMMs on the tensor cores in 16 bits; a GPU without fp16 GEMMs in
+    // cuBLAS (none since Pascal) leaves the curve to sgemm.
+    let tensor_matmul = sizes
+        .iter()
+        .map(|&s| Ok((2.0 * (s * s * s) as f64, gpu.hgemm_flops(s, s, s, iters)?)))
+        .collect::<Result<Vec<_>, ExecError>>()
+        .unwrap_or_else(|e| {
+            eprintln!("calibrate: no fp16 GEMM measured ({e}); the curve is sgemm's");
+            Vec::new()
+        });
     let elems: usize = if quick { 1 << 24 } else { 1 << 26 };
     let copy = gpu.copy_bytes_per_s(elems, iters)?;
     let pointwise = gpu.adam_bytes_per_s(elems, iters)?;
@@ -881,6 +953,7 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
         threads: n,
         compute: ComputeFigures {
             matmul,
+            tensor_matmul,
             copy_bytes_per_s: copy,
             pointwise_bytes_per_s: pointwise,
             pointwise_curve: Vec::new(),
