@@ -267,7 +267,7 @@ const MEGATRON_2023: &[Feature] = &[
 
 const MEGATRON_CORE_2024: &[Feature] = &[
     Feature {
-        what: "MoE token dispatchers wait for the GPU before the expert-parallel exchange (its split sizes are host values), so each MoE layer's router, dispatcher and permutation host work (2.9 ms a micro-batch on H100 hosts, fitted) runs with the GPU idle",
+        what: "MoE token dispatchers wait for the GPU before the expert-parallel exchange, or without one before the experts (the split sizes of the exchange and of the grouped GEMM are host values), so each MoE layer's router, dispatcher and permutation host work (2.9 ms a micro-batch on H100 hosts, fitted) runs with the GPU idle",
         source: "Megatron-Core megatron/core/transformer/moe/token_dispatcher.py (`_maybe_update_cuda_sync_point`), MoE README (\"CPU overhead\", CUDA graphs of moe_router / moe_preprocess)",
     },
     Feature {
