@@ -570,6 +570,43 @@ impl<'a> DeviceModel<'a> {
         Seconds(arithmetic.max(traffic)) + self.epilogue(out_bytes) + self.overhead(1.0)
     }
 
+    /// The share of its aligned rate a linear layer's or matmul's GEMMs run at: 16-bit GEMMs
+    /// with a dimension (rows, reduction or output width) that is not a multiple of 8
+    /// elements run on cuBLAS's narrow-load kernels at the device's
+    /// [`DeviceSpec::misaligned_gemm_efficiency`] (GPT-2's 50,257-entry vocabulary as
+    /// HuggingFace runs it; stacks that pad the vocabulary never see it). fp32 GEMMs run on
+    /// the SIMT pipes at any alignment; fp8 GEMMs take only aligned operands (the recipes
+    /// pad).
+    fn alignment(&self, op: &OpKind, ins: &[Shape]) -> f64 {
+        let Some(share) = self.dev.misaligned_gemm_efficiency else {
+            return 1.0;
+        };
+        if !matches!(self.precision, Precision::Fp16 | Precision::Bf16) {
+            return 1.0;
+        }
+        let Some(x) = ins.first() else {
+            return 1.0;
+        };
+        let (rows, n) = match op {
+            OpKind::Linear(l) => (x.leading_elems(), l.out_features),
+            // A batched product: each problem's rows.
+            // `b` stored as (n, k) when transposed (a head tied to its embedding table).
+            OpKind::MatMul(m) => (
+                x.dim(-2).unwrap_or(0),
+                ins.get(1)
+                    .and_then(|b| b.dim(if m.transpose_b { -2 } else { -1 }))
+                    .unwrap_or(0),
+            ),
+            _ => return 1.0,
+        };
+        let k = x.last();
+        if [rows, k, n].iter().all(|d| d % 8 == 0) {
+            1.0
+        } else {
+            share
+        }
+    }
+
     /// Bytes each pass of a GEMM-class op writes: the forward its outputs, the input gradient
     /// one tensor like its first (activation) input, the weight gradient the rest of its
     /// inputs (weights, bias; a matmul's second operand).
@@ -1139,12 +1176,13 @@ impl<'a> DeviceModel<'a> {
                     }
                     _ => OpTimes::default(),
                 };
+                let aligned = self.alignment(op, ins);
                 OpTimes {
-                    fwd: self.gemm_tiled(w.fwd_flops.0, bytes, 1.0, outs[0])
+                    fwd: self.gemm_tiled(w.fwd_flops.0, bytes, aligned, outs[0])
                         + self.overhead(k - 1.0),
-                    bwd_input: self.gemm_tiled(w.bwd_input_flops.0, bytes, 1.0, outs[1])
+                    bwd_input: self.gemm_tiled(w.bwd_input_flops.0, bytes, aligned, outs[1])
                         + self.overhead(k - 1.0),
-                    bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0, bytes, 1.0, outs[2])
+                    bwd_weight: self.gemm_tiled(w.bwd_weight_flops.0, bytes, aligned, outs[2])
                         + bias_grad,
                 } + casts
             }
@@ -1797,6 +1835,35 @@ mod tests {
         assert_eq!(split.gemm.fwd, experts + host.gemm(router));
         let t = host.op(&moe, &ins, &w, 4);
         assert!((t.fwd.0 - split.gemm.fwd.0 - bytes / 2e9).abs() < 1e-12);
+    }
+
+    /// A 16-bit linear layer with a dimension that is not a multiple of 8 runs at the chip's
+    /// measured misaligned share (H100: GPT-2's 50,257-wide head about 5.7x its 50,304-wide
+    /// neighbour); fp32, and chips without the measurement, pay nothing for it.
+    #[test]
+    fn misaligned_16_bit_gemms_run_at_the_measured_share() {
+        let h100 = preset("dgx-h100-80gb").unwrap();
+        let share = h100.device.misaligned_gemm_efficiency.unwrap();
+        let head = |p: &ClusterProfile, precision, n: u64| {
+            let (op, ins, w) = linear_layer(16_384, 768, n);
+            let m = DeviceModel::new(p, precision).unwrap();
+            let t = m.op(&op, &ins, &w, 2);
+            t.fwd.0 + t.bwd_input.0 + t.bwd_weight.0
+        };
+        let flops = 50_257.0 / 50_304.0;
+        let r = head(&h100, Precision::Bf16, 50_257) / head(&h100, Precision::Bf16, 50_304);
+        assert!((r / (flops / share) - 1.0).abs() < 0.05, "{r}");
+        let r = head(&h100, Precision::Fp32, 50_257) / head(&h100, Precision::Fp32, 50_304);
+        assert!((r / flops - 1.0).abs() < 0.01, "{r}");
+        // A misaligned reduction dimension too.
+        let (op, ins, w) = linear_layer(8192, 4095, 4096);
+        let m = DeviceModel::new(&h100, Precision::Bf16).unwrap();
+        let (a, ai, aw) = linear_layer(8192, 4096, 4096);
+        assert!(m.op(&op, &ins, &w, 2).fwd.0 > 4.0 * m.op(&a, &ai, &aw, 2).fwd.0);
+        let a100 = preset("dgx-a100-80gb").unwrap();
+        assert!(a100.device.misaligned_gemm_efficiency.is_none());
+        let r = head(&a100, Precision::Bf16, 50_257) / head(&a100, Precision::Bf16, 50_304);
+        assert!((r / flops - 1.0).abs() < 0.01, "{r}");
     }
 
     /// An MoE layer's grouped GEMMs run at the efficiency of their whole FLOPs, bounded by the

@@ -172,6 +172,21 @@ pub struct Runtime {
     /// GEMMs, and each MoE layer then costs each micro-batch [`MOE_HOST_S`] of host time with
     /// the GPU idle.
     pub moe_host_sync: bool,
+    /// The stack pads the vocabulary to a multiple of this many entries per tensor-parallel
+    /// rank ([`MEGATRON_VOCAB_MULTIPLE`] for Megatron-LM's model code): embedding, head and
+    /// loss are that much larger, and the head's GEMMs aligned. 1: the model's own
+    /// vocabulary, as HuggingFace and plain PyTorch module code run it.
+    #[serde(default = "one_entry")]
+    pub vocab_multiple: u64,
+}
+
+/// Megatron-LM's `--make-vocab-size-divisible-by` default: the vocabulary is padded to a
+/// multiple of 128 entries per tensor-parallel rank (`_vocab_size_with_padding`,
+/// megatron/training/tokenizer/tokenizer.py).
+pub const MEGATRON_VOCAB_MULTIPLE: u64 = 128;
+
+fn one_entry() -> u64 {
+    1
 }
 
 /// How a stack overlaps the tensor-parallel collectives of sequence parallelism (the
@@ -267,6 +282,7 @@ impl Default for Runtime {
             balanced_routing: false,
             fp8_recipe: Fp8Recipe::Tensorwise,
             moe_host_sync: true,
+            vocab_multiple: 1,
         }
     }
 }
@@ -1010,8 +1026,10 @@ pub fn transformer_costs_with(
     let gpn = s.profile.node.gpus_per_node;
     let fb = s.float_bytes();
     let (tp, cp) = (u64::from(l.tp), u64::from(l.cp));
-    let shard = s
-        .model
+    let padded = s.model.with_vocab_padded(s.runtime.vocab_multiple * tp);
+    let shard = padded
+        .as_ref()
+        .unwrap_or(s.model)
         .tp_shard(tp)
         .ok_or_else(|| Infeasible::Indivisible { what: "tp".into() })?;
     let opts = micro_batch_options(s, l);
@@ -1906,6 +1924,52 @@ mod tests {
             full.layer().saved < sel.layer().saved && sel.layer().saved < with_sp.layer().saved
         );
         assert!(full.layer().recompute > sel.layer().recompute);
+    }
+
+    /// Megatron's model code pads GPT-2's 50,257-entry vocabulary to a multiple of 128 per TP
+    /// rank (50,304 at tp 1, 25,216 a rank at tp 2); HuggingFace's does not, and on an H100
+    /// its 16-bit head runs on misaligned GEMM kernels, several times slower. In fp32 the
+    /// two heads cost the same but for the padding's extra columns.
+    #[test]
+    fn megatron_pads_the_vocabulary_and_an_unpadded_head_runs_misaligned() {
+        let m = cfg("gpt2");
+        assert_eq!(m.vocab, 50_257);
+        let p = preset("dgx-h100-80gb").unwrap();
+        let at = |precision, tp: u32, vocab_multiple| {
+            let s = Setup {
+                precision,
+                ..setup(
+                    &m,
+                    &p,
+                    tp,
+                    Runtime {
+                        vocab_multiple,
+                        ..Runtime::default()
+                    },
+                )
+            };
+            transformer_costs(&s, &layout(tp, false, Recompute::None)).unwrap()
+        };
+        let padded = at(Precision::Bf16, 1, MEGATRON_VOCAB_MULTIPLE);
+        let own = at(Precision::Bf16, 1, 1);
+        let table = |c: &TransformerCosts| c.head.params + c.embedding.params;
+        // One table: GPT-2 ties its head to the embedding.
+        assert_eq!(table(&padded) - table(&own), (50_304 - 50_257) * m.hidden);
+        assert_eq!(
+            at(Precision::Bf16, 2, MEGATRON_VOCAB_MULTIPLE)
+                .head
+                .working
+                .0,
+            2048 * 25_216 * 12
+        );
+        let head = |c: &TransformerCosts| {
+            let t = c.head.compute;
+            t.fwd.0 + t.bwd_input.0 + t.bwd_weight.0
+        };
+        let r = head(&own) / head(&padded);
+        assert!((3.0..6.0).contains(&r), "{r}");
+        let r32 = head(&at(Precision::Fp32, 1, 1)) / head(&at(Precision::Fp32, 1, 128));
+        assert!((0.98..1.0).contains(&r32), "{r32}");
     }
 
     #[test]

@@ -94,6 +94,12 @@ pub struct DeviceSpec {
     /// asynchronous TMA/WGMMA pipelines); absent: the chip has none, or they are no faster.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub native_attention_speedup: Option<f64>,
+    /// Share of the aligned rate at which a 16-bit GEMM runs when one of its dimensions is not
+    /// a multiple of 8 elements (16 bytes): cuBLAS then falls back from its TMA / wide-load
+    /// kernels to ones that load an element or two at a time. Absent: not measured on this
+    /// chip, and no penalty is priced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub misaligned_gemm_efficiency: Option<f64>,
     /// Fraction of the isolated-kernel efficiency (the curve above, measured one GEMM at a
     /// time) sustained inside a training step: clocks under a full power load, caches shared
     /// with communication kernels. Fitted to published step times; absent means 1. Up to
@@ -612,6 +618,9 @@ impl ClusterProfile {
                     format!("must satisfy 1 <= value <= 4, got {s}"),
                 ));
             }
+        }
+        if let Some(m) = d.misaligned_gemm_efficiency {
+            frac("device.misaligned_gemm_efficiency", m)?;
         }
         if let Some(t) = d.transcendentals_per_s {
             pos("device.transcendentals_per_s", t)?;

@@ -7,7 +7,9 @@
 //! silently drops a knob: [`export`] refuses a layout the engine cannot express.
 
 use crate::search::Space;
-use parallax_cost::transformer::{CrossEntropy, Runtime, SelectivePolicy, TpOverlap};
+use parallax_cost::transformer::{
+    CrossEntropy, Runtime, SelectivePolicy, TpOverlap, MEGATRON_VOCAB_MULTIPLE,
+};
 use parallax_ir::models::{Mlp, Norm, Position, TransformerConfig};
 use parallax_ir::{Fp8Recipe, Layout, Offload, Plan, Precision, Recompute, Schedule};
 use serde_json::json;
@@ -65,6 +67,7 @@ impl Engine {
             Engine::Megatron => Runtime {
                 cross_entropy: CrossEntropy::VocabParallel,
                 native_attention: true,
+                vocab_multiple: MEGATRON_VOCAB_MULTIPLE,
                 ..Runtime::default()
             },
             Engine::DeepSpeed => Runtime::default(),

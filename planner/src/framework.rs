@@ -12,7 +12,7 @@
 
 use crate::export::Engine;
 use crate::search::Space;
-use parallax_cost::transformer::{CrossEntropy, Runtime, TpOverlap};
+use parallax_cost::transformer::{CrossEntropy, Runtime, TpOverlap, MEGATRON_VOCAB_MULTIPLE};
 use parallax_ir::{Fp8Recipe, Offload, Recompute, Schedule};
 use std::fmt::Write as _;
 use thiserror::Error;
@@ -136,11 +136,12 @@ fn pre_flash(overlap_grad_reduce: bool, grad_reduce_fp32: bool) -> Runtime {
 /// its own pre-forward (and pre-backward) hook.
 const DEEPSPEED_SUBMODULES_PER_LAYER: u32 = 6;
 
-/// `rt` with Megatron's vocab-parallel cross-entropy (every stack built on Megatron-LM's
-/// model code).
+/// `rt` with Megatron's vocab-parallel cross-entropy and padded vocabulary (every stack built
+/// on Megatron-LM's model code).
 fn megatron_loss(rt: Runtime) -> Runtime {
     Runtime {
         cross_entropy: CrossEntropy::VocabParallel,
+        vocab_multiple: MEGATRON_VOCAB_MULTIPLE,
         ..rt
     }
 }
@@ -221,6 +222,10 @@ const MEGATRON_2020: &[Feature] = &[
     Feature {
         what: "vocab-parallel cross-entropy in one fp32 buffer: softmax and its gradient computed in place (every Megatron-based stack below)",
         source: "megatron/mpu/cross_entropy.py (v1.x); megatron/core/tensor_parallel/cross_entropy.py",
+    },
+    Feature {
+        what: "the vocabulary padded to a multiple of 128 entries per TP rank (every Megatron-based stack below): GPT-2's 50,257 runs as 50,304 at tp 1, its head GEMMs aligned",
+        source: "--make-vocab-size-divisible-by (default 128), _vocab_size_with_padding in megatron/tokenizer (v1.x) and megatron/training/tokenizer/tokenizer.py",
     },
 ];
 
@@ -472,6 +477,10 @@ const HF_TRAINER_DDP: &[Feature] = &[
     Feature {
         what: "eager attention (the models' own matmul + softmax)",
         source: "transformers 4.x GPT2Attention",
+    },
+    Feature {
+        what: "the model's own vocabulary, unpadded: GPT-2's 50,257-wide head runs on misaligned 16-bit GEMM kernels (where the chip's misaligned rate is measured)",
+        source: "transformers GPT2LMHeadModel (vocab_size 50257); profiled on an H200 (HF GPT-2 bf16, 2026-11-26): align1 kernels, 30 of 110 ms a step",
     },
     EAGER_KERNELS,
 ];
@@ -729,6 +738,8 @@ fn current() -> Parts {
     Parts {
         runtime: Runtime {
             native_attention: true,
+            // As Megatron-Core pads it (torchtitan's and Llama's vocabularies are aligned).
+            vocab_multiple: MEGATRON_VOCAB_MULTIPLE,
             ..Runtime::default()
         },
         space: Space::default(),
