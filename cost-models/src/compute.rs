@@ -2,6 +2,7 @@
 //! precision, scaled by the device's size-indexed GEMM efficiency curve, and of bytes against
 //! memory bandwidth for bandwidth-bound kernels, plus a launch overhead per kernel.
 
+use crate::transformer::CrossEntropy;
 use parallax_hardware::{ClusterProfile, DeviceSpec, HostTrainer, HwError};
 use parallax_ir::op::{AttentionAttrs, LinearAttrs};
 use parallax_ir::{ComputeClass, Fp8Recipe, OpKind, Precision, Seconds, Shape, Work};
@@ -323,6 +324,8 @@ pub struct DeviceModel<'a> {
     native_attention: bool,
     /// How fp8 casts are scaled: see [`DeviceModel::with_fp8_recipe`].
     fp8_recipe: Fp8Recipe,
+    /// The loss kernels the stack runs on the logits: see [`DeviceModel::with_cross_entropy`].
+    cross_entropy: CrossEntropy,
 }
 
 impl<'a> DeviceModel<'a> {
@@ -344,7 +347,16 @@ impl<'a> DeviceModel<'a> {
             trainer: HostTrainer::Transformer,
             native_attention: false,
             fp8_recipe: Fp8Recipe::Tensorwise,
+            cross_entropy: CrossEntropy::Upcast,
         })
+    }
+
+    /// The model for a stack whose loss runs as `kind` ([`CrossEntropy::passes`]): the
+    /// passes over the vocabulary-sized logits that PyTorch's upcast cross-entropy, Megatron's
+    /// vocab-parallel one and Transformer Engine's fused kernel make differ fivefold.
+    pub fn with_cross_entropy(mut self, kind: CrossEntropy) -> Self {
+        self.cross_entropy = kind;
+        self
     }
 
     /// The model for a stack that runs the device's architecture-native fused attention
@@ -1038,6 +1050,18 @@ impl<'a> DeviceModel<'a> {
             (Seconds(0.0), Seconds(0.0))
         };
         match (op.compute_class(), op) {
+            (_, OpKind::CrossEntropy) => {
+                let logits = ins.first().map_or(0.0, |x| x.elems() as f64);
+                let p = self.cross_entropy.passes(float_bytes);
+                let bw = self.dev.effective_memory_bandwidth().0;
+                OpTimes {
+                    fwd: Seconds(logits * p.fwd_bytes / bw) + self.overhead(p.fwd_kernels) + tf,
+                    bwd_input: Seconds(logits * p.bwd_bytes / bw)
+                        + self.overhead(p.bwd_kernels)
+                        + tb,
+                    bwd_weight: Seconds(0.0),
+                }
+            }
             // The general-graph trainer calls a view op too, each way.
             (ComputeClass::View, _) => OpTimes {
                 fwd: self.trainer_call(),
@@ -1835,6 +1859,43 @@ mod tests {
         assert_eq!(split.gemm.fwd, experts + host.gemm(router));
         let t = host.op(&moe, &ins, &w, 4);
         assert!((t.fwd.0 - split.gemm.fwd.0 - bytes / 2e9).abs() < 1e-12);
+    }
+
+    /// The loss moves what its implementation's code moves over the logits: GPT-OSS's 4,096 ×
+    /// 201,088 bf16 logits on an H100 take PyTorch's upcast cross-entropy 48 bytes a logit
+    /// forward and backward, Megatron's vocab-parallel one 52 and Transformer Engine's fused
+    /// kernel 10, at the device's memory bandwidth.
+    #[test]
+    fn the_loss_moves_what_its_implementation_moves() {
+        let p = preset("dgx-h100-80gb").unwrap();
+        let logits = Shape::new([4096, 201_088]);
+        let ins = [logits.clone(), Shape::new([4096])];
+        let op = OpKind::CrossEntropy;
+        let w = op.work(&ins, &[Shape::new([4096])], &[false, false], 2);
+        let bw = p.device.effective_memory_bandwidth().0;
+        let n = logits.elems() as f64;
+        for (kind, bytes) in [
+            (CrossEntropy::Upcast, 48.0),
+            (CrossEntropy::VocabParallel, 52.0),
+            (CrossEntropy::TeFused, 10.0),
+        ] {
+            let m = DeviceModel::new(&p, Precision::Bf16)
+                .unwrap()
+                .with_cross_entropy(kind);
+            let t = m.op(&op, &ins, &w, 2);
+            let total = t.fwd.0 + t.bwd_input.0;
+            let want = n * bytes / bw;
+            assert!(
+                total >= want && total < want + 1e-4,
+                "{kind:?}: {total} vs {want}"
+            );
+            assert_eq!(t.bwd_weight.0, 0.0);
+        }
+        // fp32 logits need no cast either way.
+        let m = DeviceModel::new(&p, Precision::Fp32).unwrap();
+        let w32 = op.work(&ins, &[Shape::new([4096])], &[false, false], 4);
+        let t = m.op(&op, &ins, &w32, 4);
+        assert!(t.fwd.0 + t.bwd_input.0 < n * 37.0 / bw, "{t:?}");
     }
 
     /// A 16-bit linear layer with a dimension that is not a multiple of 8 runs at the chip's

@@ -88,7 +88,62 @@ pub enum CrossEntropy {
     TeFused,
 }
 
+/// What a loss implementation moves per logit, and the kernels it launches, each way.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossPasses {
+    pub fwd_bytes: f64,
+    pub bwd_bytes: f64,
+    pub fwd_kernels: f64,
+    pub bwd_kernels: f64,
+}
+
 impl CrossEntropy {
+    /// Bytes each logit moves through device memory, with logits of `fb` bytes, counted from
+    /// each implementation's code (the upcast of 16-bit logits: `fb` read, 4 written; none
+    /// for fp32, where `.float()` is the tensor itself; its autograd cast back: 4 read, `fb`
+    /// written):
+    /// - [`CrossEntropy::Upcast`], `F.cross_entropy(logits.float(), y)`: the cast, then
+    ///   `log_softmax` (PyTorch's row kernel for rows wider than 1,024 reads its row for the
+    ///   maximum, again for the sum of exponentials, and a third time to write: 16) and
+    ///   `nll_loss` (a gather); backward, `nll_loss`'s zero-filled gradient (4) with its
+    ///   scatter, `log_softmax`'s backward (the gradient read for its row sum and again with
+    ///   the output, written: 16) and the cast back. 3 and 4 launches.
+    /// - [`CrossEntropy::VocabParallel`], Megatron's `_VocabParallelCrossEntropy`: the cast,
+    ///   the row maximum (4), `logits -= max` (8), `torch.exp(.., out=)` (8), the row sum (4)
+    ///   and `div_` (8) into the softmax it saves; backward, the target's `-= 1` (a scatter)
+    ///   and `mul_(grad_output)` (8), then the cast back. 7 and 3 launches.
+    /// - [`CrossEntropy::TeFused`], Transformer Engine's Triton kernel: the logits read twice
+    ///   (online maximum and sum, then the loss) and the gradient written in place, one
+    ///   launch; backward scales it by the output gradient in place (a read and a write).
+    pub fn passes(self, fb: u64) -> LossPasses {
+        let fb = fb as f64;
+        let (up, down) = if fb < 4.0 {
+            (fb + 4.0, 4.0 + fb)
+        } else {
+            (0.0, 0.0)
+        };
+        match self {
+            CrossEntropy::Upcast => LossPasses {
+                fwd_bytes: up + 16.0,
+                bwd_bytes: 4.0 + 16.0 + down,
+                fwd_kernels: 3.0,
+                bwd_kernels: 4.0,
+            },
+            CrossEntropy::VocabParallel => LossPasses {
+                fwd_bytes: up + 32.0,
+                bwd_bytes: 8.0 + down,
+                fwd_kernels: 7.0,
+                bwd_kernels: 3.0,
+            },
+            CrossEntropy::TeFused => LossPasses {
+                fwd_bytes: 3.0 * fb,
+                bwd_bytes: 2.0 * fb,
+                fwd_kernels: 1.0,
+                bwd_kernels: 1.0,
+            },
+        }
+    }
+
     /// Bytes per logit alive at the loss's peak, with logits of `fb` bytes.
     fn bytes_per_logit(self, fb: u64) -> u64 {
         match self {
@@ -1021,7 +1076,8 @@ pub fn transformer_costs_with(
         .map_err(|e| Infeasible::Unsupported(e.to_string()))?
         .with_eager(s.runtime.eager_kernels)
         .with_fp8_recipe(s.runtime.fp8_recipe)
-        .with_native_attention(s.runtime.native_attention);
+        .with_native_attention(s.runtime.native_attention)
+        .with_cross_entropy(s.runtime.cross_entropy);
     let net = Network::new(s.profile);
     let gpn = s.profile.node.gpus_per_node;
     let fb = s.float_bytes();
@@ -1966,8 +2022,9 @@ mod tests {
             let t = c.head.compute;
             t.fwd.0 + t.bwd_input.0 + t.bwd_weight.0
         };
+        // The head's GEMMs several times slower; its loss, on the logits, is not a GEMM.
         let r = head(&own) / head(&padded);
-        assert!((3.0..6.0).contains(&r), "{r}");
+        assert!((2.0..6.0).contains(&r), "{r}");
         let r32 = head(&at(Precision::Fp32, 1, 1)) / head(&at(Precision::Fp32, 1, 128));
         assert!((0.98..1.0).contains(&r32), "{r32}");
     }
