@@ -601,8 +601,8 @@ impl<'a> DeviceModel<'a> {
         };
         let (rows, n) = match op {
             OpKind::Linear(l) => (x.leading_elems(), l.out_features),
-            // A batched product: each problem's rows.
-            // `b` stored as (n, k) when transposed (a head tied to its embedding table).
+            // A batched product: each problem's rows; `b` stored as (n, k) when transposed
+            // (a head tied to its embedding table).
             OpKind::MatMul(m) => (
                 x.dim(-2).unwrap_or(0),
                 ins.get(1)
@@ -1053,12 +1053,12 @@ impl<'a> DeviceModel<'a> {
             (_, OpKind::CrossEntropy) => {
                 let logits = ins.first().map_or(0.0, |x| x.elems() as f64);
                 let p = self.cross_entropy.passes(float_bytes);
-                let bw = self.dev.effective_memory_bandwidth().0;
+                // `memory` pays one launch; the implementation's other kernels pay theirs.
                 OpTimes {
-                    fwd: Seconds(logits * p.fwd_bytes / bw) + self.overhead(p.fwd_kernels) + tf,
-                    bwd_input: Seconds(logits * p.bwd_bytes / bw)
-                        + self.overhead(p.bwd_kernels)
-                        + tb,
+                    fwd: self.pointwise(self.memory(logits * p.fwd_bytes), tf)
+                        + self.overhead(p.fwd_kernels - 1.0),
+                    bwd_input: self.pointwise(self.memory(logits * p.bwd_bytes), tb)
+                        + self.overhead(p.bwd_kernels - 1.0),
                     bwd_weight: Seconds(0.0),
                 }
             }
