@@ -1082,12 +1082,13 @@ pub fn transformer_costs_with(
     let gpn = s.profile.node.gpus_per_node;
     let fb = s.float_bytes();
     let (tp, cp) = (u64::from(l.tp), u64::from(l.cp));
-    let padded = s.model.with_vocab_padded(s.runtime.vocab_multiple * tp);
-    let shard = padded
-        .as_ref()
-        .unwrap_or(s.model)
+    let mut shard = s
+        .model
         .tp_shard(tp)
         .ok_or_else(|| Infeasible::Indivisible { what: "tp".into() })?;
+    // The stack's vocabulary padding (Megatron's: to 128 entries a rank).
+    let multiple = s.runtime.vocab_multiple.max(1);
+    shard.vocab = shard.vocab.div_ceil(multiple) * multiple;
     let opts = micro_batch_options(s, l);
     let seq_local = opts.seq;
     let build = |sec, opts| graphs.get(&shard, (tp, fb), sec, opts);

@@ -1092,19 +1092,6 @@ impl TransformerConfig {
         g.finish(&[out])
     }
 
-    /// This model with its vocabulary padded up to a multiple of `multiple` entries, as
-    /// Megatron-LM pads it (`--make-vocab-size-divisible-by` times the tensor-parallel
-    /// degree); `None` when it already is one (or `multiple` is 0 or 1).
-    pub fn with_vocab_padded(&self, multiple: u64) -> Option<TransformerConfig> {
-        if multiple <= 1 || self.vocab % multiple == 0 {
-            return None;
-        }
-        Some(TransformerConfig {
-            vocab: self.vocab.div_ceil(multiple) * multiple,
-            ..self.clone()
-        })
-    }
-
     /// The dimensions one tensor-parallel rank holds (Megatron-LM splits): heads, KV heads,
     /// FFN width, Mamba heads and groups, and vocabulary divided by `tp` (KV heads are
     /// replicated when fewer than `tp`; the vocabulary is padded up to a multiple of `tp`).
