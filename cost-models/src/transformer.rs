@@ -117,21 +117,18 @@ impl CrossEntropy {
     ///   launch; backward scales it by the output gradient in place (a read and a write).
     pub fn passes(self, fb: u64) -> LossPasses {
         let fb = fb as f64;
-        let (up, down) = if fb < 4.0 {
-            (fb + 4.0, 4.0 + fb)
-        } else {
-            (0.0, 0.0)
-        };
+        // The upcast forward and the cast back in backward move the same bytes.
+        let cast = if fb < 4.0 { fb + 4.0 } else { 0.0 };
         match self {
             CrossEntropy::Upcast => LossPasses {
-                fwd_bytes: up + 16.0,
-                bwd_bytes: 4.0 + 16.0 + down,
+                fwd_bytes: cast + 16.0,
+                bwd_bytes: 4.0 + 16.0 + cast,
                 fwd_kernels: 3.0,
                 bwd_kernels: 4.0,
             },
             CrossEntropy::VocabParallel => LossPasses {
-                fwd_bytes: up + 32.0,
-                bwd_bytes: 8.0 + down,
+                fwd_bytes: cast + 32.0,
+                bwd_bytes: 8.0 + cast,
                 fwd_kernels: 7.0,
                 bwd_kernels: 3.0,
             },
@@ -2341,9 +2338,9 @@ mod tests {
         // experts of 64 rows, bound by reading every expert's weights; at ep 16 it runs 8
         // experts over the tokens of 16 ranks (1,024 rows each) and reads a sixteenth of them,
         // so the same FLOPs take less time. With 16 times the tokens (a 16k sequence) both are
-        // bound by their arithmetic, which expert parallelism does not change (a grouped GEMM runs at the
-        // efficiency of its whole FLOPs: `grouped_gemms_run_as_one_launch_on_an_h100`).
-        // The model FLOPs do not change.
+        // bound by their arithmetic, which expert parallelism does not change (a grouped GEMM
+        // runs at the efficiency of its whole FLOPs, as
+        // `grouped_gemms_run_as_one_launch_on_an_h100` measured). The model FLOPs do not change.
         let m = cfg("qwen3-30b-a3b");
         let p = preset("dgx-h100-80gb").unwrap();
         let at = |seq: u64, ep: u32| {
