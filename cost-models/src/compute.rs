@@ -567,8 +567,9 @@ impl<'a> DeviceModel<'a> {
     }
 
     /// A GEMM of `flops` that moves `bytes` through device memory (its operands read and its
-    /// result written once), whose output tiles are filled to `fill` (see [`tile_fill`]) and
-    /// which writes `out_bytes`: the slower of its arithmetic at the size's efficiency and its
+    /// result written once), whose tiles reach `fill` of the rate of full, aligned ones
+    /// (partly filled output tiles: [`tile_fill`]; misaligned operands:
+    /// [`DeviceModel::alignment`]) and which writes `out_bytes`: the slower of its arithmetic at the size's efficiency and its
     /// traffic at the achievable bandwidth (the roofline; a 1×1 convolution over 64 channels
     /// or a small-batch recurrent step is bound by memory on tensor cores, whose ridge point
     /// is 100–300 FLOP per byte), then its epilogue ([`DeviceModel::epilogue`]).
@@ -1134,7 +1135,7 @@ impl<'a> DeviceModel<'a> {
                 // the launch's waves, so the launch runs at the efficiency of its whole FLOPs,
                 // bounded by its traffic, which every expert's weights are part of. On one
                 // H100 `torch._grouped_mm` over 8-128 experts of 64-4,096 rows ran as a dense
-                // GEMM of the same FLOPs does (alone: 16 % MAPE over 154 shapes, 12 % for 77
+                // GEMM of the same FLOPs does (alone: 16 % MAPE over 154 shapes, 11 % for 95
                 // dense ones; each problem at its own size's efficiency priced them up to
                 // 2.7x slow): see `grouped_gemms_run_as_one_launch_on_an_h100`.
                 // Transformer Engine's `GroupedLinear` (Megatron-Core's TEGroupedMLP) spreads
@@ -2102,9 +2103,10 @@ mod tests {
                         .map(|x| x.as_f64().unwrap())
                         .collect()
                 })
-                .filter(|r: &Vec<f64>| r[4] >= 40.0)
                 .collect()
         };
+        // Each time against the model where it is long enough to measure the GPU.
+        let timed = |us: f64| us >= 40.0;
         let mape = |errs: &[f64]| errs.iter().map(|e| e.abs()).sum::<f64>() / errs.len() as f64;
         let err = |model: Seconds, us: f64| model.0 * 1e6 / us - 1.0;
 
@@ -2113,13 +2115,17 @@ mod tests {
             let (m, k, n) = (r[0], r[1], r[2]);
             let flops = 2.0 * m * k * n;
             let elems = m * k + k * n + m * n;
-            e16.push(err(
-                bf16.gemm_tiled(flops, 2.0 * elems, 1.0, 2.0 * m * n),
-                r[3],
-            ));
+            if timed(r[3]) {
+                e16.push(err(
+                    bf16.gemm_tiled(flops, 2.0 * elems, 1.0, 2.0 * m * n),
+                    r[3],
+                ));
+            }
             // fp8 operands, a bf16 output.
             let bytes = m * k + k * n + 2.0 * m * n;
-            e8.push(err(fp8.gemm_tiled(flops, bytes, 1.0, 2.0 * m * n), r[4]));
+            if timed(r[4]) {
+                e8.push(err(fp8.gemm_tiled(flops, bytes, 1.0, 2.0 * m * n), r[4]));
+            }
         }
         assert!(e16.len() >= 70, "{}", e16.len());
         assert!(
@@ -2132,6 +2138,7 @@ mod tests {
         let grouped = rows("grouped");
         let errs: Vec<(f64, f64)> = grouped
             .iter()
+            .filter(|r| timed(r[4]))
             .map(|r| {
                 let (g, m, k, n) = (r[0], r[1], r[2], r[3]);
                 let bytes = 2.0 * g * (m * k + k * n + m * n);

@@ -228,18 +228,14 @@ pub struct Runtime {
     /// rank ([`MEGATRON_VOCAB_MULTIPLE`] for Megatron-LM's model code): embedding, head and
     /// loss are that much larger, and the head's GEMMs aligned. 1: the model's own
     /// vocabulary, as HuggingFace and plain PyTorch module code run it.
-    #[serde(default = "one_entry")]
-    pub vocab_multiple: u64,
+    #[serde(default = "one")]
+    pub vocab_multiple: u32,
 }
 
 /// Megatron-LM's `--make-vocab-size-divisible-by` default: the vocabulary is padded to a
 /// multiple of 128 entries per tensor-parallel rank (`_vocab_size_with_padding`,
 /// megatron/training/tokenizer/tokenizer.py).
-pub const MEGATRON_VOCAB_MULTIPLE: u64 = 128;
-
-fn one_entry() -> u64 {
-    1
-}
+pub const MEGATRON_VOCAB_MULTIPLE: u32 = 128;
 
 /// How a stack overlaps the tensor-parallel collectives of sequence parallelism (the
 /// all-gather into a block's column-parallel linear layers, the reduce-scatter out of its
@@ -944,9 +940,8 @@ fn async_tp_exposed(a: &AsyncTp) -> (Seconds, Seconds) {
 /// sizes DeepEP allocates for must be host values: `_maybe_update_cuda_sync_point`
 /// ("before_ep_alltoall"), megatron/core/transformer/moe/token_dispatcher.py; without
 /// expert or tensor parallelism "before_finish", since the experts' grouped GEMM takes its
-/// split sizes from the host too), so the
-/// router's, the dispatcher's and the permutation's Python and launches that follow cannot run
-/// ahead of the GPU; Megatron-Core's MoE guide names this "CPU overhead" and captures
+/// split sizes from the host too), so the router's, the dispatcher's and the permutation's
+/// Python and launches that follow cannot run ahead of the GPU; Megatron-Core's MoE guide names this "CPU overhead" and captures
 /// `moe_router` and `moe_preprocess` in CUDA graphs against it. Fitted over the MoE group of
 /// `moe-zero-offload.json` (ten Megatron-Bridge / Megatron-Core runs of six models on 16–1,024
 /// H100s, the release the case file flags as regressed left out): what each run's step
@@ -1084,7 +1079,7 @@ pub fn transformer_costs_with(
         .tp_shard(tp)
         .ok_or_else(|| Infeasible::Indivisible { what: "tp".into() })?;
     // The stack's vocabulary padding (Megatron's: to 128 entries a rank).
-    let multiple = s.runtime.vocab_multiple.max(1);
+    let multiple = u64::from(s.runtime.vocab_multiple.max(1));
     shard.vocab = shard.vocab.div_ceil(multiple) * multiple;
     let opts = micro_batch_options(s, l);
     let seq_local = opts.seq;
@@ -2667,8 +2662,8 @@ mod tests {
         assert!((0.01..0.04).contains(&extra), "{extra}");
     }
 
-    /// An MoE layer waits for its host work after the dispatcher's sync once per forward, and
-    /// again where recomputation reruns it; other layers, a layer without expert parallelism
+    /// An MoE layer waits for its host work after the dispatcher's sync once per forward, with
+    /// or without expert parallelism, and again where recomputation reruns it; other layers
     /// and a stack without the sync do not.
     #[test]
     fn moe_layers_wait_for_the_host_after_the_dispatcher_sync() {

@@ -164,11 +164,21 @@ pub struct DeviceInfo {
     pub sm_count: u32,
 }
 
-fn driver_err(what: &str, e: DriverError) -> ExecError {
+/// A failure of this backend with `message`.
+fn cuda_err(message: String) -> ExecError {
     ExecError::Backend {
         backend: "cuda",
-        message: format!("{what}: {e:?}"),
+        message,
     }
+}
+
+/// `x` as one of cuBLAS's 32-bit extents.
+fn cublas_dim(x: usize) -> Result<i32, ExecError> {
+    i32::try_from(x).map_err(|_| cuda_err(format!("{x} exceeds cuBLAS's 32-bit sizes")))
+}
+
+fn driver_err(what: &str, e: DriverError) -> ExecError {
+    cuda_err(format!("{what}: {e:?}"))
 }
 
 fn require(lib: Lib) -> Result<(), ExecError> {
@@ -452,13 +462,6 @@ impl Gpu {
         c: &mut CudaSlice<f32>,
         beta: f32,
     ) -> Result<(), ExecError> {
-        let err = |message: String| ExecError::Backend {
-            backend: "cuda",
-            message,
-        };
-        let dim = |x: usize| {
-            i32::try_from(x).map_err(|_| err(format!("{x} exceeds cuBLAS's 32-bit sizes")))
-        };
         // Elements the column-major `rows × cols` operand (stored transposed when `trans`)
         // spans: element (i, j) sits at i + j·ld, or at j + i·ld transposed.
         let stored = |o: &ColMajorOperand, rows: usize, cols: usize| {
@@ -476,7 +479,7 @@ impl Gpu {
         ];
         for (name, want, have) in need {
             if have < want {
-                return Err(err(format!(
+                return Err(cuda_err(format!(
                     "sgemm {m}×{k}·{k}×{n}: operand {name} has {have} values, needs {want}"
                 )));
             }
@@ -491,16 +494,16 @@ impl Gpu {
         let cfg = GemmConfig {
             transa: op(plan.a.trans),
             transb: op(plan.b.trans),
-            m: dim(m)?,
-            n: dim(n)?,
-            k: dim(k)?,
+            m: cublas_dim(m)?,
+            n: cublas_dim(n)?,
+            k: cublas_dim(k)?,
             alpha: 1.0f32,
-            lda: dim(plan.a.ld)?,
-            ldb: dim(plan.b.ld)?,
+            lda: cublas_dim(plan.a.ld)?,
+            ldb: cublas_dim(plan.b.ld)?,
             beta,
-            ldc: dim(plan.c.ld)?,
+            ldc: cublas_dim(plan.c.ld)?,
         };
-        ffi::sgemm(&self.blas, cfg, a, b, c).map_err(|e| err(format!("cublasSgemm: {e:?}")))
+        ffi::sgemm(&self.blas, cfg, a, b, c).map_err(|e| cuda_err(format!("cublasSgemm: {e:?}")))
     }
 
     /// Row-major `c[m×n] = a[m×k] · b[k×n]` on dense device buffers.
@@ -564,13 +567,6 @@ impl Gpu {
     /// operands hold varied values, not zeros: a GEMM of zeros draws less power and runs at
     /// higher clocks (an H200 ran 8192³ in bf16 at 894 TFLOP/s on zeros, 788 on random data).
     pub fn hgemm_flops(&self, m: usize, k: usize, n: usize, iters: u32) -> Result<f64, ExecError> {
-        let err = |message: String| ExecError::Backend {
-            backend: "cuda",
-            message,
-        };
-        let dim = |x: usize| {
-            i32::try_from(x).map_err(|_| err(format!("{x} exceeds cuBLAS's 32-bit sizes")))
-        };
         let values = |len: usize| -> Vec<half::f16> {
             (0..len)
                 .map(|i| half::f16::from_f32(((i * 7919) % 251) as f32 / 251.0 - 0.5))
@@ -590,18 +586,18 @@ impl Gpu {
         let cfg = GemmConfig {
             transa: cublasOperation_t::CUBLAS_OP_N,
             transb: cublasOperation_t::CUBLAS_OP_N,
-            m: dim(m)?,
-            n: dim(n)?,
-            k: dim(k)?,
+            m: cublas_dim(m)?,
+            n: cublas_dim(n)?,
+            k: cublas_dim(k)?,
             alpha: half::f16::ONE,
-            lda: dim(m)?,
-            ldb: dim(k)?,
+            lda: cublas_dim(m)?,
+            ldb: cublas_dim(k)?,
             beta: half::f16::ZERO,
-            ldc: dim(m)?,
+            ldc: cublas_dim(m)?,
         };
         let secs = self.timed(iters, || {
             ffi::hgemm(&self.blas, cfg, &a, &b, &mut c)
-                .map_err(|e| err(format!("cublasGemmEx (fp16): {e:?}")))
+                .map_err(|e| cuda_err(format!("cublasGemmEx (fp16): {e:?}")))
         })?;
         Ok(2.0 * (m * k * n) as f64 / secs)
     }
