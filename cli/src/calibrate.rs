@@ -131,6 +131,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "  op overhead         {:>8.3} us",
         m.compute.op_overhead_s * 1e6
     );
+    if let Some(h) = &m.host {
+        println!(
+            "  host Adam           {:>8.3} G parameters/s on {} cores",
+            h.adam_params_per_s / 1e9,
+            h.cores
+        );
+        if let Some(l) = &h.link {
+            println!(
+                "  host link           {:>8.2} GB/s up, {:.2} GB/s down per GPU (all at once, pinned)",
+                l.h2d_bytes_per_s / 1e9,
+                l.d2h_bytes_per_s / 1e9
+            );
+        }
+    }
     // The trainers' ops past their GEMM calls: the general-graph trainer's as it runs them in
     // training, the transformer trainer's kernels alone.
     if let Some(h) = &p.device.host_kernels {

@@ -46,6 +46,88 @@ pub struct Measurements {
     pub inter: Option<InterNode>,
     /// The accelerator measured, when the ranks are GPUs (`cuda`); `None` for CPU cores.
     pub device: Option<MeasuredDevice>,
+    /// The host side of offload: its CPUs' Adam step and, with GPUs, each one's link to host
+    /// memory. `None` where it was not measured (MPI, one process per core).
+    pub host: Option<HostFigures>,
+}
+
+/// What an offloaded optimizer step runs at on this machine's host.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HostFigures {
+    /// Cores the host's Adam step ran on at once.
+    pub cores: usize,
+    /// Parameters per second it updated ([`host_adam_params_per_s`]).
+    pub adam_params_per_s: f64,
+    /// Copies between each GPU and pinned host memory, every GPU copying at once (the
+    /// slowest GPU's); `None` for CPU cores.
+    pub link: Option<HostLink>,
+}
+
+/// Copy rates between a GPU and pinned host memory, bytes per second.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HostLink {
+    /// Host to device (an offloaded step's updated weights going up).
+    pub h2d_bytes_per_s: f64,
+    /// Device to host (its gradients going down).
+    pub d2h_bytes_per_s: f64,
+}
+
+impl HostLink {
+    /// The slower direction, which an offloaded step pays both ways.
+    pub fn bytes_per_s(&self) -> f64 {
+        self.h2d_bytes_per_s.min(self.d2h_bytes_per_s)
+    }
+}
+
+/// Parameters per second an offloaded optimizer step updates on `cores` host cores at once:
+/// the trainer's Adam over fp32 weights, gradients and moments far larger than the caches, each
+/// cache-sized block's 16-bit copy written as it is done (what ZeRO-Offload's
+/// `DeepSpeedCPUAdam` does for the weights it sends back to the device: 30 bytes of DRAM
+/// traffic a parameter). The cores share the host's memory bandwidth, as the devices of a node
+/// stepping at once do.
+pub fn host_adam_params_per_s(cores: usize, quick: bool) -> f64 {
+    const BLOCK: usize = 4096;
+    let cores = cores.max(1);
+    // 18 bytes a parameter held: 150 MB (quick) or 1.2 GB in all, beyond any last-level cache.
+    let total: usize = if quick { 1 << 23 } else { 1 << 26 };
+    let per = (total / cores).max(BLOCK);
+    let iters = if quick { 2 } else { 5 };
+    let cfg = AdamConfig::default();
+    let barrier = std::sync::Barrier::new(cores + 1);
+    let start = std::thread::scope(|s| {
+        for _ in 0..cores {
+            s.spawn(|| {
+                let (mut p, g) = (vec![0.1f32; per], vec![0.01f32; per]);
+                let (mut m, mut v, mut half) = (vec![0f32; per], vec![0f32; per], vec![0u16; per]);
+                let mut step = || {
+                    for ((((p, g), m), v), h) in p
+                        .chunks_mut(BLOCK)
+                        .zip(g.chunks(BLOCK))
+                        .zip(m.chunks_mut(BLOCK))
+                        .zip(v.chunks_mut(BLOCK))
+                        .zip(half.chunks_mut(BLOCK))
+                    {
+                        cfg.update((0.1, 0.05), p, g, m, v);
+                        // bf16 by truncation: the block is still in cache.
+                        for (h, x) in h.iter_mut().zip(p.iter()) {
+                            *h = (x.to_bits() >> 16) as u16;
+                        }
+                    }
+                    std::hint::black_box(&half);
+                };
+                // First touch of every page, outside the timing.
+                step();
+                barrier.wait();
+                for _ in 0..iters {
+                    step();
+                }
+            });
+        }
+        barrier.wait();
+        Instant::now()
+    });
+    let secs = start.elapsed().as_secs_f64().max(1e-9);
+    (per * cores * iters) as f64 / secs
 }
 
 /// The accelerator a calibration measured.
@@ -347,6 +429,11 @@ pub fn measure(opts: CalibrateOptions) -> Result<Measurements, ExecError> {
         intra: Some(slowest.fit(n)),
         inter: None,
         device: None,
+        host: Some(HostFigures {
+            cores: threads,
+            adam_params_per_s: host_adam_params_per_s(threads, opts.quick),
+            link: None,
+        }),
     })
 }
 
@@ -695,6 +782,14 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
         p.device.host_kernels = Some(h);
         fields.push("device.host_kernels");
     }
+    if let Some(h) = &m.host {
+        p.node.host_adam_gparams_per_s = Some(h.adam_params_per_s / 1e9);
+        fields.push("node.host_adam_gparams_per_s");
+        if let Some(l) = &h.link {
+            p.node.pcie_host_gbps = Some(l.bytes_per_s() / 1e9);
+            fields.push("node.pcie_host_gbps");
+        }
+    }
     if let Some(d) = &m.device {
         p.device.name = d.name.clone();
         p.device.hbm_gib = d.mem_gib;
@@ -767,7 +862,7 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
     // Built from JSON so that optional fields added to the table later keep their defaults.
     p.calibration = serde_json::from_value::<Provenance>(serde_json::json!({
         "provenance": format!(
-            "parallax calibrate --backend {}: {} concurrent ranks per node; {}{}{across}; other fields from preset {base_name}",
+            "parallax calibrate --backend {}: {} concurrent ranks per node; {}{}{}{across}; other fields from preset {base_name}",
             m.backend,
             m.threads,
             if tensor_peak.is_some() {
@@ -781,6 +876,13 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
                 ", all-reduce over the ranks of one node"
             } else {
                 ""
+            },
+            match &m.host {
+                Some(HostFigures { link: Some(_), .. }) => {
+                    ", the host's Adam step on all its cores and each GPU's copies to and from pinned host memory"
+                }
+                Some(_) => ", the host's Adam step on all measured cores",
+                None => "",
             }
         ),
         "fitted_fields": fields,
@@ -1159,6 +1261,17 @@ mod tests {
         assert!(c.busbw_bytes_per_s > 0.0 && c.step_latency_s > 0.0);
         assert!(m.compute.transcendentals_per_s.is_some_and(|r| r > 0.0));
         assert!(m.compute.tanh_per_s.is_some_and(|r| r > 0.0));
+        // The host's Adam step on both cores: streaming 30 bytes a parameter, it cannot beat
+        // the cores' copy bandwidth by much (the arrays are far beyond the caches).
+        let h = m.host.unwrap();
+        assert_eq!((h.cores, h.link), (2, None));
+        let streamed = h.adam_params_per_s * 30.0;
+        assert!(
+            h.adam_params_per_s > 1e6 && streamed < 3.0 * 2.0 * m.compute.copy_bytes_per_s,
+            "{} params/s against {} B/s copies a core",
+            h.adam_params_per_s,
+            m.compute.copy_bytes_per_s
+        );
         assert!(m
             .compute
             .pointwise_curve
@@ -1167,6 +1280,10 @@ mod tests {
         let base = parallax_hardware::preset("cpu-local").unwrap();
         let p = to_profile(&m, &base, "cpu-local");
         p.validate().unwrap();
+        assert_eq!(
+            p.node.host_adam_gparams_per_s,
+            Some(h.adam_params_per_s / 1e9)
+        );
         // The pointwise curve ends at the rate of tensors beyond the caches.
         let curve = p.device.memory_efficiency_curve.as_ref().unwrap();
         assert_eq!(curve.0.last().unwrap().1, p.device.memory_efficiency);
@@ -1329,6 +1446,7 @@ mod tests {
                 },
             }),
             device: None,
+            host: None,
         };
         let p = to_profile(
             &m,
@@ -1370,6 +1488,16 @@ mod tests {
                 mem_gib: 139.8,
                 sm_count: Some(132),
             }),
+            // Illustrative: 2.5 G parameters a second on the host's cores, a PCIe 5.0 x16
+            // link slower down than up.
+            host: Some(HostFigures {
+                cores: 96,
+                adam_params_per_s: 2.5e9,
+                link: Some(HostLink {
+                    h2d_bytes_per_s: 53e9,
+                    d2h_bytes_per_s: 48e9,
+                }),
+            }),
         };
         let name = parallax_hardware::preset_for_device("NVIDIA H200", 139.8).unwrap();
         let base = parallax_hardware::preset(name).unwrap();
@@ -1389,6 +1517,13 @@ mod tests {
         assert!(!c.fitted_fields.iter().any(|f| f.starts_with("node.intra")));
         assert!(c.provenance.contains(name) && !c.provenance.contains("all-reduce"));
         assert!(c.provenance.contains("tensor-core"), "{}", c.provenance);
+        // The host side offload is priced with: the slower direction of the link, the Adam rate.
+        assert_eq!(p.node.pcie_host_gbps, Some(48.0));
+        assert_eq!(p.node.host_adam_gparams_per_s, Some(2.5));
+        for f in ["node.pcie_host_gbps", "node.host_adam_gparams_per_s"] {
+            assert!(c.fitted_fields.iter().any(|x| x == f), "{f}");
+        }
+        assert!(c.provenance.contains("host"), "{}", c.provenance);
     }
 }
 

@@ -21,7 +21,10 @@
 //! tests and `calibrate --backend cuda` first ran on one H200 on 2026-11-26 (README, Backends),
 //! the two-GPU run and NCCL across GPUs have not run yet.
 
-use crate::calibrate::{AllReduceTimes, ComputeFigures, MeasuredDevice, Measurements};
+use crate::calibrate::{
+    host_adam_params_per_s, AllReduceTimes, ComputeFigures, HostFigures, HostLink, MeasuredDevice,
+    Measurements,
+};
 use crate::engine::{AdamConfig, RankReport};
 use crate::error::ExecError;
 use crate::tensor::{set_device_offload, span, ColMajorGemm, ColMajorOperand, DeviceOffload};
@@ -944,6 +947,12 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
         2.0 * 512.0 / f
     };
     let intra = collective_times(n, quick)?.map(|t| t.fit(n));
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let host = HostFigures {
+        cores,
+        adam_params_per_s: host_adam_params_per_s(cores, quick),
+        link: Some(host_link(n, quick)?),
+    };
     Ok(Measurements {
         backend: "cuda",
         threads: n,
@@ -969,7 +978,98 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
             mem_gib: gpu.info().total_mem_bytes as f64 / f64::from(1u32 << 30),
             sm_count: Some(gpu.info().sm_count),
         }),
+        host: Some(host),
     })
+}
+
+/// Copy rates between each of the `n` GPUs and pinned host memory, every GPU copying the same
+/// way at once (they share the host's root complexes and memory, as an offloaded step's
+/// transfers do): the slowest GPU's, each direction.
+fn host_link(n: usize, quick: bool) -> Result<HostLink, ExecError> {
+    let bytes: usize = if quick { 64 << 20 } else { 512 << 20 };
+    let iters = if quick { 3 } else { 10 };
+    let barrier = std::sync::Barrier::new(n);
+    let rates = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|ordinal| {
+                let barrier = &barrier;
+                s.spawn(move || one_host_link(ordinal, bytes, iters, barrier))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(cuda_err("a host-link timing thread panicked".into())))
+            })
+            .collect::<Result<Vec<_>, _>>()
+    })?;
+    let slowest = |f: fn(&(f64, f64)) -> f64| rates.iter().map(f).fold(f64::INFINITY, f64::min);
+    Ok(HostLink {
+        h2d_bytes_per_s: slowest(|r| r.0),
+        d2h_bytes_per_s: slowest(|r| r.1),
+    })
+}
+
+/// GPU `ordinal`'s copy rates of `bytes` to and from pinned host memory, (host to device,
+/// device to host) bytes per second, each direction timed while the other GPUs copy the same
+/// way: `barrier` holds them together, and this GPU reaches it twice whether or not its setup
+/// worked, so none waits for ever.
+fn one_host_link(
+    ordinal: usize,
+    bytes: usize,
+    iters: u32,
+    barrier: &std::sync::Barrier,
+) -> Result<(f64, f64), ExecError> {
+    let setup = || {
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuCtxCreate", e))?;
+        let stream = ctx.default_stream();
+        let len = bytes / 4;
+        // SAFETY: the pinned buffer is never read on the host, only copied to and from by DMA
+        // (its uninitialised bytes serve a timing as well as any).
+        #[allow(unsafe_code)]
+        let host = unsafe { ctx.alloc_pinned_with_flags::<f32>(len, 0) }
+            .map_err(|e| driver_err("cuMemHostAlloc", e))?;
+        let dev = stream
+            .alloc_zeros::<f32>(len)
+            .map_err(|e| driver_err("cuMemAlloc", e))?;
+        Ok::<_, ExecError>((stream, host, dev))
+    };
+    let timed = |stream: &Arc<CudaStream>,
+                 what: &str,
+                 copy: &mut dyn FnMut() -> Result<(), DriverError>|
+     -> Result<f64, ExecError> {
+        let sync = || {
+            stream
+                .synchronize()
+                .map_err(|e| driver_err("cuStreamSynchronize", e))
+        };
+        copy().map_err(|e| driver_err(what, e))?;
+        sync()?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            copy().map_err(|e| driver_err(what, e))?;
+        }
+        sync()?;
+        Ok((bytes as f64 * f64::from(iters)) / t0.elapsed().as_secs_f64().max(1e-12))
+    };
+    let mut ready = setup();
+    barrier.wait();
+    let up = match &mut ready {
+        Ok((stream, host, dev)) => timed(stream, "cuMemcpyHtoD", &mut || {
+            stream.memcpy_htod(&*host, dev)
+        }),
+        Err(_) => Ok(0.0),
+    };
+    barrier.wait();
+    let down = match &mut ready {
+        Ok((stream, host, dev)) => timed(stream, "cuMemcpyDtoH", &mut || {
+            stream.memcpy_dtoh(&*dev, host)
+        }),
+        Err(_) => Ok(0.0),
+    };
+    ready?;
+    Ok((up?, down?))
 }
 
 /// NCCL all-reduce times over all `n` GPUs (the slowest rank's), or `None` with one GPU or
@@ -1536,7 +1636,16 @@ mod tests {
                 parallax_hardware::preset(base).unwrap().node.intra_gbps
             );
         }
-        eprintln!("{}: {:?}", p.device.name, m.compute.matmul);
+        // The host side of offload: a PCIe link between 1 (PCIe 3.0 x1) and 130 GB/s (past any
+        // PCIe 6.0 x16 or C2C link a host copy runs over today) each way, an Adam rate.
+        let h = m.host.unwrap();
+        let link = h.link.unwrap();
+        for r in [link.h2d_bytes_per_s, link.d2h_bytes_per_s] {
+            assert!((1e9..130e9).contains(&r), "host link {r} B/s");
+        }
+        assert_eq!(p.node.pcie_host_gbps, Some(link.bytes_per_s() / 1e9));
+        assert!(h.adam_params_per_s > 1e6, "{h:?}");
+        eprintln!("{}: {:?}; host {h:?}", p.device.name, m.compute.matmul);
     }
 
     #[test]

@@ -682,6 +682,8 @@ impl MpiRuntime {
                     fit: times(2, bytes).fit(leaders.size()),
                 }),
                 device: None,
+                // Every core runs a rank: the host's Adam step is not timed apart.
+                host: None,
             }))
         })();
         match result {

@@ -246,6 +246,12 @@ pub struct NodeSpec {
     /// Host memory of the node, GiB: where offloaded states must fit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_memory_gib: Option<f64>,
+    /// Parameters the node's CPUs update with Adam per second, billions, all cores at once
+    /// (fp32 weights, gradients and moments in host memory, the 16-bit copy written): what
+    /// `parallax calibrate` measures. Given, an offloaded optimizer step is priced at it;
+    /// absent, from streaming the states through `host_memory_gbps`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_adam_gparams_per_s: Option<f64>,
 }
 
 /// The inter-node network.
@@ -664,6 +670,9 @@ impl ClusterProfile {
         }
         if let Some(h) = n.pcie_host_gbps {
             pos("node.pcie_host_gbps", h)?;
+        }
+        if let Some(h) = n.host_adam_gparams_per_s {
+            pos("node.host_adam_gparams_per_s", h)?;
         }
         if n.nvls && n.intra_fabric != FabricKind::Nvswitch {
             return Err(self.invalid(

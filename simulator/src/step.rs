@@ -470,11 +470,12 @@ fn devices_per_node(setup: &Setup) -> f64 {
 }
 
 /// The host side of an offloaded layout: each device's PCIe link to host memory, and its share
-/// of the host's DRAM bandwidth for the optimizer step on the CPUs (the devices of a node step
-/// at once and stream through the same memory).
+/// of the host's CPUs for the optimizer step (the devices of a node step at once, on the same
+/// cores and through the same memory).
 struct HostOffload {
     link: f64,
-    memory_share: f64,
+    /// Parameters per second the device's share of the host updates with Adam.
+    adam_share: f64,
 }
 
 impl HostOffload {
@@ -485,10 +486,17 @@ impl HostOffload {
             return None;
         }
         let node = &setup.profile.node;
+        // The rate `calibrate` measured where there is one; else the states streamed through
+        // the host's DRAM, bound by its bandwidth.
+        let adam = match node.host_adam_gparams_per_s {
+            Some(g) => g * 1e9,
+            None => {
+                node.host_memory_bandwidth()?.0 * HOST_STREAM_EFFICIENCY / HOST_ADAM_BYTES_PER_PARAM
+            }
+        };
         Some(HostOffload {
             link: node.host_link_bandwidth()?.0,
-            memory_share: node.host_memory_bandwidth()?.0 * HOST_STREAM_EFFICIENCY
-                / devices_per_node(setup),
+            adam_share: adam / devices_per_node(setup),
         })
     }
 
@@ -497,9 +505,9 @@ impl HostOffload {
         Seconds(bytes as f64 / self.link)
     }
 
-    /// Adam over `params` on the host's CPUs: bound by streaming their states through DRAM.
+    /// Adam over `params` on the device's share of the host's CPUs.
     fn adam(&self, params: u64) -> Seconds {
-        Seconds(params as f64 * HOST_ADAM_BYTES_PER_PARAM / self.memory_share)
+        Seconds(params as f64 / self.adam_share)
     }
 }
 
@@ -1655,5 +1663,42 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("needs zero 3"), "{e}");
+    }
+
+    /// A host Adam rate `calibrate` measured replaces the DRAM estimate, and the devices of a
+    /// node share it: parameters offloaded on eight GPUs of one host (ZeRO-3, each updating
+    /// its shard of an eighth) step as long as one GPU's whole model on the host alone.
+    #[test]
+    fn a_measured_host_adam_rate_prices_the_offloaded_step() {
+        let m = zoo::transformer("llama3-8b").unwrap();
+        let mut p = preset("dgx2-v100-32gb").unwrap();
+        p.node.host_adam_gparams_per_s = Some(2.5);
+        let layout = |dp: u32| Layout {
+            dp,
+            zero_stage: 3,
+            micro_batch: 1,
+            recompute: Recompute::Full,
+            offload: Offload::Params,
+            ..Layout::default()
+        };
+        let step = |gpus: u32| {
+            let s = Setup {
+                precision: parallax_ir::Precision::Fp16,
+                ..Setup::new(&m, &p, gpus, 1024, u64::from(gpus))
+            };
+            let c = transformer_costs(&s, &layout(gpus)).unwrap();
+            let n = (c.layer().params * u64::from(m.layers) + c.embedding.params + c.head.params)
+                as f64;
+            let got = simulate_step(&s, &layout(gpus)).unwrap().prediction;
+            (got.breakdown.optimizer_s, n)
+        };
+        let (one, n) = step(1);
+        assert!(
+            (one / (n / 2.5e9) - 1.0).abs() < 0.02,
+            "{one} vs {}",
+            n / 2.5e9
+        );
+        let (eight, _) = step(8);
+        assert!((eight / one - 1.0).abs() < 0.02, "{eight} vs {one}");
     }
 }
