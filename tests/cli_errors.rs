@@ -503,6 +503,26 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             ]),
             &["offload optimizer needs zero 1, 2 or 3"],
         ),
+        // A preset without drives prices no NVMe offload, and says what would describe them.
+        case(
+            &sim(&[
+                "--model",
+                "gpt3-1.3b",
+                "--plan",
+                "dp=8,zero=3,offload=params-nvme",
+            ]),
+            &["offload params-nvme", "node.nvme", "calibrate --nvme"],
+        ),
+        case(
+            &[
+                "calibrate",
+                "--out",
+                &format!("{}/never.toml", d.display()),
+                "--nvme",
+                "/no/such/folder",
+            ],
+            &["--nvme /no/such/folder", "not a folder"],
+        ),
         case(
             &[
                 "run",

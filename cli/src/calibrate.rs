@@ -29,6 +29,11 @@ pub struct Args {
     /// Shorter measurements (seconds instead of about a minute).
     #[arg(long)]
     quick: bool,
+    /// A folder on the node's NVMe drives: their write and read bandwidth and free space are
+    /// measured there (files written, read back past the page cache and removed) for
+    /// ZeRO-Infinity's NVMe offload, and `--export deepspeed` points it there.
+    #[arg(long, value_name = "DIR")]
+    nvme: Option<PathBuf>,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -37,6 +42,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .parse()
         .map_err(|e| user(format!("--backend: {e}")))?;
     crate::refuse_overwrite(&a.out, a.force)?;
+    // Refused before the minute of measuring, not after.
+    if let Some(dir) = a.nvme.as_ref().filter(|d| !d.is_dir()) {
+        return Err(user(format!("--nvme {}: not a folder", dir.display())));
+    }
     let threads = match a.threads {
         Some(0) => return Err(user("--threads must be at least 1")),
         Some(n) if n > parallax_executor::engine::MAX_RANKS => {
@@ -48,7 +57,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Some(n) => n,
         None => std::thread::available_parallelism().map_or(1, |n| n.get()),
     };
-    let Some(m) = calibrate(
+    let Some(mut m) = calibrate(
         backend,
         CalibrateOptions {
             threads,
@@ -63,6 +72,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         // An MPI rank other than 0: rank 0 writes the profile.
         return Ok(());
     };
+    if let Some(dir) = &a.nvme {
+        m.nvme = Some(
+            parallax_executor::calibrate::measure_nvme(dir, a.quick)
+                .map_err(|e| user(format!("--nvme {}: {e}", dir.display())))?,
+        );
+    }
     // A GPU's unmeasured fields (tensor-core peaks, fabric, network) come from the preset of
     // its model; CPU cores are `cpu-local`'s.
     let base_name = m
@@ -144,6 +159,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 l.d2h_bytes_per_s / 1e9
             );
         }
+    }
+    if let Some(n) = &m.nvme {
+        println!(
+            "  NVMe                {:>8.2} GB/s write, {:.2} GB/s read, {:.0} GiB free at {}",
+            n.write_bytes_per_s / 1e9,
+            n.read_bytes_per_s / 1e9,
+            n.free_bytes / f64::from(1u32 << 30),
+            n.path.display()
+        );
     }
     // The trainers' ops past their GEMM calls: the general-graph trainer's as it runs them in
     // training, the transformer trainer's kernels alone.

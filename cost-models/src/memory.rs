@@ -25,6 +25,15 @@ pub const ADAM_BYTES_PER_PARAM: f64 = 34.0;
 /// (16 bytes), write the three states back (12) and the 16-bit copy sent to the device (2).
 pub const HOST_ADAM_BYTES_PER_PARAM: f64 = 30.0;
 
+/// Bytes ZeRO-Infinity's NVMe optimizer reads from the drives per parameter before the step:
+/// the fp32 weight, momentum and variance it swapped out after the last one, and the fp32
+/// gradient it swapped out during backward (`OptimizerSwapper`: `swap_in_optimizer_state`
+/// brings the gradients in with the states; deepspeed/runtime/swap_tensor).
+pub const NVME_SWAP_IN_BYTES_PER_PARAM: u64 = 16;
+
+/// Bytes it writes back after the step: the three fp32 states (the gradient is not kept).
+pub const NVME_SWAP_OUT_BYTES_PER_PARAM: u64 = 12;
+
 /// Fraction of a two-socket server's DRAM peak a streaming kernel sustains: STREAM triad on
 /// Skylake-SP, Ice Lake and Rome/Milan servers reaches 70–80 % of channels × rate × 8 bytes
 /// (McCalpin, STREAM results; vendors' STREAM disclosures).

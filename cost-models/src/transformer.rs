@@ -726,6 +726,12 @@ pub fn check_layout(s: &Setup, l: &Layout) -> Result<(), Infeasible> {
                 l.offload
             )));
         }
+        if l.offload.nvme() && node.nvme.is_none() {
+            return Err(Infeasible::Unsupported(format!(
+                "offload {}: the profile describes no NVMe drives (node.nvme: `parallax calibrate --nvme DIR` measures them)",
+                l.offload
+            )));
+        }
     }
     let etp = l.expert_tp();
     if let Some(moe) = m.moe {

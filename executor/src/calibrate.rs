@@ -49,6 +49,137 @@ pub struct Measurements {
     /// The host side of offload: its CPUs' Adam step and, with GPUs, each one's link to host
     /// memory. `None` where it was not measured (MPI, one process per core).
     pub host: Option<HostFigures>,
+    /// The node's NVMe, where a folder on it was given ([`measure_nvme`]).
+    pub nvme: Option<NvmeFigures>,
+}
+
+/// A node's NVMe as ZeRO-Infinity's offload streams it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NvmeFigures {
+    /// The folder measured.
+    pub path: std::path::PathBuf,
+    /// Sequential write bandwidth, bytes per second, flushed to the drives.
+    pub write_bytes_per_s: f64,
+    /// Sequential read bandwidth from the drives (not the page cache).
+    pub read_bytes_per_s: f64,
+    /// Space free there, bytes.
+    pub free_bytes: f64,
+}
+
+/// Files written and read at once: ZeRO-Infinity's swapper keeps several requests in flight
+/// (`aio.queue_depth`, `thread_count`), which a striped set of drives needs to reach its rate.
+const NVME_STREAMS: usize = 4;
+
+/// Measures the drive holding `dir`: [`NVME_STREAMS`] files written at once in 8 MiB writes
+/// and flushed (`fsync`), dropped from the page cache, read back at once, and removed — 512 MiB
+/// in all (`quick`) or 4 GiB, at most a quarter of the free space. A folder in memory (tmpfs,
+/// ramfs) is refused: it would time the host's DRAM.
+pub fn measure_nvme(dir: &std::path::Path, quick: bool) -> Result<NvmeFigures, String> {
+    #[cfg(target_os = "linux")]
+    {
+        nvme::measure(dir, quick)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (dir, quick);
+        Err("measuring NVMe needs Linux (posix_fadvise to read past the page cache)".into())
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod nvme {
+    use super::{NvmeFigures, NVME_STREAMS};
+    use std::io::{Read, Write};
+    use std::path::{Path, PathBuf};
+    use std::time::Instant;
+
+    /// File systems whose files live in memory (`statfs` magic numbers, linux/magic.h).
+    const IN_MEMORY: [(u64, &str); 2] = [(0x0102_1994, "tmpfs"), (0x8584_58f6, "ramfs")];
+
+    const CHUNK: usize = 8 << 20;
+
+    /// The probe files, removed however the measurement ends.
+    struct Probes(Vec<PathBuf>);
+
+    impl Drop for Probes {
+        fn drop(&mut self) {
+            for p in &self.0 {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+
+    /// Runs `f` on every probe at once; the seconds from the first start to the last end.
+    fn at_once(
+        probes: &[PathBuf],
+        f: impl Fn(&Path) -> std::io::Result<()> + Sync,
+    ) -> Result<f64, String> {
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = probes.iter().map(|p| s.spawn(|| f(p))).collect();
+            for (h, p) in handles.into_iter().zip(probes) {
+                h.join()
+                    .map_err(|_| format!("{}: the I/O thread panicked", p.display()))?
+                    .map_err(|e| format!("{}: {e}", p.display()))?;
+            }
+            Ok::<_, String>(())
+        })?;
+        Ok(t0.elapsed().as_secs_f64().max(1e-9))
+    }
+
+    pub(super) fn measure(dir: &Path, quick: bool) -> Result<NvmeFigures, String> {
+        let fs = rustix::fs::statfs(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        if let Some((_, kind)) = IN_MEMORY.iter().find(|(m, _)| *m == fs.f_type as u64) {
+            return Err(format!(
+                "{} is on {kind}, in memory, not on a drive",
+                dir.display()
+            ));
+        }
+        let vfs = rustix::fs::statvfs(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let free = vfs.f_bavail.saturating_mul(vfs.f_frsize);
+        let want: u64 = if quick { 512 << 20 } else { 4 << 30 };
+        let per = (want.min(free / 4) / NVME_STREAMS as u64) / CHUNK as u64 * CHUNK as u64;
+        if per == 0 {
+            return Err(format!(
+                "{}: {} MiB free, too little to measure",
+                dir.display(),
+                free >> 20
+            ));
+        }
+        let probes = Probes(
+            (0..NVME_STREAMS)
+                .map(|i| dir.join(format!(".parallax-nvme-probe-{}-{i}", std::process::id())))
+                .collect(),
+        );
+        let bytes = (per * NVME_STREAMS as u64) as f64;
+        let write = at_once(&probes.0, |p| {
+            // `create_new`: never overwrite a file of the user's.
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(p)?;
+            let chunk: Vec<u8> = (0..CHUNK).map(|i| (i % 251) as u8).collect();
+            for _ in 0..per / CHUNK as u64 {
+                f.write_all(&chunk)?;
+            }
+            f.sync_all()?;
+            // Clean now: the kernel may drop its pages, and the read comes from the drive.
+            rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed)?;
+            Ok(())
+        })?;
+        let read = at_once(&probes.0, |p| {
+            let mut f = std::fs::File::open(p)?;
+            let mut chunk = vec![0u8; CHUNK];
+            while f.read(&mut chunk)? > 0 {}
+            Ok(())
+        })?;
+        Ok(NvmeFigures {
+            path: dir.to_path_buf(),
+            write_bytes_per_s: bytes / write,
+            read_bytes_per_s: bytes / read,
+            free_bytes: free as f64,
+        })
+    }
 }
 
 /// What an offloaded optimizer step runs at on this machine's host.
@@ -434,6 +565,7 @@ pub fn measure(opts: CalibrateOptions) -> Result<Measurements, ExecError> {
             adam_params_per_s: host_adam_params_per_s(threads, opts.quick),
             link: None,
         }),
+        nvme: None,
     })
 }
 
@@ -790,6 +922,15 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
             fields.push("node.pcie_host_gbps");
         }
     }
+    if let Some(n) = &m.nvme {
+        p.node.nvme = Some(parallax_hardware::NvmeSpec {
+            read_gbps: n.read_bytes_per_s / 1e9,
+            write_gbps: n.write_bytes_per_s / 1e9,
+            gib: n.free_bytes / f64::from(1u32 << 30),
+            path: Some(n.path.display().to_string()),
+        });
+        fields.push("node.nvme");
+    }
     if let Some(d) = &m.device {
         p.device.name = d.name.clone();
         p.device.hbm_gib = d.mem_gib;
@@ -862,7 +1003,7 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
     // Built from JSON so that optional fields added to the table later keep their defaults.
     p.calibration = serde_json::from_value::<Provenance>(serde_json::json!({
         "provenance": format!(
-            "parallax calibrate --backend {}: {} concurrent ranks per node; {}{}{}{across}; other fields from preset {base_name}",
+            "parallax calibrate --backend {}: {} concurrent ranks per node; {}{}{}{}{across}; other fields from preset {base_name}",
             m.backend,
             m.threads,
             if tensor_peak.is_some() {
@@ -883,6 +1024,10 @@ pub fn to_profile(m: &Measurements, base: &ClusterProfile, base_name: &str) -> C
                 }
                 Some(_) => ", the host's Adam step on all measured cores",
                 None => "",
+            },
+            match &m.nvme {
+                Some(n) => format!(", NVMe write and read at {}", n.path.display()),
+                None => String::new(),
             }
         ),
         "fitted_fields": fields,
@@ -1447,6 +1592,7 @@ mod tests {
             }),
             device: None,
             host: None,
+            nvme: None,
         };
         let p = to_profile(
             &m,
@@ -1498,6 +1644,12 @@ mod tests {
                     d2h_bytes_per_s: 48e9,
                 }),
             }),
+            nvme: Some(NvmeFigures {
+                path: "/raid".into(),
+                write_bytes_per_s: 20e9,
+                read_bytes_per_s: 25e9,
+                free_bytes: 15e12,
+            }),
         };
         let name = parallax_hardware::preset_for_device("NVIDIA H200", 139.8).unwrap();
         let base = parallax_hardware::preset(name).unwrap();
@@ -1524,6 +1676,50 @@ mod tests {
             assert!(c.fitted_fields.iter().any(|x| x == f), "{f}");
         }
         assert!(c.provenance.contains("host"), "{}", c.provenance);
+        // The drives measured, where the DeepSpeed export will point ZeRO-Infinity.
+        let nvme = p.node.nvme.as_ref().unwrap();
+        assert_eq!((nvme.read_gbps, nvme.write_gbps), (25.0, 20.0));
+        assert_eq!(nvme.path.as_deref(), Some("/raid"));
+        assert!((nvme.gib - 15e12 / f64::from(1u32 << 30)).abs() < 1e-6);
+        assert!(c.provenance.contains("NVMe write and read at /raid"));
+    }
+
+    /// A folder on a drive is measured and left as it was; one in memory or missing is
+    /// refused by name.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn nvme_is_measured_on_a_drive_and_refused_elsewhere() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let listing = || {
+            let mut v: Vec<_> = std::fs::read_dir(dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            v.sort();
+            v
+        };
+        let before = listing();
+        match measure_nvme(dir, true) {
+            Ok(n) => {
+                assert!(
+                    n.read_bytes_per_s > 1e6 && n.write_bytes_per_s > 1e6,
+                    "{n:?}"
+                );
+                assert!(n.free_bytes > 0.0);
+                assert_eq!(listing(), before);
+            }
+            Err(e) if e.contains("in memory") => {
+                eprintln!("skipped the drive measurement: {e}");
+            }
+            Err(e) => panic!("{e}"),
+        }
+        let shm = std::path::Path::new("/dev/shm");
+        if shm.is_dir() {
+            let e = measure_nvme(shm, true).unwrap_err();
+            assert!(e.contains("tmpfs, in memory"), "{e}");
+        }
+        let e = measure_nvme(&dir.join("no-such-folder"), true).unwrap_err();
+        assert!(e.contains("no-such-folder"), "{e}");
     }
 }
 

@@ -979,6 +979,7 @@ pub fn calibrate(quick: bool) -> Result<Measurements, ExecError> {
             sm_count: Some(gpu.info().sm_count),
         }),
         host: Some(host),
+        nvme: None,
     })
 }
 

@@ -684,6 +684,7 @@ impl MpiRuntime {
                 device: None,
                 // Every core runs a rank: the host's Adam step is not timed apart.
                 host: None,
+                nvme: None,
             }))
         })();
         match result {

@@ -34,7 +34,7 @@ pub use presets::{
 };
 pub use profile::{
     Calibration, ClusterProfile, CollectiveSpec, DeviceSpec, FabricKind, NetworkSpec, NodeSpec,
-    PrecisionScale, Topology, MAX_SUSTAINED,
+    NvmeSpec, PrecisionScale, Topology, MAX_SUSTAINED,
 };
 
 #[cfg(test)]

@@ -252,6 +252,27 @@ pub struct NodeSpec {
     /// absent, from streaming the states through `host_memory_gbps`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_adam_gparams_per_s: Option<f64>,
+    /// The node's NVMe storage, where ZeRO-Infinity offloads to. Absent: NVMe offload cannot be
+    /// priced on this profile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvme: Option<NvmeSpec>,
+}
+
+/// A node's NVMe storage as offload sees it (`[node.nvme]`; `parallax calibrate --nvme DIR`
+/// measures it).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NvmeSpec {
+    /// Sequential read bandwidth, GB/s, all the node's drives at once (the node's devices
+    /// share it).
+    pub read_gbps: f64,
+    /// Sequential write bandwidth, GB/s, likewise.
+    pub write_gbps: f64,
+    /// Space free for offloaded states, GiB.
+    pub gib: f64,
+    /// The folder on it (what `--export deepspeed` writes as `nvme_path`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
 }
 
 /// The inter-node network.
@@ -673,6 +694,11 @@ impl ClusterProfile {
         }
         if let Some(h) = n.host_adam_gparams_per_s {
             pos("node.host_adam_gparams_per_s", h)?;
+        }
+        if let Some(nv) = &n.nvme {
+            pos("node.nvme.read_gbps", nv.read_gbps)?;
+            pos("node.nvme.write_gbps", nv.write_gbps)?;
+            pos("node.nvme.gib", nv.gib)?;
         }
         if n.nvls && n.intra_fabric != FabricKind::Nvswitch {
             return Err(self.invalid(

@@ -297,22 +297,49 @@ pub enum Offload {
     /// forward and backward (ZeRO-Infinity's `offload_param`, FSDP `CPUOffload(params)`);
     /// needs ZeRO-3.
     Params,
+    /// As [`Offload::Optimizer`], the optimizer states kept on the node's NVMe instead of in
+    /// host memory: swapped in for the step on the host's CPUs and out after it
+    /// (ZeRO-Infinity, Rajbhandari et al. 2021: `offload_optimizer.device = "nvme"`).
+    #[serde(rename = "optimizer-nvme")]
+    OptimizerNvme,
+    /// As [`Offload::Params`], optimizer states and 16-bit parameters on the node's NVMe: each
+    /// layer's parameters read from it before forward and backward, written back after the
+    /// step (ZeRO-Infinity: `offload_param.device = "nvme"`); needs ZeRO-3.
+    #[serde(rename = "params-nvme")]
+    ParamsNvme,
 }
 
 impl Offload {
-    /// All settings, none first.
-    pub const ALL: [Offload; 3] = [Offload::None, Offload::Optimizer, Offload::Params];
+    /// All settings, none first, then in the order the search tries them when memory binds:
+    /// host memory before NVMe, the optimizer before the parameters.
+    pub const ALL: [Offload; 5] = [
+        Offload::None,
+        Offload::Optimizer,
+        Offload::Params,
+        Offload::OptimizerNvme,
+        Offload::ParamsNvme,
+    ];
+
+    /// Whether the 16-bit parameters leave the device (fetched layer by layer).
+    pub fn params(self) -> bool {
+        matches!(self, Offload::Params | Offload::ParamsNvme)
+    }
+
+    /// Whether the offloaded states live on NVMe rather than in host memory.
+    pub fn nvme(self) -> bool {
+        matches!(self, Offload::OptimizerNvme | Offload::ParamsNvme)
+    }
 
     /// Why this offload cannot go with ZeRO stage `zero`, if it cannot: ZeRO-Offload
     /// partitions what it offloads (stage 1 or more), and parameters are fetched like ZeRO-3's
     /// gathers.
     pub fn conflict(self, zero: u8) -> Option<String> {
         match self {
-            Offload::Optimizer if zero == 0 => {
-                Some("offload optimizer needs zero 1, 2 or 3 (ZeRO-Offload partitions what it offloads)".into())
-            }
-            Offload::Params if zero != 3 => Some(format!(
-                "offload params needs zero 3 (parameters are fetched like ZeRO-3's gathers), not zero {zero}"
+            Offload::Optimizer | Offload::OptimizerNvme if zero == 0 => Some(format!(
+                "offload {self} needs zero 1, 2 or 3 (ZeRO-Offload partitions what it offloads)"
+            )),
+            Offload::Params | Offload::ParamsNvme if zero != 3 => Some(format!(
+                "offload {self} needs zero 3 (parameters are fetched like ZeRO-3's gathers), not zero {zero}"
             )),
             _ => None,
         }
@@ -324,6 +351,8 @@ impl Offload {
             Offload::None => "none",
             Offload::Optimizer => "optimizer",
             Offload::Params => "params",
+            Offload::OptimizerNvme => "optimizer-nvme",
+            Offload::ParamsNvme => "params-nvme",
         }
     }
 
@@ -441,7 +470,11 @@ impl FromStr for Offload {
         Offload::ALL
             .into_iter()
             .find(|x| x.name() == s || (s == "cpu" && *x == Offload::Optimizer))
-            .ok_or_else(|| format!("unknown offload '{s}' (expected none, optimizer or params)"))
+            .ok_or_else(|| {
+                format!(
+                    "unknown offload '{s}' (expected none, optimizer, params, optimizer-nvme or params-nvme)"
+                )
+            })
     }
 }
 

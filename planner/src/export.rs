@@ -701,17 +701,31 @@ fn gpus_per_node_hint(plan: &Plan) -> u32 {
         .map_or(plan.layout.tp.max(8), |c| c.profile.node.gpus_per_node)
 }
 
-/// DeepSpeed's `zero_optimization` block: the stage, and what goes to host memory
+/// Where ZeRO-Infinity's NVMe offload writes when the cluster's profile names no folder on
+/// the drives (DeepSpeed's configuration docs use it in their examples).
+const DEFAULT_NVME_PATH: &str = "/local_nvme";
+
+/// DeepSpeed's `zero_optimization` block: the stage, and what goes to host memory or NVMe
 /// (`offload_optimizer` — ZeRO-Offload, with DeepSpeed's CPU Adam — and `offload_param` —
-/// ZeRO-Infinity, stage 3 only), pinned for the transfers.
-fn zero_optimization(l: &Layout) -> serde_json::Value {
-    let cpu = json!({ "device": "cpu", "pin_memory": true });
+/// ZeRO-Infinity, stage 3 only), pinned for the transfers; NVMe at the folder the cluster's
+/// profile measured (`node.nvme.path`).
+fn zero_optimization(plan: &Plan) -> serde_json::Value {
+    let l = &plan.layout;
+    let device = if l.offload.nvme() {
+        let path = parallax_hardware::Cluster::parse(&plan.cluster.spec)
+            .ok()
+            .and_then(|c| c.profile.node.nvme.and_then(|n| n.path))
+            .unwrap_or_else(|| DEFAULT_NVME_PATH.into());
+        json!({ "device": "nvme", "nvme_path": path, "pin_memory": true })
+    } else {
+        json!({ "device": "cpu", "pin_memory": true })
+    };
     let mut z = json!({ "stage": l.zero_stage });
     if l.offload != Offload::None {
-        z["offload_optimizer"] = cpu.clone();
+        z["offload_optimizer"] = device.clone();
     }
-    if l.offload == Offload::Params {
-        z["offload_param"] = cpu;
+    if l.offload.params() {
+        z["offload_param"] = device;
     }
     z
 }
@@ -724,7 +738,7 @@ fn deepspeed(plan: &Plan) -> String {
         "train_batch_size": t.global_batch,
         "train_micro_batch_size_per_gpu": l.micro_batch,
         "gradient_accumulation_steps": accumulation(plan),
-        "zero_optimization": zero_optimization(l),
+        "zero_optimization": zero_optimization(plan),
         "bf16": { "enabled": matches!(t.precision, Precision::Bf16 | Precision::Fp8) },
         "fp16": { "enabled": t.precision == Precision::Fp16 },
         "gradient_clipping": 1.0,
@@ -1168,6 +1182,16 @@ mod tests {
         let z = &ds(offload(Offload::Params, 3))["zero_optimization"];
         assert_eq!(z["offload_param"]["device"], "cpu");
         assert_eq!(z["offload_optimizer"]["device"], "cpu");
+        // ZeRO-Infinity's NVMe: the preset names no folder on its drives, DeepSpeed's example
+        // one is written.
+        let z = &ds(offload(Offload::OptimizerNvme, 3))["zero_optimization"];
+        assert_eq!(z["offload_optimizer"]["device"], "nvme");
+        assert_eq!(z["offload_optimizer"]["nvme_path"], DEFAULT_NVME_PATH);
+        assert!(z.get("offload_param").is_none(), "{z}");
+        let z = &ds(offload(Offload::ParamsNvme, 3))["zero_optimization"];
+        for k in ["offload_param", "offload_optimizer"] {
+            assert_eq!(z[k]["device"], "nvme", "{z}");
+        }
         assert!(ds(fsdp.clone())["zero_optimization"]
             .get("offload_optimizer")
             .is_none());

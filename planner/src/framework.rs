@@ -392,14 +392,14 @@ const DEEPSPEED_ZERO3_2021: &[Feature] = &[
         source: "DeepSpeed 0.4 fp16 optimizer",
     },
     Feature {
-        what: "ZeRO-Infinity offload: optimizer (offload_optimizer) and parameters (offload_param) in host memory",
+        what: "ZeRO-Infinity offload: optimizer (offload_optimizer) and parameters (offload_param) in host memory or on NVMe (device \"nvme\"; optimizer states swapped in for the step and out after it, unpipelined: pipeline_read / pipeline_write default off)",
         source: "Rajbhandari et al. 2021 (ZeRO-Infinity, SC21), §5; DeepSpeed config docs, zero_optimization offload options",
     },
 ];
 
 const DEEPSPEED_CURRENT: &[Feature] = &[
     Feature {
-        what: "ZeRO 0–3 with overlapped reduction; pipeline engine with 1F1B only; full checkpointing; AutoTP without sequence parallelism; optimizer and parameter offload to the host",
+        what: "ZeRO 0–3 with overlapped reduction; pipeline engine with 1F1B only; full checkpointing; AutoTP without sequence parallelism; optimizer and parameter offload to the host or NVMe",
         source: "DeepSpeed 0.19 docs (config: zero_optimization offload_optimizer / offload_param, pipeline, AutoTP)",
     },
     Feature {
@@ -539,7 +539,7 @@ const PARALLAX: &[Feature] = &[Feature {
 }];
 
 const CURRENT: &[Feature] = &[Feature {
-    what: "a current stack: fused attention, overlapped gradient reduction and parameter gathers, TP communication overlap, overlapped sends, every schedule, ZeRO stage and recompute policy, optimizer and parameter offload when nothing fits",
+    what: "a current stack: fused attention, overlapped gradient reduction and parameter gathers, TP communication overlap, overlapped sends, every schedule, ZeRO stage and recompute policy, optimizer and parameter offload (host memory, then NVMe) when nothing fits",
     source: "the union of the current Megatron-Core, DeepSpeed and torchtitan releases",
 }];
 
@@ -633,9 +633,10 @@ fn deepspeed_zero3_2021() -> Parts {
             zero3_gathers_per_layer: DEEPSPEED_SUBMODULES_PER_LAYER,
             ..megatron_loss(pre_flash(true, false))
         },
-        // ZeRO-Infinity (DeepSpeed 0.3.15, April 2021): optimizer and parameters to the host.
+        // ZeRO-Infinity (DeepSpeed 0.3.15, April 2021): optimizer and parameters to the host
+        // or NVMe.
         space: Space {
-            offload: vec![Offload::Optimizer, Offload::Params],
+            offload: Offload::ALL[1..].to_vec(),
             ..data_parallel_only(space(&NO_PIPELINE, &[3], &NO_OR_FULL))
         },
     }

@@ -153,7 +153,7 @@ impl Default for Space {
             ep_overlap: true,
             sequence_parallel: true,
             model_parallel: true,
-            offload: vec![Offload::Optimizer, Offload::Params],
+            offload: Offload::ALL[1..].to_vec(),
             fp8_recipes: Fp8Recipe::ALL.to_vec(),
             async_tp: true,
         }
@@ -655,8 +655,15 @@ pub fn search_with_progress(
     // the stack has, until a layout fits.
     let tries: Vec<Option<Offload>> = match opts.force.offload {
         Some(o) => vec![Some(o)],
+        // NVMe only where the profile describes the node's drives.
         None => std::iter::once(Some(Offload::None))
-            .chain(opts.space.offload.iter().map(|o| Some(*o)))
+            .chain(
+                opts.space
+                    .offload
+                    .iter()
+                    .filter(|o| !o.nvme() || setup.profile.node.nvme.is_some())
+                    .map(|o| Some(*o)),
+            )
             .collect(),
     };
     let mut first_error = None;
@@ -1925,5 +1932,39 @@ mod tests {
             search(&s, &no_offload),
             Err(SearchError::DoesNotFit { .. })
         ));
+    }
+
+    /// NVMe comes after host memory, and only where the profile describes the drives: Llama-3
+    /// 70B on one A100 needs ~1.2 TiB of offloaded states, more than a host of 256 GiB holds;
+    /// with 8 TiB of NVMe the search puts them there, without it nothing fits (and says
+    /// why host memory did not do).
+    #[test]
+    fn nvme_takes_what_host_memory_cannot_hold() {
+        let m = parallax_ir::models::zoo::transformer("llama3-70b").unwrap();
+        let mut p = parallax_hardware::preset("dgx-a100-80gb").unwrap();
+        p.node.host_memory_gib = Some(256.0);
+        let opts = SearchOptions {
+            top_k: 1,
+            ..SearchOptions::default()
+        };
+        let e = search(&Setup::new(&m, &p, 1, 1024, 1), &opts)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("GiB of host memory per node needed"), "{e}");
+        p.node.nvme = Some(parallax_hardware::NvmeSpec {
+            read_gbps: 25.0,
+            write_gbps: 20.0,
+            gib: 8192.0,
+            path: None,
+        });
+        let best = search(&Setup::new(&m, &p, 1, 1024, 1), &opts)
+            .unwrap()
+            .best()
+            .clone();
+        assert!(best.layout.offload.nvme(), "{:?}", best.layout);
+        // The step pays the states' trip through the drives: 28 bytes a parameter at the
+        // drives' rates, at least.
+        let params = 70.55e9;
+        assert!(best.prediction.breakdown.optimizer_s > params * (16.0 / 25e9 + 12.0 / 20e9));
     }
 }

@@ -831,16 +831,24 @@ impl TransformerCase {
         })
     }
 
-    /// What the run offloaded: parameters (with the optimizer), the optimizer, or nothing.
+    /// What the run offloaded: parameters (with the optimizer), the optimizer, or nothing;
+    /// to NVMe where the case names it for what it offloaded (parameters in host memory with
+    /// the optimizer on NVMe are taken as both in host memory).
     fn offload(&self) -> parallax_ir::Offload {
-        match self.plan.offload.as_deref() {
-            Some(o) if o.params.as_deref().is_some_and(|d| d != "none") => {
-                parallax_ir::Offload::Params
-            }
-            Some(o) if o.optimizer.as_deref().is_some_and(|d| d != "none") => {
-                parallax_ir::Offload::Optimizer
-            }
-            _ => parallax_ir::Offload::None,
+        use parallax_ir::Offload;
+        fn on(d: &Option<String>) -> Option<&str> {
+            d.as_deref().filter(|d| *d != "none")
+        }
+        let Some(o) = self.plan.offload.as_deref() else {
+            return Offload::None;
+        };
+        let nvme = |d: &str| d.to_ascii_lowercase().contains("nvme");
+        match (on(&o.params), on(&o.optimizer)) {
+            (Some(p), _) if nvme(p) => Offload::ParamsNvme,
+            (Some(_), _) => Offload::Params,
+            (None, Some(d)) if nvme(d) => Offload::OptimizerNvme,
+            (None, Some(_)) => Offload::Optimizer,
+            (None, None) => Offload::None,
         }
     }
 

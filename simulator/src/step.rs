@@ -16,6 +16,7 @@ use parallax_cost::compute::DeviceModel;
 use parallax_cost::memory::{
     state_bytes_per_param, workspace_gib, MemoryBreakdown, ADAM_BYTES_PER_PARAM, FP32_GRAD_BYTES,
     HOST_ADAM_BYTES_PER_PARAM, HOST_STREAM_EFFICIENCY, MIXED_GRAD_BYTES, MIXED_WEIGHT_BYTES,
+    NVME_SWAP_IN_BYTES_PER_PARAM, NVME_SWAP_OUT_BYTES_PER_PARAM,
 };
 use parallax_cost::transformer::{
     check_layout, model_flops_per_step, transformer_costs, Infeasible, PartCost, Setup,
@@ -357,7 +358,9 @@ pub fn stage_memory_of(
             g
         };
         match l.offload {
-            Offload::Optimizer if zero >= 3 && setup.precision.is_mixed() => {
+            Offload::Optimizer | Offload::OptimizerNvme
+                if zero >= 3 && setup.precision.is_mixed() =>
+            {
                 (MIXED_WEIGHT_BYTES / f64::from(ranks.max(1)), g, o)
             }
             _ => (w, g, o),
@@ -406,11 +409,7 @@ pub fn stage_memory_of(
     // bucket by bucket as backward produces them (ZeRO-Offload), so the device holds one
     // bucket; with the parameters offloaded those too.
     let on_device = |b: f64, kept: bool| if kept { b } else { 0.0 };
-    let (keep_params, keep_rest) = match l.offload {
-        Offload::None => (true, true),
-        Offload::Optimizer => (true, false),
-        Offload::Params => (false, false),
-    };
+    let (keep_params, keep_rest) = (!l.offload.params(), l.offload == Offload::None);
     let grads = if keep_rest {
         states(gb, egb)
     } else {
@@ -476,6 +475,9 @@ struct HostOffload {
     link: f64,
     /// Parameters per second the device's share of the host updates with Adam.
     adam_share: f64,
+    /// The device's share of the node's NVMe, read and write bytes per second, where the
+    /// states live there.
+    nvme: Option<(f64, f64)>,
 }
 
 impl HostOffload {
@@ -494,10 +496,29 @@ impl HostOffload {
                 node.host_memory_bandwidth()?.0 * HOST_STREAM_EFFICIENCY / HOST_ADAM_BYTES_PER_PARAM
             }
         };
+        let share = devices_per_node(setup);
+        let nvme = match &node.nvme {
+            Some(n) if l.offload.nvme() => {
+                Some((n.read_gbps * 1e9 / share, n.write_gbps * 1e9 / share))
+            }
+            // `check_layout` has refused NVMe offload on a profile without the node's drives.
+            _ => None,
+        };
         Some(HostOffload {
             link: node.host_link_bandwidth()?.0,
-            adam_share: adam / devices_per_node(setup),
+            adam_share: adam / share,
+            nvme,
         })
+    }
+
+    /// Reading `bytes` from the device's share of the NVMe (nothing without NVMe offload).
+    fn nvme_read(&self, bytes: u64) -> Seconds {
+        Seconds(self.nvme.map_or(0.0, |(r, _)| bytes as f64 / r))
+    }
+
+    /// Writing `bytes` to it.
+    fn nvme_write(&self, bytes: u64) -> Seconds {
+        Seconds(self.nvme.map_or(0.0, |(_, w)| bytes as f64 / w))
     }
 
     /// Moving `bytes` over the device's host link.
@@ -554,15 +575,16 @@ pub fn step_terms(
     // Offloaded parameters: each layer's shard comes up from the host before its forward and
     // again before its backward, and its gradient shard goes down after (ZeRO-Infinity
     // prefetches them behind the previous layer, as ZeRO-3 does its gathers).
-    let (fetch_fwd, fetch_bwd) = match (&host, l.offload) {
-        (Some(h), Offload::Params) => {
+    // From NVMe a shard is read into a host buffer before it goes up.
+    let (fetch_fwd, fetch_bwd) = match &host {
+        Some(h) if l.offload.params() => {
             let shard_params = layer.params / u64::from(shard);
-            let up = h.link(shard_params * wbytes);
+            let up = h.nvme_read(shard_params * wbytes) + h.link(shard_params * wbytes);
             (up, up + h.link(shard_params * setup.grad_reduce_bytes()))
         }
         _ => (Seconds(0.0), Seconds(0.0)),
     };
-    let zero3 = if zero >= 3 && (shard > 1 || l.offload == Offload::Params) {
+    let zero3 = if zero >= 3 && (shard > 1 || l.offload.params()) {
         let p = layer.params;
         let calls = setup.runtime.zero3_gathers_per_layer.max(1);
         let ag = net.collective(
@@ -695,16 +717,22 @@ pub fn step_terms(
         };
         adam[s as usize] = match &host {
             // ZeRO-Offload: the gradient shard goes down, the CPUs step, the updated 16-bit
-            // weights come back up; with the parameters offloaded both already live there.
+            // weights come back up; with the parameters offloaded both already live there (the
+            // weights written back to NVMe where they live on it). ZeRO-Infinity's NVMe
+            // optimizer swaps the states and the gradient in before the step and the states
+            // out after it, one after the other.
             Some(h) => {
                 let (down, up) = match l.offload {
                     Offload::Params => (Seconds(0.0), Seconds(0.0)),
+                    Offload::ParamsNvme => (Seconds(0.0), h.nvme_write(opt_params * wbytes)),
                     _ => (
                         h.link(opt_params * setup.grad_reduce_bytes()),
                         h.link(opt_params * wbytes),
                     ),
                 };
-                down + h.adam(opt_params) + up
+                let swap = h.nvme_read(opt_params * NVME_SWAP_IN_BYTES_PER_PARAM)
+                    + h.nvme_write(opt_params * NVME_SWAP_OUT_BYTES_PER_PARAM);
+                down + swap + h.adam(opt_params) + up
             }
             None => dev.memory(opt_params as f64 * ADAM_BYTES_PER_PARAM),
         };
@@ -768,16 +796,21 @@ pub fn simulate_priced(
     simulate_costed(setup, layout, c, model_flops)
 }
 
-/// Offloaded states must fit in the node's host memory: per device, its shard's optimizer
-/// states and fp32 gradient buffer (and with the parameters offloaded, their 16-bit copy),
-/// times the node's devices.
+/// Offloaded states must fit where they go, the node's host memory or its NVMe: per device,
+/// its shard's optimizer states and fp32 gradient buffer (and with the parameters offloaded,
+/// their 16-bit copy), times the node's devices.
 fn check_host_memory(setup: &Setup, l: &Layout, c: &TransformerCosts) -> Result<(), StepError> {
     if l.offload == Offload::None {
         return Ok(());
     }
     let node = &setup.profile.node;
-    // `check_layout` has refused offload on a profile without the host's figures.
-    let Some(have_gib) = node.host_memory_gib else {
+    // `check_layout` has refused offload on a profile without the host's figures or drives.
+    let (have_gib, place) = if l.offload.nvme() {
+        (node.nvme.as_ref().map(|n| n.gib), "NVMe space")
+    } else {
+        (node.host_memory_gib, "host memory")
+    };
+    let Some(have_gib) = have_gib else {
         return Ok(());
     };
     let params = (c.layers_count(0, setup.model.layers, |l| l.params)
@@ -791,13 +824,13 @@ fn check_host_memory(setup: &Setup, l: &Layout, c: &TransformerCosts) -> Result<
     };
     let (w, _, o) = state_bytes_per_param(setup.precision, 0, 1);
     let mut per_param = o + FP32_GRAD_BYTES;
-    if l.offload == Offload::Params {
+    if l.offload.params() {
         per_param += w;
     }
     let need_gib = params / shard * per_param * devices_per_node(setup) / GIB;
     if need_gib > have_gib {
         return Err(Infeasible::Unsupported(format!(
-            "offload {}: {need_gib:.0} GiB of host memory per node needed, the node has {have_gib:.0} GiB",
+            "offload {}: {need_gib:.0} GiB of {place} per node needed, the node has {have_gib:.0} GiB",
             l.offload
         ))
         .into());
@@ -1663,6 +1696,70 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("needs zero 3"), "{e}");
+    }
+
+    /// ZeRO-Infinity's NVMe tier by hand: the optimizer on NVMe adds to ZeRO-Offload's step the
+    /// states' and gradient's swap in (16 bytes a parameter) and the states' swap out (12),
+    /// at the node's drive rates; the parameters there too replace the weights' trip up with
+    /// their write back (2 bytes) and read each layer's shard from the drives before it goes
+    /// up. A profile without drives refuses both by name, and the states must fit on them.
+    #[test]
+    fn nvme_offload_swaps_the_states_through_the_drives() {
+        let m = zoo::transformer("llama3-8b").unwrap();
+        let mut p = preset("dgx2-v100-32gb").unwrap();
+        let layout = |offload| Layout {
+            zero_stage: 3,
+            micro_batch: 1,
+            recompute: Recompute::Full,
+            offload,
+            ..Layout::default()
+        };
+        let run = |p: &ClusterProfile, offload| {
+            let s = Setup {
+                precision: parallax_ir::Precision::Fp16,
+                ..Setup::new(&m, p, 1, 1024, 4)
+            };
+            simulate_step(&s, &layout(offload)).map(|r| r.prediction)
+        };
+        let e = run(&p, Offload::OptimizerNvme).unwrap_err().to_string();
+        assert!(e.contains("node.nvme"), "{e}");
+        p.node.nvme = Some(parallax_hardware::NvmeSpec {
+            read_gbps: 25.0,
+            write_gbps: 20.0,
+            gib: 1024.0,
+            path: None,
+        });
+        let s = Setup {
+            precision: parallax_ir::Precision::Fp16,
+            ..Setup::new(&m, &p, 1, 1024, 4)
+        };
+        let c = transformer_costs(&s, &layout(Offload::Optimizer)).unwrap();
+        let n =
+            (c.layer().params * u64::from(m.layers) + c.embedding.params + c.head.params) as f64;
+        let swap = n * (16.0 / 25e9 + 12.0 / 20e9);
+        let host = run(&p, Offload::Optimizer).unwrap();
+        let nvme = run(&p, Offload::OptimizerNvme).unwrap();
+        let extra = nvme.breakdown.optimizer_s - host.breakdown.optimizer_s;
+        assert!((extra / swap - 1.0).abs() < 0.02, "{extra} vs {swap}");
+        assert_eq!(nvme.memory.optimizer, host.memory.optimizer);
+        // Parameters on the drives: the write back replaces the trip up, and the forward's
+        // fetches read the drives first.
+        let (hp, np) = (
+            run(&p, Offload::Params).unwrap(),
+            run(&p, Offload::ParamsNvme).unwrap(),
+        );
+        let extra = np.breakdown.optimizer_s - hp.breakdown.optimizer_s;
+        assert!(
+            (extra / (swap + n * 2.0 / 20e9) - 1.0).abs() < 0.02,
+            "{extra}"
+        );
+        assert!(
+            np.step_time_s - np.breakdown.optimizer_s > hp.step_time_s - hp.breakdown.optimizer_s
+        );
+        // 8B parameters × 30 bytes (states, gradient, weights) do not fit on 100 GiB.
+        p.node.nvme.as_mut().unwrap().gib = 100.0;
+        let e = run(&p, Offload::ParamsNvme).unwrap_err().to_string();
+        assert!(e.contains("GiB of NVMe space per node needed"), "{e}");
     }
 
     /// A host Adam rate `calibrate` measured replaces the DRAM estimate, and the devices of a
