@@ -299,7 +299,8 @@ pub enum Offload {
     Params,
     /// As [`Offload::Optimizer`], the optimizer states kept on the node's NVMe instead of in
     /// host memory: swapped in for the step on the host's CPUs and out after it
-    /// (ZeRO-Infinity, Rajbhandari et al. 2021: `offload_optimizer.device = "nvme"`).
+    /// (ZeRO-Infinity, Rajbhandari et al. 2021: `offload_optimizer.device = "nvme"`, which
+    /// DeepSpeed's stage-3 optimizer alone implements); needs ZeRO-3.
     #[serde(rename = "optimizer-nvme")]
     OptimizerNvme,
     /// As [`Offload::Params`], optimizer states and 16-bit parameters on the node's NVMe: each
@@ -335,8 +336,11 @@ impl Offload {
     /// gathers.
     pub fn conflict(self, zero: u8) -> Option<String> {
         match self {
-            Offload::Optimizer | Offload::OptimizerNvme if zero == 0 => Some(format!(
+            Offload::Optimizer if zero == 0 => Some(format!(
                 "offload {self} needs zero 1, 2 or 3 (ZeRO-Offload partitions what it offloads)"
+            )),
+            Offload::OptimizerNvme if zero != 3 => Some(format!(
+                "offload {self} needs zero 3 (DeepSpeed swaps optimizer states to NVMe in its stage-3 optimizer only), not zero {zero}"
             )),
             Offload::Params | Offload::ParamsNvme if zero != 3 => Some(format!(
                 "offload {self} needs zero 3 (parameters are fetched like ZeRO-3's gathers), not zero {zero}"
@@ -1289,6 +1293,21 @@ mod tests {
             .unwrap()
             .contains("needs zero 3"));
         assert!(Offload::Params.conflict(3).is_none() && Offload::None.conflict(0).is_none());
+        // ZeRO-Infinity's NVMe tier: written as on the command line, stage 3 only.
+        for (name, o) in [
+            ("optimizer-nvme", Offload::OptimizerNvme),
+            ("params-nvme", Offload::ParamsNvme),
+        ] {
+            let parsed = PartialLayout::parse(&format!("offload={name}")).unwrap();
+            assert_eq!(parsed.offload, Some(o));
+            pl.layout.offload = o;
+            let text = pl.to_json();
+            assert!(text.contains(&format!("\"offload\": \"{name}\"")), "{text}");
+            assert_eq!(Plan::from_json(&text, "p.json").unwrap().layout.offload, o);
+            assert!(o.conflict(2).unwrap().contains("needs zero 3"));
+            assert!(o.conflict(3).is_none() && o.nvme());
+        }
+        assert!(Offload::ParamsNvme.params() && !Offload::OptimizerNvme.params());
     }
 
     #[test]
