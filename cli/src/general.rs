@@ -265,6 +265,15 @@ impl Inline {
                 )));
             }
         }
+        if let Some(r) = l
+            .recompute
+            .filter(|r| !matches!(r, Recompute::None | Recompute::Full))
+        {
+            return Err(user(format!(
+                "--plan: recompute {r} is a transformer policy; a per-op plan of {} recomputes its stages whole (full) or not at all (none)",
+                job.name
+            )));
+        }
         let tp = l.tp.unwrap_or(1);
         let pp = l.pp.unwrap_or(1);
         let dp = match l.dp {

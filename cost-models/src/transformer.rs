@@ -1256,15 +1256,21 @@ pub fn transformer_costs_with(
                     layer.host_bwd += layer.host_fwd;
                 }
             }
-            Recompute::Full => {
-                layer.recompute = layer.compute.fwd;
+            Recompute::Full | Recompute::Every(_) => {
+                // A share of the layers (all, or every k-th) keeps only its input and runs its
+                // forward again in backward; the per-layer figures are the mean over a stage's
+                // layers, whose sums are what the schedule and the memory add up.
+                let p = l.recompute.whole_layers();
+                layer.recompute = layer.compute.fwd * p;
                 // The recomputed forward repeats its collectives (and an MoE layer its dispatch).
-                layer.tp_bwd += layer.tp_fwd;
-                layer.ep_bwd += layer.ep_fwd;
-                layer.host_bwd += layer.host_fwd;
+                layer.tp_bwd += layer.tp_fwd * p;
+                layer.ep_bwd += layer.ep_fwd * p;
+                layer.host_bwd += layer.host_fwd * p;
+                // A recomputed layer materialises its activations again during its backward.
                 layer.working = layer.saved;
-                layer.saved = Bytes(layer_input);
-                layer.hardware_flops += block_prices.recompute(None).1;
+                layer.saved =
+                    Bytes((layer_input as f64 * p + layer.saved.0 as f64 * (1.0 - p)) as u64);
+                layer.hardware_flops += block_prices.recompute(None).1 * p;
             }
         }
         layer
@@ -1979,6 +1985,18 @@ mod tests {
             full.layer().saved < sel.layer().saved && sel.layer().saved < with_sp.layer().saved
         );
         assert!(full.layer().recompute > sel.layer().recompute);
+        // Every second layer recomputed whole: the mean layer keeps and redoes halfway between
+        // keeping everything and full recomputation, and its backward's transient is a whole
+        // layer's activations.
+        let half = transformer_costs(&s, &layout(8, true, Recompute::Every(2))).unwrap();
+        let (h, f, n) = (half.layer(), full.layer(), with_sp.layer());
+        let mid = (f.saved.0 as f64 + n.saved.0 as f64) / 2.0;
+        assert!((h.saved.0 as f64 / mid - 1.0).abs() < 1e-6, "{:?}", h.saved);
+        assert!((h.recompute.0 / (0.5 * f.recompute.0) - 1.0).abs() < 1e-9);
+        assert!((h.tp_bwd.0 - n.tp_bwd.0 - 0.5 * (f.tp_bwd.0 - n.tp_bwd.0)).abs() < 1e-12);
+        assert_eq!(h.working, n.saved);
+        let flops = |c: &PartCost| c.hardware_flops;
+        assert!((flops(h) - flops(n) - 0.5 * (flops(f) - flops(n))).abs() <= 1e-6 * flops(f));
     }
 
     /// Megatron's model code pads GPT-2's 50,257-entry vocabulary to a multiple of 128 per TP

@@ -328,8 +328,22 @@ pub struct Prepared {
     mbs: usize,
     seq: usize,
     keep: Keep,
+    /// `keep` applies to every this-many-th layer (from the first); the others keep everything
+    /// (`recompute = every:k`; 1 otherwise).
+    keep_every: usize,
     sp: bool,
     zero: u8,
+}
+
+impl Prepared {
+    /// What layer `layer` (of the whole model) keeps for its backward.
+    fn keep_of(&self, layer: usize) -> Keep {
+        if layer % self.keep_every == 0 {
+            self.keep
+        } else {
+            Keep::All
+        }
+    }
 }
 
 /// Upper bound on ranks, to catch a typo before thousands of threads start.
@@ -451,11 +465,12 @@ impl Prepared {
             bounds.push(bounds[bounds.len() - 1] + *c as usize);
         }
         spec.data.check(dims.vocab, seq).map_err(ExecError::Data)?;
-        let keep = match l.recompute {
-            Recompute::None => Keep::All,
-            Recompute::Selective => Keep::Selective,
-            Recompute::Full => Keep::Input,
-            Recompute::Modules(m) => Keep::Modules(m),
+        let (keep, keep_every) = match l.recompute {
+            Recompute::None => (Keep::All, 1),
+            Recompute::Selective => (Keep::Selective, 1),
+            Recompute::Full => (Keep::Input, 1),
+            Recompute::Every(k) => (Keep::Input, k.max(1) as usize),
+            Recompute::Modules(m) => (Keep::Modules(m), 1),
         };
         let prep = Prepared {
             dims,
@@ -466,6 +481,7 @@ impl Prepared {
             mbs,
             seq,
             keep,
+            keep_every,
             sp,
             zero: if topo.replicas() > 1 { l.zero_stage } else { 0 },
         };
@@ -1321,6 +1337,7 @@ impl Engine<'_> {
         (u, eu): (usize, Option<usize>),
         lay: &BlockLayout,
         x: Vec<f32>,
+        keep: Keep,
     ) -> Result<(Vec<f32>, BlockCache), ExecError> {
         let prep = self.prep;
         let pass = self.pass();
@@ -1335,9 +1352,7 @@ impl Engine<'_> {
         );
         let pe: &[f32] = eu.map_or(&[], |eu| &self.units[eu].params);
         let p = &self.units[u].params;
-        Ok(block_fwd(
-            &prep.dims, lay, p, pe, x, &mut tp, pass, prep.keep,
-        )?)
+        Ok(block_fwd(&prep.dims, lay, p, pe, x, &mut tp, pass, keep)?)
     }
 
     /// One block's backward from the gradient `dy` of its output (its units gathered; the
@@ -1407,7 +1422,8 @@ impl Engine<'_> {
             self.release(emb);
             self.gather(*u)?;
             let (x, input) = mtp_input_fwd(d, lay, &self.units[*u].params, e, hid);
-            let (y, block) = self.block_forward((*u, *eu), &lay.block, x)?;
+            // A prediction module is no layer of the stack: the policy's own choice.
+            let (y, block) = self.block_forward((*u, *eu), &lay.block, x, prep.keep)?;
             let head_in = (*u, &lay.head);
             let (_, _, head) = self.head_forward(ch, head_in, y.clone(), &targets, scale, None)?;
             for unit in [Some(*u), *eu, Some(*hu), ch.head_w].into_iter().flatten() {
@@ -1550,8 +1566,10 @@ impl Engine<'_> {
             x
         };
         let mut caches = Vec::with_capacity(ch.blocks.len());
-        for (u, eu, lay) in &ch.blocks {
-            let (y, cache) = self.block_forward((*u, *eu), lay, x)?;
+        let first = self.prep.bounds[ch.vs];
+        for (i, (u, eu, lay)) in ch.blocks.iter().enumerate() {
+            let keep = self.prep.keep_of(first + i);
+            let (y, cache) = self.block_forward((*u, *eu), lay, x, keep)?;
             self.release(*u);
             if let Some(eu) = eu {
                 self.release(*eu);

@@ -150,6 +150,8 @@ equivalence! {
     dp2_zero3: gpt(4), Layout { dp: 2, zero_stage: 3, ..Layout::default() };
     dp2_tp2_pp2: gpt(4), Layout { dp: 2, tp: 2, ..pp(2, Schedule::OneFOneB) };
     recompute_full_tp2: gpt(4), Layout { tp: 2, recompute: Recompute::Full, ..Layout::default() };
+    // Every second layer recomputed, counted over the whole model across interleaved chunks.
+    recompute_every2_pp2_interleaved: gpt(8), Layout { recompute: Recompute::Every(2), interleave: 2, ..pp(2, Schedule::Interleaved1F1B) };
     recompute_selective_pp2: gpt(4), Layout { recompute: Recompute::Selective, ..pp(2, Schedule::GPipe) };
     llama_tp2_sp_full_recompute: llama(4), Layout { tp: 2, sequence_parallel: true, recompute: Recompute::Full, ..Layout::default() };
     llama_dp2_pp2_zero3_interleaved: llama(4), Layout { dp: 2, zero_stage: 3, interleave: 2, ..pp(2, Schedule::Interleaved1F1B) };

@@ -25,12 +25,26 @@ pub enum Recompute {
     Modules(RecomputeModules),
     /// Keep only each layer's input; recompute the whole layer in backward.
     Full,
+    /// [`Recompute::Full`] for every k-th layer (k ≥ 2), the others keeping everything: a 1/k
+    /// share of full recomputation, `every:k` inline (torchtitan's layer-level selective
+    /// checkpointing `selective_ac_option = k`, IBM fms-fsdp's `selective_checkpointing = 1/k`,
+    /// Megatron's `--recompute-method block` over a k-th of each stage's layers).
+    Every(u32),
 }
 
 impl Recompute {
     /// The policies every stack offers in some form, least recomputation first (named
     /// modules are Megatron-Core's).
     pub const ALL: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
+
+    /// The share of layers recomputed whole: 1 for full, 1/k for every k-th, else 0.
+    pub fn whole_layers(self) -> f64 {
+        match self {
+            Recompute::Full => 1.0,
+            Recompute::Every(k) => 1.0 / f64::from(k.max(1)),
+            _ => 0.0,
+        }
+    }
 }
 
 impl fmt::Display for Recompute {
@@ -40,6 +54,7 @@ impl fmt::Display for Recompute {
             Recompute::Selective => f.write_str("selective"),
             Recompute::Modules(m) => write!(f, "modules:{m}"),
             Recompute::Full => f.write_str("full"),
+            Recompute::Every(k) => write!(f, "every:{k}"),
         }
     }
 }
@@ -51,12 +66,21 @@ impl FromStr for Recompute {
         if let Some(list) = lower.strip_prefix("modules:") {
             return list.parse().map(Recompute::Modules);
         }
+        if let Some(k) = lower.strip_prefix("every:") {
+            return match k.trim().parse::<u32>() {
+                Ok(1) => Ok(Recompute::Full),
+                Ok(k) if k >= 2 => Ok(Recompute::Every(k)),
+                _ => Err(format!(
+                    "recompute '{s}': every:K recomputes every K-th layer, K a whole number of at least 1"
+                )),
+            };
+        }
         match lower.as_str() {
             "none" | "no" | "off" => Ok(Recompute::None),
             "selective" => Ok(Recompute::Selective),
             "full" => Ok(Recompute::Full),
             _ => Err(format!(
-                "unknown recompute '{s}' (expected none, selective, full or modules:NAME+NAME…)"
+                "unknown recompute '{s}' (expected none, selective, full, every:K or modules:NAME+NAME…)"
             )),
         }
     }
@@ -606,7 +630,7 @@ impl Layout {
     pub fn ep_overlap_conflict(&self) -> Option<String> {
         if self.ep <= 1 {
             Some("ep_overlap needs expert parallelism (ep > 1)".into())
-        } else if self.recompute == Recompute::Full {
+        } else if self.recompute.whole_layers() > 0.0 {
             Some("ep_overlap cannot be combined with full recompute".into())
         } else if self.pp > 1
             && !matches!(
@@ -1226,6 +1250,30 @@ mod tests {
 
     /// Megatron-Core's named submodules: `recompute=modules:a+b` inline, the same string in a
     /// plan file, printed in Megatron's order; an unknown or missing name is refused.
+    /// Every k-th layer: `every:k` inline and in plan files, `every:1` is full, a share of
+    /// 1/k; nothing else.
+    #[test]
+    fn recompute_every_kth_layer_parses_and_round_trips() {
+        let p = PartialLayout::parse("dp=8,recompute=every:2").unwrap();
+        assert_eq!(p.recompute, Some(Recompute::Every(2)));
+        assert_eq!(Recompute::Every(3).to_string(), "every:3");
+        assert_eq!("every:1".parse::<Recompute>().unwrap(), Recompute::Full);
+        assert_eq!(Recompute::Every(4).whole_layers(), 0.25);
+        assert_eq!(Recompute::Full.whole_layers(), 1.0);
+        assert_eq!(Recompute::Selective.whole_layers(), 0.0);
+        let l = Layout {
+            recompute: Recompute::Every(2),
+            ..Layout::default()
+        };
+        let json = serde_json::to_string(&l).unwrap();
+        assert!(json.contains(r#""recompute":"every:2""#), "{json}");
+        assert_eq!(serde_json::from_str::<Layout>(&json).unwrap(), l);
+        for bad in ["every:0", "every:", "every:two", "every:-1"] {
+            let e = bad.parse::<Recompute>().unwrap_err();
+            assert!(e.contains("every:K"), "{bad}: {e}");
+        }
+    }
+
     #[test]
     fn recompute_modules_parse_print_and_round_trip() {
         let p = PartialLayout::parse("dp=8,recompute=modules:moe_act+layernorm").unwrap();

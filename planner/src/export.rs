@@ -223,6 +223,15 @@ impl Engine {
             });
         }
         match self {
+            Engine::Megatron
+                if matches!(l.recompute, Recompute::Every(k)
+                    if layers % chunks != 0 || (layers / chunks) % k != 0) =>
+            {
+                Some(format!(
+                    "megatron's block recomputation redoes the same count of each chunk's layers: recompute {} needs the {layers} layers to split into {chunks} chunks of a multiple of its k",
+                    l.recompute
+                ))
+            }
             Engine::Megatron if l.zero_stage == 3 && l.pp > 1 => {
                 Some("megatron runs FSDP (ZeRO-3) without pipeline parallelism only".into())
             }
@@ -580,6 +589,15 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
             a.push("--recompute-method uniform".into());
             a.push("--recompute-num-layers 1".into());
         }
+        // The first layers of each chunk, a k-th of them (`supports` has checked they divide).
+        Recompute::Every(k) => {
+            a.push("--recompute-granularity full".into());
+            a.push("--recompute-method block".into());
+            a.push(format!(
+                "--recompute-num-layers {}",
+                m.layers / chunks / k.max(1)
+            ));
+        }
     }
     // The overlap the prediction assumes (`Engine::runtime`): gradient reduction behind the
     // backward and, with the distributed optimizer, the parameter gather behind the next
@@ -904,13 +922,20 @@ fn torchtitan(plan: &Plan, m: &TransformerConfig) -> String {
         (match l.recompute {
             Recompute::None => "none",
             // Named modules are Megatron's: the space check refuses them first.
-            Recompute::Selective | Recompute::Modules(_) => "selective",
+            Recompute::Selective | Recompute::Modules(_) | Recompute::Every(_) => "selective",
             Recompute::Full => "full",
         })
         .into(),
     );
-    if l.recompute == Recompute::Selective {
-        ac.insert("selective_ac_option".into(), "op".into());
+    match l.recompute {
+        Recompute::Selective => {
+            ac.insert("selective_ac_option".into(), "op".into());
+        }
+        // Layer-level selective checkpointing: every k-th block wrapped.
+        Recompute::Every(k) => {
+            ac.insert("selective_ac_option".into(), k.to_string().into());
+        }
+        _ => {}
     }
     let mut model = toml::Table::new();
     model.insert("name".into(), "llama3".into());
@@ -1067,6 +1092,20 @@ mod tests {
         assert_eq!(arg(&s, "--sequence-parallel"), Some(""));
         assert_eq!(arg(&s, "--recompute-granularity"), Some("full"));
         assert_eq!(arg(&s, "--recompute-method"), Some("uniform"));
+        // Every second layer: the block method over half of each chunk's 4 layers; every
+        // third cannot take the same count of each chunk's 4.
+        let every = |k| Layout {
+            recompute: Recompute::Every(k),
+            ..l.clone()
+        };
+        let s2 = export(Engine::Megatron, &plan(every(2), Precision::Bf16), &m).unwrap();
+        assert_eq!(arg(&s2, "--recompute-granularity"), Some("full"));
+        assert_eq!(arg(&s2, "--recompute-method"), Some("block"));
+        assert_eq!(arg(&s2, "--recompute-num-layers"), Some("2"));
+        let e = export(Engine::Megatron, &plan(every(3), Precision::Bf16), &m)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("recompute every:3"), "{e}");
         assert_eq!(arg(&s, "--use-distributed-optimizer"), Some(""));
         assert_eq!(arg(&s, "--bf16"), Some(""));
         assert_eq!(arg(&s, "--fp16"), None);
@@ -1365,6 +1404,21 @@ mod tests {
             v["activation_checkpoint"]["mode"].as_str(),
             Some("selective")
         );
+        // Every second layer: torchtitan's layer-level selective checkpointing.
+        let every = plan(
+            Layout {
+                recompute: Recompute::Every(2),
+                ..p.layout.clone()
+            },
+            Precision::Bf16,
+        );
+        let v: toml::Table = export(Engine::Torchtitan, &every, &m)
+            .unwrap()
+            .parse()
+            .unwrap();
+        let ac = v["activation_checkpoint"].as_table().unwrap();
+        assert_eq!(ac["mode"].as_str(), Some("selective"));
+        assert_eq!(ac["selective_ac_option"].as_str(), Some("2"));
 
         let ddp = Layout {
             dp: 512,

@@ -157,6 +157,8 @@ fn space(schedules: &[Schedule], zero: &[u8], recompute: &[Recompute]) -> Space 
         offload: Vec::new(),
         fp8_recipes: Vec::new(),
         async_tp: false,
+        // A share of the layers recomputed whole is a knob of today's stacks.
+        recompute_layers: false,
         ..Space::default()
     }
 }

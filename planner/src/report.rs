@@ -105,6 +105,7 @@ pub fn short_layout(l: &Layout) -> String {
         Recompute::Selective => " sel".into(),
         Recompute::Modules(m) => format!(" sel:{m}"),
         Recompute::Full => " full".into(),
+        Recompute::Every(k) => format!(" full/{k}"),
     });
     if l.sequence_parallel && l.tp > 1 {
         s.push_str(" sp");

@@ -95,6 +95,10 @@ pub struct Space {
     /// `--recompute-modules`, core 0.13+): given in a layout, or the sets recipes name for
     /// the model ([`recompute_options`]).
     pub recompute_modules: bool,
+    /// Every k-th layer may be recomputed whole ([`Recompute::Every`]: Megatron-Core's
+    /// `--recompute-method block`, torchtitan's layer-level selective checkpointing, FSDP's
+    /// `apply_activation_checkpointing` on a share of the blocks): given in a layout.
+    pub recompute_layers: bool,
     /// (Virtual) pipeline stages may hold unequal layer counts (torchtitan's split points,
     /// DeepSpeed's uniform partition; the default); otherwise (Megatron-LM) every stage holds
     /// the same number, and an interleave left out must divide the layers evenly.
@@ -130,6 +134,7 @@ impl Space {
     pub fn allows_recompute(&self, r: Recompute) -> bool {
         match r {
             Recompute::Modules(_) => self.recompute_modules,
+            Recompute::Every(_) => self.recompute_layers,
             r => self.recompute.contains(&r),
         }
     }
@@ -147,6 +152,7 @@ impl Default for Space {
             zero_stages: vec![0, 1, 2, 3],
             recompute: Recompute::ALL.to_vec(),
             recompute_modules: false,
+            recompute_layers: true,
             uneven_stages: true,
             embedding_and_loss_as_layers: false,
             deepep: true,

@@ -223,8 +223,21 @@ pub struct TransformerCase {
     pub model: CaseModel,
     pub plan: CasePlan,
     pub measured: Measured,
+    /// What the source published beside the step time (`/1.1`): its utilisation figures.
+    #[serde(default)]
+    pub published: Option<Box<Published>>,
     #[serde(default)]
     pub group: String,
+}
+
+/// A case's published utilisation, where given: model FLOPs (MFU) and hardware FLOPs (HFU,
+/// recomputation counted) over the peak.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct Published {
+    #[serde(default)]
+    pub mfu: Option<f64>,
+    #[serde(default)]
+    pub hfu: Option<f64>,
 }
 
 /// The cluster of a case.
@@ -777,7 +790,9 @@ impl TransformerCase {
                 .or_else(|| self.bridge_recipe().and_then(|b| b.micro_batch)),
             recompute: self
                 .recompute_modules()
-                .map_or(p.recompute, |m| Some(Recompute::Modules(m))),
+                .map(Recompute::Modules)
+                .or_else(|| self.block_recompute())
+                .or(p.recompute),
             sequence_parallel: p.sequence_parallel,
             schedule: p.schedule,
             interleave: p.interleave,
@@ -819,6 +834,29 @@ impl TransformerCase {
     /// v0.4.2, with `GPTModelProvider.cross_entropy_loss_fusion = True`).
     fn bridge_performance_run(&self) -> bool {
         self.bridge_release().is_some()
+    }
+
+    /// A selective policy that checkpoints whole blocks (IBM fms-fsdp's
+    /// `selective_checkpointing`, a share of the blocks; the case's `recompute_detail` says
+    /// so) recomputes every k-th layer, k from the published HFU over MFU: a recomputed block
+    /// runs its forward again, a third of its training FLOPs, so the share is 3 · (HFU/MFU −
+    /// 1). `None` where the case says otherwise or publishes no such pair.
+    fn block_recompute(&self) -> Option<Recompute> {
+        let whole_blocks = self.plan.recompute == Some(Recompute::Selective)
+            && self
+                .plan
+                .recompute_detail
+                .as_deref()
+                .is_some_and(|d| d.to_ascii_lowercase().contains("block"));
+        let p = self.published.as_ref()?;
+        let (mfu, hfu) = (p.mfu?, p.hfu?);
+        let share = 3.0 * (hfu / mfu - 1.0);
+        (whole_blocks && mfu > 0.0 && share > 0.0).then(|| {
+            let k = (1.0 / share.min(1.0)).round().max(1.0) as u32;
+            format!("every:{k}")
+                .parse()
+                .expect("every:K with K ≥ 1 parses")
+        })
     }
 
     /// The submodules the run's recipe recomputes, where it names some and the case publishes
@@ -1384,6 +1422,21 @@ mod tests {
                     .contains("offload=optimizer"),
             "{offload:?}"
         );
+        // IBM fms-fsdp's "selective" checkpointing of whole blocks: HFU/MFU 0.59/0.51 on A100
+        // and 0.40/0.35 on H100 say about half of the 13B's blocks recompute; the 34B's
+        // 0.64/0.47 says all, as its plan states.
+        for id in [
+            "ibm-fsdp-llama2-13b-128xa100",
+            "ibm-fsdp-llama2-13b-96xh100",
+        ] {
+            let l = by_id(id).layout.clone().unwrap();
+            assert!(l.contains("recompute=every:2"), "{id}: {l}");
+        }
+        let l = by_id("ibm-fsdp-llama2-34b-128xa100")
+            .layout
+            .clone()
+            .unwrap();
+        assert!(l.contains("recompute=full"), "{l}");
         // Nemotron 3 Nano, a hybrid of Mamba-2, MoE and attention layers, with the published
         // expert parallelism and no attention position embedding.
         let nano = by_id("mb260401-nemotron3nano-16xh100-fp8");
