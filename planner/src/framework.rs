@@ -1151,6 +1151,8 @@ pub fn table_text() -> String {
                 .recompute
                 .iter()
                 .map(|r| r.to_string())
+                .chain(p.space.recompute_modules.then(|| "modules:…".to_string()))
+                .chain(p.space.recompute_layers.then(|| "every:K".to_string()))
                 .collect::<Vec<_>>()
                 .join(", "),
             yes(p.space.uneven_stages),
