@@ -146,11 +146,14 @@ mod nvme {
                 free >> 20
             ));
         }
-        let probes = Probes(
-            (0..NVME_STREAMS)
-                .map(|i| dir.join(format!(".parallax-nvme-probe-{}-{i}", std::process::id())))
-                .collect(),
-        );
+        let names: Vec<PathBuf> = (0..NVME_STREAMS)
+            .map(|i| dir.join(format!(".parallax-nvme-probe-{}-{i}", std::process::id())))
+            .collect();
+        // Only files this measurement creates are removed after it.
+        if let Some(p) = names.iter().find(|p| p.exists()) {
+            return Err(format!("{} exists already; it is left alone", p.display()));
+        }
+        let probes = Probes(names);
         let bytes = (per * NVME_STREAMS as u64) as f64;
         let write = at_once(&probes.0, |p| {
             // `create_new`: never overwrite a file of the user's.

@@ -852,10 +852,10 @@ impl TransformerCase {
         let (mfu, hfu) = (p.mfu?, p.hfu?);
         let share = 3.0 * (hfu / mfu - 1.0);
         (whole_blocks && mfu > 0.0 && share > 0.0).then(|| {
-            let k = (1.0 / share.min(1.0)).round().max(1.0) as u32;
-            format!("every:{k}")
-                .parse()
-                .expect("every:K with K ≥ 1 parses")
+            match (1.0 / share.min(1.0)).round() as u32 {
+                0 | 1 => Recompute::Full,
+                k => Recompute::Every(k),
+            }
         })
     }
 
