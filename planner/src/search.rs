@@ -652,7 +652,57 @@ pub fn search(setup: &Setup, opts: &SearchOptions) -> Result<SearchResult, Searc
 }
 
 /// [`search`], reporting progress to `progress` after every batch of simulations.
+///
+/// Where the best plan recomputes every layer and the stack recomputes a share of its layers
+/// too ([`Space::recompute_layers`]), half the layers recomputed ([`Recompute::Every`] 2) is
+/// searched as well: it keeps more than full recomputation and redoes half as much, so it can
+/// only win where memory forced full recomputation (where keeping everything, or the
+/// selective policy, fits, either is the faster), and trying it only then keeps the search
+/// as fast as before everywhere else.
 pub fn search_with_progress(
+    setup: &Setup,
+    opts: &SearchOptions,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<SearchResult, SearchError> {
+    let mut r = search_offloads(setup, opts, progress)?;
+    let full = r.best().layout.recompute == Recompute::Full;
+    if !(full && opts.force.recompute.is_none() && opts.space.recompute_layers) {
+        return Ok(r);
+    }
+    let half = SearchOptions {
+        force: PartialLayout {
+            recompute: Some(Recompute::Every(2)),
+            ..opts.force.clone()
+        },
+        ..opts.clone()
+    };
+    if let Ok(h) = search_offloads(setup, &half, progress) {
+        // Ids follow on from the first search's enumeration.
+        let offset = r.counts.candidates;
+        r.counts.candidates += h.counts.candidates;
+        r.counts.simulated += h.counts.simulated;
+        r.counts.feasible += h.counts.feasible;
+        for (k, v) in h.counts.rejected {
+            *r.counts.rejected.entry(k).or_default() += v;
+        }
+        r.top.extend(h.top.into_iter().map(|e| Evaluated {
+            id: e.id + offset,
+            ..e
+        }));
+        r.top.sort_by(|a, b| {
+            a.prediction
+                .step_time_s
+                .total_cmp(&b.prediction.step_time_s)
+                .then(a.id.cmp(&b.id))
+        });
+        r.top.truncate(opts.top_k.max(1));
+    }
+    Ok(r)
+}
+
+/// One search of each offload the stack has, in turn, until a layout fits (offload is tried
+/// only when memory binds).
+fn search_offloads(
     setup: &Setup,
     opts: &SearchOptions,
     progress: &(dyn Fn(Progress) + Sync),
@@ -1938,6 +1988,39 @@ mod tests {
             search(&s, &no_offload),
             Err(SearchError::DoesNotFit { .. })
         ));
+    }
+
+    /// Half the layers recomputed is tried where the best plan recomputes all of them: Llama-3
+    /// 70B at 8k tokens on 16 H100s recomputes everything without it, and is faster
+    /// recomputing every second layer; a stack without the knob keeps full recomputation.
+    #[test]
+    fn half_recomputation_is_tried_where_memory_forces_full() {
+        let m = parallax_ir::models::zoo::transformer("llama3-70b").unwrap();
+        let p = parallax_hardware::preset("dgx-h100-80gb").unwrap();
+        let s = Setup::new(&m, &p, 16, 8192, 64);
+        let run = |layers: bool| {
+            let opts = SearchOptions {
+                top_k: 3,
+                space: Space {
+                    recompute_layers: layers,
+                    ..Space::default()
+                },
+                ..SearchOptions::default()
+            };
+            search(&s, &opts).unwrap()
+        };
+        let without = run(false);
+        assert_eq!(without.best().layout.recompute, Recompute::Full);
+        let with = run(true);
+        assert_eq!(with.best().layout.recompute, Recompute::Every(2));
+        let t = |r: &SearchResult| r.best().prediction.step_time_s;
+        assert!(t(&with) < t(&without), "{} vs {}", t(&with), t(&without));
+        assert!(with.top.len() <= 3);
+        assert!(with
+            .top
+            .windows(2)
+            .all(|w| w[0].prediction.step_time_s <= w[1].prediction.step_time_s));
+        assert!(with.counts.candidates > without.counts.candidates);
     }
 
     /// NVMe comes after host memory, and only where the profile describes the drives: Llama-3
