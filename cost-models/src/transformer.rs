@@ -531,6 +531,13 @@ impl TransformerCosts {
             .sum()
     }
 
+    /// Parameters of the whole model as priced under the layout (each rank's shard of them
+    /// where tensor or expert parallelism splits them): its `layers` layers, the embedding and
+    /// the head.
+    pub fn model_params(&self, layers: u32) -> u64 {
+        self.layers_count(0, layers, |l| l.params) + self.embedding.params + self.head.params
+    }
+
     /// The kinds among `counts` that occur, with their counts.
     fn present(
         &self,

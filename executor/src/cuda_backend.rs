@@ -657,21 +657,9 @@ impl Gpu {
     fn timed(
         &self,
         iters: u32,
-        mut f: impl FnMut() -> Result<(), ExecError>,
+        f: impl FnMut() -> Result<(), ExecError>,
     ) -> Result<f64, ExecError> {
-        let sync = || {
-            self.stream
-                .synchronize()
-                .map_err(|e| driver_err("cuStreamSynchronize", e))
-        };
-        f()?;
-        sync()?;
-        let t0 = Instant::now();
-        for _ in 0..iters.max(1) {
-            f()?;
-        }
-        sync()?;
-        Ok((t0.elapsed().as_secs_f64() / f64::from(iters.max(1))).max(1e-12))
+        timed_on(&self.stream, iters, f)
     }
 
     /// One Adam step (`t` is the 1-based step) on host arrays through the NVRTC kernel, with
@@ -1036,41 +1024,52 @@ fn one_host_link(
             .map_err(|e| driver_err("cuMemAlloc", e))?;
         Ok::<_, ExecError>((stream, host, dev))
     };
-    let timed = |stream: &Arc<CudaStream>,
-                 what: &str,
-                 copy: &mut dyn FnMut() -> Result<(), DriverError>|
-     -> Result<f64, ExecError> {
-        let sync = || {
-            stream
-                .synchronize()
-                .map_err(|e| driver_err("cuStreamSynchronize", e))
-        };
-        copy().map_err(|e| driver_err(what, e))?;
-        sync()?;
-        let t0 = Instant::now();
-        for _ in 0..iters {
-            copy().map_err(|e| driver_err(what, e))?;
-        }
-        sync()?;
-        Ok((bytes as f64 * f64::from(iters)) / t0.elapsed().as_secs_f64().max(1e-12))
-    };
+    let rate = |secs: f64| bytes as f64 / secs;
     let mut ready = setup();
     barrier.wait();
     let up = match &mut ready {
-        Ok((stream, host, dev)) => timed(stream, "cuMemcpyHtoD", &mut || {
-            stream.memcpy_htod(&*host, dev)
-        }),
+        Ok((stream, host, dev)) => timed_on(stream, iters, || {
+            stream
+                .memcpy_htod(&*host, dev)
+                .map_err(|e| driver_err("cuMemcpyHtoD", e))
+        })
+        .map(rate),
         Err(_) => Ok(0.0),
     };
     barrier.wait();
     let down = match &mut ready {
-        Ok((stream, host, dev)) => timed(stream, "cuMemcpyDtoH", &mut || {
-            stream.memcpy_dtoh(&*dev, host)
-        }),
+        Ok((stream, host, dev)) => timed_on(stream, iters, || {
+            stream
+                .memcpy_dtoh(&*dev, host)
+                .map_err(|e| driver_err("cuMemcpyDtoH", e))
+        })
+        .map(rate),
         Err(_) => Ok(0.0),
     };
     ready?;
     Ok((up?, down?))
+}
+
+/// Seconds one call of `f` (work queued on `stream`) takes: once to warm up, then `iters`
+/// times between stream synchronisations.
+fn timed_on(
+    stream: &CudaStream,
+    iters: u32,
+    mut f: impl FnMut() -> Result<(), ExecError>,
+) -> Result<f64, ExecError> {
+    let sync = || {
+        stream
+            .synchronize()
+            .map_err(|e| driver_err("cuStreamSynchronize", e))
+    };
+    f()?;
+    sync()?;
+    let t0 = Instant::now();
+    for _ in 0..iters.max(1) {
+        f()?;
+    }
+    sync()?;
+    Ok((t0.elapsed().as_secs_f64() / f64::from(iters.max(1))).max(1e-12))
 }
 
 /// NCCL all-reduce times over all `n` GPUs (the slowest rank's), or `None` with one GPU or

@@ -715,8 +715,14 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
 /// preset or a readable profile); else at least tp (the tensor-parallel group sits in a node)
 /// and 8, the common node size.
 fn gpus_per_node_hint(plan: &Plan) -> u32 {
+    plan_node(plan).map_or(plan.layout.tp.max(8), |n| n.gpus_per_node)
+}
+
+/// The node of the plan's cluster, when its spec resolves (a preset or a readable profile).
+fn plan_node(plan: &Plan) -> Option<parallax_hardware::NodeSpec> {
     parallax_hardware::Cluster::parse(&plan.cluster.spec)
-        .map_or(plan.layout.tp.max(8), |c| c.profile.node.gpus_per_node)
+        .ok()
+        .map(|c| c.profile.node)
 }
 
 /// Where ZeRO-Infinity's NVMe offload writes when the cluster's profile names no folder on
@@ -730,9 +736,8 @@ const DEFAULT_NVME_PATH: &str = "/local_nvme";
 fn zero_optimization(plan: &Plan) -> serde_json::Value {
     let l = &plan.layout;
     let device = if l.offload.nvme() {
-        let path = parallax_hardware::Cluster::parse(&plan.cluster.spec)
-            .ok()
-            .and_then(|c| c.profile.node.nvme.and_then(|n| n.path))
+        let path = plan_node(plan)
+            .and_then(|n| n.nvme?.path)
             .unwrap_or_else(|| DEFAULT_NVME_PATH.into());
         json!({ "device": "nvme", "nvme_path": path, "pin_memory": true })
     } else {

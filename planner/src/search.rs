@@ -679,22 +679,12 @@ pub fn search_with_progress(
     if let Ok(h) = search_offloads(setup, &half, progress) {
         // Ids follow on from the first search's enumeration.
         let offset = r.counts.candidates;
-        r.counts.candidates += h.counts.candidates;
-        r.counts.simulated += h.counts.simulated;
-        r.counts.feasible += h.counts.feasible;
-        for (k, v) in h.counts.rejected {
-            *r.counts.rejected.entry(k).or_default() += v;
-        }
+        r.counts.merge(&h.counts);
         r.top.extend(h.top.into_iter().map(|e| Evaluated {
             id: e.id + offset,
             ..e
         }));
-        r.top.sort_by(|a, b| {
-            a.prediction
-                .step_time_s
-                .total_cmp(&b.prediction.step_time_s)
-                .then(a.id.cmp(&b.id))
-        });
+        r.top.sort_by(rank);
         r.top.truncate(opts.top_k.max(1));
     }
     Ok(r)
@@ -1260,13 +1250,17 @@ fn group_size(
     (per_zero * zeros.len() as u64, members)
 }
 
-/// `a` ranks before `b`: lower step time, then lower id.
-fn better(a: &Evaluated, b: &Evaluated) -> bool {
+/// How `a` ranks against `b`: lower step time first, then lower id.
+fn rank(a: &Evaluated, b: &Evaluated) -> std::cmp::Ordering {
     a.prediction
         .step_time_s
         .total_cmp(&b.prediction.step_time_s)
         .then(a.id.cmp(&b.id))
-        .is_lt()
+}
+
+/// `a` ranks before `b` ([`rank`]).
+fn better(a: &Evaluated, b: &Evaluated) -> bool {
+    rank(a, b).is_lt()
 }
 
 /// The parallel degrees of a layout: what a group shares besides micro-batch, recompute and

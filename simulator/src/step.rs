@@ -813,10 +813,7 @@ fn check_host_memory(setup: &Setup, l: &Layout, c: &TransformerCosts) -> Result<
     let Some(have_gib) = have_gib else {
         return Ok(());
     };
-    let params = (c.layers_count(0, setup.model.layers, |l| l.params)
-        + c.embedding.params
-        + c.head.params) as f64
-        / f64::from(l.pp);
+    let params = c.model_params(setup.model.layers) as f64 / f64::from(l.pp);
     let shard = if setup.zero_stage(l) >= 1 {
         f64::from((l.dp * l.cp).max(1))
     } else {
@@ -1664,10 +1661,7 @@ mod tests {
         assert!(on_device.memory.optimizer > 80.0, "{:?}", on_device.memory);
         let gbytes = s.grad_reduce_bytes() as f64;
         assert!((host.memory.grads - 5e8 * gbytes / GIB).abs() < 1e-6);
-        let params = transformer_costs(&s, &off).unwrap();
-        let n = (params.layer().params * u64::from(m.layers)
-            + params.embedding.params
-            + params.head.params) as f64;
+        let n = transformer_costs(&s, &off).unwrap().model_params(m.layers) as f64;
         let link = 15.75e9;
         let cpu = 255.9e9 * 0.75;
         let expect = n * gbytes / link + n * 30.0 / cpu + n * 2.0 / link;
@@ -1734,8 +1728,7 @@ mod tests {
             ..Setup::new(&m, &p, 1, 1024, 4)
         };
         let c = transformer_costs(&s, &layout(Offload::Optimizer)).unwrap();
-        let n =
-            (c.layer().params * u64::from(m.layers) + c.embedding.params + c.head.params) as f64;
+        let n = c.model_params(m.layers) as f64;
         let swap = n * (16.0 / 25e9 + 12.0 / 20e9);
         let host = run(&p, Offload::Optimizer).unwrap();
         let nvme = run(&p, Offload::OptimizerNvme).unwrap();
@@ -1784,8 +1777,7 @@ mod tests {
                 ..Setup::new(&m, &p, gpus, 1024, u64::from(gpus))
             };
             let c = transformer_costs(&s, &layout(gpus)).unwrap();
-            let n = (c.layer().params * u64::from(m.layers) + c.embedding.params + c.head.params)
-                as f64;
+            let n = c.model_params(m.layers) as f64;
             let got = simulate_step(&s, &layout(gpus)).unwrap().prediction;
             (got.breakdown.optimizer_s, n)
         };
