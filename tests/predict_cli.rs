@@ -117,10 +117,20 @@ fn held_out(file: &str, n: u64, mape: f64, max_ape: f64) -> serde_json::Value {
 
 #[test]
 fn validate_scores_the_held_out_runs() {
-    // NeMo 24.07 and torchtitan 70B/405B 2D–4D. The largest miss is NeMo's Nemotron 340B,
-    // predicted slow (29 %): its fully recomputed forward runs the SM-margined GEMMs of
-    // Transformer Engine's userbuffers overlap twice.
-    held_out("held-out.json", 17, 0.11, 0.30);
+    // NeMo 24.07 and torchtitan 70B/405B 2D–4D (7.4 %; 8.8 % before torchtitan 2024's
+    // micro-batch default, one per pipeline rank, completed its 405B 3D runs). The largest
+    // miss is NeMo's Nemotron 340B, predicted slow (29 %): its fully recomputed forward runs
+    // the SM-margined GEMMs of Transformer Engine's userbuffers overlap twice.
+    let d = held_out("held-out.json", 17, 0.09, 0.30);
+    for c in d["cases"].as_array().unwrap() {
+        if c["id"]
+            .as_str()
+            .unwrap()
+            .starts_with("titan-405B-512gpu-3D")
+        {
+            assert!(c["layout"].as_str().unwrap().contains("mb=4"), "{c}");
+        }
+    }
     // Megatron-Core r0.8.0's GPT 1.7B–462B on 48–6,144 H100s (README table, July 2024): the
     // H100 calibration, fitted to other stacks' runs, holds at the layouts a tuned current
     // stack uses (4.7 % when the file was added).

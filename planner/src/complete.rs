@@ -4,7 +4,7 @@
 
 use crate::search::{search, SearchError, SearchOptions, Space};
 use parallax_cost::transformer::Setup;
-use parallax_ir::{Layout, PartialLayout};
+use parallax_ir::{Layout, PartialLayout, Schedule};
 use parallax_sim::StepPrediction;
 use thiserror::Error;
 
@@ -45,7 +45,7 @@ pub fn complete_within(
     let opts = SearchOptions {
         top_k: 1,
         space: space.clone(),
-        force: p.clone(),
+        force: with_pipeline_defaults(setup, p, space),
         force_even_stages: true,
         families: false,
         ..SearchOptions::default()
@@ -73,6 +73,30 @@ pub fn complete_within(
         Err(SearchError::NoCandidate { summary, .. }) => Err(CompleteError::NoCandidate(summary)),
         Err(SearchError::Unsupported(why)) => Err(CompleteError::NoCandidate(why)),
     }
+}
+
+/// `p` with the micro-batch count and stages per rank a pipelined run left open set as the
+/// stack sets them ([`Space::pipeline_defaults`]), where the run's data and pipeline degrees
+/// are known and the batch divides.
+fn with_pipeline_defaults(setup: &Setup, p: &PartialLayout, space: &Space) -> PartialLayout {
+    let mut p = p.clone();
+    let (Some(d), Some(pp)) = (space.pipeline_defaults, p.pp) else {
+        return p;
+    };
+    if pp < 2 {
+        return p;
+    }
+    if let (None, Some(dp)) = (p.micro_batch, p.dp) {
+        let per_rank = setup.global_batch / u64::from(dp.max(1));
+        let count = u64::from(pp) * d.microbatches_per_rank;
+        if per_rank * u64::from(dp) == setup.global_batch && count > 0 && per_rank % count == 0 {
+            p.micro_batch = Some(per_rank / count);
+        }
+    }
+    if p.interleave.is_none() && p.schedule == Some(Schedule::Interleaved1F1B) {
+        p.interleave = Some(d.looped_stages_per_rank);
+    }
+    p
 }
 
 /// The layout [`complete_within`] chooses, with the prediction it chose it by, or, where no
@@ -171,6 +195,40 @@ mod tests {
         let given = PartialLayout::parse("tp=2,pp=2,cp=1,recompute=selective,zero=2").unwrap();
         let c = complete_within(&s, &given, &full_only).unwrap().layout;
         assert!(c.recompute == Recompute::Selective && c.zero_stage == 2);
+    }
+
+    #[test]
+    fn a_stacks_pipeline_defaults_fill_only_what_a_run_left_open() {
+        let m = TransformerConfig::llama(32, 2048, 16, 16, 5632, 32000, 2048);
+        let p = preset("dgx-a100-80gb").unwrap();
+        // 64 sequences over dp 2: 32 a data-parallel rank, 4 pipeline ranks.
+        let s = Setup::new(&m, &p, 16, 2048, 64);
+        let titan = Space {
+            pipeline_defaults: Some(crate::search::PipelineDefaults {
+                microbatches_per_rank: 1,
+                looped_stages_per_rank: 2,
+            }),
+            ..Space::default()
+        };
+        let open = PartialLayout::parse("dp=2,tp=2,pp=4,schedule=interleaved-1f1b").unwrap();
+        let done = complete_within(&s, &open, &titan).unwrap().layout;
+        // One micro-batch per pipeline rank (4 of 8 sequences), two stages a rank.
+        assert_eq!((done.micro_batch, done.interleave), (8, 2), "{done:?}");
+        // Without the defaults the search picks what is fastest: more, smaller micro-batches.
+        let free = complete_within(&s, &open, &Space::default())
+            .unwrap()
+            .layout;
+        assert!(free.micro_batch < 8, "{free:?}");
+        // A published count is what the run used.
+        let given =
+            PartialLayout::parse("dp=2,tp=2,pp=4,mb=2,v=4,schedule=interleaved-1f1b").unwrap();
+        let done = complete_within(&s, &given, &titan).unwrap().layout;
+        assert_eq!((done.micro_batch, done.interleave), (2, 4));
+        // A batch the default count does not divide is left to the search.
+        let s = Setup::new(&m, &p, 16, 2048, 36);
+        let one_f_one_b = PartialLayout::parse("dp=2,tp=2,pp=4,schedule=1f1b").unwrap();
+        let done = complete_within(&s, &one_f_one_b, &titan).unwrap().layout;
+        assert_eq!(18 % done.micro_batch, 0, "{done:?}");
     }
 
     #[test]

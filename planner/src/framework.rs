@@ -11,7 +11,7 @@
 //! prints the table.
 
 use crate::export::Engine;
-use crate::search::Space;
+use crate::search::{PipelineDefaults, Space};
 use parallax_cost::transformer::{CrossEntropy, Runtime, TpOverlap, MEGATRON_VOCAB_MULTIPLE};
 use parallax_ir::{Fp8Recipe, Offload, Recompute, Schedule};
 use std::fmt::Write as _;
@@ -437,6 +437,13 @@ const TORCHTITAN: &[Feature] = &[
     },
 ];
 
+const TORCHTITAN_2024: &[Feature] = &[
+    Feature {
+        what: "everything of torchtitan, except that a pipelined run given no micro-batch count splits each data-parallel rank's batch into one micro-batch per pipeline rank (`pipeline_parallel_microbatches` defaults to the pipeline degree, for interleaved schedules too), and interleaved schedules hold two stages a rank",
+        source: "torchtitan 9dec370 (2024-12-26, the commit of docs/performance.md's runs): torchtitan/parallelisms/pipelining_utils.py (build_pipeline_schedule, generate_split_points); replaced by pipeline_parallel_microbatch_size in 5e2033c (2025-04-07)",
+    },
+];
+
 const LLAMA3: &[Feature] = &[
     Feature {
         what: "4D parallelism: TP with sequence parallelism, CP, PP with an interleaved schedule and a balanced first/last stage, FSDP",
@@ -602,6 +609,20 @@ fn engine(e: Engine) -> Parts {
     Parts {
         runtime: e.runtime(),
         space: e.space(),
+    }
+}
+
+fn torchtitan_2024() -> Parts {
+    let Parts { runtime, space } = engine(Engine::Torchtitan);
+    Parts {
+        runtime,
+        space: Space {
+            pipeline_defaults: Some(PipelineDefaults {
+                microbatches_per_rank: 1,
+                looped_stages_per_rank: 2,
+            }),
+            ..space
+        },
     }
 }
 
@@ -881,8 +902,16 @@ pub const STACKS: &[Stack] = &[
         build: || engine(Engine::DeepSpeed),
     },
     Stack {
+        name: "torchtitan@2024",
+        covers: "torchtitan@2024 (releases of 2024)",
+        names: &["torchtitan"],
+        features: TORCHTITAN_2024,
+        matches: |n, v| n == "torchtitan" && v.year.is_some_and(|y| y <= 2024),
+        build: torchtitan_2024,
+    },
+    Stack {
         name: "torchtitan",
-        covers: "torchtitan (any version); what --export torchtitan writes for",
+        covers: "torchtitan (2025 on, or no version); what --export torchtitan writes for",
         names: &["torchtitan"],
         features: TORCHTITAN,
         matches: |n, _| n == "torchtitan",
@@ -1289,6 +1318,19 @@ mod tests {
             fw("torchtitan@2024-12").runtime,
             Engine::Torchtitan.runtime()
         );
+        // torchtitan of 2024 split a pipelined batch into one micro-batch per pipeline rank
+        // where none was set; from April 2025 the default is micro-batches of one sequence.
+        let titan24 = fw("torchtitan@2024-12");
+        assert_eq!(titan24.name, "torchtitan@2024-12 (as torchtitan@2024)");
+        assert_eq!(
+            titan24.space.pipeline_defaults,
+            Some(PipelineDefaults {
+                microbatches_per_rank: 1,
+                looped_stages_per_rank: 2
+            })
+        );
+        assert_eq!(fw("torchtitan@2025").space.pipeline_defaults, None);
+        assert_eq!(fw("torchtitan").space.pipeline_defaults, None);
     }
 
     /// The HuggingFace guide's DP vs DDP table (`shared/seeds/004_*`: 200 steps of GPT-2 on

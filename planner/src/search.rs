@@ -127,6 +127,20 @@ pub struct Space {
     /// Tensor-parallel collectives may be micro-pipelined with their matmuls (`--async-tp`,
     /// PyTorch's asynchronous TP).
     pub async_tp: bool,
+    /// What the stack runs where a pipelined run sets no micro-batch count or no stages per
+    /// rank, when that is not the fastest choice: applied by [`crate::complete`] to the knobs
+    /// a publication leaves open. The search itself tries every count (the knob is the
+    /// user's). `None`: whatever is fastest.
+    pub pipeline_defaults: Option<PipelineDefaults>,
+}
+
+/// A stack's pipeline defaults ([`Space::pipeline_defaults`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PipelineDefaults {
+    /// Micro-batches per step and data-parallel rank, per pipeline rank.
+    pub microbatches_per_rank: u64,
+    /// Model chunks a pipeline rank holds under an interleaved (looped) schedule.
+    pub looped_stages_per_rank: u32,
 }
 
 impl Space {
@@ -162,6 +176,7 @@ impl Default for Space {
             offload: Offload::ALL[1..].to_vec(),
             fp8_recipes: Fp8Recipe::ALL.to_vec(),
             async_tp: true,
+            pipeline_defaults: None,
         }
     }
 }
