@@ -1160,8 +1160,9 @@ pub fn transformer_costs_with(
         let (tp_fwd, tp_bwd) = match s.runtime.tp_overlap {
             // Only the all-gather / reduce-scatter pairs of sequence parallelism are pipelined
             // this way (Megatron asserts sequence parallelism for `--tp-comm-overlap`);
-            // all-reduces wait.
-            TpOverlap::Userbuffers if l.tp > 1 && sp => {
+            // all-reduces wait. Userbuffers are Transformer Engine's: before Ampere the
+            // collectives wait as without them.
+            TpOverlap::Userbuffers if l.tp > 1 && sp && dev.device().runs_transformer_engine() => {
                 let (column, row) = block_prices.tp_linears(block, hidden);
                 let (extra, fwd, bwd) = userbuffers_costs(
                     &dev,
@@ -2299,6 +2300,29 @@ mod tests {
         assert!(ub.compute.total() > sync.compute.total());
         let step = |c: &PartCost| c.compute.total().0 + c.tp_fwd.0 + c.tp_bwd.0;
         assert!(step(&ub) < step(&sync), "{ub:?} vs {sync:?}");
+
+        // Transformer Engine runs from Ampere on: on a V100 its overlap does not exist and
+        // the collectives wait as without it.
+        let v100 = preset("dgx2-v100-32gb").unwrap();
+        assert!(p.device.runs_transformer_engine() && !v100.device.runs_transformer_engine());
+        let layer = |tp_overlap| {
+            let s = Setup {
+                precision: Precision::Fp16,
+                ..setup(
+                    &m,
+                    &v100,
+                    8,
+                    Runtime {
+                        tp_overlap,
+                        ..Runtime::default()
+                    },
+                )
+            };
+            *transformer_costs(&s, &layout(8, true, Recompute::None))
+                .unwrap()
+                .layer()
+        };
+        assert_eq!(layer(TpOverlap::Userbuffers), layer(TpOverlap::None));
     }
 
     #[test]

@@ -393,6 +393,15 @@ impl DeviceSpec {
         self.gemm_epilogue_overlapped.unwrap_or(false)
     }
 
+    /// Whether NVIDIA's Transformer Engine (its userbuffers TP overlap, fused layers) runs
+    /// on this chip. Its README lists Ampere and later ("Hardware: Blackwell, Hopper, Grace
+    /// Hopper/Blackwell, Ada, Ampere"): the generations whose tensor cores take bf16, which
+    /// Volta, Turing, Pascal and Kepler do not (their datasheets list no bf16 rate), so a chip
+    /// without a bf16 peak runs none of it.
+    pub fn runs_transformer_engine(&self) -> bool {
+        self.peak_tflops_bf16.is_some_and(|p| p > 0.0)
+    }
+
     /// [`DeviceSpec::sustained_efficiency`], 1 when not given.
     pub fn sustained(&self) -> f64 {
         self.sustained_efficiency.unwrap_or(1.0)

@@ -157,8 +157,10 @@ fn space(schedules: &[Schedule], zero: &[u8], recompute: &[Recompute]) -> Space 
         offload: Vec::new(),
         fp8_recipes: Vec::new(),
         async_tp: false,
-        // A share of the layers recomputed whole is a knob of today's stacks.
+        // A share of the layers recomputed whole is a knob of today's stacks, and so is
+        // context parallelism (Megatron-Core's from late 2023).
         recompute_layers: false,
+        context_parallel: false,
         ..Space::default()
     }
 }
@@ -290,7 +292,7 @@ const MEGATRON_CORE_2024: &[Feature] = &[
         source: "Megatron-Core --tp-comm-overlap, --overlap-p2p-communication; NeMo performance recipes",
     },
     Feature {
-        what: "1F1B and interleaved schedules, equal stages; sequence parallelism; selective recompute",
+        what: "1F1B and interleaved schedules, equal stages; sequence and context parallelism; selective recompute",
         source: "Megatron-Core parallelism guide",
     },
     Feature {
@@ -599,6 +601,7 @@ fn megatron_core_2024() -> Parts {
         },
         space: Space {
             fp8_recipes: TE1_RECIPES.to_vec(),
+            context_parallel: true,
             ..megatron_space(&MEGATRON_SCHEDULES, &[0, 1], &Recompute::ALL, true)
         },
     }
@@ -672,7 +675,11 @@ fn llama3() -> Parts {
             zero3_gathered_under_pp: true,
             ..Runtime::default()
         },
-        space: space(&MEGATRON_SCHEDULES, &[1, 2, 3], &Recompute::ALL),
+        // Llama 3 405B's long-context stage ran context parallelism (§3.3.2).
+        space: Space {
+            context_parallel: true,
+            ..space(&MEGATRON_SCHEDULES, &[1, 2, 3], &Recompute::ALL)
+        },
     }
 }
 
@@ -1314,6 +1321,17 @@ mod tests {
         assert_eq!(z3.space.zero_stages, vec![3]);
         assert!(!z3.runtime.fused_attention && !z3.runtime.grad_reduce_fp32);
         assert!(fw("meta-llama3@2024").runtime.zero3_gathered_under_pp);
+        // Context parallelism came with Megatron-Core (late 2023), Llama 3 and torchtitan.
+        assert!(!m22.space.context_parallel && !m23.space.context_parallel);
+        assert!(!mds.space.context_parallel);
+        for s in [
+            "nemo@24.07",
+            "meta-llama3@2024",
+            "torchtitan@2024-12",
+            "current",
+        ] {
+            assert!(fw(s).space.context_parallel, "{s}");
+        }
         assert_eq!(
             fw("torchtitan@2024-12").runtime,
             Engine::Torchtitan.runtime()

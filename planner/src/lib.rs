@@ -2,6 +2,7 @@
 
 pub mod bounds;
 pub mod complete;
+pub mod envelope;
 pub mod export;
 pub mod fit;
 pub mod framework;

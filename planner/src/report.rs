@@ -316,10 +316,43 @@ pub fn guidance(input: &ReportInput) -> Vec<String> {
         s.gpus,
         pct(r.flops_bound_s / p.step_time_s)
     ));
+    if let Some(line) = envelope_note(s, p) {
+        out.push(line);
+    }
     if r.bounds_fell_back {
         out.push("Note: the simulator changed under the planner's tight bounds; the search fell back to pipeline-only bounds (exact, slower).".into());
     }
     out
+}
+
+/// Where the best plan's MFU passes the best published run of its model's size on its GPU
+/// generation ([`crate::envelope`]): that run, and the hardware rate published steps have
+/// reached on the chip, so a team sees how far the plan reaches past practice.
+fn envelope_note(s: &Setup, p: &StepPrediction) -> Option<String> {
+    use crate::envelope::{chip_record, size_record};
+    let device = &s.profile.device.name;
+    let params = (s.model.blocks_params() + s.model.vocab * s.model.hidden) as f64;
+    let size = size_record(device, params)?;
+    if p.mfu <= size.mfu {
+        return None;
+    }
+    let chip = chip_record(device)?;
+    let recomputed = if p.hfu > p.mfu * 1.001 {
+        format!("this plan's recomputation brings its own to {}", pct(p.hfu))
+    } else {
+        format!("this plan recomputes nothing, so {} is its own", pct(p.mfu))
+    };
+    Some(format!(
+        "MFU {} is above the best published run of a {}–{} B model on {}: {} ({}). The fastest published training step on this chip ran its hardware at {} ({}); {recomputed}.",
+        pct(p.mfu),
+        size.min_params,
+        if size.max_params.is_finite() { format!("{}", size.max_params) } else { "…".into() },
+        size.generation,
+        pct(size.mfu),
+        size.run,
+        pct(chip.hfu),
+        chip.run,
+    ))
 }
 
 /// One row of the top-K table.
@@ -736,6 +769,19 @@ mod tests {
         );
         let pp_line = format!("PP 2 with {} micro-batches", best_p.micro_batches);
         assert!(advice.iter().any(|l| l.starts_with(&pp_line)), "{advice:?}");
+        // Past the best published run of its size on its chip, a plan is told so, with the
+        // chip's hardware record; within it, nothing is said.
+        let mut fast = best_p.clone();
+        (fast.mfu, fast.hfu) = (0.75, 1.0);
+        let note = envelope_note(&s, &fast).unwrap();
+        assert!(
+            note.starts_with("MFU 75 % is above the best published run of a 1–10 B model on A100: 68 % (IBM fms-fsdp")
+                && note.contains("ran its hardware at 79 %")
+                && note.contains("recomputation brings its own to 100 %"),
+            "{note}"
+        );
+        fast.mfu = 0.5;
+        assert_eq!(envelope_note(&s, &fast), None);
         let why = explain(&input);
         assert!(
             why[0].starts_with("Step ") && why[0].contains("compute"),

@@ -119,6 +119,9 @@ pub struct Space {
     /// Tensor, context and expert parallelism may be chosen (data-parallel-only stacks such
     /// as `torch.nn.DataParallel` or plain FSDP have none).
     pub model_parallel: bool,
+    /// Context parallelism may be chosen (ring attention over the sequence: Megatron-Core
+    /// from late 2023, DeepSpeed-Ulysses, torchtitan, Llama 3's); stacks of before have none.
+    pub context_parallel: bool,
     /// What may be offloaded to host memory, tried in this order when nothing fits without
     /// it (offload is slower wherever the states fit on the device).
     pub offload: Vec<Offload>,
@@ -173,6 +176,7 @@ impl Default for Space {
             ep_overlap: true,
             sequence_parallel: true,
             model_parallel: true,
+            context_parallel: true,
             offload: Offload::ALL[1..].to_vec(),
             fp8_recipes: Fp8Recipe::ALL.to_vec(),
             async_tp: true,
@@ -1331,6 +1335,20 @@ pub(crate) fn degree_tuples(
             .into_iter()
             .filter(|&c| keep(fixed.cp, c))
         {
+            // A framework's context parallelism is ring attention over fused kernels that
+            // return each block's log-sum-exp for the merge (Transformer Engine's in
+            // Megatron-Core, SDPA's flash / efficient ones in torchtitan): none on a device
+            // without them. (parallax's own trainer merges unfused blocks itself.)
+            if cp > 1 && setup.runtime.fused_attention && !setup.fused_attention() {
+                reject(
+                    "cp without fused attention",
+                    format!(
+                        "cp={cp} needs fused attention kernels, which {} has none of",
+                        setup.profile.device.name
+                    ),
+                );
+                continue;
+            }
             if setup.seq % cp != 0 || (cp > 1 && (setup.seq / cp) % 2 != 0) {
                 reject(
                     "indivisible",
@@ -1444,6 +1462,13 @@ fn enumerate_groups(setup: &Setup, opts: &SearchOptions, counts: &mut Counts) ->
                     "tp {} × cp {} × ep {}: the stack has no tensor, context or expert parallelism",
                     d.tp, d.cp, d.ep
                 ),
+            );
+            continue;
+        }
+        if !opts.space.context_parallel && unforced(d.cp, f.cp) {
+            reject(
+                "stack",
+                format!("cp {}: the stack has no context parallelism", d.cp),
             );
             continue;
         }
@@ -1997,6 +2022,55 @@ mod tests {
             search(&s, &no_offload),
             Err(SearchError::DoesNotFit { .. })
         ));
+    }
+
+    /// Context parallelism is ring attention over fused kernels: a V100, which has none, is
+    /// never given cp, and a forced cp there says why.
+    #[test]
+    fn context_parallelism_needs_fused_attention() {
+        let m = model("llama3-8b");
+        let v100 = parallax_hardware::preset("dgx2-v100-32gb").unwrap();
+        let s = Setup {
+            precision: parallax_ir::Precision::Fp16,
+            ..Setup::new(&m, &v100, 64, 8192, 64)
+        };
+        let opts = SearchOptions {
+            top_k: 50,
+            ..SearchOptions::default()
+        };
+        let r = search(&s, &opts).unwrap();
+        assert!(r.top.iter().all(|p| p.layout.cp == 1));
+        assert!(r.counts.rejected.contains_key("cp without fused attention"));
+        let forced = SearchOptions {
+            force: PartialLayout::parse("cp=2").unwrap(),
+            ..opts.clone()
+        };
+        match search(&s, &forced) {
+            Err(SearchError::NoCandidate { summary, .. }) => {
+                assert!(summary.contains("V100"), "{summary}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // On an A100 the same search may split the sequence, unless its stack has no
+        // context parallelism; a run that had it (a forced cp) is still simulated.
+        let a100 = parallax_hardware::preset("dgx-a100-80gb").unwrap();
+        let s = Setup::new(&m, &a100, 64, 8192, 64);
+        assert!(search(&s, &forced).is_ok());
+        let old_stack = SearchOptions {
+            space: Space {
+                context_parallel: false,
+                ..Space::default()
+            },
+            ..opts
+        };
+        let r = search(&s, &old_stack).unwrap();
+        assert!(r.top.iter().all(|p| p.layout.cp == 1));
+        assert!(r.top.len() > 1 && r.counts.rejected.contains_key("stack"));
+        let forced_old = SearchOptions {
+            force: PartialLayout::parse("cp=2").unwrap(),
+            ..old_stack
+        };
+        assert!(search(&s, &forced_old).is_ok());
     }
 
     /// Half the layers recomputed is tried where the best plan recomputes all of them: Llama-3
