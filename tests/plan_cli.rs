@@ -44,6 +44,22 @@ fn bad_plan_inputs_end_in_one_line_and_status_2() {
             "not a transformer",
         ),
         (vec!["--fp8-recipe", "rowwise"], "add --precision fp8"),
+        (
+            vec!["--capacity-factor", "1.25"],
+            "--capacity-factor: gpt2 has no mixture of experts",
+        ),
+        (
+            vec!["--model", "mixtral-8x7b", "--capacity-factor", "-1"],
+            "expected a positive number",
+        ),
+        (
+            vec!["--model", "mixtral-8x7b", "--pad-to-capacity"],
+            "--pad-to-capacity: moe: pad_to_capacity needs a capacity factor",
+        ),
+        (
+            vec!["--model", "resnet50", "--capacity-factor", "1"],
+            "--capacity-factor: resnet50 is not a transformer",
+        ),
         (vec!["--fp8-recipe", "mxfp8"], "Blackwell"),
         (
             vec!["--async-tp", "--framework", "megatron-lm@2022"],
@@ -229,6 +245,52 @@ fn fp8_recipe_and_async_tp_reach_the_plan_and_its_export() {
         "{text}"
     );
     assert!(text.contains("recipe_name = \"rowwise\""), "{text}");
+}
+
+/// `--capacity-factor` and `--pad-to-capacity` reach the plan document, its prediction and the
+/// Megatron export: padding every expert to 1.5 even shares is slower than dropless routing.
+#[test]
+fn token_dropping_reaches_the_plan_and_its_export() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--model",
+            "mixtral-8x7b",
+            "--cluster",
+            "dgx-h100-80gb:gpus=16",
+            "--global-batch",
+            "32",
+            "--seq",
+            "4096",
+            "--fix",
+            "dp=2,tp=1,pp=1,ep=8,recompute=full",
+            "--export",
+            "megatron",
+            "--json",
+        ];
+        args.extend(extra);
+        common::json_of(&plan(&args))
+    };
+    let dropless = run(&[]);
+    let padded = run(&["--capacity-factor", "1.5", "--pad-to-capacity"]);
+    let training = &padded["plan"]["training"];
+    assert_eq!(training["capacity_permille"], 1500, "{training}");
+    assert_eq!(training["pad_to_capacity"], true, "{training}");
+    assert!(dropless["plan"]["training"]
+        .get("capacity_permille")
+        .is_none());
+    let text = padded["export"]["text"].as_str().unwrap();
+    assert!(
+        text.contains("--moe-expert-capacity-factor 1.5")
+            && text.contains("--moe-pad-expert-input-to-capacity"),
+        "{text}"
+    );
+    let step = |d: &serde_json::Value| d["step_time_s"].as_f64().unwrap();
+    assert!(
+        step(&padded) > step(&dropless),
+        "{} vs {}",
+        step(&padded),
+        step(&dropless)
+    );
 }
 
 #[test]

@@ -437,6 +437,8 @@ fn plan_document(
             precision: job.precision,
             fp8_recipe: None,
             async_tp: false,
+            capacity_permille: 0,
+            pad_to_capacity: false,
         },
         layout: Layout {
             dp: job.cluster.gpus / pp,

@@ -44,6 +44,15 @@ pub struct JobArgs {
     /// asynchronous TP: torchtitan's `enable_async_tensor_parallel`).
     #[arg(long)]
     pub async_tp: bool,
+    /// Mixture-of-experts models: drop the routed token copies beyond this factor times each
+    /// expert's even share (Megatron-Core's `--moe-expert-capacity-factor`, DeepSpeed-MoE's
+    /// `capacity_factor`). Default: dropless, as the model loads.
+    #[arg(long, value_name = "F")]
+    pub capacity_factor: Option<String>,
+    /// With a capacity: pad every expert's input to it, so each computes exactly its capacity
+    /// (Megatron-Core's `--moe-pad-expert-input-to-capacity`).
+    #[arg(long)]
+    pub pad_to_capacity: bool,
 }
 
 /// How activations are laid out in memory (`--memory-format`).
@@ -116,23 +125,30 @@ impl JobArgs {
         }
         let framework = self.with_options(framework, fp8_recipe)?;
         Ok(match loaded.transformer().cloned() {
-            Some(model) => Loaded::Transformer(Job {
-                name: loaded.name,
-                model,
-                cluster,
-                seq,
-                global_batch: self.global_batch,
-                precision: self.precision,
-                framework,
-                fp8_recipe,
-            }),
-            None if self.framework.is_some() || self.fp8_recipe.is_some() || self.async_tp => {
+            Some(mut model) => {
+                self.apply_capacity(&mut model)?;
+                Loaded::Transformer(Job {
+                    name: loaded.name,
+                    model,
+                    cluster,
+                    seq,
+                    global_batch: self.global_batch,
+                    precision: self.precision,
+                    framework,
+                    fp8_recipe,
+                })
+            }
+            None if self.framework.is_some()
+                || self.fp8_recipe.is_some()
+                || self.async_tp
+                || self.capacity_flag().is_some() =>
+            {
                 let flag = if self.framework.is_some() {
                     "--framework"
                 } else if self.async_tp {
                     "--async-tp"
                 } else {
-                    "--fp8-recipe"
+                    self.capacity_flag().unwrap_or("--fp8-recipe")
                 };
                 return Err(user(format!(
                     "{flag}: {} is not a transformer; its per-op plans are costed op by op, not by a stack's transformer kernels",
@@ -148,6 +164,52 @@ impl JobArgs {
                 self.memory_format == MemoryFormat::Nchw,
             )?),
         })
+    }
+
+    /// The token-dropping flag given, if any.
+    fn capacity_flag(&self) -> Option<&'static str> {
+        if self.capacity_factor.is_some() {
+            Some("--capacity-factor")
+        } else if self.pad_to_capacity {
+            Some("--pad-to-capacity")
+        } else {
+            None
+        }
+    }
+
+    /// Sets the mixture's token dropping from `--capacity-factor` and `--pad-to-capacity`;
+    /// a dense model, a value that is not a positive number, or one past where an expert
+    /// would take every copy is one line naming the flag.
+    fn apply_capacity(&self, m: &mut TransformerConfig) -> anyhow::Result<()> {
+        let Some(flag) = self.capacity_flag() else {
+            return Ok(());
+        };
+        let Some(moe) = m.moe.as_mut() else {
+            return Err(user(format!(
+                "{flag}: {} has no mixture of experts to drop tokens from",
+                self.model
+            )));
+        };
+        if let Some(text) = &self.capacity_factor {
+            let shown: String = text.trim().chars().take(40).collect();
+            let permille = text
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|c| c.is_finite() && *c > 0.0)
+                .map(|c| (c * 1000.0).round())
+                .filter(|p| (1.0..=f64::from(u32::MAX)).contains(p))
+                .ok_or_else(|| {
+                    user(format!(
+                        "--capacity-factor: expected a positive number (1.0: an even share), found '{shown}'"
+                    ))
+                })?;
+            moe.capacity_permille = permille as u32;
+        }
+        if self.pad_to_capacity {
+            moe.pad_to_capacity = true;
+        }
+        m.validate().map_err(|e| user(format!("{flag}: {e}")))
     }
 
     /// `fw` with the fp8 recipe (`--fp8-recipe`, read by [`JobArgs::load`]) and `--async-tp`

@@ -1586,7 +1586,10 @@ struct ExpertRanks {
     /// Expert FFN width.
     ffn: u64,
     hidden: u64,
-    /// The busiest rank's share of the routed tokens against the mean (1: balanced routing).
+    /// The busiest rank's share of the routed tokens against the mean (1: balanced routing),
+    /// capped by the mixture's capacity and set by a padded one ([`MoeConfig::capped_load`]).
+    /// The mean rank's rows, which count the step's FLOPs, stay the routed copies: padding is
+    /// no model work, and MFU counts a dropless mixture's.
     load: f64,
 }
 
@@ -1600,13 +1603,13 @@ impl ExpertRanks {
     ) -> Self {
         let split = l.sequence_parallel && l.tp > 1;
         let tokens = opts.batch * opts.seq / if split { u64::from(l.tp) } else { 1 };
-        let load = if balanced {
+        let routed = if balanced {
             1.0
         } else {
             busiest_rank_load(u64::from(l.ep), (tokens * moe.top_k) as f64)
         };
         ExpertRanks {
-            load,
+            load: moe.capped_load(routed),
             moe,
             mats: if m.mlp == parallax_ir::models::Mlp::Swiglu {
                 3
@@ -2876,6 +2879,28 @@ mod tests {
         let r = random.ep_fwd.0 / even.ep_fwd.0;
         assert!(r > 1.0 && r <= load + 1e-9, "{r} vs {load}");
         assert!(random.compute.fwd > even.compute.fwd);
+
+        // Token dropping at an even share (capacity factor 1) leaves no straggler: random
+        // routing costs what even routing does; padding to 1.25 makes every rank compute and
+        // receive 1.25 shares, more than random routing's busiest rank here.
+        let with = |capacity_permille, pad_to_capacity| {
+            let m = TransformerConfig {
+                moe: m.moe.map(|x| MoeConfig {
+                    capacity_permille,
+                    pad_to_capacity,
+                    ..x
+                }),
+                ..m.clone()
+            };
+            let s = setup(&m, &p, 8, Runtime::default());
+            *transformer_costs(&s, &l).unwrap().layer()
+        };
+        let dropped = with(1000, false);
+        assert!((dropped.ep_fwd.0 - even.ep_fwd.0).abs() < 1e-12 * even.ep_fwd.0);
+        assert!((dropped.compute.fwd.0 - even.compute.fwd.0).abs() < 1e-12 * even.compute.fwd.0);
+        let padded = with(1250, true);
+        assert!(padded.ep_fwd > random.ep_fwd && padded.compute.fwd > random.compute.fwd);
+        assert_eq!(padded.model_flops, random.model_flops);
     }
 
     #[test]

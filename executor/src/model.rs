@@ -149,6 +149,11 @@ impl Dims {
                     .into(),
             );
         }
+        if let Some(cap) = c.moe.and_then(|m| m.capacity_factor()) {
+            return Err(format!(
+                "moe capacity factor {cap}: the executor's experts are dropless (every routed copy computed); train it without token dropping"
+            ));
+        }
         let us = |x: u64| usize::try_from(x).map_err(|_| format!("dimension {x} is too large"));
         let mla = match c.mla {
             Some(a) => {
@@ -3291,6 +3296,19 @@ mod tests {
         assert_eq!(windows, [Some(8), None, Some(8), None]);
         let n = Dims::from_config(&nope).unwrap();
         assert!(!n.rope && !n.learned_positions);
+        // Token dropping is not trained: the executor's experts compute every routed copy.
+        let dropping = TransformerConfig {
+            moe: Some(parallax_ir::models::MoeConfig {
+                capacity_permille: 1250,
+                ..parallax_ir::models::MoeConfig::routed(4, 2)
+            }),
+            ..tiny.clone()
+        };
+        let e = Dims::from_config(&dropping).unwrap_err();
+        assert!(
+            e.contains("capacity factor 1.25") && e.contains("dropless"),
+            "{e}"
+        );
         // A mixture with a leading dense layer, then every other layer routed: the dense ones
         // get a dense MLP of their own width, the routed ones none (no shared experts).
         let mixed = TransformerConfig {

@@ -822,6 +822,17 @@ pub struct Training {
     /// TP, torchtitan's `enable_async_tensor_parallel`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub async_tp: bool,
+    /// A mixture's token dropping, as the plan was made with it
+    /// ([`crate::models::MoeConfig::capacity_permille`]; absent: dropless).
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub capacity_permille: u32,
+    /// Experts padded to their capacity ([`crate::models::MoeConfig::pad_to_capacity`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pad_to_capacity: bool,
+}
+
+fn is_zero_u32(x: &u32) -> bool {
+    *x == 0
 }
 
 /// A prediction attached to a plan.
@@ -1096,6 +1107,8 @@ mod tests {
                 precision: Precision::Bf16,
                 fp8_recipe: None,
                 async_tp: false,
+                capacity_permille: 0,
+                pad_to_capacity: false,
             },
             layout: Layout {
                 dp: 16,

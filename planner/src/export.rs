@@ -436,6 +436,14 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
                 moe.routed_scale()
             ));
         }
+        if let Some(c) = moe.capacity_factor() {
+            // Token dropping (Megatron's default drop policy, the lowest-probability copies);
+            // capacity needs an aux-loss-style balancing type, Megatron's default aux_loss.
+            a.push(format!("--moe-expert-capacity-factor {c}"));
+            if moe.pad_to_capacity {
+                a.push("--moe-pad-expert-input-to-capacity".into());
+            }
+        }
         if moe.groups > 1 && moe.groups_per_token > 0 {
             a.push(format!("--moe-router-num-groups {}", moe.groups));
             a.push(format!("--moe-router-group-topk {}", moe.groups_per_token));
@@ -1022,6 +1030,8 @@ mod tests {
                 precision,
                 fp8_recipe: None,
                 async_tp: false,
+                capacity_permille: 0,
+                pad_to_capacity: false,
             },
             layout: l,
             op_configs: Vec::new(),
@@ -1615,6 +1625,32 @@ mod tests {
         let t = export(Engine::Megatron, &plan(deepep, Precision::Bf16), &m).unwrap();
         assert_eq!(arg(&t, "--moe-token-dispatcher-type"), Some("flex"));
         assert_eq!(arg(&t, "--moe-flex-dispatcher-backend"), Some("deepep"));
+        // Dropless writes no capacity; token dropping writes its factor, padding its flag.
+        assert_eq!(arg(&s, "--moe-expert-capacity-factor"), None);
+        let dropping = |capacity_permille, pad_to_capacity| TransformerConfig {
+            moe: m.moe.map(|x| parallax_ir::models::MoeConfig {
+                capacity_permille,
+                pad_to_capacity,
+                ..x
+            }),
+            ..m.clone()
+        };
+        let c = export(
+            Engine::Megatron,
+            &plan(l.clone(), Precision::Bf16),
+            &dropping(1250, false),
+        )
+        .unwrap();
+        assert_eq!(arg(&c, "--moe-expert-capacity-factor"), Some("1.25"));
+        assert_eq!(arg(&c, "--moe-pad-expert-input-to-capacity"), None);
+        let c = export(
+            Engine::Megatron,
+            &plan(l.clone(), Precision::Bf16),
+            &dropping(1000, true),
+        )
+        .unwrap();
+        assert_eq!(arg(&c, "--moe-expert-capacity-factor"), Some("1"));
+        assert_eq!(arg(&c, "--moe-pad-expert-input-to-capacity"), Some(""));
         // The overlapped dispatch: the combined 1F1B with weight gradients deferred; only
         // where the plan has it.
         assert_eq!(arg(&s, "--overlap-moe-expert-parallel-comm"), None);

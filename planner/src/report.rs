@@ -58,6 +58,8 @@ pub fn plan_document(input: &ReportInput, e: &Evaluated) -> Plan {
             precision: s.precision,
             fp8_recipe: (s.precision == Precision::Fp8).then_some(s.runtime.fp8_recipe),
             async_tp: s.runtime.tp_overlap == TpOverlap::MicroPipelined,
+            capacity_permille: s.model.moe.map_or(0, |m| m.capacity_permille),
+            pad_to_capacity: s.model.moe.is_some_and(|m| m.pad_to_capacity),
         },
         layout: e.layout.clone(),
         op_configs: Vec::new(),

@@ -736,8 +736,19 @@ impl TransformerCase {
                 None => Router::Softmax,
                 Some(r) => r.parse().map_err(|e| format!("model.moe.router {e}"))?,
             };
+            // Token dropping: at the published capacity factor, or at 1 (Megatron-Core's
+            // drop-and-pad recipes and DeepSpeed-MoE's default) where a run dropped tokens
+            // without publishing it.
+            let routing = moe.routing.as_deref().unwrap_or("");
+            let capacity = match (moe.dropless, moe.capacity_factor) {
+                (Some(true), _) => None,
+                (_, Some(c)) if c.is_finite() && c > 0.0 => Some(c),
+                _ if routing.starts_with("token-drop") => Some(1.0),
+                _ => None,
+            };
             cfg.moe = Some(MoeConfig {
                 router,
+                capacity_permille: capacity.map_or(0, |c| (c * 1000.0).round().min(1e6) as u32),
                 shared_ffn_hidden: shared * moe.shared_expert_ffn_hidden.unwrap_or(expert),
                 dense_layers_first: first,
                 every,
@@ -891,18 +902,17 @@ impl TransformerCase {
     }
 
     /// Whether the benchmark spread tokens evenly over the experts (a fake-balanced gate that
-    /// deals tokens out in turn), or capped each expert's load by token dropping (at a capacity
-    /// factor of 1 where none is published): then no rank is a straggler. Megatron's forced
+    /// deals tokens out in turn): then no rank is a straggler. (A run that dropped tokens
+    /// carries its capacity in the model: [`MoeConfig::capacity_permille`].) Megatron's forced
     /// load balancing (`--moe-router-force-load-balancing`, the "forced-balanced" of
     /// NVIDIA's tables) is not even: it routes on random logits (`apply_random_logits`,
     /// `moe_utils.py`), so each rank's load is a multinomial draw and the busiest rank
     /// receives its expected maximum like any random top-k routing.
     fn balanced_routing(&self) -> bool {
         self.model.moe.as_ref().is_some_and(|m| {
-            let routing = m.routing.as_deref().unwrap_or("");
-            let capped =
-                routing.starts_with("token-drop") || m.capacity_factor.is_some_and(|c| c <= 1.0);
-            routing.starts_with("fake-balanced") || capped
+            m.routing
+                .as_deref()
+                .is_some_and(|r| r.starts_with("fake-balanced"))
         })
     }
 

@@ -92,6 +92,22 @@ pub struct MoeConfig {
     /// `routed_scaling_factor` 2.5 is 2500).
     #[serde(default = "thousand", skip_serializing_if = "is_thousand")]
     pub routed_scale_permille: u32,
+    /// Token dropping: each expert takes at most this many thousandths of its even share of
+    /// the step's routed token copies (`capacity = factor × tokens × top_k / experts`,
+    /// Megatron-Core's `--moe-expert-capacity-factor`, DeepSpeed-MoE's and GShard's
+    /// `capacity_factor`); the copies beyond it are dropped (their expert output is zero and
+    /// the token passes on through the residual). 0: dropless, every copy is computed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub capacity_permille: u32,
+    /// Under a capacity, every expert's input is padded to it, so each computes and receives
+    /// exactly `capacity` rows, however many were routed to it (Megatron's
+    /// `--moe-pad-expert-input-to-capacity`; DeepSpeed-MoE and GShard's fixed-shape dispatch).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub pad_to_capacity: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 fn yes() -> bool {
@@ -162,12 +178,31 @@ impl MoeConfig {
             router: Router::Softmax,
             norm_top_k: true,
             routed_scale_permille: 1000,
+            capacity_permille: 0,
+            pad_to_capacity: false,
         }
     }
 
     /// The factor on the routed experts' weights.
     pub fn routed_scale(&self) -> f64 {
         f64::from(self.routed_scale_permille) / 1000.0
+    }
+
+    /// The capacity factor, where tokens beyond it are dropped; `None`: dropless.
+    pub fn capacity_factor(&self) -> Option<f64> {
+        (self.capacity_permille > 0).then(|| f64::from(self.capacity_permille) / 1000.0)
+    }
+
+    /// The load of the busiest expert rank relative to an even share of the routed copies,
+    /// given what routing alone would give it (`routed`, from [`MoeConfig`]'s router: 1 when
+    /// tokens are dealt out evenly, above 1 when drawn at random): a capacity caps it, and a
+    /// padded one sets it.
+    pub fn capped_load(&self, routed: f64) -> f64 {
+        match self.capacity_factor() {
+            None => routed,
+            Some(c) if self.pad_to_capacity => c,
+            Some(c) => routed.min(c),
+        }
     }
 
     /// The most nodes a token's experts sit on when the experts are laid out contiguously over
@@ -785,6 +820,17 @@ impl TransformerConfig {
             }
             if m.has_dense_layers() && m.dense_ffn_hidden == 0 {
                 return Err("moe: dense layers need dense_ffn_hidden".into());
+            }
+            // A capacity of at most every copy on one expert (experts / top_k even shares).
+            let most = (m.experts / m.top_k).max(1);
+            if u64::from(m.capacity_permille) > most * 1000 {
+                return Err(format!(
+                    "moe: capacity factor {} is beyond {most} (experts / top_k), where one expert would take every routed copy",
+                    f64::from(m.capacity_permille) / 1000.0
+                ));
+            }
+            if m.pad_to_capacity && m.capacity_permille == 0 {
+                return Err("moe: pad_to_capacity needs a capacity factor".into());
             }
             // Group-limited routing: equal groups, and enough experts in the kept ones for
             // the top-k (DeepSeek's `n_group` / `topk_group`).
@@ -1566,6 +1612,60 @@ impl TransformerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A capacity caps the busiest expert rank's load and a padded one sets every rank's;
+    /// dropless leaves routing's; a capacity past every copy on one expert, or padding
+    /// without one, is refused; the JSON of a dropless mixture is as before.
+    #[test]
+    fn a_capacity_caps_or_sets_the_expert_load() {
+        let dropless = MoeConfig::routed(8, 2);
+        assert_eq!(dropless.capacity_factor(), None);
+        assert_eq!(dropless.capped_load(1.3), 1.3);
+        let capped = MoeConfig {
+            capacity_permille: 1250,
+            ..dropless
+        };
+        assert_eq!(capped.capacity_factor(), Some(1.25));
+        assert_eq!(
+            (capped.capped_load(1.3), capped.capped_load(1.1)),
+            (1.25, 1.1)
+        );
+        let padded = MoeConfig {
+            pad_to_capacity: true,
+            ..capped
+        };
+        assert_eq!(
+            (padded.capped_load(1.0), padded.capped_load(1.4)),
+            (1.25, 1.25)
+        );
+        let model = |moe| TransformerConfig {
+            moe: Some(moe),
+            ..TransformerConfig::llama(2, 64, 8, 2, 96, 100, 32)
+        };
+        assert!(model(padded).validate().is_ok());
+        let err = model(MoeConfig {
+            capacity_permille: 4001,
+            ..dropless
+        })
+        .validate()
+        .unwrap_err();
+        assert!(err.contains("capacity factor 4.001 is beyond 4"), "{err}");
+        let err = model(MoeConfig {
+            pad_to_capacity: true,
+            ..dropless
+        })
+        .validate()
+        .unwrap_err();
+        assert!(err.contains("needs a capacity factor"), "{err}");
+        let json = serde_json::to_string(&dropless).unwrap();
+        assert!(
+            !json.contains("capacity") && !json.contains("pad"),
+            "{json}"
+        );
+        let back: MoeConfig =
+            serde_json::from_str(&serde_json::to_string(&padded).unwrap()).unwrap();
+        assert_eq!(back, padded);
+    }
 
     fn opts(seq: u64) -> BuildOptions {
         BuildOptions {
