@@ -212,7 +212,7 @@ mod tests {
         };
         let open = PartialLayout::parse("dp=2,tp=2,pp=4,schedule=interleaved-1f1b").unwrap();
         let done = complete_within(&s, &open, &titan).unwrap().layout;
-        // One micro-batch per pipeline rank (4 of 8 sequences), two stages a rank.
+        // One micro-batch per pipeline rank (4 micro-batches of 8 sequences), two stages a rank.
         assert_eq!((done.micro_batch, done.interleave), (8, 2), "{done:?}");
         // Without the defaults the search picks what is fastest: more, smaller micro-batches.
         let free = complete_within(&s, &open, &Space::default())
