@@ -326,4 +326,17 @@ fn frameworks_lists_every_stack_with_sources() {
         .find(|r| r["name"] == "megatron-lm@2021")
         .unwrap();
     assert_eq!(m21["fp8_recipes"], serde_json::json!([]));
+    // Context parallelism: today's stacks, not 2021's nor data-parallel-only ones.
+    assert_eq!(
+        (
+            titan["context_parallel"].as_bool(),
+            m21["context_parallel"].as_bool()
+        ),
+        (Some(true), Some(false))
+    );
+    let dp_only = rows
+        .iter()
+        .find(|r| r["name"] == "pytorch-dataparallel@1.8")
+        .unwrap();
+    assert_eq!(dp_only["context_parallel"], false);
 }

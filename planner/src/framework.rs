@@ -1141,7 +1141,7 @@ pub fn table_text() -> String {
         let _ = writeln!(out, "{}  —  {}", s.name, s.covers);
         let _ = writeln!(
             out,
-            "  fused attention {}, DP reduce overlapped {}, TP comm overlap {}, sends overlapped {}, grads reduced in {}, sequence parallel {}, fp8 recipes {}",
+            "  fused attention {}, DP reduce overlapped {}, TP comm overlap {}, sends overlapped {}, grads reduced in {}, sequence parallel {}, context parallel {}, fp8 recipes {}",
             match (r.fused_attention, r.native_attention) {
                 (true, true) => "native (FlashAttention-3 class)",
                 (true, false) => "yes",
@@ -1158,6 +1158,7 @@ pub fn table_text() -> String {
             yes(r.overlap_p2p),
             if r.grad_reduce_fp32 { "fp32" } else { "16-bit" },
             yes(p.space.sequence_parallel),
+            yes(p.space.context_parallel && p.space.model_parallel),
             match p.space.fp8_recipes.as_slice() {
                 [] => "none".to_string(),
                 o => o
