@@ -47,7 +47,7 @@ pub struct JobArgs {
     /// Mixture-of-experts models: drop the routed token copies beyond this factor times each
     /// expert's even share (Megatron-Core's `--moe-expert-capacity-factor`, DeepSpeed-MoE's
     /// `capacity_factor`). Default: dropless, as the model loads.
-    #[arg(long, value_name = "F")]
+    #[arg(long, value_name = "X")]
     pub capacity_factor: Option<String>,
     /// With a capacity: pad every expert's input to it, so each computes exactly its capacity
     /// (Megatron-Core's `--moe-pad-expert-input-to-capacity`).
