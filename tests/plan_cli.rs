@@ -50,7 +50,7 @@ fn bad_plan_inputs_end_in_one_line_and_status_2() {
         ),
         (
             vec!["--model", "mixtral-8x7b", "--capacity-factor", "-1"],
-            "expected a positive number",
+            "expected a number of at least 0.001",
         ),
         (
             vec!["--model", "mixtral-8x7b", "--pad-to-capacity"],

@@ -178,7 +178,7 @@ impl JobArgs {
     }
 
     /// Sets the mixture's token dropping from `--capacity-factor` and `--pad-to-capacity`;
-    /// a dense model, a value that is not a positive number, or one past where an expert
+    /// a dense model, a value that is not a number of at least 0.001, or one past where an expert
     /// would take every copy is one line naming the flag.
     fn apply_capacity(&self, m: &mut TransformerConfig) -> anyhow::Result<()> {
         let Some(flag) = self.capacity_flag() else {
@@ -201,7 +201,7 @@ impl JobArgs {
                 .filter(|p| (1.0..=f64::from(u32::MAX)).contains(p))
                 .ok_or_else(|| {
                     user(format!(
-                        "--capacity-factor: expected a positive number (1.0: an even share), found '{shown}'"
+                        "--capacity-factor: expected a number of at least 0.001 (1.0: an even share), found '{shown}'"
                     ))
                 })?;
             moe.capacity_permille = permille as u32;
