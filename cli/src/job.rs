@@ -5,7 +5,7 @@ use crate::user;
 use clap::Args as ClapArgs;
 use parallax_cost::transformer::Setup;
 use parallax_hardware::Cluster;
-use parallax_ir::models::TransformerConfig;
+use parallax_ir::models::{MoeConfig, TransformerConfig};
 use parallax_ir::{load_model, Fp8Recipe, Precision, MAX_GLOBAL_BATCH};
 use parallax_planner::Framework;
 
@@ -192,19 +192,16 @@ impl JobArgs {
         };
         if let Some(text) = &self.capacity_factor {
             let shown: String = text.trim().chars().take(40).collect();
-            let permille = text
+            moe.capacity_permille = text
                 .trim()
                 .parse::<f64>()
                 .ok()
-                .filter(|c| c.is_finite() && *c > 0.0)
-                .map(|c| (c * 1000.0).round())
-                .filter(|p| (1.0..=f64::from(u32::MAX)).contains(p))
+                .and_then(MoeConfig::capacity_permille_of)
                 .ok_or_else(|| {
                     user(format!(
                         "--capacity-factor: expected a number of at least 0.001 (1.0: an even share), found '{shown}'"
                     ))
                 })?;
-            moe.capacity_permille = permille as u32;
         }
         if self.pad_to_capacity {
             moe.pad_to_capacity = true;

@@ -465,13 +465,13 @@ impl Prepared {
             bounds.push(bounds[bounds.len() - 1] + *c as usize);
         }
         spec.data.check(dims.vocab, seq).map_err(ExecError::Data)?;
-        let (keep, keep_every) = match l.recompute {
-            Recompute::None => (Keep::All, 1),
-            Recompute::Selective => (Keep::Selective, 1),
-            Recompute::Full => (Keep::Input, 1),
-            Recompute::Every(k) => (Keep::Input, k.max(1) as usize),
-            Recompute::Modules(m) => (Keep::Modules(m), 1),
+        let keep = match l.recompute {
+            Recompute::None => Keep::All,
+            Recompute::Selective => Keep::Selective,
+            Recompute::Full | Recompute::Every(_) => Keep::Input,
+            Recompute::Modules(m) => Keep::Modules(m),
         };
+        let keep_every = l.recompute.whole_layer_period().unwrap_or(1) as usize;
         let prep = Prepared {
             dims,
             topo,

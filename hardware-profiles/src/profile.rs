@@ -399,7 +399,7 @@ impl DeviceSpec {
     /// Volta, Turing, Pascal and Kepler do not (their datasheets list no bf16 rate), so a chip
     /// without a bf16 peak runs none of it.
     pub fn runs_transformer_engine(&self) -> bool {
-        self.peak_tflops_bf16.is_some_and(|p| p > 0.0)
+        self.peak_tflops(Precision::Bf16).is_some()
     }
 
     /// [`DeviceSpec::sustained_efficiency`], 1 when not given.

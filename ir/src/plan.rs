@@ -37,13 +37,20 @@ impl Recompute {
     /// modules are Megatron-Core's).
     pub const ALL: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
 
+    /// Every how many-th layer is recomputed whole: 1 for full, k for every k-th (at least
+    /// 1 however the variant was built), `None` where no layer is.
+    pub fn whole_layer_period(self) -> Option<u32> {
+        match self {
+            Recompute::Full => Some(1),
+            Recompute::Every(k) => Some(k.max(1)),
+            _ => None,
+        }
+    }
+
     /// The share of layers recomputed whole: 1 for full, 1/k for every k-th, else 0.
     pub fn whole_layers(self) -> f64 {
-        match self {
-            Recompute::Full => 1.0,
-            Recompute::Every(k) => 1.0 / f64::from(k.max(1)),
-            _ => 0.0,
-        }
+        self.whole_layer_period()
+            .map_or(0.0, |k| 1.0 / f64::from(k))
     }
 }
 
@@ -824,15 +831,11 @@ pub struct Training {
     pub async_tp: bool,
     /// A mixture's token dropping, as the plan was made with it
     /// ([`crate::models::MoeConfig::capacity_permille`]; absent: dropless).
-    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    #[serde(default, skip_serializing_if = "crate::models::transformer::is_zero")]
     pub capacity_permille: u32,
     /// Experts padded to their capacity ([`crate::models::MoeConfig::pad_to_capacity`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pad_to_capacity: bool,
-}
-
-fn is_zero_u32(x: &u32) -> bool {
-    *x == 0
 }
 
 /// A prediction attached to a plan.
@@ -1261,8 +1264,6 @@ mod tests {
         }
     }
 
-    /// Megatron-Core's named submodules: `recompute=modules:a+b` inline, the same string in a
-    /// plan file, printed in Megatron's order; an unknown or missing name is refused.
     /// Every k-th layer: `every:k` inline and in plan files, `every:1` is full, a share of
     /// 1/k; nothing else.
     #[test]
@@ -1274,6 +1275,7 @@ mod tests {
         assert_eq!(Recompute::Every(4).whole_layers(), 0.25);
         assert_eq!(Recompute::Full.whole_layers(), 1.0);
         assert_eq!(Recompute::Selective.whole_layers(), 0.0);
+        assert_eq!(Recompute::Every(0).whole_layer_period(), Some(1));
         let l = Layout {
             recompute: Recompute::Every(2),
             ..Layout::default()
@@ -1287,6 +1289,8 @@ mod tests {
         }
     }
 
+    /// Megatron-Core's named submodules: `recompute=modules:a+b` inline, the same string in a
+    /// plan file, printed in Megatron's order; an unknown or missing name is refused.
     #[test]
     fn recompute_modules_parse_print_and_round_trip() {
         let p = PartialLayout::parse("dp=8,recompute=modules:moe_act+layernorm").unwrap();

@@ -223,10 +223,9 @@ mod tests {
     /// (±7 % on the public runs) and a benchmark's own run-to-run spread.
     const TOLERANCE: f64 = 1.10;
 
-    /// Parameters of a zoo model (its blocks and one embedding table).
+    /// Parameters of a zoo model.
     fn params(model: &str) -> f64 {
-        let m = zoo::transformer(model).unwrap();
-        (m.blocks_params() + m.vocab * m.hidden) as f64
+        zoo::transformer(model).unwrap().params() as f64
     }
 
     /// The best plan's MFU for `model` on `gpus` GPUs of `cluster` under `stack` (`None`: the
@@ -241,7 +240,7 @@ mod tests {
     ) -> f64 {
         let m = zoo::transformer(model).unwrap();
         let p = preset(cluster).unwrap();
-        let precision = if p.device.peak_tflops_bf16.is_some_and(|x| x > 0.0) {
+        let precision = if p.device.peak_tflops(Precision::Bf16).is_some() {
             Precision::Bf16
         } else {
             Precision::Fp16

@@ -224,8 +224,10 @@ impl Engine {
         }
         match self {
             Engine::Megatron
-                if matches!(l.recompute, Recompute::Every(k)
-                    if layers % chunks != 0 || (layers / chunks) % k != 0) =>
+                if matches!(l.recompute, Recompute::Every(_))
+                    && (layers % chunks != 0
+                        || (layers / chunks) % l.recompute.whole_layer_period().unwrap_or(1)
+                            != 0) =>
             {
                 Some(format!(
                     "megatron's block recomputation redoes the same count of each chunk's layers: recompute {} needs the {layers} layers to split into {chunks} chunks of a multiple of its k",
@@ -598,12 +600,13 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
             a.push("--recompute-num-layers 1".into());
         }
         // The first layers of each chunk, a k-th of them (`supports` has checked they divide).
-        Recompute::Every(k) => {
+        Recompute::Every(_) => {
+            let period = l.recompute.whole_layer_period().unwrap_or(1);
             a.push("--recompute-granularity full".into());
             a.push("--recompute-method block".into());
             a.push(format!(
                 "--recompute-num-layers {}",
-                m.layers / chunks / k.max(1)
+                m.layers / chunks / period
             ));
         }
     }

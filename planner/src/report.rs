@@ -333,8 +333,7 @@ pub fn guidance(input: &ReportInput) -> Vec<String> {
 fn envelope_note(s: &Setup, p: &StepPrediction) -> Option<String> {
     use crate::envelope::{chip_record, size_record};
     let device = &s.profile.device.name;
-    let params = (s.model.blocks_params() + s.model.vocab * s.model.hidden) as f64;
-    let size = size_record(device, params)?;
+    let size = size_record(device, s.model.params() as f64)?;
     if p.mfu <= size.mfu {
         return None;
     }

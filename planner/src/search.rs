@@ -1312,6 +1312,11 @@ pub(crate) fn degree_tuples(
     let gpn = u64::from(setup.profile.node.gpus_per_node);
     let model = setup.model;
     let keep = |given: Option<u32>, x: u64| given.is_none_or(|v| u64::from(v) == x);
+    // A framework's context parallelism is ring attention over fused kernels that return each
+    // block's log-sum-exp for the merge (Transformer Engine's in Megatron-Core, SDPA's flash /
+    // efficient ones in torchtitan): none on a device without them. (parallax's own trainer
+    // merges unfused blocks itself.)
+    let ring_attention = !setup.runtime.fused_attention || setup.fused_attention();
     let mut out = Vec::new();
     for tp in divisors(gpus).into_iter().filter(|&t| keep(fixed.tp, t)) {
         if tp > gpn && gpus > gpn && !setup.runtime.allow_tp_across_nodes {
@@ -1335,11 +1340,7 @@ pub(crate) fn degree_tuples(
             .into_iter()
             .filter(|&c| keep(fixed.cp, c))
         {
-            // A framework's context parallelism is ring attention over fused kernels that
-            // return each block's log-sum-exp for the merge (Transformer Engine's in
-            // Megatron-Core, SDPA's flash / efficient ones in torchtitan): none on a device
-            // without them. (parallax's own trainer merges unfused blocks itself.)
-            if cp > 1 && setup.runtime.fused_attention && !setup.fused_attention() {
+            if cp > 1 && !ring_attention {
                 reject(
                     "cp without fused attention",
                     format!(

@@ -742,13 +742,13 @@ impl TransformerCase {
             let routing = moe.routing.as_deref().unwrap_or("");
             let capacity = match (moe.dropless, moe.capacity_factor) {
                 (Some(true), _) => None,
-                (_, Some(c)) if c.is_finite() && c > 0.0 => Some(c),
-                _ if routing.starts_with("token-drop") => Some(1.0),
+                (_, Some(c)) => MoeConfig::capacity_permille_of(c),
+                _ if routing.starts_with("token-drop") => Some(1000),
                 _ => None,
             };
             cfg.moe = Some(MoeConfig {
                 router,
-                capacity_permille: capacity.map_or(0, |c| (c * 1000.0).round().min(1e6) as u32),
+                capacity_permille: capacity.unwrap_or(0),
                 shared_ffn_hidden: shared * moe.shared_expert_ffn_hidden.unwrap_or(expert),
                 dense_layers_first: first,
                 every,

@@ -150,7 +150,7 @@ impl std::str::FromStr for Router {
     }
 }
 
-fn is_zero<T: Default + PartialEq>(x: &T) -> bool {
+pub(crate) fn is_zero<T: Default + PartialEq>(x: &T) -> bool {
     *x == T::default()
 }
 
@@ -186,6 +186,13 @@ impl MoeConfig {
     /// The factor on the routed experts' weights.
     pub fn routed_scale(&self) -> f64 {
         f64::from(self.routed_scale_permille) / 1000.0
+    }
+
+    /// [`MoeConfig::capacity_permille`] of a capacity factor: `None` for one that is not a
+    /// finite number of at least 0.001 (0.0005 rounds up).
+    pub fn capacity_permille_of(factor: f64) -> Option<u32> {
+        let p = (factor * 1000.0).round();
+        (factor.is_finite() && (1.0..=f64::from(u32::MAX)).contains(&p)).then_some(p as u32)
     }
 
     /// The capacity factor, where tokens beyond it are dropped; `None`: dropless.
@@ -902,6 +909,25 @@ impl TransformerConfig {
             ));
         }
         Ok(())
+    }
+
+    /// Parameters of the model in closed form (the graph's count): the token embedding and
+    /// learned positions, an untied head, the final norm and every layer. Multi-token
+    /// prediction modules are not counted (published totals leave them out), nor BERT's
+    /// pooler and masked-LM transform.
+    pub fn params(&self) -> u64 {
+        let positions = if self.position == Position::Learned {
+            self.max_seq * self.hidden
+        } else {
+            0
+        };
+        let head = if self.tied_embeddings {
+            0
+        } else {
+            self.vocab * self.hidden
+        };
+        let final_norm = if self.norm == Norm::LayerNorm { 2 } else { 1 } * self.hidden;
+        self.vocab * self.hidden + positions + head + final_norm + self.blocks_params()
     }
 
     /// Parameters of all layers, each kind at its count.
@@ -1626,6 +1652,10 @@ mod tests {
             ..dropless
         };
         assert_eq!(capped.capacity_factor(), Some(1.25));
+        assert_eq!(MoeConfig::capacity_permille_of(1.25), Some(1250));
+        for bad in [0.0, 0.0004, -1.0, f64::NAN, f64::INFINITY, 1e10] {
+            assert_eq!(MoeConfig::capacity_permille_of(bad), None, "{bad}");
+        }
         assert_eq!(
             (capped.capped_load(1.3), capped.capped_load(1.1)),
             (1.25, 1.1)
@@ -1726,23 +1756,7 @@ mod tests {
             },
         ] {
             let g = cfg.build("t", opts(16)).unwrap();
-            let emb = cfg.vocab * cfg.hidden
-                + if cfg.position == Position::Learned {
-                    cfg.max_seq * cfg.hidden
-                } else {
-                    0
-                };
-            let head = if cfg.tied_embeddings {
-                0
-            } else {
-                cfg.vocab * cfg.hidden
-            };
-            let final_norm = if cfg.norm == Norm::LayerNorm { 2 } else { 1 } * cfg.hidden;
-            assert_eq!(
-                g.param_count(),
-                emb + head + final_norm + cfg.blocks_params(),
-                "{cfg:?}"
-            );
+            assert_eq!(g.param_count(), cfg.params(), "{cfg:?}");
             assert_eq!(g.num_blocks(), cfg.layers);
             // Each section graph holds one block of its kind.
             for kind in [LayerKind::Block, LayerKind::DenseBlock] {

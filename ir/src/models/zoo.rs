@@ -584,22 +584,7 @@ mod tests {
             ZooDef::Transformer(cfg) => {
                 // Closed form for the giants (a 405B graph is cheap, but 1T-scale tests stay
                 // fast this way); checked against the graph for every model below 20B.
-                let emb = cfg.vocab * cfg.hidden
-                    + match cfg.position {
-                        crate::models::Position::Learned => cfg.max_seq * cfg.hidden,
-                        crate::models::Position::Rope | crate::models::Position::None => 0,
-                    };
-                let closed =
-                    emb + if cfg.tied_embeddings {
-                        0
-                    } else {
-                        cfg.vocab * cfg.hidden
-                    } + cfg.blocks_params()
-                        + if cfg.norm == crate::models::Norm::LayerNorm {
-                            2
-                        } else {
-                            1
-                        } * cfg.hidden;
+                let closed = cfg.params();
                 if closed < 20_000_000_000 && !cfg.bert {
                     let g = cfg
                         .build(
