@@ -373,6 +373,10 @@ const DEEPSPEED_2020: &[Feature] = &[
         source: "DeepSpeed Megatron tutorial (2020); DeepSpeedExamples Megatron-LM v1.1.5",
     },
     Feature {
+        what: "that GPT-2 is Megatron-LM's 2019 module code, eager: the attention scores scaled, masked (a multiply and a subtraction) and soft-maxed as separate kernels, q, k and v permuted into the batched GEMMs' layout and the context back, bias gradients as autograd's reductions",
+        source: "DeepSpeedExamples Megatron-LM/mpu/transformer.py (GPT2ParallelSelfAttention, September 2020)",
+    },
+    Feature {
         what: "fp16 gradients reduced in fp16 after the backward (overlap_comm off by default)",
         source: "DeepSpeed 0.3 config docs: zero_optimization.overlap_comm",
     },
@@ -643,6 +647,7 @@ fn deepspeed_2020() -> Parts {
     Parts {
         runtime: Runtime {
             zero3_gathers_per_layer: DEEPSPEED_SUBMODULES_PER_LAYER,
+            eager_kernels: true,
             ..megatron_loss(pre_flash(false, false))
         },
         // ZeRO-Offload shipped in DeepSpeed 0.3 (September 2020): optimizer states only.
