@@ -291,6 +291,43 @@ fn token_dropping_reaches_the_plan_and_its_export() {
         step(&padded),
         step(&dropless)
     );
+
+    // `simulate --plan plan.json` predicts the job its flags name: with the plan's capacity
+    // flags (and the stack its export implied) it is the plan's prediction, without them a
+    // note says what differs.
+    let file = std::env::temp_dir().join(format!("parallax-padded-{}.json", std::process::id()));
+    std::fs::write(&file, padded["plan"].to_string()).unwrap();
+    let simulate = |extra: &[&str]| {
+        let mut args = vec![
+            "simulate",
+            "--model",
+            "mixtral-8x7b",
+            "--cluster",
+            "dgx-h100-80gb:gpus=16",
+            "--global-batch",
+            "32",
+            "--seq",
+            "4096",
+            "--plan",
+            file.to_str().unwrap(),
+            "--framework",
+            "megatron-core@2025",
+            "--json",
+        ];
+        args.extend(extra);
+        common::parallax(&args)
+    };
+    let same = simulate(&["--capacity-factor", "1.5", "--pad-to-capacity"]);
+    assert_eq!(String::from_utf8_lossy(&same.stderr), "");
+    assert!((step(&common::json_of(&same)) - step(&padded)).abs() < 1e-9 * step(&padded));
+    let other = simulate(&[]);
+    let note = String::from_utf8_lossy(&other.stderr).into_owned();
+    assert!(
+        note.contains("was made with capacity factor 1.5, padded; simulating dropless experts"),
+        "{note}"
+    );
+    assert!((step(&common::json_of(&other)) - step(&dropless)).abs() < 1e-9 * step(&dropless));
+    let _ = std::fs::remove_file(&file);
 }
 
 #[test]

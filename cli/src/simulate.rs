@@ -6,7 +6,8 @@ use crate::user;
 use clap::Args as ClapArgs;
 use parallax_cost::{step_time_band, Setup};
 use parallax_ir::{Layout, PartialLayout, GIB};
-use parallax_planner::{complete_or_smallest, layout_string, report::part_name, Space};
+use parallax_planner::report::{part_name, plan_job_differences};
+use parallax_planner::{complete_or_smallest, layout_string, Framework};
 use parallax_sim::{simulate_step, SimulatedStep};
 use std::path::PathBuf;
 
@@ -47,7 +48,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     };
     let setup = job.setup();
-    let layout = resolve_layout(&a.plan, &setup, &a.job.model, &job.framework.space)?;
+    let layout = resolve_layout(&a.plan, &setup, &a.job.model, &job.framework)?;
     let sim = simulate_step(&setup, &layout)
         .map_err(|e| user(format!("--plan {}: {e}", layout_string(&layout))))?;
     let band = step_time_band(&job.cluster.profile);
@@ -120,9 +121,16 @@ pub(crate) fn print_layer_costs(setup: &Setup, layout: &Layout) {
 }
 
 /// The layout from a plan file or an inline spec (left-out keys completed by the search). A
-/// plan made for another model is refused; one made for another batch or sequence length is
-/// simulated at the flags' values, with a note saying so.
-fn resolve_layout(spec: &str, setup: &Setup, model: &str, space: &Space) -> anyhow::Result<Layout> {
+/// plan made for another model is refused; one made for another job (batch, sequence, precision,
+/// fp8 recipe, asynchronous TP, token dropping, stack) is simulated as the flags say, with a
+/// note for each difference.
+fn resolve_layout(
+    spec: &str,
+    setup: &Setup,
+    model: &str,
+    framework: &Framework,
+) -> anyhow::Result<Layout> {
+    let (space, framework) = (&framework.space, framework.name.as_str());
     let path = std::path::Path::new(spec);
     if spec.ends_with(".json") || path.is_file() {
         let plan = crate::read_plan(path)?;
@@ -132,12 +140,8 @@ fn resolve_layout(spec: &str, setup: &Setup, model: &str, space: &Space) -> anyh
                 plan.model.name
             )));
         }
-        let t = &plan.training;
-        if (t.global_batch, t.seq_len) != (setup.global_batch, setup.seq) {
-            eprintln!(
-                "note: {spec} was made for global batch {} × seq {}; simulating its layout at {} × {}",
-                t.global_batch, t.seq_len, setup.global_batch, setup.seq
-            );
+        for note in plan_job_differences(&plan, setup, framework) {
+            eprintln!("note: {spec} {note}");
         }
         return Ok(plan.layout);
     }

@@ -39,6 +39,81 @@ pub struct ReportInput<'a> {
 }
 
 /// The Plan document of one evaluated layout, with its prediction and band.
+/// The training settings of `s` as a plan document records them.
+pub fn training_of(s: &Setup) -> Training {
+    Training {
+        global_batch: s.global_batch,
+        seq_len: s.seq,
+        precision: s.precision,
+        fp8_recipe: (s.precision == Precision::Fp8).then_some(s.runtime.fp8_recipe),
+        async_tp: s.runtime.tp_overlap == TpOverlap::MicroPipelined,
+        capacity_permille: s.model.moe.map_or(0, |m| m.capacity_permille),
+        pad_to_capacity: s.model.moe.is_some_and(|m| m.pad_to_capacity),
+    }
+}
+
+/// How the job of `setup` on `framework` differs from the one `plan` was made for, one line
+/// per setting (batch and sequence, precision and fp8 recipe, asynchronous TP, token
+/// dropping, the stack): `simulate --plan FILE` predicts the file's layout for the job its
+/// flags name, and says where that is not the plan's own.
+pub fn plan_job_differences(plan: &Plan, setup: &Setup, framework: &str) -> Vec<String> {
+    let (was, now) = (&plan.training, training_of(setup));
+    let mut notes = Vec::new();
+    if (was.global_batch, was.seq_len) != (now.global_batch, now.seq_len) {
+        notes.push(format!(
+            "was made for global batch {} × seq {}; simulating its layout at {} × {}",
+            was.global_batch, was.seq_len, now.global_batch, now.seq_len
+        ));
+    }
+    let precision = |t: &Training| match t.fp8_recipe {
+        Some(r) if t.precision == Precision::Fp8 => format!("fp8 ({r} scaling)"),
+        _ => t.precision.name().to_string(),
+    };
+    if (was.precision, was.fp8_recipe) != (now.precision, now.fp8_recipe) {
+        notes.push(format!(
+            "was made for {} training; simulating {} (--precision, --fp8-recipe)",
+            precision(was),
+            precision(&now)
+        ));
+    }
+    if was.async_tp != now.async_tp {
+        let tp = |on: bool| if on { "asynchronous" } else { "blocking" };
+        notes.push(format!(
+            "was made with {} tensor-parallel collectives; simulating {} ones (--async-tp)",
+            tp(was.async_tp),
+            tp(now.async_tp)
+        ));
+    }
+    if (was.capacity_permille, was.pad_to_capacity) != (now.capacity_permille, now.pad_to_capacity)
+    {
+        let capacity = |t: &Training| match t.capacity_permille {
+            0 => "dropless experts".to_string(),
+            c => format!(
+                "capacity factor {}{}",
+                f64::from(c) / 1000.0,
+                if t.pad_to_capacity { ", padded" } else { "" }
+            ),
+        };
+        notes.push(format!(
+            "was made with {}; simulating {} (--capacity-factor, --pad-to-capacity)",
+            capacity(was),
+            capacity(&now)
+        ));
+    }
+    if let Some(stack) = plan
+        .prediction
+        .as_ref()
+        .and_then(|p| p.framework.as_deref())
+    {
+        if stack != framework {
+            notes.push(format!(
+                "was predicted on {stack}; simulating on {framework} (--framework)"
+            ));
+        }
+    }
+    notes
+}
+
 pub fn plan_document(input: &ReportInput, e: &Evaluated) -> Plan {
     let s = input.setup;
     let p = &e.prediction;
@@ -52,15 +127,7 @@ pub fn plan_document(input: &ReportInput, e: &Evaluated) -> Plan {
             spec: input.cluster_spec.into(),
             gpus: s.gpus,
         },
-        training: Training {
-            global_batch: s.global_batch,
-            seq_len: s.seq,
-            precision: s.precision,
-            fp8_recipe: (s.precision == Precision::Fp8).then_some(s.runtime.fp8_recipe),
-            async_tp: s.runtime.tp_overlap == TpOverlap::MicroPipelined,
-            capacity_permille: s.model.moe.map_or(0, |m| m.capacity_permille),
-            pad_to_capacity: s.model.moe.is_some_and(|m| m.pad_to_capacity),
-        },
+        training: training_of(s),
         layout: e.layout.clone(),
         op_configs: Vec::new(),
         micro_batches: None,
@@ -707,6 +774,51 @@ mod tests {
     use crate::search::{search, SearchOptions};
     use parallax_hardware::Cluster;
     use parallax_ir::models::zoo;
+
+    /// A plan file simulated for another job is told apart setting by setting; the same job
+    /// draws no note.
+    #[test]
+    fn a_plan_names_each_setting_its_job_differs_in() {
+        let mut m = zoo::transformer("mixtral-8x7b").unwrap();
+        let c = Cluster::parse("dgx-h100-80gb:gpus=64").unwrap();
+        let made = Setup::new(&m, &c.profile, 64, 4096, 256);
+        let plan = Plan {
+            schema: PLAN_SCHEMA.into(),
+            model: ModelRef {
+                name: "mixtral-8x7b".into(),
+            },
+            cluster: ClusterRef {
+                spec: "dgx-h100-80gb:gpus=64".into(),
+                gpus: 64,
+            },
+            training: training_of(&made),
+            layout: Layout::default(),
+            op_configs: Vec::new(),
+            micro_batches: None,
+            prediction: Some(Prediction {
+                framework: Some("current".into()),
+                ..Prediction::default()
+            }),
+        };
+        assert!(plan_job_differences(&plan, &made, "current").is_empty());
+
+        let moe = m.moe.as_mut().unwrap();
+        (moe.capacity_permille, moe.pad_to_capacity) = (1500, true);
+        let mut now = Setup::new(&m, &c.profile, 64, 4096, 512);
+        now.precision = Precision::Fp8;
+        now.runtime.tp_overlap = TpOverlap::MicroPipelined;
+        let notes = plan_job_differences(&plan, &now, "torchtitan");
+        assert_eq!(
+            notes,
+            [
+                "was made for global batch 256 × seq 4096; simulating its layout at 512 × 4096",
+                "was made for bf16 training; simulating fp8 (tensorwise scaling) (--precision, --fp8-recipe)",
+                "was made with blocking tensor-parallel collectives; simulating asynchronous ones (--async-tp)",
+                "was made with dropless experts; simulating capacity factor 1.5, padded (--capacity-factor, --pad-to-capacity)",
+                "was predicted on current; simulating on torchtitan (--framework)",
+            ]
+        );
+    }
 
     #[test]
     fn reports_have_every_key_and_stay_self_contained() {
