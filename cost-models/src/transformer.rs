@@ -230,6 +230,15 @@ pub struct Runtime {
     /// vocabulary, as HuggingFace and plain PyTorch module code run it.
     #[serde(default = "one")]
     pub vocab_multiple: u32,
+    /// The linear layers are Transformer Engine's (`Linear`, `LayerNormLinear`,
+    /// `LayerNormMLP`): under fp8 each keeps for its weight-gradient GEMM the fp8 cast of its
+    /// input, not the 16-bit input (`saved_inputmat`, `ln_out`, `gelu_out` in TE's
+    /// module/linear.py, layernorm_linear.py, layernorm_mlp.py: one byte an element where
+    /// the 16-bit tensor is kept for nothing else). torchao's float8 linear layers keep the
+    /// 16-bit input and cast again in backward (its rowwise recipe casts along the other
+    /// axis there), as do 16-bit runs.
+    #[serde(default)]
+    pub te_linears: bool,
 }
 
 /// Megatron-LM's `--make-vocab-size-divisible-by` default: the vocabulary is padded to a
@@ -331,6 +340,7 @@ impl Default for Runtime {
             fp8_recipe: Fp8Recipe::Tensorwise,
             moe_host_sync: true,
             vocab_multiple: 1,
+            te_linears: false,
         }
     }
 }
@@ -603,6 +613,14 @@ impl Setup<'_> {
         self.precision.activation_dtype().size_bytes()
     }
 
+    /// Whether linear layers keep the fp8 cast of their input for backward
+    /// ([`Runtime::te_linears`]): fp8 training on Transformer Engine under one of its recipes.
+    pub fn keeps_fp8_linear_inputs(&self) -> bool {
+        self.precision == Precision::Fp8
+            && self.runtime.te_linears
+            && self.runtime.fp8_recipe != Fp8Recipe::Rowwise
+    }
+
     /// Whether attention runs as a fused kernel: the runtime has one and the device runs it.
     pub fn fused_attention(&self) -> bool {
         self.runtime.fused_attention && self.profile.device.has_fused_attention()
@@ -801,7 +819,7 @@ struct SectionGraph {
     shapes: Vec<Vec<Shape>>,
     work: Vec<parallax_ir::Work>,
     redo: Mutex<HashMap<SelectivePolicy, Arc<[bool]>>>,
-    saved: Mutex<HashMap<(bool, Option<SelectivePolicy>), f64>>,
+    saved: Mutex<HashMap<(bool, Option<SelectivePolicy>, bool), f64>>,
 }
 
 impl std::ops::Deref for SectionGraph {
@@ -833,8 +851,9 @@ impl SectionGraph {
         Arc::clone(lock(&self.redo).entry(policy).or_insert(r))
     }
 
-    /// [`saved_bytes`] with sequence parallelism `sp` and, where `selective`, its policy's
-    /// recomputed nodes (one setup's `fb`, `tp` and `hidden` per cache).
+    /// [`saved_bytes`] with sequence parallelism `sp`, where `selective` its policy's
+    /// recomputed nodes, and linear layers keeping fp8 inputs where `fp8_inputs` (one setup's
+    /// `fb`, `tp` and `hidden` per cache).
     fn saved(
         &self,
         fb: u64,
@@ -842,13 +861,14 @@ impl SectionGraph {
         tp: u32,
         hidden: u64,
         selective: Option<SelectivePolicy>,
+        fp8_inputs: bool,
     ) -> f64 {
-        let key = (sp, selective);
+        let key = (sp, selective, fp8_inputs);
         if let Some(&b) = lock(&self.saved).get(&key) {
             return b;
         }
         let redo = selective.map(|p| self.redo(p));
-        let b = saved_bytes(&self.graph, fb, sp, tp, hidden, redo.as_deref());
+        let b = saved_bytes(&self.graph, fb, sp, tp, hidden, redo.as_deref(), fp8_inputs);
         lock(&self.saved).insert(key, b);
         b
     }
@@ -1137,10 +1157,11 @@ pub fn transformer_costs_with(
     } else {
         net.collective(Collective::AllReduce, act, tp_group)
     };
+    let fp8_inputs = s.keeps_fp8_linear_inputs();
     // One layer of `kind` as a device runs it, its MoE MLP under `experts`.
     let price_layer = |kind: LayerKind, block: &SectionGraph, experts: Option<ExpertRanks>| {
         let block_prices = NodePrices::new(&dev, block, fb, sp, l.tp, hidden, cp, experts);
-        let mut layer = price(block, &block_prices, fb, sp, l.tp, hidden);
+        let mut layer = price(block, &block_prices, fb, sp, l.tp, hidden, fp8_inputs);
         // The experts' activations as this rank keeps them (the graph's shard has them as
         // the TP region would: every token, the FFN split over tp).
         let experts_kept =
@@ -1251,8 +1272,8 @@ pub fn transformer_costs_with(
                     _ => s.runtime.selective,
                 };
                 let redo = block.redo(policy);
-                let kept =
-                    block.saved(fb, sp, l.tp, hidden, Some(policy)) + experts_kept(Some(&redo));
+                let kept = block.saved(fb, sp, l.tp, hidden, Some(policy), fp8_inputs)
+                    + experts_kept(Some(&redo));
                 layer.saved = Bytes(kept.max(0.0) as u64);
                 let (time, flops) = block_prices.recompute(Some(&redo));
                 layer.recompute = time;
@@ -1299,7 +1320,7 @@ pub fn transformer_costs_with(
     // Both see only their own tokens (no attention): priced without the CP factor.
     let price_local = |g: &SectionGraph| {
         let prices = NodePrices::new(&dev, g, fb, sp, l.tp, hidden, 1, None);
-        price(g, &prices, fb, sp, l.tp, hidden)
+        price(g, &prices, fb, sp, l.tp, hidden, fp8_inputs)
     };
     let mut embedding = price_local(&embed);
     embedding.tp_fwd = if l.tp > 1 { tp_one } else { Seconds(0.0) };
@@ -1717,11 +1738,12 @@ fn price(
     sp: bool,
     tp: u32,
     hidden: u64,
+    fp8_inputs: bool,
 ) -> PartCost {
     let model_flops = prices.train_flops.iter().sum();
     PartCost {
         compute: prices.time(g, |_| true),
-        saved: Bytes(g.saved(fb, sp, tp, hidden, None) as u64),
+        saved: Bytes(g.saved(fb, sp, tp, hidden, None, fp8_inputs) as u64),
         params: g.param_count(),
         model_flops,
         hardware_flops: model_flops,
@@ -1794,9 +1816,51 @@ fn outside_tp(g: &Graph, n: &parallax_ir::Node, hidden: u64) -> bool {
 /// tensors are split over the TP group. With `selective`, tensors produced by cheap ops are not
 /// kept; the inputs needed to recompute them (outputs of matmuls, attention or the section's
 /// input) are kept instead, and cheap ops' extra state is dropped, except dropout masks.
-fn saved_bytes(g: &Graph, fb: u64, sp: bool, tp: u32, hidden: u64, redo: Option<&[bool]>) -> f64 {
+///
+/// Where `fp8_inputs` ([`Runtime::te_linears`]), a tensor kept only as a linear layer's input
+/// is kept as its one-byte fp8 cast; one another op also keeps is kept in 16 bits and as the
+/// cast beside it (the attention output: the fused attention's backward reads it, the output
+/// projection keeps its cast).
+fn saved_bytes(
+    g: &Graph,
+    fb: u64,
+    sp: bool,
+    tp: u32,
+    hidden: u64,
+    redo: Option<&[bool]>,
+    fp8_inputs: bool,
+) -> f64 {
+    // Per kept root tensor: bytes an element (floating tensors only; the fp8 rule).
+    let roots = g.view_roots();
+    let mut keepers: std::collections::HashMap<parallax_ir::TensorId, (bool, bool)> =
+        Default::default();
+    if fp8_inputs {
+        for n in &g.nodes {
+            let saves = n.op.saves(&g.input_shapes(n), &g.weight_flags(n));
+            let linear = matches!(n.op, OpKind::Linear(_));
+            let tensors = saves
+                .inputs
+                .iter()
+                .map(|&i| n.inputs[i])
+                .chain(saves.outputs.iter().map(|&i| n.outputs[i]));
+            for t in tensors {
+                let k = keepers.entry(roots[t.0 as usize]).or_default();
+                if linear {
+                    k.0 = true;
+                } else {
+                    k.1 = true;
+                }
+            }
+        }
+    }
     let scale = |t: parallax_ir::TensorId| -> f64 {
-        let bytes = g.tensor_bytes(t, fb) as f64;
+        let elem = g.elem_bytes(t, fb);
+        let per_elem = match keepers.get(&t) {
+            Some((true, false)) if g.tensor(t).dtype.is_float() => 1,
+            Some((true, true)) if g.tensor(t).dtype.is_float() => elem + 1,
+            _ => elem,
+        };
+        let bytes = (g.tensor(t).shape.elems() * per_elem) as f64;
         if sp && g.tensor(t).shape.last() == hidden {
             bytes / f64::from(tp)
         } else {
@@ -1959,6 +2023,42 @@ mod tests {
         assert!((0.15..0.17).contains(&work), "{work}");
         let time = masked.head.compute.total().0 / all.head.compute.total().0;
         assert!(time > work && time < 0.9, "{time}");
+    }
+
+    /// Transformer Engine's fp8 linear layers keep their inputs' fp8 casts: of a GPT block
+    /// under sequence parallelism, both norms' outputs (s·b·h/t, 2 → 1 byte) and the GeLU
+    /// output (4·s·b·h/t, 2 → 1) are kept for their linear layers alone, and the attention
+    /// output, which the fused attention's backward reads in 16 bits, gains the projection's
+    /// cast (+1): 5 bytes of s·b·h/t fewer. Nothing changes in 16 bits, without Transformer
+    /// Engine, or under torchao's rowwise recipe.
+    #[test]
+    fn transformer_engine_keeps_fp8_linear_inputs() {
+        let m = cfg("gpt3-175b");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let kept = |precision, te_linears, fp8_recipe| {
+            let s = Setup {
+                precision,
+                ..setup(
+                    &m,
+                    &p,
+                    8,
+                    Runtime {
+                        te_linears,
+                        fp8_recipe,
+                        ..Runtime::default()
+                    },
+                )
+            };
+            let c = transformer_costs(&s, &layout(8, true, Recompute::None)).unwrap();
+            c.layer().saved.0 as f64
+        };
+        let (sq, h, t) = (2048.0, 12288.0, 8.0);
+        let hp = kept(Precision::Fp8, false, Fp8Recipe::Tensorwise);
+        let te = kept(Precision::Fp8, true, Fp8Recipe::Tensorwise);
+        assert_eq!(hp - te, 5.0 * sq * h / t, "{hp} vs {te}");
+        assert_eq!(kept(Precision::Fp8, true, Fp8Recipe::Delayed), te);
+        assert_eq!(kept(Precision::Fp8, true, Fp8Recipe::Rowwise), hp);
+        assert_eq!(kept(Precision::Bf16, true, Fp8Recipe::Tensorwise), hp);
     }
 
     #[test]

@@ -68,6 +68,7 @@ impl Engine {
                 cross_entropy: CrossEntropy::VocabParallel,
                 native_attention: true,
                 vocab_multiple: MEGATRON_VOCAB_MULTIPLE,
+                te_linears: true,
                 ..Runtime::default()
             },
             Engine::DeepSpeed => Runtime::default(),

@@ -255,6 +255,12 @@ const MEGATRON_2022: &[Feature] = &[
     },
 ];
 
+/// Transformer Engine's fp8 linear layers and what they keep for backward.
+const TE_FP8_SAVED: Feature = Feature {
+    what: "Transformer Engine's fp8 linear layers keep the fp8 cast of their input for the weight gradient (one byte an element), not the 16-bit input",
+    source: "Transformer Engine 1.x module/linear.py (saved_inputmat), layernorm_linear.py and layernorm_mlp.py (ln_out, gelu_out saved in fp8)",
+};
+
 const MEGATRON_2023: &[Feature] = &[
     Feature {
         what: "FlashAttention (--use-flash-attn) and the distributed optimizer (ZeRO-1, --use-distributed-optimizer)",
@@ -272,6 +278,7 @@ const MEGATRON_2023: &[Feature] = &[
         what: "fp8 with delayed scaling: casts fused into the norm, activation and bias-gradient kernels",
         source: "Transformer Engine 1.x docs, recipe.DelayedScaling (the default recipe); LayerNormLinear / LayerNormMLP fp8 outputs",
     },
+    TE_FP8_SAVED,
 ];
 
 const MEGATRON_CORE_2024: &[Feature] = &[
@@ -299,6 +306,7 @@ const MEGATRON_CORE_2024: &[Feature] = &[
         what: "fp8 with delayed scaling (--fp8-recipe delayed, the default), casts fused into the kernels that write the operands",
         source: "Megatron-Core arguments (--fp8-recipe); Transformer Engine 1.x recipe.DelayedScaling; NeMo 24.07 fp8 recipes",
     },
+    TE_FP8_SAVED,
 ];
 
 const MEGATRON_CORE_2025: &[Feature] = &[
@@ -318,6 +326,7 @@ const MEGATRON_CORE_2025: &[Feature] = &[
         what: "attention in the chip's own fused kernels on Hopper (cuDNN 9's, which Transformer Engine 2 selects there), a FlashAttention-3-class kernel: the preset's native_attention_speedup over the FlashAttention-2-class kernels of earlier stacks",
         source: "Transformer Engine 2.x docs, attention backends (FusedAttention preferred on sm90); Shah et al. 2024 (FlashAttention-3), 1.5-2.0x FlashAttention-2 forward, 1.5-1.75x backward on H100",
     },
+    TE_FP8_SAVED,
 ];
 
 const MLPERF_31: &[Feature] = &[Feature {
@@ -553,10 +562,13 @@ const PARALLAX: &[Feature] = &[Feature {
     source: "this repository, executor/",
 }];
 
-const CURRENT: &[Feature] = &[Feature {
-    what: "a current stack: fused attention, overlapped gradient reduction and parameter gathers, TP communication overlap, overlapped sends, every schedule, ZeRO stage and recompute policy, optimizer and parameter offload (host memory, then NVMe) when nothing fits",
-    source: "the union of the current Megatron-Core, DeepSpeed and torchtitan releases",
-}];
+const CURRENT: &[Feature] = &[
+    Feature {
+        what: "a current stack: fused attention, overlapped gradient reduction and parameter gathers, TP communication overlap, overlapped sends, every schedule, ZeRO stage and recompute policy, optimizer and parameter offload (host memory, then NVMe) when nothing fits",
+        source: "the union of the current Megatron-Core, DeepSpeed and torchtitan releases",
+    },
+    TE_FP8_SAVED,
+];
 
 fn megatron_2020() -> Parts {
     Parts {
@@ -588,6 +600,7 @@ fn megatron_2023() -> Parts {
             // The flash-attn package's FlashAttention-2.
             fused_attention: true,
             fp8_recipe: Fp8Recipe::Delayed,
+            te_linears: true,
             ..megatron_loss(pre_flash(false, true))
         },
         space: Space {
@@ -601,6 +614,7 @@ fn megatron_core_2024() -> Parts {
     Parts {
         runtime: Runtime {
             fp8_recipe: Fp8Recipe::Delayed,
+            te_linears: true,
             ..megatron_loss(Runtime::default())
         },
         space: Space {
@@ -776,6 +790,8 @@ fn current() -> Parts {
             native_attention: true,
             // As Megatron-Core pads it (torchtitan's and Llama's vocabularies are aligned).
             vocab_multiple: MEGATRON_VOCAB_MULTIPLE,
+            // Transformer Engine's layers (its userbuffers overlap TP communication).
+            te_linears: true,
             ..Runtime::default()
         },
         space: Space::default(),
