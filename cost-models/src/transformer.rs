@@ -810,6 +810,10 @@ pub struct SectionGraphs {
 /// section.
 type GraphKey = (u64, u64, BuildOptions, Section);
 
+/// What a section keeps depends on: sequence parallelism, the selective policy, fp8 linear
+/// inputs ([`SectionGraph::saved`]).
+type SavedKey = (bool, Option<SelectivePolicy>, bool);
+
 /// A section graph with what pricing reads of it, computed once: each node's input shapes and
 /// work, the nodes selective recomputation redoes, and the bytes it keeps for backward under
 /// each sequence-parallel and recompute setting, as first asked.
@@ -819,7 +823,7 @@ struct SectionGraph {
     shapes: Vec<Vec<Shape>>,
     work: Vec<parallax_ir::Work>,
     redo: Mutex<HashMap<SelectivePolicy, Arc<[bool]>>>,
-    saved: Mutex<HashMap<(bool, Option<SelectivePolicy>, bool), f64>>,
+    saved: Mutex<HashMap<SavedKey, f64>>,
 }
 
 impl std::ops::Deref for SectionGraph {
