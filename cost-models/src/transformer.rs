@@ -231,10 +231,11 @@ pub struct Runtime {
     #[serde(default = "one")]
     pub vocab_multiple: u32,
     /// The linear layers are Transformer Engine's (`Linear`, `LayerNormLinear`,
-    /// `LayerNormMLP`): under fp8 each keeps for its weight-gradient GEMM the fp8 cast of its
-    /// input, not the 16-bit input (`saved_inputmat`, `ln_out`, `gelu_out` in TE's
-    /// module/linear.py, layernorm_linear.py, layernorm_mlp.py: one byte an element where
-    /// the 16-bit tensor is kept for nothing else). torchao's float8 linear layers keep the
+    /// `LayerNormMLP`, the experts' `GroupedLinear`): under fp8 each keeps for its
+    /// weight-gradient GEMM the fp8 cast of its input, not the 16-bit input (`saved_inputmat`,
+    /// `ln_out`, `gelu_out` in TE's module/linear.py, layernorm_linear.py,
+    /// layernorm_mlp.py: one byte an element where the 16-bit tensor is kept for nothing
+    /// else). torchao's float8 linear layers keep the
     /// 16-bit input and cast again in backward (its rowwise recipe casts along the other
     /// axis there), as do 16-bit runs.
     #[serde(default)]
@@ -1168,8 +1169,9 @@ pub fn transformer_costs_with(
         let mut layer = price(block, &block_prices, fb, sp, l.tp, hidden, fp8_inputs);
         // The experts' activations as this rank keeps them (the graph's shard has them as
         // the TP region would: every token, the FFN split over tp).
-        let experts_kept =
-            |redo: Option<&[bool]>| experts.map_or(0.0, |e| e.kept_beyond_graph(block, fb, redo));
+        let experts_kept = |redo: Option<&[bool]>| {
+            experts.map_or(0.0, |e| e.kept_beyond_graph(block, fb, redo, fp8_inputs))
+        };
         layer.saved = Bytes((layer.saved.0 as f64 + experts_kept(None)).max(0.0) as u64);
         // Under sequence parallelism an MoE layer reads the sequence-split tokens directly: its
         // dispatcher replaces the MLP's gather and reduce-scatter over the TP group, so only the
@@ -1702,14 +1704,25 @@ impl ExpertRanks {
     /// tp (the TP region's view), while the rank keeps the activations of the rows it
     /// actually receives (its sequence-parallel share, gathered over etp) at the local expert
     /// width `ffn / etp` (negative where that is less). MoE ops `redo` marks are not kept.
-    fn kept_beyond_graph(&self, g: &SectionGraph, fb: u64, redo: Option<&[bool]>) -> f64 {
+    fn kept_beyond_graph(
+        &self,
+        g: &SectionGraph,
+        fb: u64,
+        redo: Option<&[bool]>,
+        fp8_inputs: bool,
+    ) -> f64 {
         g.nodes
             .iter()
             .enumerate()
             .filter(|(i, n)| matches!(n.op, OpKind::Moe(_)) && !redo.is_some_and(|r| r[*i]))
             .map(|(i, n)| {
                 let weights = g.weight_flags(n);
-                let extra = |ins: &[Shape]| (n.op.saves(ins, &weights).extra_elems * fb) as f64;
+                // Its GEMM inputs as fp8 casts where the stack keeps those (`saved_bytes`).
+                let extra = |ins: &[Shape]| {
+                    let s = n.op.saves(ins, &weights);
+                    let cast = if fp8_inputs { fb.saturating_sub(1) } else { 0 };
+                    (s.extra_elems * fb - s.gemm_input_elems * cast) as f64
+                };
                 extra(&self.rank_inputs(&g.shapes[i], true)) - extra(&g.shapes[i])
             })
             .sum()
@@ -1872,15 +1885,24 @@ fn saved_bytes(
         }
     };
     let items = g.saved_items(fb, |_| true);
+    // Extra state, its GEMM inputs as fp8 casts where the stack keeps those.
+    let extra = |i: &parallax_ir::SavedItem| -> f64 {
+        let cast = if fp8_inputs {
+            i.gemm_input_elems * fb.saturating_sub(1)
+        } else {
+            0
+        };
+        i.bytes.saturating_sub(cast) as f64
+    };
     let Some(redo) = redo else {
         return items
             .iter()
             .map(|i| match i.tensor {
                 Some(t) => scale(t),
                 None if sp && outside_tp(g, &g.nodes[i.node.0 as usize], hidden) => {
-                    i.bytes as f64 / f64::from(tp)
+                    extra(i) / f64::from(tp)
                 }
-                None => i.bytes as f64,
+                None => extra(i),
             })
             .sum();
     };
@@ -1941,8 +1963,8 @@ fn saved_bytes(
                 }
             }
             None if redo[item.node.0 as usize] => {}
-            None if sp && outside_tp(g, node, hidden) => total += item.bytes as f64 / f64::from(tp),
-            None => total += item.bytes as f64,
+            None if sp && outside_tp(g, node, hidden) => total += extra(item) / f64::from(tp),
+            None => total += extra(item),
         }
     }
     total
@@ -2063,6 +2085,29 @@ mod tests {
         assert_eq!(kept(Precision::Fp8, true, Fp8Recipe::Delayed), te);
         assert_eq!(kept(Precision::Fp8, true, Fp8Recipe::Rowwise), hp);
         assert_eq!(kept(Precision::Bf16, true, Fp8Recipe::Tensorwise), hp);
+
+        // A Mixtral layer on one GPU: the experts' grouped GEMMs keep each routed token
+        // copy (h) and its activation output (f) as casts, s·k·(h + f) bytes fewer; its
+        // attention trades the QKV input (−s·h) for the projection's cast (+s·h).
+        let m = cfg("mixtral-8x7b");
+        let moe_kept = |te_linears| {
+            let s = Setup {
+                precision: Precision::Fp8,
+                ..setup(
+                    &m,
+                    &p,
+                    1,
+                    Runtime {
+                        te_linears,
+                        ..Runtime::default()
+                    },
+                )
+            };
+            let c = transformer_costs(&s, &layout(1, false, Recompute::None)).unwrap();
+            c.layer().saved.0 as f64
+        };
+        let (k, h, f) = (2.0, 4096.0, 14336.0);
+        assert_eq!(moe_kept(false) - moe_kept(true), sq * k * (h + f));
     }
 
     #[test]

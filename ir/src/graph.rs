@@ -272,6 +272,7 @@ impl Graph {
                         node,
                         tensor: Some(r),
                         bytes: self.tensor_bytes(t, float_bytes),
+                        gemm_input_elems: 0,
                     });
                 }
             }
@@ -281,6 +282,7 @@ impl Graph {
                     node,
                     tensor: None,
                     bytes: extra,
+                    gemm_input_elems: s.gemm_input_elems,
                 });
             }
         }
@@ -456,6 +458,9 @@ pub struct SavedItem {
     /// The tensor, or `None` for extra state (statistics, masks, probabilities).
     pub tensor: Option<TensorId>,
     pub bytes: u64,
+    /// Of extra state, the elements kept only as inputs of the op's own GEMMs
+    /// ([`crate::op::Saved::gemm_input_elems`]).
+    pub gemm_input_elems: u64,
 }
 
 /// Builds a graph op by op, inferring shapes and creating weight tensors.

@@ -347,6 +347,10 @@ pub struct Saved {
     pub extra_elems: u64,
     /// Extra bytes of fixed size (dropout masks, fp32 statistics, routing indices).
     pub extra_bytes: u64,
+    /// Of `extra_elems`, those kept only as inputs of the op's own GEMMs (the experts'
+    /// dispatched token copies and their activation outputs): a stack whose GEMMs keep their
+    /// inputs as fp8 casts (Transformer Engine's fp8 layers) keeps these at one byte.
+    pub gemm_input_elems: u64,
 }
 
 /// A shape rule violation.
@@ -1487,6 +1491,9 @@ impl OpKind {
                 Saved {
                     inputs: data(&[0]),
                     extra_elems: visits * per_visit,
+                    // The token copy the first GEMM reads and the activation output the
+                    // second reads; the first GEMM's output is the activation's input.
+                    gemm_input_elems: visits * (ins[0].last() + ins[2].last()),
                     // Routing: expert index (8 B) and gate weight (4 B) per visit.
                     extra_bytes: t * a.top_k * 12,
                     ..Saved::default()
