@@ -698,13 +698,32 @@ pub fn search_with_progress(
     if let Ok(h) = search_offloads(setup, &half, progress) {
         // Ids follow on from the first search's enumeration.
         let offset = r.counts.candidates;
-        r.counts.merge(&h.counts);
-        r.top.extend(h.top.into_iter().map(|e| Evaluated {
+        let renumber = |e: Evaluated| Evaluated {
             id: e.id + offset,
             ..e
-        }));
+        };
+        r.counts.merge(&h.counts);
+        r.top.extend(h.top.into_iter().map(renumber));
         r.top.sort_by(rank);
         r.top.truncate(opts.top_k.max(1));
+        // Each family's best over both searches (the same families, in the same order).
+        for (f, g) in r.families.iter_mut().zip(h.families) {
+            f.candidates += g.candidates;
+            match (&f.best, g.best) {
+                (Some(a), Some(b)) if !better(&b, a) => {}
+                (_, Some(b)) => {
+                    f.best = Some(renumber(b));
+                    (f.smallest_need_gib, f.smallest_layout) = (None, None);
+                }
+                (Some(_), None) => {}
+                (None, None) => {
+                    if g.smallest_need_gib < f.smallest_need_gib || f.smallest_need_gib.is_none() {
+                        (f.smallest_need_gib, f.smallest_layout) =
+                            (g.smallest_need_gib, g.smallest_layout);
+                    }
+                }
+            }
+        }
     }
     Ok(r)
 }
@@ -2105,6 +2124,13 @@ mod tests {
             .windows(2)
             .all(|w| w[0].prediction.step_time_s <= w[1].prediction.step_time_s));
         assert!(with.counts.candidates > without.counts.candidates);
+        // The families "why it wins" compares take both searches' layouts: the family of
+        // the best plan has it as its best.
+        let best = &with.best().layout;
+        for f in with.families.iter().filter(|f| f.family.contains(best)) {
+            let fb = f.best.as_ref().expect("the best plan's family has a best");
+            assert_eq!(&fb.layout, best, "{:?}", f.family);
+        }
     }
 
     /// NVMe comes after host memory, and only where the profile describes the drives: Llama-3
