@@ -1284,6 +1284,12 @@ pub fn transformer_costs_with(
                 let (time, flops) = block_prices.recompute(Some(&redo));
                 layer.recompute = time;
                 layer.hardware_flops += flops;
+                // torchtitan's op-level policy saves the reduce-scatters' outputs but not the
+                // all-gathers' (its `_save_list`), whose outputs the matmuls' weight gradients
+                // read: backward gathers each region's input again, exposed.
+                if policy == SelectivePolicy::CheapOpsAndAlternateMatmuls && sp && l.tp > 1 {
+                    layer.tp_bwd += tp_gather * tp_regions;
+                }
                 // Recomputing the MoE layer runs its dispatch and combine again.
                 if matches!(policy, SelectivePolicy::Modules(m) if m.contains(RecomputeModules::MOE))
                 {
@@ -2049,6 +2055,35 @@ mod tests {
         assert!((0.15..0.17).contains(&work), "{work}");
         let time = masked.head.compute.total().0 / all.head.compute.total().0;
         assert!(time > work && time < 0.9, "{time}");
+    }
+
+    /// torchtitan's op-level selective checkpointing saves reduce-scatter outputs but not
+    /// all-gather outputs: under sequence parallelism its backward gathers each region's input
+    /// again (one all-gather of the two a region runs forward, which cost the same), where
+    /// the cheap-ops policy keeps the gathered input.
+    #[test]
+    fn op_level_checkpointing_gathers_again_in_backward() {
+        let m = cfg("llama3-8b");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let layer = |selective| {
+            let rt = Runtime {
+                tp_overlap: TpOverlap::None,
+                selective,
+                ..Runtime::default()
+            };
+            let s = setup(&m, &p, 8, rt);
+            *transformer_costs(&s, &layout(8, true, Recompute::Selective))
+                .unwrap()
+                .layer()
+        };
+        let cheap = layer(SelectivePolicy::CheapOps);
+        let op_sac = layer(SelectivePolicy::CheapOpsAndAlternateMatmuls);
+        assert_eq!(cheap.tp_bwd, cheap.tp_fwd);
+        let extra = op_sac.tp_bwd.0 - cheap.tp_bwd.0;
+        assert!(
+            (extra / (0.5 * cheap.tp_fwd.0) - 1.0).abs() < 1e-9,
+            "{extra}"
+        );
     }
 
     /// Transformer Engine's fp8 linear layers keep their inputs' fp8 casts: of a GPT block

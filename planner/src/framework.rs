@@ -443,8 +443,8 @@ const TORCHTITAN: &[Feature] = &[
         source: "torchtitan parallelism.enable_async_tensor_parallel; torch/_inductor/fx_passes/micro_pipeline_tp.py; PyTorch forum 'Introducing Async Tensor Parallelism in PyTorch' (2024)",
     },
     Feature {
-        what: "op-level selective activation checkpointing that saves alternate matmul outputs",
-        source: "torchtitan models/llama3/parallelize.py (_save_list, 'mm' every second)",
+        what: "op-level selective activation checkpointing that saves alternate matmul outputs and the reduce-scatters' outputs but not the all-gathers': under sequence parallelism backward gathers each region's input again",
+        source: "torchtitan models/llama3/parallelize.py, later distributed/activation_checkpoint.py (_save_list: mm every second, SDPA, reduce_scatter_tensor, max)",
     },
     Feature {
         what: "pipelined models keep FSDP parameters gathered across micro-batches (reshard_after_forward=False); GPipe, 1F1B and interleaved schedules, uneven split points",
