@@ -251,22 +251,25 @@ fn fp8_recipe_and_async_tp_reach_the_plan_and_its_export() {
 /// Megatron export: padding every expert to 1.5 even shares is slower than dropless routing.
 #[test]
 fn token_dropping_reaches_the_plan_and_its_export() {
+    const JOB: [&str; 8] = [
+        "--model",
+        "mixtral-8x7b",
+        "--cluster",
+        "dgx-h100-80gb:gpus=16",
+        "--global-batch",
+        "32",
+        "--seq",
+        "4096",
+    ];
     let run = |extra: &[&str]| {
-        let mut args = vec![
-            "--model",
-            "mixtral-8x7b",
-            "--cluster",
-            "dgx-h100-80gb:gpus=16",
-            "--global-batch",
-            "32",
-            "--seq",
-            "4096",
+        let mut args = JOB.to_vec();
+        args.extend([
             "--fix",
             "dp=2,tp=1,pp=1,ep=8,recompute=full",
             "--export",
             "megatron",
             "--json",
-        ];
+        ]);
         args.extend(extra);
         common::json_of(&plan(&args))
     };
@@ -298,22 +301,15 @@ fn token_dropping_reaches_the_plan_and_its_export() {
     let file = std::env::temp_dir().join(format!("parallax-padded-{}.json", std::process::id()));
     std::fs::write(&file, padded["plan"].to_string()).unwrap();
     let simulate = |extra: &[&str]| {
-        let mut args = vec![
-            "simulate",
-            "--model",
-            "mixtral-8x7b",
-            "--cluster",
-            "dgx-h100-80gb:gpus=16",
-            "--global-batch",
-            "32",
-            "--seq",
-            "4096",
+        let mut args = vec!["simulate"];
+        args.extend(JOB);
+        args.extend([
             "--plan",
             file.to_str().unwrap(),
             "--framework",
             "megatron-core@2025",
             "--json",
-        ];
+        ]);
         args.extend(extra);
         common::parallax(&args)
     };

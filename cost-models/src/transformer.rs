@@ -1859,14 +1859,8 @@ fn saved_bytes(
         Default::default();
     if fp8_inputs {
         for n in &g.nodes {
-            let saves = n.op.saves(&g.input_shapes(n), &g.weight_flags(n));
             let linear = matches!(n.op, OpKind::Linear(_));
-            let tensors = saves
-                .inputs
-                .iter()
-                .map(|&i| n.inputs[i])
-                .chain(saves.outputs.iter().map(|&i| n.outputs[i]));
-            for t in tensors {
+            for t in g.node_saves(n).1 {
                 let k = keepers.entry(roots[t.0 as usize]).or_default();
                 if linear {
                     k.0 = true;

@@ -3,7 +3,7 @@
 use crate::dtype::DType;
 use crate::op::{
     Activation, ActivationAttrs, AttentionAttrs, Conv2dAttrs, DropoutAttrs, EmbeddingAttrs,
-    LinearAttrs, OpKind, ShapeError, Work,
+    LinearAttrs, OpKind, Saved, ShapeError, Work,
 };
 use crate::shape::Shape;
 use crate::units::Bytes;
@@ -258,13 +258,7 @@ impl Graph {
         let mut items = Vec::new();
         for (i, n) in self.nodes.iter().enumerate().filter(|(_, n)| filter(n)) {
             let node = NodeId(i as u32);
-            let weights = self.weight_flags(n);
-            let s = n.op.saves(&self.input_shapes(n), &weights);
-            let tensors = s
-                .inputs
-                .iter()
-                .map(|&i| n.inputs[i])
-                .chain(s.outputs.iter().map(|&i| n.outputs[i]));
+            let (s, tensors) = self.node_saves(n);
             for t in tensors {
                 let r = root(t);
                 if kept.insert(r) {
@@ -287,6 +281,19 @@ impl Graph {
             }
         }
         items
+    }
+
+    /// What `n` keeps for backward: its op's [`Saved`] and the tensors that names (inputs and
+    /// outputs; views not resolved to the tensors they alias).
+    pub fn node_saves(&self, n: &Node) -> (Saved, Vec<TensorId>) {
+        let s = n.op.saves(&self.input_shapes(n), &self.weight_flags(n));
+        let tensors = s
+            .inputs
+            .iter()
+            .map(|&i| n.inputs[i])
+            .chain(s.outputs.iter().map(|&i| n.outputs[i]))
+            .collect();
+        (s, tensors)
     }
 
     /// For every tensor, the tensor whose storage it is: a view (reshape, flatten, …) aliases
