@@ -6,7 +6,7 @@ use crate::user;
 use clap::Args as ClapArgs;
 use parallax_cost::{step_time_band, Setup};
 use parallax_ir::{Layout, PartialLayout, GIB};
-use parallax_planner::report::{part_name, plan_job_differences};
+use parallax_planner::report::{one_line, part_name, plan_job_differences};
 use parallax_planner::{complete_or_smallest, layout_string, Framework};
 use parallax_sim::{simulate_step, SimulatedStep};
 use std::path::PathBuf;
@@ -137,7 +137,7 @@ fn resolve_layout(
         if plan.model.name != model {
             return Err(user(format!(
                 "--plan {spec}: made for model {}, not {model}",
-                plan.model.name
+                one_line(&plan.model.name)
             )));
         }
         for note in plan_job_differences(&plan, setup, framework) {

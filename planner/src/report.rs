@@ -107,11 +107,23 @@ pub fn plan_job_differences(plan: &Plan, setup: &Setup, framework: &str) -> Vec<
     {
         if stack != framework {
             notes.push(format!(
-                "was predicted on {stack}; simulating on {framework} (--framework)"
+                "was predicted on {}; simulating on {framework} (--framework)",
+                one_line(stack)
             ));
         }
     }
     notes
+}
+
+/// Text a file gave, safe to print inside one line: control characters escaped, at most 80
+/// characters kept.
+pub fn one_line(text: &str) -> String {
+    const KEPT: usize = 80;
+    let mut s: String = text.escape_debug().take(KEPT).collect();
+    if text.escape_debug().nth(KEPT).is_some() {
+        s.push('…');
+    }
+    s
 }
 
 pub fn plan_document(input: &ReportInput, e: &Evaluated) -> Plan {
@@ -808,6 +820,8 @@ mod tests {
         now.precision = Precision::Fp8;
         now.runtime.tp_overlap = TpOverlap::MicroPipelined;
         let notes = plan_job_differences(&plan, &now, "torchtitan");
+        assert_eq!(one_line("a\nb"), "a\\nb");
+        assert_eq!(one_line(&"x".repeat(100)).chars().count(), 81);
         assert_eq!(
             notes,
             [
