@@ -29,7 +29,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     "recompute_modules": fw.space.recompute_modules,
                     "uneven_stages": fw.space.uneven_stages,
                     "sequence_parallel": fw.space.sequence_parallel,
-                    "context_parallel": fw.space.context_parallel && fw.space.model_parallel,
+                    "context_parallel": fw.space.offers_context_parallel(),
                     "fp8_recipes": fw.space.fp8_recipes,
                     "async_tp": fw.space.async_tp,
                     "features": s.features.iter().map(|f| json!({"what": f.what, "source": f.source})).collect::<Vec<_>>(),

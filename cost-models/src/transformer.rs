@@ -1726,8 +1726,7 @@ impl ExpertRanks {
                 // Its GEMM inputs as fp8 casts where the stack keeps those (`saved_bytes`).
                 let extra = |ins: &[Shape]| {
                     let s = n.op.saves(ins, &weights);
-                    let cast = if fp8_inputs { fb.saturating_sub(1) } else { 0 };
-                    (s.extra_elems * fb - s.gemm_input_elems * cast) as f64
+                    (s.extra_elems * fb - fp8_saving(s.gemm_input_elems, fb, fp8_inputs)) as f64
                 };
                 extra(&self.rank_inputs(&g.shapes[i], true)) - extra(&g.shapes[i])
             })
@@ -1750,6 +1749,16 @@ impl ExpertRanks {
                 _ => Shape::new([local, self.hidden, width]),
             })
             .collect()
+    }
+}
+
+/// Bytes saved by keeping `gemm_input_elems` elements a GEMM alone reads as one-byte fp8
+/// casts instead of `fb`-byte ones, where the stack does ([`Runtime::te_linears`]).
+fn fp8_saving(gemm_input_elems: u64, fb: u64, fp8_inputs: bool) -> u64 {
+    if fp8_inputs {
+        gemm_input_elems * fb.saturating_sub(1)
+    } else {
+        0
     }
 }
 
@@ -1853,11 +1862,11 @@ fn saved_bytes(
     redo: Option<&[bool]>,
     fp8_inputs: bool,
 ) -> f64 {
-    // Per kept root tensor: bytes an element (floating tensors only; the fp8 rule).
-    let roots = g.view_roots();
+    // Per kept root tensor: whether a linear layer keeps it, and whether another op does.
     let mut keepers: std::collections::HashMap<parallax_ir::TensorId, (bool, bool)> =
         Default::default();
     if fp8_inputs {
+        let roots = g.view_roots();
         for n in &g.nodes {
             let linear = matches!(n.op, OpKind::Linear(_));
             for t in g.node_saves(n).1 {
@@ -1886,13 +1895,9 @@ fn saved_bytes(
     };
     let items = g.saved_items(fb, |_| true);
     // Extra state, its GEMM inputs as fp8 casts where the stack keeps those.
-    let extra = |i: &parallax_ir::SavedItem| -> f64 {
-        let cast = if fp8_inputs {
-            i.gemm_input_elems * fb.saturating_sub(1)
-        } else {
-            0
-        };
-        i.bytes.saturating_sub(cast) as f64
+    let extra = |i: &parallax_ir::SavedItem| {
+        i.bytes
+            .saturating_sub(fp8_saving(i.gemm_input_elems, fb, fp8_inputs)) as f64
     };
     let Some(redo) = redo else {
         return items

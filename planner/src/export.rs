@@ -1639,20 +1639,14 @@ mod tests {
             }),
             ..m.clone()
         };
-        let c = export(
-            Engine::Megatron,
-            &plan(l.clone(), Precision::Bf16),
-            &dropping(1250, false),
-        )
-        .unwrap();
+        let args = |capacity_permille, pad_to_capacity| {
+            let m = dropping(capacity_permille, pad_to_capacity);
+            export(Engine::Megatron, &plan(l.clone(), Precision::Bf16), &m).unwrap()
+        };
+        let c = args(1250, false);
         assert_eq!(arg(&c, "--moe-expert-capacity-factor"), Some("1.25"));
         assert_eq!(arg(&c, "--moe-pad-expert-input-to-capacity"), None);
-        let c = export(
-            Engine::Megatron,
-            &plan(l.clone(), Precision::Bf16),
-            &dropping(1000, true),
-        )
-        .unwrap();
+        let c = args(1000, true);
         assert_eq!(arg(&c, "--moe-expert-capacity-factor"), Some("1"));
         assert_eq!(arg(&c, "--moe-pad-expert-input-to-capacity"), Some(""));
         // The overlapped dispatch: the combined 1F1B with weight gradients deferred; only

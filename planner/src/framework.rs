@@ -1179,7 +1179,7 @@ pub fn table_text() -> String {
             yes(r.overlap_p2p),
             if r.grad_reduce_fp32 { "fp32" } else { "16-bit" },
             yes(p.space.sequence_parallel),
-            yes(p.space.context_parallel && p.space.model_parallel),
+            yes(p.space.offers_context_parallel()),
             match p.space.fp8_recipes.as_slice() {
                 [] => "none".to_string(),
                 o => o

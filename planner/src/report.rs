@@ -38,7 +38,6 @@ pub struct ReportInput<'a> {
     pub framework: &'a str,
 }
 
-/// The Plan document of one evaluated layout, with its prediction and band.
 /// The training settings of `s` as a plan document records them.
 pub fn training_of(s: &Setup) -> Training {
     Training {
@@ -126,6 +125,7 @@ pub fn one_line(text: &str) -> String {
     s
 }
 
+/// The Plan document of one evaluated layout, with its prediction and band.
 pub fn plan_document(input: &ReportInput, e: &Evaluated) -> Plan {
     let s = input.setup;
     let p = &e.prediction;

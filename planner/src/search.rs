@@ -147,6 +147,12 @@ pub struct PipelineDefaults {
 }
 
 impl Space {
+    /// Whether the stack offers context parallelism: model parallelism, and ring attention
+    /// among it ([`Space::context_parallel`]).
+    pub fn offers_context_parallel(&self) -> bool {
+        self.context_parallel && self.model_parallel
+    }
+
     /// Whether the stack can run recompute policy `r`.
     pub fn allows_recompute(&self, r: Recompute) -> bool {
         match r {
@@ -443,6 +449,33 @@ pub struct FamilyResult {
     pub candidates: u64,
 }
 
+impl FamilyResult {
+    /// This family over two searches, `other`'s layouts renumbered by `renumber`: the faster
+    /// best, or where neither fits the smaller need.
+    fn merge(&mut self, other: FamilyResult, renumber: impl Fn(Evaluated) -> Evaluated) {
+        self.candidates += other.candidates;
+        match (&self.best, other.best) {
+            (Some(a), Some(b)) if !better(&b, a) => {}
+            (_, Some(b)) => {
+                self.best = Some(renumber(b));
+                (self.smallest_need_gib, self.smallest_layout) = (None, None);
+            }
+            (Some(_), None) => {}
+            (None, None) => {
+                // Options order `None` first: compare only needs that exist.
+                let smaller = match (other.smallest_need_gib, self.smallest_need_gib) {
+                    (Some(b), Some(a)) => b < a,
+                    (b, a) => b.is_some() && a.is_none(),
+                };
+                if smaller {
+                    (self.smallest_need_gib, self.smallest_layout) =
+                        (other.smallest_need_gib, other.smallest_layout);
+                }
+            }
+        }
+    }
+}
+
 /// How many candidates the search saw and what became of them.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Counts {
@@ -708,21 +741,7 @@ pub fn search_with_progress(
         r.top.truncate(opts.top_k.max(1));
         // Each family's best over both searches (the same families, in the same order).
         for (f, g) in r.families.iter_mut().zip(h.families) {
-            f.candidates += g.candidates;
-            match (&f.best, g.best) {
-                (Some(a), Some(b)) if !better(&b, a) => {}
-                (_, Some(b)) => {
-                    f.best = Some(renumber(b));
-                    (f.smallest_need_gib, f.smallest_layout) = (None, None);
-                }
-                (Some(_), None) => {}
-                (None, None) => {
-                    if g.smallest_need_gib < f.smallest_need_gib || f.smallest_need_gib.is_none() {
-                        (f.smallest_need_gib, f.smallest_layout) =
-                            (g.smallest_need_gib, g.smallest_layout);
-                    }
-                }
-            }
+            f.merge(g, renumber);
         }
     }
     Ok(r)
@@ -2091,6 +2110,30 @@ mod tests {
             ..old_stack
         };
         assert!(search(&s, &forced_old).is_ok());
+    }
+
+    /// Two searches' results for one family: where neither fits, the smaller existing need
+    /// wins and a family without one never erases another's.
+    #[test]
+    fn family_results_merge_to_the_smaller_need() {
+        let none = |need: Option<f64>| FamilyResult {
+            family: Family::NoPipeline,
+            best: None,
+            smallest_need_gib: need,
+            smallest_layout: need.map(|_| Layout::default()),
+            candidates: 3,
+        };
+        let same = |e: Evaluated| e;
+        let mut f = none(Some(90.0));
+        f.merge(none(None), same);
+        assert_eq!((f.smallest_need_gib, f.candidates), (Some(90.0), 6));
+        f.merge(none(Some(85.0)), same);
+        assert_eq!(f.smallest_need_gib, Some(85.0));
+        f.merge(none(Some(95.0)), same);
+        assert_eq!(f.smallest_need_gib, Some(85.0));
+        let mut g = none(None);
+        g.merge(none(Some(95.0)), same);
+        assert_eq!(g.smallest_need_gib, Some(95.0));
     }
 
     /// Half the layers recomputed is tried where the best plan recomputes all of them: Llama-3

@@ -102,12 +102,8 @@ pub struct MoeConfig {
     /// Under a capacity, every expert's input is padded to it, so each computes and receives
     /// exactly `capacity` rows, however many were routed to it (Megatron's
     /// `--moe-pad-expert-input-to-capacity`; DeepSpeed-MoE and GShard's fixed-shape dispatch).
-    #[serde(default, skip_serializing_if = "is_false")]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pad_to_capacity: bool,
-}
-
-fn is_false(b: &bool) -> bool {
-    !*b
 }
 
 fn yes() -> bool {
