@@ -117,19 +117,24 @@ fn held_out(file: &str, n: u64, mape: f64, max_ape: f64) -> serde_json::Value {
 
 #[test]
 fn validate_scores_the_held_out_runs() {
-    // NeMo 24.07 and torchtitan 70B/405B 2D–4D (7.4 %; 8.8 % before torchtitan 2024's
-    // micro-batch default, one per pipeline rank, completed its 405B 3D runs). The largest
-    // miss is NeMo's Nemotron 340B, predicted slow (29 %): the case publishes no recomputation
-    // and the completion recomputes every layer, because without it the first stage's
-    // modelled memory does not fit (NeMo's recipe recomputes nothing; 3.19 s predicted then).
-    let d = held_out("held-out.json", 17, 0.09, 0.30);
+    // NeMo 24.07 and torchtitan 70B/405B 2D–4D (5.9 %; 7.4 % before nemo@24.07 kept its
+    // launcher recipes' bf16 gradients, 8.8 % before torchtitan 2024's micro-batch default,
+    // one per pipeline rank, completed its 405B 3D runs). NeMo's Nemotron 340B publishes no
+    // recomputation: with fp32 gradient buffers its first stage did not fit without recomputing
+    // every layer (predicted +29 %); with the recipe's bf16 buffers no layer is recomputed
+    // (selective, free under fused attention: HFU = MFU), as the recipe runs it (within 3 %).
+    let d = held_out("held-out.json", 17, 0.07, 0.20);
     for c in d["cases"].as_array().unwrap() {
-        if c["id"]
-            .as_str()
-            .unwrap()
-            .starts_with("titan-405B-512gpu-3D")
-        {
+        let id = c["id"].as_str().unwrap();
+        if id.starts_with("titan-405B-512gpu-3D") {
             assert!(c["layout"].as_str().unwrap().contains("mb=4"), "{c}");
+        }
+        if id.starts_with("nemo2407-nemotron-340b") {
+            assert!(
+                !c["layout"].as_str().unwrap().contains("recompute=full"),
+                "{c}"
+            );
+            assert!(c["ape"].as_f64().unwrap() <= 0.03, "{c}");
         }
     }
     // Megatron-Core r0.8.0's GPT 1.7B–462B on 48–6,144 H100s (README table, July 2024): the

@@ -309,6 +309,17 @@ const MEGATRON_CORE_2024: &[Feature] = &[
     TE_FP8_SAVED,
 ];
 
+const NEMO_2407: &[Feature] = &[
+    Feature {
+        what: "everything of megatron-core@2024 (NeMo 24.07 trains on Megatron-Core with Transformer Engine)",
+        source: "NeMo 24.07 release notes; NeMo-Framework-Launcher conf/training (mcore_gpt: true, transformer_engine: true)",
+    },
+    Feature {
+        what: "gradients accumulated and reduced in bf16 (`grad_sync_dtype: bf16`): a 2-byte gradient buffer and half the data-parallel reduce-scatter volume of Megatron-Core's fp32 default",
+        source: "NeMo-Framework-Launcher H100 performance scripts, examples/training/gpt/h100/{5b,175b}_fp8_*.sh and llama/h100/llama3_{8b,70b}_fp8.sh (+training.model.optim.grad_sync_dtype=bf16), conf/training/nemotron/nemotron_340b.yaml (grad_sync_dtype: bf16); NeMo megatron_gpt_model.py, setup_mcore_distributed_parallel (grad_reduce_in_fp32 = grad_sync_dtype == 'fp32', fp32 where unset)",
+    },
+];
+
 const MEGATRON_CORE_2025: &[Feature] = &[
     Feature {
         what: "fp8 with per-tensor current scaling (Megatron-Bridge's fp8_cs recipes on Hopper): amax and cast passes of their own for every fp8 GEMM operand",
@@ -625,6 +636,19 @@ fn megatron_core_2024() -> Parts {
     }
 }
 
+/// NeMo 24.07 as its launcher's performance recipes run it: Megatron-Core 2024 with gradients
+/// kept and reduced in bf16.
+fn nemo_2407() -> Parts {
+    let Parts { runtime, space } = megatron_core_2024();
+    Parts {
+        runtime: Runtime {
+            grad_reduce_fp32: false,
+            ..runtime
+        },
+        space,
+    }
+}
+
 /// A row that is an engine's current release: what `--export` to it plans with.
 fn engine(e: Engine) -> Parts {
     Parts {
@@ -847,15 +871,23 @@ pub const STACKS: &[Stack] = &[
     },
     Stack {
         name: "megatron-core@2024",
-        covers: "megatron-core@2024, @0.4–0.10, megatron-lm@2024, nemo@24.xx",
-        names: &["megatron-core", "megatron-lm", "nemo"],
+        covers: "megatron-core@2024, @0.4–0.10, megatron-lm@2024",
+        names: &["megatron-core", "megatron-lm"],
         features: MEGATRON_CORE_2024,
         matches: |n, v| match n {
             "megatron-core" => v.year_in(2024, 2024) || v.semver_in((0, 4), (0, 10)),
-            "megatron-lm" | "nemo" => v.year_in(2024, 2024),
+            "megatron-lm" => v.year_in(2024, 2024),
             _ => false,
         },
         build: megatron_core_2024,
+    },
+    Stack {
+        name: "nemo@24.07",
+        covers: "nemo@24.xx (the NeMo Framework Launcher's recipes)",
+        names: &["nemo"],
+        features: NEMO_2407,
+        matches: |n, v| n == "nemo" && v.year_in(2024, 2024),
+        build: nemo_2407,
     },
     Stack {
         name: "megatron-core@2025",
@@ -1330,7 +1362,19 @@ mod tests {
         assert!(ms.runtime.tp_overlap == TpOverlap::Userbuffers && ms.runtime.overlap_grad_reduce);
         assert_ne!(ms.runtime, m23.runtime);
         let core = fw("nemo@24.07");
-        assert_eq!(core.name, "nemo@24.07 (as megatron-core@2024)");
+        assert_eq!(core.name, "nemo@24.07");
+        // NeMo's launcher recipes keep and reduce gradients in bf16; Megatron-Core's own
+        // default is fp32; otherwise the two runtimes are one.
+        let mc24 = fw("megatron-core@2024");
+        assert!(mc24.runtime.grad_reduce_fp32 && !core.runtime.grad_reduce_fp32);
+        assert_eq!(
+            Runtime {
+                grad_reduce_fp32: true,
+                ..core.runtime
+            },
+            mc24.runtime
+        );
+        assert_eq!(fw("nemo@24.03").name, "nemo@24.03 (as nemo@24.07)");
         assert!(
             core.runtime.tp_overlap == TpOverlap::Userbuffers
                 && !core.space.zero_stages.contains(&3)
