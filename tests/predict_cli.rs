@@ -117,13 +117,14 @@ fn held_out(file: &str, n: u64, mape: f64, max_ape: f64) -> serde_json::Value {
 
 #[test]
 fn validate_scores_the_held_out_runs() {
-    // NeMo 24.07 and torchtitan 70B/405B 2D–4D (5.9 %; 7.4 % before nemo@24.07 kept its
-    // launcher recipes' bf16 gradients, 8.8 % before torchtitan 2024's micro-batch default,
-    // one per pipeline rank, completed its 405B 3D runs). NeMo's Nemotron 340B publishes no
+    // NeMo 24.07, torchtitan 70B/405B 2D–4D and its 8B FSDP runs compiled (3.4 %; 5.9 %
+    // before torchtitan's eager bf16 module code was priced and its chip refitted, 7.4 %
+    // before nemo@24.07 kept its launcher recipes' bf16 gradients, 8.8 % before torchtitan
+    // 2024's micro-batch default, one per pipeline rank, completed its 405B 3D runs). NeMo's Nemotron 340B publishes no
     // recomputation: with fp32 gradient buffers its first stage did not fit without recomputing
     // every layer (predicted +29 %); with the recipe's bf16 buffers no layer is recomputed
     // (selective, free under fused attention: HFU = MFU), as the recipe runs it (within 3 %).
-    let d = held_out("held-out.json", 17, 0.07, 0.20);
+    let d = held_out("held-out.json", 21, 0.05, 0.15);
     for c in d["cases"].as_array().unwrap() {
         let id = c["id"].as_str().unwrap();
         if id.starts_with("titan-405B-512gpu-3D") {
@@ -135,6 +136,12 @@ fn validate_scores_the_held_out_runs() {
                 "{c}"
             );
             assert!(c["ape"].as_f64().unwrap() <= 0.03, "{c}");
+        }
+        // torchtitan's Table 1 and 3 rows with torch.compile (with and without float8), whose
+        // eager rows are public.json's: within 4 % each (an eager stack priced as compiled had
+        // the float8 rows 10–12 % slow).
+        if id.starts_with("titan-8B-") {
+            assert!(c["ape"].as_f64().unwrap() <= 0.04, "{c}");
         }
     }
     // Megatron-Core r0.8.0's GPT 1.7B–462B on 48–6,144 H100s (README table, July 2024): the
@@ -275,7 +282,7 @@ fn validate_scores_several_files_each_on_its_own() {
     let files = d["files"].as_array().unwrap();
     assert_eq!(files.len(), 2);
     assert_eq!(files[0]["file"], held_out);
-    assert_eq!(files[0]["summary"]["n"], 17);
+    assert_eq!(files[0]["summary"]["n"], 21);
     assert!(files[1]["summary"]["n"].as_u64().unwrap() > 0);
     let d = run(&["validate", held_out, moe, "--group", "moe", "--json"]);
     assert_eq!(d["file"], moe, "only the MoE file has group moe");

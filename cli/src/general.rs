@@ -437,6 +437,7 @@ fn plan_document(
             precision: job.precision,
             fp8_recipe: None,
             async_tp: false,
+            compile: false,
             capacity_permille: 0,
             pad_to_capacity: false,
         },

@@ -44,6 +44,11 @@ pub struct JobArgs {
     /// asynchronous TP: torchtitan's `enable_async_tensor_parallel`).
     #[arg(long)]
     pub async_tp: bool,
+    /// Run the model's module code under `torch.compile` (torchtitan's `--training.compile`)
+    /// on a stack whose code is otherwise eager (torchtitan, FSDP, the HuggingFace Trainer).
+    /// fp8 and asynchronous-TP runs there are compiled without it.
+    #[arg(long)]
+    pub compile: bool,
     /// Mixture-of-experts models: drop the routed token copies beyond this factor times each
     /// expert's even share (Megatron-Core's `--moe-expert-capacity-factor`, DeepSpeed-MoE's
     /// `capacity_factor`). Default: dropless, as the model loads.
@@ -123,9 +128,9 @@ impl JobArgs {
                 self.precision
             )));
         }
-        let framework = self.with_options(framework, fp8_recipe)?;
         Ok(match loaded.transformer().cloned() {
             Some(mut model) => {
+                let framework = self.with_options(framework, fp8_recipe)?;
                 self.apply_capacity(&mut model)?;
                 Loaded::Transformer(Job {
                     name: loaded.name,
@@ -141,12 +146,15 @@ impl JobArgs {
             None if self.framework.is_some()
                 || self.fp8_recipe.is_some()
                 || self.async_tp
+                || self.compile
                 || self.capacity_flag().is_some() =>
             {
                 let flag = if self.framework.is_some() {
                     "--framework"
                 } else if self.async_tp {
                     "--async-tp"
+                } else if self.compile {
+                    "--compile"
                 } else {
                     self.capacity_flag().unwrap_or("--fp8-recipe")
                 };
@@ -209,14 +217,15 @@ impl JobArgs {
         m.validate().map_err(|e| user(format!("{flag}: {e}")))
     }
 
-    /// `fw` with the fp8 recipe (`--fp8-recipe`, read by [`JobArgs::load`]) and `--async-tp`
-    /// chosen, where it offers them.
+    /// `fw` with the fp8 recipe (`--fp8-recipe`, read by [`JobArgs::load`]), `--async-tp`
+    /// and `--compile` chosen, where it offers them.
     pub fn with_options(
         &self,
         fw: Framework,
         fp8_recipe: Option<Fp8Recipe>,
     ) -> anyhow::Result<Framework> {
         fw.with_options(fp8_recipe, self.async_tp)
+            .and_then(|fw| fw.with_compile(self.compile))
             .map_err(|e| user(e.to_string()))
     }
 }

@@ -829,6 +829,10 @@ pub struct Training {
     /// TP, torchtitan's `enable_async_tensor_parallel`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub async_tp: bool,
+    /// The module code compiled (`torch.compile`; `--compile`) on a stack whose code is
+    /// otherwise eager.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub compile: bool,
     /// A mixture's token dropping, as the plan was made with it
     /// ([`crate::models::MoeConfig::capacity_permille`]; absent: dropless).
     #[serde(default, skip_serializing_if = "crate::models::transformer::is_zero")]
@@ -1110,6 +1114,7 @@ mod tests {
                 precision: Precision::Bf16,
                 fp8_recipe: None,
                 async_tp: false,
+                compile: false,
                 capacity_permille: 0,
                 pad_to_capacity: false,
             },

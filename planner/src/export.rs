@@ -53,13 +53,19 @@ impl Engine {
     /// How the engine behaves beyond the layout, for predicting the plans it will run:
     /// torchtitan is plain FSDP2 + SDPA (no userbuffer overlap of TP collectives; op-level
     /// selective checkpointing that saves only every second matmul output; pipelined models
-    /// kept gathered across micro-batches); the others run the current default stack.
+    /// kept gathered across micro-batches; its Llama module code eager unless compiled, which
+    /// its float8 runs are); the others run the current default stack.
     pub fn runtime(self) -> Runtime {
         match self {
             Engine::Torchtitan => Runtime {
                 tp_overlap: TpOverlap::None,
                 selective: SelectivePolicy::CheapOpsAndAlternateMatmuls,
                 zero3_gathered_under_pp: true,
+                // `training.compile = false` by default (config_manager.py and
+                // train_configs/llama3_8b.toml at 9dec370, `compile.enable` later); float8
+                // "requires `--training.compile` for competitive performance" (docs/float8.md).
+                eager_kernels: true,
+                compiles_fp8: true,
                 ..Runtime::default()
             },
             // Megatron's vocab-parallel cross-entropy works in one fp32 buffer; Transformer
@@ -964,8 +970,9 @@ fn torchtitan(plan: &Plan, m: &TransformerConfig) -> String {
     doc.insert("parallelism".into(), p.into());
     doc.insert("training".into(), tr.into());
     doc.insert("activation_checkpoint".into(), ac.into());
-    if t.async_tp {
-        // Asynchronous TP is an inductor pass: torchtitan refuses it uncompiled.
+    if t.compile || t.async_tp || t.precision == Precision::Fp8 {
+        // The plan was priced compiled: asked for, or implied by asynchronous TP (an inductor
+        // pass: torchtitan refuses it uncompiled) or float8 (whose casts compile fuses).
         let mut c = toml::Table::new();
         c.insert("enable".into(), true.into());
         c.insert(
@@ -1034,6 +1041,7 @@ mod tests {
                 precision,
                 fp8_recipe: None,
                 async_tp: false,
+                compile: false,
                 capacity_permille: 0,
                 pad_to_capacity: false,
             },
@@ -1530,6 +1538,27 @@ mod tests {
         let f = &v["quantize"]["linear"]["float8"];
         assert_eq!(f["recipe_name"].as_str(), Some("rowwise"));
         assert_eq!(f["enable_fsdp_float8_all_gather"].as_bool(), Some(false));
+    }
+
+    /// A torchtitan export compiles the model where its plan was priced compiled: float8
+    /// (whose casts compile fuses), asynchronous TP, or `--compile`; a bf16 plan priced with
+    /// torchtitan's eager default stays uncompiled.
+    #[test]
+    fn torchtitan_exports_compile_where_the_plan_was_priced_compiled() {
+        let m = model("llama3-70b");
+        let compiled = |p: &Plan| {
+            let v: toml::Table = export(Engine::Torchtitan, p, &m).unwrap().parse().unwrap();
+            v.get("compile")
+                .and_then(|c| c["enable"].as_bool())
+                .unwrap_or(false)
+        };
+        let mut p = p_fp8();
+        assert!(compiled(&p), "float8");
+        p.training.precision = Precision::Bf16;
+        p.training.fp8_recipe = None;
+        assert!(!compiled(&p), "eager bf16");
+        p.training.compile = true;
+        assert!(compiled(&p), "--compile");
     }
 
     /// An FSDP llama3-70b plan in fp8.

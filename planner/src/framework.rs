@@ -442,6 +442,10 @@ const TORCHTITAN: &[Feature] = &[
         source: "torchtitan docs and Liang et al. 2024 (torchtitan), §3",
     },
     Feature {
+        what: "the Llama module code runs eagerly unless compiled (--compile: RMSNorm's fp32 chain, rotary embedding and SwiGLU as pointwise kernels otherwise); float8 and asynchronous-TP runs are compiled",
+        source: "torchtitan config_manager.py and train_configs/llama3_8b.toml at 9dec370 (training.compile = false); docs/float8.md (--training.compile \"required for competitive performance\"); benchmarks/llama3_h100_202412_torchtitan.md, Table 1 (FSDP 5,762 vs FSDP + torch.compile 6,667 TPS/GPU)",
+    },
+    Feature {
         what: "float8 linears with tensorwise dynamic (current) scaling: each input and output gradient reduced for its amax, then cast, in passes of their own; TP gathers in float8 (Float8ColwiseParallel)",
         source: "torchao float8 README (Float8LinearConfig, tensorwise recipe); torchtitan float8 docs, parallelize.py (enable_float8_tensorwise_tp)",
     },
@@ -501,6 +505,10 @@ const PYTORCH_FSDP: &[Feature] = &[
     Feature {
         what: "the model's module code runs eagerly (torch.compile is opt-in): RMSNorm with its fp32 upcast, rotary embedding and SwiGLU as chains of pointwise kernels",
         source: "PyTorch blog 2024-03 'Maximizing training throughput using PyTorch FSDP' (57 % MFU, eager) and its follow-up 'Maximizing training throughput using PyTorch FSDP and torch.compile' (compile: +10–23 % MFU); HF LlamaRMSNorm / apply_rotary_pos_emb",
+    },
+    Feature {
+        what: "--compile runs the module code under torch.compile; torchao's float8 layers are run compiled",
+        source: "torchtitan docs/float8.md (torchao float8: --training.compile \"required for competitive performance\")",
     },
 ];
 
@@ -730,8 +738,10 @@ fn pytorch_fsdp() -> Parts {
     Parts {
         runtime: Runtime {
             tp_overlap: TpOverlap::None,
-            // The model's own module code, uncompiled: `torch.compile` is opt-in.
+            // The model's own module code, uncompiled: `torch.compile` is opt-in; torchao's
+            // float8 layers are run compiled.
             eager_kernels: true,
+            compiles_fp8: true,
             ..Runtime::default()
         },
         // `CPUOffload(offload_params=True)` moves parameters, gradients and the optimizer step
@@ -1163,6 +1173,23 @@ impl Framework {
         Ok(self)
     }
 
+    /// The stack with its module code compiled (`--compile`) where the user asked for it: a
+    /// stack whose code is eager by default (torchtitan, FSDP, the HuggingFace Trainer) runs
+    /// it under `torch.compile`; one that runs fused kernels already refuses the flag.
+    pub fn with_compile(mut self, compile: bool) -> Result<Framework, FrameworkError> {
+        if compile {
+            if !self.runtime.eager_kernels {
+                return Err(FrameworkError::Option(format!(
+                    "--compile: {} runs fused kernels already (its module code is not eager PyTorch)",
+                    self.name
+                )));
+            }
+            self.runtime.compiled = true;
+            self.name = format!("{}, compiled", self.name);
+        }
+        Ok(self)
+    }
+
     /// The stack a published run names, or a current stack without framework-specific
     /// tricks (no TE TP-communication overlap; the 1F1B and interleaved schedules published
     /// runs use) where the table does not hold it, named so.
@@ -1194,7 +1221,12 @@ pub fn table_text() -> String {
         let _ = writeln!(out, "{}  —  {}", s.name, s.covers);
         let _ = writeln!(
             out,
-            "  fused attention {}, DP reduce overlapped {}, TP comm overlap {}, sends overlapped {}, grads reduced in {}, sequence parallel {}, context parallel {}, fp8 recipes {}",
+            "  module code {}, fused attention {}, DP reduce overlapped {}, TP comm overlap {}, sends overlapped {}, grads reduced in {}, sequence parallel {}, context parallel {}, fp8 recipes {}",
+            match (r.eager_kernels, r.compiles_fp8) {
+                (true, true) => "eager (--compile; fp8 compiled)",
+                (true, false) => "eager (--compile)",
+                _ => "fused",
+            },
             match (r.fused_attention, r.native_attention) {
                 (true, true) => "native (FlashAttention-3 class)",
                 (true, false) => "yes",
@@ -1286,6 +1318,7 @@ pub fn table_text() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use parallax_ir::Precision;
 
     #[test]
     fn every_row_has_sourced_features_and_answers_to_its_own_name() {
@@ -1402,6 +1435,19 @@ mod tests {
             fw("torchtitan@2024-12").runtime,
             Engine::Torchtitan.runtime()
         );
+        // torchtitan and FSDP run their module code eagerly (torch.compile is opt-in) but
+        // their torchao float8 layers compiled; `--compile` compiles the rest, and is refused
+        // where the code is fused already.
+        for s in ["torchtitan@2024-12", "pytorch-fsdp@2.2"] {
+            let r = fw(s).runtime;
+            assert!(
+                r.runs_eager(Precision::Bf16) && !r.runs_eager(Precision::Fp8),
+                "{s}"
+            );
+            let c = fw(s).with_compile(true).unwrap();
+            assert!(!c.runtime.runs_eager(Precision::Bf16), "{s}");
+        }
+        assert!(fw("megatron-core@2024").with_compile(true).is_err());
         // torchtitan of 2024 split a pipelined batch into one micro-batch per pipeline rank
         // where none was set; from April 2025 the default is micro-batches of one sequence.
         let titan24 = fw("torchtitan@2024-12");

@@ -46,6 +46,7 @@ pub fn training_of(s: &Setup) -> Training {
         precision: s.precision,
         fp8_recipe: (s.precision == Precision::Fp8).then_some(s.runtime.fp8_recipe),
         async_tp: s.runtime.tp_overlap == TpOverlap::MicroPipelined,
+        compile: s.runtime.compiled,
         capacity_permille: s.model.moe.map_or(0, |m| m.capacity_permille),
         pad_to_capacity: s.model.moe.is_some_and(|m| m.pad_to_capacity),
     }
@@ -81,6 +82,14 @@ pub fn plan_job_differences(plan: &Plan, setup: &Setup, framework: &str) -> Vec<
             "was made with {} tensor-parallel collectives; simulating {} ones (--async-tp)",
             tp(was.async_tp),
             tp(now.async_tp)
+        ));
+    }
+    if was.compile != now.compile {
+        let code = |on: bool| if on { "compiled" } else { "the stack's own" };
+        notes.push(format!(
+            "was made with {} module code; simulating {} (--compile)",
+            code(was.compile),
+            code(now.compile)
         ));
     }
     if (was.capacity_permille, was.pad_to_capacity) != (now.capacity_permille, now.pad_to_capacity)

@@ -426,6 +426,10 @@ pub struct CasePlan {
     /// field, absent from the shared schema: false).
     #[serde(default)]
     pub async_tp: Option<bool>,
+    /// The module code ran under `torch.compile` (parallax's own field, absent from the shared
+    /// schema: the stack's default, e.g. eager torchtitan unless fp8 or asynchronous TP).
+    #[serde(default)]
+    pub compile: Option<bool>,
 }
 
 /// What was measured.
@@ -957,6 +961,7 @@ impl TransformerCase {
                     fw.runtime.tp_overlap
                 },
                 balanced_routing: self.balanced_routing(),
+                compiled: fw.runtime.compiled || self.plan.compile == Some(true),
                 grad_reduce_fp32: fw.runtime.grad_reduce_fp32 && !self.bridge_performance_run(),
                 cross_entropy: if self.bridge_performance_run() {
                     CrossEntropy::TeFused
