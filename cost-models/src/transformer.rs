@@ -322,7 +322,10 @@ pub enum SelectivePolicy {
     #[default]
     CheapOps,
     /// The cheap ops and every second matrix multiply of a block (torchtitan's op-level
-    /// selective activation checkpointing, which saves only alternate `mm` outputs).
+    /// selective activation checkpointing, which saves only alternate `mm` outputs). PyTorch's
+    /// selective checkpointing replays the whole block in backward from its input, taking the
+    /// saved ops' outputs from its cache: the block keeps its input and those outputs, nothing
+    /// a recomputed op would have kept.
     CheapOpsAndAlternateMatmuls,
     /// The submodules Megatron-Core's `--recompute-modules` names: what a layout's
     /// [`Recompute::Modules`] redoes (a stack's own policy is one of the others).
@@ -899,8 +902,11 @@ impl SectionGraph {
         if let Some(&b) = lock(&self.saved).get(&key) {
             return b;
         }
-        let redo = selective.map(|p| self.redo(p));
-        let b = saved_bytes(&self.graph, fb, sp, tp, hidden, redo.as_deref(), fp8_inputs);
+        let redo = selective.map(|p| Recomputed {
+            nodes: self.redo(p),
+            replayed: p == SelectivePolicy::CheapOpsAndAlternateMatmuls,
+        });
+        let b = saved_bytes(&self.graph, fb, sp, tp, hidden, redo.as_ref(), fp8_inputs);
         lock(&self.saved).insert(key, b);
         b
     }
@@ -1880,13 +1886,24 @@ fn outside_tp(g: &Graph, n: &parallax_ir::Node, hidden: u64) -> bool {
 /// is kept as its one-byte fp8 cast; one another op also keeps is kept in 16 bits and as the
 /// cast beside it (the attention output: the fused attention's backward reads it, the output
 /// projection keeps its cast).
+/// What selective recomputation redoes of a section graph, and how.
+struct Recomputed {
+    /// The nodes redone in backward.
+    nodes: Arc<[bool]>,
+    /// The section is replayed from its inputs (PyTorch's selective checkpointing), the kept
+    /// nodes' outputs taken from a cache: it keeps its inputs and those outputs only.
+    /// Otherwise each recomputed op is redone from what it reads (Megatron's selective
+    /// recomputation of the attention core), which the section keeps.
+    replayed: bool,
+}
+
 fn saved_bytes(
     g: &Graph,
     fb: u64,
     sp: bool,
     tp: u32,
     hidden: u64,
-    redo: Option<&[bool]>,
+    recomputed: Option<&Recomputed>,
     fp8_inputs: bool,
 ) -> f64 {
     // Per kept root tensor: whether a linear layer keeps it, and whether another op does.
@@ -1926,7 +1943,11 @@ fn saved_bytes(
         i.bytes
             .saturating_sub(fp8_saving(i.gemm_input_elems, fb, fp8_inputs)) as f64
     };
-    let Some(redo) = redo else {
+    let Some(Recomputed {
+        nodes: redo,
+        replayed,
+    }) = recomputed
+    else {
         return items
             .iter()
             .map(|i| match i.tensor {
@@ -1964,6 +1985,38 @@ fn saved_bytes(
             *total += scale(r);
         }
     };
+    if *replayed {
+        // The section's inputs (what the replay starts from) and every kept op's outputs and
+        // extra state (the attention's log-sum-exp), whether or not backward reads them.
+        for n in &g.nodes {
+            for &u in &n.inputs {
+                let r = root(u);
+                if !producer.contains_key(&r) && g.tensor(r).role != parallax_ir::TensorRole::Weight
+                {
+                    keep(r, &mut total);
+                }
+            }
+        }
+        for (i, n) in g.nodes.iter().enumerate() {
+            if !redo[i] && !n.op.is_view() {
+                for &o in &n.outputs {
+                    keep(o, &mut total);
+                }
+            }
+        }
+        for item in items.iter().filter(|i| i.tensor.is_none()) {
+            let node = &g.nodes[item.node.0 as usize];
+            if redo[item.node.0 as usize] {
+                continue;
+            }
+            total += if sp && outside_tp(g, node, hidden) {
+                extra(item) / f64::from(tp)
+            } else {
+                extra(item)
+            };
+        }
+        return total;
+    }
     for item in &items {
         let node = &g.nodes[item.node.0 as usize];
         match item.tensor {
@@ -2109,6 +2162,35 @@ mod tests {
         assert!(
             (extra / (0.5 * cheap.tp_fwd.0) - 1.0).abs() < 1e-9,
             "{extra}"
+        );
+    }
+
+    /// torchtitan's op-level checkpointing is PyTorch's selective checkpointing: backward
+    /// replays the block from its input, taking the outputs of the ops it saves (every second
+    /// matmul, the attention) from a cache. A Llama 3 8B block at tp 1 keeps exactly its input,
+    /// `wq`'s, `wv`'s, `w1`'s and `w2`'s outputs and the attention's output and log-sum-exp:
+    /// not the norms' outputs a per-op recomputation of `wk` and `w3` would read.
+    #[test]
+    fn op_level_checkpointing_keeps_the_block_input_and_the_saved_outputs() {
+        let m = cfg("llama3-8b");
+        let p = preset("dgx-h100-80gb").unwrap();
+        let rt = Runtime {
+            selective: SelectivePolicy::CheapOpsAndAlternateMatmuls,
+            tp_overlap: TpOverlap::None,
+            ..Runtime::default()
+        };
+        let s = setup(&m, &p, 1, rt);
+        let saved = transformer_costs(&s, &layout(1, false, Recompute::Selective))
+            .unwrap()
+            .layer()
+            .saved
+            .0 as f64;
+        let tokens = 2048.0;
+        let (h, kv, f, heads) = (4096.0, 1024.0, 14336.0, 32.0);
+        let expected = tokens * (2.0 * (4.0 * h + kv + f) + 4.0 * heads);
+        assert!(
+            (saved / expected - 1.0).abs() < 1e-9,
+            "{saved} vs {expected}"
         );
     }
 
