@@ -1877,15 +1877,6 @@ fn outside_tp(g: &Graph, n: &parallax_ir::Node, hidden: u64) -> bool {
             .unwrap_or(false)
 }
 
-/// Bytes a section keeps from forward to backward. Under sequence parallelism, full-width
-/// tensors are split over the TP group. With `selective`, tensors produced by cheap ops are not
-/// kept; the inputs needed to recompute them (outputs of matmuls, attention or the section's
-/// input) are kept instead, and cheap ops' extra state is dropped, except dropout masks.
-///
-/// Where `fp8_inputs` ([`Runtime::te_linears`]), a tensor kept only as a linear layer's input
-/// is kept as its one-byte fp8 cast; one another op also keeps is kept in 16 bits and as the
-/// cast beside it (the attention output: the fused attention's backward reads it, the output
-/// projection keeps its cast).
 /// What selective recomputation redoes of a section graph, and how.
 struct Recomputed {
     /// The nodes redone in backward.
@@ -1897,6 +1888,16 @@ struct Recomputed {
     replayed: bool,
 }
 
+/// Bytes a section keeps from forward to backward. Under sequence parallelism, full-width
+/// tensors are split over the TP group. With `recomputed`, tensors produced by recomputed ops
+/// are not kept; the inputs needed to recompute them (outputs of matmuls, attention or the
+/// section's input) are kept instead, and recomputed ops' extra state is dropped, except
+/// dropout masks; a replayed section keeps its inputs and its kept ops' outputs.
+///
+/// Where `fp8_inputs` ([`Runtime::te_linears`]), a tensor kept only as a linear layer's input
+/// is kept as its one-byte fp8 cast; one another op also keeps is kept in 16 bits and as the
+/// cast beside it (the attention output: the fused attention's backward reads it, the output
+/// projection keeps its cast).
 fn saved_bytes(
     g: &Graph,
     fb: u64,

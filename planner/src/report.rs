@@ -828,6 +828,7 @@ mod tests {
         let mut now = Setup::new(&m, &c.profile, 64, 4096, 512);
         now.precision = Precision::Fp8;
         now.runtime.tp_overlap = TpOverlap::MicroPipelined;
+        now.runtime.compiled = true;
         let notes = plan_job_differences(&plan, &now, "torchtitan");
         assert_eq!(one_line("a\nb"), "a\\nb");
         assert_eq!(one_line(&"x".repeat(100)).chars().count(), 81);
@@ -837,6 +838,7 @@ mod tests {
                 "was made for global batch 256 × seq 4096; simulating its layout at 512 × 4096",
                 "was made for bf16 training; simulating fp8 (tensorwise scaling) (--precision, --fp8-recipe)",
                 "was made with blocking tensor-parallel collectives; simulating asynchronous ones (--async-tp)",
+                "was made with the stack's own module code; simulating compiled (--compile)",
                 "was made with dropless experts; simulating capacity factor 1.5, padded (--capacity-factor, --pad-to-capacity)",
                 "was predicted on current; simulating on torchtitan (--framework)",
             ]
