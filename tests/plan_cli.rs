@@ -306,20 +306,11 @@ fn token_dropping_reaches_the_plan_and_its_export() {
     // `simulate --plan plan.json` predicts the job its flags name: with the plan's capacity
     // flags (and the stack its export implied) it is the plan's prediction, without them a
     // note says what differs.
-    let file = std::env::temp_dir().join(format!("parallax-padded-{}.json", std::process::id()));
-    std::fs::write(&file, padded["plan"].to_string()).unwrap();
     let simulate = |extra: &[&str]| {
-        let mut args = vec!["simulate"];
-        args.extend(JOB);
-        args.extend([
-            "--plan",
-            file.to_str().unwrap(),
-            "--framework",
-            "megatron-core@2025",
-            "--json",
-        ]);
+        let mut args = JOB.to_vec();
+        args.extend(["--framework", "megatron-core@2025"]);
         args.extend(extra);
-        common::parallax(&args)
+        simulate_plan(&padded["plan"], "padded", &args)
     };
     let same = simulate(&["--capacity-factor", "1.5", "--pad-to-capacity"]);
     assert_eq!(String::from_utf8_lossy(&same.stderr), "");
@@ -331,7 +322,19 @@ fn token_dropping_reaches_the_plan_and_its_export() {
         "{note}"
     );
     assert!((step(&common::json_of(&other)) - step(&dropless)).abs() < 1e-9 * step(&dropless));
+}
+
+/// `simulate --plan FILE --json` with `args`, FILE holding `plan` (under a name with `tag`,
+/// removed after).
+fn simulate_plan(plan: &serde_json::Value, tag: &str, args: &[&str]) -> Output {
+    let file = std::env::temp_dir().join(format!("parallax-{tag}-{}.json", std::process::id()));
+    std::fs::write(&file, plan.to_string()).unwrap();
+    let mut all = vec!["simulate"];
+    all.extend(args);
+    all.extend(["--plan", file.to_str().unwrap(), "--json"]);
+    let out = common::parallax(&all);
     let _ = std::fs::remove_file(&file);
+    out
 }
 
 /// `--compile` on a stack whose module code is eager (torchtitan) prices the fused kernels
@@ -376,19 +379,13 @@ fn compile_reaches_the_plan_its_prediction_and_its_export() {
         compiled["framework"]
     );
 
-    let file = std::env::temp_dir().join(format!("parallax-compiled-{}.json", std::process::id()));
-    std::fs::write(&file, compiled["plan"].to_string()).unwrap();
-    let mut args = vec!["simulate"];
-    args.extend(&JOB[..10]);
-    args.extend(["--plan", file.to_str().unwrap(), "--json"]);
-    let out = common::parallax(&args);
+    let out = simulate_plan(&compiled["plan"], "compiled", &JOB[..10]);
     let note = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(
         note.contains("was made with compiled module code; simulating the stack's own (--compile)"),
         "{note}"
     );
     assert!((step(&common::json_of(&out)) - step(&eager)).abs() < 1e-9 * step(&eager));
-    let _ = std::fs::remove_file(&file);
 }
 
 #[test]

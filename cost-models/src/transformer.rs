@@ -332,6 +332,15 @@ pub enum SelectivePolicy {
     Modules(RecomputeModules),
 }
 
+impl SelectivePolicy {
+    /// Whether backward replays the whole block from its input, keeping only the outputs of
+    /// the ops it saves (PyTorch's selective checkpointing, which torchtitan's op-level policy
+    /// is), rather than redoing each recomputed op from what it reads.
+    pub fn replays_block(self) -> bool {
+        self == SelectivePolicy::CheapOpsAndAlternateMatmuls
+    }
+}
+
 impl Runtime {
     /// Whether the layer's module code runs eagerly at `precision`: where the stack's code is
     /// eager, unless the run compiles it: asked to ([`Runtime::compiled`]), or as an fp8 run
@@ -904,7 +913,7 @@ impl SectionGraph {
         }
         let redo = selective.map(|p| Recomputed {
             nodes: self.redo(p),
-            replayed: p == SelectivePolicy::CheapOpsAndAlternateMatmuls,
+            replayed: p.replays_block(),
         });
         let b = saved_bytes(&self.graph, fb, sp, tp, hidden, redo.as_ref(), fp8_inputs);
         lock(&self.saved).insert(key, b);
@@ -1939,10 +1948,17 @@ fn saved_bytes(
         }
     };
     let items = g.saved_items(fb, |_| true);
-    // Extra state, its GEMM inputs as fp8 casts where the stack keeps those.
+    // Extra state, its GEMM inputs as fp8 casts where the stack keeps those, split over the
+    // TP group where its op runs outside the TP region under sequence parallelism.
     let extra = |i: &parallax_ir::SavedItem| {
-        i.bytes
-            .saturating_sub(fp8_saving(i.gemm_input_elems, fb, fp8_inputs)) as f64
+        let bytes =
+            i.bytes
+                .saturating_sub(fp8_saving(i.gemm_input_elems, fb, fp8_inputs)) as f64;
+        if sp && outside_tp(g, &g.nodes[i.node.0 as usize], hidden) {
+            bytes / f64::from(tp)
+        } else {
+            bytes
+        }
     };
     let Some(Recomputed {
         nodes: redo,
@@ -1953,9 +1969,6 @@ fn saved_bytes(
             .iter()
             .map(|i| match i.tensor {
                 Some(t) => scale(t),
-                None if sp && outside_tp(g, &g.nodes[i.node.0 as usize], hidden) => {
-                    extra(i) / f64::from(tp)
-                }
                 None => extra(i),
             })
             .sum();
@@ -2005,21 +2018,12 @@ fn saved_bytes(
                 }
             }
         }
-        for item in items.iter().filter(|i| i.tensor.is_none()) {
-            let node = &g.nodes[item.node.0 as usize];
-            if redo[item.node.0 as usize] {
-                continue;
-            }
-            total += if sp && outside_tp(g, node, hidden) {
-                extra(item) / f64::from(tp)
-            } else {
-                extra(item)
-            };
-        }
-        return total;
+        let state = items
+            .iter()
+            .filter(|i| i.tensor.is_none() && !redo[i.node.0 as usize]);
+        return total + state.map(extra).sum::<f64>();
     }
     for item in &items {
-        let node = &g.nodes[item.node.0 as usize];
         match item.tensor {
             Some(t) => {
                 let r = root(t);
@@ -2049,7 +2053,6 @@ fn saved_bytes(
                 }
             }
             None if redo[item.node.0 as usize] => {}
-            None if sp && outside_tp(g, node, hidden) => total += extra(item) / f64::from(tp),
             None => total += extra(item),
         }
     }
@@ -2137,27 +2140,29 @@ mod tests {
         assert!(time > work && time < 0.9, "{time}");
     }
 
+    /// A Llama 3 8B layer on `tp` H100s, tp-way with sequence parallelism `sp`, under
+    /// `selective` recomputation (TP communication not overlapped).
+    fn llama_selective_layer(selective: SelectivePolicy, tp: u32, sp: bool) -> PartCost {
+        let (m, p) = (cfg("llama3-8b"), preset("dgx-h100-80gb").unwrap());
+        let rt = Runtime {
+            tp_overlap: TpOverlap::None,
+            selective,
+            ..Runtime::default()
+        };
+        let s = setup(&m, &p, tp, rt);
+        *transformer_costs(&s, &layout(tp, sp, Recompute::Selective))
+            .unwrap()
+            .layer()
+    }
+
     /// torchtitan's op-level selective checkpointing saves reduce-scatter outputs but not
     /// all-gather outputs: under sequence parallelism its backward gathers each region's input
     /// again (one all-gather of the two a region runs forward, which cost the same), where
     /// the cheap-ops policy keeps the gathered input.
     #[test]
     fn op_level_checkpointing_gathers_again_in_backward() {
-        let m = cfg("llama3-8b");
-        let p = preset("dgx-h100-80gb").unwrap();
-        let layer = |selective| {
-            let rt = Runtime {
-                tp_overlap: TpOverlap::None,
-                selective,
-                ..Runtime::default()
-            };
-            let s = setup(&m, &p, 8, rt);
-            *transformer_costs(&s, &layout(8, true, Recompute::Selective))
-                .unwrap()
-                .layer()
-        };
-        let cheap = layer(SelectivePolicy::CheapOps);
-        let op_sac = layer(SelectivePolicy::CheapOpsAndAlternateMatmuls);
+        let cheap = llama_selective_layer(SelectivePolicy::CheapOps, 8, true);
+        let op_sac = llama_selective_layer(SelectivePolicy::CheapOpsAndAlternateMatmuls, 8, true);
         assert_eq!(cheap.tp_bwd, cheap.tp_fwd);
         let extra = op_sac.tp_bwd.0 - cheap.tp_bwd.0;
         assert!(
@@ -2173,17 +2178,7 @@ mod tests {
     /// not the norms' outputs a per-op recomputation of `wk` and `w3` would read.
     #[test]
     fn op_level_checkpointing_keeps_the_block_input_and_the_saved_outputs() {
-        let m = cfg("llama3-8b");
-        let p = preset("dgx-h100-80gb").unwrap();
-        let rt = Runtime {
-            selective: SelectivePolicy::CheapOpsAndAlternateMatmuls,
-            tp_overlap: TpOverlap::None,
-            ..Runtime::default()
-        };
-        let s = setup(&m, &p, 1, rt);
-        let saved = transformer_costs(&s, &layout(1, false, Recompute::Selective))
-            .unwrap()
-            .layer()
+        let saved = llama_selective_layer(SelectivePolicy::CheapOpsAndAlternateMatmuls, 1, false)
             .saved
             .0 as f64;
         let tokens = 2048.0;

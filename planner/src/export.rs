@@ -970,9 +970,19 @@ fn torchtitan(plan: &Plan, m: &TransformerConfig) -> String {
     doc.insert("parallelism".into(), p.into());
     doc.insert("training".into(), tr.into());
     doc.insert("activation_checkpoint".into(), ac.into());
-    if t.compile || t.async_tp || t.precision == Precision::Fp8 {
-        // The plan was priced compiled: asked for, or implied by asynchronous TP (an inductor
-        // pass: torchtitan refuses it uncompiled) or float8 (whose casts compile fuses).
+    // Compiled where the plan was priced compiled on torchtitan (`Runtime::runs_eager`): asked
+    // for, or implied by asynchronous TP (an inductor pass: torchtitan refuses it uncompiled)
+    // or float8 (whose casts compile fuses).
+    let priced = Runtime {
+        compiled: t.compile,
+        tp_overlap: if t.async_tp {
+            TpOverlap::MicroPipelined
+        } else {
+            TpOverlap::None
+        },
+        ..Engine::Torchtitan.runtime()
+    };
+    if !priced.runs_eager(t.precision) {
         let mut c = toml::Table::new();
         c.insert("enable".into(), true.into());
         c.insert(

@@ -463,10 +463,9 @@ impl FamilyResult {
             (Some(_), None) => {}
             (None, None) => {
                 // Options order `None` first: compare only needs that exist.
-                let smaller = match (other.smallest_need_gib, self.smallest_need_gib) {
-                    (Some(b), Some(a)) => b < a,
-                    (b, a) => b.is_some() && a.is_none(),
-                };
+                let smaller = other
+                    .smallest_need_gib
+                    .is_some_and(|b| self.smallest_need_gib.is_none_or(|a| b < a));
                 if smaller {
                     (self.smallest_need_gib, self.smallest_layout) =
                         (other.smallest_need_gib, other.smallest_layout);
