@@ -151,6 +151,9 @@ fn validate_scores_the_held_out_runs() {
     // MosaicML's MPT 1B–70B under plain FSDP on 8–64 A100s and H100s (7.6 %; the runs without
     // activation checkpointing predicted fast on both chips).
     held_out("llm-foundry-mpt.json", 12, 0.09, 0.15);
+    // Megatron-Turing NLG 530B on 280–420 DGX A100 nodes (Megatron-DeepSpeed 2021, 1F1B at
+    // tp 8 × pp 35): a known miss, every run 22–26 % fast (23.7 % when the file was added).
+    held_out("megatron-deepspeed.json", 3, 0.25, 0.27);
 }
 
 #[test]

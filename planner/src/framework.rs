@@ -1190,6 +1190,23 @@ impl Framework {
         Ok(self)
     }
 
+    /// The stack a decorated name names: `name` without the run options [`with_options`] and
+    /// [`with_compile`] append to it (", fp8 RECIPE", ", async TP", ", compiled"), each of
+    /// which a plan document records as a training setting of its own.
+    ///
+    /// [`with_options`]: Framework::with_options
+    /// [`with_compile`]: Framework::with_compile
+    pub fn stack_name(name: &str) -> &str {
+        let mut rest = name;
+        for suffix in [", compiled", ", async TP"] {
+            rest = rest.strip_suffix(suffix).unwrap_or(rest);
+        }
+        match rest.rsplit_once(", fp8 ") {
+            Some((stack, r)) if Fp8Recipe::ALL.iter().any(|x| x.name() == r) => stack,
+            _ => rest,
+        }
+    }
+
     /// The stack a published run names, or a current stack without framework-specific
     /// tricks (no TE TP-communication overlap; the 1F1B and interleaved schedules published
     /// runs use) where the table does not hold it, named so.
@@ -1320,6 +1337,24 @@ mod tests {
     use super::*;
     use parallax_ir::Precision;
 
+    #[test]
+    fn a_stack_name_without_its_run_options_is_the_stack() {
+        let fw = Framework::parse("torchtitan@2024").unwrap();
+        let base = fw.name.clone();
+        let decorated = fw
+            .with_options(Some(Fp8Recipe::Rowwise), true)
+            .unwrap()
+            .with_compile(true)
+            .unwrap();
+        assert_eq!(
+            decorated.name,
+            format!("{base}, fp8 rowwise, async TP, compiled")
+        );
+        assert_eq!(Framework::stack_name(&decorated.name), base);
+        assert_eq!(Framework::stack_name(&base), base);
+        // A comma in a name that is no run option stays.
+        assert_eq!(Framework::stack_name("x, fp8 y"), "x, fp8 y");
+    }
     #[test]
     fn every_row_has_sourced_features_and_answers_to_its_own_name() {
         for s in STACKS {

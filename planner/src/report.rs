@@ -2,6 +2,7 @@
 //! wins (which limit binds, against the best plan of each alternative family), guidance
 //! grounded in the numbers, a top-K table, and the same as JSON, Markdown and HTML.
 
+use crate::framework::Framework;
 use crate::search::{Evaluated, SearchResult};
 use parallax_cost::band_range;
 use parallax_cost::transformer::{Setup, TpOverlap};
@@ -113,7 +114,8 @@ pub fn plan_job_differences(plan: &Plan, setup: &Setup, framework: &str) -> Vec<
         .as_ref()
         .and_then(|p| p.framework.as_deref())
     {
-        if stack != framework {
+        // The run options a stack's name carries have notes of their own above.
+        if Framework::stack_name(stack) != Framework::stack_name(framework) {
             notes.push(format!(
                 "was predicted on {}; simulating on {framework} (--framework)",
                 one_line(stack)
@@ -822,6 +824,20 @@ mod tests {
             }),
         };
         assert!(plan_job_differences(&plan, &made, "current").is_empty());
+        // On the same stack, compiled: the compile note says it, not a second stack note.
+        let mut compiled = made;
+        compiled.runtime.compiled = true;
+        let on_titan = Plan {
+            prediction: Some(Prediction {
+                framework: Some("torchtitan".into()),
+                ..Prediction::default()
+            }),
+            ..plan.clone()
+        };
+        assert_eq!(
+            plan_job_differences(&on_titan, &compiled, "torchtitan, compiled"),
+            ["was made with the stack's own module code; simulating compiled (--compile)"]
+        );
 
         let moe = m.moe.as_mut().unwrap();
         (moe.capacity_permille, moe.pad_to_capacity) = (1500, true);
