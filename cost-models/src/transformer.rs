@@ -151,6 +151,43 @@ impl CrossEntropy {
     }
 }
 
+/// How a stack adds each micro-batch's weight gradients into the gradients it accumulates over
+/// the step (whole gradients: ZeRO 0–1, or stages kept gathered under a pipeline).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WgradAccumulation {
+    /// The weight-gradient GEMM accumulates into the buffer as it writes (Megatron-LM's
+    /// `--gradient-accumulation-fusion`, on by default since February 2022, commit 83b1e42;
+    /// Transformer Engine's `fuse_wgrad_accumulation` under Megatron-Core): no pass of its own.
+    #[default]
+    Fused,
+    /// PyTorch's autograd (`AccumulateGrad`): the first micro-batch's gradient becomes the
+    /// parameter's `.grad`, each later one is added to it in place, in the type gradients are
+    /// kept and reduced in: the sum reads both and writes one ([`Setup::grad_reduce_bytes`]
+    /// each), on every micro-batch after the first (DDP under `no_sync`, DeepSpeed's fp16
+    /// engine and pipeline, Megatron-LM 2020's apex optimizer).
+    Autograd,
+    /// A backward hook adds each micro-batch's 16-bit gradient into a buffer of the reduce type,
+    /// every micro-batch: it reads the gradient and reads and writes the buffer (Megatron-LM
+    /// 2021's local DDP with contiguous fp32 buffers, `param.main_grad.add_(param.grad.data)` in
+    /// megatron/model/distributed.py at v2.5; DeepSpeed's `BF16_Optimizer`, which adds each
+    /// micro-batch's bf16 gradient into its fp32 gradient buffer).
+    Hook,
+}
+
+impl WgradAccumulation {
+    /// Bytes each parameter's accumulation moves per micro-batch, averaged over `m`
+    /// micro-batches, with gradients of `fb` bytes accumulated in `grb`-byte buffers.
+    pub fn bytes_per_param(self, fb: u64, grb: u64, m: u64) -> f64 {
+        let m = m.max(1) as f64;
+        match self {
+            WgradAccumulation::Fused => 0.0,
+            WgradAccumulation::Autograd => 3.0 * grb as f64 * (m - 1.0) / m,
+            WgradAccumulation::Hook => (fb + 2 * grb) as f64,
+        }
+    }
+}
+
 /// Framework behaviour that is not part of the layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Runtime {
@@ -251,6 +288,9 @@ pub struct Runtime {
     /// axis there), as do 16-bit runs.
     #[serde(default)]
     pub te_linears: bool,
+    /// How each micro-batch's weight gradients join the step's accumulated gradients.
+    #[serde(default)]
+    pub wgrad_accumulation: WgradAccumulation,
 }
 
 /// Megatron-LM's `--make-vocab-size-divisible-by` default: the vocabulary is padded to a
@@ -381,6 +421,7 @@ impl Default for Runtime {
             moe_host_sync: true,
             vocab_multiple: 1,
             te_linears: false,
+            wgrad_accumulation: WgradAccumulation::Fused,
         }
     }
 }
@@ -649,7 +690,8 @@ impl<'a> Setup<'a> {
 }
 
 impl Setup<'_> {
-    fn float_bytes(&self) -> u64 {
+    /// Bytes of an activation element, and of a weight gradient as backward writes it.
+    pub fn float_bytes(&self) -> u64 {
         self.precision.activation_dtype().size_bytes()
     }
 
@@ -678,6 +720,11 @@ impl Setup<'_> {
         } else {
             l.zero_stage
         }
+    }
+
+    /// Micro-batches each pipeline runs per step under `l`.
+    pub fn micro_batches(&self, l: &Layout) -> u64 {
+        self.global_batch / (u64::from(l.dp) * l.micro_batch).max(1)
     }
 
     /// Bytes of gradient buffers per parameter under mixed precision: the buffer that is
@@ -2825,6 +2872,19 @@ mod tests {
         let with = |r| *dsv3_on_1024(1, r, &graphs).layer();
         assert_eq!(with(Recompute::Modules(up)).saved, mla.saved);
         assert_eq!(with(Recompute::Modules(moe)).saved, redo_moe.saved);
+    }
+
+    #[test]
+    fn weight_gradient_accumulation_moves_what_each_stack_writes_and_reads() {
+        // A fused GEMM accumulates as it writes; autograd's in-place sum reads two gradients
+        // and writes one on every micro-batch but the first; a hook reads the 16-bit gradient
+        // and reads and writes the fp32 buffer on every micro-batch.
+        assert_eq!(WgradAccumulation::Fused.bytes_per_param(2, 4, 8), 0.0);
+        assert_eq!(WgradAccumulation::Autograd.bytes_per_param(2, 2, 1), 0.0);
+        assert_eq!(WgradAccumulation::Autograd.bytes_per_param(2, 2, 4), 4.5);
+        assert_eq!(WgradAccumulation::Autograd.bytes_per_param(4, 4, 2), 6.0);
+        assert_eq!(WgradAccumulation::Hook.bytes_per_param(2, 4, 1), 10.0);
+        assert_eq!(WgradAccumulation::Hook.bytes_per_param(2, 4, 16), 10.0);
     }
 
     #[test]

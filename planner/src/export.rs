@@ -8,7 +8,7 @@
 
 use crate::search::Space;
 use parallax_cost::transformer::{
-    CrossEntropy, Runtime, SelectivePolicy, TpOverlap, MEGATRON_VOCAB_MULTIPLE,
+    CrossEntropy, Runtime, SelectivePolicy, TpOverlap, WgradAccumulation, MEGATRON_VOCAB_MULTIPLE,
 };
 use parallax_ir::models::{Mlp, Norm, Position, TransformerConfig};
 use parallax_ir::{Fp8Recipe, Layout, Offload, Plan, Precision, Recompute, Schedule};
@@ -66,6 +66,9 @@ impl Engine {
                 // "requires `--training.compile` for competitive performance" (docs/float8.md).
                 eager_kernels: true,
                 compiles_fp8: true,
+                // FSDP2 without gradient sync (a pipelined stage's micro-batches) adds each
+                // bf16 gradient into an fp32 one (`FSDPParam.accumulate_unsharded_grad_if_needed`).
+                wgrad_accumulation: WgradAccumulation::Hook,
                 ..Runtime::default()
             },
             // Megatron's vocab-parallel cross-entropy works in one fp32 buffer; Transformer

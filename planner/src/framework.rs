@@ -12,7 +12,9 @@
 
 use crate::export::Engine;
 use crate::search::{PipelineDefaults, Space};
-use parallax_cost::transformer::{CrossEntropy, Runtime, TpOverlap, MEGATRON_VOCAB_MULTIPLE};
+use parallax_cost::transformer::{
+    CrossEntropy, Runtime, TpOverlap, WgradAccumulation, MEGATRON_VOCAB_MULTIPLE,
+};
 use parallax_ir::{Fp8Recipe, Offload, Recompute, Schedule};
 use std::fmt::Write as _;
 use thiserror::Error;
@@ -231,6 +233,10 @@ const MEGATRON_2020: &[Feature] = &[
         what: "the vocabulary padded to a multiple of 128 entries per TP rank (every Megatron-based stack below): GPT-2's 50,257 runs as 50,304 at tp 1, its head GEMMs aligned",
         source: "--make-vocab-size-divisible-by (default 128), _vocab_size_with_padding in megatron/tokenizer (v1.x) and megatron/training/tokenizer/tokenizer.py",
     },
+    Feature {
+        what: "weight gradients accumulated over micro-batches by autograd in the fp16 model's .grad",
+        source: "Megatron-LM v1.x megatron/fp16 (apex FP16_Optimizer: fp16 model gradients, copied to fp32 master gradients at the step)",
+    },
 ];
 
 const MEGATRON_2021: &[Feature] = &[
@@ -242,6 +248,10 @@ const MEGATRON_2021: &[Feature] = &[
         what: "still batched-GEMM attention, blocking sends, no sequence parallelism",
         source: "Megatron-LM v2.x README",
     },
+    Feature {
+        what: "each micro-batch's 16-bit weight gradients added into the fp32 main_grad buffer by a backward hook (an elementwise pass over the parameters, every micro-batch)",
+        source: "Megatron-LM v2.5 megatron/model/distributed.py (_make_param_hook: param.main_grad.add_(param.grad.data)); fused into the weight-gradient GEMM only from February 2022 (commit 83b1e42, --gradient-accumulation-fusion)",
+    },
 ];
 
 const MEGATRON_2022: &[Feature] = &[
@@ -252,6 +262,10 @@ const MEGATRON_2022: &[Feature] = &[
     Feature {
         what: "attention still unfused (FlashAttention appeared mid-2022 and came to Megatron-LM in 2023)",
         source: "Dao et al. 2022; Megatron-LM 23.04 --use-flash-attn",
+    },
+    Feature {
+        what: "weight-gradient GEMMs accumulate into the fp32 main_grad buffer themselves (no pass of their own)",
+        source: "Megatron-LM commit 83b1e42 (February 2022): --gradient-accumulation-fusion, on by default, fused_weight_gradient_dense",
     },
 ];
 
@@ -373,6 +387,10 @@ const MEGATRON_DEEPSPEED_2021: &[Feature] = &[
         what: "no sequence parallelism; unfused attention; full activation checkpointing",
         source: "Megatron-DeepSpeed README (2021)",
     },
+    Feature {
+        what: "fp16 weight gradients accumulated over micro-batches by autograd in the parameters' .grad",
+        source: "deepspeed/runtime/pipe/engine.py (0.5): backward with torch.autograd.backward, gradients reduced at the step boundary",
+    },
 ];
 
 const MEGATRON_DEEPSPEED_2022: &[Feature] = &[
@@ -383,6 +401,10 @@ const MEGATRON_DEEPSPEED_2022: &[Feature] = &[
     Feature {
         what: "ZeRO-1 with pipeline and tensor parallelism; no sequence parallelism or FlashAttention",
         source: "bigscience-workshop/Megatron-DeepSpeed tr11-176B-ml README",
+    },
+    Feature {
+        what: "each micro-batch's bf16 weight gradients added into fp32 gradient buffers by the BF16_Optimizer",
+        source: "deepspeed/runtime/bf16_optimizer.py (update_hp_grads)",
     },
 ];
 
@@ -403,6 +425,10 @@ const DEEPSPEED_2020: &[Feature] = &[
     Feature {
         what: "ZeRO-Offload: optimizer states, fp32 master weights and the Adam step (DeepSpeedCPUAdam) on the host, ZeRO 1–2",
         source: "Ren et al. 2021 (ZeRO-Offload, USENIX ATC), §4–5; DeepSpeed ZeRO-Offload tutorial (September 2020)",
+    },
+    Feature {
+        what: "fp16 weight gradients accumulated over micro-batches by autograd (ZeRO 0-1)",
+        source: "deepspeed/runtime/engine.py (0.3): backward via the fp16 optimizer's loss scaling, gradients reduced at the boundary",
     },
 ];
 
@@ -465,6 +491,7 @@ const TORCHTITAN: &[Feature] = &[
         what: "pipelined models keep FSDP parameters gathered across micro-batches (reshard_after_forward=False); GPipe, 1F1B and interleaved schedules, uneven split points",
         source: "torchtitan parallelize.py, pipeline_parallel.py",
     },
+    FSDP2_ACCUMULATION,
 ];
 
 const TORCHTITAN_2024: &[Feature] = &[
@@ -510,6 +537,7 @@ const PYTORCH_FSDP: &[Feature] = &[
         what: "--compile runs the module code under torch.compile; torchao's float8 layers are run compiled",
         source: "torchtitan docs/float8.md (torchao float8: --training.compile \"required for competitive performance\")",
     },
+    FSDP2_ACCUMULATION,
 ];
 
 const HF_TRAINER_DDP: &[Feature] = &[
@@ -526,9 +554,18 @@ const HF_TRAINER_DDP: &[Feature] = &[
         source: "transformers GPT2LMHeadModel (vocab_size 50257); profiled on an H200 (HF GPT-2 bf16, 2026-11-26): align1 kernels, 30 of 110 ms a step",
     },
     EAGER_KERNELS,
+    AUTOGRAD_ACCUMULATION,
 ];
 
 /// What eager PyTorch module code launches beyond a fused stack's kernels.
+const AUTOGRAD_ACCUMULATION: Feature = Feature {
+    what: "weight gradients accumulated over micro-batches by autograd in the parameters' .grad (DDP's no_sync)",
+    source: "torch.nn.parallel.DistributedDataParallel docs (no_sync); PyTorch autograd AccumulateGrad",
+};
+const FSDP2_ACCUMULATION: Feature = Feature {
+    what: "micro-batches without gradient sync (a pipelined stage's) add each bf16 weight gradient into an fp32 unsharded one",
+    source: "torch/distributed/_composable/fsdp/_fsdp_param.py (accumulate_unsharded_grad_if_needed, reduce_dtype fp32)",
+};
 const EAGER_KERNELS: Feature = Feature {
     what: "eager module code: q, k, v and the attention context copied between the token and head layouts (four copies each way), bias gradients as separate reductions, LayerNorm weight gradients as their own pass",
     source: "transformers BertSelfAttention.transpose_for_scores / GPT2Attention._split_heads; DeepLearningExamples BERT modeling.py; PyTorch autograd (linear bias: grad.sum); profiled on an H100 (HF BERT-large fp16, 2026-11-26)",
@@ -556,6 +593,7 @@ const PYTORCH_DDP: &[Feature] = &[
         source: "PyTorch DDP docs; PyTorch 2.0 release notes (SDPA)",
     },
     EAGER_KERNELS,
+    AUTOGRAD_ACCUMULATION,
 ];
 
 const APEX_DDP: &[Feature] = &[
@@ -564,6 +602,7 @@ const APEX_DDP: &[Feature] = &[
         source: "NVIDIA apex.parallel docs",
     },
     EAGER_KERNELS,
+    AUTOGRAD_ACCUMULATION,
 ];
 
 const TF_CNN_BENCHMARKS: &[Feature] = &[Feature {
@@ -593,6 +632,7 @@ fn megatron_2020() -> Parts {
     Parts {
         runtime: Runtime {
             master_grads_fp32: true,
+            wgrad_accumulation: WgradAccumulation::Autograd,
             ..megatron_loss(pre_flash(false, false))
         },
         space: megatron_space(&ONE_F_ONE_B, &[0], &NO_OR_FULL, false),
@@ -601,7 +641,10 @@ fn megatron_2020() -> Parts {
 
 fn megatron_2021() -> Parts {
     Parts {
-        runtime: megatron_loss(pre_flash(false, true)),
+        runtime: Runtime {
+            wgrad_accumulation: WgradAccumulation::Hook,
+            ..megatron_loss(pre_flash(false, true))
+        },
         space: megatron_space(&MEGATRON_SCHEDULES, &[0], &NO_OR_FULL, false),
     }
 }
@@ -681,7 +724,16 @@ fn torchtitan_2024() -> Parts {
 
 fn megatron_deepspeed(grad_reduce_fp32: bool) -> Parts {
     Parts {
-        runtime: megatron_loss(pre_flash(false, grad_reduce_fp32)),
+        runtime: Runtime {
+            // DeepSpeed's fp16 engine accumulates in the parameters' `.grad`; its BF16_Optimizer
+            // adds each micro-batch's bf16 gradients into fp32 buffers.
+            wgrad_accumulation: if grad_reduce_fp32 {
+                WgradAccumulation::Hook
+            } else {
+                WgradAccumulation::Autograd
+            },
+            ..megatron_loss(pre_flash(false, grad_reduce_fp32))
+        },
         space: Space {
             sequence_parallel: false,
             ..space(&ONE_F_ONE_B, &[0, 1], &NO_OR_FULL)
@@ -694,6 +746,7 @@ fn deepspeed_2020() -> Parts {
         runtime: Runtime {
             zero3_gathers_per_layer: DEEPSPEED_SUBMODULES_PER_LAYER,
             eager_kernels: true,
+            wgrad_accumulation: WgradAccumulation::Autograd,
             ..megatron_loss(pre_flash(false, false))
         },
         // ZeRO-Offload shipped in DeepSpeed 0.3 (September 2020): optimizer states only.
@@ -742,6 +795,7 @@ fn pytorch_fsdp() -> Parts {
             // float8 layers are run compiled.
             eager_kernels: true,
             compiles_fp8: true,
+            wgrad_accumulation: WgradAccumulation::Hook,
             ..Runtime::default()
         },
         // `CPUOffload(offload_params=True)` moves parameters, gradients and the optimizer step
@@ -785,6 +839,7 @@ fn pytorch_ddp() -> Parts {
     Parts {
         runtime: Runtime {
             eager_kernels: true,
+            wgrad_accumulation: WgradAccumulation::Autograd,
             ..pre_flash(true, true)
         },
         space: pytorch_1x_space(),
@@ -1238,7 +1293,7 @@ pub fn table_text() -> String {
         let _ = writeln!(out, "{}  —  {}", s.name, s.covers);
         let _ = writeln!(
             out,
-            "  module code {}, fused attention {}, DP reduce overlapped {}, TP comm overlap {}, sends overlapped {}, grads reduced in {}, sequence parallel {}, context parallel {}, fp8 recipes {}",
+            "  module code {}, fused attention {}, DP reduce overlapped {}, TP comm overlap {}, sends overlapped {}, grads reduced in {}, weight grads accumulated {}, sequence parallel {}, context parallel {}, fp8 recipes {}",
             match (r.eager_kernels, r.compiles_fp8) {
                 (true, true) => "eager (--compile; fp8 compiled)",
                 (true, false) => "eager (--compile)",
@@ -1259,6 +1314,11 @@ pub fn table_text() -> String {
             },
             yes(r.overlap_p2p),
             if r.grad_reduce_fp32 { "fp32" } else { "16-bit" },
+            match r.wgrad_accumulation {
+                WgradAccumulation::Fused => "in the GEMM",
+                WgradAccumulation::Autograd => "by autograd",
+                WgradAccumulation::Hook => "by a hook",
+            },
             yes(p.space.sequence_parallel),
             yes(p.space.offers_context_parallel()),
             match p.space.fp8_recipes.as_slice() {
@@ -1336,6 +1396,31 @@ pub fn table_text() -> String {
 mod tests {
     use super::*;
     use parallax_ir::Precision;
+
+    #[test]
+    fn each_stack_accumulates_weight_gradients_as_its_code_does() {
+        // Megatron-LM's hook until its February 2022 fusion; DeepSpeed's fp16 engines by
+        // autograd, its BF16_Optimizer by a hook; DDP by autograd; FSDP2 stages kept gathered
+        // by its fp32 accumulation; Megatron-Core in the GEMM.
+        let acc = |name: &str| Framework::parse(name).unwrap().runtime.wgrad_accumulation;
+        use WgradAccumulation::{Autograd, Fused, Hook};
+        for (name, want) in [
+            ("megatron-lm@2020", Autograd),
+            ("megatron-lm@2021", Hook),
+            ("megatron-lm@2022", Fused),
+            ("megatron-core@2024", Fused),
+            ("megatron-deepspeed@2021", Autograd),
+            ("megatron-deepspeed@2022", Hook),
+            ("deepspeed@0.3", Autograd),
+            ("pytorch-ddp@1.8", Autograd),
+            ("hf-trainer-ddp@4.36", Autograd),
+            ("torchtitan@2024", Hook),
+            ("pytorch-fsdp@2.2", Hook),
+            ("current", Fused),
+        ] {
+            assert_eq!(acc(name), want, "{name}");
+        }
+    }
 
     #[test]
     fn a_stack_name_without_its_run_options_is_the_stack() {

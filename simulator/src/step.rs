@@ -448,7 +448,7 @@ pub struct StepTerms {
 /// Whether `l` reduce-scatters its gradients after every micro-batch rather than once a
 /// step: ZeRO-2 (it keeps only a shard of the gradients) with more than one micro-batch.
 fn reduces_per_micro_batch(setup: &Setup, l: &Layout) -> bool {
-    let m = setup.global_batch / (u64::from(l.dp) * l.micro_batch).max(1);
+    let m = setup.micro_batches(l);
     setup.zero_stage(l) == 2 && l.dp * l.cp > 1 && m > 1
 }
 
@@ -655,13 +655,26 @@ pub fn step_terms(
     } else {
         (Seconds(0.0), Seconds(0.0))
     };
-    let costs = pass_costs(
+    let mut costs = pass_costs(
         c,
         layers,
         zero3,
         (p2p_stream + replicate.0, p2p_stream + replicate.1),
         p2p_link,
     );
+    // Each micro-batch's weight gradients join the step's whole gradients (ZeRO 0–1; ZeRO 2–3
+    // shard them as they are produced): a pass over every parameter of the virtual stage after
+    // its weight gradients, where the stack does not fuse it into the weight-gradient GEMMs.
+    if zero <= 1 {
+        let per_param = setup.runtime.wgrad_accumulation.bytes_per_param(
+            setup.float_bytes(),
+            setup.grad_reduce_bytes(),
+            setup.micro_batches(l),
+        );
+        for (vs, w) in costs.backward_weight.iter_mut().enumerate() {
+            *w += dev.memory(virtual_stage_params(c, layers, vs) as f64 * per_param);
+        }
+    }
 
     let step_end_reduction = reduces_at_step_end(setup, l);
     let mut dp = vec![Seconds(0.0); layers.len()];
@@ -848,7 +861,7 @@ fn simulate_costed(
     check_host_memory(setup, layout, c)?;
     let l = layout;
     let (pp, v) = (l.pp, l.interleave);
-    let m = (setup.global_batch / (u64::from(l.dp) * l.micro_batch)) as u32;
+    let m = setup.micro_batches(l) as u32;
     if let Some(why) = l.ep_overlap.then(|| l.ep_overlap_conflict()).flatten() {
         return Err(Infeasible::Unsupported(why).into());
     }
@@ -1048,7 +1061,7 @@ fn simulate_costed(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use parallax_cost::transformer::Runtime;
+    use parallax_cost::transformer::{Runtime, WgradAccumulation};
     use parallax_hardware::{preset, ClusterProfile};
     use parallax_ir::models::{zoo, TransformerConfig};
     use parallax_ir::Schedule;
@@ -1287,6 +1300,61 @@ mod tests {
         let t = |s: &Setup| simulate_step(s, &flat).unwrap().prediction;
         assert_eq!(t(&base).step_time_s, t(&kept).step_time_s);
         assert_eq!(t(&base).memory, t(&kept).memory);
+    }
+
+    #[test]
+    fn an_unfused_gradient_accumulation_costs_a_pass_over_the_parameters_a_micro_batch() {
+        // GPT-3 1.3B on one A100, 8 micro-batches of one sequence, ZeRO 0: a stack whose hook
+        // adds each 16-bit weight gradient into an fp32 buffer (Megatron-LM 2021) moves
+        // 2 + 4 + 4 bytes a parameter every micro-batch; autograd's in-place sum (16-bit
+        // buffers) 3 × 2 on every micro-batch but the first; a fused GEMM nothing. Nothing
+        // overlaps a single stage's compute, so the step grows by exactly that traffic.
+        let m = zoo::transformer("gpt3-1.3b").unwrap();
+        let p = preset("dgx-a100-80gb").unwrap();
+        let l = Layout {
+            micro_batch: 1,
+            recompute: Recompute::None,
+            ..Layout::default()
+        };
+        let with = |a: WgradAccumulation, grad_reduce_fp32: bool| Setup {
+            runtime: Runtime {
+                wgrad_accumulation: a,
+                grad_reduce_fp32,
+                ..Runtime::default()
+            },
+            ..setup(&m, &p, 1, 8)
+        };
+        let step = |s: &Setup| simulate_step(s, &l).unwrap().prediction.step_time_s;
+        let fused = with(WgradAccumulation::Fused, true);
+        let c = parallax_cost::transformer::transformer_costs(&fused, &l).unwrap();
+        let params = c.model_params(m.layers) as f64;
+        let dev = DeviceModel::new(&p, Precision::Bf16).unwrap();
+        let hook = step(&with(WgradAccumulation::Hook, true)) - step(&fused);
+        assert!(
+            (hook - 8.0 * dev.memory(params * 10.0).0).abs() < 1e-9,
+            "{hook}"
+        );
+        let autograd = step(&with(WgradAccumulation::Autograd, false))
+            - step(&with(WgradAccumulation::Fused, false));
+        // Priced as the mean micro-batch's pass: 7/8 of it on each of the 8.
+        let expected = 8.0 * dev.memory(params * 6.0 * 7.0 / 8.0).0;
+        assert!(
+            (autograd - expected).abs() < 1e-9,
+            "{autograd} vs {expected}"
+        );
+        // ZeRO-2 shards the gradients as they are produced: nothing is accumulated whole.
+        let z2 = Layout {
+            zero_stage: 2,
+            dp: 8,
+            ..l.clone()
+        };
+        let step2 = |s: &Setup| {
+            simulate_step(&Setup { gpus: 8, ..*s }, &z2)
+                .unwrap()
+                .prediction
+                .step_time_s
+        };
+        assert_eq!(step2(&with(WgradAccumulation::Hook, true)), step2(&fused));
     }
 
     #[test]
