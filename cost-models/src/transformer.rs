@@ -307,6 +307,14 @@ pub const MEGATRON_VOCAB_MULTIPLE: u32 = 128;
 pub enum TpOverlap {
     /// Every collective waits for the kernel before it and holds up the one after.
     None,
+    /// Megatron-LM's asynchronous backward communication of the column-parallel layers
+    /// (`--async-tensor-model-parallel-allreduce`, September 2021, on by default; its
+    /// `LinearWithGradAccumulationAndAsyncCommunication` in megatron/mpu/layers.py): the
+    /// input gradient's all-reduce runs under the weight-gradient GEMM; under sequence
+    /// parallelism the input is gathered again under the input-gradient GEMM and the input
+    /// gradient's reduce-scatter runs under the weight-gradient GEMM. Forward collectives and
+    /// the row-parallel layers' backward gather wait.
+    AsyncBackward,
     /// Transformer Engine's userbuffers (`--tp-comm-overlap`): each collective is a ring
     /// exchange pipelined with the GEMM it feeds or drains, in forward and backward; only
     /// what a block's GEMMs cannot hide stays exposed.
@@ -1308,6 +1316,17 @@ pub fn transformer_costs_with(
                     column,
                     row,
                 })
+            }
+            TpOverlap::AsyncBackward if l.tp > 1 => {
+                let c = block_prices.tp_linears(block, hidden).0.times;
+                let bwd = if sp {
+                    tp_gather * tp_regions
+                        + exposed(tp_gather * tp_regions, c.bwd_input)
+                        + exposed(tp_scatter * tp_regions, c.bwd_weight)
+                } else {
+                    exposed(tp_one * tp_regions, c.bwd_weight)
+                };
+                (tp_one * tp_regions, bwd)
             }
             _ => (tp_one * tp_regions, tp_one * tp_regions),
         };
@@ -2661,6 +2680,50 @@ mod tests {
                 .layer()
         };
         assert_eq!(layer(TpOverlap::Userbuffers), layer(TpOverlap::None));
+    }
+
+    #[test]
+    fn megatron_hides_the_column_parallel_backward_collectives_under_their_gemms() {
+        // GPT-3 175B's layer at tp 8 on A100s. Forward waits as without overlap; backward
+        // without sequence parallelism, each region's input-gradient all-reduce runs under the
+        // column-parallel weight gradients; with it, the row side's gather still waits, the
+        // column input's re-gather runs under the input-gradient GEMM and its gradient's
+        // reduce-scatter under the weight-gradient GEMM.
+        let (m, p) = (cfg("gpt3-175b"), preset("dgx-a100-80gb").unwrap());
+        let layer = |tp_overlap, sp| {
+            let s = setup(
+                &m,
+                &p,
+                8,
+                Runtime {
+                    tp_overlap,
+                    ..Runtime::default()
+                },
+            );
+            *transformer_costs(&s, &layout(8, sp, Recompute::None))
+                .unwrap()
+                .layer()
+        };
+        for sp in [false, true] {
+            let (sync, overlapped) = (
+                layer(TpOverlap::None, sp),
+                layer(TpOverlap::AsyncBackward, sp),
+            );
+            assert_eq!(overlapped.tp_fwd, sync.tp_fwd);
+            assert_eq!(overlapped.compute, sync.compute);
+            assert!(overlapped.tp_bwd.0 < sync.tp_bwd.0, "sp {sp}");
+        }
+        // Without sequence parallelism the GEMMs are long enough to hide the all-reduces:
+        // what is left is their interference.
+        let (sync, overlapped) = (
+            layer(TpOverlap::None, false),
+            layer(TpOverlap::AsyncBackward, false),
+        );
+        let want = crate::comm::interference(sync.tp_bwd);
+        assert!(
+            (overlapped.tp_bwd.0 - want.0).abs() < 1e-12,
+            "{overlapped:?}"
+        );
     }
 
     #[test]

@@ -267,6 +267,7 @@ const MEGATRON_2022: &[Feature] = &[
         what: "weight-gradient GEMMs accumulate into the fp32 main_grad buffer themselves (no pass of their own)",
         source: "Megatron-LM commit 83b1e42 (February 2022): --gradient-accumulation-fusion, on by default, fused_weight_gradient_dense",
     },
+    ASYNC_COLUMN_BACKWARD,
 ];
 
 /// Transformer Engine's fp8 linear layers and what they keep for backward.
@@ -285,9 +286,10 @@ const MEGATRON_2023: &[Feature] = &[
         source: "Megatron-LM core_r0.4.0 arguments.py",
     },
     Feature {
-        what: "no TP communication overlap (Transformer Engine userbuffers, --tp-comm-overlap, opt-in)",
+        what: "no TP communication overlap beyond the column-parallel layers' backward (Transformer Engine userbuffers, --tp-comm-overlap, opt-in)",
         source: "Jiang et al. 2024 (MegaScale) §6.1, the Megatron-LM baseline",
     },
+    ASYNC_COLUMN_BACKWARD,
     Feature {
         what: "fp8 with delayed scaling: casts fused into the norm, activation and bias-gradient kernels",
         source: "Transformer Engine 1.x docs, recipe.DelayedScaling (the default recipe); LayerNormLinear / LayerNormMLP fp8 outputs",
@@ -558,6 +560,10 @@ const HF_TRAINER_DDP: &[Feature] = &[
 ];
 
 /// What eager PyTorch module code launches beyond a fused stack's kernels.
+const ASYNC_COLUMN_BACKWARD: Feature = Feature {
+    what: "column-parallel layers' backward communication under their GEMMs: the input gradient's all-reduce under the weight-gradient GEMM; with sequence parallelism the input's re-gather under the input-gradient GEMM and the gradient's reduce-scatter under the weight-gradient GEMM",
+    source: "Megatron-LM September 2021 (commits 16c9044, f3e57f6): --async-tensor-model-parallel-allreduce, on by default; LinearWithGradAccumulationAndAsyncCommunication in megatron/mpu/layers.py (May 2022)",
+};
 const AUTOGRAD_ACCUMULATION: Feature = Feature {
     what: "weight gradients accumulated over micro-batches by autograd in the parameters' .grad (DDP's no_sync)",
     source: "torch.nn.parallel.DistributedDataParallel docs (no_sync); PyTorch autograd AccumulateGrad",
@@ -651,7 +657,10 @@ fn megatron_2021() -> Parts {
 
 fn megatron_2022() -> Parts {
     Parts {
-        runtime: megatron_loss(pre_flash(false, true)),
+        runtime: Runtime {
+            tp_overlap: TpOverlap::AsyncBackward,
+            ..megatron_loss(pre_flash(false, true))
+        },
         space: megatron_space(&MEGATRON_SCHEDULES, &[0], &Recompute::ALL, true),
     }
 }
@@ -663,6 +672,7 @@ fn megatron_2023() -> Parts {
             fused_attention: true,
             fp8_recipe: Fp8Recipe::Delayed,
             te_linears: true,
+            tp_overlap: TpOverlap::AsyncBackward,
             ..megatron_loss(pre_flash(false, true))
         },
         space: Space {
@@ -1309,6 +1319,7 @@ pub fn table_text() -> String {
                 (TpOverlap::Userbuffers, true) => "userbuffers (async TP offered)",
                 (TpOverlap::Userbuffers, false) => "userbuffers",
                 (TpOverlap::MicroPipelined, _) => "async TP",
+                (TpOverlap::AsyncBackward, _) => "column-parallel backward",
                 (TpOverlap::None, true) => "no (async TP offered)",
                 (TpOverlap::None, false) => "no",
             },
@@ -1509,7 +1520,13 @@ mod tests {
         assert!(m21.space.schedules.contains(&Schedule::Interleaved1F1B));
         assert!(!m21.space.sequence_parallel && m22.space.sequence_parallel);
         assert!(!m22.runtime.fused_attention && m23.runtime.fused_attention);
-        assert!(!m23.runtime.overlap_grad_reduce && m23.runtime.tp_overlap == TpOverlap::None);
+        // Megatron-LM's column-parallel backward overlap from September 2021 on, TE's
+        // userbuffers opt-in.
+        assert!(m21.runtime.tp_overlap == TpOverlap::None);
+        assert!(m22.runtime.tp_overlap == TpOverlap::AsyncBackward);
+        assert!(
+            !m23.runtime.overlap_grad_reduce && m23.runtime.tp_overlap == TpOverlap::AsyncBackward
+        );
         // MegaScale and its Megatron-LM baseline are different stacks.
         let ms = fw("megascale@2024");
         assert!(ms.runtime.tp_overlap == TpOverlap::Userbuffers && ms.runtime.overlap_grad_reduce);
