@@ -165,13 +165,15 @@ pub enum WgradAccumulation {
     /// parameter's `.grad`, each later one is added to it in place, in the type gradients are
     /// kept and reduced in: the sum reads both and writes one ([`Setup::grad_reduce_bytes`]
     /// each), on every micro-batch after the first (DDP under `no_sync`, DeepSpeed's fp16
-    /// engine and pipeline, Megatron-LM 2020's apex optimizer).
+    /// engine and pipeline, Megatron-LM 2020–2021 in fp16 without contiguous buffers).
     Autograd,
     /// A backward hook adds each micro-batch's 16-bit gradient into a buffer of the reduce type,
-    /// every micro-batch: it reads the gradient and reads and writes the buffer (Megatron-LM
-    /// 2021's local DDP with contiguous fp32 buffers, `param.main_grad.add_(param.grad.data)` in
-    /// megatron/model/distributed.py at v2.5; DeepSpeed's `BF16_Optimizer`, which adds each
-    /// micro-batch's bf16 gradient into its fp32 gradient buffer).
+    /// every micro-batch: it reads the gradient and reads and writes the buffer (Megatron-LM's
+    /// local DDP with contiguous buffers, `param.main_grad.add_(param.grad.data)` in
+    /// megatron/model/distributed.py at v2.5, where the weight-gradient GEMM does not
+    /// accumulate itself; DeepSpeed's `BF16_Optimizer`, which adds each micro-batch's bf16
+    /// gradient into its fp32 gradient buffer; FSDP2's fp32 accumulation of unsynchronised
+    /// micro-batches).
     Hook,
 }
 
@@ -205,7 +207,7 @@ pub struct Runtime {
     /// Pipeline sends overlap compute; without it (Megatron-LM before 2023) the sender's
     /// stream waits for each transfer.
     pub overlap_p2p: bool,
-    /// Mixed-precision gradients are accumulated and reduced in fp32 (Megatron-LM since 2021,
+    /// Mixed-precision gradients are accumulated and reduced in fp32 (Megatron-LM since 2022,
     /// FSDP with an fp32 reduce dtype); otherwise in the 16-bit training type.
     pub grad_reduce_fp32: bool,
     /// Beside the gradients it reduces, the optimizer keeps an fp32 copy of every gradient

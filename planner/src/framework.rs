@@ -241,16 +241,12 @@ const MEGATRON_2020: &[Feature] = &[
 
 const MEGATRON_2021: &[Feature] = &[
     Feature {
-        what: "adds the interleaved 1F1B schedule; gradients accumulated and all-reduced in fp32 after the backward",
-        source: "Narayanan et al. 2021 (PTD-P), §2.2 and §4; Megatron-LM v2.x --accumulate-allreduce-grads-in-fp32",
+        what: "adds the interleaved 1F1B schedule; fp16 gradients accumulated in the parameters' .grad by autograd and all-reduced in fp16 after the backward (fp32 accumulation, --accumulate-allreduce-grads-in-fp32, was opt-in for fp16)",
+        source: "Narayanan et al. 2021 (PTD-P), §2.2 and §4; Megatron-LM v2.5 arguments.py (--accumulate-allreduce-grads-in-fp32 and --use-contiguous-buffers-in-ddp store_true, forced only for bf16) and examples/pretrain_gpt3_175B.sh (--fp16 alone)",
     },
     Feature {
         what: "still batched-GEMM attention, blocking sends, no sequence parallelism",
         source: "Megatron-LM v2.x README",
-    },
-    Feature {
-        what: "each micro-batch's 16-bit weight gradients added into the fp32 main_grad buffer by a backward hook (an elementwise pass over the parameters, every micro-batch)",
-        source: "Megatron-LM v2.5 megatron/model/distributed.py (_make_param_hook: param.main_grad.add_(param.grad.data)); fused into the weight-gradient GEMM only from February 2022 (commit 83b1e42, --gradient-accumulation-fusion)",
     },
 ];
 
@@ -648,8 +644,8 @@ fn megatron_2020() -> Parts {
 fn megatron_2021() -> Parts {
     Parts {
         runtime: Runtime {
-            wgrad_accumulation: WgradAccumulation::Hook,
-            ..megatron_loss(pre_flash(false, true))
+            wgrad_accumulation: WgradAccumulation::Autograd,
+            ..megatron_loss(pre_flash(false, false))
         },
         space: megatron_space(&MEGATRON_SCHEDULES, &[0], &NO_OR_FULL, false),
     }
@@ -1417,7 +1413,7 @@ mod tests {
         use WgradAccumulation::{Autograd, Fused, Hook};
         for (name, want) in [
             ("megatron-lm@2020", Autograd),
-            ("megatron-lm@2021", Hook),
+            ("megatron-lm@2021", Autograd),
             ("megatron-lm@2022", Fused),
             ("megatron-core@2024", Fused),
             ("megatron-deepspeed@2021", Autograd),
@@ -1515,7 +1511,9 @@ mod tests {
             fw("megatron-lm@2022"),
             fw("megatron-lm@2023"),
         );
-        assert!(!m20.runtime.grad_reduce_fp32 && m21.runtime.grad_reduce_fp32);
+        // fp16 gradients until the 2022 fusion made fp32 accumulation the reason to keep it.
+        assert!(!m20.runtime.grad_reduce_fp32 && !m21.runtime.grad_reduce_fp32);
+        assert!(m22.runtime.grad_reduce_fp32);
         assert!(!m20.space.schedules.contains(&Schedule::Interleaved1F1B));
         assert!(m21.space.schedules.contains(&Schedule::Interleaved1F1B));
         assert!(!m21.space.sequence_parallel && m22.space.sequence_parallel);
