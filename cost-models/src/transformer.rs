@@ -2166,6 +2166,23 @@ mod tests {
         }
     }
 
+    /// One layer of `m` as a device runs it at tp 8 (micro-batch 1, nothing recomputed) under
+    /// `tp_overlap`, with sequence parallelism where `sp`.
+    fn tp8_layer(
+        m: &TransformerConfig,
+        p: &ClusterProfile,
+        tp_overlap: TpOverlap,
+        sp: bool,
+    ) -> PartCost {
+        let runtime = Runtime {
+            tp_overlap,
+            ..Runtime::default()
+        };
+        *transformer_costs(&setup(m, p, 8, runtime), &layout(8, sp, Recompute::None))
+            .unwrap()
+            .layer()
+    }
+
     fn layout(tp: u32, sp: bool, recompute: Recompute) -> Layout {
         Layout {
             tp,
@@ -2640,20 +2657,7 @@ mod tests {
         // On GPT-3 175B's layer at tp 8 the overlap leaves a fraction of the collectives
         // exposed, runs longer kernels, and still wins.
         let m = cfg("gpt3-175b");
-        let layer = |tp_overlap| {
-            let s = setup(
-                &m,
-                &p,
-                8,
-                Runtime {
-                    tp_overlap,
-                    ..Runtime::default()
-                },
-            );
-            *transformer_costs(&s, &layout(8, true, Recompute::None))
-                .unwrap()
-                .layer()
-        };
+        let layer = |tp_overlap| tp8_layer(&m, &p, tp_overlap, true);
         let (sync, ub) = (layer(TpOverlap::None), layer(TpOverlap::Userbuffers));
         assert!(ub.tp_fwd.0 + ub.tp_bwd.0 < 0.2 * (sync.tp_fwd.0 + sync.tp_bwd.0));
         assert!(ub.compute.total() > sync.compute.total());
@@ -2692,20 +2696,7 @@ mod tests {
         // column input's re-gather runs under the input-gradient GEMM and its gradient's
         // reduce-scatter under the weight-gradient GEMM.
         let (m, p) = (cfg("gpt3-175b"), preset("dgx-a100-80gb").unwrap());
-        let layer = |tp_overlap, sp| {
-            let s = setup(
-                &m,
-                &p,
-                8,
-                Runtime {
-                    tp_overlap,
-                    ..Runtime::default()
-                },
-            );
-            *transformer_costs(&s, &layout(8, sp, Recompute::None))
-                .unwrap()
-                .layer()
-        };
+        let layer = |tp_overlap, sp| tp8_layer(&m, &p, tp_overlap, sp);
         for sp in [false, true] {
             let (sync, overlapped) = (
                 layer(TpOverlap::None, sp),
