@@ -732,11 +732,6 @@ impl Setup<'_> {
         }
     }
 
-    /// Micro-batches each pipeline runs per step under `l`.
-    pub fn micro_batches(&self, l: &Layout) -> u64 {
-        self.global_batch / (u64::from(l.dp) * l.micro_batch).max(1)
-    }
-
     /// Bytes of gradient buffers per parameter under mixed precision: the buffer that is
     /// reduced (fp32, or the 16-bit training type where the stack accumulates and reduces in
     /// it), plus the optimizer's fp32 master gradients where it keeps them.

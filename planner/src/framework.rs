@@ -555,19 +555,22 @@ const HF_TRAINER_DDP: &[Feature] = &[
     AUTOGRAD_ACCUMULATION,
 ];
 
-/// What eager PyTorch module code launches beyond a fused stack's kernels.
+/// Megatron-LM's asynchronous backward communication of its column-parallel layers.
 const ASYNC_COLUMN_BACKWARD: Feature = Feature {
     what: "column-parallel layers' backward communication under their GEMMs: the input gradient's all-reduce under the weight-gradient GEMM; with sequence parallelism the input's re-gather under the input-gradient GEMM and the gradient's reduce-scatter under the weight-gradient GEMM",
     source: "Megatron-LM September 2021 (commits 16c9044, f3e57f6): --async-tensor-model-parallel-allreduce, on by default; LinearWithGradAccumulationAndAsyncCommunication in megatron/mpu/layers.py (May 2022)",
 };
+/// Weight gradients summed over micro-batches by PyTorch's autograd.
 const AUTOGRAD_ACCUMULATION: Feature = Feature {
     what: "weight gradients accumulated over micro-batches by autograd in the parameters' .grad (DDP's no_sync)",
     source: "torch.nn.parallel.DistributedDataParallel docs (no_sync); PyTorch autograd AccumulateGrad",
 };
+/// FSDP2's fp32 accumulation of unsynchronised micro-batches.
 const FSDP2_ACCUMULATION: Feature = Feature {
     what: "micro-batches without gradient sync (a pipelined stage's) add each bf16 weight gradient into an fp32 unsharded one",
     source: "torch/distributed/_composable/fsdp/_fsdp_param.py (accumulate_unsharded_grad_if_needed, reduce_dtype fp32)",
 };
+/// What eager PyTorch module code launches beyond a fused stack's kernels.
 const EAGER_KERNELS: Feature = Feature {
     what: "eager module code: q, k, v and the attention context copied between the token and head layouts (four copies each way), bias gradients as separate reductions, LayerNorm weight gradients as their own pass",
     source: "transformers BertSelfAttention.transpose_for_scores / GPT2Attention._split_heads; DeepLearningExamples BERT modeling.py; PyTorch autograd (linear bias: grad.sum); profiled on an H100 (HF BERT-large fp16, 2026-11-26)",
@@ -1406,9 +1409,10 @@ mod tests {
 
     #[test]
     fn each_stack_accumulates_weight_gradients_as_its_code_does() {
-        // Megatron-LM's hook until its February 2022 fusion; DeepSpeed's fp16 engines by
-        // autograd, its BF16_Optimizer by a hook; DDP by autograd; FSDP2 stages kept gathered
-        // by its fp32 accumulation; Megatron-Core in the GEMM.
+        // Megatron-LM by autograd in fp16 (its 2020–2021 defaults), in the GEMM from its
+        // February 2022 fusion on, as Megatron-Core; DeepSpeed's fp16 engines by autograd, its
+        // BF16_Optimizer by a hook; DDP by autograd; FSDP2 stages kept gathered by its fp32
+        // accumulation.
         let acc = |name: &str| Framework::parse(name).unwrap().runtime.wgrad_accumulation;
         use WgradAccumulation::{Autograd, Fused, Hook};
         for (name, want) in [
@@ -1447,6 +1451,7 @@ mod tests {
         // A comma in a name that is no run option stays.
         assert_eq!(Framework::stack_name("x, fp8 y"), "x, fp8 y");
     }
+
     #[test]
     fn every_row_has_sourced_features_and_answers_to_its_own_name() {
         for s in STACKS {

@@ -448,7 +448,7 @@ pub struct StepTerms {
 /// Whether `l` reduce-scatters its gradients after every micro-batch rather than once a
 /// step: ZeRO-2 (it keeps only a shard of the gradients) with more than one micro-batch.
 fn reduces_per_micro_batch(setup: &Setup, l: &Layout) -> bool {
-    let m = setup.micro_batches(l);
+    let m = l.micro_batches(setup.global_batch);
     setup.zero_stage(l) == 2 && l.dp * l.cp > 1 && m > 1
 }
 
@@ -665,12 +665,12 @@ pub fn step_terms(
     // Each micro-batch's weight gradients join the step's whole gradients (ZeRO 0–1; ZeRO 2–3
     // shard them as they are produced): a pass over every parameter of the virtual stage after
     // its weight gradients, where the stack does not fuse it into the weight-gradient GEMMs.
-    if zero <= 1 {
-        let per_param = setup.runtime.wgrad_accumulation.bytes_per_param(
-            setup.float_bytes(),
-            setup.grad_reduce_bytes(),
-            setup.micro_batches(l),
-        );
+    let per_param = setup.runtime.wgrad_accumulation.bytes_per_param(
+        setup.float_bytes(),
+        setup.grad_reduce_bytes(),
+        l.micro_batches(setup.global_batch),
+    );
+    if zero <= 1 && per_param > 0.0 {
         for (vs, w) in costs.backward_weight.iter_mut().enumerate() {
             *w += dev.memory(virtual_stage_params(c, layers, vs) as f64 * per_param);
         }
@@ -861,7 +861,7 @@ fn simulate_costed(
     check_host_memory(setup, layout, c)?;
     let l = layout;
     let (pp, v) = (l.pp, l.interleave);
-    let m = setup.micro_batches(l) as u32;
+    let m = l.micro_batches(setup.global_batch) as u32;
     if let Some(why) = l.ep_overlap.then(|| l.ep_overlap_conflict()).flatten() {
         return Err(Infeasible::Unsupported(why).into());
     }
