@@ -1879,6 +1879,7 @@ mod tests {
             (CrossEntropy::Upcast, 48.0),
             (CrossEntropy::VocabParallel, 52.0),
             (CrossEntropy::TeFused, 10.0),
+            (CrossEntropy::LossParallel, 76.0),
         ] {
             let m = DeviceModel::new(&p, Precision::Bf16)
                 .unwrap()

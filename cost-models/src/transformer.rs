@@ -71,6 +71,15 @@ const LOSS_BYTES_PER_LOGIT: u64 = 12;
 /// it while the cast runs.
 const IN_PLACE_LOSS_BYTES_PER_LOGIT: u64 = 6;
 
+/// Bytes per logit at the peak of PyTorch's DTensor `loss_parallel` on upcast fp32 logits
+/// (`torch/distributed/tensor/parallel/loss.py`, which replaces `log_softmax` and `nll_loss`
+/// on vocabulary-sharded logits with decompositions that all-reduce the row maximum and sum):
+/// its backward (`_nll_loss_and_log_softmax_backward`) holds the saved log-probabilities `x`, a
+/// zero-filled `grad_input`, `torch.exp(x)` and their sum before the product with the output
+/// gradient, 4 bytes each. Its forward holds at most 14 (the fp32 copy, `x - max`,
+/// `torch.exp` of it, and the 16-bit logits still referenced by the training loop).
+const LOSS_PARALLEL_BYTES_PER_LOGIT: u64 = 16;
+
 /// The cross-entropy a stack runs on the logits, by the memory it peaks at.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -86,6 +95,12 @@ pub enum CrossEntropy {
     /// gradient written into the 16-bit logits in place (`triton/cross_entropy.py`), so the
     /// logits are all it holds.
     TeFused,
+    /// PyTorch's DTensor `loss_parallel` where tensor parallelism shards the vocabulary
+    /// (torchtitan: `ColwiseParallel(output_layouts=Shard(-1))` on the output layer and the
+    /// loss under `loss_parallel()` whenever tp > 1, `training.disable_loss_parallel` off by
+    /// default), [`CrossEntropy::Upcast`] where it does not:
+    /// [`LOSS_PARALLEL_BYTES_PER_LOGIT`].
+    LossParallel,
 }
 
 /// What a loss implementation moves per logit, and the kernels it launches, each way.
@@ -115,6 +130,12 @@ impl CrossEntropy {
     /// - [`CrossEntropy::TeFused`], Transformer Engine's Triton kernel: the logits read twice
     ///   (online maximum and sum, then the loss) and the gradient written in place, one
     ///   launch; backward scales it by the output gradient in place (a read and a write).
+    /// - [`CrossEntropy::LossParallel`], the decomposed `_log_softmax`: the cast, `amax` (4),
+    ///   `x - max` (8), `torch.exp` (8), its sum (4), `shifted - logsumexp` (8), then
+    ///   `nll_loss`'s gather; backward, `zeros_like` (4) with its scatter, `torch.exp(x)` (8),
+    ///   the sum with `grad_input` (12) and the product with the output gradient (8), then the
+    ///   cast back. 7 and 6 launches (the all-reduces of per-token statistics are the head's
+    ///   TP communication).
     pub fn passes(self, fb: u64) -> LossPasses {
         let fb = fb as f64;
         // The upcast forward and the cast back in backward move the same bytes.
@@ -138,6 +159,21 @@ impl CrossEntropy {
                 fwd_kernels: 1.0,
                 bwd_kernels: 1.0,
             },
+            CrossEntropy::LossParallel => LossPasses {
+                fwd_bytes: cast + 32.0,
+                bwd_bytes: 32.0 + cast,
+                fwd_kernels: 7.0,
+                bwd_kernels: 6.0,
+            },
+        }
+    }
+
+    /// The loss run on logits whose vocabulary `tp` ranks share: `loss_parallel` applies only
+    /// to sharded logits.
+    pub fn on_vocab_shards(self, tp: u32) -> CrossEntropy {
+        match self {
+            CrossEntropy::LossParallel if tp <= 1 => CrossEntropy::Upcast,
+            other => other,
         }
     }
 
@@ -147,6 +183,7 @@ impl CrossEntropy {
             CrossEntropy::Upcast => LOSS_BYTES_PER_LOGIT,
             CrossEntropy::VocabParallel => IN_PLACE_LOSS_BYTES_PER_LOGIT,
             CrossEntropy::TeFused => fb,
+            CrossEntropy::LossParallel => LOSS_PARALLEL_BYTES_PER_LOGIT,
         }
     }
 }
@@ -290,6 +327,16 @@ pub struct Runtime {
     /// axis there), as do 16-bit runs.
     #[serde(default)]
     pub te_linears: bool,
+    /// Under sequence parallelism, a column-parallel linear layer keeps for its weight
+    /// gradient the input as gathered over the TP group, not the sequence-split one: DTensor's
+    /// `ColwiseParallel` / `PrepareModuleInput` redistribute the input to `Replicate()` before
+    /// the matmul, whose autograd saves what it multiplied (torchtitan). Megatron keeps the
+    /// split input and gathers it again in backward (`LinearWithGradAccumulationAndAsync...`,
+    /// `sequence_parallel`). Applies where the linear's input is kept at all: not under
+    /// full recomputation, nor under torchtitan's op-level policy, which runs the all-gathers
+    /// again rather than save them.
+    #[serde(default)]
+    pub sp_keeps_gathered_inputs: bool,
     /// How each micro-batch's weight gradients join the step's accumulated gradients.
     #[serde(default)]
     pub wgrad_accumulation: WgradAccumulation,
@@ -431,6 +478,7 @@ impl Default for Runtime {
             moe_host_sync: true,
             vocab_multiple: 1,
             te_linears: false,
+            sp_keeps_gathered_inputs: false,
             wgrad_accumulation: WgradAccumulation::Fused,
         }
     }
@@ -902,9 +950,9 @@ pub struct SectionGraphs {
 /// section.
 type GraphKey = (u64, u64, BuildOptions, Section);
 
-/// What a section keeps depends on: sequence parallelism, the selective policy, fp8 linear
-/// inputs ([`SectionGraph::saved`]).
-type SavedKey = (bool, Option<SelectivePolicy>, bool);
+/// What a section keeps depends on: sequence parallelism, the selective policy, how linear
+/// layers keep their inputs ([`SectionGraph::saved`]).
+type SavedKey = (bool, Option<SelectivePolicy>, LinearInputs);
 
 /// A section graph with what pricing reads of it, computed once: each node's input shapes and
 /// work, the nodes selective recomputation redoes, and the bytes it keeps for backward under
@@ -948,8 +996,9 @@ impl SectionGraph {
     }
 
     /// [`saved_bytes`] with sequence parallelism `sp`, where `selective` its policy's
-    /// recomputed nodes, and linear layers keeping fp8 inputs where `fp8_inputs` (one setup's
-    /// `fb`, `tp` and `hidden` per cache).
+    /// recomputed nodes, and linear layers keeping their inputs as `inputs` says (one setup's
+    /// `fb`, `tp` and `hidden` per cache). A selective policy keeps no gathered input: the
+    /// only stack that would (torchtitan) runs its all-gathers again.
     fn saved(
         &self,
         fb: u64,
@@ -957,9 +1006,13 @@ impl SectionGraph {
         tp: u32,
         hidden: u64,
         selective: Option<SelectivePolicy>,
-        fp8_inputs: bool,
+        inputs: LinearInputs,
     ) -> f64 {
-        let key = (sp, selective, fp8_inputs);
+        let inputs = LinearInputs {
+            gathered: inputs.gathered && sp && selective.is_none(),
+            ..inputs
+        };
+        let key = (sp, selective, inputs);
         if let Some(&b) = lock(&self.saved).get(&key) {
             return b;
         }
@@ -967,7 +1020,7 @@ impl SectionGraph {
             nodes: self.redo(p),
             replayed: p.replays_block(),
         });
-        let b = saved_bytes(&self.graph, fb, sp, tp, hidden, redo.as_ref(), fp8_inputs);
+        let b = saved_bytes(&self.graph, fb, sp, tp, hidden, redo.as_ref(), inputs);
         lock(&self.saved).insert(key, b);
         b
     }
@@ -1201,7 +1254,7 @@ pub fn transformer_costs_with(
         .with_eager(s.runtime.runs_eager(s.precision))
         .with_fp8_recipe(s.runtime.fp8_recipe)
         .with_native_attention(s.runtime.native_attention)
-        .with_cross_entropy(s.runtime.cross_entropy);
+        .with_cross_entropy(s.runtime.cross_entropy.on_vocab_shards(l.tp));
     let net = Network::new(s.profile);
     let gpn = s.profile.node.gpus_per_node;
     let fb = s.float_bytes();
@@ -1256,15 +1309,18 @@ pub fn transformer_costs_with(
     } else {
         net.collective(Collective::AllReduce, act, tp_group)
     };
-    let fp8_inputs = s.keeps_fp8_linear_inputs();
+    let inputs = LinearInputs {
+        fp8: s.keeps_fp8_linear_inputs(),
+        gathered: s.runtime.sp_keeps_gathered_inputs,
+    };
     // One layer of `kind` as a device runs it, its MoE MLP under `experts`.
     let price_layer = |kind: LayerKind, block: &SectionGraph, experts: Option<ExpertRanks>| {
         let block_prices = NodePrices::new(&dev, block, fb, sp, l.tp, hidden, cp, experts);
-        let mut layer = price(block, &block_prices, fb, sp, l.tp, hidden, fp8_inputs);
+        let mut layer = price(block, &block_prices, fb, sp, l.tp, hidden, inputs);
         // The experts' activations as this rank keeps them (the graph's shard has them as
         // the TP region would: every token, the FFN split over tp).
         let experts_kept = |redo: Option<&[bool]>| {
-            experts.map_or(0.0, |e| e.kept_beyond_graph(block, fb, redo, fp8_inputs))
+            experts.map_or(0.0, |e| e.kept_beyond_graph(block, fb, redo, inputs.fp8))
         };
         layer.saved = Bytes((layer.saved.0 as f64 + experts_kept(None)).max(0.0) as u64);
         // Under sequence parallelism an MoE layer reads the sequence-split tokens directly: its
@@ -1383,7 +1439,7 @@ pub fn transformer_costs_with(
                     _ => s.runtime.selective,
                 };
                 let redo = block.redo(policy);
-                let kept = block.saved(fb, sp, l.tp, hidden, Some(policy), fp8_inputs)
+                let kept = block.saved(fb, sp, l.tp, hidden, Some(policy), inputs)
                     + experts_kept(Some(&redo));
                 layer.saved = Bytes(kept.max(0.0) as u64);
                 let (time, flops) = block_prices.recompute(Some(&redo));
@@ -1437,7 +1493,7 @@ pub fn transformer_costs_with(
     // Both see only their own tokens (no attention): priced without the CP factor.
     let price_local = |g: &SectionGraph| {
         let prices = NodePrices::new(&dev, g, fb, sp, l.tp, hidden, 1, None);
-        price(g, &prices, fb, sp, l.tp, hidden, fp8_inputs)
+        price(g, &prices, fb, sp, l.tp, hidden, inputs)
     };
     let mut embedding = price_local(&embed);
     embedding.tp_fwd = if l.tp > 1 { tp_one } else { Seconds(0.0) };
@@ -1448,7 +1504,8 @@ pub fn transformer_costs_with(
     // The loss peaks at the start of backward (see `LOSS_BYTES_PER_LOGIT`); the logits are not
     // saved.
     let logits = l.micro_batch * head_seq * shard.vocab;
-    head_cost.working = Bytes(logits * s.runtime.cross_entropy.bytes_per_logit(fb));
+    let loss = s.runtime.cross_entropy.on_vocab_shards(l.tp);
+    head_cost.working = Bytes(logits * loss.bytes_per_logit(fb));
     head_cost.saved = Bytes(head_cost.saved.0.saturating_sub(logits * fb));
     if s.model.tied_embeddings && l.pp == 1 {
         // A single-stage tied model shares the table with the embedding; across stages the
@@ -1857,6 +1914,16 @@ impl ExpertRanks {
     }
 }
 
+/// How linear layers keep their inputs for backward, beyond the tensors themselves.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+struct LinearInputs {
+    /// As one-byte fp8 casts ([`Setup::keeps_fp8_linear_inputs`]).
+    fp8: bool,
+    /// Gathered over the TP group under sequence parallelism
+    /// ([`Runtime::sp_keeps_gathered_inputs`]).
+    gathered: bool,
+}
+
 /// Bytes saved by keeping `gemm_input_elems` elements a GEMM alone reads as one-byte fp8
 /// casts instead of `fb`-byte ones, where the stack does ([`Runtime::te_linears`]).
 fn fp8_saving(gemm_input_elems: u64, fb: u64, fp8_inputs: bool) -> u64 {
@@ -1875,12 +1942,12 @@ fn price(
     sp: bool,
     tp: u32,
     hidden: u64,
-    fp8_inputs: bool,
+    inputs: LinearInputs,
 ) -> PartCost {
     let model_flops = prices.train_flops.iter().sum();
     PartCost {
         compute: prices.time(g, |_| true),
-        saved: Bytes(g.saved(fb, sp, tp, hidden, None, fp8_inputs) as u64),
+        saved: Bytes(g.saved(fb, sp, tp, hidden, None, inputs) as u64),
         params: g.param_count(),
         model_flops,
         hardware_flops: model_flops,
@@ -1966,10 +2033,12 @@ struct Recomputed {
 /// section's input) are kept instead, and recomputed ops' extra state is dropped, except
 /// dropout masks; a replayed section keeps its inputs and its kept ops' outputs.
 ///
-/// Where `fp8_inputs` ([`Runtime::te_linears`]), a tensor kept only as a linear layer's input
+/// Where `inputs.fp8` ([`Runtime::te_linears`]), a tensor kept only as a linear layer's input
 /// is kept as its one-byte fp8 cast; one another op also keeps is kept in 16 bits and as the
 /// cast beside it (the attention output: the fused attention's backward reads it, the output
-/// projection keeps its cast).
+/// projection keeps its cast). Where `inputs.gathered`
+/// ([`Runtime::sp_keeps_gathered_inputs`]), a hidden-sized tensor a linear layer keeps is
+/// kept whole under sequence parallelism, as gathered for it.
 fn saved_bytes(
     g: &Graph,
     fb: u64,
@@ -1977,34 +2046,43 @@ fn saved_bytes(
     tp: u32,
     hidden: u64,
     recomputed: Option<&Recomputed>,
-    fp8_inputs: bool,
+    inputs: LinearInputs,
 ) -> f64 {
-    // Per kept root tensor: whether a linear layer keeps it, and whether another op does.
-    let mut keepers: std::collections::HashMap<parallax_ir::TensorId, (bool, bool)> =
-        Default::default();
-    if fp8_inputs {
+    let fp8_inputs = inputs.fp8;
+    // Per kept root tensor: whether a linear layer keeps it, whether a GEMM against a weight
+    // (a linear layer, or the head's product with the table) does, and whether another op does.
+    #[derive(Clone, Copy, Default)]
+    struct Keepers {
+        linear: bool,
+        weight_gemm: bool,
+        other: bool,
+    }
+    let mut keepers: std::collections::HashMap<parallax_ir::TensorId, Keepers> = Default::default();
+    if fp8_inputs || inputs.gathered {
         let roots = g.view_roots();
         for n in &g.nodes {
             let linear = matches!(n.op, OpKind::Linear(_));
+            let weight_gemm =
+                linear || (matches!(n.op, OpKind::MatMul(_)) && g.weight_flags(n).contains(&true));
             for t in g.node_saves(n).1 {
                 let k = keepers.entry(roots[t.0 as usize]).or_default();
-                if linear {
-                    k.0 = true;
-                } else {
-                    k.1 = true;
-                }
+                k.linear |= linear;
+                k.weight_gemm |= weight_gemm;
+                k.other |= !linear;
             }
         }
     }
     let scale = |t: parallax_ir::TensorId| -> f64 {
         let elem = g.elem_bytes(t, fb);
-        let per_elem = match keepers.get(&t) {
-            Some((true, false)) if g.tensor(t).dtype.is_float() => 1,
-            Some((true, true)) if g.tensor(t).dtype.is_float() => elem + 1,
+        let kept_by = keepers.get(&t).copied().unwrap_or_default();
+        let per_elem = match (kept_by.linear, kept_by.other) {
+            (true, false) if fp8_inputs && g.tensor(t).dtype.is_float() => 1,
+            (true, true) if fp8_inputs && g.tensor(t).dtype.is_float() => elem + 1,
             _ => elem,
         };
         let bytes = (g.tensor(t).shape.elems() * per_elem) as f64;
-        if sp && g.tensor(t).shape.last() == hidden {
+        let gathered = inputs.gathered && kept_by.weight_gemm;
+        if sp && g.tensor(t).shape.last() == hidden && !gathered {
             bytes / f64::from(tp)
         } else {
             bytes
@@ -2330,6 +2408,49 @@ mod tests {
     }
 
     #[test]
+    fn dtensor_sequence_parallelism_keeps_the_gathered_linear_inputs() {
+        // torchtitan's column-parallel linears multiply (and keep) their input as gathered
+        // over the TP group: GPT-3 175B's two LayerNorm outputs, which the QKV and fc1 GEMMs
+        // keep, are kept whole instead of split eight ways, and so is the final norm's output
+        // the head keeps. Full recomputation keeps the layer input only; the op-level policy
+        // gathers again.
+        let m = cfg("gpt3-175b");
+        let p = preset("dgx-a100-80gb").unwrap();
+        let (sq, h, t) = (2048.0, 12288.0, 8.0);
+        let whole = sq * h * 2.0 * (1.0 - 1.0 / t);
+        let costs = |gathered: bool, recompute| {
+            let rt = Runtime {
+                sp_keeps_gathered_inputs: gathered,
+                ..Runtime::default()
+            };
+            transformer_costs(&setup(&m, &p, 8, rt), &layout(8, true, recompute)).unwrap()
+        };
+        let (split, gathered) = (costs(false, Recompute::None), costs(true, Recompute::None));
+        let grew = |f: fn(&TransformerCosts) -> u64| (f(&gathered) - f(&split)) as f64;
+        assert_eq!(grew(|c| c.layer().saved.0), 2.0 * whole);
+        assert_eq!(grew(|c| c.head.saved.0), whole);
+        for r in [Recompute::Full, Recompute::Selective] {
+            assert_eq!(
+                costs(true, r).layer().saved,
+                costs(false, r).layer().saved,
+                "{r:?}"
+            );
+        }
+        // Without sequence parallelism every rank holds the whole input anyway.
+        let no_sp = |gathered: bool| {
+            let rt = Runtime {
+                sp_keeps_gathered_inputs: gathered,
+                ..Runtime::default()
+            };
+            transformer_costs(&setup(&m, &p, 8, rt), &layout(8, false, Recompute::None))
+                .unwrap()
+                .layer()
+                .saved
+        };
+        assert_eq!(no_sp(true), no_sp(false));
+    }
+
+    #[test]
     fn korthikanti_activation_memory_with_tp_and_sp() {
         // Korthikanti et al. 2022 Table 2: per layer, s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes with
         // tensor parallelism, s·b·h/t·(34 + 5·a·s/h) with sequence parallelism too (16-bit,
@@ -2467,6 +2588,19 @@ mod tests {
             .unwrap();
             let fb16 = if precision == Precision::Fp32 { 4 } else { 2 };
             assert_eq!(te.head.working.0, fb16 * logits, "{precision:?} tp={tp}");
+            // DTensor's loss_parallel on sharded logits holds four fp32 copies in its backward;
+            // on whole logits it is PyTorch's own.
+            let dtensor = transformer_costs(
+                &with(CrossEntropy::LossParallel),
+                &layout(tp, false, Recompute::None),
+            )
+            .unwrap();
+            let per_logit = if tp > 1 { 16 } else { 12 };
+            assert_eq!(
+                dtensor.head.working.0,
+                per_logit * logits,
+                "{precision:?} tp={tp}"
+            );
             // What the head saves is its input, the norm's output and statistics: nothing
             // vocabulary-sized.
             let fb = if precision == Precision::Fp32 { 4 } else { 2 };

@@ -69,6 +69,12 @@ impl Engine {
                 // FSDP2 without gradient sync (a pipelined stage's micro-batches) adds each
                 // bf16 gradient into an fp32 one (`FSDPParam.accumulate_unsharded_grad_if_needed`).
                 wgrad_accumulation: WgradAccumulation::Hook,
+                // `loss_parallel` on the vocabulary-sharded logits when tp > 1
+                // (`parallel_dims.loss_parallel_enabled`, train.py).
+                cross_entropy: CrossEntropy::LossParallel,
+                // DTensor's sequence parallelism: a column-parallel linear keeps its gathered
+                // input (`ColwiseParallel` / `PrepareModuleInput` to `Replicate()`).
+                sp_keeps_gathered_inputs: true,
                 ..Runtime::default()
             },
             // Megatron's vocab-parallel cross-entropy works in one fp32 buffer; Transformer

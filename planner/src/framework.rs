@@ -1387,6 +1387,9 @@ pub fn table_text() -> String {
             CrossEntropy::TeFused => {
                 Some("Transformer Engine's fused cross-entropy (gradient in the logits)")
             }
+            CrossEntropy::LossParallel => {
+                Some("PyTorch's DTensor loss_parallel on vocabulary-sharded logits (tp > 1)")
+            }
         };
         if let Some(loss) = loss {
             let _ = writeln!(out, "  loss: {loss}");
