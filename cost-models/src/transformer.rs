@@ -1312,6 +1312,7 @@ pub fn transformer_costs_with(
     let inputs = LinearInputs {
         fp8: s.keeps_fp8_linear_inputs(),
         gathered: s.runtime.sp_keeps_gathered_inputs,
+        gathered_fp8: s.precision == Precision::Fp8 && s.runtime.fp8_recipe.gathers_fp8(),
     };
     // One layer of `kind` as a device runs it, its MoE MLP under `experts`.
     let price_layer = |kind: LayerKind, block: &SectionGraph, experts: Option<ExpertRanks>| {
@@ -1922,6 +1923,10 @@ struct LinearInputs {
     /// Gathered over the TP group under sequence parallelism
     /// ([`Runtime::sp_keeps_gathered_inputs`]).
     gathered: bool,
+    /// The gathers carry fp8 ([`Fp8Recipe::gathers_fp8`] under fp8 training: torchao's
+    /// `PrepareFloat8ModuleInput` casts before it gathers), so a gathered input only linear
+    /// layers keep is kept as its one-byte cast.
+    gathered_fp8: bool,
 }
 
 /// Bytes saved by keeping `gemm_input_elems` elements a GEMM alone reads as one-byte fp8
@@ -2038,7 +2043,8 @@ struct Recomputed {
 /// cast beside it (the attention output: the fused attention's backward reads it, the output
 /// projection keeps its cast). Where `inputs.gathered`
 /// ([`Runtime::sp_keeps_gathered_inputs`]), a hidden-sized tensor a linear layer keeps is
-/// kept whole under sequence parallelism, as gathered for it.
+/// kept whole under sequence parallelism, as gathered for it (its one-byte cast where
+/// `inputs.gathered_fp8` and only linear layers keep it).
 fn saved_bytes(
     g: &Graph,
     fb: u64,
@@ -2075,14 +2081,16 @@ fn saved_bytes(
     let scale = |t: parallax_ir::TensorId| -> f64 {
         let elem = g.elem_bytes(t, fb);
         let kept_by = keepers.get(&t).copied().unwrap_or_default();
+        let hidden_sized = g.tensor(t).shape.last() == hidden;
+        let gathered = inputs.gathered && kept_by.weight_gemm && hidden_sized;
+        let cast = fp8_inputs || (gathered && inputs.gathered_fp8);
         let per_elem = match (kept_by.linear, kept_by.other) {
-            (true, false) if fp8_inputs && g.tensor(t).dtype.is_float() => 1,
+            (true, false) if cast && g.tensor(t).dtype.is_float() => 1,
             (true, true) if fp8_inputs && g.tensor(t).dtype.is_float() => elem + 1,
             _ => elem,
         };
         let bytes = (g.tensor(t).shape.elems() * per_elem) as f64;
-        let gathered = inputs.gathered && kept_by.weight_gemm;
-        if sp && g.tensor(t).shape.last() == hidden && !gathered {
+        if sp && hidden_sized && !gathered {
             bytes / f64::from(tp)
         } else {
             bytes
@@ -2436,6 +2444,25 @@ mod tests {
                 "{r:?}"
             );
         }
+        // Under fp8 with float8 gathers (torchao's tensorwise recipe) the layers' gathered
+        // inputs are kept as their one-byte casts; the head's product with the table is not
+        // an fp8 linear and keeps 16 bits.
+        let h100 = preset("dgx-h100-80gb").unwrap();
+        let fp8 = |gathered: bool| {
+            let rt = Runtime {
+                sp_keeps_gathered_inputs: gathered,
+                ..Runtime::default()
+            };
+            let s = Setup {
+                precision: Precision::Fp8,
+                ..setup(&m, &h100, 8, rt)
+            };
+            transformer_costs(&s, &layout(8, true, Recompute::None)).unwrap()
+        };
+        let (split, gathered) = (fp8(false), fp8(true));
+        let grew = |f: fn(&TransformerCosts) -> u64| (f(&gathered) - f(&split)) as f64;
+        assert_eq!(grew(|c| c.layer().saved.0), 2.0 * sq * h * (1.0 - 2.0 / t));
+        assert_eq!(grew(|c| c.head.saved.0), whole);
         // Without sequence parallelism every rank holds the whole input anyway.
         let no_sp = |gathered: bool| {
             let rt = Runtime {

@@ -489,6 +489,10 @@ const TORCHTITAN: &[Feature] = &[
         what: "pipelined models keep FSDP parameters gathered across micro-batches (reshard_after_forward=False); GPipe, 1F1B and interleaved schedules, uneven split points",
         source: "torchtitan parallelize.py, pipeline_parallel.py",
     },
+    Feature {
+        what: "tensor parallelism by DTensor: the loss runs under loss_parallel on the vocabulary-sharded logits (its backward holds four fp32 copies of them), and under sequence parallelism each column-parallel linear keeps its input as gathered (redistributed to Replicate() before the matmul), not the sequence-split one",
+        source: "torchtitan parallelize.py (ColwiseParallel(output_layouts=Shard(-1)) on the output layer, PrepareModuleInput to Replicate()), train.py (loss_parallel_enabled when tp > 1); torch/distributed/tensor/parallel/loss.py (_nll_loss_and_log_softmax_backward)",
+    },
     FSDP2_ACCUMULATION,
 ];
 
@@ -1393,6 +1397,12 @@ pub fn table_text() -> String {
         };
         if let Some(loss) = loss {
             let _ = writeln!(out, "  loss: {loss}");
+        }
+        if r.sp_keeps_gathered_inputs {
+            let _ = writeln!(
+                out,
+                "  sequence parallelism keeps the gathered inputs of column-parallel linears"
+            );
         }
         if r.single_process_dp {
             let _ = writeln!(out, "  one process drives every GPU (DataParallel)");
