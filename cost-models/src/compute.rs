@@ -1880,6 +1880,7 @@ mod tests {
             (CrossEntropy::VocabParallel, 52.0),
             (CrossEntropy::TeFused, 10.0),
             (CrossEntropy::LossParallel, 76.0),
+            (CrossEntropy::Compiled, 8.0),
         ] {
             let m = DeviceModel::new(&p, Precision::Bf16)
                 .unwrap()

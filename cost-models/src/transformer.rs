@@ -101,6 +101,13 @@ pub enum CrossEntropy {
     /// default), [`CrossEntropy::Upcast`] where it does not:
     /// [`LOSS_PARALLEL_BYTES_PER_LOGIT`].
     LossParallel,
+    /// PyTorch's upcast cross-entropy compiled by inductor with the model (torchtitan since
+    /// bbb1b616, 2025-04-02: `build_cross_entropy_loss` wraps it in `torch.compile` when the
+    /// run compiles): the cast, the row statistics and the target's gather fuse into
+    /// reductions over the 16-bit logits, which the partitioner saves (with each row's
+    /// log-sum-exp) rather than fp32 log-probabilities, and backward writes the 16-bit
+    /// gradient in one kernel. It holds the saved logits and their gradient.
+    Compiled,
 }
 
 /// What a loss implementation moves per logit, and the kernels it launches, each way.
@@ -165,15 +172,15 @@ impl CrossEntropy {
                 fwd_kernels: 7.0,
                 bwd_kernels: 6.0,
             },
-        }
-    }
-
-    /// The loss run on logits whose vocabulary `tp` ranks share: `loss_parallel` applies only
-    /// to sharded logits.
-    pub fn on_vocab_shards(self, tp: u32) -> CrossEntropy {
-        match self {
-            CrossEntropy::LossParallel if tp <= 1 => CrossEntropy::Upcast,
-            other => other,
+            // The logits read for the row maximum and again for the sum of exponentials (the
+            // target's logit gathered on the way); backward reads them once and writes the
+            // gradient.
+            CrossEntropy::Compiled => LossPasses {
+                fwd_bytes: 2.0 * fb,
+                bwd_bytes: 2.0 * fb,
+                fwd_kernels: 2.0,
+                bwd_kernels: 1.0,
+            },
         }
     }
 
@@ -184,6 +191,7 @@ impl CrossEntropy {
             CrossEntropy::VocabParallel => IN_PLACE_LOSS_BYTES_PER_LOGIT,
             CrossEntropy::TeFused => fb,
             CrossEntropy::LossParallel => LOSS_PARALLEL_BYTES_PER_LOGIT,
+            CrossEntropy::Compiled => 2 * fb,
         }
     }
 }
@@ -296,6 +304,10 @@ pub struct Runtime {
     /// `torch.compile` around a model): nothing runs eagerly.
     #[serde(default)]
     pub compiled: bool,
+    /// A compiled run compiles the loss too ([`CrossEntropy::Compiled`]; torchtitan since
+    /// April 2025). Not under `loss_parallel`, whose DTensor decomposition it keeps.
+    #[serde(default)]
+    pub compiles_loss: bool,
     /// Every expert rank receives the same share of the routed tokens (a gate that deals
     /// tokens out in turn, or token dropping at capacity); otherwise the busiest expert rank
     /// receives the expected maximum of a random top-k routing ([`busiest_rank_load`]), which
@@ -450,6 +462,19 @@ impl Runtime {
             && !(precision == Precision::Fp8 && self.compiles_fp8)
             && self.tp_overlap != TpOverlap::MicroPipelined
     }
+
+    /// The cross-entropy a run at `precision` runs on logits whose vocabulary `tp` ranks
+    /// share: `loss_parallel` only on sharded logits; the compiled loss where the run
+    /// compiles and the stack compiles its loss with the model.
+    pub fn loss(&self, tp: u32, precision: Precision) -> CrossEntropy {
+        let compiled = self.compiles_loss && self.eager_kernels && !self.runs_eager(precision);
+        match self.cross_entropy {
+            CrossEntropy::LossParallel if tp > 1 => CrossEntropy::LossParallel,
+            CrossEntropy::LossParallel | CrossEntropy::Upcast if compiled => CrossEntropy::Compiled,
+            CrossEntropy::LossParallel => CrossEntropy::Upcast,
+            other => other,
+        }
+    }
 }
 
 impl Default for Runtime {
@@ -473,6 +498,7 @@ impl Default for Runtime {
             eager_kernels: false,
             compiles_fp8: false,
             compiled: false,
+            compiles_loss: false,
             balanced_routing: false,
             fp8_recipe: Fp8Recipe::Tensorwise,
             moe_host_sync: true,
@@ -1254,7 +1280,7 @@ pub fn transformer_costs_with(
         .with_eager(s.runtime.runs_eager(s.precision))
         .with_fp8_recipe(s.runtime.fp8_recipe)
         .with_native_attention(s.runtime.native_attention)
-        .with_cross_entropy(s.runtime.cross_entropy.on_vocab_shards(l.tp));
+        .with_cross_entropy(s.runtime.loss(l.tp, s.precision));
     let net = Network::new(s.profile);
     let gpn = s.profile.node.gpus_per_node;
     let fb = s.float_bytes();
@@ -1505,7 +1531,7 @@ pub fn transformer_costs_with(
     // The loss peaks at the start of backward (see `LOSS_BYTES_PER_LOGIT`); the logits are not
     // saved.
     let logits = l.micro_batch * head_seq * shard.vocab;
-    let loss = s.runtime.cross_entropy.on_vocab_shards(l.tp);
+    let loss = s.runtime.loss(l.tp, s.precision);
     head_cost.working = Bytes(logits * loss.bytes_per_logit(fb));
     head_cost.saved = Bytes(head_cost.saved.0.saturating_sub(logits * fb));
     if s.model.tied_embeddings && l.pp == 1 {
@@ -2626,6 +2652,38 @@ mod tests {
             assert_eq!(
                 dtensor.head.working.0,
                 per_logit * logits,
+                "{precision:?} tp={tp}"
+            );
+            // Compiled with the model (torchtitan since April 2025), the loss holds the 16-bit
+            // logits it saved and their gradient; sharded logits keep loss_parallel.
+            let compiled = Setup {
+                runtime: Runtime {
+                    cross_entropy: CrossEntropy::LossParallel,
+                    eager_kernels: true,
+                    compiled: true,
+                    compiles_loss: true,
+                    ..s.runtime
+                },
+                ..s
+            };
+            let c = transformer_costs(&compiled, &layout(tp, false, Recompute::None)).unwrap();
+            let per_logit = if tp > 1 { 16 } else { 2 * fb16 };
+            assert_eq!(
+                c.head.working.0,
+                per_logit * logits,
+                "{precision:?} tp={tp}"
+            );
+            // Run eagerly, the same stack's loss is PyTorch's own.
+            let eager = Setup {
+                runtime: Runtime {
+                    compiled: false,
+                    ..compiled.runtime
+                },
+                ..compiled
+            };
+            let c = transformer_costs(&eager, &layout(tp, false, Recompute::None)).unwrap();
+            assert_eq!(
+                c.head.working.0, dtensor.head.working.0,
                 "{precision:?} tp={tp}"
             );
             // What the head saves is its input, the norm's output and statistics: nothing

@@ -75,6 +75,9 @@ impl Engine {
                 // DTensor's sequence parallelism: a column-parallel linear keeps its gathered
                 // input (`ColwiseParallel` / `PrepareModuleInput` to `Replicate()`).
                 sp_keeps_gathered_inputs: true,
+                // `training.compile` (`compile.enable` later) compiles the loss with the model
+                // (components/loss.py `build_cross_entropy_loss`, since bbb1b616, 2025-04-02).
+                compiles_loss: true,
                 ..Runtime::default()
             },
             // Megatron's vocab-parallel cross-entropy works in one fp32 buffer; Transformer

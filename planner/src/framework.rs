@@ -69,11 +69,14 @@ pub enum FrameworkError {
     Option(String),
 }
 
-/// A version as stacks number them: a year (`2022`), a year-month release (`24.07`, NGC and
-/// NeMo style), a semantic version (`0.3`, `v2.1`, `core_r0.9.0`), or nothing.
+/// A version as stacks number them: a year (`2022`) or a month (`2025-02`), a year-month
+/// release (`24.07`, NGC and NeMo style), a semantic version (`0.3`, `v2.1`,
+/// `core_r0.9.0`), or nothing.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 struct Version {
     year: Option<u32>,
+    /// The month, where the version names one (`2025-02`, `24.07`).
+    month: Option<u32>,
     semver: Option<(u32, u32)>,
 }
 
@@ -87,24 +90,33 @@ impl Version {
             .split(['.', '-', '_'])
             .map_while(|p| p.parse::<u32>().ok());
         let (a, b) = (nums.next(), nums.next());
+        let month = b.filter(|m| (1..=12).contains(m));
         match a {
             Some(y) if (2015..2100).contains(&y) => Version {
                 year: Some(y),
+                month,
                 semver: None,
             },
             // `24.07`, `25.09`, `26.04.01`: year-month releases.
-            Some(y) if (19..100).contains(&y) && b.is_some_and(|m| (1..=12).contains(&m)) => {
-                Version {
-                    year: Some(2000 + y),
-                    semver: Some((y, b.unwrap_or(0))),
-                }
-            }
+            Some(y) if (19..100).contains(&y) && month.is_some() => Version {
+                year: Some(2000 + y),
+                month,
+                semver: Some((y, b.unwrap_or(0))),
+            },
             Some(major) => Version {
                 year: None,
+                month: None,
                 semver: Some((major, b.unwrap_or(0))),
             },
             None => Version::default(),
         }
+    }
+
+    /// Whether the version is `year`-`month` or earlier (a bare year counts as its whole
+    /// year: `2025` is not before `2025-04`).
+    fn up_to(&self, year: u32, month: u32) -> bool {
+        self.year
+            .is_some_and(|y| y < year || (y == year && self.month.is_some_and(|m| m <= month)))
     }
 
     fn year_in(&self, lo: u32, hi: u32) -> bool {
@@ -466,6 +478,10 @@ const TORCHTITAN: &[Feature] = &[
         source: "torchtitan docs and Liang et al. 2024 (torchtitan), §3",
     },
     Feature {
+        what: "a compiled run compiles the loss with the model: inductor fuses the upcast cross-entropy into reductions over the 16-bit logits and saves those, not fp32 log-probabilities (without loss_parallel)",
+        source: "torchtitan components/loss.py build_cross_entropy_loss (bbb1b616, 2025-04-02: \"reduction of memory and slightly better throughput\")",
+    },
+    Feature {
         what: "the Llama module code runs eagerly unless compiled (--compile: RMSNorm's fp32 chain, rotary embedding and SwiGLU as pointwise kernels otherwise); float8 and asynchronous-TP runs are compiled",
         source: "torchtitan config_manager.py and train_configs/llama3_8b.toml at 9dec370 (training.compile = false); docs/float8.md (--training.compile \"required for competitive performance\"); benchmarks/llama3_h100_202412_torchtitan.md, Table 1 (FSDP 5,762 vs FSDP + torch.compile 6,667 TPS/GPU)",
     },
@@ -500,6 +516,10 @@ const TORCHTITAN_2024: &[Feature] = &[
     Feature {
         what: "everything of torchtitan, except that a pipelined run given no micro-batch count splits each data-parallel rank's batch into one micro-batch per pipeline rank (`pipeline_parallel_microbatches` defaults to the pipeline degree, for interleaved schedules too), and interleaved schedules hold two stages a rank",
         source: "torchtitan 9dec370 (2024-12-26, the commit of docs/performance.md's runs): torchtitan/parallelisms/pipelining_utils.py (build_pipeline_schedule, generate_split_points); replaced by pipeline_parallel_microbatch_size in 5e2033c (2025-04-07)",
+    },
+    Feature {
+        what: "the loss stays eager in a compiled run (PyTorch's cross-entropy on upcast fp32 logits)",
+        source: "torchtitan train.py at 9dec370 (\"compiling loss function causes CUDA errors, turning off for now\"); compiled with the model from bbb1b616 (2025-04-02, components/loss.py build_cross_entropy_loss)",
     },
 ];
 
@@ -724,7 +744,12 @@ fn engine(e: Engine) -> Parts {
 fn torchtitan_2024() -> Parts {
     let Parts { runtime, space } = engine(Engine::Torchtitan);
     Parts {
-        runtime,
+        // Its loss stayed eager ("compiling loss function causes CUDA errors, turning off for
+        // now", torchtitan/components/loss.py before bbb1b616).
+        runtime: Runtime {
+            compiles_loss: false,
+            ..runtime
+        },
         space: Space {
             pipeline_defaults: Some(PipelineDefaults {
                 microbatches_per_rank: 1,
@@ -1041,10 +1066,10 @@ pub const STACKS: &[Stack] = &[
     },
     Stack {
         name: "torchtitan@2024",
-        covers: "torchtitan@2024 (releases of 2024)",
+        covers: "torchtitan@2024 to torchtitan@2025-03 (before April 2025)",
         names: &["torchtitan"],
         features: TORCHTITAN_2024,
-        matches: |n, v| n == "torchtitan" && v.year.is_some_and(|y| y <= 2024),
+        matches: |n, v| n == "torchtitan" && v.up_to(2025, 3),
         build: torchtitan_2024,
     },
     Stack {
@@ -1394,9 +1419,13 @@ pub fn table_text() -> String {
             CrossEntropy::LossParallel => {
                 Some("PyTorch's DTensor loss_parallel on vocabulary-sharded logits (tp > 1)")
             }
+            CrossEntropy::Compiled => Some("PyTorch's cross-entropy compiled by inductor"),
         };
         if let Some(loss) = loss {
             let _ = writeln!(out, "  loss: {loss}");
+        }
+        if r.compiles_loss {
+            let _ = writeln!(out, "  a compiled run compiles the loss with the model");
         }
         if r.sp_keeps_gathered_inputs {
             let _ = writeln!(
@@ -1584,9 +1613,13 @@ mod tests {
         ] {
             assert!(fw(s).space.context_parallel, "{s}");
         }
+        // torchtitan of 2024 is today's but for its eager loss.
         assert_eq!(
             fw("torchtitan@2024-12").runtime,
-            Engine::Torchtitan.runtime()
+            Runtime {
+                compiles_loss: false,
+                ..Engine::Torchtitan.runtime()
+            }
         );
         // torchtitan and FSDP run their module code eagerly (torch.compile is opt-in) but
         // their torchao float8 layers compiled; `--compile` compiles the rest, and is refused
@@ -1736,6 +1769,37 @@ mod tests {
             assert_eq!(fw.runtime, e.runtime(), "{e}");
             assert_eq!(fw.space, e.space(), "{e}");
         }
+    }
+
+    #[test]
+    fn torchtitan_compiles_its_loss_from_april_2025() {
+        // Versions by month: torchtitan's 2024 row (eager loss, one micro-batch per pipeline
+        // rank) covers releases up to March 2025; later ones, and a bare year, are current.
+        for (v, row, compiles_loss) in [
+            ("torchtitan@2024-12", "torchtitan@2024", false),
+            ("torchtitan@2025-02", "torchtitan@2024", false),
+            ("torchtitan@2025-06", "torchtitan", true),
+            ("torchtitan@2025", "torchtitan", true),
+            ("torchtitan", "torchtitan", true),
+        ] {
+            let fw = Framework::parse(v).unwrap();
+            assert!(
+                fw.name == row || fw.name.ends_with(&format!("(as {row})")),
+                "{v}: {}",
+                fw.name
+            );
+            assert_eq!(fw.runtime.compiles_loss, compiles_loss, "{v}");
+        }
+        assert_eq!(
+            Version::parse("2025-02"),
+            Version {
+                year: Some(2025),
+                month: Some(2),
+                semver: None
+            }
+        );
+        assert!(Version::parse("24.07").up_to(2024, 7));
+        assert!(!Version::parse("2025").up_to(2025, 3));
     }
 
     #[test]
