@@ -343,8 +343,8 @@ pub struct Runtime {
     /// gradient the input as gathered over the TP group, not the sequence-split one: DTensor's
     /// `ColwiseParallel` / `PrepareModuleInput` redistribute the input to `Replicate()` before
     /// the matmul, whose autograd saves what it multiplied (torchtitan). Megatron keeps the
-    /// split input and gathers it again in backward (`LinearWithGradAccumulationAndAsync...`,
-    /// `sequence_parallel`). Applies where the linear's input is kept at all: not under
+    /// split input and gathers it again in backward
+    /// (`LinearWithGradAccumulationAndAsyncCommunication`, `sequence_parallel`). Applies where the linear's input is kept at all: not under
     /// full recomputation, nor under torchtitan's op-level policy, which runs the all-gathers
     /// again rather than save them.
     #[serde(default)]
