@@ -344,9 +344,9 @@ pub struct Runtime {
     /// `ColwiseParallel` / `PrepareModuleInput` redistribute the input to `Replicate()` before
     /// the matmul, whose autograd saves what it multiplied (torchtitan). Megatron keeps the
     /// split input and gathers it again in backward
-    /// (`LinearWithGradAccumulationAndAsyncCommunication`, `sequence_parallel`). Applies where the linear's input is kept at all: not under
-    /// full recomputation, nor under torchtitan's op-level policy, which runs the all-gathers
-    /// again rather than save them.
+    /// (`LinearWithGradAccumulationAndAsyncCommunication`, `sequence_parallel`). Applies where
+    /// the linear's input is kept at all: not under full recomputation, nor under torchtitan's
+    /// op-level policy, which runs the all-gathers again rather than save them.
     #[serde(default)]
     pub sp_keeps_gathered_inputs: bool,
     /// How each micro-batch's weight gradients join the step's accumulated gradients.
@@ -1275,12 +1275,13 @@ pub fn transformer_costs_with(
     graphs: &SectionGraphs,
 ) -> Result<TransformerCosts, Infeasible> {
     check_layout(s, l)?;
+    let loss = s.runtime.loss(l.tp, s.precision);
     let dev = DeviceModel::new(s.profile, s.precision)
         .map_err(|e| Infeasible::Unsupported(e.to_string()))?
         .with_eager(s.runtime.runs_eager(s.precision))
         .with_fp8_recipe(s.runtime.fp8_recipe)
         .with_native_attention(s.runtime.native_attention)
-        .with_cross_entropy(s.runtime.loss(l.tp, s.precision));
+        .with_cross_entropy(loss);
     let net = Network::new(s.profile);
     let gpn = s.profile.node.gpus_per_node;
     let fb = s.float_bytes();
@@ -1531,7 +1532,6 @@ pub fn transformer_costs_with(
     // The loss peaks at the start of backward (see `LOSS_BYTES_PER_LOGIT`); the logits are not
     // saved.
     let logits = l.micro_batch * head_seq * shard.vocab;
-    let loss = s.runtime.loss(l.tp, s.precision);
     head_cost.working = Bytes(logits * loss.bytes_per_logit(fb));
     head_cost.saved = Bytes(head_cost.saved.0.saturating_sub(logits * fb));
     if s.model.tied_embeddings && l.pp == 1 {
@@ -2452,12 +2452,12 @@ mod tests {
         let p = preset("dgx-a100-80gb").unwrap();
         let (sq, h, t) = (2048.0, 12288.0, 8.0);
         let whole = sq * h * 2.0 * (1.0 - 1.0 / t);
+        let rt = |gathered: bool| Runtime {
+            sp_keeps_gathered_inputs: gathered,
+            ..Runtime::default()
+        };
         let costs = |gathered: bool, recompute| {
-            let rt = Runtime {
-                sp_keeps_gathered_inputs: gathered,
-                ..Runtime::default()
-            };
-            transformer_costs(&setup(&m, &p, 8, rt), &layout(8, true, recompute)).unwrap()
+            transformer_costs(&setup(&m, &p, 8, rt(gathered)), &layout(8, true, recompute)).unwrap()
         };
         let (split, gathered) = (costs(false, Recompute::None), costs(true, Recompute::None));
         let grew = |f: fn(&TransformerCosts) -> u64| (f(&gathered) - f(&split)) as f64;
@@ -2475,13 +2475,9 @@ mod tests {
         // an fp8 linear and keeps 16 bits.
         let h100 = preset("dgx-h100-80gb").unwrap();
         let fp8 = |gathered: bool| {
-            let rt = Runtime {
-                sp_keeps_gathered_inputs: gathered,
-                ..Runtime::default()
-            };
             let s = Setup {
                 precision: Precision::Fp8,
-                ..setup(&m, &h100, 8, rt)
+                ..setup(&m, &h100, 8, rt(gathered))
             };
             transformer_costs(&s, &layout(8, true, Recompute::None)).unwrap()
         };
@@ -2491,14 +2487,13 @@ mod tests {
         assert_eq!(grew(|c| c.head.saved.0), whole);
         // Without sequence parallelism every rank holds the whole input anyway.
         let no_sp = |gathered: bool| {
-            let rt = Runtime {
-                sp_keeps_gathered_inputs: gathered,
-                ..Runtime::default()
-            };
-            transformer_costs(&setup(&m, &p, 8, rt), &layout(8, false, Recompute::None))
-                .unwrap()
-                .layer()
-                .saved
+            transformer_costs(
+                &setup(&m, &p, 8, rt(gathered)),
+                &layout(8, false, Recompute::None),
+            )
+            .unwrap()
+            .layer()
+            .saved
         };
         assert_eq!(no_sp(true), no_sp(false));
     }

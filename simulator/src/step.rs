@@ -637,11 +637,14 @@ pub fn step_terms(
     // model its logits); the backward of that broadcast reduces every replica's gradients onto
     // the first GPU (`ReduceAddCoalesced`) once they are all complete. Each stands between
     // computations: nothing overlaps.
+    // Each virtual stage's parameters, which the replication, the accumulation pass, the
+    // reductions and the optimizer below all read.
+    let vs_params: Vec<u64> = (0..layers.len())
+        .map(|vs| virtual_stage_params(c, layers, vs))
+        .collect();
     let single_process = setup.runtime.single_process_dp && shard > 1;
     let replicate = if single_process {
-        let params: u64 = (0..layers.len())
-            .map(|vs| virtual_stage_params(c, layers, vs))
-            .sum();
+        let params: u64 = vs_params.iter().sum();
         let outputs = l.micro_batch * setup.seq * setup.model.vocab * wbytes * u64::from(shard);
         let broadcast = net.collective(Collective::Broadcast, Bytes(params * wbytes), dp_group);
         let gather = net.collective(Collective::AllGather, Bytes(outputs), dp_group);
@@ -671,8 +674,8 @@ pub fn step_terms(
         l.micro_batches(setup.global_batch),
     );
     if zero <= 1 && per_param > 0.0 {
-        for (vs, w) in costs.backward_weight.iter_mut().enumerate() {
-            *w += dev.memory(virtual_stage_params(c, layers, vs) as f64 * per_param);
+        for (w, &p) in costs.backward_weight.iter_mut().zip(&vs_params) {
+            *w += dev.memory(p as f64 * per_param);
         }
     }
 
@@ -683,7 +686,7 @@ pub fn step_terms(
     for s in 0..pp {
         let (mut stage_params, mut stage_experts) = (0u64, 0u64);
         for vs in positions_of(l, s) {
-            let p = virtual_stage_params(c, layers, vs);
+            let p = vs_params[vs];
             let experts = virtual_stage_experts(c, layers, vs);
             stage_params += p;
             stage_experts += experts;
