@@ -213,6 +213,65 @@ impl HostLink {
     }
 }
 
+/// Parameters of the host Adam benchmark in all (18 bytes each held: 150 MB quick, 1.2 GB
+/// otherwise, beyond any last-level cache) and the steps timed.
+fn host_adam_size(quick: bool) -> (usize, usize) {
+    if quick {
+        (1 << 23, 2)
+    } else {
+        (1 << 26, 5)
+    }
+}
+
+/// One worker's share of the host Adam benchmark: fp32 weights, gradients and moments, and the
+/// 16-bit copy of the weights.
+struct AdamSlice {
+    p: Vec<f32>,
+    g: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    half: Vec<u16>,
+}
+
+impl AdamSlice {
+    const BLOCK: usize = 4096;
+
+    fn new(params: usize) -> AdamSlice {
+        let n = params.max(Self::BLOCK);
+        AdamSlice {
+            p: vec![0.1; n],
+            g: vec![0.01; n],
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+            half: vec![0; n],
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.p.len()
+    }
+
+    /// One step over the slice, block by block, each block's 16-bit copy written as it is done.
+    fn step(&mut self, cfg: &AdamConfig) {
+        let b = Self::BLOCK;
+        for ((((p, g), m), v), h) in self
+            .p
+            .chunks_mut(b)
+            .zip(self.g.chunks(b))
+            .zip(self.m.chunks_mut(b))
+            .zip(self.v.chunks_mut(b))
+            .zip(self.half.chunks_mut(b))
+        {
+            cfg.update((0.1, 0.05), p, g, m, v);
+            // bf16 by truncation: the block is still in cache.
+            for (h, x) in h.iter_mut().zip(p.iter()) {
+                *h = (x.to_bits() >> 16) as u16;
+            }
+        }
+        std::hint::black_box(&self.half);
+    }
+}
+
 /// Parameters per second an offloaded optimizer step updates on `cores` host cores at once:
 /// the trainer's Adam over fp32 weights, gradients and moments far larger than the caches, each
 /// cache-sized block's 16-bit copy written as it is done (what ZeRO-Offload's
@@ -220,48 +279,49 @@ impl HostLink {
 /// traffic a parameter). The cores share the host's memory bandwidth, as the devices of a node
 /// stepping at once do.
 pub fn host_adam_params_per_s(cores: usize, quick: bool) -> f64 {
-    const BLOCK: usize = 4096;
     let cores = cores.max(1);
-    // 18 bytes a parameter held: 150 MB (quick) or 1.2 GB in all, beyond any last-level cache.
-    let total: usize = if quick { 1 << 23 } else { 1 << 26 };
-    let per = (total / cores).max(BLOCK);
-    let iters = if quick { 2 } else { 5 };
+    let (total, iters) = host_adam_size(quick);
     let cfg = AdamConfig::default();
     let barrier = std::sync::Barrier::new(cores + 1);
+    let mut per = 0;
     let start = std::thread::scope(|s| {
+        let mut workers = Vec::with_capacity(cores);
         for _ in 0..cores {
-            s.spawn(|| {
-                let (mut p, g) = (vec![0.1f32; per], vec![0.01f32; per]);
-                let (mut m, mut v, mut half) = (vec![0f32; per], vec![0f32; per], vec![0u16; per]);
-                let mut step = || {
-                    for ((((p, g), m), v), h) in p
-                        .chunks_mut(BLOCK)
-                        .zip(g.chunks(BLOCK))
-                        .zip(m.chunks_mut(BLOCK))
-                        .zip(v.chunks_mut(BLOCK))
-                        .zip(half.chunks_mut(BLOCK))
-                    {
-                        cfg.update((0.1, 0.05), p, g, m, v);
-                        // bf16 by truncation: the block is still in cache.
-                        for (h, x) in h.iter_mut().zip(p.iter()) {
-                            *h = (x.to_bits() >> 16) as u16;
-                        }
-                    }
-                    std::hint::black_box(&half);
-                };
+            workers.push(s.spawn(|| {
+                let mut slice = AdamSlice::new(total / cores);
                 // First touch of every page, outside the timing.
-                step();
+                slice.step(&cfg);
                 barrier.wait();
                 for _ in 0..iters {
-                    step();
+                    slice.step(&cfg);
                 }
-            });
+                slice.len()
+            }));
         }
         barrier.wait();
-        Instant::now()
+        let start = Instant::now();
+        per = workers.into_iter().map(|w| w.join().unwrap_or(0)).sum();
+        start
     });
     let secs = start.elapsed().as_secs_f64().max(1e-9);
-    (per * cores * iters) as f64 / secs
+    (per * iters) as f64 / secs
+}
+
+/// Parameters per second this process's share of the host Adam benchmark updates while the
+/// other `ranks - 1` processes of its node run theirs (call it on every rank of the node at
+/// once, after a barrier): under MPI each rank holds one core, and a node's offloaded step runs
+/// on all of them. The node's rate is `ranks` times the slowest rank's.
+pub fn host_adam_rank_params_per_s(ranks: usize, quick: bool) -> f64 {
+    let (total, iters) = host_adam_size(quick);
+    let cfg = AdamConfig::default();
+    let mut slice = AdamSlice::new(total / ranks.max(1));
+    slice.step(&cfg);
+    let start = Instant::now();
+    for _ in 0..iters {
+        slice.step(&cfg);
+    }
+    let secs = start.elapsed().as_secs_f64().max(1e-9);
+    (slice.len() * iters) as f64 / secs
 }
 
 /// The accelerator a calibration measured.
@@ -1419,6 +1479,15 @@ mod tests {
             "{} params/s against {} B/s copies a core",
             h.adam_params_per_s,
             m.compute.copy_bytes_per_s
+        );
+        // One MPI rank's share of the same step (half the parameters, one core) runs at no
+        // more than one core's share of the pair's rate would allow alone, within the noise
+        // of this shared machine.
+        let one = host_adam_rank_params_per_s(2, true);
+        assert!(
+            one > 1e6 && one < 4.0 * h.adam_params_per_s,
+            "{one} params/s on one rank's share against {} on both cores",
+            h.adam_params_per_s
         );
         assert!(m
             .compute

@@ -19,8 +19,13 @@
 //! ends every process of the job, so a run never hangs.
 
 use crate::calibrate::{
-    measure_compute, time_all_reduce, AllReduceTimes, ComputeFigures, InterNode, Measurements,
+    host_adam_rank_params_per_s, measure_compute, time_all_reduce, AllReduceTimes, ComputeFigures,
+    HostFigures, InterNode, Measurements,
 };
+
+/// Figures each rank contributes to rank 0's calibration: the slowest all-reduce times it saw
+/// inside its node (small, large) and across nodes (small, large), and its host Adam rate.
+const FIGURES: usize = 5;
 use crate::comm::{Collectives, CommError, Group};
 use crate::engine::{run_rank, Prepared, RankReport, RunSpec, Span};
 use crate::error::ExecError;
@@ -600,7 +605,8 @@ impl MpiRuntime {
     /// mpi`): all ranks run the compute benchmarks at once (one core each), the ranks on rank
     /// 0's node time all-reduces among themselves, and, when the job spans several nodes, one
     /// rank per node times all-reduces across nodes. Rank 0 gets the figures (compute figures
-    /// averaged over the ranks of its node); the other ranks get `None`.
+    /// averaged over the ranks of its node, and the host's Adam step that all of its node's
+    /// ranks run at once); the other ranks get `None`.
     pub fn calibrate(&mut self, quick: bool) -> Result<Option<Measurements>, ExecError> {
         let hosts = self.hosts();
         self.runs += 1;
@@ -640,25 +646,40 @@ impl MpiRuntime {
             } else {
                 None
             };
-            // Rank 0 needs the slowest member's times of each group.
-            let mut slowest = [0f32; 4];
+            // The host's Adam step as an offloaded optimizer runs it: every rank of a node at
+            // once, each on its own core and its share of the parameters, all through the
+            // node's memory.
+            let ranks_here = (0..self.world)
+                .filter(|&r| hosts[r] == hosts[self.rank])
+                .count();
+            comm.barrier(&all)?;
+            let adam = host_adam_rank_params_per_s(ranks_here, quick);
+            // Rank 0 needs the slowest member's times of each group, and the Adam rates of
+            // its node's ranks.
+            let mut mine = [0f32; FIGURES];
             if let Some(t) = intra {
-                slowest[0] = t.small_s as f32;
-                slowest[1] = t.large_s as f32;
+                mine[0] = t.small_s as f32;
+                mine[1] = t.large_s as f32;
             }
             if let Some(t) = inter {
-                slowest[2] = t.small_s as f32;
-                slowest[3] = t.large_s as f32;
+                mine[2] = t.small_s as f32;
+                mine[3] = t.large_s as f32;
             }
-            let mut all_times = vec![0f32; 4 * self.world];
-            comm.all_gather(&all, &slowest, &mut all_times)?;
+            mine[4] = adam as f32;
+            let mut all_figures = vec![0f32; FIGURES * self.world];
+            comm.all_gather(&all, &mine, &mut all_figures)?;
             comm.barrier(&all)?;
             if self.rank != 0 {
                 return Ok(None);
             }
+            let slowest_adam = local
+                .ranks()
+                .iter()
+                .map(|&r| f64::from(all_figures[FIGURES * r + 4]))
+                .fold(f64::INFINITY, f64::min);
             let times = |i: usize, bytes: f64| {
-                all_times
-                    .chunks_exact(4)
+                all_figures
+                    .chunks_exact(FIGURES)
                     .fold(AllReduceTimes::default(), |acc, t| {
                         acc.max(&AllReduceTimes {
                             small_s: f64::from(t[i]),
@@ -682,8 +703,11 @@ impl MpiRuntime {
                     fit: times(2, bytes).fit(leaders.size()),
                 }),
                 device: None,
-                // Every core runs a rank: the host's Adam step is not timed apart.
-                host: None,
+                host: Some(HostFigures {
+                    cores: local.size(),
+                    adam_params_per_s: slowest_adam * local.size() as f64,
+                    link: None,
+                }),
                 nvme: None,
             }))
         })();
