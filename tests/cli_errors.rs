@@ -578,7 +578,14 @@ fn bad_inputs_end_in_one_line_and_status_2() {
             &["schedule 1f1b needs pp > 1"],
         ),
         case(
-            &sim(&["--cluster", "dgx2-v100-32gb:gpus=16", "--plan", "tp=8"]),
+            &sim(&[
+                "--cluster",
+                "dgx2-v100-32gb:gpus=16",
+                "--plan",
+                "tp=8",
+                "--precision",
+                "bf16",
+            ]),
             &["bf16"],
         ),
         case(&sim(&["--precision", "fp4"]), &["--precision", "fp4"]),

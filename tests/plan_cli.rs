@@ -19,6 +19,47 @@ const SMALL: [&str; 6] = [
     "16",
 ];
 
+/// Without `--precision` a job trains in what its GPUs offer: bf16 on Ampere and later,
+/// fp16 on Volta (no bf16 there), fp32 on Kepler; `--precision` still overrides it, and an
+/// unsupported one is refused.
+#[test]
+fn the_default_precision_is_the_clusters() {
+    for (cluster, precision) in [
+        ("dgx-a100-80gb:gpus=8", "bf16"),
+        ("dgx1-v100-16gb:gpus=8", "fp16"),
+        ("gce-k80x8:gpus=8", "fp32"),
+    ] {
+        let out = plan(&[
+            "--model",
+            "gpt2",
+            "--cluster",
+            cluster,
+            "--global-batch",
+            "16",
+        ]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{cluster}: {out:?}");
+        assert!(
+            text.lines()
+                .next()
+                .unwrap_or("")
+                .ends_with(&format!(", {precision}")),
+            "{cluster}: {text}"
+        );
+    }
+    let out = plan(&[
+        "--model",
+        "gpt2",
+        "--cluster",
+        "dgx1-v100-16gb:gpus=8",
+        "--global-batch",
+        "16",
+        "--precision",
+        "bf16",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
 #[test]
 fn bad_plan_inputs_end_in_one_line_and_status_2() {
     for (extra, expect) in [

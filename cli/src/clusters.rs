@@ -42,9 +42,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     for (name, description) in presets() {
         let p = preset(name).map_err(user)?;
         let d = &p.device;
-        let best = [Precision::Bf16, Precision::Fp16, Precision::Fp32]
-            .into_iter()
-            .find_map(|x| d.peak_tflops(x).map(|t| (x, t)));
+        let best = Some(d.default_precision()).and_then(|x| d.peak_tflops(x).map(|t| (x, t)));
         let net = p
             .network
             .as_ref()

@@ -24,9 +24,10 @@ pub struct JobArgs {
     /// Sequence length (default: the model's maximum).
     #[arg(long)]
     pub seq: Option<u64>,
-    /// Training precision: fp32, tf32, fp16, bf16 or fp8.
-    #[arg(long, default_value = "bf16")]
-    pub precision: Precision,
+    /// Training precision: fp32, tf32, fp16, bf16 or fp8. Default: bf16 where the cluster's
+    /// GPUs have it, else fp16, else fp32 (the precision `parallax clusters` lists).
+    #[arg(long)]
+    pub precision: Option<Precision>,
     /// How convolutional graphs store activations: channels-last (what tuned mixed-precision
     /// stacks use) or nchw (PyTorch's default: cuDNN transposes around tensor-core convolutions).
     #[arg(long, value_enum, default_value_t = MemoryFormat::ChannelsLast)]
@@ -122,10 +123,12 @@ impl JobArgs {
             .map(str::parse::<Fp8Recipe>)
             .transpose()
             .map_err(|e| user(format!("--fp8-recipe: {e}")))?;
-        if fp8_recipe.is_some() && self.precision != Precision::Fp8 {
+        let precision = self
+            .precision
+            .unwrap_or_else(|| cluster.profile.device.default_precision());
+        if fp8_recipe.is_some() && precision != Precision::Fp8 {
             return Err(user(format!(
-                "--fp8-recipe: the job trains in {} (add --precision fp8)",
-                self.precision
+                "--fp8-recipe: the job trains in {precision} (add --precision fp8)"
             )));
         }
         Ok(match loaded.transformer().cloned() {
@@ -138,7 +141,7 @@ impl JobArgs {
                     cluster,
                     seq,
                     global_batch: self.global_batch,
-                    precision: self.precision,
+                    precision,
                     framework,
                     fp8_recipe,
                 })
@@ -168,7 +171,7 @@ impl JobArgs {
                 cluster,
                 seq,
                 self.global_batch,
-                self.precision,
+                precision,
                 self.memory_format == MemoryFormat::Nchw,
             )?),
         })

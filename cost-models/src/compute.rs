@@ -299,6 +299,16 @@ const ROWWISE_WEIGHT_BYTES: (f64, f64) = (3.0, 7.0);
 /// pytorch/ao#2184: "at least one extra triton kernel per GEMM"), reading and writing it (2 + 2).
 const ROWWISE_RESCALE_BYTES: f64 = 4.0;
 
+/// Elements a 16-bit GEMM dimension must be a multiple of for cuBLAS's full-rate kernels (16
+/// bytes: the vectorised loads and Hopper's TMA); other dimensions take the narrow-load kernels
+/// at the device's [`DeviceSpec::misaligned_gemm_efficiency`].
+pub const GEMM_ALIGNMENT_ELEMS: u64 = 8;
+
+/// Whether a 16-bit GEMM dimension of `d` elements is aligned ([`GEMM_ALIGNMENT_ELEMS`]).
+pub fn gemm_aligned(d: u64) -> bool {
+    d % GEMM_ALIGNMENT_ELEMS == 0
+}
+
 /// Compute cost model of one device at one training precision.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceModel<'a> {
@@ -584,8 +594,8 @@ impl<'a> DeviceModel<'a> {
     }
 
     /// The share of its aligned rate a linear layer's or matmul's GEMMs run at: 16-bit GEMMs
-    /// with a dimension (rows, reduction or output width) that is not a multiple of 8
-    /// elements run on cuBLAS's narrow-load kernels at the device's
+    /// with a dimension (rows, reduction or output width) that is not a multiple of
+    /// [`GEMM_ALIGNMENT_ELEMS`] elements run on cuBLAS's narrow-load kernels at the device's
     /// [`DeviceSpec::misaligned_gemm_efficiency`] (GPT-2's 50,257-entry vocabulary as
     /// HuggingFace runs it; stacks that pad the vocabulary never see it). fp32 GEMMs run on
     /// the SIMT pipes at any alignment; fp8 GEMMs take only aligned operands (the recipes
@@ -613,7 +623,7 @@ impl<'a> DeviceModel<'a> {
             _ => return 1.0,
         };
         let k = x.last();
-        if [rows, k, n].iter().all(|d| d % 8 == 0) {
+        if [rows, k, n].iter().all(|&d| gemm_aligned(d)) {
             1.0
         } else {
             share

@@ -349,6 +349,16 @@ impl DeviceSpec {
         v.filter(|&t| t > 0.0)
     }
 
+    /// The precision a job trains in on this device unless told otherwise: bf16 where the
+    /// device has it (Ampere and later), else fp16 mixed precision (Volta, Turing, Pascal's
+    /// P100), else fp32 (earlier chips, host cores).
+    pub fn default_precision(&self) -> Precision {
+        [Precision::Bf16, Precision::Fp16]
+            .into_iter()
+            .find(|&p| self.peak_tflops(p).is_some())
+            .unwrap_or(Precision::Fp32)
+    }
+
     /// Precisions with a nonzero peak.
     pub fn supported_precisions(&self) -> Vec<Precision> {
         Precision::ALL

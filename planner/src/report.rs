@@ -5,6 +5,7 @@
 use crate::framework::Framework;
 use crate::search::{Evaluated, SearchResult};
 use parallax_cost::band_range;
+use parallax_cost::compute::{gemm_aligned, GEMM_ALIGNMENT_ELEMS};
 use parallax_cost::transformer::{Setup, TpOverlap};
 use parallax_ir::plan::{ClusterRef, ModelRef, Prediction, Training};
 use parallax_ir::{Layout, Plan, Precision, Recompute, Schedule, PLAN_SCHEMA};
@@ -402,6 +403,9 @@ pub fn guidance(input: &ReportInput) -> Vec<String> {
             pct(p.mfu)
         ));
     }
+    if let Some(line) = alignment_note(s, l) {
+        out.push(line);
+    }
     out.push(format!(
         "No layout can beat {:.2} s per step (model FLOPs at the dense peak of all {} GPUs); this plan reaches {} of that ideal.",
         r.flops_bound_s,
@@ -415,6 +419,66 @@ pub fn guidance(input: &ReportInput) -> Vec<String> {
         out.push("Note: the simulator changed under the planner's tight bounds; the search fell back to pipeline-only bounds (exact, slower).".into());
     }
     out
+}
+
+/// The dimensions of `l`'s layer GEMMs, per rank, that a 16-bit GEMM cannot run at full
+/// rate on the device of `s` ([`gemm_aligned`]), by name: none where the device's misaligned
+/// rate is not measured or the precision is not 16-bit (the cost model's own rule).
+fn misaligned_dims(s: &Setup, l: &Layout) -> Vec<(String, u64)> {
+    if s.profile.device.misaligned_gemm_efficiency.is_none()
+        || !matches!(s.precision, Precision::Fp16 | Precision::Bf16)
+    {
+        return Vec::new();
+    }
+    let Some(shard) = s.model.tp_shard(u64::from(l.tp)) else {
+        return Vec::new();
+    };
+    let multiple = u64::from(s.runtime.vocab_multiple.max(1));
+    let rank = if l.tp > 1 { " a TP rank" } else { "" };
+    [
+        ("hidden size", "", s.model.hidden),
+        ("query width", rank, shard.heads * shard.head_dim),
+        ("key/value width", rank, shard.kv_heads * shard.head_dim),
+        ("FFN width", rank, shard.ffn_hidden),
+        (
+            "vocabulary",
+            rank,
+            shard.vocab.div_ceil(multiple) * multiple,
+        ),
+        (
+            "tokens a micro-batch",
+            "",
+            l.micro_batch * s.seq / u64::from(l.cp.max(1)),
+        ),
+    ]
+    .into_iter()
+    .filter(|&(_, _, d)| d > 0 && !gemm_aligned(d))
+    .map(|(what, per, d)| (format!("{what}{per}"), d))
+    .collect()
+}
+
+/// Where the best plan's layer GEMMs have a misaligned dimension ([`misaligned_dims`]): which,
+/// the share of their aligned rate such GEMMs run at on this device, and the padded size that
+/// restores it.
+fn alignment_note(s: &Setup, l: &Layout) -> Option<String> {
+    let dims = misaligned_dims(s, l);
+    let share = s.profile.device.misaligned_gemm_efficiency?;
+    if dims.is_empty() {
+        return None;
+    }
+    let list = dims
+        .iter()
+        .map(|(what, d)| {
+            let padded = d.div_ceil(GEMM_ALIGNMENT_ELEMS) * GEMM_ALIGNMENT_ELEMS;
+            format!("{what} {d} (padded: {padded})")
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    Some(format!(
+        "Misaligned GEMMs (a dimension not a multiple of {GEMM_ALIGNMENT_ELEMS}): {list}; on {} 16-bit GEMMs with such a dimension run at {} of their aligned rate (the profile's measured share); padding them to the sizes in brackets restores it.",
+        s.profile.device.name,
+        pct(share)
+    ))
 }
 
 /// Where the best plan's MFU passes the best published run of its model's size on its GPU
@@ -859,6 +923,57 @@ mod tests {
                 "was predicted on current; simulating on torchtitan (--framework)",
             ]
         );
+    }
+
+    /// GPT-3 13B as its paper gives it (hidden 5,140) has every layer GEMM misaligned: on an
+    /// H100, whose misaligned rate is measured, the guidance says which dimension, the share
+    /// and the padded size; an aligned model, fp32, or a chip without the measurement draws
+    /// no note; the stack's vocabulary padding aligns GPT-2's head.
+    #[test]
+    fn misaligned_gemm_dimensions_are_named_with_their_padding() {
+        let h100 = Cluster::parse("dgx-h100-80gb:gpus=8").unwrap();
+        let a100 = Cluster::parse("dgx-a100-80gb:gpus=8").unwrap();
+        let gpt3 = zoo::transformer("gpt3-13b").unwrap();
+        let l = Layout {
+            tp: 2,
+            dp: 4,
+            micro_batch: 1,
+            ..Layout::default()
+        };
+        let s = Setup::new(&gpt3, &h100.profile, 8, 2048, 64);
+        let note = alignment_note(&s, &l).unwrap();
+        assert!(
+            note.starts_with(
+                "Misaligned GEMMs (a dimension not a multiple of 8): hidden size 5140 (padded: 5144), vocabulary a TP rank 25129 (padded: 25136); on H100"
+            ) && note.contains("at 18 % of their aligned rate"),
+            "{note}"
+        );
+        assert_eq!(
+            alignment_note(&Setup::new(&gpt3, &a100.profile, 8, 2048, 64), &l),
+            None
+        );
+        let fp32 = Setup {
+            precision: Precision::Fp32,
+            ..s
+        };
+        assert_eq!(alignment_note(&fp32, &l), None);
+        let llama = zoo::transformer("llama3-8b").unwrap();
+        assert_eq!(
+            alignment_note(&Setup::new(&llama, &h100.profile, 8, 2048, 64), &l),
+            None
+        );
+        // GPT-2's 50,257 entries: misaligned as HuggingFace runs them (per rank at tp 1),
+        // aligned under Megatron's padding to 128 a rank.
+        let gpt2 = zoo::transformer("gpt2").unwrap();
+        let one = Layout { tp: 1, dp: 8, ..l };
+        let mut hf = Setup::new(&gpt2, &h100.profile, 8, 1024, 64);
+        hf.runtime.vocab_multiple = 1;
+        assert_eq!(
+            misaligned_dims(&hf, &one),
+            [("vocabulary".to_string(), 50257)]
+        );
+        hf.runtime.vocab_multiple = 128;
+        assert!(misaligned_dims(&hf, &one).is_empty());
     }
 
     #[test]
