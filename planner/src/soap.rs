@@ -70,7 +70,7 @@ impl Default for SoapOptions {
 }
 
 /// What the search looked at.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct SoapCounts {
     /// Candidate configurations over all ops.
     pub candidates: usize,
@@ -83,6 +83,10 @@ pub struct SoapCounts {
     /// Whether node and edge elimination reduced the graph to one node (the sequential optimum
     /// is then exact).
     pub exact: bool,
+    /// Of the plans refused for memory, the smallest reserved peak and the device's capacity,
+    /// GiB: what the refusal quotes.
+    #[serde(skip)]
+    pub smallest_refused: Option<(f64, f64)>,
 }
 
 /// The chosen per-op plan and what it was compared with.
@@ -536,8 +540,15 @@ fn simulate_fitting(
     counts.simulated += 1;
     match sim.simulate(costs, plan, global_batch) {
         Ok(s) if s.prediction.fits => Some(s.prediction),
-        Ok(_) => {
+        Ok(s) => {
             *counts.rejected.entry("out of memory".into()).or_default() += 1;
+            let p = &s.prediction;
+            if counts
+                .smallest_refused
+                .is_none_or(|(least, _)| p.reserved_memory_gib < least)
+            {
+                counts.smallest_refused = Some((p.reserved_memory_gib, p.capacity_gib));
+            }
             None
         }
         Err(_) => {
@@ -626,14 +637,18 @@ pub fn search_ops(
     }
     pool.sort_by(|a, b| a.1.step_time_s.total_cmp(&b.1.step_time_s));
     let Some((start, start_pred)) = pool.into_iter().next() else {
-        return Err(SoapError::NothingFits(
-            counts
-                .rejected
-                .iter()
-                .map(|(k, v)| format!("{v} {k}"))
-                .collect::<Vec<_>>()
-                .join(", "),
-        ));
+        let rejected = counts
+            .rejected
+            .iter()
+            .map(|(k, v)| format!("{v} {k}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(SoapError::NothingFits(match counts.smallest_refused {
+            Some((least, capacity)) => format!(
+                "{rejected}; the smallest needs {least:.1} GiB on its fullest GPU, a GPU has {capacity:.1} GiB"
+            ),
+            None => rejected,
+        }));
     };
     // Refinement.
     let mut rng = XorShiftRng::seed_from_u64(opts.seed);
@@ -991,17 +1006,18 @@ impl std::fmt::Debug for GraphJob<'_> {
 /// fits so, the search is run again with ZeRO 1, 2 and 3 in turn (optimizer states, then
 /// gradients, then the weights sharded over their replicas), as memory binds.
 pub fn plan_graph(job: &GraphJob, opts: &SoapOptions) -> Result<GraphPlan, SoapError> {
-    let mut first = None;
+    let mut sharded = String::new();
     for zero in 0..=3 {
         match plan_graph_at(job, opts, zero) {
             Ok(p) => return shard_states(job, p),
-            Err(e @ SoapError::NothingFits(_)) => {
-                first.get_or_insert(e);
-            }
+            // The last stage's refusal, whose plans need the least memory, is the one to quote.
+            Err(SoapError::NothingFits(why)) => sharded = why,
             Err(e) => return Err(e),
         }
     }
-    Err(first.expect("four stages tried"))
+    Err(SoapError::NothingFits(format!(
+        "ZeRO 0-3 tried; at ZeRO-3 (weights, gradients and optimizer states sharded) {sharded}"
+    )))
 }
 
 /// Smallest gain that moves a plan to a higher ZeRO stage: 1 % of its step.
@@ -1197,7 +1213,15 @@ mod tests {
         let p = plan_on(tight).unwrap();
         assert_eq!(p.zero_stage, 2);
         assert!(p.prediction.fits && p.prediction.reserved_memory_gib <= tight);
-        assert!(matches!(plan_on(two - 0.5), Err(SoapError::NothingFits(_))));
+        // Past ZeRO-3's room, the refusal quotes the smallest plan's need against the GPU.
+        match plan_on(two - 0.5) {
+            Err(SoapError::NothingFits(why)) => assert!(
+                why.contains("the smallest needs")
+                    && why.contains(&format!("a GPU has {:.1} GiB", two - 0.5)),
+                "{why}"
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 
     /// The delta simulator gives a fresh simulation's prediction for every plan of a random
