@@ -22,10 +22,6 @@ use crate::calibrate::{
     host_adam_rank_params_per_s, measure_compute, time_all_reduce, AllReduceTimes, ComputeFigures,
     HostFigures, InterNode, Measurements,
 };
-
-/// Figures each rank contributes to rank 0's calibration: the slowest all-reduce times it saw
-/// inside its node (small, large) and across nodes (small, large), and its host Adam rate.
-const FIGURES: usize = 5;
 use crate::comm::{Collectives, CommError, Group};
 use crate::engine::{run_rank, Prepared, RankReport, RunSpec, Span};
 use crate::error::ExecError;
@@ -38,6 +34,10 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
+
+/// Figures each rank contributes to rank 0's calibration: the slowest all-reduce times it saw
+/// inside its node (small, large) and across nodes (small, large), and its host Adam rate.
+const FIGURES: usize = 5;
 
 /// MPI tag of "whom are you waiting for?" queries (fault diagnosis).
 const MPI_TAG_QUERY: i32 = 1;
