@@ -42,7 +42,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     for (name, description) in presets() {
         let p = preset(name).map_err(user)?;
         let d = &p.device;
-        let best = Some(d.default_precision()).and_then(|x| d.peak_tflops(x).map(|t| (x, t)));
+        let precision = d.default_precision();
+        let best = d.peak_tflops(precision).map(|t| (precision, t));
         let net = p
             .network
             .as_ref()

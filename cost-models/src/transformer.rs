@@ -787,6 +787,17 @@ impl Setup<'_> {
             && self.runtime.fp8_recipe != Fp8Recipe::Rowwise
     }
 
+    /// The model as each of `tp` tensor-parallel ranks holds it, its vocabulary padded as the
+    /// stack pads it ([`Runtime::vocab_multiple`]: Megatron's 128 entries a rank); `None`
+    /// where `tp` does not divide the heads or the FFN.
+    pub fn rank_shard(&self, tp: u32) -> Option<TransformerConfig> {
+        let mut shard = self.model.tp_shard(u64::from(tp))?;
+        shard.vocab = shard
+            .vocab
+            .next_multiple_of(u64::from(self.runtime.vocab_multiple.max(1)));
+        Some(shard)
+    }
+
     /// Whether attention runs as a fused kernel: the runtime has one and the device runs it.
     pub fn fused_attention(&self) -> bool {
         self.runtime.fused_attention && self.profile.device.has_fused_attention()
@@ -1286,13 +1297,9 @@ pub fn transformer_costs_with(
     let gpn = s.profile.node.gpus_per_node;
     let fb = s.float_bytes();
     let (tp, cp) = (u64::from(l.tp), u64::from(l.cp));
-    let mut shard = s
-        .model
-        .tp_shard(tp)
+    let shard = s
+        .rank_shard(l.tp)
         .ok_or_else(|| Infeasible::Indivisible { what: "tp".into() })?;
-    // The stack's vocabulary padding (Megatron's: to 128 entries a rank).
-    let multiple = u64::from(s.runtime.vocab_multiple.max(1));
-    shard.vocab = shard.vocab.div_ceil(multiple) * multiple;
     let opts = micro_batch_options(s, l);
     let seq_local = opts.seq;
     let build = |sec, opts| graphs.get(&shard, (tp, fb), sec, opts);

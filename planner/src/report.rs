@@ -430,21 +430,16 @@ fn misaligned_dims(s: &Setup, l: &Layout) -> Vec<(String, u64)> {
     {
         return Vec::new();
     }
-    let Some(shard) = s.model.tp_shard(u64::from(l.tp)) else {
+    let Some(shard) = s.rank_shard(l.tp) else {
         return Vec::new();
     };
-    let multiple = u64::from(s.runtime.vocab_multiple.max(1));
     let rank = if l.tp > 1 { " a TP rank" } else { "" };
     [
         ("hidden size", "", s.model.hidden),
         ("query width", rank, shard.heads * shard.head_dim),
         ("key/value width", rank, shard.kv_heads * shard.head_dim),
         ("FFN width", rank, shard.ffn_hidden),
-        (
-            "vocabulary",
-            rank,
-            shard.vocab.div_ceil(multiple) * multiple,
-        ),
+        ("vocabulary", rank, shard.vocab),
         (
             "tokens a micro-batch",
             "",
@@ -469,8 +464,10 @@ fn alignment_note(s: &Setup, l: &Layout) -> Option<String> {
     let list = dims
         .iter()
         .map(|(what, d)| {
-            let padded = d.div_ceil(GEMM_ALIGNMENT_ELEMS) * GEMM_ALIGNMENT_ELEMS;
-            format!("{what} {d} (padded: {padded})")
+            format!(
+                "{what} {d} (padded: {})",
+                d.next_multiple_of(GEMM_ALIGNMENT_ELEMS)
+            )
         })
         .collect::<Vec<_>>()
         .join(", ");
