@@ -653,6 +653,11 @@ pub struct TransformerCosts {
     pub p2p_bytes: Bytes,
     /// One pipeline send of `p2p_bytes` (across nodes when stages are on different nodes).
     pub p2p: Seconds,
+    /// Parameters of the word-embedding table a rank holds twice over a pipeline, on the first
+    /// stage and as the last stage's head when the model ties them (0 otherwise): the
+    /// gradient the two stages sum after backward.
+    #[serde(default)]
+    pub tied_table: u64,
 }
 
 impl TransformerCosts {
@@ -1582,6 +1587,11 @@ pub fn transformer_costs_with(
         tokens_per_microbatch: l.micro_batch * seq_local,
         p2p_bytes,
         p2p,
+        tied_table: if s.model.tied_embeddings && l.pp > 1 {
+            shard.vocab * hidden
+        } else {
+            0
+        },
     })
 }
 

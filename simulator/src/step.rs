@@ -773,15 +773,16 @@ pub fn step_terms(
     }
     // A tied table lives on the first stage (the embedding) and the last (the head's copy):
     // after backward, before the optimizer, each pair of ranks holding it sums their two
-    // gradients (Megatron-LM's embedding group, `_allreduce_word_embedding_grads`, after the
-    // data-parallel reduction; DeepSpeed's pipeline engine, `_exec_reduce_tied_grads`). Nothing
-    // overlaps it, and the two stages usually sit on different nodes.
-    if pp > 1 && setup.model.tied_embeddings {
+    // gradients of the word table (Megatron-LM's embedding group,
+    // `_allreduce_word_embedding_grads`, after the data-parallel reduction; DeepSpeed's
+    // pipeline engine, `_exec_reduce_tied_grads`). Nothing overlaps it, and the two stages
+    // usually sit on different nodes.
+    if c.tied_table > 0 {
         let stage_stride = l.tp * l.cp * l.dp;
         let pair = Group::strided(2, stage_stride * (pp - 1), setup.profile.node.gpus_per_node);
         let sync = net.collective(
             Collective::AllReduce,
-            Bytes(c.embedding.params * setup.grad_reduce_bytes()),
+            Bytes(c.tied_table * setup.grad_reduce_bytes()),
             pair,
         );
         let last = layers.len() - 1;
@@ -1316,10 +1317,7 @@ mod tests {
         assert!(gathered.peak_memory_gib > sharded.peak_memory_gib);
         // ZeRO-3 reduces every micro-batch: after the last backward only the tied table's
         // sum between the first and the last stage remains (no more than its all-reduce).
-        let table = transformer_costs(&base, &with_zero(3))
-            .unwrap()
-            .embedding
-            .params;
+        let table = transformer_costs(&base, &with_zero(3)).unwrap().tied_table;
         let l = with_zero(3);
         let pair = Group::strided(2, l.tp * l.dp * (l.pp - 1), 8);
         let sync = Network::new(&p).collective(
@@ -1730,16 +1728,15 @@ mod tests {
             let s = Setup { model: m, ..s };
             let c = transformer_costs(&s, l).unwrap();
             let layers = stage_layers(m.layers, l);
-            (
-                c.embedding.params,
-                step_terms(&s, l, &c, &layers).unwrap().dp,
-            )
+            (c.tied_table, step_terms(&s, l, &c, &layers).unwrap().dp)
         };
         let untied = TransformerConfig {
             tied_embeddings: false,
             ..m.clone()
         };
-        let ((table, tied), (_, apart)) = (terms(&m, &l), terms(&untied, &l));
+        let ((table, tied), (none, apart)) = (terms(&m, &l), terms(&untied, &l));
+        // The word table alone (learned positions stay on the first stage), a rank's share.
+        assert_eq!((table, none), (250_880 / 8 * 12_288, 0));
         let net = Network::new(&p);
         let pair = Group::strided(2, 32 * 11, 8);
         let sync = net.collective(
