@@ -30,6 +30,7 @@ use crate::comm::{Collective, Group, Network};
 use crate::compute::{DeviceModel, OpTimes};
 pub use crate::memory::Optimizer;
 use crate::memory::{state_bytes_per_param_for, FP32_WEIGHT_BYTES, MIXED_WEIGHT_BYTES};
+use crate::transformer::WgradAccumulation;
 use parallax_hardware::{ClusterProfile, HwError};
 use parallax_ir::graph::{Node, NodeId, TensorId, TensorRole};
 use parallax_ir::{
@@ -1241,6 +1242,28 @@ impl<'a> OpCosts<'a> {
         }
         m.saved += (s.extra_elems * fb + s.extra_bytes) as f64;
         m
+    }
+
+    /// Gradient elements one device of the node's view holds whole while micro-batches
+    /// accumulate: the shards of the weights it owns (replicas synchronise only after the last
+    /// micro-batch, whatever the ZeRO stage).
+    pub fn accumulated_grad_elems(&self, n: NodeId, cfg: &ParallelConfig) -> f64 {
+        self.weight_layouts(n, cfg)
+            .map(|(layout, _)| layout.shard_elems() as f64)
+            .sum()
+    }
+
+    /// Time one micro-batch's backward spends adding `elems` weight-gradient elements into the
+    /// gradients accumulated over `m` micro-batches, averaged over them: PyTorch's autograd
+    /// (`AccumulateGrad`, as under DDP's `no_sync`) keeps the first micro-batch's gradient and
+    /// adds each later one in place, at the size gradients are reduced in
+    /// ([`WgradAccumulation::Autograd`], the transformer model's rule). Nothing for one
+    /// micro-batch.
+    pub fn wgrad_accumulation_time(&self, elems: f64, m: u32) -> Seconds {
+        let grad_bytes = self.state_bytes(1).1 as u64;
+        let per_elem =
+            WgradAccumulation::Autograd.bytes_per_param(self.float_bytes, grad_bytes, m.into());
+        self.device.memory(per_elem * elems)
     }
 
     /// Time of the optimizer update of `params` parameters on one device.

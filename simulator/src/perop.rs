@@ -245,6 +245,8 @@ struct NodePrice {
     memory: OpMemory,
     /// Parameters one device of the view updates.
     updated: f64,
+    /// Weight-gradient elements one device of the view accumulates over micro-batches.
+    grad_elems: f64,
 }
 
 /// The resharding of one input of a node from its producer, forward and backward, and the
@@ -376,6 +378,7 @@ impl DeltaSimulator {
                 collectives: costs.kernel_collectives(n, cfg),
                 memory: costs.memory(n, cfg),
                 updated: costs.updated_params(n, cfg),
+                grad_elems: costs.accumulated_grad_elems(n, cfg),
             });
             self.next_id += 1;
             slot.current = slot.seen.len() - 1;
@@ -593,11 +596,18 @@ fn build_micro(
         }
         let t = prices.nodes[i].times;
         let recompute = if plan.recompute { t.fwd } else { Seconds(0.0) };
+        // The weight gradients' sum into the accumulated ones, averaged over the micro-batches.
+        let accumulate =
+            costs.wgrad_accumulation_time(prices.nodes[i].grad_elems, plan.micro_batches);
         for (ci, c) in node_classes.iter().enumerate() {
             let gathered = gather(&mut mg, &passed, i, *c, &mut deps[ci]);
             kernel_collective(&mut mg, compute[*c], i, true, prices, &mut deps[ci]);
             let task = Task::new("B", TaskKind::BackwardInput, compute[*c]).with_index(i as u32);
-            let b = mg.add(task, t.bwd_input + t.bwd_weight + recompute, &deps[ci]);
+            let b = mg.add(
+                task,
+                t.bwd_input + t.bwd_weight + recompute + accumulate,
+                &deps[ci],
+            );
             mg.bwd[i].push(b);
             if gathered {
                 passed[*c].push(b);
@@ -1276,11 +1286,23 @@ mod tests {
         let got = step.prediction.step_time_s;
         assert!((got - expect).abs() < 1e-12, "{got} vs {expect}");
         assert!(step.prediction.breakdown.exposed_comm_s["dp"] > 0.0);
-        // Four accumulated micro-batches run forward and backward four times, sync once.
+        // Four accumulated micro-batches run forward and backward four times, sync once; the
+        // last three add their weight gradients into the first one's (autograd reads both and
+        // writes the sum: 3 × 4 bytes an fp32 element, three times a step).
         let mut acc = plan.clone();
         acc.micro_batches = 4;
         let step4 = simulate_op_plan(&mut c, &acc, 256).unwrap();
-        let want = 4.0 * fb + sync.0 + c.optimizer_time(params).0;
+        let mut sums = 0.0;
+        for i in 0..g.nodes.len() {
+            let e = c.accumulated_grad_elems(NodeId(i as u32), &plan.configs[i]);
+            // Averaged over the four: 3 / 4 × 12 bytes an element each backward.
+            let t = c.wgrad_accumulation_time(e, 4);
+            assert_eq!(t, c.device().memory(9.0 * e));
+            assert_eq!(c.wgrad_accumulation_time(e, 1).0, 0.0);
+            sums += t.0;
+        }
+        assert!(sums > 0.0);
+        let want = 4.0 * (fb + sums) + sync.0 + c.optimizer_time(params).0;
         assert!((step4.prediction.step_time_s - want).abs() < 1e-12);
     }
 
@@ -1324,14 +1346,21 @@ mod tests {
             .map(|i| c.compute(NodeId(i), &plan.configs[i as usize]))
             .collect();
         let (f1, f2, fl) = (t[0].fwd.0, t[1].fwd.0, t[2].fwd.0);
-        let b = |i: usize| t[i].bwd_input.0 + t[i].bwd_weight.0;
+        // Backward of node i in a step of m micro-batches, with its share of the gradient sum.
+        let b = |i: usize, m: u32| {
+            let elems = c.accumulated_grad_elems(NodeId(i as u32), &plan.configs[i]);
+            t[i].bwd_input.0 + t[i].bwd_weight.0 + c.wgrad_accumulation_time(elems, m).0
+        };
         // Gradient stream: G(F1) [0, g], G(F2) [g, 2g], G(B2) after F1, G(B1) after F2.
-        let e2 = (gt + f1).max(2.0 * gt) + f2;
-        let ebl = e2 + fl + b(2);
-        let g3 = (gt + f1).max(2.0 * gt) + gt;
-        let eb2 = ebl.max(g3) + b(1);
-        let g4 = e2.max(g3) + gt;
-        let eb1 = eb2.max(g4) + b(0);
+        let end_of_backward = |m: u32| {
+            let e2 = (gt + f1).max(2.0 * gt) + f2;
+            let ebl = e2 + fl + b(2, m);
+            let g3 = (gt + f1).max(2.0 * gt) + gt;
+            let eb2 = ebl.max(g3) + b(1, m);
+            let g4 = e2.max(g3) + gt;
+            eb2.max(g4) + b(0, m)
+        };
+        let (eb1, eb1_of_two) = (end_of_backward(1), end_of_backward(2));
         let params: f64 = (0..3)
             .map(|i| c.updated_params(NodeId(i), &plan.configs[i as usize]))
             .sum();
@@ -1362,12 +1391,12 @@ mod tests {
             .to_string();
         assert!(err.starts_with("zero stage 3: a per-op pipeline"), "{err}");
         // Accumulated micro-batches on the same devices gather again for each (FSDP frees
-        // the weights after each pass).
+        // the weights after each pass) and sum whole gradients until the last one.
         let mut acc = plan.clone();
         acc.micro_batches = 2;
         let two = simulate_op_plan(&mut c, &acc, 128).unwrap();
         assert_eq!(gathers(&two), 4);
-        let want = eb1 + expect;
+        let want = 2.0 * eb1_of_two + rs + c.optimizer_time(params).0;
         assert!((two.prediction.step_time_s - want).abs() < 1e-12);
         plan.zero_stage = 4;
         assert!(simulate_op_plan(&mut c, &plan, 64).is_err());
