@@ -1088,6 +1088,12 @@ impl<'a> OpCosts<'a> {
         })
     }
 
+    /// Bytes of one gradient element as gradients are accumulated and reduced (an fp32 main
+    /// gradient under mixed precision).
+    pub fn grad_bytes(&self) -> f64 {
+        self.state_bytes(1).1
+    }
+
     /// Model-state bytes per parameter under the ZeRO stage, sharded over `replicas`.
     fn state_bytes(&self, replicas: u32) -> (f64, f64, f64) {
         state_bytes_per_param_for(self.optimizer, self.precision, self.zero_stage, replicas)
@@ -1096,9 +1102,7 @@ impl<'a> OpCosts<'a> {
     /// Gradient synchronisation of the weights a node owns: one collective per weight over its
     /// replicas, as `(bytes per device, group, time)`; empty when nothing is replicated.
     pub fn grad_sync(&self, n: NodeId, cfg: &ParallelConfig) -> Vec<(u64, Group, Seconds)> {
-        // Gradients are reduced at their accumulation size (an fp32 main gradient under mixed
-        // precision).
-        let grad_bytes = self.state_bytes(1).1 as u64;
+        let grad_bytes = self.grad_bytes() as u64;
         self.replicated_weights(n, cfg)
             .map(|(layout, g)| {
                 let bytes = Bytes(layout.shard_elems() * grad_bytes);
@@ -1260,9 +1264,11 @@ impl<'a> OpCosts<'a> {
     /// ([`WgradAccumulation::Autograd`], the transformer model's rule). Nothing for one
     /// micro-batch.
     pub fn wgrad_accumulation_time(&self, elems: f64, m: u32) -> Seconds {
-        let grad_bytes = self.state_bytes(1).1 as u64;
-        let per_elem =
-            WgradAccumulation::Autograd.bytes_per_param(self.float_bytes, grad_bytes, m.into());
+        let per_elem = WgradAccumulation::Autograd.bytes_per_param(
+            self.float_bytes,
+            self.grad_bytes() as u64,
+            m.into(),
+        );
         self.device.memory(per_elem * elems)
     }
 

@@ -737,7 +737,9 @@ fn add_sync_and_optimizer(
 
 /// Peak memory of each device class (its devices run the same ops): model states of every op
 /// on it, what one micro-batch keeps for backward times the micro-batches in flight on its
-/// stage, the workspace and the allocator's allowance.
+/// stage, the workspace and the allocator's allowance. Replicas synchronise after the last of
+/// several micro-batches, so until then each holds its gradients whole, whatever the ZeRO
+/// stage (FSDP's `no_sync` accumulates unsharded gradients).
 fn class_memory(
     costs: &OpCosts,
     prices: &Prices,
@@ -754,6 +756,11 @@ fn class_memory(
             gathered[c] = gathered[c].max(2.0 * g);
         }
         let m = price.memory;
+        let grads = if plan.micro_batches > 1 {
+            m.grads.max(price.grad_elems * costs.grad_bytes())
+        } else {
+            m.grads
+        };
         let saved = if plan.recompute {
             // Checkpointing keeps each stage's input per micro-batch and one micro-batch's
             // activations while it is recomputed: counted as one micro-batch here.
@@ -764,7 +771,7 @@ fn class_memory(
         for &c in &cls.of_node[i] {
             let x = &mut mem[c];
             x.params += Bytes(m.params as u64);
-            x.grads += Bytes(m.grads as u64);
+            x.grads += Bytes(grads as u64);
             x.optimizer += Bytes(m.optimizer as u64);
             x.activations += Bytes(saved as u64);
         }
@@ -1398,6 +1405,10 @@ mod tests {
         assert_eq!(gathers(&two), 4);
         let want = 2.0 * eb1_of_two + rs + c.optimizer_time(params).0;
         assert!((two.prediction.step_time_s - want).abs() < 1e-12);
+        // Until the last micro-batch reduce-scatters them the gradients are held whole: eight
+        // times ZeRO-3's shard, as much as plain data parallelism's.
+        let g2 = two.prediction.memory.grads;
+        assert!((g2 - m0.grads).abs() < 1e-9 && (g2 - 8.0 * m3.grads).abs() < 1e-9);
         plan.zero_stage = 4;
         assert!(simulate_op_plan(&mut c, &plan, 64).is_err());
     }
