@@ -126,10 +126,12 @@ fn validate_scores_the_held_out_runs() {
     // not fit without recomputing every layer (predicted +29 %); with the recipe's bf16 buffers
     // no layer is recomputed (selective, free under fused attention: HFU = MFU), as the recipe
     // runs it (within 3 %). The torchtitan TP runs' peak memory is DTensor's (loss_parallel,
-    // gathered sequence-parallel inputs): 7.7 % over 11 (10.2 % before).
+    // gathered sequence-parallel inputs), and its pipelined stages' gradients freed stage by
+    // stage and last-stage outputs kept (PyTorch's pipelining of late 2024): 6.5 % over 11
+    // (7.7 % before those, 10.2 % before DTensor's buffers).
     let d = held_out("held-out.json", 21, 0.05, 0.15);
     let s = &d["summary"];
-    assert!(s["memory_mape"].as_f64().unwrap() <= 0.09, "{s}");
+    assert!(s["memory_mape"].as_f64().unwrap() <= 0.075, "{s}");
     for c in d["cases"].as_array().unwrap() {
         let id = c["id"].as_str().unwrap();
         if id.starts_with("titan-405B-512gpu-3D") {

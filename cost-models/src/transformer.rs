@@ -270,6 +270,18 @@ pub struct Runtime {
     /// every backward but the last without gradient sync. In time and memory that is the
     /// distributed optimizer's step (ZeRO-1); see [`Setup::zero_stage`].
     pub zero3_gathered_under_pp: bool,
+    /// Under pipeline parallelism each stage (FSDP's root of a virtual stage) reduce-scatters
+    /// its gradients and frees the unsharded ones after its own last backward (PyTorch's
+    /// pipeline stages run the post-backward reduction on a stage's last micro-batch): where a
+    /// rank's virtual stages run their backwards one after another (no more micro-batches than
+    /// pipeline ranks), only one of them holds whole gradients at a time.
+    #[serde(default)]
+    pub stage_grads_freed_after_own_backward: bool,
+    /// PyTorch's pipeline schedules of late 2024 keep every micro-batch's output of the last
+    /// stage until the step ends (`_PipelineStageBase.output_chunks`, merged for the step's
+    /// return value), so the last stage holds each micro-batch's logits beside the loss.
+    #[serde(default)]
+    pub pipeline_keeps_outputs: bool,
     /// A BERT pretraining head runs its masked-LM transform and decoder on the masked
     /// positions only (NVIDIA DeepLearningExamples' `dense_sequence_output`, MLPerf BERT),
     /// not on every token as HuggingFace's `BertForPreTraining` does.
@@ -491,6 +503,8 @@ impl Default for Runtime {
             allow_tp_across_nodes: false,
             selective: SelectivePolicy::CheapOps,
             zero3_gathered_under_pp: false,
+            stage_grads_freed_after_own_backward: false,
+            pipeline_keeps_outputs: false,
             mlm_masked_only: false,
             single_process_dp: false,
             zero3_gathers_per_layer: 1,
@@ -658,6 +672,11 @@ pub struct TransformerCosts {
     /// gradient the two stages sum after backward.
     #[serde(default)]
     pub tied_table: u64,
+    /// The head's output of one micro-batch on one rank (its logits over the rank's vocabulary
+    /// shard, at the training precision): what a pipeline schedule that keeps each
+    /// micro-batch's output for the step's merged result holds on the last stage.
+    #[serde(default)]
+    pub head_output: Bytes,
 }
 
 impl TransformerCosts {
@@ -1592,6 +1611,7 @@ pub fn transformer_costs_with(
         } else {
             0
         },
+        head_output: Bytes(logits * fb),
     })
 }
 

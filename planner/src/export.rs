@@ -61,6 +61,7 @@ impl Engine {
                 tp_overlap: TpOverlap::None,
                 selective: SelectivePolicy::CheapOpsAndAlternateMatmuls,
                 zero3_gathered_under_pp: true,
+                stage_grads_freed_after_own_backward: true,
                 // `training.compile = false` by default (config_manager.py and
                 // train_configs/llama3_8b.toml at 9dec370, `compile.enable` later); float8
                 // "requires `--training.compile` for competitive performance" (docs/float8.md).

@@ -506,6 +506,10 @@ const TORCHTITAN: &[Feature] = &[
         source: "torchtitan parallelize.py, pipeline_parallel.py",
     },
     Feature {
+        what: "each pipeline stage (an FSDP root of its own) reduce-scatters its gradients and frees the unsharded ones after its own last backward: a rank's two looped stages with no more micro-batches than pipeline ranks run their backwards one after the other, so one holds whole gradients at a time",
+        source: "torchtitan parallelisms/parallelize_llama.py at 9dec370 (fully_shard per stage model); torch/distributed/pipelining/stage.py after pytorch#134052 (set_requires_gradient_sync(False) on every backward, the stage's post-backward reduction on its last one)",
+    },
+    Feature {
         what: "tensor parallelism by DTensor: the loss runs under loss_parallel on the vocabulary-sharded logits (its backward holds four fp32 copies of them), and under sequence parallelism each column-parallel linear keeps its input as gathered (redistributed to Replicate() before the matmul), not the sequence-split one",
         source: "torchtitan parallelize.py (ColwiseParallel(output_layouts=Shard(-1)) on the output layer, PrepareModuleInput to Replicate()), train.py (loss_parallel_enabled when tp > 1); torch/distributed/tensor/parallel/loss.py (_nll_loss_and_log_softmax_backward)",
     },
@@ -516,6 +520,10 @@ const TORCHTITAN_2024: &[Feature] = &[
     Feature {
         what: "everything of torchtitan, except that a pipelined run given no micro-batch count splits each data-parallel rank's batch into one micro-batch per pipeline rank (`pipeline_parallel_microbatches` defaults to the pipeline degree, for interleaved schedules too), and interleaved schedules hold two stages a rank",
         source: "torchtitan 9dec370 (2024-12-26, the commit of docs/performance.md's runs): torchtitan/parallelisms/pipelining_utils.py (build_pipeline_schedule, generate_split_points); replaced by pipeline_parallel_microbatch_size in 5e2033c (2025-04-07)",
+    },
+    Feature {
+        what: "its PyTorch's pipeline schedules keep every micro-batch's output of the last stage (the logits) until the step ends, for the step's merged return value",
+        source: "torchtitan docs/performance.md (torch 1963fc8, 2024-12-23); torch/distributed/pipelining/stage.py of that time (_PipelineStageBase.output_chunks, merged by schedules.py _step_microbatches / merge_chunks); torchtitan train.py at 9dec370 discards the merged value",
     },
     Feature {
         what: "the loss stays eager in a compiled run (PyTorch's cross-entropy on upcast fp32 logits)",
@@ -748,6 +756,7 @@ fn torchtitan_2024() -> Parts {
         // now", torchtitan/components/loss.py before bbb1b616).
         runtime: Runtime {
             compiles_loss: false,
+            pipeline_keeps_outputs: true,
             ..runtime
         },
         space: Space {
@@ -1613,13 +1622,20 @@ mod tests {
         ] {
             assert!(fw(s).space.context_parallel, "{s}");
         }
-        // torchtitan of 2024 is today's but for its eager loss.
+        // torchtitan of 2024 is today's but for its eager loss and its pipelining's kept
+        // outputs.
         assert_eq!(
             fw("torchtitan@2024-12").runtime,
             Runtime {
                 compiles_loss: false,
+                pipeline_keeps_outputs: true,
                 ..Engine::Torchtitan.runtime()
             }
+        );
+        assert!(
+            Engine::Torchtitan
+                .runtime()
+                .stage_grads_freed_after_own_backward
         );
         // torchtitan and FSDP run their module code eagerly (torch.compile is opt-in) but
         // their torchao float8 layers compiled; `--compile` compiles the rest, and is refused

@@ -331,6 +331,20 @@ fn virtual_stage_saved(c: &TransformerCosts, layers: &[u32], vs: usize) -> f64 {
 /// DeepSpeed's `reduce_bucket_size` default (5e8; ZeRO config docs).
 const OFFLOAD_GRAD_BUCKET_ELEMENTS: f64 = 5e8;
 
+/// Whether a rank's `chunks` virtual stages hold their whole gradients one after another: an
+/// FSDP stack that keeps pipelined stages gathered and frees each stage's unsharded gradients
+/// after its own last backward, where the schedule runs each virtual stage's backwards
+/// together (interleaved 1F1B with no more micro-batches than pipeline ranks: every backward
+/// of the later virtual stage comes before the earlier one's first).
+fn chunks_release_grads_in_turn(setup: &Setup, l: &Layout, chunks: usize, m: u32) -> bool {
+    let r = &setup.runtime;
+    r.stage_grads_freed_after_own_backward
+        && r.zero3_gathered_under_pp
+        && l.zero_stage >= 2
+        && chunks > 1
+        && m <= l.pp
+}
+
 /// Peak memory of pipeline stage `s` of `l` with `layers` per virtual stage and `m`
 /// micro-batches: its model states (sharded over data × context parallel ranks as ZeRO says),
 /// the activations of its most micro-batches in flight, the workspace, the working buffers of
@@ -399,6 +413,11 @@ pub fn stage_memory_of(
         Bytes::from_gib(workspace_gib(setup.profile)).0 as f64 + largest(&|l| l.working.0) as f64;
     if chunks.contains(&(nv - 1)) {
         buffers += c.head.working.0 as f64;
+        if setup.runtime.pipeline_keeps_outputs && pp > 1 {
+            // The earlier micro-batches' logits, kept for the step's merged output (the
+            // current one's are in the loss's working buffers).
+            buffers += f64::from(m.saturating_sub(1)) * c.head_output.0 as f64;
+        }
     }
     if zero >= 3 {
         // Two layers gathered (current and prefetched) plus one layer's unsharded gradient.
@@ -411,7 +430,18 @@ pub fn stage_memory_of(
     let on_device = |b: f64, kept: bool| if kept { b } else { 0.0 };
     let (keep_params, keep_rest) = (!l.offload.params(), l.offload == Offload::None);
     let grads = if keep_rest {
-        states(gb, egb)
+        if chunks_release_grads_in_turn(setup, l, chunks.len(), m) {
+            // One virtual stage's gradients at a time: the largest.
+            chunks
+                .iter()
+                .map(|&vs| {
+                    let e = virtual_stage_experts(c, layers, vs);
+                    (virtual_stage_params(c, layers, vs) - e) as f64 * gb + e as f64 * egb
+                })
+                .fold(0.0, f64::max)
+        } else {
+            states(gb, egb)
+        }
     } else {
         let bucket = OFFLOAD_GRAD_BUCKET_ELEMENTS * setup.grad_reduce_bytes() as f64;
         states(gb, egb).min(bucket)
@@ -1289,6 +1319,57 @@ mod tests {
         assert!(sel.memory.activations >= full.memory.activations);
         assert!(full.step_time_s > sel.step_time_s && sel.step_time_s >= none.step_time_s);
         assert!(full.hfu > full.mfu);
+    }
+
+    /// torchtitan's pipelined FSDP (late 2024): each looped stage frees its unsharded gradients
+    /// after its own last backward, so with no more micro-batches than pipeline ranks a rank's
+    /// two stages hold whole gradients one at a time; and the last stage keeps every
+    /// micro-batch's logits for the step's merged output.
+    #[test]
+    fn looped_stages_free_their_gradients_in_turn_and_the_last_keeps_its_outputs() {
+        let (m, p) = (gpt3(), preset("dgx-a100-80gb").unwrap());
+        let base = setup(&m, &p, 1024, 1536);
+        let kept = Setup {
+            runtime: Runtime {
+                zero3_gathered_under_pp: true,
+                ..Runtime::default()
+            },
+            ..base
+        };
+        let titan = Setup {
+            runtime: Runtime {
+                stage_grads_freed_after_own_backward: true,
+                pipeline_keeps_outputs: true,
+                ..kept.runtime
+            },
+            ..base
+        };
+        let l = Layout {
+            zero_stage: 3,
+            ..megatron_175b(Schedule::Interleaved1F1B, 2)
+        };
+        let layers = vec![6; 16];
+        let mem = |s: &Setup, micro: u32, stage: u32| {
+            let c = transformer_costs(s, &l).unwrap();
+            stage_memory_of(s, &l, &c, &layers, micro, stage).unwrap()
+        };
+        // A middle rank's two stages of six layers: one stage's gradients at m = pp; both once
+        // the backwards of the two interleave (m = 2 pp) or under a stack that reduces at the end.
+        let (whole, in_turn) = (mem(&kept, 8, 3).grads.0, mem(&titan, 8, 3).grads.0);
+        assert!(in_turn > 0 && whole == 2 * in_turn, "{whole} vs {in_turn}");
+        assert_eq!(mem(&titan, 16, 3).grads.0, mem(&kept, 16, 3).grads.0);
+        // The last rank keeps seven earlier micro-batches' logits (the eighth's are the loss's).
+        let out = transformer_costs(&titan, &l).unwrap().head_output.0;
+        // One sequence of 2,048 tokens over an eighth of the vocabulary, in 16 bits.
+        let per_token = out / 2 / 2048;
+        assert_eq!(out, 2 * 2048 * per_token);
+        assert!(
+            (50257 / 8..50257 / 8 + 128).contains(&per_token),
+            "{per_token}"
+        );
+        let extra = mem(&titan, 8, 7).buffers.0 - mem(&kept, 8, 7).buffers.0;
+        assert_eq!(extra, 7 * out);
+        assert_eq!(mem(&titan, 8, 3).buffers, mem(&kept, 8, 3).buffers);
     }
 
     #[test]
