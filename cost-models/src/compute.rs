@@ -593,6 +593,14 @@ impl<'a> DeviceModel<'a> {
         Seconds(arithmetic.max(traffic)) + self.epilogue(out_bytes) + self.overhead(1.0)
     }
 
+    /// The share of their aligned rate GEMMs with a misaligned dimension run at, where that
+    /// costs anything: 16-bit GEMMs on a device that measures it (see [`Self::alignment`]).
+    pub fn misaligned_gemm_share(&self) -> Option<f64> {
+        self.dev
+            .misaligned_gemm_efficiency
+            .filter(|_| matches!(self.precision, Precision::Fp16 | Precision::Bf16))
+    }
+
     /// The share of its aligned rate a linear layer's or matmul's GEMMs run at: 16-bit GEMMs
     /// with a dimension (rows, reduction or output width) that is not a multiple of
     /// [`GEMM_ALIGNMENT_ELEMS`] elements run on cuBLAS's narrow-load kernels at the device's
@@ -601,12 +609,9 @@ impl<'a> DeviceModel<'a> {
     /// the SIMT pipes at any alignment; fp8 GEMMs take only aligned operands (the recipes
     /// pad).
     fn alignment(&self, op: &OpKind, ins: &[Shape]) -> f64 {
-        let Some(share) = self.dev.misaligned_gemm_efficiency else {
+        let Some(share) = self.misaligned_gemm_share() else {
             return 1.0;
         };
-        if !matches!(self.precision, Precision::Fp16 | Precision::Bf16) {
-            return 1.0;
-        }
         let Some(x) = ins.first() else {
             return 1.0;
         };

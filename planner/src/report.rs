@@ -5,7 +5,7 @@
 use crate::framework::Framework;
 use crate::search::{Evaluated, SearchResult};
 use parallax_cost::band_range;
-use parallax_cost::compute::{gemm_aligned, GEMM_ALIGNMENT_ELEMS};
+use parallax_cost::compute::{gemm_aligned, DeviceModel, GEMM_ALIGNMENT_ELEMS};
 use parallax_cost::transformer::{Setup, TpOverlap};
 use parallax_ir::plan::{ClusterRef, ModelRef, Prediction, Training};
 use parallax_ir::{Layout, Plan, Precision, Recompute, Schedule, PLAN_SCHEMA};
@@ -421,13 +421,19 @@ pub fn guidance(input: &ReportInput) -> Vec<String> {
     out
 }
 
-/// The dimensions of `l`'s layer GEMMs, per rank, that a 16-bit GEMM cannot run at full
-/// rate on the device of `s` ([`gemm_aligned`]), by name: none where the device's misaligned
-/// rate is not measured or the precision is not 16-bit (the cost model's own rule).
+/// The share of their aligned rate misaligned GEMMs run at under `s`, where the cost model
+/// charges one ([`DeviceModel::misaligned_gemm_share`]).
+fn misaligned_share(s: &Setup) -> Option<f64> {
+    DeviceModel::new(s.profile, s.precision)
+        .ok()?
+        .misaligned_gemm_share()
+}
+
+/// The dimensions of `l`'s layer GEMMs, per rank, that a GEMM cannot run at full rate on the
+/// device of `s` ([`gemm_aligned`]), by name: none where misalignment costs nothing there
+/// ([`misaligned_share`]).
 fn misaligned_dims(s: &Setup, l: &Layout) -> Vec<(String, u64)> {
-    if s.profile.device.misaligned_gemm_efficiency.is_none()
-        || !matches!(s.precision, Precision::Fp16 | Precision::Bf16)
-    {
+    if misaligned_share(s).is_none() {
         return Vec::new();
     }
     let Some(shard) = s.rank_shard(l.tp) else {
@@ -456,8 +462,8 @@ fn misaligned_dims(s: &Setup, l: &Layout) -> Vec<(String, u64)> {
 /// the share of their aligned rate such GEMMs run at on this device, and the padded size that
 /// restores it.
 fn alignment_note(s: &Setup, l: &Layout) -> Option<String> {
+    let share = misaligned_share(s)?;
     let dims = misaligned_dims(s, l);
-    let share = s.profile.device.misaligned_gemm_efficiency?;
     if dims.is_empty() {
         return None;
     }

@@ -757,7 +757,7 @@ fn class_memory(
         }
         let m = price.memory;
         let grads = if plan.micro_batches > 1 {
-            m.grads.max(price.grad_elems * costs.grad_bytes())
+            price.grad_elems * costs.grad_bytes()
         } else {
             m.grads
         };

@@ -386,16 +386,21 @@ pub fn stage_memory_of(
     // those.
     let (ewb, egb, eob) = states_of(l.expert_dp());
     let chunks = positions_of(l, s);
-    let params: u64 = chunks
+    // Each virtual stage's (dense, routed-expert) parameters, and the stage's together.
+    let split: Vec<(u64, u64)> = chunks
         .iter()
-        .map(|&vs| virtual_stage_params(c, layers, vs))
-        .sum();
-    let experts: u64 = chunks
+        .map(|&vs| {
+            let e = virtual_stage_experts(c, layers, vs);
+            (virtual_stage_params(c, layers, vs) - e, e)
+        })
+        .collect();
+    let bytes = |(dense, experts): (u64, u64), dense_b: f64, expert_b: f64| {
+        dense as f64 * dense_b + experts as f64 * expert_b
+    };
+    let whole = split
         .iter()
-        .map(|&vs| virtual_stage_experts(c, layers, vs))
-        .sum();
-    let dense = params - experts;
-    let states = |dense_b: f64, expert_b: f64| dense as f64 * dense_b + experts as f64 * expert_b;
+        .fold((0, 0), |(d, e), &(dv, ev)| (d + dv, e + ev));
+    let states = |dense_b: f64, expert_b: f64| bytes(whole, dense_b, expert_b);
     let saved_per_chunk = chunks
         .iter()
         .map(|&vs| virtual_stage_saved(c, layers, vs))
@@ -429,22 +434,17 @@ pub fn stage_memory_of(
     // bucket; with the parameters offloaded those too.
     let on_device = |b: f64, kept: bool| if kept { b } else { 0.0 };
     let (keep_params, keep_rest) = (!l.offload.params(), l.offload == Offload::None);
-    let grads = if keep_rest {
-        if chunks_release_grads_in_turn(setup, l, chunks.len(), m) {
-            // One virtual stage's gradients at a time: the largest.
-            chunks
-                .iter()
-                .map(|&vs| {
-                    let e = virtual_stage_experts(c, layers, vs);
-                    (virtual_stage_params(c, layers, vs) - e) as f64 * gb + e as f64 * egb
-                })
-                .fold(0.0, f64::max)
-        } else {
-            states(gb, egb)
-        }
-    } else {
+    let grads = if !keep_rest {
         let bucket = OFFLOAD_GRAD_BUCKET_ELEMENTS * setup.grad_reduce_bytes() as f64;
         states(gb, egb).min(bucket)
+    } else if chunks_release_grads_in_turn(setup, l, chunks.len(), m) {
+        // One virtual stage's gradients at a time: the largest.
+        split
+            .iter()
+            .map(|&chunk| bytes(chunk, gb, egb))
+            .fold(0.0, f64::max)
+    } else {
+        states(gb, egb)
     };
     Ok(MemoryBreakdown {
         params: Bytes(states(on_device(wb, keep_params), on_device(ewb, keep_params)) as u64),
@@ -1136,6 +1136,17 @@ mod tests {
         Setup::new(m, p, gpus, 2048, batch)
     }
 
+    /// `base` under a stack whose FSDP keeps pipelined stages gathered (torchtitan's).
+    fn gathered_under_pp(base: Setup) -> Setup {
+        Setup {
+            runtime: Runtime {
+                zero3_gathered_under_pp: true,
+                ..Runtime::default()
+            },
+            ..base
+        }
+    }
+
     fn megatron_175b(schedule: Schedule, v: u32) -> Layout {
         Layout {
             dp: 16,
@@ -1329,13 +1340,7 @@ mod tests {
     fn looped_stages_free_their_gradients_in_turn_and_the_last_keeps_its_outputs() {
         let (m, p) = (gpt3(), preset("dgx-a100-80gb").unwrap());
         let base = setup(&m, &p, 1024, 1536);
-        let kept = Setup {
-            runtime: Runtime {
-                zero3_gathered_under_pp: true,
-                ..Runtime::default()
-            },
-            ..base
-        };
+        let kept = gathered_under_pp(base);
         let titan = Setup {
             runtime: Runtime {
                 stage_grads_freed_after_own_backward: true,
@@ -1379,13 +1384,7 @@ mod tests {
         // and fp32 gradients, shards only the optimizer, and gathers nothing per micro-batch.
         let (m, p) = (gpt3(), preset("dgx-a100-80gb").unwrap());
         let base = setup(&m, &p, 1024, 1536);
-        let kept = Setup {
-            runtime: Runtime {
-                zero3_gathered_under_pp: true,
-                ..Runtime::default()
-            },
-            ..base
-        };
+        let kept = gathered_under_pp(base);
         let with_zero = |z| Layout {
             zero_stage: z,
             ..megatron_175b(Schedule::OneFOneB, 1)
