@@ -387,19 +387,17 @@ pub fn stage_memory_of(
     let (ewb, egb, eob) = states_of(l.expert_dp());
     let chunks = positions_of(l, s);
     // Each virtual stage's (dense, routed-expert) parameters, and the stage's together.
-    let split: Vec<(u64, u64)> = chunks
-        .iter()
-        .map(|&vs| {
-            let e = virtual_stage_experts(c, layers, vs);
-            (virtual_stage_params(c, layers, vs) - e, e)
-        })
-        .collect();
+    let split = |vs: usize| {
+        let e = virtual_stage_experts(c, layers, vs);
+        (virtual_stage_params(c, layers, vs) - e, e)
+    };
     let bytes = |(dense, experts): (u64, u64), dense_b: f64, expert_b: f64| {
         dense as f64 * dense_b + experts as f64 * expert_b
     };
-    let whole = split
-        .iter()
-        .fold((0, 0), |(d, e), &(dv, ev)| (d + dv, e + ev));
+    let whole = chunks.iter().fold((0, 0), |(d, e), &vs| {
+        let (dv, ev) = split(vs);
+        (d + dv, e + ev)
+    });
     let states = |dense_b: f64, expert_b: f64| bytes(whole, dense_b, expert_b);
     let saved_per_chunk = chunks
         .iter()
@@ -439,9 +437,9 @@ pub fn stage_memory_of(
         states(gb, egb).min(bucket)
     } else if chunks_release_grads_in_turn(setup, l, chunks.len(), m) {
         // One virtual stage's gradients at a time: the largest.
-        split
+        chunks
             .iter()
-            .map(|&chunk| bytes(chunk, gb, egb))
+            .map(|&vs| bytes(split(vs), gb, egb))
             .fold(0.0, f64::max)
     } else {
         states(gb, egb)
