@@ -25,6 +25,13 @@ pub const ADAM_BYTES_PER_PARAM: f64 = 34.0;
 /// (16 bytes), write the three states back (12) and the 16-bit copy sent to the device (2).
 pub const HOST_ADAM_BYTES_PER_PARAM: f64 = 30.0;
 
+/// Host-memory traffic of one parameter's gradient unscale before an offloaded step: DeepSpeed
+/// multiplies the host's fp32 gradient partition in place by the inverse of the loss scale and
+/// clip factor (`unscale_and_clip_grads` on `single_partition_of_fp32_groups[i].grad`, a
+/// `mul_` read and written, 8 bytes), in 0.3's stage2.py as in today's stage_1_and_2.py; its
+/// `optimizer_gradients` timer (1.1 s of the ZeRO-Offload tutorial's 10B step) is that pass.
+pub const HOST_GRAD_UNSCALE_BYTES_PER_PARAM: f64 = 8.0;
+
 /// Bytes ZeRO-Infinity's NVMe optimizer reads from the drives per parameter before the step:
 /// the fp32 weight, momentum and variance it swapped out after the last one, and the fp32
 /// gradient it swapped out during backward (`OptimizerSwapper`: `swap_in_optimizer_state`

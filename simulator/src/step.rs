@@ -15,8 +15,9 @@ use parallax_cost::comm::{exposed, Collective, Group, Network};
 use parallax_cost::compute::DeviceModel;
 use parallax_cost::memory::{
     state_bytes_per_param, workspace_gib, MemoryBreakdown, ADAM_BYTES_PER_PARAM, FP32_GRAD_BYTES,
-    HOST_ADAM_BYTES_PER_PARAM, HOST_STREAM_EFFICIENCY, MIXED_GRAD_BYTES, MIXED_WEIGHT_BYTES,
-    NVME_SWAP_IN_BYTES_PER_PARAM, NVME_SWAP_OUT_BYTES_PER_PARAM,
+    HOST_ADAM_BYTES_PER_PARAM, HOST_GRAD_UNSCALE_BYTES_PER_PARAM, HOST_STREAM_EFFICIENCY,
+    MIXED_GRAD_BYTES, MIXED_WEIGHT_BYTES, NVME_SWAP_IN_BYTES_PER_PARAM,
+    NVME_SWAP_OUT_BYTES_PER_PARAM,
 };
 use parallax_cost::transformer::{
     check_layout, model_flops_per_step, transformer_costs, Infeasible, PartCost, Setup,
@@ -506,6 +507,8 @@ struct HostOffload {
     link: f64,
     /// Parameters per second the device's share of the host updates with Adam.
     adam_share: f64,
+    /// Bytes per second the device's share of the host streams through its memory.
+    stream_share: f64,
     /// The device's share of the node's NVMe, read and write bytes per second, where the
     /// states live there.
     nvme: Option<(f64, f64)>,
@@ -521,12 +524,12 @@ impl HostOffload {
         let node = &setup.profile.node;
         // The rate `calibrate` measured where there is one; else the states streamed through
         // the host's DRAM, bound by its bandwidth.
-        let adam = match node.host_adam_gparams_per_s {
-            Some(g) => g * 1e9,
-            None => {
-                node.host_memory_bandwidth()?.0 * HOST_STREAM_EFFICIENCY / HOST_ADAM_BYTES_PER_PARAM
-            }
+        // The stream rate is the one a measured Adam sustained, at its bytes per parameter.
+        let stream = match node.host_adam_gparams_per_s {
+            Some(g) => g * 1e9 * HOST_ADAM_BYTES_PER_PARAM,
+            None => node.host_memory_bandwidth()?.0 * HOST_STREAM_EFFICIENCY,
         };
+        let adam = stream / HOST_ADAM_BYTES_PER_PARAM;
         let share = devices_per_node(setup);
         let nvme = match &node.nvme {
             Some(n) if l.offload.nvme() => {
@@ -538,6 +541,7 @@ impl HostOffload {
         Some(HostOffload {
             link: node.host_link_bandwidth()?.0,
             adam_share: adam / share,
+            stream_share: stream / share,
             nvme,
         })
     }
@@ -560,6 +564,11 @@ impl HostOffload {
     /// Adam over `params` on the device's share of the host's CPUs.
     fn adam(&self, params: u64) -> Seconds {
         Seconds(params as f64 / self.adam_share)
+    }
+
+    /// Unscaling the fp32 gradients of `params` in host memory before the step.
+    fn unscale(&self, params: u64) -> Seconds {
+        Seconds(params as f64 * HOST_GRAD_UNSCALE_BYTES_PER_PARAM / self.stream_share)
     }
 }
 
@@ -763,23 +772,25 @@ pub fn step_terms(
             stage_params
         };
         adam[s as usize] = match &host {
-            // ZeRO-Offload: the gradient shard goes down, the CPUs step, the updated 16-bit
-            // weights come back up; with the parameters offloaded both already live there (the
-            // weights written back to NVMe where they live on it). ZeRO-Infinity's NVMe
-            // optimizer swaps the states and the gradient in before the step and the states
-            // out after it, one after the other.
+            // ZeRO-Offload: the gradient shard goes down as the fp32 the optimizer steps on
+            // (DeepSpeed casts it on the device before the copy:
+            // `async_inplace_copy_grad_to_fp32_buffer_from_gpu`), is unscaled in host memory,
+            // the CPUs step, the updated 16-bit weights come back up; with the parameters
+            // offloaded both already live there (the weights written back to NVMe where they
+            // live on it). ZeRO-Infinity's NVMe optimizer swaps the states and the gradient in
+            // before the step and the states out after it, one after the other.
             Some(h) => {
                 let (down, up) = match l.offload {
                     Offload::Params => (Seconds(0.0), Seconds(0.0)),
                     Offload::ParamsNvme => (Seconds(0.0), h.nvme_write(opt_params * wbytes)),
                     _ => (
-                        h.link(opt_params * setup.grad_reduce_bytes()),
+                        h.link(opt_params * FP32_GRAD_BYTES as u64),
                         h.link(opt_params * wbytes),
                     ),
                 };
                 let swap = h.nvme_read(opt_params * NVME_SWAP_IN_BYTES_PER_PARAM)
                     + h.nvme_write(opt_params * NVME_SWAP_OUT_BYTES_PER_PARAM);
-                down + swap + h.adam(opt_params) + up
+                down + swap + h.unscale(opt_params) + h.adam(opt_params) + up
             }
             None => dev.memory(opt_params as f64 * ADAM_BYTES_PER_PARAM),
         };
@@ -1872,9 +1883,10 @@ mod tests {
 
     /// ZeRO-Offload by hand: Llama-3 8B on one DGX-2 V100 slot (fp16, ZeRO-2, one device)
     /// keeps no optimizer state and one gradient bucket on the device, and its optimizer step
-    /// is the gradient's trip down the 15.75 GB/s link (at the stack's reduce precision),
-    /// Adam streaming 30 bytes a parameter through the host's 255.9 GB/s at 75 % (the one
-    /// device training has the host to itself), and the 16-bit weights' trip up.
+    /// is the gradient's trip down the 15.75 GB/s link (in fp32, as DeepSpeed casts it before
+    /// the copy), its unscale (8 bytes a parameter) and Adam (30) streaming through the host's
+    /// 255.9 GB/s at 75 % (the one device training has the host to itself), and the 16-bit
+    /// weights' trip up.
     /// Parameter offload (ZeRO-3) leaves no parameter on the device either and steps on the
     /// host alone; a stage it cannot go with is refused by name.
     #[test]
@@ -1904,7 +1916,7 @@ mod tests {
         let n = transformer_costs(&s, &off).unwrap().model_params(m.layers) as f64;
         let link = 15.75e9;
         let cpu = 255.9e9 * 0.75;
-        let expect = n * gbytes / link + n * 30.0 / cpu + n * 2.0 / link;
+        let expect = n * 4.0 / link + n * (8.0 + 30.0) / cpu + n * 2.0 / link;
         let got = host.breakdown.optimizer_s;
         assert!((got / expect - 1.0).abs() < 0.02, "{got} vs {expect}");
         assert!(host.step_time_s > on_device.step_time_s);
@@ -1920,7 +1932,7 @@ mod tests {
             "{:?}",
             h.memory
         );
-        assert!((h.breakdown.optimizer_s / (n * 30.0 / cpu) - 1.0).abs() < 0.02);
+        assert!((h.breakdown.optimizer_s / (n * (8.0 + 30.0) / cpu) - 1.0).abs() < 0.02);
         let e = simulate_step(
             &s,
             &Layout {
@@ -1995,7 +2007,8 @@ mod tests {
         assert!(e.contains("GiB of NVMe space per node needed"), "{e}");
     }
 
-    /// A host Adam rate `calibrate` measured replaces the DRAM estimate, and the devices of a
+    /// A host Adam rate `calibrate` measured replaces the DRAM estimate (the gradient unscale
+    /// streams at the rate that Adam's 30 bytes a parameter sustained), and the devices of a
     /// node share it: parameters offloaded on eight GPUs of one host (ZeRO-3, each updating
     /// its shard of an eighth) step as long as one GPU's whole model on the host alone.
     #[test]
@@ -2022,11 +2035,8 @@ mod tests {
             (got.breakdown.optimizer_s, n)
         };
         let (one, n) = step(1);
-        assert!(
-            (one / (n / 2.5e9) - 1.0).abs() < 0.02,
-            "{one} vs {}",
-            n / 2.5e9
-        );
+        let expect = n / 2.5e9 * (1.0 + 8.0 / 30.0);
+        assert!((one / expect - 1.0).abs() < 0.02, "{one} vs {expect}");
         let (eight, _) = step(8);
         assert!((eight / one - 1.0).abs() < 0.02, "{eight} vs {one}");
     }
