@@ -32,6 +32,13 @@ pub const HOST_ADAM_BYTES_PER_PARAM: f64 = 30.0;
 /// `optimizer_gradients` timer (1.1 s of the ZeRO-Offload tutorial's 10B step) is that pass.
 pub const HOST_GRAD_UNSCALE_BYTES_PER_PARAM: f64 = 8.0;
 
+/// Device-memory traffic per gradient element of its partition that DeepSpeed's ZeRO-1/2 with
+/// an offloaded optimizer spends on the device before the copy down (`copy_grads_in_partition`,
+/// stage2.py in 0.3, stage_1_and_2.py today): the fp64 norm (`.double().norm(2)`: 2 read, 8
+/// written, 8 read), the inf/NaN check (`_has_inf_or_nan` on an fp32 copy: 2 read, 4 written,
+/// 4 read) and the fp32 cast the copy sends (2 read, 4 written).
+pub const OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM: f64 = 34.0;
+
 /// Bytes ZeRO-Infinity's NVMe optimizer reads from the drives per parameter before the step:
 /// the fp32 weight, momentum and variance it swapped out after the last one, and the fp32
 /// gradient it swapped out during backward (`OptimizerSwapper`: `swap_in_optimizer_state`

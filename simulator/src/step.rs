@@ -17,7 +17,7 @@ use parallax_cost::memory::{
     state_bytes_per_param, workspace_gib, MemoryBreakdown, ADAM_BYTES_PER_PARAM, FP32_GRAD_BYTES,
     HOST_ADAM_BYTES_PER_PARAM, HOST_GRAD_UNSCALE_BYTES_PER_PARAM, HOST_STREAM_EFFICIENCY,
     MIXED_GRAD_BYTES, MIXED_WEIGHT_BYTES, NVME_SWAP_IN_BYTES_PER_PARAM,
-    NVME_SWAP_OUT_BYTES_PER_PARAM,
+    NVME_SWAP_OUT_BYTES_PER_PARAM, OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM,
 };
 use parallax_cost::transformer::{
     check_layout, model_flops_per_step, transformer_costs, Infeasible, PartCost, Setup,
@@ -783,8 +783,14 @@ pub fn step_terms(
                 let (down, up) = match l.offload {
                     Offload::Params => (Seconds(0.0), Seconds(0.0)),
                     Offload::ParamsNvme => (Seconds(0.0), h.nvme_write(opt_params * wbytes)),
+                    // ZeRO-1/2 check and cast each gradient on the device first.
                     _ => (
-                        h.link(opt_params * FP32_GRAD_BYTES as u64),
+                        h.link(opt_params * FP32_GRAD_BYTES as u64)
+                            + if zero < 3 {
+                                dev.memory(opt_params as f64 * OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM)
+                            } else {
+                                Seconds(0.0)
+                            },
                         h.link(opt_params * wbytes),
                     ),
                 };
@@ -1884,7 +1890,8 @@ mod tests {
     /// ZeRO-Offload by hand: Llama-3 8B on one DGX-2 V100 slot (fp16, ZeRO-2, one device)
     /// keeps no optimizer state and one gradient bucket on the device, and its optimizer step
     /// is the gradient's trip down the 15.75 GB/s link (in fp32, as DeepSpeed casts it before
-    /// the copy), its unscale (8 bytes a parameter) and Adam (30) streaming through the host's
+    /// the copy, after its fp64 norm and inf/NaN check on the device: 34 bytes a parameter
+    /// through device memory), its unscale (8 bytes a parameter) and Adam (30) streaming through the host's
     /// 255.9 GB/s at 75 % (the one device training has the host to itself), and the 16-bit
     /// weights' trip up.
     /// Parameter offload (ZeRO-3) leaves no parameter on the device either and steps on the
@@ -1916,7 +1923,9 @@ mod tests {
         let n = transformer_costs(&s, &off).unwrap().model_params(m.layers) as f64;
         let link = 15.75e9;
         let cpu = 255.9e9 * 0.75;
-        let expect = n * 4.0 / link + n * (8.0 + 30.0) / cpu + n * 2.0 / link;
+        let dev = DeviceModel::new(&p, parallax_ir::Precision::Fp16).unwrap();
+        let checks = dev.memory(n * 34.0).0;
+        let expect = n * 4.0 / link + checks + n * (8.0 + 30.0) / cpu + n * 2.0 / link;
         let got = host.breakdown.optimizer_s;
         assert!((got / expect - 1.0).abs() < 0.02, "{got} vs {expect}");
         assert!(host.step_time_s > on_device.step_time_s);
