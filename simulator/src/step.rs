@@ -522,9 +522,8 @@ impl HostOffload {
             return None;
         }
         let node = &setup.profile.node;
-        // The rate `calibrate` measured where there is one; else the states streamed through
-        // the host's DRAM, bound by its bandwidth.
-        // The stream rate is the one a measured Adam sustained, at its bytes per parameter.
+        // The rate `calibrate` measured where there is one (its Adam's bytes a parameter at
+        // that rate are the host's stream rate); else the host's DRAM bandwidth.
         let stream = match node.host_adam_gparams_per_s {
             Some(g) => g * 1e9 * HOST_ADAM_BYTES_PER_PARAM,
             None => node.host_memory_bandwidth()?.0 * HOST_STREAM_EFFICIENCY,
@@ -1891,9 +1890,9 @@ mod tests {
     /// keeps no optimizer state and one gradient bucket on the device, and its optimizer step
     /// is the gradient's trip down the 15.75 GB/s link (in fp32, as DeepSpeed casts it before
     /// the copy, after its fp64 norm and inf/NaN check on the device: 34 bytes a parameter
-    /// through device memory), its unscale (8 bytes a parameter) and Adam (30) streaming through the host's
-    /// 255.9 GB/s at 75 % (the one device training has the host to itself), and the 16-bit
-    /// weights' trip up.
+    /// through device memory), its unscale (8 bytes a parameter) and Adam (30) streaming
+    /// through the host's 255.9 GB/s at 75 % (the one device training has the host to
+    /// itself), and the 16-bit weights' trip up.
     /// Parameter offload (ZeRO-3) leaves no parameter on the device either and steps on the
     /// host alone; a stage it cannot go with is refused by name.
     #[test]
