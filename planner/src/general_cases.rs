@@ -4,7 +4,7 @@
 //! that ran it.
 
 use crate::search::Space;
-use crate::soap::layout_plan;
+use crate::soap::{layout_plan, segment_stages, staged_layout_plan};
 use crate::validate::{complete_predicted, Framework, Measured, Predicted};
 use parallax_cost::soap::{GradSync, OpCosts, Optimizer};
 use parallax_cost::transformer::{Runtime, Setup};
@@ -75,13 +75,17 @@ pub struct GeneralPlan {
     pub gradient_sync: Option<String>,
 }
 
-/// A published GPipe setup (torchgpipe). Its `balance` (layers of the source's
-/// `nn.Sequential` per partition) was found by profiling; the graph's layers are not the
-/// source's, so the stages are balanced by the cost model's compute instead.
+/// A published GPipe setup (torchgpipe).
 #[derive(Clone, Debug, Deserialize)]
 pub struct GPipeSetup {
     pub chunks: u32,
     pub checkpoint: Checkpoint,
+    /// Layers of the source's `nn.Sequential` per partition (found by torchgpipe's profiling
+    /// balancer). The run's stages where the zoo's graph has the source's layers as its
+    /// segments (AmoebaNet-D: stem, 22 cells, classifier); elsewhere (ResNet-101's 370
+    /// flattened modules, U-Net's 241) the cost model balances the stages by compute.
+    #[serde(default)]
+    pub balance: Option<Vec<u32>>,
 }
 
 /// Which micro-batches recompute their forward in backward (torchgpipe's `checkpoint`).
@@ -339,7 +343,16 @@ impl GeneralCase {
         costs.optimizer = Optimizer::default_for(&graph);
         costs.sync = self.grad_sync()?;
         costs.set_nchw(self.nchw(precision));
-        let mut plan = layout_plan(&mut costs, p.dp, p.tp, p.pp);
+        let published = p
+            .pipeline
+            .as_ref()
+            .and_then(|g| g.balance.as_deref())
+            .filter(|b| b.len() == p.pp as usize)
+            .and_then(|b| segment_stages(&graph, b));
+        let mut plan = match published {
+            Some(stage) => staged_layout_plan(&mut costs, p.dp, p.tp, p.pp, &stage),
+            None => layout_plan(&mut costs, p.dp, p.tp, p.pp),
+        };
         if let Some(g) = &p.pipeline {
             plan.schedule = Schedule::GPipe;
             plan.recompute = match g.checkpoint {

@@ -807,10 +807,8 @@ fn stage_cuts(costs: &OpCosts, weight: &[f64], pp: u32) -> Vec<u32> {
 /// (parameter axes are innermost, so `tp` stays on neighbouring devices). An op that cannot
 /// take the whole split takes its widest legal one on the first devices of its stage.
 pub fn layout_plan(costs: &mut OpCosts, dp: u32, tp: u32, pp: u32) -> OpPlan {
-    let n = costs.len();
-    let per_stage = costs.gpus / pp.max(1);
     // Stage boundaries: cumulative single-device compute split into equal shares.
-    let weight: Vec<f64> = (0..n)
+    let weight: Vec<f64> = (0..costs.len())
         .map(|i| {
             costs
                 .compute(NodeId(i as u32), &ParallelConfig::single(0))
@@ -819,6 +817,60 @@ pub fn layout_plan(costs: &mut OpCosts, dp: u32, tp: u32, pp: u32) -> OpPlan {
         })
         .collect();
     let stage = stage_cuts(costs, &weight, pp);
+    staged_layout_plan(costs, dp, tp, pp, &stage)
+}
+
+/// The pipeline stage of each node of `graph` where a pipeline puts `balance[k]` of its
+/// layers on stage `k`, the layers being the graph's segments in order (`Pre`, each `Block`,
+/// `Post`, as torchgpipe's `nn.Sequential` of a model the zoo builds layer for layer);
+/// `None` where the balance does not count the graph's segments or leaves a stage empty.
+pub fn segment_stages(graph: &parallax_ir::Graph, balance: &[u32]) -> Option<Vec<u32>> {
+    use parallax_ir::Segment;
+    let blocks = graph
+        .nodes
+        .iter()
+        .filter_map(|n| match n.segment {
+            Segment::Block(i) => Some(i + 1),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    let has = |s: Segment| graph.nodes.iter().any(|n| n.segment == s);
+    let pre = u32::from(has(Segment::Pre));
+    let layers = pre + blocks + u32::from(has(Segment::Post));
+    if balance.iter().sum::<u32>() != layers || balance.contains(&0) {
+        return None;
+    }
+    // The stage of layer `l`: the first whose cumulative count passes it.
+    let stage_of = |l: u32| {
+        let mut end = 0;
+        balance
+            .iter()
+            .position(|&b| {
+                end += b;
+                l < end
+            })
+            .unwrap_or(balance.len() - 1) as u32
+    };
+    Some(
+        graph
+            .nodes
+            .iter()
+            .map(|n| {
+                stage_of(match n.segment {
+                    Segment::Pre => 0,
+                    Segment::Block(i) => pre + i,
+                    Segment::Post => layers - 1,
+                })
+            })
+            .collect(),
+    )
+}
+
+/// [`layout_plan`] with the pipeline stage of each node given.
+pub fn staged_layout_plan(costs: &mut OpCosts, dp: u32, tp: u32, pp: u32, stage: &[u32]) -> OpPlan {
+    let n = costs.len();
+    let per_stage = costs.gpus / pp.max(1);
     let mut cands: Vec<Vec<ParallelConfig>> = Vec::with_capacity(n);
     for (i, st) in stage.iter().enumerate() {
         let id = NodeId(i as u32);
@@ -1444,6 +1496,44 @@ mod tests {
             r.counts
         );
         assert!(t.prediction.step_time_s <= dp.step_time_s * (1.0 + 1e-12));
+    }
+
+    /// torchgpipe's published balance places AmoebaNet-D's layers as the run did: `[3, 6, 7,
+    /// 8]` puts the stem and the two reduction stems on stage 0, cells 3–8 of the 22 on stage
+    /// 1, and the classifier with the loss on stage 3; a balance that does not count the
+    /// graph's 24 layers, or leaves a stage empty, is not applied. The plan built on it keeps
+    /// each node on its stage's devices.
+    #[test]
+    fn a_published_balance_places_the_zoo_graphs_layers() {
+        use parallax_ir::Segment;
+        let g = parallax_ir::load_model("amoebanet-d-18-256")
+            .unwrap()
+            .graph(8, 1, false)
+            .unwrap();
+        let stage = segment_stages(&g, &[3, 6, 7, 8]).unwrap();
+        let at = |seg: Segment| {
+            let i = g.nodes.iter().position(|n| n.segment == seg).unwrap();
+            stage[i]
+        };
+        assert_eq!(at(Segment::Pre), 0);
+        assert_eq!(at(Segment::Block(1)), 0);
+        assert_eq!(at(Segment::Block(2)), 1);
+        assert_eq!(at(Segment::Block(7)), 1);
+        assert_eq!(at(Segment::Block(8)), 2);
+        assert_eq!(at(Segment::Block(15)), 3);
+        assert_eq!(at(Segment::Post), 3);
+        assert!(
+            stage.windows(2).all(|w| w[0] <= w[1]),
+            "stages in graph order"
+        );
+        assert_eq!(segment_stages(&g, &[3, 6, 7, 7]), None);
+        assert_eq!(segment_stages(&g, &[0, 9, 7, 8]), None);
+        let p = preset("p40x8-pcie").unwrap();
+        let mut c = OpCosts::new(&g, &p, 4, Precision::Fp32).unwrap();
+        let plan = staged_layout_plan(&mut c, 1, 1, 4, &stage);
+        for (cfg, s) in plan.configs.iter().zip(&stage) {
+            assert_eq!(cfg.view.start, *s, "{cfg:?}");
+        }
     }
 
     /// Stages of a multi-branch network are cut where few activations cross: no boundary of
