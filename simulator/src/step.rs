@@ -505,9 +505,8 @@ fn devices_per_node(setup: &Setup) -> f64 {
 /// cores and through the same memory).
 struct HostOffload {
     link: f64,
-    /// Parameters per second the device's share of the host updates with Adam.
-    adam_share: f64,
-    /// Bytes per second the device's share of the host streams through its memory.
+    /// Bytes per second the device's share of the host streams through its memory (what
+    /// the host's Adam and gradient unscale are bound by).
     stream_share: f64,
     /// The device's share of the node's NVMe, read and write bytes per second, where the
     /// states live there.
@@ -528,7 +527,6 @@ impl HostOffload {
             Some(g) => g * 1e9 * HOST_ADAM_BYTES_PER_PARAM,
             None => node.host_memory_bandwidth()?.0 * HOST_STREAM_EFFICIENCY,
         };
-        let adam = stream / HOST_ADAM_BYTES_PER_PARAM;
         let share = devices_per_node(setup);
         let nvme = match &node.nvme {
             Some(n) if l.offload.nvme() => {
@@ -539,7 +537,6 @@ impl HostOffload {
         };
         Some(HostOffload {
             link: node.host_link_bandwidth()?.0,
-            adam_share: adam / share,
             stream_share: stream / share,
             nvme,
         })
@@ -562,12 +559,18 @@ impl HostOffload {
 
     /// Adam over `params` on the device's share of the host's CPUs.
     fn adam(&self, params: u64) -> Seconds {
-        Seconds(params as f64 / self.adam_share)
+        self.stream(params, HOST_ADAM_BYTES_PER_PARAM)
     }
 
     /// Unscaling the fp32 gradients of `params` in host memory before the step.
     fn unscale(&self, params: u64) -> Seconds {
-        Seconds(params as f64 * HOST_GRAD_UNSCALE_BYTES_PER_PARAM / self.stream_share)
+        self.stream(params, HOST_GRAD_UNSCALE_BYTES_PER_PARAM)
+    }
+
+    /// Streaming `bytes_per_param` of each of `params` parameters through the device's share
+    /// of the host's memory.
+    fn stream(&self, params: u64, bytes_per_param: f64) -> Seconds {
+        Seconds(params as f64 * bytes_per_param / self.stream_share)
     }
 }
 
@@ -779,17 +782,17 @@ pub fn step_terms(
             // live on it). ZeRO-Infinity's NVMe optimizer swaps the states and the gradient in
             // before the step and the states out after it, one after the other.
             Some(h) => {
+                // ZeRO-1/2 check and cast each gradient on the device before it goes down.
+                let checks = if zero < 3 {
+                    dev.memory(opt_params as f64 * OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM)
+                } else {
+                    Seconds(0.0)
+                };
                 let (down, up) = match l.offload {
                     Offload::Params => (Seconds(0.0), Seconds(0.0)),
                     Offload::ParamsNvme => (Seconds(0.0), h.nvme_write(opt_params * wbytes)),
-                    // ZeRO-1/2 check and cast each gradient on the device first.
                     _ => (
-                        h.link(opt_params * FP32_GRAD_BYTES as u64)
-                            + if zero < 3 {
-                                dev.memory(opt_params as f64 * OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM)
-                            } else {
-                                Seconds(0.0)
-                            },
+                        checks + h.link(opt_params * FP32_GRAD_BYTES as u64),
                         h.link(opt_params * wbytes),
                     ),
                 };
