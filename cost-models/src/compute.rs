@@ -16,6 +16,11 @@ pub const DEFAULT_ATTENTION_EFFICIENCY_SCALE: f64 = 0.8;
 /// 2 (Dao 2023 §3.1.2), so 2.5× the forward FLOPs.
 pub const FLASH_BACKWARD_FLOP_RATIO: f64 = 2.5;
 
+/// A scalar read back to the host and waited for: the device-to-host copy's submission alone
+/// is 5–7 µs (Wu et al. 2026, DualPath §5.2, measured `cudaMemcpyAsync` per-call overhead),
+/// plus the stream synchronisation's wake-up.
+pub const HOST_SYNC_S: f64 = 10e-6;
+
 /// Passes over the `s × t` score matrix of an unfused attention forward: write QKᵀ, read and
 /// write in Megatron's fused scale-mask-softmax, read and write dropout plus its 1-byte mask,
 /// read for PV. Backward touches it about twice as often.
@@ -574,6 +579,14 @@ impl<'a> DeviceModel<'a> {
             None => self.dev.effective_memory_bandwidth().0,
         };
         Seconds(bytes / bandwidth) + self.overhead(1.0)
+    }
+
+    /// `checks` host-synchronising checks of one tensor each (`float(x.float().sum())`,
+    /// `x.norm().item()`): two kernels launched and their scalar copied back and waited for,
+    /// so nothing queues behind them and each pays its launches and the round trip
+    /// ([`HOST_SYNC_S`]) on top of the bytes it moves.
+    pub fn host_synced(&self, checks: f64) -> Seconds {
+        (self.overhead(2.0) + Seconds(HOST_SYNC_S)) * checks.max(0.0)
     }
 
     /// A GEMM of `flops` that moves `bytes` through device memory (its operands read and its

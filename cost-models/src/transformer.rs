@@ -9,6 +9,7 @@
 
 use crate::comm::{exposed, Collective, Group, Network};
 use crate::compute::{DeviceModel, LinearCasts, OpTimes};
+use crate::memory::ADAM_BYTES_PER_PARAM;
 use parallax_hardware::ClusterProfile;
 use parallax_ir::models::{
     BuildOptions, LayerKind, LayerStack, MoeConfig, Section, TransformerConfig,
@@ -16,7 +17,8 @@ use parallax_ir::models::{
 use parallax_ir::op::OpKind;
 pub use parallax_ir::RecomputeModules;
 use parallax_ir::{
-    Bytes, ComputeClass, Dispatcher, Fp8Recipe, Graph, Layout, Precision, Recompute, Seconds, Shape,
+    Bytes, ComputeClass, Dispatcher, Fp8Recipe, Graph, Layout, Precision, Recompute, Seconds,
+    Shape, TensorRole,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -235,6 +237,100 @@ impl WgradAccumulation {
     }
 }
 
+/// How a stack's mixed-precision optimizer walks the gradients and weights around the Adam
+/// update on the device ([`OptimizerPasses::step`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OptimizerPasses {
+    /// Multi-tensor or fused kernels over whole buffers (apex's and PyTorch's fused or
+    /// foreach AdamW, Megatron-Core's distributed optimizer, DeepSpeed's current ZeRO): the
+    /// update of [`ADAM_BYTES_PER_PARAM`], no host round trip per tensor.
+    #[default]
+    Fused,
+    /// DeepSpeed 0.3's fp16 optimizers (deepspeed/runtime/fp16/fused_optimizer.py,
+    /// zero/stage1.py, zero/stage2.py at v0.3.0): ZeRO 0 casts and flattens every gradient
+    /// into one fp32 buffer; ZeRO-1 checks and norms every gradient of the model one tensor at
+    /// a time (both read back to the host) before freeing those it does not update, and copies
+    /// the gradients twice and scales all of them around its reduce-scatter; ZeRO-2 does the
+    /// same checks on its partition (the norm in fp64) and flattens and casts it; both
+    /// unscale, update, copy fp32 into fp16 and copy the gathered weights out of the
+    /// all-gather's buffer.
+    DeepSpeed03,
+}
+
+/// One device's optimizer step in device traffic and host round trips ([`OptimizerPasses`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepPasses {
+    /// Bytes per parameter the device updates (its ZeRO partition, or all it holds).
+    pub per_updated: f64,
+    /// Bytes per parameter the device holds, updated or not.
+    pub per_held: f64,
+    /// Host-synchronising checks per parameter tensor the device holds.
+    pub syncs_per_held_tensor: f64,
+    /// Host-synchronising checks per parameter tensor of the partition it updates.
+    pub syncs_per_updated_tensor: f64,
+}
+
+impl OptimizerPasses {
+    /// The step's passes under ZeRO stage `zero`, the optimizer on the device.
+    pub fn step(self, zero: u8) -> StepPasses {
+        let fused = StepPasses {
+            per_updated: ADAM_BYTES_PER_PARAM,
+            per_held: 0.0,
+            syncs_per_held_tensor: 0.0,
+            syncs_per_updated_tensor: 0.0,
+        };
+        // The update proper: read the fp32 weight, gradient and both moments, write the
+        // three states back (apex's and DeepSpeed's FusedAdam, multi-tensor).
+        const UPDATE: f64 = 28.0;
+        // An fp16 gradient's check on an fp32 copy (2 read, 4 written, 4 read by the sum).
+        const CHECK_FP32: f64 = 10.0;
+        // Its fp64 norm (2 read, 8 written, 8 read).
+        const NORM_FP64: f64 = 18.0;
+        // fp16 -> fp32 cast (2 read, 4 written); a 16-bit copy (2 read, 2 written); fp32
+        // scaled in place (4 read, 4 written); fp32 weight into fp16 (4 read, 2 written).
+        const CAST_UP: f64 = 6.0;
+        const COPY_16: f64 = 4.0;
+        const SCALE_32: f64 = 8.0;
+        const CAST_DOWN: f64 = 6.0;
+        match (self, zero) {
+            (OptimizerPasses::Fused, _) => fused,
+            // Cast each gradient up and flatten the fp32 copies (4 read, 4 written), norm the
+            // flat buffer (4 read, one sync a step), unscale, update, copy down.
+            (OptimizerPasses::DeepSpeed03, 0) => StepPasses {
+                per_updated: CAST_UP + 8.0 + 4.0 + SCALE_32 + UPDATE + CAST_DOWN,
+                ..fused
+            },
+            // Every held gradient: checked, normed (fp32 copy, as the check), flattened into
+            // per-rank sub-partitions, flattened again by the reduce-scatter of a tensor list,
+            // scaled (all ranks' sub-partitions, not only its own); the gathered weights copied
+            // out of the all-gather's buffer. The partition: cast up and flattened, unscaled,
+            // updated, cast down.
+            (OptimizerPasses::DeepSpeed03, 1) => StepPasses {
+                per_updated: CAST_UP + SCALE_32 + UPDATE + CAST_DOWN,
+                per_held: 2.0 * CHECK_FP32 + 4.0 * COPY_16,
+                syncs_per_held_tensor: 2.0,
+                syncs_per_updated_tensor: 0.0,
+            },
+            // The partition's gradients checked and normed in fp64 one tensor at a time,
+            // flattened and cast up, unscaled, updated, cast down; stage 2 copies the gathered
+            // weights out of its all-gather's buffer (stage 3 gathers per layer instead).
+            (OptimizerPasses::DeepSpeed03, z) => StepPasses {
+                per_updated: CHECK_FP32
+                    + NORM_FP64
+                    + COPY_16
+                    + CAST_UP
+                    + SCALE_32
+                    + UPDATE
+                    + CAST_DOWN,
+                per_held: if z == 2 { COPY_16 } else { 0.0 },
+                syncs_per_held_tensor: 0.0,
+                syncs_per_updated_tensor: 2.0,
+            },
+        }
+    }
+}
+
 /// Framework behaviour that is not part of the layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Runtime {
@@ -364,6 +460,9 @@ pub struct Runtime {
     /// How each micro-batch's weight gradients join the step's accumulated gradients.
     #[serde(default)]
     pub wgrad_accumulation: WgradAccumulation,
+    /// How the optimizer step walks gradients and weights on the device.
+    #[serde(default)]
+    pub optimizer_passes: OptimizerPasses,
 }
 
 /// Megatron-LM's `--make-vocab-size-divisible-by` default: the vocabulary is padded to a
@@ -520,6 +619,7 @@ impl Default for Runtime {
             te_linears: false,
             sp_keeps_gathered_inputs: false,
             wgrad_accumulation: WgradAccumulation::Fused,
+            optimizer_passes: OptimizerPasses::Fused,
         }
     }
 }
@@ -553,6 +653,11 @@ pub struct PartCost {
     pub working: Bytes,
     /// Parameters held by one device.
     pub params: u64,
+    /// Parameter tensors those `params` come in as module code holds them (weights, biases,
+    /// norm scales: each a `.grad` an optimizer that checks gradients one tensor at a time
+    /// visits; see [`module_param_tensors`]).
+    #[serde(default)]
+    pub param_tensors: u64,
     /// Of `params`, the routed experts' (an MoE layer's experts are replicated over the
     /// expert-data-parallel group, dp × cp / ep ranks, not over all dp × cp: ZeRO shards
     /// their states that much less).
@@ -582,6 +687,7 @@ impl std::ops::Add for PartCost {
             saved: Bytes(self.saved.0 + o.saved.0),
             working: Bytes(self.working.0.max(o.working.0)),
             params: self.params + o.params,
+            param_tensors: self.param_tensors + o.param_tensors,
             expert_params: self.expert_params + o.expert_params,
             model_flops: self.model_flops + o.model_flops,
             hardware_flops: self.hardware_flops + o.hardware_flops,
@@ -609,6 +715,7 @@ impl PartCost {
         saved: Bytes(0),
         working: Bytes(0),
         params: 0,
+        param_tensors: 0,
         expert_params: 0,
         model_flops: 0.0,
         hardware_flops: 0.0,
@@ -1569,6 +1676,7 @@ pub fn transformer_costs_with(
         // A single-stage tied model shares the table with the embedding; across stages the
         // last stage keeps a copy (Megatron-LM), as untied models keep their own head.
         head_cost.params = head_cost.params.saturating_sub(shard.vocab * hidden);
+        head_cost.param_tensors = head_cost.param_tensors.saturating_sub(1);
     }
     // Multi-token prediction modules run on the last stage after the head (Megatron-Core
     // places them there): each its input (the next tokens' embedding from its own copy of
@@ -1579,6 +1687,7 @@ pub fn transformer_costs_with(
         let last = kinds[s.model.layer_kind(s.model.layers - 1).index()].unwrap_or_default();
         let head_pass = PartCost {
             params: head_cost.params.saturating_sub(shard.vocab * hidden),
+            param_tensors: head_cost.param_tensors.saturating_sub(1),
             ..head_cost
         };
         let module = input + last + head_pass;
@@ -2017,10 +2126,22 @@ fn price(
         compute: prices.time(g, |_| true),
         saved: Bytes(g.saved(fb, sp, tp, hidden, None, inputs) as u64),
         params: g.param_count(),
+        param_tensors: module_param_tensors(g),
         model_flops,
         hardware_flops: model_flops,
         ..PartCost::default()
     }
+}
+
+/// Parameter tensors of a section as module code holds them: the graph's weights, an
+/// attention's key and value projections (and their biases) counted inside its query's, as
+/// Megatron-LM's `query_key_value` and GPT-2's `c_attn` hold the three in one tensor.
+fn module_param_tensors(g: &Graph) -> u64 {
+    let inside_query = |name: &str| [".attn.k.", ".attn.v."].iter().any(|p| name.contains(p));
+    g.tensors
+        .iter()
+        .filter(|t| t.role == TensorRole::Weight && !inside_query(&t.name))
+        .count() as u64
 }
 
 /// Ops selective recomputation redoes in backward: everything bandwidth-bound, and an unfused
@@ -2280,6 +2401,55 @@ mod tests {
 
     fn cfg(name: &str) -> TransformerConfig {
         zoo::transformer(name).unwrap()
+    }
+
+    /// The fused step is the update alone at every stage; DeepSpeed 0.3's ZeRO 0 casts and
+    /// flattens (6 + 8), norms (4), unscales (8), updates (28) and casts down (6) with no
+    /// round trip per tensor; its ZeRO-3 checks its partition as stage 2 does but gathers per
+    /// layer, so copies nothing out of a step-end all-gather.
+    #[test]
+    fn optimizer_passes_by_stack_and_stage() {
+        for zero in 0..=3 {
+            let f = OptimizerPasses::Fused.step(zero);
+            assert_eq!(f.per_updated, ADAM_BYTES_PER_PARAM);
+            assert_eq!(
+                f.per_held + f.syncs_per_held_tensor + f.syncs_per_updated_tensor,
+                0.0
+            );
+        }
+        let z0 = OptimizerPasses::DeepSpeed03.step(0);
+        assert_eq!((z0.per_updated, z0.per_held), (60.0, 0.0));
+        assert_eq!(z0.syncs_per_held_tensor + z0.syncs_per_updated_tensor, 0.0);
+        let (z2, z3) = (
+            OptimizerPasses::DeepSpeed03.step(2),
+            OptimizerPasses::DeepSpeed03.step(3),
+        );
+        assert_eq!((z2.per_updated, z2.per_held), (80.0, 4.0));
+        assert_eq!((z3.per_updated, z3.per_held), (80.0, 0.0));
+        assert_eq!(z3.syncs_per_updated_tensor, 2.0);
+    }
+
+    /// Module code holds an attention's q, k and v in one tensor (Megatron's
+    /// `query_key_value`): GPT-2 XL's block is 12 tensors (qkv, projection, two MLP linears,
+    /// two LayerNorms, each with its bias), Llama's 7 (qkv, o, gate, up, down, two RMSNorm
+    /// scales).
+    #[test]
+    fn parameter_tensors_as_module_code_holds_them() {
+        let gpt = cfg("gpt2-xl");
+        let llama = cfg("llama3-8b");
+        for (m, per_layer) in [(&gpt, 12), (&llama, 7)] {
+            let p = preset("dgx-a100-80gb").unwrap();
+            let s = setup(m, &p, 8, Runtime::default());
+            let c = transformer_costs(
+                &s,
+                &Layout {
+                    dp: 8,
+                    ..Layout::default()
+                },
+            )
+            .unwrap();
+            assert_eq!(c.layer().param_tensors, per_layer, "{}", m.layers);
+        }
     }
 
     fn setup<'a>(

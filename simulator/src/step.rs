@@ -14,7 +14,7 @@ use crate::schedule::{
 use parallax_cost::comm::{exposed, Collective, Group, Network};
 use parallax_cost::compute::DeviceModel;
 use parallax_cost::memory::{
-    state_bytes_per_param, workspace_gib, MemoryBreakdown, ADAM_BYTES_PER_PARAM, FP32_GRAD_BYTES,
+    state_bytes_per_param, workspace_gib, MemoryBreakdown, FP32_GRAD_BYTES,
     HOST_ADAM_BYTES_PER_PARAM, HOST_GRAD_UNSCALE_BYTES_PER_PARAM, HOST_STREAM_EFFICIENCY,
     MIXED_GRAD_BYTES, MIXED_WEIGHT_BYTES, NVME_SWAP_IN_BYTES_PER_PARAM,
     NVME_SWAP_OUT_BYTES_PER_PARAM, OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM,
@@ -800,7 +800,24 @@ pub fn step_terms(
                     + h.nvme_write(opt_params * NVME_SWAP_OUT_BYTES_PER_PARAM);
                 down + swap + h.unscale(opt_params) + h.adam(opt_params) + up
             }
-            None => dev.memory(opt_params as f64 * ADAM_BYTES_PER_PARAM),
+            // On the device, as the stack's optimizer walks the gradients: the update of
+            // its partition, what it does to every gradient it holds, and its per-tensor
+            // checks read back to the host.
+            None => {
+                let passes = setup.runtime.optimizer_passes.step(zero);
+                let tensors: u64 = positions_of(l, s)
+                    .into_iter()
+                    .map(|vs| virtual_stage_count(c, layers, vs, |p| p.param_tensors))
+                    .sum();
+                let updated_tensors =
+                    tensors as f64 * opt_params as f64 / stage_params.max(1) as f64;
+                dev.memory(
+                    opt_params as f64 * passes.per_updated + stage_params as f64 * passes.per_held,
+                ) + dev.host_synced(
+                    tensors as f64 * passes.syncs_per_held_tensor
+                        + updated_tensors * passes.syncs_per_updated_tensor,
+                )
+            }
         };
         if (1..3).contains(&zero) && (shard > 1 || edp > 1) {
             // Distributed optimizer: gather the updated 16-bit parameters. With overlapped
@@ -1134,7 +1151,7 @@ fn simulate_costed(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use parallax_cost::transformer::{Runtime, WgradAccumulation};
+    use parallax_cost::transformer::{OptimizerPasses, Runtime, WgradAccumulation};
     use parallax_hardware::{preset, ClusterProfile};
     use parallax_ir::models::{zoo, TransformerConfig};
     use parallax_ir::Schedule;
@@ -1953,6 +1970,69 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("needs zero 3"), "{e}");
+    }
+
+    /// DeepSpeed 0.3's ZeRO optimizers by hand, against the fused step on the same layout.
+    /// ZeRO-1 checks and norms every gradient the device holds one tensor at a time, each read
+    /// back to the host (two round trips a tensor: GPT-2 XL's 48 layers of 12 tensors and its
+    /// 4 others), copies and scales all of them around the reduce-scatter and copies the
+    /// gathered weights out (36 bytes a held parameter), and steps on its eighth (48 bytes a
+    /// parameter against the fused 34). ZeRO-2 does its checks on the partition (80 bytes a
+    /// parameter, two round trips a tensor of it) and copies the gathered weights out.
+    #[test]
+    fn deepspeed_03_checks_gradients_one_tensor_at_a_time() {
+        let m = zoo::transformer("gpt2-xl").unwrap();
+        let p = preset("dgx2-v100-32gb").unwrap();
+        let fused = Setup {
+            precision: Precision::Fp16,
+            ..Setup::new(&m, &p, 8, 1024, 8)
+        };
+        let ds = Setup {
+            runtime: Runtime {
+                optimizer_passes: OptimizerPasses::DeepSpeed03,
+                ..fused.runtime
+            },
+            ..fused
+        };
+        let dev = DeviceModel::new(&p, Precision::Fp16).unwrap();
+        for zero in [1u8, 2] {
+            let l = Layout {
+                dp: 8,
+                zero_stage: zero,
+                micro_batch: 1,
+                ..Layout::default()
+            };
+            let c = transformer_costs(&ds, &l).unwrap();
+            let tensors = c.layers_count(0, m.layers, |p| p.param_tensors)
+                + c.embedding.param_tensors
+                + c.head.param_tensors;
+            assert_eq!(tensors, 12 * u64::from(m.layers) + 4, "zero {zero}");
+            let held = c.model_params(m.layers) as f64;
+            let updated = held / 8.0;
+            let expect = if zero == 1 {
+                dev.memory(updated * 48.0 + held * 36.0) + dev.host_synced(2.0 * tensors as f64)
+            } else {
+                dev.memory(updated * 80.0 + held * 4.0)
+                    + dev.host_synced(2.0 * tensors as f64 / 8.0)
+            };
+            let got = simulate_step(&ds, &l)
+                .unwrap()
+                .prediction
+                .breakdown
+                .optimizer_s;
+            let base = simulate_step(&fused, &l)
+                .unwrap()
+                .prediction
+                .breakdown
+                .optimizer_s;
+            let gather = base - dev.memory(updated * 34.0).0;
+            assert!(
+                (got - gather - expect.0).abs() < 1e-9,
+                "zero {zero}: {got} vs {} + {gather}",
+                expect.0
+            );
+            assert!(got > base, "zero {zero}");
+        }
     }
 
     /// ZeRO-Infinity's NVMe tier by hand: the optimizer on NVMe adds to ZeRO-Offload's step the
