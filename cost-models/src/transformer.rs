@@ -254,7 +254,9 @@ pub enum OptimizerPasses {
     /// the gradients twice and scales all of them around its reduce-scatter; ZeRO-2 does the
     /// same checks on its partition (the norm in fp64) and flattens and casts it; both
     /// unscale, update, copy fp32 into fp16 and copy the gathered weights out of the
-    /// all-gather's buffer.
+    /// all-gather's buffer. With the optimizer offloaded (ZeRO-Offload, stage2.py) the
+    /// partition's tensors take the same two round trips each
+    /// (`update_overflow_tracker_for_param_grad`, `complete_grad_norm_calculation_for_cpu_offload`).
     DeepSpeed03,
 }
 

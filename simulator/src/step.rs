@@ -773,52 +773,52 @@ pub fn step_terms(
         } else {
             stage_params
         };
-        adam[s as usize] = match &host {
-            // ZeRO-Offload: the gradient shard goes down as the fp32 the optimizer steps on
-            // (DeepSpeed casts it on the device before the copy:
-            // `async_inplace_copy_grad_to_fp32_buffer_from_gpu`), is unscaled in host memory,
-            // the CPUs step, the updated 16-bit weights come back up; with the parameters
-            // offloaded both already live there (the weights written back to NVMe where they
-            // live on it). ZeRO-Infinity's NVMe optimizer swaps the states and the gradient in
-            // before the step and the states out after it, one after the other.
-            Some(h) => {
-                // ZeRO-1/2 check and cast each gradient on the device before it goes down.
-                let checks = if zero < 3 {
-                    dev.memory(opt_params as f64 * OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM)
-                } else {
-                    Seconds(0.0)
-                };
-                let (down, up) = match l.offload {
-                    Offload::Params => (Seconds(0.0), Seconds(0.0)),
-                    Offload::ParamsNvme => (Seconds(0.0), h.nvme_write(opt_params * wbytes)),
-                    _ => (
-                        checks + h.link(opt_params * FP32_GRAD_BYTES as u64),
-                        h.link(opt_params * wbytes),
-                    ),
-                };
-                let swap = h.nvme_read(opt_params * NVME_SWAP_IN_BYTES_PER_PARAM)
-                    + h.nvme_write(opt_params * NVME_SWAP_OUT_BYTES_PER_PARAM);
-                down + swap + h.unscale(opt_params) + h.adam(opt_params) + up
-            }
-            // On the device, as the stack's optimizer walks the gradients: the update of
-            // its partition, what it does to every gradient it holds, and its per-tensor
-            // checks read back to the host.
-            None => {
-                let passes = setup.runtime.optimizer_passes.step(zero);
-                let tensors: u64 = positions_of(l, s)
-                    .into_iter()
-                    .map(|vs| virtual_stage_count(c, layers, vs, |p| p.param_tensors))
-                    .sum();
-                let updated_tensors =
-                    tensors as f64 * opt_params as f64 / stage_params.max(1) as f64;
-                dev.memory(
+        // The stack's optimizer walks the gradients ([`OptimizerPasses`]): its per-tensor
+        // checks read back to the host, on the device wherever the states live.
+        let passes = setup.runtime.optimizer_passes.step(zero);
+        let tensors: u64 = positions_of(l, s)
+            .into_iter()
+            .map(|vs| virtual_stage_count(c, layers, vs, |p| p.param_tensors))
+            .sum();
+        let updated_tensors = tensors as f64 * opt_params as f64 / stage_params.max(1) as f64;
+        let syncs = dev.host_synced(
+            tensors as f64 * passes.syncs_per_held_tensor
+                + updated_tensors * passes.syncs_per_updated_tensor,
+        );
+        adam[s as usize] = syncs
+            + match &host {
+                // ZeRO-Offload: the gradient shard goes down as the fp32 the optimizer steps on
+                // (DeepSpeed casts it on the device before the copy:
+                // `async_inplace_copy_grad_to_fp32_buffer_from_gpu`), is unscaled in host memory,
+                // the CPUs step, the updated 16-bit weights come back up; with the parameters
+                // offloaded both already live there (the weights written back to NVMe where they
+                // live on it). ZeRO-Infinity's NVMe optimizer swaps the states and the gradient in
+                // before the step and the states out after it, one after the other.
+                Some(h) => {
+                    // ZeRO-1/2 check and cast each gradient on the device before it goes down.
+                    let checks = if zero < 3 {
+                        dev.memory(opt_params as f64 * OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM)
+                    } else {
+                        Seconds(0.0)
+                    };
+                    let (down, up) = match l.offload {
+                        Offload::Params => (Seconds(0.0), Seconds(0.0)),
+                        Offload::ParamsNvme => (Seconds(0.0), h.nvme_write(opt_params * wbytes)),
+                        _ => (
+                            checks + h.link(opt_params * FP32_GRAD_BYTES as u64),
+                            h.link(opt_params * wbytes),
+                        ),
+                    };
+                    let swap = h.nvme_read(opt_params * NVME_SWAP_IN_BYTES_PER_PARAM)
+                        + h.nvme_write(opt_params * NVME_SWAP_OUT_BYTES_PER_PARAM);
+                    down + swap + h.unscale(opt_params) + h.adam(opt_params) + up
+                }
+                // On the device: the update of its partition and what the optimizer does to
+                // every gradient it holds.
+                None => dev.memory(
                     opt_params as f64 * passes.per_updated + stage_params as f64 * passes.per_held,
-                ) + dev.host_synced(
-                    tensors as f64 * passes.syncs_per_held_tensor
-                        + updated_tensors * passes.syncs_per_updated_tensor,
-                )
-            }
-        };
+                ),
+            };
         if (1..3).contains(&zero) && (shard > 1 || edp > 1) {
             // Distributed optimizer: gather the updated 16-bit parameters. With overlapped
             // gathers (Megatron-Core `--overlap-param-gather`) each bucket is fetched just
@@ -2032,6 +2032,31 @@ mod tests {
                 expect.0
             );
             assert!(got > base, "zero {zero}");
+            // Offloaded, the device checks are every stack's; DeepSpeed 0.3 adds its round
+            // trips.
+            let off = Layout {
+                offload: Offload::Optimizer,
+                ..l
+            };
+            let ds_off = simulate_step(&ds, &off)
+                .unwrap()
+                .prediction
+                .breakdown
+                .optimizer_s;
+            let fused_off = simulate_step(&fused, &off)
+                .unwrap()
+                .prediction
+                .breakdown
+                .optimizer_s;
+            let trips = if zero == 1 {
+                2.0 * tensors as f64
+            } else {
+                2.0 * tensors as f64 / 8.0
+            };
+            assert!(
+                (ds_off - fused_off - dev.host_synced(trips).0).abs() < 1e-9,
+                "zero {zero}: {ds_off} - {fused_off}"
+            );
         }
     }
 
