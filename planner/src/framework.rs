@@ -1348,7 +1348,7 @@ pub fn table_text() -> String {
         let _ = writeln!(out, "{}  —  {}", s.name, s.covers);
         let _ = writeln!(
             out,
-            "  module code {}, fused attention {}, DP reduce overlapped {}, TP comm overlap {}, sends overlapped {}, grads reduced in {}, weight grads accumulated {}, sequence parallel {}, context parallel {}, fp8 recipes {}",
+            "  module code {}, fused attention {}, DP reduce overlapped {}, TP comm overlap {}, sends overlapped {}, grads reduced in {}, weight grads accumulated {}, optimizer step {}, sequence parallel {}, context parallel {}, fp8 recipes {}",
             match (r.eager_kernels, r.compiles_fp8) {
                 (true, true) => "eager (--compile; fp8 compiled)",
                 (true, false) => "eager (--compile)",
@@ -1374,6 +1374,10 @@ pub fn table_text() -> String {
                 WgradAccumulation::Fused => "in the GEMM",
                 WgradAccumulation::Autograd => "by autograd",
                 WgradAccumulation::Hook => "by a hook",
+            },
+            match r.optimizer_passes {
+                OptimizerPasses::Fused => "fused",
+                OptimizerPasses::DeepSpeed03 => "per tensor (host round trips)",
             },
             yes(p.space.sequence_parallel),
             yes(p.space.offers_context_parallel()),
