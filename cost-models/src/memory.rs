@@ -15,10 +15,27 @@ pub const FP32_WEIGHT_BYTES: f64 = 4.0;
 pub const FP32_GRAD_BYTES: f64 = 4.0;
 pub const FP32_OPTIMIZER_BYTES: f64 = 8.0;
 
-/// Bytes an Adam step moves per parameter it updates: read fp32 master, gradient and both
-/// moments (16), write master and moments (12), write the 16-bit working copy (2), plus the
-/// gradient-norm read for clipping (4).
-pub const ADAM_BYTES_PER_PARAM: f64 = 34.0;
+/// The Adam update proper, per parameter: read the fp32 master weight, gradient and both
+/// moments (16), write the three back (12).
+pub const ADAM_UPDATE_BYTES: f64 = 28.0;
+
+/// Bytes an Adam step moves per parameter it updates: the update, the 16-bit working copy
+/// written (2) and the gradient-norm read for clipping (4).
+pub const ADAM_BYTES_PER_PARAM: f64 = ADAM_UPDATE_BYTES + 2.0 + 4.0;
+
+/// An fp16 gradient checked for inf/NaN on an fp32 copy (`float(x.float().sum())`, DeepSpeed's
+/// `_has_inf_or_nan`): 2 read, 4 written, 4 read by the sum.
+pub const GRAD_CHECK_FP32_BYTES: f64 = 10.0;
+
+/// An fp16 gradient's norm taken in fp64 (`.double().norm(2)`): 2 read, 8 written, 8 read.
+pub const GRAD_NORM_FP64_BYTES: f64 = 18.0;
+
+/// A 16-bit tensor cast to fp32 (2 read, 4 written), or copied (2 read, 2 written); an fp32
+/// tensor scaled in place (4 read, 4 written), or cast to 16 bits (4 read, 2 written).
+pub const CAST_UP_BYTES: f64 = 6.0;
+pub const COPY_16_BYTES: f64 = 4.0;
+pub const SCALE_32_BYTES: f64 = 8.0;
+pub const CAST_DOWN_BYTES: f64 = 6.0;
 
 /// Host-memory traffic of one parameter's offloaded Adam step on the CPU (DeepSpeed's
 /// `DeepSpeedCPUAdam`, ZeRO-Offload §5): read the fp32 weight, gradient, momentum and variance
@@ -34,10 +51,10 @@ pub const HOST_GRAD_UNSCALE_BYTES_PER_PARAM: f64 = 8.0;
 
 /// Device-memory traffic per gradient element of its partition that DeepSpeed's ZeRO-1/2 with
 /// an offloaded optimizer spends on the device before the copy down (`copy_grads_in_partition`,
-/// stage2.py in 0.3, stage_1_and_2.py today): the fp64 norm (`.double().norm(2)`: 2 read, 8
-/// written, 8 read), the inf/NaN check (`_has_inf_or_nan` on an fp32 copy: 2 read, 4 written,
-/// 4 read) and the fp32 cast the copy sends (2 read, 4 written).
-pub const OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM: f64 = 34.0;
+/// stage2.py in 0.3, stage_1_and_2.py today): the fp64 norm, the inf/NaN check on an fp32
+/// copy and the fp32 cast the copy sends.
+pub const OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM: f64 =
+    GRAD_NORM_FP64_BYTES + GRAD_CHECK_FP32_BYTES + CAST_UP_BYTES;
 
 /// Bytes ZeRO-Infinity's NVMe optimizer reads from the drives per parameter before the step:
 /// the fp32 weight, momentum and variance it swapped out after the last one, and the fp32

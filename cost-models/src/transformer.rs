@@ -9,7 +9,11 @@
 
 use crate::comm::{exposed, Collective, Group, Network};
 use crate::compute::{DeviceModel, LinearCasts, OpTimes};
-use crate::memory::ADAM_BYTES_PER_PARAM;
+use crate::memory::{
+    ADAM_BYTES_PER_PARAM, ADAM_UPDATE_BYTES as UPDATE, CAST_DOWN_BYTES as CAST_DOWN,
+    CAST_UP_BYTES as CAST_UP, COPY_16_BYTES as COPY_16, GRAD_CHECK_FP32_BYTES as CHECK_FP32,
+    GRAD_NORM_FP64_BYTES as NORM_FP64, SCALE_32_BYTES as SCALE_32,
+};
 use parallax_hardware::ClusterProfile;
 use parallax_ir::models::{
     BuildOptions, LayerKind, LayerStack, MoeConfig, Section, TransformerConfig,
@@ -282,25 +286,12 @@ impl OptimizerPasses {
             syncs_per_held_tensor: 0.0,
             syncs_per_updated_tensor: 0.0,
         };
-        // The update proper: read the fp32 weight, gradient and both moments, write the
-        // three states back (apex's and DeepSpeed's FusedAdam, multi-tensor).
-        const UPDATE: f64 = 28.0;
-        // An fp16 gradient's check on an fp32 copy (2 read, 4 written, 4 read by the sum).
-        const CHECK_FP32: f64 = 10.0;
-        // Its fp64 norm (2 read, 8 written, 8 read).
-        const NORM_FP64: f64 = 18.0;
-        // fp16 -> fp32 cast (2 read, 4 written); a 16-bit copy (2 read, 2 written); fp32
-        // scaled in place (4 read, 4 written); fp32 weight into fp16 (4 read, 2 written).
-        const CAST_UP: f64 = 6.0;
-        const COPY_16: f64 = 4.0;
-        const SCALE_32: f64 = 8.0;
-        const CAST_DOWN: f64 = 6.0;
         match (self, zero) {
             (OptimizerPasses::Fused, _) => fused,
-            // Cast each gradient up and flatten the fp32 copies (4 read, 4 written), norm the
-            // flat buffer (4 read, one sync a step), unscale, update, copy down.
+            // Cast each gradient up and flatten the fp32 copies (read and written as a scale
+            // is), norm the flat buffer (4 read, one sync a step), unscale, update, copy down.
             (OptimizerPasses::DeepSpeed03, 0) => StepPasses {
-                per_updated: CAST_UP + 8.0 + 4.0 + SCALE_32 + UPDATE + CAST_DOWN,
+                per_updated: CAST_UP + SCALE_32 + 4.0 + SCALE_32 + UPDATE + CAST_DOWN,
                 ..fused
             },
             // Every held gradient: checked, normed (fp32 copy, as the check), flattened into
