@@ -49,6 +49,12 @@ pub const HOST_ADAM_BYTES_PER_PARAM: f64 = 30.0;
 /// `optimizer_gradients` timer (1.1 s of the ZeRO-Offload tutorial's 10B step) is that pass.
 pub const HOST_GRAD_UNSCALE_BYTES_PER_PARAM: f64 = 8.0;
 
+/// DeepSpeed's `reduce_bucket_size` and `allgather_bucket_size` defaults, elements (5e8 in
+/// zero/constants.py at v0.3.0 as today; ZeRO config docs): the gradients an offloading stack
+/// holds on the device before sending them to the host, the gradients ZeRO-2 flattens for one
+/// reduction, the parameters one of its all-gathers returns.
+pub const DEEPSPEED_BUCKET_ELEMENTS: f64 = 5e8;
+
 /// Device-memory traffic per gradient element of its partition that DeepSpeed's ZeRO-1/2 with
 /// an offloaded optimizer spends on the device before the copy down (`copy_grads_in_partition`,
 /// stage2.py in 0.3, stage_1_and_2.py today): the fp64 norm, the inf/NaN check on an fp32

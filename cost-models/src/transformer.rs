@@ -11,8 +11,9 @@ use crate::comm::{exposed, Collective, Group, Network};
 use crate::compute::{DeviceModel, LinearCasts, OpTimes};
 use crate::memory::{
     ADAM_BYTES_PER_PARAM, ADAM_UPDATE_BYTES as UPDATE, CAST_DOWN_BYTES as CAST_DOWN,
-    CAST_UP_BYTES as CAST_UP, COPY_16_BYTES as COPY_16, GRAD_CHECK_FP32_BYTES as CHECK_FP32,
-    GRAD_NORM_FP64_BYTES as NORM_FP64, SCALE_32_BYTES as SCALE_32,
+    CAST_UP_BYTES as CAST_UP, COPY_16_BYTES as COPY_16, DEEPSPEED_BUCKET_ELEMENTS,
+    GRAD_CHECK_FP32_BYTES as CHECK_FP32, GRAD_NORM_FP64_BYTES as NORM_FP64,
+    SCALE_32_BYTES as SCALE_32,
 };
 use parallax_hardware::ClusterProfile;
 use parallax_ir::models::{
@@ -278,6 +279,32 @@ pub struct StepPasses {
 }
 
 impl OptimizerPasses {
+    /// Bytes of the flat copies the optimizer makes of gradients and weights around the step
+    /// and alive at once, with the optimizer on the device: `held` parameters on the device,
+    /// `updated` of them in its partition, over `dp` ranks. Each is larger than any block a
+    /// forward's activations leave in the caching allocator, so it takes segments of its own,
+    /// which the allocator keeps: the reserve grows by the largest set alive at once. DeepSpeed
+    /// 0.3: ZeRO 0 casts each gradient to fp32 and flattens the copies (8 bytes a parameter);
+    /// ZeRO-1 flattens every rank's sub-partition of the gradients (2) and the reduce-scatter
+    /// flattens its input list again (2, over at most a bucket a rank); ZeRO-2 flattens a
+    /// bucket of gradients for each reduction, then its partition (2) cast to fp32 (4) for
+    /// the step, then an all-gather's output (a bucket), one after the other; ZeRO-3 the
+    /// partition's.
+    pub fn transient_bytes(self, zero: u8, held: f64, updated: f64, dp: u32) -> f64 {
+        let bucket = DEEPSPEED_BUCKET_ELEMENTS;
+        match (self, zero) {
+            (OptimizerPasses::Fused, _) => 0.0,
+            (OptimizerPasses::DeepSpeed03, 0) => 8.0 * held,
+            (OptimizerPasses::DeepSpeed03, 1) => {
+                2.0 * held + 2.0 * held.min(f64::from(dp) * bucket)
+            }
+            (OptimizerPasses::DeepSpeed03, 2) => (2.0 * held.min(bucket))
+                .max(6.0 * updated)
+                .max(2.0 * (updated * f64::from(dp)).min(bucket)),
+            (OptimizerPasses::DeepSpeed03, _) => 6.0 * updated,
+        }
+    }
+
     /// The step's passes under ZeRO stage `zero`, the optimizer on the device.
     pub fn step(self, zero: u8) -> StepPasses {
         let fused = StepPasses {

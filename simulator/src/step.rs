@@ -14,9 +14,9 @@ use crate::schedule::{
 use parallax_cost::comm::{exposed, Collective, Group, Network};
 use parallax_cost::compute::DeviceModel;
 use parallax_cost::memory::{
-    state_bytes_per_param, workspace_gib, MemoryBreakdown, FP32_GRAD_BYTES,
-    HOST_ADAM_BYTES_PER_PARAM, HOST_GRAD_UNSCALE_BYTES_PER_PARAM, HOST_STREAM_EFFICIENCY,
-    MIXED_GRAD_BYTES, MIXED_WEIGHT_BYTES, NVME_SWAP_IN_BYTES_PER_PARAM,
+    state_bytes_per_param, workspace_gib, MemoryBreakdown, DEEPSPEED_BUCKET_ELEMENTS,
+    FP32_GRAD_BYTES, HOST_ADAM_BYTES_PER_PARAM, HOST_GRAD_UNSCALE_BYTES_PER_PARAM,
+    HOST_STREAM_EFFICIENCY, MIXED_GRAD_BYTES, MIXED_WEIGHT_BYTES, NVME_SWAP_IN_BYTES_PER_PARAM,
     NVME_SWAP_OUT_BYTES_PER_PARAM, OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM,
 };
 use parallax_cost::transformer::{
@@ -328,10 +328,6 @@ fn virtual_stage_saved(c: &TransformerCosts, layers: &[u32], vs: usize) -> f64 {
     b
 }
 
-/// Gradient elements an offloading stack holds on the device before sending them to the host:
-/// DeepSpeed's `reduce_bucket_size` default (5e8; ZeRO config docs).
-const OFFLOAD_GRAD_BUCKET_ELEMENTS: f64 = 5e8;
-
 /// Whether a rank's `chunks` virtual stages hold their whole gradients one after another: an
 /// FSDP stack that keeps pipelined stages gathered and frees each stage's unsharded gradients
 /// after its own last backward, where the schedule runs each virtual stage's backwards
@@ -428,13 +424,27 @@ pub fn stage_memory_of(
         let p = largest(&|l| l.params) as f64;
         buffers += 2.0 * p * if setup.precision.is_mixed() { 2.0 } else { 4.0 } + p * 4.0;
     }
+    // The flat copies the stack's optimizer makes around the step, on the device.
+    if l.offload == Offload::None {
+        let held = (whole.0 + whole.1) as f64;
+        let shard = if zero >= 1 {
+            f64::from((l.dp * l.cp).max(1))
+        } else {
+            1.0
+        };
+        buffers +=
+            setup
+                .runtime
+                .optimizer_passes
+                .transient_bytes(zero, held, held / shard, l.dp * l.cp);
+    }
     // Offloaded states live in host memory: the optimizer's and the gradients, which go down
     // bucket by bucket as backward produces them (ZeRO-Offload), so the device holds one
     // bucket; with the parameters offloaded those too.
     let on_device = |b: f64, kept: bool| if kept { b } else { 0.0 };
     let (keep_params, keep_rest) = (!l.offload.params(), l.offload == Offload::None);
     let grads = if !keep_rest {
-        let bucket = OFFLOAD_GRAD_BUCKET_ELEMENTS * setup.grad_reduce_bytes() as f64;
+        let bucket = DEEPSPEED_BUCKET_ELEMENTS * setup.grad_reduce_bytes() as f64;
         states(gb, egb).min(bucket)
     } else if chunks_release_grads_in_turn(setup, l, chunks.len(), m) {
         // One virtual stage's gradients at a time: the largest.
@@ -1978,7 +1988,8 @@ mod tests {
     /// 4 others), copies and scales all of them around the reduce-scatter and copies the
     /// gathered weights out (36 bytes a held parameter), and steps on its eighth (48 bytes a
     /// parameter against the fused 34). ZeRO-2 does its checks on the partition (80 bytes a
-    /// parameter, two round trips a tensor of it) and copies the gathered weights out.
+    /// parameter, two round trips a tensor of it) and copies the gathered weights out. Both
+    /// reserve their flat copies of gradients and weights beside the rest.
     #[test]
     fn deepspeed_03_checks_gradients_one_tensor_at_a_time() {
         let m = zoo::transformer("gpt2-xl").unwrap();
@@ -2032,6 +2043,19 @@ mod tests {
                 expect.0
             );
             assert!(got > base, "zero {zero}");
+            // The flat copies around the step, in segments of their own: ZeRO-1 every rank's
+            // sub-partition and the reduce-scatter's flattened input (2 + 2 bytes a held
+            // parameter, GPT-2 XL under a bucket a rank); ZeRO-2 the largest of a bucket's
+            // flattened gradients (5e8 × 2), the partition flattened and cast (2 + 4) and an
+            // all-gather's bucket (5e8 × 2).
+            let transient = if zero == 1 {
+                4.0 * held
+            } else {
+                (2.0 * 5e8_f64).max(6.0 * updated)
+            };
+            let buffers = |s: &Setup| simulate_step(s, &l).unwrap().prediction.memory.buffers;
+            let extra = (buffers(&ds) - buffers(&fused)) * GIB;
+            assert!((extra / transient - 1.0).abs() < 1e-6, "zero {zero}: {extra} vs {transient}");
             // Offloaded, the device checks are every stack's; DeepSpeed 0.3 adds its round
             // trips.
             let off = Layout {
