@@ -281,27 +281,33 @@ pub struct StepPasses {
 impl OptimizerPasses {
     /// Bytes of the flat copies the optimizer makes of gradients and weights around the step
     /// and alive at once, with the optimizer on the device: `held` parameters on the device,
-    /// `updated` of them in its partition, over `dp` ranks. Each is larger than any block a
-    /// forward's activations leave in the caching allocator, so it takes segments of its own,
-    /// which the allocator keeps: the reserve grows by the largest set alive at once. DeepSpeed
-    /// 0.3: ZeRO 0 casts each gradient to fp32 and flattens the copies (8 bytes a parameter);
-    /// ZeRO-1 flattens every rank's sub-partition of the gradients (2) and the reduce-scatter
-    /// flattens its input list again (2, over at most a bucket a rank); ZeRO-2 flattens a
-    /// bucket of gradients for each reduction, then its partition (2) cast to fp32 (4) for
-    /// the step, then an all-gather's output (a bucket), one after the other; ZeRO-3 the
-    /// partition's.
-    pub fn transient_bytes(self, zero: u8, held: f64, updated: f64, dp: u32) -> f64 {
+    /// `updated` of them in its partition, over `dp` ranks. A copy larger than `cached`, the
+    /// largest block the forward's activations leave in the caching allocator, takes a segment
+    /// of its own, which the allocator keeps: the reserve grows by those alive at once (a
+    /// smaller one is served from the cache). DeepSpeed 0.3: ZeRO 0 flattens the gradients'
+    /// fp32 casts into one buffer (4 bytes a parameter; the per-tensor casts fit the cache);
+    /// ZeRO-1 flattens every rank's sub-partition of the gradients (2, in pieces of a
+    /// partition or a bucket) and the reduce-scatter flattens its input list again (2, over at
+    /// most a bucket a rank); ZeRO-2 flattens a bucket of gradients for each reduction, then
+    /// its partition (2) cast to fp32 (4) for the step, then an all-gather's output (a
+    /// bucket), one after the other; ZeRO-3 its partition's.
+    pub fn transient_bytes(self, zero: u8, held: f64, updated: f64, dp: u32, cached: f64) -> f64 {
         let bucket = DEEPSPEED_BUCKET_ELEMENTS;
+        let dp = f64::from(dp.max(1));
+        let own = |bytes: f64| if bytes > cached { bytes } else { 0.0 };
+        let partition_cast = own(2.0 * updated) + own(4.0 * updated);
         match (self, zero) {
             (OptimizerPasses::Fused, _) => 0.0,
-            (OptimizerPasses::DeepSpeed03, 0) => 8.0 * held,
+            (OptimizerPasses::DeepSpeed03, 0) => own(4.0 * held),
             (OptimizerPasses::DeepSpeed03, 1) => {
-                2.0 * held + 2.0 * held.min(f64::from(dp) * bucket)
+                let piece = 2.0 * (held / dp).min(bucket);
+                let pieces = if piece > cached { 2.0 * held } else { 0.0 };
+                pieces + own(2.0 * held.min(dp * bucket))
             }
-            (OptimizerPasses::DeepSpeed03, 2) => (2.0 * held.min(bucket))
-                .max(6.0 * updated)
-                .max(2.0 * (updated * f64::from(dp)).min(bucket)),
-            (OptimizerPasses::DeepSpeed03, _) => 6.0 * updated,
+            (OptimizerPasses::DeepSpeed03, 2) => own(2.0 * held.min(bucket))
+                .max(partition_cast)
+                .max(own(2.0 * (updated * dp).min(bucket))),
+            (OptimizerPasses::DeepSpeed03, _) => partition_cast,
         }
     }
 

@@ -432,11 +432,16 @@ pub fn stage_memory_of(
         } else {
             1.0
         };
-        buffers +=
-            setup
-                .runtime
-                .optimizer_passes
-                .transient_bytes(zero, held, held / shard, l.dp * l.cp);
+        // The largest block the forward's activations leave cached: no larger than a layer's
+        // or the loss's working set.
+        let cached = largest(&|l| l.working.0).max(c.head.working.0) as f64;
+        buffers += setup.runtime.optimizer_passes.transient_bytes(
+            zero,
+            held,
+            held / shard,
+            l.dp * l.cp,
+            cached,
+        );
     }
     // Offloaded states live in host memory: the optimizer's and the gradients, which go down
     // bucket by bucket as backward produces them (ZeRO-Offload), so the device holds one
@@ -1161,7 +1166,7 @@ fn simulate_costed(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use parallax_cost::transformer::{OptimizerPasses, Runtime, WgradAccumulation};
+    use parallax_cost::transformer::{CrossEntropy, OptimizerPasses, Runtime, WgradAccumulation};
     use parallax_hardware::{preset, ClusterProfile};
     use parallax_ir::models::{zoo, TransformerConfig};
     use parallax_ir::Schedule;
@@ -1994,8 +1999,14 @@ mod tests {
     fn deepspeed_03_checks_gradients_one_tensor_at_a_time() {
         let m = zoo::transformer("gpt2-xl").unwrap();
         let p = preset("dgx2-v100-32gb").unwrap();
+        // Megatron's in-place loss, as DeepSpeed 0.3 ran GPT-2: its working set (6 bytes a
+        // logit, 309 MB) is the largest block the forward leaves cached.
         let fused = Setup {
             precision: Precision::Fp16,
+            runtime: Runtime {
+                cross_entropy: CrossEntropy::VocabParallel,
+                ..Runtime::default()
+            },
             ..Setup::new(&m, &p, 8, 1024, 8)
         };
         let ds = Setup {
@@ -2006,6 +2017,23 @@ mod tests {
             ..fused
         };
         let dev = DeviceModel::new(&p, Precision::Fp16).unwrap();
+        // GPT-2 small's copies (31 MB sub-partitions, a 249 MB flat input) fit that cache.
+        let small = zoo::transformer("gpt2").unwrap();
+        let z1 = Layout {
+            dp: 8,
+            zero_stage: 1,
+            micro_batch: 1,
+            ..Layout::default()
+        };
+        let small_buffers = |rt: Runtime| {
+            let s = Setup {
+                precision: Precision::Fp16,
+                runtime: rt,
+                ..Setup::new(&small, &p, 8, 1024, 8)
+            };
+            simulate_step(&s, &z1).unwrap().prediction.memory.buffers
+        };
+        assert_eq!(small_buffers(ds.runtime), small_buffers(fused.runtime));
         for zero in [1u8, 2] {
             let l = Layout {
                 dp: 8,
@@ -2055,7 +2083,10 @@ mod tests {
             };
             let buffers = |s: &Setup| simulate_step(s, &l).unwrap().prediction.memory.buffers;
             let extra = (buffers(&ds) - buffers(&fused)) * GIB;
-            assert!((extra / transient - 1.0).abs() < 1e-6, "zero {zero}: {extra} vs {transient}");
+            assert!(
+                (extra / transient - 1.0).abs() < 1e-6,
+                "zero {zero}: {extra} vs {transient}"
+            );
             // Offloaded, the device checks are every stack's; DeepSpeed 0.3 adds its round
             // trips.
             let off = Layout {
