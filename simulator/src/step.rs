@@ -791,15 +791,19 @@ pub fn step_terms(
         // The stack's optimizer walks the gradients ([`OptimizerPasses`]): its per-tensor
         // checks read back to the host, on the device wherever the states live.
         let passes = setup.runtime.optimizer_passes.step(zero);
-        let tensors: u64 = positions_of(l, s)
-            .into_iter()
-            .map(|vs| virtual_stage_count(c, layers, vs, |p| p.param_tensors))
-            .sum();
-        let updated_tensors = tensors as f64 * opt_params as f64 / stage_params.max(1) as f64;
-        let syncs = dev.host_synced(
-            tensors as f64 * passes.syncs_per_held_tensor
-                + updated_tensors * passes.syncs_per_updated_tensor,
-        );
+        let syncs = if passes.syncs_per_held_tensor + passes.syncs_per_updated_tensor > 0.0 {
+            let tensors: u64 = positions_of(l, s)
+                .into_iter()
+                .map(|vs| virtual_stage_count(c, layers, vs, |p| p.param_tensors))
+                .sum();
+            let updated = tensors as f64 * opt_params as f64 / stage_params.max(1) as f64;
+            dev.host_synced(
+                tensors as f64 * passes.syncs_per_held_tensor
+                    + updated * passes.syncs_per_updated_tensor,
+            )
+        } else {
+            Seconds(0.0)
+        };
         adam[s as usize] = syncs
             + match &host {
                 // ZeRO-Offload: the gradient shard goes down as the fp32 the optimizer steps on
