@@ -19,9 +19,12 @@ pub const FP32_OPTIMIZER_BYTES: f64 = 8.0;
 /// moments (16), write the three back (12).
 pub const ADAM_UPDATE_BYTES: f64 = 28.0;
 
+/// An fp32 gradient read for its norm (gradient clipping).
+pub const GRAD_NORM_FP32_BYTES: f64 = 4.0;
+
 /// Bytes an Adam step moves per parameter it updates: the update, the 16-bit working copy
-/// written (2) and the gradient-norm read for clipping (4).
-pub const ADAM_BYTES_PER_PARAM: f64 = ADAM_UPDATE_BYTES + 2.0 + 4.0;
+/// written (2) and the gradient-norm read for clipping.
+pub const ADAM_BYTES_PER_PARAM: f64 = ADAM_UPDATE_BYTES + 2.0 + GRAD_NORM_FP32_BYTES;
 
 /// An fp16 gradient checked for inf/NaN on an fp32 copy (`float(x.float().sum())`, DeepSpeed's
 /// `_has_inf_or_nan`): 2 read, 4 written, 4 read by the sum.
@@ -31,9 +34,11 @@ pub const GRAD_CHECK_FP32_BYTES: f64 = 10.0;
 pub const GRAD_NORM_FP64_BYTES: f64 = 18.0;
 
 /// A 16-bit tensor cast to fp32 (2 read, 4 written), or copied (2 read, 2 written); an fp32
-/// tensor scaled in place (4 read, 4 written), or cast to 16 bits (4 read, 2 written).
+/// tensor copied or scaled in place (4 read, 4 written), or cast to 16 bits (4 read, 2
+/// written).
 pub const CAST_UP_BYTES: f64 = 6.0;
 pub const COPY_16_BYTES: f64 = 4.0;
+pub const COPY_32_BYTES: f64 = 8.0;
 pub const SCALE_32_BYTES: f64 = 8.0;
 pub const CAST_DOWN_BYTES: f64 = 6.0;
 

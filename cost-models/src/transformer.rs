@@ -11,8 +11,9 @@ use crate::comm::{exposed, Collective, Group, Network};
 use crate::compute::{DeviceModel, LinearCasts, OpTimes};
 use crate::memory::{
     ADAM_BYTES_PER_PARAM, ADAM_UPDATE_BYTES as UPDATE, CAST_DOWN_BYTES as CAST_DOWN,
-    CAST_UP_BYTES as CAST_UP, COPY_16_BYTES as COPY_16, DEEPSPEED_BUCKET_ELEMENTS,
-    GRAD_CHECK_FP32_BYTES as CHECK_FP32, GRAD_NORM_FP64_BYTES as NORM_FP64,
+    CAST_UP_BYTES as CAST_UP, COPY_16_BYTES as COPY_16, COPY_32_BYTES as COPY_32,
+    DEEPSPEED_BUCKET_ELEMENTS, GRAD_CHECK_FP32_BYTES as CHECK_FP32,
+    GRAD_NORM_FP32_BYTES as NORM_FP32, GRAD_NORM_FP64_BYTES as NORM_FP64,
     SCALE_32_BYTES as SCALE_32,
 };
 use parallax_hardware::ClusterProfile;
@@ -321,10 +322,10 @@ impl OptimizerPasses {
         };
         match (self, zero) {
             (OptimizerPasses::Fused, _) => fused,
-            // Cast each gradient up and flatten the fp32 copies (read and written as a scale
-            // is), norm the flat buffer (4 read, one sync a step), unscale, update, copy down.
+            // Cast each gradient up and flatten the fp32 copies, norm the flat buffer (one
+            // sync a step), unscale, update, copy down.
             (OptimizerPasses::DeepSpeed03, 0) => StepPasses {
-                per_updated: CAST_UP + SCALE_32 + 4.0 + SCALE_32 + UPDATE + CAST_DOWN,
+                per_updated: CAST_UP + COPY_32 + NORM_FP32 + SCALE_32 + UPDATE + CAST_DOWN,
                 ..fused
             },
             // Every held gradient: checked, normed (fp32 copy, as the check), flattened into

@@ -826,42 +826,34 @@ pub fn layout_plan(costs: &mut OpCosts, dp: u32, tp: u32, pp: u32) -> OpPlan {
 /// `None` where the balance does not count the graph's segments or leaves a stage empty.
 pub fn segment_stages(graph: &parallax_ir::Graph, balance: &[u32]) -> Option<Vec<u32>> {
     use parallax_ir::Segment;
-    let blocks = graph
-        .nodes
-        .iter()
-        .filter_map(|n| match n.segment {
-            Segment::Block(i) => Some(i + 1),
-            _ => None,
-        })
-        .max()
-        .unwrap_or(0);
-    let has = |s: Segment| graph.nodes.iter().any(|n| n.segment == s);
-    let pre = u32::from(has(Segment::Pre));
-    let layers = pre + blocks + u32::from(has(Segment::Post));
+    // The graph's layers in one pass: whether it has a stem and a head, and its blocks.
+    let (mut pre, mut post, mut blocks) = (0, 0, 0);
+    for n in &graph.nodes {
+        match n.segment {
+            Segment::Pre => pre = 1,
+            Segment::Post => post = 1,
+            Segment::Block(i) => blocks = blocks.max(i + 1),
+        }
+    }
+    let layers = pre + blocks + post;
     if balance.iter().sum::<u32>() != layers || balance.contains(&0) {
         return None;
     }
-    // The stage of layer `l`: the first whose cumulative count passes it.
-    let stage_of = |l: u32| {
-        let mut end = 0;
-        balance
-            .iter()
-            .position(|&b| {
-                end += b;
-                l < end
-            })
-            .unwrap_or(balance.len() - 1) as u32
-    };
+    // Stage `k` repeated for each of its `balance[k]` layers.
+    let layer_stage: Vec<u32> = (0u32..)
+        .zip(balance)
+        .flat_map(|(k, &b)| std::iter::repeat_n(k, b as usize))
+        .collect();
     Some(
         graph
             .nodes
             .iter()
             .map(|n| {
-                stage_of(match n.segment {
+                layer_stage[match n.segment {
                     Segment::Pre => 0,
                     Segment::Block(i) => pre + i,
                     Segment::Post => layers - 1,
-                })
+                } as usize]
             })
             .collect(),
     )

@@ -409,8 +409,8 @@ pub fn stage_memory_of(
     .min(m.saturating_mul(chunks.len() as u32));
     // The largest layer's transient buffers (the kinds differ in a mixture with dense layers).
     let largest = |f: &dyn Fn(&PartCost) -> u64| c.layer_kinds().map(f).max().unwrap_or(0);
-    let mut buffers =
-        Bytes::from_gib(workspace_gib(setup.profile)).0 as f64 + largest(&|l| l.working.0) as f64;
+    let working = largest(&|l| l.working.0);
+    let mut buffers = Bytes::from_gib(workspace_gib(setup.profile)).0 as f64 + working as f64;
     if chunks.contains(&(nv - 1)) {
         buffers += c.head.working.0 as f64;
         if setup.runtime.pipeline_keeps_outputs && pp > 1 {
@@ -426,19 +426,21 @@ pub fn stage_memory_of(
     }
     // The flat copies the stack's optimizer makes around the step, on the device.
     if l.offload == Offload::None {
-        let held = (whole.0 + whole.1) as f64;
-        let shard = if zero >= 1 {
-            f64::from((l.dp * l.cp).max(1))
+        let (dense, experts) = (whole.0 as f64, whole.1 as f64);
+        // The partition it updates: ZeRO shards dense states over dp × cp, experts' over their
+        // expert-data-parallel ranks (as the step's `opt_params`).
+        let updated = if zero >= 1 {
+            dense / f64::from((l.dp * l.cp).max(1)) + experts / f64::from(l.expert_dp().max(1))
         } else {
-            1.0
+            dense + experts
         };
         // The largest block the forward's activations leave cached: no larger than a layer's
         // or the loss's working set.
-        let cached = largest(&|l| l.working.0).max(c.head.working.0) as f64;
+        let cached = working.max(c.head.working.0) as f64;
         buffers += setup.runtime.optimizer_passes.transient_bytes(
             zero,
-            held,
-            held / shard,
+            dense + experts,
+            updated,
             l.dp * l.cp,
             cached,
         );
@@ -2021,6 +2023,13 @@ mod tests {
             ..fused
         };
         let dev = DeviceModel::new(&p, Precision::Fp16).unwrap();
+        let optimizer_s = |s: &Setup, l: &Layout| {
+            simulate_step(s, l)
+                .unwrap()
+                .prediction
+                .breakdown
+                .optimizer_s
+        };
         // GPT-2 small's copies (31 MB sub-partitions, a 249 MB flat input) fit that cache.
         let small = zoo::transformer("gpt2").unwrap();
         let z1 = Layout {
@@ -2058,16 +2067,7 @@ mod tests {
                 dev.memory(updated * 80.0 + held * 4.0)
                     + dev.host_synced(2.0 * tensors as f64 / 8.0)
             };
-            let got = simulate_step(&ds, &l)
-                .unwrap()
-                .prediction
-                .breakdown
-                .optimizer_s;
-            let base = simulate_step(&fused, &l)
-                .unwrap()
-                .prediction
-                .breakdown
-                .optimizer_s;
+            let (got, base) = (optimizer_s(&ds, &l), optimizer_s(&fused, &l));
             let gather = base - dev.memory(updated * 34.0).0;
             assert!(
                 (got - gather - expect.0).abs() < 1e-9,
@@ -2097,16 +2097,7 @@ mod tests {
                 offload: Offload::Optimizer,
                 ..l
             };
-            let ds_off = simulate_step(&ds, &off)
-                .unwrap()
-                .prediction
-                .breakdown
-                .optimizer_s;
-            let fused_off = simulate_step(&fused, &off)
-                .unwrap()
-                .prediction
-                .breakdown
-                .optimizer_s;
+            let (ds_off, fused_off) = (optimizer_s(&ds, &off), optimizer_s(&fused, &off));
             let trips = if zero == 1 {
                 2.0 * tensors as f64
             } else {
