@@ -42,10 +42,11 @@ pub const COPY_32_BYTES: f64 = 8.0;
 pub const SCALE_32_BYTES: f64 = 8.0;
 pub const CAST_DOWN_BYTES: f64 = 6.0;
 
-/// Host-memory traffic of one parameter's offloaded Adam step on the CPU (DeepSpeed's
-/// `DeepSpeedCPUAdam`, ZeRO-Offload §5): read the fp32 weight, gradient, momentum and variance
-/// (16 bytes), write the three states back (12) and the 16-bit copy sent to the device (2).
-pub const HOST_ADAM_BYTES_PER_PARAM: f64 = 30.0;
+/// Host-memory traffic of one parameter's Adam step on the CPU as `parallax calibrate` measures
+/// it (`node.host_adam_gparams_per_s`): the update's read of the fp32 weight, gradient and both
+/// moments and write of the three ([`ADAM_UPDATE_BYTES`]) and the 16-bit copy written (2). A
+/// measured rate times this is the host's stream rate.
+pub const HOST_ADAM_BYTES_PER_PARAM: f64 = ADAM_UPDATE_BYTES + 2.0;
 
 /// Host-memory traffic of one parameter's gradient unscale before an offloaded step: DeepSpeed
 /// multiplies the host's fp32 gradient partition in place by the inverse of the loss scale and
@@ -76,10 +77,17 @@ pub const NVME_SWAP_IN_BYTES_PER_PARAM: u64 = 16;
 /// Bytes it writes back after the step: the three fp32 states (the gradient is not kept).
 pub const NVME_SWAP_OUT_BYTES_PER_PARAM: u64 = 12;
 
-/// Fraction of a two-socket server's DRAM peak a streaming kernel sustains: STREAM triad on
-/// Skylake-SP, Ice Lake and Rome/Milan servers reaches 70–80 % of channels × rate × 8 bytes
-/// (McCalpin, STREAM results; vendors' STREAM disclosures).
-pub const HOST_STREAM_EFFICIENCY: f64 = 0.75;
+/// Fraction of a server's DRAM peak (channels × rate × 8 bytes, all sockets) an offloaded
+/// optimizer step sustains where `calibrate` has not measured the host. Not STREAM's 70–80 %:
+/// DeepSpeedCPUAdam updated an 11.6B-parameter GPT-2 in 8.2 s (a DeepSpeed author in PR #735,
+/// February 2021, host not stated): 1.41 G parameters a second, 40–45 GB/s (28 bytes a
+/// parameter for the update, 32 with the fp32 copy DeepSpeed 0.3 writes for the device), 0.16–
+/// 0.18 of a two-socket DDR4-2666 server's 256 GB/s; the ZeRO-Offload tutorial's DGX-2 (two
+/// Xeon Platinum 8168, 256 GB/s) logs 6.2–6.5 s of `optimizer_step` for 10B (0.20).
+/// DeepSpeed's fp32 states and pinned gradient buffer are first touched by one thread
+/// (`pin_memory()`, `.float().cpu()`), so they live in one socket's memory, which the other
+/// socket's OpenMP threads reach over UPI.
+pub const HOST_STREAM_EFFICIENCY: f64 = 0.17;
 
 /// Memory the caching allocator holds beyond live tensors (fragmentation and rounding of
 /// blocks), as a fraction of live bytes. PyTorch's `max_memory_reserved` typically runs 5–10 %

@@ -12,7 +12,7 @@ use crate::compute::{DeviceModel, LinearCasts, OpTimes};
 use crate::memory::{
     ADAM_BYTES_PER_PARAM, ADAM_UPDATE_BYTES as UPDATE, CAST_DOWN_BYTES as CAST_DOWN,
     CAST_UP_BYTES as CAST_UP, COPY_16_BYTES as COPY_16, COPY_32_BYTES as COPY_32,
-    DEEPSPEED_BUCKET_ELEMENTS, GRAD_CHECK_FP32_BYTES as CHECK_FP32,
+    DEEPSPEED_BUCKET_ELEMENTS, FP32_WEIGHT_BYTES, GRAD_CHECK_FP32_BYTES as CHECK_FP32,
     GRAD_NORM_FP32_BYTES as NORM_FP32, GRAD_NORM_FP64_BYTES as NORM_FP64,
     SCALE_32_BYTES as SCALE_32,
 };
@@ -266,6 +266,19 @@ pub enum OptimizerPasses {
     DeepSpeed03,
 }
 
+/// How an offloaded optimizer step's updated weights reach the device
+/// ([`OptimizerPasses::host_update`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HostUpdate {
+    /// Host-memory bytes per parameter written for the device beside the update's own.
+    pub copy_bytes: f64,
+    /// Bytes per parameter that cross the host link.
+    pub link_bytes: f64,
+    /// Parameters updated at a time before they go up while the next ones are updated; `None`:
+    /// they go up after the whole update.
+    pub tile: Option<f64>,
+}
+
 /// One device's optimizer step in device traffic and host round trips ([`OptimizerPasses`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepPasses {
@@ -309,6 +322,28 @@ impl OptimizerPasses {
                 .max(partition_cast)
                 .max(own(2.0 * (updated * dp).min(bucket))),
             (OptimizerPasses::DeepSpeed03, _) => partition_cast,
+        }
+    }
+
+    /// How the host's update of an offloaded step sends the weights up. DeepSpeed 0.3's
+    /// `DeepSpeedCPUAdam` writes each updated fp32 weight into one of two pinned buffers of
+    /// 2^30 elements, and a device kernel reads that tile across the link and casts it while
+    /// the CPUs update the next (csrc/adam/cpu_adam.cpp `Step_8`, `TILE`, `_doubled_buffer`,
+    /// `launch_param_update` at v0.3.0). DeepSpeed since casts the whole fp32 partition into a
+    /// pinned 16-bit buffer on the host after the update and copies that up
+    /// (stage_1_and_2.py: `bit16_partition_buffer.data.copy_(fp32_partition.data)`).
+    pub fn host_update(self) -> HostUpdate {
+        match self {
+            OptimizerPasses::Fused => HostUpdate {
+                copy_bytes: CAST_DOWN,
+                link_bytes: 2.0,
+                tile: None,
+            },
+            OptimizerPasses::DeepSpeed03 => HostUpdate {
+                copy_bytes: FP32_WEIGHT_BYTES,
+                link_bytes: FP32_WEIGHT_BYTES,
+                tile: Some(f64::from(1u32 << 30)),
+            },
         }
     }
 

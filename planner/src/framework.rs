@@ -437,8 +437,8 @@ const DEEPSPEED_2020: &[Feature] = &[
         source: "deepspeed/runtime/zero/stage1.py, stage2.py, fp16/fused_optimizer.py, utils.py CheckOverflow and get_grad_norm (v0.3.0)",
     },
     Feature {
-        what: "ZeRO-Offload: optimizer states, fp32 master weights and the Adam step (DeepSpeedCPUAdam) on the host, ZeRO 1–2",
-        source: "Ren et al. 2021 (ZeRO-Offload, USENIX ATC), §4–5; DeepSpeed ZeRO-Offload tutorial (September 2020)",
+        what: "ZeRO-Offload: optimizer states, fp32 master weights and the Adam step (DeepSpeedCPUAdam) on the host, ZeRO 1–2; fp32 gradients copied down on the compute stream as each bucket is reduced; the updated fp32 weights written into two pinned tiles of 2^30 elements that a device kernel reads across PCIe while the CPUs update the next",
+        source: "Ren et al. 2021 (ZeRO-Offload, USENIX ATC), §4–5; DeepSpeed ZeRO-Offload tutorial (September 2020); stage2.py copy_grads_in_partition, csrc/adam/cpu_adam.cpp Step_8 and launch_param_update (v0.3.0)",
     },
     Feature {
         what: "fp16 weight gradients accumulated over micro-batches by autograd (ZeRO 0-1)",

@@ -14,13 +14,14 @@ use crate::schedule::{
 use parallax_cost::comm::{exposed, Collective, Group, Network};
 use parallax_cost::compute::DeviceModel;
 use parallax_cost::memory::{
-    state_bytes_per_param, workspace_gib, MemoryBreakdown, DEEPSPEED_BUCKET_ELEMENTS,
-    FP32_GRAD_BYTES, HOST_ADAM_BYTES_PER_PARAM, HOST_GRAD_UNSCALE_BYTES_PER_PARAM,
-    HOST_STREAM_EFFICIENCY, MIXED_GRAD_BYTES, MIXED_WEIGHT_BYTES, NVME_SWAP_IN_BYTES_PER_PARAM,
-    NVME_SWAP_OUT_BYTES_PER_PARAM, OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM,
+    state_bytes_per_param, workspace_gib, MemoryBreakdown, ADAM_UPDATE_BYTES,
+    DEEPSPEED_BUCKET_ELEMENTS, FP32_GRAD_BYTES, HOST_ADAM_BYTES_PER_PARAM,
+    HOST_GRAD_UNSCALE_BYTES_PER_PARAM, HOST_STREAM_EFFICIENCY, MIXED_GRAD_BYTES,
+    MIXED_WEIGHT_BYTES, NVME_SWAP_IN_BYTES_PER_PARAM, NVME_SWAP_OUT_BYTES_PER_PARAM,
+    OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM,
 };
 use parallax_cost::transformer::{
-    check_layout, model_flops_per_step, transformer_costs, Infeasible, PartCost, Setup,
+    check_layout, model_flops_per_step, transformer_costs, HostUpdate, Infeasible, PartCost, Setup,
     TransformerCosts,
 };
 use parallax_ir::{Bytes, Layout, Offload, Seconds, GIB};
@@ -574,9 +575,20 @@ impl HostOffload {
         Seconds(bytes as f64 / self.link)
     }
 
-    /// Adam over `params` on the device's share of the host's CPUs.
-    fn adam(&self, params: u64) -> Seconds {
-        self.stream(params, HOST_ADAM_BYTES_PER_PARAM)
+    /// Adam over `params` on the device's share of the host's CPUs and their updated weights
+    /// sent up as `up` says: where the update goes in tiles, each tile crosses the link
+    /// while the next is updated (a two-stage pipeline: the slower stage throughout, the
+    /// faster once).
+    fn adam(&self, params: u64, up: HostUpdate) -> Seconds {
+        let update = self.stream(params, ADAM_UPDATE_BYTES + up.copy_bytes);
+        let link = Seconds(params as f64 * up.link_bytes / self.link);
+        match up.tile {
+            Some(tile) => {
+                let tiles = (params as f64 / tile).ceil().max(1.0);
+                Seconds(update.0.max(link.0) + update.0.min(link.0) / tiles)
+            }
+            None => update + link,
+        }
     }
 
     /// Unscaling the fp32 gradients of `params` in host memory before the step.
@@ -739,6 +751,25 @@ pub fn step_terms(
     }
 
     let step_end_reduction = reduces_at_step_end(setup, l);
+    // ZeRO-Offload: each gradient of the rank's partition leaves for the host's fp32 buffer as
+    // its bucket is reduced, cast to fp32 on the device after ZeRO-1/2's checks
+    // (`copy_grads_in_partition` → `async_inplace_copy_grad_to_fp32_buffer_from_gpu`, stage2.py
+    // in 0.3 as stage_1_and_2.py today; stage 3 copies its reduce-scattered partition): on the
+    // reduction's stream, behind the backward only where the stack overlaps the reduction.
+    // With the parameters offloaded the gradients go down layer by layer instead (above).
+    let grads_to_host = host.is_some() && !l.offload.params();
+    let grads_down = |params: u64, experts: u64| match &host {
+        Some(h) if grads_to_host => {
+            let part = (params - experts) / u64::from(shard) + experts / u64::from(edp);
+            let checks = if zero < 3 {
+                dev.memory(part as f64 * OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM)
+            } else {
+                Seconds(0.0)
+            };
+            checks + h.link(part * FP32_GRAD_BYTES as u64)
+        }
+        _ => Seconds(0.0),
+    };
     let mut dp = vec![Seconds(0.0); layers.len()];
     let mut adam = vec![Seconds(0.0); pp as usize];
     let mut param_gather = vec![Seconds(0.0); pp as usize];
@@ -749,7 +780,7 @@ pub fn step_terms(
             let experts = virtual_stage_experts(c, layers, vs);
             stage_params += p;
             stage_experts += experts;
-            if !step_end_reduction {
+            if !step_end_reduction && !grads_to_host {
                 continue;
             }
             // Of `params`, `experts` are the experts' (reduced over their own replicas).
@@ -758,7 +789,12 @@ pub fn step_terms(
                     0 => Collective::AllReduce,
                     _ => Collective::ReduceScatter,
                 };
-                over_both(kind, params - experts, experts, setup.grad_reduce_bytes())
+                let collective = if step_end_reduction {
+                    over_both(kind, params - experts, experts, setup.grad_reduce_bytes())
+                } else {
+                    Seconds(0.0)
+                };
+                collective + grads_down(params, experts)
             };
             dp[vs] = if setup.runtime.overlap_grad_reduce {
                 // Gradients become ready in reverse layer order. The last bucket holds the
@@ -808,31 +844,32 @@ pub fn step_terms(
         };
         adam[s as usize] = syncs
             + match &host {
-                // ZeRO-Offload: the gradient shard goes down as the fp32 the optimizer steps on
-                // (DeepSpeed casts it on the device before the copy:
-                // `async_inplace_copy_grad_to_fp32_buffer_from_gpu`), is unscaled in host memory,
-                // the CPUs step, the updated 16-bit weights come back up; with the parameters
-                // offloaded both already live there (the weights written back to NVMe where they
-                // live on it). ZeRO-Infinity's NVMe optimizer swaps the states and the gradient in
-                // before the step and the states out after it, one after the other.
+                // ZeRO-Offload: the fp32 gradient partition, down since the reduction, is
+                // unscaled in host memory, the CPUs step and the updated weights go up as the
+                // stack sends them ([`OptimizerPasses::host_update`]); with the parameters
+                // offloaded the 16-bit copy is written where they live (back to NVMe where they
+                // live on it). ZeRO-Infinity's NVMe optimizer swaps the states and the gradient
+                // in before the step and the states out after it, one after the other.
                 Some(h) => {
-                    // ZeRO-1/2 check and cast each gradient on the device before it goes down.
-                    let checks = if zero < 3 {
-                        dev.memory(opt_params as f64 * OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM)
-                    } else {
-                        Seconds(0.0)
+                    let in_host = HostUpdate {
+                        copy_bytes: wbytes as f64,
+                        link_bytes: 0.0,
+                        tile: None,
                     };
-                    let (down, up) = match l.offload {
-                        Offload::Params => (Seconds(0.0), Seconds(0.0)),
-                        Offload::ParamsNvme => (Seconds(0.0), h.nvme_write(opt_params * wbytes)),
+                    let (update, write_back) = match l.offload {
+                        Offload::Params => (h.adam(opt_params, in_host), Seconds(0.0)),
+                        Offload::ParamsNvme => (
+                            h.adam(opt_params, in_host),
+                            h.nvme_write(opt_params * wbytes),
+                        ),
                         _ => (
-                            checks + h.link(opt_params * FP32_GRAD_BYTES as u64),
-                            h.link(opt_params * wbytes),
+                            h.adam(opt_params, setup.runtime.optimizer_passes.host_update()),
+                            Seconds(0.0),
                         ),
                     };
                     let swap = h.nvme_read(opt_params * NVME_SWAP_IN_BYTES_PER_PARAM)
                         + h.nvme_write(opt_params * NVME_SWAP_OUT_BYTES_PER_PARAM);
-                    down + swap + h.unscale(opt_params) + h.adam(opt_params) + up
+                    swap + h.unscale(opt_params) + update + write_back
                 }
                 // On the device: the update of its partition and what the optimizer does to
                 // every gradient it holds.
@@ -1928,12 +1965,13 @@ mod tests {
     }
 
     /// ZeRO-Offload by hand: Llama-3 8B on one DGX-2 V100 slot (fp16, ZeRO-2, one device)
-    /// keeps no optimizer state and one gradient bucket on the device, and its optimizer step
-    /// is the gradient's trip down the 15.75 GB/s link (in fp32, as DeepSpeed casts it before
-    /// the copy, after its fp64 norm and inf/NaN check on the device: 34 bytes a parameter
-    /// through device memory), its unscale (8 bytes a parameter) and Adam (30) streaming
-    /// through the host's 255.9 GB/s at 75 % (the one device training has the host to
-    /// itself), and the 16-bit weights' trip up.
+    /// keeps no optimizer state and one gradient bucket on the device. Its gradients go down
+    /// the 15.75 GB/s link as they are reduced (in fp32, as DeepSpeed casts them before the
+    /// copy, after its fp64 norm and inf/NaN check on the device: 34 bytes a parameter through
+    /// device memory), exposed without overlapped reduction; its optimizer step is the unscale
+    /// (8 bytes a parameter) and Adam (28, and 6 for today's host cast to 16 bits) streaming
+    /// through the host's 255.9 GB/s at 17 % (the one device training has the host to
+    /// itself), then the 16-bit weights' trip up.
     /// Parameter offload (ZeRO-3) leaves no parameter on the device either and steps on the
     /// host alone; a stage it cannot go with is refused by name.
     #[test]
@@ -1962,12 +2000,36 @@ mod tests {
         assert!((host.memory.grads - 5e8 * gbytes / GIB).abs() < 1e-6);
         let n = transformer_costs(&s, &off).unwrap().model_params(m.layers) as f64;
         let link = 15.75e9;
-        let cpu = 255.9e9 * 0.75;
+        let cpu = 255.9e9 * 0.17;
         let dev = DeviceModel::new(&p, parallax_ir::Precision::Fp16).unwrap();
         let checks = dev.memory(n * 34.0).0;
-        let expect = n * 4.0 / link + checks + n * (8.0 + 30.0) / cpu + n * 2.0 / link;
+        let expect = n * (8.0 + 28.0 + 6.0) / cpu + n * 2.0 / link;
         let got = host.breakdown.optimizer_s;
         assert!((got / expect - 1.0).abs() < 0.02, "{got} vs {expect}");
+        // Overlapped with the last micro-batch's backward (today's stacks), as much of it
+        // hides as that backward lasts; a stack that reduces after the backward (DeepSpeed
+        // 0.3's default) waits for all of it.
+        let down = host.breakdown.exposed_comm_s["dp"];
+        let expect = n * 4.0 / link + checks;
+        let micro_batch = host.breakdown.compute_s / 4.0;
+        assert!(
+            down < expect - 0.1 && down > expect - micro_batch,
+            "{down} vs {expect}"
+        );
+        let after = Setup {
+            runtime: Runtime {
+                overlap_grad_reduce: false,
+                ..s.runtime
+            },
+            ..s
+        };
+        let down = simulate_step(&after, &off)
+            .unwrap()
+            .prediction
+            .breakdown
+            .exposed_comm_s["dp"];
+        assert!((down / expect - 1.0).abs() < 0.02, "{down} vs {expect}");
+        assert!(!on_device.breakdown.exposed_comm_s.contains_key("dp"));
         assert!(host.step_time_s > on_device.step_time_s);
         // Parameters offloaded too: nothing of the model's states stays but buffers.
         let params_off = Layout {
@@ -1981,7 +2043,7 @@ mod tests {
             "{:?}",
             h.memory
         );
-        assert!((h.breakdown.optimizer_s / (n * (8.0 + 30.0) / cpu) - 1.0).abs() < 0.02);
+        assert!((h.breakdown.optimizer_s / (n * (8.0 + 28.0 + 2.0) / cpu) - 1.0).abs() < 0.02);
         let e = simulate_step(
             &s,
             &Layout {
@@ -2092,7 +2154,10 @@ mod tests {
                 "zero {zero}: {extra} vs {transient}"
             );
             // Offloaded, the device checks are every stack's; DeepSpeed 0.3 adds its round
-            // trips.
+            // trips, and its CPU Adam writes the fp32 weights for the device (4 bytes a
+            // parameter, not today's separate cast to 16 bits: 6), which cross the link in
+            // fp32 (4, not 2) while the host updates the next tile; GPT-2 XL's partition is
+            // one tile, so the two follow each other. Eight devices share the host.
             let off = Layout {
                 offload: Offload::Optimizer,
                 ..l
@@ -2103,11 +2168,39 @@ mod tests {
             } else {
                 2.0 * tensors as f64 / 8.0
             };
+            let (cpu, link) = (255.9e9 * 0.17 / 8.0, 15.75e9);
+            let copies = updated * (4.0 - 6.0) / cpu + updated * (4.0 - 2.0) / link;
             assert!(
-                (ds_off - fused_off - dev.host_synced(trips).0).abs() < 1e-9,
+                (ds_off - fused_off - dev.host_synced(trips).0 - copies).abs() < 1e-9,
                 "zero {zero}: {ds_off} - {fused_off}"
             );
         }
+    }
+
+    /// A tiled host update sends each tile up while the next is updated: the slower of the
+    /// two runs throughout, the faster once more for the last tile (or the first); untiled,
+    /// the trip up follows the whole update.
+    #[test]
+    fn a_tiled_host_update_overlaps_its_trip_up() {
+        // 1 GB/s of host traffic, 1 GB/s of link: 32 bytes of update and 4 up a parameter.
+        let h = HostOffload {
+            link: 1e9,
+            stream_share: 1e9,
+            nvme: None,
+        };
+        let up = |tile| HostUpdate {
+            copy_bytes: 4.0,
+            link_bytes: 4.0,
+            tile,
+        };
+        let n = 1_000_000_000u64;
+        let (update, link) = (32.0, 4.0);
+        assert!((h.adam(n, up(None)).0 - (update + link)).abs() < 1e-9);
+        // Ten tiles: the update throughout, one tile's trip after it.
+        let tiled = h.adam(n, up(Some(1e8))).0;
+        assert!((tiled - (update + link / 10.0)).abs() < 1e-9, "{tiled}");
+        // One tile: nothing to overlap.
+        assert!((h.adam(n, up(Some(2e9))).0 - (update + link)).abs() < 1e-9);
     }
 
     /// ZeRO-Infinity's NVMe tier by hand: the optimizer on NVMe adds to ZeRO-Offload's step the
