@@ -14,7 +14,7 @@ use crate::memory::{
     CAST_UP_BYTES as CAST_UP, COPY_16_BYTES as COPY_16, COPY_32_BYTES as COPY_32,
     DEEPSPEED_BUCKET_ELEMENTS, FP32_WEIGHT_BYTES, GRAD_CHECK_FP32_BYTES as CHECK_FP32,
     GRAD_NORM_FP32_BYTES as NORM_FP32, GRAD_NORM_FP64_BYTES as NORM_FP64,
-    SCALE_32_BYTES as SCALE_32,
+    HOST_GRAD_UNSCALE_BYTES_PER_PARAM, SCALE_32_BYTES as SCALE_32,
 };
 use parallax_hardware::ClusterProfile;
 use parallax_ir::models::{
@@ -266,6 +266,57 @@ pub enum OptimizerPasses {
     DeepSpeed03,
 }
 
+/// The optimizer a stack runs on the host's CPUs when the step is offloaded, in host-memory
+/// traffic per parameter it updates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HostOptimizer {
+    /// DeepSpeedCPUAdam (csrc/adam/cpu_adam.cpp): one vectorised pass reads the fp32 weight,
+    /// gradient and moments and writes the three back ([`ADAM_UPDATE_BYTES`]); the gradients
+    /// were normed on the device and are unscaled and clipped by one `mul_` before it
+    /// (`unscale_and_clip_grads`, stage2.py in 0.3 as stage_1_and_2.py today). With the
+    /// parameters offloaded (ZeRO-3) it writes their 16-bit copy in host memory too.
+    #[default]
+    DeepSpeedCpuAdam,
+    /// PyTorch's `torch.optim.AdamW` over CPU tensors (FSDP's
+    /// `CPUOffload(offload_params=True)`; its foreach and fused kernels are defaults on CUDA
+    /// tensors only, so `_single_tensor_adamw` runs one kernel per op per tensor):
+    /// `param.mul_` (8 bytes), `exp_avg.lerp_` (12), `exp_avg_sq.mul_().addcmul_()` (8 + 12),
+    /// `(exp_avg_sq.sqrt() / c).add_(eps)` (8 + 8 + 8, two temporaries), `param.addcdiv_`
+    /// (16): 80 bytes; `clip_grad_norm_` reads the gradients for their norm and scales them
+    /// (4 + 8). The fp32 weights it updates are the ones forward fetches: nothing is written
+    /// for the device.
+    TorchSingleTensor,
+}
+
+impl HostOptimizer {
+    /// Host-memory bytes per parameter of the update itself.
+    pub fn update_bytes(self) -> f64 {
+        match self {
+            HostOptimizer::DeepSpeedCpuAdam => UPDATE,
+            HostOptimizer::TorchSingleTensor => 80.0,
+        }
+    }
+
+    /// Host-memory bytes per parameter of the gradient pass before the update (unscale and
+    /// clip).
+    pub fn gradient_bytes(self) -> f64 {
+        match self {
+            HostOptimizer::DeepSpeedCpuAdam => HOST_GRAD_UNSCALE_BYTES_PER_PARAM,
+            HostOptimizer::TorchSingleTensor => NORM_FP32 + SCALE_32,
+        }
+    }
+
+    /// Bytes per parameter of the copy it writes in host memory for the device where the
+    /// parameters themselves live on the host (`wbytes` a 16-bit or fp32 weight).
+    pub fn param_copy_bytes(self, wbytes: f64) -> f64 {
+        match self {
+            HostOptimizer::DeepSpeedCpuAdam => wbytes,
+            HostOptimizer::TorchSingleTensor => 0.0,
+        }
+    }
+}
+
 /// How an offloaded optimizer step's updated weights reach the device
 /// ([`OptimizerPasses::host_update`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -322,6 +373,19 @@ impl OptimizerPasses {
                 .max(partition_cast)
                 .max(own(2.0 * (updated * dp).min(bucket))),
             (OptimizerPasses::DeepSpeed03, _) => partition_cast,
+        }
+    }
+
+    /// The collective that reduces the gradients under ZeRO stage `zero`: an all-reduce
+    /// without ZeRO, a reduce-scatter with it; but DeepSpeed 0.3's stage 2 on its default
+    /// path (`contiguous_gradients` off in zero/constants.py at v0.3.0) all-reduces every
+    /// bucket and keeps its partition of the result (`reduce_ipg_grads` →
+    /// `buffered_reduce_fallback` → `allreduce_bucket`, which sets `rank = None` before it
+    /// chooses between `dist.reduce` and `dist.all_reduce`).
+    pub fn gradient_reduction(self, zero: u8) -> Collective {
+        match (self, zero) {
+            (_, 0) | (OptimizerPasses::DeepSpeed03, 2) => Collective::AllReduce,
+            _ => Collective::ReduceScatter,
         }
     }
 
@@ -525,6 +589,9 @@ pub struct Runtime {
     /// How the optimizer step walks gradients and weights on the device.
     #[serde(default)]
     pub optimizer_passes: OptimizerPasses,
+    /// The optimizer the stack runs on the host's CPUs when the step is offloaded.
+    #[serde(default)]
+    pub host_optimizer: HostOptimizer,
 }
 
 /// Megatron-LM's `--make-vocab-size-divisible-by` default: the vocabulary is padded to a
@@ -682,6 +749,7 @@ impl Default for Runtime {
             sp_keeps_gathered_inputs: false,
             wgrad_accumulation: WgradAccumulation::Fused,
             optimizer_passes: OptimizerPasses::Fused,
+            host_optimizer: HostOptimizer::DeepSpeedCpuAdam,
         }
     }
 }
@@ -2489,6 +2557,29 @@ mod tests {
         assert_eq!((z2.per_updated, z2.per_held), (80.0, 4.0));
         assert_eq!((z3.per_updated, z3.per_held), (80.0, 0.0));
         assert_eq!(z3.syncs_per_updated_tensor, 2.0);
+        // DeepSpeed 0.3's stage 2 all-reduces its buckets; every other ZeRO reduce-scatters.
+        for (passes, zero, kind) in [
+            (OptimizerPasses::Fused, 0, Collective::AllReduce),
+            (OptimizerPasses::Fused, 2, Collective::ReduceScatter),
+            (OptimizerPasses::DeepSpeed03, 1, Collective::ReduceScatter),
+            (OptimizerPasses::DeepSpeed03, 2, Collective::AllReduce),
+            (OptimizerPasses::DeepSpeed03, 3, Collective::ReduceScatter),
+        ] {
+            assert_eq!(
+                passes.gradient_reduction(zero),
+                kind,
+                "{passes:?} zero {zero}"
+            );
+        }
+        // How each stack's offloaded step sends the weights up, and what its host update moves.
+        assert_eq!(
+            OptimizerPasses::DeepSpeed03.host_update().tile,
+            Some(f64::from(1u32 << 30))
+        );
+        assert_eq!(OptimizerPasses::Fused.host_update().link_bytes, 2.0);
+        assert_eq!(HostOptimizer::DeepSpeedCpuAdam.update_bytes(), 28.0);
+        assert_eq!(HostOptimizer::TorchSingleTensor.update_bytes(), 80.0);
+        assert_eq!(HostOptimizer::TorchSingleTensor.param_copy_bytes(2.0), 0.0);
     }
 
     /// Module code holds an attention's q, k and v in one tensor (Megatron's

@@ -13,7 +13,8 @@
 use crate::export::Engine;
 use crate::search::{PipelineDefaults, Space};
 use parallax_cost::transformer::{
-    CrossEntropy, OptimizerPasses, Runtime, TpOverlap, WgradAccumulation, MEGATRON_VOCAB_MULTIPLE,
+    CrossEntropy, HostOptimizer, OptimizerPasses, Runtime, TpOverlap, WgradAccumulation,
+    MEGATRON_VOCAB_MULTIPLE,
 };
 use parallax_ir::{Fp8Recipe, Offload, Recompute, Schedule};
 use std::fmt::Write as _;
@@ -429,8 +430,8 @@ const DEEPSPEED_2020: &[Feature] = &[
         source: "DeepSpeedExamples Megatron-LM/mpu/transformer.py (GPT2ParallelSelfAttention, September 2020)",
     },
     Feature {
-        what: "fp16 gradients reduced in fp16 after the backward (overlap_comm off by default)",
-        source: "DeepSpeed 0.3 config docs: zero_optimization.overlap_comm",
+        what: "fp16 gradients reduced in fp16 after the backward (overlap_comm off by default); ZeRO-2 all-reduces each bucket and keeps its partition (contiguous_gradients off by default), ZeRO-1 reduce-scatters",
+        source: "DeepSpeed 0.3 config docs: zero_optimization.overlap_comm; zero/constants.py and stage2.py buffered_reduce_fallback / allreduce_bucket (v0.3.0)",
     },
     Feature {
         what: "the fp16 optimizers' passes: ZeRO-1 checks and norms every gradient of the model one tensor at a time (read back to the host) and copies them twice around its reduce-scatter; ZeRO-2 checks and norms (fp64) its partition's tensors likewise; both cast, unscale, update, cast down and copy the gathered weights out",
@@ -556,8 +557,8 @@ const PYTORCH_FSDP: &[Feature] = &[
         source: "PyTorch FSDP docs; Zhao et al. 2023 (PyTorch FSDP, VLDB)",
     },
     Feature {
-        what: "CPU offload of parameters, gradients and the optimizer step (CPUOffload(offload_params=True); FSDP2 CPUOffloadPolicy)",
-        source: "PyTorch FSDP docs: torch.distributed.fsdp.CPUOffload, fully_shard(offload_policy=)",
+        what: "CPU offload of parameters, gradients and the optimizer step (CPUOffload(offload_params=True); FSDP2 CPUOffloadPolicy): the step is torch.optim.AdamW on CPU tensors, one kernel per op per tensor (foreach and fused are CUDA defaults), clip_grad_norm_ on the host",
+        source: "PyTorch FSDP docs: torch.distributed.fsdp.CPUOffload, fully_shard(offload_policy=); torch/optim/adamw.py _single_tensor_adamw, _default_to_fused_or_foreach",
     },
     Feature {
         what: "SDPA flash attention (PyTorch ≥ 2.2 ships FlashAttention-2); gradient reduce-scatter overlapped, next all-gather prefetched (BACKWARD_PRE)",
@@ -851,10 +852,11 @@ fn pytorch_fsdp() -> Parts {
             eager_kernels: true,
             compiles_fp8: true,
             wgrad_accumulation: WgradAccumulation::Hook,
+            host_optimizer: HostOptimizer::TorchSingleTensor,
             ..Runtime::default()
         },
         // `CPUOffload(offload_params=True)` moves parameters, gradients and the optimizer step
-        // to the host together.
+        // to the host together; the step is `torch.optim.AdamW` on CPU tensors.
         space: data_parallel_only(Space {
             schedules: NO_PIPELINE.to_vec(),
             offload: vec![Offload::Params],
@@ -1348,7 +1350,7 @@ pub fn table_text() -> String {
         let _ = writeln!(out, "{}  —  {}", s.name, s.covers);
         let _ = writeln!(
             out,
-            "  module code {}, fused attention {}, DP reduce overlapped {}, TP comm overlap {}, sends overlapped {}, grads reduced in {}, weight grads accumulated {}, optimizer step {}, sequence parallel {}, context parallel {}, fp8 recipes {}",
+            "  module code {}, fused attention {}, DP reduce overlapped {}, TP comm overlap {}, sends overlapped {}, grads reduced in {}, weight grads accumulated {}, optimizer step {}{}, sequence parallel {}, context parallel {}, fp8 recipes {}",
             match (r.eager_kernels, r.compiles_fp8) {
                 (true, true) => "eager (--compile; fp8 compiled)",
                 (true, false) => "eager (--compile)",
@@ -1378,6 +1380,11 @@ pub fn table_text() -> String {
             match r.optimizer_passes {
                 OptimizerPasses::Fused => "fused",
                 OptimizerPasses::DeepSpeed03 => "per tensor (host round trips)",
+            },
+            match (p.space.offload.is_empty(), r.host_optimizer) {
+                (true, _) => "",
+                (false, HostOptimizer::DeepSpeedCpuAdam) => "; offloaded: DeepSpeedCPUAdam",
+                (false, HostOptimizer::TorchSingleTensor) => "; offloaded: torch AdamW per tensor",
             },
             yes(p.space.sequence_parallel),
             yes(p.space.offers_context_parallel()),
