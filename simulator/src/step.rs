@@ -574,12 +574,12 @@ impl HostOffload {
         Seconds(bytes as f64 / self.link)
     }
 
-    /// Adam over `params` on the device's share of the host's CPUs, `update` bytes a
+    /// Adam over `params` on the device's share of the host's CPUs, `update_bytes` a
     /// parameter, and their updated weights sent up as `up` says: where the update goes in
     /// tiles, each tile crosses the link while the next is updated (a two-stage pipeline:
     /// the slower stage throughout, the faster once).
-    fn adam(&self, params: u64, update: f64, up: HostUpdate) -> Seconds {
-        let update = self.stream(params, update + up.copy_bytes);
+    fn adam(&self, params: u64, update_bytes: f64, up: HostUpdate) -> Seconds {
+        let update = self.stream(params, update_bytes + up.copy_bytes);
         let link = Seconds(params as f64 * up.link_bytes / self.link);
         match up.tile {
             Some(tile) => {
