@@ -315,6 +315,18 @@ impl HostOptimizer {
             HostOptimizer::TorchSingleTensor => 0.0,
         }
     }
+
+    /// Bytes per parameter the device fetches from the host before each forward and backward
+    /// where the parameters live there: ZeRO-Infinity's `offload_param` keeps the 16-bit copy
+    /// (`wbytes`); FSDP keeps the fp32 shard and copies it up before casting it on the device
+    /// (`FlatParamHandle._use_low_precision_shard`: `_local_shard.to(device)`, then `copy_`
+    /// into the low-precision shard).
+    pub fn param_fetch_bytes(self, wbytes: f64) -> f64 {
+        match self {
+            HostOptimizer::DeepSpeedCpuAdam => wbytes,
+            HostOptimizer::TorchSingleTensor => FP32_WEIGHT_BYTES,
+        }
+    }
 }
 
 /// How an offloaded optimizer step's updated weights reach the device
@@ -2580,6 +2592,8 @@ mod tests {
         assert_eq!(HostOptimizer::DeepSpeedCpuAdam.update_bytes(), 28.0);
         assert_eq!(HostOptimizer::TorchSingleTensor.update_bytes(), 80.0);
         assert_eq!(HostOptimizer::TorchSingleTensor.param_copy_bytes(2.0), 0.0);
+        assert_eq!(HostOptimizer::TorchSingleTensor.param_fetch_bytes(2.0), 4.0);
+        assert_eq!(HostOptimizer::DeepSpeedCpuAdam.param_fetch_bytes(2.0), 2.0);
     }
 
     /// Module code holds an attention's q, k and v in one tensor (Megatron's

@@ -557,8 +557,8 @@ const PYTORCH_FSDP: &[Feature] = &[
         source: "PyTorch FSDP docs; Zhao et al. 2023 (PyTorch FSDP, VLDB)",
     },
     Feature {
-        what: "CPU offload of parameters, gradients and the optimizer step (CPUOffload(offload_params=True); FSDP2 CPUOffloadPolicy): the step is torch.optim.AdamW on CPU tensors, one kernel per op per tensor (foreach and fused are CUDA defaults), clip_grad_norm_ on the host",
-        source: "PyTorch FSDP docs: torch.distributed.fsdp.CPUOffload, fully_shard(offload_policy=); torch/optim/adamw.py _single_tensor_adamw, _default_to_fused_or_foreach",
+        what: "CPU offload of parameters, gradients and the optimizer step (CPUOffload(offload_params=True); FSDP2 CPUOffloadPolicy): the step is torch.optim.AdamW on CPU tensors, one kernel per op per tensor (foreach and fused are CUDA defaults), clip_grad_norm_ on the host; the fp32 shard goes up before each forward and backward and is cast on the device",
+        source: "PyTorch FSDP docs: torch.distributed.fsdp.CPUOffload, fully_shard(offload_policy=); torch/optim/adamw.py _single_tensor_adamw, _default_to_fused_or_foreach; torch/distributed/fsdp/_flat_param.py _use_low_precision_shard",
     },
     Feature {
         what: "SDPA flash attention (PyTorch ≥ 2.2 ships FlashAttention-2); gradient reduce-scatter overlapped, next all-gather prefetched (BACKWARD_PRE)",
