@@ -604,6 +604,13 @@ pub struct Runtime {
     /// The optimizer the stack runs on the host's CPUs when the step is offloaded.
     #[serde(default)]
     pub host_optimizer: HostOptimizer,
+    /// With the optimizer offloaded, full recomputation's layer checkpoints live in host memory:
+    /// each is copied down synchronously in forward and back before its recomputation
+    /// (DeepSpeed's `activation_checkpointing.cpu_checkpointing`, which every ZeRO-Offload
+    /// config of DeepSpeedExamples' Megatron GPT-2 sets: ds_zero-offload_config.json and
+    /// ds_zero-offload_10B_config.json at ece5e0e0, September 2020).
+    #[serde(default)]
+    pub checkpoints_to_host_when_offloaded: bool,
 }
 
 /// Megatron-LM's `--make-vocab-size-divisible-by` default: the vocabulary is padded to a
@@ -762,6 +769,7 @@ impl Default for Runtime {
             wgrad_accumulation: WgradAccumulation::Fused,
             optimizer_passes: OptimizerPasses::Fused,
             host_optimizer: HostOptimizer::DeepSpeedCpuAdam,
+            checkpoints_to_host_when_offloaded: false,
         }
     }
 }

@@ -442,6 +442,10 @@ const DEEPSPEED_2020: &[Feature] = &[
         source: "Ren et al. 2021 (ZeRO-Offload, USENIX ATC), §4–5; DeepSpeed ZeRO-Offload tutorial (September 2020); stage2.py copy_grads_in_partition, csrc/adam/cpu_adam.cpp Step_8 and launch_param_update (v0.3.0)",
     },
     Feature {
+        what: "with ZeRO-Offload, full recomputation's checkpoints in pageable host memory, copied down synchronously in forward and back before each recomputation (the examples' ZeRO-Offload configs set cpu_checkpointing)",
+        source: "DeepSpeedExamples Megatron-LM/scripts/ds_zero-offload_config.json, ds_zero-offload_10B_config.json (ece5e0e0, September 2020); deepspeed/runtime/activation_checkpointing/checkpointing.py (v0.3.0)",
+    },
+    Feature {
         what: "fp16 weight gradients accumulated over micro-batches by autograd (ZeRO 0-1)",
         source: "deepspeed/runtime/engine.py (0.3): backward via the fp16 optimizer's loss scaling, gradients reduced at the boundary",
     },
@@ -803,6 +807,7 @@ fn deepspeed_2020() -> Parts {
             eager_kernels: true,
             wgrad_accumulation: WgradAccumulation::Autograd,
             optimizer_passes: OptimizerPasses::DeepSpeed03,
+            checkpoints_to_host_when_offloaded: true,
             ..megatron_loss(pre_flash(false, false))
         },
         // ZeRO-Offload shipped in DeepSpeed 0.3 (September 2020): optimizer states only.

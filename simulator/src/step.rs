@@ -23,7 +23,7 @@ use parallax_cost::transformer::{
     check_layout, model_flops_per_step, transformer_costs, HostUpdate, Infeasible, PartCost, Setup,
     TransformerCosts,
 };
-use parallax_ir::{Bytes, Layout, Offload, Seconds, GIB};
+use parallax_ir::{Bytes, Layout, Offload, Recompute, Seconds, GIB};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use thiserror::Error;
@@ -318,7 +318,7 @@ fn positions_of(l: &Layout, s: u32) -> Vec<usize> {
 
 /// Bytes one micro-batch keeps from virtual stage `vs`'s forward to its weight gradients.
 fn virtual_stage_saved(c: &TransformerCosts, layers: &[u32], vs: usize) -> f64 {
-    let mut b = c.layers_sum(first_layer(layers, vs), layers[vs], |l| l.saved.0 as f64);
+    let mut b = layers_saved(c, layers, vs);
     if vs == 0 {
         b += c.embedding.saved.0 as f64;
     }
@@ -326,6 +326,31 @@ fn virtual_stage_saved(c: &TransformerCosts, layers: &[u32], vs: usize) -> f64 {
         b += c.head.saved.0 as f64;
     }
     b
+}
+
+/// Bytes the layers of virtual stage `vs` keep per micro-batch for backward (under full
+/// recomputation, their checkpoints).
+fn layers_saved(c: &TransformerCosts, layers: &[u32], vs: usize) -> f64 {
+    c.layers_sum(first_layer(layers, vs), layers[vs], |l| l.saved.0 as f64)
+}
+
+/// Whether the stack keeps `l`'s layer checkpoints in host memory
+/// ([`Runtime::checkpoints_to_host_when_offloaded`]: offloaded, under full recomputation).
+fn checkpoints_on_host(setup: &Setup, l: &Layout) -> bool {
+    setup.runtime.checkpoints_to_host_when_offloaded
+        && l.offload != Offload::None
+        && l.recompute == Recompute::Full
+}
+
+/// What of [`virtual_stage_saved`] stays on the device: all of it, but the layers'
+/// checkpoints where they go to the host ([`checkpoints_on_host`]).
+fn device_saved(setup: &Setup, l: &Layout, c: &TransformerCosts, layers: &[u32], vs: usize) -> f64 {
+    let host = if checkpoints_on_host(setup, l) {
+        layers_saved(c, layers, vs)
+    } else {
+        0.0
+    };
+    virtual_stage_saved(c, layers, vs) - host
 }
 
 /// Whether a rank's `chunks` virtual stages hold their whole gradients one after another: an
@@ -398,7 +423,7 @@ pub fn stage_memory_of(
     let states = |dense_b: f64, expert_b: f64| bytes(whole, dense_b, expert_b);
     let saved_per_chunk = chunks
         .iter()
-        .map(|&vs| virtual_stage_saved(c, layers, vs))
+        .map(|&vs| device_saved(setup, l, c, layers, vs))
         .sum::<f64>()
         / chunks.len() as f64;
     // The combined 1F1B of an overlapped expert dispatch runs one more forward ahead (DualPipe's
@@ -736,6 +761,17 @@ pub fn step_terms(
         (p2p_stream + replicate.0, p2p_stream + replicate.1),
         p2p_link,
     );
+    // Checkpoints in host memory: each layer's goes down synchronously in forward (the stream
+    // waits for the copy into pageable memory: DeepSpeed's `contiguous_data_buffers` on the
+    // CPU) and comes back before its recomputation in backward (`get_full_inputs`), at no more
+    // than the host link's rate (a pageable copy is slower still: not priced).
+    if let Some(h) = host.as_ref().filter(|_| checkpoints_on_host(setup, l)) {
+        for vs in 0..layers.len() {
+            let copy = h.link(layers_saved(c, layers, vs) as u64);
+            costs.forward[vs] += copy;
+            costs.backward_input[vs] += copy;
+        }
+    }
     // Each micro-batch's weight gradients join the step's whole gradients (ZeRO 0–1; ZeRO 2–3
     // shard them as they are produced): a pass over every parameter of the virtual stage after
     // its weight gradients, where the stack does not fuse it into the weight-gradient GEMMs.
@@ -1200,7 +1236,7 @@ fn simulate_costed(
             .map(|s| {
                 positions_of(l, s)
                     .into_iter()
-                    .map(|vs| virtual_stage_saved(c, &layers, vs) / GIB)
+                    .map(|vs| device_saved(setup, l, c, &layers, vs) / GIB)
                     .collect()
             })
             .collect(),
@@ -2214,6 +2250,59 @@ mod tests {
                 (ds_off - fused_off - dev.host_synced(trips).0 - copies).abs() < 1e-9,
                 "zero {zero}: {ds_off} - {fused_off}"
             );
+        }
+    }
+
+    /// DeepSpeed 0.3's ZeRO-Offload recipe keeps full recomputation's checkpoints in host
+    /// memory: they leave the device's activations, and each layer's crosses the host link in
+    /// forward and again in backward; not on the device, nor without full recomputation.
+    #[test]
+    fn offloaded_checkpoints_leave_the_device_and_cross_the_link_twice() {
+        let m = zoo::transformer("llama3-8b").unwrap();
+        let p = preset("dgx2-v100-32gb").unwrap();
+        let base = Setup {
+            precision: Precision::Fp16,
+            ..Setup::new(&m, &p, 1, 1024, 1)
+        };
+        let host = Setup {
+            runtime: Runtime {
+                checkpoints_to_host_when_offloaded: true,
+                ..base.runtime
+            },
+            ..base
+        };
+        let l = Layout {
+            zero_stage: 2,
+            micro_batch: 1,
+            recompute: Recompute::Full,
+            offload: Offload::Optimizer,
+            ..Layout::default()
+        };
+        let run = |s: &Setup, l: &Layout| simulate_step(s, l).unwrap().prediction;
+        let (kept, moved) = (run(&base, &l), run(&host, &l));
+        let c = transformer_costs(&base, &l).unwrap();
+        let ckpt = layers_saved(&c, &[m.layers], 0);
+        assert!(ckpt > 0.0);
+        let freed = (kept.memory.activations - moved.memory.activations) * GIB;
+        assert!((freed / ckpt - 1.0).abs() < 1e-6, "{freed} vs {ckpt}");
+        let copies = moved.breakdown.compute_s - kept.breakdown.compute_s;
+        assert!(
+            (copies / (2.0 * ckpt / 15.75e9) - 1.0).abs() < 0.01,
+            "{copies}"
+        );
+        for other in [
+            Layout {
+                offload: Offload::None,
+                ..l.clone()
+            },
+            Layout {
+                recompute: Recompute::Selective,
+                ..l.clone()
+            },
+        ] {
+            let (a, b) = (run(&base, &other), run(&host, &other));
+            assert_eq!(a.step_time_s, b.step_time_s, "{other:?}");
+            assert_eq!(a.memory.activations, b.memory.activations, "{other:?}");
         }
     }
 
