@@ -48,6 +48,14 @@ pub const CAST_DOWN_BYTES: f64 = 6.0;
 /// measured rate times this is the host's stream rate.
 pub const HOST_ADAM_BYTES_PER_PARAM: f64 = ADAM_UPDATE_BYTES + 2.0;
 
+/// Host-memory traffic of one parameter's step under PyTorch's `_single_tensor_adamw` over CPU
+/// tensors, one kernel per op: `param.mul_` for the decoupled decay (8), `exp_avg.lerp_` (read
+/// both, write one: 12), `exp_avg_sq.mul_` (8) and `.addcmul_(grad, grad)` (12),
+/// `(exp_avg_sq.sqrt() / c).add_(eps)` (three passes of 8, two of them into temporaries),
+/// `param.addcdiv_(exp_avg, denom)` (read three, write one: 16).
+pub const TORCH_ADAMW_HOST_BYTES: f64 =
+    SCALE_32_BYTES + 12.0 + SCALE_32_BYTES + 12.0 + 3.0 * COPY_32_BYTES + 16.0;
+
 /// Host-memory traffic of one parameter's gradient unscale before an offloaded step: DeepSpeed
 /// multiplies the host's fp32 gradient partition in place by the inverse of the loss scale and
 /// clip factor (`unscale_and_clip_grads` on `single_partition_of_fp32_groups[i].grad`, a

@@ -14,7 +14,7 @@ use crate::memory::{
     CAST_UP_BYTES as CAST_UP, COPY_16_BYTES as COPY_16, COPY_32_BYTES as COPY_32,
     DEEPSPEED_BUCKET_ELEMENTS, FP32_WEIGHT_BYTES, GRAD_CHECK_FP32_BYTES as CHECK_FP32,
     GRAD_NORM_FP32_BYTES as NORM_FP32, GRAD_NORM_FP64_BYTES as NORM_FP64,
-    HOST_GRAD_UNSCALE_BYTES_PER_PARAM, SCALE_32_BYTES as SCALE_32,
+    HOST_GRAD_UNSCALE_BYTES_PER_PARAM, SCALE_32_BYTES as SCALE_32, TORCH_ADAMW_HOST_BYTES,
 };
 use parallax_hardware::ClusterProfile;
 use parallax_ir::models::{
@@ -281,9 +281,7 @@ pub enum HostOptimizer {
     /// PyTorch's `torch.optim.AdamW` over CPU tensors (FSDP's
     /// `CPUOffload(offload_params=True)`; its foreach and fused kernels are defaults on CUDA
     /// tensors only, so `_single_tensor_adamw` runs one kernel per op per tensor):
-    /// `param.mul_` (8 bytes), `exp_avg.lerp_` (12), `exp_avg_sq.mul_().addcmul_()` (8 + 12),
-    /// `(exp_avg_sq.sqrt() / c).add_(eps)` (8 + 8 + 8, two temporaries), `param.addcdiv_`
-    /// (16): 80 bytes; `clip_grad_norm_` reads the gradients for their norm and scales them
+    /// [`TORCH_ADAMW_HOST_BYTES`], 80 bytes a parameter; `clip_grad_norm_` reads the gradients for their norm and scales them
     /// (4 + 8). The fp32 weights it updates are the ones forward fetches: nothing is written
     /// for the device.
     TorchSingleTensor,
@@ -294,7 +292,7 @@ impl HostOptimizer {
     pub fn update_bytes(self) -> f64 {
         match self {
             HostOptimizer::DeepSpeedCpuAdam => UPDATE,
-            HostOptimizer::TorchSingleTensor => 80.0,
+            HostOptimizer::TorchSingleTensor => TORCH_ADAMW_HOST_BYTES,
         }
     }
 
