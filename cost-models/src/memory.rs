@@ -61,7 +61,7 @@ pub const TORCH_ADAMW_HOST_BYTES: f64 =
 /// clip factor (`unscale_and_clip_grads` on `single_partition_of_fp32_groups[i].grad`, a
 /// `mul_` read and written, 8 bytes), in 0.3's stage2.py as in today's stage_1_and_2.py; its
 /// `optimizer_gradients` timer (1.1 s of the ZeRO-Offload tutorial's 10B step) is that pass.
-pub const HOST_GRAD_UNSCALE_BYTES_PER_PARAM: f64 = 8.0;
+pub const HOST_GRAD_UNSCALE_BYTES_PER_PARAM: f64 = SCALE_32_BYTES;
 
 /// DeepSpeed's `reduce_bucket_size` and `allgather_bucket_size` defaults, elements (5e8 in
 /// zero/constants.py at v0.3.0 as today; ZeRO config docs): the gradients an offloading stack

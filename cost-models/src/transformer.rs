@@ -267,23 +267,32 @@ pub enum OptimizerPasses {
 }
 
 /// The optimizer a stack runs on the host's CPUs when the step is offloaded, in host-memory
-/// traffic per parameter it updates.
+/// traffic per parameter it updates, and how the weights it updates reach the device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum HostOptimizer {
     /// DeepSpeedCPUAdam (csrc/adam/cpu_adam.cpp): one vectorised pass reads the fp32 weight,
-    /// gradient and moments and writes the three back ([`ADAM_UPDATE_BYTES`]); the gradients
-    /// were normed on the device and are unscaled and clipped by one `mul_` before it
-    /// (`unscale_and_clip_grads`, stage2.py in 0.3 as stage_1_and_2.py today). With the
-    /// parameters offloaded (ZeRO-3) it writes their 16-bit copy in host memory too.
+    /// gradient and moments and writes the three back
+    /// ([`ADAM_UPDATE_BYTES`](crate::memory::ADAM_UPDATE_BYTES)); the gradients were normed on
+    /// the device and are unscaled and clipped by one `mul_` before it
+    /// (`unscale_and_clip_grads`, stage2.py in 0.3 as stage_1_and_2.py today). After the
+    /// update DeepSpeed casts the fp32 partition into a pinned 16-bit buffer on the host and
+    /// copies that up (stage_1_and_2.py: `bit16_partition_buffer.data.copy_(fp32_partition)`).
+    /// With the parameters offloaded (ZeRO-3) it writes their 16-bit copy in host memory.
     #[default]
     DeepSpeedCpuAdam,
+    /// DeepSpeed 0.3's DeepSpeedCPUAdam: the same update, which writes each updated fp32
+    /// weight into one of two pinned buffers of 2^30 elements that a device kernel reads
+    /// across the link and casts while the CPUs update the next (cpu_adam.cpp `Step_8`,
+    /// `TILE`, `_doubled_buffer`, `launch_param_update` at v0.3.0).
+    #[serde(rename = "deepspeed-cpu-adam-0.3")]
+    DeepSpeedCpuAdam03,
     /// PyTorch's `torch.optim.AdamW` over CPU tensors (FSDP's
     /// `CPUOffload(offload_params=True)`; its foreach and fused kernels are defaults on CUDA
     /// tensors only, so `_single_tensor_adamw` runs one kernel per op per tensor):
-    /// [`TORCH_ADAMW_HOST_BYTES`], 80 bytes a parameter; `clip_grad_norm_` reads the gradients for their norm and scales them
-    /// (4 + 8). The fp32 weights it updates are the ones forward fetches: nothing is written
-    /// for the device.
+    /// [`TORCH_ADAMW_HOST_BYTES`], 80 bytes a parameter; `clip_grad_norm_` reads the
+    /// gradients for their norm and scales them (4 + 8). The fp32 weights it updates are the
+    /// ones forward fetches: nothing is written for the device.
     TorchSingleTensor,
 }
 
@@ -291,7 +300,7 @@ impl HostOptimizer {
     /// Host-memory bytes per parameter of the update itself.
     pub fn update_bytes(self) -> f64 {
         match self {
-            HostOptimizer::DeepSpeedCpuAdam => UPDATE,
+            HostOptimizer::DeepSpeedCpuAdam | HostOptimizer::DeepSpeedCpuAdam03 => UPDATE,
             HostOptimizer::TorchSingleTensor => TORCH_ADAMW_HOST_BYTES,
         }
     }
@@ -300,17 +309,36 @@ impl HostOptimizer {
     /// clip).
     pub fn gradient_bytes(self) -> f64 {
         match self {
-            HostOptimizer::DeepSpeedCpuAdam => HOST_GRAD_UNSCALE_BYTES_PER_PARAM,
+            HostOptimizer::DeepSpeedCpuAdam | HostOptimizer::DeepSpeedCpuAdam03 => {
+                HOST_GRAD_UNSCALE_BYTES_PER_PARAM
+            }
             HostOptimizer::TorchSingleTensor => NORM_FP32 + SCALE_32,
         }
     }
 
-    /// Bytes per parameter of the copy it writes in host memory for the device where the
-    /// parameters themselves live on the host (`wbytes` a 16-bit or fp32 weight).
-    pub fn param_copy_bytes(self, wbytes: f64) -> f64 {
-        match self {
-            HostOptimizer::DeepSpeedCpuAdam => wbytes,
-            HostOptimizer::TorchSingleTensor => 0.0,
+    /// How the updated weights reach the device. Where the parameters themselves live on the
+    /// host (`params_on_host`), the copy the device fetches is written there and nothing
+    /// crosses the link in the step: DeepSpeed's 16-bit copy (`wbytes` a weight), nothing for
+    /// PyTorch, which updates the fp32 weights forward fetches.
+    pub fn weights_up(self, params_on_host: bool, wbytes: f64) -> HostUpdate {
+        let written = |copy_bytes| HostUpdate {
+            copy_bytes,
+            link_bytes: 0.0,
+            tile: None,
+        };
+        match (self, params_on_host) {
+            (HostOptimizer::TorchSingleTensor, true) => written(0.0),
+            (_, true) => written(wbytes),
+            (HostOptimizer::DeepSpeedCpuAdam03, false) => HostUpdate {
+                copy_bytes: FP32_WEIGHT_BYTES,
+                link_bytes: FP32_WEIGHT_BYTES,
+                tile: Some(f64::from(1u32 << 30)),
+            },
+            (_, false) => HostUpdate {
+                copy_bytes: CAST_DOWN,
+                link_bytes: 2.0,
+                tile: None,
+            },
         }
     }
 
@@ -321,14 +349,14 @@ impl HostOptimizer {
     /// into the low-precision shard).
     pub fn param_fetch_bytes(self, wbytes: f64) -> f64 {
         match self {
-            HostOptimizer::DeepSpeedCpuAdam => wbytes,
+            HostOptimizer::DeepSpeedCpuAdam | HostOptimizer::DeepSpeedCpuAdam03 => wbytes,
             HostOptimizer::TorchSingleTensor => FP32_WEIGHT_BYTES,
         }
     }
 }
 
 /// How an offloaded optimizer step's updated weights reach the device
-/// ([`OptimizerPasses::host_update`]).
+/// ([`HostOptimizer::weights_up`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct HostUpdate {
     /// Host-memory bytes per parameter written for the device beside the update's own.
@@ -396,28 +424,6 @@ impl OptimizerPasses {
         match (self, zero) {
             (_, 0) | (OptimizerPasses::DeepSpeed03, 2) => Collective::AllReduce,
             _ => Collective::ReduceScatter,
-        }
-    }
-
-    /// How the host's update of an offloaded step sends the weights up. DeepSpeed 0.3's
-    /// `DeepSpeedCPUAdam` writes each updated fp32 weight into one of two pinned buffers of
-    /// 2^30 elements, and a device kernel reads that tile across the link and casts it while
-    /// the CPUs update the next (csrc/adam/cpu_adam.cpp `Step_8`, `TILE`, `_doubled_buffer`,
-    /// `launch_param_update` at v0.3.0). DeepSpeed since casts the whole fp32 partition into a
-    /// pinned 16-bit buffer on the host after the update and copies that up
-    /// (stage_1_and_2.py: `bit16_partition_buffer.data.copy_(fp32_partition.data)`).
-    pub fn host_update(self) -> HostUpdate {
-        match self {
-            OptimizerPasses::Fused => HostUpdate {
-                copy_bytes: CAST_DOWN,
-                link_bytes: 2.0,
-                tile: None,
-            },
-            OptimizerPasses::DeepSpeed03 => HostUpdate {
-                copy_bytes: FP32_WEIGHT_BYTES,
-                link_bytes: FP32_WEIGHT_BYTES,
-                tile: Some(f64::from(1u32 << 30)),
-            },
         }
     }
 
@@ -803,7 +809,7 @@ pub struct PartCost {
     pub params: u64,
     /// Parameter tensors those `params` come in as module code holds them (weights, biases,
     /// norm scales: each a `.grad` an optimizer that checks gradients one tensor at a time
-    /// visits; see [`module_param_tensors`]).
+    /// visits: the IR graph's weights, an attention's key and value counted in its query's).
     #[serde(default)]
     pub param_tensors: u64,
     /// Of `params`, the routed experts' (an MoE layer's experts are replicated over the
@@ -2591,13 +2597,25 @@ mod tests {
         }
         // How each stack's offloaded step sends the weights up, and what its host update moves.
         assert_eq!(
-            OptimizerPasses::DeepSpeed03.host_update().tile,
+            HostOptimizer::DeepSpeedCpuAdam03
+                .weights_up(false, 2.0)
+                .tile,
             Some(f64::from(1u32 << 30))
         );
-        assert_eq!(OptimizerPasses::Fused.host_update().link_bytes, 2.0);
+        assert_eq!(
+            HostOptimizer::DeepSpeedCpuAdam
+                .weights_up(false, 2.0)
+                .link_bytes,
+            2.0
+        );
         assert_eq!(HostOptimizer::DeepSpeedCpuAdam.update_bytes(), 28.0);
         assert_eq!(HostOptimizer::TorchSingleTensor.update_bytes(), 80.0);
-        assert_eq!(HostOptimizer::TorchSingleTensor.param_copy_bytes(2.0), 0.0);
+        assert_eq!(
+            HostOptimizer::TorchSingleTensor
+                .weights_up(true, 2.0)
+                .copy_bytes,
+            0.0
+        );
         assert_eq!(HostOptimizer::TorchSingleTensor.param_fetch_bytes(2.0), 4.0);
         assert_eq!(HostOptimizer::DeepSpeedCpuAdam.param_fetch_bytes(2.0), 2.0);
     }

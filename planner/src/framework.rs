@@ -807,6 +807,7 @@ fn deepspeed_2020() -> Parts {
             eager_kernels: true,
             wgrad_accumulation: WgradAccumulation::Autograd,
             optimizer_passes: OptimizerPasses::DeepSpeed03,
+            host_optimizer: HostOptimizer::DeepSpeedCpuAdam03,
             checkpoints_to_host_when_offloaded: true,
             ..megatron_loss(pre_flash(false, false))
         },
@@ -1389,6 +1390,9 @@ pub fn table_text() -> String {
             match (p.space.offload.is_empty(), r.host_optimizer) {
                 (true, _) => "",
                 (false, HostOptimizer::DeepSpeedCpuAdam) => "; offloaded: DeepSpeedCPUAdam",
+                (false, HostOptimizer::DeepSpeedCpuAdam03) => {
+                    "; offloaded: DeepSpeedCPUAdam (fp32 tiles up while it updates)"
+                }
                 (false, HostOptimizer::TorchSingleTensor) => "; offloaded: torch AdamW per tensor",
             },
             yes(p.space.sequence_parallel),

@@ -879,29 +879,24 @@ pub fn step_terms(
             + match &host {
                 // ZeRO-Offload: the fp32 gradient partition, down since the reduction, is
                 // unscaled in host memory, the CPUs step and the updated weights go up as the
-                // stack sends them ([`OptimizerPasses::host_update`]); with the parameters
-                // offloaded the 16-bit copy is written where they live (back to NVMe where they
-                // live on it). ZeRO-Infinity's NVMe optimizer swaps the states and the gradient
-                // in before the step and the states out after it, one after the other.
+                // stack sends them ([`HostOptimizer::weights_up`]); with the parameters
+                // offloaded the copy the device fetches is written where they live (back to NVMe
+                // where they live on it). ZeRO-Infinity's NVMe optimizer swaps the states and
+                // the gradient in before the step and the states out after it, one after the
+                // other.
                 Some(h) => {
                     let cpu = setup.runtime.host_optimizer;
-                    let in_host = HostUpdate {
-                        copy_bytes: cpu.param_copy_bytes(wbytes as f64),
-                        link_bytes: 0.0,
-                        tile: None,
-                    };
-                    let adam = |up| h.adam(opt_params, cpu.update_bytes(), up);
-                    let (update, write_back) = match l.offload {
-                        Offload::Params => (adam(in_host), Seconds(0.0)),
-                        Offload::ParamsNvme => (adam(in_host), h.nvme_write(opt_params * wbytes)),
-                        _ => (
-                            adam(setup.runtime.optimizer_passes.host_update()),
-                            Seconds(0.0),
-                        ),
+                    let up = cpu.weights_up(l.offload.params(), wbytes as f64);
+                    let write_back = if l.offload == Offload::ParamsNvme {
+                        h.nvme_write(opt_params * wbytes)
+                    } else {
+                        Seconds(0.0)
                     };
                     let swap = h.nvme_read(opt_params * NVME_SWAP_IN_BYTES_PER_PARAM)
                         + h.nvme_write(opt_params * NVME_SWAP_OUT_BYTES_PER_PARAM);
-                    swap + h.stream(opt_params, cpu.gradient_bytes()) + update + write_back
+                    swap + h.stream(opt_params, cpu.gradient_bytes())
+                        + h.adam(opt_params, cpu.update_bytes(), up)
+                        + write_back
                 }
                 // On the device: the update of its partition and what the optimizer does to
                 // every gradient it holds.
@@ -2140,6 +2135,7 @@ mod tests {
         let ds = Setup {
             runtime: Runtime {
                 optimizer_passes: OptimizerPasses::DeepSpeed03,
+                host_optimizer: HostOptimizer::DeepSpeedCpuAdam03,
                 ..fused.runtime
             },
             ..fused
