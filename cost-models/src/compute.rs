@@ -514,7 +514,7 @@ impl<'a> DeviceModel<'a> {
         }
     }
 
-    /// The fp8 casts around one linear layer ([`DeviceModel::fp8_cast`]): its input before the
+    /// The fp8 casts around one linear layer (`DeviceModel::fp8_cast`): its input before the
     /// forward GEMM, its output gradient before the two backward GEMMs (cast and transposed
     /// once for both). Under current (per-tensor), rowwise and blockwise scaling each is a pass
     /// of its own: the scale needs the tensor's (or row's, or tile's) maximum, so the cast
@@ -526,8 +526,8 @@ impl<'a> DeviceModel<'a> {
     /// of the fp8 GEMMs' time at N = 2k on an H100 per tensor, under a tenth at 16k, which is
     /// why fp8 speeds small and tensor-parallel layers least (torchtitan's June 2025 async-TP
     /// benchmark: 1.16× over bf16 for Llama 3 8B at tp 8, 1.36× for 70B). torchao's rowwise
-    /// recipe also casts the weight every pass (gathered in 16 bits: [`ROWWISE_WEIGHT_BYTES`])
-    /// and rescales both backward GEMMs' outputs ([`ROWWISE_RESCALE_BYTES`]).
+    /// recipe also casts the weight every pass (gathered in 16 bits: `ROWWISE_WEIGHT_BYTES`)
+    /// and rescales both backward GEMMs' outputs (`ROWWISE_RESCALE_BYTES`).
     pub fn fp8_linear_casts(&self, c: LinearCasts) -> OpTimes {
         if !self.casts_linear_layers() {
             return OpTimes::default();
@@ -607,7 +607,7 @@ impl<'a> DeviceModel<'a> {
     }
 
     /// The share of their aligned rate GEMMs with a misaligned dimension run at, where that
-    /// costs anything: 16-bit GEMMs on a device that measures it (see [`Self::alignment`]).
+    /// costs anything: 16-bit GEMMs on a device that measures it (see `Self::alignment`).
     pub fn misaligned_gemm_share(&self) -> Option<f64> {
         self.dev
             .misaligned_gemm_efficiency

@@ -92,11 +92,11 @@ const LOSS_PARALLEL_BYTES_PER_LOGIT: u64 = 16;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum CrossEntropy {
-    /// PyTorch's on upcast fp32 logits: [`LOSS_BYTES_PER_LOGIT`].
+    /// PyTorch's on upcast fp32 logits: `LOSS_BYTES_PER_LOGIT`.
     #[default]
     Upcast,
     /// Megatron's vocab-parallel cross-entropy, one fp32 buffer for the softmax and its
-    /// gradient: [`IN_PLACE_LOSS_BYTES_PER_LOGIT`].
+    /// gradient: `IN_PLACE_LOSS_BYTES_PER_LOGIT`.
     VocabParallel,
     /// Transformer Engine's fused kernel (`parallel_cross_entropy`, Megatron's
     /// `--cross-entropy-fusion-impl te`): the softmax statistics in fp32 registers, the
@@ -107,7 +107,7 @@ pub enum CrossEntropy {
     /// (torchtitan: `ColwiseParallel(output_layouts=Shard(-1))` on the output layer and the
     /// loss under `loss_parallel()` whenever tp > 1, `training.disable_loss_parallel` off by
     /// default), [`CrossEntropy::Upcast`] where it does not:
-    /// [`LOSS_PARALLEL_BYTES_PER_LOGIT`].
+    /// `LOSS_PARALLEL_BYTES_PER_LOGIT`.
     LossParallel,
     /// PyTorch's upcast cross-entropy compiled by inductor with the model (torchtitan since
     /// bbb1b616, 2025-04-02: `build_cross_entropy_loss` wraps it in `torch.compile` when the
@@ -650,7 +650,7 @@ pub enum TpOverlap {
     /// matmuls that read the gathered tensor, and a matmul with the reduce-scatter of its
     /// own output, into symmetric-memory kernels that split the matmul into tp row blocks
     /// and move each block with copy engines while the next one computes. What it cannot
-    /// fuse waits as before: [`async_tp_exposed`] says which.
+    /// fuse waits as before: `async_tp_exposed` says which.
     MicroPipelined,
 }
 

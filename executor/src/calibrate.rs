@@ -70,7 +70,7 @@ pub struct NvmeFigures {
 /// (`aio.queue_depth`, `thread_count`), which a striped set of drives needs to reach its rate.
 const NVME_STREAMS: usize = 4;
 
-/// Measures the drive holding `dir`: [`NVME_STREAMS`] files written at once in 8 MiB writes
+/// Measures the drive holding `dir`: `NVME_STREAMS` (4) files written at once in 8 MiB writes
 /// and flushed (`fsync`), dropped from the page cache, read back at once, and removed — 512 MiB
 /// in all (`quick`) or 4 GiB, at most a quarter of the free space. A folder in memory (tmpfs,
 /// ramfs) is refused: it would time the host's DRAM.

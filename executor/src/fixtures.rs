@@ -113,7 +113,7 @@ pub fn gpt_oss(layers: u32) -> TransformerConfig {
 
 /// BERT, small: post-norm GPT-shaped blocks attending to every key, token types and an
 /// embedding norm, the pooler and next-sentence head, the masked-LM transform and tied decoder;
-/// byte-level, as it reads a text (see [`spec`]).
+/// byte-level, as it reads a text (see the tests' `spec`).
 pub fn bert(layers: u32) -> TransformerConfig {
     TransformerConfig {
         bert: true,

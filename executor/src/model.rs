@@ -1256,7 +1256,7 @@ pub enum Keep {
     Input,
     /// Everything but what the named submodules compute (Megatron-Core's
     /// `--recompute-modules`), which backward recomputes from their kept inputs before it
-    /// needs them ([`restore`]): the attention probabilities (`core_attn`), the norms'
+    /// needs them (`restore`): the attention probabilities (`core_attn`), the norms'
     /// outputs (`layernorm`, gathered again under sequence parallelism), latent attention's
     /// up projections (`mla_up_proj`), a dense layer's MLP (`mlp`) or an MoE layer's shared
     /// experts (`shared_experts`) from their input, the whole mixture of experts (`moe`,

@@ -267,7 +267,7 @@ impl GeneralCase {
     /// and samples of one step as run. Returns `f`'s answer and the factor from the step as
     /// run to the published global batch (where a source's global batch disagrees with its
     /// layout, the step is predicted as run and scaled: its step time is the published batch
-    /// over the measured throughput). What [`GeneralCase::predict`] scores and `validate
+    /// over the measured throughput). What `GeneralCase::predict` scores and `validate
     /// --explain` prints.
     pub fn with_inputs<R>(
         &self,

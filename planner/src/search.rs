@@ -51,7 +51,7 @@ pub struct SearchOptions {
     /// Largest micro-batch tried.
     pub max_micro_batch: u64,
     /// Values the knobs `force` leaves out may take. Interleaved 1F1B is tried with every
-    /// valid number of virtual stages (see [`schedule_options`]).
+    /// valid number of virtual stages (see `schedule_options`).
     pub space: Space,
     /// Knobs forced to a value; `None` leaves a knob to the search.
     pub force: PartialLayout,
@@ -93,7 +93,7 @@ pub struct Space {
     pub recompute: Vec<Recompute>,
     /// Named submodules may be recomputed ([`Recompute::Modules`], Megatron-Core's
     /// `--recompute-modules`, core 0.13+): given in a layout, or the sets recipes name for
-    /// the model ([`recompute_options`]).
+    /// the model (`recompute_options`).
     pub recompute_modules: bool,
     /// Every k-th layer may be recomputed whole ([`Recompute::Every`]: Megatron-Core's
     /// `--recompute-method block`, torchtitan's layer-level selective checkpointing, FSDP's
@@ -489,7 +489,7 @@ pub struct Counts {
     /// `tp across nodes`, `pruned by step-time bound`, …
     pub rejected: BTreeMap<String, u64>,
     /// The first rejection's whole reason, of the most telling kind met (see
-    /// [`why_rank`]): what an error says when nothing is left.
+    /// `why_rank`): what an error says when nothing is left.
     #[serde(skip)]
     pub why: Option<String>,
     #[serde(skip)]

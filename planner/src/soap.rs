@@ -802,7 +802,7 @@ fn stage_cuts(costs: &OpCosts, weight: &[f64], pp: u32) -> Vec<u32> {
 }
 
 /// A structured layout as a per-op plan: `pp` contiguous stages of the graph balanced by
-/// compute and cut where few activations cross (see [`stage_cuts`]), each on `gpus / pp` consecutive devices; inside a stage every op splits its sample
+/// compute and cut where few activations cross (see `stage_cuts`), each on `gpus / pp` consecutive devices; inside a stage every op splits its sample
 /// axis `dp` ways and, where it has a Parameter axis that divides, that axis `tp` ways
 /// (parameter axes are innermost, so `tp` stays on neighbouring devices). An op that cannot
 /// take the whole split takes its widest legal one on the first devices of its stage.

@@ -935,7 +935,7 @@ impl TransformerCase {
     }
 
     /// Calls `f` with the step the case describes (its model, cluster, precision, stack and
-    /// routing), its published knobs and the stack's options: what [`TransformerCase::predict`]
+    /// routing), its published knobs and the stack's options: what `TransformerCase::predict`
     /// completes and scores, and what `validate --explain` prints.
     pub fn with_setup<R>(
         &self,
