@@ -487,9 +487,8 @@ pub struct Runtime {
     pub overlap_grad_reduce: bool,
     /// How tensor-parallel all-gathers and reduce-scatters overlap the GEMMs next to them.
     pub tp_overlap: TpOverlap,
-    /// Pipeline sends overlap compute; without it (Megatron-LM before 2023) the sender's
-    /// stream waits for each transfer.
-    pub overlap_p2p: bool,
+    /// How pipeline transfers meet the stages' compute streams.
+    pub pipe_sends: PipeSends,
     /// Mixed-precision gradients are accumulated and reduced in fp32 (Megatron-LM since 2022,
     /// FSDP with an fp32 reduce dtype); otherwise in the 16-bit training type.
     pub grad_reduce_fp32: bool,
@@ -615,6 +614,55 @@ pub struct Runtime {
     /// ds_zero-offload_10B_config.json at ece5e0e0, September 2020).
     #[serde(default)]
     pub checkpoints_to_host_when_offloaded: bool,
+    /// What a pipeline stage sends its neighbour under tensor parallelism, and what it gathers
+    /// around the send.
+    #[serde(default)]
+    pub pipe_messages: PipeMessages,
+}
+
+/// How a stack's pipeline transfers meet the compute streams of the stages they join.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PipeSends {
+    /// Sends and receives run beside compute and are waited for only where their data is
+    /// needed (Megatron-Core's overlapped p2p since 2023, PyTorch's pipelining): only the link
+    /// between the stages carries them.
+    #[default]
+    Overlapped,
+    /// Each send is paired with the opposite receive in one blocking exchange (Megatron-LM
+    /// before 2023: `send_forward_recv_backward` and its mirror, a `batch_isend_irecv` waited
+    /// for at once): the sender's stream waits for each transfer.
+    Paired,
+    /// Each send and each receive is a blocking call of its own (DeepSpeed's pipeline
+    /// engine: `dist.send` / `dist.recv` in runtime/pipe/p2p.py, async unsupported): both the
+    /// sender's and the receiver's streams wait for each transfer, so a stage in the steady
+    /// 1F1B state spends two of each message per micro-batch (a rendezvous simulation of its
+    /// TrainSchedule gives 1.87–1.9 of them).
+    Separate,
+}
+
+/// How a stack's pipeline engine moves a micro-batch's activation forward and its input
+/// gradient backward between stages when each stage is split over tensor-parallel ranks
+/// (without tensor parallelism every variant sends the whole tensor and gathers nothing).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PipeMessages {
+    /// Megatron-LM's scatter/gather (Narayanan et al. 2021 §4.1): each tensor-parallel rank
+    /// sends 1/tp of the activation and, backward, of its gradient; the receiver all-gathers
+    /// the pieces over the node's links.
+    #[default]
+    Scattered,
+    /// DeepSpeed's pipeline engine from 0.5.4 (October 2021; `is_grad_partitioned =
+    /// is_model_parallel` in runtime/pipe/engine.py, today behind `pipeline.grad_partitioned`,
+    /// on by default): both directions partitioned as above, and the stage's own output, which
+    /// it kept partitioned once sent, is gathered again before its backward
+    /// (`PartitionedTensor.full()` in `_exec_backward_pass`): two gathers backward.
+    DeepSpeedPartitioned,
+    /// DeepSpeed's pipeline engine before 0.5.4 (`is_grad_partitioned = False`, engine.py
+    /// v0.3.0–v0.5.3): activations partitioned and gathered as above, input gradients sent
+    /// whole by every tensor-parallel rank; the stage's own output is gathered again before
+    /// its backward (`_exec_recv_grads`).
+    DeepSpeedWholeGrads,
 }
 
 /// Megatron-LM's `--make-vocab-size-divisible-by` default: the vocabulary is padded to a
@@ -748,7 +796,7 @@ impl Default for Runtime {
             native_attention: false,
             overlap_grad_reduce: true,
             tp_overlap: TpOverlap::Userbuffers,
-            overlap_p2p: true,
+            pipe_sends: PipeSends::Overlapped,
             grad_reduce_fp32: true,
             master_grads_fp32: false,
             allow_tp_across_nodes: false,
@@ -774,6 +822,7 @@ impl Default for Runtime {
             optimizer_passes: OptimizerPasses::Fused,
             host_optimizer: HostOptimizer::DeepSpeedCpuAdam,
             checkpoints_to_host_when_offloaded: false,
+            pipe_messages: PipeMessages::Scattered,
         }
     }
 }
@@ -926,8 +975,15 @@ pub struct TransformerCosts {
     pub tokens_per_microbatch: u64,
     /// Bytes of one activation message between pipeline stages.
     pub p2p_bytes: Bytes,
-    /// One pipeline send of `p2p_bytes` (across nodes when stages are on different nodes).
+    /// One pipeline send of `p2p_bytes` (across nodes when stages are on different nodes)
+    /// with the gather that rebuilds the activation: the forward message.
     pub p2p: Seconds,
+    /// The backward message: one micro-batch's input gradient from a stage to the one
+    /// before it, with the gathers the stack's engine runs around it ([`PipeMessages`]).
+    pub p2p_backward: Seconds,
+    /// Of `p2p` and `p2p_backward`, the transfers across the link alone (no gathers): what a
+    /// separately blocking receive waits for again ([`PipeSends::Separate`]).
+    pub p2p_transfers: (Seconds, Seconds),
     /// Parameters of the word-embedding table a rank holds twice over a pipeline, on the first
     /// stage and as the last stage's head when the model ties them (0 otherwise): the
     /// gradient the two stages sum after backward.
@@ -1850,16 +1906,25 @@ pub fn transformer_costs_with(
         }
     }
 
-    // Pipeline messages: Megatron's scatter/gather optimization sends 1/tp of the activation
-    // and all-gathers it over NVLink (Narayanan et al. 2021 §4.1).
+    // Pipeline messages ([`PipeMessages`]): a piece of 1/tp of the activation crosses to the
+    // next stage and is all-gathered over the tensor-parallel group there; backward, the
+    // input gradient as the stack's engine sends it.
     let p2p_bytes = Bytes(act.0 / tp);
     let stage_stride = l.tp * l.cp * l.dp;
-    let p2p = net.p2p(p2p_bytes, stage_stride >= gpn && s.gpus > gpn)
-        + if l.tp > 1 {
-            net.collective(Collective::AllGather, act, tp_group)
-        } else {
-            Seconds(0.0)
-        };
+    let cross_node = stage_stride >= gpn && s.gpus > gpn;
+    let piece = net.p2p(p2p_bytes, cross_node);
+    let gather = if l.tp > 1 {
+        net.collective(Collective::AllGather, act, tp_group)
+    } else {
+        Seconds(0.0)
+    };
+    let (grad_transfer, grad_gathers) = match s.runtime.pipe_messages {
+        PipeMessages::Scattered => (piece, gather),
+        PipeMessages::DeepSpeedPartitioned => (piece, gather * 2.0),
+        PipeMessages::DeepSpeedWholeGrads => (net.p2p(act, cross_node), gather),
+    };
+    let p2p = piece + gather;
+    let p2p_backward = grad_transfer + grad_gathers;
 
     Ok(TransformerCosts {
         kinds,
@@ -1869,6 +1934,8 @@ pub fn transformer_costs_with(
         tokens_per_microbatch: l.micro_batch * seq_local,
         p2p_bytes,
         p2p,
+        p2p_backward,
+        p2p_transfers: (piece, grad_transfer),
         tied_table: if s.model.tied_embeddings && l.pp > 1 {
             shard.vocab * hidden
         } else {
@@ -2555,6 +2622,65 @@ mod tests {
 
     fn cfg(name: &str) -> TransformerConfig {
         zoo::transformer(name).unwrap()
+    }
+
+    /// Pipeline messages of GPT-3 175B on 8-GPU stages (tp 8, stages on different nodes):
+    /// Megatron sends each way a 1/tp piece and gathers it; DeepSpeed since 0.5.4 gathers the
+    /// stage's own output again before backward; before, every tensor-parallel rank sent the
+    /// gradient whole. Without tensor parallelism every engine sends the whole activation.
+    #[test]
+    fn pipeline_messages_as_each_engine_sends_them() {
+        let m = cfg("gpt3-175b");
+        let p = preset("dgx-a100-80gb").unwrap();
+        let l = Layout {
+            dp: 2,
+            tp: 8,
+            pp: 8,
+            micro_batch: 1,
+            zero_stage: 1,
+            recompute: Recompute::Full,
+            schedule: Schedule::OneFOneB,
+            ..Layout::default()
+        };
+        let costs = |messages: PipeMessages, l: &Layout| {
+            let s = Setup {
+                runtime: Runtime {
+                    pipe_messages: messages,
+                    ..Runtime::default()
+                },
+                ..Setup::new(&m, &p, l.dp * l.tp * l.pp, 2048, 64)
+            };
+            transformer_costs(&s, l).unwrap()
+        };
+        let net = Network::new(&p);
+        let act = Bytes(2048 * m.hidden * 2);
+        let piece = net.p2p(Bytes(act.0 / 8), true);
+        let whole = net.p2p(act, true);
+        let gather = net.collective(Collective::AllGather, act, Group::strided(8, 1, 8));
+        let close = |a: Seconds, b: Seconds| (a.0 - b.0).abs() < 1e-12;
+
+        let meg = costs(PipeMessages::Scattered, &l);
+        assert!(close(meg.p2p, piece + gather) && close(meg.p2p_backward, meg.p2p));
+        assert_eq!(meg.p2p_transfers, (piece, piece));
+        let ds = costs(PipeMessages::DeepSpeedPartitioned, &l);
+        assert!(close(ds.p2p, meg.p2p) && close(ds.p2p_backward, piece + gather * 2.0));
+        let ds05 = costs(PipeMessages::DeepSpeedWholeGrads, &l);
+        assert!(close(ds05.p2p, meg.p2p) && close(ds05.p2p_backward, whole + gather));
+        assert_eq!(ds05.p2p_transfers, (piece, whole));
+        assert!(whole.0 > 4.0 * piece.0, "{whole:?} vs {piece:?}");
+
+        let no_tp = Layout { tp: 1, dp: 16, ..l };
+        let one = costs(PipeMessages::Scattered, &no_tp);
+        for messages in [
+            PipeMessages::DeepSpeedPartitioned,
+            PipeMessages::DeepSpeedWholeGrads,
+        ] {
+            let c = costs(messages, &no_tp);
+            assert_eq!(
+                (c.p2p, c.p2p_backward, c.p2p_transfers),
+                (one.p2p, one.p2p, (one.p2p, one.p2p))
+            );
+        }
     }
 
     /// The fused step is the update alone at every stage; DeepSpeed 0.3's ZeRO 0 casts and

@@ -41,7 +41,8 @@ pub struct PassTimes {
     pub b: Vec<f64>,
     /// Weight-gradient backward.
     pub w: Vec<f64>,
-    /// One pipeline transfer between stages (on the link, or on the sender's stream).
+    /// One pipeline transfer between stages (on the link, or on the sender's stream): an
+    /// activation's, which no gradient's undercuts ([`TransformerCosts::p2p_backward`]).
     pub p2p: f64,
 }
 
@@ -49,7 +50,13 @@ pub struct PassTimes {
 /// only some layouts pay.
 pub fn pass_times(c: &TransformerCosts, layers: &[u32]) -> PassTimes {
     let zero = Seconds(0.0);
-    let costs = pass_costs(c, layers, (zero, zero), (zero, zero), c.p2p);
+    let costs = pass_costs(
+        c,
+        layers,
+        (zero, zero),
+        (zero, zero),
+        (c.p2p, c.p2p_backward),
+    );
     let secs = |xs: &[Seconds]| xs.iter().map(|x| x.0).collect();
     PassTimes {
         f: secs(&costs.forward),

@@ -8,7 +8,8 @@
 
 use crate::search::Space;
 use parallax_cost::transformer::{
-    CrossEntropy, Runtime, SelectivePolicy, TpOverlap, WgradAccumulation, MEGATRON_VOCAB_MULTIPLE,
+    CrossEntropy, PipeMessages, PipeSends, Runtime, SelectivePolicy, TpOverlap, WgradAccumulation,
+    MEGATRON_VOCAB_MULTIPLE,
 };
 use parallax_ir::models::{Mlp, Norm, Position, TransformerConfig};
 use parallax_ir::{Fp8Recipe, Layout, Offload, Plan, Precision, Recompute, Schedule};
@@ -90,7 +91,15 @@ impl Engine {
                 te_linears: true,
                 ..Runtime::default()
             },
-            Engine::DeepSpeed => Runtime::default(),
+            // Its pipeline engine sends with blocking `dist.send` / `dist.recv`
+            // (runtime/pipe/p2p.py: "Doesn't support async_op true") and partitions both
+            // messages over tensor parallelism (`pipeline.pipe_partitioned` and
+            // `grad_partitioned` on by default), gathering its own output again before backward.
+            Engine::DeepSpeed => Runtime {
+                pipe_sends: PipeSends::Separate,
+                pipe_messages: PipeMessages::DeepSpeedPartitioned,
+                ..Runtime::default()
+            },
         }
     }
 

@@ -13,8 +13,8 @@
 use crate::export::Engine;
 use crate::search::{PipelineDefaults, Space};
 use parallax_cost::transformer::{
-    CrossEntropy, HostOptimizer, OptimizerPasses, Runtime, TpOverlap, WgradAccumulation,
-    MEGATRON_VOCAB_MULTIPLE,
+    CrossEntropy, HostOptimizer, OptimizerPasses, PipeMessages, PipeSends, Runtime, TpOverlap,
+    WgradAccumulation, MEGATRON_VOCAB_MULTIPLE,
 };
 use parallax_ir::{Fp8Recipe, Offload, Recompute, Schedule};
 use std::fmt::Write as _;
@@ -140,7 +140,7 @@ fn pre_flash(overlap_grad_reduce: bool, grad_reduce_fp32: bool) -> Runtime {
         fused_attention: false,
         overlap_grad_reduce,
         tp_overlap: TpOverlap::None,
-        overlap_p2p: false,
+        pipe_sends: PipeSends::Paired,
         grad_reduce_fp32,
         ..Runtime::default()
     }
@@ -402,6 +402,10 @@ const MEGATRON_DEEPSPEED_2021: &[Feature] = &[
         what: "fp16 weight gradients accumulated over micro-batches by autograd in the parameters' .grad",
         source: "deepspeed/runtime/pipe/engine.py (0.5): backward with torch.autograd.backward, gradients reduced at the step boundary",
     },
+    Feature {
+        what: "pipeline messages under tensor parallelism: activations sent in 1/tp pieces and gathered, input gradients sent whole by every tensor-parallel rank; a stage gathers its own output again before its backward",
+        source: "deepspeed/runtime/pipe/engine.py v0.3.0–v0.5.3 (is_grad_partitioned = False; _exec_recv_grads); partitioned from v0.5.4, October 2021 (#1407)",
+    },
 ];
 
 const MEGATRON_DEEPSPEED_2022: &[Feature] = &[
@@ -416,6 +420,10 @@ const MEGATRON_DEEPSPEED_2022: &[Feature] = &[
     Feature {
         what: "each micro-batch's bf16 weight gradients added into fp32 gradient buffers by the BF16_Optimizer",
         source: "deepspeed/runtime/bf16_optimizer.py (update_hp_grads)",
+    },
+    Feature {
+        what: "pipeline messages partitioned over tensor parallelism both ways, gathered on receipt; a stage gathers its own output again before its backward",
+        source: "deepspeed/runtime/pipe/engine.py from v0.5.4 (is_grad_partitioned = is_model_parallel; _exec_backward_pass)",
     },
 ];
 
@@ -449,6 +457,10 @@ const DEEPSPEED_2020: &[Feature] = &[
         what: "fp16 weight gradients accumulated over micro-batches by autograd (ZeRO 0-1)",
         source: "deepspeed/runtime/engine.py (0.3): backward via the fp16 optimizer's loss scaling, gradients reduced at the boundary",
     },
+    Feature {
+        what: "pipeline engine: blocking sends; activations sent in 1/tp pieces and gathered, input gradients sent whole by every tensor-parallel rank",
+        source: "deepspeed/runtime/pipe/engine.py and p2p.py (v0.3.0: is_grad_partitioned = False)",
+    },
 ];
 
 const DEEPSPEED_ZERO3_2021: &[Feature] = &[
@@ -478,6 +490,10 @@ const DEEPSPEED_CURRENT: &[Feature] = &[
     Feature {
         what: "attention as the model implements it (SDPA flash attention in current PyTorch)",
         source: "PyTorch 2.x scaled_dot_product_attention",
+    },
+    Feature {
+        what: "pipeline sends block the stream (dist.send / dist.recv); messages partitioned over tensor parallelism both ways and gathered, the stage's own output gathered again before its backward",
+        source: "deepspeed/runtime/pipe/p2p.py and engine.py (v0.19.5: async_op unsupported; pipeline.pipe_partitioned / grad_partitioned default true)",
     },
 ];
 
@@ -791,6 +807,13 @@ fn megatron_deepspeed(grad_reduce_fp32: bool) -> Parts {
             } else {
                 WgradAccumulation::Autograd
             },
+            pipe_sends: PipeSends::Separate,
+            // DeepSpeed 0.5.4 (October 2021) began partitioning input gradients too.
+            pipe_messages: if grad_reduce_fp32 {
+                PipeMessages::DeepSpeedPartitioned
+            } else {
+                PipeMessages::DeepSpeedWholeGrads
+            },
             ..megatron_loss(pre_flash(false, grad_reduce_fp32))
         },
         space: Space {
@@ -809,6 +832,8 @@ fn deepspeed_2020() -> Parts {
             optimizer_passes: OptimizerPasses::DeepSpeed03,
             host_optimizer: HostOptimizer::DeepSpeedCpuAdam03,
             checkpoints_to_host_when_offloaded: true,
+            pipe_sends: PipeSends::Separate,
+            pipe_messages: PipeMessages::DeepSpeedWholeGrads,
             ..megatron_loss(pre_flash(false, false))
         },
         // ZeRO-Offload shipped in DeepSpeed 0.3 (September 2020): optimizer states only.
@@ -1376,7 +1401,11 @@ pub fn table_text() -> String {
                 (TpOverlap::None, true) => "no (async TP offered)",
                 (TpOverlap::None, false) => "no",
             },
-            yes(r.overlap_p2p),
+            match r.pipe_sends {
+                PipeSends::Overlapped => "yes",
+                PipeSends::Paired => "no (paired exchanges)",
+                PipeSends::Separate => "no (sends and receives block apart)",
+            },
             if r.grad_reduce_fp32 { "fp32" } else { "16-bit" },
             match r.wgrad_accumulation {
                 WgradAccumulation::Fused => "in the GEMM",
@@ -1509,6 +1538,32 @@ mod tests {
             ("current", Fused),
         ] {
             assert_eq!(acc(name), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn each_pipeline_engine_sends_as_its_code_does() {
+        // Megatron-LM before 2023 pairs its sends and receives in blocking exchanges and
+        // scatters both messages over tp; Megatron-Core overlaps them. DeepSpeed's engine
+        // blocks on each send and each receive apart; it sent input gradients whole until
+        // 0.5.4 (October 2021) and partitions both ways since, gathering its own output again.
+        let rt = |name: &str| {
+            let r = Framework::parse(name).unwrap().runtime;
+            (r.pipe_sends, r.pipe_messages)
+        };
+        use PipeMessages::{DeepSpeedPartitioned, DeepSpeedWholeGrads, Scattered};
+        use PipeSends::{Overlapped, Paired, Separate};
+        for (name, want) in [
+            ("megatron-lm@2021", (Paired, Scattered)),
+            ("megatron-lm@2022", (Paired, Scattered)),
+            ("megatron-core@2025", (Overlapped, Scattered)),
+            ("megatron-deepspeed@2021", (Separate, DeepSpeedWholeGrads)),
+            ("megatron-deepspeed@2022", (Separate, DeepSpeedPartitioned)),
+            ("deepspeed@0.3", (Separate, DeepSpeedWholeGrads)),
+            ("deepspeed", (Separate, DeepSpeedPartitioned)),
+            ("torchtitan", (Overlapped, Scattered)),
+        ] {
+            assert_eq!(rt(name), want, "{name}");
         }
     }
 

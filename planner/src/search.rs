@@ -1757,7 +1757,7 @@ fn expand(
 mod tests {
     use super::*;
     use crate::bounds::{extras, memory_gib, pass_times, ScheduleSummary};
-    use parallax_cost::transformer::{transformer_costs, Runtime, TpOverlap};
+    use parallax_cost::transformer::{transformer_costs, PipeSends, Runtime, TpOverlap};
     use parallax_hardware::Cluster;
     use parallax_ir::models::{zoo, TransformerConfig};
 
@@ -1826,7 +1826,7 @@ mod tests {
             Runtime::default(),
             Runtime {
                 overlap_grad_reduce: false,
-                overlap_p2p: false,
+                pipe_sends: PipeSends::Paired,
                 tp_overlap: TpOverlap::None,
                 ..Runtime::default()
             },

@@ -13,8 +13,8 @@ pub use engine::{
     Span, Task, TaskGraph, TaskId, TaskKind, TaskRef, Trace,
 };
 pub use schedule::{
-    build_pipeline, build_pipeline_with, max_in_flight, merged_fraction, simulate_schedule, Op,
-    OpContext, OpSpan, OpTasks, PipelineCosts, PipelineGraph, PipelineSchedule, ScheduleError,
+    build_pipeline, build_pipeline_with, max_in_flight, merged_fraction, simulate_schedule, Flow,
+    Op, OpContext, OpSpan, OpTasks, PipelineCosts, PipelineGraph, PipelineSchedule, ScheduleError,
     ScheduleKind, ScheduledOp,
 };
 pub mod step;

@@ -1097,6 +1097,7 @@ fn pipeline_step(
         backward_input: backward,
         backward_weight: vec![Seconds(0.0); pp as usize],
         p2p: Seconds(p2p),
+        p2p_gradient: Seconds(p2p),
         p2p_boundaries,
     };
     let mut pg = build_pipeline(&schedule, &pc)?;

@@ -682,13 +682,23 @@ pub struct PipelineCosts {
     /// Weight-gradient backward time (for fused `BW` the backward is `backward_input +
     /// backward_weight`).
     pub backward_weight: Vec<Seconds>,
-    /// Time of one point-to-point transfer (activation or gradient) between two stages. Each
+    /// Time of one point-to-point transfer of an activation from a stage to the next. Each
     /// transfer is a task on the link resource for its (source, destination) pair.
     pub p2p: Seconds,
+    /// Time of one transfer of an input gradient back to the stage before: `p2p` unless the
+    /// stack's engine sends gradients differently (DeepSpeed's before 0.5.4 sends them whole).
+    pub p2p_gradient: Seconds,
     /// Where boundaries differ (a per-op pipeline cuts the graph where tensors of different
-    /// sizes cross): entry `vs` is the transfer between virtual stages `vs` and `vs + 1`; empty
-    /// means `p2p` at every boundary.
+    /// sizes cross): entry `vs` is the transfer between virtual stages `vs` and `vs + 1`, each
+    /// way; empty means `p2p` and `p2p_gradient` at every boundary.
     pub p2p_boundaries: Vec<Seconds>,
+}
+
+/// What a pipeline transfer carries: an activation forward or an input gradient backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    Activation,
+    Gradient,
 }
 
 impl PipelineCosts {
@@ -700,16 +710,20 @@ impl PipelineCosts {
             backward_input: vec![b; n],
             backward_weight: vec![w; n],
             p2p,
+            p2p_gradient: p2p,
             p2p_boundaries: Vec::new(),
         }
     }
 
-    /// The transfer between virtual stages `vs` and `vs + 1`.
-    pub fn p2p_at(&self, vs: u32) -> Seconds {
+    /// The transfer of `flow` between virtual stages `vs` and `vs + 1`.
+    pub fn p2p_at(&self, vs: u32, flow: Flow) -> Seconds {
         self.p2p_boundaries
             .get(vs as usize)
             .copied()
-            .unwrap_or(self.p2p)
+            .unwrap_or(match flow {
+                Flow::Activation => self.p2p,
+                Flow::Gradient => self.p2p_gradient,
+            })
     }
 
     fn check(&self, n: usize) -> Result<(), ScheduleError> {
@@ -833,7 +847,7 @@ pub fn build_pipeline(
     costs: &PipelineCosts,
 ) -> Result<PipelineGraph, ScheduleError> {
     costs.check(schedule.positions() as usize)?;
-    build_pipeline_with(schedule, &|vs| costs.p2p_at(vs), |pg, ctx| {
+    build_pipeline_with(schedule, &|vs, flow| costs.p2p_at(vs, flow), |pg, ctx| {
         let vs = ctx.virtual_stage as usize;
         let (label, kind, cost) = match ctx.op {
             Op::F => ("F", TaskKind::Forward, costs.forward[vs]),
@@ -853,12 +867,12 @@ pub fn build_pipeline(
 /// the entry and exit task of the pass. The builder then adds: stream order (a `Schedule` edge
 /// from each op's exit to the next op's entry on the same stage), `F -> B` and `B -> W` of the
 /// same (virtual stage, micro-batch), and the cross-stage `F(vs) -> F(vs+1)` and
-/// `B(vs+1) -> B(vs)` through a p2p task of cost `p2p(vs)` on the link resource of the
+/// `B(vs+1) -> B(vs)` through a p2p task of cost `p2p(vs, flow)` on the link resource of the
 /// (source, destination) stage pair (a direct edge when both virtual stages are on one stage).
 /// A fused `BW` is expanded as `B` then `W`, and its gradient leaves after the `W` part.
 pub fn build_pipeline_with<E, X>(
     schedule: &PipelineSchedule,
-    p2p: &dyn Fn(u32) -> Seconds,
+    p2p: &dyn Fn(u32, Flow) -> Seconds,
     mut expand: X,
 ) -> Result<PipelineGraph, E>
 where
@@ -985,7 +999,7 @@ where
                     (here, next),
                     "send act",
                     (mb, chunk(vs)),
-                    p2p(vs),
+                    p2p(vs, Flow::Activation),
                 );
                 connect(
                     &mut pg,
@@ -994,7 +1008,7 @@ where
                     (next, here),
                     "send grad",
                     (mb, chunk(vs + 1)),
-                    p2p(vs),
+                    p2p(vs, Flow::Gradient),
                 );
             }
         }
@@ -1468,7 +1482,7 @@ mod tests {
     #[test]
     fn expander_and_appended_dp_reduction() {
         let sched = PipelineSchedule::generate(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
-        let mut pg = build_pipeline_with::<ScheduleError, _>(&sched, &|_| S0, |pg, ctx| {
+        let mut pg = build_pipeline_with::<ScheduleError, _>(&sched, &|_, _| S0, |pg, ctx| {
             let at = |t: Task| t.at(ctx.stage, ctx.micro_batch, ctx.chunk);
             match ctx.op {
                 Op::F => {
@@ -1538,6 +1552,7 @@ mod tests {
             backward_input: vec![s(1.0), s(2.0)],
             backward_weight: vec![s(1.0), s(2.0)],
             p2p: S0,
+            p2p_gradient: S0,
             p2p_boundaries: Vec::new(),
         };
         let (_, t) = simulate_schedule(ScheduleKind::OneFOneB, 2, 2, 1, &costs).unwrap();

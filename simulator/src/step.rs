@@ -20,8 +20,8 @@ use parallax_cost::memory::{
     OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM,
 };
 use parallax_cost::transformer::{
-    check_layout, model_flops_per_step, transformer_costs, HostUpdate, Infeasible, PartCost, Setup,
-    TransformerCosts,
+    check_layout, model_flops_per_step, transformer_costs, HostUpdate, Infeasible, PartCost,
+    PipeSends, Setup, TransformerCosts,
 };
 use parallax_ir::{Bytes, Layout, Offload, Recompute, Seconds, GIB};
 use serde::{Deserialize, Serialize};
@@ -274,7 +274,7 @@ pub fn pass_costs(
     layers: &[u32],
     per_layer: (Seconds, Seconds),
     per_pass: (Seconds, Seconds),
-    p2p: Seconds,
+    (p2p, p2p_gradient): (Seconds, Seconds),
 ) -> PipelineCosts {
     let nv = layers.len();
     let mut costs = PipelineCosts {
@@ -282,6 +282,7 @@ pub fn pass_costs(
         backward_input: vec![Seconds(0.0); nv],
         backward_weight: vec![Seconds(0.0); nv],
         p2p,
+        p2p_gradient,
         p2p_boundaries: Vec::new(),
     };
     let mut first = 0;
@@ -721,11 +722,22 @@ pub fn step_terms(
     } else {
         (Seconds(0.0), Seconds(0.0))
     };
-    // A blocking send holds the sender's stream; an overlapped one only its link.
-    let (p2p_link, p2p_stream) = if setup.runtime.overlap_p2p || pp == 1 {
-        (c.p2p, Seconds(0.0))
-    } else {
-        (Seconds(0.0), c.p2p)
+    // A blocking send holds the sender's stream, a separately blocking receive the
+    // receiver's too ([`PipeSends`]); an overlapped one holds only its link. Forward passes
+    // move activations, backward passes input gradients.
+    let messages = (c.p2p, c.p2p_backward);
+    let none = (Seconds(0.0), Seconds(0.0));
+    let (p2p_link, p2p_stream) = match setup.runtime.pipe_sends {
+        _ if pp == 1 => (messages, none),
+        PipeSends::Overlapped => (messages, none),
+        PipeSends::Paired => (none, messages),
+        PipeSends::Separate => (
+            none,
+            (
+                messages.0 + c.p2p_transfers.0,
+                messages.1 + c.p2p_transfers.1,
+            ),
+        ),
     };
     // Single-process DataParallel (PyTorch `nn.DataParallel`, `parallel/data_parallel.py`):
     // each forward call broadcasts the module's parameters from the first GPU to the replicas
@@ -758,7 +770,7 @@ pub fn step_terms(
         c,
         layers,
         zero3,
-        (p2p_stream + replicate.0, p2p_stream + replicate.1),
+        (p2p_stream.0 + replicate.0, p2p_stream.1 + replicate.1),
         p2p_link,
     );
     // Checkpoints in host memory: each layer's goes down synchronously in forward (the stream
@@ -1863,7 +1875,7 @@ mod tests {
             c.head.params + 4 * c.layer().params
         );
         let z = (Seconds(0.0), Seconds(0.0));
-        let costs = pass_costs(&c, &layers, z, z, c.p2p);
+        let costs = pass_costs(&c, &layers, z, z, (c.p2p, c.p2p_backward));
         let want = c.embedding.fwd() + dense.fwd() + c.layer().fwd() * 3.0;
         assert!((costs.forward[0].0 - want.0).abs() < 1e-12);
         assert_eq!(
@@ -1907,6 +1919,70 @@ mod tests {
         assert!(c.embedding.params > c.layer().params * 5, "{c:?}");
         assert!(terms.dp[0].0 >= last.0, "{:?} < {last:?}", terms.dp[0]);
         assert!(terms.dp[0].0 < all.0, "{:?} >= {all:?}", terms.dp[0]);
+    }
+
+    /// How pipeline transfers meet the streams ([`PipeSends`]): overlapped, they are tasks on
+    /// the link alone; Megatron-LM's paired exchange holds the sending pass for its message;
+    /// DeepSpeed's separate blocking send and receive hold it for the transfer once more (the
+    /// receiver's wait), its gathers once. Each costs the step more than the one before.
+    #[test]
+    fn separate_blocking_receives_hold_the_receiving_stage_too() {
+        let m = gpt3();
+        let p = preset("dgx-a100-80gb").unwrap();
+        let l = Layout {
+            dp: 2,
+            tp: 8,
+            pp: 8,
+            micro_batch: 1,
+            zero_stage: 1,
+            recompute: Recompute::Full,
+            schedule: Schedule::OneFOneB,
+            ..Layout::default()
+        };
+        let run = |sends: PipeSends| {
+            let s = Setup {
+                runtime: Runtime {
+                    pipe_sends: sends,
+                    pipe_messages: parallax_cost::transformer::PipeMessages::DeepSpeedWholeGrads,
+                    ..Runtime::default()
+                },
+                ..setup(&m, &p, 128, 64)
+            };
+            let c = transformer_costs(&s, &l).unwrap();
+            let layers = stage_layers(m.layers, &l);
+            let terms = step_terms(&s, &l, &c, &layers).unwrap();
+            let step = simulate_step(&s, &l).unwrap().prediction.step_time_s;
+            (c, terms.costs, step)
+        };
+        let (c, open, t_open) = run(PipeSends::Overlapped);
+        let (_, paired, t_paired) = run(PipeSends::Paired);
+        let (_, separate, t_separate) = run(PipeSends::Separate);
+        let close = |a: Seconds, b: Seconds| (a.0 - b.0).abs() < 1e-12;
+        assert_eq!((open.p2p, open.p2p_gradient), (c.p2p, c.p2p_backward));
+        assert!(c.p2p_backward.0 > c.p2p.0, "{c:?}");
+        for vs in 0..8 {
+            assert!(close(paired.forward[vs], open.forward[vs] + c.p2p));
+            assert!(close(
+                paired.backward_input[vs],
+                open.backward_input[vs] + c.p2p_backward
+            ));
+            assert!(close(
+                separate.forward[vs],
+                paired.forward[vs] + c.p2p_transfers.0
+            ));
+            assert!(close(
+                separate.backward_input[vs],
+                paired.backward_input[vs] + c.p2p_transfers.1
+            ));
+        }
+        assert_eq!(
+            (paired.p2p, separate.p2p_gradient),
+            (Seconds(0.0), Seconds(0.0))
+        );
+        assert!(
+            t_open < t_paired && t_paired < t_separate,
+            "{t_open} {t_paired} {t_separate}"
+        );
     }
 
     /// BLOOM-like 250k vocabulary, tied, over 12 stages: the first and the last stage each
