@@ -657,11 +657,13 @@ pub enum PipeMessages {
     /// on by default): both directions partitioned as above, and the stage's own output, which
     /// it kept partitioned once sent, is gathered again before its backward
     /// (`PartitionedTensor.full()` in `_exec_backward_pass`): two gathers backward.
+    #[serde(rename = "deepspeed-partitioned")]
     DeepSpeedPartitioned,
     /// DeepSpeed's pipeline engine before 0.5.4 (`is_grad_partitioned = False`, engine.py
     /// v0.3.0–v0.5.3): activations partitioned and gathered as above, input gradients sent
     /// whole by every tensor-parallel rank; the stage's own output is gathered again before
     /// its backward (`_exec_recv_grads`).
+    #[serde(rename = "deepspeed-whole-grads")]
     DeepSpeedWholeGrads,
 }
 
