@@ -797,7 +797,9 @@ fn torchtitan_2024() -> Parts {
     }
 }
 
-fn megatron_deepspeed(grad_reduce_fp32: bool) -> Parts {
+/// Megatron-DeepSpeed with its gradients reduced in fp32 (`grad_reduce_fp32`: the
+/// BF16_Optimizer) or in fp16, on a DeepSpeed whose pipeline engine sends `pipe_messages`.
+fn megatron_deepspeed(grad_reduce_fp32: bool, pipe_messages: PipeMessages) -> Parts {
     Parts {
         runtime: Runtime {
             // DeepSpeed's fp16 engine accumulates in the parameters' `.grad`; its BF16_Optimizer
@@ -808,12 +810,7 @@ fn megatron_deepspeed(grad_reduce_fp32: bool) -> Parts {
                 WgradAccumulation::Autograd
             },
             pipe_sends: PipeSends::Separate,
-            // DeepSpeed 0.5.4 (October 2021) began partitioning input gradients too.
-            pipe_messages: if grad_reduce_fp32 {
-                PipeMessages::DeepSpeedPartitioned
-            } else {
-                PipeMessages::DeepSpeedWholeGrads
-            },
+            pipe_messages,
             ..megatron_loss(pre_flash(false, grad_reduce_fp32))
         },
         space: Space {
@@ -1080,7 +1077,8 @@ pub const STACKS: &[Stack] = &[
         names: &["megatron-deepspeed"],
         features: MEGATRON_DEEPSPEED_2021,
         matches: |n, v| n == "megatron-deepspeed" && v.year.is_some_and(|y| y <= 2021),
-        build: || megatron_deepspeed(false),
+        // DeepSpeed before 0.5.4 (October 2021) sent input gradients whole.
+        build: || megatron_deepspeed(false, PipeMessages::DeepSpeedWholeGrads),
     },
     Stack {
         name: "megatron-deepspeed@2022",
@@ -1088,7 +1086,7 @@ pub const STACKS: &[Stack] = &[
         names: &["megatron-deepspeed"],
         features: MEGATRON_DEEPSPEED_2022,
         matches: |n, v| n == "megatron-deepspeed" && v.year.is_none_or(|y| y > 2021),
-        build: || megatron_deepspeed(true),
+        build: || megatron_deepspeed(true, PipeMessages::DeepSpeedPartitioned),
     },
     Stack {
         name: "deepspeed@0.3",

@@ -1757,7 +1757,9 @@ fn expand(
 mod tests {
     use super::*;
     use crate::bounds::{extras, memory_gib, pass_times, ScheduleSummary};
-    use parallax_cost::transformer::{transformer_costs, PipeSends, Runtime, TpOverlap};
+    use parallax_cost::transformer::{
+        transformer_costs, PipeMessages, PipeSends, Runtime, TpOverlap,
+    };
     use parallax_hardware::Cluster;
     use parallax_ir::models::{zoo, TransformerConfig};
 
@@ -1827,6 +1829,15 @@ mod tests {
             Runtime {
                 overlap_grad_reduce: false,
                 pipe_sends: PipeSends::Paired,
+                tp_overlap: TpOverlap::None,
+                ..Runtime::default()
+            },
+            // DeepSpeed's engine before 0.5.4: blocking sends and receives apart, whole
+            // input gradients.
+            Runtime {
+                overlap_grad_reduce: false,
+                pipe_sends: PipeSends::Separate,
+                pipe_messages: PipeMessages::DeepSpeedWholeGrads,
                 tp_overlap: TpOverlap::None,
                 ..Runtime::default()
             },

@@ -727,8 +727,12 @@ pub fn step_terms(
     // move activations, backward passes input gradients.
     let messages = (c.p2p, c.p2p_backward);
     let none = (Seconds(0.0), Seconds(0.0));
-    let (p2p_link, p2p_stream) = match setup.runtime.pipe_sends {
-        _ if pp == 1 => (messages, none),
+    let sends = if pp == 1 {
+        PipeSends::Overlapped
+    } else {
+        setup.runtime.pipe_sends
+    };
+    let (p2p_link, p2p_stream) = match sends {
         PipeSends::Overlapped => (messages, none),
         PipeSends::Paired => (none, messages),
         PipeSends::Separate => (
@@ -1254,7 +1258,7 @@ fn simulate_costed(
 mod tests {
     use super::*;
     use parallax_cost::transformer::{
-        CrossEntropy, HostOptimizer, OptimizerPasses, Runtime, WgradAccumulation,
+        CrossEntropy, HostOptimizer, OptimizerPasses, PipeMessages, Runtime, WgradAccumulation,
     };
     use parallax_hardware::{preset, ClusterProfile};
     use parallax_ir::models::{zoo, TransformerConfig};
@@ -1943,7 +1947,7 @@ mod tests {
             let s = Setup {
                 runtime: Runtime {
                     pipe_sends: sends,
-                    pipe_messages: parallax_cost::transformer::PipeMessages::DeepSpeedWholeGrads,
+                    pipe_messages: PipeMessages::DeepSpeedWholeGrads,
                     ..Runtime::default()
                 },
                 ..setup(&m, &p, 128, 64)
