@@ -1138,10 +1138,10 @@ pub const STACKS: &[Stack] = &[
     },
     Stack {
         name: "pytorch-fsdp@2.x",
-        covers: "pytorch-fsdp@2.x",
-        names: &["pytorch-fsdp"],
+        covers: "pytorch-fsdp@2.x; llm-foundry and composer (MosaicML's trainer on PyTorch FSDP)",
+        names: &["pytorch-fsdp", "llm-foundry", "composer"],
         features: PYTORCH_FSDP,
-        matches: |n, _| n == "pytorch-fsdp",
+        matches: |n, _| matches!(n, "pytorch-fsdp" | "llm-foundry" | "composer"),
         build: pytorch_fsdp,
     },
     Stack {
@@ -1228,6 +1228,12 @@ impl Framework {
             .unwrap_or("")
             .to_ascii_lowercase();
         let (name, version) = word.split_once('@').unwrap_or((word.as_str(), ""));
+        // Megatron-LM tags its Megatron-Core releases `core_r0.5.0`, `core_v0.8.0`: those
+        // name Megatron-Core's versions.
+        let name = match name {
+            "megatron-lm" if version.starts_with("core_") => "megatron-core",
+            _ => name,
+        };
         let v = Version::parse(version);
         let names = || {
             let mut all: Vec<&str> = Vec::new();
@@ -1354,16 +1360,42 @@ impl Framework {
     pub fn for_case(spec: Option<&str>) -> Framework {
         match spec.map(Framework::parse) {
             Some(Ok(fw)) => fw,
-            _ => Framework {
-                name: format!("{} (unknown: as current)", spec.unwrap_or("unnamed")),
-                runtime: Runtime {
-                    tp_overlap: TpOverlap::None,
-                    ..Runtime::default()
-                },
-                space: Space {
-                    schedules: MEGATRON_SCHEDULES.to_vec(),
-                    ..Space::default()
-                },
+            // A stack the table knows, at a version it cannot read or place (`torchtitan@main`,
+            // `megatron-deepspeed@bigscience`): its row without a version.
+            Some(Err(FrameworkError::Version(shown, _))) => {
+                let word = shown.split_whitespace().next().unwrap_or_default();
+                let name = word.split('@').next().unwrap_or_default();
+                match Framework::parse(name) {
+                    Ok(fw) => {
+                        // The row's own name (an alias parses as `alias (as ROW)`).
+                        let row = fw
+                            .name
+                            .rsplit_once("(as ")
+                            .map_or(fw.name.as_str(), |(_, r)| r.trim_end_matches(')'));
+                        Framework {
+                            name: format!("{word} (version not in the table: as {row})"),
+                            ..fw
+                        }
+                    }
+                    Err(_) => Framework::unknown(&shown),
+                }
+            }
+            _ => Framework::unknown(spec.unwrap_or("unnamed")),
+        }
+    }
+
+    /// A current stack without framework-specific tricks, for a run whose stack the table
+    /// does not hold, named so.
+    fn unknown(spec: &str) -> Framework {
+        Framework {
+            name: format!("{spec} (unknown: as current)"),
+            runtime: Runtime {
+                tp_overlap: TpOverlap::None,
+                ..Runtime::default()
+            },
+            space: Space {
+                schedules: MEGATRON_SCHEDULES.to_vec(),
+                ..Space::default()
             },
         }
     }
@@ -1917,6 +1949,35 @@ mod tests {
         let fw = Framework::for_case(Some("another-lab@2025"));
         assert_eq!(fw.runtime.tp_overlap, TpOverlap::None);
         assert!(fw.name.contains("another-lab@2025 (unknown"), "{}", fw.name);
+    }
+
+    /// A case naming a stack the table holds at a version it cannot place is predicted on
+    /// that stack's row without a version, not as an unknown stack; Megatron-LM's
+    /// `core_r` / `core_v` tags name Megatron-Core releases; MosaicML's trainers are PyTorch
+    /// FSDP.
+    #[test]
+    fn cases_keep_their_stack_when_the_version_is_unplaced() {
+        let case = |s| Framework::for_case(Some(s));
+        let fw = case("megatron-deepspeed@bigscience (BLOOM's fork)");
+        assert_eq!(
+            fw.name,
+            "megatron-deepspeed@bigscience (version not in the table: as megatron-deepspeed@2022)"
+        );
+        assert_eq!(fw.runtime.pipe_sends, PipeSends::Separate);
+        assert!(case("nemo@24.13").name.ends_with("as megatron-core@2025)"));
+        assert!(case("torchtitan@main").name.ends_with("as torchtitan)"));
+        let core = Framework::parse("megatron-lm@core_r0.5.0").unwrap();
+        assert_eq!(core.name, "megatron-lm@core_r0.5.0 (as megatron-core@2024)");
+        assert!(Framework::parse("megatron-lm@core_v0.12.0")
+            .unwrap()
+            .name
+            .ends_with("(as megatron-core@2025)"));
+        assert!(Framework::parse("llm-foundry@0.3")
+            .unwrap()
+            .name
+            .ends_with("(as pytorch-fsdp@2.x)"));
+        // The flag stays strict: a user naming a version the table lacks is told so.
+        assert!(Framework::parse("torchtitan@main").is_err());
     }
 
     /// `--fp8-recipe` and `--async-tp` set the stack's runtime where it offers them and are
