@@ -30,6 +30,12 @@ const UNFUSED_SCORE_PASSES_FWD: f64 = 6.5;
 /// returns its input at p = 0, launching nothing): QKᵀ, softmax, PV.
 const UNFUSED_SCORE_PASSES_NO_DROPOUT: f64 = 4.0;
 
+/// Unfused ALiBi: `torch.baddbmm(alibi, q, kᵀ, beta=1, alpha=1/√d)` with the `[b·h, 1, t]`
+/// bias (HuggingFace's BLOOM, Megatron-DeepSpeed's `ParallelAttention`) first copies the bias
+/// broadcast into the whole scores buffer, which the GEMM then reads as its `beta` input: one
+/// write and one read of the scores more than a `beta = 0` product.
+const ALIBI_SCORE_PASSES: f64 = 2.0;
+
 /// Eager module code's attention core over its scores, forward and backward, with and
 /// without dropout. Forward: write QKᵀ, the scale, the mask add and the softmax each read and
 /// write them (DeepLearningExamples' BERT `BertSelfAttention`: `/ math.sqrt(d)`,
@@ -1318,7 +1324,10 @@ impl<'a> DeviceModel<'a> {
                     2.0 * UNFUSED_SCORE_PASSES_NO_DROPOUT,
                 ),
             };
-            let bytes = scores * float_bytes as f64 * passes;
+            // ALiBi's bias, broadcast into the scores buffer before the score GEMM reads it
+            // back as its `beta` input: a pass written and one read.
+            let alibi = if a.alibi { ALIBI_SCORE_PASSES } else { 0.0 };
+            let bytes = scores * float_bytes as f64 * (passes + alibi);
             let back_bytes = scores * float_bytes as f64 * back;
             let per_gemm = matmul / 2.0;
             // Eager module code copies q, k, v into the batched GEMMs' layout and the
@@ -1850,6 +1859,7 @@ mod tests {
             fused: false,
             dropout: false,
             window: None,
+            alibi: false,
         });
         let q = Shape::new([2, 64, 4, 16]);
         let ins = [q.clone(), q.clone(), q.clone()];
@@ -2333,6 +2343,38 @@ mod tests {
         assert!(!bf16.casts_linear_layers());
     }
 
+    /// ALiBi costs an unfused attention core one write and one read of its scores forward
+    /// (the bias broadcast into the `baddbmm` input), nothing backward; a fused kernel
+    /// computes the bias from its slopes at no measurable cost.
+    #[test]
+    fn alibi_adds_a_broadcast_bias_pass_to_unfused_scores_only() {
+        let p = preset("dgx-a100-80gb").unwrap();
+        let m = DeviceModel::new(&p, Precision::Bf16).unwrap();
+        let q = Shape::new([2, 2048, 28, 128]);
+        let ins = [q.clone(), q.clone(), q.clone()];
+        let price = |fused, alibi| {
+            let op = OpKind::Attention(AttentionAttrs {
+                causal: true,
+                fused,
+                dropout: false,
+                window: None,
+                alibi,
+            });
+            let w = op.work(&ins, std::slice::from_ref(&q), &[false; 3], 2);
+            m.op(&op, &ins, &w, 2)
+        };
+        let (plain, alibi) = (price(false, false), price(false, true));
+        let scores = (2 * 28 * 2048 * 2048) as f64 * 2.0;
+        // Bandwidth-bound passes at the device's effective rate (the launch paid once).
+        let pass = m.memory(4.0 * scores).0 - m.memory(2.0 * scores).0;
+        assert!(
+            (alibi.fwd.0 - plain.fwd.0 - pass).abs() < 1e-12,
+            "{plain:?} {alibi:?}"
+        );
+        assert_eq!(alibi.bwd_input, plain.bwd_input);
+        assert_eq!(price(true, true), price(true, false));
+    }
+
     /// Eager module code, by hand: the attention core copies q, k, v and the context each
     /// way and runs its scale, mask and softmax as kernels of their own, a biased linear
     /// reduces its output gradient once more, a LayerNorm's backward reads its forward
@@ -2349,6 +2391,7 @@ mod tests {
             fused: false,
             dropout: true,
             window: None,
+            alibi: false,
         });
         let w = op.work(&ins, std::slice::from_ref(&q), &[false; 3], 2);
         let (a, b) = (fused.op(&op, &ins, &w, 2), eager.op(&op, &ins, &w, 2));
@@ -2439,6 +2482,7 @@ mod tests {
                 fused,
                 dropout,
                 window: None,
+                alibi: false,
             });
             let w = op.work(&ins, std::slice::from_ref(&q), &[false; 3], 2);
             m.op(&op, &ins, &w, 2).total().0
@@ -2510,6 +2554,7 @@ mod tests {
                 fused: true,
                 dropout: false,
                 window,
+                alibi: false,
             });
             let w = op.work(&ins, std::slice::from_ref(&q), &[false; 3], 2);
             // Time at the efficiency of the kernel's size, less its launch.
@@ -2538,6 +2583,7 @@ mod tests {
             fused: true,
             dropout: false,
             window: None,
+            alibi: false,
         });
         let w = op.work(&ins, std::slice::from_ref(&q), &[false; 3], 2);
         let time = |preset_name: &str, native: bool| {

@@ -1162,6 +1162,7 @@ fn transformer_kernel_cases(quick: bool) -> Vec<TransformerCase> {
             fused: false,
             dropout: false,
             window: None,
+            alibi: false,
         });
         let qkv = vec![per_head.clone(), per_head.clone(), per_head.clone()];
         cases.extend([
@@ -1928,6 +1929,7 @@ fn calibration_graph(size: CalibrationSize, b: u64) -> Result<Graph, parallax_ir
         fused: false,
         dropout: false,
         window: None,
+        alibi: false,
     };
     let x = g.attention("attention", q, k, v, attrs)?;
     let x = g.op1(

@@ -128,6 +128,11 @@ impl Dims {
     /// Checks that the executor can train `c`; errors name the unsupported feature.
     pub fn from_config(c: &TransformerConfig) -> Result<Dims, String> {
         c.validate()?;
+        if c.position == Position::Alibi {
+            return Err(
+                "ALiBi positions are not run by the executor (learned, rotary or none)".into(),
+            );
+        }
         if !c.causal && !c.bert {
             return Err(
                 "encoders other than BERT are not run by the executor (causal decoders and BERT)"
@@ -3438,5 +3443,12 @@ mod tests {
         };
         let e = Dims::from_config(&encoder).unwrap_err();
         assert!(e.contains("encoders other than BERT"), "{e}");
+        // Nor are ALiBi's distance biases, which it has no kernel for.
+        let alibi = TransformerConfig {
+            position: Position::Alibi,
+            ..tiny.clone()
+        };
+        let e = Dims::from_config(&alibi).unwrap_err();
+        assert!(e.contains("ALiBi"), "{e}");
     }
 }

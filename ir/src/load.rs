@@ -19,6 +19,8 @@ pub const GRAPH_SCHEMA: &str = "parallax-graph/1";
 /// HuggingFace `model_type`s the importer understands.
 pub const SUPPORTED_HF_TYPES: &[&str] = &[
     "gpt2",
+    "bloom",
+    "mpt",
     "llama",
     "mistral",
     "mixtral",
@@ -388,6 +390,58 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                     )?,
                 )
             }
+        }
+        // BigScience's BLOOM (transformers' BloomConfig): GPT-shaped with biases, a tied
+        // head and ALiBi; its extra LayerNorm after the embedding is left out (one norm).
+        "bloom" => {
+            let h = int(&["hidden_size", "n_embed"], None)?;
+            let mut c = TransformerConfig::gpt(
+                to_u32(
+                    int(&["n_layer", "num_hidden_layers"], None)?,
+                    "n_layer",
+                    file,
+                )?,
+                h,
+                int(&["n_head", "num_attention_heads"], None)?,
+                int(&["n_inner"], Some(4 * h))?,
+                int(&["vocab_size"], None)?,
+                int(&["seq_length"], Some(2048))?,
+            );
+            c.position = Position::Alibi;
+            c
+        }
+        // MosaicML's MPT (llm-foundry's MPTConfig): `expansion_ratio` × `d_model` GeLU MLP,
+        // no biases with `no_bias`, a tied head, ALiBi where `attn_config.alibi` says so
+        // (every released MPT), else a learned table (`learned_pos_emb`, default on).
+        "mpt" => {
+            let h = int(&["d_model"], None)?;
+            let mut c = TransformerConfig::gpt(
+                to_u32(int(&["n_layers"], None)?, "n_layers", file)?,
+                h,
+                int(&["n_heads"], None)?,
+                int(&["expansion_ratio"], Some(4))?.saturating_mul(h),
+                int(&["vocab_size"], None)?,
+                int(&["max_seq_len"], Some(2048))?,
+            );
+            c.bias = !flag("no_bias", false)?;
+            let alibi = match v.get("attn_config").and_then(|a| a.get("alibi")) {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(x) => {
+                    return Err(field_err(
+                        "attn_config.alibi",
+                        format!("expected true or false, found {x}"),
+                    ))
+                }
+            };
+            c.position = if alibi {
+                Position::Alibi
+            } else if flag("learned_pos_emb", true)? {
+                Position::Learned
+            } else {
+                Position::None
+            };
+            c
         }
         "llama" | "mistral" | "mixtral" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_moe"
         | "deepseek_v3" | "kimi_k2" | "phi3" | "gemma" | "gemma2" | "gemma3_text" | "nemotron"
@@ -854,6 +908,44 @@ mod tests {
         let mistral = load(r#"{"model_type":"mistral","hidden_size":4096,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":14336,"vocab_size":32000}"#).unwrap();
         let g = mistral.graph(1, 16, true).unwrap();
         assert_eq!(g.param_count(), 7_241_732_096); // Mistral-7B-v0.1, HF num_parameters()
+    }
+
+    /// BLOOM's and MPT's configs import with ALiBi and their published sizes (bigscience/bloom:
+    /// 176,247,271,424 parameters; mosaicml/mpt-7b: 6,649,286,656); an MPT without ALiBi keeps
+    /// its learned table, and a malformed flag names its field.
+    #[test]
+    fn alibi_models_import_with_their_positions() {
+        let cfg = |text: &str| load(text).unwrap().transformer().cloned().unwrap();
+        let bloom = cfg(
+            r#"{"model_type":"bloom","n_layer":70,"hidden_size":14336,"n_head":112,"vocab_size":250880,"apply_residual_connection_post_layernorm":false,"layer_norm_epsilon":1e-05}"#,
+        );
+        assert_eq!(bloom.position, Position::Alibi);
+        let rel = |n: u64, published: f64| (n as f64 / published - 1.0).abs();
+        assert!(
+            rel(bloom.params(), 176_247_271_424.0) < 0.001,
+            "{}",
+            bloom.params()
+        );
+        let mpt = r#"{"model_type":"mpt","d_model":4096,"n_heads":32,"n_layers":32,"expansion_ratio":4,"max_seq_len":2048,"vocab_size":50432,"no_bias":true,"attn_config":{"alibi":true,"attn_impl":"triton"}}"#;
+        let mpt7 = cfg(mpt);
+        assert_eq!(mpt7.position, Position::Alibi);
+        assert!(!mpt7.bias);
+        assert!(
+            rel(mpt7.params(), 6_649_286_656.0) < 0.001,
+            "{}",
+            mpt7.params()
+        );
+        // The graph holds no position table and marks its attention cores.
+        let g = load(mpt).unwrap().graph(1, 16, true).unwrap();
+        assert!(g.tensors.iter().all(|t| !t.name.contains("pos_embed")));
+        assert!(g
+            .nodes
+            .iter()
+            .any(|n| matches!(&n.op, crate::op::OpKind::Attention(a) if a.alibi)));
+        let learned = cfg(&mpt.replace("\"alibi\":true", "\"alibi\":false"));
+        assert_eq!(learned.position, Position::Learned);
+        let e = load(&mpt.replace("\"alibi\":true", "\"alibi\":1")).unwrap_err();
+        assert!(e.to_string().contains("attn_config.alibi"), "{e}");
     }
 
     /// Shared-expert widths multiplied out of hostile counts are refused by the bounds, not

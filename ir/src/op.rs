@@ -55,6 +55,15 @@ pub struct AttentionAttrs {
     /// included) instead of all (Mistral; GPT-OSS's and Gemma 2's local layers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window: Option<u64>,
+    /// ALiBi's per-head distance bias on the scores ([`Position::Alibi`]): a fused kernel
+    /// computes it from each head's slope (FlashAttention-2's `alibi_slopes`, MPT's Triton
+    /// kernel); unfused code adds the bias tensor as the score GEMM's `beta` input, which
+    /// `baddbmm` first broadcasts into the whole scores buffer (BLOOM in HuggingFace and
+    /// Megatron-DeepSpeed).
+    ///
+    /// [`Position::Alibi`]: crate::models::Position::Alibi
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub alibi: bool,
 }
 
 impl AttentionAttrs {
@@ -1688,6 +1697,7 @@ mod tests {
             fused: true,
             dropout: false,
             window: None,
+            alibi: false,
         });
         let (q, v) = (Shape::new([2, 64, 8, 192]), Shape::new([2, 64, 8, 128]));
         let ins = [q.clone(), q.clone(), v];

@@ -135,7 +135,7 @@ proptest! {
         // Self-attention (t = s) or cross-attention with its own key length.
         let t = if cross { t } else { s };
         let heads = kv_heads * group;
-        let op = OpKind::Attention(AttentionAttrs { causal: false, fused: true, dropout: false, window: None });
+        let op = OpKind::Attention(AttentionAttrs { causal: false, fused: true, dropout: false, window: None, alibi: false });
         let ins = vec![
             Shape::new([b, s, heads, d]),
             Shape::new([b, t, kv_heads, d]),

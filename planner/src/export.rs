@@ -191,6 +191,14 @@ impl Engine {
             (Engine::DeepSpeed | Engine::Torchtitan, _) if model.hybrid.is_some() => Some(format!(
                 "{self} export does not cover hybrid Mamba-2 stacks (megatron's pretrain_hybrid.py does)"
             )),
+            // Megatron's `--position-embedding-type` is learned_absolute, rope, relative (T5)
+            // or none; torchtitan's Llama applies rotary embeddings. ALiBi is BLOOM's
+            // Megatron-DeepSpeed fork's (and MPT's llm-foundry's).
+            (Engine::Megatron | Engine::Torchtitan, _) if model.position == Position::Alibi => {
+                Some(format!(
+                    "{self} has no ALiBi position embedding (Megatron-DeepSpeed's fork and llm-foundry do)"
+                ))
+            }
             (Engine::Torchtitan, _) if torchtitan_flavor(model).is_none() => Some(
                 "torchtitan has no model of these dimensions (its llama3 flavors: 8B, 70B, 405B)"
                     .into(),
@@ -436,7 +444,8 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
             a.push(format!("--rotary-base {}", m.rope_theta));
         }
         Position::None => a.push("--position-embedding-type none".into()),
-        Position::Learned => {}
+        // ALiBi was refused before (`Engine::supports_job`).
+        Position::Learned | Position::Alibi => {}
     }
     if !m.tied_embeddings {
         a.push("--untie-embeddings-and-output-weights".into());
@@ -2003,6 +2012,22 @@ mod tests {
                 "{e}: {err}"
             );
         }
+        // ALiBi (BLOOM's) is neither Megatron's nor torchtitan's; DeepSpeed's config carries
+        // no model code.
+        let alibi = TransformerConfig {
+            position: Position::Alibi,
+            ..m.clone()
+        };
+        let tp8 = Layout {
+            dp: 16,
+            tp: 8,
+            ..Layout::default()
+        };
+        for e in [Engine::Megatron, Engine::Torchtitan] {
+            let err = export(e, &plan(tp8.clone(), Precision::Bf16), &alibi).unwrap_err();
+            assert!(err.to_string().contains("no ALiBi"), "{e}: {err}");
+        }
+        export(Engine::DeepSpeed, &plan(tp8, Precision::Bf16), &alibi).unwrap();
         let zb = Layout {
             dp: 16,
             tp: 8,

@@ -658,9 +658,10 @@ impl TransformerCase {
             Some("none") => cfg.position = Position::None,
             Some("rope") => cfg.position = Position::Rope,
             Some("learned") => cfg.position = Position::Learned,
+            Some("alibi") => cfg.position = Position::Alibi,
             Some(other) => {
                 return Err(format!(
-                    "model.attention.position_embedding '{other}' is none of rope, learned, none"
+                    "model.attention.position_embedding '{other}' is none of rope, learned, alibi, none"
                 ))
             }
         }
@@ -1557,6 +1558,38 @@ mod tests {
             r.layout.as_deref().unwrap().contains("schedule=dualpipe"),
             "{r:?}"
         );
+    }
+
+    /// A run with ALiBi (`position_embedding: "alibi"`, the schema's spelling: BLOOM, MPT) is
+    /// predicted, not skipped: BLOOM 176B on Megatron-DeepSpeed's unfused attention pays the
+    /// bias broadcast into its scores, a little slower than the same run without it.
+    #[test]
+    fn alibi_cases_are_predicted() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../validation/megatron-deepspeed.json");
+        let mut doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let cases = doc["cases"].as_array_mut().unwrap();
+        cases.retain(|c| c["id"] == "bloom-176b-384gpu-tp4pp12dp8");
+        assert_eq!(
+            cases[0]["model"]["attention"]["position_embedding"],
+            "alibi"
+        );
+        let mut plain = cases[0].clone();
+        plain["model"].as_object_mut().unwrap().remove("attention");
+        cases.push(plain);
+        let cases = parse_cases(&doc.to_string(), "bloom.json").unwrap().cases;
+        let Case::Transformer(t) = &cases[0] else {
+            panic!("a transformer case")
+        };
+        assert_eq!(t.transformer().unwrap().position, Position::Alibi);
+        let (alibi, plain) = (cases[0].run(), cases[1].run());
+        assert_eq!(alibi.status, "ok", "{alibi:?}");
+        let (a, p) = (
+            alibi.predicted_step_time_s.unwrap(),
+            plain.predicted_step_time_s.unwrap(),
+        );
+        assert!(a > p && a < 1.05 * p, "{a} {p}");
     }
 
     /// A case's `hf_config`, where it has one, imports to the model its dimension fields

@@ -332,6 +332,7 @@ fn every_kernel_matches_finite_differences() {
                     fused: false,
                     dropout: true,
                     window: None,
+                    alibi: false,
                 };
                 b.attention("attn", q, k, v, a).unwrap()
             }),

@@ -43,6 +43,10 @@ pub enum Position {
     /// None: order comes from causal masking alone (NoPE), or from the recurrent layers of a
     /// hybrid stack (Nemotron-H's attention layers have no position embedding).
     None,
+    /// ALiBi (Press et al. 2022; BLOOM, MPT): no parameters; each head adds a fixed bias,
+    /// its slope times the query-key distance, to its attention scores (see
+    /// [`AttentionAttrs::alibi`](crate::op::AttentionAttrs::alibi)).
+    Alibi,
 }
 
 /// Mixture-of-experts MLP settings: routed experts (each `ffn_hidden` of the model wide),
@@ -1591,6 +1595,7 @@ impl TransformerConfig {
                 fused: opts.fused_attention,
                 dropout: self.dropout && !opts.fused_attention,
                 window,
+                alibi: self.position == Position::Alibi,
             },
         )?;
         g.op1(

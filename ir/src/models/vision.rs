@@ -236,6 +236,7 @@ fn encoder_block(
             fused: true,
             dropout: false,
             window: None,
+            alibi: false,
         },
     )?;
     let o = g.op1(
