@@ -1081,10 +1081,20 @@ fn simulate_costed(
             .resources
             .add_in_group(format!("stage {s} dp comm"), 1, s);
         let mut last = Vec::new();
+        // A stack that reduces after the step's backward, not overlapped with it (Megatron-LM
+        // before `--overlap-grad-reduce`: `allreduce_gradients` once the pipeline schedule has
+        // returned), starts every chunk's reduction after the stage's last backward; one that
+        // overlaps starts a chunk's once its own last backward is done.
+        let stage_end = pg.last_weight_grad(s, None);
+        let after_stage = step_end_reduction && !setup.runtime.overlap_grad_reduce;
         for (chunk, vs) in positions_of(l, s).into_iter().enumerate() {
             let chunk = chunk as u32;
-            let Some(after) = pg.last_weight_grad(s, Some(chunk)) else {
+            let Some(chunk_end) = pg.last_weight_grad(s, Some(chunk)) else {
                 continue;
+            };
+            let after = match stage_end {
+                Some(end) if after_stage => end,
+                _ => chunk_end,
             };
             // Without a step-end reduction a chunk may still sum a tied table's gradient with
             // another stage's ([`step_terms`]).
@@ -1923,6 +1933,59 @@ mod tests {
         assert!(c.embedding.params > c.layer().params * 5, "{c:?}");
         assert!(terms.dp[0].0 >= last.0, "{:?} < {last:?}", terms.dp[0]);
         assert!(terms.dp[0].0 < all.0, "{:?} >= {all:?}", terms.dp[0]);
+    }
+
+    /// Under interleaving, a stack that reduces gradients only after the pipeline schedule
+    /// (Megatron-LM before `--overlap-grad-reduce`) waits for every chunk's reduction after
+    /// the stage's last backward; one that overlaps reduces each chunk once its own last
+    /// backward is done, behind the other chunks' cooldown.
+    #[test]
+    fn unoverlapped_reductions_wait_for_the_whole_stage_under_interleaving() {
+        let m = gpt3();
+        let p = preset("dgx-a100-80gb").unwrap();
+        let l = Layout {
+            dp: 16,
+            tp: 8,
+            pp: 8,
+            micro_batch: 1,
+            recompute: Recompute::Full,
+            schedule: Schedule::Interleaved1F1B,
+            interleave: 6,
+            ..Layout::default()
+        };
+        let run = |overlap_grad_reduce: bool| {
+            let s = Setup {
+                runtime: Runtime {
+                    overlap_grad_reduce,
+                    ..Runtime::default()
+                },
+                ..setup(&m, &p, 1024, 768)
+            };
+            let c = transformer_costs(&s, &l).unwrap();
+            let layers = stage_layers(m.layers, &l);
+            let terms = step_terms(&s, &l, &c, &layers).unwrap();
+            let r = simulate_step(&s, &l).unwrap().prediction;
+            (terms, r)
+        };
+        let (terms, after) = run(false);
+        let (_, overlapped) = run(true);
+        // The breakdown's stage waits for its six chunks' reductions, one after another on
+        // its link once its backward is over: at least the least any stage reduces.
+        let least = (0..l.pp)
+            .map(|s| {
+                positions_of(&l, s)
+                    .into_iter()
+                    .map(|vs| terms.dp[vs].0)
+                    .sum::<f64>()
+            })
+            .fold(f64::INFINITY, f64::min);
+        let exposed = after.breakdown.exposed_comm_s["dp"];
+        assert!(exposed >= least * (1.0 - 1e-9), "{exposed} < {least}");
+        assert!(
+            overlapped.breakdown.exposed_comm_s["dp"] < 0.5 * exposed,
+            "{overlapped:?}"
+        );
+        assert!(overlapped.step_time_s < after.step_time_s);
     }
 
     /// How pipeline transfers meet the streams ([`PipeSends`]): overlapped, they are tasks on
