@@ -911,8 +911,8 @@ mod tests {
     }
 
     /// BLOOM's and MPT's configs import with ALiBi and their published sizes (bigscience/bloom:
-    /// 176,247,271,424 parameters; mosaicml/mpt-7b: 6,649,286,656); an MPT without ALiBi keeps
-    /// its learned table, and a malformed flag names its field.
+    /// 176,247,271,424 parameters; mosaicml/mpt-7b: 6.7B) and match the zoo's; an MPT without
+    /// ALiBi keeps its learned table, and a malformed flag names its field.
     #[test]
     fn alibi_models_import_with_their_positions() {
         let cfg = |text: &str| load(text).unwrap().transformer().cloned().unwrap();
@@ -930,10 +930,16 @@ mod tests {
         let mpt7 = cfg(mpt);
         assert_eq!(mpt7.position, Position::Alibi);
         assert!(!mpt7.bias);
-        assert!(
-            rel(mpt7.params(), 6_649_286_656.0) < 0.001,
-            "{}",
-            mpt7.params()
+        assert!(rel(mpt7.params(), 6.7e9) < 0.01, "{}", mpt7.params());
+        assert_eq!(
+            Some(&bloom),
+            load_model("bloom-176b").unwrap().transformer(),
+            "bloom-176b"
+        );
+        assert_eq!(
+            Some(&mpt7),
+            load_model("mpt-7b").unwrap().transformer(),
+            "mpt-7b"
         );
         // The graph holds no position table and marks its attention cores.
         let g = load(mpt).unwrap().graph(1, 16, true).unwrap();

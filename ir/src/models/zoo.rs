@@ -53,6 +53,16 @@ fn gpt2(layers: u32, hidden: u64, heads: u64) -> ZooDef {
     gpt(layers, hidden, heads, 50257, 1024)
 }
 
+/// A GPT-shaped model with ALiBi instead of a position table (BLOOM, MPT): `bias` on its
+/// linear layers and norms or not.
+fn alibi_gpt(layers: u32, hidden: u64, heads: u64, vocab: u64, seq: u64, bias: bool) -> ZooDef {
+    ZooDef::Transformer(TransformerConfig {
+        position: Position::Alibi,
+        bias,
+        ..TransformerConfig::gpt(layers, hidden, heads, 4 * hidden, vocab, seq)
+    })
+}
+
 fn gpt3(layers: u32, hidden: u64, heads: u64) -> ZooDef {
     gpt(layers, hidden, heads, 50257, 2048)
 }
@@ -223,6 +233,30 @@ pub fn entries() -> Vec<ZooEntry> {
         e("megatron-310.1b", "megatron", 310.1 * b, rounded(310.1, 0.05), NARAYANAN, megatron(96, 16384, 128)),
         e("megatron-529.6b", "megatron", 529.6 * b, rounded(529.6, 0.05), NARAYANAN, megatron(105, 20480, 128)),
         e("megatron-1t", "megatron", 1008.0 * b, rounded(1008.0, 0.05), NARAYANAN, megatron(128, 25600, 160)),
+        e(
+            "bloom-176b",
+            "bloom",
+            176_247_271_424.0,
+            exact,
+            "HuggingFace bigscience/bloom BloomForCausalLM.num_parameters() (70 layers, hidden 14336, 112 heads, vocab 250880, ALiBi, tied head; its embedding LayerNorm, 28,672 weights, omitted)",
+            alibi_gpt(70, 14336, 112, 250_880, 2048, true),
+        ),
+        e(
+            "mpt-7b",
+            "mpt",
+            6.7 * b,
+            rounded(6.7, 0.05),
+            "HuggingFace mosaicml/mpt-7b model card: 6.7B parameters; its config (32 layers, d_model 4096, 32 heads, vocab 50432, max_seq_len 2048, ALiBi, no_bias, tied head)",
+            alibi_gpt(32, 4096, 32, 50_432, 2048, false),
+        ),
+        e(
+            "mpt-30b",
+            "mpt",
+            30.0 * b,
+            rounded(30.0, 0.5),
+            "HuggingFace mosaicml/mpt-30b model card: 30B parameters; its config (48 layers, d_model 7168, 64 heads, vocab 50432, max_seq_len 8192, ALiBi, no_bias, tied head)",
+            alibi_gpt(48, 7168, 64, 50_432, 8192, false),
+        ),
         e(
             "llama2-7b",
             "llama2",
