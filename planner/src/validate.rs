@@ -511,7 +511,7 @@ pub enum CaseError {
     },
     #[error("{file}: cases: the list is empty")]
     Empty { file: String },
-    #[error("{file}: schema: expected \"{CASES_SCHEMA}\", \"{CASES_SCHEMA_1_1}\" or \"{GENERAL_CASES_SCHEMA}\", found \"{found}\"")]
+    #[error("{file}: schema: expected \"{CASES_SCHEMA}\", \"{CASES_SCHEMA_1_1}\" or \"{GENERAL_CASES_SCHEMA}\" (or a later minor revision of one), found \"{found}\"")]
     Schema { file: String, found: String },
 }
 
@@ -526,13 +526,21 @@ pub fn parse_cases(text: &str, file: &str) -> Result<CaseFile, CaseError> {
         })
     }
     let schema = parse::<Head>(text, file)?.schema;
-    let cases: Vec<Case> = match schema.as_str() {
-        CASES_SCHEMA | CASES_SCHEMA_1_1 => parse::<Cases<TransformerCase>>(text, file)?
+    // A later minor revision of a schema (`/1.2`, `/2.1`) is read by its major's reader: its
+    // additions are values the reader knows or fields it refuses by name.
+    let major = schema
+        .strip_prefix("parallax-validation-cases/")
+        .and_then(|v| {
+            let (major, minor) = v.split_once('.').unwrap_or((v, "0"));
+            minor.parse::<u32>().ok().map(|_| major)
+        });
+    let cases: Vec<Case> = match major {
+        Some("1") => parse::<Cases<TransformerCase>>(text, file)?
             .cases
             .into_iter()
             .map(Case::Transformer)
             .collect(),
-        GENERAL_CASES_SCHEMA => parse::<Cases<GeneralCase>>(text, file)?
+        Some("2") => parse::<Cases<GeneralCase>>(text, file)?
             .cases
             .into_iter()
             .map(Case::General)
@@ -1312,6 +1320,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.starts_with("c.json: schema:") && e.contains("/2"), "{e}");
+        // A later minor revision is read by its major's reader; another major, or a revision
+        // that is not a number, is refused.
+        let minor = case(0.1, "dgx1-v100-16gb").replace("cases/2\"", "cases/2.1\"");
+        assert_eq!(parse_cases(&minor, "b.json").unwrap().cases.len(), 1);
+        for bad in [
+            "parallax-validation-cases/3",
+            "parallax-validation-cases/2.x",
+        ] {
+            let text = case(0.1, "dgx1-v100-16gb").replace("parallax-validation-cases/2", bad);
+            let e = parse_cases(&text, "c.json").unwrap_err().to_string();
+            assert!(e.starts_with("c.json: schema:"), "{e}");
+        }
         let e = parse_cases(
             r#"{"schema": "parallax-validation-cases/2", "cases": [{}]}"#,
             "d.json",
