@@ -1798,7 +1798,7 @@ pub fn transformer_costs_with(
             layer.compute.fwd += sort;
             layer.compute.bwd_input += sort;
             // Expert weights are spread over ep × etp ranks; the graph's shard split them over tp.
-            let whole = e.moe.experts * e.mats * hidden * s.model.ffn_hidden;
+            let whole = e.moe.experts * e.mats * e.width * s.model.ffn_hidden;
             layer.params = layer.params - whole / tp + whole / u64::from(l.ep * e.etp);
             layer.expert_params = whole / u64::from(l.ep * e.etp);
         }
@@ -1987,7 +1987,7 @@ impl NodePrices {
                     // experts the step waits for.
                     let work = |busiest| {
                         let ins = e.rank_inputs(&g.shapes[i], busiest);
-                        let outs = [Shape::new([e.expert_rows(busiest), hidden])];
+                        let outs = [Shape::new([e.expert_rows(busiest), e.width])];
                         let w = n.op.work(&ins, &outs, &g.weight_flags(n), fb);
                         (ins, w)
                     };
@@ -2052,7 +2052,7 @@ impl NodePrices {
     fn tp_linears(&self, g: &SectionGraph, hidden: u64) -> (TpLinears, TpLinears) {
         let (mut column, mut row) = (TpLinears::default(), TpLinears::default());
         for (i, n) in g.nodes.iter().enumerate() {
-            if !matches!(n.op, OpKind::Linear(_)) {
+            if !matches!(n.op, OpKind::Linear(_)) || duplicated_over_tp(n) {
                 continue;
             }
             let side = if g.shapes[i].first().map(|x| x.last()) == Some(hidden) {
@@ -2176,7 +2176,9 @@ struct ExpertRanks {
     tokens: u64,
     /// Expert FFN width.
     ffn: u64,
-    hidden: u64,
+    /// The width the experts read and write (and the dispatch moves): the model's hidden
+    /// width, or LatentMoE's latent ([`MoeConfig::expert_width`]).
+    width: u64,
     /// The busiest rank's share of the routed tokens against the mean (1: balanced routing),
     /// capped by the mixture's capacity and set by a padded one ([`MoeConfig::capped_load`]).
     /// The mean rank's rows, which count the step's FLOPs, stay the routed copies: padding is
@@ -2212,14 +2214,14 @@ impl ExpertRanks {
             replicated: l.tp > 1 && !split,
             tokens,
             ffn: m.ffn_hidden,
-            hidden: m.hidden,
+            width: moe.expert_width(m.hidden),
         }
     }
 
     /// Bytes of the routed token copies one dispatch moves for the busiest rank (the
     /// all-to-all ends when it has them), at `fb` bytes an element.
     fn routed_bytes(&self, fb: u64) -> Bytes {
-        Bytes(self.busiest(self.tokens * self.moe.top_k * self.hidden * fb))
+        Bytes(self.busiest(self.tokens * self.moe.top_k * self.width * fb))
     }
 
     /// The busiest rank's share of `mean` (bytes or rows routed per rank).
@@ -2236,7 +2238,7 @@ impl ExpertRanks {
         if !dispatcher.is_all_to_all() || self.ep <= 1 || self.moe.experts / self.ep <= 1 {
             return Seconds(0.0);
         }
-        let rows = (self.expert_rows(true) * self.moe.top_k * self.hidden * fb) as f64;
+        let rows = (self.expert_rows(true) * self.moe.top_k * self.width * fb) as f64;
         dev.memory(2.0 * rows) * 2.0
     }
 
@@ -2303,8 +2305,8 @@ impl ExpertRanks {
                 0 => Shape::new([self.expert_rows(busiest), x.last()]),
                 1 => x.clone(),
                 // The MoE op's weights: up `ehf`, down `efh`, gate `ehf` (`OpKind::Moe`).
-                3 => Shape::new([local, width, self.hidden]),
-                _ => Shape::new([local, self.hidden, width]),
+                3 => Shape::new([local, width, self.width]),
+                _ => Shape::new([local, self.width, width]),
             })
             .collect()
     }
@@ -2411,10 +2413,19 @@ fn local_share(g: &Graph, n: &parallax_ir::Node, sp: bool, tp: u32, hidden: u64,
     if matches!(n.op, OpKind::Attention(_)) {
         k *= cp as f64;
     }
-    if sp && outside_tp(g, n, hidden) {
+    if sp && (outside_tp(g, n, hidden) || duplicated_over_tp(n)) {
         k /= f64::from(tp);
     }
     k
+}
+
+/// Linear layers whose weights every TP rank holds whole and runs on its own tokens:
+/// LatentMoE's projections (Megatron-Core's `fc1_latent_proj` / `fc2_latent_proj`,
+/// `parallel_mode="duplicated"`), which under sequence parallelism see the rank's share of
+/// the sequence and move nothing over the TP group.
+fn duplicated_over_tp(n: &parallax_ir::Node) -> bool {
+    matches!(n.op, OpKind::Linear(_))
+        && (n.name.ends_with(".moe.latent_down") || n.name.ends_with(".moe.latent_up"))
 }
 
 /// Whether a node works on full-width (hidden) activations outside the tensor-parallel region.
@@ -3509,6 +3520,85 @@ mod tests {
             ..layout(1, false, Recompute::None)
         };
         *transformer_costs(s, &l).unwrap().layer()
+    }
+
+    /// LatentMoE (Qwen3-30B-A3B's mixture with a 512-wide latent in its 2,048-wide model): the
+    /// dispatch moves latent rows, a quarter of the bytes; the experts' GEMMs shrink; the two
+    /// projections are replicated over tensor parallelism, so under sequence parallelism each
+    /// rank runs them on its own tokens and they join no TP collective.
+    #[test]
+    fn latent_experts_dispatch_and_compute_at_the_latent_width() {
+        let base = cfg("qwen3-30b-a3b");
+        let latent = TransformerConfig {
+            moe: base.moe.map(|m| MoeConfig { latent: 512, ..m }),
+            ..base.clone()
+        };
+        let p = preset("dgx-h100-80gb").unwrap();
+        let at = |m: &TransformerConfig| {
+            moe_layer_at(
+                &setup(m, &p, 16, Runtime::default()),
+                8,
+                Dispatcher::AllToAll,
+            )
+        };
+        let (plain, small) = (at(&base), at(&latent));
+        assert!(small.compute.fwd < plain.compute.fwd, "{small:?}");
+        // The routed rows are a quarter of the bytes; the exchange, latency and all, costs
+        // between a quarter and a half of the hidden-wide one.
+        let ranks = |m: &TransformerConfig| {
+            let l = Layout {
+                ep: 8,
+                dp: 16,
+                ..layout(1, false, Recompute::None)
+            };
+            let opts = BuildOptions {
+                batch: 1,
+                seq: 4096,
+                fused_attention: true,
+            };
+            ExpertRanks::of(m, m.moe.unwrap(), &l, &opts, false).routed_bytes(2)
+        };
+        let bytes = ranks(&latent).0 as f64 / ranks(&base).0 as f64;
+        assert!((bytes - 0.25).abs() < 1e-6, "{bytes}");
+        let ratio = small.ep_fwd.0 / plain.ep_fwd.0;
+        assert!((0.25..0.5).contains(&ratio), "{ratio}");
+        // The projections under tp 2 with sequence parallelism: half the tokens each.
+        let s = setup(&latent, &p, 16, Runtime::default());
+        let l = Layout {
+            ep: 8,
+            dp: 8,
+            ..layout(2, true, Recompute::None)
+        };
+        let graph = SectionGraphs::default()
+            .get(
+                &latent.tp_shard(2).unwrap(),
+                (2, 2),
+                Section::Layer(LayerKind::Block),
+                BuildOptions {
+                    batch: 1,
+                    seq: 4096,
+                    fused_attention: true,
+                },
+            )
+            .unwrap();
+        let dev = DeviceModel::new(&p, s.precision).unwrap();
+        let prices = NodePrices::new(&dev, &graph, 2, true, 2, 2048, 1, None);
+        for name in ["layers.0.moe.latent_down", "layers.0.moe.latent_up"] {
+            let i = graph.nodes.iter().position(|n| n.name == name).unwrap();
+            let whole = dev.op(&graph.nodes[i].op, &graph.shapes[i], &graph.work[i], 2);
+            assert!(
+                (prices.times[i].fwd.0 - whole.fwd.0 / 2.0).abs() < 1e-12,
+                "{name}"
+            );
+        }
+        let (column, row) = prices.tp_linears(&graph, 2048);
+        let linears = graph
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, OpKind::Linear(_)));
+        let tp = linears.filter(|n| !n.name.contains("latent")).count();
+        assert_eq!(column.gemm_flops.len() + row.gemm_flops.len(), tp);
+        transformer_costs(&s, &l).unwrap();
     }
 
     #[test]

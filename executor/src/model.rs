@@ -154,6 +154,11 @@ impl Dims {
                     .into(),
             );
         }
+        if let Some(latent) = c.moe.map(|m| m.latent).filter(|&w| w > 0) {
+            return Err(format!(
+                "moe latent {latent}: the executor's experts work on the hidden state (no LatentMoE projections)"
+            ));
+        }
         if let Some(cap) = c.moe.and_then(|m| m.capacity_factor()) {
             return Err(format!(
                 "moe capacity factor {cap}: the executor's experts are dropless (every routed copy computed); train it without token dropping"
@@ -3450,5 +3455,15 @@ mod tests {
         };
         let e = Dims::from_config(&alibi).unwrap_err();
         assert!(e.contains("ALiBi"), "{e}");
+        // Nor LatentMoE's projections.
+        let latent = TransformerConfig {
+            moe: Some(MoeConfig {
+                latent: 16,
+                ..MoeConfig::routed(4, 2)
+            }),
+            ..tiny.clone()
+        };
+        let e = Dims::from_config(&latent).unwrap_err();
+        assert!(e.contains("LatentMoE"), "{e}");
     }
 }

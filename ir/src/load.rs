@@ -694,8 +694,15 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
             if pattern.contains('E') {
                 let expert = int(&["moe_intermediate_size"], None)?;
                 // Sigmoid scores with a correction bias (NemotronH's router).
+                // LatentMoE (Nemotron 3 Super and Ultra): the experts' latent width.
+                let latent = match int(&["moe_latent_size"], Some(0))? {
+                    w if w == h => 0,
+                    w => u32::try_from(w)
+                        .map_err(|_| field_err("moe_latent_size", format!("{w} is too large")))?,
+                };
                 c.moe = Some(MoeConfig {
                     router: Router::Sigmoid,
+                    latent,
                     shared_ffn_hidden: int(&["moe_shared_expert_intermediate_size"], Some(0))?
                         .saturating_mul(int(&["n_shared_experts"], Some(1))?),
                     dense_ffn_hidden: if pattern.contains('-') { dense } else { 0 },
@@ -952,6 +959,26 @@ mod tests {
         assert_eq!(learned.position, Position::Learned);
         let e = load(&mpt.replace("\"alibi\":true", "\"alibi\":1")).unwrap_err();
         assert!(e.to_string().contains("attn_config.alibi"), "{e}");
+    }
+
+    /// A Nemotron-H config with `moe_latent_size` (Nemotron 3's LatentMoE) imports its
+    /// experts' latent width; a latent as wide as the model is none.
+    #[test]
+    fn nemotron_h_reads_its_moe_latent_size() {
+        let nano = r#"{"model_type":"nemotron_h","hidden_size":2688,"num_hidden_layers":4,"hybrid_override_pattern":"M*EM","num_attention_heads":32,"num_key_value_heads":2,"head_dim":128,"intermediate_size":1856,"moe_intermediate_size":1856,"moe_shared_expert_intermediate_size":3712,"n_routed_experts":128,"num_experts_per_tok":6,"mamba_num_heads":64,"mamba_head_dim":64,"ssm_state_size":128,"n_groups":8,"vocab_size":131072,"LATENT"}"#;
+        let latent = |field: &str| {
+            let text = nano.replace(",\"LATENT\"", field);
+            load(&text)
+                .unwrap()
+                .transformer()
+                .unwrap()
+                .moe
+                .unwrap()
+                .latent
+        };
+        assert_eq!(latent(""), 0);
+        assert_eq!(latent(",\"moe_latent_size\":1024"), 1024);
+        assert_eq!(latent(",\"moe_latent_size\":2688"), 0);
     }
 
     /// Shared-expert widths multiplied out of hostile counts are refused by the bounds, not

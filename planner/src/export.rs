@@ -199,6 +199,11 @@ impl Engine {
                     "{self} has no ALiBi position embedding (Megatron-DeepSpeed's fork and llm-foundry do)"
                 ))
             }
+            // LatentMoE is Megatron-Core's (`--moe-latent-size`); DeepSpeed's config carries no
+            // model code, torchtitan's MoE models have no latent projections.
+            (Engine::Torchtitan, _) if model.moe.is_some_and(|m| m.latent > 0) => {
+                Some("torchtitan has no LatentMoE (Megatron-Core's --moe-latent-size)".into())
+            }
             (Engine::Torchtitan, _) if torchtitan_flavor(model).is_none() => Some(
                 "torchtitan has no model of these dimensions (its llama3 flavors: 8B, 70B, 405B)"
                     .into(),
@@ -460,6 +465,11 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
     if let Some(moe) = m.moe {
         a.push(format!("--num-experts {}", moe.experts));
         a.push(format!("--moe-router-topk {}", moe.top_k));
+        if moe.latent > 0 {
+            // LatentMoE (TransformerConfig.moe_latent_size, a flag of its own through
+            // ArgumentGroupFactory).
+            a.push(format!("--moe-latent-size {}", moe.latent));
+        }
         if moe.router == parallax_ir::models::Router::Sigmoid {
             // Sigmoid scores with DeepSeek's balancing bias on them.
             a.push("--moe-router-score-function sigmoid".into());
@@ -1820,6 +1830,20 @@ mod tests {
         );
         assert_eq!(arg(&s, "--moe-layer-freq"), Some("\"[0,1,1,1,1,1]\""));
         assert_eq!(arg(&s, "--moe-shared-expert-gate"), None);
+        assert_eq!(arg(&s, "--moe-latent-size"), None);
+        // LatentMoE: Megatron-Core's --moe-latent-size; torchtitan has none.
+        let latent = TransformerConfig {
+            moe: m
+                .moe
+                .map(|x| parallax_ir::models::MoeConfig { latent: 1024, ..x }),
+            ..m.clone()
+        };
+        let s = export(Engine::Megatron, &plan(l.clone(), Precision::Bf16), &latent).unwrap();
+        assert_eq!(arg(&s, "--moe-latent-size"), Some("1024"));
+        let e = Engine::Torchtitan
+            .supports_job(&latent, Precision::Bf16)
+            .unwrap();
+        assert!(e.contains("LatentMoE"), "{e}");
         // Qwen2-MoE's: a gated shared expert, the top-k weights as the softmax gives them.
         let q = TransformerConfig {
             moe: m.moe.map(|x| parallax_ir::models::MoeConfig {

@@ -604,11 +604,6 @@ impl TransformerCase {
         if m.arch == "nemotron-h" && m.hybrid.is_none() {
             return Some("model.hybrid: a nemotron-h case needs its layer pattern".into());
         }
-        if let Some(moe) = &m.moe {
-            if moe.latent_size.is_some() {
-                return Some("model.moe.latent_size: LatentMoE is not modelled yet".into());
-            }
-        }
         None
     }
 
@@ -769,6 +764,12 @@ impl TransformerCase {
                     moe.dense_ffn_hidden.unwrap_or(m.ffn_hidden)
                 } else {
                     0
+                },
+                // LatentMoE: the experts' width (a latent as wide as the model is none).
+                latent: match moe.latent_size.filter(|&w| w != m.hidden) {
+                    None => 0,
+                    Some(w) => u32::try_from(w)
+                        .map_err(|_| format!("model.moe.latent_size {w} is too large"))?,
                 },
                 ..MoeConfig::routed(moe.experts, moe.top_k)
             });
@@ -1577,6 +1578,38 @@ mod tests {
         assert!(
             r.layout.as_deref().unwrap().contains("schedule=dualpipe"),
             "{r:?}"
+        );
+    }
+
+    /// A LatentMoE run (`model.moe.latent_size`, the schema's field: Nemotron 3's latent
+    /// experts) is predicted, not skipped: Nemotron 3 Nano's published layout with its experts
+    /// moved into a 1,024-wide latent runs its experts and dispatch narrower, faster than the
+    /// same run at the hidden width; a latent as wide as the model is none.
+    #[test]
+    fn latent_moe_cases_are_predicted() {
+        let mut doc: serde_json::Value =
+            serde_json::from_str(&ground_truth_text("moe-zero-offload.json")).unwrap();
+        let cases = doc["cases"].as_array_mut().unwrap();
+        cases.retain(|c| c["id"] == "mb260401-nemotron3nano-16xh100-fp8");
+        let plain = cases[0].clone();
+        let mut wide = cases[0].clone();
+        wide["model"]["moe"]["latent_size"] = wide["model"]["hidden"].clone();
+        wide["id"] = "wide".into();
+        cases[0]["model"]["moe"]["latent_size"] = 1024.into();
+        cases.push(plain);
+        cases.push(wide);
+        let cases = parse_cases(&doc.to_string(), "latent.json").unwrap().cases;
+        let moe = |c: &Case| match c {
+            Case::Transformer(t) => t.transformer().unwrap().moe.unwrap(),
+            Case::General(_) => panic!("a transformer case"),
+        };
+        assert_eq!(moe(&cases[0]).latent, 1024);
+        assert_eq!(moe(&cases[2]).latent, 0);
+        let (latent, plain) = (cases[0].run(), cases[1].run());
+        assert_eq!(latent.status, "ok", "{latent:?}");
+        assert!(
+            latent.predicted_step_time_s.unwrap() < plain.predicted_step_time_s.unwrap(),
+            "{latent:?} {plain:?}"
         );
     }
 

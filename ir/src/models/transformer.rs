@@ -108,6 +108,14 @@ pub struct MoeConfig {
     /// `--moe-pad-expert-input-to-capacity`; DeepSpeed-MoE and GShard's fixed-shape dispatch).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pad_to_capacity: bool,
+    /// LatentMoE (NVIDIA's Nemotron 3; Megatron-Core `--moe-latent-size`): the routed experts
+    /// work on a `latent`-wide projection of each token. The router scores the whole hidden
+    /// state; a linear layer projects it down before the dispatch and another projects the
+    /// combined expert output back up (Megatron-Core's `fc1_latent_proj`, `fc2_latent_proj`,
+    /// replicated over tensor parallelism), so the dispatch moves latent-wide rows and each
+    /// expert's weights are `latent × ffn`. 0: the experts work on the hidden state.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub latent: u32,
 }
 
 fn yes() -> bool {
@@ -180,6 +188,17 @@ impl MoeConfig {
             routed_scale_permille: 1000,
             capacity_permille: 0,
             pad_to_capacity: false,
+            latent: 0,
+        }
+    }
+
+    /// The width the routed experts work at for a model `hidden` wide: the latent width under
+    /// LatentMoE, else the hidden width.
+    pub fn expert_width(&self, hidden: u64) -> u64 {
+        if self.latent > 0 {
+            u64::from(self.latent)
+        } else {
+            hidden
         }
     }
 
@@ -732,6 +751,11 @@ impl TransformerConfig {
             ("vocab", self.vocab, 1 << 24),
             ("max_seq", self.max_seq, crate::load::MAX_SEQ),
             ("moe.experts", self.moe.map_or(1, |m| m.experts), 1 << 16),
+            (
+                "moe.latent",
+                self.moe.map_or(0, |m| u64::from(m.latent)),
+                1 << 20,
+            ),
         ];
         if let Some((k, v, max)) = at_most.iter().find(|(_, v, max)| v > max) {
             return Err(format!("{k} {v} is beyond the {max} parallax models"));
@@ -1006,7 +1030,8 @@ impl TransformerConfig {
     fn mlp_params(&self, moe: bool) -> u64 {
         let (h, b) = (self.hidden, u64::from(self.bias));
         let mats = if self.mlp == Mlp::Swiglu { 3 } else { 2 };
-        let dense = |f: u64| mats * h * f + b * (f + h);
+        // A gated MLP's gate and up projections each carry a bias where the model has them.
+        let dense = |f: u64| mats * h * f + b * ((mats - 1) * f + h);
         match self.moe {
             Some(m) if moe => {
                 let shared = if m.shared_ffn_hidden > 0 {
@@ -1014,7 +1039,14 @@ impl TransformerConfig {
                 } else {
                     0
                 };
-                h * m.experts + m.experts * mats * h * self.ffn_hidden + shared
+                let w = m.expert_width(h);
+                // LatentMoE's projections down and back up.
+                let latent = if m.latent > 0 {
+                    2 * h * w + b * (w + h)
+                } else {
+                    0
+                };
+                w * m.experts + m.experts * mats * w * self.ffn_hidden + shared + latent
             }
             _ => dense(self.dense_ffn()),
         }
@@ -1417,13 +1449,22 @@ impl TransformerConfig {
         let mut m = match self.moe.filter(|_| moe) {
             Some(moe) => {
                 let gated = self.mlp == Mlp::Swiglu;
-                let router = g.weight(format!("{p}.moe.router"), [h, moe.experts]);
-                let w_in = g.weight(format!("{p}.moe.w_in"), [moe.experts, h, self.ffn_hidden]);
-                let w_out = g.weight(format!("{p}.moe.w_out"), [moe.experts, self.ffn_hidden, h]);
-                let mut ins = vec![m_in, router, w_in, w_out];
+                // Under LatentMoE the experts (and, here, the router: its `latent × experts`
+                // scores stand in for Megatron-Core's `hidden × experts`, a few hundredths of a
+                // percent of the layer) read the token projected down to the latent width.
+                let w = moe.expert_width(h);
+                let e_in = if moe.latent > 0 {
+                    g.linear(&format!("{p}.moe.latent_down"), m_in, w, self.bias)?
+                } else {
+                    m_in
+                };
+                let router = g.weight(format!("{p}.moe.router"), [w, moe.experts]);
+                let w_in = g.weight(format!("{p}.moe.w_in"), [moe.experts, w, self.ffn_hidden]);
+                let w_out = g.weight(format!("{p}.moe.w_out"), [moe.experts, self.ffn_hidden, w]);
+                let mut ins = vec![e_in, router, w_in, w_out];
                 if gated {
                     ins.push(
-                        g.weight(format!("{p}.moe.w_gate"), [moe.experts, h, self.ffn_hidden]),
+                        g.weight(format!("{p}.moe.w_gate"), [moe.experts, w, self.ffn_hidden]),
                     );
                 }
                 let routed = g.op1(
@@ -1436,6 +1477,11 @@ impl TransformerConfig {
                     }),
                     &ins,
                 )?;
+                let routed = if moe.latent > 0 {
+                    g.linear(&format!("{p}.moe.latent_up"), routed, h, self.bias)?
+                } else {
+                    routed
+                };
                 if moe.shared_ffn_hidden > 0 {
                     let shared =
                         self.mlp(g, &format!("{p}.shared"), m_in, moe.shared_ffn_hidden)?;
@@ -1706,6 +1752,46 @@ mod tests {
         }
     }
 
+    /// LatentMoE: the experts read and write the latent width, between a projection down
+    /// and one back up; without a latent the experts read the hidden state.
+    #[test]
+    fn latent_moe_experts_work_at_the_latent_width() {
+        let cfg = TransformerConfig {
+            moe: Some(MoeConfig {
+                latent: 16,
+                ..MoeConfig::routed(8, 2)
+            }),
+            ..TransformerConfig::llama(1, 64, 8, 2, 96, 100, 32)
+        };
+        let g = cfg.build("t", opts(16)).unwrap();
+        let shape = |name: &str| {
+            g.tensors
+                .iter()
+                .find(|t| t.name == name)
+                .map(|t| t.shape.dims().to_vec())
+        };
+        assert_eq!(shape("layers.0.moe.w_in"), Some(vec![8, 16, 96]));
+        assert_eq!(shape("layers.0.moe.w_out"), Some(vec![8, 96, 16]));
+        assert_eq!(shape("layers.0.moe.latent_down.weight"), Some(vec![64, 16]));
+        assert_eq!(shape("layers.0.moe.latent_up.weight"), Some(vec![16, 64]));
+        let plain = TransformerConfig {
+            moe: Some(MoeConfig::routed(8, 2)),
+            ..cfg.clone()
+        };
+        let g = plain.build("t", opts(16)).unwrap();
+        assert!(g.tensors.iter().all(|t| !t.name.contains("latent")));
+        assert_eq!(plain.moe.unwrap().expert_width(64), 64);
+        assert!(TransformerConfig {
+            moe: Some(MoeConfig {
+                latent: 1 << 21,
+                ..MoeConfig::routed(8, 2)
+            }),
+            ..cfg
+        }
+        .validate()
+        .is_err());
+    }
+
     #[test]
     fn graph_params_equal_the_closed_form() {
         for cfg in [
@@ -1731,6 +1817,16 @@ mod tests {
                     ..MoeConfig::routed(4, 2)
                 }),
                 ..TransformerConfig::llama(6, 64, 8, 2, 96, 100, 32)
+            },
+            // LatentMoE: experts 16 wide in a 64-wide model, a shared expert beside, biases.
+            TransformerConfig {
+                moe: Some(MoeConfig {
+                    latent: 16,
+                    shared_ffn_hidden: 48,
+                    ..MoeConfig::routed(8, 2)
+                }),
+                bias: true,
+                ..TransformerConfig::llama(2, 64, 8, 2, 96, 100, 32)
             },
             // Latent attention, with and without a query latent.
             TransformerConfig {
