@@ -1015,6 +1015,11 @@ impl TransformerCosts {
         self.kinds[kind.index()].as_ref().unwrap_or(&NONE)
     }
 
+    /// The pipeline messages each way: an activation forward, an input gradient backward.
+    pub fn p2p_messages(&self) -> (Seconds, Seconds) {
+        (self.p2p, self.p2p_backward)
+    }
+
     /// The layer with the most parameters on a device (a mixture's MoE layer): the unit in
     /// which ZeRO-3 gathers and reduces per layer.
     pub fn layer(&self) -> &PartCost {
@@ -1342,6 +1347,8 @@ struct SectionGraph {
     graph: Graph,
     shapes: Vec<Vec<Shape>>,
     work: Vec<parallax_ir::Work>,
+    /// Per node: a linear layer every TP rank holds whole ([`duplicated_over_tp`]).
+    duplicated: Vec<bool>,
     redo: Mutex<HashMap<SelectivePolicy, Arc<[bool]>>>,
     saved: Mutex<HashMap<SavedKey, f64>>,
 }
@@ -1357,10 +1364,12 @@ impl SectionGraph {
     fn new(graph: Graph, fb: u64) -> Self {
         let shapes = graph.nodes.iter().map(|n| graph.input_shapes(n)).collect();
         let work = graph.nodes.iter().map(|n| graph.node_work(n, fb)).collect();
+        let duplicated = graph.nodes.iter().map(duplicated_over_tp).collect();
         SectionGraph {
             graph,
             shapes,
             work,
+            duplicated,
             redo: Mutex::default(),
             saved: Mutex::default(),
         }
@@ -1980,7 +1989,7 @@ impl NodePrices {
             fwd_flops: Vec::with_capacity(g.nodes.len()),
         };
         for (i, n) in g.nodes.iter().enumerate() {
-            let k = local_share(g, n, sp, tp, hidden, cp);
+            let k = local_share(g, i, sp, tp, hidden, cp);
             let (time, w) = match (&n.op, experts) {
                 (OpKind::Moe(_), Some(e)) => {
                     // The FLOPs of the mean rank's rows; the time of the busiest rank's, whose
@@ -2052,7 +2061,7 @@ impl NodePrices {
     fn tp_linears(&self, g: &SectionGraph, hidden: u64) -> (TpLinears, TpLinears) {
         let (mut column, mut row) = (TpLinears::default(), TpLinears::default());
         for (i, n) in g.nodes.iter().enumerate() {
-            if !matches!(n.op, OpKind::Linear(_)) || duplicated_over_tp(n) {
+            if !matches!(n.op, OpKind::Linear(_)) || g.duplicated[i] {
                 continue;
             }
             let side = if g.shapes[i].first().map(|x| x.last()) == Some(hidden) {
@@ -2407,13 +2416,15 @@ fn recomputed_nodes(g: &Graph, policy: SelectivePolicy) -> Vec<bool> {
 /// What one device does of a node of the local shard graph, relative to the node as built:
 /// attention under context parallelism sees keys and values of the whole sequence (`cp`
 /// times the local block's work), and under sequence parallelism the ops outside the
-/// tensor-parallel region are split over the TP group as well.
-fn local_share(g: &Graph, n: &parallax_ir::Node, sp: bool, tp: u32, hidden: u64, cp: u64) -> f64 {
+/// tensor-parallel region, and the linear layers every TP rank holds whole, run on the rank's
+/// share of the tokens.
+fn local_share(g: &SectionGraph, i: usize, sp: bool, tp: u32, hidden: u64, cp: u64) -> f64 {
+    let n = &g.nodes[i];
     let mut k = 1.0;
     if matches!(n.op, OpKind::Attention(_)) {
         k *= cp as f64;
     }
-    if sp && (outside_tp(g, n, hidden) || duplicated_over_tp(n)) {
+    if sp && (outside_tp(g, n, hidden) || g.duplicated[i]) {
         k /= f64::from(tp);
     }
     k

@@ -695,11 +695,9 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
                 let expert = int(&["moe_intermediate_size"], None)?;
                 // Sigmoid scores with a correction bias (NemotronH's router).
                 // LatentMoE (Nemotron 3 Super and Ultra): the experts' latent width.
-                let latent = match int(&["moe_latent_size"], Some(0))? {
-                    w if w == h => 0,
-                    w => u32::try_from(w)
-                        .map_err(|_| field_err("moe_latent_size", format!("{w} is too large")))?,
-                };
+                let w = int(&["moe_latent_size"], Some(h))?;
+                let latent = MoeConfig::latent_of(w, h)
+                    .ok_or_else(|| field_err("moe_latent_size", format!("{w} is too large")))?;
                 c.moe = Some(MoeConfig {
                     router: Router::Sigmoid,
                     latent,

@@ -50,13 +50,7 @@ pub struct PassTimes {
 /// only some layouts pay.
 pub fn pass_times(c: &TransformerCosts, layers: &[u32]) -> PassTimes {
     let zero = Seconds(0.0);
-    let costs = pass_costs(
-        c,
-        layers,
-        (zero, zero),
-        (zero, zero),
-        (c.p2p, c.p2p_backward),
-    );
+    let costs = pass_costs(c, layers, (zero, zero), (zero, zero), c.p2p_messages());
     let secs = |xs: &[Seconds]| xs.iter().map(|x| x.0).collect();
     PassTimes {
         f: secs(&costs.forward),

@@ -1202,6 +1202,23 @@ pub const STACKS: &[Stack] = &[
     },
 ];
 
+/// The first word of a stack spec (`name@version`, then free wording), lower-cased.
+fn spec_word(spec: &str) -> String {
+    spec.split_whitespace()
+        .next()
+        .unwrap_or("")
+        .to_ascii_lowercase()
+}
+
+/// A spec word's stack name and version text. Megatron-LM tags its Megatron-Core releases
+/// `core_r0.5.0`, `core_v0.8.0`: those name Megatron-Core's versions.
+fn name_and_version(word: &str) -> (&str, &str) {
+    match word.split_once('@').unwrap_or((word, "")) {
+        ("megatron-lm", version) if version.starts_with("core_") => ("megatron-core", version),
+        split => split,
+    }
+}
+
 impl Framework {
     /// A current stack: fused attention, overlapped gradient reduction, every option. The
     /// default of `plan` and `simulate`.
@@ -1222,18 +1239,8 @@ impl Framework {
     /// The row of `spec`: `name@version`, optionally followed by free wording (`deepspeed@0.3
     /// (megatron-lm v1.1.5 gpt2 example)`); names are case-insensitive.
     pub fn parse(spec: &str) -> Result<Framework, FrameworkError> {
-        let word = spec
-            .split_whitespace()
-            .next()
-            .unwrap_or("")
-            .to_ascii_lowercase();
-        let (name, version) = word.split_once('@').unwrap_or((word.as_str(), ""));
-        // Megatron-LM tags its Megatron-Core releases `core_r0.5.0`, `core_v0.8.0`: those
-        // name Megatron-Core's versions.
-        let name = match name {
-            "megatron-lm" if version.starts_with("core_") => "megatron-core",
-            _ => name,
-        };
+        let word = spec_word(spec);
+        let (name, version) = name_and_version(&word);
         let v = Version::parse(version);
         let names = || {
             let mut all: Vec<&str> = Vec::new();
@@ -1270,7 +1277,6 @@ impl Framework {
                 "cannot read the version (a year like 2022, a release like 24.07, or a version like 0.3)".into(),
             ));
         }
-        let parts = (row.build)();
         let label = if word == row.name
             || (version.is_empty() && row.name.split('@').next() == Some(name))
         {
@@ -1278,11 +1284,17 @@ impl Framework {
         } else {
             format!("{word} (as {})", row.name)
         };
-        Ok(Framework {
-            name: label,
+        Ok(Framework::of_row(row, label))
+    }
+
+    /// The stack `row` builds, named `name`.
+    fn of_row(row: &Stack, name: String) -> Framework {
+        let parts = (row.build)();
+        Framework {
+            name,
             runtime: parts.runtime,
             space: parts.space,
-        })
+        }
     }
 
     /// The stack with the fp8 recipe (`--fp8-recipe`) and the asynchronous tensor parallelism
@@ -1362,22 +1374,19 @@ impl Framework {
             Some(Ok(fw)) => fw,
             // A stack the table knows, at a version it cannot read or place (`torchtitan@main`,
             // `megatron-deepspeed@bigscience`): its row without a version.
-            Some(Err(FrameworkError::Version(shown, _))) => {
-                let word = shown.split_whitespace().next().unwrap_or_default();
-                let name = word.split('@').next().unwrap_or_default();
-                match Framework::parse(name) {
-                    Ok(fw) => {
-                        // The row's own name (an alias parses as `alias (as ROW)`).
-                        let row = fw
-                            .name
-                            .rsplit_once("(as ")
-                            .map_or(fw.name.as_str(), |(_, r)| r.trim_end_matches(')'));
-                        Framework {
-                            name: format!("{word} (version not in the table: as {row})"),
-                            ..fw
-                        }
-                    }
-                    Err(_) => Framework::unknown(&shown),
+            Some(Err(FrameworkError::Version(..))) => {
+                let spec = spec.unwrap_or_default();
+                let word = spec_word(spec);
+                let (name, _) = name_and_version(&word);
+                match STACKS
+                    .iter()
+                    .find(|r| (r.matches)(name, &Version::default()))
+                {
+                    Some(row) => Framework::of_row(
+                        row,
+                        format!("{word} (version not in the table: as {})", row.name),
+                    ),
+                    None => Framework::unknown(spec),
                 }
             }
             _ => Framework::unknown(spec.unwrap_or("unnamed")),

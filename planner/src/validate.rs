@@ -766,10 +766,10 @@ impl TransformerCase {
                     0
                 },
                 // LatentMoE: the experts' width (a latent as wide as the model is none).
-                latent: match moe.latent_size.filter(|&w| w != m.hidden) {
+                latent: match moe.latent_size {
                     None => 0,
-                    Some(w) => u32::try_from(w)
-                        .map_err(|_| format!("model.moe.latent_size {w} is too large"))?,
+                    Some(w) => MoeConfig::latent_of(w, m.hidden)
+                        .ok_or_else(|| format!("model.moe.latent_size {w} is too large"))?,
                 },
                 ..MoeConfig::routed(moe.experts, moe.top_k)
             });

@@ -725,7 +725,7 @@ pub fn step_terms(
     // A blocking send holds the sender's stream, a separately blocking receive the
     // receiver's too ([`PipeSends`]); an overlapped one holds only its link. Forward passes
     // move activations, backward passes input gradients.
-    let messages = (c.p2p, c.p2p_backward);
+    let messages = c.p2p_messages();
     let none = (Seconds(0.0), Seconds(0.0));
     let sends = if pp == 1 {
         PipeSends::Overlapped
@@ -1889,7 +1889,7 @@ mod tests {
             c.head.params + 4 * c.layer().params
         );
         let z = (Seconds(0.0), Seconds(0.0));
-        let costs = pass_costs(&c, &layers, z, z, (c.p2p, c.p2p_backward));
+        let costs = pass_costs(&c, &layers, z, z, c.p2p_messages());
         let want = c.embedding.fwd() + dense.fwd() + c.layer().fwd() * 3.0;
         assert!((costs.forward[0].0 - want.0).abs() < 1e-12);
         assert_eq!(
@@ -2025,7 +2025,7 @@ mod tests {
         let (_, paired, t_paired) = run(PipeSends::Paired);
         let (_, separate, t_separate) = run(PipeSends::Separate);
         let close = |a: Seconds, b: Seconds| (a.0 - b.0).abs() < 1e-12;
-        assert_eq!((open.p2p, open.p2p_gradient), (c.p2p, c.p2p_backward));
+        assert_eq!((open.p2p, open.p2p_gradient), c.p2p_messages());
         assert!(c.p2p_backward.0 > c.p2p.0, "{c:?}");
         for vs in 0..8 {
             assert!(close(paired.forward[vs], open.forward[vs] + c.p2p));

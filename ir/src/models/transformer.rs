@@ -192,6 +192,16 @@ impl MoeConfig {
         }
     }
 
+    /// [`MoeConfig::latent`] of a published latent width in a model `hidden` wide: 0 for a
+    /// latent as wide as the model (no projection), `None` for one too wide to hold.
+    pub fn latent_of(width: u64, hidden: u64) -> Option<u32> {
+        if width == hidden {
+            Some(0)
+        } else {
+            u32::try_from(width).ok()
+        }
+    }
+
     /// The width the routed experts work at for a model `hidden` wide: the latent width under
     /// LatentMoE, else the hidden width.
     pub fn expert_width(&self, hidden: u64) -> u64 {
