@@ -529,12 +529,9 @@ pub struct Runtime {
     /// every backward reduces the replicas' gradients onto it. None of it overlaps compute.
     #[serde(default)]
     pub single_process_dp: bool,
-    /// Separate all-gathers ZeRO-3 issues for one layer's parameters per pass: 1 where a layer
-    /// is one gathered unit (FSDP's wrapped block, Megatron FSDP's buckets); DeepSpeed's
-    /// ZeRO-3 fetches each parameterised submodule on its own hook. Each call pays the
-    /// collective's latency, which at thousands of ranks is milliseconds.
-    #[serde(default = "one")]
-    pub zero3_gathers_per_layer: u32,
+    /// How ZeRO-3 gathers a layer's parameters and reduces its gradients ([`Zero3Engine`]).
+    #[serde(default)]
+    pub zero3: Zero3Engine,
     /// The kernels of the loss, which set the memory it peaks at.
     #[serde(default)]
     pub cross_entropy: CrossEntropy,
@@ -618,6 +615,91 @@ pub struct Runtime {
     /// around the send.
     #[serde(default)]
     pub pipe_messages: PipeMessages,
+}
+
+/// DeepSpeed's `stage3_param_persistence_threshold` default (its config docs: "Do not
+/// partition parameters smaller than this threshold", 1e5 elements): smaller parameter
+/// tensors (norm scales, biases) stay whole on every rank, neither gathered nor partitioned.
+pub const DEEPSPEED_PERSISTENCE_ELEMENTS: u64 = 100_000;
+
+/// How a stack runs ZeRO-3's per-layer collectives: what one all-gather fetches, how the
+/// gradients are reduce-scattered, what the host does per rank around it, and whether the
+/// compute stream waits for them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Zero3Engine {
+    /// A layer is one unit (FSDP's wrapped block, Megatron FSDP's buckets): one all-gather of
+    /// its parameters per pass and one reduce-scatter of its gradients, prefetched and
+    /// overlapped with the layers beside them.
+    #[default]
+    Units,
+    /// DeepSpeed 0.3.13–0.5 (2020–2021), stage3.py and partition_parameters.py: each
+    /// parameterised submodule is gathered on its own hook, and the fetch synchronises the
+    /// device before the submodule runs (`_synchronize_communication`: the gather stream,
+    /// then `torch.cuda.synchronize()`; DeepSpeed PR #1188, June 2021: "the async version is
+    /// not async at all, because each all_gather calls torch.cuda.synchronize()"), and
+    /// `reduce_ipg_grads` waits for the previous bucket's reduction on the host: nothing
+    /// overlaps compute. Each gradient tensor is reduce-scattered alone
+    /// (`_reduce_scatter_gradient`) from a list of world-size views built in Python, which
+    /// PyTorch's list `reduce_scatter` copies into one flat buffer a view at a time.
+    DeepSpeed2021,
+    /// DeepSpeed 0.6–0.9 (2022 to mid-2023): submodule gathers from the trace-driven
+    /// coordinator; gradients bucketed (`reduce_bucket_size`) and reduce-scattered by
+    /// `reduce_scatter_coalesced`, which slices each tensor into world-size views in Python;
+    /// the collectives do not overlap compute: DeepSpeed on Azure (2022, DeepSpeed 0.6.2)
+    /// measured step times that grow with the micro-batch by one micro-batch's compute per
+    /// sample over a constant of the collectives' time at every scale from 128 to 1,024
+    /// GPUs, and DeepSpeed PR #3622 (May 2023) measured `overlap_comm` on and off within 1 %.
+    DeepSpeed2022,
+    /// DeepSpeed from 0.10 (mid-2023 on): as 0.6–0.9 (submodule gathers, bucketed
+    /// reduce-scatters sliced in Python), with the collectives prefetched and overlapped.
+    DeepSpeed,
+}
+
+impl Zero3Engine {
+    /// All-gathers of one layer's parameters per pass: one, or one per partitioned tensor
+    /// (a submodule's weight; its bias and the norms persist whole).
+    pub fn gathers(self, layer: &PartCost) -> u64 {
+        match self {
+            Zero3Engine::Units => 1,
+            _ => layer.gathered_tensors.max(1),
+        }
+    }
+
+    /// Reduce-scatters of one layer's gradients: one; one per gradient tensor (DeepSpeed
+    /// 2021); or DeepSpeed's buckets, where each partitioned tensor, larger than a bucket,
+    /// goes alone and flushes the small tensors gathered before it, at most one run of them
+    /// per partitioned tensor.
+    pub fn reduce_scatters(self, layer: &PartCost) -> u64 {
+        let large = layer.gathered_tensors;
+        let small = layer.param_tensors.saturating_sub(large);
+        match self {
+            Zero3Engine::Units => 1,
+            Zero3Engine::DeepSpeed2021 => layer.param_tensors.max(1),
+            Zero3Engine::DeepSpeed2022 | Zero3Engine::DeepSpeed => {
+                (large + small.min(large)).max(1)
+            }
+        }
+    }
+
+    /// Host dispatches per data-parallel rank for each gradient tensor of a layer, on the
+    /// backward thread: DeepSpeed builds a view of every rank's piece in Python (and before
+    /// 0.6 PyTorch's list reduce-scatter launches a copy of each into its flat buffer).
+    pub fn host_dispatches_per_rank(self) -> f64 {
+        match self {
+            Zero3Engine::Units => 0.0,
+            Zero3Engine::DeepSpeed2021 => 2.0,
+            Zero3Engine::DeepSpeed2022 | Zero3Engine::DeepSpeed => 1.0,
+        }
+    }
+
+    /// The compute stream waits for every gather and reduction (nothing overlaps).
+    pub fn blocks_compute(self) -> bool {
+        matches!(
+            self,
+            Zero3Engine::DeepSpeed2021 | Zero3Engine::DeepSpeed2022
+        )
+    }
 }
 
 /// How a stack's pipeline transfers meet the compute streams of the stages they join.
@@ -808,7 +890,7 @@ impl Default for Runtime {
             pipeline_keeps_outputs: false,
             mlm_masked_only: false,
             single_process_dp: false,
-            zero3_gathers_per_layer: 1,
+            zero3: Zero3Engine::Units,
             cross_entropy: CrossEntropy::Upcast,
             eager_kernels: false,
             compiles_fp8: false,
@@ -863,6 +945,10 @@ pub struct PartCost {
     /// visits: the IR graph's weights, an attention's key and value counted in its query's).
     #[serde(default)]
     pub param_tensors: u64,
+    /// Of `param_tensors`, those of at least [`DEEPSPEED_PERSISTENCE_ELEMENTS`] elements:
+    /// the ones DeepSpeed's ZeRO-3 partitions and gathers ([`Zero3Engine::gathers`]).
+    #[serde(default)]
+    pub gathered_tensors: u64,
     /// Of `params`, the routed experts' (an MoE layer's experts are replicated over the
     /// expert-data-parallel group, dp × cp / ep ranks, not over all dp × cp: ZeRO shards
     /// their states that much less).
@@ -893,6 +979,7 @@ impl std::ops::Add for PartCost {
             working: Bytes(self.working.0.max(o.working.0)),
             params: self.params + o.params,
             param_tensors: self.param_tensors + o.param_tensors,
+            gathered_tensors: self.gathered_tensors + o.gathered_tensors,
             expert_params: self.expert_params + o.expert_params,
             model_flops: self.model_flops + o.model_flops,
             hardware_flops: self.hardware_flops + o.hardware_flops,
@@ -921,6 +1008,7 @@ impl PartCost {
         working: Bytes(0),
         params: 0,
         param_tensors: 0,
+        gathered_tensors: 0,
         expert_params: 0,
         model_flops: 0.0,
         hardware_flops: 0.0,
@@ -2360,21 +2448,25 @@ fn price(
         compute: prices.time(g, |_| true),
         saved: Bytes(g.saved(fb, sp, tp, hidden, None, inputs) as u64),
         params: g.param_count(),
-        param_tensors: module_param_tensors(g),
+        param_tensors: module_param_tensors(g, 0),
+        gathered_tensors: module_param_tensors(g, DEEPSPEED_PERSISTENCE_ELEMENTS),
         model_flops,
         hardware_flops: model_flops,
         ..PartCost::default()
     }
 }
 
-/// Parameter tensors of a section as module code holds them: the graph's weights, an
-/// attention's key and value projections (and their biases) counted inside its query's, as
-/// Megatron-LM's `query_key_value` and GPT-2's `c_attn` hold the three in one tensor.
-fn module_param_tensors(g: &Graph) -> u64 {
+/// Parameter tensors of a section as module code holds them, of at least `min_elems`
+/// elements: the graph's weights, an attention's key and value projections (and their
+/// biases) counted inside its query's, as Megatron-LM's `query_key_value` and GPT-2's
+/// `c_attn` hold the three in one tensor.
+fn module_param_tensors(g: &Graph, min_elems: u64) -> u64 {
     let inside_query = |name: &str| [".attn.k.", ".attn.v."].iter().any(|p| name.contains(p));
     g.tensors
         .iter()
-        .filter(|t| t.role == TensorRole::Weight && !inside_query(&t.name))
+        .filter(|t| {
+            t.role == TensorRole::Weight && !inside_query(&t.name) && t.shape.elems() >= min_elems
+        })
         .count() as u64
 }
 
@@ -2768,6 +2860,46 @@ mod tests {
         );
         assert_eq!(HostOptimizer::TorchSingleTensor.param_fetch_bytes(2.0), 4.0);
         assert_eq!(HostOptimizer::DeepSpeedCpuAdam.param_fetch_bytes(2.0), 2.0);
+    }
+
+    /// DeepSpeed's ZeRO-3 gathers the weights above its persistence threshold one at a time
+    /// (GPT-2 XL's four linears of 2.6–6.6 M elements; its norms and biases of 1.6–6.4 k stay
+    /// whole) and reduce-scatters each gradient tensor alone (2021) or in buckets where each
+    /// weight goes alone after the small tensors before it (2022 on); a unit stack does one of
+    /// each.
+    #[test]
+    fn zero3_engines_count_their_collectives() {
+        let gpt = cfg("gpt2-xl");
+        let llama = cfg("llama3-8b");
+        for (m, tensors, large) in [(&gpt, 12, 4), (&llama, 7, 5)] {
+            let p = preset("dgx-a100-80gb").unwrap();
+            let s = setup(m, &p, 8, Runtime::default());
+            let l = Layout {
+                dp: 8,
+                ..Layout::default()
+            };
+            let c = transformer_costs(&s, &l).unwrap();
+            let layer = c.layer();
+            assert_eq!(
+                (layer.param_tensors, layer.gathered_tensors),
+                (tensors, large),
+                "{}",
+                m.layers
+            );
+            assert_eq!(Zero3Engine::Units.gathers(layer), 1);
+            assert_eq!(Zero3Engine::Units.reduce_scatters(layer), 1);
+            assert_eq!(Zero3Engine::DeepSpeed2021.gathers(layer), large);
+            assert_eq!(Zero3Engine::DeepSpeed2021.reduce_scatters(layer), tensors);
+            let small = tensors - large;
+            assert_eq!(
+                Zero3Engine::DeepSpeed2022.reduce_scatters(layer),
+                large + small.min(large)
+            );
+        }
+        assert!(Zero3Engine::DeepSpeed2021.blocks_compute());
+        assert!(Zero3Engine::DeepSpeed2022.blocks_compute());
+        assert!(!Zero3Engine::DeepSpeed.blocks_compute() && !Zero3Engine::Units.blocks_compute());
+        assert_eq!(Zero3Engine::Units.host_dispatches_per_rank(), 0.0);
     }
 
     /// Module code holds an attention's q, k and v in one tensor (Megatron's

@@ -9,7 +9,7 @@
 use crate::search::Space;
 use parallax_cost::transformer::{
     CrossEntropy, PipeMessages, PipeSends, Runtime, SelectivePolicy, TpOverlap, WgradAccumulation,
-    MEGATRON_VOCAB_MULTIPLE,
+    Zero3Engine, MEGATRON_VOCAB_MULTIPLE,
 };
 use parallax_ir::models::{Mlp, Norm, Position, TransformerConfig};
 use parallax_ir::{Fp8Recipe, Layout, Offload, Plan, Precision, Recompute, Schedule};
@@ -98,6 +98,9 @@ impl Engine {
             Engine::DeepSpeed => Runtime {
                 pipe_sends: PipeSends::Separate,
                 pipe_messages: PipeMessages::DeepSpeedPartitioned,
+                // Stage 3 gathers each submodule's weight on its own hook and slices every
+                // gradient into world-size views before its reduce-scatter.
+                zero3: Zero3Engine::DeepSpeed,
                 ..Runtime::default()
             },
         }

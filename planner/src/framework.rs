@@ -14,7 +14,7 @@ use crate::export::Engine;
 use crate::search::{PipelineDefaults, Space};
 use parallax_cost::transformer::{
     CrossEntropy, HostOptimizer, OptimizerPasses, PipeMessages, PipeSends, Runtime, TpOverlap,
-    WgradAccumulation, MEGATRON_VOCAB_MULTIPLE,
+    WgradAccumulation, Zero3Engine, MEGATRON_VOCAB_MULTIPLE,
 };
 use parallax_ir::{Fp8Recipe, Offload, Recompute, Schedule};
 use std::fmt::Write as _;
@@ -145,11 +145,6 @@ fn pre_flash(overlap_grad_reduce: bool, grad_reduce_fp32: bool) -> Runtime {
         ..Runtime::default()
     }
 }
-
-/// Parameterised submodules of a Megatron-style GPT block (two LayerNorms, the fused QKV
-/// projection, the attention output, the two MLP linears): DeepSpeed's ZeRO-3 gathers each on
-/// its own pre-forward (and pre-backward) hook.
-const DEEPSPEED_SUBMODULES_PER_LAYER: u32 = 6;
 
 /// `rt` with Megatron's vocab-parallel cross-entropy and padded vocabulary (every stack built
 /// on Megatron-LM's model code).
@@ -461,6 +456,10 @@ const DEEPSPEED_2020: &[Feature] = &[
         what: "pipeline engine: blocking sends; activations sent in 1/tp pieces and gathered, input gradients sent whole by every tensor-parallel rank",
         source: "deepspeed/runtime/pipe/engine.py and p2p.py (v0.3.0: is_grad_partitioned = False)",
     },
+    Feature {
+        what: "ZeRO-3 (from 0.3.13) as deepspeed-zero3@2021: submodule gathers that synchronise the device, gradients reduce-scattered a tensor at a time",
+        source: "deepspeed/runtime/zero/stage3.py (v0.3.13–v0.5.x)",
+    },
 ];
 
 const DEEPSPEED_ZERO3_2021: &[Feature] = &[
@@ -469,8 +468,12 @@ const DEEPSPEED_ZERO3_2021: &[Feature] = &[
         source: "Rajbhandari et al. 2021 (ZeRO-Infinity, SC21), §5–6; DeepSpeed 0.3.13 stage3.py",
     },
     Feature {
-        what: "one all-gather per parameterised submodule (its pre-forward / pre-backward hook: six per GPT block), prefetched behind the previous one (stage3_prefetch_bucket_size); reduce-scatter bucketed and overlapped (overlap_comm defaults on for stage 3)",
-        source: "DeepSpeed config docs, zero_optimization stage 3 options",
+        what: "one all-gather per partitioned submodule weight (its pre-forward / pre-backward hook; norms and biases under stage3_param_persistence_threshold, 1e5 elements, stay whole), and the fetch synchronises the device: no gather overlaps compute",
+        source: "deepspeed/runtime/zero/stage3.py _synchronize_communication (v0.3.13–v0.5.x: the gather stream, then torch.cuda.synchronize()); DeepSpeed PR #1188 (June 2021): \"the async version is not async at all, because each all_gather calls torch.cuda.synchronize()\"",
+    },
+    Feature {
+        what: "each gradient tensor reduce-scattered on its own from a list of world-size views built in Python, which PyTorch's list reduce_scatter copies into one buffer a view at a time (host work linear in the data-parallel ranks); the next bucket waits for the previous one's reduction on the host",
+        source: "deepspeed/runtime/zero/partition_parameters.py _reduce_scatter_gradient, stage3.py reduce_ipg_grads (v0.5.4); PyTorch ProcessGroupNCCL::reduce_scatter (flatten, one copy_ per input)",
     },
     Feature {
         what: "fp16 gradients reduced in fp16; no FlashAttention (2021)",
@@ -482,10 +485,29 @@ const DEEPSPEED_ZERO3_2021: &[Feature] = &[
     },
 ];
 
+const DEEPSPEED_2022: &[Feature] = &[
+    Feature {
+        what: "ZeRO 0–3 as the current stack (pipeline engine with 1F1B only; optimizer and parameter offload), with model code of its time: attention as batched GEMMs around a softmax",
+        source: "DeepSpeed 0.6–0.9 docs; DeepSpeed on Azure (2022): PyTorch 1.10.2, DeepSpeed 0.6.2, NCCL 2.12.10; FlashAttention reached PyTorch's SDPA in 2.0 (March 2023) and Megatron-DeepSpeed as --use-flash-attn in 2023",
+    },
+    Feature {
+        what: "ZeRO-3: one all-gather per partitioned submodule weight (norms and biases under stage3_param_persistence_threshold stay whole); gradients bucketed, each large tensor reduce-scattered alone, each tensor sliced into world-size views in Python (reduce_scatter_coalesced)",
+        source: "deepspeed/runtime/zero/partitioned_param_coordinator.py, stage3.py __reduce_and_partition_ipg_grads, runtime/comm/coalesced_collectives.py (v0.6.2)",
+    },
+    Feature {
+        what: "ZeRO-3's collectives do not overlap compute: step time grows with the micro-batch by its compute alone over a constant of the collectives' time",
+        source: "DeepSpeed on Azure (docs/_posts/2022-07-26-deepspeed-azure.md, Figures 5–7: 175B at 128–1,024 A100s, micro-batches 1–32); DeepSpeed PR #3622 (May 2023): overlap_comm on and off within 1 % before it",
+    },
+];
+
 const DEEPSPEED_CURRENT: &[Feature] = &[
     Feature {
         what: "ZeRO 0–3 with overlapped reduction; pipeline engine with 1F1B only; full checkpointing; AutoTP without sequence parallelism; optimizer and parameter offload to the host or NVMe",
         source: "DeepSpeed 0.19 docs (config: zero_optimization offload_optimizer / offload_param, pipeline, AutoTP)",
+    },
+    Feature {
+        what: "ZeRO-3: one all-gather per partitioned submodule weight, prefetched and overlapped; gradients bucketed and each tensor sliced into world-size views in Python before its reduce-scatter",
+        source: "deepspeed/runtime/zero/partitioned_param_coordinator.py, runtime/comm/coalesced_collectives.py reduce_scatter_coalesced (v0.19.5); DeepSpeed issue #5047 (2024: ZeRO-3 gathers attention and MLP separately where FSDP gathers a layer)",
     },
     Feature {
         what: "attention as the model implements it (SDPA flash attention in current PyTorch)",
@@ -811,10 +833,19 @@ fn megatron_deepspeed(grad_reduce_fp32: bool, pipe_messages: PipeMessages) -> Pa
             },
             pipe_sends: PipeSends::Separate,
             pipe_messages,
+            // Its ZeRO-3 runs (no pipeline) are DeepSpeed's of the time.
+            zero3: if grad_reduce_fp32 {
+                Zero3Engine::DeepSpeed2022
+            } else {
+                Zero3Engine::DeepSpeed2021
+            },
             ..megatron_loss(pre_flash(false, grad_reduce_fp32))
         },
         space: Space {
             sequence_parallel: false,
+            // DeepSpeed's ZeRO-Offload (`--cpu-optimizer` and `offload_optimizer`), for the
+            // runs without a pipeline that use ZeRO-2/3.
+            offload: vec![Offload::Optimizer],
             ..space(&ONE_F_ONE_B, &[0, 1], &NO_OR_FULL)
         },
     }
@@ -823,7 +854,7 @@ fn megatron_deepspeed(grad_reduce_fp32: bool, pipe_messages: PipeMessages) -> Pa
 fn deepspeed_2020() -> Parts {
     Parts {
         runtime: Runtime {
-            zero3_gathers_per_layer: DEEPSPEED_SUBMODULES_PER_LAYER,
+            zero3: Zero3Engine::DeepSpeed2021,
             eager_kernels: true,
             wgrad_accumulation: WgradAccumulation::Autograd,
             optimizer_passes: OptimizerPasses::DeepSpeed03,
@@ -841,10 +872,24 @@ fn deepspeed_2020() -> Parts {
     }
 }
 
+fn deepspeed_2022() -> Parts {
+    let Parts { runtime, space } = engine(Engine::DeepSpeed);
+    Parts {
+        runtime: Runtime {
+            zero3: Zero3Engine::DeepSpeed2022,
+            // Before PyTorch 2.0's SDPA (March 2023) and Megatron-DeepSpeed's
+            // --use-flash-attn (2023), model code ran attention as batched GEMMs around a softmax.
+            fused_attention: false,
+            ..runtime
+        },
+        space,
+    }
+}
+
 fn deepspeed_zero3_2021() -> Parts {
     Parts {
         runtime: Runtime {
-            zero3_gathers_per_layer: DEEPSPEED_SUBMODULES_PER_LAYER,
+            zero3: Zero3Engine::DeepSpeed2021,
             ..megatron_loss(pre_flash(true, false))
         },
         // ZeRO-Infinity (DeepSpeed 0.3.15, April 2021): optimizer and parameters to the host
@@ -1105,11 +1150,19 @@ pub const STACKS: &[Stack] = &[
         build: deepspeed_zero3_2021,
     },
     Stack {
+        name: "deepspeed@0.6",
+        covers: "deepspeed@0.6–0.9 / 2022–2023",
+        names: &["deepspeed"],
+        features: DEEPSPEED_2022,
+        matches: |n, v| n == "deepspeed" && (v.semver_in((0, 6), (0, 9)) || v.year_in(2022, 2023)),
+        build: deepspeed_2022,
+    },
+    Stack {
         name: "deepspeed@0.19",
-        covers: "deepspeed@0.6+ / 2022+; what --export deepspeed writes for",
+        covers: "deepspeed@0.10+ / 2024+; what --export deepspeed writes for",
         names: &["deepspeed"],
         features: DEEPSPEED_CURRENT,
-        matches: |n, v| n == "deepspeed" && (v.none() || v.semver_in((0, 6), (99, 0)) || v.year.is_some_and(|y| y >= 2022)),
+        matches: |n, v| n == "deepspeed" && (v.none() || v.semver_in((0, 10), (99, 0)) || v.year.is_some_and(|y| y >= 2024)),
         build: || engine(Engine::DeepSpeed),
     },
     Stack {
@@ -1508,12 +1561,20 @@ pub fn table_text() -> String {
                     .join(", "),
             },
         );
-        if r.zero3_gathers_per_layer > 1 {
-            let _ = writeln!(
-                out,
-                "  ZeRO-3 gathers a layer in {} collectives",
-                r.zero3_gathers_per_layer
-            );
+        let zero3 = match r.zero3 {
+            Zero3Engine::Units => None,
+            Zero3Engine::DeepSpeed2021 => Some(
+                "each submodule gathered and each gradient tensor reduce-scattered on its own, blocking compute",
+            ),
+            Zero3Engine::DeepSpeed2022 => {
+                Some("each submodule gathered on its own, gradients bucketed, blocking compute")
+            }
+            Zero3Engine::DeepSpeed => Some(
+                "each submodule gathered on its own, gradients bucketed, overlapped",
+            ),
+        };
+        if let Some(z) = zero3 {
+            let _ = writeln!(out, "  ZeRO-3: {z}");
         }
         let loss = match r.cross_entropy {
             CrossEntropy::Upcast => None,
@@ -1856,17 +1917,18 @@ mod tests {
         assert_eq!(done("pytorch-fsdp@2.2", &tp4).tp, 4);
     }
 
-    /// DeepSpeed's 2021 ZeRO-3 gathers each submodule with its own collective: at thousands
-    /// of ranks every ring all-gather costs milliseconds of latency, so the step falls behind
-    /// the same stack gathering a layer at once, more so the more ranks.
+    /// DeepSpeed's ZeRO-3 of 2021 gathers each submodule with its own collective and waits
+    /// for every one: its step falls behind the same model gathered a layer at a time and
+    /// overlapped, and the more so the more ranks (each ring call's latency and the host's
+    /// view of every rank's piece of every gradient tensor grow with them).
     #[test]
-    fn per_submodule_gathers_cost_latency_at_scale() {
+    fn deepspeed_zero3_of_2021_waits_for_its_collectives() {
         use parallax_cost::transformer::Setup;
         use parallax_hardware::Cluster;
         use parallax_ir::{Layout, Precision, Recompute};
         let m = parallax_ir::models::zoo::transformer("gpt3-13b").unwrap();
         let ds = Framework::parse("deepspeed-zero3@2021").unwrap().runtime;
-        assert_eq!(ds.zero3_gathers_per_layer, DEEPSPEED_SUBMODULES_PER_LAYER);
+        assert_eq!(ds.zero3, Zero3Engine::DeepSpeed2021);
         let step = |gpus: u32, runtime: Runtime| {
             let c = Cluster::parse(&format!("dgx2-v100-32gb:gpus={gpus}")).unwrap();
             let setup = Setup {
@@ -1886,18 +1948,36 @@ mod tests {
                 .step_time_s
         };
         let ratio = |gpus: u32| {
-            let whole = Runtime {
-                zero3_gathers_per_layer: 1,
+            let units = Runtime {
+                zero3: Zero3Engine::Units,
                 ..ds
             };
-            step(gpus, ds) / step(gpus, whole)
+            step(gpus, ds) / step(gpus, units)
         };
         let (small, large) = (ratio(64), ratio(2048));
-        assert!(small < 1.05, "64 ranks: {small}");
-        assert!(
-            large > 1.2 && large > small,
-            "2048 ranks: {large} vs {small}"
-        );
+        assert!(small > 1.05, "64 ranks: {small}");
+        assert!(large > 1.5 * small, "2048 ranks: {large} vs {small}");
+    }
+
+    /// DeepSpeed versions map to the ZeRO-3 engine of their time.
+    #[test]
+    fn deepspeed_versions_pick_their_zero3_engine() {
+        for (spec, engine) in [
+            ("deepspeed@0.5", Zero3Engine::DeepSpeed2021),
+            ("deepspeed-zero3@2021", Zero3Engine::DeepSpeed2021),
+            ("deepspeed@0.6.2", Zero3Engine::DeepSpeed2022),
+            ("deepspeed@2022", Zero3Engine::DeepSpeed2022),
+            ("deepspeed@0.9", Zero3Engine::DeepSpeed2022),
+            ("deepspeed@0.10", Zero3Engine::DeepSpeed),
+            ("deepspeed", Zero3Engine::DeepSpeed),
+            ("megatron-deepspeed@2022", Zero3Engine::DeepSpeed2022),
+        ] {
+            assert_eq!(
+                Framework::parse(spec).unwrap().runtime.zero3,
+                engine,
+                "{spec}"
+            );
+        }
     }
 
     #[test]

@@ -683,26 +683,35 @@ pub fn step_terms(
     };
     let zero3 = if zero >= 3 && (shard > 1 || l.offload.params()) {
         let p = layer.params;
-        let calls = setup.runtime.zero3_gathers_per_layer.max(1);
-        let ag = net.collective(
-            Collective::AllGather,
-            Bytes(p * wbytes / u64::from(calls)),
-            dp_group,
-        ) * f64::from(calls);
-        let rs = net.collective(
-            Collective::ReduceScatter,
-            Bytes(p * setup.grad_reduce_bytes()),
-            dp_group,
-        );
-        let (ag, rs) = if shard > 1 {
-            (ag, rs)
-        } else {
-            (Seconds(0.0), Seconds(0.0))
+        let engine = setup.runtime.zero3;
+        // Each call moves its share of the layer and pays the collective's latency, which at
+        // thousands of ranks is milliseconds.
+        let calls = |kind: Collective, n: u64, bytes: u64| {
+            net.collective(kind, Bytes(bytes / n), dp_group) * n as f64
         };
-        (
-            exposed(ag + fetch_fwd, layer.fwd()),
-            exposed(ag + rs + fetch_bwd, layer.bwd_input() + layer.bwd_weight()),
-        )
+        let ag = calls(Collective::AllGather, engine.gathers(layer), p * wbytes);
+        let rs = calls(
+            Collective::ReduceScatter,
+            engine.reduce_scatters(layer),
+            p * setup.grad_reduce_bytes(),
+        );
+        // The host's views of every rank's piece of every gradient tensor, on the thread that
+        // launches the backward.
+        let host = setup.profile.device.kernel_overhead()
+            * (engine.host_dispatches_per_rank() * layer.param_tensors as f64 * f64::from(shard));
+        let (ag, rs, host) = if shard > 1 {
+            (ag, rs, host)
+        } else {
+            (Seconds(0.0), Seconds(0.0), Seconds(0.0))
+        };
+        if engine.blocks_compute() {
+            (ag + fetch_fwd, ag + rs + fetch_bwd + host)
+        } else {
+            (
+                exposed(ag + fetch_fwd, layer.fwd()),
+                exposed(ag + rs + fetch_bwd, layer.bwd_input() + layer.bwd_weight()) + host,
+            )
+        }
     } else if reduces_per_micro_batch(setup, l) {
         // ZeRO-2 keeps only its shard of the gradients, so it cannot accumulate whole
         // gradients over micro-batches: each micro-batch's are reduce-scattered as its
@@ -1269,6 +1278,7 @@ mod tests {
     use super::*;
     use parallax_cost::transformer::{
         CrossEntropy, HostOptimizer, OptimizerPasses, PipeMessages, Runtime, WgradAccumulation,
+        Zero3Engine,
     };
     use parallax_hardware::{preset, ClusterProfile};
     use parallax_ir::models::{zoo, TransformerConfig};
@@ -1986,6 +1996,42 @@ mod tests {
             "{overlapped:?}"
         );
         assert!(overlapped.step_time_s < after.step_time_s);
+    }
+
+    /// A ZeRO-3 whose collectives wait for compute ([`Zero3Engine::blocks_compute`]) adds
+    /// them to the step whatever the micro-batch: the step less its compute is one constant,
+    /// where the same collectives overlapped hide behind the layers.
+    #[test]
+    fn blocking_zero3_collectives_add_to_the_step() {
+        let m = gpt3();
+        let p = preset("dgx-a100-80gb").unwrap();
+        let run = |zero3: Zero3Engine, micro_batch: u64| {
+            let s = Setup {
+                runtime: Runtime {
+                    zero3,
+                    ..Runtime::default()
+                },
+                ..setup(&m, &p, 256, 256 * micro_batch)
+            };
+            let l = Layout {
+                dp: 256,
+                zero_stage: 3,
+                micro_batch,
+                recompute: Recompute::Full,
+                ..Layout::default()
+            };
+            let r = simulate_step(&s, &l).unwrap().prediction;
+            r.step_time_s - r.breakdown.compute_s
+        };
+        let (one, eight) = (
+            run(Zero3Engine::DeepSpeed2022, 1),
+            run(Zero3Engine::DeepSpeed2022, 8),
+        );
+        assert!((one - eight).abs() < 0.02 * one, "{one} vs {eight}");
+        // Overlapped, the same gathers and reductions (three passes over 350 GB at ~190 GB/s
+        // a rank) hide behind the layers: only the host's views of the gradients remain.
+        let overlapped = run(Zero3Engine::DeepSpeed, 8);
+        assert!(eight - overlapped > 4.0, "{eight} vs {overlapped}");
     }
 
     /// How pipeline transfers meet the streams ([`PipeSends`]): overlapped, they are tasks on
