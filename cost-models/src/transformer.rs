@@ -949,6 +949,10 @@ pub struct PartCost {
     /// the ones DeepSpeed's ZeRO-3 partitions and gathers ([`Zero3Engine::gathers`]).
     #[serde(default)]
     pub gathered_tensors: u64,
+    /// Elements of the largest of those tensors: what DeepSpeed's ZeRO-3 holds gathered at a
+    /// time, and the largest gradient autograd hands its reduction.
+    #[serde(default)]
+    pub largest_tensor: u64,
     /// Of `params`, the routed experts' (an MoE layer's experts are replicated over the
     /// expert-data-parallel group, dp × cp / ep ranks, not over all dp × cp: ZeRO shards
     /// their states that much less).
@@ -980,6 +984,7 @@ impl std::ops::Add for PartCost {
             params: self.params + o.params,
             param_tensors: self.param_tensors + o.param_tensors,
             gathered_tensors: self.gathered_tensors + o.gathered_tensors,
+            largest_tensor: self.largest_tensor.max(o.largest_tensor),
             expert_params: self.expert_params + o.expert_params,
             model_flops: self.model_flops + o.model_flops,
             hardware_flops: self.hardware_flops + o.hardware_flops,
@@ -1009,6 +1014,7 @@ impl PartCost {
         params: 0,
         param_tensors: 0,
         gathered_tensors: 0,
+        largest_tensor: 0,
         expert_params: 0,
         model_flops: 0.0,
         hardware_flops: 0.0,
@@ -2450,6 +2456,13 @@ fn price(
         params: g.param_count(),
         param_tensors: module_param_tensors(g, 0),
         gathered_tensors: module_param_tensors(g, DEEPSPEED_PERSISTENCE_ELEMENTS),
+        largest_tensor: g
+            .tensors
+            .iter()
+            .filter(|t| t.role == TensorRole::Weight)
+            .map(|t| t.shape.elems())
+            .max()
+            .unwrap_or(0),
         model_flops,
         hardware_flops: model_flops,
         ..PartCost::default()

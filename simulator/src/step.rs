@@ -21,7 +21,7 @@ use parallax_cost::memory::{
 };
 use parallax_cost::transformer::{
     check_layout, model_flops_per_step, transformer_costs, HostUpdate, Infeasible, PartCost,
-    PipeSends, Setup, TransformerCosts,
+    PipeSends, Setup, TransformerCosts, Zero3Engine,
 };
 use parallax_ir::{Bytes, Layout, Offload, Recompute, Seconds, GIB};
 use serde::{Deserialize, Serialize};
@@ -446,9 +446,22 @@ pub fn stage_memory_of(
         }
     }
     if zero >= 3 {
-        // Two layers gathered (current and prefetched) plus one layer's unsharded gradient.
-        let p = largest(&|l| l.params) as f64;
-        buffers += 2.0 * p * if setup.precision.is_mixed() { 2.0 } else { 4.0 } + p * 4.0;
+        let wbytes = if setup.precision.is_mixed() { 2.0 } else { 4.0 };
+        buffers += match setup.runtime.zero3 {
+            // Two layers gathered (current and prefetched) plus one layer's unsharded gradient.
+            Zero3Engine::Units => {
+                let p = largest(&|l| l.params) as f64;
+                2.0 * p * wbytes + p * 4.0
+            }
+            // DeepSpeed gathers a submodule's weight at a time (the current one and the one
+            // prefetched) and reduces each gradient as autograd hands it over, through a
+            // bucket of `reduce_bucket_size` elements in the reduce type.
+            _ => {
+                let t = largest(&|l| l.largest_tensor) as f64;
+                let grad = setup.grad_reduce_bytes() as f64;
+                2.0 * t * wbytes + (t + DEEPSPEED_BUCKET_ELEMENTS) * grad
+            }
+        };
     }
     // The flat copies the stack's optimizer makes around the step, on the device.
     if l.offload == Offload::None {
@@ -1278,7 +1291,6 @@ mod tests {
     use super::*;
     use parallax_cost::transformer::{
         CrossEntropy, HostOptimizer, OptimizerPasses, PipeMessages, Runtime, WgradAccumulation,
-        Zero3Engine,
     };
     use parallax_hardware::{preset, ClusterProfile};
     use parallax_ir::models::{zoo, TransformerConfig};
@@ -2032,6 +2044,42 @@ mod tests {
         // a rank) hide behind the layers: only the host's views of the gradients remain.
         let overlapped = run(Zero3Engine::DeepSpeed, 8);
         assert!(eight - overlapped > 4.0, "{eight} vs {overlapped}");
+    }
+
+    /// A unit ZeRO-3 holds two layers gathered and one layer's fp32 gradient; DeepSpeed's
+    /// holds two submodule weights (GPT-3's MLP linears, a third of a layer each) and one
+    /// such gradient beside its reduce bucket.
+    #[test]
+    fn deepspeed_zero3_holds_submodules_gathered_not_layers() {
+        let m = gpt3();
+        let p = preset("dgx-a100-80gb").unwrap();
+        let l = Layout {
+            dp: 256,
+            zero_stage: 3,
+            recompute: Recompute::Full,
+            ..Layout::default()
+        };
+        let buffers = |zero3: Zero3Engine| {
+            let s = Setup {
+                runtime: Runtime {
+                    zero3,
+                    ..Runtime::default()
+                },
+                ..setup(&m, &p, 256, 256)
+            };
+            simulate_step(&s, &l).unwrap().prediction.memory.buffers
+        };
+        let c = transformer_costs(&setup(&m, &p, 256, 256), &l).unwrap();
+        let (layer, t) = (c.layer().params as f64, c.layer().largest_tensor as f64);
+        assert_eq!(t, 4.0 * 12288.0 * 12288.0);
+        let grad = setup(&m, &p, 256, 256).grad_reduce_bytes() as f64;
+        let expected = (2.0 * layer * 2.0 + layer * 4.0)
+            - (2.0 * t * 2.0 + (t + DEEPSPEED_BUCKET_ELEMENTS) * grad);
+        let saved = (buffers(Zero3Engine::Units) - buffers(Zero3Engine::DeepSpeed)) * GIB;
+        assert!(
+            (saved - expected).abs() < 1e-6 * expected,
+            "{saved} vs {expected}"
+        );
     }
 
     /// How pipeline transfers meet the streams ([`PipeSends`]): overlapped, they are tasks on
