@@ -718,7 +718,12 @@ pub fn step_terms(
             (Seconds(0.0), Seconds(0.0), Seconds(0.0))
         };
         if engine.blocks_compute() {
-            (ag + fetch_fwd, ag + rs + fetch_bwd + host)
+            // The gathers and reductions hold the stream; the offloaded shards' reads from the
+            // host or NVMe run ahead on their own threads (ZeRO-Infinity's prefetch, §6.3).
+            (
+                ag + exposed(fetch_fwd, layer.fwd()),
+                ag + rs + host + exposed(fetch_bwd, layer.bwd_input() + layer.bwd_weight()),
+            )
         } else {
             (
                 exposed(ag + fetch_fwd, layer.fwd()),
@@ -956,6 +961,27 @@ pub fn step_terms(
             } else {
                 ag
             };
+        }
+        if zero >= 3 && shard > 1 && setup.runtime.zero3 != Zero3Engine::Units {
+            // DeepSpeed partitions the tensors under its persistence threshold too (norms,
+            // biases: held whole during the step) and gathers each again after every step, one
+            // collective per tensor (`_post_step`: `persistent_parameters[0].all_gather`,
+            // `_allgather_params_coalesced` looping over them, v0.5 to v0.19): a small buffer
+            // each, at the ring's latency.
+            let small: u64 = positions_of(l, s)
+                .into_iter()
+                .map(|vs| {
+                    virtual_stage_count(c, layers, vs, |p| {
+                        p.param_tensors.saturating_sub(p.gathered_tensors)
+                    })
+                })
+                .sum();
+            let one = net.collective(
+                Collective::AllGather,
+                Bytes(setup.model.hidden * wbytes),
+                dp_group,
+            );
+            param_gather[s as usize] += one * small as f64;
         }
     }
     // A tied table lives on the first stage (the embedding) and the last (the head's copy):
@@ -2044,6 +2070,46 @@ mod tests {
         // a rank) hide behind the layers: only the host's views of the gradients remain.
         let overlapped = run(Zero3Engine::DeepSpeed, 8);
         assert!(eight - overlapped > 4.0, "{eight} vs {overlapped}");
+    }
+
+    /// DeepSpeed gathers every tensor under its persistence threshold again after each step,
+    /// one small collective apiece: GPT-3's eight norms and biases a layer on 96 layers, plus
+    /// the final norm's; a unit stack gathers nothing after its step.
+    #[test]
+    fn deepspeed_gathers_its_persistent_tensors_after_every_step() {
+        let m = gpt3();
+        let p = preset("dgx-a100-80gb").unwrap();
+        let l = Layout {
+            dp: 1024,
+            zero_stage: 3,
+            recompute: Recompute::Full,
+            ..Layout::default()
+        };
+        let terms = |zero3: Zero3Engine| {
+            let s = Setup {
+                runtime: Runtime {
+                    zero3,
+                    ..Runtime::default()
+                },
+                ..setup(&m, &p, 1024, 1024)
+            };
+            let c = transformer_costs(&s, &l).unwrap();
+            let layers = stage_layers(m.layers, &l);
+            step_terms(&s, &l, &c, &layers).unwrap().param_gather[0]
+        };
+        assert_eq!(terms(Zero3Engine::Units).0, 0.0);
+        let net = Network::new(&p);
+        let one = net.collective(
+            Collective::AllGather,
+            Bytes(m.hidden * 2),
+            Group::strided(1024, 1, 8),
+        );
+        let c = transformer_costs(&setup(&m, &p, 1024, 1024), &l).unwrap();
+        let small = |p: &PartCost| (p.param_tensors - p.gathered_tensors) as f64;
+        assert_eq!(small(c.layer()), 8.0);
+        let want = 96.0 * 8.0 + small(&c.embedding) + small(&c.head);
+        let tensors = terms(Zero3Engine::DeepSpeed2022).0 / one.0;
+        assert!((tensors - want).abs() < 1e-6, "{tensors} vs {want}");
     }
 
     /// A unit ZeRO-3 holds two layers gathered and one layer's fp32 gradient; DeepSpeed's
