@@ -101,6 +101,9 @@ impl Engine {
                 // Stage 3 gathers each submodule's weight on its own hook and slices every
                 // gradient into world-size views before its reduce-scatter.
                 zero3: Zero3Engine::DeepSpeed,
+                // Gradients are reduced in the training type (`communication_data_type`
+                // defaults to fp16 or bf16 as the run trains: runtime/engine.py).
+                grad_reduce_fp32: false,
                 ..Runtime::default()
             },
         }

@@ -487,7 +487,7 @@ const DEEPSPEED_ZERO3_2021: &[Feature] = &[
 
 const DEEPSPEED_2022: &[Feature] = &[
     Feature {
-        what: "ZeRO 0–3 as the current stack (pipeline engine with 1F1B only; optimizer and parameter offload), with model code of its time: attention as batched GEMMs around a softmax",
+        what: "ZeRO 0–3 as the current stack (pipeline engine with 1F1B only; optimizer and parameter offload; gradients reduced in the training type: ZeRO-3 asserts fp16 or bf16), with model code of its time: attention as batched GEMMs around a softmax",
         source: "DeepSpeed 0.6–0.9 docs; DeepSpeed on Azure (2022): PyTorch 1.10.2, DeepSpeed 0.6.2, NCCL 2.12.10; FlashAttention reached PyTorch's SDPA in 2.0 (March 2023) and Megatron-DeepSpeed as --use-flash-attn in 2023",
     },
     Feature {
@@ -502,8 +502,8 @@ const DEEPSPEED_2022: &[Feature] = &[
 
 const DEEPSPEED_CURRENT: &[Feature] = &[
     Feature {
-        what: "ZeRO 0–3 with overlapped reduction; pipeline engine with 1F1B only; full checkpointing; AutoTP without sequence parallelism; optimizer and parameter offload to the host or NVMe",
-        source: "DeepSpeed 0.19 docs (config: zero_optimization offload_optimizer / offload_param, pipeline, AutoTP)",
+        what: "ZeRO 0–3 with overlapped reduction, gradients reduced in the training type; pipeline engine with 1F1B only; full checkpointing; AutoTP without sequence parallelism; optimizer and parameter offload to the host or NVMe",
+        source: "DeepSpeed 0.19 docs (config: zero_optimization offload_optimizer / offload_param, pipeline, AutoTP); runtime/engine.py communication_data_type (fp16 or bf16 unless set)",
     },
     Feature {
         what: "ZeRO-3: one all-gather per partitioned submodule weight, prefetched and overlapped; gradients bucketed and each tensor sliced into world-size views in Python before its reduce-scatter",

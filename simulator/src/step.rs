@@ -712,8 +712,16 @@ pub fn step_terms(
         // launches the backward.
         let host = setup.profile.device.kernel_overhead()
             * (engine.host_dispatches_per_rank() * layer.param_tensors as f64 * f64::from(shard));
+        // DeepSpeed divides each whole gradient by the ranks before reducing it
+        // (`reduce_scatter_coalesced`'s pre-divide; `average_tensor` before 0.6): a pass over
+        // the layer's gradients.
+        let predivide = if engine == Zero3Engine::Units {
+            Seconds(0.0)
+        } else {
+            dev.memory(2.0 * (p * setup.grad_reduce_bytes()) as f64)
+        };
         let (ag, rs, host) = if shard > 1 {
-            (ag, rs, host)
+            (ag, rs, host + predivide)
         } else {
             (Seconds(0.0), Seconds(0.0), Seconds(0.0))
         };
