@@ -115,6 +115,18 @@ fn held_out(file: &str, n: u64, mape: f64, max_ape: f64) -> serde_json::Value {
     d
 }
 
+/// The predicted step time of case `id` in a `validate --json` document.
+fn predicted_step(d: &serde_json::Value, id: &str) -> f64 {
+    d["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == id)
+        .unwrap()["predicted_step_time_s"]
+        .as_f64()
+        .unwrap()
+}
+
 #[test]
 fn validate_scores_the_held_out_runs() {
     // NeMo 24.07, torchtitan 70B/405B 2D–4D and its 8B FSDP runs compiled (3.3 %; 3.4 % before
@@ -178,16 +190,7 @@ fn validate_scores_the_held_out_runs() {
     let d = held_out("deepspeed-azure-zero3.json", 54, 0.125, 0.31);
     // The step grows with the micro-batch by its compute over a constant of the collectives'
     // time: doubling the micro-batch from 8 to 16 adds close to eight micro-batches' worth.
-    let step = |id: &str| {
-        d["cases"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["id"] == id)
-            .unwrap()["predicted_step_time_s"]
-            .as_f64()
-            .unwrap()
-    };
+    let step = |id: &str| predicted_step(&d, id);
     let (one, eight, sixteen) = (
         step("ds-azure-175b-s1024-1024gpu-mb1"),
         step("ds-azure-175b-s1024-1024gpu-mb8"),
@@ -212,16 +215,7 @@ fn validate_prices_fp8_recipes_and_async_tp_as_published() {
     let d = held_out("torchtitan-async-tp.json", 15, 0.12, 0.20);
     // What each option is worth, as the benchmark measured it: asynchronous TP saves 4–14 %
     // of a 70B step, rowwise fp8 gains less over bf16 than tensorwise.
-    let step = |id: &str| {
-        d["cases"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["id"] == id)
-            .unwrap()["predicted_step_time_s"]
-            .as_f64()
-            .unwrap()
-    };
+    let step = |id: &str| predicted_step(&d, id);
     let t =
         |recipe: &str, tp: &str| step(&format!("titan2506-70B-256gpu-fsdp32-tp8-{recipe}-{tp}-tp"));
     for recipe in ["bf16", "tensorwise", "rowwise"] {
