@@ -619,7 +619,9 @@ pub struct Runtime {
 
 /// DeepSpeed's `stage3_param_persistence_threshold` default (its config docs: "Do not
 /// partition parameters smaller than this threshold", 1e5 elements): smaller parameter
-/// tensors (norm scales, biases) stay whole on every rank, neither gathered nor partitioned.
+/// tensors (norm scales, biases) stay whole on every rank through forward and backward, not
+/// gathered by the layers' hooks (the optimizer step gathers them again after it updates
+/// their shards).
 pub const DEEPSPEED_PERSISTENCE_ELEMENTS: u64 = 100_000;
 
 /// How a stack runs ZeRO-3's per-layer collectives: what one all-gather fetches, how the
