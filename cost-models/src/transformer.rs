@@ -624,6 +624,12 @@ pub struct Runtime {
 /// their shards).
 pub const DEEPSPEED_PERSISTENCE_ELEMENTS: u64 = 100_000;
 
+/// DeepSpeed's `stage3_max_reuse_distance` default (its config docs: "Do not release a
+/// parameter if it will be reused within this threshold of parameters", 1e9 elements): a
+/// gathered weight is released after use unless the parameters of the submodules run before
+/// its next use add up to no more than this.
+pub const DEEPSPEED_MAX_REUSE_ELEMENTS: u64 = 1_000_000_000;
+
 /// How a stack runs ZeRO-3's per-layer collectives: what one all-gather fetches, how the
 /// gradients are reduce-scattered, what the host does per rank around it, and whether the
 /// compute stream waits for them.
@@ -955,6 +961,14 @@ pub struct PartCost {
     /// time, and the largest gradient autograd hands its reduction.
     #[serde(default)]
     pub largest_tensor: u64,
+    /// Of the gathered tensors, those DeepSpeed's ZeRO-3 gathers a third time under full
+    /// recomputation (count, elements): after its recomputed forward a submodule's weight is
+    /// used again by its backward, once the later submodules have run their recomputation and
+    /// their backward; where their parameters add up to more than
+    /// [`DEEPSPEED_MAX_REUSE_ELEMENTS`] it is released between the two
+    /// (`PartitionedParameterCoordinator.__params_to_release`).
+    #[serde(default)]
+    pub regathered: (u64, u64),
     /// Of `params`, the routed experts' (an MoE layer's experts are replicated over the
     /// expert-data-parallel group, dp × cp / ep ranks, not over all dp × cp: ZeRO shards
     /// their states that much less).
@@ -987,6 +1001,10 @@ impl std::ops::Add for PartCost {
             param_tensors: self.param_tensors + o.param_tensors,
             gathered_tensors: self.gathered_tensors + o.gathered_tensors,
             largest_tensor: self.largest_tensor.max(o.largest_tensor),
+            regathered: (
+                self.regathered.0 + o.regathered.0,
+                self.regathered.1 + o.regathered.1,
+            ),
             expert_params: self.expert_params + o.expert_params,
             model_flops: self.model_flops + o.model_flops,
             hardware_flops: self.hardware_flops + o.hardware_flops,
@@ -1017,6 +1035,7 @@ impl PartCost {
         param_tensors: 0,
         gathered_tensors: 0,
         largest_tensor: 0,
+        regathered: (0, 0),
         expert_params: 0,
         model_flops: 0.0,
         hardware_flops: 0.0,
@@ -2465,6 +2484,7 @@ fn price(
             .map(|t| t.shape.elems())
             .max()
             .unwrap_or(0),
+        regathered: regathered_under_recompute(g),
         model_flops,
         hardware_flops: model_flops,
         ..PartCost::default()
@@ -2476,13 +2496,53 @@ fn price(
 /// biases) counted inside its query's, as Megatron-LM's `query_key_value` and GPT-2's
 /// `c_attn` hold the three in one tensor.
 fn module_param_tensors(g: &Graph, min_elems: u64) -> u64 {
-    let inside_query = |name: &str| [".attn.k.", ".attn.v."].iter().any(|p| name.contains(p));
-    g.tensors
-        .iter()
-        .filter(|t| {
-            t.role == TensorRole::Weight && !inside_query(&t.name) && t.shape.elems() >= min_elems
-        })
+    module_weights(g)
+        .into_iter()
+        .filter(|&e| e >= min_elems)
         .count() as u64
+}
+
+/// Whether a graph weight is an attention's key or value projection (or bias), which module
+/// code holds inside its query's tensor.
+fn inside_query(name: &str) -> bool {
+    [".attn.k.", ".attn.v."].iter().any(|p| name.contains(p))
+}
+
+/// Elements of a section's parameter tensors as module code holds them, in the order the
+/// forward uses them (an attention's key and value weight inside its query's weight, their
+/// biases inside its bias).
+fn module_weights(g: &Graph) -> Vec<u64> {
+    let mut out: Vec<u64> = Vec::new();
+    // Where the latest query weight and bias went.
+    let mut query: [Option<usize>; 2] = [None, None];
+    for t in g.tensors.iter().filter(|t| t.role == TensorRole::Weight) {
+        let kind = usize::from(t.name.ends_with("bias"));
+        match query[kind] {
+            Some(q) if inside_query(&t.name) => out[q] += t.shape.elems(),
+            _ => {
+                if t.name.contains(".attn.q.") {
+                    query[kind] = Some(out.len());
+                }
+                out.push(t.shape.elems());
+            }
+        }
+    }
+    out
+}
+
+/// [`PartCost::regathered`]: each gathered weight whose later weights, run twice (recomputed
+/// forward, then backward) before its own backward, exceed DeepSpeed's reuse distance.
+fn regathered_under_recompute(g: &Graph) -> (u64, u64) {
+    let mut after = 0u64;
+    let (mut n, mut elems) = (0, 0);
+    for e in module_weights(g).into_iter().rev() {
+        if e >= DEEPSPEED_PERSISTENCE_ELEMENTS && 2 * after > DEEPSPEED_MAX_REUSE_ELEMENTS {
+            n += 1;
+            elems += e;
+        }
+        after += e;
+    }
+    (n, elems)
 }
 
 /// Ops selective recomputation redoes in backward: everything bandwidth-bound, and an unfused
@@ -2915,6 +2975,29 @@ mod tests {
         assert!(Zero3Engine::DeepSpeed2022.blocks_compute());
         assert!(!Zero3Engine::DeepSpeed.blocks_compute() && !Zero3Engine::Units.blocks_compute());
         assert_eq!(Zero3Engine::Units.host_dispatches_per_rank(), 0.0);
+    }
+
+    /// Under full recomputation DeepSpeed keeps a submodule's weight from its recomputed
+    /// forward to its backward only while the later submodules' parameters, run twice in
+    /// between, stay within 1e9: GPT-3 175B's QKV (9h² after it, twice), projection (8h²) and
+    /// first MLP linear (4h²) go and come back, its last linear stays; GPT-2 XL keeps all four.
+    #[test]
+    fn deepspeed_regathers_beyond_its_reuse_distance() {
+        let big = cfg("gpt3-175b");
+        let small = cfg("gpt2-xl");
+        let p = preset("dgx-a100-80gb").unwrap();
+        let l = Layout {
+            dp: 8,
+            ..Layout::default()
+        };
+        let layer = |m: &TransformerConfig| {
+            *transformer_costs(&setup(m, &p, 8, Runtime::default()), &l)
+                .unwrap()
+                .layer()
+        };
+        let h = big.hidden;
+        assert_eq!(layer(&big).regathered, (3, 8 * h * h));
+        assert_eq!(layer(&small).regathered, (0, 0));
     }
 
     /// Module code holds an attention's q, k and v in one tensor (Megatron's

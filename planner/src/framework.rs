@@ -491,7 +491,7 @@ const DEEPSPEED_2022: &[Feature] = &[
         source: "DeepSpeed 0.6–0.9 docs; DeepSpeed on Azure (2022): PyTorch 1.10.2, DeepSpeed 0.6.2, NCCL 2.12.10; FlashAttention reached PyTorch's SDPA in 2.0 (March 2023) and Megatron-DeepSpeed as --use-flash-attn in 2023",
     },
     Feature {
-        what: "ZeRO-3: one all-gather per partitioned submodule weight (norms and biases under stage3_param_persistence_threshold stay whole during the step, and are gathered again after it, one collective per tensor); gradients bucketed, each large tensor reduce-scattered alone, each tensor sliced into world-size views in Python (reduce_scatter_coalesced)",
+        what: "ZeRO-3: one all-gather per partitioned submodule weight (norms and biases under stage3_param_persistence_threshold stay whole during the step, and are gathered again after it, one collective per tensor); under full recomputation a weight whose backward lies beyond stage3_max_reuse_distance (default 1e9 elements of other submodules) is released after its recomputed forward and gathered again; gradients bucketed, each large tensor reduce-scattered alone, each tensor sliced into world-size views in Python (reduce_scatter_coalesced)",
         source: "deepspeed/runtime/zero/partitioned_param_coordinator.py, stage3.py __reduce_and_partition_ipg_grads and step (persistent_parameters[0].all_gather), partition_parameters.py _allgather_params_coalesced, runtime/comm/coalesced_collectives.py (v0.6.2)",
     },
     Feature {

@@ -703,6 +703,15 @@ pub fn step_terms(
             net.collective(kind, Bytes(bytes / n), dp_group) * n as f64
         };
         let ag = calls(Collective::AllGather, engine.gathers(layer), p * wbytes);
+        // Under full recomputation DeepSpeed gathers a submodule's weight for the recomputed
+        // forward and keeps it for the backward only within its reuse distance.
+        let (again, again_elems) = layer.regathered;
+        let regather =
+            if engine != Zero3Engine::Units && l.recompute == Recompute::Full && again > 0 {
+                calls(Collective::AllGather, again, again_elems * wbytes)
+            } else {
+                Seconds(0.0)
+            };
         let rs = calls(
             Collective::ReduceScatter,
             engine.reduce_scatters(layer),
@@ -720,22 +729,25 @@ pub fn step_terms(
         } else {
             dev.memory(2.0 * (p * setup.grad_reduce_bytes()) as f64)
         };
-        let (ag, rs, host) = if shard > 1 {
-            (ag, rs, host + predivide)
+        let (ag, ag_bwd, rs, host) = if shard > 1 {
+            (ag, ag + regather, rs, host + predivide)
         } else {
-            (Seconds(0.0), Seconds(0.0), Seconds(0.0))
+            (Seconds(0.0), Seconds(0.0), Seconds(0.0), Seconds(0.0))
         };
         if engine.blocks_compute() {
             // The gathers and reductions hold the stream; the offloaded shards' reads from the
             // host or NVMe run ahead on their own threads (ZeRO-Infinity's prefetch, §6.3).
             (
                 ag + exposed(fetch_fwd, layer.fwd()),
-                ag + rs + host + exposed(fetch_bwd, layer.bwd_input() + layer.bwd_weight()),
+                ag_bwd + rs + host + exposed(fetch_bwd, layer.bwd_input() + layer.bwd_weight()),
             )
         } else {
             (
                 exposed(ag + fetch_fwd, layer.fwd()),
-                exposed(ag + rs + fetch_bwd, layer.bwd_input() + layer.bwd_weight()) + host,
+                exposed(
+                    ag_bwd + rs + fetch_bwd,
+                    layer.bwd_input() + layer.bwd_weight(),
+                ) + host,
             )
         }
     } else if reduces_per_micro_batch(setup, l) {
