@@ -487,7 +487,7 @@ const DEEPSPEED_ZERO3_2021: &[Feature] = &[
 
 const DEEPSPEED_2022: &[Feature] = &[
     Feature {
-        what: "ZeRO 0–3 as the current stack (pipeline engine with 1F1B only; optimizer and parameter offload; gradients reduced in the training type: ZeRO-3 asserts fp16 or bf16), with model code of its time: attention as batched GEMMs around a softmax",
+        what: "ZeRO 0–3 as the current stack (pipeline engine with 1F1B only; optimizer and parameter offload; gradients reduced in the training type: ZeRO-3 asserts fp16 or bf16), without context parallelism (DeepSpeed-Ulysses came with 0.10, August 2023), with model code of its time: attention as batched GEMMs around a softmax",
         source: "DeepSpeed 0.6–0.9 docs; DeepSpeed on Azure (2022): PyTorch 1.10.2, DeepSpeed 0.6.2, NCCL 2.12.10; FlashAttention reached PyTorch's SDPA in 2.0 (March 2023) and Megatron-DeepSpeed as --use-flash-attn in 2023",
     },
     Feature {
@@ -882,7 +882,11 @@ fn deepspeed_2022() -> Parts {
             fused_attention: false,
             ..runtime
         },
-        space,
+        // DeepSpeed-Ulysses, its sequence (context) parallelism, came with 0.10 (August 2023).
+        space: Space {
+            context_parallel: false,
+            ..space
+        },
     }
 }
 
@@ -1978,6 +1982,19 @@ mod tests {
                 "{spec}"
             );
         }
+        // Context parallelism (DeepSpeed-Ulysses) is 0.10's.
+        assert!(
+            !Framework::parse("deepspeed@0.6")
+                .unwrap()
+                .space
+                .context_parallel
+        );
+        assert!(
+            Framework::parse("deepspeed")
+                .unwrap()
+                .space
+                .context_parallel
+        );
     }
 
     #[test]
