@@ -665,12 +665,43 @@ pub enum Zero3Engine {
 }
 
 impl Zero3Engine {
+    /// DeepSpeed's engines: each submodule's hooks gather and release its weight, tensors
+    /// under the persistence threshold stay whole, and each whole gradient is divided by the
+    /// ranks before it is reduced (`reduce_scatter_coalesced`'s pre-divide; `average_tensor`
+    /// before 0.6).
+    pub fn submodule_hooks(self) -> bool {
+        self != Zero3Engine::Units
+    }
+
     /// All-gathers of one layer's parameters per pass: one, or one per partitioned tensor
     /// (a submodule's weight; its bias and the norms persist whole).
     pub fn gathers(self, layer: &PartCost) -> u64 {
-        match self {
-            Zero3Engine::Units => 1,
-            _ => layer.gathered_tensors.max(1),
+        if self.submodule_hooks() {
+            layer.gathered_tensors.max(1)
+        } else {
+            1
+        }
+    }
+
+    /// The weights of one layer gathered a third time in backward (count, elements): under
+    /// full recomputation, those beyond DeepSpeed's reuse distance ([`PartCost::regathered`]).
+    pub fn regathers(self, layer: &PartCost, recompute: Recompute) -> (u64, u64) {
+        if self.submodule_hooks() && recompute == Recompute::Full {
+            layer.regathered
+        } else {
+            (0, 0)
+        }
+    }
+
+    /// Small collectives after each step: DeepSpeed gathers every tensor under its
+    /// persistence threshold again, one call apiece (`_post_step`'s
+    /// `persistent_parameters[0].all_gather`, `_allgather_params_coalesced` looping over them,
+    /// v0.5 to v0.19).
+    pub fn gathers_after_step(self, part: &PartCost) -> u64 {
+        if self.submodule_hooks() {
+            part.param_tensors.saturating_sub(part.gathered_tensors)
+        } else {
+            0
         }
     }
 
@@ -957,7 +988,7 @@ pub struct PartCost {
     /// the ones DeepSpeed's ZeRO-3 partitions and gathers ([`Zero3Engine::gathers`]).
     #[serde(default)]
     pub gathered_tensors: u64,
-    /// Elements of the largest of those tensors: what DeepSpeed's ZeRO-3 holds gathered at a
+    /// Elements of the largest parameter tensor: what DeepSpeed's ZeRO-3 holds gathered at a
     /// time, and the largest gradient autograd hands its reduction.
     #[serde(default)]
     pub largest_tensor: u64,
@@ -1464,6 +1495,8 @@ struct SectionGraph {
     work: Vec<parallax_ir::Work>,
     /// Per node: a linear layer every TP rank holds whole ([`duplicated_over_tp`]).
     duplicated: Vec<bool>,
+    /// Its parameter tensors as module code holds them.
+    tensors: ModuleTensors,
     redo: Mutex<HashMap<SelectivePolicy, Arc<[bool]>>>,
     saved: Mutex<HashMap<SavedKey, f64>>,
 }
@@ -1480,11 +1513,13 @@ impl SectionGraph {
         let shapes = graph.nodes.iter().map(|n| graph.input_shapes(n)).collect();
         let work = graph.nodes.iter().map(|n| graph.node_work(n, fb)).collect();
         let duplicated = graph.nodes.iter().map(duplicated_over_tp).collect();
+        let tensors = ModuleTensors::of(&graph);
         SectionGraph {
             graph,
             shapes,
             work,
             duplicated,
+            tensors,
             redo: Mutex::default(),
             saved: Mutex::default(),
         }
@@ -2475,31 +2510,53 @@ fn price(
         compute: prices.time(g, |_| true),
         saved: Bytes(g.saved(fb, sp, tp, hidden, None, inputs) as u64),
         params: g.param_count(),
-        param_tensors: module_param_tensors(g, 0),
-        gathered_tensors: module_param_tensors(g, DEEPSPEED_PERSISTENCE_ELEMENTS),
-        largest_tensor: g
-            .tensors
-            .iter()
-            .filter(|t| t.role == TensorRole::Weight)
-            .map(|t| t.shape.elems())
-            .max()
-            .unwrap_or(0),
-        regathered: regathered_under_recompute(g),
+        param_tensors: g.tensors.count,
+        gathered_tensors: g.tensors.gathered,
+        largest_tensor: g.tensors.largest,
+        regathered: g.tensors.regathered,
         model_flops,
         hardware_flops: model_flops,
         ..PartCost::default()
     }
 }
 
-/// Parameter tensors of a section as module code holds them, of at least `min_elems`
-/// elements: the graph's weights, an attention's key and value projections (and their
-/// biases) counted inside its query's, as Megatron-LM's `query_key_value` and GPT-2's
-/// `c_attn` hold the three in one tensor.
-fn module_param_tensors(g: &Graph, min_elems: u64) -> u64 {
-    module_weights(g)
-        .into_iter()
-        .filter(|&e| e >= min_elems)
-        .count() as u64
+/// A section's parameter tensors as module code holds them: the graph's weights, an
+/// attention's key and value projections (and their biases) counted inside its query's, as
+/// Megatron-LM's `query_key_value` and GPT-2's `c_attn` hold the three in one tensor. The
+/// [`PartCost`] fields of the same names read them.
+#[derive(Clone, Copy, Debug, Default)]
+struct ModuleTensors {
+    count: u64,
+    /// Those of at least [`DEEPSPEED_PERSISTENCE_ELEMENTS`].
+    gathered: u64,
+    largest: u64,
+    /// Those beyond DeepSpeed's reuse distance under full recomputation (count, elements):
+    /// each gathered weight whose later weights, run twice (recomputed forward, then backward)
+    /// before its own backward, exceed [`DEEPSPEED_MAX_REUSE_ELEMENTS`].
+    regathered: (u64, u64),
+}
+
+impl ModuleTensors {
+    fn of(g: &Graph) -> Self {
+        let weights = module_weights(g);
+        let mut t = ModuleTensors {
+            count: weights.len() as u64,
+            largest: weights.iter().copied().max().unwrap_or(0),
+            ..ModuleTensors::default()
+        };
+        let mut after = 0u64;
+        for &e in weights.iter().rev() {
+            if e >= DEEPSPEED_PERSISTENCE_ELEMENTS {
+                t.gathered += 1;
+                if 2 * after > DEEPSPEED_MAX_REUSE_ELEMENTS {
+                    t.regathered.0 += 1;
+                    t.regathered.1 += e;
+                }
+            }
+            after += e;
+        }
+        t
+    }
 }
 
 /// Whether a graph weight is an attention's key or value projection (or bias), which module
@@ -2528,21 +2585,6 @@ fn module_weights(g: &Graph) -> Vec<u64> {
         }
     }
     out
-}
-
-/// [`PartCost::regathered`]: each gathered weight whose later weights, run twice (recomputed
-/// forward, then backward) before its own backward, exceed DeepSpeed's reuse distance.
-fn regathered_under_recompute(g: &Graph) -> (u64, u64) {
-    let mut after = 0u64;
-    let (mut n, mut elems) = (0, 0);
-    for e in module_weights(g).into_iter().rev() {
-        if e >= DEEPSPEED_PERSISTENCE_ELEMENTS && 2 * after > DEEPSPEED_MAX_REUSE_ELEMENTS {
-            n += 1;
-            elems += e;
-        }
-        after += e;
-    }
-    (n, elems)
 }
 
 /// Ops selective recomputation redoes in backward: everything bandwidth-bound, and an unfused

@@ -820,8 +820,13 @@ fn torchtitan_2024() -> Parts {
 }
 
 /// Megatron-DeepSpeed with its gradients reduced in fp32 (`grad_reduce_fp32`: the
-/// BF16_Optimizer) or in fp16, on a DeepSpeed whose pipeline engine sends `pipe_messages`.
-fn megatron_deepspeed(grad_reduce_fp32: bool, pipe_messages: PipeMessages) -> Parts {
+/// BF16_Optimizer) or in fp16, on a DeepSpeed whose pipeline engine sends `pipe_messages` and
+/// whose ZeRO-3 (its runs without a pipeline) is `zero3`.
+fn megatron_deepspeed(
+    grad_reduce_fp32: bool,
+    pipe_messages: PipeMessages,
+    zero3: Zero3Engine,
+) -> Parts {
     Parts {
         runtime: Runtime {
             // DeepSpeed's fp16 engine accumulates in the parameters' `.grad`; its BF16_Optimizer
@@ -833,12 +838,7 @@ fn megatron_deepspeed(grad_reduce_fp32: bool, pipe_messages: PipeMessages) -> Pa
             },
             pipe_sends: PipeSends::Separate,
             pipe_messages,
-            // Its ZeRO-3 runs (no pipeline) are DeepSpeed's of the time.
-            zero3: if grad_reduce_fp32 {
-                Zero3Engine::DeepSpeed2022
-            } else {
-                Zero3Engine::DeepSpeed2021
-            },
+            zero3,
             ..megatron_loss(pre_flash(false, grad_reduce_fp32))
         },
         space: Space {
@@ -1127,7 +1127,11 @@ pub const STACKS: &[Stack] = &[
         features: MEGATRON_DEEPSPEED_2021,
         matches: |n, v| n == "megatron-deepspeed" && v.year.is_some_and(|y| y <= 2021),
         // DeepSpeed before 0.5.4 (October 2021) sent input gradients whole.
-        build: || megatron_deepspeed(false, PipeMessages::DeepSpeedWholeGrads),
+        build: || megatron_deepspeed(
+            false,
+            PipeMessages::DeepSpeedWholeGrads,
+            Zero3Engine::DeepSpeed2021,
+        ),
     },
     Stack {
         name: "megatron-deepspeed@2022",
@@ -1135,7 +1139,11 @@ pub const STACKS: &[Stack] = &[
         names: &["megatron-deepspeed"],
         features: MEGATRON_DEEPSPEED_2022,
         matches: |n, v| n == "megatron-deepspeed" && v.year.is_none_or(|y| y > 2021),
-        build: || megatron_deepspeed(true, PipeMessages::DeepSpeedPartitioned),
+        build: || megatron_deepspeed(
+            true,
+            PipeMessages::DeepSpeedPartitioned,
+            Zero3Engine::DeepSpeed2022,
+        ),
     },
     Stack {
         name: "deepspeed@0.3",

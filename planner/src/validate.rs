@@ -1549,14 +1549,23 @@ mod tests {
         );
     }
 
+    /// The MoE, ZeRO and offload file as JSON with only case `id` left in it.
+    fn moe_zero_offload_case(id: &str) -> serde_json::Value {
+        let mut doc: serde_json::Value =
+            serde_json::from_str(&ground_truth_text("moe-zero-offload.json")).unwrap();
+        doc["cases"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|c| c["id"] == id);
+        doc
+    }
+
     /// A published DualPipe layout (the schema's `schedule: dualpipe`, `interleave: null`)
     /// is simulated as DualPipe: DeepSeek-V3's own training layout, pp 16 × ep 64.
     #[test]
     fn a_dualpipe_case_is_simulated_as_dualpipe() {
-        let mut doc: serde_json::Value =
-            serde_json::from_str(&ground_truth_text("moe-zero-offload.json")).unwrap();
+        let mut doc = moe_zero_offload_case("mb2509-dsv3-1024xh100-fp8");
         let cases = doc["cases"].as_array_mut().unwrap();
-        cases.retain(|c| c["id"] == "mb2509-dsv3-1024xh100-fp8");
         let plan = &mut cases[0]["plan"];
         for (k, v) in [
             ("schedule", serde_json::json!("dualpipe")),
@@ -1587,10 +1596,8 @@ mod tests {
     /// same run at the hidden width; a latent as wide as the model is none.
     #[test]
     fn latent_moe_cases_are_predicted() {
-        let mut doc: serde_json::Value =
-            serde_json::from_str(&ground_truth_text("moe-zero-offload.json")).unwrap();
+        let mut doc = moe_zero_offload_case("mb260401-nemotron3nano-16xh100-fp8");
         let cases = doc["cases"].as_array_mut().unwrap();
-        cases.retain(|c| c["id"] == "mb260401-nemotron3nano-16xh100-fp8");
         let plain = cases[0].clone();
         let mut wide = cases[0].clone();
         wide["model"]["moe"]["latent_size"] = wide["model"]["hidden"].clone();

@@ -21,7 +21,7 @@ use parallax_cost::memory::{
 };
 use parallax_cost::transformer::{
     check_layout, model_flops_per_step, transformer_costs, HostUpdate, Infeasible, PartCost,
-    PipeSends, Setup, TransformerCosts, Zero3Engine,
+    PipeSends, Setup, TransformerCosts,
 };
 use parallax_ir::{Bytes, Layout, Offload, Recompute, Seconds, GIB};
 use serde::{Deserialize, Serialize};
@@ -447,20 +447,17 @@ pub fn stage_memory_of(
     }
     if zero >= 3 {
         let wbytes = if setup.precision.is_mixed() { 2.0 } else { 4.0 };
-        buffers += match setup.runtime.zero3 {
-            // Two layers gathered (current and prefetched) plus one layer's unsharded gradient.
-            Zero3Engine::Units => {
-                let p = largest(&|l| l.params) as f64;
-                2.0 * p * wbytes + p * 4.0
-            }
+        buffers += if setup.runtime.zero3.submodule_hooks() {
             // DeepSpeed gathers a submodule's weight at a time (the current one and the one
             // prefetched) and reduces each gradient as autograd hands it over, through a
             // bucket of `reduce_bucket_size` elements in the reduce type.
-            _ => {
-                let t = largest(&|l| l.largest_tensor) as f64;
-                let grad = setup.grad_reduce_bytes() as f64;
-                2.0 * t * wbytes + (t + DEEPSPEED_BUCKET_ELEMENTS) * grad
-            }
+            let t = largest(&|l| l.largest_tensor) as f64;
+            let grad = setup.grad_reduce_bytes() as f64;
+            2.0 * t * wbytes + (t + DEEPSPEED_BUCKET_ELEMENTS) * grad
+        } else {
+            // Two layers gathered (current and prefetched) plus one layer's unsharded gradient.
+            let p = largest(&|l| l.params) as f64;
+            2.0 * p * wbytes + p * 4.0
         };
     }
     // The flat copies the stack's optimizer makes around the step, on the device.
@@ -705,13 +702,10 @@ pub fn step_terms(
         let ag = calls(Collective::AllGather, engine.gathers(layer), p * wbytes);
         // Under full recomputation DeepSpeed gathers a submodule's weight for the recomputed
         // forward and keeps it for the backward only within its reuse distance.
-        let (again, again_elems) = layer.regathered;
-        let regather =
-            if engine != Zero3Engine::Units && l.recompute == Recompute::Full && again > 0 {
-                calls(Collective::AllGather, again, again_elems * wbytes)
-            } else {
-                Seconds(0.0)
-            };
+        let regather = match engine.regathers(layer, l.recompute) {
+            (0, _) => Seconds(0.0),
+            (n, elems) => calls(Collective::AllGather, n, elems * wbytes),
+        };
         let rs = calls(
             Collective::ReduceScatter,
             engine.reduce_scatters(layer),
@@ -721,13 +715,12 @@ pub fn step_terms(
         // launches the backward.
         let host = setup.profile.device.kernel_overhead()
             * (engine.host_dispatches_per_rank() * layer.param_tensors as f64 * f64::from(shard));
-        // DeepSpeed divides each whole gradient by the ranks before reducing it
-        // (`reduce_scatter_coalesced`'s pre-divide; `average_tensor` before 0.6): a pass over
+        // DeepSpeed divides each whole gradient by the ranks before reducing it: a pass over
         // the layer's gradients.
-        let predivide = if engine == Zero3Engine::Units {
-            Seconds(0.0)
-        } else {
+        let predivide = if engine.submodule_hooks() {
             dev.memory(2.0 * (p * setup.grad_reduce_bytes()) as f64)
+        } else {
+            Seconds(0.0)
         };
         let (ag, ag_bwd, rs, host) = if shard > 1 {
             (ag, ag + regather, rs, host + predivide)
@@ -982,26 +975,23 @@ pub fn step_terms(
                 ag
             };
         }
-        if zero >= 3 && shard > 1 && setup.runtime.zero3 != Zero3Engine::Units {
-            // DeepSpeed partitions the tensors under its persistence threshold too (norms,
-            // biases: held whole during the step) and gathers each again after every step, one
-            // collective per tensor (`_post_step`: `persistent_parameters[0].all_gather`,
-            // `_allgather_params_coalesced` looping over them, v0.5 to v0.19): a small buffer
-            // each, at the ring's latency.
+        if zero >= 3 && shard > 1 {
+            // The small collectives the stack runs after its step
+            // ([`Zero3Engine::gathers_after_step`]): a hidden-wide buffer each, at the ring's
+            // latency.
+            let engine = setup.runtime.zero3;
             let small: u64 = positions_of(l, s)
                 .into_iter()
-                .map(|vs| {
-                    virtual_stage_count(c, layers, vs, |p| {
-                        p.param_tensors.saturating_sub(p.gathered_tensors)
-                    })
-                })
+                .map(|vs| virtual_stage_count(c, layers, vs, |p| engine.gathers_after_step(p)))
                 .sum();
-            let one = net.collective(
-                Collective::AllGather,
-                Bytes(setup.model.hidden * wbytes),
-                dp_group,
-            );
-            param_gather[s as usize] += one * small as f64;
+            if small > 0 {
+                let one = net.collective(
+                    Collective::AllGather,
+                    Bytes(setup.model.hidden * wbytes),
+                    dp_group,
+                );
+                param_gather[s as usize] += one * small as f64;
+            }
         }
     }
     // A tied table lives on the first stage (the embedding) and the last (the head's copy):
@@ -1337,6 +1327,7 @@ mod tests {
     use super::*;
     use parallax_cost::transformer::{
         CrossEntropy, HostOptimizer, OptimizerPasses, PipeMessages, Runtime, WgradAccumulation,
+        Zero3Engine,
     };
     use parallax_hardware::{preset, ClusterProfile};
     use parallax_ir::models::{zoo, TransformerConfig};
@@ -1354,6 +1345,17 @@ mod tests {
         batch: u64,
     ) -> Setup<'a> {
         Setup::new(m, p, gpus, 2048, batch)
+    }
+
+    /// `base` under ZeRO-3 engine `zero3`.
+    fn with_zero3(base: Setup, zero3: Zero3Engine) -> Setup {
+        Setup {
+            runtime: Runtime {
+                zero3,
+                ..base.runtime
+            },
+            ..base
+        }
     }
 
     /// `base` under a stack whose FSDP keeps pipelined stages gathered (torchtitan's).
@@ -2064,13 +2066,7 @@ mod tests {
         let m = gpt3();
         let p = preset("dgx-a100-80gb").unwrap();
         let run = |zero3: Zero3Engine, micro_batch: u64| {
-            let s = Setup {
-                runtime: Runtime {
-                    zero3,
-                    ..Runtime::default()
-                },
-                ..setup(&m, &p, 256, 256 * micro_batch)
-            };
+            let s = with_zero3(setup(&m, &p, 256, 256 * micro_batch), zero3);
             let l = Layout {
                 dp: 256,
                 zero_stage: 3,
@@ -2106,13 +2102,7 @@ mod tests {
             ..Layout::default()
         };
         let terms = |zero3: Zero3Engine| {
-            let s = Setup {
-                runtime: Runtime {
-                    zero3,
-                    ..Runtime::default()
-                },
-                ..setup(&m, &p, 1024, 1024)
-            };
+            let s = with_zero3(setup(&m, &p, 1024, 1024), zero3);
             let c = transformer_costs(&s, &l).unwrap();
             let layers = stage_layers(m.layers, &l);
             step_terms(&s, &l, &c, &layers).unwrap().param_gather[0]
@@ -2146,13 +2136,7 @@ mod tests {
             ..Layout::default()
         };
         let buffers = |zero3: Zero3Engine| {
-            let s = Setup {
-                runtime: Runtime {
-                    zero3,
-                    ..Runtime::default()
-                },
-                ..setup(&m, &p, 256, 256)
-            };
+            let s = with_zero3(setup(&m, &p, 256, 256), zero3);
             simulate_step(&s, &l).unwrap().prediction.memory.buffers
         };
         let c = transformer_costs(&setup(&m, &p, 256, 256), &l).unwrap();
