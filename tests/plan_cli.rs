@@ -476,3 +476,107 @@ fn frameworks_lists_every_stack_with_sources() {
         .unwrap();
     assert_eq!(dp_only["context_parallel"], false);
 }
+
+/// A DeepSpeed run's `ds_config.json` is an input: what `--export deepspeed` writes predicts,
+/// through `simulate --ds-config`, the step its plan predicted (the batch, ZeRO stage, data
+/// parallelism and micro-batch from the file); `plan --ds-config` searches only what the file
+/// leaves open; a knob given otherwise, a non-DeepSpeed stack or a bad file is one line and
+/// status 2; keys parallax does not price are named in a note.
+#[test]
+fn a_ds_config_sets_up_the_deepspeed_run_it_describes() {
+    let dir = std::env::temp_dir().join(format!("parallax-ds-config-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let job = ["--model", "gpt3-1.3b", "--cluster", "dgx-a100-80gb:gpus=16"];
+    let mut args: Vec<&str> = job.to_vec();
+    args.extend(["--global-batch", "512", "--export", "deepspeed", "--json"]);
+    args.extend(["--out", dir.to_str().unwrap()]);
+    let planned = common::json_of(&plan(&args));
+    let file = dir.join("ds_config.json");
+    let ds = file.to_str().unwrap();
+    let step = |d: &serde_json::Value| d["step_time_s"].as_f64().unwrap();
+    let mut sim: Vec<&str> = vec!["simulate"];
+    sim.extend(job);
+    sim.extend(["--ds-config", ds, "--plan", "tp=1,pp=1", "--json"]);
+    let simulated = common::json_of(&common::parallax(&sim));
+    let want = planned["plan"]["prediction"]["step_time_s"]
+        .as_f64()
+        .unwrap();
+    assert!((step(&simulated) - want).abs() < 1e-9 * want, "{simulated}");
+    assert_eq!(
+        simulated["framework"],
+        format!("deepspeed@0.19, ds_config {ds}")
+    );
+    let layout = &planned["plan"]["layout"];
+    for key in ["zero_stage", "micro_batch", "dp"] {
+        assert_eq!(simulated["layout"][key], layout[key], "{key}");
+    }
+
+    // The search keeps the file's knobs: ZeRO-1 at micro-batch 2 over 16 ranks.
+    let custom = dir.join("custom.json");
+    std::fs::write(
+        &custom,
+        r#"{"train_batch_size": 512, "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 16, "bf16": {"enabled": true},
+            "zero_optimization": {"stage": 1, "contiguous_gradients": true}}"#,
+    )
+    .unwrap();
+    let custom = custom.to_str().unwrap();
+    let mut args: Vec<&str> = job.to_vec();
+    args.extend(["--ds-config", custom]);
+    let out = plan(&[args.as_slice(), &["--json"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "note: --ds-config {custom}: not priced: zero_optimization.contiguous_gradients"
+        )),
+        "{err}"
+    );
+    let doc = common::json_of(&out);
+    let l = &doc["plan"]["layout"];
+    assert_eq!(
+        (&l["zero_stage"], &l["micro_batch"], &l["dp"]),
+        (&1.into(), &2.into(), &16.into())
+    );
+    assert_eq!(doc["plan"]["training"]["global_batch"], 512);
+
+    for (extra, want) in [
+        (
+            vec!["simulate", "--ds-config", custom, "--plan", "zero=2"],
+            format!("error: --plan: --ds-config {custom} sets zero_optimization.stage 1 (given 2)"),
+        ),
+        (
+            vec!["plan", "--ds-config", custom, "--global-batch", "256"],
+            format!("error: --global-batch 256: --ds-config {custom}: train_batch_size is 512"),
+        ),
+        (
+            vec!["plan", "--ds-config", custom, "--framework", "torchtitan"],
+            format!("error: --ds-config {custom}: torchtitan reads no DeepSpeed config"),
+        ),
+        (
+            vec!["plan", "--ds-config", custom, "--precision", "fp16"],
+            format!("error: --precision fp16: --ds-config {custom} trains in bf16"),
+        ),
+        (
+            vec!["plan", "--ds-config", "/nonexistent/ds.json"],
+            "error: --ds-config /nonexistent/ds.json: cannot read:".to_string(),
+        ),
+    ] {
+        let (cmd, rest) = extra.split_first().unwrap();
+        let out = common::parallax(&[&[*cmd], &job[..], rest].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.starts_with(&want), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    let bad = dir.join("bad.json");
+    std::fs::write(&bad, r#"{"zero_optimization": {"stage": 5}}"#).unwrap();
+    let bad = bad.to_str().unwrap();
+    let out = plan(&[&job[..], &["--global-batch", "512", "--ds-config", bad]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(
+        err.trim(),
+        format!("error: {bad}: zero_optimization.stage: 5 is not 0–3")
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -6,7 +6,9 @@ use clap::Args as ClapArgs;
 use parallax_cost::transformer::Setup;
 use parallax_hardware::Cluster;
 use parallax_ir::models::{MoeConfig, TransformerConfig};
+use parallax_ir::PartialLayout;
 use parallax_ir::{load_model, Fp8Recipe, Precision, MAX_GLOBAL_BATCH};
+use parallax_planner::ds_config::DsConfig;
 use parallax_planner::Framework;
 
 /// The flags that name a training job.
@@ -18,9 +20,9 @@ pub struct JobArgs {
     /// `PRESET:gpus=N` (e.g. dgx-a100-80gb:gpus=1024) or a profile TOML path.
     #[arg(long)]
     pub cluster: String,
-    /// Sequences per optimizer step.
-    #[arg(long)]
-    pub global_batch: u64,
+    /// Sequences per optimizer step (default with --ds-config: its train_batch_size).
+    #[arg(long, required_unless_present = "ds_config")]
+    pub global_batch: Option<u64>,
     /// Sequence length (default: the model's maximum).
     #[arg(long)]
     pub seq: Option<u64>,
@@ -59,6 +61,13 @@ pub struct JobArgs {
     /// (Megatron-Core's `--moe-pad-expert-input-to-capacity`).
     #[arg(long)]
     pub pad_to_capacity: bool,
+    /// A DeepSpeed run's `ds_config.json`: its batch, precision, ZeRO stage, micro-batch,
+    /// offload and AutoTP fix those of the job and the layout, and its overlap_comm,
+    /// communication_data_type, reduce_bucket_size and stage3 thresholds the stack's (a
+    /// DeepSpeed stack: `deepspeed` unless --framework names another). Keys it sets that
+    /// parallax does not price are listed in a note.
+    #[arg(long, value_name = "FILE")]
+    pub ds_config: Option<std::path::PathBuf>,
 }
 
 /// How activations are laid out in memory (`--memory-format`).
@@ -82,12 +91,15 @@ pub struct Job {
     /// The fp8 recipe `--fp8-recipe` chose (already in `framework`; kept for a stack that
     /// replaces it, as `--export` does).
     pub fp8_recipe: Option<Fp8Recipe>,
+    /// The run's `ds_config.json` (`--ds-config`) and its name as given: already in
+    /// `framework`; its layout knobs are fixed by [`Job::fixes`].
+    pub ds_config: Option<Box<(DsConfig, String)>>,
 }
 
 /// A loaded job: a transformer for the structured path, or any other graph for the per-op path.
 pub enum Loaded {
-    Transformer(Job),
-    Graph(GraphModel),
+    Transformer(Box<Job>),
+    Graph(Box<GraphModel>),
 }
 
 /// A batch flag (`--global-batch`, `--batch`) within what is modelled: at least 1, at most
@@ -107,14 +119,19 @@ pub fn check_batch(flag: &str, batch: u64) -> anyhow::Result<()> {
 impl JobArgs {
     /// Loads the model and the cluster once; bad input is one line naming the flag.
     pub fn load(&self) -> anyhow::Result<Loaded> {
-        check_batch("--global-batch", self.global_batch)?;
+        let ds_config = self.read_ds_config()?;
+        let ds = ds_config.as_ref().map(|(c, _)| c);
+        let global_batch = self.global_batch(ds)?;
         let loaded = load_model(&self.model).map_err(user)?;
         let seq = self.seq.unwrap_or(loaded.default_seq());
         loaded.check_seq(seq).map_err(user)?;
         let cluster = Cluster::parse(&self.cluster).map_err(user)?;
-        let framework = match &self.framework {
-            Some(spec) => Framework::parse(spec).map_err(|e| user(format!("--framework: {e}")))?,
-            None => Framework::current(),
+        let framework = match (&self.framework, ds) {
+            (Some(spec), _) => {
+                Framework::parse(spec).map_err(|e| user(format!("--framework: {e}")))?
+            }
+            (None, Some(_)) => Framework::for_engine(parallax_planner::export::Engine::DeepSpeed),
+            (None, None) => Framework::current(),
         };
         // Read here rather than by clap, whose refusal would echo the whole value.
         let fp8_recipe = self
@@ -124,7 +141,7 @@ impl JobArgs {
             .transpose()
             .map_err(|e| user(format!("--fp8-recipe: {e}")))?;
         let precision = self
-            .precision
+            .precision(ds)?
             .unwrap_or_else(|| cluster.profile.device.default_precision());
         if fp8_recipe.is_some() && precision != Precision::Fp8 {
             return Err(user(format!(
@@ -134,19 +151,22 @@ impl JobArgs {
         Ok(match loaded.transformer().cloned() {
             Some(mut model) => {
                 let framework = self.with_options(framework, fp8_recipe)?;
+                let framework = with_ds_config(framework, ds_config.as_ref())?;
                 self.apply_capacity(&mut model)?;
-                Loaded::Transformer(Job {
+                Loaded::Transformer(Box::new(Job {
                     name: loaded.name,
                     model,
                     cluster,
                     seq,
-                    global_batch: self.global_batch,
+                    global_batch,
                     precision,
                     framework,
                     fp8_recipe,
-                })
+                    ds_config: ds_config.map(Box::new),
+                }))
             }
             None if self.framework.is_some()
+                || self.ds_config.is_some()
                 || self.fp8_recipe.is_some()
                 || self.async_tp
                 || self.compile
@@ -154,6 +174,8 @@ impl JobArgs {
             {
                 let flag = if self.framework.is_some() {
                     "--framework"
+                } else if self.ds_config.is_some() {
+                    "--ds-config"
                 } else if self.async_tp {
                     "--async-tp"
                 } else if self.compile {
@@ -166,14 +188,73 @@ impl JobArgs {
                     self.model
                 )));
             }
-            None => Loaded::Graph(GraphModel::new(
+            None => Loaded::Graph(Box::new(GraphModel::new(
                 loaded,
                 cluster,
                 seq,
-                self.global_batch,
+                global_batch,
                 precision,
                 self.memory_format == MemoryFormat::Nchw,
-            )?),
+            )?)),
+        })
+    }
+
+    /// The `--ds-config` file read, with its name as given.
+    fn read_ds_config(&self) -> anyhow::Result<Option<(DsConfig, String)>> {
+        let Some(path) = &self.ds_config else {
+            return Ok(None);
+        };
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| user(format!("--ds-config {shown}: cannot read: {e}")))?;
+        let c = DsConfig::parse(&text, &shown).map_err(user)?;
+        Ok(Some((c, shown)))
+    }
+
+    /// The job's global batch: `--global-batch`, or the ds_config's `train_batch_size`, which
+    /// must agree where both are given.
+    fn global_batch(&self, ds: Option<&DsConfig>) -> anyhow::Result<u64> {
+        let file = || {
+            self.ds_config
+                .as_deref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
+        };
+        let batch = match (self.global_batch, ds.and_then(|c| c.train_batch)) {
+            (Some(g), Some(d)) if g != d => {
+                return Err(user(format!(
+                    "--global-batch {g}: --ds-config {}: train_batch_size is {d}",
+                    file()
+                )))
+            }
+            (Some(g), _) | (None, Some(g)) => g,
+            (None, None) => {
+                return Err(user(format!(
+                    "--global-batch: needed (--ds-config {} gives no train_batch_size)",
+                    file()
+                )))
+            }
+        };
+        check_batch("--global-batch", batch)?;
+        Ok(batch)
+    }
+
+    /// The precision `--precision` or the ds_config names (`None`: the cluster's default); a
+    /// file enabling bf16 trains fp8 too (Transformer Engine's fp8 inside bf16 training), any
+    /// other disagreement is refused.
+    fn precision(&self, ds: Option<&DsConfig>) -> anyhow::Result<Option<Precision>> {
+        Ok(match (self.precision, ds.and_then(|c| c.precision)) {
+            (Some(Precision::Fp8), Some(Precision::Bf16)) => Some(Precision::Fp8),
+            (Some(p), Some(d)) if p != d => {
+                return Err(user(format!(
+                    "--precision {p}: --ds-config {} trains in {d} (its fp16 / bf16 sections)",
+                    self.ds_config
+                        .as_deref()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default()
+                )))
+            }
+            (p, d) => p.or(d),
         })
     }
 
@@ -233,7 +314,85 @@ impl JobArgs {
     }
 }
 
+/// `fw` as the run's ds_config sets it up, where `--ds-config` names one.
+pub fn with_ds_config(fw: Framework, ds: Option<&(DsConfig, String)>) -> anyhow::Result<Framework> {
+    match ds {
+        Some((c, name)) => fw
+            .with_ds_config(c, name)
+            .map_err(|e| user(format!("--ds-config {name}: {e}"))),
+        None => Ok(fw),
+    }
+}
+
 impl Job {
+    /// `given` (`--plan` or `--fix`, named by `flag`) with the layout knobs the ds_config
+    /// fixes; a knob both set differently is refused.
+    pub fn fixes(&self, flag: &str, given: PartialLayout) -> anyhow::Result<PartialLayout> {
+        let Some((c, name)) = self.ds_config.as_deref() else {
+            return Ok(given);
+        };
+        let f = &c.fixes;
+        let mut out = given;
+        fn merge<T: PartialEq + Copy + std::fmt::Debug>(
+            slot: &mut Option<T>,
+            from_file: Option<T>,
+            what: &str,
+            conflict: &dyn Fn(String) -> anyhow::Error,
+        ) -> anyhow::Result<()> {
+            match (*slot, from_file) {
+                (Some(a), Some(b)) if a != b => {
+                    Err(conflict(format!("{what} {b:?} (given {a:?})")))
+                }
+                (_, Some(b)) => {
+                    *slot = Some(b);
+                    Ok(())
+                }
+                _ => Ok(()),
+            }
+        }
+        let conflict = |what: String| user(format!("{flag}: --ds-config {name} sets {what}"));
+        merge(
+            &mut out.zero_stage,
+            f.zero_stage,
+            "zero_optimization.stage",
+            &conflict,
+        )?;
+        merge(
+            &mut out.micro_batch,
+            f.micro_batch,
+            "train_micro_batch_size_per_gpu",
+            &conflict,
+        )?;
+        merge(
+            &mut out.dp,
+            f.dp,
+            "data parallelism (train_batch_size / micro-batch / accumulation)",
+            &conflict,
+        )?;
+        merge(&mut out.offload, f.offload, "offload", &conflict)?;
+        merge(&mut out.tp, f.tp, "tensor_parallel.autotp_size", &conflict)?;
+        merge(
+            &mut out.recompute,
+            f.recompute,
+            "pipeline.activation_checkpoint_interval",
+            &conflict,
+        )?;
+        Ok(out)
+    }
+
+    /// Says which keys of the ds_config parallax does not price (once the job is settled:
+    /// after a refusal only the error line is printed).
+    pub fn note_unpriced(&self) {
+        if let Some((c, name)) = self.ds_config.as_deref() {
+            if !c.unpriced.is_empty() {
+                eprintln!(
+                    "note: --ds-config {name}: not priced: {}",
+                    c.unpriced.join(", ")
+                );
+            }
+        }
+    }
+
     /// The costing setup of this job on its stack.
     pub fn setup(&self) -> Setup<'_> {
         Setup {

@@ -203,6 +203,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let stack = a
             .job
             .with_options(Framework::for_engine(e), job.fp8_recipe)?;
+        let stack = crate::job::with_ds_config(stack, job.ds_config.as_deref())?;
         let same = |f: &Framework| f.runtime == stack.runtime && f.space == stack.space;
         if a.job.framework.is_some() && !same(&job.framework) {
             return Err(user(format!(
@@ -214,9 +215,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let mut setup = job.setup();
     setup.runtime.allow_tp_across_nodes = a.allow_tp_across_nodes;
+    let force = job.fixes("--fix", fix)?;
+    job.note_unpriced();
     let opts = SearchOptions {
         top_k: a.top,
-        force: fix,
+        force,
         force_even_stages: a.even_stages,
         space: job.framework.space.clone(),
         engine,

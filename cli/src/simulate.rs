@@ -1,13 +1,13 @@
 //! `parallax simulate`: predict one training step of a layout.
 
 use crate::fmt::{bytes, table};
-use crate::job::{JobArgs, Loaded};
+use crate::job::{Job, JobArgs, Loaded};
 use crate::user;
 use clap::Args as ClapArgs;
 use parallax_cost::{step_time_band, Setup};
 use parallax_ir::{Layout, PartialLayout, GIB};
 use parallax_planner::report::{one_line, part_name, plan_job_differences};
-use parallax_planner::{complete_or_smallest, layout_string, Framework};
+use parallax_planner::{complete_or_smallest, layout_string};
 use parallax_sim::{simulate_step, SimulatedStep};
 use std::path::PathBuf;
 
@@ -48,7 +48,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     };
     let setup = job.setup();
-    let layout = resolve_layout(&a.plan, &setup, &a.job.model, &job.framework)?;
+    let layout = resolve_layout(&a.plan, &job, &a.job.model)?;
+    job.note_unpriced();
     let sim = simulate_step(&setup, &layout)
         .map_err(|e| user(format!("--plan {}: {e}", layout_string(&layout))))?;
     let band = step_time_band(&job.cluster.profile);
@@ -120,17 +121,14 @@ pub(crate) fn print_layer_costs(setup: &Setup, layout: &Layout) {
     );
 }
 
-/// The layout from a plan file or an inline spec (left-out keys completed by the search). A
-/// plan made for another model is refused; one made for another job (batch, sequence, precision,
-/// fp8 recipe, asynchronous TP, token dropping, stack) is simulated as the flags say, with a
-/// note for each difference.
-fn resolve_layout(
-    spec: &str,
-    setup: &Setup,
-    model: &str,
-    framework: &Framework,
-) -> anyhow::Result<Layout> {
-    let (space, framework) = (&framework.space, framework.name.as_str());
+/// The layout from a plan file or an inline spec (left-out keys completed by the search), with
+/// the knobs a `--ds-config` fixes. A plan made for another model, or with knobs the ds_config
+/// sets otherwise, is refused; one made for another job (batch, sequence, precision, fp8
+/// recipe, asynchronous TP, token dropping, stack) is simulated as the flags say, with a note
+/// for each difference.
+fn resolve_layout(spec: &str, job: &Job, model: &str) -> anyhow::Result<Layout> {
+    let setup = &job.setup();
+    let (space, framework) = (&job.framework.space, job.framework.name.as_str());
     let path = std::path::Path::new(spec);
     if spec.ends_with(".json") || path.is_file() {
         let plan = crate::read_plan(path)?;
@@ -140,6 +138,19 @@ fn resolve_layout(
                 one_line(&plan.model.name)
             )));
         }
+        let l = &plan.layout;
+        job.fixes(
+            &format!("--plan {spec}"),
+            PartialLayout {
+                dp: Some(l.dp),
+                tp: Some(l.tp),
+                zero_stage: Some(l.zero_stage),
+                micro_batch: Some(l.micro_batch),
+                recompute: Some(l.recompute),
+                offload: Some(l.offload),
+                ..PartialLayout::default()
+            },
+        )?;
         for note in plan_job_differences(&plan, setup, framework) {
             eprintln!("note: {spec} {note}");
         }
@@ -147,6 +158,7 @@ fn resolve_layout(
     }
     let partial =
         PartialLayout::parse_transformer(spec).map_err(|e| user(format!("--plan: {e}")))?;
+    let partial = job.fixes("--plan", partial)?;
     // Nothing fits: the completion that needs the least memory is simulated, and the report
     // says by how much it is over.
     complete_or_smallest(setup, &partial, space)

@@ -394,8 +394,15 @@ impl OptimizerPasses {
     /// most a bucket a rank); ZeRO-2 flattens a bucket of gradients for each reduction, then
     /// its partition (2) cast to fp32 (4) for the step, then an all-gather's output (a
     /// bucket), one after the other; ZeRO-3 its partition's.
-    pub fn transient_bytes(self, zero: u8, held: f64, updated: f64, dp: u32, cached: f64) -> f64 {
-        let bucket = DEEPSPEED_BUCKET_ELEMENTS;
+    /// `bucket` is the run's `reduce_bucket_size` ([`ZeroConfig`]).
+    pub fn transient_bytes(
+        self,
+        zero: u8,
+        (held, updated): (f64, f64),
+        dp: u32,
+        cached: f64,
+        bucket: f64,
+    ) -> f64 {
         let dp = f64::from(dp.max(1));
         let own = |bytes: f64| if bytes > cached { bytes } else { 0.0 };
         let partition_cast = own(2.0 * updated) + own(4.0 * updated);
@@ -615,6 +622,33 @@ pub struct Runtime {
     /// around the send.
     #[serde(default)]
     pub pipe_messages: PipeMessages,
+    /// DeepSpeed's ZeRO sizes: its defaults, or what a run's `ds_config.json` sets.
+    #[serde(default)]
+    pub zero_config: ZeroConfig,
+}
+
+/// The sizes DeepSpeed's ZeRO works in, in elements: the `zero_optimization` keys of a
+/// `ds_config.json`, at DeepSpeed's defaults unless a run sets them (`--ds-config`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ZeroConfig {
+    /// `reduce_bucket_size` ([`DEEPSPEED_BUCKET_ELEMENTS`] by default): the gradients ZeRO
+    /// flattens for one reduction, and an offloading stack holds on the device before sending
+    /// them to the host.
+    pub reduce_bucket: u64,
+    /// `stage3_param_persistence_threshold` ([`DEEPSPEED_PERSISTENCE_ELEMENTS`]).
+    pub persistence_threshold: u64,
+    /// `stage3_max_reuse_distance` ([`DEEPSPEED_MAX_REUSE_ELEMENTS`]).
+    pub max_reuse_distance: u64,
+}
+
+impl Default for ZeroConfig {
+    fn default() -> Self {
+        ZeroConfig {
+            reduce_bucket: DEEPSPEED_BUCKET_ELEMENTS as u64,
+            persistence_threshold: DEEPSPEED_PERSISTENCE_ELEMENTS,
+            max_reuse_distance: DEEPSPEED_MAX_REUSE_ELEMENTS,
+        }
+    }
 }
 
 /// DeepSpeed's `stage3_param_persistence_threshold` default (its config docs: "Do not
@@ -946,6 +980,7 @@ impl Default for Runtime {
             host_optimizer: HostOptimizer::DeepSpeedCpuAdam,
             checkpoints_to_host_when_offloaded: false,
             pipe_messages: PipeMessages::Scattered,
+            zero_config: ZeroConfig::default(),
         }
     }
 }
@@ -984,8 +1019,9 @@ pub struct PartCost {
     /// visits: the IR graph's weights, an attention's key and value counted in its query's).
     #[serde(default)]
     pub param_tensors: u64,
-    /// Of `param_tensors`, those of at least [`DEEPSPEED_PERSISTENCE_ELEMENTS`] elements:
-    /// the ones DeepSpeed's ZeRO-3 partitions and gathers ([`Zero3Engine::gathers`]).
+    /// Of `param_tensors`, those of at least the run's `stage3_param_persistence_threshold`
+    /// ([`ZeroConfig`]) elements: the ones DeepSpeed's ZeRO-3 partitions and gathers
+    /// ([`Zero3Engine::gathers`]).
     #[serde(default)]
     pub gathered_tensors: u64,
     /// Elements of the largest parameter tensor: what DeepSpeed's ZeRO-3 holds gathered at a
@@ -995,8 +1031,8 @@ pub struct PartCost {
     /// Of the gathered tensors, those DeepSpeed's ZeRO-3 gathers a third time under full
     /// recomputation (count, elements): after its recomputed forward a submodule's weight is
     /// used again by its backward, once the later submodules have run their recomputation and
-    /// their backward; where their parameters add up to more than
-    /// [`DEEPSPEED_MAX_REUSE_ELEMENTS`] it is released between the two
+    /// their backward; where their parameters add up to more than the run's
+    /// `stage3_max_reuse_distance` ([`ZeroConfig`]) it is released between the two
     /// (`PartitionedParameterCoordinator.__params_to_release`).
     #[serde(default)]
     pub regathered: (u64, u64),
@@ -1495,8 +1531,9 @@ struct SectionGraph {
     work: Vec<parallax_ir::Work>,
     /// Per node: a linear layer every TP rank holds whole ([`duplicated_over_tp`]).
     duplicated: Vec<bool>,
-    /// Its parameter tensors as module code holds them.
-    tensors: ModuleTensors,
+    /// Elements of its parameter tensors as module code holds them, in forward order
+    /// ([`module_weights`]).
+    weights: Vec<u64>,
     redo: Mutex<HashMap<SelectivePolicy, Arc<[bool]>>>,
     saved: Mutex<HashMap<SavedKey, f64>>,
 }
@@ -1513,13 +1550,13 @@ impl SectionGraph {
         let shapes = graph.nodes.iter().map(|n| graph.input_shapes(n)).collect();
         let work = graph.nodes.iter().map(|n| graph.node_work(n, fb)).collect();
         let duplicated = graph.nodes.iter().map(duplicated_over_tp).collect();
-        let tensors = ModuleTensors::of(&graph);
+        let weights = module_weights(&graph);
         SectionGraph {
             graph,
             shapes,
             work,
             duplicated,
-            tensors,
+            weights,
             redo: Mutex::default(),
             saved: Mutex::default(),
         }
@@ -1850,10 +1887,11 @@ pub fn transformer_costs_with(
         gathered: s.runtime.sp_keeps_gathered_inputs,
         gathered_fp8: s.precision == Precision::Fp8 && s.runtime.fp8_recipe.gathers_fp8(),
     };
+    let zero = &s.runtime.zero_config;
     // One layer of `kind` as a device runs it, its MoE MLP under `experts`.
     let price_layer = |kind: LayerKind, block: &SectionGraph, experts: Option<ExpertRanks>| {
         let block_prices = NodePrices::new(&dev, block, fb, sp, l.tp, hidden, cp, experts);
-        let mut layer = price(block, &block_prices, fb, sp, l.tp, hidden, inputs);
+        let mut layer = price(block, &block_prices, fb, sp, l.tp, hidden, inputs, zero);
         // The experts' activations as this rank keeps them (the graph's shard has them as
         // the TP region would: every token, the FFN split over tp).
         let experts_kept = |redo: Option<&[bool]>| {
@@ -2030,7 +2068,7 @@ pub fn transformer_costs_with(
     // Both see only their own tokens (no attention): priced without the CP factor.
     let price_local = |g: &SectionGraph| {
         let prices = NodePrices::new(&dev, g, fb, sp, l.tp, hidden, 1, None);
-        price(g, &prices, fb, sp, l.tp, hidden, inputs)
+        price(g, &prices, fb, sp, l.tp, hidden, inputs, zero)
     };
     let mut embedding = price_local(&embed);
     embedding.tp_fwd = if l.tp > 1 { tp_one } else { Seconds(0.0) };
@@ -2496,6 +2534,7 @@ fn fp8_saving(gemm_input_elems: u64, fb: u64, fp8_inputs: bool) -> u64 {
 }
 
 /// The cost of a section from its node prices.
+#[allow(clippy::too_many_arguments)]
 fn price(
     g: &SectionGraph,
     prices: &NodePrices,
@@ -2504,16 +2543,18 @@ fn price(
     tp: u32,
     hidden: u64,
     inputs: LinearInputs,
+    zero: &ZeroConfig,
 ) -> PartCost {
     let model_flops = prices.train_flops.iter().sum();
+    let tensors = ModuleTensors::of(&g.weights, zero);
     PartCost {
         compute: prices.time(g, |_| true),
         saved: Bytes(g.saved(fb, sp, tp, hidden, None, inputs) as u64),
         params: g.param_count(),
-        param_tensors: g.tensors.count,
-        gathered_tensors: g.tensors.gathered,
-        largest_tensor: g.tensors.largest,
-        regathered: g.tensors.regathered,
+        param_tensors: tensors.count,
+        gathered_tensors: tensors.gathered,
+        largest_tensor: tensors.largest,
+        regathered: tensors.regathered,
         model_flops,
         hardware_flops: model_flops,
         ..PartCost::default()
@@ -2527,18 +2568,18 @@ fn price(
 #[derive(Clone, Copy, Debug, Default)]
 struct ModuleTensors {
     count: u64,
-    /// Those of at least [`DEEPSPEED_PERSISTENCE_ELEMENTS`].
+    /// Those of at least the run's persistence threshold ([`ZeroConfig`]).
     gathered: u64,
     largest: u64,
     /// Those beyond DeepSpeed's reuse distance under full recomputation (count, elements):
     /// each gathered weight whose later weights, run twice (recomputed forward, then backward)
-    /// before its own backward, exceed [`DEEPSPEED_MAX_REUSE_ELEMENTS`].
+    /// before its own backward, exceed the run's `stage3_max_reuse_distance`.
     regathered: (u64, u64),
 }
 
 impl ModuleTensors {
-    fn of(g: &Graph) -> Self {
-        let weights = module_weights(g);
+    /// Counts a section's module weights (elements, in forward order) under `zero`'s sizes.
+    fn of(weights: &[u64], zero: &ZeroConfig) -> Self {
         let mut t = ModuleTensors {
             count: weights.len() as u64,
             largest: weights.iter().copied().max().unwrap_or(0),
@@ -2546,9 +2587,9 @@ impl ModuleTensors {
         };
         let mut after = 0u64;
         for &e in weights.iter().rev() {
-            if e >= DEEPSPEED_PERSISTENCE_ELEMENTS {
+            if e >= zero.persistence_threshold {
                 t.gathered += 1;
-                if 2 * after > DEEPSPEED_MAX_REUSE_ELEMENTS {
+                if 2 * after > zero.max_reuse_distance {
                     t.regathered.0 += 1;
                     t.regathered.1 += e;
                 }
@@ -3032,14 +3073,32 @@ mod tests {
             dp: 8,
             ..Layout::default()
         };
-        let layer = |m: &TransformerConfig| {
-            *transformer_costs(&setup(m, &p, 8, Runtime::default()), &l)
-                .unwrap()
-                .layer()
+        let layer = |m: &TransformerConfig, zero: ZeroConfig| {
+            let rt = Runtime {
+                zero_config: zero,
+                ..Runtime::default()
+            };
+            *transformer_costs(&setup(m, &p, 8, rt), &l).unwrap().layer()
         };
         let h = big.hidden;
-        assert_eq!(layer(&big).regathered, (3, 8 * h * h));
-        assert_eq!(layer(&small).regathered, (0, 0));
+        let default = ZeroConfig::default();
+        assert_eq!(layer(&big, default).regathered, (3, 8 * h * h));
+        assert_eq!(layer(&small, default).regathered, (0, 0));
+        // A run's own sizes (`ds_config.json`): the Azure recipes' 3e9 keeps a 175B layer's
+        // weights from its recomputed forward to its backward (twice the 9h² after its QKV is
+        // 2.7e9 elements); a persistence threshold above the 3h² QKV keeps it and the h²
+        // projection whole, leaving the two 4h² MLP weights gathered.
+        let recipe = ZeroConfig {
+            max_reuse_distance: 3_000_000_000,
+            ..default
+        };
+        assert_eq!(layer(&big, recipe).regathered, (0, 0));
+        assert_eq!(layer(&big, default).gathered_tensors, 4);
+        let coarse = ZeroConfig {
+            persistence_threshold: 3 * h * h + 1,
+            ..default
+        };
+        assert_eq!(layer(&big, coarse).gathered_tensors, 2);
     }
 
     /// Module code holds an attention's q, k and v in one tensor (Megatron's

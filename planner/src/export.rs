@@ -1072,7 +1072,7 @@ fn torchtitan(plan: &Plan, m: &TransformerConfig) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use parallax_ir::models::zoo;
     use parallax_ir::plan::{ClusterRef, ModelRef, Prediction, Training};
@@ -1082,7 +1082,8 @@ mod tests {
         zoo::transformer(name).unwrap()
     }
 
-    fn plan(l: Layout, precision: Precision) -> Plan {
+    /// A plan of `l` for Llama 3 70B at global batch 1,024 × 8,192 (also the ds_config tests').
+    pub(crate) fn plan(l: Layout, precision: Precision) -> Plan {
         Plan {
             schema: PLAN_SCHEMA.into(),
             model: ModelRef {

@@ -8,8 +8,10 @@
 //! states it. `plan`, `simulate`, `run`'s prediction and `validate` take a stack from it;
 //! `--export ENGINE` implies the engine's current row ([`Framework::for_engine`]); the default
 //! is a current stack ([`Framework::current`]), named in every report. `parallax frameworks`
-//! prints the table.
+//! prints the table. A DeepSpeed run's own `ds_config.json` refines its row
+//! ([`Framework::with_ds_config`]).
 
+use crate::ds_config::DsConfig;
 use crate::export::Engine;
 use crate::search::{PipelineDefaults, Space};
 use parallax_cost::transformer::{
@@ -30,6 +32,9 @@ pub struct Framework {
     /// parallelism included).
     pub space: Space,
 }
+
+/// What [`Framework::with_ds_config`] appends to a stack's name, before the file's.
+const DS_CONFIG: &str = ", ds_config ";
 
 /// One runtime feature of a stack and the document that states it.
 #[derive(Clone, Copy, Debug)]
@@ -1414,14 +1419,46 @@ impl Framework {
         Ok(self)
     }
 
-    /// The stack a decorated name names: `name` without the run options [`with_options`] and
-    /// [`with_compile`] append to it (", fp8 RECIPE", ", async TP", ", compiled"), each of
-    /// which a plan document records as a training setting of its own.
+    /// This DeepSpeed stack as a run's `ds_config.json` sets it up (`--ds-config`, read by
+    /// [`DsConfig::parse`]; `origin` names the file): its gradient-reduction overlap and type
+    /// and ZeRO's sizes. The layout knobs and the batch the file fixes are the caller's
+    /// ([`DsConfig::fixes`]). A stack other than DeepSpeed's reads no `ds_config`.
+    pub fn with_ds_config(
+        mut self,
+        c: &DsConfig,
+        origin: &str,
+    ) -> Result<Framework, FrameworkError> {
+        let stack = Framework::stack_name(&self.name);
+        if !(stack.starts_with("deepspeed") || stack.starts_with("megatron-deepspeed")) {
+            return Err(FrameworkError::Option(format!(
+                "{stack} reads no DeepSpeed config (DeepSpeed's stacks do: deepspeed, deepspeed@0.6, deepspeed-zero3@2021, megatron-deepspeed@2022, …)"
+            )));
+        }
+        let r = &mut self.runtime;
+        if let Some(overlap) = c.overlap_comm {
+            r.overlap_grad_reduce = overlap;
+        }
+        if let Some(fp32) = c.reduce_fp32 {
+            r.grad_reduce_fp32 = fp32;
+        }
+        if let Some(host) = c.cpu_checkpointing {
+            r.checkpoints_to_host_when_offloaded = host;
+        }
+        r.zero_config = c.zero_config(r.zero_config);
+        self.name = format!("{}{DS_CONFIG}{origin}", self.name);
+        Ok(self)
+    }
+
+    /// The stack a decorated name names: `name` without the run options [`with_options`],
+    /// [`with_compile`] and [`with_ds_config`] append to it (", fp8 RECIPE", ", async TP",
+    /// ", compiled", ", ds_config FILE"), each of which a plan document records as a
+    /// training setting of its own or a report names.
     ///
     /// [`with_options`]: Framework::with_options
     /// [`with_compile`]: Framework::with_compile
+    /// [`with_ds_config`]: Framework::with_ds_config
     pub fn stack_name(name: &str) -> &str {
-        let mut rest = name;
+        let mut rest = name.split_once(DS_CONFIG).map_or(name, |(stack, _)| stack);
         for suffix in [", compiled", ", async TP"] {
             rest = rest.strip_suffix(suffix).unwrap_or(rest);
         }
@@ -1696,6 +1733,64 @@ mod tests {
         assert_eq!(Framework::stack_name(&base), base);
         // A comma in a name that is no run option stays.
         assert_eq!(Framework::stack_name("x, fp8 y"), "x, fp8 y");
+    }
+
+    /// A run's ds_config refines a DeepSpeed stack: the overlap, reduce type and ZeRO sizes
+    /// it sets, the rest of the row as it was; the name carries the file. Other stacks read
+    /// none.
+    #[test]
+    fn a_ds_config_refines_deepspeed_stacks_only() {
+        let c = DsConfig::parse(
+            r#"{"communication_data_type": "fp32", "zero_optimization":
+                {"stage": 2, "overlap_comm": true, "reduce_bucket_size": 5e7}}"#,
+            "ds.json",
+        )
+        .unwrap();
+        let base = Framework::parse("deepspeed@0.3").unwrap();
+        assert!(!base.runtime.overlap_grad_reduce && !base.runtime.grad_reduce_fp32);
+        let fw = base.clone().with_ds_config(&c, "ds.json").unwrap();
+        assert_eq!(fw.name, "deepspeed@0.3, ds_config ds.json");
+        assert_eq!(Framework::stack_name(&fw.name), base.name);
+        assert!(fw.runtime.overlap_grad_reduce && fw.runtime.grad_reduce_fp32);
+        assert_eq!(fw.runtime.zero_config.reduce_bucket, 50_000_000);
+        assert_eq!(
+            fw.runtime.zero_config.max_reuse_distance,
+            base.runtime.zero_config.max_reuse_distance
+        );
+        let untouched = Runtime {
+            overlap_grad_reduce: base.runtime.overlap_grad_reduce,
+            grad_reduce_fp32: base.runtime.grad_reduce_fp32,
+            zero_config: base.runtime.zero_config,
+            ..fw.runtime
+        };
+        assert_eq!(untouched, base.runtime);
+        // An empty file changes nothing but the name.
+        let empty = base
+            .clone()
+            .with_ds_config(&DsConfig::default(), "e.json")
+            .unwrap();
+        assert_eq!(empty.runtime, base.runtime);
+        for name in [
+            "megatron-deepspeed@2022",
+            "deepspeed-zero3@2021",
+            "deepspeed",
+        ] {
+            assert!(
+                Framework::parse(name)
+                    .unwrap()
+                    .with_ds_config(&c, "ds.json")
+                    .is_ok(),
+                "{name}"
+            );
+        }
+        for name in ["megatron-lm@2022", "torchtitan", "current"] {
+            let e = Framework::parse(name)
+                .unwrap()
+                .with_ds_config(&c, "ds.json")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("reads no DeepSpeed config"), "{e}");
+        }
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 pub mod bounds;
 pub mod complete;
+pub mod ds_config;
 pub mod envelope;
 pub mod export;
 pub mod fit;

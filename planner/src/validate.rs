@@ -4,6 +4,7 @@
 //! [`crate::general_cases`]).
 
 use crate::complete::{complete_or_smallest, layout_string};
+use crate::ds_config::DsConfig;
 pub use crate::framework::Framework;
 pub use crate::general_cases::{GeneralCase, GENERAL_CASES_SCHEMA};
 use crate::search::Space;
@@ -162,6 +163,18 @@ impl Case {
                 c.transformer().map_err(|e| err("model", e))?;
             }
             let p = &c.plan;
+            let within = |e: String| {
+                let e = e
+                    .strip_prefix(CASE_DS_CONFIG)
+                    .map_or(e.as_str(), |rest| rest.strip_prefix(": ").unwrap_or(rest));
+                err(CASE_DS_CONFIG, e.to_string())
+            };
+            if let Some(ds) = c.ds_config().map_err(within)? {
+                let stack = Framework::for_case(c.framework.as_deref());
+                stack
+                    .with_ds_config(&ds, CASE_DS_CONFIG)
+                    .map_err(|e| err(CASE_DS_CONFIG, e.to_string()))?;
+            }
             if let Some(z) = p.zero_stage.filter(|z| *z > 3) {
                 return Err(err("plan.zero_stage", format!("{z} must be 0, 1, 2 or 3")));
             }
@@ -430,7 +443,16 @@ pub struct CasePlan {
     /// schema: the stack's default, e.g. eager torchtitan unless fp8 or asynchronous TP).
     #[serde(default)]
     pub compile: Option<bool>,
+    /// The keys of the run's DeepSpeed config that set its stack up (parallax's own field,
+    /// absent from the shared schema: DeepSpeed's defaults): read as `--ds-config` reads a
+    /// file, its overlap, reduce type and ZeRO sizes applied to the case's DeepSpeed stack
+    /// ([`Framework::with_ds_config`]); the layout stays the plan's.
+    #[serde(default)]
+    pub ds_config: Option<Box<serde_json::Value>>,
 }
+
+/// Where a case's `plan.ds_config` is named in errors and stack names.
+const CASE_DS_CONFIG: &str = "plan.ds_config";
 
 /// What was measured.
 #[derive(Clone, Debug, Deserialize)]
@@ -933,7 +955,21 @@ impl TransformerCase {
     /// The stack that ran it: the row of [`crate::framework::STACKS`] its `framework` field
     /// names, or a current stack without framework-specific tricks where the table has none.
     pub fn framework(&self) -> Framework {
-        Framework::for_case(self.framework.as_deref())
+        let fw = Framework::for_case(self.framework.as_deref());
+        // Checked when the file was read ([`Case::check`]): readable, on a DeepSpeed stack.
+        match self.ds_config() {
+            Ok(Some(c)) => fw.clone().with_ds_config(&c, CASE_DS_CONFIG).unwrap_or(fw),
+            _ => fw,
+        }
+    }
+
+    /// The case's `plan.ds_config`, read as `--ds-config` reads a file.
+    fn ds_config(&self) -> Result<Option<DsConfig>, String> {
+        self.plan
+            .ds_config
+            .as_ref()
+            .map(|v| DsConfig::parse(&v.to_string(), CASE_DS_CONFIG))
+            .transpose()
     }
 
     /// Predicts the case on a profile changed by `adjust` first: null knobs are chosen as the
@@ -1340,6 +1376,63 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.starts_with("d.json: line 1"), "{e}");
+    }
+
+    /// A case's `plan.ds_config` sets up its DeepSpeed stack as `--ds-config` would; a bad
+    /// key, or a stack that reads none, is one line naming the case and the field.
+    #[test]
+    fn a_case_ds_config_sets_up_its_deepspeed_stack() {
+        let case = |framework: &str, ds: &str| {
+            format!(
+                r#"{{"schema": "parallax-validation-cases/1", "cases": [{{
+                "id": "x", "source": "s", "framework": "{framework}",
+                "cluster": {{"preset": "dgx-a100-80gb", "gpus": 128}}, "precision": "fp16",
+                "model": {{"name": "m", "arch": "gpt", "layers": 96, "hidden": 12288, "heads": 96,
+                           "kv_heads": 96, "ffn_hidden": 49152, "vocab": 50257, "mlp": "gelu",
+                           "seq_len": 1024}},
+                "plan": {{"tp": 1, "pp": 1, "dp": 128, "cp": 1, "zero_stage": 3, "micro_batch": 1,
+                          "global_batch": 128, "recompute": "full", "sequence_parallel": false,
+                          "interleave": 1, "schedule": "none", "ds_config": {ds}}},
+                "measured": {{"step_time_s": 10.0}}}}]}}"#
+            )
+        };
+        let ok = case(
+            "deepspeed@0.6.2",
+            r#"{"zero_optimization": {"stage3_max_reuse_distance": 3e9}}"#,
+        );
+        let f = parse_cases(&ok, "f.json").unwrap();
+        let Case::Transformer(t) = &f.cases[0] else {
+            panic!()
+        };
+        let fw = t.framework();
+        assert_eq!(fw.runtime.zero_config.max_reuse_distance, 3_000_000_000);
+        assert!(
+            fw.name.ends_with(", ds_config plan.ds_config"),
+            "{}",
+            fw.name
+        );
+        let predicted = t.predict(&|_| {}).unwrap().step_time_s;
+        let at_default = case("deepspeed@0.6.2", "{}");
+        let Case::Transformer(d) = &parse_cases(&at_default, "f.json").unwrap().cases[0] else {
+            panic!()
+        };
+        // The recipe's reuse distance spares the 175B layers their third gather.
+        assert!(predicted < d.predict(&|_| {}).unwrap().step_time_s);
+        for (framework, ds, want) in [
+            (
+                "deepspeed@0.6.2",
+                r#"{"zero_optimization": {"stage3_max_reuse_distance": "far"}}"#,
+                "f.json: case 'x': plan.ds_config: zero_optimization.stage3_max_reuse_distance: expected a number",
+            ),
+            (
+                "megatron-lm@2022",
+                r#"{"zero_optimization": {"reduce_bucket_size": 5e7}}"#,
+                "f.json: case 'x': plan.ds_config: megatron-lm@2022 reads no DeepSpeed config",
+            ),
+        ] {
+            let e = parse_cases(&case(framework, ds), "f.json").unwrap_err().to_string();
+            assert!(e.starts_with(want), "{e}");
+        }
     }
 
     /// Each Megatron-Bridge MoE run is completed with its release's recipe: DeepSeek-V3's 25.09

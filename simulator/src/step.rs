@@ -14,9 +14,9 @@ use crate::schedule::{
 use parallax_cost::comm::{exposed, Collective, Group, Network};
 use parallax_cost::compute::DeviceModel;
 use parallax_cost::memory::{
-    state_bytes_per_param, workspace_gib, MemoryBreakdown, DEEPSPEED_BUCKET_ELEMENTS,
-    FP32_GRAD_BYTES, HOST_ADAM_BYTES_PER_PARAM, HOST_STREAM_EFFICIENCY, MIXED_GRAD_BYTES,
-    MIXED_WEIGHT_BYTES, NVME_SWAP_IN_BYTES_PER_PARAM, NVME_SWAP_OUT_BYTES_PER_PARAM,
+    state_bytes_per_param, workspace_gib, MemoryBreakdown, FP32_GRAD_BYTES,
+    HOST_ADAM_BYTES_PER_PARAM, HOST_STREAM_EFFICIENCY, MIXED_GRAD_BYTES, MIXED_WEIGHT_BYTES,
+    NVME_SWAP_IN_BYTES_PER_PARAM, NVME_SWAP_OUT_BYTES_PER_PARAM,
     OFFLOAD_GRAD_DEVICE_BYTES_PER_PARAM,
 };
 use parallax_cost::transformer::{
@@ -453,7 +453,8 @@ pub fn stage_memory_of(
             // bucket of `reduce_bucket_size` elements in the reduce type.
             let t = largest(&|l| l.largest_tensor) as f64;
             let grad = setup.grad_reduce_bytes() as f64;
-            2.0 * t * wbytes + (t + DEEPSPEED_BUCKET_ELEMENTS) * grad
+            let bucket = setup.runtime.zero_config.reduce_bucket as f64;
+            2.0 * t * wbytes + (t + bucket) * grad
         } else {
             // Two layers gathered (current and prefetched) plus one layer's unsharded gradient.
             let p = largest(&|l| l.params) as f64;
@@ -475,10 +476,10 @@ pub fn stage_memory_of(
         let cached = working.max(c.head.working.0) as f64;
         buffers += setup.runtime.optimizer_passes.transient_bytes(
             zero,
-            dense + experts,
-            updated,
+            (dense + experts, updated),
             l.dp * l.cp,
             cached,
+            setup.runtime.zero_config.reduce_bucket as f64,
         );
     }
     // Offloaded states live in host memory: the optimizer's and the gradients, which go down
@@ -487,7 +488,8 @@ pub fn stage_memory_of(
     let on_device = |b: f64, kept: bool| if kept { b } else { 0.0 };
     let (keep_params, keep_rest) = (!l.offload.params(), l.offload == Offload::None);
     let grads = if !keep_rest {
-        let bucket = DEEPSPEED_BUCKET_ELEMENTS * setup.grad_reduce_bytes() as f64;
+        let bucket =
+            setup.runtime.zero_config.reduce_bucket as f64 * setup.grad_reduce_bytes() as f64;
         states(gb, egb).min(bucket)
     } else if chunks_release_grads_in_turn(setup, l, chunks.len(), m) {
         // One virtual stage's gradients at a time: the largest.
@@ -1327,7 +1329,7 @@ mod tests {
     use super::*;
     use parallax_cost::transformer::{
         CrossEntropy, HostOptimizer, OptimizerPasses, PipeMessages, Runtime, WgradAccumulation,
-        Zero3Engine,
+        Zero3Engine, ZeroConfig,
     };
     use parallax_hardware::{preset, ClusterProfile};
     use parallax_ir::models::{zoo, TransformerConfig};
@@ -2144,12 +2146,19 @@ mod tests {
         assert_eq!(t, 4.0 * 12288.0 * 12288.0);
         let grad = setup(&m, &p, 256, 256).grad_reduce_bytes() as f64;
         let expected = (2.0 * layer * 2.0 + layer * 4.0)
-            - (2.0 * t * 2.0 + (t + DEEPSPEED_BUCKET_ELEMENTS) * grad);
+            - (2.0 * t * 2.0 + (t + ZeroConfig::default().reduce_bucket as f64) * grad);
         let saved = (buffers(Zero3Engine::Units) - buffers(Zero3Engine::DeepSpeed)) * GIB;
         assert!(
             (saved - expected).abs() < 1e-6 * expected,
             "{saved} vs {expected}"
         );
+        // A run's `reduce_bucket_size` (the Azure recipes' 9e7) is the bucket it holds.
+        let mut small = with_zero3(setup(&m, &p, 256, 256), Zero3Engine::DeepSpeed);
+        small.runtime.zero_config.reduce_bucket = 90_000_000;
+        let smaller = buffers(Zero3Engine::DeepSpeed)
+            - simulate_step(&small, &l).unwrap().prediction.memory.buffers;
+        let bucket = (ZeroConfig::default().reduce_bucket - 90_000_000) as f64 * grad;
+        assert!((smaller * GIB - bucket).abs() < 1e-6 * bucket, "{smaller}");
     }
 
     /// How pipeline transfers meet the streams ([`PipeSends`]): overlapped, they are tasks on
