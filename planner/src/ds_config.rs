@@ -467,31 +467,4 @@ mod tests {
             assert!(!e.contains('\n'), "{e}");
         }
     }
-
-    /// What `--export deepspeed` writes reads back as the plan it came from.
-    #[test]
-    fn an_exported_config_reads_back_as_its_plan() {
-        use crate::export::{export, tests::plan, Engine};
-        use parallax_ir::{Layout, Schedule};
-        let m = parallax_ir::models::zoo::transformer("llama3-70b").unwrap();
-        let layout = Layout {
-            dp: 64,
-            pp: 8,
-            zero_stage: 1,
-            micro_batch: 4,
-            recompute: Recompute::Full,
-            schedule: Schedule::OneFOneB,
-            ..Layout::default()
-        };
-        let plan = plan(layout, Precision::Bf16);
-        let text = export(Engine::DeepSpeed, &plan, &m).unwrap();
-        let c = parse(&text).unwrap();
-        assert_eq!(c.fixes.zero_stage, Some(1));
-        assert_eq!(c.fixes.micro_batch, Some(4));
-        assert_eq!(c.fixes.dp, Some(64));
-        assert_eq!(c.fixes.recompute, Some(Recompute::Full));
-        assert_eq!(c.precision, Some(Precision::Bf16));
-        assert_eq!(c.global_batch(None), Some(1024));
-        assert!(c.unpriced.is_empty(), "{:?}", c.unpriced);
-    }
 }

@@ -1072,7 +1072,7 @@ fn torchtitan(plan: &Plan, m: &TransformerConfig) -> String {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
     use parallax_ir::models::zoo;
     use parallax_ir::plan::{ClusterRef, ModelRef, Prediction, Training};
@@ -1082,8 +1082,7 @@ pub(crate) mod tests {
         zoo::transformer(name).unwrap()
     }
 
-    /// A plan of `l` for Llama 3 70B at global batch 1,024 × 8,192 (also the ds_config tests').
-    pub(crate) fn plan(l: Layout, precision: Precision) -> Plan {
+    fn plan(l: Layout, precision: Precision) -> Plan {
         Plan {
             schema: PLAN_SCHEMA.into(),
             model: ModelRef {
@@ -1346,6 +1345,16 @@ pub(crate) mod tests {
         };
         let p = plan(l, Precision::Bf16);
         let s = export(Engine::DeepSpeed, &p, &m).unwrap();
+        // It reads back (`--ds-config`) as the plan it came from, every key priced.
+        let back = crate::ds_config::DsConfig::parse(&s, "ds_config.json").unwrap();
+        let f = &back.fixes;
+        assert_eq!(
+            (f.zero_stage, f.micro_batch, f.dp, f.recompute),
+            (Some(1), Some(4), Some(64), Some(Recompute::Full))
+        );
+        assert_eq!(back.precision, Some(Precision::Bf16));
+        assert_eq!(back.global_batch(None), Some(1024));
+        assert!(back.unpriced.is_empty(), "{:?}", back.unpriced);
         let v: serde_json::Value = serde_json::from_str(&s).unwrap();
         assert_eq!(v["train_batch_size"], 1024);
         assert_eq!(v["train_micro_batch_size_per_gpu"], 4);
