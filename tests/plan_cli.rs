@@ -517,7 +517,7 @@ fn a_ds_config_sets_up_the_deepspeed_run_it_describes() {
         &custom,
         r#"{"train_batch_size": 512, "train_micro_batch_size_per_gpu": 2,
             "gradient_accumulation_steps": 16, "bf16": {"enabled": true},
-            "zero_optimization": {"stage": 1, "contiguous_gradients": true}}"#,
+            "zero_optimization": {"stage": 1, "allgather_bucket_size": 2e8}}"#,
     )
     .unwrap();
     let custom = custom.to_str().unwrap();
@@ -527,7 +527,7 @@ fn a_ds_config_sets_up_the_deepspeed_run_it_describes() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains(&format!(
-            "note: --ds-config {custom}: not priced: zero_optimization.contiguous_gradients"
+            "note: --ds-config {custom}: not priced: zero_optimization.allgather_bucket_size"
         )),
         "{err}"
     );

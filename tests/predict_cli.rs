@@ -178,7 +178,8 @@ fn validate_scores_the_held_out_runs() {
     // tp 8 × pp 35): a known miss, every run 18–22 % fast (19.9 %; 23.7 % when the file was
     // added, before DeepSpeed's fp16 engine summed each micro-batch's gradients by autograd);
     // BLOOM 176B on 384 A100s (Megatron-DeepSpeed 2022, tp 4 × pp 12, a logged iteration),
-    // 11 % fast, added unfitted: 17.6 % over the four.
+    // 11 % fast, added unfitted: 17.6 % over the four; 14.3 % now (MT-NLG 15–19 % fast, BLOOM
+    // 7.1 % once the BF16_Optimizer's fp32 copy of each micro-batch's gradients is priced).
     held_out("megatron-deepspeed.json", 4, 0.19, 0.24);
     // DeepSpeed 0.6.2's ZeRO-3 without model parallelism (DeepSpeed on Azure, 2022): GPT
     // 175B–2T on 128–1,024 A100s at micro-batches 1–32, read off the post's figures. Priced

@@ -228,6 +228,11 @@ pub enum WgradAccumulation {
     /// gradient into its fp32 gradient buffer; FSDP2's fp32 accumulation of unsynchronised
     /// micro-batches).
     Hook,
+    /// As [`WgradAccumulation::Hook`], the 16-bit gradient first cast to the buffer's type in
+    /// a tensor of its own, which the sum then reads: DeepSpeed's `BF16_Optimizer`
+    /// (`update_hp_grads`: `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype))`, v0.6 on),
+    /// which the pipeline engine calls after each micro-batch's backward.
+    HookCast,
 }
 
 impl WgradAccumulation {
@@ -239,6 +244,8 @@ impl WgradAccumulation {
             WgradAccumulation::Fused => 0.0,
             WgradAccumulation::Autograd => 3.0 * grb as f64 * (m - 1.0) / m,
             WgradAccumulation::Hook => (fb + 2 * grb) as f64,
+            // The cast reads the gradient and writes the copy; the sum reads both and writes.
+            WgradAccumulation::HookCast => (fb + 4 * grb) as f64,
         }
     }
 }
@@ -422,14 +429,20 @@ impl OptimizerPasses {
     }
 
     /// The collective that reduces the gradients under ZeRO stage `zero`: an all-reduce
-    /// without ZeRO, a reduce-scatter with it; but DeepSpeed 0.3's stage 2 on its default
-    /// path (`contiguous_gradients` off in zero/constants.py at v0.3.0) all-reduces every
-    /// bucket and keeps its partition of the result (`reduce_ipg_grads` →
-    /// `buffered_reduce_fallback` → `allreduce_bucket`, which sets `rank = None` before it
-    /// chooses between `dist.reduce` and `dist.all_reduce`).
-    pub fn gradient_reduction(self, zero: u8) -> Collective {
-        match (self, zero) {
-            (_, 0) | (OptimizerPasses::DeepSpeed03, 2) => Collective::AllReduce,
+    /// without ZeRO, a reduce-scatter with it; but DeepSpeed's stage 2 all-reduces every
+    /// bucket and keeps its partition of the result where its gradients are not contiguous
+    /// (`reduce_ipg_grads` → `buffered_reduce_fallback` → `allreduce_bucket`, which sets
+    /// `rank = None` before it chooses between `dist.reduce` and `dist.all_reduce`) or its
+    /// `reduce_scatter` is off (`average_tensor` → `gradient_reduction_w_predivide`):
+    /// `contiguous_gradients` is off by default in 0.3 (zero/constants.py at v0.3.0), on in
+    /// later releases; a run's `ds_config` may set either ([`ZeroConfig`]).
+    pub fn gradient_reduction(self, zero: u8, run: &ZeroConfig) -> Collective {
+        let contiguous = run
+            .contiguous_gradients
+            .unwrap_or(self != OptimizerPasses::DeepSpeed03);
+        match zero {
+            0 => Collective::AllReduce,
+            2 if !contiguous || run.reduce_scatter == Some(false) => Collective::AllReduce,
             _ => Collective::ReduceScatter,
         }
     }
@@ -639,6 +652,11 @@ pub struct ZeroConfig {
     pub persistence_threshold: u64,
     /// `stage3_max_reuse_distance` ([`DEEPSPEED_MAX_REUSE_ELEMENTS`]).
     pub max_reuse_distance: u64,
+    /// `contiguous_gradients` where a run sets it (`None`: its release's default), which with
+    /// `reduce_scatter` chooses stage 2's collective ([`OptimizerPasses::gradient_reduction`]).
+    pub contiguous_gradients: Option<bool>,
+    /// `reduce_scatter` where a run sets it (`None`: on, DeepSpeed's default).
+    pub reduce_scatter: Option<bool>,
 }
 
 impl Default for ZeroConfig {
@@ -647,6 +665,8 @@ impl Default for ZeroConfig {
             reduce_bucket: DEEPSPEED_BUCKET_ELEMENTS as u64,
             persistence_threshold: DEEPSPEED_PERSISTENCE_ELEMENTS,
             max_reuse_distance: DEEPSPEED_MAX_REUSE_ELEMENTS,
+            contiguous_gradients: None,
+            reduce_scatter: None,
         }
     }
 }
@@ -2982,6 +3002,7 @@ mod tests {
         assert_eq!((z3.per_updated, z3.per_held), (80.0, 0.0));
         assert_eq!(z3.syncs_per_updated_tensor, 2.0);
         // DeepSpeed 0.3's stage 2 all-reduces its buckets; every other ZeRO reduce-scatters.
+        let default = ZeroConfig::default();
         for (passes, zero, kind) in [
             (OptimizerPasses::Fused, 0, Collective::AllReduce),
             (OptimizerPasses::Fused, 2, Collective::ReduceScatter),
@@ -2990,11 +3011,34 @@ mod tests {
             (OptimizerPasses::DeepSpeed03, 3, Collective::ReduceScatter),
         ] {
             assert_eq!(
-                passes.gradient_reduction(zero),
+                passes.gradient_reduction(zero, &default),
                 kind,
                 "{passes:?} zero {zero}"
             );
         }
+        // Unless a run's ds_config says otherwise: the ZeRO tutorial's stage 2 with contiguous
+        // gradients reduce-scatters; reduce_scatter off all-reduces on any release.
+        let tutorial = ZeroConfig {
+            contiguous_gradients: Some(true),
+            reduce_scatter: Some(true),
+            ..default
+        };
+        assert_eq!(
+            OptimizerPasses::DeepSpeed03.gradient_reduction(2, &tutorial),
+            Collective::ReduceScatter
+        );
+        let off = ZeroConfig {
+            reduce_scatter: Some(false),
+            ..default
+        };
+        assert_eq!(
+            OptimizerPasses::Fused.gradient_reduction(2, &off),
+            Collective::AllReduce
+        );
+        assert_eq!(
+            OptimizerPasses::Fused.gradient_reduction(1, &off),
+            Collective::ReduceScatter
+        );
         // How each stack's offloaded step sends the weights up, and what its host update moves.
         assert_eq!(
             HostOptimizer::DeepSpeedCpuAdam03
@@ -4108,6 +4152,7 @@ mod tests {
         assert_eq!(WgradAccumulation::Autograd.bytes_per_param(4, 4, 2), 6.0);
         assert_eq!(WgradAccumulation::Hook.bytes_per_param(2, 4, 1), 10.0);
         assert_eq!(WgradAccumulation::Hook.bytes_per_param(2, 4, 16), 10.0);
+        assert_eq!(WgradAccumulation::HookCast.bytes_per_param(2, 4, 16), 18.0);
     }
 
     #[test]

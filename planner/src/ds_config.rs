@@ -1,8 +1,8 @@
 //! A DeepSpeed `ds_config.json` as the settings of a run (`--ds-config`): the layout knobs
 //! it fixes (ZeRO stage, micro-batch, data parallelism through the batch arithmetic, offload,
 //! AutoTP, the pipeline's checkpointing), the job's batch and precision, and the stack options
-//! the model prices (gradient-reduction overlap, the reduce type, ZeRO's bucket, persistence
-//! threshold and reuse distance).
+//! the model prices (gradient-reduction overlap, the reduce type and collective, ZeRO's
+//! bucket, persistence threshold and reuse distance).
 //!
 //! Keys are read as DeepSpeed reads them (`deepspeed/runtime/config.py`, `zero/config.py`):
 //! numbers written as integers or floats (`5e8`), `"auto"` (the HuggingFace integration's
@@ -38,6 +38,10 @@ pub struct DsConfig {
     pub max_reuse_distance: Option<u64>,
     /// `activation_checkpointing.cpu_checkpointing`.
     pub cpu_checkpointing: Option<bool>,
+    /// `zero_optimization.contiguous_gradients`.
+    pub contiguous_gradients: Option<bool>,
+    /// `zero_optimization.reduce_scatter`.
+    pub reduce_scatter: Option<bool>,
     /// Keys set that change a DeepSpeed step but that parallax does not price.
     pub unpriced: Vec<String>,
 }
@@ -46,8 +50,6 @@ pub struct DsConfig {
 /// (dotted paths), with DeepSpeed's default: a key set to its default changes nothing.
 const UNPRICED: &[(&str, Unset)] = &[
     ("zero_optimization.allgather_bucket_size", Unset::Is(5e8)),
-    ("zero_optimization.contiguous_gradients", Unset::Any),
-    ("zero_optimization.reduce_scatter", Unset::Flag(true)),
     (
         "zero_optimization.round_robin_gradients",
         Unset::Flag(false),
@@ -140,6 +142,8 @@ impl DsConfig {
                 .count("zero_optimization.stage3_param_persistence_threshold")?,
             max_reuse_distance: r.count("zero_optimization.stage3_max_reuse_distance")?,
             cpu_checkpointing: r.flag("activation_checkpointing.cpu_checkpointing")?,
+            contiguous_gradients: r.flag("zero_optimization.contiguous_gradients")?,
+            reduce_scatter: r.flag("zero_optimization.reduce_scatter")?,
             ..DsConfig::default()
         };
         if c.grad_accum == Some(0) {
@@ -232,6 +236,8 @@ impl DsConfig {
                 .persistence_threshold
                 .unwrap_or(base.persistence_threshold),
             max_reuse_distance: self.max_reuse_distance.unwrap_or(base.max_reuse_distance),
+            contiguous_gradients: self.contiguous_gradients.or(base.contiguous_gradients),
+            reduce_scatter: self.reduce_scatter.or(base.reduce_scatter),
         }
     }
 }

@@ -418,8 +418,8 @@ const MEGATRON_DEEPSPEED_2022: &[Feature] = &[
         source: "bigscience-workshop/Megatron-DeepSpeed tr11-176B-ml README",
     },
     Feature {
-        what: "each micro-batch's bf16 weight gradients added into fp32 gradient buffers by the BF16_Optimizer",
-        source: "deepspeed/runtime/bf16_optimizer.py (update_hp_grads)",
+        what: "each micro-batch's bf16 weight gradients cast to fp32 in a copy of their own and added into fp32 gradient buffers by the BF16_Optimizer",
+        source: "deepspeed/runtime/bf16_optimizer.py (v0.6.5 update_hp_grads: hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype)); pipe/engine.py calls it after each backward)",
     },
     Feature {
         what: "pipeline messages partitioned over tensor parallelism both ways, gathered on receipt; a stage gathers its own output again before its backward",
@@ -835,9 +835,9 @@ fn megatron_deepspeed(
     Parts {
         runtime: Runtime {
             // DeepSpeed's fp16 engine accumulates in the parameters' `.grad`; its BF16_Optimizer
-            // adds each micro-batch's bf16 gradients into fp32 buffers.
+            // casts each micro-batch's bf16 gradients to fp32 and adds them into fp32 buffers.
             wgrad_accumulation: if grad_reduce_fp32 {
-                WgradAccumulation::Hook
+                WgradAccumulation::HookCast
             } else {
                 WgradAccumulation::Autograd
             },
@@ -1552,6 +1552,7 @@ pub fn table_text() -> String {
                 WgradAccumulation::Fused => "in the GEMM",
                 WgradAccumulation::Autograd => "by autograd",
                 WgradAccumulation::Hook => "by a hook",
+                WgradAccumulation::HookCast => "by a hook, cast first",
             },
             match r.optimizer_passes {
                 OptimizerPasses::Fused => "fused",
@@ -1671,14 +1672,14 @@ mod tests {
         // BF16_Optimizer by a hook; DDP by autograd; FSDP2 stages kept gathered by its fp32
         // accumulation.
         let acc = |name: &str| Framework::parse(name).unwrap().runtime.wgrad_accumulation;
-        use WgradAccumulation::{Autograd, Fused, Hook};
+        use WgradAccumulation::{Autograd, Fused, Hook, HookCast};
         for (name, want) in [
             ("megatron-lm@2020", Autograd),
             ("megatron-lm@2021", Autograd),
             ("megatron-lm@2022", Fused),
             ("megatron-core@2024", Fused),
             ("megatron-deepspeed@2021", Autograd),
-            ("megatron-deepspeed@2022", Hook),
+            ("megatron-deepspeed@2022", HookCast),
             ("deepspeed@0.3", Autograd),
             ("pytorch-ddp@1.8", Autograd),
             ("hf-trainer-ddp@4.36", Autograd),
