@@ -120,13 +120,12 @@ impl JobArgs {
     /// Loads the model and the cluster once; bad input is one line naming the flag.
     pub fn load(&self) -> anyhow::Result<Loaded> {
         let ds_config = self.read_ds_config()?;
-        let ds = ds_config.as_ref().map(|(c, _)| c);
-        let global_batch = self.global_batch(ds)?;
+        let global_batch = self.global_batch(ds_config.as_ref())?;
         let loaded = load_model(&self.model).map_err(user)?;
         let seq = self.seq.unwrap_or(loaded.default_seq());
         loaded.check_seq(seq).map_err(user)?;
         let cluster = Cluster::parse(&self.cluster).map_err(user)?;
-        let framework = match (&self.framework, ds) {
+        let framework = match (&self.framework, &ds_config) {
             (Some(spec), _) => {
                 Framework::parse(spec).map_err(|e| user(format!("--framework: {e}")))?
             }
@@ -141,7 +140,7 @@ impl JobArgs {
             .transpose()
             .map_err(|e| user(format!("--fp8-recipe: {e}")))?;
         let precision = self
-            .precision(ds)?
+            .precision(ds_config.as_ref())?
             .unwrap_or_else(|| cluster.profile.device.default_precision());
         if fp8_recipe.is_some() && precision != Precision::Fp8 {
             return Err(user(format!(
@@ -213,27 +212,22 @@ impl JobArgs {
 
     /// The job's global batch: `--global-batch`, or the ds_config's `train_batch_size`, which
     /// must agree where both are given.
-    fn global_batch(&self, ds: Option<&DsConfig>) -> anyhow::Result<u64> {
-        let file = || {
-            self.ds_config
-                .as_deref()
-                .map(|p| p.display().to_string())
-                .unwrap_or_default()
-        };
-        let batch = match (self.global_batch, ds.and_then(|c| c.train_batch)) {
-            (Some(g), Some(d)) if g != d => {
+    fn global_batch(&self, ds: Option<&(DsConfig, String)>) -> anyhow::Result<u64> {
+        let batch = match (self.global_batch, ds) {
+            (Some(g), Some((c, name))) if c.train_batch.is_some_and(|d| d != g) => {
                 return Err(user(format!(
-                    "--global-batch {g}: --ds-config {}: train_batch_size is {d}",
-                    file()
+                    "--global-batch {g}: --ds-config {name}: train_batch_size is {}",
+                    c.train_batch.unwrap_or_default()
                 )))
             }
-            (Some(g), _) | (None, Some(g)) => g,
-            (None, None) => {
-                return Err(user(format!(
-                    "--global-batch: needed (--ds-config {} gives no train_batch_size)",
-                    file()
-                )))
-            }
+            (Some(g), _) => g,
+            (None, Some((c, name))) => c.train_batch.ok_or_else(|| {
+                user(format!(
+                    "--global-batch: needed (--ds-config {name} gives no train_batch_size)"
+                ))
+            })?,
+            // clap requires one of the two.
+            (None, None) => return Err(user("--global-batch: needed")),
         };
         check_batch("--global-batch", batch)?;
         Ok(batch)
@@ -242,16 +236,16 @@ impl JobArgs {
     /// The precision `--precision` or the ds_config names (`None`: the cluster's default); a
     /// file enabling bf16 trains fp8 too (Transformer Engine's fp8 inside bf16 training), any
     /// other disagreement is refused.
-    fn precision(&self, ds: Option<&DsConfig>) -> anyhow::Result<Option<Precision>> {
-        Ok(match (self.precision, ds.and_then(|c| c.precision)) {
+    fn precision(&self, ds: Option<&(DsConfig, String)>) -> anyhow::Result<Option<Precision>> {
+        let (file, name) = match ds {
+            Some((c, name)) => (c.precision, name.as_str()),
+            None => (None, ""),
+        };
+        Ok(match (self.precision, file) {
             (Some(Precision::Fp8), Some(Precision::Bf16)) => Some(Precision::Fp8),
             (Some(p), Some(d)) if p != d => {
                 return Err(user(format!(
-                    "--precision {p}: --ds-config {} trains in {d} (its fp16 / bf16 sections)",
-                    self.ds_config
-                        .as_deref()
-                        .map(|p| p.display().to_string())
-                        .unwrap_or_default()
+                    "--precision {p}: --ds-config {name} trains in {d} (its fp16 / bf16 sections)"
                 )))
             }
             (p, d) => p.or(d),
@@ -333,16 +327,14 @@ impl Job {
         };
         let f = &c.fixes;
         let mut out = given;
-        fn merge<T: PartialEq + Copy + std::fmt::Debug>(
+        fn merge<T: PartialEq + Copy + std::fmt::Display>(
             slot: &mut Option<T>,
             from_file: Option<T>,
             what: &str,
             conflict: &dyn Fn(String) -> anyhow::Error,
         ) -> anyhow::Result<()> {
             match (*slot, from_file) {
-                (Some(a), Some(b)) if a != b => {
-                    Err(conflict(format!("{what} {b:?} (given {a:?})")))
-                }
+                (Some(a), Some(b)) if a != b => Err(conflict(format!("{what} {b} (given {a})"))),
                 (_, Some(b)) => {
                     *slot = Some(b);
                     Ok(())

@@ -640,8 +640,9 @@ pub struct Runtime {
     pub zero_config: ZeroConfig,
 }
 
-/// The sizes DeepSpeed's ZeRO works in, in elements: the `zero_optimization` keys of a
-/// `ds_config.json`, at DeepSpeed's defaults unless a run sets them (`--ds-config`).
+/// DeepSpeed's ZeRO settings a run's `ds_config.json` may change (its `zero_optimization`
+/// keys; `--ds-config`): the sizes it works in, in elements, and how stage 2 reduces, at
+/// DeepSpeed's defaults unless the run sets them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ZeroConfig {
     /// `reduce_bucket_size` ([`DEEPSPEED_BUCKET_ELEMENTS`] by default): the gradients ZeRO

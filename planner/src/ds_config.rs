@@ -21,8 +21,6 @@ pub struct DsConfig {
     pub fixes: PartialLayout,
     /// `train_batch_size`.
     pub train_batch: Option<u64>,
-    /// `gradient_accumulation_steps`.
-    pub grad_accum: Option<u64>,
     /// From `fp16.enabled` / `bf16.enabled` (`amp.enabled` as fp16); fp32 when the file
     /// enables neither, as DeepSpeed trains then.
     pub precision: Option<Precision>,
@@ -135,7 +133,6 @@ impl DsConfig {
         let r = Reader { doc: &doc, origin };
         let mut c = DsConfig {
             train_batch: r.count("train_batch_size")?,
-            grad_accum: r.count("gradient_accumulation_steps")?,
             overlap_comm: r.flag("zero_optimization.overlap_comm")?,
             reduce_bucket: r.count("zero_optimization.reduce_bucket_size")?,
             persistence_threshold: r
@@ -146,7 +143,9 @@ impl DsConfig {
             reduce_scatter: r.flag("zero_optimization.reduce_scatter")?,
             ..DsConfig::default()
         };
-        if c.grad_accum == Some(0) {
+        // Read for the data parallelism it fixes (below).
+        let grad_accum = r.count("gradient_accumulation_steps")?;
+        if grad_accum == Some(0) {
             return Err(r.bad("gradient_accumulation_steps", "must be at least 1"));
         }
         if c.train_batch == Some(0) {
@@ -196,7 +195,7 @@ impl DsConfig {
         };
         // The data-parallel degree the batch arithmetic fixes:
         // train_batch_size = micro-batch × accumulation × data-parallel ranks.
-        if let (Some(b), Some(mb), Some(gas)) = (c.train_batch, c.fixes.micro_batch, c.grad_accum) {
+        if let (Some(b), Some(mb), Some(gas)) = (c.train_batch, c.fixes.micro_batch, grad_accum) {
             let per_rank = mb.saturating_mul(gas);
             if b % per_rank != 0 {
                 return Err(format!(
@@ -219,13 +218,6 @@ impl DsConfig {
                 .push("zero_optimization.overlap_comm (stage 3)".into());
         }
         Ok(c)
-    }
-
-    /// The global batch the file gives: `train_batch_size`, else micro-batch × accumulation ×
-    /// the data-parallel ranks where `dp` is known.
-    pub fn global_batch(&self, dp: Option<u32>) -> Option<u64> {
-        self.train_batch
-            .or_else(|| Some(self.fixes.micro_batch? * self.grad_accum? * u64::from(dp?)))
     }
 
     /// `base`'s ZeRO sizes with the file's.
@@ -425,7 +417,6 @@ mod tests {
                 "zero_optimization.overlap_comm (stage 3)"
             ]
         );
-        assert_eq!(c.global_batch(None), Some(2048));
     }
 
     /// The HuggingFace integration's `"auto"` leaves a key to the tool; an empty file sets
@@ -441,13 +432,7 @@ mod tests {
         assert_eq!(c.fixes.dp, None);
         assert_eq!(c.precision, Some(Precision::Fp32));
         assert_eq!(c.fixes.offload, Some(Offload::Optimizer));
-        assert_eq!(c.global_batch(Some(8)), None);
         assert_eq!(parse("{}").unwrap(), DsConfig::default());
-        let with_mb =
-            parse(r#"{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}"#)
-                .unwrap();
-        assert_eq!(with_mb.global_batch(Some(8)), Some(64));
-        assert_eq!(with_mb.global_batch(None), None);
     }
 
     /// Bad values are one line naming the file and the key.

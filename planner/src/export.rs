@@ -1353,7 +1353,7 @@ mod tests {
             (Some(1), Some(4), Some(64), Some(Recompute::Full))
         );
         assert_eq!(back.precision, Some(Precision::Bf16));
-        assert_eq!(back.global_batch(None), Some(1024));
+        assert_eq!(back.train_batch, Some(1024));
         assert!(back.unpriced.is_empty(), "{:?}", back.unpriced);
         let v: serde_json::Value = serde_json::from_str(&s).unwrap();
         assert_eq!(v["train_batch_size"], 1024);
