@@ -538,6 +538,24 @@ fn a_ds_config_sets_up_the_deepspeed_run_it_describes() {
         (&1.into(), &2.into(), &16.into())
     );
     assert_eq!(doc["plan"]["training"]["global_batch"], 512);
+    // At other GPU counts the file's batch and micro-batch stand and its accumulation changes
+    // (DeepSpeed's batch arithmetic): 32 GPUs run 32 data-parallel ranks, one micro-batch each.
+    let swept = common::json_of(&plan(
+        &[args.as_slice(), &["--max-gpus", "32", "--json"]].concat(),
+    ));
+    let at_32 = swept["sweep"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["gpus"] == 32)
+        .unwrap();
+    assert!(
+        at_32["layout"]
+            .as_str()
+            .unwrap()
+            .starts_with("dp=32,tp=1,pp=1,cp=1,ep=1,zero=1,mb=2,"),
+        "{at_32}"
+    );
 
     for (extra, want) in [
         (

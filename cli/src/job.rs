@@ -322,6 +322,26 @@ impl Job {
     /// `given` (`--plan` or `--fix`, named by `flag`) with the layout knobs the ds_config
     /// fixes; a knob both set differently is refused.
     pub fn fixes(&self, flag: &str, given: PartialLayout) -> anyhow::Result<PartialLayout> {
+        self.merge_fixes(flag, given, true)
+    }
+
+    /// [`Job::fixes`] at another GPU count (`plan --max-gpus`): DeepSpeed keeps the file's batch
+    /// and micro-batch and changes the accumulation, so the data parallelism its
+    /// `gradient_accumulation_steps` fixed at this count is free there.
+    pub fn fixes_at_any_count(
+        &self,
+        flag: &str,
+        given: PartialLayout,
+    ) -> anyhow::Result<PartialLayout> {
+        self.merge_fixes(flag, given, false)
+    }
+
+    fn merge_fixes(
+        &self,
+        flag: &str,
+        given: PartialLayout,
+        with_dp: bool,
+    ) -> anyhow::Result<PartialLayout> {
         let Some((c, name)) = self.ds_config.as_deref() else {
             return Ok(given);
         };
@@ -355,12 +375,14 @@ impl Job {
             "train_micro_batch_size_per_gpu",
             &conflict,
         )?;
-        merge(
-            &mut out.dp,
-            f.dp,
-            "data parallelism (train_batch_size / micro-batch / accumulation)",
-            &conflict,
-        )?;
+        if with_dp {
+            merge(
+                &mut out.dp,
+                f.dp,
+                "data parallelism (train_batch_size / micro-batch / accumulation)",
+                &conflict,
+            )?;
+        }
         merge(&mut out.offload, f.offload, "offload", &conflict)?;
         merge(&mut out.tp, f.tp, "tensor_parallel.autotp_size", &conflict)?;
         merge(

@@ -215,7 +215,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let mut setup = job.setup();
     setup.runtime.allow_tp_across_nodes = a.allow_tp_across_nodes;
-    let force = job.fixes("--fix", fix)?;
+    let force = job.fixes("--fix", fix.clone())?;
+    let sweep_force = job.fixes_at_any_count("--fix", fix)?;
     job.note_unpriced();
     let opts = SearchOptions {
         top_k: a.top,
@@ -239,7 +240,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     Progress { done: 0, total: 1 },
                     &format!("sweep: {gpus} GPUs"),
                 );
-                sweep_point(&setup, &opts, cluster, gpus, &result)
+                let o = SearchOptions {
+                    force: sweep_force.clone(),
+                    ..opts.clone()
+                };
+                sweep_point(&setup, &o, cluster, gpus, &result)
             })
             .collect(),
         None => Vec::new(),
