@@ -67,7 +67,7 @@ pub const HOST_GRAD_UNSCALE_BYTES_PER_PARAM: f64 = SCALE_32_BYTES;
 /// zero/constants.py at v0.3.0 as today; ZeRO config docs): the gradients an offloading stack
 /// holds on the device before sending them to the host, the gradients ZeRO-2 flattens for one
 /// reduction, the parameters one of its all-gathers returns.
-pub const DEEPSPEED_BUCKET_ELEMENTS: f64 = 5e8;
+pub const DEEPSPEED_BUCKET_ELEMENTS: u64 = 500_000_000;
 
 /// Device-memory traffic per gradient element of its partition that DeepSpeed's ZeRO-1/2 with
 /// an offloaded optimizer spends on the device before the copy down (`copy_grads_in_partition`,

@@ -663,7 +663,7 @@ pub struct ZeroConfig {
 impl Default for ZeroConfig {
     fn default() -> Self {
         ZeroConfig {
-            reduce_bucket: DEEPSPEED_BUCKET_ELEMENTS as u64,
+            reduce_bucket: DEEPSPEED_BUCKET_ELEMENTS,
             persistence_threshold: DEEPSPEED_PERSISTENCE_ELEMENTS,
             max_reuse_distance: DEEPSPEED_MAX_REUSE_ELEMENTS,
             contiguous_gradients: None,
@@ -940,6 +940,13 @@ impl SelectivePolicy {
 }
 
 impl Runtime {
+    /// The collective that reduces the gradients under ZeRO stage `zero`: the optimizer's
+    /// ([`OptimizerPasses::gradient_reduction`]) under the run's ZeRO settings.
+    pub fn gradient_reduction(&self, zero: u8) -> Collective {
+        self.optimizer_passes
+            .gradient_reduction(zero, &self.zero_config)
+    }
+
     /// Whether the layer's module code runs eagerly at `precision`: where the stack's code is
     /// eager, unless the run compiles it: asked to ([`Runtime::compiled`]), or as an fp8 run
     /// on a stack that [compiles its fp8 layers](Runtime::compiles_fp8) and an

@@ -109,12 +109,15 @@ enum Unset {
     Any,
 }
 
+/// Whether a key's value leaves it to the tool: `null` or `"auto"`.
+fn is_unset(v: &Value) -> bool {
+    v.is_null() || v.as_str() == Some("auto")
+}
+
 impl Unset {
-    /// Whether `v` (present, not `"auto"`) may change the step.
+    /// Whether `v`, a value the file sets ([`Reader::set`]), may change the step.
     fn changes(self, v: &Value) -> bool {
         match (self, v) {
-            (_, Value::Null) => false,
-            (_, Value::String(s)) if s == "auto" => false,
             (Unset::Flag(d), Value::Bool(b)) => *b != d,
             (Unset::Is(d), Value::Number(n)) => n.as_f64() != Some(d),
             _ => true,
@@ -127,10 +130,15 @@ impl DsConfig {
     pub fn parse(text: &str, origin: &str) -> Result<DsConfig, String> {
         let doc: Value = serde_json::from_str(text)
             .map_err(|e| format!("{origin}: {}", parallax_ir::plan::json_message(&e)))?;
+        DsConfig::from_value(&doc).map_err(|e| format!("{origin}: {e}"))
+    }
+
+    /// Reads a parsed ds_config (a case file's `plan.ds_config`); errors name the key.
+    pub fn from_value(doc: &Value) -> Result<DsConfig, String> {
         if !doc.is_object() {
-            return Err(format!("{origin}: a ds_config is a JSON object"));
+            return Err("a ds_config is a JSON object".into());
         }
-        let r = Reader { doc: &doc, origin };
+        let r = Reader { doc };
         let mut c = DsConfig {
             train_batch: r.count("train_batch_size")?,
             overlap_comm: r.flag("zero_optimization.overlap_comm")?,
@@ -199,7 +207,7 @@ impl DsConfig {
             let per_rank = mb.saturating_mul(gas);
             if b % per_rank != 0 {
                 return Err(format!(
-                    "{origin}: train_batch_size {b} is not train_micro_batch_size_per_gpu {mb} × gradient_accumulation_steps {gas} × a whole number of data-parallel ranks"
+                    "train_batch_size {b} is not train_micro_batch_size_per_gpu {mb} × gradient_accumulation_steps {gas} × a whole number of data-parallel ranks"
                 ));
             }
             c.fixes.dp = Some(
@@ -208,7 +216,7 @@ impl DsConfig {
             );
         }
         for (key, unset) in UNPRICED {
-            if r.get(key).is_some_and(|v| unset.changes(v)) {
+            if r.set(key).is_some_and(|v| unset.changes(v)) {
                 c.unpriced.push((*key).to_string());
             }
         }
@@ -234,10 +242,9 @@ impl DsConfig {
     }
 }
 
-/// A parsed document and its file's name, for reading keys with one-line errors.
+/// A parsed document, for reading keys with one-line errors naming them.
 struct Reader<'a> {
     doc: &'a Value,
-    origin: &'a str,
 }
 
 impl Reader<'_> {
@@ -245,16 +252,20 @@ impl Reader<'_> {
         path.split('.').try_fold(self.doc, |v, k| v.get(k))
     }
 
-    fn bad(&self, path: &str, why: &str) -> String {
-        format!("{}: {path}: {why}", self.origin)
+    /// The value at `path` where the file sets one: absent, `null` and `"auto"` (the
+    /// HuggingFace integration's placeholder) leave the key to the tool.
+    fn set(&self, path: &str) -> Option<&Value> {
+        self.get(path).filter(|v| !is_unset(v))
     }
 
-    /// A whole number at `path` (an integer, or a float with no fraction such as `5e8`);
-    /// absent, `null` or `"auto"`: none.
+    fn bad(&self, path: &str, why: &str) -> String {
+        format!("{path}: {why}")
+    }
+
+    /// A whole number at `path` (an integer, or a float with no fraction such as `5e8`).
     fn count(&self, path: &str) -> Result<Option<u64>, String> {
-        match self.get(path) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::String(s)) if s == "auto" => Ok(None),
+        match self.set(path) {
+            None => Ok(None),
             Some(Value::Number(n)) => match (n.as_u64(), n.as_f64()) {
                 (Some(u), _) => Ok(Some(u)),
                 (None, Some(f)) if f >= 0.0 && f.fract() == 0.0 && f < 9.0e15 => Ok(Some(f as u64)),
@@ -264,21 +275,19 @@ impl Reader<'_> {
         }
     }
 
-    /// A boolean at `path`; absent, `null` or `"auto"`: none.
+    /// A boolean at `path`.
     fn flag(&self, path: &str) -> Result<Option<bool>, String> {
-        match self.get(path) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::String(s)) if s == "auto" => Ok(None),
+        match self.set(path) {
+            None => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(*b)),
             Some(v) => Err(self.bad(path, &format!("expected true, false or \"auto\", got {v}"))),
         }
     }
 
-    /// A string at `path`; absent, `null` or `"auto"`: none.
+    /// A string at `path`.
     fn text(&self, path: &str) -> Result<Option<&str>, String> {
-        match self.get(path) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::String(s)) if s == "auto" => Ok(None),
+        match self.set(path) {
+            None => Ok(None),
             Some(Value::String(s)) => Ok(Some(s.as_str())),
             Some(v) => Err(self.bad(path, &format!("expected a string, got {v}"))),
         }
@@ -294,10 +303,10 @@ impl Reader<'_> {
             .iter()
             .any(|k| self.get(&format!("{k}.enabled")).is_some());
         match (fp16, bf16) {
-            (true, true) => Err(format!(
-                "{}: fp16.enabled and bf16.enabled: DeepSpeed trains in one 16-bit type, not both",
-                self.origin
-            )),
+            (true, true) => Err(
+                "fp16.enabled and bf16.enabled: DeepSpeed trains in one 16-bit type, not both"
+                    .into(),
+            ),
             (true, false) => Ok(Some(Precision::Fp16)),
             (false, true) => Ok(Some(Precision::Bf16)),
             // Neither enabled where the file says so: DeepSpeed trains in fp32.

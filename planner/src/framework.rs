@@ -1428,10 +1428,11 @@ impl Framework {
         c: &DsConfig,
         origin: &str,
     ) -> Result<Framework, FrameworkError> {
-        let stack = Framework::stack_name(&self.name);
-        if !(stack.starts_with("deepspeed") || stack.starts_with("megatron-deepspeed")) {
+        // A stack whose ZeRO is DeepSpeed's runs DeepSpeed's engine, which reads the file.
+        if !self.runtime.zero3.submodule_hooks() {
             return Err(FrameworkError::Option(format!(
-                "{stack} reads no DeepSpeed config (DeepSpeed's stacks do: deepspeed, deepspeed@0.6, deepspeed-zero3@2021, megatron-deepspeed@2022, …)"
+                "{} reads no DeepSpeed config (DeepSpeed's stacks do: deepspeed, deepspeed@0.6, deepspeed-zero3@2021, megatron-deepspeed@2022, …)",
+                Framework::stack_name(&self.name)
             )));
         }
         let r = &mut self.runtime;

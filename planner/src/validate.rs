@@ -163,18 +163,7 @@ impl Case {
                 c.transformer().map_err(|e| err("model", e))?;
             }
             let p = &c.plan;
-            let within = |e: String| {
-                let e = e
-                    .strip_prefix(CASE_DS_CONFIG)
-                    .map_or(e.as_str(), |rest| rest.strip_prefix(": ").unwrap_or(rest));
-                err(CASE_DS_CONFIG, e.to_string())
-            };
-            if let Some(ds) = c.ds_config().map_err(within)? {
-                let stack = Framework::for_case(c.framework.as_deref());
-                stack
-                    .with_ds_config(&ds, CASE_DS_CONFIG)
-                    .map_err(|e| err(CASE_DS_CONFIG, e.to_string()))?;
-            }
+            c.try_framework().map_err(|e| err(CASE_DS_CONFIG, e))?;
             if let Some(z) = p.zero_stage.filter(|z| *z > 3) {
                 return Err(err("plan.zero_stage", format!("{z} must be 0, 1, 2 or 3")));
             }
@@ -955,21 +944,21 @@ impl TransformerCase {
     /// The stack that ran it: the row of [`crate::framework::STACKS`] its `framework` field
     /// names, or a current stack without framework-specific tricks where the table has none.
     pub fn framework(&self) -> Framework {
-        let fw = Framework::for_case(self.framework.as_deref());
-        // Checked when the file was read ([`Case::check`]): readable, on a DeepSpeed stack.
-        match self.ds_config() {
-            Ok(Some(c)) => fw.clone().with_ds_config(&c, CASE_DS_CONFIG).unwrap_or(fw),
-            _ => fw,
-        }
+        // Checked when the file was read ([`Case::check`]).
+        self.try_framework()
+            .unwrap_or_else(|_| Framework::for_case(self.framework.as_deref()))
     }
 
-    /// The case's `plan.ds_config`, read as `--ds-config` reads a file.
-    fn ds_config(&self) -> Result<Option<DsConfig>, String> {
-        self.plan
-            .ds_config
-            .as_ref()
-            .map(|v| DsConfig::parse(&v.to_string(), CASE_DS_CONFIG))
-            .transpose()
+    /// The stack with the case's `plan.ds_config` applied, read as `--ds-config` reads a file;
+    /// a bad key, or a stack that reads no DeepSpeed config, is the error.
+    fn try_framework(&self) -> Result<Framework, String> {
+        let fw = Framework::for_case(self.framework.as_deref());
+        match &self.plan.ds_config {
+            Some(v) => fw
+                .with_ds_config(&DsConfig::from_value(v)?, CASE_DS_CONFIG)
+                .map_err(|e| e.to_string()),
+            None => Ok(fw),
+        }
     }
 
     /// Predicts the case on a profile changed by `adjust` first: null knobs are chosen as the

@@ -753,10 +753,7 @@ pub fn step_terms(
         // hidden behind the layers' backward where they can be. With one micro-batch this is
         // the end-of-step reduction below.
         let rs = net.collective(
-            setup
-                .runtime
-                .optimizer_passes
-                .gradient_reduction(zero, &setup.runtime.zero_config),
+            setup.runtime.gradient_reduction(zero),
             Bytes(layer.params * setup.grad_reduce_bytes()),
             dp_group,
         );
@@ -882,10 +879,7 @@ pub fn step_terms(
             }
             // Of `params`, `experts` are the experts' (reduced over their own replicas).
             let reduce = |params: u64, experts: u64| {
-                let kind = setup
-                    .runtime
-                    .optimizer_passes
-                    .gradient_reduction(zero, &setup.runtime.zero_config);
+                let kind = setup.runtime.gradient_reduction(zero);
                 let collective = if step_end_reduction {
                     over_both(kind, params - experts, experts, setup.grad_reduce_bytes())
                 } else {
@@ -1173,11 +1167,7 @@ fn simulate_costed(
                     "dp-grad",
                     TaskKind::Comm(
                         if !step_end_reduction
-                            || setup
-                                .runtime
-                                .optimizer_passes
-                                .gradient_reduction(zero, &setup.runtime.zero_config)
-                                == Collective::AllReduce
+                            || setup.runtime.gradient_reduction(zero) == Collective::AllReduce
                         {
                             CommKind::DpAllReduce
                         } else {
