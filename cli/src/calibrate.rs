@@ -6,7 +6,7 @@ use clap::Args as ClapArgs;
 use parallax_executor::calibrate::{calibrate, to_profile, CalibrateOptions};
 use parallax_executor::{Backend, ExecError};
 use parallax_hardware::{preset, preset_for_device, CPU_LOCAL};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Measure matmul throughput, memory bandwidth and collective bandwidth/latency; write a profile.
 ///
@@ -36,6 +36,16 @@ pub struct Args {
     nvme: Option<PathBuf>,
 }
 
+/// The `--nvme` folder as the profile records it: absolute, since `--export deepspeed` writes
+/// it as DeepSpeed's `nvme_path`, which the run resolves from wherever it is launched.
+fn nvme_folder(dir: &Path) -> anyhow::Result<PathBuf> {
+    if !dir.is_dir() {
+        return Err(user(format!("--nvme {}: not a folder", dir.display())));
+    }
+    dir.canonicalize()
+        .map_err(|e| user(format!("--nvme {}: {e}", dir.display())))
+}
+
 pub fn run(a: Args) -> anyhow::Result<()> {
     let backend: Backend = a
         .backend
@@ -43,9 +53,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .map_err(|e| user(format!("--backend: {e}")))?;
     crate::refuse_overwrite(&a.out, a.force)?;
     // Refused before the minute of measuring, not after.
-    if let Some(dir) = a.nvme.as_ref().filter(|d| !d.is_dir()) {
-        return Err(user(format!("--nvme {}: not a folder", dir.display())));
-    }
+    let nvme = a.nvme.as_deref().map(nvme_folder).transpose()?;
     let threads = match a.threads {
         Some(0) => return Err(user("--threads must be at least 1")),
         Some(n) if n > parallax_executor::engine::MAX_RANKS => {
@@ -72,7 +80,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         // An MPI rank other than 0: rank 0 writes the profile.
         return Ok(());
     };
-    if let Some(dir) = &a.nvme {
+    if let Some(dir) = &nvme {
         m.nvme = Some(
             parallax_executor::calibrate::measure_nvme(dir, a.quick)
                 .map_err(|e| user(format!("--nvme {}: {e}", dir.display())))?,
@@ -210,4 +218,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     println!("wrote {}", a.out.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_nvme_folder_is_recorded_absolute() {
+        let here = std::env::current_dir().unwrap();
+        // `cargo test` runs in the crate's folder, which holds `src`.
+        let got = nvme_folder(Path::new("src")).unwrap();
+        assert!(got.is_absolute(), "{}", got.display());
+        assert_eq!(got, here.join("src").canonicalize().unwrap());
+        let e = nvme_folder(Path::new("no-such-folder")).unwrap_err();
+        assert_eq!(e.to_string(), "--nvme no-such-folder: not a folder");
+    }
 }
