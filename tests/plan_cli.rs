@@ -517,7 +517,8 @@ fn a_ds_config_sets_up_the_deepspeed_run_it_describes() {
         &custom,
         r#"{"train_batch_size": 512, "train_micro_batch_size_per_gpu": 2,
             "gradient_accumulation_steps": 16, "bf16": {"enabled": true},
-            "zero_optimization": {"stage": 1, "allgather_bucket_size": 2e8}}"#,
+            "zero_optimization": {"stage": 1, "allgather_bucket_size": 2e8},
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, "gradient_clipping": 0.5}"#,
     )
     .unwrap();
     let custom = custom.to_str().unwrap();
@@ -538,6 +539,35 @@ fn a_ds_config_sets_up_the_deepspeed_run_it_describes() {
         (&1.into(), &2.into(), &16.into())
     );
     assert_eq!(doc["plan"]["training"]["global_batch"], 512);
+    // Its export is the file with the plan written onto it: the keys the plan does not decide
+    // (the optimizer, the user's clipping, an unpriced bucket size) stay as written.
+    let onto = dir.join("onto");
+    let out = plan(
+        &[
+            args.as_slice(),
+            &["--export", "deepspeed", "--out", onto.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(onto.join("ds_config.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["optimizer"]["params"]["lr"], 3e-4, "{v}");
+    assert_eq!(v["gradient_clipping"], 0.5);
+    assert_eq!(v["zero_optimization"]["allgather_bucket_size"], 2e8);
+    assert_eq!(
+        (
+            &v["zero_optimization"]["stage"],
+            &v["train_micro_batch_size_per_gpu"],
+            &v["gradient_accumulation_steps"],
+            &v["bf16"]["enabled"]
+        ),
+        (&1.into(), &2.into(), &16.into(), &true.into())
+    );
     // At other GPU counts the file's batch and micro-batch stand and its accumulation changes
     // (DeepSpeed's batch arithmetic): 32 GPUs run 32 data-parallel ranks, one micro-batch each.
     let swept = common::json_of(&plan(

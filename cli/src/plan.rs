@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use parallax_cost::transformer::Setup;
 use parallax_hardware::Cluster;
 use parallax_ir::PartialLayout;
-use parallax_planner::export::{export, Engine};
+use parallax_planner::export::{export_onto, Engine};
 use parallax_planner::plots::{breakdown_svg, gantt_svg, memory_svg, sweep_svg};
 use parallax_planner::report::{
     explain, guidance, headline, html, json_document, markdown, plan_document, short_layout,
@@ -262,8 +262,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let best = result.best();
     let plan = plan_document(&input, best);
+    // A DeepSpeed export is written onto the run's own ds_config, its other keys kept.
+    let onto = job.ds_config.as_deref().map(|(c, _)| &c.document);
     let exported = match engine {
-        Some(e) => Some((e, export(e, &plan, &job.model).map_err(user)?)),
+        Some(e) => Some((e, export_onto(e, &plan, &job.model, onto).map_err(user)?)),
         None => None,
     };
 

@@ -42,6 +42,9 @@ pub struct DsConfig {
     pub reduce_scatter: Option<bool>,
     /// Keys set that change a DeepSpeed step but that parallax does not price.
     pub unpriced: Vec<String>,
+    /// The file as read: `--export deepspeed` writes its plan onto it, keeping every key the
+    /// plan does not decide (optimizer, scheduler, loss scaling, the ZeRO options).
+    pub document: Value,
 }
 
 /// Keys DeepSpeed reads that change a step's time or memory and that parallax does not price
@@ -149,6 +152,7 @@ impl DsConfig {
             cpu_checkpointing: r.flag("activation_checkpointing.cpu_checkpointing")?,
             contiguous_gradients: r.flag("zero_optimization.contiguous_gradients")?,
             reduce_scatter: r.flag("zero_optimization.reduce_scatter")?,
+            document: doc.clone(),
             ..DsConfig::default()
         };
         // Read for the data parallelism it fixes (below).

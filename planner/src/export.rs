@@ -393,6 +393,18 @@ pub fn export(
     plan: &Plan,
     model: &TransformerConfig,
 ) -> Result<String, ExportError> {
+    export_onto(engine, plan, model, None)
+}
+
+/// [`export`], written onto the run's own `ds_config.json` where it has one (`--ds-config`,
+/// [`crate::ds_config::DsConfig::document`]; read by the DeepSpeed export alone): the plan's
+/// batch, layout and precision replace the file's, and every other key the file sets stays.
+pub fn export_onto(
+    engine: Engine,
+    plan: &Plan,
+    model: &TransformerConfig,
+    ds_config: Option<&serde_json::Value>,
+) -> Result<String, ExportError> {
     if let Some(reason) = engine.supports(&plan.layout, model, plan.training.precision) {
         return Err(ExportError::Unsupported { engine, reason });
     }
@@ -412,7 +424,7 @@ pub fn export(
     }
     Ok(match engine {
         Engine::Megatron => megatron(plan, model),
-        Engine::DeepSpeed => deepspeed(plan),
+        Engine::DeepSpeed => deepspeed(plan, ds_config),
         Engine::Torchtitan => torchtitan(plan, model),
     })
 }
@@ -794,61 +806,120 @@ fn plan_node(plan: &Plan) -> Option<parallax_hardware::NodeSpec> {
 /// the drives (DeepSpeed's configuration docs use it in their examples).
 const DEFAULT_NVME_PATH: &str = "/local_nvme";
 
-/// DeepSpeed's `zero_optimization` block: the stage, and what goes to host memory or NVMe
-/// (`offload_optimizer` — ZeRO-Offload, with DeepSpeed's CPU Adam — and `offload_param` —
-/// ZeRO-Infinity, stage 3 only), pinned for the transfers; NVMe at the folder the cluster's
-/// profile measured (`node.nvme.path`).
-fn zero_optimization(plan: &Plan) -> serde_json::Value {
-    let l = &plan.layout;
-    let device = if l.offload.nvme() {
-        let path = plan_node(plan)
-            .and_then(|n| n.nvme?.path)
-            .unwrap_or_else(|| DEFAULT_NVME_PATH.into());
-        json!({ "device": "nvme", "nvme_path": path, "pin_memory": true })
-    } else {
-        json!({ "device": "cpu", "pin_memory": true })
-    };
-    let mut z = json!({ "stage": l.zero_stage });
-    if l.offload != Offload::None {
-        z["offload_optimizer"] = device.clone();
+/// The object at `key` of `doc` (an object), made one where the file has none or another
+/// value there.
+fn section<'a>(doc: &'a mut serde_json::Value, key: &str) -> &'a mut serde_json::Value {
+    let v = &mut doc[key];
+    if !v.is_object() {
+        *v = json!({});
     }
-    if l.offload.params() {
-        z["offload_param"] = device;
-    }
-    z
+    v
 }
 
-/// A DeepSpeed `ds_config.json`.
-fn deepspeed(plan: &Plan) -> String {
+/// Sets `key` of the object `doc` to `value` where the file leaves it to the tool (absent,
+/// `null` or `"auto"`): the stack's defaults under the user's own values.
+fn default(doc: &mut serde_json::Value, key: &str, value: serde_json::Value) {
+    if doc
+        .get(key)
+        .is_none_or(|v| v.is_null() || v.as_str() == Some("auto"))
+    {
+        doc[key] = value;
+    }
+}
+
+/// DeepSpeed's `zero_optimization` block (`z`, the file's where it has one): the stage, and
+/// what goes to host memory or NVMe (`offload_optimizer` — ZeRO-Offload, with DeepSpeed's CPU
+/// Adam — and `offload_param` — ZeRO-Infinity, stage 3 only), pinned for the transfers unless
+/// the file says otherwise; NVMe at the file's folder, else the one the cluster's profile
+/// measured (`node.nvme.path`). DeepSpeed 0.3–0.4's `cpu_offload` flags give way to the
+/// blocks that replaced them.
+fn zero_optimization(plan: &Plan, z: &mut serde_json::Value) {
+    let l = &plan.layout;
+    z["stage"] = json!(l.zero_stage);
+    if let Some(o) = z.as_object_mut() {
+        for legacy in [
+            "cpu_offload",
+            "cpu_offload_params",
+            "cpu_offload_use_pin_memory",
+        ] {
+            o.remove(legacy);
+        }
+    }
+    let nvme = || {
+        plan_node(plan)
+            .and_then(|n| n.nvme?.path)
+            .unwrap_or_else(|| DEFAULT_NVME_PATH.into())
+    };
+    for (key, on) in [
+        ("offload_optimizer", l.offload != Offload::None),
+        ("offload_param", l.offload.params()),
+    ] {
+        if !on {
+            // A block the file has says "none"; none is written where it has none.
+            if z.get(key).is_some() {
+                section(z, key)["device"] = json!("none");
+            }
+            continue;
+        }
+        let d = section(z, key);
+        if l.offload.nvme() {
+            d["device"] = json!("nvme");
+            default(d, "nvme_path", json!(nvme()));
+        } else {
+            d["device"] = json!("cpu");
+        }
+        default(d, "pin_memory", json!(true));
+    }
+}
+
+/// A DeepSpeed `ds_config.json`, onto the run's own (`onto`) where it has one: what the plan
+/// decides (batch, micro-batch, accumulation, ZeRO stage and offload, precision, AutoTP, the
+/// pipeline's checkpointing) replaces the file's values; the stack's defaults (clipping,
+/// activation checkpointing's options) fill in only what the file leaves out; every other key
+/// (optimizer, scheduler, loss scaling, bucket sizes, logging) stays as written.
+fn deepspeed(plan: &Plan, onto: Option<&serde_json::Value>) -> String {
     let l = &plan.layout;
     let t = &plan.training;
-    let mut doc = json!({
-        "train_batch_size": t.global_batch,
-        "train_micro_batch_size_per_gpu": l.micro_batch,
-        "gradient_accumulation_steps": accumulation(plan),
-        "zero_optimization": zero_optimization(plan),
-        "bf16": { "enabled": matches!(t.precision, Precision::Bf16 | Precision::Fp8) },
-        "fp16": { "enabled": t.precision == Precision::Fp16 },
-        "gradient_clipping": 1.0,
-        "wall_clock_breakdown": false,
-    });
+    let mut doc = match onto {
+        Some(v) if v.is_object() => v.clone(),
+        _ => json!({}),
+    };
+    doc["train_batch_size"] = json!(t.global_batch);
+    doc["train_micro_batch_size_per_gpu"] = json!(l.micro_batch);
+    doc["gradient_accumulation_steps"] = json!(accumulation(plan));
+    zero_optimization(plan, section(&mut doc, "zero_optimization"));
+    let bf16 = matches!(t.precision, Precision::Bf16 | Precision::Fp8);
+    let fp16 = t.precision == Precision::Fp16;
+    // apex's `amp` is fp16 too, and DeepSpeed refuses it beside `fp16`: a file that trains
+    // with it keeps it where the plan is fp16.
+    let amp = doc.pointer("/amp/enabled") == Some(&json!(true));
+    if amp && !fp16 {
+        doc["amp"]["enabled"] = json!(false);
+    }
+    for (key, on) in [("bf16", bf16), ("fp16", fp16 && !amp)] {
+        section(&mut doc, key)["enabled"] = json!(on);
+    }
+    // bf16's older key, where the file uses it, says the same.
+    if doc.get("bfloat16").is_some() {
+        section(&mut doc, "bfloat16")["enabled"] = json!(bf16);
+    }
     if l.pp > 1 {
         // DeepSpeed's pipeline engine reads only these keys here; the stages and their
         // partition are `PipelineModule(layers, num_stages=pp, partition_method="uniform")`
         // in the training script (the plan's split is uniform).
-        doc["pipeline"] = json!({
-            "activation_checkpoint_interval": if l.recompute == Recompute::Full { 1 } else { 0 },
-        });
+        section(&mut doc, "pipeline")["activation_checkpoint_interval"] =
+            json!(if l.recompute == Recompute::Full { 1 } else { 0 });
     }
-    if l.tp > 1 {
-        doc["tensor_parallel"] = json!({ "autotp_size": l.tp });
+    if l.tp > 1 || doc.get("tensor_parallel").is_some() {
+        section(&mut doc, "tensor_parallel")["autotp_size"] = json!(l.tp);
     }
+    default(&mut doc, "gradient_clipping", json!(1.0));
+    default(&mut doc, "wall_clock_breakdown", json!(false));
     if l.recompute == Recompute::Full {
-        doc["activation_checkpointing"] = json!({
-            "partition_activations": l.tp > 1,
-            "contiguous_memory_optimization": false,
-            "cpu_checkpointing": false,
-        });
+        let a = section(&mut doc, "activation_checkpointing");
+        default(a, "partition_activations", json!(l.tp > 1));
+        default(a, "contiguous_memory_optimization", json!(false));
+        default(a, "cpu_checkpointing", json!(false));
     }
     serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n"
 }
@@ -1436,6 +1507,113 @@ mod tests {
         assert_eq!(v["fp16"]["enabled"], true);
         assert!(v.get("pipeline").is_none());
         assert_eq!(v["gradient_accumulation_steps"], 8);
+    }
+
+    /// Written onto a run's own ds_config, the plan's keys replace the file's and the rest
+    /// stays: loss scaling, the scheduler, the ZeRO options, the user's checkpointing choice;
+    /// 0.3's `cpu_offload` flag gives way to the block, apex's `amp` stays where the plan is
+    /// fp16 and is turned off where it is not.
+    #[test]
+    fn a_deepspeed_export_keeps_the_runs_own_keys() {
+        let m = model("llama3-70b");
+        let l = Layout {
+            dp: 128,
+            tp: 1,
+            pp: 4,
+            zero_stage: 1,
+            offload: Offload::Optimizer,
+            micro_batch: 2,
+            recompute: Recompute::Full,
+            schedule: Schedule::OneFOneB,
+            ..Layout::default()
+        };
+        let user = json!({
+            "train_micro_batch_size_per_gpu": "auto",
+            "fp16": { "enabled": "auto", "loss_scale_window": 500 },
+            "zero_optimization": {
+                "stage": 2, "cpu_offload": true, "overlap_comm": true, "reduce_bucket_size": 2e8
+            },
+            "activation_checkpointing": { "cpu_checkpointing": true },
+            "scheduler": { "type": "WarmupLR" },
+            "gradient_clipping": 0.3,
+        });
+        let p = plan(l, Precision::Fp16);
+        let s = export_onto(Engine::DeepSpeed, &p, &m, Some(&user)).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&s).unwrap();
+        assert_eq!(v["train_micro_batch_size_per_gpu"], 2);
+        assert_eq!(
+            v["fp16"],
+            json!({ "enabled": true, "loss_scale_window": 500 })
+        );
+        assert_eq!(v["bf16"]["enabled"], false);
+        assert_eq!(
+            v["zero_optimization"],
+            json!({
+                "stage": 1, "overlap_comm": true, "reduce_bucket_size": 2e8,
+                "offload_optimizer": { "device": "cpu", "pin_memory": true }
+            })
+        );
+        assert_eq!(
+            v["activation_checkpointing"],
+            json!({
+                "cpu_checkpointing": true, "partition_activations": false,
+                "contiguous_memory_optimization": false
+            })
+        );
+        assert_eq!(v["scheduler"], user["scheduler"]);
+        assert_eq!(v["gradient_clipping"], 0.3);
+        // It reads back as the plan, with the file's priced options.
+        let back = crate::ds_config::DsConfig::parse(&s, "ds_config.json").unwrap();
+        assert_eq!(
+            (back.fixes.zero_stage, back.fixes.offload, back.fixes.dp),
+            (Some(1), Some(Offload::Optimizer), Some(128))
+        );
+        assert_eq!(
+            (back.cpu_checkpointing, back.reduce_bucket, back.precision),
+            (Some(true), Some(200_000_000), Some(Precision::Fp16))
+        );
+        // Without an offload the file's block says none; no block is made up.
+        let plain = Layout {
+            offload: Offload::None,
+            ..p.layout.clone()
+        };
+        let offloading =
+            json!({ "zero_optimization": { "offload_optimizer": { "device": "cpu" } } });
+        let v: serde_json::Value = serde_json::from_str(
+            &export_onto(
+                Engine::DeepSpeed,
+                &plan(plain.clone(), Precision::Bf16),
+                &m,
+                Some(&offloading),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            v["zero_optimization"]["offload_optimizer"]["device"],
+            "none"
+        );
+        assert!(v["zero_optimization"].get("offload_param").is_none());
+        // apex's amp: kept for an fp16 plan (DeepSpeed refuses it beside fp16), off otherwise.
+        let amp = json!({ "amp": { "enabled": true, "opt_level": "O1" } });
+        for (precision, amp_on, fp16_on) in [
+            (Precision::Fp16, true, false),
+            (Precision::Bf16, false, false),
+        ] {
+            let s = export_onto(
+                Engine::DeepSpeed,
+                &plan(plain.clone(), precision),
+                &m,
+                Some(&amp),
+            )
+            .unwrap();
+            let v: serde_json::Value = serde_json::from_str(&s).unwrap();
+            assert_eq!(v["amp"]["enabled"], amp_on, "{precision:?}");
+            assert_eq!(v["amp"]["opt_level"], "O1");
+            assert_eq!(v["fp16"]["enabled"], fp16_on, "{precision:?}");
+            let back = crate::ds_config::DsConfig::parse(&s, "ds_config.json").unwrap();
+            assert_eq!(back.precision, Some(precision));
+        }
     }
 
     #[test]
