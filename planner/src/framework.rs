@@ -622,19 +622,36 @@ const PYTORCH_FSDP: &[Feature] = &[
     FSDP2_ACCUMULATION,
 ];
 
+/// DDP under the HuggingFace Trainer.
+const HF_DDP: Feature = Feature {
+    what: "PyTorch DDP under the HuggingFace Trainer: bucketed all-reduce overlapped with backward (25 MiB buckets)",
+    source: "PyTorch DDP docs (bucket_cap_mb); HF 'Efficient training on multiple GPUs' guide",
+};
+/// HuggingFace's model code keeps the model's vocabulary.
+const HF_VOCAB: Feature = Feature {
+    what: "the model's own vocabulary, unpadded: GPT-2's 50,257-wide head runs on misaligned 16-bit GEMM kernels (where the chip's misaligned rate is measured)",
+    source: "transformers GPT2LMHeadModel (vocab_size 50257); profiled on an H200 (HF GPT-2 bf16, 2026-11-26): align1 kernels, 30 of 110 ms a step",
+};
+
 const HF_TRAINER_DDP: &[Feature] = &[
+    HF_DDP,
     Feature {
-        what: "PyTorch DDP under the HuggingFace Trainer: bucketed all-reduce overlapped with backward (25 MiB buckets)",
-        source: "PyTorch DDP docs (bucket_cap_mb); HF 'Efficient training on multiple GPUs' guide",
+        what: "eager attention (the models' own matmul + softmax): GPT-2's until 4.42",
+        source:
+            "transformers 4.x GPT2Attention; transformers#31172 (GPT-2's SDPA attention, v4.42.0)",
     },
+    HF_VOCAB,
+    EAGER_KERNELS,
+    AUTOGRAD_ACCUMULATION,
+];
+
+const HF_TRAINER_SDPA: &[Feature] = &[
+    HF_DDP,
     Feature {
-        what: "eager attention (the models' own matmul + softmax)",
-        source: "transformers 4.x GPT2Attention",
+        what: "attention through PyTorch's scaled_dot_product_attention by default (FlashAttention-2 kernels from PyTorch 2.2): GPT-2 from 4.42, Llama-family models from 4.36",
+        source: "transformers#31172 (GPT-2 SDPA, v4.42.0); transformers docs perf_infer_gpu_one ('SDPA is used by default for PyTorch v2.1.1. and greater'); measured on one H200 (transformers 5.17, PyTorch 2.11, GPT-2 in bf16 autocast, 16 × 1024 tokens, 2026-11-29): 110 ms and 23.6 GiB a step with sdpa, 172 ms and 38.8 GiB with attn_implementation=eager",
     },
-    Feature {
-        what: "the model's own vocabulary, unpadded: GPT-2's 50,257-wide head runs on misaligned 16-bit GEMM kernels (where the chip's misaligned rate is measured)",
-        source: "transformers GPT2LMHeadModel (vocab_size 50257); profiled on an H200 (HF GPT-2 bf16, 2026-11-26): align1 kernels, 30 of 110 ms a step",
-    },
+    HF_VOCAB,
     EAGER_KERNELS,
     AUTOGRAD_ACCUMULATION,
 ];
@@ -985,6 +1002,14 @@ fn pytorch_ddp() -> Parts {
     }
 }
 
+/// The HuggingFace Trainer's DDP from transformers 4.42: [`pytorch_ddp`] with the models'
+/// attention through PyTorch's fused `scaled_dot_product_attention`.
+fn hf_trainer_sdpa() -> Parts {
+    let mut parts = pytorch_ddp();
+    parts.runtime.fused_attention = true;
+    parts
+}
+
 fn single_process_pipeline() -> Parts {
     Parts {
         runtime: pre_flash(false, true),
@@ -1216,11 +1241,21 @@ pub const STACKS: &[Stack] = &[
     },
     Stack {
         name: "hf-trainer-ddp@4.x",
-        covers: "hf-trainer-ddp@4.x, hf-trainer",
+        covers: "hf-trainer-ddp@4.0 to @4.41, hf-trainer likewise",
         names: &["hf-trainer-ddp", "hf-trainer"],
         features: HF_TRAINER_DDP,
-        matches: |n, _| n == "hf-trainer-ddp" || n == "hf-trainer",
+        matches: |n, v| {
+            matches!(n, "hf-trainer-ddp" | "hf-trainer") && v.semver_in((0, 0), (4, 41))
+        },
         build: pytorch_ddp,
+    },
+    Stack {
+        name: "hf-trainer-ddp@4.42",
+        covers: "hf-trainer-ddp@4.42 on (5.x too) or no version, hf-trainer likewise",
+        names: &["hf-trainer-ddp", "hf-trainer"],
+        features: HF_TRAINER_SDPA,
+        matches: |n, _| matches!(n, "hf-trainer-ddp" | "hf-trainer"),
+        build: hf_trainer_sdpa,
     },
     Stack {
         name: "pytorch-dataparallel@1.8",
@@ -2066,6 +2101,26 @@ mod tests {
         let (small, large) = (ratio(64), ratio(2048));
         assert!(small > 1.05, "64 ranks: {small}");
         assert!(large > 1.5 * small, "2048 ranks: {large} vs {small}");
+    }
+
+    /// The HuggingFace Trainer's models attend eagerly before transformers 4.42 (GPT-2's
+    /// SDPA attention arrived there) and through PyTorch's fused SDPA from it on; the rest of
+    /// the row is the same.
+    #[test]
+    fn hf_trainer_versions_pick_their_attention() {
+        for (spec, name, fused) in [
+            ("hf-trainer-ddp@4.36", "hf-trainer-ddp@4.x", false),
+            ("hf-trainer@4.41", "hf-trainer-ddp@4.x", false),
+            ("hf-trainer-ddp@4.42", "hf-trainer-ddp@4.42", true),
+            ("hf-trainer@5.17", "hf-trainer-ddp@4.42", true),
+            ("hf-trainer", "hf-trainer-ddp@4.42", true),
+        ] {
+            let f = Framework::parse(spec).unwrap();
+            assert!(f.name.contains(name), "{spec}: {}", f.name);
+            assert_eq!(f.runtime.fused_attention, fused, "{spec}");
+            assert!(f.runtime.eager_kernels, "{spec}");
+            assert_eq!(f.runtime.wgrad_accumulation, WgradAccumulation::Autograd);
+        }
     }
 
     /// DeepSpeed versions map to the ZeRO-3 engine of their time.
