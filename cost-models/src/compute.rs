@@ -2128,6 +2128,15 @@ mod tests {
         grouped: Vec<(f64, f64)>,
     }
 
+    impl GemmErrors {
+        /// At least 70 timed dense shapes, and each precision's MAPE over them under `bound`.
+        fn dense_within(&self, bound: f64) {
+            assert!(self.bf16.len() >= 70, "{}", self.bf16.len());
+            let (b, f) = (mape(&self.bf16), mape(&self.fp8));
+            assert!(b < bound && f < bound, "bf16 {b}, fp8 {f}");
+        }
+    }
+
     fn mape(errs: &[f64]) -> f64 {
         errs.iter().map(|e| e.abs()).sum::<f64>() / errs.len() as f64
     }
@@ -2192,13 +2201,7 @@ mod tests {
     #[test]
     fn grouped_gemms_run_as_one_launch_on_an_h100() {
         let e = gemm_errors(include_str!("../data/h100-gemms.json"));
-        assert!(e.bf16.len() >= 70, "{}", e.bf16.len());
-        assert!(
-            mape(&e.bf16) < 0.13 && mape(&e.fp8) < 0.13,
-            "{} {}",
-            mape(&e.bf16),
-            mape(&e.fp8)
-        );
+        e.dense_within(0.13);
         let all: Vec<f64> = e.grouped.iter().map(|e| e.1).collect();
         assert!(all.len() >= 150 && mape(&all) < 0.17, "{}", mape(&all));
         for m in [64.0, 256.0, 1024.0, 4096.0] {
@@ -2218,13 +2221,7 @@ mod tests {
     #[test]
     fn dense_gemms_match_one_h200s_measurements() {
         let e = gemm_errors(include_str!("../data/h200-gemms.json"));
-        assert!(e.bf16.len() >= 70, "{}", e.bf16.len());
-        assert!(
-            mape(&e.bf16) < 0.13 && mape(&e.fp8) < 0.13,
-            "{} {}",
-            mape(&e.bf16),
-            mape(&e.fp8)
-        );
+        e.dense_within(0.13);
     }
 
     /// The experts' activation is a kernel of its own over every visit's expert-hidden row: a

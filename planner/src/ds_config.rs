@@ -113,7 +113,7 @@ enum Unset {
 }
 
 /// Whether a key's value leaves it to the tool: `null` or `"auto"`.
-fn is_unset(v: &Value) -> bool {
+pub(crate) fn is_unset(v: &Value) -> bool {
     v.is_null() || v.as_str() == Some("auto")
 }
 

@@ -819,10 +819,7 @@ fn section<'a>(doc: &'a mut serde_json::Value, key: &str) -> &'a mut serde_json:
 /// Sets `key` of the object `doc` to `value` where the file leaves it to the tool (absent,
 /// `null` or `"auto"`): the stack's defaults under the user's own values.
 fn default(doc: &mut serde_json::Value, key: &str, value: serde_json::Value) {
-    if doc
-        .get(key)
-        .is_none_or(|v| v.is_null() || v.as_str() == Some("auto"))
-    {
+    if doc.get(key).is_none_or(crate::ds_config::is_unset) {
         doc[key] = value;
     }
 }
@@ -907,8 +904,19 @@ fn deepspeed(plan: &Plan, onto: Option<&serde_json::Value>) -> String {
         // DeepSpeed's pipeline engine reads only these keys here; the stages and their
         // partition are `PipelineModule(layers, num_stages=pp, partition_method="uniform")`
         // in the training script (the plan's split is uniform).
-        section(&mut doc, "pipeline")["activation_checkpoint_interval"] =
-            json!(if l.recompute == Recompute::Full { 1 } else { 0 });
+        // The file's own interval stands where it checkpoints too (every k layers is full
+        // recomputation, coarser).
+        let p = section(&mut doc, "pipeline");
+        let key = "activation_checkpoint_interval";
+        let every = p
+            .get(key)
+            .and_then(serde_json::Value::as_u64)
+            .filter(|&k| k > 0);
+        p[key] = match (l.recompute == Recompute::Full, every) {
+            (true, Some(k)) => json!(k),
+            (true, None) => json!(1),
+            (false, _) => json!(0),
+        };
     }
     if l.tp > 1 || doc.get("tensor_parallel").is_some() {
         section(&mut doc, "tensor_parallel")["autotp_size"] = json!(l.tp);
@@ -1534,6 +1542,7 @@ mod tests {
                 "stage": 2, "cpu_offload": true, "overlap_comm": true, "reduce_bucket_size": 2e8
             },
             "activation_checkpointing": { "cpu_checkpointing": true },
+            "pipeline": { "activation_checkpoint_interval": 2 },
             "scheduler": { "type": "WarmupLR" },
             "gradient_clipping": 0.3,
         });
@@ -1562,6 +1571,7 @@ mod tests {
         );
         assert_eq!(v["scheduler"], user["scheduler"]);
         assert_eq!(v["gradient_clipping"], 0.3);
+        assert_eq!(v["pipeline"]["activation_checkpoint_interval"], 2);
         // It reads back as the plan, with the file's priced options.
         let back = crate::ds_config::DsConfig::parse(&s, "ds_config.json").unwrap();
         assert_eq!(
