@@ -445,7 +445,13 @@ mod tests {
         assert_eq!(c.fixes.dp, None);
         assert_eq!(c.precision, Some(Precision::Fp32));
         assert_eq!(c.fixes.offload, Some(Offload::Optimizer));
-        assert_eq!(parse("{}").unwrap(), DsConfig::default());
+        assert_eq!(
+            parse("{}").unwrap(),
+            DsConfig {
+                document: serde_json::json!({}),
+                ..DsConfig::default()
+            }
+        );
     }
 
     /// Bad values are one line naming the file and the key.
