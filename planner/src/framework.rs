@@ -633,8 +633,15 @@ const HF_VOCAB: Feature = Feature {
     source: "transformers GPT2LMHeadModel (vocab_size 50257); profiled on an H200 (HF GPT-2 bf16, 2026-11-26): align1 kernels, 30 of 110 ms a step",
 };
 
+/// The HuggingFace Trainer's mixed precision.
+const HF_AUTOCAST: Feature = Feature {
+    what: "16-bit training under torch.autocast over fp32 weights: the residual stream, LayerNorm / RMSNorm and softmax in fp32, each weight cast to a 16-bit copy every forward and kept for backward",
+    source: "transformers TrainingArguments (bf16 / fp16: mixed precision through accelerate's torch.autocast); PyTorch's autocast op reference (the fp32 list: layer_norm, softmax, pow, …); measured on one H200 (transformers 5.17, 2026-11-29): with autocast a Llama-like 1B model kept 6.7 GiB more than cast to bf16, GPT-2 4.2 GiB",
+};
+
 const HF_TRAINER_DDP: &[Feature] = &[
     HF_DDP,
+    HF_AUTOCAST,
     Feature {
         what: "eager attention (the models' own matmul + softmax): GPT-2's until 4.42",
         source:
@@ -647,6 +654,7 @@ const HF_TRAINER_DDP: &[Feature] = &[
 
 const HF_TRAINER_SDPA: &[Feature] = &[
     HF_DDP,
+    HF_AUTOCAST,
     Feature {
         what: "attention through PyTorch's scaled_dot_product_attention by default (FlashAttention-2 kernels from PyTorch 2.2): GPT-2 from 4.42, Llama-family models from 4.36",
         source: "transformers#31172 (GPT-2 SDPA, v4.42.0); transformers docs perf_infer_gpu_one ('SDPA is used by default for PyTorch v2.1.1. and greater'); measured on one H200 (transformers 5.17, PyTorch 2.11, GPT-2 in bf16 autocast, 16 × 1024 tokens, 2026-11-29): 110 ms and 23.6 GiB a step with sdpa, 172 ms and 38.8 GiB with attn_implementation=eager",
@@ -1002,10 +1010,18 @@ fn pytorch_ddp() -> Parts {
     }
 }
 
-/// The HuggingFace Trainer's DDP from transformers 4.42: [`pytorch_ddp`] with the models'
-/// attention through PyTorch's fused `scaled_dot_product_attention`.
-fn hf_trainer_sdpa() -> Parts {
+/// The HuggingFace Trainer's DDP: [`pytorch_ddp`], its 16-bit precision under
+/// `torch.autocast`.
+fn hf_trainer() -> Parts {
     let mut parts = pytorch_ddp();
+    parts.runtime.autocast = true;
+    parts
+}
+
+/// The HuggingFace Trainer from transformers 4.42: [`hf_trainer`] with the models' attention
+/// through PyTorch's fused `scaled_dot_product_attention`.
+fn hf_trainer_sdpa() -> Parts {
+    let mut parts = hf_trainer();
     parts.runtime.fused_attention = true;
     parts
 }
@@ -1247,7 +1263,7 @@ pub const STACKS: &[Stack] = &[
         matches: |n, v| {
             matches!(n, "hf-trainer-ddp" | "hf-trainer") && v.semver_in((0, 0), (4, 41))
         },
-        build: pytorch_ddp,
+        build: hf_trainer,
     },
     Stack {
         name: "hf-trainer-ddp@4.42",
@@ -1558,12 +1574,13 @@ pub fn table_text() -> String {
         let _ = writeln!(out, "{}  —  {}", s.name, s.covers);
         let _ = writeln!(
             out,
-            "  module code {}, fused attention {}, DP reduce overlapped {}, TP comm overlap {}, sends overlapped {}, grads reduced in {}, weight grads accumulated {}, optimizer step {}{}, sequence parallel {}, context parallel {}, fp8 recipes {}",
+            "  module code {}{}, fused attention {}, DP reduce overlapped {}, TP comm overlap {}, sends overlapped {}, grads reduced in {}, weight grads accumulated {}, optimizer step {}{}, sequence parallel {}, context parallel {}, fp8 recipes {}",
             match (r.eager_kernels, r.compiles_fp8) {
                 (true, true) => "eager (--compile; fp8 compiled)",
                 (true, false) => "eager (--compile)",
                 _ => "fused",
             },
+            if r.autocast { ", 16 bits under autocast" } else { "" },
             match (r.fused_attention, r.native_attention) {
                 (true, true) => "native (FlashAttention-3 class)",
                 (true, false) => "yes",
@@ -2105,7 +2122,7 @@ mod tests {
 
     /// The HuggingFace Trainer's models attend eagerly before transformers 4.42 (GPT-2's
     /// SDPA attention arrived there) and through PyTorch's fused SDPA from it on; the rest of
-    /// the row is the same.
+    /// the row is the same (eager module code under autocast, autograd's accumulation).
     #[test]
     fn hf_trainer_versions_pick_their_attention() {
         for (spec, name, fused) in [
@@ -2118,7 +2135,7 @@ mod tests {
             let f = Framework::parse(spec).unwrap();
             assert!(f.name.contains(name), "{spec}: {}", f.name);
             assert_eq!(f.runtime.fused_attention, fused, "{spec}");
-            assert!(f.runtime.eager_kernels, "{spec}");
+            assert!(f.runtime.eager_kernels && f.runtime.autocast, "{spec}");
             assert_eq!(f.runtime.wgrad_accumulation, WgradAccumulation::Autograd);
         }
     }
