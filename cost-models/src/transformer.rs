@@ -566,7 +566,7 @@ pub struct Runtime {
     /// fp32 (the embeddings are fp32 parameters and each residual sum promotes), ops on
     /// autocast's fp32 list (`layer_norm`, `softmax`, `pow`, …) run in fp32, and every weight
     /// is cast to a 16-bit copy each forward that its layer keeps for backward. What that keeps
-    /// beyond a 16-bit model: [`autocast_kept`].
+    /// beyond a 16-bit model: `autocast_kept`, where layers are priced.
     #[serde(default)]
     pub autocast: bool,
     /// The stack's fp8 layers are run under `torch.compile`, which fuses their scaling and
