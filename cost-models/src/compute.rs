@@ -4,7 +4,7 @@
 
 use crate::transformer::CrossEntropy;
 use parallax_hardware::{ClusterProfile, DeviceSpec, HostTrainer, HwError};
-use parallax_ir::op::{AttentionAttrs, LinearAttrs};
+use parallax_ir::op::{Activation, AttentionAttrs, LinearAttrs};
 use parallax_ir::{ComputeClass, Fp8Recipe, OpKind, Precision, Seconds, Shape, Work};
 
 /// FlashAttention-2 reaches ~73 % of A100 peak forward and ~63 % backward while cuBLAS GEMMs of
@@ -189,8 +189,18 @@ struct EagerChain {
 ///   in 2 launches against a fused kernel's 3b; backward the product's two gradients (3b
 ///   each) and `silu`'s (3b) in 3 launches.
 ///
+/// - GeLU as HuggingFace's `gelu_new` writes it, `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 ·
+///   x³)))`, its intermediates `c` bytes wide (b, or 4 under autocast, where `pow` is on the
+///   fp32 list and casts x first, b + 4): `pow`, the two constant products, the sum with x,
+///   `tanh`, `1 +` and the final product (14c + 2b), `0.5 · x` (2b): 8 launches, 14c + 4b
+///   (+ the cast) forward against a fused kernel's 2b. Backward: the final product's two
+///   gradients (3c and 2c + b), `tanh`'s (3c), the two constant products' (2c each), `pow`'s
+///   `3x² · g` (7c in 3 launches), `0.5 · x`'s (2b) and the sum of x's three gradients (6b):
+///   19c + 9b in about 14 launches, under autocast 4 casts more (the incoming gradient to
+///   fp32, the 16-bit gradients of `0.5 · x` and of x back, b + 4 each).
+///
 /// In fp32 (b = 4) the casts are no-ops PyTorch does not launch.
-fn eager_chain(op: &OpKind, ins: &[Shape], float_bytes: u64) -> Option<EagerChain> {
+fn eager_chain(op: &OpKind, ins: &[Shape], float_bytes: u64, autocast: bool) -> Option<EagerChain> {
     let b = float_bytes as f64;
     let (cast, casts) = if float_bytes < 4 {
         (b + 4.0, 2.0)
@@ -215,6 +225,20 @@ fn eager_chain(op: &OpKind, ins: &[Shape], float_bytes: u64) -> Option<EagerChai
         OpKind::Rope => Some(chain(elems(ins.first()), 10.0 * b, 12.0 * b, 5.0, 7.0)),
         // Per output element (the gate's shape).
         OpKind::SwiGlu => Some(chain(elems(ins.first()), 5.0 * b, 9.0 * b, 2.0, 3.0)),
+        OpKind::Activation(a) if a.kind == Activation::GeluNew => {
+            let (c, up, ups) = if autocast && float_bytes < 4 {
+                (4.0, b + 4.0, 1.0)
+            } else {
+                (b, 0.0, 0.0)
+            };
+            Some(chain(
+                elems(ins.first()),
+                14.0 * c + 4.0 * b + up,
+                19.0 * c + 9.0 * b + 4.0 * up,
+                8.0 + ups,
+                14.0 + 4.0 * ups,
+            ))
+        }
         _ => None,
     }
 }
@@ -334,6 +358,8 @@ pub struct DeviceModel<'a> {
     nchw: bool,
     /// Eager PyTorch module code: see [`DeviceModel::with_eager`].
     eager: bool,
+    /// 16-bit training under `torch.autocast`: see [`DeviceModel::with_autocast`].
+    autocast: bool,
     /// The CPU executor's general-graph trainer runs the ops on host cores: see
     /// [`DeviceModel::with_host_graph_trainer`].
     host_convolutions: bool,
@@ -364,6 +390,7 @@ impl<'a> DeviceModel<'a> {
             attention_peak,
             nchw: false,
             eager: false,
+            autocast: false,
             host_convolutions: false,
             trainer: HostTrainer::Transformer,
             native_attention: false,
@@ -416,6 +443,15 @@ impl<'a> DeviceModel<'a> {
     ///   weight and bias gradients (`GammaBetaBackward`, 2.1 ms, twice the forward's 1.0).
     pub fn with_eager(mut self, eager: bool) -> Self {
         self.eager = eager;
+        self
+    }
+
+    /// The model of 16-bit training under `torch.autocast` over fp32 weights (the
+    /// HuggingFace Trainer's): eager code's ops on autocast's fp32 list (`pow` among them)
+    /// cast their 16-bit inputs to fp32 and everything downstream of them runs in fp32 (see
+    /// `eager_chain`'s `gelu_new`).
+    pub fn with_autocast(mut self, autocast: bool) -> Self {
+        self.autocast = autocast;
         self
     }
 
@@ -1251,7 +1287,7 @@ impl<'a> DeviceModel<'a> {
             _ => {
                 if let Some(c) = self
                     .eager
-                    .then(|| eager_chain(op, ins, float_bytes))
+                    .then(|| eager_chain(op, ins, float_bytes, self.autocast))
                     .flatten()
                 {
                     // `memory` pays one launch per pass; the chain's other kernels pay theirs.

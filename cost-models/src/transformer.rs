@@ -20,7 +20,7 @@ use parallax_hardware::ClusterProfile;
 use parallax_ir::models::{
     BuildOptions, LayerKind, LayerStack, MoeConfig, Section, TransformerConfig,
 };
-use parallax_ir::op::OpKind;
+use parallax_ir::op::{Activation, OpKind};
 pub use parallax_ir::RecomputeModules;
 use parallax_ir::{
     Bytes, ComputeClass, Dispatcher, Fp8Recipe, Graph, Layout, Precision, Recompute, Seconds,
@@ -1866,6 +1866,7 @@ pub fn transformer_costs_with(
     let dev = DeviceModel::new(s.profile, s.precision)
         .map_err(|e| Infeasible::Unsupported(e.to_string()))?
         .with_eager(s.runtime.runs_eager(s.precision))
+        .with_autocast(s.runtime.autocast)
         .with_fp8_recipe(s.runtime.fp8_recipe)
         .with_native_attention(s.runtime.native_attention)
         .with_cross_entropy(loss);
@@ -1934,16 +1935,22 @@ pub fn transformer_costs_with(
         let experts_kept = |redo: Option<&[bool]>| {
             experts.map_or(0.0, |e| e.kept_beyond_graph(block, fb, redo, inputs.fp8))
         };
-        // What autocast keeps beyond the graph's 16-bit tensors.
-        let autocast = |redo: Option<&[bool]>| {
-            if s.runtime.autocast {
+        // What autocast and eager `gelu_new` keep beyond the graph's tensors.
+        let beyond = |redo: Option<&[bool]>| {
+            let autocast = if s.runtime.autocast {
                 autocast_kept(block, fb, sp, u64::from(l.tp), redo)
             } else {
                 0.0
-            }
+            };
+            let eager = if s.runtime.runs_eager(s.precision) {
+                gelu_new_kept(block, fb, s.runtime.autocast, redo)
+            } else {
+                0.0
+            };
+            autocast + eager
         };
         layer.saved =
-            Bytes((layer.saved.0 as f64 + experts_kept(None) + autocast(None)).max(0.0) as u64);
+            Bytes((layer.saved.0 as f64 + experts_kept(None) + beyond(None)).max(0.0) as u64);
         // Under sequence parallelism an MoE layer reads the sequence-split tokens directly: its
         // dispatcher replaces the MLP's gather and reduce-scatter over the TP group, so only the
         // attention's pair remains (none in a hybrid stack's MoE layer) — unless shared
@@ -2067,7 +2074,7 @@ pub fn transformer_costs_with(
                 let redo = block.redo(policy);
                 let kept = block.saved(fb, sp, l.tp, hidden, Some(policy), inputs)
                     + experts_kept(Some(&redo))
-                    + autocast(Some(&redo));
+                    + beyond(Some(&redo));
                 layer.saved = Bytes(kept.max(0.0) as u64);
                 let (time, flops) = block_prices.recompute(Some(&redo));
                 layer.recompute = time;
@@ -2605,6 +2612,26 @@ fn autocast_kept(g: &SectionGraph, fb: u64, sp: bool, tp: u64, redo: Option<&[bo
         })
         .sum();
     nodes + (g.weights.iter().sum::<u64>() * fb) as f64
+}
+
+/// Bytes eager `gelu_new` ([`Activation::GeluNew`]) keeps beyond its input at `fb` bytes, over
+/// the nodes `redo` does not recompute: `pow` keeps x (as an fp32 copy under `autocast`, where
+/// it casts first), `tanh` its output, the final product its two factors — `1 + tanh(…)` and
+/// `0.5 · x`, the latter in x's dtype: 3c more an element, c the intermediates' width (4 under
+/// autocast, else `fb`). Measured on one H200 (HF GPT-2, bf16 autocast, 16 × 1024, 2026-11-29):
+/// 6.75 GiB more after forward than with the one-kernel `gelu_pytorch_tanh`, 12 bytes an
+/// element of its 12 × 16 × 1024 × 3072.
+fn gelu_new_kept(g: &SectionGraph, fb: u64, autocast: bool, redo: Option<&[bool]>) -> f64 {
+    let c = if autocast { 4.max(fb) } else { fb } as f64;
+    g.nodes
+        .iter()
+        .enumerate()
+        .filter(|(i, n)| {
+            !redo.is_some_and(|r| r[*i])
+                && matches!(&n.op, OpKind::Activation(a) if a.kind == Activation::GeluNew)
+        })
+        .map(|(i, _)| 3.0 * c * g.shapes[i].first().map_or(0.0, |x| x.elems() as f64))
+        .sum()
 }
 
 /// How linear layers keep their inputs for backward, beyond the tensors themselves.
@@ -3307,8 +3334,12 @@ mod tests {
     #[test]
     fn autocast_keeps_fp32_norms_softmax_and_weight_copies() {
         let p = preset("hgx-h200-141gb").unwrap();
-        let kept = |name: &str, precision, fused_attention, autocast, recompute| {
-            let m = cfg(name);
+        // GPT-2 with a one-kernel GeLU (its `gelu_new` chain is `gelu_new_kept`'s).
+        let gpt2 = || TransformerConfig {
+            mlp: parallax_ir::models::Mlp::Gelu,
+            ..cfg("gpt2")
+        };
+        let kept = |m: TransformerConfig, precision, fused_attention, autocast, recompute| {
             let s = Setup {
                 precision,
                 runtime: Runtime {
@@ -3325,25 +3356,85 @@ mod tests {
         let tokens = 1024.0;
         // Llama: two RMSNorms, each 2 + 4 bytes an element more; the weights' copies.
         let h = cfg("llama3-8b").hidden as f64;
-        let (plain, params) = kept("llama3-8b", Precision::Bf16, true, false, Recompute::None);
-        let (cast, _) = kept("llama3-8b", Precision::Bf16, true, true, Recompute::None);
+        let (plain, params) = kept(
+            cfg("llama3-8b"),
+            Precision::Bf16,
+            true,
+            false,
+            Recompute::None,
+        );
+        let (cast, _) = kept(
+            cfg("llama3-8b"),
+            Precision::Bf16,
+            true,
+            true,
+            Recompute::None,
+        );
         assert_eq!(cast - plain, 2.0 * 6.0 * tokens * h + 2.0 * params);
         // GPT-2 with eager attention: two LayerNorms at 2 bytes more, the fp32 softmax.
         let g = cfg("gpt2");
         let scores = g.heads as f64 * tokens * tokens;
-        let (plain, params) = kept("gpt2", Precision::Bf16, false, false, Recompute::None);
-        let (cast, _) = kept("gpt2", Precision::Bf16, false, true, Recompute::None);
+        let (plain, params) = kept(gpt2(), Precision::Bf16, false, false, Recompute::None);
+        let (cast, _) = kept(gpt2(), Precision::Bf16, false, true, Recompute::None);
         let h = g.hidden as f64;
         assert_eq!(
             cast - plain,
             2.0 * 2.0 * tokens * h + 2.0 * scores + 2.0 * params
         );
         // fp32 training casts nothing.
-        let fp32 = |autocast| kept("gpt2", Precision::Fp32, false, autocast, Recompute::None).0;
+        let fp32 = |autocast| kept(gpt2(), Precision::Fp32, false, autocast, Recompute::None).0;
         assert_eq!(fp32(true), fp32(false));
         // Full recomputation keeps the layer's input, the fp32 residual stream.
-        let full = |autocast| kept("gpt2", Precision::Bf16, true, autocast, Recompute::Full).0;
+        let full = |autocast| kept(gpt2(), Precision::Bf16, true, autocast, Recompute::Full).0;
         assert_eq!(full(true), 2.0 * full(false));
+    }
+
+    /// HuggingFace's `gelu_new`, run eagerly, keeps x (fp32 under autocast), tanh's output and
+    /// the final product's two factors — 3 intermediates more an element, 4 bytes each under
+    /// autocast — and moves them through ~8 kernels each way; a stack that fuses or compiles
+    /// its module code runs and keeps it as one GeLU.
+    #[test]
+    fn gelu_new_runs_as_eager_code_and_keeps_its_chain() {
+        use parallax_ir::models::Mlp;
+        let p = preset("hgx-h200-141gb").unwrap();
+        let run = |mlp, eager_kernels, autocast| {
+            let m = TransformerConfig { mlp, ..cfg("gpt2") };
+            let s = Setup {
+                precision: Precision::Bf16,
+                runtime: Runtime {
+                    eager_kernels,
+                    autocast,
+                    ..Runtime::default()
+                },
+                ..Setup::new(&m, &p, 1, 1024, 1)
+            };
+            *transformer_costs(&s, &layout(1, false, Recompute::None))
+                .unwrap()
+                .layer()
+        };
+        let g = cfg("gpt2");
+        let elems = 1024.0 * g.ffn_hidden as f64;
+        for (autocast, c) in [(false, 2.0), (true, 4.0)] {
+            let (fused, chain) = (
+                run(Mlp::Gelu, true, autocast),
+                run(Mlp::GeluNew, true, autocast),
+            );
+            assert_eq!(chain.saved.0 as f64 - fused.saved.0 as f64, 3.0 * c * elems);
+            assert!(chain.compute.fwd.0 > fused.compute.fwd.0, "{autocast}");
+            assert!(
+                chain.compute.bwd_input.0 > fused.compute.bwd_input.0,
+                "{autocast}"
+            );
+        }
+        // Under autocast its fp32 intermediates move more than a 16-bit chain's.
+        let (half, wide) = (
+            run(Mlp::GeluNew, true, false),
+            run(Mlp::GeluNew, true, true),
+        );
+        assert!(wide.compute.fwd.0 > half.compute.fwd.0);
+        // Fused module code: one GeLU.
+        let (fused, chain) = (run(Mlp::Gelu, false, true), run(Mlp::GeluNew, false, true));
+        assert_eq!((chain.saved, chain.compute), (fused.saved, fused.compute));
     }
 
     /// A BERT head on the masked positions only runs its transform and decoder on 15 % of

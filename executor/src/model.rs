@@ -243,7 +243,7 @@ impl Dims {
         match self.mlp {
             Mlp::Swiglu if self.clamped_swiglu => Act::ClampedSwiglu,
             Mlp::Swiglu => Act::Swiglu,
-            Mlp::Gelu => Act::Gelu,
+            Mlp::Gelu | Mlp::GeluNew => Act::Gelu,
             Mlp::Relu => Act::Relu,
             Mlp::SquaredRelu => Act::SquaredRelu,
         }

@@ -376,8 +376,16 @@ pub fn hf_config(v: &Value, file: &str) -> Result<TransformerConfig, ModelError>
             let layers = int(&["n_layer", "num_hidden_layers"], None)?;
             let heads = int(&["n_head", "num_attention_heads"], None)?;
             let ffn = int(&["n_inner"], Some(4 * h))?;
+            // GPT2Config's `activation_function`, `gelu_new` by default: HuggingFace's eight-op
+            // tanh GeLU; `gelu_pytorch_tanh` and `gelu` are one kernel.
+            let mlp = match v.get("activation_function").and_then(Value::as_str) {
+                None | Some("gelu_new") => Mlp::GeluNew,
+                Some("relu") => Mlp::Relu,
+                Some(_) => Mlp::Gelu,
+            };
             TransformerConfig {
                 tied_embeddings: flag("tie_word_embeddings", true)?,
+                mlp,
                 ..TransformerConfig::gpt(
                     to_u32(layers, "n_layer", file)?,
                     h,
@@ -854,6 +862,28 @@ mod tests {
 
     fn load(text: &str) -> Result<Model, ModelError> {
         load_json(text, "config.json", "config".into())
+    }
+
+    /// GPT-2's GeLU as its config names it: `gelu_new` (GPT2Config's default) is the eight-op
+    /// chain, `gelu_pytorch_tanh` and `gelu` one kernel.
+    #[test]
+    fn gpt2_activation_function_picks_its_gelu() {
+        for (act, mlp) in [
+            (None, Mlp::GeluNew),
+            (Some("gelu_new"), Mlp::GeluNew),
+            (Some("gelu_pytorch_tanh"), Mlp::Gelu),
+            (Some("gelu"), Mlp::Gelu),
+            (Some("relu"), Mlp::Relu),
+        ] {
+            let field = act.map_or(String::new(), |a| {
+                format!(r#","activation_function":"{a}""#)
+            });
+            let text = format!(
+                r#"{{"model_type":"gpt2","n_embd":64,"n_layer":2,"n_head":4,"vocab_size":100{field}}}"#
+            );
+            let m = load(&text).unwrap();
+            assert_eq!(m.transformer().unwrap().mlp, mlp, "{act:?}");
+        }
     }
 
     #[test]

@@ -89,6 +89,10 @@ impl AttentionAttrs {
 #[serde(rename_all = "snake_case")]
 pub enum Activation {
     Gelu,
+    /// GeLU's tanh approximation as HuggingFace's `NewGELUActivation` writes it,
+    /// `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))`, eight pointwise ops in eager
+    /// module code (one kernel where the stack fuses or compiles it).
+    GeluNew,
     Relu,
     SquaredRelu,
     Silu,
@@ -526,7 +530,7 @@ fn activation_flops(kind: Activation) -> (f64, f64) {
         Activation::Relu => (1.0, 1.0),
         Activation::SquaredRelu => (2.0, 2.0),
         // tanh-approximate GeLU: ~8 arithmetic ops forward, ~2x backward.
-        Activation::Gelu => (8.0, 16.0),
+        Activation::Gelu | Activation::GeluNew => (8.0, 16.0),
         Activation::Silu | Activation::Sigmoid | Activation::Tanh => (4.0, 8.0),
     }
 }
@@ -552,6 +556,7 @@ impl OpKind {
             OpKind::RmsNorm => "rms_norm",
             OpKind::Activation(a) => match a.kind {
                 Activation::Gelu => "gelu",
+                Activation::GeluNew => "gelu_new",
                 Activation::Relu => "relu",
                 Activation::SquaredRelu => "squared_relu",
                 Activation::Silu => "silu",
@@ -990,7 +995,7 @@ impl OpKind {
             }
             OpKind::Activation(a) => match a.kind {
                 Activation::Relu | Activation::SquaredRelu => Transcendentals::default(),
-                Activation::Gelu | Activation::Tanh => Transcendentals {
+                Activation::Gelu | Activation::GeluNew | Activation::Tanh => Transcendentals {
                     tanh: (elems, elems),
                     ..Transcendentals::default()
                 },

@@ -456,7 +456,7 @@ fn megatron(plan: &Plan, m: &TransformerConfig) -> String {
         Mlp::Swiglu if m.clamped_swiglu => a.push("--quick-geglu".into()),
         Mlp::Swiglu => a.push("--swiglu".into()),
         Mlp::SquaredRelu => a.push("--squared-relu".into()),
-        Mlp::Gelu | Mlp::Relu => {}
+        Mlp::Gelu | Mlp::GeluNew | Mlp::Relu => {}
     }
     if m.norm == Norm::RmsNorm {
         a.push("--normalization RMSNorm".into());

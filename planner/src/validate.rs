@@ -651,6 +651,8 @@ impl TransformerCase {
         cfg.kv_heads = kv;
         cfg.mlp = match m.mlp.as_deref() {
             Some("gelu") | None => cfg.mlp,
+            // HuggingFace's eight-op tanh GeLU (GPT2Config's `activation_function`).
+            Some("gelu_new") => Mlp::GeluNew,
             Some("swiglu") => Mlp::Swiglu,
             Some("relu") => Mlp::Relu,
             // Nemotron's squared ReLU, as Megatron-Core (`squared_relu`) and HuggingFace's

@@ -557,7 +557,7 @@ fn act(kind: Activation, x: f32) -> f32 {
             let r = x.max(0.0);
             r * r
         }
-        Activation::Gelu => gelu(x),
+        Activation::Gelu | Activation::GeluNew => gelu(x),
         Activation::Silu => x * sigmoid(x),
         Activation::Sigmoid => sigmoid(x),
         Activation::Tanh => x.tanh(),
@@ -574,7 +574,7 @@ fn act_grad(kind: Activation, x: f32) -> f32 {
             }
         }
         Activation::SquaredRelu => 2.0 * x.max(0.0),
-        Activation::Gelu => gelu_grad(x),
+        Activation::Gelu | Activation::GeluNew => gelu_grad(x),
         Activation::Silu => {
             let s = sigmoid(x);
             s * (1.0 + x * (1.0 - s))

@@ -16,6 +16,10 @@ use serde::{Deserialize, Serialize};
 pub enum Mlp {
     /// `fc(h→f) → GeLU → fc(f→h)`.
     Gelu,
+    /// `fc(h→f) → GeLU → fc(f→h)`, its GeLU the tanh approximation written as eight pointwise
+    /// ops (HuggingFace's `gelu_new`, `NewGELUActivation`: GPT-2, GPT-J, GPT-Neo, Phi):
+    /// [`Activation::GeluNew`](crate::op::Activation::GeluNew).
+    GeluNew,
     /// `fc(h→f) → ReLU → fc(f→h)`.
     Relu,
     /// `fc(h→f) → ReLU² → fc(f→h)` (Primer, Nemotron).
@@ -1683,6 +1687,7 @@ impl TransformerConfig {
                 let a = match kind {
                     Mlp::Relu => Activation::Relu,
                     Mlp::SquaredRelu => Activation::SquaredRelu,
+                    Mlp::GeluNew => Activation::GeluNew,
                     _ => Activation::Gelu,
                 };
                 g.activation(&format!("{p}.mlp.act"), a, up)?

@@ -49,8 +49,12 @@ fn gpt(layers: u32, hidden: u64, heads: u64, vocab: u64, positions: u64) -> ZooD
     ))
 }
 
+/// HuggingFace's GPT-2: its MLP's GeLU is `gelu_new` (`GPT2Config.activation_function`).
 fn gpt2(layers: u32, hidden: u64, heads: u64) -> ZooDef {
-    gpt(layers, hidden, heads, 50257, 1024)
+    ZooDef::Transformer(TransformerConfig {
+        mlp: Mlp::GeluNew,
+        ..TransformerConfig::gpt(layers, hidden, heads, 4 * hidden, 50257, 1024)
+    })
 }
 
 /// A GPT-shaped model with ALiBi instead of a position table (BLOOM, MPT): `bias` on its
