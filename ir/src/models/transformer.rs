@@ -18,7 +18,7 @@ pub enum Mlp {
     Gelu,
     /// `fc(h→f) → GeLU → fc(f→h)`, its GeLU the tanh approximation written as eight pointwise
     /// ops (HuggingFace's `gelu_new`, `NewGELUActivation`: GPT-2, GPT-J, GPT-Neo, Phi):
-    /// [`Activation::GeluNew`](crate::op::Activation::GeluNew).
+    /// [`Activation::GeluNew`].
     GeluNew,
     /// `fc(h→f) → ReLU → fc(f→h)`.
     Relu,
