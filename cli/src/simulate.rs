@@ -138,19 +138,7 @@ fn resolve_layout(spec: &str, job: &Job, model: &str) -> anyhow::Result<Layout> 
                 one_line(&plan.model.name)
             )));
         }
-        let l = &plan.layout;
-        job.fixes(
-            &format!("--plan {spec}"),
-            PartialLayout {
-                dp: Some(l.dp),
-                tp: Some(l.tp),
-                zero_stage: Some(l.zero_stage),
-                micro_batch: Some(l.micro_batch),
-                recompute: Some(l.recompute),
-                offload: Some(l.offload),
-                ..PartialLayout::default()
-            },
-        )?;
+        job.fixes(&format!("--plan {spec}"), PartialLayout::from(&plan.layout))?;
         for note in plan_job_differences(&plan, setup, framework) {
             eprintln!("note: {spec} {note}");
         }

@@ -2582,23 +2582,18 @@ impl ExpertRanks {
 /// Measured on one H200 (transformers 5.17, PyTorch 2.11, SDPA, 2026-11-29), each model with
 /// and without autocast: a Llama-like 1B model (hidden 2048, 16 layers, 8 × 2048 tokens) kept
 /// 6.7 GiB more under autocast, GPT-2 4.2 GiB (12 layers, 16 × 1024); GPT-2 with eager
-/// attention kept 6.7 bytes a score more than with SDPA, where a 16-bit model keeps 5. Not
-/// counted: GPT-2's `gelu_new` chain (its `pow` on autocast's fp32 list), HuggingFace-specific.
+/// attention kept 6.7 bytes a score more than with SDPA, where a 16-bit model keeps 5. GPT-2's
+/// `gelu_new` chain under autocast is [`gelu_new_kept`]'s.
 fn autocast_kept(g: &SectionGraph, fb: u64, sp: bool, tp: u64, redo: Option<&[bool]>) -> f64 {
     if fb >= 4 {
         return 0.0;
     }
     let wide = (4 - fb) as f64;
     let rank_rows = if sp { tp.max(1) as f64 } else { 1.0 };
-    let nodes: f64 = g
-        .nodes
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| !redo.is_some_and(|r| r[*i]))
-        .map(|(i, n)| {
-            let ins = &g.shapes[i];
+    let nodes: f64 = kept_nodes(g, redo)
+        .map(|(op, ins)| {
             let first = ins.first().map_or(0.0, |x| x.elems() as f64);
-            match &n.op {
+            match op {
                 OpKind::LayerNorm => wide * first / rank_rows,
                 OpKind::RmsNorm => (wide + 4.0) * first / rank_rows,
                 OpKind::Attention(a) if !a.fused => match (ins.first(), ins.get(1)) {
@@ -2623,15 +2618,24 @@ fn autocast_kept(g: &SectionGraph, fb: u64, sp: bool, tp: u64, redo: Option<&[bo
 /// element of its 12 × 16 × 1024 × 3072.
 fn gelu_new_kept(g: &SectionGraph, fb: u64, autocast: bool, redo: Option<&[bool]>) -> f64 {
     let c = if autocast { 4.max(fb) } else { fb } as f64;
+    kept_nodes(g, redo)
+        .filter(|(op, _)| matches!(op, OpKind::Activation(a) if a.kind == Activation::GeluNew))
+        .map(|(_, ins)| 3.0 * c * ins.first().map_or(0.0, |x| x.elems() as f64))
+        .sum()
+}
+
+/// The ops of `g` that keep tensors for backward (those `redo` does not recompute), with their
+/// input shapes.
+fn kept_nodes<'a>(
+    g: &'a SectionGraph,
+    redo: Option<&'a [bool]>,
+) -> impl Iterator<Item = (&'a OpKind, &'a [Shape])> + 'a {
     g.nodes
         .iter()
+        .zip(&g.shapes)
         .enumerate()
-        .filter(|(i, n)| {
-            !redo.is_some_and(|r| r[*i])
-                && matches!(&n.op, OpKind::Activation(a) if a.kind == Activation::GeluNew)
-        })
-        .map(|(i, _)| 3.0 * c * g.shapes[i].first().map_or(0.0, |x| x.elems() as f64))
-        .sum()
+        .filter(move |(i, _)| !redo.is_some_and(|r| r[*i]))
+        .map(|(_, (n, ins))| (&n.op, ins.as_slice()))
 }
 
 /// How linear layers keep their inputs for backward, beyond the tensors themselves.

@@ -984,6 +984,31 @@ pub struct PartialLayout {
     pub batch_norm: Option<BatchNormStats>,
 }
 
+/// A complete layout as a partial one with every knob fixed (its stages are the completion's
+/// to derive).
+impl From<&Layout> for PartialLayout {
+    fn from(l: &Layout) -> Self {
+        PartialLayout {
+            dp: Some(l.dp),
+            tp: Some(l.tp),
+            pp: Some(l.pp),
+            cp: Some(l.cp),
+            ep: Some(l.ep),
+            etp: l.etp,
+            dispatcher: Some(l.dispatcher),
+            ep_overlap: Some(l.ep_overlap),
+            zero_stage: Some(l.zero_stage),
+            micro_batch: Some(l.micro_batch),
+            recompute: Some(l.recompute),
+            sequence_parallel: Some(l.sequence_parallel),
+            schedule: Some(l.schedule),
+            interleave: Some(l.interleave),
+            offload: Some(l.offload),
+            batch_norm: Some(l.batch_norm),
+        }
+    }
+}
+
 impl PartialLayout {
     /// The sequence-parallel settings a completion with `tp` may take: the given one, or both
     /// where tensor parallelism is on (without it there is nothing to split).
@@ -1202,6 +1227,44 @@ mod tests {
             .unwrap_err()
             .contains("stages[4]"));
         assert!(l.validate(1000, None).unwrap_err().contains("multiple"));
+    }
+
+    /// A complete layout fixes every knob of a partial one: the same as its inline form
+    /// parses to, where that names them.
+    #[test]
+    fn a_layout_fixes_every_knob() {
+        let p = PartialLayout::parse(
+            "dp=4,tp=8,pp=4,cp=2,ep=2,zero=1,mb=2,recompute=full,sp=true,schedule=interleaved-1f1b,v=2,offload=optimizer",
+        )
+        .unwrap();
+        let l = Layout {
+            dp: 4,
+            tp: 8,
+            pp: 4,
+            cp: 2,
+            ep: 2,
+            zero_stage: 1,
+            micro_batch: 2,
+            recompute: Recompute::Full,
+            sequence_parallel: true,
+            schedule: Schedule::Interleaved1F1B,
+            interleave: 2,
+            offload: Offload::Optimizer,
+            ..Layout::default()
+        };
+        let fixed = PartialLayout::from(&l);
+        assert_eq!(
+            PartialLayout {
+                etp: None,
+                dispatcher: None,
+                ep_overlap: None,
+                batch_norm: None,
+                ..fixed.clone()
+            },
+            p
+        );
+        assert_eq!(fixed.dispatcher, Some(l.dispatcher));
+        assert_eq!(fixed.batch_norm, Some(l.batch_norm));
     }
 
     #[test]
